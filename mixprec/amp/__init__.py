@@ -1,0 +1,36 @@
+"""mixprec.amp: Apex's ``amp`` API (O0-O3, fp16 and bf16) on ``torch.autocast``.
+
+Example::
+
+    >>> from mixprec import amp
+    >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+    ...     scaled_loss.backward()
+    >>> optimizer.step()
+"""
+
+from mixprec.amp._model import is_amp_model, restore_model
+from mixprec.amp._properties import OPT_LEVELS, Properties
+from mixprec.amp.frontend import (
+    initialize,
+    load_state_dict,
+    master_params,
+    scale_loss,
+    state_dict,
+    step_was_skipped,
+)
+from mixprec.amp.scaler import LossScaler
+
+__all__ = [
+    "OPT_LEVELS",
+    "LossScaler",
+    "Properties",
+    "initialize",
+    "is_amp_model",
+    "load_state_dict",
+    "master_params",
+    "restore_model",
+    "scale_loss",
+    "state_dict",
+    "step_was_skipped",
+]

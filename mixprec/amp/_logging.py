@@ -1,0 +1,46 @@
+"""amp's logger: rank 0 only, with a rate limit for repeated messages."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("mixprec.amp")
+
+
+def is_rank_zero() -> bool:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return True
+
+
+def log_rank0(level: int, msg: str, *args) -> None:
+    if is_rank_zero():
+        logger.log(level, msg, *args)
+
+
+class OverflowLog:
+    """Reports skipped steps without flooding the log.
+
+    The first overflow is logged, then one line per ``every`` further overflows carrying the
+    running count: a diverging fp16 run skips thousands of steps and used to print each one.
+    """
+
+    def __init__(self, verbosity: int, every: int = 100):
+        self.verbosity = verbosity
+        self.every = every
+        self.count = 0
+
+    def overflow(self, loss_id: int, new_scale: float) -> None:
+        self.count += 1
+        if self.verbosity <= 0:
+            return
+        if self.count == 1 or self.count % self.every == 0:
+            log_rank0(
+                logging.INFO,
+                "Gradient overflow (loss_id %d): skipping step, loss scale reduced to %g "
+                "(%d step(s) skipped so far).",
+                loss_id, new_scale, self.count,
+            )

@@ -1,0 +1,285 @@
+"""What ``amp.initialize`` does to a model, all in this one file.
+
+The model object the user passed is returned, changed in three visible, reversible ways:
+
+1. Parameters and buffers are cast (O2/O3), BatchNorm excepted when ``keep_batchnorm_fp32``.
+2. Its class is swapped for a thin subclass (``type(model).__mro__[1]`` is the original class)
+   whose ``forward`` casts floating inputs (O2/O3), runs the original forward (under
+   ``torch.autocast`` at O1) and casts floating outputs. A subclass rather than a patched
+   ``model.forward`` attribute keeps ``DataParallel`` replicas, ``copy.deepcopy``, pickling and
+   ``torch.compile(fullgraph=True)`` working (a ``with torch.autocast`` block in a forward is
+   traceable; autocast entered from hooks is not). :func:`restore_model` undoes the swap.
+3. State-dict hooks make ``state_dict()`` return fp32 tensors equal to the fp32 master weights,
+   and ``load_state_dict`` of an fp32 state dict write the masters exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["AmpForwardConfig", "cast_floating", "convert_model", "is_amp_model", "restore_model"]
+
+
+def cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor inside ``value`` to ``dtype``.
+
+    Walks lists, tuples, namedtuples, dicts and dataclass instances; integer/bool tensors and
+    non-tensors are returned untouched; containers are rebuilt, never modified in place.
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, dict):
+        return type(value)((k, cast_floating(v, dtype)) for k, v in value.items())
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
+        return type(value)(*(cast_floating(v, dtype) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(cast_floating(v, dtype) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: cast_floating(getattr(value, f.name), dtype)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return dataclasses.replace(value, **changes)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpForwardConfig:
+    """What the swapped-in ``forward`` does around the original one.
+
+    Attributes:
+        input_dtype: cast floating inputs to this dtype (None: leave them).
+        autocast_dtype: run the forward under ``torch.autocast(device_type, autocast_dtype)``.
+        device_type: the autocast device type (``"cuda"``, ``"cpu"``, ...).
+        output_dtype: cast floating outputs to this dtype (None: leave them).
+        fp32_compute: run the forward in fp32 with autocast off, casting half inputs up and the
+            outputs back to the input's dtype (BatchNorm under O1 with keep_batchnorm_fp32).
+    """
+
+    input_dtype: Optional[torch.dtype] = None
+    autocast_dtype: Optional[torch.dtype] = None
+    device_type: str = "cpu"
+    output_dtype: Optional[torch.dtype] = None
+    fp32_compute: bool = False
+
+
+class _AmpModule:
+    """Mixin placed first in the MRO of a model's swapped class. See the module docstring."""
+
+    _mixprec_forward: AmpForwardConfig
+
+    def forward(self, *args, **kwargs):
+        cfg = self._mixprec_forward
+        original_forward = super().forward  # the user's class's forward
+        if cfg.fp32_compute:
+            return _fp32_forward(original_forward, cfg.device_type, args, kwargs)
+        if cfg.input_dtype is not None:
+            args = cast_floating(args, cfg.input_dtype)
+            kwargs = cast_floating(kwargs, cfg.input_dtype)
+        if cfg.autocast_dtype is not None:
+            with torch.autocast(cfg.device_type, dtype=cfg.autocast_dtype):
+                out = original_forward(*args, **kwargs)
+        else:
+            out = original_forward(*args, **kwargs)
+        if cfg.output_dtype is not None:
+            out = cast_floating(out, cfg.output_dtype)
+        return out
+
+    def __reduce_ex__(self, protocol):
+        # The swapped class is made at run time, so pickle cannot find it by name: rebuild it
+        # from the original class instead (which pickle can find).
+        return (_rebuild_amp_module, (_original_class(type(self)),), dict(self.__dict__))
+
+
+def _fp32_forward(original_forward: Callable, device_type: str, args, kwargs):
+    in_dtype = next(
+        (a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None
+    )
+    with torch.autocast(device_type, enabled=False):
+        out = original_forward(*cast_floating(args, torch.float32),
+                               **cast_floating(kwargs, torch.float32))
+    return cast_floating(out, in_dtype) if in_dtype is not None else out
+
+
+_SWAPPED_CLASSES: Dict[type, type] = {}
+
+
+def _amp_class(original: type) -> type:
+    # A class cache (types, not state): every model of one class shares one swapped class.
+    cls = _SWAPPED_CLASSES.get(original)
+    if cls is None:
+        cls = type(original.__name__, (_AmpModule, original), {
+            "__module__": original.__module__,
+            "__qualname__": original.__qualname__,
+            "__doc__": original.__doc__,
+        })
+        _SWAPPED_CLASSES[original] = cls
+    return cls
+
+
+def _original_class(cls: type) -> type:
+    return cls.__mro__[2] if cls.__mro__[1] is _AmpModule else cls
+
+
+def _rebuild_amp_module(original: type):
+    return _amp_class(original).__new__(_amp_class(original))
+
+
+def is_amp_model(module: nn.Module) -> bool:
+    """True when ``module`` went through ``amp.initialize`` (its class was swapped)."""
+    return isinstance(module, _AmpModule)
+
+
+def _swap_class(module: nn.Module, config: AmpForwardConfig) -> None:
+    if not is_amp_model(module):
+        module.__class__ = _amp_class(type(module))
+    module._mixprec_forward = config
+
+
+def restore_model(module: nn.Module) -> nn.Module:
+    """Undo the forward wrapping of ``amp.initialize`` on ``module`` and its children.
+
+    Dtypes are left as they are (cast back with ``module.float()`` if wanted) and the
+    state-dict hooks stay, since they only ever return fp32.
+
+    Returns:
+        nn.Module: the same object.
+    """
+    for m in module.modules():
+        if is_amp_model(m):
+            m.__class__ = _original_class(type(m))
+            del m._mixprec_forward
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# fp32 state dicts
+# ---------------------------------------------------------------------------------------------
+class _Fp32StateDict:
+    """Module state-dict hooks: save fp32, and load fp32 values into the masters exactly.
+
+    ``masters`` maps a direct parameter's name to its fp32 master tensor (O2). Parameters with
+    no master (O3, or O2 without an optimizer) are saved upcast from half. The masters belong
+    to the optimizer, so a pickled or deep-copied model leaves them behind: the copy saves its
+    half values upcast, which is what it holds.
+    """
+
+    def __init__(self):
+        self.masters: Dict[str, torch.Tensor] = {}
+
+    def __getstate__(self):
+        return {"masters": {}}
+
+    def __setstate__(self, state):
+        self.masters = dict(state["masters"])
+
+    def save(self, module, state_dict, prefix, local_metadata):
+        for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
+            key = prefix + name
+            if tensor is None or key not in state_dict:
+                continue
+            master = self.masters.get(name)
+            if master is not None:
+                state_dict[key] = master.detach()
+            elif tensor.is_floating_point() and tensor.dtype != torch.float32:
+                state_dict[key] = state_dict[key].float()
+        return state_dict
+
+    def load(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        with torch.no_grad():
+            for name, master in self.masters.items():
+                value = state_dict.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                    master.copy_(value)
+
+
+def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
+    existing = getattr(module, "_mixprec_state_dict", None)
+    if existing is not None:
+        return existing
+    hooks = _Fp32StateDict()
+    module._mixprec_state_dict = hooks
+    module._register_state_dict_hook(hooks.save)
+    module._register_load_state_dict_pre_hook(hooks.load)
+    return hooks
+
+
+def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor]) -> None:
+    """Tell ``model``'s state-dict hooks which fp32 master stands for which parameter."""
+    for module in model.modules():
+        hooks = getattr(module, "_mixprec_state_dict", None)
+        if hooks is None:
+            continue
+        for name, param in module._parameters.items():
+            if param is not None and param in masters:
+                hooks.masters[name] = masters[param]
+
+
+# ---------------------------------------------------------------------------------------------
+# conversion
+# ---------------------------------------------------------------------------------------------
+def _cast_module_tensors(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Cast a module's own floating parameters and buffers (not its children's) in place.
+
+    Parameter objects are kept (their ``.data`` is swapped) so an optimizer's references stay
+    valid. Returns whether anything was cast.
+    """
+    changed = False
+    for tensors in (module._parameters, module._buffers):
+        for name, t in tensors.items():
+            if t is not None and t.is_floating_point() and t.dtype != dtype:
+                with torch.no_grad():
+                    t.data = t.data.to(dtype)
+                if t.grad is not None:
+                    t.grad = None
+                changed = True
+    return changed
+
+
+def _device_type(model: nn.Module) -> str:
+    for t in list(model.parameters()) + list(model.buffers()):
+        return t.device.type
+    return "cpu"
+
+
+def convert_model(model: nn.Module, props) -> None:
+    """Apply an opt level's properties to ``model`` in place (casts, class swap, hooks).
+
+    Args:
+        model: the user's model (already on its device).
+        props (Properties): the resolved opt level.
+    """
+    device_type = _device_type(model)
+    keep_bn = props.keep_batchnorm_fp32 is True
+
+    if props.model_is_half:
+        for module in model.modules():
+            if keep_bn and isinstance(module, _BatchNorm):
+                # Stays fp32: PyTorch's batch_norm takes half input with fp32 parameters
+                # (statistics in fp32, output in the input's dtype), train and eval alike.
+                continue
+            if _cast_module_tensors(module, props.cast_model_type):
+                _install_state_dict_hooks(module)
+        output_dtype = props.cast_model_outputs or torch.float32
+        config = AmpForwardConfig(input_dtype=props.cast_model_type, output_dtype=output_dtype,
+                                  device_type=device_type)
+    elif props.cast_model_type == torch.float32:
+        for module in model.modules():
+            _cast_module_tensors(module, torch.float32)
+        config = AmpForwardConfig(output_dtype=props.cast_model_outputs, device_type=device_type)
+    else:  # O1: parameters as they are, per-op casting
+        autocast_dtype = props.half_dtype if props.patch_torch_functions else None
+        config = AmpForwardConfig(autocast_dtype=autocast_dtype, device_type=device_type,
+                                  output_dtype=props.cast_model_outputs)
+        if keep_bn and autocast_dtype is not None:
+            bn_config = AmpForwardConfig(device_type=device_type, fp32_compute=True)
+            for module in model.modules():
+                if isinstance(module, _BatchNorm) and module is not model:
+                    _swap_class(module, bn_config)
+    _swap_class(model, config)

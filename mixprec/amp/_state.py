@@ -1,0 +1,305 @@
+"""The state of one ``amp.initialize`` call, and of each optimizer it manages.
+
+``AmpState`` is an ordinary object: its scalers, properties and optimizers. Optimizers find their
+state through :func:`optimizer_state`, a weak registry, so ``amp.scale_loss(loss, optimizer)``
+needs no process-wide "current" amp and several ``initialize`` calls can live side by side.
+
+Where amp intercepts the optimizer: two step hooks (``Optimizer.register_step_pre_hook`` /
+``register_step_post_hook``), and nothing else. The pre-hook makes a step with overflowed
+gradients a no-op by setting the gradients to ``None`` (every ``torch.optim`` optimizer skips
+such parameters, so neither the parameters nor the moment estimates move); the post-hook copies
+the fp32 master weights into the half model (O2). :meth:`_OptimizerState.remove_hooks` undoes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from mixprec.amp._logging import OverflowLog, log_rank0
+from mixprec.amp._model import register_masters
+from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
+
+__all__ = ["AmpState", "optimizer_state"]
+
+_OPTIMIZER_STATES: "weakref.WeakKeyDictionary[object, _OptimizerState]" = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def optimizer_state(optimizer) -> Optional["_OptimizerState"]:
+    """The amp state of ``optimizer``, or None if it never went through ``amp.initialize``."""
+    try:
+        return _OPTIMIZER_STATES.get(optimizer)
+    except TypeError:  # not weak-referenceable, so it cannot have been registered
+        return None
+
+
+def hookable_optimizer(optimizer) -> torch.optim.Optimizer:
+    """The ``torch.optim.Optimizer`` whose step hooks amp uses (a wrapper's ``.optim``)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    inner = getattr(optimizer, "optim", None)
+    if isinstance(inner, torch.optim.Optimizer) and hasattr(optimizer, "param_groups"):
+        return inner
+    raise TypeError(
+        f"amp.initialize(optimizers=...): got {type(optimizer).__name__}; expected a "
+        "torch.optim.Optimizer (or a wrapper such as LARC exposing it as `.optim`), or a list "
+        "of them."
+    )
+
+
+def _params_of(optimizer) -> List[torch.Tensor]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class _OptimizerState:
+    """Per-optimizer amp bookkeeping.
+
+    Attributes:
+        pairs: (half model parameter, fp32 master) for every master-weighted parameter.
+        plain: parameters the optimizer steps directly (their grads are unscaled in place).
+        grads_scaled: the grads still hold scaled values (``delay_unscale=True`` last time).
+        overflow: an inf/NaN was found since the last step: the next step is skipped.
+        last_step_skipped: whether the most recent ``step()`` was skipped.
+    """
+
+    def __init__(self, amp_state: "AmpState", optimizer):
+        self.amp_state = amp_state
+        self.optimizer_ref = weakref.ref(optimizer)
+        self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self.plain: List[torch.Tensor] = []
+        self.known_params = 0
+        self.grads_scaled = False
+        self.overflow = False
+        self.last_step_skipped = False
+        self.skipped_steps = 0
+        self._stash: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        self._handles = []
+
+    # -- set-up ------------------------------------------------------------------------------
+    def adopt_params(self, make_masters: bool, cast_param_ids) -> Dict[torch.Tensor, torch.Tensor]:
+        """Sort the optimizer's parameters into ``pairs`` and ``plain``.
+
+        Parameters in ``cast_param_ids`` (about to be cast to half) get fp32 masters that replace
+        them in ``param_groups`` (and in the optimizer's per-parameter state).
+        """
+        optimizer = self.optimizer_ref()
+        masters = {}
+        known = {id(p) for p, _ in self.pairs} | {id(m) for _, m in self.pairs}
+        known |= {id(p) for p in self.plain}
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, p in enumerate(params):
+                if id(p) in known:
+                    continue
+                if make_masters and (id(p) in cast_param_ids or p.dtype in (
+                        torch.float16, torch.bfloat16)):
+                    # Cloned before the model is cast, so the master is the exact fp32 value.
+                    master = p.detach().clone().float().requires_grad_(p.requires_grad)
+                    params[i] = master
+                    if p in optimizer.state:
+                        optimizer.state[master] = {
+                            k: (v.float() if torch.is_tensor(v) and v.is_floating_point()
+                                and v.dim() > 0 else v)
+                            for k, v in optimizer.state.pop(p).items()
+                        }
+                    self.pairs.append((p, master))
+                    masters[p] = master
+                else:
+                    self.plain.append(p)
+        self.known_params = sum(len(g["params"]) for g in optimizer.param_groups)
+        return masters
+
+    def sync_param_groups(self) -> None:
+        """Pick up ``optimizer.add_param_group`` calls made after ``initialize``."""
+        optimizer = self.optimizer_ref()
+        count = sum(len(g["params"]) for g in optimizer.param_groups)
+        if count != self.known_params:
+            masters = self.adopt_params(self.amp_state.properties.master_weights, set())
+            for model in self.amp_state.models:
+                register_masters(model, masters)
+
+    def install_hooks(self, hook_target: torch.optim.Optimizer) -> None:
+        self._handles.append(hook_target.register_step_pre_hook(self._pre_step))
+        self._handles.append(hook_target.register_step_post_hook(self._post_step))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- scale_loss ----------------------------------------------------------------------------
+    def before_backward(self, scaler: LossScaler) -> None:
+        self.sync_param_groups()
+        if self.grads_scaled or (scaler.loss_scale == 1.0 and not scaler.dynamic):
+            return
+        # Grads already hold unscaled values from an earlier backward (accumulation without
+        # delay_unscale): set them aside so the new scaled grads can be unscaled alone, then
+        # add them back. Masters accumulate on their own, so only plain params need this.
+        self._stash = [(p, p.grad) for p in self.plain if p.grad is not None]
+        for p, _ in self._stash:
+            p.grad = None
+
+    def unscale(self, scaler: LossScaler) -> List[torch.Tensor]:
+        """Move this backward's gradients, unscaled, to where the optimizer reads them."""
+        check = scaler.dynamic
+        # Master-weighted params: half grad -> fp32, unscaled, added into the master's grad.
+        # The cast happens before the unscale so small gradients do not underflow in half.
+        fresh, targets = [], []
+        for p, master in self.pairs:
+            if p.grad is not None:
+                fresh.append(p.grad.float())
+                targets.append(master)
+                p.grad = None
+        plain_grads = [p.grad for p in self.plain if p.grad is not None]
+        flags = unscale_grads_(fresh + plain_grads, scaler, check) or []
+        accumulate_into, accumulate = [], []
+        for master, g in zip(targets, fresh):
+            if master.grad is None:
+                master.grad = g
+            else:
+                accumulate_into.append(master.grad)
+                accumulate.append(g)
+        for p, old in self._stash:
+            if p.grad is None:
+                p.grad = old
+            else:
+                accumulate_into.append(p.grad)
+                accumulate.append(old)
+        if accumulate:
+            torch._foreach_add_(accumulate_into, accumulate)
+        self._stash = []
+        self.grads_scaled = False
+        return flags
+
+    def discard_grads(self) -> None:
+        """An overflow: the step will be skipped, so free every gradient now."""
+        self.overflow = True
+        self._stash = []
+        for p, master in self.pairs:
+            p.grad = None
+            master.grad = None
+        for p in self.plain:
+            p.grad = None
+
+    # -- step hooks ----------------------------------------------------------------------------
+    def _pre_step(self, optimizer, args, kwargs):
+        if not self.amp_state.enabled:
+            return
+        # torch passes the step's positional args with the optimizer itself first.
+        rest = args[1:] if args and args[0] is optimizer else args
+        closure = kwargs.get("closure", rest[0] if rest else None)
+        if closure is not None and any(s.dynamic for s in self.amp_state.scalers):
+            raise RuntimeError(
+                "optimizer.step(closure) was called on an optimizer managed by amp with dynamic "
+                "loss scaling. A closure re-evaluates the loss outside amp.scale_loss, so "
+                "overflows could not be skipped. Use a plain optimizer.step() after "
+                'amp.scale_loss, or pass loss_scale=<number> to amp.initialize.'
+            )
+        if self.grads_scaled:
+            raise RuntimeError(
+                "optimizer.step() was called right after amp.scale_loss(..., delay_unscale=True): "
+                "the gradients are still scaled. Use delay_unscale=True only for the inner "
+                "micro-batches and delay_unscale=False for the last backward before step()."
+            )
+        if self.overflow:
+            for p in _params_of(optimizer):
+                p.grad = None
+            return
+        for p, _ in self.pairs:
+            if p.grad is not None:
+                raise RuntimeError(
+                    "optimizer.step(): the half model's gradients were never moved to the fp32 "
+                    "master weights. Run the backward pass inside `with amp.scale_loss(loss, "
+                    "optimizer) as scaled_loss: scaled_loss.backward()`."
+                )
+
+    def _post_step(self, optimizer, args, kwargs):
+        if not self.amp_state.enabled:
+            return
+        self.last_step_skipped = self.overflow
+        if self.overflow:
+            self.skipped_steps += 1
+            self.overflow = False
+            return
+        if self.pairs:
+            with torch.no_grad():
+                model_params = [p for p, _ in self.pairs]
+                masters = [m for _, m in self.pairs]
+                torch._foreach_copy_(model_params, masters)
+
+
+class AmpState:
+    """Everything one ``amp.initialize`` call set up.
+
+    Attributes:
+        properties (Properties): the resolved opt level.
+        enabled (bool): False makes every amp call a no-op.
+        models (list[nn.Module]): the models, as returned.
+        scalers (list[LossScaler]): one per ``loss_id``.
+    """
+
+    def __init__(self, properties, enabled: bool, models, num_losses: int,
+                 min_loss_scale, max_loss_scale, verbosity: int):
+        self.properties = properties
+        self.enabled = enabled
+        self.models = list(models)
+        self.verbosity = verbosity
+        loss_scale = properties.loss_scale if properties is not None else 1.0
+        self.scalers = [
+            LossScaler(loss_scale, min_loss_scale=min_loss_scale, max_loss_scale=max_loss_scale)
+            for _ in range(num_losses)
+        ]
+        self.overflow_log = OverflowLog(verbosity)
+        self._optimizer_states: List[_OptimizerState] = []
+
+    def add_optimizer(self, optimizer) -> _OptimizerState:
+        state = _OptimizerState(self, optimizer)
+        _OPTIMIZER_STATES[optimizer] = state
+        hook_target = hookable_optimizer(optimizer)
+        if hook_target is not optimizer:
+            _OPTIMIZER_STATES[hook_target] = state
+        self._optimizer_states.append(state)
+        return state
+
+    @property
+    def optimizer_states(self) -> List[_OptimizerState]:
+        return self._optimizer_states
+
+    def scaler(self, loss_id: int) -> LossScaler:
+        if not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
+            raise ValueError(
+                f"amp.scale_loss(loss_id={loss_id!r}): amp.initialize was called with "
+                f"num_losses={len(self.scalers)}, so loss_id must be an int in "
+                f"[0, {len(self.scalers) - 1}]. Raise num_losses in amp.initialize to use more."
+            )
+        return self.scalers[loss_id]
+
+    def record_overflow(self, states, loss_id: int, flags) -> None:
+        scaler = self.scalers[loss_id]
+        found = any_flag_set(flags) if scaler.dynamic else False
+        if scaler.update(found):
+            for state in states:
+                state.discard_grads()
+            self.overflow_log.overflow(loss_id, scaler.loss_scale)
+
+    def state_dict(self) -> Dict[str, dict]:
+        """Apex's format: ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}``."""
+        return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
+
+    def load_state_dict(self, state_dict: Dict[str, dict]) -> None:
+        expected = {f"loss_scaler{i}" for i in range(len(self.scalers))}
+        if not isinstance(state_dict, dict) or set(state_dict) != expected:
+            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict)
+            raise ValueError(
+                f"amp.load_state_dict: expected keys {sorted(expected)} (num_losses="
+                f"{len(self.scalers)}), got {got}. Pass the dict saved by amp.state_dict() from "
+                "a run initialized with the same num_losses."
+            )
+        for i, scaler in enumerate(self.scalers):
+            scaler.load_state_dict(state_dict[f"loss_scaler{i}"])
+        log_rank0(logging.DEBUG, "amp: loaded loss scalers %s", self.state_dict())

@@ -1,0 +1,381 @@
+"""``amp.initialize`` and ``amp.scale_loss``: Apex's entry points."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, List, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from mixprec.amp._logging import log_rank0
+from mixprec.amp._model import convert_model, is_amp_model, register_masters
+from mixprec.amp._properties import describe_opt_level, resolve_properties
+from mixprec.amp._state import AmpState, hookable_optimizer, optimizer_state
+
+__all__ = [
+    "initialize",
+    "load_state_dict",
+    "master_params",
+    "scale_loss",
+    "state_dict",
+    "step_was_skipped",
+]
+
+# The one documented default: module-level amp.state_dict()/load_state_dict() act on the most
+# recent initialize. Everything else reaches its state through the optimizer it is given.
+_latest: Optional[AmpState] = None
+
+
+def _as_list(value, what: str, kind, kind_name: str):
+    if isinstance(value, (list, tuple)):
+        items, single = list(value), False
+    else:
+        items, single = [value], True
+    for item in items:
+        if not isinstance(item, kind):
+            raise TypeError(
+                f"amp.initialize({what}=...): got {type(item).__name__}; expected a "
+                f"{kind_name} or a list of them."
+            )
+    return items, single
+
+
+def _check_model(model: nn.Module) -> None:
+    wrapped = isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) or (
+        type(model).__name__ == "DistributedDataParallel"
+    )
+    if wrapped:
+        raise ValueError(
+            f"amp.initialize(models={type(model).__name__}(...)): the model is already wrapped "
+            "for data parallelism. Call amp.initialize on the bare model first, then wrap the "
+            "returned model: `model, opt = amp.initialize(model, opt, ...); "
+            "model = DistributedDataParallel(model)`."
+        )
+    if is_amp_model(model):
+        raise ValueError(
+            f"amp.initialize(models={type(model).__name__}(...)): this model already went "
+            "through amp.initialize. Initialize each model once; build a new model to try "
+            "another opt level."
+        )
+
+
+def _check_half_supported(models: List[nn.Module], props) -> None:
+    if props.half_dtype != torch.bfloat16 or props.opt_level == "O0":
+        return
+    for model in models:
+        for p in model.parameters():
+            if p.is_cuda and not torch.cuda.is_bf16_supported():
+                raise RuntimeError(
+                    f"amp.initialize(dtype=torch.bfloat16): {torch.cuda.get_device_name(p.device)}"
+                    " does not support bfloat16. Use dtype=torch.float16 (with dynamic loss "
+                    "scaling) on this GPU."
+                )
+            return
+
+
+def initialize(
+    models,
+    optimizers=None,
+    enabled: bool = True,
+    opt_level: str = "O1",
+    cast_model_type=None,
+    patch_torch_functions=None,
+    keep_batchnorm_fp32=None,
+    master_weights=None,
+    loss_scale=None,
+    cast_model_outputs=None,
+    num_losses: int = 1,
+    verbosity: int = 1,
+    min_loss_scale: Optional[float] = None,
+    max_loss_scale: float = 2.0**24,
+    *,
+    dtype: Optional[torch.dtype] = None,
+):
+    """Prepare models and optimizers for mixed-precision training (Apex's signature).
+
+    Call it once, after moving the models to their device and before wrapping them for data
+    parallelism. The same model and optimizer objects come back, changed in place (see
+    ``mixprec/amp/_model.py`` for exactly how).
+
+    Opt levels (overridable one property at a time, as in Apex):
+
+    ======  ==========================  ===============  ===========  ===============
+    level   model parameters            per-op casting   master fp32  loss scale
+    ======  ==========================  ===============  ===========  ===============
+    O0      fp32                        no               no           1.0
+    O1      fp32                        torch.autocast   no           dynamic
+    O2      half, BatchNorm fp32        no               yes          dynamic
+    O3      half                        no               no           1.0
+    ======  ==========================  ===============  ===========  ===============
+
+    With ``dtype=torch.bfloat16`` the default loss scale is a static 1.0 (bf16 has fp32's
+    range); ``loss_scale="dynamic"`` still turns scaling on. Under O2/O3 floating inputs are
+    cast to half on entry and floating outputs to fp32 (or ``cast_model_outputs``).
+    ``model.state_dict()`` always holds fp32 tensors: the master weights at O2.
+
+    Args:
+        models (nn.Module or list[nn.Module]): the model(s), already on their device.
+        optimizers (Optimizer or list[Optimizer], optional): their optimizer(s). Default None.
+        enabled (bool): False turns every amp call into a no-op. Default True.
+        opt_level (str): ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (letter O). Default ``"O1"``.
+        cast_model_type (torch.dtype, optional): override: dtype of the model's parameters.
+        patch_torch_functions (bool, optional): override: per-op casting (autocast).
+        keep_batchnorm_fp32 (bool or "True"/"False", optional): override: BatchNorm in fp32.
+            Honoured at O1 as well (BatchNorm then runs in fp32 with autocast off).
+        master_weights (bool, optional): override: fp32 master weights in the optimizer.
+        loss_scale (float, str, optional): override: a number, a string holding one, or
+            ``"dynamic"``.
+        cast_model_outputs (torch.dtype, optional): dtype of the models' floating outputs.
+        num_losses (int): number of losses, each with its own scaler (``loss_id``). Default 1.
+        verbosity (int): 0 silences amp's log messages. Default 1.
+        min_loss_scale (float, optional): floor of the dynamic loss scale. Default None.
+        max_loss_scale (float): ceiling of the dynamic loss scale. Default ``2.**24``.
+        dtype (torch.dtype, optional, keyword-only): the half type, ``torch.float16``
+            (default) or ``torch.bfloat16``.
+
+    Returns:
+        ``models`` if ``optimizers`` is None, else ``(models, optimizers)``, each in the shape
+        it was given (one object or a list).
+
+    Example::
+
+        >>> model = Net().cuda()
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> for x, y in loader:
+        ...     optimizer.zero_grad()
+        ...     loss = F.cross_entropy(model(x.cuda()), y.cuda())
+        ...     with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...         scaled_loss.backward()
+        ...     optimizer.step()
+        >>> torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+        ...             "amp": amp.state_dict()}, "checkpoint.pt")
+    """
+    global _latest
+    model_list, single_model = _as_list(models, "models", nn.Module, "torch.nn.Module")
+    if optimizers is None:
+        opt_list, single_opt = [], True
+    else:
+        opt_list, single_opt = _as_list(optimizers, "optimizers", object, "torch.optim.Optimizer")
+        for opt in opt_list:
+            hookable_optimizer(opt)  # raises TypeError for non-optimizers
+    if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
+        raise ValueError(f"amp.initialize(num_losses={num_losses!r}): must be an int >= 1.")
+
+    def result():
+        if optimizers is None:
+            return models
+        return models, optimizers
+
+    for opt in opt_list:
+        if optimizer_state(opt) is not None:
+            raise ValueError(
+                f"amp.initialize: the optimizer {type(opt).__name__} already went through "
+                "amp.initialize. Pass each optimizer once; to add models, initialize them "
+                "together in one call (lists of models and optimizers)."
+            )
+
+    if not enabled:
+        state = AmpState(None, False, model_list, num_losses, min_loss_scale, max_loss_scale,
+                         verbosity)
+        for opt in opt_list:
+            state.add_optimizer(opt)
+        _latest = state
+        return result()
+
+    props = resolve_properties(
+        opt_level, dtype=dtype, cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights, loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs,
+    )
+    for model in model_list:
+        _check_model(model)
+    _check_half_supported(model_list, props)
+
+    # Which parameters the conversion will cast to half (their fp32 values become masters).
+    cast_ids = set()
+    if props.model_is_half:
+        keep_bn = props.keep_batchnorm_fp32 is True
+        for model in model_list:
+            for module in model.modules():
+                if keep_bn and isinstance(module, _BatchNorm):
+                    continue
+                cast_ids.update(id(p) for p in module.parameters(recurse=False)
+                                if p.is_floating_point())
+    model_param_ids = {id(p) for m in model_list for p in m.parameters()}
+    for opt in opt_list:
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            if id(p) not in model_param_ids:
+                raise ValueError(
+                    f"amp.initialize: {type(opt).__name__} holds a parameter of shape "
+                    f"{tuple(p.shape)} that belongs to none of the models passed. Pass every "
+                    "model whose parameters the optimizers update (a list is fine)."
+                )
+
+    state = AmpState(props, True, model_list, num_losses, min_loss_scale, max_loss_scale,
+                     verbosity)
+    masters = {}
+    for opt in opt_list:
+        opt_state = state.add_optimizer(opt)
+        masters.update(opt_state.adopt_params(props.master_weights, cast_ids))
+        opt_state.install_hooks(hookable_optimizer(opt))
+    for model in model_list:
+        convert_model(model, props)
+        register_masters(model, masters)
+    _latest = state
+    if verbosity > 0:
+        log_rank0(logging.INFO, "amp: opt_level %s (%s): %s", props.opt_level,
+                  describe_opt_level(props.opt_level), props.describe())
+    return result()
+
+
+def _loss_error(loss) -> Optional[str]:
+    if not isinstance(loss, torch.Tensor):
+        return f"got {type(loss).__name__}; expected a torch.Tensor."
+    if not loss.is_floating_point():
+        return f"got a {loss.dtype} tensor; the loss must be floating point."
+    if loss.numel() != 1:
+        return (f"got a tensor of shape {tuple(loss.shape)}; the loss must be a scalar. "
+                "Reduce it first, e.g. loss.mean().")
+    return None
+
+
+@contextlib.contextmanager
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers,
+    loss_id: int = 0,
+    model=None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> Iterator[torch.Tensor]:
+    """Context manager: yield ``loss * loss_scale``; on exit, unscale the gradients.
+
+    On exit the gradients of the optimizers' parameters (the fp32 masters at O2) hold the
+    unscaled gradient, accumulated onto what they held before, and are checked for inf/NaN in
+    the same fused pass. With dynamic scaling an overflow halves the scale, frees the gradients
+    and makes the next ``optimizer.step()`` a no-op. That check is the step's one host-device
+    synchronization; static scaling (bf16's default) has none.
+
+    Args:
+        loss (Tensor): a floating scalar.
+        optimizers (Optimizer or list[Optimizer]): optimizer(s) returned by ``initialize``.
+        loss_id (int): which loss scaler to use, in ``[0, num_losses)``. Default 0.
+        model: accepted for Apex compatibility; unused.
+        delay_unscale (bool): leave the gradients scaled (inner micro-batches of gradient
+            accumulation); the last backward before ``step()`` must not delay. Default False.
+        delay_overflow_check (bool): accepted for Apex compatibility; unused.
+
+    Yields:
+        Tensor: the scaled loss, to call ``.backward()`` on.
+
+    Example::
+
+        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> optimizer.step()
+    """
+    del model, delay_overflow_check
+    error = _loss_error(loss)
+    if error is not None:
+        raise (TypeError if not isinstance(loss, torch.Tensor) else ValueError)(
+            f"amp.scale_loss(loss=...): {error}"
+        )
+    opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    states = [optimizer_state(opt) for opt in opt_list]
+    if not opt_list or any(s is None for s in states):
+        raise RuntimeError(
+            "amp.scale_loss was given an optimizer that did not go through amp.initialize. "
+            "Call `model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first "
+            "and pass the returned optimizer."
+        )
+    amp_state = states[0].amp_state
+    if any(s.amp_state is not amp_state for s in states):
+        raise ValueError(
+            "amp.scale_loss: the optimizers come from different amp.initialize calls, which "
+            "have separate loss scalers. Call scale_loss once per initialize call."
+        )
+    if not amp_state.enabled:
+        yield loss
+        return
+    scaler = amp_state.scaler(loss_id)
+    for s in states:
+        s.before_backward(scaler)
+    scale = scaler.loss_scale
+    yield loss.float() if scale == 1.0 else loss.float() * scale
+
+    if delay_unscale:
+        for s in states:
+            s.grads_scaled = True
+        return
+    flags = []
+    for s in states:
+        flags.extend(s.unscale(scaler))
+    amp_state.record_overflow(states, loss_id, flags)
+
+
+def _current(what: str) -> AmpState:
+    if _latest is None:
+        raise RuntimeError(f"amp.{what}() was called before amp.initialize().")
+    return _latest
+
+
+def state_dict(destination=None) -> dict:
+    """The loss scalers of the most recent ``initialize``, in Apex's format.
+
+    Returns:
+        dict: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``.
+
+    Example::
+
+        >>> torch.save({"amp": amp.state_dict(), ...}, "checkpoint.pt")
+    """
+    result = _current("state_dict").state_dict()
+    if destination is not None:
+        destination.update(result)
+        return destination
+    return result
+
+
+def load_state_dict(state_dict: dict) -> None:
+    """Restore loss scalers saved by :func:`state_dict` (into the most recent ``initialize``).
+
+    Example::
+
+        >>> amp.load_state_dict(torch.load("checkpoint.pt")["amp"])
+    """
+    _current("load_state_dict").load_state_dict(state_dict)
+
+
+def master_params(optimizer) -> Iterator[torch.Tensor]:
+    """The parameters ``optimizer`` steps: fp32 masters at O2, the model's otherwise.
+
+    Clip gradients on these, after ``scale_loss`` and before ``step()``.
+
+    Example::
+
+        >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
+    """
+    for group in optimizer.param_groups:
+        yield from group["params"]
+
+
+def step_was_skipped(optimizer) -> bool:
+    """Whether ``optimizer``'s most recent ``step()`` was skipped for a gradient overflow.
+
+    Use it to keep a learning-rate scheduler in step with the weights::
+
+        >>> optimizer.step()
+        >>> if not amp.step_was_skipped(optimizer):
+        ...     scheduler.step()
+    """
+    state = optimizer_state(optimizer)
+    if state is None:
+        raise RuntimeError(
+            "amp.step_was_skipped: this optimizer did not go through amp.initialize."
+        )
+    return state.last_step_skipped
