@@ -1,0 +1,44 @@
+"""Small models and training steps shared by the amp tests."""
+
+import torch
+from torch import nn
+
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+OPT_LEVELS = ["O0", "O1", "O2", "O3"]
+
+
+class SmallCNN(nn.Module):
+    """Conv-BN-ReLU x2 and a linear head: the shape of the seed's fine-tuning model."""
+
+    def __init__(self, classes=4, width=8):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1), nn.BatchNorm2d(width), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        )
+        self.head = nn.Linear(4 * width, classes)
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def make_cnn(device="cpu", seed=0, **kw):
+    torch.manual_seed(seed)
+    return SmallCNN(**kw).to(device)
+
+
+def batch(device="cpu", n=16, seed=1, size=8, classes=4):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, size, size, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def train_step(model, optimizer, x, y, amp):
+    optimizer.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    return loss.detach()

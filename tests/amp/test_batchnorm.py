@@ -1,0 +1,83 @@
+"""BatchNorm kept in fp32 under a half model: train and eval, forward and backward.
+
+The seed document's bug: fine-tuning with BatchNorm frozen in eval mode crashed with a dtype
+mismatch under Apex O2, and keep_batchnorm_fp32 raised under O1.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import amp
+
+from .helpers import HALF_DTYPES, batch, make_cnn, train_step
+
+KEEP_BN_CASES = [("O2", None), ("O3", True), ("O1", True)]
+
+
+def _bns(model):
+    return [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+
+
+@pytest.mark.parametrize("opt_level,keep", KEEP_BN_CASES)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_fp32_batchnorm_forward_backward(opt_level, keep, dtype, mode, device):
+    model = make_cnn(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, keep_batchnorm_fp32=keep, dtype=dtype,
+                   verbosity=0)
+    model.train(mode == "train")
+    for bn in _bns(model):
+        assert bn.weight.dtype == torch.float32 and bn.running_mean.dtype == torch.float32
+    x, y = batch(device)
+    loss = train_step(model, opt, x, y, amp)
+    assert torch.isfinite(loss)
+    for bn in _bns(model):
+        assert bn.weight.dtype == torch.float32
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o1_keep_batchnorm_fp32_computes_in_fp32(dtype, device):
+    model = make_cnn(device)
+    amp.initialize(model, opt_level="O1", keep_batchnorm_fp32=True, dtype=dtype, verbosity=0)
+    bn = _bns(model)[0]
+    reference = copy.deepcopy(bn)
+    amp.restore_model(reference)
+    x = torch.randn(4, 8, 5, 5, device=device).to(dtype)
+    out = bn(x)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, reference(x.float()).to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_seed_finetuning_with_frozen_batchnorm(opt_level, dtype, device):
+    """The seed's scenario: BatchNorm frozen (eval mode, no grad) while the rest trains."""
+    model = make_cnn(device)
+    for bn in _bns(model):
+        bn.requires_grad_(False)
+    # eps=1e-4: Adam's default 1e-8 underflows in fp16 at O3 (pure half has no masters).
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2,
+                           eps=1e-4)
+    keep = True if opt_level != "O2" else None
+    amp.initialize(model, opt, opt_level=opt_level, keep_batchnorm_fp32=keep, dtype=dtype,
+                   verbosity=0)
+    stats = [(bn.running_mean.clone(), bn.running_var.clone(), bn.weight.clone())
+             for bn in _bns(model)]
+    x, y = batch(device, n=32)
+    losses = []
+    for _ in range(25):
+        model.train()
+        for bn in _bns(model):
+            bn.eval()
+        losses.append(float(train_step(model, opt, x, y, amp)))
+    assert losses[-1] < 0.75 * losses[0], losses
+    for bn, (mean, var, w) in zip(_bns(model), stats):
+        assert bn.running_mean.dtype == torch.float32
+        torch.testing.assert_close(bn.running_mean, mean, rtol=0, atol=0)
+        torch.testing.assert_close(bn.running_var, var, rtol=0, atol=0)
+        torch.testing.assert_close(bn.weight, w, rtol=0, atol=0)

@@ -1,0 +1,167 @@
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import amp
+from mixprec.amp._state import optimizer_state
+
+from .helpers import HALF_DTYPES, OPT_LEVELS, batch, make_cnn, train_step
+
+
+def test_returns_same_objects_in_given_shape():
+    m1, m2 = make_cnn(), make_cnn(seed=1)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    keys = list(m1.state_dict())
+    models, opts = amp.initialize([m1, m2], [o1, o2], opt_level="O2", verbosity=0)
+    assert isinstance(models, list) and models[0] is m1 and models[1] is m2
+    assert opts[0] is o1 and opts[1] is o2
+    assert list(m1.state_dict()) == keys
+    m3 = make_cnn()
+    assert amp.initialize(m3, opt_level="O3", verbosity=0) is m3  # no optimizers: models only
+    assert isinstance(m1, type(make_cnn()))  # still an instance of the user's class
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_parameter_dtypes(opt_level, dtype, device):
+    model = make_cnn(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+    conv_w = model.features[0].weight
+    bn_w = model.features[1].weight
+    expect_conv = dtype if opt_level in ("O2", "O3") else torch.float32
+    expect_bn = dtype if opt_level == "O3" else torch.float32
+    assert conv_w.dtype == expect_conv and bn_w.dtype == expect_bn
+    masters = list(amp.master_params(opt))
+    assert all(p.dtype == torch.float32 for p in masters) == (opt_level != "O3")
+    x, _ = batch(device)
+    out = model(x)  # fp32 input: cast on entry at O2/O3
+    assert out.dtype == (dtype if opt_level == "O1" else torch.float32)
+
+
+def test_cast_model_outputs():
+    model = make_cnn()
+    amp.initialize(model, opt_level="O2", cast_model_outputs=torch.float16, verbosity=0)
+    assert model(batch()[0]).dtype == torch.float16
+
+
+def test_enabled_false_is_noop():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref = copy.deepcopy(model)
+    model, opt = amp.initialize(model, opt, opt_level="O2", enabled=False)
+    assert type(model) is type(ref) and model.features[0].weight.dtype == torch.float32
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled is loss
+        scaled.backward()
+
+
+def test_initialize_twice_for_other_models_is_independent():
+    a, b = make_cnn(), make_cnn()
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    amp.initialize(a, oa, opt_level="O2", loss_scale=128.0, verbosity=0)
+    amp.initialize(b, ob, opt_level="O1", loss_scale=8.0, verbosity=0)
+    assert optimizer_state(oa).amp_state.scalers[0].loss_scale == 128.0
+    assert optimizer_state(ob).amp_state.scalers[0].loss_scale == 8.0
+    x, y = batch()
+    train_step(a, oa, x, y, amp)  # a's state is still found through its optimizer
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}}
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_deepcopy_and_pickle(opt_level):
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y, amp)
+    model.eval()
+    ref = model(x)
+    clone = copy.deepcopy(model)
+    torch.testing.assert_close(clone(x), ref, rtol=0, atol=0)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(x), ref, rtol=0, atol=0)
+    assert pickle.loads(pickle.dumps(model)).state_dict().keys() == model.state_dict().keys()
+
+
+def test_restore_model_undoes_the_swap():
+    model = make_cnn()
+    cls = type(model)
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    assert amp.is_amp_model(model) and type(model) is not cls
+    amp.restore_model(model)
+    assert type(model) is cls and not amp.is_amp_model(model)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+def test_rejects_data_parallel_wrapped_model():
+    model = nn.DataParallel(make_cnn())
+    with pytest.raises(ValueError, match="already wrapped.*amp.initialize on the bare model"):
+        amp.initialize(model, opt_level="O1")
+
+
+def test_rejects_same_optimizer_twice():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    with pytest.raises(ValueError, match="already went through amp.initialize"):
+        amp.initialize(make_cnn(), opt, opt_level="O1")
+
+
+def test_rejects_model_initialized_twice():
+    model = make_cnn()
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    with pytest.raises(ValueError, match="already went through amp.initialize"):
+        amp.initialize(model, opt_level="O2")
+
+
+def test_rejects_optimizer_with_foreign_params():
+    model, other = make_cnn(), nn.Linear(3, 3)
+    opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match=r"shape \(3, 3\).*belongs to none of the models"):
+        amp.initialize(model, opt, opt_level="O2")
+
+
+@pytest.mark.parametrize("bad,exc", [("model", TypeError), (3, TypeError)])
+def test_rejects_non_modules(bad, exc):
+    with pytest.raises(exc, match="torch.nn.Module"):
+        amp.initialize(bad)
+
+
+def test_rejects_non_optimizer():
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        amp.initialize(make_cnn(), object(), opt_level="O1")
+
+
+def test_rejects_bad_num_losses():
+    with pytest.raises(ValueError, match="num_losses"):
+        amp.initialize(make_cnn(), opt_level="O1", num_losses=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+def test_bf16_on_gpu_without_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with pytest.raises(RuntimeError, match="does not support bfloat16.*dtype=torch.float16"):
+        amp.initialize(make_cnn("cuda"), opt_level="O2", dtype=torch.bfloat16)
+
+
+def test_initialize_logs_opt_level(caplog):
+    import logging
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        amp.initialize(make_cnn(), opt_level="O2", verbosity=1)
+    assert "opt_level O2" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        amp.initialize(make_cnn(), opt_level="O2", verbosity=0)
+    assert caplog.text == ""

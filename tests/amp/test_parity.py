@@ -1,0 +1,49 @@
+"""Loss parity: 200 steps of a small CNN with BatchNorm at O1/O2/O3 end within 2% of O0."""
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import amp
+
+from .helpers import HALF_DTYPES, make_cnn
+
+STEPS = 200
+_SIZE = 6
+
+
+def _stream(step, n=32):
+    """A fixed learnable task with 10% label noise: fresh batches, so no memorization."""
+    proj = torch.randn(2, 3 * _SIZE * _SIZE, generator=torch.Generator().manual_seed(7))
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(n, 3, _SIZE, _SIZE, generator=g)
+    f = x.flatten(1) @ proj.T
+    y = (f[:, 0] > 0).long() * 2 + (f[:, 1] > 0).long()
+    noisy = torch.rand(n, generator=g) < 0.1
+    return x, torch.where(noisy, torch.randint(0, 4, (n,), generator=g), y)
+
+
+def _final_loss(opt_level, dtype, device):
+    model = make_cnn(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in _stream(step))
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.detach().float())
+    losses = torch.stack(losses).cpu()
+    return losses[:20].mean().item(), losses[-20:].mean().item()
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_final_loss_within_two_percent_of_o0(dtype, device):
+    start, reference = _final_loss("O0", dtype, device)
+    assert reference < 0.92 * start  # the task is learned, so parity means something
+    for opt_level in ("O1", "O2", "O3"):
+        _, final = _final_loss(opt_level, dtype, device)
+        assert abs(final - reference) <= 0.02 * reference, (opt_level, final, reference)

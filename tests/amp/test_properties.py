@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from mixprec.amp._properties import OPT_LEVELS, resolve_properties
+
+
+@pytest.mark.parametrize("bad", ["02", "o2", "O4", "o0", ""])
+def test_bad_opt_level_names_valid_levels(bad):
+    with pytest.raises(ValueError) as info:
+        resolve_properties(bad)
+    msg = str(info.value)
+    assert repr(bad) in msg
+    assert '"O0", "O1", "O2", "O3"' in msg
+    if bad in ("02", "o2", "o0"):
+        assert "letter O" in msg
+
+
+def test_opt_level_must_be_str():
+    with pytest.raises(TypeError, match="opt_level must be a string"):
+        resolve_properties(2)
+
+
+def test_apex_defaults_fp16():
+    o0, o1, o2, o3 = (resolve_properties(k) for k in ("O0", "O1", "O2", "O3"))
+    assert (o0.cast_model_type, o0.master_weights, o0.loss_scale) == (torch.float32, False, 1.0)
+    assert (o1.cast_model_type, o1.patch_torch_functions, o1.loss_scale) == (None, True, "dynamic")
+    assert (o2.cast_model_type, o2.keep_batchnorm_fp32, o2.master_weights, o2.loss_scale) == (
+        torch.float16, True, True, "dynamic")
+    assert (o3.cast_model_type, o3.keep_batchnorm_fp32, o3.loss_scale) == (torch.float16, False, 1.0)
+    assert set(OPT_LEVELS) == {"O0", "O1", "O2", "O3"}
+
+
+def test_bf16_defaults_to_static_scale_but_dynamic_allowed():
+    p = resolve_properties("O2", dtype=torch.bfloat16)
+    assert p.cast_model_type == torch.bfloat16 and p.loss_scale == 1.0
+    assert resolve_properties("O2", dtype=torch.bfloat16, loss_scale="dynamic").dynamic_loss_scale
+    # cast_model_type=bf16 selects bf16 too
+    q = resolve_properties("O3", cast_model_type=torch.bfloat16)
+    assert q.half_dtype == torch.bfloat16 and q.cast_model_type == torch.bfloat16
+
+
+def test_dtype_and_cast_model_type_must_agree():
+    with pytest.raises(ValueError, match="disagree"):
+        resolve_properties("O2", dtype=torch.float16, cast_model_type=torch.bfloat16)
+
+
+@pytest.mark.parametrize("value,expected", [("128.0", 128.0), (64, 64.0), ("dynamic", "dynamic")])
+def test_loss_scale_forms(value, expected):
+    assert resolve_properties("O1", loss_scale=value).loss_scale == expected
+
+
+@pytest.mark.parametrize("value,exc", [("big", ValueError), (0, ValueError), (-1.0, ValueError),
+                                       (float("inf"), ValueError), ([1], TypeError)])
+def test_bad_loss_scale(value, exc):
+    with pytest.raises(exc, match="loss_scale"):
+        resolve_properties("O1", loss_scale=value)
+
+
+def test_keep_batchnorm_fp32_strings_and_o1():
+    assert resolve_properties("O2", keep_batchnorm_fp32="False").keep_batchnorm_fp32 is False
+    # Apex raised here; mixprec accepts and honours it.
+    assert resolve_properties("O1", keep_batchnorm_fp32=True).keep_batchnorm_fp32 is True
+    with pytest.raises(TypeError, match="keep_batchnorm_fp32"):
+        resolve_properties("O2", keep_batchnorm_fp32="yes")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(opt_level="O2", patch_torch_functions=True), "patch_torch_functions=True"),
+    (dict(opt_level="O1", master_weights=True), "master_weights=True"),
+    (dict(opt_level="O0", keep_batchnorm_fp32=False), "keep_batchnorm_fp32=False"),
+    (dict(opt_level="O1", cast_model_type=torch.int8), "cast_model_type"),
+    (dict(opt_level="O1", dtype=torch.float32), "dtype"),
+])
+def test_nonsensical_combinations(kwargs, match):
+    opt_level = kwargs.pop("opt_level")
+    with pytest.raises(ValueError, match=match):
+        resolve_properties(opt_level, **kwargs)
+
+
+def test_override_applies():
+    p = resolve_properties("O2", master_weights=False, loss_scale=8.0)
+    assert p.master_weights is False and p.loss_scale == 8.0 and p.model_is_half
