@@ -10,7 +10,8 @@ Three tools in one package:
 """
 
 from mixprec import amp, normalization, parallel
+from mixprec._apex_alias import install_apex_alias
 
 __version__ = "0.1.0"
 
-__all__ = ["amp", "normalization", "parallel", "__version__"]
+__all__ = ["amp", "install_apex_alias", "normalization", "parallel", "__version__"]

@@ -19,16 +19,32 @@ from mixprec.amp.frontend import (
     state_dict,
     step_was_skipped,
 )
+from mixprec.amp.functions import (
+    disable_casts,
+    float_function,
+    half_function,
+    promote_function,
+    register_float_function,
+    register_half_function,
+    register_promote_function,
+)
 from mixprec.amp.scaler import LossScaler
 
 __all__ = [
     "OPT_LEVELS",
     "LossScaler",
     "Properties",
+    "disable_casts",
+    "float_function",
+    "half_function",
     "initialize",
     "is_amp_model",
     "load_state_dict",
     "master_params",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
     "restore_model",
     "scale_loss",
     "state_dict",

@@ -1,0 +1,176 @@
+"""O1 casting rules for user functions, and a way to turn casting off for a block.
+
+O1 runs the model under ``torch.autocast``, which knows PyTorch's own ops. A user function
+(a custom CUDA extension, a hand-written op) can be given a rule as in Apex:
+
+* half: floating tensor arguments are cast to the half dtype, the function runs uncast;
+* float: they are cast to fp32;
+* promote: they are cast to the widest floating dtype among them.
+
+A rule acts only while autocast is on for the arguments' device (inside an O1 model's
+forward, or the user's own ``torch.autocast`` block); elsewhere the function runs untouched,
+so the same code serves every opt level. ``register_*_function(module, name)`` replaces
+``module.name`` with the wrapped function (the user asked for it by name; the original is kept
+as ``wrapped.__wrapped__``); the decorators wrap a function where it is defined.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from mixprec.amp._model import cast_floating
+
+__all__ = [
+    "disable_casts",
+    "float_function",
+    "half_function",
+    "promote_function",
+    "register_float_function",
+    "register_half_function",
+    "register_promote_function",
+]
+
+
+def _first_device_type(args, kwargs) -> Optional[str]:
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+        if isinstance(value, (list, tuple)):
+            found = _first_device_type(value, {})
+            if found is not None:
+                return found
+    return None
+
+
+def _floating_dtypes(value, out):
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point():
+            out.append(value.dtype)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _floating_dtypes(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _floating_dtypes(v, out)
+    return out
+
+
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
+def _wrap(fn: Callable, rule: str) -> Callable:
+    if getattr(fn, "_mixprec_cast_rule", None) is not None:
+        raise ValueError(
+            f"{getattr(fn, '__qualname__', fn)!r} already has the amp casting rule "
+            f"{fn._mixprec_cast_rule!r}; register each function once."
+        )
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        device_type = _first_device_type(args, kwargs)
+        half = _autocast_dtype(device_type) if device_type is not None else None
+        if half is None:
+            return fn(*args, **kwargs)
+        if rule == "half":
+            target = half
+        elif rule == "float":
+            target = torch.float32
+        else:  # promote: the widest floating dtype among the arguments
+            dtypes = _floating_dtypes((args, kwargs), [])
+            if not dtypes:
+                return fn(*args, **kwargs)
+            target = functools.reduce(torch.promote_types, dtypes)
+        with torch.autocast(device_type, enabled=False):
+            return fn(*cast_floating(args, target), **cast_floating(kwargs, target))
+
+    wrapper._mixprec_cast_rule = rule
+    return wrapper
+
+
+def half_function(fn: Callable) -> Callable:
+    """Decorator: under O1 casting, run ``fn`` on half-precision arguments.
+
+    Example::
+
+        >>> @amp.half_function
+        ... def fused_gelu(x):
+        ...     return my_extension.gelu(x)
+    """
+    return _wrap(fn, "half")
+
+
+def float_function(fn: Callable) -> Callable:
+    """Decorator: under O1 casting, run ``fn`` on fp32 arguments."""
+    return _wrap(fn, "float")
+
+
+def promote_function(fn: Callable) -> Callable:
+    """Decorator: under O1 casting, run ``fn`` on arguments cast to their widest dtype."""
+    return _wrap(fn, "promote")
+
+
+def _register(module, name: str, rule: str) -> None:
+    if not isinstance(name, str) or not hasattr(module, name):
+        raise AttributeError(
+            f"amp.register_{rule}_function({getattr(module, '__name__', module)!r}, {name!r}): "
+            f"the module has no attribute {name!r}. Pass the module object and the function's "
+            "name as a string, e.g. amp.register_half_function(torch, 'bmm')."
+        )
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(
+            f"amp.register_{rule}_function(..., {name!r}): {name!r} is a "
+            f"{type(fn).__name__}, not a function."
+        )
+    setattr(module, name, _wrap(fn, rule))
+
+
+def register_half_function(module, name: str) -> None:
+    """Make ``module.name`` run on half-precision arguments under O1 casting (Apex's API).
+
+    Args:
+        module: the module (or class, or object) holding the function.
+        name (str): the function's attribute name.
+
+    Example::
+
+        >>> amp.register_half_function(my_extension, "fused_attention")
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O1")
+    """
+    _register(module, name, "half")
+
+
+def register_float_function(module, name: str) -> None:
+    """Make ``module.name`` run on fp32 arguments under O1 casting (Apex's API)."""
+    _register(module, name, "float")
+
+
+def register_promote_function(module, name: str) -> None:
+    """Make ``module.name`` run on its arguments' widest dtype under O1 casting (Apex's API)."""
+    _register(module, name, "promote")
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Context manager: no per-op casting inside the block, at every opt level.
+
+    Ops run in the dtype of their inputs (fp32 master-level numerics where the inputs are
+    fp32). Outside O1 there is no casting to disable and the block runs as it is.
+
+    Example::
+
+        >>> with amp.disable_casts():
+        ...     logits = head(features.float())  # stays fp32 under O1
+    """
+    with contextlib.ExitStack() as stack:
+        for device_type in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield

@@ -1,0 +1,342 @@
+"""The rest of Apex's amp surface, and modern PyTorch features, each on its own."""
+
+import collections
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from mixprec import amp
+
+from .helpers import HALF_DTYPES, OPT_LEVELS, batch, make_cnn, train_step
+
+
+# -- several models, optimizers and losses ------------------------------------------------------
+def _gan(device):
+    torch.manual_seed(0)
+    gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8)).to(device)
+    disc = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
+    return gen, disc
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_gan_two_models_three_losses(opt_level, device):
+    gen, disc = _gan(device)
+    opt_g = torch.optim.Adam(gen.parameters(), lr=1e-3)
+    opt_d = torch.optim.Adam(disc.parameters(), lr=1e-3)
+    [gen, disc], [opt_g, opt_d] = amp.initialize([gen, disc], [opt_g, opt_d], opt_level=opt_level,
+                                                 num_losses=3, loss_scale="dynamic", verbosity=0)
+    bce = nn.functional.binary_cross_entropy_with_logits
+    real = torch.randn(16, 8, device=device)
+    noise = torch.randn(16, 4, device=device)
+    g_before = copy.deepcopy(gen.state_dict())
+
+    opt_d.zero_grad()
+    with amp.scale_loss(bce(disc(real).float(), torch.ones(16, 1, device=device)), opt_d,
+                        loss_id=0) as s:
+        s.backward()
+    fake = gen(noise)
+    with amp.scale_loss(bce(disc(fake.detach()).float(), torch.zeros(16, 1, device=device)),
+                        opt_d, loss_id=1) as s:
+        (s * float("inf")).backward()  # D overflows on its second loss
+    opt_d.step()
+    assert amp.step_was_skipped(opt_d)
+
+    opt_g.zero_grad()
+    with amp.scale_loss(bce(disc(fake).float(), torch.ones(16, 1, device=device)), opt_g,
+                        loss_id=2) as s:
+        s.backward()
+    opt_g.step()
+    assert not amp.step_was_skipped(opt_g)  # G's step is its own
+    assert any(not torch.equal(v, g_before[k]) for k, v in gen.state_dict().items())
+    scales = {k: v["loss_scale"] for k, v in amp.state_dict().items()}
+    assert scales == {"loss_scaler0": 2.0**16, "loss_scaler1": 2.0**15, "loss_scaler2": 2.0**16}
+
+
+# -- gradient accumulation == one large batch ---------------------------------------------------
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_accumulation_equals_large_batch_step(opt_level):
+    x, y = batch(n=16)
+    big = make_cnn()
+    big.eval()  # BatchNorm batch statistics differ between 8 and 16 samples; freeze them
+    small = copy.deepcopy(big)
+    opt_big = torch.optim.SGD(big.parameters(), lr=0.1)
+    opt_small = torch.optim.SGD(small.parameters(), lr=0.1)
+    kw = dict(opt_level=opt_level, dtype=torch.bfloat16, loss_scale=256.0, verbosity=0)
+    if opt_level == "O1":
+        kw["patch_torch_functions"] = False  # isolate accumulation from per-op rounding
+    amp.initialize(big, opt_big, **kw)
+    amp.initialize(small, opt_small, **kw)
+    with amp.scale_loss(nn.functional.cross_entropy(big(x), y), opt_big) as s:
+        s.backward()
+    opt_big.step()
+    for i, (xs, ys) in enumerate(((x[:8], y[:8]), (x[8:], y[8:]))):
+        loss = nn.functional.cross_entropy(small(xs), ys) / 2
+        with amp.scale_loss(loss, opt_small, delay_unscale=(i == 0)) as s:
+            s.backward()
+    opt_small.step()
+    exact = opt_level in ("O0", "O1")
+    for (k, a), b in zip(big.state_dict().items(), small.state_dict().values()):
+        if exact:
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=k)
+        elif a.is_floating_point():
+            rel = (b - a).norm() / a.norm().clamp_min(1e-12)
+            assert rel < 1e-2, (k, rel)
+
+
+# -- add_param_group after initialize -----------------------------------------------------------
+def test_add_param_group_gets_masters_at_o2():
+    model = make_cnn()
+    frozen = list(model.head.parameters())
+    opt = torch.optim.SGD(list(model.features.parameters()), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert model.head.weight.dtype == torch.float16
+    opt.add_param_group({"params": frozen, "lr": 0.05})
+    x, y = batch()
+    before = model.head.weight.detach().clone()
+    train_step(model, opt, x, y, amp)
+    group = opt.param_groups[-1]["params"]
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in group)
+    assert not torch.equal(model.head.weight, before)  # master stepped, copied into the model
+    torch.testing.assert_close(model.state_dict()["head.weight"], group[0].detach(), rtol=0, atol=0)
+
+
+# -- clipping on master params ------------------------------------------------------------------
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_clip_grad_norm_on_master_params(opt_level):
+    model = make_cnn()
+    x, y = batch()
+    ref = copy.deepcopy(model)
+    nn.functional.cross_entropy(ref(x), y).backward()
+    ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), max_norm=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, loss_scale=1024.0, dtype=torch.bfloat16,
+                   verbosity=0)
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as s:
+        s.backward()
+    norm = nn.utils.clip_grad_norm_(amp.master_params(opt), max_norm=0.1)
+    # the norm is of the unscaled gradients, not of the scaled ones
+    torch.testing.assert_close(norm.float(), ref_norm, rtol=5e-2, atol=0)
+    clipped = torch.stack([p.grad.float().norm() for p in amp.master_params(opt)]).norm()
+    assert clipped <= 0.1 * 1.01
+
+
+# -- user functions and disable_casts -----------------------------------------------------------
+def _probe(x, y):
+    return x.dtype, y.dtype
+
+
+def test_register_functions_and_decorators():
+    ns = type("NS", (), {})()
+    ns.half_fn, ns.float_fn, ns.promote_fn = _probe, _probe, _probe
+    amp.register_half_function(ns, "half_fn")
+    amp.register_float_function(ns, "float_fn")
+    amp.register_promote_function(ns, "promote_fn")
+    a = torch.randn(2)
+    b = torch.randn(2, dtype=torch.bfloat16)
+    # outside autocast: untouched
+    assert ns.half_fn(a, b) == (torch.float32, torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ns.half_fn(a, b) == (torch.bfloat16, torch.bfloat16)
+        assert ns.float_fn(a, b) == (torch.float32, torch.float32)
+        assert ns.promote_fn(a, b) == (torch.float32, torch.float32)
+        assert amp.half_function(_probe)(a, b) == (torch.bfloat16, torch.bfloat16)
+        assert amp.float_function(_probe)(a, b) == (torch.float32, torch.float32)
+        assert amp.promote_function(_probe)(b, b) == (torch.bfloat16, torch.bfloat16)
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        amp.register_half_function(ns, "nope")
+    with pytest.raises(ValueError, match="already has the amp casting rule"):
+        amp.register_float_function(ns, "half_fn")
+
+
+def test_registered_function_inside_o1_model():
+    ns = type("NS", (), {})()
+    ns.matmul = torch.matmul
+    amp.register_float_function(ns, "matmul")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.lin(x)  # autocast: bf16
+            return h, ns.matmul(h, h.t())  # registered float: fp32
+
+    model = Net()
+    amp.initialize(model, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    h, out = model(torch.randn(3, 4))
+    assert h.dtype == torch.bfloat16 and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_disable_casts_at_every_level(opt_level):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with amp.disable_casts():
+                return self.lin(x.to(self.lin.weight.dtype)), torch.mm(x.float(), x.float().t())
+
+    model = Net()
+    amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, cast_model_outputs=None,
+                   verbosity=0)
+    lin_out, mm_out = model(torch.randn(3, 4))
+    assert mm_out.dtype == torch.float32 or opt_level in ("O2", "O3")
+    if opt_level in ("O0", "O1"):
+        assert lin_out.dtype == torch.float32  # O1's autocast is off inside the block
+
+
+# -- outputs and nested inputs ------------------------------------------------------------------
+Pair = collections.namedtuple("Pair", "a b")
+
+
+@dataclasses.dataclass
+class Inputs:
+    image: torch.Tensor
+    label: torch.Tensor
+    name: str = "x"
+
+
+class Echo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, inputs, extra=None):
+        return {"inputs": inputs, "extra": extra, "y": self.lin(inputs[0].image)}
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+@pytest.mark.parametrize("out_dtype", [None, torch.float16, torch.float32])
+def test_cast_model_outputs_every_level(opt_level, out_dtype):
+    model = Echo()
+    amp.initialize(model, opt_level=opt_level, cast_model_outputs=out_dtype, verbosity=0)
+    y = model([Inputs(torch.randn(3, 2), torch.arange(3))])["y"]
+    if out_dtype is not None:
+        assert y.dtype == out_dtype
+    else:
+        expected = {"O0": torch.float32, "O1": torch.float16, "O2": torch.float32,
+                    "O3": torch.float32}[opt_level]
+        assert y.dtype == expected
+
+
+def test_o2_casts_nested_inputs_only_floating():
+    seen = {}
+
+    class Spy(Echo):
+        def forward(self, inputs, extra=None):
+            seen["inputs"], seen["extra"] = inputs, extra
+            return super().forward(inputs, extra)
+
+    model = Spy()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    data = [Inputs(torch.randn(3, 2), torch.arange(3)), Pair(torch.randn(1), 7)]
+    model(data, extra={"mask": torch.ones(2, dtype=torch.bool), "w": (torch.randn(2), "s")})
+    inputs, extra = seen["inputs"], seen["extra"]
+    assert isinstance(inputs, list) and isinstance(inputs[0], Inputs)
+    assert isinstance(inputs[1], Pair) and inputs[1].b == 7
+    assert inputs[0].image.dtype == torch.bfloat16 and inputs[0].label.dtype == torch.int64
+    assert inputs[0].name == "x" and inputs[1].a.dtype == torch.bfloat16
+    assert extra["mask"].dtype == torch.bool and extra["w"][0].dtype == torch.bfloat16
+    assert extra["w"][1] == "s"
+    assert data[0].image.dtype == torch.float32  # the caller's objects are not modified
+
+
+# -- DataParallel ---------------------------------------------------------------------------------
+def test_data_parallel_around_o2_model(device):
+    model = make_cnn(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    dp = nn.DataParallel(model)
+    x, y = batch(device, n=8)
+    loss = train_step(dp, opt, x, y, amp)
+    assert torch.isfinite(loss)
+    assert dp(x).dtype == torch.float32
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires 2 GPUs")
+def test_data_parallel_replicas_on_two_gpus():
+    model = make_cnn("cuda")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    dp = nn.DataParallel(model, device_ids=[0, 1])
+    x, y = batch("cuda", n=8)
+    ref = copy.deepcopy(model)
+    torch.testing.assert_close(dp(x), ref(x), rtol=1e-2, atol=1e-2)
+    assert torch.isfinite(train_step(dp, opt, x, y, amp))
+
+
+# -- schedulers -------------------------------------------------------------------------------------
+def test_scheduler_recipe_with_step_was_skipped():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
+                   verbosity=0)
+    x, y = batch()
+    for overflow in (False, True, False):
+        opt.zero_grad()
+        with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as s:
+            (s * (float("inf") if overflow else 1.0)).backward()
+        opt.step()
+        if not amp.step_was_skipped(opt):
+            sched.step()
+    assert opt.param_groups[0]["lr"] == 0.25  # two real steps
+
+
+# -- torch.compile and activation checkpointing -----------------------------------------------------
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_torch_compile_fullgraph_matches_eager(opt_level, device):
+    eager = make_cnn(device)
+    compiled_src = copy.deepcopy(eager)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    opt_c = torch.optim.SGD(compiled_src.parameters(), lr=0.1)
+    kw = dict(opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    amp.initialize(eager, opt_e, **kw)
+    amp.initialize(compiled_src, opt_c, **kw)
+    backend = "inductor" if device.type == "cuda" else "aot_eager"
+    compiled = torch.compile(compiled_src, fullgraph=True, backend=backend)
+    x, y = batch(device)
+    for _ in range(3):
+        le = train_step(eager, opt_e, x, y, amp)
+        lc = train_step(compiled, opt_c, x, y, amp)
+        torch.testing.assert_close(lc.float(), le.float(), rtol=2e-2, atol=2e-2)
+    for a, b in zip(eager.state_dict().values(), compiled_src.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-3)
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, use_checkpoint):
+        super().__init__()
+        self.use_checkpoint = use_checkpoint
+        self.block = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        if self.use_checkpoint:
+            return self.head(checkpoint(self.block, x, use_reentrant=False))
+        return self.head(self.block(x))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_activation_checkpointing_matches_plain_forward(opt_level, dtype, device):
+    grads = []
+    x = torch.randn(4, 8, device=device)
+    for use_checkpoint in (True, False):
+        torch.manual_seed(0)
+        model = Checkpointed(use_checkpoint).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as s:
+            s.backward()
+        grads.append([p.grad for p in amp.master_params(opt)])
+    # The recomputation runs under the same autocast state, so the results are identical.
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -1,0 +1,75 @@
+"""The way over from Apex and torch.amp: the alias, and the documented example scripts."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import mixprec
+from mixprec import amp
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+@pytest.fixture
+def clean_apex(monkeypatch):
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        del sys.modules[name]
+
+
+def test_alias_resolves_apex_imports(clean_apex):
+    mixprec.install_apex_alias()
+    mixprec.install_apex_alias()  # idempotent
+    from apex import amp as apex_amp
+    from apex.normalization import FusedLayerNorm
+    from apex.parallel import DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
+
+    assert apex_amp is amp
+    assert DistributedDataParallel is mixprec.parallel.DistributedDataParallel
+    assert SyncBatchNorm is mixprec.parallel.SyncBatchNorm
+    assert convert_syncbn_model is mixprec.parallel.convert_syncbn_model
+    assert FusedLayerNorm is mixprec.normalization.FusedLayerNorm
+
+
+def test_alias_refuses_to_shadow_a_real_apex(clean_apex, tmp_path, monkeypatch):
+    (tmp_path / "apex").mkdir()
+    (tmp_path / "apex" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match="real apex package is installed.*uninstall Apex"):
+        mixprec.install_apex_alias()
+
+
+def _run_apex_script(monkeypatch, *argv):
+    monkeypatch.setattr(sys, "argv", ["apex_style_train.py", *argv])
+    module = runpy.run_path(str(EXAMPLES / "apex_style_train.py"), run_name="apex_example")
+    return module["main"]()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("half", ["float16", "bfloat16"])
+def test_unmodified_apex_script_runs_and_resumes(opt_level, half, clean_apex, monkeypatch,
+                                                 tmp_path):
+    mixprec.install_apex_alias()
+    ckpt = str(tmp_path / "ckpt.pt")
+    common = ["--opt-level", opt_level, "--half-dtype", half, "--device", "cpu"]
+    full = _run_apex_script(monkeypatch, *common, "--steps", "8")
+    first = _run_apex_script(monkeypatch, *common, "--steps", "4", "--checkpoint", ckpt)
+    second = _run_apex_script(monkeypatch, *common, "--steps", "4", "--checkpoint", ckpt,
+                              "--resume")
+    assert first + second == full  # checkpoint/resume continues bit for bit
+    assert sum(full[-3:]) < sum(full[:3])  # and it learns
+
+
+def test_torch_amp_before_and_mixprec_after_agree(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    before = runpy.run_path(str(EXAMPLES / "torch_amp_before.py"), run_name="before")
+    after = runpy.run_path(str(EXAMPLES / "mixprec_after.py"), run_name="after")
+    native = before["train"]()
+    for opt_level in ("O1", "O2"):
+        ours = after["train"](opt_level=opt_level)
+        assert abs(ours - native) <= 0.05 * native + 1e-3, (opt_level, ours, native)
