@@ -239,7 +239,7 @@ class AmpState:
     Attributes:
         properties (Properties): the resolved opt level.
         enabled (bool): False makes every amp call a no-op.
-        models (list[nn.Module]): the models, as returned.
+        models (list[nn.Module]): the models still alive, as returned.
         scalers (list[LossScaler]): one per ``loss_id``.
     """
 
@@ -247,7 +247,9 @@ class AmpState:
                  min_loss_scale, max_loss_scale, verbosity: int):
         self.properties = properties
         self.enabled = enabled
-        self.models = list(models)
+        # Weak references: module-level amp.state_dict() keeps the latest AmpState alive, and
+        # that must not keep the user's models, optimizers and master weights alive with it.
+        self._models = [weakref.ref(m) for m in models]
         self.verbosity = verbosity
         loss_scale = properties.loss_scale if properties is not None else 1.0
         self.scalers = [
@@ -255,7 +257,11 @@ class AmpState:
             for _ in range(num_losses)
         ]
         self.overflow_log = OverflowLog(verbosity)
-        self._optimizer_states: List[_OptimizerState] = []
+        self._optimizer_states: List["weakref.ref[_OptimizerState]"] = []
+
+    @property
+    def models(self) -> list:
+        return [m for m in (ref() for ref in self._models) if m is not None]
 
     def add_optimizer(self, optimizer) -> _OptimizerState:
         state = _OptimizerState(self, optimizer)
@@ -263,12 +269,12 @@ class AmpState:
         hook_target = hookable_optimizer(optimizer)
         if hook_target is not optimizer:
             _OPTIMIZER_STATES[hook_target] = state
-        self._optimizer_states.append(state)
+        self._optimizer_states.append(weakref.ref(state))
         return state
 
     @property
     def optimizer_states(self) -> List[_OptimizerState]:
-        return self._optimizer_states
+        return [s for s in (ref() for ref in self._optimizer_states) if s is not None]
 
     def scaler(self, loss_id: int) -> LossScaler:
         if not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):

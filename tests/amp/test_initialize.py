@@ -165,3 +165,17 @@ def test_initialize_logs_opt_level(caplog):
     with caplog.at_level(logging.INFO, logger="mixprec.amp"):
         amp.initialize(make_cnn(), opt_level="O2", verbosity=0)
     assert caplog.text == ""
+
+
+def test_latest_state_does_not_keep_models_alive():
+    import gc
+    import weakref
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    refs = [weakref.ref(model), weakref.ref(opt), weakref.ref(next(amp.master_params(opt)))]
+    del model, opt
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert amp.state_dict()  # the scalers themselves are still there

@@ -1,0 +1,262 @@
+"""Turn :class:`~mixprec.bench.runner.ModeResult` rows into a table, JSON, CSV and a plot.
+
+Only :func:`format_table` builds text; nothing here prints. The plot uses matplotlib's Agg
+canvas directly (no pyplot, no display, no change to the global backend).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from typing import Dict, List, Optional, Sequence
+
+from mixprec.bench.runner import ModeResult
+
+__all__ = ["format_table", "relative_to", "rows_to_dicts", "write_csv", "write_json", "write_plot"]
+
+#: Columns of the CSV file (scalars only; the JSON also has every step's loss and time).
+CSV_FIELDS = (
+    "mode",
+    "label",
+    "dtype",
+    "status",
+    "device",
+    "iters",
+    "warmup",
+    "time_per_iter_s",
+    "time_per_iter_mean_s",
+    "total_time_s",
+    "time_per_40_iters_s",
+    "speedup_vs_baseline",
+    "peak_memory_mb",
+    "memory_vs_baseline",
+    "final_loss",
+    "loss_gap_pct",
+    "skipped_steps",
+    "error",
+)
+
+
+def _baseline(results: Sequence[ModeResult], baseline: str) -> Optional[ModeResult]:
+    for r in results:
+        if r.mode == baseline and r.ok:
+            return r
+    return None
+
+
+def relative_to(results: Sequence[ModeResult], baseline: str = "O0") -> List[Dict[str, object]]:
+    """Per row: speed-up, memory ratio and final-loss gap against the ``baseline`` mode.
+
+    Args:
+        results: rows from :func:`~mixprec.bench.runner.run_modes`.
+        baseline (str): the mode compared against. Default ``"O0"``.
+
+    Returns:
+        list of dicts with ``speedup_vs_baseline`` (baseline time / row time),
+        ``memory_vs_baseline`` (row memory / baseline memory) and ``loss_gap_pct``
+        (100 * (row loss - baseline loss) / baseline loss); None where either side is missing.
+    """
+    base = _baseline(results, baseline)
+    out = []
+    for r in results:
+        speed = mem = gap = None
+        if base is not None and r.ok:
+            if r.time_per_iter_s and base.time_per_iter_s:
+                speed = base.time_per_iter_s / r.time_per_iter_s
+            if r.peak_memory_mb is not None and base.peak_memory_mb:
+                mem = r.peak_memory_mb / base.peak_memory_mb
+            if r.final_loss is not None and base.final_loss:
+                gap = 100.0 * (r.final_loss - base.final_loss) / abs(base.final_loss)
+        out.append({"speedup_vs_baseline": speed, "memory_vs_baseline": mem, "loss_gap_pct": gap})
+    return out
+
+
+def _json_safe(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def rows_to_dicts(
+    results: Sequence[ModeResult], baseline: str = "O0", meta: Optional[dict] = None
+) -> List[dict]:
+    """JSON-ready rows: every :class:`ModeResult` field, the ratios of :func:`relative_to`,
+    ``time_per_40_iters_s`` (40 x the median step time, the seed's unit) and ``meta``'s keys
+    (model, batch size, ...) repeated in each row so that every row stands alone."""
+    rows = []
+    for r, rel in zip(results, relative_to(results, baseline)):
+        d = r.to_dict()
+        d["time_per_40_iters_s"] = 40 * r.time_per_iter_s if r.time_per_iter_s else None
+        d["baseline"] = baseline
+        d.update(rel)
+        if meta:
+            for k, v in meta.items():
+                d.setdefault(k, v)
+        rows.append({k: _json_safe(v) for k, v in d.items()})
+    return rows
+
+
+def _fmt(v, spec: str, missing: str = "-") -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return missing
+    return format(v, spec)
+
+
+def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
+    """A markdown table like the seed's, one row per mode.
+
+    Columns: mode, dtype, peak memory (MiB), seconds per 40 iterations (40 x median step
+    time), speed-up vs the baseline, final loss, its gap to the baseline's (%), skipped steps,
+    status (``ok`` or ``FAILED: reason``).
+
+    Example::
+
+        >>> print(format_table(rows))  # doctest: +SKIP
+        | mode | dtype | peak mem (MiB) | s / 40 it | speed-up vs O0 | final loss | ...
+    """
+    header = (
+        f"| mode | dtype | peak mem (MiB) | s / 40 it | speed-up vs {baseline} | final loss "
+        f"| loss gap vs {baseline} | skipped steps | status |"
+    )
+    lines = [header, _rule(header)]
+    for r, rel in zip(results, relative_to(results, baseline)):
+        if r.ok:
+            status = "ok"
+        else:
+            reason = (r.error or "unknown error").replace("|", "/").replace("\n", " ")
+            status = "FAILED: " + (reason if len(reason) <= 120 else reason[:117] + "...")
+        cells = [
+            r.label,
+            r.dtype,
+            _fmt(r.peak_memory_mb, ".1f"),
+            _fmt(40 * r.time_per_iter_s if r.time_per_iter_s else None, ".3f"),
+            _fmt(rel["speedup_vs_baseline"], ".2f") + ("x" if rel["speedup_vs_baseline"] else ""),
+            _fmt(r.final_loss, ".4f"),
+            _fmt(rel["loss_gap_pct"], "+.2f") + ("%" if rel["loss_gap_pct"] is not None else ""),
+            _fmt(r.skipped_steps, "d") if r.ok else "-",
+            status,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _rule(header: str) -> str:
+    return "|" + "---|" * (header.count("|") - 1)
+
+
+def _parent_dir(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+
+
+def write_json(
+    results: Sequence[ModeResult], path: str, baseline: str = "O0", meta: Optional[dict] = None
+) -> None:
+    """Write the rows of :func:`rows_to_dicts` to ``path`` as a JSON list."""
+    _parent_dir(path)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(rows_to_dicts(results, baseline, meta), f, indent=2)
+        f.write("\n")
+
+
+def write_csv(
+    results: Sequence[ModeResult], path: str, baseline: str = "O0", meta: Optional[dict] = None
+) -> None:
+    """Write one CSV line per mode with :data:`CSV_FIELDS` (plus ``meta``'s keys)."""
+    _parent_dir(path)
+    rows = rows_to_dicts(results, baseline, meta)
+    fields = list(CSV_FIELDS) + [k for k in (meta or {}) if k not in CSV_FIELDS]
+    with open(path, "w", encoding="utf-8", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in fields})
+
+
+def _import_matplotlib():
+    try:
+        import matplotlib  # noqa: F401
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RuntimeError(
+            "--plot needs matplotlib, which is not installed; install the bench extra "
+            "(pip install 'mixprec[bench]') or drop --plot."
+        ) from None
+    return Figure, FigureCanvasAgg
+
+
+def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> None:
+    """Save a PNG: every mode's loss curve on one axis, and bars of step time and memory.
+
+    Failed modes are left out of the curves and shown as empty bars labelled "failed".
+
+    Args:
+        results: rows from :func:`~mixprec.bench.runner.run_modes`.
+        path (str): the PNG file to write.
+        title (str): figure title. Default ``""``.
+
+    Raises:
+        RuntimeError: matplotlib is not installed.
+    """
+    Figure, FigureCanvasAgg = _import_matplotlib()
+    fig = Figure(figsize=(12, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)  # attaches the Agg canvas: rendering never touches a display
+    grid = fig.add_gridspec(2, 2, height_ratios=(1.3, 1.0))
+    ax_loss = fig.add_subplot(grid[0, :])
+    ax_time = fig.add_subplot(grid[1, 0])
+    ax_mem = fig.add_subplot(grid[1, 1])
+
+    labels = [
+        f"{r.label} ({r.dtype})" if r.mode not in ("fp32", "O0") else r.label for r in results
+    ]
+    styles = ("-", "--", "-.", ":")  # curves of close recipes overlap: vary the dash too
+    for i, (r, label) in enumerate(zip(results, labels)):
+        if r.ok and r.losses:
+            steps = range(1, len(r.losses) + 1)
+            ax_loss.plot(
+                steps,
+                r.losses,
+                label=label,
+                linewidth=1.4,
+                color=f"C{i % 10}",
+                linestyle=styles[i % len(styles)],
+            )
+    warmups = {r.warmup for r in results if r.ok}
+    if len(warmups) == 1 and next(iter(warmups)) > 0:
+        ax_loss.axvline(next(iter(warmups)) + 0.5, color="0.6", linestyle=":", linewidth=1)
+    ax_loss.set_xlabel("step (warm-up steps left of the dotted line)")
+    ax_loss.set_ylabel("training loss")
+    ax_loss.set_title("Loss per step")
+    if any(r.ok for r in results):
+        ax_loss.legend(loc="upper right", fontsize="small")
+    ax_loss.grid(alpha=0.3)
+
+    xs = list(range(len(results)))
+    times = [40 * r.time_per_iter_s if r.ok and r.time_per_iter_s else 0.0 for r in results]
+    mems = [r.peak_memory_mb if r.ok and r.peak_memory_mb is not None else 0.0 for r in results]
+    for ax, values, ylabel, name in (
+        (ax_time, times, "seconds per 40 iterations", "Time (40 x median step)"),
+        (ax_mem, mems, "peak memory (MiB)", "Peak memory"),
+    ):
+        bars = ax.bar(xs, values, color=[f"C{i % 10}" for i in xs])
+        for bar, r, v in zip(bars, results, values):
+            text = "failed" if not r.ok else (f"{v:.3g}")
+            ax.annotate(
+                text,
+                (bar.get_x() + bar.get_width() / 2, v),
+                ha="center",
+                va="bottom",
+                fontsize="small",
+            )
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize="small")
+        ax.set_ylabel(ylabel)
+        ax.set_title(name)
+        ax.grid(axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    _parent_dir(path)
+    fig.savefig(path, format="png", dpi=100)

@@ -1,0 +1,291 @@
+"""`mixprec bench` run in-process on the CPU with a tiny workload: table, JSON, CSV, PNG,
+failed rows, argparse errors and the frozen-BatchNorm case."""
+
+import contextlib
+import csv
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mixprec.bench.cli import main
+
+# Few steps on a small batch: the whole file stays within a few seconds of CPU per run.
+FAST = ["--iters", "2", "--warmup", "1", "--batch-size", "4", "--device", "cpu", "--no-progress"]
+ALL_MODES = ["O0", "O1", "O2", "O3", "autocast", "half"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue()
+
+
+def _table_rows(text):
+    """The markdown table's data rows, as lists of cells."""
+    lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    paths = {k: str(d / f"rows.{k}") for k in ("json", "csv", "png")}
+    code, text = _run(
+        ["bench", *FAST, "--json", paths["json"], "--csv", paths["csv"], "--plot", paths["png"]]
+    )
+    return code, text, paths
+
+
+def test_table_has_a_row_per_mode(default_run):
+    code, text, _ = default_run
+    assert code == 0
+    rows = _table_rows(text)
+    assert [r[0] for r in rows] == ["O0", "O1", "O2", "O3", "autocast", ".bfloat16()"]
+    assert all(r[-1] == "ok" for r in rows), text
+    assert [r[1] for r in rows] == ["fp32", "bf16", "bf16", "bf16", "bf16", "bf16"]
+    # O0 is its own baseline.
+    assert rows[0][4] == "1.00x" and rows[0][6] == "+0.00%"
+    assert "speed-up vs O0" in text and "peak mem" in text and "skipped steps" in text
+
+
+def test_json_rows_are_sane(default_run):
+    _, _, paths = default_run
+    with open(paths["json"]) as f:
+        rows = json.load(f)
+    assert isinstance(rows, list) and [r["mode"] for r in rows] == ALL_MODES
+    for r in rows:
+        assert r["status"] == "ok" and r["error"] is None
+        for key in ("time_per_iter_s", "time_per_iter_mean_s", "total_time_s"):
+            assert math.isfinite(r[key]) and r[key] > 0, (r["mode"], key, r[key])
+        assert math.isfinite(r["peak_memory_mb"]) and r["peak_memory_mb"] >= 0
+        assert math.isfinite(r["final_loss"]) and r["final_loss"] > 0
+        assert len(r["losses"]) == 3 and all(math.isfinite(v) for v in r["losses"])
+        assert len(r["step_times_s"]) == 2
+        assert r["skipped_steps"] == 0  # bf16: static loss scale, nothing is skipped
+        assert r["model"] == "cnn" and r["batch_size"] == 4 and r["device"] == "cpu"
+        assert r["time_per_40_iters_s"] == pytest.approx(40 * r["time_per_iter_s"])
+    base = rows[0]
+    assert base["speedup_vs_baseline"] == 1.0 and base["loss_gap_pct"] == 0.0
+
+
+def test_every_mode_starts_from_the_same_weights_and_data(default_run):
+    _, _, paths = default_run
+    with open(paths["json"]) as f:
+        rows = json.load(f)
+    first = [r["losses"][0] for r in rows]
+    # Same initial weights and batch: the first loss differs only by bf16 rounding.
+    for mode, loss in zip(ALL_MODES, first):
+        assert loss == pytest.approx(first[0], rel=3e-2), (mode, first)
+
+
+def test_csv_has_header_and_a_line_per_mode(default_run):
+    _, _, paths = default_run
+    with open(paths["csv"], newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["mode"] for r in rows] == ALL_MODES
+    for r in rows:
+        assert float(r["time_per_iter_s"]) > 0
+        assert math.isfinite(float(r["final_loss"]))
+        assert r["status"] == "ok"
+
+
+def test_plot_is_a_png(default_run):
+    _, _, paths = default_run
+    with open(paths["png"], "rb") as f:
+        data = f.read()
+    assert data[:8] == PNG_MAGIC
+    assert len(data) > 20_000  # three axes with curves, bars and labels
+
+
+def test_failed_mode_is_a_failed_row_and_others_run(monkeypatch, tmp_path):
+    from mixprec import amp
+
+    real = amp.initialize
+
+    def flaky_initialize(*args, **kwargs):
+        if kwargs.get("opt_level") == "O2":
+            raise RuntimeError("fp16 unsupported here (forced by the test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(amp, "initialize", flaky_initialize)
+    path = str(tmp_path / "rows.json")
+    code, text = _run(["bench", *FAST, "--opt-levels", "O0", "O2", "O3", "--json", path])
+    assert code == 0
+    rows = {r[0]: r for r in _table_rows(text)}
+    assert list(rows) == ["O0", "O2", "O3", "autocast", ".bfloat16()"]
+    assert rows["O2"][-1].startswith("FAILED: RuntimeError: fp16 unsupported here")
+    assert all(rows[m][-1] == "ok" for m in ("O0", "O3", "autocast", ".bfloat16()"))
+    with open(path) as f:
+        js = {r["mode"]: r for r in json.load(f)}
+    assert js["O2"]["status"] == "failed" and "fp16 unsupported" in js["O2"]["error"]
+    assert js["O2"]["time_per_iter_s"] is None and js["O3"]["status"] == "ok"
+
+
+def test_every_mode_failing_exits_1(monkeypatch):
+    import mixprec.bench.runner as runner
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runner, "_build_recipe", boom)
+    code, text = _run(["bench", *FAST, "--opt-levels", "O0", "O1", "--no-native"])
+    assert code == 1
+    assert text.count("FAILED: RuntimeError: boom") == 2
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "required"),
+        (["bench", "--opt-levels", "O4"], "invalid choice"),
+        (["bench", "--opt-levels", "02"], "invalid choice"),
+        (["bench", "--dtype", "fp8"], "invalid choice"),
+        (["bench", "--model", "vgg"], "invalid choice"),
+        (["bench", "--iters", "0"], "positive integer"),
+        (["bench", "--iters", "ten"], "positive integer"),
+        (["bench", "--batch-size", "-3"], "positive integer"),
+        (["bench", "--warmup", "-1"], "integer >= 0"),
+        (["bench", "--device", "tpu"], "--device"),
+        (["bench", "--model", "gpt", "--channels-last"], "image models"),
+        (["bench", "--norm", "mixprec"], "--model gpt"),
+        (["bench", "--bogus"], "unrecognized"),
+    ],
+)
+def test_bad_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_device_without_cuda_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_resnet50_without_torchvision_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import fails as if not installed
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--model", "resnet50", *FAST])
+    assert exc.value.code == 2
+    assert "needs torchvision" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_a_clear_error_before_running(monkeypatch, capsys, tmp_path):
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *FAST, "--plot", str(tmp_path / "p.png")])
+    assert exc.value.code == 2
+    assert "needs matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_frozen_bn_runs():
+    # The seed's crash: BatchNorm in eval mode under a half-precision model (O2, O3, .half()).
+    code, text = _run(["bench", *FAST, "--frozen-bn", "--opt-levels", "O0", "O2", "O3"])
+    assert code == 0
+    rows = _table_rows(text)
+    assert len(rows) == 5 and all(r[-1] == "ok" for r in rows), text
+    assert "BatchNorm frozen (eval)" in text
+
+
+def test_gpt_and_selected_levels_without_native():
+    code, text = _run(["bench", "--model", "gpt", *FAST, "--opt-levels", "O2", "O0", "--no-native"])
+    assert code == 0
+    rows = _table_rows(text)
+    assert [r[0] for r in rows] == ["O0", "O2"]  # run in opt-level order
+    assert all(r[-1] == "ok" for r in rows), text
+
+
+def test_gpt_with_mixprec_norm():
+    pytest.importorskip("mixprec.normalization").FusedLayerNorm  # noqa: B018
+    code, text = _run(
+        ["bench", "--model", "gpt", *FAST, "--opt-levels", "O1", "--no-native", "--norm", "mixprec"]
+    )
+    assert code == 0 and "FusedLayerNorm" in text
+    assert _table_rows(text)[0][-1] == "ok"
+
+
+def test_progress_bar_callback_counts_steps():
+    pytest.importorskip("tqdm")
+    from mixprec.bench.cli import _progress
+
+    bar, step = _progress(5, enabled=True)
+    try:
+        for i in range(5):
+            step("O1", i)
+        assert bar.total == 5
+        assert bar.n == (0 if bar.disable else 5)  # disabled when stderr is not a terminal
+    finally:
+        bar.close()
+    assert _progress(5, enabled=False) == (None, None)
+
+
+def test_python_dash_m_help():
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mixprec", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--opt-levels", "--frozen-bn", "--no-native", "--channels-last", "--plot"):
+        assert flag in proc.stdout
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+
+
+@requires_cuda
+@pytest.mark.parametrize("model, dtype", [("cnn", "fp16"), ("gpt", "bf16"), ("gpt", "fp16")])
+def test_cuda_run_every_mode(model, dtype, tmp_path):
+    path = str(tmp_path / "rows.json")
+    extra = ["--frozen-bn"] if model == "cnn" else []
+    code, text = _run(
+        [
+            "bench",
+            "--model",
+            model,
+            "--size",
+            "small",
+            "--device",
+            "cuda",
+            "--dtype",
+            dtype,
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--no-progress",
+            "--json",
+            path,
+            *extra,
+        ]
+    )
+    assert code == 0
+    with open(path) as f:
+        rows = json.load(f)
+    assert [r["mode"] for r in rows] == ALL_MODES
+    for r in rows:
+        assert r["status"] == "ok", (r["mode"], r["error"])
+        assert r["time_per_iter_s"] > 0 and r["peak_memory_mb"] > 0
+        assert math.isfinite(r["final_loss"]) and r["skipped_steps"] is not None
+        assert r["extra"]["peak_memory_total_mb"] >= r["peak_memory_mb"]
+    assert "torch.cuda.max_memory_allocated" in text

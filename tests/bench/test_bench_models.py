@@ -1,0 +1,127 @@
+"""The benchmark's models: shapes, causality, the norm hook, the large GPT's size."""
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.bench.models import GPT, GPTConfig, SmallCNN, build_workload, gpt_config
+
+
+def test_small_cnn_shapes_and_batchnorm():
+    model = SmallCNN(width=4)
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 3
+    assert model(torch.randn(2, 3, 16, 16)).shape == (2, 10)
+
+
+def test_gpt_is_causal():
+    torch.manual_seed(0)
+    model = GPT(gpt_config("small")).eval()
+    tokens = torch.randint(0, 512, (2, 16))
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 512
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    assert a.shape == (2, 16, 512)
+    # Positions before the change see the same prefix: identical logits.
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_gpt_large_config_matches_the_benchmark():
+    cfg = GPTConfig()
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.vocab_size) == (
+        1024,
+        12,
+        16,
+        1024,
+        32000,
+    )
+    with torch.device("meta"):  # no memory, no init cost
+        model = GPT(cfg)
+    d, v, t, h = 1024, 32000, 1024, 4096
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * h + h) + (h * d + d)
+    expected = v * d + t * d + 12 * block + 2 * d + v * d  # untied head
+    assert sum(p.numel() for p in model.parameters()) == expected
+
+
+def test_gpt_norm_cls_is_pluggable():
+    made = []
+
+    class MyNorm(nn.LayerNorm):
+        def __init__(self, width):
+            super().__init__(width, eps=1e-6)
+            made.append(width)
+
+    model = GPT(gpt_config("small"), norm_cls=MyNorm)
+    assert made == [64] * (2 * 2 + 1)  # two per block, plus the final norm
+    assert isinstance(model.ln_f, MyNorm)
+
+
+def test_gpt_tied_weights():
+    model = GPT(
+        GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2, tie_weights=True)
+    )
+    assert model.head.weight is model.tok_emb.weight
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"d_model": 10, "n_heads": 3}, "n_heads must divide d_model"),
+        ({"n_layers": 0}, "n_layers"),
+    ],
+)
+def test_gpt_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        GPTConfig(**kwargs)
+
+
+def test_gpt_rejects_too_long_sequences():
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2))
+    with pytest.raises(ValueError, match="exceeds config.seq_len=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_workloads_are_deterministic_and_learnable():
+    a = build_workload("cnn", batch_size=4, seed=3)
+    b = build_workload("cnn", batch_size=4, seed=3)
+    for (xa, ya), (xb, yb) in zip(a.batches, b.batches):
+        torch.testing.assert_close(xa, xb, rtol=0, atol=0)
+        torch.testing.assert_close(ya, yb, rtol=0, atol=0)
+    torch.manual_seed(1)
+    m1 = a.build_model()
+    torch.manual_seed(1)
+    m2 = b.build_model()
+    for p1, p2 in zip(m1.state_dict().values(), m2.state_dict().values()):
+        torch.testing.assert_close(p1, p2, rtol=0, atol=0)
+    # fp32 training on the synthetic data lowers the loss.
+    opt = a.build_optimizer(m1.parameters(), torch.device("cpu"))
+    losses = []
+    for i in range(30):
+        x, y = a.batches[i % len(a.batches)]
+        opt.zero_grad()
+        loss = a.loss_fn(m1(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-4:]) < 0.7 * sum(losses[:4])
+
+
+def test_gpt_workload_targets_are_shifted_inputs():
+    wl = build_workload("gpt", batch_size=2, num_batches=1)
+    x, y = wl.batches[0]
+    assert x.shape == y.shape == (2, 64)
+    torch.testing.assert_close(x[:, 1:], y[:, :-1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"name": "vgg"}, "name must be one of"),
+        ({"size": "huge"}, "size must be one of"),
+        ({"batch_size": 0}, "batch_size"),
+    ],
+)
+def test_build_workload_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        build_workload(**kwargs)

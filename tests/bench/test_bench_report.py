@@ -1,0 +1,64 @@
+"""The report: ratios against the baseline, the table's failed rows, CSV/JSON writers."""
+
+import json
+
+import pytest
+
+from mixprec.bench.report import format_table, relative_to, rows_to_dicts, write_json
+from mixprec.bench.runner import ModeResult
+
+
+def _row(mode, t, mem, loss, **kw):
+    return ModeResult(
+        mode=mode,
+        label=mode,
+        dtype="fp16",
+        time_per_iter_s=t,
+        peak_memory_mb=mem,
+        final_loss=loss,
+        skipped_steps=0,
+        **kw,
+    )
+
+
+def test_relative_to_baseline():
+    rows = [_row("O0", 0.2, 100.0, 2.0), _row("O2", 0.1, 60.0, 2.02)]
+    rel = relative_to(rows)
+    assert rel[0] == {"speedup_vs_baseline": 1.0, "memory_vs_baseline": 1.0, "loss_gap_pct": 0.0}
+    assert rel[1]["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert rel[1]["memory_vs_baseline"] == pytest.approx(0.6)
+    assert rel[1]["loss_gap_pct"] == pytest.approx(1.0)
+
+
+def test_no_baseline_gives_none():
+    failed_o0 = ModeResult(mode="O0", label="O0", dtype="fp32", status="failed", error="x")
+    rows = [failed_o0, _row("O1", 0.1, 1.0, 1.0)]
+    assert relative_to(rows)[1] == {
+        "speedup_vs_baseline": None,
+        "memory_vs_baseline": None,
+        "loss_gap_pct": None,
+    }
+    table = format_table(rows)
+    assert "| O1 | fp16 | 1.0 | 4.000 | - | 1.0000 | - | 0 | ok |" in table
+
+
+def test_failed_row_in_table_keeps_its_reason_on_one_line():
+    err = "RuntimeError: a | b\nsecond line " + "x" * 300
+    rows = [
+        _row("O0", 0.2, 10.0, 1.0),
+        ModeResult(mode="O2", label="O2", dtype="fp16", status="failed", error=err),
+    ]
+    line = format_table(rows).splitlines()[-1]
+    assert line.startswith("| O2 | fp16 | - | - | - | - | - | - | FAILED: RuntimeError: a / b")
+    assert line.endswith("... |") and "\n" not in line
+
+
+def test_json_rows_are_strict_json(tmp_path):
+    rows = [_row("O0", 0.2, 10.0, float("nan"), losses=[1.0, float("inf")])]
+    path = tmp_path / "sub" / "rows.json"
+    write_json(rows, str(path), meta={"model": "cnn"})
+    text = path.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    (d,) = json.loads(text)
+    assert d["final_loss"] is None and d["losses"] == [1.0, None] and d["model"] == "cnn"
+    assert rows_to_dicts(rows)[0]["time_per_40_iters_s"] == pytest.approx(8.0)

@@ -1,0 +1,140 @@
+"""The runner: same start for every mode, frozen BatchNorm, skipped-step counts, errors."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec.bench.models import build_workload
+from mixprec.bench.runner import MODES, mode_label, run_mode, run_modes
+
+FAST = {"iters": 2, "warmup": 1}
+
+
+def _capturing(workload):
+    """Keep every model the runner builds, to inspect it after the run."""
+    built = []
+    build = workload.build_model
+
+    def build_model():
+        built.append(build())
+        return built[-1]
+
+    return dataclasses.replace(workload, build_model=build_model), built
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return build_workload("cnn", batch_size=4, num_batches=2)
+
+
+def test_o0_matches_plain_fp32_exactly(cnn):
+    fp32, o0 = run_modes(cnn, ["fp32", "O0"], iters=3, warmup=0)
+    assert fp32.ok and o0.ok
+    # Same weights, same data, O0 is fp32: the first loss is bitwise the same.
+    assert fp32.losses[0] == o0.losses[0]
+    assert o0.dtype == fp32.dtype == "fp32"
+
+
+@pytest.mark.parametrize("mode", ["fp32", "O2", "half", "autocast"])
+def test_frozen_bn_keeps_running_stats_and_trains_the_rest(cnn, mode):
+    wl, built = _capturing(cnn)
+    result = run_mode(wl, mode, frozen_bn=True, **FAST)
+    assert result.ok
+    model = built[-1]
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert bns and all(not bn.training for bn in bns)
+    assert model.training  # the rest trains
+    for bn in bns:  # eval mode: the running statistics never moved from their init
+        torch.testing.assert_close(
+            bn.running_mean.float(),
+            torch.zeros_like(bn.running_mean, dtype=torch.float32),
+            rtol=0,
+            atol=0,
+        )
+        assert int(bn.num_batches_tracked) == 0
+    torch.manual_seed(0)
+    fresh = cnn.build_model()
+    w0 = fresh.features[0].weight
+    assert not torch.allclose(model.features[0].weight.float(), w0)
+
+
+def test_batchnorm_trains_without_frozen_bn(cnn):
+    wl, built = _capturing(cnn)
+    assert run_mode(wl, "O2", **FAST).ok
+    bn = next(m for m in built[-1].modules() if isinstance(m, nn.BatchNorm2d))
+    assert bn.training and int(bn.num_batches_tracked) == 3
+
+
+def _overflowing(workload, factor=100.0):
+    # A loss this large, times the initial fp16 loss scale 2**16, overflows fp16 gradients
+    # until the dynamic scale has backed off several times.
+    loss_fn = workload.loss_fn
+    return dataclasses.replace(workload, loss_fn=lambda out, y: factor * loss_fn(out, y))
+
+
+OVERFLOW_RUN = {"dtype": torch.float16, "iters": 8, "warmup": 1}
+
+
+def test_skipped_steps_are_counted_under_fp16(cnn):
+    wl = _overflowing(cnn)
+    o1 = run_mode(wl, "O1", **OVERFLOW_RUN)
+    native = run_mode(wl, "autocast", **OVERFLOW_RUN)
+    assert o1.ok and native.ok, (o1.error, native.error)
+    # Same back-off policy on the same gradients: the same steps are skipped.
+    assert 3 <= o1.skipped_steps <= 9 and o1.skipped_steps == native.skipped_steps
+    assert all(math.isfinite(v) for v in o1.losses)
+
+
+def test_skipped_steps_without_step_was_skipped_uses_the_loss_scale(cnn, monkeypatch):
+    from mixprec import amp
+
+    wl = _overflowing(cnn)
+    with_probe = run_mode(wl, "O2", **OVERFLOW_RUN)
+    monkeypatch.delattr(amp, "step_was_skipped")
+    without = run_mode(wl, "O2", **OVERFLOW_RUN)
+    assert with_probe.skipped_steps == without.skipped_steps >= 3
+
+
+def test_bf16_skips_nothing(cnn):
+    r = run_mode(_overflowing(cnn), "O2", dtype=torch.bfloat16, **FAST)
+    assert r.ok and r.skipped_steps == 0
+
+
+def test_result_fields(cnn):
+    r = run_mode(cnn, "half", **FAST)
+    assert r.mode == "half" and r.label == ".bfloat16()" and r.dtype == "bf16"
+    assert len(r.losses) == 3 and len(r.step_times_s) == 2
+    assert r.time_per_iter_s > 0 and r.total_time_s >= 0.9 * sum(r.step_times_s)
+    assert r.peak_memory_mb >= 0
+    d = r.to_dict()
+    assert d["mode"] == "half" and d["status"] == "ok"
+
+
+def test_labels():
+    assert mode_label("autocast", torch.float16) == "autocast+GradScaler"
+    assert mode_label("autocast", torch.bfloat16) == "autocast"
+    assert mode_label("half", torch.float16) == ".half()"
+    assert mode_label("O2", torch.float16) == "O2"
+    assert set(MODES) == {"fp32", "O0", "O1", "O2", "O3", "autocast", "half"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "O4"}, "mode must be one of"),
+        ({"mode": "O1", "dtype": torch.float32}, "dtype must be torch.float16"),
+        ({"mode": "O1", "iters": 0}, "iters must be an int >= 1"),
+        ({"mode": "O1", "warmup": -1}, "warmup must be an int >= 0"),
+    ],
+)
+def test_run_mode_errors(cnn, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        run_mode(cnn, **kwargs)
+
+
+def test_run_modes_rejects_unknown_modes(cnn):
+    with pytest.raises(ValueError, match="unknown"):
+        run_modes(cnn, ["O1", "fp8"])
