@@ -17,7 +17,7 @@ from apex import amp
 
 class Net(nn.Module):
     def __init__(self):
-        super(Net, self).__init__()
+        super().__init__()
         self.conv = nn.Conv2d(3, 8, 3, padding=1)
         self.bn = nn.BatchNorm2d(8)
         self.fc = nn.Linear(8, 4)
@@ -79,7 +79,7 @@ def main():
     if args.checkpoint and not args.resume:
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "amp": amp.state_dict(), "step": start + args.steps}, args.checkpoint)
-    print("final loss %.6f" % losses[-1])
+    print(f"final loss {losses[-1]:.6f}")
     return losses
 
 

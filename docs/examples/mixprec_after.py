@@ -2,8 +2,8 @@
 fp32 master weights, which is where the speed is."""
 import torch
 import torch.nn.functional as F
-
 from common import make_model_and_data
+
 from mixprec import amp
 
 
@@ -20,4 +20,4 @@ def train(steps=30, device="cpu", dtype=torch.bfloat16, opt_level="O2"):
 
 
 if __name__ == "__main__":
-    print("final loss %.6f" % train())
+    print(f"final loss {train():.6f}")

@@ -1,7 +1,6 @@
 """Before: PyTorch's native recipe, torch.autocast + torch.amp.GradScaler."""
 import torch
 import torch.nn.functional as F
-
 from common import make_model_and_data
 
 
@@ -19,4 +18,4 @@ def train(steps=30, device="cpu", dtype=torch.bfloat16):
 
 
 if __name__ == "__main__":
-    print("final loss %.6f" % train())
+    print(f"final loss {train():.6f}")

@@ -232,7 +232,7 @@ def _cast_module_tensors(module: nn.Module, dtype: torch.dtype) -> bool:
     """
     changed = False
     for tensors in (module._parameters, module._buffers):
-        for name, t in tensors.items():
+        for _name, t in tensors.items():
             if t is not None and t.is_floating_point() and t.dtype != dtype:
                 with torch.no_grad():
                     t.data = t.data.to(dtype)

@@ -25,12 +25,12 @@ from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 
 __all__ = ["AmpState", "optimizer_state"]
 
-_OPTIMIZER_STATES: "weakref.WeakKeyDictionary[object, _OptimizerState]" = (
+_OPTIMIZER_STATES: weakref.WeakKeyDictionary[object, _OptimizerState] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def optimizer_state(optimizer) -> Optional["_OptimizerState"]:
+def optimizer_state(optimizer) -> Optional[_OptimizerState]:
     """The amp state of ``optimizer``, or None if it never went through ``amp.initialize``."""
     try:
         return _OPTIMIZER_STATES.get(optimizer)
@@ -67,7 +67,7 @@ class _OptimizerState:
         last_step_skipped: whether the most recent ``step()`` was skipped.
     """
 
-    def __init__(self, amp_state: "AmpState", optimizer):
+    def __init__(self, amp_state: AmpState, optimizer):
         self.amp_state = amp_state
         self.optimizer_ref = weakref.ref(optimizer)
         self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -257,7 +257,7 @@ class AmpState:
             for _ in range(num_losses)
         ]
         self.overflow_log = OverflowLog(verbosity)
-        self._optimizer_states: List["weakref.ref[_OptimizerState]"] = []
+        self._optimizer_states: List[weakref.ref[_OptimizerState]] = []
 
     @property
     def models(self) -> list:

@@ -1,6 +1,5 @@
 """Checkpoints are true fp32 models, and resuming continues bit for bit."""
 
-import copy
 import io
 
 import pytest
@@ -24,7 +23,7 @@ def test_o2_state_dict_is_the_fp32_masters(dtype, device):
     params = dict(model.named_parameters())
     floating = [v for v in sd.values() if v.is_floating_point()]
     assert all(v.dtype == torch.float32 for v in floating)
-    for (name, p), master in zip(params.items(), masters):
+    for (name, _p), master in zip(params.items(), masters):
         torch.testing.assert_close(sd[name], master.detach(), rtol=0, atol=0)
     # Masters carry more precision than the half weights (what Apex's upcast saved).
     conv = "features.0.weight"
