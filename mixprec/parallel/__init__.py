@@ -1,3 +1,33 @@
-"""mixprec.parallel (see its issue)."""
+"""mixprec.parallel: Apex's data-parallel tools on ``torch.distributed`` (NCCL on GPUs, gloo on CPUs).
 
-__all__ = []
+* :class:`DistributedDataParallel` -- Apex's arguments on PyTorch's C++ gradient reducer;
+  half gradients all-reduced in half, Apex's pre-divide averaging.
+* :class:`SyncBatchNorm`, :func:`convert_syncbn_model`, :func:`create_syncbn_process_group` --
+  batch statistics over all ranks, one small collective per layer and direction.
+* :class:`Reducer` -- average gradients when you ask.
+* :class:`LARC` -- layer-wise adaptive rate scaling around any optimizer.
+
+Example::
+
+    >>> from mixprec import amp
+    >>> from mixprec.parallel import DistributedDataParallel, convert_syncbn_model
+    >>> torch.distributed.init_process_group("nccl")
+    >>> model = convert_syncbn_model(model).cuda()
+    >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+    >>> model = DistributedDataParallel(model)
+"""
+
+from mixprec.parallel.convert import convert_syncbn_model, create_syncbn_process_group
+from mixprec.parallel.distributed import DistributedDataParallel
+from mixprec.parallel.larc import LARC
+from mixprec.parallel.reducer import Reducer
+from mixprec.parallel.sync_batchnorm import SyncBatchNorm
+
+__all__ = [
+    "LARC",
+    "DistributedDataParallel",
+    "Reducer",
+    "SyncBatchNorm",
+    "convert_syncbn_model",
+    "create_syncbn_process_group",
+]

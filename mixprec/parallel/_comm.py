@@ -1,0 +1,139 @@
+"""Small ``torch.distributed`` helpers shared by the parallel tools.
+
+Everything here goes through ``torch.distributed``: NCCL for CUDA tensors, gloo for CPU ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "all_gather_rows",
+    "all_reduce_average_coalesced",
+    "all_reduce_sum",
+    "backend_of",
+    "broadcast_coalesced",
+    "group_world_size",
+    "is_distributed",
+    "require_initialized",
+]
+
+# ``all_gather_into_tensor`` was renamed ``all_gather_single`` (the old name warns on new
+# torch); use whichever this torch has.
+_ALL_GATHER_FLAT = getattr(dist, "all_gather_single", None) or getattr(
+    dist, "all_gather_into_tensor", None
+)
+
+_INIT_HINT = (
+    "Launch the script with torchrun (which sets RANK, WORLD_SIZE, MASTER_ADDR and "
+    "MASTER_PORT) and call torch.distributed.init_process_group(backend='nccl' on GPUs or "
+    "'gloo' on CPUs, timeout=datetime.timedelta(minutes=5)) first."
+)
+
+
+def is_distributed() -> bool:
+    """Whether ``torch.distributed`` is available and a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def require_initialized(what: str) -> None:
+    """Raise a RuntimeError naming ``what`` when there is no default process group."""
+    if not dist.is_available():
+        raise RuntimeError(
+            f"{what} needs torch.distributed, which this PyTorch build does not include."
+        )
+    if not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} was used before torch.distributed.init_process_group(). {_INIT_HINT}"
+        )
+
+
+def group_world_size(group) -> int:
+    """World size of ``group`` (None: the default group); RuntimeError if this rank is not in it."""
+    size = dist.get_world_size(group)
+    if size < 1:
+        raise RuntimeError(
+            f"This rank ({dist.get_rank()}) is not a member of the process group it was given. "
+            "Pass the group this rank belongs to (create_syncbn_process_group returns it)."
+        )
+    return size
+
+
+def backend_of(group) -> str:
+    """The backend name (``"nccl"``, ``"gloo"``, ...) of ``group`` (None: the default group)."""
+    return str(dist.get_backend(group)).lower()
+
+
+def all_gather_rows(row: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    """All-gather a 1-D tensor from every rank into a ``(world_size, len(row))`` tensor.
+
+    NCCL gets one flat all-gather straight into the output. Other backends get the list form,
+    through host memory for CUDA tensors (gloo cannot all-gather CUDA tensors), which is slow
+    but lets two processes share one GPU, as the single-GPU tests do.
+    """
+    backend = backend_of(group)
+    if backend == "nccl" and _ALL_GATHER_FLAT is not None:
+        out = torch.empty(world_size * row.numel(), dtype=row.dtype, device=row.device)
+        _ALL_GATHER_FLAT(out, row, group=group)
+        return out.view(world_size, row.numel())
+    staged = row.cpu() if (row.is_cuda and backend == "gloo") else row
+    parts = [torch.empty_like(staged) for _ in range(world_size)]
+    dist.all_gather(parts, staged, group=group)
+    return torch.stack(parts).to(row.device)
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """Sum ``t`` over the ranks in place (through host memory for CUDA tensors on gloo)."""
+    if t.is_cuda and backend_of(group) == "gloo":
+        staged = t.cpu()
+        dist.all_reduce(staged, group=group)
+        t.copy_(staged)
+    else:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def _by_device_and_dtype(
+    tensors: Iterable[torch.Tensor],
+) -> Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]]:
+    groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = OrderedDict()
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return groups
+
+
+def _flatten(tensors: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n
+
+
+def broadcast_coalesced(tensors: Iterable[torch.Tensor], src: int = 0, group=None) -> None:
+    """Broadcast ``tensors`` in place from rank ``src``: one flat broadcast per device/dtype."""
+    with torch.no_grad():
+        for items in _by_device_and_dtype(tensors).values():
+            flat = _flatten(items)
+            dist.broadcast(flat, src=src, group=group)
+            _unflatten_into(flat, items)
+
+
+def all_reduce_average_coalesced(tensors: Iterable[torch.Tensor], group=None,
+                                 world_size: Optional[int] = None) -> None:
+    """Replace each tensor by its average over the ranks: one flat all-reduce per device/dtype."""
+    world = world_size if world_size is not None else group_world_size(group)
+    with torch.no_grad():
+        for items in _by_device_and_dtype(tensors).values():
+            flat = _flatten(items)
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            _unflatten_into(flat, items)

@@ -1,0 +1,365 @@
+"""The autograd function behind :class:`~mixprec.parallel.SyncBatchNorm`.
+
+Numerics (both paths): statistics and parameters in fp32 (fp64 for fp64 input), one cast of the
+output to the input's dtype.
+
+Forward, per layer, ONE collective: every rank packs ``[mean (C), invstd or var (C), count]``
+into one tensor and all-gathers it; the ranks' statistics are then merged count-weighted (Chan's
+parallel-variance formula), so per-rank batch sizes may differ::
+
+    N    = sum_r n_r
+    mean = sum_r n_r * mean_r / N
+    var  = sum_r n_r * (var_r + (mean_r - mean)^2) / N          (biased; running_var is unbiased)
+
+Backward, ONE collective: the all-reduce of ``[sum(dy), sum(dy * (x - mean))]`` (2C values), after
+which each rank computes its slice of the input gradient::
+
+    dx = (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N) * invstd * weight
+
+Weight and bias gradients stay local (``sum_dy_xmu * invstd`` and ``sum_dy``): the data-parallel
+wrapper averages them like any other parameter gradient.
+
+Two implementations of the same maths:
+
+* CUDA: PyTorch's fused kernels (``torch.batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
+  ``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``), which read
+  half input with fp32 parameters and have channels-last variants. Channels-last inputs are handed
+  to them as a ``(M, C)`` view (no copy); the output is written into a tensor with the input's
+  strides. Nothing synchronises the host with the device (``torch.nn.SyncBatchNorm`` does, once
+  per layer, to drop empty ranks), so a rank with an empty batch sends a negligible count
+  (``_EMPTY_COUNT``) instead, which the merge kernel weighs as nothing.
+* Everything else (CPU over gloo): the same formulas in plain fp32 PyTorch, merged in fp64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from mixprec.parallel._comm import all_gather_rows, all_reduce_sum
+
+__all__ = ["sync_batch_norm"]
+
+# Count sent by a rank whose batch is empty. The merge kernel divides by (n + count), so an
+# exact 0 at the first rank gives 0 * inf = NaN; 1e-30 weighs as nothing against any real count
+# in fp32 (and truncates to 0 where the kernel keeps an integer running count).
+_EMPTY_COUNT = 1e-30
+
+
+@dataclasses.dataclass
+class _FusedOps:
+    """The fused batch-norm kernels the CUDA path calls (swappable for tests)."""
+
+    stats: Callable = torch.batch_norm_stats
+    gather_stats: Callable = torch.batch_norm_gather_stats_with_counts
+    elemt: Callable = torch.batch_norm_elemt
+    backward_reduce: Callable = torch.batch_norm_backward_reduce
+    backward_elemt: Callable = torch.batch_norm_backward_elemt
+
+
+_OPS = _FusedOps()
+
+
+def _use_fused(x: torch.Tensor) -> bool:
+    """Whether ``x`` goes through the fused kernels (they exist for CUDA only)."""
+    return x.is_cuda
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _as_dtype(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+class _Layout:
+    """How an input is laid out, and how the fused kernels are given it.
+
+    ``flat``: channels are the innermost dimension in memory (``torch.channels_last`` /
+    ``channels_last_3d`` strides, or Apex's ``channel_last=True`` with shape ``(N, ..., C)``).
+    The kernels then get a ``(M, C)`` view, which their channels-last variants read without a
+    copy. Otherwise the kernels get the ``(N, C, *)`` tensor, made contiguous.
+    """
+
+    def __init__(self, x: torch.Tensor, channel_last: bool):
+        self.shape = x.shape
+        self.channel_dim = x.dim() - 1 if channel_last else 1
+        self.perm: Optional[Tuple[int, ...]] = None
+        self.flat = bool(channel_last)
+        if not channel_last and x.dim() >= 3 and not x.is_contiguous():
+            perm = (0, *range(2, x.dim()), 1)
+            if x.permute(perm).is_contiguous():
+                self.flat, self.perm = True, perm
+
+    @property
+    def num_channels(self) -> int:
+        return self.shape[self.channel_dim]
+
+    def to_kernel(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.flat:
+            return t.contiguous()
+        if self.perm is not None:
+            t = t.permute(self.perm)
+        return t.reshape(-1, self.num_channels)
+
+    def new_output(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """An output tensor with ``x``'s layout, and the ``(M, C)`` view the kernel writes."""
+        # The output must not be a view (autograd forbids in-place ops, such as a following
+        # ReLU(inplace=True), on views returned by a custom Function), so allocate it with x's
+        # strides and hand the kernel a view of it. ``flat`` with a permutation is only chosen
+        # for dense x, so empty_like keeps x's strides exactly.
+        if self.perm is not None:
+            out = torch.empty_like(x, memory_format=torch.preserve_format)
+            return out, out.permute(self.perm).reshape(-1, self.num_channels)
+        out = torch.empty(self.shape, dtype=x.dtype, device=x.device)
+        return out, out.view(-1, self.num_channels)
+
+    def from_kernel(self, t: torch.Tensor) -> torch.Tensor:
+        """Back from the kernel layout to ``x``'s (a view for ``flat``)."""
+        if not self.flat:
+            return t
+        if self.perm is None:
+            return t.view(self.shape)
+        permuted = [self.shape[p] for p in self.perm]
+        inverse = [0] * len(self.perm)
+        for i, p in enumerate(self.perm):
+            inverse[p] = i
+        return t.view(permuted).permute(inverse)
+
+    def reduce_dims(self, ndim: int) -> Tuple[int, ...]:
+        return tuple(d for d in range(ndim) if d != self.channel_dim)
+
+    def channel_view_shape(self, ndim: int) -> Tuple[int, ...]:
+        shape = [1] * ndim
+        shape[self.channel_dim] = self.num_channels
+        return tuple(shape)
+
+
+def _count_tensor(cache: Optional[Dict], count: float, like: torch.Tensor) -> torch.Tensor:
+    # A one-element tensor holding this rank's count, kept per (value, device, dtype) so that
+    # a steady batch size costs no fill kernel per layer per step.
+    key = (count, like.device, like.dtype)
+    if cache is not None:
+        hit = cache.get(key)
+        if hit is not None:
+            return hit
+    t = torch.full((1,), count, dtype=like.dtype, device=like.device)
+    if cache is not None:
+        if len(cache) >= 8:
+            cache.clear()
+        cache[key] = t
+    return t
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA: fused kernels
+# ---------------------------------------------------------------------------------------------
+def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, momentum, group,
+                   world_size, stat_dtype, cache):
+    xk = layout.to_kernel(x)
+    C = layout.num_channels
+    count = xk.numel() // C if C else 0
+    if count > 0:
+        mean, invstd = _OPS.stats(xk, eps)
+        count_t = _count_tensor(cache, float(count), mean)
+    else:
+        mean = torch.zeros(C, dtype=stat_dtype, device=x.device)
+        invstd = torch.ones(C, dtype=stat_dtype, device=x.device)
+        count_t = _count_tensor(cache, _EMPTY_COUNT, mean)
+    rows = all_gather_rows(torch.cat([mean, invstd, count_t]), group, world_size)
+    counts = rows[:, 2 * C]
+
+    # The merge kernel reads the counts in the running statistics' dtype (the input's when there
+    # are none): give it fp32 running statistics so large counts stay exact.
+    rm, rv = running_mean, running_var
+    if rm is None:
+        rm = torch.zeros(C, dtype=stat_dtype, device=x.device)
+        rv = torch.ones(C, dtype=stat_dtype, device=x.device)
+    elif rm.dtype != stat_dtype:
+        rm, rv = rm.to(stat_dtype), rv.to(stat_dtype)
+    mean, invstd = _OPS.gather_stats(xk, rows[:, :C], rows[:, C:2 * C], rm, rv, momentum, eps,
+                                     counts)
+    if running_mean is not None and rm is not running_mean:
+        running_mean.copy_(rm)
+        running_var.copy_(rv)
+
+    if layout.flat:
+        out, out_k = layout.new_output(x)
+        if count > 0:
+            _OPS.elemt(xk, weight, bias, mean, invstd, eps, out=out_k)
+    elif count > 0:
+        out = _OPS.elemt(xk, weight, bias, mean, invstd, eps)
+    else:
+        out = torch.empty_like(x)
+    return out, mean, invstd, counts.to(torch.int32).contiguous()
+
+
+def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, needs):
+    need_input, need_weight, need_bias = needs
+    xk = layout.to_kernel(x)
+    gk = layout.to_kernel(grad_out)
+    C = layout.num_channels
+    if xk.numel() > 0:
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = _OPS.backward_reduce(
+            gk, xk, mean, invstd, weight, need_input, need_weight, need_bias
+        )
+    else:
+        zeros = torch.zeros(C, dtype=mean.dtype, device=mean.device)
+        sum_dy, sum_dy_xmu, grad_weight, grad_bias = zeros, zeros, zeros, zeros
+    grad_input = None
+    if need_input:
+        # The one collective of the backward pass: both per-channel sums in one tensor.
+        packed = torch.cat([sum_dy, sum_dy_xmu]).to(mean.dtype)
+        all_reduce_sum(packed, group)
+        if xk.numel() > 0:
+            gk_in = _OPS.backward_elemt(gk, xk, mean, invstd, weight, packed[:C], packed[C:],
+                                        counts)
+            grad_input = layout.from_kernel(gk_in)
+        else:
+            grad_input = torch.zeros_like(x)
+    return grad_input, grad_weight, grad_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything else: plain PyTorch
+# ---------------------------------------------------------------------------------------------
+def _reference_forward(x, layout, weight, bias, running_mean, running_var, eps, momentum, group,
+                       world_size, stat_dtype):
+    C = layout.num_channels
+    dims = layout.reduce_dims(x.dim())
+    cshape = layout.channel_view_shape(x.dim())
+    xs = x.to(stat_dtype)
+    count = x.numel() // C if C else 0
+    if count > 0:
+        var, mean = torch.var_mean(xs, dim=dims, correction=0)
+    else:
+        var = mean = torch.zeros(C, dtype=stat_dtype, device=x.device)
+    count_t = torch.full((1,), float(count), dtype=stat_dtype, device=x.device)
+    rows = all_gather_rows(torch.cat([mean, var, count_t]), group, world_size)
+    # Merge in fp64 where that is cheap (these are (world_size, 2C + 1) tensors).
+    merge = torch.float64 if rows.device.type == "cpu" else stat_dtype
+    rows = rows.to(merge)
+    n = rows[:, 2 * C:]
+    total = n.sum()
+    g_mean = (n * rows[:, :C]).sum(0) / total
+    g_var = (n * (rows[:, C:2 * C] + (rows[:, :C] - g_mean) ** 2)).sum(0) / total
+    if running_mean is not None:
+        with torch.no_grad():
+            unbiased = g_var * (total / (total - 1))
+            running_mean.mul_(1 - momentum).add_(g_mean.to(running_mean.dtype), alpha=momentum)
+            running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
+    mean = g_mean.to(stat_dtype)
+    invstd = torch.rsqrt(g_var + eps).to(stat_dtype)
+    scale = invstd if weight is None else invstd * weight
+    y = (xs - mean.view(cshape)) * scale.view(cshape)
+    if bias is not None:
+        y = y + bias.view(cshape)
+    return y.to(x.dtype), mean, invstd, total.to(stat_dtype)
+
+
+def _reference_backward(grad_out, x, layout, weight, mean, invstd, total, group, needs):
+    need_input, need_weight, need_bias = needs
+    stat_dtype = mean.dtype
+    dims = layout.reduce_dims(x.dim())
+    cshape = layout.channel_view_shape(x.dim())
+    gs = grad_out.to(stat_dtype)
+    xmu = x.to(stat_dtype) - mean.view(cshape)
+    sum_dy = gs.sum(dims)
+    sum_dy_xmu = (gs * xmu).sum(dims)
+    grad_weight = sum_dy_xmu * invstd if need_weight else None
+    grad_bias = sum_dy if need_bias else None
+    grad_input = None
+    if need_input:
+        packed = torch.cat([sum_dy, sum_dy_xmu])
+        all_reduce_sum(packed, group)
+        C = layout.num_channels
+        g_sum_dy, g_sum_dy_xmu = packed[:C], packed[C:]
+        scale = invstd if weight is None else invstd * weight
+        grad_input = (
+            gs - (g_sum_dy / total).view(cshape)
+            - xmu * (invstd * invstd * g_sum_dy_xmu / total).view(cshape)
+        ) * scale.view(cshape)
+        grad_input = grad_input.to(grad_out.dtype)
+    return grad_input, grad_weight, grad_bias
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group,
+                world_size, channel_last, cache):
+        layout = _Layout(x, channel_last)
+        stat_dtype = _stat_dtype(x.dtype)
+        # Parameters in the statistics' dtype: fp32 weights with half input is what the fused
+        # kernels' mixed-type variants read; half weights (O3) are upcast here, once.
+        w = _as_dtype(weight, stat_dtype)
+        b = _as_dtype(bias, stat_dtype)
+        if _use_fused(x):
+            out, mean, invstd, counts = _fused_forward(
+                x, layout, w, b, running_mean, running_var, eps, momentum, group, world_size,
+                stat_dtype, cache,
+            )
+        else:
+            out, mean, invstd, counts = _reference_forward(
+                x, layout, w, b, running_mean, running_var, eps, momentum, group, world_size,
+                stat_dtype,
+            )
+        ctx.save_for_backward(x, weight, mean, invstd, counts)
+        ctx.layout = layout
+        ctx.group = group
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, mean, invstd, counts = ctx.saved_tensors
+        needs = (
+            ctx.needs_input_grad[0],
+            weight is not None and ctx.needs_input_grad[1],
+            ctx.needs_input_grad[2],
+        )
+        w = _as_dtype(weight, mean.dtype)
+        if _use_fused(x):
+            grad_input, grad_weight, grad_bias = _fused_backward(
+                grad_out, x, ctx.layout, w, mean, invstd, counts, ctx.group, needs
+            )
+        else:
+            grad_input, grad_weight, grad_bias = _reference_backward(
+                grad_out, x, ctx.layout, w, mean, invstd, counts, ctx.group, needs
+            )
+        if not needs[1]:
+            grad_weight = None
+        elif grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if not needs[2]:
+            grad_bias = None
+        elif grad_bias is not None:
+            grad_bias = grad_bias.to(weight.dtype if weight is not None else grad_bias.dtype)
+        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+
+
+def sync_batch_norm(x, weight, bias, running_mean, running_var, eps: float, momentum: float,
+                    group, world_size: int, channel_last: bool = False,
+                    cache: Optional[Dict] = None) -> torch.Tensor:
+    """Batch normalization of ``x`` with statistics over every rank of ``group`` (training).
+
+    Args:
+        x (Tensor): ``(N, C, *)`` (any strides), or ``(N, *, C)`` with ``channel_last``.
+        weight, bias (Tensor, optional): per-channel affine parameters.
+        running_mean, running_var (Tensor, optional): updated in place with ``momentum`` (the
+            running variance with the unbiased global variance).
+        eps (float): added to the variance.
+        momentum (float): running-average factor.
+        group: the process group (None: the default group).
+        world_size (int): its size.
+        channel_last (bool): channels are ``x``'s last dimension. Default False.
+        cache (dict, optional): per-module scratch (the count tensor).
+
+    Returns:
+        Tensor: normalized ``x``, same shape, dtype and layout.
+    """
+    return _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var, eps,
+                                        momentum, group, world_size, channel_last, cache)

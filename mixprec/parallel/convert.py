@@ -1,0 +1,122 @@
+"""Turn a model's BatchNorm layers into SyncBatchNorm, and build groups for them."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from mixprec.parallel._comm import require_initialized
+from mixprec.parallel.sync_batchnorm import SyncBatchNorm
+
+__all__ = ["convert_syncbn_model", "create_syncbn_process_group"]
+
+
+def _convert_one(bn: _BatchNorm, process_group, channel_last: bool) -> SyncBatchNorm:
+    ref = bn.weight if bn.weight is not None else bn.running_mean
+    factory = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
+    sync = SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine,
+                         bn.track_running_stats, process_group=process_group,
+                         channel_last=channel_last, **factory)
+    # The same Parameter and buffer objects move over (as torch's convert_sync_batchnorm does),
+    # so an optimizer built earlier still holds this layer's parameters, and their dtype,
+    # device and requires_grad are kept.
+    with torch.no_grad():
+        if bn.affine:
+            sync.weight = bn.weight
+            sync.bias = bn.bias
+        sync.running_mean = bn.running_mean
+        sync.running_var = bn.running_var
+        sync.num_batches_tracked = bn.num_batches_tracked
+    sync.train(bn.training)
+    if hasattr(bn, "qconfig"):
+        sync.qconfig = bn.qconfig
+    return sync
+
+
+def convert_syncbn_model(module: nn.Module, process_group=None,
+                         channel_last: bool = False) -> nn.Module:
+    """Replace every BatchNorm layer of ``module`` by a :class:`SyncBatchNorm` (Apex's function).
+
+    Every ``torch.nn.modules.batchnorm._BatchNorm`` (``BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm``)
+    is swapped; existing :class:`SyncBatchNorm` layers are left as they are. The new layers take
+    over the old ones' parameters and running-statistics buffers (the same objects), train/eval
+    mode and ``requires_grad``. Call it before ``amp.initialize`` and before wrapping the model
+    in ``DistributedDataParallel``.
+
+    Args:
+        module (nn.Module): the model (or a single BatchNorm layer).
+        process_group (ProcessGroup, optional): group whose statistics are merged. Default None:
+            all ranks.
+        channel_last (bool): the layers' inputs are shaped ``(N, *, C)``. Default False
+            (``torch.channels_last`` tensors need no flag).
+
+    Returns:
+        nn.Module: ``module`` with its children replaced (a new SyncBatchNorm if ``module``
+        itself is a BatchNorm layer).
+
+    Example::
+
+        >>> model = torchvision.models.resnet50().cuda()
+        >>> model = convert_syncbn_model(model)
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> model = DistributedDataParallel(model)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"convert_syncbn_model(module={type(module).__name__}): expected a torch.nn.Module."
+        )
+    if not isinstance(channel_last, bool):
+        raise TypeError(f"convert_syncbn_model(channel_last={channel_last!r}): must be a bool.")
+    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
+        return _convert_one(module, process_group, channel_last)
+    for name, child in module.named_children():
+        converted = convert_syncbn_model(child, process_group, channel_last)
+        if converted is not child:
+            setattr(module, name, converted)
+    return module
+
+
+def create_syncbn_process_group(group_size: int) -> Optional[dist.ProcessGroup]:
+    """Split the ranks into groups of ``group_size`` consecutive ranks for SyncBatchNorm.
+
+    Every rank must call it (it creates every group, collectively) with the same value. Ranks
+    ``[k * group_size, (k + 1) * group_size)`` form group ``k``; the group of the calling rank is
+    returned, to pass as ``SyncBatchNorm(process_group=...)`` or to :func:`convert_syncbn_model`.
+
+    Args:
+        group_size (int): ranks per group; must divide the world size. ``0`` means one group of
+            all ranks and returns None (the default group), as in Apex.
+
+    Returns:
+        ProcessGroup or None.
+
+    Example::
+
+        >>> group = create_syncbn_process_group(4)   # 8 GPUs: ranks 0-3 and 4-7
+        >>> model = convert_syncbn_model(model, process_group=group)
+    """
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 0:
+        raise ValueError(
+            f"create_syncbn_process_group(group_size={group_size!r}): must be an int >= 0."
+        )
+    if group_size == 0:
+        return None
+    require_initialized("create_syncbn_process_group")
+    world_size = dist.get_world_size()
+    if group_size > world_size or world_size % group_size:
+        raise ValueError(
+            f"create_syncbn_process_group(group_size={group_size}): the world size is "
+            f"{world_size}; group_size must divide it (and be at most it)."
+        )
+    rank = dist.get_rank()
+    mine = None
+    for start in range(0, world_size, group_size):
+        # new_group is collective: every rank creates every group, in the same order.
+        group = dist.new_group(ranks=list(range(start, start + group_size)))
+        if start <= rank < start + group_size:
+            mine = group
+    return mine

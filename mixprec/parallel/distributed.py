@@ -1,0 +1,340 @@
+"""``DistributedDataParallel`` with Apex's arguments, on PyTorch's C++ gradient reducer.
+
+Why PyTorch's reducer rather than home-made buckets: it already does what Apex's Python buckets
+did (gradients bucketed in the order they become ready, recorded on the first iteration;
+all-reduces launched from C++ autograd hooks while backward continues; ``no_sync``; unused
+parameters found on request) and it is the code path every PyTorch user exercises, so the
+subtle parts (CUDA stream ordering, gradient-layout contracts, ``set_to_none`` gradients,
+checkpointing) are correct. What Apex added on top, this class adds through one documented
+communication hook (:func:`_apex_allreduce_hook`), run once per bucket:
+
+* the bucket is all-reduced in the gradients' own dtype: at amp O2 that is fp16/bf16, half the
+  bytes of fp32 and no cast kernel (``allreduce_always_fp32=True`` upcasts instead);
+* Apex's averaging: divide by ``gradient_predivide_factor`` before the all-reduce and by
+  ``world_size / gradient_predivide_factor`` after (``gradient_average=False``: no division
+  after);
+* the gradients ARE the bucket (``gradient_as_bucket_view=True``): no copy in or out.
+
+And as Apex did, parameters and buffers are broadcast from rank 0 once, at construction, and
+never again (PyTorch's default re-broadcasts the buffers in every forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import warnings
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mixprec.parallel._comm import broadcast_coalesced, group_world_size, require_initialized
+
+__all__ = ["DistributedDataParallel"]
+
+_HALF = (torch.float16, torch.bfloat16)
+_MB = 1024 * 1024
+_TORCH_DDP_PARAMS = frozenset(
+    inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
+)
+_UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
+
+
+@dataclasses.dataclass(frozen=True)
+class _HookState:
+    """What :func:`_apex_allreduce_hook` needs, fixed at construction."""
+
+    process_group: Optional[dist.ProcessGroup]
+    predivide: float  # divide by this before the all-reduce
+    postdivide: float  # and by this after it
+    always_fp32: bool
+    prof: bool
+
+
+def _apex_allreduce_hook(state, bucket):
+    """All-reduce one gradient bucket with Apex's semantics (see the module docstring).
+
+    (No annotations: PyTorch checks a hook's annotations and rejects string ones.)
+    """
+    if state.prof:
+        with torch.autograd.profiler.record_function("mixprec.ddp.allreduce_bucket"):
+            return _launch(state, bucket.buffer())
+    return _launch(state, bucket.buffer())
+
+
+def _launch(state: _HookState, buffer: torch.Tensor) -> torch.futures.Future:
+    upcast = state.always_fp32 and buffer.dtype in _HALF
+    work = buffer.float() if upcast else buffer
+    if state.predivide != 1.0:
+        work.div_(state.predivide)
+    future = dist.all_reduce(work, group=state.process_group, async_op=True).get_future()
+    postdivide = state.postdivide
+
+    def finish(fut: torch.futures.Future) -> torch.Tensor:
+        reduced = fut.value()[0]
+        if postdivide != 1.0:
+            reduced.div_(postdivide)
+        if upcast:
+            buffer.copy_(reduced)
+        # Returning the bucket itself tells the reducer the gradients are already in place.
+        return buffer
+
+    return future.then(finish)
+
+
+def _reducer_param_names(module: nn.Module) -> List[str]:
+    # The order in which PyTorch's DDP hands parameters to its reducer: per module (named_modules
+    # order), its own trainable parameters, shared ones once. Its unused-parameter error speaks
+    # in indices into this list.
+    names, seen = [], set()
+    for module_name, sub in module.named_modules():
+        for param_name, param in sub.named_parameters(recurse=False):
+            if param.requires_grad and param not in seen:
+                seen.add(param)
+                names.append(f"{module_name}.{param_name}" if module_name else param_name)
+    return names
+
+
+def _dominant_itemsize(module: nn.Module) -> int:
+    # Bytes per element of the dtype holding most of the trainable parameters (2 at amp O2).
+    by_size = {}
+    for p in module.parameters():
+        if p.requires_grad:
+            by_size[p.element_size()] = by_size.get(p.element_size(), 0) + p.numel()
+    return max(by_size, key=by_size.get) if by_size else 4
+
+
+class DistributedDataParallel(nn.parallel.DistributedDataParallel):
+    """Data-parallel training over ``torch.distributed`` with Apex's constructor and semantics.
+
+    A subclass of ``torch.nn.parallel.DistributedDataParallel`` (so ``no_sync()``, ``join()``,
+    ``.module`` and ``module.``-prefixed state-dict keys behave as in both PyTorch and Apex), set
+    up as Apex's DDP was: parameters and buffers broadcast from rank 0 at construction only;
+    gradients all-reduced in buckets of ``message_size`` elements while backward runs, in
+    their own dtype (half at amp O2); averaged with the pre-divide factor applied before the
+    all-reduce and the rest after.
+
+    Works on CPU modules (gloo) and single-device CUDA modules (NCCL); inputs are passed to the
+    module as they are (move them to the device yourself, as with Apex). Use it after
+    ``amp.initialize``, as Apex required.
+
+    Failure modes: a rank that never joins makes ``init_process_group`` raise after its
+    ``timeout``; a rank that dies makes the others' next collective raise (gloo: at once;
+    NCCL: after the process group's ``timeout``). Pass ``timeout=`` to ``init_process_group``
+    to bound the wait. Parameters that get no gradient in a step make the next forward raise a
+    RuntimeError naming them, unless ``find_unused_parameters=True`` (then they are handled:
+    a parameter unused on every rank keeps ``grad=None``).
+
+    Apex arguments that no longer apply are accepted with a warning and ignored:
+    ``allreduce_trigger_params`` (buckets follow gradient readiness), ``num_allreduce_streams``
+    > 1 and ``allreduce_communicators`` (one communicator; NCCL already spreads an all-reduce
+    over many channels), ``retain_allreduce_buffers`` (gradients always live in the flat
+    buckets). ``shared_param`` (deprecated in Apex) means ``delay_allreduce=shared_param``, and
+    ``gradient_average_split_factor`` (renamed in Apex) means ``gradient_predivide_factor``;
+    both warn.
+
+    Args:
+        module (nn.Module): the model, on its device (after ``amp.initialize``).
+        message_size (int): bucket size in elements (of the gradients' dtype). Default ``1e7``.
+        delay_allreduce (bool): all-reduce everything after backward (one bucket per dtype)
+            instead of overlapping with it. Default False.
+        shared_param: deprecated alias of ``delay_allreduce``. Default None.
+        allreduce_trigger_params: ignored (warns). Default None.
+        retain_allreduce_buffers (bool): ignored (warns). Default False.
+        allreduce_always_fp32 (bool): all-reduce half gradients in fp32. Default False.
+        num_allreduce_streams (int): ignored above 1 (warns). Default 1.
+        allreduce_communicators: ignored (warns). Default None.
+        gradient_average (bool): average over ranks (else sum). Default True.
+        gradient_predivide_factor (float): divide by this before the all-reduce and by
+            ``world_size / factor`` after. Default 1.0.
+        gradient_average_split_factor (float, optional): old name of the above (warns).
+        prof (bool): label each bucket's all-reduce in profiler traces. Default False.
+        process_group (ProcessGroup, optional, keyword-only): default: all ranks.
+        find_unused_parameters (bool, keyword-only): let parameters go without gradients in a
+            step (costs a graph traversal per forward). Default False.
+
+    Example::
+
+        >>> torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+        >>> torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        >>> model, optimizer = amp.initialize(Net().cuda(), optimizer, opt_level="O2")
+        >>> model = DistributedDataParallel(model)
+        >>> for x, y in loader:
+        ...     optimizer.zero_grad()
+        ...     loss = criterion(model(x.cuda()), y.cuda())
+        ...     with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...         scaled_loss.backward()
+        ...     optimizer.step()
+        >>> torch.save(model.module.state_dict(), "model.pt")   # or model.state_dict()
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        message_size: int = 10000000,
+        delay_allreduce: bool = False,
+        shared_param=None,
+        allreduce_trigger_params=None,
+        retain_allreduce_buffers: bool = False,
+        allreduce_always_fp32: bool = False,
+        num_allreduce_streams: int = 1,
+        allreduce_communicators=None,
+        gradient_average: bool = True,
+        gradient_predivide_factor: float = 1.0,
+        gradient_average_split_factor: Optional[float] = None,
+        prof: bool = False,
+        *,
+        process_group: Optional[dist.ProcessGroup] = None,
+        find_unused_parameters: bool = False,
+    ):
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"DistributedDataParallel(module={type(module).__name__}): expected a "
+                "torch.nn.Module."
+            )
+        require_initialized("DistributedDataParallel")
+        if (not isinstance(message_size, (int, float)) or isinstance(message_size, bool)
+                or message_size < 1):
+            raise ValueError(
+                f"DistributedDataParallel(message_size={message_size!r}): must be a positive "
+                "number of elements per bucket (Apex's default is 10000000)."
+            )
+        if gradient_average_split_factor is not None:
+            warnings.warn(
+                "DistributedDataParallel(gradient_average_split_factor=...) was renamed "
+                "gradient_predivide_factor in Apex; using it as gradient_predivide_factor.",
+                FutureWarning, stacklevel=2,
+            )
+            gradient_predivide_factor = gradient_average_split_factor
+        if (not isinstance(gradient_predivide_factor, (int, float))
+                or isinstance(gradient_predivide_factor, bool)
+                or not gradient_predivide_factor > 0):
+            raise ValueError(
+                "DistributedDataParallel(gradient_predivide_factor="
+                f"{gradient_predivide_factor!r}): must be a number > 0 (1.0: no pre-division; "
+                "the world size: divide fully before the all-reduce)."
+            )
+        if shared_param is not None:
+            warnings.warn(
+                "DistributedDataParallel(shared_param=...) is deprecated (as in Apex); use "
+                f"delay_allreduce={bool(shared_param)} instead.",
+                FutureWarning, stacklevel=2,
+            )
+            delay_allreduce = bool(shared_param)
+        ignored = []
+        if allreduce_trigger_params is not None:
+            ignored.append("allreduce_trigger_params (buckets follow gradient readiness)")
+        if retain_allreduce_buffers:
+            ignored.append("retain_allreduce_buffers (gradients always live in the flat "
+                           "all-reduce buckets)")
+        if not isinstance(num_allreduce_streams, int) or num_allreduce_streams < 1:
+            raise ValueError(
+                f"DistributedDataParallel(num_allreduce_streams={num_allreduce_streams!r}): "
+                "must be an int >= 1."
+            )
+        if num_allreduce_streams > 1:
+            ignored.append("num_allreduce_streams > 1 (one communicator is used)")
+        if allreduce_communicators is not None:
+            ignored.append("allreduce_communicators (the process group's communicator is used)")
+        if ignored:
+            warnings.warn(
+                "DistributedDataParallel: ignoring Apex argument(s) that no longer apply: "
+                + "; ".join(ignored) + ".",
+                UserWarning, stacklevel=2,
+            )
+
+        group_world_size(process_group)  # this rank must belong to the group
+        if delay_allreduce:
+            # One bucket per dtype, complete only when backward has produced every gradient.
+            total = sum(p.numel() * p.element_size() for p in module.parameters())
+            bucket_cap_mb = total / _MB + 1
+        else:
+            bucket_cap_mb = float(message_size) * _dominant_itemsize(module) / _MB
+        buffer_kwargs = (
+            {"forward_sync_buffers": False} if "forward_sync_buffers" in _TORCH_DDP_PARAMS
+            else {"broadcast_buffers": False}
+        )
+        super().__init__(
+            module,
+            device_ids=None,
+            process_group=process_group,
+            bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=True,
+            **buffer_kwargs,
+        )
+        if "forward_sync_buffers" not in _TORCH_DDP_PARAMS:
+            # Older PyTorch skips the buffers at construction with broadcast_buffers=False.
+            buffers = [b for b in module.buffers() if b is not None]
+            if buffers:
+                broadcast_coalesced(buffers, src=0, group=process_group)
+
+        self.message_size = message_size
+        self.delay_allreduce = delay_allreduce
+        self.allreduce_always_fp32 = bool(allreduce_always_fp32)
+        self.gradient_average = bool(gradient_average)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.prof = bool(prof)
+        self._install_hook()
+
+    def _install_hook(self) -> None:
+        world_size = group_world_size(self.process_group)
+        post = (world_size / self.gradient_predivide_factor if self.gradient_average else 1.0)
+        self._hook_state = _HookState(
+            process_group=self.process_group,
+            predivide=self.gradient_predivide_factor,
+            postdivide=post,
+            always_fp32=self.allreduce_always_fp32,
+            prof=self.prof,
+        )
+        self.register_comm_hook(self._hook_state, _apex_allreduce_hook)
+
+    # Pickling/deep-copying (default process group only, as for PyTorch's DDP): the hook state
+    # holds the process group, so it is rebuilt on the other side with the new reducer.
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_hook_state", None)
+        if "_comm_hooks" in state:  # PyTorch's record of registered hooks (and their states)
+            state["_comm_hooks"] = []
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._install_hook()
+
+    def forward(self, *inputs, **kwargs):
+        try:
+            return super().forward(*inputs, **kwargs)
+        except RuntimeError as err:
+            if _UNFINISHED_REDUCTION not in str(err):
+                raise
+            raise RuntimeError(self._unused_parameters_message(str(err))) from err
+
+    def _unused_parameters_message(self, torch_message: str) -> str:
+        names = _reducer_param_names(self.module)
+        match = re.search(r"did not receive grad for rank \d+:\s*([\d\s,]+)", torch_message)
+        unused = []
+        if match:
+            for index in re.findall(r"\d+", match.group(1)):
+                i = int(index)
+                unused.append(names[i] if i < len(names) else f"#{i}")
+        which = (f"these parameters got no gradient: {', '.join(unused)}" if unused
+                 else "some parameters got no gradient")
+        return (
+            f"DistributedDataParallel: in the previous backward pass on rank "
+            f"{dist.get_rank()}, {which}, so their gradients were never all-reduced (and that "
+            "step may have used unreduced gradients). Either make every parameter contribute "
+            "to the loss in every step, freeze the unused ones (requires_grad_(False)) before "
+            "wrapping, or pass find_unused_parameters=True to DistributedDataParallel."
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"message_size={self.message_size}, delay_allreduce={self.delay_allreduce}, "
+            f"allreduce_always_fp32={self.allreduce_always_fp32}, "
+            f"gradient_average={self.gradient_average}, "
+            f"gradient_predivide_factor={self.gradient_predivide_factor}"
+        )

@@ -1,0 +1,165 @@
+"""``LARC``: layer-wise adaptive rate scaling (or clipping) around any optimizer (Apex's)."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+__all__ = ["LARC"]
+
+
+class LARC:
+    """Wrap an optimizer so each parameter's step is scaled by its trust ratio (LARS / LARC).
+
+    For each parameter ``p`` with gradient ``g`` in a group with learning rate ``lr`` and weight
+    decay ``wd``, before the inner optimizer's step::
+
+        local_lr = trust_coefficient * ||p|| / (||g|| + wd * ||p|| + eps)
+        clip=True  (LARC):  local_lr = min(local_lr / lr, 1)
+        g <- (g + wd * p) * local_lr
+
+    and the inner step runs with ``weight_decay=0`` (weight decay is folded in above and the
+    groups' values are restored afterwards). A parameter whose weight or gradient norm is zero
+    is left alone (no scaling, no weight decay), as in Apex. All of it happens on the device,
+    without a host synchronisation.
+
+    The wrapper shares the inner optimizer's ``param_groups`` list and ``state`` (the same
+    objects), so ``amp.initialize(model, LARC(optimizer), opt_level="O2")`` swapping fp32
+    masters into the groups is seen by both. It is not a ``torch.optim.Optimizer`` subclass:
+    give learning-rate schedulers the inner optimizer (``larc.optim``); they change the same
+    groups.
+
+    Args:
+        optimizer (torch.optim.Optimizer): the inner optimizer (typically SGD with momentum).
+        trust_coefficient (float): the trust coefficient. Default ``0.02``.
+        clip (bool): True clips the scaled rate at the group's ``lr`` (LARC); False scales the
+            group's rate (LARS). Default True.
+        eps (float): added to the denominator. Default ``1e-8``.
+
+    Example::
+
+        >>> base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        >>> optimizer = LARC(base, trust_coefficient=0.02)
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer.optim, T_max=90)
+        >>> loss = criterion(model(x), y)
+        >>> with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...     scaled_loss.backward()
+        >>> optimizer.step()
+        >>> optimizer.zero_grad()
+    """
+
+    def __init__(self, optimizer, trust_coefficient: float = 0.02, clip: bool = True,
+                 eps: float = 1e-8):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"LARC(optimizer={type(optimizer).__name__}): expected a torch.optim.Optimizer, "
+                "e.g. LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))."
+            )
+        for name, value in (("trust_coefficient", trust_coefficient), ("eps", eps)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"LARC({name}={value!r}): must be a number >= 0.")
+        if not isinstance(clip, bool):
+            raise TypeError(f"LARC(clip={clip!r}): must be a bool.")
+        self.optim = optimizer
+        self.trust_coefficient = float(trust_coefficient)
+        self.clip = clip
+        self.eps = float(eps)
+
+    # -- the inner optimizer's state, shared (the same objects) -------------------------------
+    @property
+    def param_groups(self):
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self.optim.param_groups = value
+
+    @property
+    def state(self):
+        return self.optim.state
+
+    @state.setter
+    def state(self, value):
+        self.optim.state = value
+
+    @property
+    def defaults(self):
+        return self.optim.defaults
+
+    def __repr__(self) -> str:
+        return (f"LARC(trust_coefficient={self.trust_coefficient}, clip={self.clip}, "
+                f"eps={self.eps}) wrapping {self.optim!r}")
+
+    def state_dict(self) -> dict:
+        """The inner optimizer's state dict (LARC itself has no state)."""
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict saved by :meth:`state_dict` into the inner optimizer."""
+        self.optim.load_state_dict(state_dict)
+
+    def zero_grad(self, *args, **kwargs) -> None:
+        """The inner optimizer's ``zero_grad`` (same arguments)."""
+        self.optim.zero_grad(*args, **kwargs)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """The inner optimizer's ``add_param_group``."""
+        self.optim.add_param_group(param_group)
+
+    # -- the step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _scale_gradients(self) -> None:
+        for group in self.optim.param_groups:
+            weight_decay = float(group.get("weight_decay", 0.0))
+            lr = group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                # Norms in fp32 at least (half weights under O3 would lose the ratio).
+                acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+                p_norm = torch.linalg.vector_norm(p, dtype=acc)
+                g_norm = torch.linalg.vector_norm(g, dtype=acc)
+                local_lr = self.trust_coefficient * p_norm / (
+                    g_norm + p_norm * weight_decay + self.eps
+                )
+                if self.clip:
+                    local_lr = torch.clamp(local_lr / lr, max=1.0)
+                # Zero weight or zero gradient: leave the gradient exactly as it is (Apex).
+                keep = (p_norm == 0) | (g_norm == 0)
+                scale = torch.where(keep, torch.ones_like(local_lr), local_lr)
+                if weight_decay != 0:
+                    decay = torch.where(keep, torch.zeros_like(local_lr),
+                                        torch.full_like(local_lr, weight_decay))
+                    g.add_(p * decay.to(p.dtype))
+                g.mul_(scale.to(g.dtype))
+
+    def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):
+        """Scale every gradient by its trust ratio, then step the inner optimizer.
+
+        Args:
+            closure (callable, optional): re-evaluates the model and returns the loss; called
+                (with gradients enabled) before the scaling.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._scale_gradients()
+        saved = []
+        for group in self.optim.param_groups:
+            saved.append(group.get("weight_decay", None))
+            if "weight_decay" in group:
+                group["weight_decay"] = 0
+        try:
+            self.optim.step()
+        finally:
+            for group, value in zip(self.optim.param_groups, saved):
+                if value is not None:
+                    group["weight_decay"] = value
+        return loss

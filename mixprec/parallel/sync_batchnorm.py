@@ -1,0 +1,150 @@
+"""``SyncBatchNorm``: batch normalization with statistics over every rank (Apex's arguments)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from mixprec.parallel._comm import group_world_size, is_distributed
+from mixprec.parallel._sync_batchnorm_function import sync_batch_norm
+
+__all__ = ["SyncBatchNorm"]
+
+
+class SyncBatchNorm(_BatchNorm):
+    """Batch normalization whose training statistics cover the batches of every rank.
+
+    A drop-in for ``nn.BatchNorm1d/2d/3d`` (and Apex's ``apex.parallel.SyncBatchNorm``) in
+    data-parallel training. In training mode the per-rank statistics (fp32, whatever the input
+    dtype) are merged count-weighted, so ranks may hold batches of different sizes; the running
+    variance uses the unbiased global variance. Each layer costs one small collective in forward
+    (an all-gather of ``2C + 1`` numbers per rank) and one in backward (an all-reduce of ``2C``),
+    and never synchronises the host with the GPU.
+
+    It is a ``torch.nn.modules.batchnorm._BatchNorm``, so ``amp.initialize(opt_level="O2")``
+    keeps it in fp32: half input, fp32 parameters and statistics, output in the input's dtype.
+
+    Falls back to plain ``F.batch_norm`` (no communication) in eval mode (running statistics),
+    and when ``torch.distributed`` is not initialized or the group has one rank.
+
+    Inputs: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` in any memory
+    format; ``torch.channels_last`` inputs are reduced in place over ``(N, H, W)`` (no NCHW copy)
+    and the output keeps their strides. With ``channel_last=True`` (Apex's flag) the input is
+    instead shaped ``(N, *, C)``: channels in the last dimension.
+
+    Args:
+        num_features (int): ``C``, the number of channels.
+        eps (float): added to the variance. Default ``1e-5``.
+        momentum (float or None): running-statistics factor; None for a cumulative average.
+            Default ``0.1``.
+        affine (bool): learnable per-channel weight and bias. Default True.
+        track_running_stats (bool): keep running mean/variance. Default True.
+        process_group (ProcessGroup, optional): ranks whose statistics are merged, e.g. from
+            :func:`~mixprec.parallel.create_syncbn_process_group`. Default None: all ranks.
+        channel_last (bool): input is ``(N, *, C)``. Default False.
+        device, dtype (keyword-only, optional): factory arguments for parameters and buffers.
+
+    Example::
+
+        >>> torch.distributed.init_process_group("nccl")
+        >>> model = nn.Sequential(nn.Conv2d(3, 64, 3), SyncBatchNorm(64), nn.ReLU()).cuda()
+        >>> model = model.to(memory_format=torch.channels_last)
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
+        >>> model = DistributedDataParallel(model)
+        >>> for x, y in loader:
+        ...     loss = criterion(model(x.cuda()), y.cuda())
+        ...     with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...         scaled_loss.backward()
+        ...     optimizer.step()
+        ...     optimizer.zero_grad()
+    """
+
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: Optional[float] = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group=None,
+        channel_last: bool = False,
+        *,
+        device=None,
+        dtype=None,
+    ):
+        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
+            raise ValueError(
+                f"SyncBatchNorm(num_features={num_features!r}): must be a positive int (the "
+                "number of channels C)."
+            )
+        if not isinstance(channel_last, bool):
+            raise TypeError(
+                f"SyncBatchNorm(channel_last={channel_last!r}): must be a bool. True means the "
+                "input is shaped (N, *, C); channels_last memory format needs no flag."
+            )
+        super().__init__(num_features, eps, momentum, affine, track_running_stats,
+                         device=device, dtype=dtype)
+        self.process_group = process_group
+        self.channel_last = channel_last
+        # Per-module scratch of the fused path (a cached one-element count tensor); not state.
+        self._count_cache: dict = {}
+
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(
+                f"SyncBatchNorm: expected at least 2D input (N, C, *), got a {input.dim()}D "
+                f"tensor of shape {tuple(input.shape)}."
+            )
+        channels = input.shape[-1] if self.channel_last else input.shape[1]
+        if channels != self.num_features:
+            where = "last" if self.channel_last else "second (dim 1)"
+            raise ValueError(
+                f"SyncBatchNorm({self.num_features}): input of shape {tuple(input.shape)} has "
+                f"{channels} channels in its {where} dimension; expected {self.num_features}."
+                + ("" if self.channel_last else
+                   " For (N, *, C) inputs construct it with channel_last=True.")
+            )
+
+    def _average_factor(self) -> float:
+        # As nn.BatchNorm: momentum, or 1/num_batches_tracked for a cumulative average.
+        factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                factor = 1.0 / float(self.num_batches_tracked)
+        return factor
+
+    def _local_batch_norm(self, input, running_mean, running_var, training, factor):
+        x = input.movedim(-1, 1) if (self.channel_last and input.dim() > 2) else input
+        out = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, training,
+                           factor, self.eps)
+        return out.movedim(1, -1) if x is not input else out
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(input)
+        factor = self._average_factor()
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        # Running statistics are used in eval mode and updated in training mode when tracked.
+        use_running = not self.training or self.track_running_stats
+        running_mean = self.running_mean if use_running else None
+        running_var = self.running_var if use_running else None
+
+        world_size = 1
+        if self.training and bn_training and is_distributed():
+            world_size = group_world_size(self.process_group)
+        if world_size == 1:
+            return self._local_batch_norm(input, running_mean, running_var, bn_training, factor)
+        return sync_batch_norm(input, self.weight, self.bias, running_mean, running_var,
+                               self.eps, factor, self.process_group, world_size,
+                               self.channel_last, self._count_cache)
+
+    def extra_repr(self) -> str:
+        text = super().extra_repr()
+        if self.channel_last:
+            text += ", channel_last=True"
+        if self.process_group is not None:
+            text += ", process_group=<custom>"
+        return text

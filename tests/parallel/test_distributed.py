@@ -1,0 +1,481 @@
+"""DistributedDataParallel, Reducer, and amp O2 / LARC under DDP, across processes.
+
+CPU: 2 processes over gloo, one spawn for the whole group of checks (see ``_harness``).
+GPU: the same checks over NCCL on 2 GPUs (skipped with "requires 2 GPUs" otherwise).
+The reference for gradients is a single process running the concatenated global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import pickle
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.parallel import LARC, DistributedDataParallel, Reducer, convert_syncbn_model
+from tests.parallel._harness import StopWorker, cuda_count, free_port, labelled, run_checks
+
+PER_RANK = 4
+
+
+def _tol(ctx):
+    # fp32 everywhere; the GPU's matmuls reduce in a different order for the local and the
+    # global batch, hence the looser GPU tolerance.
+    return dict(rtol=1e-4, atol=1e-5) if ctx.is_cuda else dict(rtol=1e-5, atol=1e-6)
+
+
+def _mlp(device, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
+
+
+def _global_batch(ctx, seed=1, per_rank=PER_RANK):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ctx.world_size * per_rank, 8, generator=g)
+    y = torch.randn(ctx.world_size * per_rank, 4, generator=g)
+    return x.to(ctx.device), y.to(ctx.device)
+
+
+def _mine(ctx, t, per_rank=PER_RANK):
+    return t[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
+
+
+def _gather(ctx, t):
+    parts = [torch.empty_like(t) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def _assert_same_on_all_ranks(ctx, tensors, what):
+    for i, t in enumerate(tensors):
+        for r, other in enumerate(_gather(ctx, t.detach())):
+            if not torch.equal(other, t.detach()):
+                raise AssertionError(f"{what} #{i} differs between rank {ctx.rank} and rank {r}")
+
+
+class _Scale(nn.Module):
+    """loss = sum(weight * x): the gradient of ``weight`` is exactly ``x``."""
+
+    def __init__(self, n=3, dtype=torch.float32):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n, dtype=dtype))
+
+    def forward(self, x):
+        return (self.weight * x).sum()
+
+
+# ------------------------------------------------------------------------------------------------
+# checks (run on every rank)
+# ------------------------------------------------------------------------------------------------
+def check_grads_match_single_process(ctx):
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=64)  # several small buckets
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(3):
+        x, y = _global_batch(ctx, seed=step)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled(f"step {step} {name}"))
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, **_tol(ctx))
+
+
+def check_broadcast_from_rank0_and_state_dict(ctx):
+    torch.manual_seed(100 + ctx.rank)  # different weights on every rank
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(ctx.device)
+    model[1].running_mean.fill_(ctx.rank + 1.0)
+    ddp = DistributedDataParallel(model)
+    assert ddp.module is model
+    state = ddp.state_dict()
+    assert state and all(k.startswith("module.") for k in state), list(state)
+    assert set(state) == {"module." + k for k in model.state_dict()}
+    for key, value in model.state_dict().items():
+        rank0 = _gather(ctx, value)[0]
+        assert torch.equal(value, rank0), f"{key} was not broadcast from rank 0"
+    assert torch.all(model[1].running_mean == 1.0)
+
+
+def check_pickle_roundtrip(ctx):
+    ddp = DistributedDataParallel(_mlp(ctx.device), gradient_predivide_factor=2.0)
+    copy_ = pickle.loads(pickle.dumps(ddp))
+    assert copy_.gradient_predivide_factor == 2.0 and copy_.module is not ddp.module
+    ref = copy.deepcopy(copy_.module)
+    x, y = _global_batch(ctx, seed=70)
+    F.mse_loss(copy_(_mine(ctx, x)), _mine(ctx, y)).backward()
+    F.mse_loss(ref(x), y).backward()
+    for p, q in zip(copy_.module.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+
+
+def check_predivide_factor(ctx):
+    assert ctx.world_size == 2, "the expected values below are for 2 ranks"
+    x = torch.tensor([1.0, 2.0, 3.0], device=ctx.device) * (ctx.rank + 1)  # grad on this rank
+    total = torch.tensor([3.0, 6.0, 9.0], device=ctx.device)  # sum over the 2 ranks
+    cases = [  # (predivide, average, expected): all exactly representable
+        (1.0, True, total / 2), (4.0, True, total / 2), (2.0, True, total / 2),
+        (4.0, False, total / 4), (1.0, False, total),
+    ]
+    for factor, average, expected in cases:
+        model = _Scale().to(ctx.device)
+        ddp = DistributedDataParallel(model, gradient_predivide_factor=factor,
+                                      gradient_average=average)
+        ddp(x).backward()
+        torch.testing.assert_close(model.weight.grad, expected, rtol=0, atol=0,
+                                   msg=labelled(f"predivide={factor} average={average}"))
+
+
+def check_half_gradients_reduced_in_half(ctx):
+    # Each rank's fp16 gradient is 40000: their sum (80000) overflows fp16 (max 65504). An inf
+    # therefore proves the all-reduce ran in fp16; the fp32 path and the pre-division do not
+    # overflow.
+    x = torch.full((3,), 40000.0, dtype=torch.float16, device=ctx.device)
+    cases = [({}, None), ({"allreduce_always_fp32": True}, 40000.0),
+             ({"gradient_predivide_factor": 2.0}, 40000.0)]
+    for kwargs, expected in cases:
+        model = _Scale(dtype=torch.float16).to(ctx.device)
+        ddp = DistributedDataParallel(model, **kwargs)
+        ddp(x).backward()
+        grad = model.weight.grad
+        assert grad.dtype == torch.float16, grad.dtype
+        if expected is None:
+            assert torch.isinf(grad).all(), f"{kwargs}: expected an fp16 overflow, got {grad}"
+        else:
+            torch.testing.assert_close(grad, torch.full_like(grad, expected), rtol=0, atol=0,
+                                       msg=labelled(str(kwargs)))
+
+
+def check_no_sync_accumulation(ctx):
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=64)
+    for micro in range(3):
+        x, y = _global_batch(ctx, seed=10 + micro)
+        F.mse_loss(ref(x), y).backward()
+        if micro < 2:
+            with ddp.no_sync():
+                F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        else:
+            F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+
+
+def check_delay_allreduce(ctx):
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert ddp.bucket_bytes_cap >= total_bytes, (ddp.bucket_bytes_cap, total_bytes)
+    for step in range(2):
+        x, y = _global_batch(ctx, seed=20 + step)
+        model.zero_grad()
+        ref.zero_grad()
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+
+
+def check_message_size_sets_bucket_bytes(ctx):
+    ddp = DistributedDataParallel(_mlp(ctx.device), message_size=1000)
+    assert abs(ddp.bucket_bytes_cap - 4000) <= 1, ddp.bucket_bytes_cap  # fp32: 4 bytes each
+    half = _mlp(ctx.device).to(torch.bfloat16)
+    ddp = DistributedDataParallel(half, message_size=1000)
+    assert abs(ddp.bucket_bytes_cap - 2000) <= 1, ddp.bucket_bytes_cap
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)  # never used in forward
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def check_unused_parameters_named_in_error(ctx):
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_TwoHeads().to(ctx.device))
+    x, _ = _global_batch(ctx)
+    ddp(_mine(ctx, x)).sum().backward()
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        text = str(err)
+        for needle in ("b.weight", "b.bias", "find_unused_parameters=True"):
+            assert needle in text, f"{needle!r} missing from: {text}"
+        assert "a.weight" not in text, text
+    else:
+        raise AssertionError("expected a RuntimeError naming the unused parameters")
+
+
+def check_unused_parameters_found(ctx):
+    torch.manual_seed(0)
+    model = _TwoHeads().to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    for step in range(2):
+        x, y = _global_batch(ctx, seed=30 + step)
+        model.zero_grad()
+        ref.zero_grad()
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, **_tol(ctx))
+        assert model.b.weight.grad is None and model.b.bias.grad is None
+
+
+def check_arguments_validated_and_warned(ctx):
+    def build(**kwargs):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = DistributedDataParallel(_mlp(ctx.device), **kwargs)
+        return ddp, caught
+
+    ddp, caught = build(shared_param=True)
+    assert ddp.delay_allreduce is True
+    assert any(issubclass(w.category, FutureWarning) and "delay_allreduce" in str(w.message)
+               for w in caught), [str(w.message) for w in caught]
+    ddp, caught = build(gradient_average_split_factor=2.0)
+    assert ddp.gradient_predivide_factor == 2.0
+    assert any("gradient_predivide_factor" in str(w.message) for w in caught)
+    _, caught = build(allreduce_trigger_params=[], retain_allreduce_buffers=True,
+                      num_allreduce_streams=2, allreduce_communicators=[None, None])
+    text = " ".join(str(w.message) for w in caught if issubclass(w.category, UserWarning))
+    for name in ("allreduce_trigger_params", "retain_allreduce_buffers",
+                 "num_allreduce_streams", "allreduce_communicators"):
+        assert name in text, (name, text)
+    bad = [({"message_size": 0}, ValueError), ({"gradient_predivide_factor": 0.0}, ValueError),
+           ({"num_allreduce_streams": 0}, ValueError)]
+    for kwargs, error in bad:
+        try:
+            DistributedDataParallel(_mlp(ctx.device), **kwargs)
+        except error as err:
+            assert list(kwargs)[0] in str(err), str(err)
+        else:
+            raise AssertionError(f"{kwargs} did not raise {error.__name__}")
+    try:
+        DistributedDataParallel(lambda x: x)
+    except TypeError as err:
+        assert "nn.Module" in str(err)
+    else:
+        raise AssertionError("a non-module did not raise TypeError")
+    # prof=True labels the all-reduces and changes nothing else.
+    ddp = DistributedDataParallel(_mlp(ctx.device), prof=True)
+    x, y = _global_batch(ctx)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    assert "gradient_predivide_factor=1.0" in repr(ddp)
+
+
+def check_reducer(ctx):
+    model = _mlp(ctx.device, seed=200 + ctx.rank)  # different on every rank until broadcast
+    reducer = Reducer(model)
+    _assert_same_on_all_ranks(ctx, list(model.parameters()), "parameter after Reducer()")
+    ref = copy.deepcopy(model)
+    x, y = _global_batch(ctx, seed=40)
+    F.mse_loss(model(_mine(ctx, x)), _mine(ctx, y)).backward()
+    reducer.reduce()
+    F.mse_loss(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+    tensors = [torch.full((3,), ctx.rank + 1.0, device=ctx.device),
+               torch.full((2,), 10.0 * (ctx.rank + 1), dtype=torch.float64, device=ctx.device)]
+    Reducer(tensors).reduce()
+    mean = (ctx.world_size + 1) / 2
+    torch.testing.assert_close(tensors[0], torch.full_like(tensors[0], mean), rtol=0, atol=0)
+    torch.testing.assert_close(tensors[1], torch.full_like(tensors[1], 10 * mean), rtol=0, atol=0)
+
+
+class _ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x)))
+        return self.head(h.mean((2, 3)))
+
+
+def _images(ctx, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ctx.world_size * PER_RANK, 3, 6, 6, generator=g)
+    y = torch.randint(0, 4, (ctx.world_size * PER_RANK,), generator=g)
+    return x.to(ctx.device), y.to(ctx.device)
+
+
+def _amp_step(model, opt, x, y, amp):
+    opt.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+def check_amp_o2_ddp_masters_bitwise_identical(ctx):
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = convert_syncbn_model(_ConvNet()).to(ctx.device)
+    ref = copy.deepcopy(model)
+    ref.bn = nn.BatchNorm2d(8).to(ctx.device)
+    ref.bn.load_state_dict(model.bn.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", dtype=torch.bfloat16,
+                                  verbosity=0)
+    assert model.conv.weight.dtype == torch.bfloat16 and model.bn.weight.dtype == torch.float32
+    ddp = DistributedDataParallel(model)
+    for step in range(3):
+        x, y = _images(ctx, seed=50 + step)
+        _amp_step(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+        _amp_step(ref, ref_opt, x, y, amp)
+    masters = list(amp.master_params(opt))
+    assert all(m.dtype == torch.float32 for m in masters)
+    _assert_same_on_all_ranks(ctx, masters, "fp32 master weight")
+    _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter")
+    _assert_same_on_all_ranks(ctx, list(model.buffers()), "model buffer")
+    # And the same training as one process on the global batch, up to bf16 rounding.
+    for m, r in zip(masters, amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+
+
+def check_larc_under_amp_o2_and_ddp(ctx):
+    from mixprec import amp
+
+    model = _mlp(ctx.device)
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    larc = LARC(base)
+    model, larc = amp.initialize(model, larc, opt_level="O2", dtype=torch.bfloat16,
+                                 verbosity=0)
+    assert larc.param_groups is base.param_groups
+    masters = [p for g in larc.param_groups for p in g["params"]]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert not any(m is p for m in masters for p in model.parameters())
+    ddp = DistributedDataParallel(model)
+    before = [m.detach().clone() for m in masters]
+    for step in range(3):
+        x, y = _global_batch(ctx, seed=60 + step)
+        larc.zero_grad()
+        loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+        with amp.scale_loss(loss, larc) as scaled:
+            scaled.backward()
+        larc.step()
+    assert all(g["weight_decay"] == 1e-4 for g in larc.param_groups)
+    assert any(not torch.equal(a, b) for a, b in zip(before, masters)), "no step was taken"
+    _assert_same_on_all_ranks(ctx, masters, "LARC fp32 master weight")
+    _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter")
+
+
+def check_dead_peer_raises_quickly(ctx):
+    # Last check of the CPU group: the last rank leaves; the others' next collective must raise
+    # (gloo notices the closed connection) instead of hanging.
+    if ctx.rank == ctx.world_size - 1:
+        raise StopWorker()
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(4))
+    except Exception as err:  # gloo raises RuntimeError (DistNetworkError on newer torch)
+        elapsed = time.monotonic() - start
+        assert elapsed < 30, f"took {elapsed:.1f}s to notice the dead peer"
+        assert str(err), "empty error message"
+    else:
+        raise AssertionError("a collective with a dead peer did not raise")
+    raise StopWorker()
+
+
+CHECKS = [
+    "check_grads_match_single_process",
+    "check_broadcast_from_rank0_and_state_dict",
+    "check_pickle_roundtrip",
+    "check_predivide_factor",
+    "check_half_gradients_reduced_in_half",
+    "check_no_sync_accumulation",
+    "check_delay_allreduce",
+    "check_message_size_sets_bucket_bytes",
+    "check_unused_parameters_found",
+    "check_arguments_validated_and_warned",
+    "check_reducer",
+    "check_amp_o2_ddp_masters_bitwise_identical",
+    "check_larc_under_amp_o2_and_ddp",
+    "check_unused_parameters_named_in_error",
+]
+CPU_ONLY = ["check_dead_peer_raises_quickly"]
+
+
+@pytest.fixture(scope="module")
+def gloo_results():
+    return run_checks(__name__, CHECKS + CPU_ONLY, world_size=2)
+
+
+@pytest.fixture(scope="module")
+def nccl_results():
+    if cuda_count() < 2:
+        pytest.skip("requires 2 GPUs")
+    return run_checks(__name__, CHECKS, world_size=2, backend="nccl", device_type="cuda")
+
+
+@pytest.mark.parametrize("check", CHECKS + CPU_ONLY)
+def test_cpu_gloo(gloo_results, check):
+    gloo_results.assert_ok(check)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_gpu_nccl(nccl_results, check):
+    nccl_results.assert_ok(check)
+
+
+# ------------------------------------------------------------------------------------------------
+# single process, no process group
+# ------------------------------------------------------------------------------------------------
+def test_ddp_requires_init_process_group():
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DistributedDataParallel(nn.Linear(2, 2))
+
+
+def test_reducer_errors_without_process_group():
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    with pytest.raises(TypeError, match="nn.Module or a list of tensors"):
+        Reducer("weights")
+    with pytest.raises(TypeError, match="list holding"):
+        Reducer([torch.ones(2), 3.0])
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Reducer(nn.Linear(2, 2))
+
+
+def test_rank_that_never_joins_raises_within_timeout():
+    # The documented guarantee: with init_process_group(timeout=...), a rank whose peer never
+    # arrives gets an error naming the wait, not a hang. (Rank 0 of 2, alone.)
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=2,
+            timeout=datetime.timedelta(seconds=2),
+        )
+    elapsed = time.monotonic() - start
+    assert elapsed < 20, f"took {elapsed:.1f}s"
+    text = str(info.value).lower()
+    assert "time" in text and "1/2" in text, text
+    assert not dist.is_initialized()

@@ -1,0 +1,431 @@
+"""SyncBatchNorm against BatchNorm on the global batch, across processes, and on its own.
+
+Reference: ``F.batch_norm`` in float64 over the concatenation of every rank's batch (rounded to
+the test dtype first), giving outputs, input gradients, weight/bias gradients (compared with the
+SUM of the ranks' local parameter gradients) and running statistics.
+
+Paths: on CPU every distributed case runs twice, through the plain-PyTorch path and through the
+fused (CUDA) path with CPU stand-ins for PyTorch's CUDA-only kernels (``_fused_emulation``); on
+CUDA through the real kernels. Groups: 2 processes (gloo), 4 processes (gloo: an empty rank,
+process groups), and on GPUs 2 processes over NCCL, and 2 processes sharing one GPU over gloo.
+
+Tolerances (outputs and input gradients; parameter gradients and running statistics are fp32
+from the same rounded inputs, so tighter): fp32 1e-5, bf16 1.6e-2 relative / 1e-2 absolute
+(one bf16 rounding of the output), fp16 2e-3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mixprec.parallel import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group
+from mixprec.parallel import _sync_batchnorm_function as fn
+from tests.parallel._fused_emulation import emulated_fused_path
+from tests.parallel._harness import cuda_count, labelled, run_checks
+
+OUT_TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.float64: dict(rtol=1e-10, atol=1e-10),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+    torch.float16: dict(rtol=2e-3, atol=2e-3),
+}
+STAT_TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def _paths(ctx):
+    if ctx.is_cuda:
+        return [("cuda-fused", contextlib.nullcontext)]
+    return [("cpu-reference", contextlib.nullcontext), ("cpu-emulated-fused", emulated_fused_path)]
+
+
+def _close(actual, expected, tol, what):
+    torch.testing.assert_close(actual.double(), expected.double().to(actual.device), **tol,
+                               msg=labelled(what))
+
+
+def _reference(x, weight, bias, dy, running_mean, running_var, momentum, eps, channel_dim):
+    """BatchNorm of the whole batch ``x`` in float64: y, dx, dweight, dbias, running stats."""
+    xd = x.double().movedim(channel_dim, 1).requires_grad_()
+    w = weight.double().requires_grad_() if weight is not None else None
+    b = bias.double().requires_grad_() if bias is not None else None
+    rm = running_mean.double().clone() if running_mean is not None else None
+    rv = running_var.double().clone() if running_var is not None else None
+    y = F.batch_norm(xd, rm, rv, w, b, training=True, momentum=momentum, eps=eps)
+    y.backward(dy.double().movedim(channel_dim, 1))
+    return (y.detach().movedim(1, channel_dim), xd.grad.movedim(1, channel_dim),
+            w.grad if w is not None else None, b.grad if b is not None else None, rm, rv)
+
+
+def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
+              memory_format=None, channel_last=False, affine=True, track=True, momentum=0.1,
+              group=None, members=None, steps=2, relu_inplace=False, label=""):
+    """Train ``steps`` steps of a SyncBatchNorm on per-rank slices of one global batch.
+
+    ``sizes[i]`` is the batch of ``members[i]`` (default: every rank, in order).
+    """
+    members = list(range(ctx.world_size)) if members is None else members
+    me = members.index(ctx.rank)
+    g = torch.Generator().manual_seed(1234)
+    weight = torch.rand(channels, generator=g) + 0.5
+    bias = torch.randn(channels, generator=g)
+    for path, path_ctx in _paths(ctx):
+        m = SyncBatchNorm(channels, momentum=momentum, affine=affine, track_running_stats=track,
+                          process_group=group, channel_last=channel_last).to(ctx.device)
+        if affine:
+            with torch.no_grad():
+                m.weight.copy_(weight)
+                m.bias.copy_(bias)
+        ref_rm = torch.zeros(channels, dtype=torch.float64) if track else None
+        ref_rv = torch.ones(channels, dtype=torch.float64) if track else None
+        for step in range(steps):
+            shape = (sum(sizes), channels, *spatial)
+            x = (torch.randn(shape, generator=g, dtype=torch.float64) * (1.5 + step) + 0.7)
+            dy = torch.randn(shape, generator=g, dtype=torch.float64)
+            x, dy = x.to(dtype), dy.to(dtype)  # the reference sees the same rounded values
+            channel_dim = 1
+            if channel_last:  # Apex's flag: the tensor itself is (N, *, C)
+                x, dy = x.movedim(1, -1).contiguous(), dy.movedim(1, -1).contiguous()
+                channel_dim = x.dim() - 1
+            start = sum(sizes[:me])
+            xl = x[start:start + sizes[me]].to(ctx.device)
+            dyl = dy[start:start + sizes[me]].to(ctx.device)
+            if memory_format is not None:
+                xl = xl.contiguous(memory_format=memory_format)
+                dyl = dyl.contiguous(memory_format=memory_format)
+            xl.requires_grad_()
+            if affine:
+                m.weight.grad = m.bias.grad = None
+            with path_ctx():
+                y = m(xl)
+                if relu_inplace:
+                    y = F.relu(y.clone()) * 0 + y  # keep y's values; then an in-place op on y
+                    y.relu_()
+                y.backward(dyl)
+            what = f"[{path}{label} step {step} sizes {sizes} {dtype}]"
+            assert y.dtype == dtype, f"{what} output dtype {y.dtype}"
+            assert y.shape == xl.shape
+            if memory_format is not None and sizes[me] > 0:
+                assert y.is_contiguous(memory_format=memory_format), f"{what} output layout"
+            ry, rdx, rdw, rdb, ref_rm, ref_rv = _reference(
+                x, weight if affine else None, bias if affine else None, dy, ref_rm, ref_rv,
+                momentum if momentum is not None else 1.0 / (step + 1), m.eps, channel_dim,
+            )
+            sl = slice(start, start + sizes[me])
+            if relu_inplace:
+                ry = ry.clamp_min(0)
+            else:
+                _close(xl.grad, rdx[sl], OUT_TOL[dtype], f"{what} input grad")
+            _close(y.detach(), ry[sl], OUT_TOL[dtype], f"{what} output")
+            if affine:
+                for p, ref, name in ((m.weight, rdw, "weight"), (m.bias, rdb, "bias")):
+                    total = _sum_over_ranks(p.grad, group)
+                    if not relu_inplace:
+                        _close(total, ref, dict(rtol=1e-4, atol=1e-4), f"{what} {name} grad")
+            if track:
+                _close(m.running_mean, ref_rm, STAT_TOL, f"{what} running_mean")
+                _close(m.running_var, ref_rv, STAT_TOL, f"{what} running_var")
+
+
+def _sum_over_ranks(t, group=None):
+    # Through host memory: gloo cannot reduce CUDA tensors everywhere (one-GPU runs).
+    total = t.detach().cpu().clone()
+    dist.all_reduce(total, group=group)
+    return total
+
+
+def _uneven(ctx):
+    return [3, 6, 2, 5][:ctx.world_size]
+
+
+# ------------------------------------------------------------------------------------------------
+# checks (every rank)
+# ------------------------------------------------------------------------------------------------
+def check_fp32_equal_batches(ctx):
+    _run_case(ctx, [4] * ctx.world_size)
+
+
+def check_fp32_unequal_batches(ctx):
+    _run_case(ctx, _uneven(ctx))
+    _run_case(ctx, _uneven(ctx), momentum=None, label=" momentum=None")
+
+
+def check_shapes_2d_3d_5d(ctx):
+    _run_case(ctx, _uneven(ctx), spatial=(), label=" 2d")
+    _run_case(ctx, _uneven(ctx), spatial=(7,), label=" 3d")
+    _run_case(ctx, _uneven(ctx), spatial=(2, 3, 2), label=" 5d")
+
+
+def check_bf16_input_fp32_params(ctx):
+    _run_case(ctx, _uneven(ctx), dtype=torch.bfloat16)
+
+
+def check_fp16_input_fp32_params(ctx):
+    _run_case(ctx, _uneven(ctx), dtype=torch.float16)
+
+
+def check_channels_last(ctx):
+    _run_case(ctx, _uneven(ctx), memory_format=torch.channels_last, label=" channels_last")
+    _run_case(ctx, _uneven(ctx), dtype=torch.bfloat16, memory_format=torch.channels_last,
+              label=" channels_last")
+    _run_case(ctx, _uneven(ctx), spatial=(2, 3, 2), memory_format=torch.channels_last_3d,
+              label=" channels_last_3d")
+
+
+def check_channel_last_flag(ctx):
+    _run_case(ctx, _uneven(ctx), channel_last=True, label=" channel_last=True")
+    _run_case(ctx, _uneven(ctx), spatial=(), channel_last=True, label=" channel_last=True 2d")
+
+
+def check_no_affine_no_running_stats(ctx):
+    _run_case(ctx, _uneven(ctx), affine=False, label=" affine=False")
+    _run_case(ctx, _uneven(ctx), track=False, label=" track_running_stats=False")
+    _run_case(ctx, _uneven(ctx), track=False, dtype=torch.bfloat16,
+              label=" track_running_stats=False")
+
+
+def check_inplace_op_on_output(ctx):
+    # ResNet's ReLU(inplace=True) follows every BatchNorm: the output must not be a view.
+    _run_case(ctx, _uneven(ctx), memory_format=torch.channels_last, relu_inplace=True,
+              label=" relu_ after")
+    _run_case(ctx, _uneven(ctx), channel_last=True, relu_inplace=True, label=" relu_ after")
+
+
+def check_half_parameters(ctx):
+    # O3 without keep_batchnorm_fp32: parameters and running statistics in half.
+    m = SyncBatchNorm(3).to(ctx.device).half()
+    for path, path_ctx in _paths(ctx):
+        x = torch.randn(5 + ctx.rank, 3, 4, 4, device=ctx.device).half().requires_grad_()
+        with path_ctx():
+            y = m(x)
+            y.float().sum().backward()
+        assert y.dtype == torch.float16 and m.weight.grad.dtype == torch.float16, path
+        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all(), path
+        assert m.running_mean.dtype == torch.float16, path
+
+
+def check_eval_mode_uses_running_stats_without_communication(ctx):
+    m = SyncBatchNorm(3).to(ctx.device)
+    with torch.no_grad():
+        m.running_mean.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        m.running_var.copy_(torch.tensor([2.0, 0.5, 1.5]))
+        m.weight.copy_(torch.tensor([1.5, 0.5, 2.0]))
+    m.eval()
+    x = torch.randn(4, 3, 5, 5, device=ctx.device)
+    saved = fn.all_gather_rows
+
+    def no_communication(*args, **kwargs):
+        raise AssertionError("eval mode communicated")
+
+    fn.all_gather_rows = no_communication
+    try:
+        y = m(x)
+    finally:
+        fn.all_gather_rows = saved
+    expected = F.batch_norm(x, m.running_mean, m.running_var, m.weight, m.bias, False, 0.1, m.eps)
+    torch.testing.assert_close(y, expected)
+
+
+def check_convert_syncbn_model_matches_batchnorm(ctx):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                        nn.Flatten(), nn.Linear(4 * 16, 6), nn.BatchNorm1d(6)).to(ctx.device)
+    model = convert_syncbn_model(nn.Sequential(*[copy.deepcopy(m) for m in ref]))
+    assert isinstance(model[1], SyncBatchNorm) and isinstance(model[5], SyncBatchNorm)
+    sizes = _uneven(ctx)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(sum(sizes), 3, 4, 4, generator=g).to(ctx.device)
+    start = sum(sizes[:ctx.rank])
+    local = model(x[start:start + sizes[ctx.rank]])
+    local.square().sum().backward()
+    full = ref(x)
+    full.square().sum().backward()
+    torch.testing.assert_close(local, full[start:start + sizes[ctx.rank]], rtol=1e-4, atol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        total = _sum_over_ranks(p.grad)
+        torch.testing.assert_close(total, q.grad, rtol=1e-4, atol=1e-4,
+                                   msg=labelled(name))
+    for b, rb in zip(model.buffers(), ref.buffers()):
+        torch.testing.assert_close(b, rb, rtol=1e-4, atol=1e-5)
+
+
+def check_empty_rank(ctx):
+    # One rank (the first, the hardest case for the merge kernel) has no samples at all.
+    sizes = [0, 3, 5, 1][:ctx.world_size]
+    _run_case(ctx, sizes, label=" empty rank 0")
+    _run_case(ctx, list(reversed(sizes)), memory_format=torch.channels_last,
+              label=" empty last rank")
+
+
+def check_syncbn_process_groups(ctx):
+    group = create_syncbn_process_group(2)
+    members = [r for r in range(ctx.world_size) if r // 2 == ctx.rank // 2]
+    sizes = [2, 5] if ctx.rank < 2 else [4, 1]
+    _run_case(ctx, sizes, group=group, members=members, label=" group of 2")
+
+
+GROUP_2 = [
+    "check_fp32_equal_batches",
+    "check_fp32_unequal_batches",
+    "check_shapes_2d_3d_5d",
+    "check_bf16_input_fp32_params",
+    "check_fp16_input_fp32_params",
+    "check_channels_last",
+    "check_channel_last_flag",
+    "check_no_affine_no_running_stats",
+    "check_inplace_op_on_output",
+    "check_half_parameters",
+    "check_eval_mode_uses_running_stats_without_communication",
+    "check_convert_syncbn_model_matches_batchnorm",
+    "check_empty_rank",
+]
+GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups"]
+
+
+@pytest.fixture(scope="module")
+def gloo_2():
+    return run_checks(__name__, GROUP_2, world_size=2)
+
+
+@pytest.fixture(scope="module")
+def gloo_4():
+    return run_checks(__name__, GROUP_4, world_size=4)
+
+
+@pytest.fixture(scope="module")
+def nccl_2():
+    if cuda_count() < 2:
+        pytest.skip("requires 2 GPUs")
+    return run_checks(__name__, GROUP_2, world_size=2, backend="nccl", device_type="cuda")
+
+
+@pytest.fixture(scope="module")
+def one_gpu_gloo_2():
+    # Two processes on one GPU, statistics exchanged over gloo: the real CUDA kernels on a
+    # machine with a single GPU.
+    if cuda_count() < 1:
+        pytest.skip("requires CUDA")
+    return run_checks(__name__, GROUP_2, world_size=2, device_type="cuda", shared_device=True)
+
+
+@pytest.mark.parametrize("check", GROUP_2)
+def test_cpu_gloo_2_ranks(gloo_2, check):
+    gloo_2.assert_ok(check)
+
+
+@pytest.mark.parametrize("check", GROUP_4)
+def test_cpu_gloo_4_ranks(gloo_4, check):
+    gloo_4.assert_ok(check)
+
+
+@pytest.mark.parametrize("check", GROUP_2)
+def test_gpu_nccl_2_gpus(nccl_2, check):
+    nccl_2.assert_ok(check)
+
+
+@pytest.mark.parametrize("check", GROUP_2)
+def test_gpu_one_gpu_2_ranks(one_gpu_gloo_2, check):
+    one_gpu_gloo_2.assert_ok(check)
+
+
+# ------------------------------------------------------------------------------------------------
+# single process: not distributed, so it must be BatchNorm
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture
+def not_distributed():
+    if dist.is_available() and dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_process_is_batchnorm(not_distributed, device, dtype, momentum):
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4, momentum=momentum).to(device)
+    sync = convert_syncbn_model(copy.deepcopy(bn))
+    assert isinstance(sync, SyncBatchNorm)
+    for _ in range(2):
+        x = torch.randn(6, 4, 5, 5, device=device, dtype=dtype)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y1, y2 = bn(x1), sync(x2)
+        y1.square().sum().backward()
+        y2.square().sum().backward()
+        torch.testing.assert_close(y2, y1, rtol=0, atol=0)
+        torch.testing.assert_close(x2.grad, x1.grad, rtol=0, atol=0)
+    torch.testing.assert_close(sync.running_mean, bn.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(sync.running_var, bn.running_var, rtol=0, atol=0)
+    assert int(sync.num_batches_tracked) == 2
+    bn.eval()
+    sync.eval()
+    x = torch.randn(3, 4, 5, 5, device=device, dtype=dtype)
+    torch.testing.assert_close(sync(x), bn(x), rtol=0, atol=0)
+
+
+def test_single_process_channel_last_flag(not_distributed):
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4)
+    sync = SyncBatchNorm(4, channel_last=True)
+    x = torch.randn(6, 5, 5, 4)  # (N, H, W, C)
+    y = sync(x)
+    assert y.shape == x.shape
+    torch.testing.assert_close(y, bn(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
+    torch.testing.assert_close(sync.running_var, bn.running_var)
+
+
+def test_syncbn_is_a_batchnorm_for_amp():
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    assert isinstance(SyncBatchNorm(3), _BatchNorm)
+    assert "channel_last=True" in repr(SyncBatchNorm(3, channel_last=True))
+
+
+def test_syncbn_input_errors():
+    with pytest.raises(ValueError, match="at least 2D"):
+        SyncBatchNorm(3)(torch.randn(3))
+    with pytest.raises(ValueError, match="has 4 channels"):
+        SyncBatchNorm(3)(torch.randn(2, 4, 5))
+    with pytest.raises(ValueError, match="channel_last=True"):
+        SyncBatchNorm(3)(torch.randn(2, 5, 3))
+    with pytest.raises(ValueError, match="num_features"):
+        SyncBatchNorm(0)
+    with pytest.raises(TypeError, match="channel_last"):
+        SyncBatchNorm(3, channel_last="yes")
+
+
+def test_convert_syncbn_model_keeps_parameters_mode_and_requires_grad():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4),
+                          nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, affine=False)))
+    model[1].weight.requires_grad_(False)
+    model[1].running_mean.fill_(0.25)
+    model[1].eval()
+    weight, running_mean = model[1].weight, model[1].running_mean
+    converted = convert_syncbn_model(model, channel_last=False)
+    assert converted is model
+    assert isinstance(model[1], SyncBatchNorm) and isinstance(model[2][1], SyncBatchNorm)
+    assert model[1].weight is weight and not model[1].weight.requires_grad
+    assert model[1].running_mean is running_mean
+    assert not model[1].training and model[2][1].training
+    assert model[2][1].weight is None
+    assert set(model.state_dict()) == {
+        "0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean", "1.running_var",
+        "1.num_batches_tracked", "2.0.weight", "2.0.bias", "2.1.running_mean",
+        "2.1.running_var", "2.1.num_batches_tracked",
+    }
+    already = SyncBatchNorm(4)
+    assert convert_syncbn_model(already) is already
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        convert_syncbn_model("resnet")
+
+
+def test_create_syncbn_process_group_errors(not_distributed):
+    assert create_syncbn_process_group(0) is None
+    with pytest.raises(ValueError, match=">= 0"):
+        create_syncbn_process_group(-1)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        create_syncbn_process_group(2)
