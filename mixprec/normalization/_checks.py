@@ -1,0 +1,81 @@
+"""Argument checks shared by the norm functions and modules; errors name what was passed."""
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = []
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def normalize_shape(normalized_shape: Union[int, Sequence[int]], where: str) -> Tuple[int, ...]:
+    """``int`` or sequence of ints -> tuple of ints, rejecting anything else with a clear error."""
+    if isinstance(normalized_shape, bool):
+        raise TypeError(f"{where}: normalized_shape must be an int or a tuple of ints, got a bool")
+    if isinstance(normalized_shape, int):
+        shape = (normalized_shape,)
+    elif isinstance(normalized_shape, (tuple, list, torch.Size)):
+        shape = tuple(normalized_shape)
+        if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+            raise TypeError(
+                f"{where}: normalized_shape must hold ints, got {normalized_shape!r}"
+            )
+    else:
+        raise TypeError(
+            f"{where}: normalized_shape must be an int or a tuple of ints, "
+            f"got {type(normalized_shape).__name__}"
+        )
+    if len(shape) == 0 or any(d < 0 for d in shape):
+        raise ValueError(
+            f"{where}: normalized_shape must be one or more non-negative sizes, got {shape}"
+        )
+    return shape
+
+
+def check_inputs(
+    where: str,
+    x: Tensor,
+    normalized_shape: Tuple[int, ...],
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+) -> None:
+    """Validate the functional arguments; raise TypeError/ValueError naming the bad argument."""
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{where}: input must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{where}: input dtype {x.dtype} is not supported; use float32, float16, bfloat16 "
+            "(fused) or float64 (PyTorch path)"
+        )
+    k = len(normalized_shape)
+    if x.dim() < k or tuple(x.shape[x.dim() - k:]) != normalized_shape:
+        raise ValueError(
+            f"{where}: input of shape {tuple(x.shape)} does not end with normalized_shape "
+            f"{normalized_shape}; pass the input's last dims as normalized_shape (e.g. "
+            f"{tuple(x.shape[-1:])}) or reshape the input"
+        )
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if not isinstance(p, Tensor):
+            raise TypeError(f"{where}: {name} must be a Tensor or None, got {type(p).__name__}")
+        if p.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{where}: {name} dtype {p.dtype} is not supported; use float32, float16, "
+                "bfloat16 or float64"
+            )
+        if tuple(p.shape) != normalized_shape:
+            raise ValueError(
+                f"{where}: {name} has shape {tuple(p.shape)} but normalized_shape is "
+                f"{normalized_shape}; they must be equal"
+            )
+        if p.device != x.device:
+            raise ValueError(
+                f"{where}: {name} is on {p.device} but the input is on {x.device}; move both "
+                "to the same device"
+            )
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
+        raise ValueError(f"{where}: eps must be a non-negative float, got {eps!r}")

@@ -1,0 +1,378 @@
+"""Host launchers for the Triton norm kernels: check, allocate, pick a config, launch.
+
+Configs are chosen by heuristic and cached, never autotuned at call time: a norm runs twice per
+transformer layer and its Python overhead is part of its cost.
+"""
+
+import functools
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+__all__ = []
+
+_log = logging.getLogger(__name__)
+
+# The longest row the fused kernels hold in registers. 65,536 elements is 64 fp32 values per
+# thread at 32 warps: the forward still fits, the backward spills some registers to local
+# memory (slower, still correct). Longer rows take the PyTorch reference path.
+MAX_FUSED_N = 65536
+
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Backward programs per SM when the kernel's register count is not known yet (first call, or a
+# Triton without the CompiledKernel attributes read below).
+_FALLBACK_WARPS_PER_SM = 16
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton can be imported (checked once)."""
+    try:
+        if importlib.util.find_spec("triton") is None:
+            return False
+        import triton  # noqa: F401
+    except Exception as err:  # a broken install must not break the PyTorch path
+        _log.warning("triton is installed but failed to import (%s); using the PyTorch path", err)
+        return False
+    return True
+
+
+def interpreter_enabled() -> bool:
+    """Whether Triton runs kernels on CPU tensors (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _kernels():
+    # Imported on first use so that `import mixprec` never needs Triton, and so that
+    # TRITON_INTERPRET is read when the kernels are created, not when mixprec is imported.
+    from mixprec.normalization import _kernels
+
+    return _kernels
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Tile and launch shape of one kernel launch.
+
+    Attributes:
+        block_m (int): rows per tile.
+        block_n (int): columns per tile, a power of two ``>= N``.
+        num_warps (int): warps per program.
+        prefetch (bool): backward only: load the next row block before reducing this one.
+        pipeline_stages (int): backward only: when > 0, loop with
+            ``tl.range(num_stages=pipeline_stages)`` and let Triton's pipeliner stage the
+            loads instead (compiled GPUs only; not the default, kept for tuning sweeps).
+    """
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    prefetch: bool = False
+    pipeline_stages: int = 0
+
+
+def _block_shape(n: int) -> Tuple[int, int]:
+    block_n = max(16, triton_next_power_of_2(n))
+    # Rows shorter than 1,024 are stacked so that a program still moves ~1,024 elements.
+    block_m = min(64, max(1, 1024 // block_n))
+    return block_m, block_n
+
+
+@functools.cache
+def default_config(n: int) -> KernelConfig:
+    """Heuristic forward config for rows of ``n`` elements.
+
+    The whole row sits in registers. The forward needs few registers per element (about
+    30-60 per thread on sm_90 with these settings), so it uses few warps per row: more
+    programs fit on an SM and more rows are in flight, which is what a memory-bound kernel
+    needs. ``benchmarks/bench_norm.py --sweep`` times the neighbours of this choice.
+    """
+    block_m, block_n = _block_shape(n)
+    if block_n <= 4096:
+        num_warps = 4
+    elif block_n <= 8192:
+        num_warps = 8
+    elif block_n <= 16384:
+        num_warps = 16
+    else:
+        num_warps = 32
+    return KernelConfig(block_m=block_m, block_n=block_n, num_warps=num_warps)
+
+
+@functools.cache
+def default_backward_config(n: int, xy_bytes: int, dy_bytes: int) -> KernelConfig:
+    """Heuristic backward config for rows of ``n`` elements.
+
+    The backward holds about 8 fp32 values per row element (x_hat, dy, w, the dw/db sums,
+    temporaries), so it spreads a row over more warps than the forward: 8-16 elements per
+    thread. Prefetching the next row block keeps a second copy of the loaded tile in
+    registers; it is on when that copy is at most 64 bytes per thread (16 half values of x and
+    of dy), which on sm_90 keeps the kernel at <= 128 registers without spilling.
+    """
+    block_m, block_n = _block_shape(n)
+    if block_n <= 1024:
+        num_warps = 4
+    elif block_n <= 4096:
+        num_warps = 8
+    elif block_n <= 16384:
+        num_warps = 16
+    else:
+        num_warps = 32
+    per_thread = block_m * block_n // (32 * num_warps)
+    prefetch = per_thread * (xy_bytes + dy_bytes) <= 64
+    return KernelConfig(block_m, block_n, num_warps, prefetch=prefetch)
+
+
+def triton_next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class _on_device:
+    """Make ``tensor``'s CUDA device current: Triton launches on the current device's stream."""
+
+    def __init__(self, tensor: Tensor):
+        self._ctx = None
+        if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+            self._ctx = torch.cuda.device(tensor.device.index)
+
+    def __enter__(self):
+        if self._ctx is not None:
+            self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def forward(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    out_dtype: torch.dtype,
+    config: Optional[KernelConfig] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Launch the forward kernel on ``x [M, N]`` (unit column stride); see ``norm_forward``.
+
+    Returns:
+        (Tensor, Tensor, Tensor): ``y [M, N]`` (``out_dtype``), ``mean [M]`` (``[0]`` for
+        RMSNorm) and ``rstd [M]``, the last two in fp32.
+    """
+    m, n = x.shape
+    # (A one-column row has no column stride to speak of: size-1 dims keep arbitrary strides.)
+    if n > 1 and x.stride(1) != 1:
+        raise ValueError(f"the fused forward needs unit column stride, got strides {x.stride()}")
+    cfg = config or default_config(n)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    mean = torch.empty(0 if is_rms else m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y, mean, rstd
+    has_bias = bias is not None and not is_rms
+    with _on_device(x):
+        _kernels().norm_fwd_kernel[(_cdiv(m, cfg.block_m),)](
+            x,
+            y,
+            weight if weight is not None else x,  # placeholders are never read: constexpr off
+            bias if has_bias else x,
+            rstd if is_rms else mean,
+            rstd,
+            x.stride(0),
+            y.stride(0),
+            m,
+            n,
+            eps,
+            IS_RMS=is_rms,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=has_bias,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+        )
+    return y, mean, rstd
+
+
+# (device index, kernel specialization) -> resident programs per SM, learnt from the compiled
+# kernel's register and shared-memory use after its first launch.
+_PROGRAMS_PER_SM: Dict[tuple, int] = {}
+
+
+@functools.cache
+def _sm_resources(device_index: int) -> Tuple[int, int, int, int]:
+    props = torch.cuda.get_device_properties(device_index)
+    # Attributes missing from older torch builds fall back to every NVIDIA GPU since Volta.
+    regs = int(getattr(props, "regs_per_multiprocessor", 0) or 65536)
+    threads = int(getattr(props, "max_threads_per_multi_processor", 0) or 2048)
+    smem = int(getattr(props, "shared_memory_per_multiprocessor", 0) or 0)
+    return props.multi_processor_count, regs, threads, smem
+
+
+def _occupancy(compiled, num_warps: int, device_index: int) -> Optional[int]:
+    """Programs of ``compiled`` that fit on one SM at once, or None when Triton hides it."""
+    try:
+        n_regs = int(compiled.n_regs)
+        shared = int(compiled.metadata.shared)
+    except Exception:  # attribute names are Triton internals; the heuristic still works
+        return None
+    _, regs_per_sm, threads_per_sm, smem_per_sm = _sm_resources(device_index)
+    threads = 32 * num_warps
+    # Registers are allocated per warp in units of 256, i.e. 8 per thread.
+    regs_per_thread = max(8, _cdiv(max(n_regs, 1), 8) * 8)
+    fits = min(32, threads_per_sm // threads, regs_per_sm // (regs_per_thread * threads))
+    if shared > 0 and smem_per_sm > 0:
+        fits = min(fits, smem_per_sm // shared)
+    return max(1, fits)
+
+
+def _no_grad(device: torch.device) -> Tensor:
+    # A fresh empty tensor per missing gradient: a custom op's outputs may not alias each other.
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def backward_num_programs(row_blocks: int, cfg: KernelConfig, device: torch.device, key,
+                          compile_kernel) -> int:
+    """How many backward programs to launch: every SM full once, no second wave.
+
+    On CUDA the count comes from the compiled kernel's register and shared-memory use
+    (``compile_kernel()`` compiles without launching), learnt once per specialization and
+    cached, so that every call with the same specialization splits rows the same way and the
+    weight gradients are bitwise reproducible from the first call on.
+    """
+    if device.type != "cuda":
+        # Interpreter: a few programs, so the tests cover the multi-block loop and the
+        # partial-sum reduction.
+        return max(1, min(row_blocks, 4))
+    per_sm = _PROGRAMS_PER_SM.get(key)
+    if per_sm is None:
+        fits = None
+        try:
+            compiled = compile_kernel()
+            compiled._init_handles()  # loads the binary; fills n_regs (as Triton's tutorials do)
+            fits = _occupancy(compiled, cfg.num_warps, device.index)
+        except Exception as err:  # Triton internals moved: fall back to the heuristic
+            _log.debug("could not read the norm backward kernel's occupancy: %s", err)
+        per_sm = fits if fits is not None else max(1, _FALLBACK_WARPS_PER_SM // cfg.num_warps)
+        _PROGRAMS_PER_SM[key] = per_sm
+        _log.debug("norm backward %s: %d programs per SM", cfg, per_sm)
+    sms = _sm_resources(device.index)[0]
+    return max(1, min(row_blocks, sms * per_sm))
+
+
+def backward(
+    dy: Tensor,
+    xy: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    mean: Tensor,
+    rstd: Tensor,
+    is_rms: bool,
+    from_y: bool,
+    x_dtype: torch.dtype,
+    need_dw: bool,
+    need_db: bool,
+    config: Optional[KernelConfig] = None,
+    num_programs: Optional[int] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Launch the backward kernel; same contract as ``reference.norm_backward``.
+
+    Returns:
+        (Tensor, Tensor, Tensor): ``dx [M, N]`` in ``x_dtype``; ``dweight``/``dbias`` ``[N]`` in
+        the parameters' dtypes, or empty ``[0]`` tensors when not requested.
+    """
+    m, n = xy.shape
+    if n > 1 and (xy.stride(1) != 1 or dy.stride(1) != 1):
+        raise ValueError(
+            f"the fused backward needs unit column strides, got {xy.stride()} and {dy.stride()}"
+        )
+    cfg = config or default_backward_config(n, xy.element_size(), dy.element_size())
+    device = xy.device
+    if cfg.pipeline_stages > 0 and device.type != "cuda":
+        raise ValueError(
+            f"pipeline_stages={cfg.pipeline_stages} needs a compiled GPU kernel; the CPU "
+            "interpreter cannot run tl.range with a runtime bound. Use pipeline_stages=0."
+        )
+    compute_dw = need_dw and weight is not None
+    compute_db = need_db and bias is not None and not is_rms
+    dx = torch.empty((m, n), dtype=x_dtype, device=device)
+    if m == 0:
+        dw = torch.zeros_like(weight) if compute_dw else _no_grad(device)
+        db = torch.zeros_like(bias) if compute_db else _no_grad(device)
+        return dx, dw, db
+
+    key = (
+        device.index, is_rms, weight is not None, bias is not None, from_y, compute_dw,
+        compute_db, cfg, xy.dtype, dy.dtype, x_dtype,
+        None if weight is None else weight.dtype, None if bias is None else bias.dtype,
+    )
+    kernel = _kernels().norm_bwd_kernel
+    consts = dict(
+        IS_RMS=is_rms,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None and not is_rms,
+        FROM_Y=from_y,
+        COMPUTE_DW=compute_dw,
+        COMPUTE_DB=compute_db,
+        NEED_MEAN=not is_rms and not from_y,
+        PREFETCH=cfg.prefetch,
+        PIPELINE_STAGES=cfg.pipeline_stages,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+    )
+
+    def args(dw_partial, db_partial, blocks_per_program):
+        return (
+            dy,
+            xy,
+            weight if weight is not None else xy,  # placeholders are never read: constexpr off
+            bias if bias is not None else xy,
+            mean if mean.numel() > 0 else rstd,
+            rstd,
+            dx,
+            dw_partial,
+            db_partial,
+            dy.stride(0),
+            xy.stride(0),
+            m,
+            n,
+            blocks_per_program,
+        )
+
+    row_blocks = _cdiv(m, cfg.block_m)
+    with _on_device(xy):
+        programs = num_programs or backward_num_programs(
+            row_blocks, cfg, device, key,
+            lambda: kernel.warmup(*args(rstd, rstd, 2), grid=(1,), **consts),
+        )
+        programs = max(1, min(programs, row_blocks))
+        blocks_per_program = _cdiv(row_blocks, programs)
+        programs = _cdiv(row_blocks, blocks_per_program)
+
+        # One buffer for both partial sums so that a single reduction kernel finishes them.
+        n_partials = int(compute_dw) + int(compute_db)
+        shape = (n_partials, programs, n) if n_partials else (1, 1, 1)  # (1, 1, 1): unused
+        partials = torch.empty(shape, dtype=torch.float32, device=device)
+        # Rows of `partials` the kernel never writes when COMPUTE_DW / COMPUTE_DB are off.
+        dw_partial, db_partial = partials[0], partials[n_partials - 1]
+        kernel[(programs,)](*args(dw_partial, db_partial, blocks_per_program), **consts)
+
+    dw = db = None
+    if n_partials:
+        sums = partials.sum(dim=1)  # fp32 [n_partials, N]
+        if compute_dw:
+            dw = sums[0].to(weight.dtype)
+        if compute_db:
+            # A copy when dw already views `sums`: the two gradients must not share storage.
+            db = sums[n_partials - 1].to(bias.dtype, copy=compute_dw)
+    return dx, _no_grad(device) if dw is None else dw, _no_grad(device) if db is None else db

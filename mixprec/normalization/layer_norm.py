@@ -1,0 +1,205 @@
+"""Fused LayerNorm: ``fused_layer_norm``, ``FusedLayerNorm`` and ``MixedFusedLayerNorm``.
+
+Drop-in for Apex's ``apex.normalization.FusedLayerNorm`` / ``MixedFusedLayerNorm`` (same
+arguments, same ``weight``/``bias`` state-dict keys as :class:`torch.nn.LayerNorm`).
+
+Dtypes: statistics are always computed in fp32 and the output is cast once. The output dtype
+is the input's for :func:`fused_layer_norm` and :class:`FusedLayerNorm`, and the weight's for
+:class:`MixedFusedLayerNorm`. Parameters are read in their own dtype and their gradients come
+back in it. The op is not on ``torch.autocast``'s lists, so autocast changes nothing: a bf16
+activation gives a bf16 output (``torch.nn.LayerNorm`` would give fp32 under autocast).
+"""
+
+import numbers
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.normalization import _checks, _ops, reference
+
+__all__ = ["fused_layer_norm", "FusedLayerNorm", "MixedFusedLayerNorm"]
+
+
+def fused_layer_norm(
+    x: Tensor,
+    normalized_shape: Union[int, Sequence[int]],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    memory_efficient: bool = False,
+) -> Tensor:
+    """LayerNorm over the trailing ``normalized_shape`` dims of ``x``, fused on CUDA.
+
+    Triton kernels on CUDA for fp32/fp16/bf16 rows up to 65,536 elements; the plain-PyTorch
+    :func:`mixprec.normalization.reference.layer_norm` math elsewhere (CPU, fp64, longer rows).
+
+    Args:
+        x (Tensor): input ``[*, *normalized_shape]``, fp32, fp16, bf16 or fp64; any leading
+            shape, any strides.
+        normalized_shape (int or tuple of int): the trailing dims to normalize over.
+        weight (Tensor, optional): scale, shape ``normalized_shape``. Default: ``None``.
+        bias (Tensor, optional): shift, shape ``normalized_shape``. Default: ``None``.
+        eps (float): added to the variance. Default: ``1e-5``.
+        memory_efficient (bool): save the output instead of the input for backward and
+            recover ``x_hat = (y - bias) / weight`` from it. Needs every weight element
+            non-zero (a zero gives inf/nan gradients) and costs a little precision in half
+            dtypes. Default: ``False``.
+
+    Returns:
+        Tensor: same shape as ``x``, dtype of ``x``.
+
+    Raises:
+        ValueError: the input's trailing shape, or a parameter's shape, is not
+            ``normalized_shape``.
+        TypeError: unsupported dtypes or argument types.
+
+    Example::
+
+        >>> x = torch.randn(8, 128, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        >>> w = torch.ones(1024, device="cuda", requires_grad=True)
+        >>> b = torch.zeros(1024, device="cuda", requires_grad=True)
+        >>> y = fused_layer_norm(x, 1024, w, b)  # bf16, statistics in fp32
+        >>> y.float().pow(2).mean().backward()
+    """
+    shape = _checks.normalize_shape(normalized_shape, "fused_layer_norm")
+    _checks.check_inputs("fused_layer_norm", x, shape, weight, bias, eps)
+    return _ops.fused_norm(x, shape, weight, bias, float(eps), False, memory_efficient, x.dtype)
+
+
+class FusedLayerNorm(nn.Module):
+    """LayerNorm over the last dims, with fused Triton kernels on CUDA.
+
+    Same arguments and parameters as Apex's ``FusedLayerNorm`` and
+    :class:`torch.nn.LayerNorm`. The output has the input's dtype; parameters may have another
+    dtype (e.g. fp32 weights with a bf16 input) and are read in their own precision.
+
+    Args:
+        normalized_shape (int or tuple of int): the trailing dims to normalize over.
+        eps (float): added to the variance. Default: ``1e-5``.
+        elementwise_affine (bool): learn a per-element ``weight`` (ones) and ``bias`` (zeros).
+            Default: ``True``.
+        memory_efficient (bool): save the output, not the input, for backward; needs non-zero
+            weights (see :func:`fused_layer_norm`). Default: ``False``.
+        device (torch.device, optional): where to create the parameters. Default: ``None``.
+        dtype (torch.dtype, optional): dtype of the parameters. Default: ``None``.
+
+    Example::
+
+        >>> model = torch.nn.Sequential(torch.nn.Linear(512, 1024), FusedLayerNorm(1024)).cuda()
+        >>> opt = torch.optim.AdamW(model.parameters())
+        >>> for x, target in loader:
+        ...     loss = torch.nn.functional.mse_loss(model(x.cuda()), target.cuda())
+        ...     opt.zero_grad()
+        ...     loss.backward()
+        ...     opt.step()
+    """
+
+    __constants__ = [
+        "normalized_shape", "eps", "elementwise_affine", "memory_efficient", "_output_like_weight"
+    ]
+    normalized_shape: Tuple[int, ...]
+    eps: float
+    elementwise_affine: bool
+    memory_efficient: bool
+    _output_like_weight: bool
+
+    def __init__(
+        self,
+        normalized_shape: Union[int, Sequence[int]],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+        *,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        name = type(self).__name__
+        self.normalized_shape = _checks.normalize_shape(normalized_shape, name)
+        if not isinstance(eps, numbers.Real) or eps < 0:
+            raise ValueError(f"{name}: eps must be a non-negative float, got {eps!r}")
+        self.eps = float(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.memory_efficient = bool(memory_efficient)
+        # True in the Mixed variant: the output takes the weight's dtype, not the input's.
+        self._output_like_weight = False
+        if self.elementwise_affine:
+            kw = {"device": device, "dtype": dtype}
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight to ones, bias to zeros."""
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        out_dtype = input.dtype
+        if self._output_like_weight and self.weight is not None:
+            out_dtype = self.weight.dtype
+        if torch.jit.is_scripting():
+            # TorchScript cannot call the Triton launcher; run the plain-PyTorch math.
+            return reference.layer_norm(
+                input, list(self.normalized_shape), self.weight, self.bias, self.eps, out_dtype
+            )
+        return self._fused_forward(input, out_dtype)
+
+    @torch.jit.unused
+    def _fused_forward(self, input: Tensor, out_dtype: torch.dtype) -> Tensor:
+        where = type(self).__name__
+        _checks.check_inputs(where, input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return _ops.fused_norm(
+            input, self.normalized_shape, self.weight, self.bias, self.eps, False,
+            self.memory_efficient, out_dtype,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, "
+            f"elementwise_affine={self.elementwise_affine}, "
+            f"memory_efficient={self.memory_efficient}"
+        )
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """:class:`FusedLayerNorm` whose output takes the parameters' dtype, as in Apex.
+
+    Meant for fp32 parameters fed half-precision activations: the output (and the gradient
+    flowing back into it) is fp32 while the input and its gradient stay half. Always affine.
+
+    Args:
+        normalized_shape (int or tuple of int): the trailing dims to normalize over.
+        eps (float): added to the variance. Default: ``1e-5``.
+        memory_efficient (bool): save the output for backward (see :func:`fused_layer_norm`).
+            Default: ``False``.
+        device (torch.device, optional): where to create the parameters. Default: ``None``.
+        dtype (torch.dtype, optional): dtype of the parameters. Default: ``None`` (fp32).
+
+    Example::
+
+        >>> norm = MixedFusedLayerNorm(1024).cuda()  # fp32 weight and bias
+        >>> x = torch.randn(16, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        >>> y = norm(x)  # y is fp32
+        >>> y.sum().backward()  # x.grad is bf16, norm.weight.grad fp32
+    """
+
+    def __init__(
+        self,
+        normalized_shape: Union[int, Sequence[int]],
+        eps: float = 1e-5,
+        *,
+        memory_efficient: bool = False,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__(
+            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient,
+            device=device, dtype=dtype,
+        )
+        self._output_like_weight = True

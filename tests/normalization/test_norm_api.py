@@ -1,0 +1,214 @@
+"""The API around the kernels: errors, repr, state dicts, TorchScript, torch.compile, autocast."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from mixprec.normalization import (
+    FusedLayerNorm,
+    FusedRMSNorm,
+    MixedFusedLayerNorm,
+    MixedFusedRMSNorm,
+    fused_layer_norm,
+    fused_rms_norm,
+    reference,
+)
+
+from .helpers import DEVICES, float64_reference, make_input, make_params, tolerance
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: fused_layer_norm(torch.randn(2, 3, 5), 4),
+        lambda: fused_layer_norm(torch.randn(2, 3, 5), (3, 4)),
+        lambda: fused_rms_norm(torch.randn(5), (2, 5)),
+        lambda: FusedLayerNorm(4)(torch.randn(2, 5)),
+        lambda: MixedFusedRMSNorm((3, 5))(torch.randn(2, 5, 3)),
+    ],
+    ids=["int", "tuple", "too-few-dims", "module", "mixed-module"],
+)
+def test_mismatched_trailing_shape_is_a_value_error(call):
+    with pytest.raises(ValueError, match="does not end with normalized_shape"):
+        call()
+
+
+def test_other_argument_errors():
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="weight has shape"):
+        fused_layer_norm(x, 4, torch.ones(5))
+    with pytest.raises(ValueError, match="bias has shape"):
+        fused_layer_norm(x, 4, torch.ones(4), torch.zeros(3))
+    with pytest.raises(TypeError, match="input dtype torch.int64"):
+        fused_rms_norm(torch.ones(2, 4, dtype=torch.long), 4)
+    with pytest.raises(TypeError, match="must be a torch.Tensor"):
+        fused_layer_norm([[1.0, 2.0]], 2)
+    with pytest.raises(TypeError, match="normalized_shape must be an int"):
+        FusedLayerNorm("4")
+    with pytest.raises(ValueError, match="eps must be a non-negative"):
+        FusedRMSNorm(4, eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be a non-negative"):
+        fused_layer_norm(x, 4, eps=-1e-5)
+
+
+def test_extra_repr_and_parameters():
+    assert repr(FusedLayerNorm(8)) == (
+        "FusedLayerNorm((8,), eps=1e-05, elementwise_affine=True, memory_efficient=False)"
+    )
+    assert "memory_efficient=True" in repr(MixedFusedRMSNorm((2, 3), memory_efficient=True))
+    assert [n for n, _ in FusedLayerNorm(8).named_parameters()] == ["weight", "bias"]
+    assert [n for n, _ in FusedRMSNorm(8).named_parameters()] == ["weight"]
+    assert list(FusedLayerNorm(8, elementwise_affine=False).parameters()) == []
+    assert FusedRMSNorm(8, dtype=torch.bfloat16).weight.dtype == torch.bfloat16
+    assert MixedFusedLayerNorm(8).weight.dtype == torch.float32
+
+
+def test_state_dict_is_interchangeable_with_torch_layer_norm():
+    native = torch.nn.LayerNorm((3, 4))
+    with torch.no_grad():
+        native.weight.uniform_()
+        native.bias.uniform_()
+    ours = FusedLayerNorm((3, 4))
+    ours.load_state_dict(native.state_dict())
+    x = torch.randn(5, 3, 4)
+    torch.testing.assert_close(ours(x), native(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm,
+                                 MixedFusedRMSNorm])
+def test_torchscript_falls_back_to_the_reference(cls):
+    norm = cls((4, 6))
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.uniform_(0.5, 1.5)
+    scripted = torch.jit.script(norm)
+    x = torch.randn(3, 4, 6, dtype=torch.bfloat16)
+    y, y_scripted = norm(x), scripted(x)
+    assert y_scripted.dtype == y.dtype
+    torch.testing.assert_close(y_scripted, y, **tolerance(y.dtype))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.ln = FusedLayerNorm(16, memory_efficient=True)
+        self.rms = FusedRMSNorm(16)
+        self.mixed = MixedFusedLayerNorm(16)
+
+    def forward(self, x):
+        h = self.ln(self.proj(x))
+        h = self.rms(h) + h
+        return self.mixed(h) + torch.nn.functional.layer_norm(h, (16,))
+
+
+def test_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    block = _Block()
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    eager = block(x)
+    eager.square().sum().backward()
+    grads = [x.grad.clone()] + [p.grad.clone() for p in block.parameters()]
+    x.grad = None
+    block.zero_grad()
+
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+    for got, want in zip([x.grad] + [p.grad for p in block.parameters()], grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_custom_ops_pass_opcheck():
+    if not hasattr(torch.library, "opcheck"):
+        pytest.skip("requires torch.library.opcheck")
+    x = torch.randn(6, 8, requires_grad=True)
+    w = torch.randn(8, requires_grad=True)
+    b = torch.randn(8, requires_grad=True)
+    fwd = torch.ops.mixprec.fused_norm_fwd.default
+    torch.library.opcheck(fwd, (x, w, b, 1e-5, False, False, torch.float32))
+    torch.library.opcheck(fwd, (x, w, None, 1e-5, True, True, torch.float32))
+    torch.library.opcheck(fwd, (x.detach().bfloat16(), w, b, 1e-5, False, True, torch.float32))
+    y, mean, rstd = fwd(x.detach(), w.detach(), b.detach(), 1e-5, False, False, torch.float32)
+    torch.library.opcheck(
+        torch.ops.mixprec.fused_norm_bwd.default,
+        (torch.randn(6, 8), x.detach(), w.detach(), b.detach(), mean, rstd, False, False,
+         torch.float32, True, False),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dtype_under_autocast(device):
+    # Not on autocast's lists: the output dtype follows the module's rule, autocast or not.
+    # (torch.nn.LayerNorm would return fp32 under autocast.)
+    half = torch.bfloat16
+    ln = FusedLayerNorm(32).to(device)
+    rms = FusedRMSNorm(32).to(device)
+    mixed = MixedFusedLayerNorm(32).to(device)
+    x32 = make_input((4, 32), torch.float32, device)
+    x16 = x32.to(half)
+    with torch.autocast(device_type=device, dtype=half):
+        out = {
+            "ln32": ln(x32), "ln16": ln(x16), "rms16": rms(x16), "mixed16": mixed(x16),
+            "after_linear": ln(torch.nn.functional.linear(x32, torch.eye(32, device=device))),
+        }
+    assert out["ln32"].dtype == torch.float32
+    assert out["ln16"].dtype == half
+    assert out["rms16"].dtype == half
+    assert out["mixed16"].dtype == torch.float32
+    assert out["after_linear"].dtype == half  # autocast's linear gave bf16
+    torch.testing.assert_close(
+        out["ln16"].double(), reference.layer_norm(x16.double(), [32]), **tolerance(half)
+    )
+    torch.testing.assert_close(
+        out["mixed16"].double(), reference.layer_norm(x16.double(), [32]),
+        **tolerance(torch.float32),
+    )
+
+
+def test_backward_under_autocast_matches_reference():
+    x = make_input((6, 24), torch.bfloat16, "cpu").requires_grad_(True)
+    w, b = make_params((24,), torch.float32, "cpu", True)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        y = fused_layer_norm(x, 24, w, b)
+    dy = torch.randn(6, 24).to(torch.bfloat16)
+    y.backward(dy)
+    _, dx_ref, dw_ref, db_ref = float64_reference("layer", x, (24,), w, b, dy)
+    torch.testing.assert_close(x.grad.double(), dx_ref, **tolerance(torch.bfloat16))
+    torch.testing.assert_close(w.grad.double(), dw_ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(b.grad.double(), db_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_import_and_cpu_path_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, mixprec\n"
+        "from mixprec.normalization import FusedLayerNorm, _launch\n"
+        "assert not _launch.triton_available()\n"
+        "x = torch.randn(3, 8, requires_grad=True)\n"
+        "FusedLayerNorm(8)(x).sum().backward()\n"
+        "assert 'mixprec.normalization._kernels' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_memory_efficient_saves_the_output_not_the_input(cls, memory_efficient, device):
+    saved = []
+
+    def pack(t):
+        saved.append(t.data_ptr())
+        return t
+
+    norm = cls(64, memory_efficient=memory_efficient).to(device)
+    x = torch.randn(8, 64, device=device, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = norm(x)
+    assert (y.data_ptr() in saved) == memory_efficient
+    assert (x.data_ptr() in saved) != memory_efficient
+    y.sum().backward()

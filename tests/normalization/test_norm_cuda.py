@@ -1,0 +1,141 @@
+"""CUDA-only behaviour: the Triton path is taken, inductor, determinism, large and long rows.
+
+The numerics matrix (every case, dtype, affine, memory_efficient) runs on CUDA from
+``test_norm_numerics.py``.
+"""
+
+import pytest
+import torch
+
+from mixprec.normalization import (
+    FusedLayerNorm,
+    FusedRMSNorm,
+    MixedFusedRMSNorm,
+    _launch,
+    fused_layer_norm,
+    fused_rms_norm,
+    reference,
+)
+
+from .helpers import make_input, make_params, requires_cuda, run_and_compare
+
+pytestmark = requires_cuda
+
+
+def test_cuda_takes_the_triton_path(monkeypatch):
+    calls = {"forward": 0, "backward": 0}
+    forward, backward = _launch.forward, _launch.backward
+
+    def count(name, fn):
+        def wrapped(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(_launch, "forward", count("forward", forward))
+    monkeypatch.setattr(_launch, "backward", count("backward", backward))
+    x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    FusedLayerNorm(256).cuda()(x).float().sum().backward()
+    fused_rms_norm(x, 256).float().sum().backward()
+    assert calls == {"forward": 2, "backward": 2}
+
+
+@pytest.mark.parametrize(
+    "m,n,dtype",
+    [(8192, 1024, torch.bfloat16), (1000, 8192, torch.float32), (300, 4096, torch.float16)],
+)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_benchmark_sized_rows(kind, m, n, dtype):
+    # Many rows per backward program (the persistent grid) and the learnt occupancy: the second
+    # call runs with the program count measured on the first.
+    x = make_input((m, n), dtype, "cuda")
+    w, b = make_params((n,), dtype, "cuda", True, with_bias=kind == "layer")
+    for _ in range(2):
+        for p in (w, b):
+            if p is not None:
+                p.grad = None
+        if kind == "layer":
+            def fn(t):
+                return fused_layer_norm(t, n, w, b)
+        else:
+            def fn(t):
+                return fused_rms_norm(t, n, w)
+        run_and_compare(kind, fn, x, (n,), w, b, False, dtype)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_backward_is_deterministic(kind):
+    x = make_input((4096, 512), torch.bfloat16, "cuda").requires_grad_(True)
+    norm = (FusedLayerNorm if kind == "layer" else FusedRMSNorm)(512).cuda()
+    dy = torch.randn(4096, 512, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for _ in range(3):
+        x.grad = None
+        norm.zero_grad(set_to_none=True)
+        norm(x).backward(dy)
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in norm.parameters()])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert torch.equal(a, b)
+
+
+def test_rows_longer_than_the_fused_limit_fall_back_with_a_warning():
+    n = _launch.MAX_FUSED_N + 4464
+    x = make_input((2, n), torch.float32, "cuda")
+    w, b = make_params((n,), torch.float32, "cuda", True)
+    with pytest.warns(UserWarning, match="reference path"):
+        run_and_compare("layer", lambda t: fused_layer_norm(t, n, w, b), x, (n,), w, b, False,
+                        torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_inductor_fullgraph_matches_eager(kind):
+    torch.manual_seed(0)
+    norm_cls = FusedLayerNorm if kind == "layer" else MixedFusedRMSNorm
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), norm_cls(256), torch.nn.GELU(), torch.nn.Linear(256, 64)
+    ).cuda()
+    x = torch.randn(8, 32, 256, device="cuda", requires_grad=True)
+    model(x).square().mean().backward()
+    want = [x.grad.clone()] + [p.grad.clone() for p in model.parameters()]
+    x.grad = None
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, fullgraph=True)
+    compiled(x).square().mean().backward()
+    got = [x.grad] + [p.grad for p in model.parameters()]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires 2 GPUs")
+def test_second_gpu():
+    x = make_input((64, 1000), torch.bfloat16, "cuda:1")
+    w, b = make_params((1000,), torch.bfloat16, "cuda:1", True)
+    assert torch.cuda.current_device() == 0
+    run_and_compare("layer", lambda t: fused_layer_norm(t, 1000, w, b), x, (1000,), w, b, False,
+                    torch.bfloat16)
+
+
+@pytest.mark.parametrize("prefetch,stages", [(False, 0), (True, 0), (False, 2), (False, 3)])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_backward_loop_variants(kind, prefetch, stages):
+    # Every loop variant the tuning sweep may pick must give the reference numbers.
+    is_rms = kind == "rms"
+    m, n = 2000, 1024
+    x = make_input((m, n), torch.bfloat16, "cuda")
+    dy = make_input((m, n), torch.bfloat16, "cuda", seed=7)
+    w, b = make_params((n,), torch.bfloat16, "cuda", True)
+    w, b = w.detach(), (None if is_rms else b.detach())
+    y, mean, rstd = _launch.forward(x, w, b, 1e-5, is_rms, torch.bfloat16)
+    base = _launch.default_backward_config(n, 2, 2)
+    cfg = _launch.KernelConfig(base.block_m, base.block_n, base.num_warps, prefetch=prefetch,
+                               pipeline_stages=stages)
+    for from_y in (False, True):
+        xy = y if from_y else x
+        got = _launch.backward(dy, xy, w, b, mean, rstd, is_rms, from_y, torch.bfloat16, True,
+                               True, config=cfg)
+        want = reference.norm_backward(dy, xy, w, b, mean, rstd, is_rms, from_y,
+                                       torch.bfloat16, True, True)
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g.float(), r.float(), atol=0.1, rtol=2e-2)

@@ -1,0 +1,78 @@
+"""Host-side launch logic that needs no GPU: configs, occupancy arithmetic, program counts."""
+
+import types
+
+import pytest
+import torch
+
+from mixprec.normalization import _launch
+
+
+@pytest.mark.parametrize("n", [1, 45, 123, 1023, 1024, 4096, 8192, 15129, 65536])
+def test_default_configs_cover_the_row(n):
+    for cfg in (_launch.default_config(n), _launch.default_backward_config(n, 2, 2)):
+        assert cfg.block_n >= n and cfg.block_n & (cfg.block_n - 1) == 0
+        assert 1 <= cfg.block_m <= 64 and cfg.num_warps in (4, 8, 16, 32)
+        assert cfg.pipeline_stages == 0
+
+
+def test_backward_prefetch_only_when_it_fits():
+    # 16 half values of x and dy per thread: prefetch; fp32 at the same tile: not.
+    assert _launch.default_backward_config(4096, 2, 2).prefetch
+    assert not _launch.default_backward_config(4096, 4, 4).prefetch
+    assert not _launch.default_backward_config(65536, 2, 2).prefetch
+
+
+def _fake_h200(monkeypatch):
+    # 132 SMs, 64K registers, 2,048 threads and 228 KiB of shared memory per SM.
+    monkeypatch.setattr(_launch, "_sm_resources", lambda index: (132, 65536, 2048, 233472))
+
+
+def test_occupancy_arithmetic(monkeypatch):
+    _fake_h200(monkeypatch)
+
+    def compiled(n_regs, shared):
+        return types.SimpleNamespace(n_regs=n_regs, metadata=types.SimpleNamespace(shared=shared))
+
+    # registers: 72 -> 72 per thread x 128 threads -> 7 programs of 4 warps
+    assert _launch._occupancy(compiled(72, 4096), 4, 0) == 7
+    # threads: 16 regs x 128 threads would allow 32, but 2,048 threads allow 16
+    assert _launch._occupancy(compiled(16, 0), 4, 0) == 16
+    # shared memory: 100 KiB per program -> 2
+    assert _launch._occupancy(compiled(32, 100 * 1024), 4, 0) == 2
+    # never below one
+    assert _launch._occupancy(compiled(255, 0), 32, 0) == 1
+    # Triton without the attributes: unknown
+    assert _launch._occupancy(object(), 4, 0) is None
+
+
+def test_program_count_is_learnt_once_per_specialization(monkeypatch):
+    _fake_h200(monkeypatch)
+    monkeypatch.setattr(_launch, "_PROGRAMS_PER_SM", {})
+    cfg = _launch.KernelConfig(1, 1024, 4)
+    device = torch.device("cuda", 0)
+    calls = []
+
+    class Compiled:
+        n_regs = 64
+        metadata = types.SimpleNamespace(shared=0)
+
+        def _init_handles(self):
+            calls.append("init")
+
+    def compile_kernel():
+        calls.append("compile")
+        return Compiled()
+
+    assert _launch.backward_num_programs(10**6, cfg, device, "k", compile_kernel) == 132 * 8
+    assert _launch.backward_num_programs(10**6, cfg, device, "k", compile_kernel) == 132 * 8
+    assert calls == ["compile", "init"]
+    # fewer row blocks than slots: one block each
+    assert _launch.backward_num_programs(100, cfg, device, "k", compile_kernel) == 100
+
+    def broken():
+        raise RuntimeError("no such attribute")
+
+    # a Triton whose internals moved falls back to the heuristic, once
+    fallback = _launch._FALLBACK_WARPS_PER_SM // cfg.num_warps
+    assert _launch.backward_num_programs(10**6, cfg, device, "k2", broken) == 132 * fallback

@@ -1,0 +1,168 @@
+"""The Triton kernels on CPU tensors, through Triton's interpreter (TRITON_INTERPRET=1).
+
+Small sizes only: the interpreter runs each program in NumPy. On a CUDA machine these skip and
+``test_norm_numerics.py`` runs the same kernels compiled.
+"""
+
+import pytest
+import torch
+
+from mixprec.normalization import (
+    MixedFusedLayerNorm,
+    MixedFusedRMSNorm,
+    _launch,
+    _ops,
+    fused_layer_norm,
+    fused_rms_norm,
+    reference,
+)
+
+from .helpers import (
+    CASE_IDS,
+    CASES,
+    HALF_AND_FLOAT,
+    float64_reference,
+    make_input,
+    make_params,
+    requires_interpreter,
+    run_and_compare,
+    tolerance,
+)
+
+pytestmark = requires_interpreter
+
+# (2, 37, 45): 74 rows of 45 -> 16-row tiles, 5 row blocks over 3 backward programs, the last
+# program's second block entirely past the end: exercises the tile masks and the partial sums.
+SMALL = [CASES[0], CASES[1], ((2, 37, 45), (45,))]
+SMALL_IDS = [CASE_IDS[0], CASE_IDS[1], "2x37x45"]
+
+
+def _triton(fn):
+    def run(x):
+        with _ops.triton_on_cpu():
+            return fn(x)
+
+    return run
+
+
+def _functional(kind, normalized_shape, weight, bias, memory_efficient):
+    if kind == "layer":
+        return lambda x: fused_layer_norm(
+            x, normalized_shape, weight, bias, memory_efficient=memory_efficient
+        )
+    return lambda x: fused_rms_norm(x, normalized_shape, weight, memory_efficient=memory_efficient)
+
+
+def _check(kind, shape, normalized_shape, dtype, affine, memory_efficient, layout="contiguous"):
+    x = make_input(shape, dtype, "cpu", layout=layout)
+    w, b = make_params(normalized_shape, dtype, "cpu", affine, with_bias=kind == "layer")
+    fn = _functional(kind, normalized_shape, w, b, memory_efficient)
+    # Backward must run inside triton_on_cpu() too: wrap forward and backward together.
+    with _ops.triton_on_cpu():
+        run_and_compare(kind, fn, x, normalized_shape, w, b, memory_efficient, dtype)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save_x", "save_y"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("dtype", HALF_AND_FLOAT, ids=str)
+@pytest.mark.parametrize("shape,normalized_shape", SMALL, ids=SMALL_IDS)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_kernels_match_float64(kind, shape, normalized_shape, dtype, affine, memory_efficient):
+    _check(kind, shape, normalized_shape, dtype, affine, memory_efficient)
+
+
+@pytest.mark.parametrize(
+    "kind,case_id,dtype,memory_efficient",
+    [
+        ("layer", "5x123x123", torch.bfloat16, False),
+        ("rms", "5x123x123-2d", torch.float16, True),
+        ("layer", "7x65536", torch.bfloat16, True),
+        ("rms", "7x65536", torch.float32, False),
+    ],
+    ids=["layer-5x123x123-bf16", "rms-5x123x123-2d-fp16-save_y", "layer-7x65536-bf16-save_y",
+         "rms-7x65536-fp32"],
+)
+def test_kernels_on_larger_cases(kind, case_id, dtype, memory_efficient):
+    shape, normalized_shape = CASES[CASE_IDS.index(case_id)]
+    _check(kind, shape, normalized_shape, dtype, True, memory_efficient)
+
+
+@pytest.mark.parametrize("layout", ["row_strided", "transposed"])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_kernels_on_non_contiguous_input(kind, layout):
+    _check(kind, (2, 37, 45), (45,), torch.float32, True, False, layout=layout)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save_x", "save_y"])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_kernels_mixed_dtypes(kind, memory_efficient):
+    cls = MixedFusedLayerNorm if kind == "layer" else MixedFusedRMSNorm
+    norm = cls(45, memory_efficient=memory_efficient)
+    with torch.no_grad():
+        w, b = make_params((45,), torch.float32, "cpu", True)
+        norm.weight.copy_(w)
+        if kind == "layer":
+            norm.bias.copy_(b)
+    x = make_input((2, 37, 45), torch.bfloat16, "cpu")
+    bias = norm.bias if kind == "layer" else None
+    with _ops.triton_on_cpu():
+        run_and_compare(
+            kind, norm, x, (45,), norm.weight, bias, memory_efficient, torch.float32
+        )
+
+
+@pytest.mark.parametrize(
+    "block_m,num_warps,num_programs,prefetch",
+    [(1, 4, 5, True), (4, 4, 2, False), (4, 8, 3, True), (64, 4, 1, False)],
+)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_launchers_with_explicit_configs(kind, block_m, num_warps, num_programs, prefetch):
+    # Any tile height and program count must give the same numbers: the heuristics only pick
+    # among correct configurations.
+    is_rms = kind == "rms"
+    m, n = 21, 45
+    x = make_input((m, n), torch.float32, "cpu")
+    dy = make_input((m, n), torch.float32, "cpu", seed=5)
+    w, b = make_params((n,), torch.float32, "cpu", True)
+    w, b = w.detach(), (None if is_rms else b.detach())
+    cfg = _launch.KernelConfig(block_m=block_m, block_n=64, num_warps=num_warps,
+                               prefetch=prefetch)
+
+    y, mean, rstd = _launch.forward(x, w, b, 1e-5, is_rms, torch.float32, config=cfg)
+    y_ref, mean_ref, rstd_ref = reference.norm_forward(x, w, b, 1e-5, is_rms, torch.float32)
+    tol = tolerance(torch.float32)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(rstd, rstd_ref, **tol)
+    torch.testing.assert_close(mean, mean_ref, **tol)
+
+    for from_y in (False, True):
+        xy = y if from_y else x
+        got = _launch.backward(
+            dy, xy, w, b, mean, rstd, is_rms, from_y, torch.float32, True, True,
+            config=cfg, num_programs=num_programs,
+        )
+        want = reference.norm_backward(
+            dy, xy, w, b, mean_ref, rstd_ref, is_rms, from_y, torch.float32, True, True
+        )
+        for g, r in zip(got, want):
+            torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+def test_forcing_triton_without_the_interpreter_is_an_error(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        with _ops.triton_on_cpu():
+            fused_layer_norm(torch.randn(2, 8), 8)
+
+
+@pytest.mark.parametrize("n", [45, 1])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_kernels_with_expanded_gradient(kind, n):
+    # y.sum() hands backward a stride-0 gradient (for one column, stride-0 in both dims).
+    x = make_input((3, n), torch.float32, "cpu").requires_grad_(True)
+    w, b = make_params((n,), torch.float32, "cpu", True, with_bias=kind == "layer")
+    with _ops.triton_on_cpu():
+        _functional(kind, (n,), w, b, False)(x).sum().backward()
+    _, dx_ref, dw_ref, _ = float64_reference(kind, x, (n,), w, b, torch.ones(3, n))
+    torch.testing.assert_close(x.grad.double(), dx_ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(w.grad.double(), dw_ref, atol=2e-5, rtol=2e-5)
