@@ -18,8 +18,8 @@ cat "$LOGS/env.txt"
 
 if [ "$PART" = a ] || [ "$PART" = all ]; then
   ( CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/bench_amp.py --out "$LOGS" > "$LOGS/bench_amp.log" 2>&1; echo "bench_amp rc=$?" >> "$LOGS/bench_amp.log" ) &
-  ( CUDA_VISIBLE_DEVICES=1 timeout 300 python3 -m pytest -q -p no:cacheprovider -n 6 tests/amp tests/normalization tests/bench > "$LOGS/tests_1gpu.log" 2>&1; echo "tests rc=$?" >> "$LOGS/tests_1gpu.log"
-    CUDA_VISIBLE_DEVICES=1 timeout 200 python3 benchmarks/bench_norm.py --out "$LOGS" > "$LOGS/bench_norm.log" 2>&1; echo "bench_norm rc=$?" >> "$LOGS/bench_norm.log" ) &
+  ( CUDA_VISIBLE_DEVICES=1 timeout 250 python3 -m pytest -q -p no:cacheprovider -n 6 tests/amp tests/normalization tests/bench > "$LOGS/tests_1gpu.log" 2>&1; echo "tests rc=$?" >> "$LOGS/tests_1gpu.log"
+    CUDA_VISIBLE_DEVICES=1 timeout 170 python3 benchmarks/bench_norm.py --out "$LOGS" > "$LOGS/bench_norm.log" 2>&1; echo "bench_norm rc=$?" >> "$LOGS/bench_norm.log" ) &
   wait
 fi
 if [ "$PART" = b ] || [ "$PART" = all ]; then
