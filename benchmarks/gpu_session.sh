@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One batched GPU session (device tool, nvidia-h200-x2): GPU tests and benchmarks, logs to $OUT.
-#   bash benchmarks/gpu_session.sh PART     PART = a | b | all
-# Part a: single-GPU work split across the two GPUs (tests on GPU 1 while bench_amp times on
-# GPU 0, then the norm benchmark). Part b: the two-GPU tests and benchmark, and the CLI runs.
-# Runs from a source checkout (PYTHONPATH), with the machine's own torch and triton.
+# Batched GPU session (device tool, nvidia-h200-x2): GPU tests and benchmarks, logs to $OUT.
+#   bash benchmarks/gpu_session.sh STEP...
+# Steps: amp_norm (bench_amp on GPU 0 beside bench_norm on GPU 1), sweep (bench_norm --sweep),
+# tests1 (single-GPU tests), tests2 (two-GPU tests), parallel (bench_parallel, torchrun),
+# cli (mixprec bench, gpt on GPU 0 beside resnet50 on GPU 1).
+# Timing steps never share the machine with the test runs (compilers and test workers take
+# the CPU, and launch-bound steps then time the CPU). The logs are packed after every step, so
+# a run cut short still returns what it finished.
 set -u
-PART=${1:-all}
 OUT=${OUT:-$PWD/runs}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Never NVLink multicast on these shared hosts.
@@ -15,19 +17,30 @@ mkdir -p "$LOGS" "$OUT"
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv;
   python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, "gpus", torch.cuda.device_count())'; } > "$LOGS/env.txt" 2>&1
 cat "$LOGS/env.txt"
-
-if [ "$PART" = a ] || [ "$PART" = all ]; then
-  ( CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/bench_amp.py --out "$LOGS" > "$LOGS/bench_amp.log" 2>&1; echo "bench_amp rc=$?" >> "$LOGS/bench_amp.log" ) &
-  ( CUDA_VISIBLE_DEVICES=1 timeout 250 python3 -m pytest -q -p no:cacheprovider -n 6 tests/amp tests/normalization tests/bench > "$LOGS/tests_1gpu.log" 2>&1; echo "tests rc=$?" >> "$LOGS/tests_1gpu.log"
-    CUDA_VISIBLE_DEVICES=1 timeout 170 python3 benchmarks/bench_norm.py --out "$LOGS" > "$LOGS/bench_norm.log" 2>&1; echo "bench_norm rc=$?" >> "$LOGS/bench_norm.log" ) &
-  wait
-fi
-if [ "$PART" = b ] || [ "$PART" = all ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/parallel > "$LOGS/tests_parallel.log" 2>&1; echo "tests rc=$?" >> "$LOGS/tests_parallel.log"
-  timeout 240 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --out "$LOGS" > "$LOGS/bench_parallel.log" 2>&1; echo "bench_parallel rc=$?" >> "$LOGS/bench_parallel.log"
-  ( CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m mixprec bench --model gpt --no-progress --json "$LOGS/cli_gpt.json" --plot "$LOGS/cli_gpt.png" > "$LOGS/cli_gpt.log" 2>&1 ) &
-  ( CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m mixprec bench --model resnet50 --channels-last --no-progress --json "$LOGS/cli_resnet50.json" --plot "$LOGS/cli_resnet50.png" > "$LOGS/cli_resnet50.log" 2>&1 ) &
-  wait
-fi
-tar czf "$OUT/runs_$PART.tgz" -C "$PWD/runs" logs
-for f in "$LOGS"/*.log; do echo "=== $f"; tail -n 25 "$f"; done
+pack() { tar czf "$OUT/runs.tgz" -C "$PWD/runs" logs; }
+step() {  # step NAME TIMEOUT CMD...: run CMD with a timeout, log and exit code in logs/NAME.log
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+  echo "[$name rc=$? in $((SECONDS - t0)) s]" | tee -a "$LOGS/$name.log"
+}
+for s in "$@"; do
+  case $s in
+    amp_norm)
+      step bench_amp 280 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --out "$LOGS" &
+      { step bench_norm 120 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --out "$LOGS"
+        [ "${SWEEP:-0}" = 1 ] && step bench_norm_sweep 150 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --rep 30 --out "$LOGS/sweep"; } &
+      wait ;;
+    sweep) step bench_norm_sweep 240 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --out "$LOGS/sweep" ;;
+    tests1) step tests_1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench ;;
+    tests2) step tests_2gpu 240 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus ;;
+    parallel) step bench_parallel 200 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --out "$LOGS" ;;
+    cli)
+      step cli_gpt 150 env CUDA_VISIBLE_DEVICES=0 python3 -m mixprec bench --model gpt --no-progress --json "$LOGS/cli_gpt.json" --plot "$LOGS/cli_gpt.png" &
+      step cli_resnet50 150 env CUDA_VISIBLE_DEVICES=1 python3 -m mixprec bench --model resnet50 --channels-last --no-progress --json "$LOGS/cli_resnet50.json" --plot "$LOGS/cli_resnet50.png" &
+      wait ;;
+    *) echo "unknown step $s" ;;
+  esac
+  pack
+done
+for f in "$LOGS"/*.log; do echo "=== $f"; tail -n 12 "$f"; done

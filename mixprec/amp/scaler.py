@@ -149,12 +149,18 @@ def unscale_grads_(
         ``check``; else None.
     """
     flags = []
-    for (device, _), group in _group_by_device_and_dtype(grads).items():
+    for (device, dtype), group in _group_by_device_and_dtype(grads).items():
         inv = scaler.inv_scale(device)
-        if check:
+        if check and (dtype != torch.bfloat16 or device.type == "cpu"):
             found = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
             flags.append(found)
+        elif check:
+            # PyTorch's fused CUDA kernel has no bf16 variant (bf16 gradients reach here only at
+            # O3 with dynamic scaling): an inf-norm per tensor flags inf/NaN, then multiply.
+            norms = torch._foreach_norm(group, float("inf"))
+            flags.append((~torch.stack(norms).isfinite()).any().float())
+            torch._foreach_mul_(group, inv)
         elif scaler.loss_scale != 1.0:
             torch._foreach_mul_(group, inv)
     return flags if check else None

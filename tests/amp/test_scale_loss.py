@@ -110,7 +110,7 @@ def test_o2_master_grads_are_fp32_and_close_to_reference(dtype, device):
     got = torch.cat([m.grad.double().flatten() for m in masters])
     want = torch.cat([r.flatten() for r in ref])
     rel = (got - want).norm() / want.norm()
-    assert rel < (3e-2 if dtype == torch.bfloat16 else 1e-2), rel
+    assert rel < (5e-2 if dtype == torch.bfloat16 else 1e-2), rel
 
 
 def test_dynamic_scaling_rescues_fp16_gradients_that_underflow(device):
