@@ -3,7 +3,7 @@
 #   bash benchmarks/gpu_session.sh STEP...
 # Steps: amp_norm (bench_amp on GPU 0 beside bench_norm on GPU 1), sweep (bench_norm --sweep),
 # tests1 (single-GPU tests), tests2 (two-GPU tests), parallel (bench_parallel, torchrun),
-# cli (mixprec bench, gpt on GPU 0 beside resnet50 on GPU 1).
+# cli (mixprec bench, gpt on GPU 0 beside resnet50 on GPU 1), tests_amp (amp's CUDA cases).
 # Timing steps never share the machine with the test runs (compilers and test workers take
 # the CPU, and launch-bound steps then time the CPU). The logs are packed after every step, so
 # a run cut short still returns what it finished.
@@ -29,10 +29,12 @@ for s in "$@"; do
     amp_norm)
       step bench_amp 280 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --out "$LOGS" &
       { step bench_norm 120 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --out "$LOGS"
-        [ "${SWEEP:-0}" = 1 ] && step bench_norm_sweep 150 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --rep 30 --out "$LOGS/sweep"; } &
+        [ "${SWEEP:-0}" = 1 ] && step bench_norm_sweep 150 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --rep 30 --out "$LOGS/sweep"
+        [ "${PROFILE:-0}" = 1 ] && for n in torch mixprec; do step profile_O1_$n 60 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/profile_step.py --mode O1 --norm $n; done; } &
       wait ;;
     sweep) step bench_norm_sweep 240 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --out "$LOGS/sweep" ;;
     tests1) step tests_1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench ;;
+    tests_amp) step tests_amp_cuda 200 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp -k "cuda or CUDA or fused" ;;
     tests2) step tests_2gpu 240 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus ;;
     parallel) step bench_parallel 200 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --out "$LOGS" ;;
     cli)

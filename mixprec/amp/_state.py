@@ -76,7 +76,11 @@ class _OptimizerState:
         self.grads_scaled = False
         self.overflow = False
         self.last_step_skipped = False
-        self.skipped_steps = 0
+        # Sync-free skipping (fused optimizers on one CUDA device): the overflow flag stays on
+        # the device and the optimizer's fused kernel skips the update itself.
+        self.pending_found: Optional[torch.Tensor] = None
+        self._last_step_flag: Optional[torch.Tensor] = None
+        self._flag_handed_over = False
         self._stash: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._handles = []
 
@@ -123,6 +127,22 @@ class _OptimizerState:
             for model in self.amp_state.models:
                 register_masters(model, masters)
 
+    def skips_on_device(self) -> bool:
+        """Whether an overflow can skip the step without a host sync: the optimizer takes
+        ``found_inf`` in its fused kernel (as with ``GradScaler``) and all its parameters live
+        on one CUDA device."""
+        target = hookable_optimizer(self.optimizer_ref())
+        if not getattr(target, "_step_supports_amp_scaling", False):
+            return False
+        devices = {m.device for _, m in self.pairs} | {p.device for p in self.plain}
+        return len(devices) == 1 and next(iter(devices)).type == "cuda"
+
+    def step_was_skipped(self) -> bool:
+        if self._last_step_flag is not None:
+            self.last_step_skipped = bool(self._last_step_flag.item())
+            self._last_step_flag = None
+        return self.last_step_skipped
+
     def install_hooks(self, hook_target: torch.optim.Optimizer) -> None:
         self._handles.append(hook_target.register_step_pre_hook(self._pre_step))
         self._handles.append(hook_target.register_step_post_hook(self._post_step))
@@ -149,12 +169,16 @@ class _OptimizerState:
         check = scaler.dynamic
         # Master-weighted params: half grad -> fp32, unscaled, added into the master's grad.
         # The cast happens before the unscale so small gradients do not underflow in half.
-        fresh, targets = [], []
+        half_grads, targets = [], []
         for p, master in self.pairs:
             if p.grad is not None:
-                fresh.append(p.grad.float())
+                half_grads.append(p.grad)
                 targets.append(master)
                 p.grad = None
+        fresh = [torch.empty_like(g, dtype=torch.float32) for g in half_grads]
+        if fresh:
+            torch._foreach_copy_(fresh, half_grads)  # one multi-tensor cast where supported
+        del half_grads
         plain_grads = [p.grad for p in self.plain if p.grad is not None]
         flags = unscale_grads_(fresh + plain_grads, scaler, check) or []
         accumulate_into, accumulate = [], []
@@ -210,6 +234,14 @@ class _OptimizerState:
             for p in _params_of(optimizer):
                 p.grad = None
             return
+        if self.pending_found is not None:
+            # GradScaler's protocol for fused optimizers: the kernel leaves parameters, moments
+            # and step counts alone where found_inf is set. Gradients are already unscaled.
+            optimizer.grad_scale = None
+            optimizer.found_inf = self.pending_found
+            self._last_step_flag = self.pending_found
+            self.pending_found = None
+            self._flag_handed_over = True
         for p, _ in self.pairs:
             if p.grad is not None:
                 raise RuntimeError(
@@ -221,9 +253,14 @@ class _OptimizerState:
     def _post_step(self, optimizer, args, kwargs):
         if not self.amp_state.enabled:
             return
+        if self._flag_handed_over:
+            del optimizer.grad_scale
+            del optimizer.found_inf
+            self._flag_handed_over = False
+        else:
+            self._last_step_flag = None
         self.last_step_skipped = self.overflow
         if self.overflow:
-            self.skipped_steps += 1
             self.overflow = False
             return
         if self.pairs:
@@ -257,6 +294,8 @@ class AmpState:
             for _ in range(num_losses)
         ]
         self.overflow_log = OverflowLog(verbosity)
+        # Overflow flags copied to the host without waiting: (loss_id, host flag, event).
+        self._pending: List[Tuple[int, torch.Tensor, Optional[torch.cuda.Event]]] = []
         self._optimizer_states: List[weakref.ref[_OptimizerState]] = []
 
     @property
@@ -286,15 +325,50 @@ class AmpState:
         return self.scalers[loss_id]
 
     def record_overflow(self, states, loss_id: int, flags) -> None:
+        """Act on one backward's overflow flags.
+
+        Where every optimizer can skip on the device (see ``skips_on_device``), nothing waits:
+        the flag goes to the optimizers' fused kernels, and its copy to the host is read at the
+        next ``scale_loss`` (by when the GPU has long produced it) to update the scale. Else
+        the flag is read now, the step's one host-device sync, and the gradients are dropped.
+        """
         scaler = self.scalers[loss_id]
-        found = any_flag_set(flags) if scaler.dynamic else False
+        if not scaler.dynamic:
+            return
+        if len(flags) == 1 and flags[0].is_cuda and all(s.skips_on_device() for s in states):
+            flag = flags[0]
+            for state in states:
+                state.pending_found = (flag if state.pending_found is None
+                                       else state.pending_found + flag)
+            host = flag.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((loss_id, host, event))
+            return
+        self._apply(loss_id, any_flag_set(flags), states)
+
+    def _apply(self, loss_id: int, found: bool, states) -> None:
+        scaler = self.scalers[loss_id]
         if scaler.update(found):
             for state in states:
                 state.discard_grads()
             self.overflow_log.overflow(loss_id, scaler.loss_scale)
 
+    def resolve_pending(self) -> None:
+        """Apply the overflow flags still in flight to the scales (cheap: they are ready)."""
+        pending, self._pending = self._pending, []
+        for loss_id, host, event in pending:
+            if event is not None:
+                event.synchronize()
+            found = bool(host.item())
+            scaler = self.scalers[loss_id]
+            scaler.update(found)
+            if found:
+                self.overflow_log.overflow(loss_id, scaler.loss_scale)
+
     def state_dict(self) -> Dict[str, dict]:
         """Apex's format: ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}``."""
+        self.resolve_pending()
         return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
 
     def load_state_dict(self, state_dict: Dict[str, dict]) -> None:
@@ -306,6 +380,7 @@ class AmpState:
                 f"{len(self.scalers)}), got {got}. Pass the dict saved by amp.state_dict() from "
                 "a run initialized with the same num_losses."
             )
+        self.resolve_pending()
         for i, scaler in enumerate(self.scalers):
             scaler.load_state_dict(state_dict[f"loss_scaler{i}"])
         log_rank0(logging.DEBUG, "amp: loaded loss scalers %s", self.state_dict())

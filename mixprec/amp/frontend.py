@@ -303,6 +303,7 @@ def scale_loss(
         yield loss
         return
     scaler = amp_state.scaler(loss_id)
+    amp_state.resolve_pending()
     for s in states:
         s.before_backward(scaler)
     scale = scaler.loss_scale
@@ -378,4 +379,4 @@ def step_was_skipped(optimizer) -> bool:
         raise RuntimeError(
             "amp.step_was_skipped: this optimizer did not go through amp.initialize."
         )
-    return state.last_step_skipped
+    return state.step_was_skipped()

@@ -402,7 +402,8 @@ class _AmpRecipe(_Recipe):
             model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0
         )
         super().__init__(model, optimizer, loss_fn)
-        self._probe = getattr(amp_module, "step_was_skipped", None)
+        # Skipped steps are counted from the loss scale's halvings at the end, as for
+        # GradScaler: asking amp.step_was_skipped every step would add a host sync per step.
         self._scale0 = self._loss_scale()
         self.steps = 0
 
@@ -418,14 +419,10 @@ class _AmpRecipe(_Recipe):
         with self.amp.scale_loss(loss, self.optimizer) as scaled:
             scaled.backward()
         self.optimizer.step()
-        if self._probe is not None:
-            self.skipped += bool(self._probe(self.optimizer))
         self.steps += 1
         return loss
 
     def finish(self):
-        if self._probe is not None:
-            return
         end = self._loss_scale()
         if self._scale0 is None or end is None:
             self.skipped, self.skips_known = 0, False

@@ -270,7 +270,11 @@ def test_data_parallel_replicas_on_two_gpus():
     dp = nn.DataParallel(model, device_ids=[0, 1])
     x, y = batch("cuda", n=8)
     ref = copy.deepcopy(model)
+    # eval: in train mode each replica's BatchNorm would use its own half of the batch
+    dp.eval()
+    ref.eval()
     torch.testing.assert_close(dp(x), ref(x), rtol=1e-2, atol=1e-2)
+    dp.train()
     assert torch.isfinite(train_step(dp, opt, x, y, amp))
 
 

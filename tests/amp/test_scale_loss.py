@@ -237,3 +237,38 @@ def test_bf16_o2_default_has_no_scaling_and_no_sync(monkeypatch):
         s.backward()
     opt.step()
     assert calls == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_fused_optimizer_skips_overflow_on_device_without_sync(opt_level, monkeypatch):
+    model = make_cnn("cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic", verbosity=0)
+    x, y = batch("cuda")
+    train_step(model, opt, x, y, amp)
+    before = [p.detach().clone() for p in amp.master_params(opt)]
+    steps = [s["step"].clone() for s in opt.state.values()]
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+
+    cuda_reads = []
+    original_item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item",
+                        lambda self: cuda_reads.append(self.is_cuda) or original_item(self))
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as s:
+        (s * float("inf")).backward()
+    opt.step()
+    assert not any(cuda_reads)  # no device-to-host read in scale_loss or step
+    monkeypatch.undo()
+
+    for p, b in zip(amp.master_params(opt), before):
+        torch.testing.assert_close(p, b, rtol=0, atol=0)
+    for s, b in zip(opt.state.values(), steps):
+        torch.testing.assert_close(s["step"], b, rtol=0, atol=0)  # the step count too
+    assert amp.step_was_skipped(opt)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == scale / 2
+    train_step(model, opt, x, y, amp)
+    assert not amp.step_was_skipped(opt)
+    assert any(not torch.equal(p, b) for p, b in zip(amp.master_params(opt), before))

@@ -140,11 +140,12 @@ def check_predivide_factor(ctx):
 
 def check_half_gradients_reduced_in_half(ctx):
     # Each rank's fp16 gradient is 40000: their sum (80000) overflows fp16 (max 65504). An inf
-    # therefore proves the all-reduce ran in fp16; the fp32 path and the pre-division do not
-    # overflow.
+    # therefore proves the all-reduce ran in fp16 (a plain sum: gradient_average=False); the
+    # fp32 path and the pre-division (the default averages by pre-dividing by the world size)
+    # do not overflow.
     x = torch.full((3,), 40000.0, dtype=torch.float16, device=ctx.device)
-    cases = [({}, None), ({"allreduce_always_fp32": True}, 40000.0),
-             ({"gradient_predivide_factor": 2.0}, 40000.0)]
+    cases = [({"gradient_average": False}, None), ({"allreduce_always_fp32": True}, 40000.0),
+             ({"gradient_predivide_factor": 2.0}, 40000.0), ({}, 40000.0)]
     for kwargs, expected in cases:
         model = _Scale(dtype=torch.float16).to(ctx.device)
         ddp = DistributedDataParallel(model, **kwargs)

@@ -127,17 +127,28 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
                 for p, ref, name in ((m.weight, rdw, "weight"), (m.bias, rdb, "bias")):
                     total = _sum_over_ranks(p.grad, group)
                     if not relu_inplace:
-                        _close(total, ref, dict(rtol=1e-4, atol=1e-4), f"{what} {name} grad")
+                        # Half inputs: PyTorch's CUDA reduction kernels read dy and x in half,
+                        # so the per-channel sums carry half-precision rounding.
+                        tol = PARAM_GRAD_TOL.get(dtype, dict(rtol=1e-4, atol=1e-4))
+                        _close(total, ref, tol, f"{what} {name} grad")
             if track:
                 _close(m.running_mean, ref_rm, STAT_TOL, f"{what} running_mean")
                 _close(m.running_var, ref_rv, STAT_TOL, f"{what} running_var")
 
 
+PARAM_GRAD_TOL = {torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+                  torch.float16: dict(rtol=5e-3, atol=5e-3)}
+
+
 def _sum_over_ranks(t, group=None):
-    # Through host memory: gloo cannot reduce CUDA tensors everywhere (one-GPU runs).
-    total = t.detach().cpu().clone()
+    # gloo through host memory (it cannot reduce CUDA tensors everywhere, e.g. one-GPU runs);
+    # NCCL on the device (it has no CPU backend).
+    if dist.get_backend(group) == "nccl":
+        total = t.detach().clone()
+    else:
+        total = t.detach().cpu().clone()
     dist.all_reduce(total, group=group)
-    return total
+    return total.cpu()
 
 
 def _uneven(ctx):
