@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Batched GPU session (device tool, nvidia-h200-x2): GPU tests and benchmarks, logs to $OUT.
 #   bash benchmarks/gpu_session.sh STEP...
-# Steps: amp_norm (bench_amp on GPU 0 beside bench_norm on GPU 1), sweep (bench_norm --sweep),
+# Steps: amp, norm (each alone), amp_norm (bench_amp on GPU 0 beside bench_norm on GPU 1), sweep (bench_norm --sweep),
 # tests1 (single-GPU tests), tests2 (two-GPU tests), parallel (bench_parallel, torchrun),
 # cli (mixprec bench, gpt on GPU 0 beside resnet50 on GPU 1), tests_amp (amp's CUDA cases).
 # Timing steps never share the machine with the test runs (compilers and test workers take
@@ -32,6 +32,8 @@ for s in "$@"; do
         [ "${SWEEP:-0}" = 1 ] && step bench_norm_sweep 150 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --rep 30 --out "$LOGS/sweep"
         [ "${PROFILE:-0}" = 1 ] && for n in torch mixprec; do step profile_O1_$n 60 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/profile_step.py --mode O1 --norm $n; done; } &
       wait ;;
+    amp) step bench_amp 280 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --out "$LOGS" ;;
+    norm) step bench_norm 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_norm.py --out "$LOGS" ;;
     sweep) step bench_norm_sweep 240 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --out "$LOGS/sweep" ;;
     tests1) step tests_1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench ;;
     tests_amp) step tests_amp_cuda 200 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp -k "cuda or CUDA or fused" ;;

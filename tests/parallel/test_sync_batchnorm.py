@@ -260,7 +260,7 @@ def check_convert_syncbn_model_matches_batchnorm(ctx):
     torch.testing.assert_close(local, full[start:start + sizes[ctx.rank]], rtol=1e-4, atol=1e-5)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         total = _sum_over_ranks(p.grad)
-        torch.testing.assert_close(total, q.grad, rtol=1e-4, atol=1e-4,
+        torch.testing.assert_close(total, q.grad.cpu(), rtol=1e-4, atol=1e-4,
                                    msg=labelled(name))
     for b, rb in zip(model.buffers(), ref.buffers()):
         torch.testing.assert_close(b, rb, rtol=1e-4, atol=1e-5)
