@@ -10,6 +10,7 @@ import csv
 import json
 import math
 import os
+import textwrap
 from typing import Dict, List, Optional, Sequence
 
 from mixprec.bench.runner import ModeResult
@@ -122,7 +123,11 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
     )
     lines = [header, _rule(header)]
     for r, rel in zip(results, relative_to(results, baseline)):
-        if r.ok:
+        diverged = r.ok and r.final_loss is not None and not math.isfinite(r.final_loss)
+        if diverged:
+            # e.g. pure fp16 with Adam: eps=1e-8 underflows to 0 in fp16 and 0/0 gives NaN
+            status = "ok, loss not finite (diverged)"
+        elif r.ok:
             status = "ok"
         else:
             reason = (r.error or "unknown error").replace("|", "/").replace("\n", " ")
@@ -133,7 +138,7 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
             _fmt(r.peak_memory_mb, ".1f"),
             _fmt(40 * r.time_per_iter_s if r.time_per_iter_s else None, ".3f"),
             _fmt(rel["speedup_vs_baseline"], ".2f") + ("x" if rel["speedup_vs_baseline"] else ""),
-            _fmt(r.final_loss, ".4f"),
+            "nan" if diverged else _fmt(r.final_loss, ".4f"),
             _fmt(rel["loss_gap_pct"], "+.2f") + ("%" if rel["loss_gap_pct"] is not None else ""),
             _fmt(r.skipped_steps, "d") if r.ok else "-",
             status,
@@ -213,9 +218,15 @@ def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> Non
         f"{r.label} ({r.dtype})" if r.mode not in ("fp32", "O0") else r.label for r in results
     ]
     styles = ("-", "--", "-.", ":")  # curves of close recipes overlap: vary the dash too
+    finite_runs = []
     for i, (r, label) in enumerate(zip(results, labels)):
         if r.ok and r.losses:
             steps = range(1, len(r.losses) + 1)
+            diverged = not all(math.isfinite(v) for v in r.losses[-1:])
+            if diverged:
+                label += " (diverged)"
+            else:
+                finite_runs.append(r.losses)
             ax_loss.plot(
                 steps,
                 r.losses,
@@ -224,6 +235,14 @@ def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> Non
                 color=f"C{i % 10}",
                 linestyle=styles[i % len(styles)],
             )
+    if finite_runs:
+        # Scale the axis to the runs that did not diverge; a diverging one (pure fp16 with
+        # Adam, say) would otherwise flatten every other curve against the bottom.
+        values = [v for run in finite_runs for v in run if math.isfinite(v)]
+        if values:
+            low, high = min(values), max(values)
+            pad = 0.05 * (high - low or abs(high) or 1.0)
+            ax_loss.set_ylim(low - pad, high + pad)
     warmups = {r.warmup for r in results if r.ok}
     if len(warmups) == 1 and next(iter(warmups)) > 0:
         ax_loss.axvline(next(iter(warmups)) + 0.5, color="0.6", linestyle=":", linewidth=1)
@@ -243,7 +262,7 @@ def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> Non
     ):
         bars = ax.bar(xs, values, color=[f"C{i % 10}" for i in xs])
         for bar, r, v in zip(bars, results, values):
-            text = "failed" if not r.ok else (f"{v:.3g}")
+            text = "failed" if not r.ok else (f"{v:.0f}" if v >= 100 else f"{v:.3g}")
             ax.annotate(
                 text,
                 (bar.get_x() + bar.get_width() / 2, v),
@@ -257,6 +276,6 @@ def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> Non
         ax.set_title(name)
         ax.grid(axis="y", alpha=0.3)
     if title:
-        fig.suptitle(title)
+        fig.suptitle(textwrap.fill(title, 110), fontsize="medium")
     _parent_dir(path)
     fig.savefig(path, format="png", dpi=100)

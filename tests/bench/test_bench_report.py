@@ -62,3 +62,23 @@ def test_json_rows_are_strict_json(tmp_path):
     (d,) = json.loads(text)
     assert d["final_loss"] is None and d["losses"] == [1.0, None] and d["model"] == "cnn"
     assert rows_to_dicts(rows)[0]["time_per_40_iters_s"] == pytest.approx(8.0)
+
+
+def test_diverged_run_shows_nan_and_says_so():
+    rows = [_row("O0", 0.1, 100.0, 1.0), _row("O3", 0.05, 50.0, float("nan"))]
+    table = format_table(rows).splitlines()
+    o3 = next(line for line in table if line.startswith("| O3 "))
+    cells = [c.strip() for c in o3.strip("|").split("|")]
+    assert cells[5] == "nan"
+    assert cells[-1] == "ok, loss not finite (diverged)"
+
+
+def test_plot_with_a_diverged_run(tmp_path):
+    from mixprec.bench.report import write_plot
+
+    ok = _row("O0", 0.1, 100.0, 1.0, losses=[2.0, 1.5, 1.0], status="ok")
+    bad = _row("O3", 0.05, 50.0, float("nan"), losses=[2.0, 5e3, float("nan")], status="ok")
+    path = tmp_path / "plot.png"
+    write_plot([ok, bad], str(path), title="t")
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
