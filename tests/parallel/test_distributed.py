@@ -122,11 +122,11 @@ def check_pickle_roundtrip(ctx):
 
 
 def check_predivide_factor(ctx):
-    assert ctx.world_size == 2, "the expected values below are for 2 ranks"
+    ws = ctx.world_size
     x = torch.tensor([1.0, 2.0, 3.0], device=ctx.device) * (ctx.rank + 1)  # grad on this rank
-    total = torch.tensor([3.0, 6.0, 9.0], device=ctx.device)  # sum over the 2 ranks
-    cases = [  # (predivide, average, expected): all exactly representable
-        (1.0, True, total / 2), (4.0, True, total / 2), (2.0, True, total / 2),
+    total = torch.tensor([1.0, 2.0, 3.0], device=ctx.device) * (ws * (ws + 1) // 2)  # their sum
+    cases = [  # (predivide, average, expected): exactly representable for 2, 4 and 8 ranks
+        (1.0, True, total / ws), (4.0, True, total / ws), (2.0, True, total / ws),
         (4.0, False, total / 4), (1.0, False, total),
     ]
     for factor, average, expected in cases:
@@ -139,13 +139,14 @@ def check_predivide_factor(ctx):
 
 
 def check_half_gradients_reduced_in_half(ctx):
-    # Each rank's fp16 gradient is 40000: their sum (80000) overflows fp16 (max 65504). An inf
-    # therefore proves the all-reduce ran in fp16 (a plain sum: gradient_average=False); the
+    # Each rank's fp16 gradient is 40960 (every partial sum of the averaged cases is exact in
+    # fp16 on 2, 4 or 8 ranks): their plain sum (81920 on 2 ranks) overflows fp16 (max 65504).
+    # An inf therefore proves the all-reduce ran in fp16 (a plain sum: gradient_average=False); the
     # fp32 path and the pre-division (the default averages by pre-dividing by the world size)
     # do not overflow.
-    x = torch.full((3,), 40000.0, dtype=torch.float16, device=ctx.device)
-    cases = [({"gradient_average": False}, None), ({"allreduce_always_fp32": True}, 40000.0),
-             ({"gradient_predivide_factor": 2.0}, 40000.0), ({}, 40000.0)]
+    x = torch.full((3,), 40960.0, dtype=torch.float16, device=ctx.device)
+    cases = [({"gradient_average": False}, None), ({"allreduce_always_fp32": True}, 40960.0),
+             ({"gradient_predivide_factor": float(ctx.world_size)}, 40960.0), ({}, 40960.0)]
     for kwargs, expected in cases:
         model = _Scale(dtype=torch.float16).to(ctx.device)
         ddp = DistributedDataParallel(model, **kwargs)

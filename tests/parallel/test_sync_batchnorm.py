@@ -152,7 +152,7 @@ def _sum_over_ranks(t, group=None):
 
 
 def _uneven(ctx):
-    return [3, 6, 2, 5][:ctx.world_size]
+    return [3, 6, 2, 5, 4, 1, 7, 2][:ctx.world_size]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -268,7 +268,7 @@ def check_convert_syncbn_model_matches_batchnorm(ctx):
 
 def check_empty_rank(ctx):
     # One rank (the first, the hardest case for the merge kernel) has no samples at all.
-    sizes = [0, 3, 5, 1][:ctx.world_size]
+    sizes = [0, 3, 5, 1, 2, 0, 4, 6][:ctx.world_size]
     _run_case(ctx, sizes, label=" empty rank 0")
     _run_case(ctx, list(reversed(sizes)), memory_format=torch.channels_last,
               label=" empty last rank")
