@@ -33,6 +33,7 @@ for s in "$@"; do
         [ "${PROFILE:-0}" = 1 ] && for n in torch mixprec; do step profile_O1_$n 60 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/profile_step.py --mode O1 --norm $n; done; } &
       wait ;;
     amp) step bench_amp 280 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --out "$LOGS" ;;
+    amp_gpt) step bench_amp_gpt 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --models gpt --norm torch --out "$LOGS" ;;
     norm) step bench_norm 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_norm.py --out "$LOGS" ;;
     sweep) step bench_norm_sweep 240 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --out "$LOGS/sweep" ;;
     tests1) step tests_1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench ;;

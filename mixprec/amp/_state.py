@@ -81,6 +81,7 @@ class _OptimizerState:
         self.pending_found: Optional[torch.Tensor] = None
         self._last_step_flag: Optional[torch.Tensor] = None
         self._flag_handed_over = False
+        self._skips_on_device: Optional[bool] = None  # cached; reset when params are adopted
         self._stash: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._handles = []
 
@@ -116,6 +117,7 @@ class _OptimizerState:
                 else:
                     self.plain.append(p)
         self.known_params = sum(len(g["params"]) for g in optimizer.param_groups)
+        self._skips_on_device = None
         return masters
 
     def sync_param_groups(self) -> None:
@@ -131,11 +133,14 @@ class _OptimizerState:
         """Whether an overflow can skip the step without a host sync: the optimizer takes
         ``found_inf`` in its fused kernel (as with ``GradScaler``) and all its parameters live
         on one CUDA device."""
-        target = hookable_optimizer(self.optimizer_ref())
-        if not getattr(target, "_step_supports_amp_scaling", False):
-            return False
-        devices = {m.device for _, m in self.pairs} | {p.device for p in self.plain}
-        return len(devices) == 1 and next(iter(devices)).type == "cuda"
+        if self._skips_on_device is None:
+            target = hookable_optimizer(self.optimizer_ref())
+            devices = {m.device for _, m in self.pairs} | {p.device for p in self.plain}
+            self._skips_on_device = (
+                bool(getattr(target, "_step_supports_amp_scaling", False))
+                and len(devices) == 1 and next(iter(devices)).type == "cuda"
+            )
+        return self._skips_on_device
 
     def step_was_skipped(self) -> bool:
         if self._last_step_flag is not None:
