@@ -10,13 +10,12 @@ back in it. The op is not on ``torch.autocast``'s lists, so autocast changes not
 activation gives a bf16 output (``torch.nn.LayerNorm`` would give fp32 under autocast).
 """
 
-import numbers
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from mixprec.normalization import _checks, _ops, reference
+from mixprec.normalization import _checks, _ops
+from mixprec.normalization._module import _FusedNorm
 
 __all__ = ["fused_layer_norm", "FusedLayerNorm", "MixedFusedLayerNorm"]
 
@@ -67,7 +66,7 @@ def fused_layer_norm(
     return _ops.fused_norm(x, shape, weight, bias, float(eps), False, memory_efficient, x.dtype)
 
 
-class FusedLayerNorm(nn.Module):
+class FusedLayerNorm(_FusedNorm):
     """LayerNorm over the last dims, with fused Triton kernels on CUDA.
 
     Same arguments and parameters as Apex's ``FusedLayerNorm`` and
@@ -95,15 +94,6 @@ class FusedLayerNorm(nn.Module):
         ...     opt.step()
     """
 
-    __constants__ = [
-        "normalized_shape", "eps", "elementwise_affine", "memory_efficient", "_output_like_weight"
-    ]
-    normalized_shape: Tuple[int, ...]
-    eps: float
-    elementwise_affine: bool
-    memory_efficient: bool
-    _output_like_weight: bool
-
     def __init__(
         self,
         normalized_shape: Union[int, Sequence[int]],
@@ -114,56 +104,9 @@ class FusedLayerNorm(nn.Module):
         device=None,
         dtype=None,
     ):
-        super().__init__()
-        name = type(self).__name__
-        self.normalized_shape = _checks.normalize_shape(normalized_shape, name)
-        if not isinstance(eps, numbers.Real) or eps < 0:
-            raise ValueError(f"{name}: eps must be a non-negative float, got {eps!r}")
-        self.eps = float(eps)
-        self.elementwise_affine = bool(elementwise_affine)
-        self.memory_efficient = bool(memory_efficient)
-        # True in the Mixed variant: the output takes the weight's dtype, not the input's.
-        self._output_like_weight = False
-        if self.elementwise_affine:
-            kw = {"device": device, "dtype": dtype}
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
-            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw))
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Weight to ones, bias to zeros."""
-        if self.elementwise_affine:
-            nn.init.ones_(self.weight)
-            nn.init.zeros_(self.bias)
-
-    def forward(self, input: Tensor) -> Tensor:
-        out_dtype = input.dtype
-        if self._output_like_weight and self.weight is not None:
-            out_dtype = self.weight.dtype
-        if torch.jit.is_scripting():
-            # TorchScript cannot call the Triton launcher; run the plain-PyTorch math.
-            return reference.layer_norm(
-                input, list(self.normalized_shape), self.weight, self.bias, self.eps, out_dtype
-            )
-        return self._fused_forward(input, out_dtype)
-
-    @torch.jit.unused
-    def _fused_forward(self, input: Tensor, out_dtype: torch.dtype) -> Tensor:
-        where = type(self).__name__
-        _checks.check_inputs(where, input, self.normalized_shape, self.weight, self.bias, self.eps)
-        return _ops.fused_norm(
-            input, self.normalized_shape, self.weight, self.bias, self.eps, False,
-            self.memory_efficient, out_dtype,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"elementwise_affine={self.elementwise_affine}, "
-            f"memory_efficient={self.memory_efficient}"
+        super().__init__(
+            normalized_shape, eps, elementwise_affine, memory_efficient, is_rms=False,
+            output_like_weight=False, device=device, dtype=dtype,
         )
 
 
@@ -198,8 +141,7 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         device=None,
         dtype=None,
     ):
-        super().__init__(
-            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient,
-            device=device, dtype=dtype,
+        _FusedNorm.__init__(
+            self, normalized_shape, eps, True, memory_efficient, is_rms=False,
+            output_like_weight=True, device=device, dtype=dtype,
         )
-        self._output_like_weight = True

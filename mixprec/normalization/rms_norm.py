@@ -8,13 +8,12 @@ input's dtype (the weight's for the Mixed variant), parameters read and differen
 their own dtype, unchanged under ``torch.autocast``.
 """
 
-import numbers
-from typing import Optional, Sequence, Tuple, Union
+from typing import Optional, Sequence, Union
 
-import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from mixprec.normalization import _checks, _ops, reference
+from mixprec.normalization import _checks, _ops
+from mixprec.normalization._module import _FusedNorm
 
 __all__ = ["fused_rms_norm", "FusedRMSNorm", "MixedFusedRMSNorm"]
 
@@ -61,7 +60,7 @@ def fused_rms_norm(
     return _ops.fused_norm(x, shape, weight, None, float(eps), True, memory_efficient, x.dtype)
 
 
-class FusedRMSNorm(nn.Module):
+class FusedRMSNorm(_FusedNorm):
     """RMSNorm over the last dims, with fused Triton kernels on CUDA.
 
     Same arguments as Apex's ``FusedRMSNorm``; the parameter is ``weight`` (no bias), as in
@@ -87,15 +86,6 @@ class FusedRMSNorm(nn.Module):
         ...     opt.step()
     """
 
-    __constants__ = [
-        "normalized_shape", "eps", "elementwise_affine", "memory_efficient", "_output_like_weight"
-    ]
-    normalized_shape: Tuple[int, ...]
-    eps: float
-    elementwise_affine: bool
-    memory_efficient: bool
-    _output_like_weight: bool
-
     def __init__(
         self,
         normalized_shape: Union[int, Sequence[int]],
@@ -106,54 +96,9 @@ class FusedRMSNorm(nn.Module):
         device=None,
         dtype=None,
     ):
-        super().__init__()
-        name = type(self).__name__
-        self.normalized_shape = _checks.normalize_shape(normalized_shape, name)
-        if not isinstance(eps, numbers.Real) or eps < 0:
-            raise ValueError(f"{name}: eps must be a non-negative float, got {eps!r}")
-        self.eps = float(eps)
-        self.elementwise_affine = bool(elementwise_affine)
-        self.memory_efficient = bool(memory_efficient)
-        # True in the Mixed variant: the output takes the weight's dtype, not the input's.
-        self._output_like_weight = False
-        if self.elementwise_affine:
-            self.weight = nn.Parameter(
-                torch.empty(self.normalized_shape, device=device, dtype=dtype)
-            )
-        else:
-            self.register_parameter("weight", None)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Weight to ones."""
-        if self.elementwise_affine:
-            nn.init.ones_(self.weight)
-
-    def forward(self, input: Tensor) -> Tensor:
-        out_dtype = input.dtype
-        if self._output_like_weight and self.weight is not None:
-            out_dtype = self.weight.dtype
-        if torch.jit.is_scripting():
-            # TorchScript cannot call the Triton launcher; run the plain-PyTorch math.
-            return reference.rms_norm(
-                input, list(self.normalized_shape), self.weight, self.eps, out_dtype
-            )
-        return self._fused_forward(input, out_dtype)
-
-    @torch.jit.unused
-    def _fused_forward(self, input: Tensor, out_dtype: torch.dtype) -> Tensor:
-        where = type(self).__name__
-        _checks.check_inputs(where, input, self.normalized_shape, self.weight, None, self.eps)
-        return _ops.fused_norm(
-            input, self.normalized_shape, self.weight, None, self.eps, True,
-            self.memory_efficient, out_dtype,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"{self.normalized_shape}, eps={self.eps}, "
-            f"elementwise_affine={self.elementwise_affine}, "
-            f"memory_efficient={self.memory_efficient}"
+        super().__init__(
+            normalized_shape, eps, elementwise_affine, memory_efficient, is_rms=True,
+            output_like_weight=False, device=device, dtype=dtype,
         )
 
 
@@ -187,8 +132,7 @@ class MixedFusedRMSNorm(FusedRMSNorm):
         device=None,
         dtype=None,
     ):
-        super().__init__(
-            normalized_shape, eps, elementwise_affine=True, memory_efficient=memory_efficient,
-            device=device, dtype=dtype,
+        _FusedNorm.__init__(
+            self, normalized_shape, eps, True, memory_efficient, is_rms=True,
+            output_like_weight=True, device=device, dtype=dtype,
         )
-        self._output_like_weight = True

@@ -1,0 +1,98 @@
+"""The module machinery shared by FusedLayerNorm and FusedRMSNorm (and their Mixed variants)."""
+
+import numbers
+from typing import Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from mixprec.normalization import _checks, _ops, reference
+
+__all__ = []
+
+
+class _FusedNorm(nn.Module):
+    """Parameters, forward and repr of a fused norm; ``_is_rms`` picks RMSNorm (no bias).
+
+    The public subclasses carry the documentation and Apex's constructor signatures.
+    """
+
+    __constants__ = [
+        "normalized_shape", "eps", "elementwise_affine", "memory_efficient",
+        "_output_like_weight", "_is_rms",
+    ]
+    normalized_shape: Tuple[int, ...]
+    eps: float
+    elementwise_affine: bool
+    memory_efficient: bool
+    _output_like_weight: bool
+    _is_rms: bool
+
+    def __init__(
+        self,
+        normalized_shape: Union[int, Sequence[int]],
+        eps: float,
+        elementwise_affine: bool,
+        memory_efficient: bool,
+        *,
+        is_rms: bool,
+        output_like_weight: bool,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        name = type(self).__name__
+        self.normalized_shape = _checks.normalize_shape(normalized_shape, name)
+        if not isinstance(eps, numbers.Real) or eps < 0:
+            raise ValueError(f"{name}: eps must be a non-negative float, got {eps!r}")
+        self.eps = float(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.memory_efficient = bool(memory_efficient)
+        self._is_rms = is_rms
+        # True in the Mixed variants: the output takes the weight's dtype, not the input's.
+        self._output_like_weight = output_like_weight
+        kw = {"device": device, "dtype": dtype}
+        if self.elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
+        else:
+            self.register_parameter("weight", None)
+        if self.elementwise_affine and not is_rms:
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw))
+        else:
+            self.register_parameter("bias", None)  # RMSNorm has none (not in the state dict)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Weight to ones, bias (LayerNorm) to zeros."""
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, input: Tensor) -> Tensor:
+        out_dtype = input.dtype
+        if self._output_like_weight and self.weight is not None:
+            out_dtype = self.weight.dtype
+        if torch.jit.is_scripting():
+            # TorchScript cannot call the Triton launcher; run the plain-PyTorch math.
+            shape = list(self.normalized_shape)
+            if self._is_rms:
+                return reference.rms_norm(input, shape, self.weight, self.eps, out_dtype)
+            return reference.layer_norm(input, shape, self.weight, self.bias, self.eps, out_dtype)
+        return self._fused_forward(input, out_dtype)
+
+    @torch.jit.unused
+    def _fused_forward(self, input: Tensor, out_dtype: torch.dtype) -> Tensor:
+        where = type(self).__name__
+        _checks.check_inputs(where, input, self.normalized_shape, self.weight, self.bias, self.eps)
+        return _ops.fused_norm(
+            input, self.normalized_shape, self.weight, self.bias, self.eps, self._is_rms,
+            self.memory_efficient, out_dtype,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.normalized_shape}, eps={self.eps}, "
+            f"elementwise_affine={self.elementwise_affine}, "
+            f"memory_efficient={self.memory_efficient}"
+        )
