@@ -94,7 +94,9 @@ def default_config(n: int) -> KernelConfig:
     needs. ``benchmarks/bench_norm.py --sweep`` times the neighbours of this choice.
     """
     block_m, block_n = _block_shape(n)
-    if block_n <= 4096:
+    if block_n <= 1024:
+        num_warps = 2  # sweep on an H200: 80% of copy vs 74% with 4 warps (bf16, N=1024)
+    elif block_n <= 4096:
         num_warps = 4
     elif block_n <= 8192:
         num_warps = 8
@@ -116,6 +118,12 @@ def default_backward_config(n: int, xy_bytes: int, dy_bytes: int) -> KernelConfi
     of dy), which on sm_90 keeps the kernel at <= 128 registers without spilling.
     """
     block_m, block_n = _block_shape(n)
+    if xy_bytes + dy_bytes <= 4 and block_n <= 4096:
+        # Half-precision rows up to 4,096: half the warps, with prefetch (more rows in flight
+        # per SM). Measured by the H200 sweep (bf16, % of copy, backward launcher): N=1024
+        # 65% vs 52% with 4 warps; N=4096 75% vs 69% with 8 warps.
+        num_warps = 2 if block_n <= 1024 else 4
+        return KernelConfig(block_m, block_n, num_warps, prefetch=True)
     if block_n <= 1024:
         num_warps = 4
     elif block_n <= 4096:

@@ -12,13 +12,14 @@ from mixprec.normalization import _launch
 def test_default_configs_cover_the_row(n):
     for cfg in (_launch.default_config(n), _launch.default_backward_config(n, 2, 2)):
         assert cfg.block_n >= n and cfg.block_n & (cfg.block_n - 1) == 0
-        assert 1 <= cfg.block_m <= 64 and cfg.num_warps in (4, 8, 16, 32)
+        assert 1 <= cfg.block_m <= 64 and cfg.num_warps in (2, 4, 8, 16, 32)
         assert cfg.pipeline_stages == 0
 
 
 def test_backward_prefetch_only_when_it_fits():
-    # 16 half values of x and dy per thread: prefetch; fp32 at the same tile: not.
+    # Half rows up to 4,096: prefetch (measured); fp32 at the same tile: not.
     assert _launch.default_backward_config(4096, 2, 2).prefetch
+    assert _launch.default_backward_config(1024, 2, 2).prefetch
     assert not _launch.default_backward_config(4096, 4, 4).prefetch
     assert not _launch.default_backward_config(65536, 2, 2).prefetch
 
