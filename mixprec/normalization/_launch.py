@@ -115,7 +115,9 @@ def default_backward_config(n: int, xy_bytes: int, dy_bytes: int) -> KernelConfi
     temporaries), so it spreads a row over more warps than the forward: 8-16 elements per
     thread. Prefetching the next row block keeps a second copy of the loaded tile in
     registers; it is on when that copy is at most 64 bytes per thread (16 half values of x and
-    of dy), which on sm_90 keeps the kernel at <= 128 registers without spilling.
+    of dy), which on sm_90 keeps the kernel at <= 128 registers without spilling. Half rows of
+    up to 4,096 elements are the measured exception: fewer warps and prefetch regardless (32
+    elements per thread at N=4096), faster on an H200 (``benchmarks/RESULTS.md``).
     """
     block_m, block_n = _block_shape(n)
     if xy_bytes + dy_bytes <= 4 and block_n <= 4096:
