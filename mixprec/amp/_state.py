@@ -301,7 +301,6 @@ class AmpState:
         self.overflow_log = OverflowLog(verbosity)
         # Overflow flags copied to the host without waiting: (loss_id, host flag, event).
         self._pending: List[Tuple[int, torch.Tensor, Optional[torch.cuda.Event]]] = []
-        self._optimizer_states: List[weakref.ref[_OptimizerState]] = []
 
     @property
     def models(self) -> list:
@@ -313,12 +312,7 @@ class AmpState:
         hook_target = hookable_optimizer(optimizer)
         if hook_target is not optimizer:
             _OPTIMIZER_STATES[hook_target] = state
-        self._optimizer_states.append(weakref.ref(state))
         return state
-
-    @property
-    def optimizer_states(self) -> List[_OptimizerState]:
-        return [s for s in (ref() for ref in self._optimizer_states) if s is not None]
 
     def scaler(self, loss_id: int) -> LossScaler:
         if not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
