@@ -115,11 +115,16 @@ def default_backward_config(n: int, xy_bytes: int, dy_bytes: int) -> KernelConfi
     temporaries), so it spreads a row over more warps than the forward: 8-16 elements per
     thread. Prefetching the next row block keeps a second copy of the loaded tile in
     registers; it is on when that copy is at most 64 bytes per thread (16 half values of x and
-    of dy), which on sm_90 keeps the kernel at <= 128 registers without spilling. Half rows of
-    up to 4,096 elements are the measured exception: fewer warps and prefetch regardless (32
-    elements per thread at N=4096), faster on an H200 (``benchmarks/RESULTS.md``).
+    of dy), which on sm_90 keeps the kernel at <= 128 registers without spilling. Two measured
+    exceptions, faster on an H200 (``benchmarks/RESULTS.md``): half rows of up to 4,096
+    elements use fewer warps and prefetch regardless (32 elements per thread at N=4096); fp32
+    rows of 1,024 take four rows per program at 8 warps.
     """
     block_m, block_n = _block_shape(n)
+    if xy_bytes + dy_bytes == 8 and block_n == 1024:
+        # fp32 rows of 1,024: four rows per program at 8 warps (16 elements per thread), the
+        # H200 sweep's best: 87% of copy vs 79% for one row at 4 warps with prefetch.
+        return KernelConfig(4, block_n, 8, prefetch=False)
     if xy_bytes + dy_bytes <= 4 and block_n <= 4096:
         # Half-precision rows up to 4,096: half the warps, with prefetch (more rows in flight
         # per SM). Measured by the H200 sweep (bf16, % of copy, backward launcher): N=1024
@@ -172,8 +177,12 @@ def forward(
     is_rms: bool,
     out_dtype: torch.dtype,
     config: Optional[KernelConfig] = None,
+    out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Launch the forward kernel on ``x [M, N]`` (unit column stride); see ``norm_forward``.
+
+    ``out``, when given, is the ``[M, N]`` tensor (of ``out_dtype``, unit column stride) that
+    receives ``y``, e.g. a view of an output allocated in the caller's shape.
 
     Returns:
         (Tensor, Tensor, Tensor): ``y [M, N]`` (``out_dtype``), ``mean [M]`` (``[0]`` for
@@ -184,7 +193,7 @@ def forward(
     if n > 1 and x.stride(1) != 1:
         raise ValueError(f"the fused forward needs unit column stride, got strides {x.stride()}")
     cfg = config or default_config(n)
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device) if out is None else out
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     mean = torch.empty(0 if is_rms else m, dtype=torch.float32, device=x.device)
     if m == 0:

@@ -87,11 +87,19 @@ def norm_fwd_impl(
     eps: float,
     is_rms: bool,
     out_dtype: torch.dtype,
+    out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Forward on ``x [M, N]``: ``(y, mean, rstd)``; see ``reference.norm_forward``."""
+    """Forward on ``x [M, N]``: ``(y, mean, rstd)``; see ``reference.norm_forward``.
+
+    ``out``, when given, is a ``[M, N]`` view (unit column stride) that receives ``y`` and is
+    returned as ``y``.
+    """
     if _use_triton(x, weight, bias):
-        return _launch.forward(x, weight, bias, eps, is_rms, out_dtype)
+        return _launch.forward(x, weight, bias, eps, is_rms, out_dtype, out=out)
     y, mean, rstd = reference.norm_forward(x, weight, bias, eps, is_rms, out_dtype)
+    if out is not None:
+        out.copy_(y)
+        return out, mean, rstd
     # The fake implementation promises a contiguous y; row-strided inputs must not change that.
     return y.contiguous(), mean, rstd
 
@@ -127,17 +135,49 @@ def norm_bwd_impl(
     )
 
 
+def _rows(t: Tensor, n: int) -> Tensor:
+    """``t`` as ``[M, n]`` rows with unit column stride (a view where the strides allow)."""
+    t2d = t.reshape(-1, n)
+    if n > 1 and t2d.stride(1) != 1:
+        # e.g. a transposed input, or the expanded all-ones gradient of y.sum()
+        t2d = t2d.contiguous()
+    return t2d
+
+
+def _flat(p: Optional[Tensor]) -> Optional[Tensor]:
+    """A parameter as the contiguous 1-D vector the kernels read."""
+    if p is None or (p.dim() == 1 and p.is_contiguous()):
+        return p
+    return p.reshape(-1).contiguous()
+
+
 class _FusedNormFunction(torch.autograd.Function):
-    """Eager-mode autograd wrapper around :func:`norm_fwd_impl` / :func:`norm_bwd_impl`."""
+    """Eager-mode autograd wrapper around :func:`norm_fwd_impl` / :func:`norm_bwd_impl`.
+
+    It takes the input and parameters in their own shapes and does every reshape inside, so
+    that a call adds one node to the autograd graph (not one per view), and it returns an
+    output allocated in the input's shape (not a view, so in-place ops after it are allowed).
+    A norm runs twice per transformer layer: its host cost is part of the step's.
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, is_rms, memory_efficient, out_dtype):
-        y, mean, rstd = norm_fwd_impl(x, weight, bias, eps, is_rms, out_dtype)
-        # memory_efficient keeps y (which the next layer keeps anyway) instead of x.
-        ctx.save_for_backward(y if memory_efficient else x, weight, bias, mean, rstd)
+    def forward(ctx, x, weight, bias, spec):
+        # The non-tensor arguments travel as one tuple: apply() inspects each argument.
+        n, eps, is_rms, memory_efficient, out_dtype = spec
+        x2d = _rows(x, n)
+        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        _, mean, rstd = norm_fwd_impl(
+            x2d, _flat(weight), _flat(bias), eps, is_rms, out_dtype, out=y.view(-1, n)
+        )
+        # memory_efficient keeps y (which the next layer keeps anyway) instead of x. A copy made
+        # by _rows is kept rather than remade in backward.
+        saved = y if memory_efficient else (x if x2d is x or x2d._is_view() else x2d)
+        ctx.save_for_backward(saved, weight, bias, mean, rstd)
+        ctx.n = n
         ctx.is_rms = is_rms
         ctx.memory_efficient = memory_efficient
         ctx.x_dtype = x.dtype
+        ctx.x_shape = x.shape
         return y
 
     @staticmethod
@@ -145,17 +185,16 @@ class _FusedNormFunction(torch.autograd.Function):
     def backward(ctx, dy):
         xy, weight, bias, mean, rstd = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        n = ctx.n
         dx, dw, db = norm_bwd_impl(
-            dy, xy, weight, bias, mean, rstd, ctx.is_rms, ctx.memory_efficient, ctx.x_dtype,
-            need_w, need_b,
+            _rows(dy, n), _rows(xy, n), _flat(weight), _flat(bias), mean, rstd, ctx.is_rms,
+            ctx.memory_efficient, ctx.x_dtype, need_w, need_b,
         )
+        # (Views only where shapes differ: each costs host time, and this runs per layer.)
         return (
-            dx if need_x else None,
-            dw if need_w else None,
-            db if need_b else None,
-            None,
-            None,
-            None,
+            (dx if len(ctx.x_shape) == 2 else dx.view(ctx.x_shape)) if need_x else None,
+            (dw if weight.dim() == 1 else dw.view(weight.shape)) if need_w else None,
+            (db if bias.dim() == 1 else db.view(bias.shape)) if need_b else None,
             None,
         )
 
@@ -269,19 +308,23 @@ def fused_norm(
 ) -> Tensor:
     """Normalize ``x`` over its trailing ``normalized_shape``; arguments already validated."""
     n = math.prod(normalized_shape)
-    x2d = x.reshape(-1, n)
-    if n > 1 and x2d.stride(1) != 1:
-        # The kernels take any row stride but need unit column stride.
-        x2d = x2d.contiguous()
-    w = weight.reshape(-1).contiguous() if weight is not None else None
-    b = bias.reshape(-1).contiguous() if bias is not None and not is_rms else None
+    if is_rms:
+        bias = None
     if _HAS_CUSTOM_OP and (_is_compiling() or torch.jit.is_tracing()):
         # One opaque node for Dynamo/AOTAutograd (and a serializable op in traces).
-        y2d = torch.ops.mixprec.fused_norm_fwd(x2d, w, b, eps, is_rms, memory_efficient, out_dtype)[0]
-    elif torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x2d, w, b)
+        y2d = torch.ops.mixprec.fused_norm_fwd(
+            _rows(x, n), _flat(weight), _flat(bias), eps, is_rms, memory_efficient, out_dtype
+        )[0]
+        return y2d.view(x.shape)
+    if torch.is_grad_enabled() and (
+        x.requires_grad
+        or (weight is not None and weight.requires_grad)
+        or (bias is not None and bias.requires_grad)
     ):
-        y2d = _FusedNormFunction.apply(x2d, w, b, eps, is_rms, memory_efficient, out_dtype)
-    else:
-        y2d = norm_fwd_impl(x2d, w, b, eps, is_rms, out_dtype)[0]
-    return y2d.view(x.shape)
+        return _FusedNormFunction.apply(
+            x, weight, bias, (n, eps, is_rms, memory_efficient, out_dtype)
+        )
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    norm_fwd_impl(_rows(x, n), _flat(weight), _flat(bias), eps, is_rms, out_dtype,
+                  out=y.view(-1, n))
+    return y

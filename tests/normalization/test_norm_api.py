@@ -212,3 +212,39 @@ def test_memory_efficient_saves_the_output_not_the_input(cls, memory_efficient, 
     assert (y.data_ptr() in saved) == memory_efficient
     assert (x.data_ptr() in saved) != memory_efficient
     y.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,normalized", [((2, 3, 16), (16,)), ((2, 3, 4, 8), (4, 8))])
+def test_one_autograd_node_per_call(device, shape, normalized):
+    # Every reshape happens inside the op: the graph goes straight from the norm's node to the
+    # leaves (views added a node each, and host time per call, before).
+    norm = FusedLayerNorm(normalized).to(device)
+    x = torch.randn(*shape, device=device, requires_grad=True)
+    y = norm(x)
+    assert y.shape == x.shape and y.grad_fn is not None
+    leaves = [fn for fn, _ in y.grad_fn.next_functions if fn is not None]
+    assert [type(fn).__name__ for fn in leaves] == ["AccumulateGrad"] * 3
+    assert {id(fn.variable) for fn in leaves} == {id(x), id(norm.weight), id(norm.bias)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_in_place_ops_on_the_output(device, memory_efficient):
+    # The output is a fresh tensor, not a view made inside the op, so an in-place ReLU after
+    # the norm is allowed; the gradients then equal those of the out-of-place graph.
+    x = torch.randn(4, 6, 32, device=device, requires_grad=True)
+    norm = FusedRMSNorm(32, memory_efficient=memory_efficient).to(device)
+    if memory_efficient:
+        # y itself is saved for backward: changing it in place must be caught, not used.
+        y = norm(x)
+        y.relu_()
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.sum().backward()
+        return
+    norm(x).relu_().square().sum().backward()
+    got = (x.grad.clone(), norm.weight.grad.clone())
+    x.grad = norm.weight.grad = None
+    norm(x).relu().square().sum().backward()
+    torch.testing.assert_close(got[0], x.grad, rtol=0, atol=0)
+    torch.testing.assert_close(got[1], norm.weight.grad, rtol=0, atol=0)
