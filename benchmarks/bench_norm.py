@@ -115,7 +115,8 @@ def sweep_case(m, n, dtype, rep_ms):
     pipeliner (2 and 3 stages), with the occupancy-derived program count; and the heuristic
     config at 1-8 programs per SM. Times
     the launchers directly (no autograd), so the rows compare configs with each other.
-    Configs that fail to compile or run are recorded with their error.
+    Configs that fail to compile or run are recorded with their error. Timed as CUDA-graph
+    replays, like the targets: eager launcher timings of the small shapes time the host.
     """
     from mixprec.normalization import _launch
 
@@ -133,7 +134,7 @@ def sweep_case(m, n, dtype, rep_ms):
     def timed(pass_, nbytes, fn, **info):
         row = {"pass": pass_, **info}
         try:
-            ms = _do_bench(fn, rep_ms)
+            ms = _do_bench_graph(fn, rep_ms)
             row.update(ms=ms, tbps=nbytes / (ms * 1e-3) / 1e12)
         except Exception as err:  # a config that does not compile is a data point too
             row.update(ms=None, tbps=None, error=f"{type(err).__name__}: {err}"[:300])
@@ -160,6 +161,16 @@ def sweep_case(m, n, dtype, rep_ms):
                                        prefetch=variant == "prefetch", pipeline_stages=stages)
             timed("bwd", 3 * m * n * es, bwd(cfg), num_warps=warps, variant=variant,
                   programs_per_sm="auto", default=cfg == bwd_default)
+    if bwd_default.block_n <= 2048:
+        # Short rows: several rows per program puts more bytes in flight per loop iteration.
+        for block_m in (2, 4):
+            for warps in (2, 4, 8):
+                for variant in ("plain", "prefetch"):
+                    cfg = _launch.KernelConfig(block_m, bwd_default.block_n, warps,
+                                               prefetch=variant == "prefetch")
+                    timed("bwd", 3 * m * n * es, bwd(cfg), num_warps=warps,
+                          variant=f"{variant}, {block_m} rows", programs_per_sm="auto",
+                          default=False)
     for per_sm in (1, 2, 4, 8):
         if per_sm * bwd_default.num_warps <= 64:  # an SM holds at most 64 warps
             variant = "prefetch" if bwd_default.prefetch else "plain"
@@ -169,6 +180,18 @@ def sweep_case(m, n, dtype, rep_ms):
     return rows
 
 
+def _shape(text):
+    try:
+        m, n = (int(v) for v in text.lower().split("x"))
+        if m < 1 or n < 1:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--shape {text!r}: expected two positive sizes as MxN, e.g. 32768x1024"
+        ) from None
+    return m, n
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None, help="directory for bench_norm.json")
@@ -176,6 +199,10 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true",
                         help="also time LayerNorm kernel configs around the heuristic")
     parser.add_argument("--rep", type=int, default=None, help="do_bench rep time in ms")
+    parser.add_argument("--shape", action="append", type=_shape, default=None, metavar="MxN",
+                        help="only this shape (repeatable), e.g. --shape 32768x1024")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), action="append", default=None,
+                        help="only this dtype (repeatable)")
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
@@ -190,8 +217,10 @@ def main(argv=None):
 
     started = time.time()
     rep = args.rep or (40 if args.quick else 60)
-    shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    shapes = args.shape or (QUICK_SHAPES if args.quick else FULL_SHAPES)
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
+    if args.dtype:
+        dtypes = {name: DTYPES[name] for name in args.dtype}
 
     copy_tbps, copy_ms = copy_bandwidth(rep)
     results = []
@@ -250,7 +279,8 @@ def main(argv=None):
     misses = sum(not r["pass"] for r in results)
     print(f"\n{len(results) - misses}/{len(results)} targets met")
     if sweep:
-        print("\nLayerNorm config sweep (launchers only; % of copy bandwidth; * = heuristic)\n")
+        print("\nLayerNorm config sweep (launchers alone, CUDA-graph replay; % of copy bandwidth; "
+              "* = heuristic)\n")
         print("| dtype | M x N | pass | num_warps | loop | programs/SM | % copy |")
         print("|---|---|---|---:|---|---:|---:|")
         for s in sweep:
