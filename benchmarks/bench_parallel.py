@@ -80,11 +80,22 @@ def _parse_args(argv=None):
     p.add_argument("--sweep", action="store_true",
                    help="also time mixprec DDP with message_size 2.5e6 and 4e7 and "
                         "delay_allreduce=True (GPT)")
+    p.add_argument("--graphs", action="store_true",
+                   help="ResNet-50 only: capture each whole training step (forward, backward "
+                        "with its collectives, optimizer) in a CUDA graph and time replays; "
+                        "amp O2 with a static loss scale (dynamic scaling reads a flag on the "
+                        "host). Sets TORCH_NCCL_ASYNC_ERROR_HANDLING=0 as PyTorch's CUDA-graph "
+                        "notes ask for DDP capture.")
     p.add_argument("--smoke", action="store_true",
                    help="tiny models on the CPU over gloo, to check the script")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error(f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0")
+    if args.graphs and args.smoke:
+        p.error("--graphs needs CUDA GPUs; it cannot run with --smoke")
+    if args.graphs:
+        args.parts = ["resnet"]
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")
     return args
 
 
@@ -264,6 +275,9 @@ def _run_resnet(device, args):
     y = torch.randint(0, classes, (batch,), generator=g).to(device)
     own_group = [None]
 
+    def loss_fn(out, t):
+        return F.cross_entropy(out.float(), t)
+
     def variant(convert):
         def build():
             torch.manual_seed(0)
@@ -275,8 +289,47 @@ def _run_resnet(device, args):
                 model, opt = _amp.initialize(model, opt, opt_level="O2", dtype=dtype,
                                              verbosity=0)
             model = DistributedDataParallel(model)
-            return _train_step(model, opt, x, y, lambda out, t: F.cross_entropy(out.float(), t))
+            return _train_step(model, opt, x, y, loss_fn)
         return build
+
+    def graphed(convert):
+        # PyTorch's recipe for capturing a DDP step: DDP built on a side stream, at least 11
+        # eager DDP iterations there before capture, gradients set to None before capture
+        # (the backward inside the graph then allocates and overwrites them every replay).
+        def build():
+            torch.manual_seed(0)
+            model = convert(_resnet_model(args.smoke)).to(device)
+            model = model.to(memory_format=torch.channels_last)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            model, opt = _amp.initialize(model, opt, opt_level="O2", loss_scale=128.0,
+                                         verbosity=0)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                model = DistributedDataParallel(model)
+                eager = _train_step(model, opt, x, y, loss_fn)
+                for _ in range(11):
+                    eager()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            opt.zero_grad(set_to_none=True)
+            with torch.cuda.graph(graph):
+                loss = loss_fn(model(x), y)
+                with _amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                opt.step()
+            return graph.replay
+        return build
+
+    if args.graphs:
+        _log("   each step captured in a CUDA graph; amp O2 with static loss scale 128")
+        for name, convert in [
+            ("plain BatchNorm", lambda m: m),
+            ("mixprec SyncBatchNorm", convert_syncbn_model),
+            ("torch SyncBatchNorm", nn.SyncBatchNorm.convert_sync_batchnorm),
+        ]:
+            _measure(name, graphed(convert), device, args, results)
+        return results
 
     def own(model):
         if own_group[0] is None:  # collective: every rank creates it at the same point
@@ -337,7 +390,8 @@ def _report(out, world):
     resnet = out.get("resnet")
     if resnet:
         base = "plain BatchNorm"
-        lines += [f"### ResNet-50 channels_last fp16 under mixprec DDP, {world} GPU(s){note}",
+        how = ", each step a CUDA graph replay" if out.get("graphs") else ""
+        lines += [f"### ResNet-50 channels_last fp16 under mixprec DDP, {world} GPU(s){how}{note}",
                   "", "| BatchNorm | step ms | this / plain BatchNorm | target |",
                   "| --- | --- | --- | --- |"]
         for name, r in resnet.items():
@@ -346,7 +400,8 @@ def _report(out, world):
             if name == "mixprec SyncBatchNorm":
                 ok = None if world < 2 or ratio != ratio else ratio <= SYNCBN_TARGET
                 target = f"<= {SYNCBN_TARGET} {_verdict(ok)}"
-                checks.append(("mixprec SyncBatchNorm / plain BatchNorm", ratio, ok))
+                checks.append(("mixprec SyncBatchNorm / plain BatchNorm" + (
+                    " (CUDA graphs)" if out.get("graphs") else ""), ratio, ok))
             ms = "failed" if r["error"] else f"{1e3 * r['step_s']:.2f}"
             lines.append(f"| {name} | {ms} | {ratio:.3f} | {target} |")
         lines.append("")
@@ -369,6 +424,7 @@ def main(argv=None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "smoke": args.smoke,
+        "graphs": args.graphs,
     }
     t0 = time.perf_counter()
     if "gpt" in args.parts:

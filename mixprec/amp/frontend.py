@@ -303,6 +303,13 @@ def scale_loss(
         yield loss
         return
     scaler = amp_state.scaler(loss_id)
+    if scaler.dynamic and loss.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "amp.scale_loss inside CUDA graph capture with dynamic loss scaling: the scale "
+            "is updated from an overflow flag read on the host, which a captured graph cannot "
+            "do. Pass a fixed scale to amp.initialize (e.g. loss_scale=128.0 for fp16; bf16 "
+            "already defaults to a static 1.0) to capture the training step."
+        )
     amp_state.resolve_pending()
     for s in states:
         s.before_backward(scaler)

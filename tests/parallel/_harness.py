@@ -70,9 +70,10 @@ _T0 = time.perf_counter()
 
 
 def _worker(rank, world_size, port, module_name, names, out_dir, backend, device_type,
-            shared_device, pg_timeout_s):
+            shared_device, pg_timeout_s, env=None):
     torch.set_num_threads(1)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.update(env or {})
     path = os.path.join(out_dir, f"rank{rank}.json")
     results: Dict[str, str] = {}
     if device_type == "cuda":
@@ -138,14 +139,18 @@ class GroupResult:
 
 def run_checks(module_name: str, names: Sequence[str], world_size: int, *,
                backend: str = "gloo", device_type: str = "cpu", shared_device: bool = False,
-               deadline_s: float = 150.0, pg_timeout_s: float = 60.0) -> GroupResult:
-    """Run the checks ``names`` of ``module_name`` on ``world_size`` processes; see module doc."""
+               deadline_s: float = 150.0, pg_timeout_s: float = 60.0,
+               env: Optional[Dict[str, str]] = None) -> GroupResult:
+    """Run the checks ``names`` of ``module_name`` on ``world_size`` processes; see module doc.
+
+    ``env`` is set in every worker before its process group is created.
+    """
     names = list(names)
     with tempfile.TemporaryDirectory(prefix="mixprec_parallel_") as out_dir:
         ctx = mp.start_processes(
             _worker,
             args=(world_size, free_port(), module_name, names, out_dir, backend, device_type,
-                  shared_device, pg_timeout_s),
+                  shared_device, pg_timeout_s, env),
             nprocs=world_size, join=False, start_method="spawn",
         )
         launch_error = None
