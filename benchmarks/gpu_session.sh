@@ -3,7 +3,9 @@
 #   bash benchmarks/gpu_session.sh STEP...
 # Steps: amp, norm (each alone), amp_norm (bench_amp on GPU 0 beside bench_norm on GPU 1), sweep (bench_norm --sweep),
 # tests1 (single-GPU tests), tests2 (two-GPU tests), parallel (bench_parallel, torchrun),
-# cli (mixprec bench, gpt on GPU 0 beside resnet50 on GPU 1), tests_amp (amp's CUDA cases).
+# cli (mixprec bench, gpt on GPU 0 beside resnet50 on GPU 1), tests_amp (amp's CUDA cases),
+# tests12 (tests1 on GPU 0 beside tests2), graphs (bench_parallel --graphs: ResNet-50 steps as
+# CUDA graph replays), host (norm_host_overhead.py: host time per norm call).
 # Timing steps never share the machine with the test runs (compilers and test workers take
 # the CPU, and launch-bound steps then time the CPU). The logs are packed after every step, so
 # a run cut short still returns what it finished.
@@ -33,7 +35,13 @@ for s in "$@"; do
         [ "${PROFILE:-0}" = 1 ] && for n in torch mixprec; do step profile_O1_$n 60 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/profile_step.py --mode O1 --norm $n; done; } &
       wait ;;
     amp) step bench_amp 280 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --out "$LOGS" ;;
-    amp_gpt) step bench_amp_gpt 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --models gpt --norm torch --out "$LOGS" ;;
+    amp_gpt) step bench_amp_gpt 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --models gpt --out "$LOGS" ;;
+    graphs) step bench_parallel_graphs 200 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --graphs --out "$LOGS/graphs" ;;
+    host) step norm_host_overhead 90 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/norm_host_overhead.py ;;
+    tests12)
+      step tests_1gpu 400 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench &
+      step tests_2gpu 400 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus &
+      wait ;;
     norm) step bench_norm 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_norm.py --out "$LOGS" ;;
     sweep) step bench_norm_sweep 240 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --out "$LOGS/sweep" ;;
     tests1) step tests_1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench ;;
