@@ -1,0 +1,113 @@
+"""Where the time of a ResNet-50 SyncBatchNorm step goes (diagnostic; torchrun, 2 GPUs).
+
+Times, on every variant, the step by CUDA events and the host's enqueue time (equal when the
+host is the bottleneck): plain BatchNorm, mixprec SyncBatchNorm, and mixprec SyncBatchNorm with
+its collectives replaced by local copies (the layers' own host and GPU cost without
+communication). ``--profile`` adds PyTorch profiler tables (top kernels, top CPU ops); it is off
+by default because the profiler slows every variant timed after it.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/profile_syncbn.py [--profile]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import mixprec.parallel._sync_batchnorm_function as sbf  # noqa: E402
+from mixprec import amp  # noqa: E402
+from mixprec.parallel import DistributedDataParallel, convert_syncbn_model  # noqa: E402
+
+
+def _local_gather(row, group, world_size):
+    return row.unsqueeze(0).expand(world_size, -1).contiguous()
+
+
+def _local_reduce(t, group):
+    return t
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+    import torchvision
+
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    torch.backends.cudnn.benchmark = True
+    x = torch.randn(args.batch, 3, 224, 224, device=device).half()
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (args.batch,), device=device)
+
+    def build(convert):
+        torch.manual_seed(0)
+        model = convert(torchvision.models.resnet50()).to(device)
+        model = model.to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        model = DistributedDataParallel(model)
+
+        def step():
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x).float(), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return step
+
+    real = (sbf.all_gather_rows, sbf.all_reduce_sum)
+    for name, convert, local in (("plain BatchNorm", lambda m: m, False),
+                                 ("mixprec SyncBatchNorm", convert_syncbn_model, False),
+                                 ("mixprec SyncBatchNorm, collectives local", convert_syncbn_model,
+                                  True)):
+        sbf.all_gather_rows, sbf.all_reduce_sum = (_local_gather, _local_reduce) if local else real
+        step = build(convert)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(args.steps)]
+        host = []
+        for start, end in events:
+            t0 = time.perf_counter()
+            start.record()
+            step()
+            end.record()
+            host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        gpu_ms = statistics.median(s.elapsed_time(e) for s, e in events)
+        if rank == 0:
+            print(f"{name}: {gpu_ms:.2f} ms/step (CUDA events), host enqueue "
+                  f"{1e3 * statistics.median(host):.2f} ms/step", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    step()
+                torch.cuda.synchronize()
+            if rank == 0:
+                table = prof.key_averages()
+                print(table.table(sort_by="self_cuda_time_total", row_limit=20))
+                print(table.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+        del step
+        torch.cuda.empty_cache()
+    sbf.all_gather_rows, sbf.all_reduce_sum = real
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
