@@ -25,7 +25,10 @@ Two implementations of the same maths:
   ``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``), which read
   half input with fp32 parameters and have channels-last variants. Channels-last inputs are handed
   to them as a ``(M, C)`` view (no copy); the output is written into a tensor with the input's
-  strides. Nothing synchronises the host with the device (``torch.nn.SyncBatchNorm`` does, once
+  strides. For those inputs the two per-rank reductions (statistics; ``sum(dy)`` and
+  ``sum(dy * (x - mean))``) run in mixprec's Triton kernels (``_syncbn_triton``) when Triton
+  imports: they write the packed tensor the collective sends, and PyTorch's channels-last
+  reduction kernels were the slow part of a SyncBatchNorm step on an H200. Nothing synchronises the host with the device (``torch.nn.SyncBatchNorm`` does, once
   per layer, to drop empty ranks), so a rank with an empty batch sends a negligible count
   (``_EMPTY_COUNT``) instead, which the merge kernel weighs as nothing.
 * Everything else (CPU over gloo): the same formulas in plain fp32 PyTorch, merged in fp64.
@@ -39,6 +42,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from mixprec.parallel import _syncbn_triton
 from mixprec.parallel._comm import all_gather_rows, all_reduce_sum
 
 __all__ = ["sync_batch_norm"]
@@ -58,6 +62,9 @@ class _FusedOps:
     elemt: Callable = torch.batch_norm_elemt
     backward_reduce: Callable = torch.batch_norm_backward_reduce
     backward_elemt: Callable = torch.batch_norm_backward_elemt
+    # Channels-last inputs: the two per-rank reductions in mixprec's Triton kernels
+    # (``_syncbn_triton``) instead of ``stats`` / ``backward_reduce``.
+    triton_reductions: bool = True
 
 
 _OPS = _FusedOps()
@@ -163,14 +170,19 @@ def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, mome
     xk = layout.to_kernel(x)
     C = layout.num_channels
     count = xk.numel() // C if C else 0
-    if count > 0:
-        mean, invstd = _OPS.stats(xk, eps)
-        count_t = _count_tensor(cache, float(count), mean)
+    if count > 0 and layout.flat and _OPS.triton_reductions and _syncbn_triton.usable(xk):
+        # [mean, invstd, count] written straight into the buffer the all-gather sends.
+        row = _syncbn_triton.stats_row(xk, eps)
     else:
-        mean = torch.zeros(C, dtype=stat_dtype, device=x.device)
-        invstd = torch.ones(C, dtype=stat_dtype, device=x.device)
-        count_t = _count_tensor(cache, _EMPTY_COUNT, mean)
-    rows = all_gather_rows(torch.cat([mean, invstd, count_t]), group, world_size)
+        if count > 0:
+            mean, invstd = _OPS.stats(xk, eps)
+            count_t = _count_tensor(cache, float(count), mean)
+        else:
+            mean = torch.zeros(C, dtype=stat_dtype, device=x.device)
+            invstd = torch.ones(C, dtype=stat_dtype, device=x.device)
+            count_t = _count_tensor(cache, _EMPTY_COUNT, mean)
+        row = torch.cat([mean, invstd, count_t])
+    rows = all_gather_rows(row, group, world_size)
     counts = rows[:, 2 * C]
 
     # The merge kernel reads the counts in the running statistics' dtype (the input's when there
@@ -203,7 +215,14 @@ def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, ne
     xk = layout.to_kernel(x)
     gk = layout.to_kernel(grad_out)
     C = layout.num_channels
-    if xk.numel() > 0:
+    packed = None
+    if (xk.numel() > 0 and layout.flat and _OPS.triton_reductions
+            and mean.dtype == torch.float32 and _syncbn_triton.usable(xk)
+            and _syncbn_triton.usable(gk)):
+        packed, grad_weight, grad_bias = _syncbn_triton.backward_reduce(
+            gk, xk, mean, invstd, need_weight, need_bias
+        )
+    elif xk.numel() > 0:
         sum_dy, sum_dy_xmu, grad_weight, grad_bias = _OPS.backward_reduce(
             gk, xk, mean, invstd, weight, need_input, need_weight, need_bias
         )
@@ -213,7 +232,8 @@ def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, ne
     grad_input = None
     if need_input:
         # The one collective of the backward pass: both per-channel sums in one tensor.
-        packed = torch.cat([sum_dy, sum_dy_xmu]).to(mean.dtype)
+        if packed is None:
+            packed = torch.cat([sum_dy, sum_dy_xmu]).to(mean.dtype)
         all_reduce_sum(packed, group)
         if xk.numel() > 0:
             gk_in = _OPS.backward_elemt(gk, xk, mean, invstd, weight, packed[:C], packed[C:],

@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from mixprec.parallel import _sync_batchnorm_function as fn
+from mixprec.parallel import _syncbn_triton
 
 __all__ = ["emulated_fused_path"]
 
@@ -112,13 +113,21 @@ def backward_elemt(grad_out, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count)
 
 
 @contextlib.contextmanager
-def emulated_fused_path():
-    """Route CPU tensors through SyncBatchNorm's fused path, with the stand-ins above."""
+def emulated_fused_path(triton: bool = False):
+    """Route CPU tensors through SyncBatchNorm's fused path, with the stand-ins above.
+
+    ``triton=True``: channels-last inputs take mixprec's Triton reductions, run by Triton's
+    interpreter (TRITON_INTERPRET=1 must be set before they are first used), as on a GPU.
+    """
     saved_ops, saved_use = fn._OPS, fn._use_fused
+    saved_cpu = _syncbn_triton._cpu_testing
     fn._OPS = fn._FusedOps(stats=stats, gather_stats=gather_stats, elemt=elemt,
-                           backward_reduce=backward_reduce, backward_elemt=backward_elemt)
+                           backward_reduce=backward_reduce, backward_elemt=backward_elemt,
+                           triton_reductions=triton)
     fn._use_fused = lambda x: True
+    _syncbn_triton._cpu_testing = triton
     try:
         yield
     finally:
         fn._OPS, fn._use_fused = saved_ops, saved_use
+        _syncbn_triton._cpu_testing = saved_cpu

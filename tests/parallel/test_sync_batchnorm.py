@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import importlib.util
+import os
 
 import pytest
 import torch
@@ -38,11 +41,21 @@ OUT_TOL = {
 }
 STAT_TOL = dict(rtol=1e-4, atol=1e-5)
 
+# Workers of the CPU groups get TRITON_INTERPRET=1 (see the fixtures) when Triton is installed.
+_TRITON = importlib.util.find_spec("triton") is not None
+_INTERPRETER = _TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+_CPU_ENV = {"TRITON_INTERPRET": "1"} if _TRITON else None
+
 
 def _paths(ctx):
     if ctx.is_cuda:
         return [("cuda-fused", contextlib.nullcontext)]
-    return [("cpu-reference", contextlib.nullcontext), ("cpu-emulated-fused", emulated_fused_path)]
+    paths = [("cpu-reference", contextlib.nullcontext), ("cpu-emulated-fused", emulated_fused_path)]
+    if _INTERPRETER:
+        # The fused path with the Triton reductions for channels-last inputs, interpreted.
+        paths.append(("cpu-emulated-fused-triton",
+                      functools.partial(emulated_fused_path, triton=True)))
+    return paths
 
 
 def _close(actual, expected, tol, what):
@@ -189,6 +202,39 @@ def check_channels_last(ctx):
               label=" channels_last_3d")
 
 
+def check_triton_reductions_run_for_channels_last(ctx):
+    # Channels-last inputs take mixprec's Triton reductions (on the GPU, and on CPU through the
+    # interpreter); the cases above compare their results with float64 BatchNorm.
+    from mixprec.parallel import _syncbn_triton
+
+    if not ctx.is_cuda and not _INTERPRETER:
+        return  # no Triton here: nothing to check
+    calls = []
+    saved = _syncbn_triton.stats_row, _syncbn_triton.backward_reduce
+
+    def counted(name, f):
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return f(*args, **kwargs)
+        return wrapper
+
+    _syncbn_triton.stats_row = counted("stats", saved[0])
+    _syncbn_triton.backward_reduce = counted("backward", saved[1])
+    try:
+        paths = [p for p in _paths(ctx) if p[0] in ("cuda-fused", "cpu-emulated-fused-triton")]
+        assert paths, [p[0] for p in _paths(ctx)]
+        saved_paths = globals()["_paths"]
+        globals()["_paths"] = lambda ctx: paths
+        try:
+            _run_case(ctx, _uneven(ctx), memory_format=torch.channels_last, steps=1,
+                      label=" channels_last (Triton reductions)")
+        finally:
+            globals()["_paths"] = saved_paths
+    finally:
+        _syncbn_triton.stats_row, _syncbn_triton.backward_reduce = saved
+    assert calls.count("stats") == 1 and calls.count("backward") == 1, calls
+
+
 def check_channel_last_flag(ctx):
     _run_case(ctx, _uneven(ctx), channel_last=True, label=" channel_last=True")
     _run_case(ctx, _uneven(ctx), spatial=(), channel_last=True, label=" channel_last=True 2d")
@@ -289,6 +335,7 @@ GROUP_2 = [
     "check_fp16_input_fp32_params",
     "check_channels_last",
     "check_channel_last_flag",
+    "check_triton_reductions_run_for_channels_last",
     "check_no_affine_no_running_stats",
     "check_inplace_op_on_output",
     "check_half_parameters",
@@ -301,12 +348,12 @@ GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_proce
 
 @pytest.fixture(scope="module")
 def gloo_2():
-    return run_checks(__name__, GROUP_2, world_size=2)
+    return run_checks(__name__, GROUP_2, world_size=2, env=_CPU_ENV)
 
 
 @pytest.fixture(scope="module")
 def gloo_4():
-    return run_checks(__name__, GROUP_4, world_size=4)
+    return run_checks(__name__, GROUP_4, world_size=4, env=_CPU_ENV)
 
 
 @pytest.fixture(scope="module")

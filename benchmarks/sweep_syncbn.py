@@ -1,0 +1,104 @@
+"""Launch settings of SyncBatchNorm's Triton reductions, timed in the ResNet-50 step (tuning aid).
+
+Each variant: ResNet-50 channels_last fp16 O2 (static loss scale 128) under mixprec DDP on all
+ranks, the whole step captured in a CUDA graph (the GPU's time, not the host's), mixprec
+SyncBatchNorm with one setting of ``_syncbn_triton``'s programs per SM, tile size and merge
+tile, against plain BatchNorm in the same run. Prints the slowest rank's median replay time.
+
+    torchrun --standalone --nproc_per_node=2 benchmarks/sweep_syncbn.py
+"""
+
+import os
+import statistics
+import sys
+
+os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # PyTorch's DDP-capture recipe
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from mixprec import amp  # noqa: E402
+from mixprec.parallel import (  # noqa: E402
+    DistributedDataParallel,
+    _syncbn_triton,
+    convert_syncbn_model,
+)
+
+SETTINGS = [  # (programs per SM, tile elements, merge tile rows)
+    (4, 4096, 128), (8, 4096, 128), (2, 4096, 128), (4, 8192, 128), (4, 2048, 128),
+    (4, 4096, 256),
+]
+
+
+def _graphed_step_ms(convert, device, x, y, steps=20):
+    import torchvision
+
+    torch.manual_seed(0)
+    model = convert(torchvision.models.resnet50()).to(device)
+    model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+
+    def step():
+        loss = F.cross_entropy(ddp(x).float(), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ddp = DistributedDataParallel(model)
+        for _ in range(11):
+            opt.zero_grad(set_to_none=True)
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(steps)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in events)], device=device)
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return ms.item()
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    torch.backends.cudnn.benchmark = True
+    x = torch.randn(64, 3, 224, 224, device=device).half()
+    x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (64,), device=device)
+    base = _graphed_step_ms(lambda m: m, device, x, y)
+    if rank == 0:
+        print(f"plain BatchNorm: {base:.2f} ms", flush=True)
+    for per_sm, tile, merge_rows in SETTINGS:
+        _syncbn_triton._PROGRAMS_PER_SM = per_sm
+        _syncbn_triton._TILE = tile
+        _syncbn_triton._MERGE_BLOCK_S = merge_rows
+        _syncbn_triton._plan.cache_clear()
+        ms = _graphed_step_ms(convert_syncbn_model, device, x, y)
+        if rank == 0:
+            print(f"programs/SM {per_sm}, tile {tile}, merge rows {merge_rows}: {ms:.2f} ms "
+                  f"= {ms / base:.3f}x plain", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Host launchers for SyncBatchNorm's Triton reductions over a channels-last ``(M, C)`` view.
+
+Two per-rank reductions of :class:`~mixprec.parallel.SyncBatchNorm`'s CUDA path run here
+instead of PyTorch's ``batch_norm_stats`` / ``batch_norm_backward_reduce``, whose channels-last
+kernels move these tensors at a fraction of the memory bandwidth (on an H200 in a ResNet-50
+step they took about twice cuDNN's time for the same layers). Each is two launches: partial
+results per (channel block, run of rows), then a merge that also writes the packed tensor the
+collective sends, so no ``torch.cat`` follows.
+
+The element-wise passes (normalize, input gradient) stay PyTorch's, which run near bandwidth.
+"""
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from mixprec.normalization._launch import interpreter_enabled, triton_available
+
+__all__ = ["backward_reduce", "stats_row", "usable"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_TILE = 4096  # elements of x per [BLOCK_M, BLOCK_C] tile (32 per thread at 4 warps)
+_PROGRAMS_PER_SM = 4  # partial programs; more splits would make the merge the slow part
+_NUM_WARPS = 4
+# The merges: [BLOCK_S, BLOCK_C] tiles of partial results, narrow in C so that a layer with few
+# channels still gets a few programs.
+_MERGE_BLOCK_C = 32
+_MERGE_BLOCK_S = 256  # benchmarks/sweep_syncbn.py: 1.171-1.176x vs 1.186-1.188x at 128
+
+# Testing hook: let CPU tensors through usable() (the kernels then run in Triton's interpreter,
+# which needs TRITON_INTERPRET=1 before the kernels module is first imported).
+_cpu_testing = False
+
+
+def _kernels():
+    from mixprec.parallel import _syncbn_kernels
+
+    return _syncbn_kernels
+
+
+def usable(x2d: Tensor) -> bool:
+    """Whether the Triton reductions take ``x2d``: a CUDA ``(M, C)`` view with unit column
+    stride in fp32/fp16/bf16, with Triton importable."""
+    if x2d.dtype not in _DTYPES or x2d.dim() != 2:
+        return False
+    if x2d.shape[1] > 1 and x2d.stride(1) != 1:
+        return False
+    if x2d.is_cuda:
+        return triton_available()
+    return _cpu_testing and triton_available() and interpreter_enabled()
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(m: int, c: int, device_type: str, device_index: Optional[int]) -> Tuple[int, ...]:
+    """``(BLOCK_M, BLOCK_C, splits, rows_per_split)`` for an ``(m, c)`` reduction."""
+    block_c = max(16, min(128, _next_power_of_2(c)))
+    block_m = max(16, _TILE // block_c)
+    c_blocks = _cdiv(c, block_c)
+    if device_type == "cuda":
+        target = _PROGRAMS_PER_SM * _sm_count(device_index)
+    else:
+        target = 4  # the interpreter: a few splits, so the tests cover the merge
+    splits = max(1, min(_cdiv(m, block_m), _cdiv(target, c_blocks)))
+    rows_per_split = _cdiv(_cdiv(m, splits), block_m) * block_m
+    splits = _cdiv(m, rows_per_split)
+    return block_m, block_c, splits, rows_per_split
+
+
+def _check(x2d: Tensor, what: str) -> None:
+    if x2d.dim() != 2 or (x2d.shape[1] > 1 and x2d.stride(1) != 1):
+        raise ValueError(f"{what}: expected an (M, C) view with unit column stride, got shape "
+                         f"{tuple(x2d.shape)} and strides {x2d.stride()}")
+    if x2d.device.type == "cpu" and not interpreter_enabled():
+        raise RuntimeError(f"{what}: CPU tensors need TRITON_INTERPRET=1 (tests only)")
+
+
+def stats_row(x2d: Tensor, eps: float) -> Tensor:
+    """This rank's statistics packed for the all-gather: ``[mean (C), invstd (C), M]``, fp32.
+
+    ``invstd = 1 / sqrt(var + eps)`` with the biased variance, as ``torch.batch_norm_stats``.
+    ``x2d`` must have at least one row.
+    """
+    _check(x2d, "stats_row")
+    m, c = x2d.shape
+    block_m, block_c, splits, rows_per_split = _plan(m, c, x2d.device.type, x2d.device.index)
+    k = _kernels()
+    partial = torch.empty((splits, 3, c), dtype=torch.float32, device=x2d.device)
+    row = torch.empty(2 * c + 1, dtype=torch.float32, device=x2d.device)
+    c_blocks = _cdiv(c, block_c)
+    k.bn_partial_stats_kernel[(c_blocks, splits)](
+        x2d, partial, m, c, x2d.stride(0), rows_per_split,
+        BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
+    )
+    k.bn_finalize_stats_kernel[(_cdiv(c, _MERGE_BLOCK_C),)](
+        partial, row, splits, c, float(m), float(eps),
+        BLOCK_S=_MERGE_BLOCK_S, BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS,
+    )
+    return row
+
+
+def backward_reduce(dy2d: Tensor, x2d: Tensor, mean: Tensor, invstd: Tensor,
+                    need_weight: bool, need_bias: bool
+                    ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``(sums, grad_weight, grad_bias)`` over this rank's rows, all fp32.
+
+    ``sums = [sum(dy) (C), sum(dy * (x - mean)) (C)]`` is the tensor the backward all-reduces;
+    ``grad_weight = sum(dy * (x - mean)) * invstd`` when ``need_weight`` and
+    ``grad_bias = sum(dy)`` when ``need_bias`` (separate tensors), else None. Both inputs must
+    have at least one row.
+    """
+    _check(dy2d, "backward_reduce")
+    _check(x2d, "backward_reduce")
+    m, c = x2d.shape
+    block_m, block_c, splits, rows_per_split = _plan(m, c, x2d.device.type, x2d.device.index)
+    k = _kernels()
+    partial = torch.empty((splits, 2, c), dtype=torch.float32, device=x2d.device)
+    sums = torch.empty(2 * c, dtype=torch.float32, device=x2d.device)
+    grad_weight = torch.empty(c, dtype=torch.float32, device=x2d.device) if need_weight else None
+    grad_bias = torch.empty(c, dtype=torch.float32, device=x2d.device) if need_bias else None
+    c_blocks = _cdiv(c, block_c)
+    k.bn_partial_backward_kernel[(c_blocks, splits)](
+        dy2d, x2d, mean, partial, m, c, dy2d.stride(0), x2d.stride(0), rows_per_split,
+        BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
+    )
+    k.bn_finalize_backward_kernel[(_cdiv(c, _MERGE_BLOCK_C),)](
+        partial, invstd, sums, grad_weight if need_weight else sums,
+        grad_bias if need_bias else sums, splits, c,
+        COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, BLOCK_S=_MERGE_BLOCK_S,
+        BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS,
+    )
+    return sums, grad_weight, grad_bias
