@@ -28,8 +28,9 @@ Two implementations of the same maths:
   strides. For those inputs the two per-rank reductions (statistics; ``sum(dy)`` and
   ``sum(dy * (x - mean))``) run in mixprec's Triton kernels (``_syncbn_triton``) when Triton
   imports: they write the packed tensor the collective sends, and PyTorch's channels-last
-  reduction kernels were the slow part of a SyncBatchNorm step on an H200. Nothing synchronises the host with the device (``torch.nn.SyncBatchNorm`` does, once
-  per layer, to drop empty ranks), so a rank with an empty batch sends a negligible count
+  reduction kernels were the slow part of a SyncBatchNorm step on an H200. Nothing
+  synchronises the host with the device (``torch.nn.SyncBatchNorm`` does, once per layer, to
+  drop empty ranks), so a rank with an empty batch sends a negligible count
   (``_EMPTY_COUNT``) instead, which the merge kernel weighs as nothing.
 * Everything else (CPU over gloo): the same formulas in plain fp32 PyTorch, merged in fp64.
 """
