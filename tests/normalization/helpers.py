@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mixprec.normalization import _launch, reference
+from tests._triton import interpreter_skip_reason
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 
@@ -14,10 +15,11 @@ DEVICES = ["cpu", pytest.param("cuda", marks=requires_cuda)]
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 requires_interpreter = pytest.mark.skipif(
-    not HAS_TRITON or torch.cuda.is_available() or not _launch.interpreter_enabled(),
+    not HAS_TRITON or torch.cuda.is_available() or not _launch.interpreter_enabled()
+    or interpreter_skip_reason() is not None,
     reason=(
-        "requires triton and TRITON_INTERPRET=1 without CUDA (on a GPU the CUDA tests run "
-        "the same kernels)"
+        "requires triton >= 3.6 and TRITON_INTERPRET=1 without CUDA (on a GPU the CUDA tests "
+        "run the same kernels)"
     ),
 )
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -30,6 +28,7 @@ from torch import nn
 
 from mixprec.parallel import SyncBatchNorm, convert_syncbn_model, create_syncbn_process_group
 from mixprec.parallel import _sync_batchnorm_function as fn
+from tests._triton import interpreter_skip_reason
 from tests.parallel._fused_emulation import emulated_fused_path
 from tests.parallel._harness import cuda_count, labelled, run_checks
 
@@ -41,10 +40,10 @@ OUT_TOL = {
 }
 STAT_TOL = dict(rtol=1e-4, atol=1e-5)
 
-# Workers of the CPU groups get TRITON_INTERPRET=1 (see the fixtures) when Triton is installed.
-_TRITON = importlib.util.find_spec("triton") is not None
-_INTERPRETER = _TRITON and os.environ.get("TRITON_INTERPRET") == "1"
-_CPU_ENV = {"TRITON_INTERPRET": "1"} if _TRITON else None
+# Workers of the CPU groups get TRITON_INTERPRET=1 (see the fixtures) where the interpreter
+# computes the kernels correctly (tests/_triton.py).
+_INTERPRETER = interpreter_skip_reason() is None
+_CPU_ENV = {"TRITON_INTERPRET": "1"} if interpreter_skip_reason(require_env=False) is None else None
 
 
 def _paths(ctx):

@@ -7,22 +7,24 @@ accumulation errors: relative 1e-5 (statistics) and 1e-4 of the sums' magnitude.
 """
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
 from mixprec.parallel import _syncbn_triton
+from tests._triton import interpreter_skip_reason
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 DEVICES = []
 if _HAS_TRITON and torch.cuda.is_available():
     DEVICES.append("cuda")
-elif _HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
+elif interpreter_skip_reason() is None:
     DEVICES.append("cpu")
 
 pytestmark = pytest.mark.skipif(
-    not DEVICES, reason="requires triton (and a GPU, or TRITON_INTERPRET=1 on CPU)"
+    not DEVICES,
+    reason="requires triton and a GPU, or on CPU: "
+    + str(interpreter_skip_reason() or "(unreachable)"),
 )
 
 SHAPES = [(1, 1), (7, 3), (300, 64), (1000, 130), (4099, 17)]

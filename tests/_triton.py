@@ -1,0 +1,40 @@
+"""Whether this environment can run mixprec's Triton kernels in Triton's CPU interpreter.
+
+The interpreter tests need Triton installed, ``TRITON_INTERPRET=1`` (the package conftests set
+it when there is no GPU) and a Triton whose interpreter computes these kernels correctly:
+Triton 3.0's (PyTorch 2.4's pin) does not with NumPy 2 (wrong values, skipped stores), so the
+interpreter tests run from Triton 3.6 on, the version CI pins and the GPU machine has.
+"""
+
+import importlib.metadata
+import importlib.util
+import os
+
+__all__ = ["INTERPRETER_MIN_VERSION", "interpreter_skip_reason", "triton_version"]
+
+INTERPRETER_MIN_VERSION = (3, 6)
+
+
+def triton_version():
+    """Triton's (major, minor), or None when it is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        parts = importlib.metadata.version("triton").split(".")[:2]
+        return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
+    except importlib.metadata.PackageNotFoundError:  # e.g. pytorch-triton: assume recent
+        return (99, 0)
+
+
+def interpreter_skip_reason(require_env: bool = True):
+    """None when the CPU interpreter tests can run here, else why not."""
+    version = triton_version()
+    if version is None:
+        return "requires triton"
+    if version < INTERPRETER_MIN_VERSION:
+        return (f"Triton {version[0]}.{version[1]}'s interpreter miscomputes these kernels; "
+                f"the interpreter tests need Triton >= 3.6 (CI pins 3.6)")
+    if require_env and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true",
+                                                                                "on", "yes"):
+        return "requires TRITON_INTERPRET=1 (set by the test conftests when there is no GPU)"
+    return None
