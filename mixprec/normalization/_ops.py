@@ -151,6 +151,16 @@ def _flat(p: Optional[Tensor]) -> Optional[Tensor]:
     return p.reshape(-1).contiguous()
 
 
+def _forward(x, weight, bias, n, eps, is_rms, out_dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Eager forward into an output allocated in ``x``'s shape: ``(y, x2d, mean, rstd)``."""
+    x2d = _rows(x, n)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    _, mean, rstd = norm_fwd_impl(
+        x2d, _flat(weight), _flat(bias), eps, is_rms, out_dtype, out=y.view(-1, n)
+    )
+    return y, x2d, mean, rstd
+
+
 class _FusedNormFunction(torch.autograd.Function):
     """Eager-mode autograd wrapper around :func:`norm_fwd_impl` / :func:`norm_bwd_impl`.
 
@@ -164,11 +174,7 @@ class _FusedNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, spec):
         # The non-tensor arguments travel as one tuple: apply() inspects each argument.
         n, eps, is_rms, memory_efficient, out_dtype = spec
-        x2d = _rows(x, n)
-        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        _, mean, rstd = norm_fwd_impl(
-            x2d, _flat(weight), _flat(bias), eps, is_rms, out_dtype, out=y.view(-1, n)
-        )
+        y, x2d, mean, rstd = _forward(x, weight, bias, n, eps, is_rms, out_dtype)
         # memory_efficient keeps y (which the next layer keeps anyway) instead of x. A copy made
         # by _rows is kept rather than remade in backward.
         saved = y if memory_efficient else (x if x2d is x or x2d._is_view() else x2d)
@@ -324,7 +330,4 @@ def fused_norm(
         return _FusedNormFunction.apply(
             x, weight, bias, (n, eps, is_rms, memory_efficient, out_dtype)
         )
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    norm_fwd_impl(_rows(x, n), _flat(weight), _flat(bias), eps, is_rms, out_dtype,
-                  out=y.view(-1, n))
-    return y
+    return _forward(x, weight, bias, n, eps, is_rms, out_dtype)[0]

@@ -16,7 +16,13 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from mixprec.normalization._launch import interpreter_enabled, triton_available
+from mixprec.normalization._launch import (
+    _cdiv,
+    _sm_resources,
+    interpreter_enabled,
+    triton_available,
+    triton_next_power_of_2,
+)
 
 __all__ = ["backward_reduce", "stats_row", "usable"]
 
@@ -52,27 +58,14 @@ def usable(x2d: Tensor) -> bool:
     return _cpu_testing and triton_available() and interpreter_enabled()
 
 
-def _next_power_of_2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 @functools.lru_cache(maxsize=512)
 def _plan(m: int, c: int, device_type: str, device_index: Optional[int]) -> Tuple[int, ...]:
     """``(BLOCK_M, BLOCK_C, splits, rows_per_split)`` for an ``(m, c)`` reduction."""
-    block_c = max(16, min(128, _next_power_of_2(c)))
+    block_c = max(16, min(128, triton_next_power_of_2(c)))
     block_m = max(16, _TILE // block_c)
     c_blocks = _cdiv(c, block_c)
     if device_type == "cuda":
-        target = _PROGRAMS_PER_SM * _sm_count(device_index)
+        target = _PROGRAMS_PER_SM * _sm_resources(device_index)[0]
     else:
         target = 4  # the interpreter: a few splits, so the tests cover the merge
     splits = max(1, min(_cdiv(m, block_m), _cdiv(target, c_blocks)))
