@@ -278,16 +278,20 @@ def _run_resnet(device, args):
     def loss_fn(out, t):
         return F.cross_entropy(out.float(), t)
 
+    def model_and_optimizer(convert, **amp_kwargs):
+        # The same weights in every variant; amp O2 when amp is available.
+        torch.manual_seed(0)
+        model = convert(_resnet_model(args.smoke)).to(device)
+        model = model.to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if _amp is not None:
+            model, opt = _amp.initialize(model, opt, opt_level="O2", verbosity=0, **amp_kwargs)
+        return model, opt
+
     def variant(convert):
         def build():
-            torch.manual_seed(0)
-            model = convert(_resnet_model(args.smoke)).to(device)
-            model = model.to(memory_format=torch.channels_last)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            if _amp is not None:
-                dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-                model, opt = _amp.initialize(model, opt, opt_level="O2", dtype=dtype,
-                                             verbosity=0)
+            dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+            model, opt = model_and_optimizer(convert, dtype=dtype)
             model = DistributedDataParallel(model)
             return _train_step(model, opt, x, y, loss_fn)
         return build
@@ -297,12 +301,7 @@ def _run_resnet(device, args):
         # eager DDP iterations there before capture, gradients set to None before capture
         # (the backward inside the graph then allocates and overwrites them every replay).
         def build():
-            torch.manual_seed(0)
-            model = convert(_resnet_model(args.smoke)).to(device)
-            model = model.to(memory_format=torch.channels_last)
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-            model, opt = _amp.initialize(model, opt, opt_level="O2", loss_scale=128.0,
-                                         verbosity=0)
+            model, opt = model_and_optimizer(convert, loss_scale=128.0)
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):

@@ -1,6 +1,6 @@
 """Whether this environment can run mixprec's Triton kernels in Triton's CPU interpreter.
 
-The interpreter tests need Triton installed, ``TRITON_INTERPRET=1`` (the package conftests set
+The interpreter tests need Triton installed, ``TRITON_INTERPRET=1`` (tests/conftest.py sets
 it when there is no GPU) and a Triton whose interpreter computes these kernels correctly:
 Triton 3.0's (PyTorch 2.4's pin) does not with NumPy 2 (wrong values, skipped stores), so the
 interpreter tests run from Triton 3.6 on, the version CI pins and the GPU machine has.
@@ -8,7 +8,8 @@ interpreter tests run from Triton 3.6 on, the version CI pins and the GPU machin
 
 import importlib.metadata
 import importlib.util
-import os
+
+from mixprec.normalization._launch import interpreter_enabled
 
 __all__ = ["INTERPRETER_MIN_VERSION", "interpreter_skip_reason", "triton_version"]
 
@@ -34,7 +35,6 @@ def interpreter_skip_reason(require_env: bool = True):
     if version < INTERPRETER_MIN_VERSION:
         return (f"Triton {version[0]}.{version[1]}'s interpreter miscomputes these kernels; "
                 f"the interpreter tests need Triton >= 3.6 (CI pins 3.6)")
-    if require_env and os.environ.get("TRITON_INTERPRET", "0").lower() not in ("1", "true",
-                                                                                "on", "yes"):
-        return "requires TRITON_INTERPRET=1 (set by the test conftests when there is no GPU)"
+    if require_env and not interpreter_enabled():
+        return "requires TRITON_INTERPRET=1 (set by tests/conftest.py when there is no GPU)"
     return None

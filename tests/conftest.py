@@ -1,7 +1,19 @@
-"""Shared test fixtures: the devices to run on, and quiet logging."""
+"""Shared test fixtures: the devices to run on, and quiet logging.
+
+Without a GPU the Triton kernels (normalization, SyncBatchNorm's reductions) run on CPU tensors
+in Triton's interpreter. TRITON_INTERPRET is read when a ``@triton.jit`` function is created,
+i.e. when a kernels module is first imported (lazily, at first use), so setting it here, before
+any test runs, is early enough; the worker processes of the distributed tests inherit it. With
+CUDA present the kernels compile for the GPU instead and the interpreter tests skip.
+"""
+
+import os
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

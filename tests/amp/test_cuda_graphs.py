@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from mixprec import amp
+from tests._graphs import warm_up_and_capture
 
 from .helpers import batch, make_cnn
 
@@ -51,17 +52,9 @@ def _compare_captured_with_eager(opt_level, dtype, loss_scale):
     graph_model, graph_opt = _setup(opt_level, dtype, loss_scale)
     warmup, replays = 3, 4
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup):
-            graph_opt.zero_grad(set_to_none=True)
-            _step(graph_model, graph_opt, x, y)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    graph_opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        static_loss = _step(graph_model, graph_opt, x, y)
+    graph, static_loss = warm_up_and_capture(
+        lambda: _step(graph_model, graph_opt, x, y), graph_opt, warmup
+    )
     losses = []
     for _ in range(replays):
         graph.replay()
@@ -81,13 +74,5 @@ def _compare_captured_with_eager(opt_level, dtype, loss_scale):
 def test_dynamic_loss_scale_under_capture_is_a_clear_error():
     model, opt = _setup("O2", torch.float16, "dynamic")
     x, y = batch("cuda", n=16, size=16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        opt.zero_grad(set_to_none=True)
-        _step(model, opt, x, y)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="loss_scale=128.0"):
-        with torch.cuda.graph(graph):
-            _step(model, opt, x, y)
+        warm_up_and_capture(lambda: _step(model, opt, x, y), opt, warmup=1)

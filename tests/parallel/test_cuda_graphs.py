@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests._graphs import warm_up_and_capture
 from tests.parallel._harness import cuda_count, labelled, run_checks
 
 
@@ -67,17 +68,7 @@ def check_captured_syncbn_ddp_step_matches_eager(ctx):
             _step(eager_ddp, eager_opt, x, y)
 
         model, ddp, opt = _setup(ctx)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(warmup):
-                opt.zero_grad(set_to_none=True)
-                _step(ddp, opt, x, y)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        opt.zero_grad(set_to_none=True)
-        with torch.cuda.graph(graph):
-            _step(ddp, opt, x, y)
+        graph, _ = warm_up_and_capture(lambda: _step(ddp, opt, x, y), opt, warmup)
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
