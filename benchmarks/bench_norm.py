@@ -112,8 +112,8 @@ def sweep_case(m, n, dtype, rep_ms):
 
     Forward: num_warps at half, equal and twice the heuristic's. Backward: warps at half, equal
     and twice the heuristic's, each with the plain loop, register prefetch, and Triton's loop
-    pipeliner (2 and 3 stages), with the occupancy-derived program count; and the heuristic
-    config at 1-8 programs per SM. Times
+    pipeliner (2 and 3 stages), with the occupancy-derived program count; the heuristic
+    config at 1-8 programs per SM; and tilings of the weight/bias gradient finish. Times
     the launchers directly (no autograd), so the rows compare configs with each other.
     Configs that fail to compile or run are recorded with their error. Timed as CUDA-graph
     replays, like the targets: eager launcher timings of the small shapes time the host.
@@ -150,9 +150,10 @@ def sweep_case(m, n, dtype, rep_ms):
               num_warps=warps, variant="-", programs_per_sm="-",
               default=warps == fwd_default.num_warps)
 
-    def bwd(cfg, programs=None):
+    def bwd(cfg, programs=None, finalize=None):
         return lambda: _launch.backward(dy, x, w, b, mean, rstd, False, False, dtype, True,
-                                        True, config=cfg, num_programs=programs)
+                                        True, config=cfg, num_programs=programs,
+                                        finalize=finalize)
 
     for warps in around(bwd_default.num_warps):
         for variant in ("plain", "prefetch", "pipeline2", "pipeline3"):
@@ -177,6 +178,11 @@ def sweep_case(m, n, dtype, rep_ms):
             timed("bwd", 3 * m * n * es, bwd(bwd_default, sms * per_sm),
                   num_warps=bwd_default.num_warps, variant=variant, programs_per_sm=per_sm,
                   default=False)
+    # The weight/bias gradient finish (BLOCK_P, BLOCK_C, num_warps), heuristic config otherwise.
+    for fin in ((128, 16, 4), (256, 16, 4), (512, 16, 8), (256, 8, 4), (128, 32, 4), (64, 16, 2)):
+        timed("bwd", 3 * m * n * es, bwd(bwd_default, finalize=fin),
+              num_warps=bwd_default.num_warps, variant=f"finish {fin[0]}x{fin[1]}, {fin[2]} warps",
+              programs_per_sm="auto", default=False)
     return rows
 
 

@@ -285,3 +285,38 @@ def norm_bwd_kernel(
         tl.store(DW_partial + pid * N + cols, tl.sum(dw_acc, axis=0), mask=col_ok)
     if COMPUTE_DB:
         tl.store(DB_partial + pid * N + cols, tl.sum(db_acc, axis=0), mask=col_ok)
+
+
+# The backward's weight/bias gradients, finished: column sums of the [num_programs, N] fp32
+# partials, cast once to the parameters' dtypes. One launch for dw and db (grid axis 1 picks the
+# partial set) instead of a PyTorch column reduction and two casts; rows are summed in a fixed
+# order, so the result is reproducible.
+@triton.jit(do_not_specialize=["P"])
+def norm_bwd_finalize_kernel(
+    Partials,  # [n_partials, P, N] fp32, contiguous
+    Out0,  # [N] sums of partial set 0 (dw, or db when only db is computed), parameter dtype
+    Out1,  # [N] sums of partial set 1 (db); read only when grid axis 1 has two programs
+    P,
+    N,
+    BLOCK_P: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    which = tl.program_id(1)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < N
+    base = Partials + which.to(tl.int64) * P * N
+    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)
+    # (while, not range(): the CPU interpreter cannot take a runtime range() bound.)
+    p0 = 0
+    while p0 < P:
+        rows = p0 + tl.arange(0, BLOCK_P)
+        mask = (rows < P)[:, None] & col_ok[None, :]
+        acc += tl.load(base + rows.to(tl.int64)[:, None] * N + cols[None, :], mask=mask,
+                       other=0.0)
+        p0 += BLOCK_P
+    total = tl.sum(acc, axis=0)
+    if which == 0:
+        tl.store(Out0 + cols, total.to(Out0.dtype.element_ty), mask=col_ok)
+    else:
+        tl.store(Out1 + cols, total.to(Out1.dtype.element_ty), mask=col_ok)

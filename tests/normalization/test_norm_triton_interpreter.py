@@ -115,10 +115,13 @@ def test_kernels_mixed_dtypes(kind, memory_efficient):
     "block_m,num_warps,num_programs,prefetch",
     [(1, 4, 5, True), (4, 4, 2, False), (4, 8, 3, True), (64, 4, 1, False)],
 )
+@pytest.mark.parametrize("finalize", [None, (2, 16, 1)], ids=["finalize_default", "finalize_2x16"])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_launchers_with_explicit_configs(kind, block_m, num_warps, num_programs, prefetch):
-    # Any tile height and program count must give the same numbers: the heuristics only pick
-    # among correct configurations.
+def test_launchers_with_explicit_configs(kind, block_m, num_warps, num_programs, prefetch,
+                                         finalize):
+    # Any tile height, program count and finish tiling must give the same numbers: the
+    # heuristics only pick among correct configurations. (2, 16, 1) walks the partial rows two
+    # at a time, past their end, over three column tiles, the last one partly masked.
     is_rms = kind == "rms"
     m, n = 21, 45
     x = make_input((m, n), torch.float32, "cpu")
@@ -139,13 +142,33 @@ def test_launchers_with_explicit_configs(kind, block_m, num_warps, num_programs,
         xy = y if from_y else x
         got = _launch.backward(
             dy, xy, w, b, mean, rstd, is_rms, from_y, torch.float32, True, True,
-            config=cfg, num_programs=num_programs,
+            config=cfg, num_programs=num_programs, finalize=finalize,
         )
         want = reference.norm_backward(
             dy, xy, w, b, mean_ref, rstd_ref, is_rms, from_y, torch.float32, True, True
         )
         for g, r in zip(got, want):
             torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("need_dw,need_db", [(False, True), (True, False)])
+def test_backward_with_one_parameter_gradient(need_dw, need_db):
+    # The finish writes only the requested gradient (set 0 is db when dw is not wanted).
+    m, n = 21, 45
+    x = make_input((m, n), torch.bfloat16, "cpu")
+    dy = make_input((m, n), torch.bfloat16, "cpu", seed=5)
+    w, b = (t.detach() for t in make_params((n,), torch.float32, "cpu", True))
+    y, mean, rstd = _launch.forward(x, w, b, 1e-5, False, torch.bfloat16)
+    dx, dw, db = _launch.backward(dy, x, w, b, mean, rstd, False, False, torch.bfloat16,
+                                  need_dw, need_db, num_programs=3)
+    ref = reference.norm_backward(dy, x, w, b, mean, rstd, False, False, torch.bfloat16,
+                                  True, True)
+    torch.testing.assert_close(dx, ref[0], **tolerance(torch.bfloat16))
+    assert (dw.numel() > 0) == need_dw and (db.numel() > 0) == need_db
+    for got, want, wanted in ((dw, ref[1], need_dw), (db, ref[2], need_db)):
+        if wanted:
+            assert got.dtype == torch.float32 and got.shape == (n,)
+            torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
 def test_forcing_triton_without_the_interpreter_is_an_error(monkeypatch):
