@@ -9,6 +9,9 @@ Where amp intercepts the optimizer: two step hooks (``Optimizer.register_step_pr
 gradients a no-op by setting the gradients to ``None`` (every ``torch.optim`` optimizer skips
 such parameters, so neither the parameters nor the moment estimates move); the post-hook copies
 the fp32 master weights into the half model (O2). :meth:`_OptimizerState.remove_hooks` undoes it.
+Fused optimizers (which take ``found_inf`` in their kernel, as ``GradScaler`` uses them) skip an
+overflowed step on the device instead, and the dynamic loss scale then lives on the device too
+(``AmpState.scale_device``): no host sync per step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from mixprec.amp import _multi_tensor
 from mixprec.amp._logging import OverflowLog, log_rank0
 from mixprec.amp._model import register_masters
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
@@ -56,6 +60,35 @@ def _params_of(optimizer) -> List[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+# Tests set this to run the fused cast on CPU tensors through Triton's interpreter.
+_FUSED_CAST_ON_CPU = False
+
+
+def _fused_cast_ok(half_grads: List[torch.Tensor]) -> bool:
+    """Whether the fused cast + unscale + check may take these half gradients.
+
+    The kernel walks each tensor as its ``numel()`` elements from ``data_ptr()``, and the fp32
+    gradients are ``empty_like`` copies with the same strides, so any dense layout works
+    (contiguous or channels-last, which is what autograd's gradient layout contract gives);
+    anything else, several devices, or no Triton takes the PyTorch passes.
+    """
+    device = half_grads[0].device
+    if device.type == "cuda":
+        if _multi_tensor.interpreter_enabled():
+            return False
+    elif not (_FUSED_CAST_ON_CPU and device.type == "cpu"):
+        return False
+    if not _multi_tensor.triton_available():
+        return False
+    for g in half_grads:
+        if g.device != device or g.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        if not (g.is_contiguous() or (g.dim() == 4 and g.is_contiguous(
+                memory_format=torch.channels_last))):
+            return False
+    return True
+
+
 class _OptimizerState:
     """Per-optimizer amp bookkeeping.
 
@@ -81,7 +114,9 @@ class _OptimizerState:
         self.pending_found: Optional[torch.Tensor] = None
         self._last_step_flag: Optional[torch.Tensor] = None
         self._flag_handed_over = False
-        self._skips_on_device: Optional[bool] = None  # cached; reset when params are adopted
+        # Cached skips_on_device(): the device, False, or None (not known yet; reset when
+        # parameters are adopted).
+        self._skips_on_device = None
         self._stash: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._handles = []
 
@@ -129,23 +164,24 @@ class _OptimizerState:
             for model in self.amp_state.models:
                 register_masters(model, masters)
 
-    def skips_on_device(self) -> bool:
-        """Whether an overflow can skip the step without a host sync: the optimizer takes
-        ``found_inf`` in its fused kernel (as with ``GradScaler``) and all its parameters live
-        on one CUDA device."""
+    def skips_on_device(self) -> Optional[torch.device]:
+        """The device on which an overflow can skip the step without a host sync, or None.
+
+        That needs an optimizer whose fused kernel takes ``found_inf`` (as with ``GradScaler``:
+        ``fused=True`` Adam, AdamW, SGD, ...) and all its parameters on one device.
+        """
         if self._skips_on_device is None:
             target = hookable_optimizer(self.optimizer_ref())
             devices = {m.device for _, m in self.pairs} | {p.device for p in self.plain}
-            self._skips_on_device = (
-                bool(getattr(target, "_step_supports_amp_scaling", False))
-                and len(devices) == 1 and next(iter(devices)).type == "cuda"
-            )
-        return self._skips_on_device
+            fused = bool(getattr(target, "_step_supports_amp_scaling", False))
+            self._skips_on_device = (next(iter(devices)) if fused and len(devices) == 1
+                                     else False)
+        return self._skips_on_device or None
 
     def step_was_skipped(self) -> bool:
         if self._last_step_flag is not None:
+            # Read every time, not cached: a CUDA-graph replay rewrites the captured flag.
             self.last_step_skipped = bool(self._last_step_flag.item())
-            self._last_step_flag = None
         return self.last_step_skipped
 
     def install_hooks(self, hook_target: torch.optim.Optimizer) -> None:
@@ -160,7 +196,7 @@ class _OptimizerState:
     # -- scale_loss ----------------------------------------------------------------------------
     def before_backward(self, scaler: LossScaler) -> None:
         self.sync_param_groups()
-        if self.grads_scaled or (scaler.loss_scale == 1.0 and not scaler.dynamic):
+        if self.grads_scaled or (not scaler.dynamic and scaler.loss_scale == 1.0):
             return
         # Grads already hold unscaled values from an earlier backward (accumulation without
         # delay_unscale): set them aside so the new scaled grads can be unscaled alone, then
@@ -181,11 +217,21 @@ class _OptimizerState:
                 targets.append(master)
                 p.grad = None
         fresh = [torch.empty_like(g, dtype=torch.float32) for g in half_grads]
-        if fresh:
-            torch._foreach_copy_(fresh, half_grads)  # one multi-tensor cast where supported
-        del half_grads
         plain_grads = [p.grad for p in self.plain if p.grad is not None]
-        flags = unscale_grads_(fresh + plain_grads, scaler, check) or []
+        found = {}
+        if fresh and (check or scaler.loss_scale != 1.0) and _fused_cast_ok(half_grads):
+            # One Triton pass casts, unscales and checks (6 bytes per element instead of 14).
+            device = half_grads[0].device
+            found[device] = torch.zeros((), dtype=torch.float32, device=device)
+            _multi_tensor.cast_unscale_check_(half_grads, fresh, scaler.inv_scale(device),
+                                              found[device], check=False)
+            flags = unscale_grads_(plain_grads, scaler, check, found=found)
+        else:
+            if fresh:
+                torch._foreach_copy_(fresh, half_grads)  # one multi-tensor cast where supported
+            flags = unscale_grads_(fresh + plain_grads, scaler, check)
+        flags = flags or []
+        del half_grads
         accumulate_into, accumulate = [], []
         for master, g in zip(targets, fresh):
             if master.grad is None:
@@ -299,7 +345,8 @@ class AmpState:
             for _ in range(num_losses)
         ]
         self.overflow_log = OverflowLog(verbosity)
-        # Overflow flags copied to the host without waiting: (loss_id, host flag, event).
+        # Overflow flags and new scales of device-scaled steps, copied to the host without
+        # waiting, for the overflow log: (loss_id, host [flag, scale], event or None).
         self._pending: List[Tuple[int, torch.Tensor, Optional[torch.cuda.Event]]] = []
 
     @property
@@ -323,28 +370,46 @@ class AmpState:
             )
         return self.scalers[loss_id]
 
+    def scale_device(self, states, loss_id: int) -> Optional[torch.device]:
+        """Where loss ``loss_id``'s dynamic scale should live for a backward that steps
+        ``states``: their common device when every optimizer skips overflowed steps on it
+        (see ``_OptimizerState.skips_on_device``), else None (the host, with one sync per step)."""
+        if not self.scalers[loss_id].dynamic:
+            return None
+        devices = {s.skips_on_device() for s in states}
+        return devices.pop() if len(devices) == 1 and None not in devices else None
+
     def record_overflow(self, states, loss_id: int, flags) -> None:
         """Act on one backward's overflow flags.
 
-        Where every optimizer can skip on the device (see ``skips_on_device``), nothing waits:
-        the flag goes to the optimizers' fused kernels, and its copy to the host is read at the
-        next ``scale_loss`` (by when the GPU has long produced it) to update the scale. Else
-        the flag is read now, the step's one host-device sync, and the gradients are dropped.
+        With the scale on the device (``scale_device``) nothing waits: the flag goes to the
+        optimizers' fused kernels, which skip the step themselves, and a kernel updates the
+        scale; a copy of the flag and the new scale travels to the host, to be logged by a later
+        ``resolve_pending`` once it has arrived. Else the flag is read now, the step's one
+        host-device sync, and the gradients of a skipped step are dropped.
         """
         scaler = self.scalers[loss_id]
         if not scaler.dynamic:
             return
-        if len(flags) == 1 and flags[0].is_cuda and all(s.skips_on_device() for s in states):
-            flag = flags[0]
-            for state in states:
-                state.pending_found = (flag if state.pending_found is None
-                                       else state.pending_found + flag)
-            host = flag.to("cpu", non_blocking=True)
+        device = scaler.on_device
+        if device is None:
+            self._apply(loss_id, any_flag_set(flags), states)
+            return
+        flag = flags[0] if flags else torch.zeros((), dtype=torch.float32, device=device)
+        for state in states:
+            state.pending_found = (flag if state.pending_found is None
+                                   else state.pending_found + flag)
+        scaler.update_on_device(flag)
+        if device.type == "cuda":
+            if torch.cuda.is_current_stream_capturing():
+                return  # replays run no host code: nothing to log
+            host = torch.stack((flag, scaler.device_state(device).scale)).to(
+                "cpu", non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending.append((loss_id, host, event))
-            return
-        self._apply(loss_id, any_flag_set(flags), states)
+        else:
+            host, event = torch.stack((flag, scaler.device_state(device).scale)), None
+        self._pending.append((loss_id, host, event))
 
     def _apply(self, loss_id: int, found: bool, states) -> None:
         scaler = self.scalers[loss_id]
@@ -353,21 +418,29 @@ class AmpState:
                 state.discard_grads()
             self.overflow_log.overflow(loss_id, scaler.loss_scale)
 
-    def resolve_pending(self) -> None:
-        """Apply the overflow flags still in flight to the scales (cheap: they are ready)."""
-        pending, self._pending = self._pending, []
-        for loss_id, host, event in pending:
+    def resolve_pending(self, block: bool = False) -> None:
+        """Log the overflows of device-scaled steps whose flags have reached the host.
+
+        Without ``block`` this never waits: flags still in flight stay pending. Inside a CUDA
+        graph capture it does nothing (events cannot be queried there).
+        """
+        if (not block and self._pending and self._pending[0][2] is not None
+                and torch.cuda.is_current_stream_capturing()):
+            return
+        while self._pending:
+            loss_id, host, event = self._pending[0]
+            if event is not None and not block and not event.query():
+                return
             if event is not None:
                 event.synchronize()
-            found = bool(host.item())
-            scaler = self.scalers[loss_id]
-            scaler.update(found)
+            self._pending.pop(0)
+            found, scale = host.tolist()
             if found:
-                self.overflow_log.overflow(loss_id, scaler.loss_scale)
+                self.overflow_log.overflow(loss_id, scale)
 
     def state_dict(self) -> Dict[str, dict]:
         """Apex's format: ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}``."""
-        self.resolve_pending()
+        self.resolve_pending(block=True)
         return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
 
     def load_state_dict(self, state_dict: Dict[str, dict]) -> None:
@@ -379,7 +452,7 @@ class AmpState:
                 f"{len(self.scalers)}), got {got}. Pass the dict saved by amp.state_dict() from "
                 "a run initialized with the same num_losses."
             )
-        self.resolve_pending()
+        self.resolve_pending(block=True)
         for i, scaler in enumerate(self.scalers):
             scaler.load_state_dict(state_dict[f"loss_scaler{i}"])
         log_rank0(logging.DEBUG, "amp: loaded loss scalers %s", self.state_dict())

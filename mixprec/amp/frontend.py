@@ -257,9 +257,13 @@ def scale_loss(
 
     On exit the gradients of the optimizers' parameters (the fp32 masters at O2) hold the
     unscaled gradient, accumulated onto what they held before, and are checked for inf/NaN in
-    the same fused pass. With dynamic scaling an overflow halves the scale, frees the gradients
-    and makes the next ``optimizer.step()`` a no-op. That check is the step's one host-device
-    synchronization; static scaling (bf16's default) has none.
+    the same fused pass. With dynamic scaling an overflow halves the scale and makes the next
+    ``optimizer.step()`` a no-op. Where every optimizer is fused (takes ``found_inf`` in its
+    kernel, as ``GradScaler`` uses it) and holds its parameters on one device, the scale lives on
+    that device and kernels update it: no host-device sync at all, and the step can be captured
+    in a CUDA graph (after at least one eager step). Otherwise the flag is read on the host, the
+    step's one sync, and an overflow frees the gradients. Static scaling (bf16's default) never
+    syncs.
 
     Args:
         loss (Tensor): a floating scalar.
@@ -303,18 +307,27 @@ def scale_loss(
         yield loss
         return
     scaler = amp_state.scaler(loss_id)
-    if scaler.dynamic and loss.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "amp.scale_loss inside CUDA graph capture with dynamic loss scaling: the scale "
-            "is updated from an overflow flag read on the host, which a captured graph cannot "
-            "do. Pass a fixed scale to amp.initialize (e.g. loss_scale=128.0 for fp16; bf16 "
-            "already defaults to a static 1.0) to capture the training step."
-        )
+    device = amp_state.scale_device(states, loss_id)
+    if device is None:
+        if scaler.dynamic and loss.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "amp.scale_loss inside CUDA graph capture with dynamic loss scaling, but an "
+                "optimizer cannot skip an overflowed step on the GPU, so the overflow flag "
+                "would have to be read on the host, which a captured graph cannot do. Use a "
+                "fused optimizer with all its parameters on one GPU (e.g. torch.optim.AdamW(..., "
+                "fused=True)), or pass a fixed scale to amp.initialize (e.g. loss_scale=128.0 "
+                "for fp16; bf16 already defaults to a static 1.0)."
+            )
+        scaler.release_device()
     amp_state.resolve_pending()
     for s in states:
         s.before_backward(scaler)
-    scale = scaler.loss_scale
-    yield loss.float() if scale == 1.0 else loss.float() * scale
+    if device is not None:
+        # The dynamic scale stays on the device: no host sync, capturable.
+        yield loss.float() * scaler.device_state(device).scale
+    else:
+        scale = scaler.loss_scale
+        yield loss.float() if scale == 1.0 else loss.float() * scale
 
     if delay_unscale:
         for s in states:

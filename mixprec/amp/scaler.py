@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -65,13 +65,67 @@ class LossScaler:
         self._unskipped = 0
         # Cached device tensors of 1/scale, refreshed only when the scale moves.
         self._inv_scale_cache: Dict[torch.device, Tuple[float, torch.Tensor]] = {}
+        # The dynamic scale kept on the gradients' device (see ``on_device``), or None.
+        self._dev: Optional[_DeviceScale] = None
 
     @property
     def loss_scale(self) -> float:
-        """The current scale (a Python float: reading it costs no device sync)."""
+        """The current scale. A Python float; reading it costs a device sync only while the
+        scale lives on the device (``on_device``)."""
+        self._pull()
         return self._scale
 
+    @property
+    def on_device(self) -> Optional[torch.device]:
+        """The device holding the dynamic scale, or None while the host holds it."""
+        return None if self._dev is None else self._dev.scale.device
+
+    def device_state(self, device: torch.device) -> _DeviceScale:
+        """Keep the dynamic scale on ``device`` from now on, and return its tensors.
+
+        On the device the scale is updated by a kernel (``update_on_device``), never read by
+        the host, so a step needs no host-device sync and can be captured in a CUDA graph. The
+        tensors are created once and then only updated in place: a captured graph keeps
+        pointing at them.
+        """
+        if self._dev is not None and self._dev.scale.device == device:
+            return self._dev
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "amp.scale_loss: the first step with dynamic loss scaling on this device is "
+                "being captured in a CUDA graph. Run at least one step eagerly before capture "
+                "(the usual warm-up), so that the loss scale's device tensors exist."
+            )
+        self.release_device()
+        self._dev = _DeviceScale(
+            scale=torch.full((), self._scale, dtype=torch.float32, device=device),
+            inv=torch.full((), 1.0 / self._scale, dtype=torch.float32, device=device),
+            tracker=torch.full((), self._unskipped, dtype=torch.int32, device=device),
+        )
+        return self._dev
+
+    def release_device(self) -> None:
+        """Bring the dynamic scale back to the host (one device sync, if it was there)."""
+        self._pull()
+        self._dev = None
+
+    def _pull(self) -> None:
+        if self._dev is not None:
+            self._scale = float(self._dev.scale.item())
+            self._unskipped = int(self._dev.tracker.item())
+
+    def update_on_device(self, found_inf: torch.Tensor) -> None:
+        """``update`` done by kernels on the scale's device: ``found_inf`` (a 0-dim fp32 tensor,
+        non-zero for an overflow) is never read by the host. Same policy as ``update``."""
+        dev = self._dev
+        torch._amp_update_scale_(dev.scale, dev.tracker, found_inf, self._factor,
+                                 1.0 / self._factor, self._window)
+        dev.scale.clamp_(self._min, self._max)
+        torch.reciprocal(dev.scale, out=dev.inv)
+
     def inv_scale(self, device: torch.device) -> torch.Tensor:
+        if self._dev is not None and self._dev.inv.device == device:
+            return self._dev.inv
         cached = self._inv_scale_cache.get(device)
         if cached is None or cached[0] != self._scale:
             # Reciprocal in fp64 before rounding to fp32: 1/scale is exact for powers of two
@@ -82,7 +136,7 @@ class LossScaler:
         return cached[1]
 
     def update(self, found_inf: bool) -> bool:
-        """Apply one step's outcome to the scale.
+        """Apply one step's outcome to the scale (host-held scale; see ``update_on_device``).
 
         Args:
             found_inf (bool): whether the step's gradients held an inf or NaN.
@@ -92,6 +146,7 @@ class LossScaler:
         """
         if not self.dynamic:
             return False
+        self.release_device()
         if found_inf:
             self._scale = max(self._min, self._scale / self._factor)
             self._unskipped = 0
@@ -104,6 +159,7 @@ class LossScaler:
 
     def state_dict(self) -> dict:
         """Apex's format: ``{"loss_scale": float, "unskipped": int}``."""
+        self._pull()
         return {"loss_scale": self._scale, "unskipped": self._unskipped}
 
     def load_state_dict(self, state: dict) -> None:
@@ -118,10 +174,21 @@ class LossScaler:
             raise ValueError(f"LossScaler.load_state_dict: loss_scale={scale} must be > 0.")
         self._scale = scale
         self._unskipped = unskipped
+        if self._dev is not None:  # in place: a captured graph may hold these tensors
+            self._dev.scale.fill_(scale)
+            self._dev.inv.fill_(1.0 / scale)
+            self._dev.tracker.fill_(unskipped)
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"
-        return f"LossScaler({kind}, loss_scale={self._scale}, unskipped={self._unskipped})"
+        where = "" if self._dev is None else f", on {self._dev.scale.device}"
+        return f"LossScaler({kind}{where}, loss_scale={self._scale}, unskipped={self._unskipped})"
+
+
+class _DeviceScale(NamedTuple):
+    scale: torch.Tensor  # 0-dim fp32
+    inv: torch.Tensor  # 0-dim fp32, 1 / scale
+    tracker: torch.Tensor  # 0-dim int32, clean steps since the last change (Apex's "unskipped")
 
 
 def _group_by_device_and_dtype(tensors: Sequence[torch.Tensor]):
@@ -132,7 +199,8 @@ def _group_by_device_and_dtype(tensors: Sequence[torch.Tensor]):
 
 
 def unscale_grads_(
-    grads: Sequence[torch.Tensor], scaler: LossScaler, check: bool
+    grads: Sequence[torch.Tensor], scaler: LossScaler, check: bool,
+    found: Optional[Dict[torch.device, torch.Tensor]] = None,
 ) -> Optional[List[torch.Tensor]]:
     """Multiply ``grads`` in place by ``1/scale`` and flag any inf/NaN.
 
@@ -143,27 +211,34 @@ def unscale_grads_(
         grads: gradient tensors, modified in place.
         scaler: gives the scale.
         check: also look for inf/NaN (dynamic scaling).
+        found: flags already set by an earlier pass over other gradients of this backward, by
+            device; updated in place and returned with the rest.
 
     Returns:
         list of 0-dim fp32 tensors (one per device, 1.0 where an inf/NaN was seen) when
         ``check``; else None.
     """
-    flags = []
+    found_by_device: Dict[torch.device, torch.Tensor] = {} if found is None else found
     for (device, dtype), group in _group_by_device_and_dtype(grads).items():
         inv = scaler.inv_scale(device)
+        if check:
+            flag = found_by_device.get(device)
+            if flag is None:
+                flag = torch.zeros((), dtype=torch.float32, device=device)
+                found_by_device[device] = flag
         if check and (dtype != torch.bfloat16 or device.type == "cpu"):
-            found = torch.zeros((), dtype=torch.float32, device=device)
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found, inv)
-            flags.append(found)
+            # Sets `flag` to 1 where it sees an inf/NaN, never back to 0: one flag per device
+            # serves every dtype group.
+            torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)
         elif check:
             # PyTorch's fused CUDA kernel has no bf16 variant (bf16 gradients reach here only at
             # O3 with dynamic scaling): an inf-norm per tensor flags inf/NaN, then multiply.
             norms = torch._foreach_norm(group, float("inf"))
-            flags.append((~torch.stack(norms).isfinite()).any().float())
+            torch.maximum(flag, (~torch.stack(norms).isfinite()).any().float(), out=flag)
             torch._foreach_mul_(group, inv)
         elif scaler.loss_scale != 1.0:
             torch._foreach_mul_(group, inv)
-    return flags if check else None
+    return list(found_by_device.values()) if check else None
 
 
 def any_flag_set(flags: Sequence[torch.Tensor]) -> bool:

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from mixprec import amp
+from tests._triton import interpreter_skip_reason
 
 from .helpers import HALF_DTYPES, OPT_LEVELS, batch, make_cnn, train_step
 
@@ -239,28 +240,34 @@ def test_bf16_o2_default_has_no_scaling_and_no_sync(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_fused_optimizer_skips_overflow_on_device_without_sync(opt_level, monkeypatch):
-    model = make_cnn("cuda")
+def test_fused_optimizer_skips_overflow_on_device_without_sync(opt_level, device, monkeypatch):
+    # A fused optimizer takes the overflow flag on the device: neither scale_loss nor step()
+    # reads anything back on the host, and the kernels keep the dynamic scale there.
+    model = make_cnn(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic", verbosity=0)
-    x, y = batch("cuda")
+    x, y = batch(device)
     train_step(model, opt, x, y, amp)
     before = [p.detach().clone() for p in amp.master_params(opt)]
     steps = [s["step"].clone() for s in opt.state.values()]
     scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
 
-    cuda_reads = []
-    original_item = torch.Tensor.item
-    monkeypatch.setattr(torch.Tensor, "item",
-                        lambda self: cuda_reads.append(self.is_cuda) or original_item(self))
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=original: reads.append(self.device) or _o(self, *a))
     opt.zero_grad()
     loss = nn.functional.cross_entropy(model(x), y)
     with amp.scale_loss(loss, opt) as s:
         (s * float("inf")).backward()
     opt.step()
-    assert not any(cuda_reads)  # no device-to-host read in scale_loss or step
+    assert reads == []  # no read of a device value in scale_loss or step
     monkeypatch.undo()
 
     for p, b in zip(amp.master_params(opt), before):
@@ -272,3 +279,103 @@ def test_fused_optimizer_skips_overflow_on_device_without_sync(opt_level, monkey
     train_step(model, opt, x, y, amp)
     assert not amp.step_was_skipped(opt)
     assert any(not torch.equal(p, b) for p, b in zip(amp.master_params(opt), before))
+
+
+def _dynamic_run(opt_level, scale_on_device, monkeypatch, overflow_steps=(2, 3, 7), steps=12,
+                 fused_cast=False):
+    from mixprec.amp import _state
+    from mixprec.amp._state import AmpState, optimizer_state
+
+    if not scale_on_device:
+        monkeypatch.setattr(AmpState, "scale_device", lambda self, states, loss_id: None)
+    calls = []
+    if fused_cast:
+        monkeypatch.setattr(_state, "_FUSED_CAST_ON_CPU", True)
+        original = _state._multi_tensor.cast_unscale_check_
+        monkeypatch.setattr(_state._multi_tensor, "cast_unscale_check_",
+                            lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    model = make_cnn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic", verbosity=1)
+    scaler = optimizer_state(opt).amp_state.scalers[0]
+    scaler._window = 3  # Apex's window is 2000 steps: let the scale grow within the test
+    x, y = batch()
+    trace = []
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss, opt) as s:
+            (s * (float("inf") if i in overflow_steps else 1.0)).backward()
+        opt.step()
+        trace.append((amp.step_was_skipped(opt), amp.state_dict()["loss_scaler0"]))
+    where = scaler.on_device
+    monkeypatch.undo()
+    assert len(calls) == (steps if fused_cast else 0)
+    return trace, [p.detach().clone() for p in amp.master_params(opt)], where
+
+
+@pytest.mark.skipif(interpreter_skip_reason() is not None,
+                    reason=str(interpreter_skip_reason()))
+def test_fused_cast_unscale_gives_the_same_run(monkeypatch):
+    # O2's half -> fp32 gradient cast, unscale and inf/NaN check in one Triton pass (GPUs; here
+    # through the interpreter) against PyTorch's two passes: bitwise the same run.
+    fused = _dynamic_run("O2", True, monkeypatch, steps=5, fused_cast=True)
+    plain = _dynamic_run("O2", True, monkeypatch, steps=5)
+    assert fused[0] == plain[0] and fused[0][2][0] and fused[0][3][0]
+    for p, q in zip(fused[1], plain[1]):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_scale_on_the_device_follows_the_host_policy(opt_level, monkeypatch):
+    # The same run with the dynamic scale kept on the device (updated by kernels) and forced
+    # onto the host (read every step): same skipped steps, scales, counters and weights.
+    dev_trace, dev_params, dev_where = _dynamic_run(opt_level, True, monkeypatch)
+    host_trace, host_params, host_where = _dynamic_run(opt_level, False, monkeypatch)
+    assert dev_where == torch.device("cpu") and host_where is None
+    assert dev_trace == host_trace
+    skipped = [t[0] for t in dev_trace]
+    assert all(skipped[i] for i in (2, 3, 7))  # the injected overflows (O1 may add its own)
+    # Apex's policy, replayed on the host from the skipped steps: an overflow halves the scale
+    # and resets the count; the third clean step in a row doubles the scale.
+    scale, clean, want = 2.0**16, 0, []
+    for skip in skipped:
+        if skip:
+            scale, clean = scale / 2, 0
+        else:
+            clean += 1
+            if clean == 3:
+                scale, clean = scale * 2, 0
+        want.append({"loss_scale": scale, "unskipped": clean})
+    assert [t[1] for t in dev_trace] == want
+    for p, q in zip(dev_params, host_params):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_overflows_of_device_scaled_steps_are_logged(monkeypatch, caplog):
+    with caplog.at_level("INFO", logger="mixprec.amp"):
+        _dynamic_run("O2", True, monkeypatch, overflow_steps=(1,), steps=3)
+    messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
+    assert len(messages) == 1 and "reduced to 32768" in messages[0]
+
+
+def test_load_state_dict_updates_a_device_scale_in_place():
+    model = make_cnn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y, amp)
+    from mixprec.amp._state import optimizer_state
+
+    scaler = optimizer_state(opt).amp_state.scalers[0]
+    scale_tensor = scaler.device_state(torch.device("cpu")).scale
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 5}})
+    assert scaler.device_state(torch.device("cpu")).scale is scale_tensor  # same tensor
+    assert float(scale_tensor) == 1024.0
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as s:
+        assert float(s.detach()) == pytest.approx(1024.0 * float(loss.detach()))
+        s.backward()
+    opt.step()
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1024.0, "unskipped": 6}

@@ -1,0 +1,262 @@
+"""The fused cast + unscale + inf/NaN check of mixprec.amp._multi_tensor against PyTorch.
+
+Exact checks throughout (``rtol=0, atol=0``): the kernel casts to fp32 and does one fp32
+multiply, so it must match ``src.float() * inv_scale`` bit for bit; that in turn equals the
+fp64 product rounded to fp32 (the product of two fp32 values is exact in fp64), which the
+reference also checks. On CPU the kernel runs in Triton's interpreter (small tensors: the
+interpreter is slow); on CUDA it is compiled.
+"""
+
+import pytest
+import torch
+
+from mixprec.amp import _multi_tensor as mt
+from tests._triton import interpreter_skip_reason
+from tests.conftest import requires_cuda
+
+# (numel or shape, dtype): odd sizes that straddle the interpreter's 1,024-element chunks and
+# 256-element loop steps, a 2-D tensor, an empty one, fp16 and bf16 mixed in one call.
+_CASES = [
+    (1, torch.float16),
+    (3, torch.bfloat16),
+    (1023, torch.float16),
+    (4097, torch.bfloat16),
+    ((37, 29), torch.float16),
+    (0, torch.bfloat16),
+    (2050, torch.float16),
+]
+_INV_SCALES = [1.0 / 65536, 1.0 / 3]
+
+
+@pytest.fixture
+def dev(device):
+    if device.type == "cpu":
+        reason = interpreter_skip_reason()
+        if reason is not None:
+            pytest.skip(reason)
+    return device
+
+
+def _reference(src, inv_scale):
+    """``src * inv_scale`` in fp64, rounded once to fp32."""
+    return (src.double() * inv_scale.double()).float()
+
+
+def _assert_exact(dst, src, inv_scale):
+    torch.testing.assert_close(dst, _reference(src, inv_scale), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(dst, src.float() * inv_scale, rtol=0, atol=0, equal_nan=True)
+
+
+def _make(cases, device, gen, scale=1.0):
+    srcs = [(torch.randn(size, generator=gen) * scale).to(device=device, dtype=dtype)
+            for size, dtype in cases]
+    dsts = [torch.full(s.shape, -7.0, dtype=torch.float32, device=device) for s in srcs]
+    return srcs, dsts
+
+
+def _scalars(device, inv, found=0.0):
+    return (torch.tensor(inv, dtype=torch.float32, device=device),
+            torch.tensor(found, dtype=torch.float32, device=device))
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "after_usable"])
+@pytest.mark.parametrize("inv", _INV_SCALES)
+def test_matches_reference(dev, inv, check):
+    srcs, dsts = _make(_CASES, dev, torch.Generator().manual_seed(0), scale=1000.0)
+    inv_scale, found_inf = _scalars(dev, inv)
+    assert mt.usable(srcs, dsts), mt.unusable_reason(srcs, dsts)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf, check=check)
+    for src, dst in zip(srcs, dsts):
+        _assert_exact(dst, src, inv_scale)
+    assert found_inf.item() == 0.0
+
+
+def test_unscale_after_cast_keeps_small_gradients(dev):
+    # True gradients of 1e-4 down to 1e-9, scaled by 65,536 as the backward produces them.
+    # Unscaled in half they would lose precision (fp16 subnormals) or flush to zero; cast
+    # first, they come out as the fp32 product.
+    true = torch.logspace(-4, -9, 1001, dtype=torch.float64)
+    srcs = [(true * 65536).to(dtype=dtype, device=dev) for dtype in (torch.float16, torch.bfloat16)]
+    dsts = [torch.empty(s.shape, dtype=torch.float32, device=dev) for s in srcs]
+    inv_scale, found_inf = _scalars(dev, 1.0 / 65536)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    for src, dst in zip(srcs, dsts):
+        _assert_exact(dst, src, inv_scale)
+        assert (dst > 0).all()
+        torch.testing.assert_close(dst.double().cpu(), true, rtol=1e-2, atol=0)
+    in_half = (srcs[0] * inv_scale.half()).float()
+    assert (in_half == 0).any(), "the half-precision unscale this guards against no longer underflows"
+
+
+def test_misaligned_views(dev):
+    # Views one element into a buffer: 2-byte (src) and 4-byte (dst) aligned addresses take the
+    # kernel's unaligned path.
+    gen = torch.Generator().manual_seed(1)
+    base_src = torch.randn(3000, generator=gen).to(device=dev, dtype=torch.float16)
+    base_dst = torch.zeros(3000, dtype=torch.float32, device=dev)
+    srcs = [base_src[1:1200], base_src[1203:2999]]
+    dsts = [base_dst[1:1200], base_dst[1203:2999]]
+    inv_scale, found_inf = _scalars(dev, 1.0 / 3)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    for src, dst in zip(srcs, dsts):
+        _assert_exact(dst, src, inv_scale)
+    # Elements outside the views are not written.
+    assert base_dst[0].item() == 0 and (base_dst[1200:1203] == 0).all()
+    assert base_dst[2999].item() == 0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("where", [(2, 5), (3, 4000)])  # (tensor, element): first and last chunk
+def test_non_finite_sets_found_inf(dev, bad, where):
+    srcs, dsts = _make(_CASES, dev, torch.Generator().manual_seed(2))
+    t, i = where
+    srcs[t].view(-1)[i] = bad
+    inv_scale, found_inf = _scalars(dev, 1.0 / 65536)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    assert found_inf.item() == 1.0
+    for src, dst in zip(srcs, dsts):  # every value is still written, the bad one included
+        _assert_exact(dst, src, inv_scale)
+
+
+def test_found_inf_already_set_stays_set(dev):
+    srcs, dsts = _make(_CASES, dev, torch.Generator().manual_seed(3))
+    inv_scale, found_inf = _scalars(dev, 1.0 / 65536, found=1.0)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    assert found_inf.item() == 1.0
+    for src, dst in zip(srcs, dsts):
+        _assert_exact(dst, src, inv_scale)
+
+
+def test_half_extremes_are_finite(dev):
+    # The largest finite values and the subnormals must not be mistaken for inf/NaN.
+    finfo16, finfob = torch.finfo(torch.float16), torch.finfo(torch.bfloat16)
+    srcs = [
+        torch.tensor([finfo16.max, -finfo16.max, finfo16.tiny, 2.0**-24, -0.0],
+                     dtype=torch.float16, device=dev),
+        torch.tensor([finfob.max, -finfob.max, finfob.tiny, 2.0**-133, -0.0],
+                     dtype=torch.bfloat16, device=dev),
+    ]
+    dsts = [torch.empty(5, dtype=torch.float32, device=dev) for _ in srcs]
+    inv_scale, found_inf = _scalars(dev, 1.0 / 3)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    assert found_inf.item() == 0.0
+    for src, dst in zip(srcs, dsts):
+        _assert_exact(dst, src, inv_scale)
+
+
+def test_only_empty_tensors(dev):
+    srcs = [torch.empty(0, dtype=torch.float16, device=dev)]
+    dsts = [torch.empty(0, dtype=torch.float32, device=dev)]
+    inv_scale, found_inf = _scalars(dev, 1.0 / 65536)
+    assert mt.usable(srcs, dsts)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    assert found_inf.item() == 0.0
+
+
+def test_repeated_calls_read_current_values(dev):
+    # The second call reuses the first call's pointer table: it must still see new values.
+    srcs, dsts = _make(_CASES[:4], dev, torch.Generator().manual_seed(4))
+    inv_scale, found_inf = _scalars(dev, 1.0 / 65536)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    for src in srcs:
+        src.mul_(-2)
+    inv_scale.fill_(1.0 / 3)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    for src, dst in zip(srcs, dsts):
+        _assert_exact(dst, src, inv_scale)
+
+
+def _unusable_cases(device):
+    h = torch.zeros(4, 6, dtype=torch.float16, device=device)
+    f = torch.zeros(4, 6, dtype=torch.float32, device=device)
+    return {
+        "non-contiguous src": ([h.t()], [f], "srcs[0] is not contiguous"),
+        "non-contiguous dst": ([h, h], [f, f.t()], "dsts[1] is not contiguous"),
+        "numel mismatch": ([h], [f[:3]], "same number of elements"),
+        "fp32 src": ([f], [f.clone()], "srcs must be torch.float16 or torch.bfloat16"),
+        "half dst": ([h], [h.clone()], "dsts must be torch.float32"),
+        "length mismatch": ([h, h], [f], "same length"),
+        "empty lists": ([], [], "at least one"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_unusable_cases("cpu")))
+def test_unusable_inputs_are_refused(dev, case):
+    srcs, dsts, reason = _unusable_cases(dev)[case]
+    assert not mt.usable(srcs, dsts)
+    assert reason in mt.unusable_reason(srcs, dsts)
+    inv_scale, found_inf = _scalars(dev, 1.0)
+    with pytest.raises(ValueError, match="cast_unscale_check_: "):
+        mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+
+
+def test_bad_scalars_are_refused(dev):
+    srcs, dsts = _make(_CASES[:2], dev, torch.Generator().manual_seed(5))
+    inv_scale, found_inf = _scalars(dev, 1.0)
+    with pytest.raises(ValueError, match="inv_scale must be a 0-dim float32 tensor"):
+        mt.cast_unscale_check_(srcs, dsts, inv_scale.double(), found_inf)
+    with pytest.raises(ValueError, match="found_inf must be a 0-dim float32 tensor"):
+        mt.cast_unscale_check_(srcs, dsts, inv_scale, torch.zeros(2, device=dev))
+    with pytest.raises(TypeError, match="inv_scale must be a 0-dim float32 tensor"):
+        mt.cast_unscale_check_(srcs, dsts, 1.0, found_inf)
+
+
+def test_wrong_device_for_mode_is_refused(monkeypatch):
+    # The compiled kernel takes CUDA tensors only, the interpreter CPU tensors only.
+    srcs, dsts = [torch.zeros(3, dtype=torch.float16)], [torch.zeros(3)]
+    monkeypatch.setattr(mt, "interpreter_enabled", lambda: False)
+    assert "CPU tensors only with TRITON_INTERPRET=1" in mt.unusable_reason(srcs, dsts)
+    if torch.cuda.is_available():
+        monkeypatch.setattr(mt, "interpreter_enabled", lambda: True)
+        cuda = [srcs[0].cuda()], [dsts[0].cuda()]
+        assert "runs Triton on CPU tensors only" in mt.unusable_reason(*cuda)
+        mixed = [srcs[0].cuda()], dsts
+        assert "several devices" in mt.unusable_reason(*mixed)
+
+
+@requires_cuda
+def test_cuda_large_tensor():
+    # Past 2**31 bytes of fp32 output: addresses must not wrap in 32-bit arithmetic.
+    n = (1 << 29) + 12345
+    free, _ = torch.cuda.mem_get_info()
+    if free < 10 * n:
+        pytest.skip("requires ~6 GB of free GPU memory")
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").uniform_(-4, 4)
+    src[-1] = float("inf")
+    dst = torch.empty(n, dtype=torch.float32, device="cuda")
+    inv_scale, found_inf = _scalars("cuda", 1.0 / 3)
+    mt.cast_unscale_check_([src], [dst], inv_scale, found_inf)
+    assert found_inf.item() == 1.0
+    assert torch.equal(dst, src.float() * inv_scale)
+    del src, dst
+
+
+@requires_cuda
+@pytest.mark.parametrize("warm", [True, False], ids=["table_cached", "table_built_in_capture"])
+def test_cuda_graph_capture(warm):
+    srcs, dsts = _make(_CASES, "cuda", torch.Generator().manual_seed(6))
+    inv_scale, found_inf = _scalars("cuda", 1.0 / 65536)
+    if warm:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+        torch.cuda.current_stream().wait_stream(side)
+    else:
+        for key in [k for k in mt._TABLES if k not in mt._GRAPH_KEYS]:
+            del mt._TABLES[key]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    for step in range(3):
+        for src in srcs:
+            src.normal_()
+        if step == 1:
+            srcs[3][7] = float("nan")
+        found_inf.zero_()
+        inv_scale.fill_(1.0 / (step + 3))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert found_inf.item() == float(step == 1)
+        for src, dst in zip(srcs, dsts):
+            _assert_exact(dst, src, inv_scale)
