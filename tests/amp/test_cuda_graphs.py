@@ -6,6 +6,8 @@ optimizer step and the master-to-model copy can all be captured; each replay mus
 one eager step.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -52,8 +54,9 @@ def test_captured_step_matches_eager_steps(opt_level, dtype, loss_scale):
 
 def _compare_captured_with_eager(opt_level, dtype, loss_scale, fused_adamw=False):
     """Capture a step after 3 warm-up steps, replay it 4 times, and check losses, weights and
-    masters against 7 eager steps. Returns the graph, its optimizer, its static input (to
-    change between replays) and the input it was trained on."""
+    masters against 7 eager steps. Returns everything the graph reads and writes by address
+    (model, optimizer, inputs, targets, loss), which must outlive its replays, as a namespace;
+    ``static_x`` may be changed between replays, ``x`` holds the original input."""
     x, y = batch("cuda", n=16, size=16)
     eager_model, eager_opt = _setup(opt_level, dtype, loss_scale, fused_adamw=fused_adamw)
     graph_model, graph_opt = _setup(opt_level, dtype, loss_scale, fused_adamw=fused_adamw)
@@ -79,7 +82,8 @@ def _compare_captured_with_eager(opt_level, dtype, loss_scale, fused_adamw=False
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
     assert amp.step_was_skipped(graph_opt) == amp.step_was_skipped(eager_opt)
     assert _scale_of(graph_opt) == _scale_of(eager_opt)
-    return graph, graph_opt, static_x, x
+    return SimpleNamespace(graph=graph, model=graph_model, opt=graph_opt, static_x=static_x,
+                           x=x, y=y, loss=static_loss)
 
 
 def test_dynamic_loss_scale_needs_a_fused_optimizer_under_capture():
@@ -110,20 +114,19 @@ def test_dynamic_loss_scale_is_captured_with_a_fused_optimizer(opt_level):
     # The scale lives on the GPU and kernels update it: each replay equals an eager step, an
     # overflow in a replay skips that step and halves the scale, and the next replay trains on.
     with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True):
-        graph, graph_opt, static_x, x = _compare_captured_with_eager(
-            opt_level, torch.float16, "dynamic", fused_adamw=True)
-        graph_scale = _scale_of(graph_opt)
-        before = [p.detach().clone() for p in amp.master_params(graph_opt)]
-        static_x.fill_(float("inf"))
-        graph.replay()
-        assert amp.step_was_skipped(graph_opt)
-        assert _scale_of(graph_opt) == graph_scale / 2
-        for p, b in zip(amp.master_params(graph_opt), before):
+        run = _compare_captured_with_eager(opt_level, torch.float16, "dynamic", fused_adamw=True)
+        graph_scale = _scale_of(run.opt)
+        before = [p.detach().clone() for p in amp.master_params(run.opt)]
+        run.static_x.fill_(float("inf"))
+        run.graph.replay()
+        assert amp.step_was_skipped(run.opt)
+        assert _scale_of(run.opt) == graph_scale / 2
+        for p, b in zip(amp.master_params(run.opt), before):
             torch.testing.assert_close(p, b, rtol=0, atol=0)
-        static_x.copy_(x)
-        graph.replay()
-        assert not amp.step_was_skipped(graph_opt)
-        assert any(not torch.equal(p, b) for p, b in zip(amp.master_params(graph_opt), before))
+        run.static_x.copy_(run.x)
+        run.graph.replay()
+        assert not amp.step_was_skipped(run.opt)
+        assert any(not torch.equal(p, b) for p, b in zip(amp.master_params(run.opt), before))
 
 
 def _scale_of(optimizer):
