@@ -308,6 +308,8 @@ def scale_loss(
         return
     scaler = amp_state.scaler(loss_id)
     device = amp_state.scale_device(states, loss_id)
+    if device is not None and loss.device != device:
+        device = None  # (a loss computed on another device than the parameters': host scale)
     if device is None:
         if scaler.dynamic and loss.is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
