@@ -18,7 +18,9 @@ peak memory.
 
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated()`` minus what was allocated when the
 mode started (the shared synthetic data): what the mode itself needs (weights, gradients,
-optimizer state, activations, casts). On CPU there is no allocator statistic, so the resident
+optimizer state, activations, casts), over all steps; ``extra["peak_memory_steady_mb"]`` is the
+same over the timed steps only (without the warm-up's one-off allocations, e.g. cuDNN's
+algorithm search). On CPU there is no allocator statistic, so the resident
 set size (RSS) of the process is sampled every few milliseconds from ``/proc/self/statm``
 (``psutil`` elsewhere; ``ru_maxrss`` as a last resort) and the growth over the start of the mode
 is reported: an approximation, since the C allocator keeps and reuses freed memory.
@@ -230,10 +232,21 @@ class _CudaPeakMemory:
         self._device = device
         self._base = 0
         self._peak = 0
+        self._warm_peak = 0
+        self._steady_peak: Optional[int] = None
         self.total_peak_mb = 0.0
 
     def sample(self) -> None:
         pass
+
+    def start_steady(self) -> None:
+        """From here on (the timed steps) also track a separate peak: the warm-up steps hold
+        one-off allocations (cuDNN's algorithm search with cudnn.benchmark, optimizer state
+        created lazily) that the training steps after them do not need."""
+        torch.cuda.synchronize(self._device)
+        self._warm_peak = torch.cuda.max_memory_allocated(self._device)
+        torch.cuda.reset_peak_memory_stats(self._device)
+        self._steady_peak = 0
 
     def __enter__(self) -> _CudaPeakMemory:
         gc.collect()
@@ -245,12 +258,22 @@ class _CudaPeakMemory:
 
     def __exit__(self, *exc) -> None:
         torch.cuda.synchronize(self._device)
-        self._peak = torch.cuda.max_memory_allocated(self._device)
+        peak = torch.cuda.max_memory_allocated(self._device)
+        if self._steady_peak is not None:
+            self._steady_peak = peak
+        self._peak = max(peak, self._warm_peak)
         self.total_peak_mb = self._peak / 2**20
 
     @property
     def peak_mb(self) -> float:
         return max(0, self._peak - self._base) / 2**20
+
+    @property
+    def steady_peak_mb(self) -> Optional[float]:
+        """Peak over the timed steps only (None when ``start_steady`` was not called)."""
+        if self._steady_peak is None:
+            return None
+        return max(0, self._steady_peak - self._base) / 2**20
 
 
 # --------------------------------------------------------------------------------------------
@@ -574,6 +597,8 @@ def run_mode(
             timer = _StepTimer(device, iters)
             for i in range(total):
                 if i == warmup:
+                    if isinstance(memory, _CudaPeakMemory):
+                        memory.start_steady()
                     timer.start_all()
                 x, y = batches[i % len(batches)]
                 if i >= warmup:
@@ -596,6 +621,7 @@ def run_mode(
         result.peak_memory_mb = memory.peak_mb
         if isinstance(memory, _CudaPeakMemory):
             result.extra["peak_memory_total_mb"] = memory.total_peak_mb
+            result.extra["peak_memory_steady_mb"] = memory.steady_peak_mb
         window = result.losses[-min(len(batches), total) :]
         result.final_loss = sum(window) / len(window)
         result.skipped_steps = recipe.skipped if recipe.skips_known else None
