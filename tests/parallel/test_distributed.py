@@ -358,6 +358,39 @@ def check_amp_o2_ddp_masters_bitwise_identical(ctx):
         torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
 
 
+def check_amp_o2_fp16_dynamic_scale_on_device_under_ddp(ctx):
+    # fp16 O2 with a fused AdamW: the dynamic scale lives on each rank's device and kernels
+    # update it. An overflow on one rank reaches every rank through the all-reduce, so all
+    # ranks skip that step and halve their scale together, and the masters stay identical.
+    from mixprec import amp
+    from mixprec.amp._state import optimizer_state
+
+    torch.manual_seed(0)
+    model = _ConvNet().to(ctx.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                loss_scale="dynamic", verbosity=0)
+    ddp = DistributedDataParallel(model)
+    skipped, scales = [], []
+    for step in range(4):
+        x, y = _images(ctx, seed=70 + step)
+        opt.zero_grad()
+        loss = F.cross_entropy(ddp(_mine(ctx, x)), _mine(ctx, y))
+        poison = float("inf") if step == 2 and ctx.rank == 0 else 1.0
+        with amp.scale_loss(loss, opt) as scaled:
+            (scaled * poison).backward()
+        opt.step()
+        skipped.append(amp.step_was_skipped(opt))
+        scales.append(amp.state_dict()["loss_scaler0"]["loss_scale"])
+    assert optimizer_state(opt).amp_state.scalers[0].on_device == torch.device(ctx.device)
+    assert skipped[2] and not skipped[3], skipped
+    assert scales[2] == scales[1] / 2, scales
+    _assert_same_on_all_ranks(ctx, [torch.tensor(scales), torch.tensor(skipped)],
+                              "loss scale / skipped steps")
+    _assert_same_on_all_ranks(ctx, list(amp.master_params(opt)), "fp32 master weight")
+    _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter")
+
+
 def check_larc_under_amp_o2_and_ddp(ctx):
     from mixprec import amp
 
@@ -416,6 +449,7 @@ CHECKS = [
     "check_arguments_validated_and_warned",
     "check_reducer",
     "check_amp_o2_ddp_masters_bitwise_identical",
+    "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
     "check_larc_under_amp_o2_and_ddp",
     "check_unused_parameters_named_in_error",
 ]
