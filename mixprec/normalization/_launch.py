@@ -169,6 +169,65 @@ class _on_device:
             self._ctx.__exit__(*exc)
 
 
+# -- launching compiled kernels -------------------------------------------------------------
+# Triton's `kernel[grid](...)` recomputes the call's specialization, looks the compiled kernel
+# up and checks its globals on every call: tens of microseconds on a slow host, and a norm
+# launches up to three kernels per layer and step. On the Triton release this was verified
+# with (3.6), the compiled kernel is cached here under a key at least as fine as Triton's
+# specialization (every argument's type; for tensors the dtype and 16-byte alignment; for ints
+# equality to 1, divisibility by 16 and whether they fit in 32 bits; the constexprs and launch
+# options) and launched through `CompiledKernel[grid](*args, stream=...)`, Triton's own
+# launcher for a compiled kernel. The first call of each key takes Triton's normal path (which
+# compiles if needed and returns the compiled kernel); other Triton releases always do.
+_FAST_LAUNCH_TRITON = ((3, 6),)
+_COMPILED: Dict[tuple, object] = {}
+
+
+@functools.cache
+def _fast_launch_supported() -> bool:
+    try:
+        import triton
+
+        version = tuple(int(v) for v in triton.__version__.split(".")[:2])
+    except Exception:  # an unparsable version: take Triton's normal path
+        return False
+    return version in _FAST_LAUNCH_TRITON
+
+
+def _arg_key(arg):
+    if isinstance(arg, Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool):
+        return (bool, arg)
+    if isinstance(arg, int):
+        return (int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
+    return (type(arg),)
+
+
+def launch(kernel, grid: Tuple[int, ...], args: tuple, consts: dict, device: torch.device) -> None:
+    """``kernel[grid](*args, **consts)``; see the comment above for how it is made cheaper.
+
+    ``args`` are the kernel's leading (runtime) arguments in signature order, ``consts`` its
+    constexprs (every one of them, by name) and launch options (``num_warps``, ...).
+    """
+    if device.type != "cuda" or interpreter_enabled() or not _fast_launch_supported():
+        kernel[grid](*args, **consts)
+        return
+    key = (kernel, device.index, tuple(map(_arg_key, args)), tuple(consts.items()))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **consts)
+        if hasattr(compiled, "result"):  # an asynchronous compile's future
+            compiled = compiled.result()
+        if compiled is not None:
+            _COMPILED[key] = compiled
+        return
+    values = list(args)
+    values.extend(consts[name] for name in kernel.arg_names[len(args):])
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))  # the compiled kernel's launcher reads 3 dims
+    compiled[grid3](*values, stream=torch.cuda.current_stream(device).cuda_stream)
+
+
 def forward(
     x: Tensor,
     weight: Optional[Tensor],
@@ -200,24 +259,31 @@ def forward(
         return y, mean, rstd
     has_bias = bias is not None and not is_rms
     with _on_device(x):
-        _kernels().norm_fwd_kernel[(_cdiv(m, cfg.block_m),)](
-            x,
-            y,
-            weight if weight is not None else x,  # placeholders are never read: constexpr off
-            bias if has_bias else x,
-            rstd if is_rms else mean,
-            rstd,
-            x.stride(0),
-            y.stride(0),
-            m,
-            n,
-            eps,
-            IS_RMS=is_rms,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=has_bias,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps,
+        launch(
+            _kernels().norm_fwd_kernel,
+            (_cdiv(m, cfg.block_m),),
+            (
+                x,
+                y,
+                weight if weight is not None else x,  # placeholders are never read: constexpr off
+                bias if has_bias else x,
+                rstd if is_rms else mean,
+                rstd,
+                x.stride(0),
+                y.stride(0),
+                m,
+                n,
+                eps,
+            ),
+            dict(
+                IS_RMS=is_rms,
+                HAS_WEIGHT=weight is not None,
+                HAS_BIAS=has_bias,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps,
+            ),
+            x.device,
         )
     return y, mean, rstd
 
@@ -388,16 +454,18 @@ def backward(
         partials = torch.empty(shape, dtype=torch.float32, device=device)
         # Rows of `partials` the kernel never writes when COMPUTE_DW / COMPUTE_DB are off.
         dw_partial, db_partial = partials[0], partials[n_partials - 1]
-        kernel[(programs,)](*args(dw_partial, db_partial, blocks_per_program), **consts)
+        launch(kernel, (programs,), args(dw_partial, db_partial, blocks_per_program), consts,
+               device)
 
         dw = torch.empty(n, dtype=weight.dtype, device=device) if compute_dw else None
         db = torch.empty(n, dtype=bias.dtype, device=device) if compute_db else None
         if n_partials:
             outs = [t for t in (dw, db) if t is not None]
             block_p, block_c, warps = finalize or default_finalize_config(programs, n)
-            _kernels().norm_bwd_finalize_kernel[(_cdiv(n, block_c), n_partials)](
-                partials, outs[0], outs[-1], programs, n,
-                BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
+            launch(
+                _kernels().norm_bwd_finalize_kernel, (_cdiv(n, block_c), n_partials),
+                (partials, outs[0], outs[-1], programs, n),
+                dict(BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps), device,
             )
     return dx, _no_grad(device) if dw is None else dw, _no_grad(device) if db is None else db
 

@@ -77,3 +77,67 @@ def test_program_count_is_learnt_once_per_specialization(monkeypatch):
     # a Triton whose internals moved falls back to the heuristic, once
     fallback = _launch._FALLBACK_WARPS_PER_SM // cfg.num_warps
     assert _launch.backward_num_programs(10**6, cfg, device, "k2", broken) == 132 * fallback
+
+
+class _FakeCompiled:
+    def __init__(self, log):
+        self.log = log
+
+    def __getitem__(self, grid):
+        return lambda *args, stream: self.log.append(("compiled", grid, args, stream))
+
+
+class _FakeKernel:
+    """Stands in for a JITFunction: records launches, returns a fake compiled kernel."""
+
+    arg_names = ["X", "n", "eps", "FLAG", "BLOCK"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            return _FakeCompiled(self.log)
+        return run
+
+
+def test_launch_reuses_the_compiled_kernel_per_specialization(monkeypatch):
+    # Triton's dispatch runs once per specialization; later calls launch the compiled kernel
+    # with every argument in signature order (constexprs included, launch options not).
+    monkeypatch.setattr(_launch, "_fast_launch_supported", lambda: True)
+    monkeypatch.setattr(_launch, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: type("S", (), {"cuda_stream": 77})())
+    kernel, device = _FakeKernel(), torch.device("cuda", 0)
+    buf = torch.zeros(64)
+    consts = dict(FLAG=True, BLOCK=128, num_warps=4)
+
+    _launch.launch(kernel, (3,), (buf, 32, 1e-5), consts, device)
+    _launch.launch(kernel, (5,), (buf, 48, 1e-6), consts, device)
+    assert [entry[0] for entry in kernel.log] == ["triton", "compiled"]
+    assert kernel.log[0] == ("triton", (3,), (buf, 32, 1e-5), consts)
+    assert kernel.log[1] == ("compiled", (5, 1, 1), (buf, 48, 1e-6, True, 128), 77)
+
+    # Anything Triton specializes on makes a new key, which takes Triton's path once.
+    _launch.launch(kernel, (1,), (buf[1:], 48, 1e-6), consts, device)  # 4-byte aligned data
+    _launch.launch(kernel, (1,), (buf, 47, 1e-6), consts, device)  # not a multiple of 16
+    _launch.launch(kernel, (1,), (buf, 1, 1e-6), consts, device)  # equal to 1
+    _launch.launch(kernel, (1,), (buf, 2**31 + 16, 1e-6), consts, device)  # 64-bit int
+    _launch.launch(kernel, (1,), (buf.half(), 48, 1e-6), consts, device)  # dtype
+    _launch.launch(kernel, (1,), (buf, 48, 1e-6), dict(consts, FLAG=False), device)
+    _launch.launch(kernel, (1,), (buf, 48, 1e-6), dict(consts, num_warps=8), device)
+    assert [entry[0] for entry in kernel.log[2:]] == ["triton"] * 7
+
+
+@pytest.mark.parametrize("case", ["cpu", "interpreter", "other_triton"])
+def test_launch_takes_tritons_path_where_unverified(monkeypatch, case):
+    monkeypatch.setattr(_launch, "_fast_launch_supported", lambda: case != "other_triton")
+    monkeypatch.setattr(_launch, "interpreter_enabled", lambda: case == "interpreter")
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    kernel = _FakeKernel()
+    device = torch.device("cpu") if case == "cpu" else torch.device("cuda", 0)
+    for _ in range(3):
+        _launch.launch(kernel, (1,), (torch.zeros(4), 16, 1.0), dict(FLAG=True, BLOCK=16), device)
+    assert [entry[0] for entry in kernel.log] == ["triton"] * 3
