@@ -213,6 +213,18 @@ def _layout_reason(srcs: Sequence[Tensor], dsts: Sequence[Tensor]) -> Optional[s
 
 
 @functools.cache
+def verified_triton() -> bool:
+    """Whether the installed Triton is one this kernel was verified with (3.6 and later: the
+    GPU machine's and CI's). Callers take PyTorch's passes on older releases."""
+    try:
+        import triton
+
+        return tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
+    except Exception:  # not installed, or an unparsable version
+        return False
+
+
+@functools.cache
 def _numpy_available() -> bool:
     return importlib.util.find_spec("numpy") is not None
 

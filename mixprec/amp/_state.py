@@ -70,7 +70,8 @@ def _fused_cast_ok(half_grads: List[torch.Tensor]) -> bool:
     The kernel walks each tensor as its ``numel()`` elements from ``data_ptr()``, and the fp32
     gradients are ``empty_like`` copies with the same strides, so any dense layout works
     (contiguous or channels-last, which is what autograd's gradient layout contract gives);
-    anything else, several devices, or no Triton takes the PyTorch passes.
+    anything else, several devices, or no Triton (or one older than 3.6, which this kernel was
+    not verified with) takes the PyTorch passes.
     """
     device = half_grads[0].device
     if device.type == "cuda":
@@ -78,7 +79,7 @@ def _fused_cast_ok(half_grads: List[torch.Tensor]) -> bool:
             return False
     elif not (_FUSED_CAST_ON_CPU and device.type == "cpu"):
         return False
-    if not _multi_tensor.triton_available():
+    if not (_multi_tensor.triton_available() and _multi_tensor.verified_triton()):
         return False
     for g in half_grads:
         if g.device != device or g.dtype not in (torch.float16, torch.bfloat16):
