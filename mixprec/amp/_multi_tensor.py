@@ -43,7 +43,12 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
-from mixprec.normalization._launch import _on_device, interpreter_enabled, triton_available
+from mixprec.normalization._launch import (
+    _on_device,
+    interpreter_enabled,
+    triton_available,
+    triton_version,
+)
 
 __all__ = ["cast_unscale_check_", "unusable_reason", "usable"]
 
@@ -212,16 +217,11 @@ def _layout_reason(srcs: Sequence[Tensor], dsts: Sequence[Tensor]) -> Optional[s
     return None
 
 
-@functools.cache
 def verified_triton() -> bool:
     """Whether the installed Triton is one this kernel was verified with (3.6 and later: the
     GPU machine's and CI's). Callers take PyTorch's passes on older releases."""
-    try:
-        import triton
-
-        return tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 6)
-    except Exception:  # not installed, or an unparsable version
-        return False
+    version = triton_version()
+    return version is not None and version >= (3, 6)
 
 
 @functools.cache

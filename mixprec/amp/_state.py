@@ -79,7 +79,7 @@ def _fused_cast_ok(half_grads: List[torch.Tensor]) -> bool:
             return False
     elif not (_FUSED_CAST_ON_CPU and device.type == "cpu"):
         return False
-    if not (_multi_tensor.triton_available() and _multi_tensor.verified_triton()):
+    if not _multi_tensor.verified_triton():  # (False without a usable Triton too)
         return False
     for g in half_grads:
         if g.device != device or g.dtype not in (torch.float16, torch.bfloat16):
@@ -401,15 +401,14 @@ class AmpState:
             state.pending_found = (flag if state.pending_found is None
                                    else state.pending_found + flag)
         scaler.update_on_device(flag)
-        if device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                return  # replays run no host code: nothing to log
-            host = torch.stack((flag, scaler.device_state(device).scale)).to(
-                "cpu", non_blocking=True)
+        on_gpu = device.type == "cuda"
+        if on_gpu and torch.cuda.is_current_stream_capturing():
+            return  # replays run no host code: nothing to log
+        host, event = torch.stack((flag, scaler.device_state(device).scale)), None
+        if on_gpu:
+            host = host.to("cpu", non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        else:
-            host, event = torch.stack((flag, scaler.device_state(device).scale)), None
         self._pending.append((loss_id, host, event))
 
     def _apply(self, loss_id: int, found: bool, states) -> None:

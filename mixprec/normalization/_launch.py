@@ -43,6 +43,20 @@ def triton_available() -> bool:
     return True
 
 
+@functools.cache
+def triton_version() -> Optional[Tuple[int, int]]:
+    """The installed Triton's ``(major, minor)``, or None (no usable Triton, or a version
+    string that does not parse: callers then keep to paths that need no particular release)."""
+    if not triton_available():
+        return None
+    import triton
+
+    try:
+        return tuple(int(v) for v in triton.__version__.split(".")[:2])
+    except ValueError:
+        return None
+
+
 def interpreter_enabled() -> bool:
     """Whether Triton runs kernels on CPU tensors (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -183,15 +197,8 @@ _FAST_LAUNCH_TRITON = ((3, 6),)
 _COMPILED: Dict[tuple, object] = {}
 
 
-@functools.cache
 def _fast_launch_supported() -> bool:
-    try:
-        import triton
-
-        version = tuple(int(v) for v in triton.__version__.split(".")[:2])
-    except Exception:  # an unparsable version: take Triton's normal path
-        return False
-    return version in _FAST_LAUNCH_TRITON
+    return triton_version() in _FAST_LAUNCH_TRITON
 
 
 def _arg_key(arg):
