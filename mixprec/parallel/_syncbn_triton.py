@@ -18,8 +18,10 @@ from torch import Tensor
 
 from mixprec.normalization._launch import (
     _cdiv,
+    _on_device,
     _sm_resources,
     interpreter_enabled,
+    launch,
     triton_available,
     triton_next_power_of_2,
 )
@@ -95,14 +97,15 @@ def stats_row(x2d: Tensor, eps: float) -> Tensor:
     partial = torch.empty((splits, 3, c), dtype=torch.float32, device=x2d.device)
     row = torch.empty(2 * c + 1, dtype=torch.float32, device=x2d.device)
     c_blocks = _cdiv(c, block_c)
-    k.bn_partial_stats_kernel[(c_blocks, splits)](
-        x2d, partial, m, c, x2d.stride(0), rows_per_split,
-        BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
-    )
-    k.bn_finalize_stats_kernel[(_cdiv(c, _MERGE_BLOCK_C),)](
-        partial, row, splits, c, float(m), float(eps),
-        BLOCK_S=_MERGE_BLOCK_S, BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS,
-    )
+    device = x2d.device
+    with _on_device(x2d):
+        launch(k.bn_partial_stats_kernel, (c_blocks, splits),
+               (x2d, partial, m, c, x2d.stride(0), rows_per_split),
+               dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), device)
+        launch(k.bn_finalize_stats_kernel, (_cdiv(c, _MERGE_BLOCK_C),),
+               (partial, row, splits, c, float(m), float(eps)),
+               dict(BLOCK_S=_MERGE_BLOCK_S, BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS),
+               device)
     return row
 
 
@@ -126,14 +129,14 @@ def backward_reduce(dy2d: Tensor, x2d: Tensor, mean: Tensor, invstd: Tensor,
     grad_weight = torch.empty(c, dtype=torch.float32, device=x2d.device) if need_weight else None
     grad_bias = torch.empty(c, dtype=torch.float32, device=x2d.device) if need_bias else None
     c_blocks = _cdiv(c, block_c)
-    k.bn_partial_backward_kernel[(c_blocks, splits)](
-        dy2d, x2d, mean, partial, m, c, dy2d.stride(0), x2d.stride(0), rows_per_split,
-        BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
-    )
-    k.bn_finalize_backward_kernel[(_cdiv(c, _MERGE_BLOCK_C),)](
-        partial, invstd, sums, grad_weight if need_weight else sums,
-        grad_bias if need_bias else sums, splits, c,
-        COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, BLOCK_S=_MERGE_BLOCK_S,
-        BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS,
-    )
+    device = x2d.device
+    with _on_device(x2d):
+        launch(k.bn_partial_backward_kernel, (c_blocks, splits),
+               (dy2d, x2d, mean, partial, m, c, dy2d.stride(0), x2d.stride(0), rows_per_split),
+               dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), device)
+        launch(k.bn_finalize_backward_kernel, (_cdiv(c, _MERGE_BLOCK_C),),
+               (partial, invstd, sums, grad_weight if need_weight else sums,
+                grad_bias if need_bias else sums, splits, c),
+               dict(COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, BLOCK_S=_MERGE_BLOCK_S,
+                    BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS), device)
     return sums, grad_weight, grad_bias
