@@ -1,9 +1,9 @@
-"""Launch settings of SyncBatchNorm's Triton reductions, timed in the ResNet-50 step (tuning aid).
+"""Launch settings of SyncBatchNorm's Triton kernels, timed in the ResNet-50 step (tuning aid).
 
 Each variant: ResNet-50 channels_last fp16 O2 (static loss scale 128) under mixprec DDP on all
 ranks, the whole step captured in a CUDA graph (the GPU's time, not the host's), mixprec
-SyncBatchNorm with one setting of ``_syncbn_triton``'s programs per SM, tile size and merge
-tile, against plain BatchNorm in the same run. Prints the slowest rank's median replay time.
+SyncBatchNorm with one setting of ``_syncbn_triton``'s programs per SM (reductions, element-wise
+passes), tile size and merge tile, against plain BatchNorm in the same run. Prints the slowest rank's median replay time.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/sweep_syncbn.py
 """
@@ -28,9 +28,9 @@ from mixprec.parallel import (  # noqa: E402
     convert_syncbn_model,
 )
 
-SETTINGS = [  # (programs per SM, tile elements, merge tile rows)
-    (4, 4096, 128), (8, 4096, 128), (2, 4096, 128), (4, 8192, 128), (4, 2048, 128),
-    (4, 4096, 256),
+SETTINGS = [  # (reduction programs per SM, element-wise programs per SM, tile, merge rows)
+    (4, 8, 4096, 256), (4, 4, 4096, 256), (4, 16, 4096, 256), (4, 2, 4096, 256),
+    (4, 8, 8192, 256), (4, 8, 2048, 256),
 ]
 
 
@@ -88,14 +88,16 @@ def main():
     base = _graphed_step_ms(lambda m: m, device, x, y)
     if rank == 0:
         print(f"plain BatchNorm: {base:.2f} ms", flush=True)
-    for per_sm, tile, merge_rows in SETTINGS:
+    for per_sm, elemt_per_sm, tile, merge_rows in SETTINGS:
         _syncbn_triton._PROGRAMS_PER_SM = per_sm
+        _syncbn_triton._ELEMT_PROGRAMS_PER_SM = elemt_per_sm
         _syncbn_triton._TILE = tile
         _syncbn_triton._MERGE_BLOCK_S = merge_rows
         _syncbn_triton._plan.cache_clear()
         ms = _graphed_step_ms(convert_syncbn_model, device, x, y)
         if rank == 0:
-            print(f"programs/SM {per_sm}, tile {tile}, merge rows {merge_rows}: {ms:.2f} ms "
+            print(f"programs/SM {per_sm} (element-wise {elemt_per_sm}), tile {tile}, merge rows "
+                  f"{merge_rows}: {ms:.2f} ms "
                   f"= {ms / base:.3f}x plain", flush=True)
     dist.destroy_process_group()
 

@@ -25,10 +25,11 @@ Two implementations of the same maths:
   ``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``), which read
   half input with fp32 parameters and have channels-last variants. Channels-last inputs are handed
   to them as a ``(M, C)`` view (no copy); the output is written into a tensor with the input's
-  strides. For those inputs the two per-rank reductions (statistics; ``sum(dy)`` and
-  ``sum(dy * (x - mean))``) run in mixprec's Triton kernels (``_syncbn_triton``) when Triton
-  imports: they write the packed tensor the collective sends, and PyTorch's channels-last
-  reduction kernels were the slow part of a SyncBatchNorm step on an H200. Nothing
+  strides. For those inputs all four passes (statistics; merge + normalize; ``sum(dy)`` and
+  ``sum(dy * (x - mean))``; input gradient) run in mixprec's Triton kernels (``_syncbn_triton``)
+  when Triton imports: the reductions write the packed tensors the collectives send, the merge
+  of the ranks' statistics is fused into the normalization, and PyTorch's channels-last kernels
+  were the slow part of a SyncBatchNorm step on an H200. Nothing
   synchronises the host with the device (``torch.nn.SyncBatchNorm`` does, once per layer, to
   drop empty ranks), so a rank with an empty batch sends a negligible count
   (``_EMPTY_COUNT``) instead, which the merge kernel weighs as nothing.
@@ -63,9 +64,9 @@ class _FusedOps:
     elemt: Callable = torch.batch_norm_elemt
     backward_reduce: Callable = torch.batch_norm_backward_reduce
     backward_elemt: Callable = torch.batch_norm_backward_elemt
-    # Channels-last inputs: the two per-rank reductions in mixprec's Triton kernels
-    # (``_syncbn_triton``) instead of ``stats`` / ``backward_reduce``.
-    triton_reductions: bool = True
+    # Channels-last inputs: every pass in mixprec's Triton kernels (``_syncbn_triton``)
+    # instead of the five above.
+    triton_channels_last: bool = True
 
 
 _OPS = _FusedOps()
@@ -171,7 +172,9 @@ def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, mome
     xk = layout.to_kernel(x)
     C = layout.num_channels
     count = xk.numel() // C if C else 0
-    if count > 0 and layout.flat and _OPS.triton_reductions and _syncbn_triton.usable(xk):
+    triton = (count > 0 and layout.flat and _OPS.triton_channels_last
+              and _syncbn_triton.usable(xk))
+    if triton:
         # [mean, invstd, count] written straight into the buffer the all-gather sends.
         row = _syncbn_triton.stats_row(xk, eps)
     else:
@@ -184,7 +187,15 @@ def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, mome
             count_t = _count_tensor(cache, _EMPTY_COUNT, mean)
         row = torch.cat([mean, invstd, count_t])
     rows = all_gather_rows(row, group, world_size)
-    counts = rows[:, 2 * C]
+    counts = rows[:, 2 * C]  # every rank's row count (a strided view)
+
+    if triton and rows.dtype == torch.float32:
+        # The merge of the ranks' statistics, the running statistics' update and the
+        # normalization: one kernel.
+        out, out_k = layout.new_output(x)
+        mean, invstd = _syncbn_triton.forward_elemt(xk, rows, weight, bias, running_mean,
+                                                    running_var, momentum, eps, out_k)
+        return out, mean, invstd, counts
 
     # The merge kernel reads the counts in the running statistics' dtype (the input's when there
     # are none): give it fp32 running statistics so large counts stay exact.
@@ -208,7 +219,7 @@ def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, mome
         out = _OPS.elemt(xk, weight, bias, mean, invstd, eps)
     else:
         out = torch.empty_like(x)
-    return out, mean, invstd, counts.to(torch.int32).contiguous()
+    return out, mean, invstd, counts
 
 
 def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, needs):
@@ -217,9 +228,10 @@ def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, ne
     gk = layout.to_kernel(grad_out)
     C = layout.num_channels
     packed = None
-    if (xk.numel() > 0 and layout.flat and _OPS.triton_reductions
-            and mean.dtype == torch.float32 and _syncbn_triton.usable(xk)
-            and _syncbn_triton.usable(gk)):
+    triton = (xk.numel() > 0 and layout.flat and _OPS.triton_channels_last
+              and mean.dtype == torch.float32 and _syncbn_triton.usable(xk)
+              and _syncbn_triton.usable(gk))
+    if triton:
         packed, grad_weight, grad_bias = _syncbn_triton.backward_reduce(
             gk, xk, mean, invstd, need_weight, need_bias
         )
@@ -236,9 +248,13 @@ def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, ne
         if packed is None:
             packed = torch.cat([sum_dy, sum_dy_xmu]).to(mean.dtype)
         all_reduce_sum(packed, group)
-        if xk.numel() > 0:
+        if triton and counts.dtype == torch.float32:
+            grad_input, gk_in = layout.new_output(x)
+            _syncbn_triton.backward_elemt(gk, xk, mean, invstd, weight, packed, counts, gk_in)
+        elif xk.numel() > 0:
+            # PyTorch's kernel takes int32 counts (an empty rank's tiny count truncates to 0).
             gk_in = _OPS.backward_elemt(gk, xk, mean, invstd, weight, packed[:C], packed[C:],
-                                        counts)
+                                        counts.to(torch.int32))
             grad_input = layout.from_kernel(gk_in)
         else:
             grad_input = torch.zeros_like(x)

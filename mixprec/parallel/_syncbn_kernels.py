@@ -1,4 +1,4 @@
-"""Triton kernels for SyncBatchNorm's per-rank reductions over a channels-last ``(M, C)`` view.
+"""Triton kernels for SyncBatchNorm over a channels-last ``(M, C)`` view.
 
 Imported lazily by :mod:`mixprec.parallel._syncbn_triton` (it imports :mod:`triton` at the top),
 so ``import mixprec`` never needs Triton; ``TRITON_INTERPRET=1`` set before the first import
@@ -6,10 +6,14 @@ runs the kernels on CPU tensors (the tests do that when there is no GPU).
 
 Layout: channels are contiguous (unit column stride), rows ``M = N * H * W`` have stride
 ``stride_m``. Every program owns a ``BLOCK_C``-wide slice of channels and a contiguous run of
-rows (a *split*); it streams the rows in ``[BLOCK_M, BLOCK_C]`` tiles (coalesced along C) and
-writes one partial result per channel. A second, small kernel merges the splits, a
-``[BLOCK_S, BLOCK_C]`` tile at a time in a fixed order, so results are bitwise reproducible run
-to run (no atomics).
+rows (a *split*); it streams the rows in ``[BLOCK_M, BLOCK_C]`` tiles (coalesced along C).
+
+Reductions (the per-rank statistics; ``sum(dy)`` and ``sum(dy * (x - mean))``) write one partial
+result per split and channel; a second, small kernel merges the splits, a ``[BLOCK_S, BLOCK_C]``
+tile at a time in a fixed order, so results are bitwise reproducible run to run (no atomics).
+Element-wise passes (normalize; input gradient) compute their per-channel coefficients once
+per program: the forward merges the ranks' gathered statistics itself (a few loads per channel)
+instead of a separate merge launch.
 
 Numerics: loads in the storage dtype, all arithmetic in fp32, accumulated element-wise in
 registers and reduced across threads once per program. Each split's statistics come from sums
@@ -196,3 +200,153 @@ def bn_finalize_backward_kernel(
         tl.store(GradW + cols, sum_dy_xmu * invstd, mask=col_ok)
     if COMPUTE_DB:
         tl.store(GradB + cols, sum_dy, mask=col_ok)
+
+
+@triton.jit
+def _merge_rank_stats(Rows, C, world, cols, col_ok, eps, BLOCK_C: tl.constexpr):
+    # Count-weighted merge of the ranks' [mean (C), invstd (C), count] rows, each 2C + 1 long
+    # (Chan's formula): mean = sum_r n_r mean_r / N, var = sum_r n_r (var_r + (mean_r - mean)^2)
+    # / N, with var_r = 1 / invstd_r^2 - eps. Returns (mean, biased var, N), fp32. Two passes
+    # over the ranks (a few loads each), in rank order: every rank computes the same bits.
+    n = tl.zeros([BLOCK_C], dtype=tl.float32)
+    weighted = tl.zeros([BLOCK_C], dtype=tl.float32)
+    r = 0
+    while r < world:  # (while: the CPU interpreter cannot take a runtime range() bound)
+        base = Rows + r * (2 * C + 1)
+        n_r = tl.load(base + 2 * C).to(tl.float32)
+        n += n_r
+        weighted += n_r * tl.load(base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        r += 1
+    mean = weighted / n
+    m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    r = 0
+    while r < world:
+        base = Rows + r * (2 * C + 1)
+        n_r = tl.load(base + 2 * C).to(tl.float32)
+        mean_r = tl.load(base + cols, mask=col_ok, other=0.0).to(tl.float32)
+        invstd_r = tl.load(base + C + cols, mask=col_ok, other=1.0).to(tl.float32)
+        delta = mean_r - mean
+        m2 += n_r * (1.0 / (invstd_r * invstd_r) - eps + delta * delta)
+        r += 1
+    return mean, tl.maximum(m2 / n, 0.0), n
+
+
+@triton.jit(do_not_specialize=["M", "rows_per_split"])
+def bn_forward_elemt_kernel(
+    X,  # [M, C] input, unit column stride
+    Y,  # [M, C] output (the input's dtype), unit column stride
+    Rows,  # [world, 2C + 1] fp32: every rank's [mean, invstd, count] (the all-gather's result)
+    W,  # [C] weight (any float dtype), read when HAS_W
+    B,  # [C] bias, read when HAS_B
+    RunMean,  # [C] running mean, updated when HAS_RUNNING (any float dtype)
+    RunVar,  # [C] running variance (unbiased), updated when HAS_RUNNING
+    MeanOut,  # [C] fp32 out: the global mean (saved for backward)
+    InvstdOut,  # [C] fp32 out: the global 1 / sqrt(var + eps)
+    M,
+    C,
+    stride_x_m,
+    stride_y_m,
+    world,
+    rows_per_split,
+    momentum,
+    eps,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    HAS_RUNNING: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # Every program merges the ranks' statistics for its channels (world x 3 loads of BLOCK_C
+    # values: nothing next to its tiles), the first split of each channel block also writes
+    # them out and updates the running statistics; then y = x * scale + shift, tile by tile.
+    pid_c = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    mean, var, n = _merge_rank_stats(Rows, C, world, cols, col_ok, eps, BLOCK_C)
+    invstd = 1.0 / tl.sqrt(var + eps)
+    if pid_s == 0:
+        tl.store(MeanOut + cols, mean, mask=col_ok)
+        tl.store(InvstdOut + cols, invstd, mask=col_ok)
+        if HAS_RUNNING:
+            unbiased = var * (n / (n - 1.0))
+            rm = tl.load(RunMean + cols, mask=col_ok, other=0.0).to(tl.float32)
+            rv = tl.load(RunVar + cols, mask=col_ok, other=0.0).to(tl.float32)
+            rm = momentum * mean + (1.0 - momentum) * rm
+            rv = momentum * unbiased + (1.0 - momentum) * rv
+            tl.store(RunMean + cols, rm.to(RunMean.dtype.element_ty), mask=col_ok)
+            tl.store(RunVar + cols, rv.to(RunVar.dtype.element_ty), mask=col_ok)
+    scale = invstd
+    if HAS_W:
+        scale = scale * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    shift = -mean * scale
+    if HAS_B:
+        shift += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
+    start = pid_s * rows_per_split
+    end = tl.minimum(start + rows_per_split, M)
+    r0 = start
+    while r0 < end:
+        rows = r0 + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        x = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
+        y = x.to(tl.float32) * scale[None, :] + shift[None, :]
+        tl.store(Y + rows64 * stride_y_m + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        r0 += BLOCK_M
+
+
+@triton.jit(do_not_specialize=["M", "rows_per_split"])
+def bn_backward_elemt_kernel(
+    DY,  # [M, C] output gradient, unit column stride
+    X,  # [M, C] input, unit column stride
+    DX,  # [M, C] input gradient out (DY's dtype), unit column stride
+    Mean,  # [C] fp32 global mean
+    Invstd,  # [C] fp32 global invstd
+    W,  # [C] weight, read when HAS_W
+    Sums,  # [2C] fp32: sum(dy), sum(dy * (x - mean)) over every rank (all-reduced)
+    Counts,  # [world] fp32 row counts of the ranks (strided: a column of the gathered rows)
+    M,
+    C,
+    stride_dy_m,
+    stride_x_m,
+    stride_dx_m,
+    stride_counts,
+    world,
+    rows_per_split,
+    HAS_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # dx = (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N) * invstd * w
+    #    = dy * k + x * a + b, with per-channel k, a, b computed once per program.
+    pid_c = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < C
+    n = tl.load(Counts).to(tl.float32)
+    r = 1
+    while r < world:
+        n += tl.load(Counts + r * stride_counts).to(tl.float32)
+        r += 1
+    mean = tl.load(Mean + cols, mask=col_ok, other=0.0)
+    invstd = tl.load(Invstd + cols, mask=col_ok, other=0.0)
+    mean_dy = tl.load(Sums + cols, mask=col_ok, other=0.0) / n
+    mean_dy_xmu = tl.load(Sums + C + cols, mask=col_ok, other=0.0) / n
+    k = invstd
+    if HAS_W:
+        k = k * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+    a = -k * invstd * invstd * mean_dy_xmu
+    b = -k * mean_dy - a * mean
+    start = pid_s * rows_per_split
+    end = tl.minimum(start + rows_per_split, M)
+    r0 = start
+    while r0 < end:
+        rows = r0 + tl.arange(0, BLOCK_M)
+        mask = (rows < end)[:, None] & col_ok[None, :]
+        rows64 = rows.to(tl.int64)[:, None]
+        dy = tl.load(DY + rows64 * stride_dy_m + cols[None, :], mask=mask, other=0.0)
+        x = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
+        dx = dy.to(tl.float32) * k[None, :] + x.to(tl.float32) * a[None, :] + b[None, :]
+        tl.store(DX + rows64 * stride_dx_m + cols[None, :], dx.to(DX.dtype.element_ty),
+                 mask=mask)
+        r0 += BLOCK_M

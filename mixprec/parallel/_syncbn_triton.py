@@ -1,13 +1,20 @@
-"""Host launchers for SyncBatchNorm's Triton reductions over a channels-last ``(M, C)`` view.
+"""Host launchers for SyncBatchNorm's Triton kernels over a channels-last ``(M, C)`` view.
 
-Two per-rank reductions of :class:`~mixprec.parallel.SyncBatchNorm`'s CUDA path run here
-instead of PyTorch's ``batch_norm_stats`` / ``batch_norm_backward_reduce``, whose channels-last
-kernels move these tensors at a fraction of the memory bandwidth (on an H200 in a ResNet-50
-step they took about twice cuDNN's time for the same layers). Each is two launches: partial
-results per (channel block, run of rows), then a merge that also writes the packed tensor the
-collective sends, so no ``torch.cat`` follows.
+For channels-last inputs on CUDA, :class:`~mixprec.parallel.SyncBatchNorm` runs four Triton
+passes per layer instead of PyTorch's ``batch_norm_stats`` / ``batch_norm_gather_stats_with_counts``
+/ ``batch_norm_elemt`` / ``batch_norm_backward_reduce`` / ``batch_norm_backward_elemt``, whose
+channels-last kernels move these tensors at a fraction of the memory bandwidth (on an H200 in a
+ResNet-50 step they took about twice cuDNN's time for the same layers):
 
-The element-wise passes (normalize, input gradient) stay PyTorch's, which run near bandwidth.
+* :func:`stats_row`: this rank's statistics, written into the tensor the all-gather sends;
+* :func:`forward_elemt`: the count-weighted merge of every rank's statistics (and the running
+  statistics' update) fused into the normalization, one launch;
+* :func:`backward_reduce`: ``sum(dy)`` and ``sum(dy * (x - mean))``, written into the tensor
+  the all-reduce sends, and the local weight/bias gradients;
+* :func:`backward_elemt`: the input gradient.
+
+The reductions are two launches each (partial results per run of rows, then a merge in a fixed
+order: no atomics, the same bits every run); the element-wise passes one each.
 """
 
 import functools
@@ -26,11 +33,12 @@ from mixprec.normalization._launch import (
     triton_next_power_of_2,
 )
 
-__all__ = ["backward_reduce", "stats_row", "usable"]
+__all__ = ["backward_elemt", "backward_reduce", "forward_elemt", "stats_row", "usable"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 4096  # elements of x per [BLOCK_M, BLOCK_C] tile (32 per thread at 4 warps)
 _PROGRAMS_PER_SM = 4  # partial programs; more splits would make the merge the slow part
+_ELEMT_PROGRAMS_PER_SM = 8  # element-wise passes: no merge, so more programs in flight
 _NUM_WARPS = 4
 # The merges: [BLOCK_S, BLOCK_C] tiles of partial results, narrow in C so that a layer with few
 # channels still gets a few programs.
@@ -61,13 +69,16 @@ def usable(x2d: Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=512)
-def _plan(m: int, c: int, device_type: str, device_index: Optional[int]) -> Tuple[int, ...]:
-    """``(BLOCK_M, BLOCK_C, splits, rows_per_split)`` for an ``(m, c)`` reduction."""
+def _plan(m: int, c: int, device_type: str, device_index: Optional[int],
+          programs_per_sm: Optional[int] = None) -> Tuple[int, ...]:
+    """``(BLOCK_M, BLOCK_C, splits, rows_per_split)`` for a pass over an ``(m, c)`` view,
+    ``programs_per_sm`` programs per SM on a GPU (default ``_PROGRAMS_PER_SM``: reductions)."""
     block_c = max(16, min(128, triton_next_power_of_2(c)))
     block_m = max(16, _TILE // block_c)
     c_blocks = _cdiv(c, block_c)
     if device_type == "cuda":
-        target = _PROGRAMS_PER_SM * _sm_resources(device_index)[0]
+        per_sm = _PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+        target = per_sm * _sm_resources(device_index)[0]
     else:
         target = 4  # the interpreter: a few splits, so the tests cover the merge
     splits = max(1, min(_cdiv(m, block_m), _cdiv(target, c_blocks)))
@@ -140,3 +151,62 @@ def backward_reduce(dy2d: Tensor, x2d: Tensor, mean: Tensor, invstd: Tensor,
                dict(COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, BLOCK_S=_MERGE_BLOCK_S,
                     BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS), device)
     return sums, grad_weight, grad_bias
+
+
+def forward_elemt(x2d: Tensor, rows: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                  running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                  momentum: float, eps: float, out2d: Tensor) -> Tuple[Tensor, Tensor]:
+    """Normalize ``x2d`` into ``out2d`` with the statistics of every rank; ``(mean, invstd)``.
+
+    ``rows`` is the all-gather's ``(world, 2C + 1)`` fp32 tensor of every rank's
+    :func:`stats_row`. The merge is count-weighted (ranks' batch sizes may differ);
+    ``running_mean`` / ``running_var`` (both or neither) are updated in place with ``momentum``
+    (the variance unbiased). Returns the global mean and ``1 / sqrt(var + eps)``, fp32, which
+    :func:`backward_elemt` takes. ``x2d`` must have at least one row.
+    """
+    _check(x2d, "forward_elemt")
+    _check(out2d, "forward_elemt")
+    m, c = x2d.shape
+    world = rows.shape[0]
+    if rows.shape != (world, 2 * c + 1) or rows.dtype != torch.float32 or not rows.is_contiguous():
+        raise ValueError(f"forward_elemt: rows must be a contiguous fp32 (world, {2 * c + 1}) "
+                         f"tensor, got {rows.dtype} {tuple(rows.shape)}")
+    block_m, block_c, splits, rows_per_split = _plan(m, c, x2d.device.type, x2d.device.index,
+                                                     _ELEMT_PROGRAMS_PER_SM)
+    k = _kernels()
+    mean = torch.empty(c, dtype=torch.float32, device=x2d.device)
+    invstd = torch.empty(c, dtype=torch.float32, device=x2d.device)
+    has_running = running_mean is not None
+    with _on_device(x2d):
+        launch(k.bn_forward_elemt_kernel, (_cdiv(c, block_c), splits),
+               (x2d, out2d, rows, mean if weight is None else weight,
+                mean if bias is None else bias, running_mean if has_running else mean,
+                running_var if has_running else mean, mean, invstd, m, c, x2d.stride(0),
+                out2d.stride(0), world, rows_per_split, float(momentum), float(eps)),
+               dict(HAS_W=weight is not None, HAS_B=bias is not None, HAS_RUNNING=has_running,
+                    BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), x2d.device)
+    return mean, invstd
+
+
+def backward_elemt(dy2d: Tensor, x2d: Tensor, mean: Tensor, invstd: Tensor,
+                   weight: Optional[Tensor], sums: Tensor, counts: Tensor,
+                   out2d: Tensor) -> Tensor:
+    """The input gradient into ``out2d``: ``(dy - sum_dy / N - (x - mean) * invstd^2 *
+    sum_dy_xmu / N) * invstd * weight``, with ``sums = [sum_dy, sum_dy_xmu]`` over every rank
+    and ``N = counts.sum()`` (``counts``: the ranks' row counts, fp32, any stride). Returns
+    ``out2d``. Both inputs must have at least one row."""
+    _check(dy2d, "backward_elemt")
+    _check(x2d, "backward_elemt")
+    _check(out2d, "backward_elemt")
+    m, c = x2d.shape
+    block_m, block_c, splits, rows_per_split = _plan(m, c, x2d.device.type, x2d.device.index,
+                                                     _ELEMT_PROGRAMS_PER_SM)
+    k = _kernels()
+    with _on_device(x2d):
+        launch(k.bn_backward_elemt_kernel, (_cdiv(c, block_c), splits),
+               (dy2d, x2d, out2d, mean, invstd, mean if weight is None else weight, sums,
+                counts, m, c, dy2d.stride(0), x2d.stride(0), out2d.stride(0),
+                counts.stride(0), counts.shape[0], rows_per_split),
+               dict(HAS_W=weight is not None, BLOCK_M=block_m, BLOCK_C=block_c,
+                    num_warps=_NUM_WARPS), x2d.device)
+    return out2d

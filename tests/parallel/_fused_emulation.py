@@ -123,7 +123,7 @@ def emulated_fused_path(triton: bool = False):
     saved_cpu = _syncbn_triton._cpu_testing
     fn._OPS = fn._FusedOps(stats=stats, gather_stats=gather_stats, elemt=elemt,
                            backward_reduce=backward_reduce, backward_elemt=backward_elemt,
-                           triton_reductions=triton)
+                           triton_channels_last=triton)
     fn._use_fused = lambda x: True
     _syncbn_triton._cpu_testing = triton
     try:

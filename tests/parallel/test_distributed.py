@@ -385,8 +385,11 @@ def check_amp_o2_fp16_dynamic_scale_on_device_under_ddp(ctx):
     assert optimizer_state(opt).amp_state.scalers[0].on_device == torch.device(ctx.device)
     assert skipped[2] and not skipped[3], skipped
     assert scales[2] == scales[1] / 2, scales
-    _assert_same_on_all_ranks(ctx, [torch.tensor(scales), torch.tensor(skipped)],
-                              "loss scale / skipped steps")
+    # (on the device: NCCL gathers no CPU tensors)
+    _assert_same_on_all_ranks(
+        ctx, [torch.tensor(scales, device=ctx.device),
+              torch.tensor(skipped, dtype=torch.float32, device=ctx.device)],
+        "loss scale / skipped steps")
     _assert_same_on_all_ranks(ctx, list(amp.master_params(opt)), "fp32 master weight")
     _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter")
 

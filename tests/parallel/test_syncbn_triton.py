@@ -4,6 +4,9 @@
 gives ``[sum(dy), sum(dy * (x - mean))]`` and the local weight/bias gradients. Tolerances: the
 kernels compute in fp32 from the same rounded inputs the reference sees, so the errors are fp32
 accumulation errors: relative 1e-5 (statistics) and 1e-4 of the sums' magnitude.
+``forward_elemt`` (the ranks' statistics merged, then normalized) and ``backward_elemt`` (the input
+gradient) are compared with float64 formulas; their outputs are rounded once to the input's
+dtype, so the tolerance is that dtype's rounding (plus fp32 arithmetic for fp32).
 """
 
 import importlib.util
@@ -101,6 +104,106 @@ def test_backward_reduce_matches_float64(device, dtype, m, c, need_weight, need_
     if need_bias:
         assert gb.data_ptr() != sums.data_ptr()  # the collective overwrites sums in place
         torch.testing.assert_close(gb, sums[:c], rtol=0, atol=0)
+
+
+def _rank_rows(parts, eps):
+    # What the all-gather hands every rank: each part's [mean, invstd, count], stacked.
+    rows = []
+    for x in parts:
+        xd = x.cpu().double()
+        mean, var = xd.mean(0), xd.var(0, unbiased=False)
+        rows.append(torch.cat([mean, (var + eps).rsqrt(), torch.tensor([float(len(x))])]))
+    return torch.stack(rows).float()
+
+
+def _out_tol(dtype):
+    return {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=2e-3, atol=2e-3),
+            torch.bfloat16: dict(rtol=1.6e-2, atol=1.6e-2)}[dtype]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,c", [(1, 1), (300, 64), (1000, 130), (4099, 17)])
+@pytest.mark.parametrize("affine,running", [(True, True), (False, False), (True, False)])
+def test_forward_elemt_merges_the_ranks_and_normalizes(device, dtype, m, c, affine, running):
+    # This rank holds `x`; two other "ranks" of other sizes and means are merged in from their
+    # rows, as after the all-gather. Reference: BatchNorm of the concatenated batch in float64.
+    eps, momentum = 1e-5, 0.1
+    x = _input(m, c, dtype, device, offset=0.5)
+    others = [_input(37, c, dtype, device, offset=-2.0, seed=5), _input(m + 3, c, dtype, device,
+                                                                           offset=3.0, seed=6)]
+    rows = _rank_rows([others[0], x, others[1]], eps).to(device)
+    g = torch.Generator().manual_seed(9)
+    weight = (torch.rand(c, generator=g) + 0.5).to(device) if affine else None
+    bias = torch.randn(c, generator=g).to(device) if affine else None
+    rm = torch.randn(c, generator=g).to(device) if running else None
+    rv = (torch.rand(c, generator=g) + 0.5).to(device) if running else None
+    rm0, rv0 = (rm.clone(), rv.clone()) if running else (None, None)
+    out = torch.empty_like(x)
+    mean, invstd = _syncbn_triton.forward_elemt(x, rows, weight, bias, rm, rv, momentum, eps, out)
+
+    every = torch.cat([o.cpu().double() for o in (others[0], x, others[1])])
+    g_mean, g_var = every.mean(0), every.var(0, unbiased=False)
+    g_invstd = (g_var + eps).rsqrt()
+    torch.testing.assert_close(mean.cpu().double(), g_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(invstd.cpu().double(), g_invstd, rtol=1e-4, atol=0)
+    y = (x.cpu().double() - g_mean) * g_invstd
+    if affine:
+        y = y * weight.cpu().double() + bias.cpu().double()
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.cpu().double(), y, **_out_tol(dtype))
+    if running:
+        n = len(every)
+        torch.testing.assert_close(
+            rm.cpu().double(), (1 - momentum) * rm0.cpu().double() + momentum * g_mean,
+            rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            rv.cpu().double(),
+            (1 - momentum) * rv0.cpu().double() + momentum * g_var * n / (n - 1),
+            rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_elemt_weighs_an_empty_rank_as_nothing(device):
+    # An empty rank sends mean 0, invstd 1 and a count of 1e-30 (see _sync_batchnorm_function).
+    x = _input(300, 8, torch.float32, device, offset=4.0)
+    rows = _rank_rows([x], 1e-5)
+    empty = torch.cat([torch.zeros(8), torch.ones(8), torch.tensor([1e-30])]).unsqueeze(0)
+    both = torch.cat([empty, rows]).to(device)
+    out, ref = torch.empty_like(x), torch.empty_like(x)
+    _syncbn_triton.forward_elemt(x, both, None, None, None, None, 0.1, 1e-5, out)
+    _syncbn_triton.forward_elemt(x, rows.to(device), None, None, None, None, 0.1, 1e-5, ref)
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,c", [(1, 1), (300, 64), (1000, 130), (4099, 17)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_backward_elemt_matches_float64(device, dtype, m, c, affine):
+    x = _input(m, c, dtype, device, offset=1.0)
+    dy = _input(m, c, dtype, device, seed=1)
+    g = torch.Generator().manual_seed(4)
+    mean = torch.randn(c, generator=g).to(device)
+    invstd = (torch.rand(c, generator=g) + 0.5).to(device)
+    weight = (torch.rand(c, generator=g) + 0.5).to(device) if affine else None
+    sums = torch.randn(2 * c, generator=g, dtype=torch.float64).float().to(device) * m
+    # The ranks' counts, as a strided column of the gathered rows (world 3, 2C + 1 = 5 wide).
+    counts = torch.tensor([[0, 0, 0, 0, 7.0], [0, 0, 0, 0, float(m)], [0, 0, 0, 0, 2.0]],
+                          device=device)[:, 4]
+    out = torch.empty_like(x)
+    assert _syncbn_triton.backward_elemt(dy, x, mean, invstd, weight, sums, counts, out) is out
+    n = 9.0 + m
+    md, isd, sd = mean.cpu().double(), invstd.cpu().double(), sums.cpu().double()
+    ref = (dy.cpu().double() - sd[:c] / n
+           - (x.cpu().double() - md) * isd * isd * sd[c:] / n) * isd
+    if affine:
+        ref = ref * weight.cpu().double()
+    assert out.dtype == dtype
+    scale = max(1.0, float(ref.abs().max()))
+    tol = _out_tol(dtype)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=tol["rtol"],
+                               atol=tol["atol"] * scale)
 
 
 def test_usable_rejects_what_the_kernels_do_not_take():
