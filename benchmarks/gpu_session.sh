@@ -4,7 +4,7 @@
 # Steps: amp, norm (each alone), amp_norm (bench_amp on GPU 0 beside bench_norm on GPU 1), sweep (bench_norm --sweep),
 # tests1 (single-GPU tests), tests2 (two-GPU tests), parallel (bench_parallel, torchrun),
 # cli (mixprec bench, gpt on GPU 0 beside resnet50 on GPU 1), tests_amp (amp's CUDA cases),
-# tests12 (tests1 on GPU 0 beside tests2), graphs (bench_parallel --graphs: ResNet-50 steps as
+# tests12 (tests1 on GPU 0 beside tests2), graphs (bench_parallel --graphs: GPT and ResNet-50 steps as
 # CUDA graph replays), host (norm_host_overhead.py: host time per norm call).
 # Timing steps never share the machine with the test runs (compilers and test workers take
 # the CPU, and launch-bound steps then time the CPU). The logs are packed after every step, so
@@ -36,7 +36,10 @@ for s in "$@"; do
       wait ;;
     amp) step bench_amp 280 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --out "$LOGS" ;;
     amp_gpt) step bench_amp_gpt 240 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_amp.py --models gpt --out "$LOGS" ;;
-    graphs) step bench_parallel_graphs 200 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --graphs --out "$LOGS/graphs" ;;
+    graphs)  # one process per model: a run that captured the GPT steps first failed a later
+      # ResNet capture with "CUDA error: invalid argument" (once mixprec's, once torch's SyncBN)
+      step bench_parallel_graphs_gpt 200 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --graphs --parts gpt --out "$LOGS/graphs_gpt"
+      step bench_parallel_graphs 200 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --graphs --parts resnet --out "$LOGS/graphs" ;;
     host) step norm_host_overhead 90 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/norm_host_overhead.py ;;
     tests12)
       step tests_1gpu 400 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench &
