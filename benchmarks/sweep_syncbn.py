@@ -93,7 +93,7 @@ def main():
         _syncbn_triton._ELEMT_PROGRAMS_PER_SM = elemt_per_sm
         _syncbn_triton._TILE = tile
         _syncbn_triton._MERGE_BLOCK_S = merge_rows
-        _syncbn_triton._plan.cache_clear()
+        _syncbn_triton.plan_for.cache_clear()
         ms = _graphed_step_ms(convert_syncbn_model, device, x, y)
         if rank == 0:
             print(f"programs/SM {per_sm} (element-wise {elemt_per_sm}), tile {tile}, merge rows "

@@ -31,8 +31,10 @@ _FALLBACK_WARPS_PER_SM = 16
 
 
 @functools.cache
+@functools.cache
 def triton_available() -> bool:
-    """Whether Triton can be imported (checked once)."""
+    """Whether Triton can be imported (checked once: the answer is cached, as every fused call
+    asks)."""
     try:
         if importlib.util.find_spec("triton") is None:
             return False

@@ -103,6 +103,12 @@ class _Layout:
             perm = (0, *range(2, x.dim()), 1)
             if x.permute(perm).is_contiguous():
                 self.flat, self.perm = True, perm
+        # ``dense``: x's memory IS the (M, C) array with row stride C (channels-last dense, or
+        # contiguous with ``channel_last``), so kernels can take x itself, no view needed.
+        self.dense = self.flat and (self.perm is not None or x.is_contiguous())
+        c = self.shape[self.channel_dim] if x.dim() else 0
+        self.rows = x.numel() // c if c else 0
+        self.plan = None  # the Triton kernels' Plan, made on first use (dense layouts only)
 
     @property
     def num_channels(self) -> int:
@@ -148,19 +154,48 @@ class _Layout:
         return tuple(shape)
 
 
+def _layout_of(x: torch.Tensor, channel_last: bool, cache: Optional[Dict]) -> _Layout:
+    # A layer sees the same shapes step after step: keep its _Layout (and with it the Triton
+    # kernels' Plan) per geometry instead of working them out on every call.
+    if cache is None:
+        return _Layout(x, channel_last)
+    key = ("layout", x.shape, x.stride(), channel_last)
+    layout = cache.get(key)
+    if layout is None:
+        layout = _Layout(x, channel_last)
+        _cache_put(cache, key, layout)
+    return layout
+
+
+def _cache_put(cache: Dict, key, value) -> None:
+    if len(cache) >= 16:  # a layer fed ever-changing shapes: start over
+        cache.clear()
+    cache[key] = value
+
+
+def _triton_plan(x: torch.Tensor, layout: _Layout):
+    """The Triton kernels' Plan when they take ``x`` as it is (dense channels-last on CUDA,
+    non-empty, a dtype they read), else None."""
+    if not (layout.dense and layout.rows and _OPS.triton_channels_last
+            and _syncbn_triton.usable_dtype(x)):
+        return None
+    plan = layout.plan
+    if plan is None or plan.device != x.device:
+        plan = layout.plan = _syncbn_triton.plan_for(layout.rows, layout.num_channels, x.device)
+    return plan
+
+
 def _count_tensor(cache: Optional[Dict], count: float, like: torch.Tensor) -> torch.Tensor:
     # A one-element tensor holding this rank's count, kept per (value, device, dtype) so that
     # a steady batch size costs no fill kernel per layer per step.
-    key = (count, like.device, like.dtype)
+    key = ("count", count, like.device, like.dtype)
     if cache is not None:
         hit = cache.get(key)
         if hit is not None:
             return hit
     t = torch.full((1,), count, dtype=like.dtype, device=like.device)
     if cache is not None:
-        if len(cache) >= 8:
-            cache.clear()
-        cache[key] = t
+        _cache_put(cache, key, t)
     return t
 
 
@@ -169,33 +204,29 @@ def _count_tensor(cache: Optional[Dict], count: float, like: torch.Tensor) -> to
 # ---------------------------------------------------------------------------------------------
 def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, momentum, group,
                    world_size, stat_dtype, cache):
-    xk = layout.to_kernel(x)
     C = layout.num_channels
-    count = xk.numel() // C if C else 0
-    triton = (count > 0 and layout.flat and _OPS.triton_channels_last
-              and _syncbn_triton.usable(xk))
-    if triton:
-        # [mean, invstd, count] written straight into the buffer the all-gather sends.
-        row = _syncbn_triton.stats_row(xk, eps)
-    else:
-        if count > 0:
-            mean, invstd = _OPS.stats(xk, eps)
-            count_t = _count_tensor(cache, float(count), mean)
-        else:
-            mean = torch.zeros(C, dtype=stat_dtype, device=x.device)
-            invstd = torch.ones(C, dtype=stat_dtype, device=x.device)
-            count_t = _count_tensor(cache, _EMPTY_COUNT, mean)
-        row = torch.cat([mean, invstd, count_t])
-    rows = all_gather_rows(row, group, world_size)
-    counts = rows[:, 2 * C]  # every rank's row count (a strided view)
+    plan = _triton_plan(x, layout)
+    if plan is not None:
+        # Four Triton kernels take x itself: this rank's [mean, invstd, count] written straight
+        # into the buffer the all-gather sends; then the ranks' statistics merged, the running
+        # statistics updated and x normalized, in one kernel.
+        rows = all_gather_rows(plan.stats_row(x, C, eps), group, world_size)
+        out = torch.empty_like(x)  # dense like x: the same (M, C) array
+        mean, invstd = plan.forward_elemt(x, C, out, C, rows, weight, bias, running_mean,
+                                          running_var, momentum, eps)
+        return out, mean, invstd, rows[:, 2 * C]
 
-    if triton and rows.dtype == torch.float32:
-        # The merge of the ranks' statistics, the running statistics' update and the
-        # normalization: one kernel.
-        out, out_k = layout.new_output(x)
-        mean, invstd = _syncbn_triton.forward_elemt(xk, rows, weight, bias, running_mean,
-                                                    running_var, momentum, eps, out_k)
-        return out, mean, invstd, counts
+    xk = layout.to_kernel(x)
+    count = layout.rows
+    if count > 0:
+        mean, invstd = _OPS.stats(xk, eps)
+        count_t = _count_tensor(cache, float(count), mean)
+    else:
+        mean = torch.zeros(C, dtype=stat_dtype, device=x.device)
+        invstd = torch.ones(C, dtype=stat_dtype, device=x.device)
+        count_t = _count_tensor(cache, _EMPTY_COUNT, mean)
+    rows = all_gather_rows(torch.cat([mean, invstd, count_t]), group, world_size)
+    counts = rows[:, 2 * C]  # every rank's row count (a strided view)
 
     # The merge kernel reads the counts in the running statistics' dtype (the input's when there
     # are none): give it fp32 running statistics so large counts stay exact.
@@ -224,18 +255,31 @@ def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, mome
 
 def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, needs):
     need_input, need_weight, need_bias = needs
+    C = layout.num_channels
+    plan = _triton_plan(x, layout) if mean.dtype == torch.float32 else None
+    if plan is not None:
+        # The gradient usually arrives with x's strides; otherwise as an (M, C) copy.
+        if grad_out.stride() == x.stride() and grad_out.dtype == x.dtype:
+            gk, stride_g = grad_out, C
+        else:
+            gk = layout.to_kernel(grad_out)
+            stride_g = gk.stride(0)
+            if not _syncbn_triton.usable(gk):
+                gk, plan = None, None
+    if plan is not None:
+        packed, grad_weight, grad_bias = plan.backward_reduce(gk, stride_g, x, C, mean, invstd,
+                                                              need_weight, need_bias)
+        grad_input = None
+        if need_input:
+            all_reduce_sum(packed, group)  # the one collective of the backward pass
+            grad_input = torch.empty_like(x)
+            plan.backward_elemt(gk, stride_g, x, C, grad_input, C, mean, invstd, weight, packed,
+                                counts)
+        return grad_input, grad_weight, grad_bias
+
     xk = layout.to_kernel(x)
     gk = layout.to_kernel(grad_out)
-    C = layout.num_channels
-    packed = None
-    triton = (xk.numel() > 0 and layout.flat and _OPS.triton_channels_last
-              and mean.dtype == torch.float32 and _syncbn_triton.usable(xk)
-              and _syncbn_triton.usable(gk))
-    if triton:
-        packed, grad_weight, grad_bias = _syncbn_triton.backward_reduce(
-            gk, xk, mean, invstd, need_weight, need_bias
-        )
-    elif xk.numel() > 0:
+    if xk.numel() > 0:
         sum_dy, sum_dy_xmu, grad_weight, grad_bias = _OPS.backward_reduce(
             gk, xk, mean, invstd, weight, need_input, need_weight, need_bias
         )
@@ -245,13 +289,9 @@ def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, ne
     grad_input = None
     if need_input:
         # The one collective of the backward pass: both per-channel sums in one tensor.
-        if packed is None:
-            packed = torch.cat([sum_dy, sum_dy_xmu]).to(mean.dtype)
+        packed = torch.cat([sum_dy, sum_dy_xmu]).to(mean.dtype)
         all_reduce_sum(packed, group)
-        if triton and counts.dtype == torch.float32:
-            grad_input, gk_in = layout.new_output(x)
-            _syncbn_triton.backward_elemt(gk, xk, mean, invstd, weight, packed, counts, gk_in)
-        elif xk.numel() > 0:
+        if xk.numel() > 0:
             # PyTorch's kernel takes int32 counts (an empty rank's tiny count truncates to 0).
             gk_in = _OPS.backward_elemt(gk, xk, mean, invstd, weight, packed[:C], packed[C:],
                                         counts.to(torch.int32))
@@ -328,7 +368,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group,
                 world_size, channel_last, cache):
-        layout = _Layout(x, channel_last)
+        layout = _layout_of(x, channel_last, cache)
         stat_dtype = _stat_dtype(x.dtype)
         # Parameters in the statistics' dtype: fp32 weights with half input is what the fused
         # kernels' mixed-type variants read; half weights (O3) are upcast here, once.
@@ -369,12 +409,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             )
         if not needs[1]:
             grad_weight = None
-        elif grad_weight is not None:
+        elif grad_weight is not None and grad_weight.dtype != weight.dtype:
             grad_weight = grad_weight.to(weight.dtype)
         if not needs[2]:
             grad_bias = None
-        elif grad_bias is not None:
-            grad_bias = grad_bias.to(weight.dtype if weight is not None else grad_bias.dtype)
+        elif (grad_bias is not None and weight is not None
+              and grad_bias.dtype != weight.dtype):
+            grad_bias = grad_bias.to(weight.dtype)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
@@ -393,7 +434,8 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, eps: float, mome
         group: the process group (None: the default group).
         world_size (int): its size.
         channel_last (bool): channels are ``x``'s last dimension. Default False.
-        cache (dict, optional): per-module scratch (the count tensor).
+        cache (dict, optional): per-module scratch: the layout (and Triton plan) of each input
+            geometry seen, the count tensor of the PyTorch path.
 
     Returns:
         Tensor: normalized ``x``, same shape, dtype and layout.

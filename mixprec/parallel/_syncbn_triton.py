@@ -33,7 +33,8 @@ from mixprec.normalization._launch import (
     triton_next_power_of_2,
 )
 
-__all__ = ["backward_elemt", "backward_reduce", "forward_elemt", "stats_row", "usable"]
+__all__ = ["Plan", "backward_elemt", "backward_reduce", "forward_elemt", "plan_for",
+           "stats_row", "usable", "usable_dtype"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 4096  # elements of x per [BLOCK_M, BLOCK_C] tile (32 per thread at 4 warps)
@@ -50,41 +51,155 @@ _MERGE_BLOCK_S = 256  # benchmarks/sweep_syncbn.py: 1.171-1.176x vs 1.186-1.188x
 _cpu_testing = False
 
 
+_KERNELS = None
+
+
 def _kernels():
-    from mixprec.parallel import _syncbn_kernels
+    # Imported on first use (``import mixprec`` never needs Triton), then kept: an import
+    # statement costs microseconds on every call.
+    global _KERNELS
+    if _KERNELS is None:
+        from mixprec.parallel import _syncbn_kernels
 
-    return _syncbn_kernels
+        _KERNELS = _syncbn_kernels
+    return _KERNELS
 
 
-def usable(x2d: Tensor) -> bool:
-    """Whether the Triton reductions take ``x2d``: a CUDA ``(M, C)`` view with unit column
-    stride in fp32/fp16/bf16, with Triton importable."""
-    if x2d.dtype not in _DTYPES or x2d.dim() != 2:
+def usable_dtype(t: Tensor) -> bool:
+    """Whether the kernels take ``t``'s dtype and device (CUDA with Triton importable; CPU
+    only under the testing hook with the interpreter). Layout is the caller's to check."""
+    if t.dtype not in _DTYPES:
         return False
-    if x2d.shape[1] > 1 and x2d.stride(1) != 1:
-        return False
-    if x2d.is_cuda:
+    if t.is_cuda:
         return triton_available()
     return _cpu_testing and triton_available() and interpreter_enabled()
 
 
-@functools.lru_cache(maxsize=512)
-def _plan(m: int, c: int, device_type: str, device_index: Optional[int],
-          programs_per_sm: Optional[int] = None) -> Tuple[int, ...]:
-    """``(BLOCK_M, BLOCK_C, splits, rows_per_split)`` for a pass over an ``(m, c)`` view,
-    ``programs_per_sm`` programs per SM on a GPU (default ``_PROGRAMS_PER_SM``: reductions)."""
+def usable(x2d: Tensor) -> bool:
+    """Whether the Triton kernels take ``x2d``: a CUDA ``(M, C)`` view with unit column
+    stride in fp32/fp16/bf16, with Triton importable."""
+    if x2d.dim() != 2 or (x2d.shape[1] > 1 and x2d.stride(1) != 1):
+        return False
+    return usable_dtype(x2d)
+
+
+def _split(m: int, c: int, target_programs: int) -> Tuple[int, int, int, int]:
+    """``(BLOCK_M, BLOCK_C, splits, rows_per_split)``: about ``target_programs`` programs over
+    an ``(m, c)`` view, each a ``BLOCK_C``-wide slice of channels and a run of rows."""
     block_c = max(16, min(128, triton_next_power_of_2(c)))
     block_m = max(16, _TILE // block_c)
     c_blocks = _cdiv(c, block_c)
-    if device_type == "cuda":
-        per_sm = _PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
-        target = per_sm * _sm_resources(device_index)[0]
-    else:
-        target = 4  # the interpreter: a few splits, so the tests cover the merge
-    splits = max(1, min(_cdiv(m, block_m), _cdiv(target, c_blocks)))
+    splits = max(1, min(_cdiv(m, block_m), _cdiv(target_programs, c_blocks)))
     rows_per_split = _cdiv(_cdiv(m, splits), block_m) * block_m
     splits = _cdiv(m, rows_per_split)
     return block_m, block_c, splits, rows_per_split
+
+
+class Plan:
+    """Launch settings for one ``(M, C)`` geometry on one device, worked out once.
+
+    Its methods launch the kernels on tensors whose memory holds that ``(M, C)`` array with
+    unit column stride and the given row stride (a channels-last tensor itself, or a 2-D view):
+    they check nothing, so callers hand them only what :func:`usable` accepts (the module-level
+    functions below do the checks). Reductions use ``_PROGRAMS_PER_SM`` programs per SM,
+    element-wise passes ``_ELEMT_PROGRAMS_PER_SM``.
+    """
+
+    __slots__ = ("m", "c", "device", "reduce", "elemt", "merge_grid")
+
+    def __init__(self, m: int, c: int, device: torch.device):
+        self.m, self.c, self.device = m, c, device
+        if device.type == "cuda":
+            sms = _sm_resources(device.index)[0]
+            reduce_target, elemt_target = _PROGRAMS_PER_SM * sms, _ELEMT_PROGRAMS_PER_SM * sms
+        else:
+            reduce_target = elemt_target = 4  # the interpreter: a few splits, so the tests
+            #                                   cover the merges and the loops
+        self.reduce = _split(m, c, reduce_target)
+        self.elemt = _split(m, c, elemt_target)
+        self.merge_grid = (_cdiv(c, _MERGE_BLOCK_C),)
+
+    def stats_row(self, x: Tensor, stride_x: int, eps: float) -> Tensor:
+        """``[mean (C), invstd (C), M]`` of ``x``, fp32 (see :func:`stats_row`)."""
+        m, c, device = self.m, self.c, self.device
+        block_m, block_c, splits, rows_per_split = self.reduce
+        k = _kernels()
+        partial = torch.empty((splits, 3, c), dtype=torch.float32, device=device)
+        row = torch.empty(2 * c + 1, dtype=torch.float32, device=device)
+        with _on_device(x):
+            launch(k.bn_partial_stats_kernel, (_cdiv(c, block_c), splits),
+                   (x, partial, m, c, stride_x, rows_per_split),
+                   dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), device)
+            launch(k.bn_finalize_stats_kernel, self.merge_grid,
+                   (partial, row, splits, c, float(m), float(eps)),
+                   dict(BLOCK_S=_MERGE_BLOCK_S, BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS),
+                   device)
+        return row
+
+    def forward_elemt(self, x: Tensor, stride_x: int, out: Tensor, stride_out: int,
+                      rows: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                      running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                      momentum: float, eps: float) -> Tuple[Tensor, Tensor]:
+        """Merge ``rows`` and normalize ``x`` into ``out``; ``(mean, invstd)``."""
+        m, c, device = self.m, self.c, self.device
+        block_m, block_c, splits, rows_per_split = self.elemt
+        mean = torch.empty(c, dtype=torch.float32, device=device)
+        invstd = torch.empty(c, dtype=torch.float32, device=device)
+        has_running = running_mean is not None
+        with _on_device(x):
+            launch(_kernels().bn_forward_elemt_kernel, (_cdiv(c, block_c), splits),
+                   (x, out, rows, mean if weight is None else weight,
+                    mean if bias is None else bias, running_mean if has_running else mean,
+                    running_var if has_running else mean, mean, invstd, m, c, stride_x,
+                    stride_out, rows.shape[0], rows_per_split, float(momentum), float(eps)),
+                   dict(HAS_W=weight is not None, HAS_B=bias is not None,
+                        HAS_RUNNING=has_running, BLOCK_M=block_m, BLOCK_C=block_c,
+                        num_warps=_NUM_WARPS), device)
+        return mean, invstd
+
+    def backward_reduce(self, dy: Tensor, stride_dy: int, x: Tensor, stride_x: int,
+                        mean: Tensor, invstd: Tensor, need_weight: bool, need_bias: bool
+                        ) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+        """``(sums, grad_weight, grad_bias)`` (see :func:`backward_reduce`)."""
+        m, c, device = self.m, self.c, self.device
+        block_m, block_c, splits, rows_per_split = self.reduce
+        k = _kernels()
+        partial = torch.empty((splits, 2, c), dtype=torch.float32, device=device)
+        sums = torch.empty(2 * c, dtype=torch.float32, device=device)
+        grad_weight = torch.empty(c, dtype=torch.float32, device=device) if need_weight else None
+        grad_bias = torch.empty(c, dtype=torch.float32, device=device) if need_bias else None
+        with _on_device(x):
+            launch(k.bn_partial_backward_kernel, (_cdiv(c, block_c), splits),
+                   (dy, x, mean, partial, m, c, stride_dy, stride_x, rows_per_split),
+                   dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), device)
+            launch(k.bn_finalize_backward_kernel, self.merge_grid,
+                   (partial, invstd, sums, grad_weight if need_weight else sums,
+                    grad_bias if need_bias else sums, splits, c),
+                   dict(COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, BLOCK_S=_MERGE_BLOCK_S,
+                        BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS), device)
+        return sums, grad_weight, grad_bias
+
+    def backward_elemt(self, dy: Tensor, stride_dy: int, x: Tensor, stride_x: int, out: Tensor,
+                       stride_out: int, mean: Tensor, invstd: Tensor, weight: Optional[Tensor],
+                       sums: Tensor, counts: Tensor) -> Tensor:
+        """The input gradient into ``out`` (see :func:`backward_elemt`)."""
+        m, c, device = self.m, self.c, self.device
+        block_m, block_c, splits, rows_per_split = self.elemt
+        with _on_device(x):
+            launch(_kernels().bn_backward_elemt_kernel, (_cdiv(c, block_c), splits),
+                   (dy, x, out, mean, invstd, mean if weight is None else weight, sums,
+                    counts, m, c, stride_dy, stride_x, stride_out, counts.stride(0),
+                    counts.shape[0], rows_per_split),
+                   dict(HAS_W=weight is not None, BLOCK_M=block_m, BLOCK_C=block_c,
+                        num_warps=_NUM_WARPS), device)
+        return out
+
+
+@functools.lru_cache(maxsize=512)
+def plan_for(m: int, c: int, device: torch.device) -> Plan:
+    """The :class:`Plan` of an ``(m, c)`` geometry on ``device`` (cached; tuning scripts that
+    change the module's settings call ``plan_for.cache_clear()``)."""
+    return Plan(m, c, device)
 
 
 def _check(x2d: Tensor, what: str) -> None:
@@ -95,6 +210,10 @@ def _check(x2d: Tensor, what: str) -> None:
         raise RuntimeError(f"{what}: CPU tensors need TRITON_INTERPRET=1 (tests only)")
 
 
+def _plan_of(x2d: Tensor) -> Plan:
+    return plan_for(x2d.shape[0], x2d.shape[1], x2d.device)
+
+
 def stats_row(x2d: Tensor, eps: float) -> Tensor:
     """This rank's statistics packed for the all-gather: ``[mean (C), invstd (C), M]``, fp32.
 
@@ -102,22 +221,7 @@ def stats_row(x2d: Tensor, eps: float) -> Tensor:
     ``x2d`` must have at least one row.
     """
     _check(x2d, "stats_row")
-    m, c = x2d.shape
-    block_m, block_c, splits, rows_per_split = _plan(m, c, x2d.device.type, x2d.device.index)
-    k = _kernels()
-    partial = torch.empty((splits, 3, c), dtype=torch.float32, device=x2d.device)
-    row = torch.empty(2 * c + 1, dtype=torch.float32, device=x2d.device)
-    c_blocks = _cdiv(c, block_c)
-    device = x2d.device
-    with _on_device(x2d):
-        launch(k.bn_partial_stats_kernel, (c_blocks, splits),
-               (x2d, partial, m, c, x2d.stride(0), rows_per_split),
-               dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), device)
-        launch(k.bn_finalize_stats_kernel, (_cdiv(c, _MERGE_BLOCK_C),),
-               (partial, row, splits, c, float(m), float(eps)),
-               dict(BLOCK_S=_MERGE_BLOCK_S, BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS),
-               device)
-    return row
+    return _plan_of(x2d).stats_row(x2d, x2d.stride(0), eps)
 
 
 def backward_reduce(dy2d: Tensor, x2d: Tensor, mean: Tensor, invstd: Tensor,
@@ -132,25 +236,8 @@ def backward_reduce(dy2d: Tensor, x2d: Tensor, mean: Tensor, invstd: Tensor,
     """
     _check(dy2d, "backward_reduce")
     _check(x2d, "backward_reduce")
-    m, c = x2d.shape
-    block_m, block_c, splits, rows_per_split = _plan(m, c, x2d.device.type, x2d.device.index)
-    k = _kernels()
-    partial = torch.empty((splits, 2, c), dtype=torch.float32, device=x2d.device)
-    sums = torch.empty(2 * c, dtype=torch.float32, device=x2d.device)
-    grad_weight = torch.empty(c, dtype=torch.float32, device=x2d.device) if need_weight else None
-    grad_bias = torch.empty(c, dtype=torch.float32, device=x2d.device) if need_bias else None
-    c_blocks = _cdiv(c, block_c)
-    device = x2d.device
-    with _on_device(x2d):
-        launch(k.bn_partial_backward_kernel, (c_blocks, splits),
-               (dy2d, x2d, mean, partial, m, c, dy2d.stride(0), x2d.stride(0), rows_per_split),
-               dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), device)
-        launch(k.bn_finalize_backward_kernel, (_cdiv(c, _MERGE_BLOCK_C),),
-               (partial, invstd, sums, grad_weight if need_weight else sums,
-                grad_bias if need_bias else sums, splits, c),
-               dict(COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, BLOCK_S=_MERGE_BLOCK_S,
-                    BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS), device)
-    return sums, grad_weight, grad_bias
+    return _plan_of(x2d).backward_reduce(dy2d, dy2d.stride(0), x2d, x2d.stride(0), mean, invstd,
+                                         need_weight, need_bias)
 
 
 def forward_elemt(x2d: Tensor, rows: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
@@ -166,26 +253,13 @@ def forward_elemt(x2d: Tensor, rows: Tensor, weight: Optional[Tensor], bias: Opt
     """
     _check(x2d, "forward_elemt")
     _check(out2d, "forward_elemt")
-    m, c = x2d.shape
+    c = x2d.shape[1]
     world = rows.shape[0]
     if rows.shape != (world, 2 * c + 1) or rows.dtype != torch.float32 or not rows.is_contiguous():
         raise ValueError(f"forward_elemt: rows must be a contiguous fp32 (world, {2 * c + 1}) "
                          f"tensor, got {rows.dtype} {tuple(rows.shape)}")
-    block_m, block_c, splits, rows_per_split = _plan(m, c, x2d.device.type, x2d.device.index,
-                                                     _ELEMT_PROGRAMS_PER_SM)
-    k = _kernels()
-    mean = torch.empty(c, dtype=torch.float32, device=x2d.device)
-    invstd = torch.empty(c, dtype=torch.float32, device=x2d.device)
-    has_running = running_mean is not None
-    with _on_device(x2d):
-        launch(k.bn_forward_elemt_kernel, (_cdiv(c, block_c), splits),
-               (x2d, out2d, rows, mean if weight is None else weight,
-                mean if bias is None else bias, running_mean if has_running else mean,
-                running_var if has_running else mean, mean, invstd, m, c, x2d.stride(0),
-                out2d.stride(0), world, rows_per_split, float(momentum), float(eps)),
-               dict(HAS_W=weight is not None, HAS_B=bias is not None, HAS_RUNNING=has_running,
-                    BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), x2d.device)
-    return mean, invstd
+    return _plan_of(x2d).forward_elemt(x2d, x2d.stride(0), out2d, out2d.stride(0), rows,
+                                       weight, bias, running_mean, running_var, momentum, eps)
 
 
 def backward_elemt(dy2d: Tensor, x2d: Tensor, mean: Tensor, invstd: Tensor,
@@ -198,15 +272,5 @@ def backward_elemt(dy2d: Tensor, x2d: Tensor, mean: Tensor, invstd: Tensor,
     _check(dy2d, "backward_elemt")
     _check(x2d, "backward_elemt")
     _check(out2d, "backward_elemt")
-    m, c = x2d.shape
-    block_m, block_c, splits, rows_per_split = _plan(m, c, x2d.device.type, x2d.device.index,
-                                                     _ELEMT_PROGRAMS_PER_SM)
-    k = _kernels()
-    with _on_device(x2d):
-        launch(k.bn_backward_elemt_kernel, (_cdiv(c, block_c), splits),
-               (dy2d, x2d, out2d, mean, invstd, mean if weight is None else weight, sums,
-                counts, m, c, dy2d.stride(0), x2d.stride(0), out2d.stride(0),
-                counts.stride(0), counts.shape[0], rows_per_split),
-               dict(HAS_W=weight is not None, BLOCK_M=block_m, BLOCK_C=block_c,
-                    num_warps=_NUM_WARPS), x2d.device)
-    return out2d
+    return _plan_of(x2d).backward_elemt(dy2d, dy2d.stride(0), x2d, x2d.stride(0), out2d,
+                                        out2d.stride(0), mean, invstd, weight, sums, counts)

@@ -210,7 +210,8 @@ def check_triton_kernels_run_for_channels_last(ctx):
         return  # no Triton here: nothing to check
     names = ("stats_row", "forward_elemt", "backward_reduce", "backward_elemt")
     calls = []
-    saved = {name: getattr(_syncbn_triton, name) for name in names}
+    plan = _syncbn_triton.Plan
+    saved = {name: getattr(plan, name) for name in names}
 
     def counted(name, f):
         def wrapper(*args, **kwargs):
@@ -219,7 +220,7 @@ def check_triton_kernels_run_for_channels_last(ctx):
         return wrapper
 
     for name in names:
-        setattr(_syncbn_triton, name, counted(name, saved[name]))
+        setattr(plan, name, counted(name, saved[name]))
     try:
         paths = [p for p in _paths(ctx) if p[0] in ("cuda-fused", "cpu-emulated-fused-triton")]
         assert paths, [p[0] for p in _paths(ctx)]
@@ -232,7 +233,7 @@ def check_triton_kernels_run_for_channels_last(ctx):
             globals()["_paths"] = saved_paths
     finally:
         for name in names:
-            setattr(_syncbn_triton, name, saved[name])
+            setattr(plan, name, saved[name])
     # One call of each per step, unless this rank's batch is empty (then PyTorch's path).
     if _uneven(ctx)[ctx.rank] > 0:
         assert sorted(calls) == sorted(names), calls
