@@ -7,6 +7,10 @@ communication). ``--profile`` adds PyTorch profiler tables (top kernels, top CPU
 by default because the profiler slows every variant timed after it.
 
     torchrun --standalone --nproc_per_node=2 benchmarks/profile_syncbn.py [--profile]
+
+With one process (``torchrun --standalone --nproc_per_node=1 ...``, one GPU) SyncBatchNorm is
+told the world has two ranks and only the local-collectives variant runs beside plain
+BatchNorm: the layers' own host and GPU cost, measurable without a second GPU.
 """
 
 import argparse
@@ -68,10 +72,15 @@ def main(argv=None):
         return step
 
     real = (sbf.all_gather_rows, sbf.all_reduce_sum)
-    for name, convert, local in (("plain BatchNorm", lambda m: m, False),
-                                 ("mixprec SyncBatchNorm", convert_syncbn_model, False),
-                                 ("mixprec SyncBatchNorm, collectives local", convert_syncbn_model,
-                                  True)):
+    variants = [("plain BatchNorm", lambda m: m, False),
+                ("mixprec SyncBatchNorm", convert_syncbn_model, False),
+                ("mixprec SyncBatchNorm, collectives local", convert_syncbn_model, True)]
+    if dist.get_world_size() == 1:  # pretend to be one of two ranks; no real collectives
+        import mixprec.parallel.sync_batchnorm as sbm
+
+        sbm.group_world_size = lambda group: 2
+        del variants[1]
+    for name, convert, local in variants:
         sbf.all_gather_rows, sbf.all_reduce_sum = (_local_gather, _local_reduce) if local else real
         step = build(convert)
         for _ in range(5):
