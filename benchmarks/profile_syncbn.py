@@ -43,6 +43,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--cprofile", action="store_true",
+                   help="also run 5 steps of each variant under cProfile (host functions by "
+                        "own time)")
     args = p.parse_args(argv)
     import torchvision
 
@@ -101,6 +104,18 @@ def main(argv=None):
         if rank == 0:
             print(f"{name}: {gpu_ms:.2f} ms/step (CUDA events), host enqueue "
                   f"{1e3 * statistics.median(host):.2f} ms/step", flush=True)
+        if args.cprofile:
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(5):
+                step()
+            torch.cuda.synchronize()
+            prof.disable()
+            if rank == 0:
+                pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(25)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
