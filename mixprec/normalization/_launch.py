@@ -203,14 +203,30 @@ def _fast_launch_supported() -> bool:
     return triton_version() in _FAST_LAUNCH_TRITON
 
 
-def _arg_key(arg):
-    if isinstance(arg, Tensor):
+def _arg_key(arg, _tensor=Tensor):
+    # Called for every argument of every launch: dispatch on the exact type first.
+    tp = type(arg)
+    if tp is _tensor or isinstance(arg, _tensor):
         return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool):
-        return (bool, arg)
-    if isinstance(arg, int):
+    if tp is int:
         return (int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
-    return (type(arg),)
+    if tp is bool:
+        return (bool, arg)
+    if isinstance(arg, int):  # an int subclass that is not bool
+        return (int, arg == 1, arg % 16 == 0, -(2**31) <= arg < 2**31)
+    return (tp,)
+
+
+_get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _raw_stream(device: torch.device) -> int:
+    """The handle of ``device``'s current CUDA stream (what Triton's own launcher reads;
+    ``torch.cuda.current_stream`` builds a Stream object, ~20 us on a slow host)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if _get_raw_stream is not None:
+        return _get_raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def launch(kernel, grid: Tuple[int, ...], args: tuple, consts: dict, device: torch.device) -> None:
@@ -219,13 +235,15 @@ def launch(kernel, grid: Tuple[int, ...], args: tuple, consts: dict, device: tor
     ``args`` are the kernel's leading (runtime) arguments in signature order, ``consts`` its
     constexprs (every one of them, by name) and launch options (``num_warps``, ...).
     """
-    if device.type != "cuda" or interpreter_enabled() or not _fast_launch_supported():
+    if device.type != "cuda" or not _fast_launch_supported():
         kernel[grid](*args, **consts)
         return
     key = (kernel, device.index, tuple(map(_arg_key, args)), tuple(consts.items()))
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **consts)
+        if interpreter_enabled():  # (read once per miss: the interpreter never caches)
+            return
         if hasattr(compiled, "result"):  # an asynchronous compile's future
             compiled = compiled.result()
         if compiled is not None:
@@ -234,7 +252,7 @@ def launch(kernel, grid: Tuple[int, ...], args: tuple, consts: dict, device: tor
     values = list(args)
     values.extend(consts[name] for name in kernel.arg_names[len(args):])
     grid3 = tuple(grid) + (1,) * (3 - len(grid))  # the compiled kernel's launcher reads 3 dims
-    compiled[grid3](*values, stream=torch.cuda.current_stream(device).cuda_stream)
+    compiled[grid3](*values, stream=_raw_stream(device))
 
 
 def forward(

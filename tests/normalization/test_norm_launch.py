@@ -108,8 +108,7 @@ def test_launch_reuses_the_compiled_kernel_per_specialization(monkeypatch):
     monkeypatch.setattr(_launch, "_fast_launch_supported", lambda: True)
     monkeypatch.setattr(_launch, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(_launch, "_COMPILED", {})
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device=None: type("S", (), {"cuda_stream": 77})())
+    monkeypatch.setattr(_launch, "_raw_stream", lambda device: 77)
     kernel, device = _FakeKernel(), torch.device("cuda", 0)
     buf = torch.zeros(64)
     consts = dict(FLAG=True, BLOCK=128, num_warps=4)
