@@ -20,6 +20,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_parallel import _graphed_step  # noqa: E402 (the DDP capture recipe)
 
 from mixprec import amp  # noqa: E402
 from mixprec.parallel import (  # noqa: E402
@@ -42,33 +45,16 @@ def _graphed_step_ms(convert, device, x, y, steps=20):
     model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
-
-    def step():
-        loss = F.cross_entropy(ddp(x).float(), y)
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ddp = DistributedDataParallel(model)
-        for _ in range(11):
-            opt.zero_grad(set_to_none=True)
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
-        step()
+    replay = _graphed_step(model, opt, x, y, lambda out, t: F.cross_entropy(out.float(), t),
+                           DistributedDataParallel)
     for _ in range(3):
-        graph.replay()
+        replay()
     torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(steps)]
     for start, end in events:
         start.record()
-        graph.replay()
+        replay()
         end.record()
     torch.cuda.synchronize()
     ms = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in events)], device=device)

@@ -6,32 +6,18 @@ Triton 3.0's (PyTorch 2.4's pin) does not with NumPy 2 (wrong values, skipped st
 interpreter tests run from Triton 3.6 on, the version CI pins and the GPU machine has.
 """
 
-import importlib.metadata
-import importlib.util
+from mixprec.normalization._launch import interpreter_enabled, triton_version
 
-from mixprec.normalization._launch import interpreter_enabled
-
-__all__ = ["INTERPRETER_MIN_VERSION", "interpreter_skip_reason", "triton_version"]
+__all__ = ["INTERPRETER_MIN_VERSION", "interpreter_skip_reason"]
 
 INTERPRETER_MIN_VERSION = (3, 6)
 
 
-def triton_version():
-    """Triton's (major, minor), or None when it is not installed."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    try:
-        parts = importlib.metadata.version("triton").split(".")[:2]
-        return tuple(int("".join(ch for ch in p if ch.isdigit()) or 0) for p in parts)
-    except importlib.metadata.PackageNotFoundError:  # e.g. pytorch-triton: assume recent
-        return (99, 0)
-
-
 def interpreter_skip_reason(require_env: bool = True):
     """None when the CPU interpreter tests can run here, else why not."""
-    version = triton_version()
+    version = triton_version()  # the package's reader: None without a usable Triton
     if version is None:
-        return "requires triton"
+        return "requires triton (importable, with a version string that parses)"
     if version < INTERPRETER_MIN_VERSION:
         return (f"Triton {version[0]}.{version[1]}'s interpreter miscomputes these kernels; "
                 f"the interpreter tests need Triton >= 3.6 (CI pins 3.6)")

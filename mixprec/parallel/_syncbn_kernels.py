@@ -28,6 +28,28 @@ import triton.language as tl
 __all__ = []
 
 
+@triton.jit
+def _channel_block(C, BLOCK_C: tl.constexpr):
+    # This program's BLOCK_C channels (grid axis 0) and which of them exist.
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    return cols, cols < C
+
+
+@triton.jit
+def _split_rows(M, rows_per_split):
+    # This program's run of rows (grid axis 1): [start, end).
+    start = tl.program_id(1) * rows_per_split
+    return start, tl.minimum(start + rows_per_split, M)
+
+
+@triton.jit
+def _row_tile(r0, end, col_ok, BLOCK_M: tl.constexpr):
+    # Rows r0 .. r0 + BLOCK_M of the split as int64 row indices [BLOCK_M, 1], and the tile's mask.
+    rows = r0 + tl.arange(0, BLOCK_M)
+    mask = (rows < end)[:, None] & col_ok[None, :]
+    return rows.to(tl.int64)[:, None], mask
+
+
 @triton.jit(do_not_specialize=["M", "rows_per_split"])
 def bn_partial_stats_kernel(
     X,  # [M, C] input, any float dtype, unit column stride
@@ -43,21 +65,16 @@ def bn_partial_stats_kernel(
     # (no reduction across threads inside the loop); shift is the split's first row, a sample
     # of each channel, so |mean - shift| is a few standard deviations and the centred sum of
     # squares S2 - S1^2 / n does not cancel the way E[x^2] - E[x]^2 would.
-    pid_c = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
-    start = pid_s * rows_per_split
-    end = tl.minimum(start + rows_per_split, M)
+    cols, col_ok = _channel_block(C, BLOCK_C)
+    start, end = _split_rows(M, rows_per_split)
     shift = tl.load(X + start.to(tl.int64) * stride_m + cols, mask=col_ok, other=0.0)
     shift = shift.to(tl.float32)
     s1 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     s2 = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     r0 = start
     while r0 < end:  # (while: the CPU interpreter cannot take a runtime range() bound)
-        rows = r0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        ptrs = X + rows.to(tl.int64)[:, None] * stride_m + cols[None, :]
+        rows64, mask = _row_tile(r0, end, col_ok, BLOCK_M)
+        ptrs = X + rows64 * stride_m + cols[None, :]
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         d = tl.where(mask, x - shift[None, :], 0.0)
         s1 += d
@@ -67,7 +84,7 @@ def bn_partial_stats_kernel(
     sum1 = tl.sum(s1, axis=0)
     mean = shift + sum1 / n
     m2 = tl.maximum(tl.sum(s2, axis=0) - sum1 * sum1 / n, 0.0)
-    base = Partial + pid_s * 3 * C
+    base = Partial + tl.program_id(1) * 3 * C
     tl.store(base + cols, mean, mask=col_ok)
     tl.store(base + C + cols, m2, mask=col_ok)
     tl.store(base + 2 * C + cols, tl.zeros([BLOCK_C], dtype=tl.float32) + n, mask=col_ok)
@@ -86,9 +103,7 @@ def bn_finalize_stats_kernel(
 ):
     # Two passes over the splits, each a [BLOCK_S, BLOCK_C] tile at a time: the count-weighted
     # mean, then the centred sum of squares sum_s(m2_s + n_s * (mean_s - mean)^2).
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
+    cols, col_ok = _channel_block(C, BLOCK_C)
     n = tl.zeros([BLOCK_C], dtype=tl.float32)
     weighted = tl.zeros([BLOCK_C], dtype=tl.float32)
     s0 = 0
@@ -119,7 +134,7 @@ def bn_finalize_stats_kernel(
     invstd = 1.0 / tl.sqrt(var + eps)
     tl.store(Row + cols, mean, mask=col_ok)
     tl.store(Row + C + cols, invstd, mask=col_ok)
-    if pid == 0:
+    if tl.program_id(0) == 0:
         tl.store(Row + 2 * C, count)
 
 
@@ -137,20 +152,14 @@ def bn_partial_backward_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid_c = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
+    cols, col_ok = _channel_block(C, BLOCK_C)
     mean = tl.load(Mean + cols, mask=col_ok, other=0.0)
-    start = pid_s * rows_per_split
-    end = tl.minimum(start + rows_per_split, M)
+    start, end = _split_rows(M, rows_per_split)
     acc_dy = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     acc_dy_xmu = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     r0 = start
     while r0 < end:
-        rows = r0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)[:, None]
+        rows64, mask = _row_tile(r0, end, col_ok, BLOCK_M)
         dy = tl.load(DY + rows64 * stride_dy_m + cols[None, :], mask=mask, other=0.0)
         x = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
         dy = dy.to(tl.float32)
@@ -160,7 +169,7 @@ def bn_partial_backward_kernel(
         r0 += BLOCK_M
     sum_dy = tl.sum(acc_dy, axis=0)
     sum_dy_xmu = tl.sum(acc_dy_xmu, axis=0)
-    base = Partial + pid_s * 2 * C
+    base = Partial + tl.program_id(1) * 2 * C
     tl.store(base + cols, sum_dy, mask=col_ok)
     tl.store(base + C + cols, sum_dy_xmu, mask=col_ok)
 
@@ -180,9 +189,7 @@ def bn_finalize_backward_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
+    cols, col_ok = _channel_block(C, BLOCK_C)
     sum_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
     sum_dy_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
     s0 = 0
@@ -259,13 +266,10 @@ def bn_forward_elemt_kernel(
     # Every program merges the ranks' statistics for its channels (world x 3 loads of BLOCK_C
     # values: nothing next to its tiles), the first split of each channel block also writes
     # them out and updates the running statistics; then y = x * scale + shift, tile by tile.
-    pid_c = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
+    cols, col_ok = _channel_block(C, BLOCK_C)
     mean, var, n = _merge_rank_stats(Rows, C, world, cols, col_ok, eps, BLOCK_C)
     invstd = 1.0 / tl.sqrt(var + eps)
-    if pid_s == 0:
+    if tl.program_id(1) == 0:  # the first split of each channel block
         tl.store(MeanOut + cols, mean, mask=col_ok)
         tl.store(InvstdOut + cols, invstd, mask=col_ok)
         if HAS_RUNNING:
@@ -282,13 +286,10 @@ def bn_forward_elemt_kernel(
     shift = -mean * scale
     if HAS_B:
         shift += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-    start = pid_s * rows_per_split
-    end = tl.minimum(start + rows_per_split, M)
+    start, end = _split_rows(M, rows_per_split)
     r0 = start
     while r0 < end:
-        rows = r0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)[:, None]
+        rows64, mask = _row_tile(r0, end, col_ok, BLOCK_M)
         x = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
         y = x.to(tl.float32) * scale[None, :] + shift[None, :]
         tl.store(Y + rows64 * stride_y_m + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
@@ -319,10 +320,7 @@ def bn_backward_elemt_kernel(
 ):
     # dx = (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N) * invstd * w
     #    = dy * k + x * a + b, with per-channel k, a, b computed once per program.
-    pid_c = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < C
+    cols, col_ok = _channel_block(C, BLOCK_C)
     n = tl.load(Counts).to(tl.float32)
     r = 1
     while r < world:
@@ -337,13 +335,10 @@ def bn_backward_elemt_kernel(
         k = k * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
     a = -k * invstd * invstd * mean_dy_xmu
     b = -k * mean_dy - a * mean
-    start = pid_s * rows_per_split
-    end = tl.minimum(start + rows_per_split, M)
+    start, end = _split_rows(M, rows_per_split)
     r0 = start
     while r0 < end:
-        rows = r0 + tl.arange(0, BLOCK_M)
-        mask = (rows < end)[:, None] & col_ok[None, :]
-        rows64 = rows.to(tl.int64)[:, None]
+        rows64, mask = _row_tile(r0, end, col_ok, BLOCK_M)
         dy = tl.load(DY + rows64 * stride_dy_m + cols[None, :], mask=mask, other=0.0)
         x = tl.load(X + rows64 * stride_x_m + cols[None, :], mask=mask, other=0.0)
         dx = dy.to(tl.float32) * k[None, :] + x.to(tl.float32) * a[None, :] + b[None, :]
