@@ -25,14 +25,17 @@ Two implementations of the same maths:
   ``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``), which read
   half input with fp32 parameters and have channels-last variants. Channels-last inputs are handed
   to them as a ``(M, C)`` view (no copy); the output is written into a tensor with the input's
-  strides. For those inputs all four passes (statistics; merge + normalize; ``sum(dy)`` and
-  ``sum(dy * (x - mean))``; input gradient) run in mixprec's Triton kernels (``_syncbn_triton``)
-  when Triton imports: the reductions write the packed tensors the collectives send, the merge
-  of the ranks' statistics is fused into the normalization, and PyTorch's channels-last kernels
-  were the slow part of a SyncBatchNorm step on an H200. Nothing
-  synchronises the host with the device (``torch.nn.SyncBatchNorm`` does, once per layer, to
-  drop empty ranks), so a rank with an empty batch sends a negligible count
-  (``_EMPTY_COUNT``) instead, which the merge kernel weighs as nothing.
+  strides. For dense channels-last inputs (a ``channels_last`` tensor, or a contiguous one with
+  ``channel_last=True``) all four passes (statistics; merge + normalize; ``sum(dy)`` and
+  ``sum(dy * (x - mean))``; input gradient) run in mixprec's Triton kernels (``_syncbn_triton``),
+  on the tensors themselves, when Triton imports: the reductions write the packed tensors the
+  collectives send, the merge of the ranks' statistics is fused into the normalization, and
+  PyTorch's channels-last kernels were the slow part of a SyncBatchNorm step on an H200. Each
+  layer keeps the layout and launch plan of the shapes it sees (``cache``), so a step's host
+  work per layer is the autograd node, four launches and two collectives. Nothing synchronises
+  the host with the device (``torch.nn.SyncBatchNorm`` does, once per layer, to drop empty
+  ranks), so a rank with an empty batch sends a negligible count (``_EMPTY_COUNT``) instead,
+  which the merge kernels weigh as nothing.
 * Everything else (CPU over gloo): the same formulas in plain fp32 PyTorch, merged in fp64.
 """
 

@@ -89,7 +89,9 @@ class SyncBatchNorm(_BatchNorm):
                          device=device, dtype=dtype)
         self.process_group = process_group
         self.channel_last = channel_last
-        # Per-module scratch of the fused path (a cached one-element count tensor); not state.
+        # Per-module scratch of the CUDA path, not state: the layout and Triton launch plan of
+        # each input geometry seen, a cached one-element count tensor. (The name predates the
+        # layouts; kept so that modules pickled earlier still load and run.)
         self._count_cache: dict = {}
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
