@@ -77,7 +77,8 @@ def _reference(x, weight, bias, dy, running_mean, running_var, momentum, eps, ch
 
 def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
               memory_format=None, channel_last=False, affine=True, track=True, momentum=0.1,
-              group=None, members=None, steps=2, relu_inplace=False, label=""):
+              group=None, members=None, steps=2, relu_inplace=False, grad_contiguous=False,
+              label=""):
     """Train ``steps`` steps of a SyncBatchNorm on per-rank slices of one global batch.
 
     ``sizes[i]`` is the batch of ``members[i]`` (default: every rank, in order).
@@ -110,7 +111,9 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
             dyl = dy[start:start + sizes[me]].to(ctx.device)
             if memory_format is not None:
                 xl = xl.contiguous(memory_format=memory_format)
-                dyl = dyl.contiguous(memory_format=memory_format)
+                # grad_contiguous: the gradient arrives in another layout than x's
+                dyl = dyl.contiguous() if grad_contiguous else dyl.contiguous(
+                    memory_format=memory_format)
             xl.requires_grad_()
             if affine:
                 m.weight.grad = m.bias.grad = None
@@ -239,6 +242,12 @@ def check_triton_kernels_run_for_channels_last(ctx):
         assert sorted(calls) == sorted(names), calls
 
 
+def check_channels_last_with_contiguous_gradient(ctx):
+    # The output is channels-last; a gradient handed back in NCHW order must give the same.
+    _run_case(ctx, _uneven(ctx), memory_format=torch.channels_last, grad_contiguous=True,
+              label=" channels_last, NCHW gradient")
+
+
 def check_channel_last_flag(ctx):
     _run_case(ctx, _uneven(ctx), channel_last=True, label=" channel_last=True")
     _run_case(ctx, _uneven(ctx), spatial=(), channel_last=True, label=" channel_last=True 2d")
@@ -340,6 +349,7 @@ GROUP_2 = [
     "check_channels_last",
     "check_channel_last_flag",
     "check_triton_kernels_run_for_channels_last",
+    "check_channels_last_with_contiguous_gradient",
     "check_no_affine_no_running_stats",
     "check_inplace_op_on_output",
     "check_half_parameters",
