@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import pickle
 
 import pytest
 import torch
@@ -248,6 +249,23 @@ def check_channels_last_with_contiguous_gradient(ctx):
               label=" channels_last, NCHW gradient")
 
 
+def check_copies_and_pickles_after_use(ctx):
+    # After training steps a layer holds per-geometry scratch (layouts, launch plans, count
+    # tensors); copying or pickling it must still work, and the copy must compute the same.
+    for path, path_ctx in _paths(ctx):
+        torch.manual_seed(7)
+        m = SyncBatchNorm(5).to(ctx.device)
+        x = torch.randn(3, 5, 4, 4).to(ctx.device).contiguous(memory_format=torch.channels_last)
+        with path_ctx():
+            m(x).sum().backward()
+            twin = copy.deepcopy(m)
+            loaded = pickle.loads(pickle.dumps(m))
+            outs = [layer(x) for layer in (m, twin, loaded)]
+        for other in outs[1:]:
+            torch.testing.assert_close(other, outs[0], rtol=0, atol=0,
+                                       msg=labelled(f"[{path}] copy after use"))
+
+
 def check_channel_last_flag(ctx):
     _run_case(ctx, _uneven(ctx), channel_last=True, label=" channel_last=True")
     _run_case(ctx, _uneven(ctx), spatial=(), channel_last=True, label=" channel_last=True 2d")
@@ -350,6 +368,7 @@ GROUP_2 = [
     "check_channel_last_flag",
     "check_triton_kernels_run_for_channels_last",
     "check_channels_last_with_contiguous_gradient",
+    "check_copies_and_pickles_after_use",
     "check_no_affine_no_running_stats",
     "check_inplace_op_on_output",
     "check_half_parameters",
