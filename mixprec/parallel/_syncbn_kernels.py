@@ -44,7 +44,8 @@ def _split_rows(M, rows_per_split):
 
 @triton.jit
 def _row_tile(r0, end, col_ok, BLOCK_M: tl.constexpr):
-    # Rows r0 .. r0 + BLOCK_M of the split as int64 row indices [BLOCK_M, 1], and the tile's mask.
+    # Rows r0 .. r0 + BLOCK_M (below end) as int64 row indices [BLOCK_M, 1], and the tile's mask:
+    # the rows of a split in the passes over x, the splits' partial results in the merges.
     rows = r0 + tl.arange(0, BLOCK_M)
     mask = (rows < end)[:, None] & col_ok[None, :]
     return rows.to(tl.int64)[:, None], mask
@@ -108,9 +109,8 @@ def bn_finalize_stats_kernel(
     weighted = tl.zeros([BLOCK_C], dtype=tl.float32)
     s0 = 0
     while s0 < S:
-        splits = s0 + tl.arange(0, BLOCK_S)
-        mask = (splits < S)[:, None] & col_ok[None, :]
-        base = Partial + splits[:, None] * (3 * C) + cols[None, :]
+        splits, mask = _row_tile(s0, S, col_ok, BLOCK_S)  # a tile of the partials' rows
+        base = Partial + splits * (3 * C) + cols[None, :]
         p_mean = tl.load(base, mask=mask, other=0.0)
         p_n = tl.load(base + 2 * C, mask=mask, other=0.0)
         n += tl.sum(p_n, axis=0)
@@ -121,9 +121,8 @@ def bn_finalize_stats_kernel(
     m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
     s0 = 0
     while s0 < S:
-        splits = s0 + tl.arange(0, BLOCK_S)
-        mask = (splits < S)[:, None] & col_ok[None, :]
-        base = Partial + splits[:, None] * (3 * C) + cols[None, :]
+        splits, mask = _row_tile(s0, S, col_ok, BLOCK_S)  # a tile of the partials' rows
+        base = Partial + splits * (3 * C) + cols[None, :]
         p_mean = tl.load(base, mask=mask, other=0.0)
         p_m2 = tl.load(base + C, mask=mask, other=0.0)
         p_n = tl.load(base + 2 * C, mask=mask, other=0.0)
@@ -194,9 +193,8 @@ def bn_finalize_backward_kernel(
     sum_dy_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
     s0 = 0
     while s0 < S:
-        splits = s0 + tl.arange(0, BLOCK_S)
-        mask = (splits < S)[:, None] & col_ok[None, :]
-        base = Partial + splits[:, None] * (2 * C) + cols[None, :]
+        splits, mask = _row_tile(s0, S, col_ok, BLOCK_S)  # a tile of the partials' rows
+        base = Partial + splits * (2 * C) + cols[None, :]
         sum_dy += tl.sum(tl.load(base, mask=mask, other=0.0), axis=0)
         sum_dy_xmu += tl.sum(tl.load(base + C, mask=mask, other=0.0), axis=0)
         s0 += BLOCK_S
