@@ -2,7 +2,7 @@
 
 import torch
 
-__all__ = ["warm_up_and_capture"]
+__all__ = ["amp_step", "warm_up_and_capture"]
 
 
 def warm_up_and_capture(step, optimizer, warmup: int):
@@ -26,3 +26,15 @@ def warm_up_and_capture(step, optimizer, warmup: int):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def amp_step(model, optimizer, x, y):
+    """One training step through amp: cross-entropy, ``scale_loss``, backward, ``step()``;
+    returns the loss (``model`` may be a DDP wrapper)."""
+    from mixprec import amp  # here, not at the top: the parallel tests' workers import lazily
+
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
+    return loss

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from mixprec import amp
-from tests._graphs import warm_up_and_capture
+from tests._graphs import amp_step, warm_up_and_capture
 
 from .helpers import batch, make_cnn
 
@@ -31,14 +31,6 @@ def _setup(opt_level, dtype, loss_scale, channels_last=True, fused_adamw=False):
     model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype,
                                 loss_scale=loss_scale, verbosity=0)
     return model, opt
-
-
-def _step(model, opt, x, y):
-    loss = nn.functional.cross_entropy(model(x), y)
-    with amp.scale_loss(loss, opt) as scaled:
-        scaled.backward()
-    opt.step()
-    return loss
 
 
 @pytest.mark.parametrize("opt_level,dtype,loss_scale", [
@@ -64,7 +56,7 @@ def _compare_captured_with_eager(opt_level, dtype, loss_scale, fused_adamw=False
     static_x = x.clone()
 
     graph, static_loss = warm_up_and_capture(
-        lambda: _step(graph_model, graph_opt, static_x, y), graph_opt, warmup
+        lambda: amp_step(graph_model, graph_opt, static_x, y), graph_opt, warmup
     )
     losses = []
     for _ in range(replays):
@@ -74,7 +66,7 @@ def _compare_captured_with_eager(opt_level, dtype, loss_scale, fused_adamw=False
     eager_losses = []
     for _ in range(warmup + replays):
         eager_opt.zero_grad(set_to_none=True)
-        eager_losses.append(_step(eager_model, eager_opt, x, y).item())
+        eager_losses.append(amp_step(eager_model, eager_opt, x, y).item())
     assert losses == pytest.approx(eager_losses[warmup:], rel=1e-5, abs=1e-6)
     for (name, p), q in zip(eager_model.state_dict().items(), graph_model.state_dict().values()):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
@@ -91,7 +83,7 @@ def test_dynamic_loss_scale_needs_a_fused_optimizer_under_capture():
     model, opt = _setup("O2", torch.float16, "dynamic")
     x, y = batch("cuda", n=16, size=16)
     with pytest.raises(RuntimeError, match="fused=True.*loss_scale=128.0"):
-        warm_up_and_capture(lambda: _step(model, opt, x, y), opt, warmup=1)
+        warm_up_and_capture(lambda: amp_step(model, opt, x, y), opt, warmup=1)
 
 
 def test_capturing_the_first_dynamic_step_is_a_clear_error():
@@ -106,7 +98,7 @@ def test_capturing_the_first_dynamic_step_is_a_clear_error():
     model.zero_grad(set_to_none=True)
     with pytest.raises(RuntimeError, match="at least one step eagerly"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            _step(model, opt, x, y)
+            amp_step(model, opt, x, y)
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])

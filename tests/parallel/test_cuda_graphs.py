@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests._graphs import warm_up_and_capture
+from tests._graphs import amp_step, warm_up_and_capture
 from tests.parallel._harness import cuda_count, labelled, run_checks
 
 
@@ -43,16 +43,6 @@ def _setup(ctx):
     return model, ddp, opt
 
 
-def _step(ddp, opt, x, y):
-    from mixprec import amp
-
-    loss = nn.functional.cross_entropy(ddp(x), y)
-    with amp.scale_loss(loss, opt) as scaled:
-        scaled.backward()
-    opt.step()
-    return loss
-
-
 def check_captured_syncbn_ddp_step_matches_eager(ctx):
     from mixprec import amp
 
@@ -65,10 +55,10 @@ def check_captured_syncbn_ddp_step_matches_eager(ctx):
         eager_model, eager_ddp, eager_opt = _setup(ctx)
         for _ in range(warmup + replays):
             eager_opt.zero_grad(set_to_none=True)
-            _step(eager_ddp, eager_opt, x, y)
+            amp_step(eager_ddp, eager_opt, x, y)
 
         model, ddp, opt = _setup(ctx)
-        graph, _ = warm_up_and_capture(lambda: _step(ddp, opt, x, y), opt, warmup)
+        graph, _ = warm_up_and_capture(lambda: amp_step(ddp, opt, x, y), opt, warmup)
         for _ in range(replays):
             graph.replay()
         torch.cuda.synchronize()
