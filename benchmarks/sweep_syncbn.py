@@ -9,7 +9,6 @@ passes), tile size and merge tile, against plain BatchNorm in the same run. Prin
 """
 
 import os
-import statistics
 import sys
 
 os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0")  # PyTorch's DDP-capture recipe
@@ -22,7 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_parallel import _graphed_step  # noqa: E402 (the DDP capture recipe)
+from bench_parallel import _all_ranks, _graphed_step, _time_steps  # noqa: E402
 
 from mixprec import amp  # noqa: E402
 from mixprec.parallel import (  # noqa: E402
@@ -47,19 +46,8 @@ def _graphed_step_ms(convert, device, x, y, steps=20):
     model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
     replay = _graphed_step(model, opt, x, y, lambda out, t: F.cross_entropy(out.float(), t),
                            DistributedDataParallel)
-    for _ in range(3):
-        replay()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(steps)]
-    for start, end in events:
-        start.record()
-        replay()
-        end.record()
-    torch.cuda.synchronize()
-    ms = torch.tensor([statistics.median(s.elapsed_time(e) for s, e in events)], device=device)
-    dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return ms.item()
+    # The slowest rank's median replay, in ms.
+    return 1e3 * max(_all_ranks(_time_steps(replay, device, steps, warmup=3), device))
 
 
 def main():
