@@ -31,7 +31,6 @@ _FALLBACK_WARPS_PER_SM = 16
 
 
 @functools.cache
-@functools.cache
 def triton_available() -> bool:
     """Whether Triton can be imported (checked once: the answer is cached, as every fused call
     asks)."""
@@ -57,6 +56,14 @@ def triton_version() -> Optional[Tuple[int, int]]:
         return tuple(int(v) for v in triton.__version__.split(".")[:2])
     except ValueError:
         return None
+
+
+def is_compiling() -> bool:
+    """Whether Dynamo (``torch.compile``) or export is tracing this call."""
+    check = getattr(torch.compiler, "is_compiling", None)
+    if check is not None:
+        return check()
+    return torch._dynamo.is_compiling()
 
 
 def interpreter_enabled() -> bool:

@@ -295,13 +295,6 @@ if _HAS_CUSTOM_OP:
     _fused_norm_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-def _is_compiling() -> bool:
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    if is_compiling is not None:
-        return is_compiling()
-    return torch._dynamo.is_compiling()
-
-
 def fused_norm(
     x: Tensor,
     normalized_shape: Sequence[int],
@@ -316,7 +309,7 @@ def fused_norm(
     n = math.prod(normalized_shape)
     if is_rms:
         bias = None
-    if _HAS_CUSTOM_OP and (_is_compiling() or torch.jit.is_tracing()):
+    if _HAS_CUSTOM_OP and (_launch.is_compiling() or torch.jit.is_tracing()):
         # One opaque node for Dynamo/AOTAutograd (and a serializable op in traces).
         y2d = torch.ops.mixprec.fused_norm_fwd(
             _rows(x, n), _flat(weight), _flat(bias), eps, is_rms, memory_efficient, out_dtype
