@@ -47,6 +47,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 from torch.autograd.function import once_differentiable
 
+from mixprec.normalization._launch import is_compiling
 from mixprec.parallel import _syncbn_triton
 from mixprec.parallel._comm import all_gather_rows, all_reduce_sum
 
@@ -443,5 +444,28 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, eps: float, mome
     Returns:
         Tensor: normalized ``x``, same shape, dtype and layout.
     """
-    return _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var, eps,
-                                        momentum, group, world_size, channel_last, cache)
+    args = (x, weight, bias, running_mean, running_var, eps, momentum, group, world_size,
+            channel_last, cache)
+    if is_compiling():
+        return _outside_the_compiler()(*args)
+    return _SyncBatchNormFunction.apply(*args)
+
+
+_UNCOMPILED = None
+
+
+def _outside_the_compiler():
+    """``_SyncBatchNormFunction.apply`` behind ``torch.compiler.disable``.
+
+    Under ``torch.compile`` each SyncBatchNorm layer is a graph break and runs as in eager mode
+    (its Triton kernels included); the compiler takes the rest of the model. Letting Dynamo
+    trace the layer instead went wrong on two of the PyTorch releases we test: on torch 2.11
+    the compiled layer's input gradient came out zero, silently (H200 machine, CPU and CUDA
+    alike), and torch 2.4 refuses to trace it (a mutation outside the traced function's
+    scope). Made on first use, so that eager mode never imports Dynamo nor pays the wrapper's
+    cost.
+    """
+    global _UNCOMPILED
+    if _UNCOMPILED is None:
+        _UNCOMPILED = torch.compiler.disable(_SyncBatchNormFunction.apply)
+    return _UNCOMPILED

@@ -79,19 +79,26 @@ def _reference(x, weight, bias, dy, running_mean, running_var, momentum, eps, ch
 def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
               memory_format=None, channel_last=False, affine=True, track=True, momentum=0.1,
               group=None, members=None, steps=2, relu_inplace=False, grad_contiguous=False,
-              label=""):
+              compile_backend=None, label=""):
     """Train ``steps`` steps of a SyncBatchNorm on per-rank slices of one global batch.
 
     ``sizes[i]`` is the batch of ``members[i]`` (default: every rank, in order).
+    ``compile_backend``: run the layer as ``torch.compile(layer, backend=...)`` (one path:
+    the compiled one).
     """
     members = list(range(ctx.world_size)) if members is None else members
     me = members.index(ctx.rank)
     g = torch.Generator().manual_seed(1234)
     weight = torch.rand(channels, generator=g) + 0.5
     bias = torch.randn(channels, generator=g)
-    for path, path_ctx in _paths(ctx):
+    paths = _paths(ctx)
+    if compile_backend is not None:
+        paths = [(f"compiled:{compile_backend}", contextlib.nullcontext)]
+        torch._dynamo.reset()  # fresh compile caches: no recompile limit across cases
+    for path, path_ctx in paths:
         m = SyncBatchNorm(channels, momentum=momentum, affine=affine, track_running_stats=track,
                           process_group=group, channel_last=channel_last).to(ctx.device)
+        layer = m if compile_backend is None else torch.compile(m, backend=compile_backend)
         if affine:
             with torch.no_grad():
                 m.weight.copy_(weight)
@@ -119,7 +126,7 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
             if affine:
                 m.weight.grad = m.bias.grad = None
             with path_ctx():
-                y = m(xl)
+                y = layer(xl)
                 if relu_inplace:
                     y = F.relu(y.clone()) * 0 + y  # keep y's values; then an in-place op on y
                     y.relu_()
@@ -266,6 +273,19 @@ def check_copies_and_pickles_after_use(ctx):
                                        msg=labelled(f"[{path}] copy after use"))
 
 
+def check_under_torch_compile(ctx):
+    # Under torch.compile the layer is a graph break that runs eagerly (tracing it gave zero
+    # input gradients on torch 2.11 and an error on 2.4); the compiled module must match
+    # float64 BatchNorm like the eager one: outputs, all gradients, running statistics. On CPU
+    # the quick aot_eager backend (Dynamo and AOTAutograd); on CUDA the real compiler.
+    backend = "inductor" if ctx.is_cuda else "aot_eager"
+    for memory_format in (None, torch.channels_last):
+        for dtype in (torch.float32, torch.bfloat16):
+            _run_case(ctx, _uneven(ctx), dtype=dtype, memory_format=memory_format,
+                      compile_backend=backend,
+                      label=f" compiled {'channels_last' if memory_format else 'NCHW'}")
+
+
 def check_channel_last_flag(ctx):
     _run_case(ctx, _uneven(ctx), channel_last=True, label=" channel_last=True")
     _run_case(ctx, _uneven(ctx), spatial=(), channel_last=True, label=" channel_last=True 2d")
@@ -369,6 +389,7 @@ GROUP_2 = [
     "check_triton_kernels_run_for_channels_last",
     "check_channels_last_with_contiguous_gradient",
     "check_copies_and_pickles_after_use",
+    "check_under_torch_compile",
     "check_no_affine_no_running_stats",
     "check_inplace_op_on_output",
     "check_half_parameters",
