@@ -104,6 +104,25 @@ def _reducer_param_names(module: nn.Module) -> List[str]:
     return names
 
 
+def _compile_friendly_bucket_cap(ddp: nn.parallel.DistributedDataParallel) -> None:
+    """Let ``torch.compile`` take a model whose buckets are smaller than 1 MiB.
+
+    Under ``torch.compile`` Dynamo splits the forward graph where DDP's buckets end, reading
+    ``bucket_bytes_cap``, and its splitter refuses a cap below its fixed 1 MiB first bucket
+    (``AssertionError: First bucket should be smaller/equal to other buckets``), which a small
+    ``message_size`` (below 262,144 fp32 or 524,288 half elements) gives. The reducer got its
+    cap at construction and keeps it, so raising the attribute to 1 MiB afterwards only makes
+    the compiled graph's pieces coarser. The reducer's own cap is kept in
+    ``_reducer_bucket_bytes_cap``: pickling puts it back where PyTorch rebuilds the reducer
+    from (see ``__getstate__``).
+    """
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", None)
+    cap = getattr(ddp, "bucket_bytes_cap", None)
+    ddp._reducer_bucket_bytes_cap = cap
+    if isinstance(first, int) and isinstance(cap, int) and cap < first:
+        ddp.bucket_bytes_cap = first
+
+
 def _dominant_itemsize(module: nn.Module) -> int:
     # Bytes per element of the dtype holding most of the trainable parameters (2 at amp O2).
     by_size = {}
@@ -272,6 +291,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             gradient_as_bucket_view=True,
             **buffer_kwargs,
         )
+        _compile_friendly_bucket_cap(self)
         if "forward_sync_buffers" not in _TORCH_DDP_PARAMS:
             # Older PyTorch skips the buffers at construction with broadcast_buffers=False.
             buffers = [b for b in module.buffers() if b is not None]
@@ -308,12 +328,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_hook_state", None)
+        # The unpickled reducer is rebuilt from bucket_bytes_cap: give it the reducer's cap
+        # (__setstate__ then raises the compiler's copy again).
+        cap = state.pop("_reducer_bucket_bytes_cap", None)
+        if cap is not None:
+            state["bucket_bytes_cap"] = cap
         if "_comm_hooks" in state:  # PyTorch's record of registered hooks (and their states)
             state["_comm_hooks"] = []
         return state
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        _compile_friendly_bucket_cap(self)
         self._install_hook()
 
     def forward(self, *inputs, **kwargs):

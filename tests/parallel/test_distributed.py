@@ -60,6 +60,11 @@ def _assert_same_on_all_ranks(ctx, tensors, what):
                 raise AssertionError(f"{what} #{i} differs between rank {ctx.rank} and rank {r}")
 
 
+def _reducer_bucket_cap(ddp):
+    # What the C++ reducer was built with (PyTorch logs it at construction).
+    return int(ddp._get_ddp_logging_data()["bucket_cap_bytes"])
+
+
 class _Scale(nn.Module):
     """loss = sum(weight * x): the gradient of ``weight`` is exactly ``x``."""
 
@@ -94,6 +99,30 @@ def check_grads_match_single_process(ctx):
         torch.testing.assert_close(p, q, **_tol(ctx))
 
 
+def check_compiled_grads_match_single_process(ctx):
+    # torch.compile of the wrapped model (PyTorch's DDP graph splitting at bucket boundaries),
+    # with the built-in C++ hook and with the Python hook (a pre-divide factor that is neither
+    # 1 nor the world size): gradients of the single-process global batch. On CPU the quick
+    # aot_eager backend; on CUDA the real compiler.
+    backend = "inductor" if ctx.is_cuda else "aot_eager"
+    for factor in (1.0, 4.0):
+        torch._dynamo.reset()
+        model = _mlp(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, message_size=64, gradient_predivide_factor=factor)
+        compiled = torch.compile(ddp, backend=backend)
+        for step in range(2):
+            x, y = _global_batch(ctx, seed=80 + step)
+            model.zero_grad()
+            ref.zero_grad()
+            F.mse_loss(compiled(_mine(ctx, x)), _mine(ctx, y)).backward()
+            F.mse_loss(ref(x), y).backward()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(
+                    p.grad, q.grad, **_tol(ctx),
+                    msg=labelled(f"compiled ({backend}), predivide {factor}, step {step} {name}"))
+
+
 def check_broadcast_from_rank0_and_state_dict(ctx):
     torch.manual_seed(100 + ctx.rank)  # different weights on every rank
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(ctx.device)
@@ -110,9 +139,14 @@ def check_broadcast_from_rank0_and_state_dict(ctx):
 
 
 def check_pickle_roundtrip(ctx):
-    ddp = DistributedDataParallel(_mlp(ctx.device), gradient_predivide_factor=2.0)
+    ddp = DistributedDataParallel(_mlp(ctx.device), message_size=1000,
+                                  gradient_predivide_factor=2.0)
     copy_ = pickle.loads(pickle.dumps(ddp))
     assert copy_.gradient_predivide_factor == 2.0 and copy_.module is not ddp.module
+    # The copy's reducer has the original's buckets (4 bytes per fp32 element), and the copy
+    # still compiles (the compiler's cap at least its 1 MiB first bucket).
+    assert abs(_reducer_bucket_cap(copy_) - 4000) <= 1, _reducer_bucket_cap(copy_)
+    assert copy_.bucket_bytes_cap == dist._DEFAULT_FIRST_BUCKET_BYTES, copy_.bucket_bytes_cap
     ref = copy.deepcopy(copy_.module)
     x, y = _global_batch(ctx, seed=70)
     F.mse_loss(copy_(_mine(ctx, x)), _mine(ctx, y)).backward()
@@ -181,7 +215,7 @@ def check_delay_allreduce(ctx):
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, delay_allreduce=True)
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert ddp.bucket_bytes_cap >= total_bytes, (ddp.bucket_bytes_cap, total_bytes)
+    assert _reducer_bucket_cap(ddp) >= total_bytes, (_reducer_bucket_cap(ddp), total_bytes)
     for step in range(2):
         x, y = _global_batch(ctx, seed=20 + step)
         model.zero_grad()
@@ -194,10 +228,15 @@ def check_delay_allreduce(ctx):
 
 def check_message_size_sets_bucket_bytes(ctx):
     ddp = DistributedDataParallel(_mlp(ctx.device), message_size=1000)
-    assert abs(ddp.bucket_bytes_cap - 4000) <= 1, ddp.bucket_bytes_cap  # fp32: 4 bytes each
+    assert abs(_reducer_bucket_cap(ddp) - 4000) <= 1, _reducer_bucket_cap(ddp)  # fp32: 4 bytes
+    # The value torch.compile splits graphs by: at least its 1 MiB first bucket.
+    assert ddp.bucket_bytes_cap == dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap
     half = _mlp(ctx.device).to(torch.bfloat16)
     ddp = DistributedDataParallel(half, message_size=1000)
-    assert abs(ddp.bucket_bytes_cap - 2000) <= 1, ddp.bucket_bytes_cap
+    assert abs(_reducer_bucket_cap(ddp) - 2000) <= 1, _reducer_bucket_cap(ddp)
+    ddp = DistributedDataParallel(_mlp(ctx.device), message_size=10**6)
+    assert abs(_reducer_bucket_cap(ddp) - 4 * 10**6) <= 1, _reducer_bucket_cap(ddp)
+    assert abs(ddp.bucket_bytes_cap - 4 * 10**6) <= 1, ddp.bucket_bytes_cap
 
 
 class _TwoHeads(nn.Module):
@@ -441,6 +480,7 @@ def check_dead_peer_raises_quickly(ctx):
 
 CHECKS = [
     "check_grads_match_single_process",
+    "check_compiled_grads_match_single_process",
     "check_broadcast_from_rank0_and_state_dict",
     "check_pickle_roundtrip",
     "check_predivide_factor",
