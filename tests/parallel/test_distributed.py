@@ -397,6 +397,35 @@ def check_amp_o2_ddp_masters_bitwise_identical(ctx):
         torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
 
 
+def check_amp_o2_ddp_syncbn_compiled(ctx):
+    # The whole Apex recipe under torch.compile: amp O2 (bf16), SyncBatchNorm (a graph break,
+    # run eagerly), DDP, compiled; it must train as the same recipe run eagerly. On CPU the
+    # quick aot_eager backend; on CUDA the real compiler.
+    from mixprec import amp
+
+    backend = "inductor" if ctx.is_cuda else "aot_eager"
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = convert_syncbn_model(_ConvNet()).to(ctx.device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0)
+        ddp = DistributedDataParallel(model)
+        net = torch.compile(ddp, backend=backend) if compiled else ddp
+        for step in range(3):
+            x, y = _images(ctx, seed=60 + step)
+            _amp_step(net, opt, _mine(ctx, x), _mine(ctx, y), amp)
+        masters = list(amp.master_params(opt))
+        _assert_same_on_all_ranks(ctx, masters, f"fp32 master weight (compiled={compiled})")
+        runs.append(masters + list(model.buffers()))
+    for i, (got, want) in enumerate(zip(*runs)):
+        # Compiled kernels may round bf16 activations differently from eager ones.
+        torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=2e-3,
+                                   msg=labelled(f"compiled vs eager, tensor #{i}"))
+
+
 def check_amp_o2_fp16_dynamic_scale_on_device_under_ddp(ctx):
     # fp16 O2 with a fused AdamW: the dynamic scale lives on each rank's device and kernels
     # update it. An overflow on one rank reaches every rank through the all-reduce, so all
@@ -492,6 +521,7 @@ CHECKS = [
     "check_arguments_validated_and_warned",
     "check_reducer",
     "check_amp_o2_ddp_masters_bitwise_identical",
+    "check_amp_o2_ddp_syncbn_compiled",
     "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
     "check_larc_under_amp_o2_and_ddp",
     "check_unused_parameters_named_in_error",
