@@ -5,7 +5,8 @@
 # tests1 (single-GPU tests), tests2 (two-GPU tests), parallel (bench_parallel, torchrun),
 # cli (mixprec bench, gpt on GPU 0 beside resnet50 on GPU 1), tests_amp (amp's CUDA cases),
 # tests12 (tests1 on GPU 0 beside tests2), graphs (bench_parallel --graphs: GPT and ResNet-50 steps as
-# CUDA graph replays), host (norm_host_overhead.py: host time per norm call).
+# CUDA graph replays), host (norm_host_overhead.py: host time per norm call), gemm_clocks
+# (probe_gemm_clocks.py: fp16 O2 vs .half() GEMM time, SM clock and power-cap reasons).
 # Timing steps never share the machine with the test runs (compilers and test workers take
 # the CPU, and launch-bound steps then time the CPU). The logs are packed after every step, so
 # a run cut short still returns what it finished.
@@ -41,6 +42,7 @@ for s in "$@"; do
       step bench_parallel_graphs_gpt 200 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --graphs --parts gpt --out "$LOGS/graphs_gpt"
       step bench_parallel_graphs 200 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --graphs --parts resnet --out "$LOGS/graphs" ;;
     host) step norm_host_overhead 90 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/norm_host_overhead.py ;;
+    gemm_clocks) step gemm_clocks 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_gemm_clocks.py ;;
     tests12)
       step tests_1gpu 400 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench &
       step tests_2gpu 400 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus &

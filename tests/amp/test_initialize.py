@@ -179,3 +179,31 @@ def test_latest_state_does_not_keep_models_alive():
     gc.collect()
     assert all(r() is None for r in refs)
     assert amp.state_dict()  # the scalers themselves are still there
+
+
+def test_optimizer_state_from_before_initialize_moves_to_the_masters():
+    # An optimizer that already stepped (or loaded a state dict) before initialize: its
+    # per-parameter state (SGD momentum here) follows the parameters to their fp32 masters,
+    # unchanged, and nothing stays keyed by the half parameters.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(2):
+        x, y = batch(seed=i)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    momenta = {id(p): opt.state[p]["momentum_buffer"].clone() for p in model.parameters()}
+    halves = {id(p): p for p in model.parameters()}
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    state = optimizer_state(opt)
+    assert state.pairs
+    for p, master in state.pairs:
+        assert p not in opt.state
+        moved = opt.state[master]["momentum_buffer"]
+        assert moved.dtype == torch.float32
+        torch.testing.assert_close(moved, momenta[id(p)], rtol=0, atol=0)
+        assert halves[id(p)] is p
+    # and training goes on from there
+    before = [m.detach().clone() for m in amp.master_params(opt)]
+    train_step(model, opt, *batch(seed=5), amp)
+    assert any(not torch.equal(m, b) for m, b in zip(amp.master_params(opt), before))

@@ -379,3 +379,60 @@ def test_load_state_dict_updates_a_device_scale_in_place():
         s.backward()
     opt.step()
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1024.0, "unskipped": 6}
+
+
+def test_o3_bf16_dynamic_scaling_skips_overflow_and_unscales(device):
+    # bf16 gradients under a dynamic scale (O3 + loss_scale="dynamic") take their own check on
+    # CUDA (PyTorch's fused check-and-unscale kernel has no bf16 variant): an injected inf
+    # skips the step and halves the scale; a clean step's gradients equal the unscaled loss's
+    # gradients (a power-of-two scale is exact in bf16, which has fp32's exponent range).
+    model = make_cnn(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O3", dtype=torch.bfloat16, loss_scale="dynamic",
+                   verbosity=0)
+    ref = copy.deepcopy(model)
+    x, y = batch(device)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x).float(), y), opt) as s:
+        (s * float("inf")).backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**15
+    for p, b in zip(model.parameters(), before):
+        torch.testing.assert_close(p.detach(), b, rtol=0, atol=0)
+
+    opt.zero_grad()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x).float(), y), opt) as s:
+        s.backward()
+    nn.functional.cross_entropy(ref(x).float(), y).backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        assert p.grad.dtype == torch.bfloat16
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-2, atol=1e-5)
+    opt.step()
+    assert not amp.step_was_skipped(opt)
+    assert any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+
+
+def test_scale_loss_over_optimizers_of_two_initialize_calls_is_an_error():
+    # Each initialize call has its own loss scalers: one scale_loss cannot serve both.
+    m1, m2 = make_cnn(), make_cnn(seed=1)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    amp.initialize(m1, o1, opt_level="O2", verbosity=0)
+    amp.initialize(m2, o2, opt_level="O2", verbosity=0)
+    x, _ = batch()
+    loss = m1(x).float().sum() + m2(x).float().sum()
+    with pytest.raises(ValueError, match="different amp.initialize calls"):
+        with amp.scale_loss(loss, [o1, o2]):
+            pass
+
+
+def test_state_dict_into_a_destination():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", loss_scale=128.0, verbosity=0)
+    dest = {"other": 1}
+    out = amp.state_dict(dest)
+    assert out is dest
+    assert dest == {"other": 1, "loss_scaler0": {"loss_scale": 128.0, "unskipped": 0}}
