@@ -397,6 +397,32 @@ def check_amp_o2_ddp_masters_bitwise_identical(ctx):
         torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
 
 
+def check_amp_o2_under_torch_ddp(ctx):
+    # mixprec.amp with PyTorch's own DDP (not ours): half gradients all-reduced by it, then
+    # unscaled into the masters; the same training as one process on the global batch.
+    from mixprec import amp
+
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", dtype=torch.bfloat16,
+                                  verbosity=0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    for step in range(3):
+        x, y = _global_batch(ctx, seed=90 + step)
+        for net, o, xs, ys in ((ddp, opt, _mine(ctx, x), _mine(ctx, y)), (ref, ref_opt, x, y)):
+            o.zero_grad()
+            with amp.scale_loss(F.mse_loss(net(xs).float(), ys), o) as scaled:
+                scaled.backward()
+            o.step()
+    masters = list(amp.master_params(opt))
+    _assert_same_on_all_ranks(ctx, masters, "fp32 master weight")
+    for m, r in zip(masters, amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+
+
 def check_amp_o2_ddp_syncbn_compiled(ctx):
     # The whole Apex recipe under torch.compile: amp O2 (bf16), SyncBatchNorm (a graph break,
     # run eagerly), DDP, compiled; it must train as the same recipe run eagerly. On CPU the
@@ -521,6 +547,7 @@ CHECKS = [
     "check_arguments_validated_and_warned",
     "check_reducer",
     "check_amp_o2_ddp_masters_bitwise_identical",
+    "check_amp_o2_under_torch_ddp",
     "check_amp_o2_ddp_syncbn_compiled",
     "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
     "check_larc_under_amp_o2_and_ddp",

@@ -79,12 +79,13 @@ def _reference(x, weight, bias, dy, running_mean, running_var, momentum, eps, ch
 def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
               memory_format=None, channel_last=False, affine=True, track=True, momentum=0.1,
               group=None, members=None, steps=2, relu_inplace=False, grad_contiguous=False,
-              compile_backend=None, label=""):
+              compile_backend=None, input_grad=True, label=""):
     """Train ``steps`` steps of a SyncBatchNorm on per-rank slices of one global batch.
 
     ``sizes[i]`` is the batch of ``members[i]`` (default: every rank, in order).
     ``compile_backend``: run the layer as ``torch.compile(layer, backend=...)`` (one path:
-    the compiled one).
+    the compiled one). ``input_grad=False``: the input does not require grad (only the
+    parameters get gradients, and backward has no collective).
     """
     members = list(range(ctx.world_size)) if members is None else members
     me = members.index(ctx.rank)
@@ -122,7 +123,7 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
                 # grad_contiguous: the gradient arrives in another layout than x's
                 dyl = dyl.contiguous() if grad_contiguous else dyl.contiguous(
                     memory_format=memory_format)
-            xl.requires_grad_()
+            xl.requires_grad_(input_grad)
             if affine:
                 m.weight.grad = m.bias.grad = None
             with path_ctx():
@@ -143,6 +144,8 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
             sl = slice(start, start + sizes[me])
             if relu_inplace:
                 ry = ry.clamp_min(0)
+            elif not input_grad:
+                assert xl.grad is None, f"{what} input grad of an input without requires_grad"
             else:
                 _close(xl.grad, rdx[sl], OUT_TOL[dtype], f"{what} input grad")
             _close(y.detach(), ry[sl], OUT_TOL[dtype], f"{what} output")
@@ -286,6 +289,14 @@ def check_under_torch_compile(ctx):
                       label=f" compiled {'channels_last' if memory_format else 'NCHW'}")
 
 
+def check_input_without_grad(ctx):
+    # A layer right on the data (input without requires_grad): the parameter gradients and
+    # running statistics are still right, every layout and path.
+    _run_case(ctx, _uneven(ctx), input_grad=False, label=" input without grad")
+    _run_case(ctx, _uneven(ctx), memory_format=torch.channels_last, input_grad=False,
+              label=" channels_last, input without grad")
+
+
 def check_channel_last_flag(ctx):
     _run_case(ctx, _uneven(ctx), channel_last=True, label=" channel_last=True")
     _run_case(ctx, _uneven(ctx), spatial=(), channel_last=True, label=" channel_last=True 2d")
@@ -390,6 +401,7 @@ GROUP_2 = [
     "check_channels_last_with_contiguous_gradient",
     "check_copies_and_pickles_after_use",
     "check_under_torch_compile",
+    "check_input_without_grad",
     "check_no_affine_no_running_stats",
     "check_inplace_op_on_output",
     "check_half_parameters",
