@@ -10,7 +10,9 @@ by default because the profiler slows every variant timed after it.
 
 With one process (``torchrun --standalone --nproc_per_node=1 ...``, one GPU) SyncBatchNorm is
 told the world has two ranks and only the local-collectives variant runs beside plain
-BatchNorm: the layers' own host and GPU cost, measurable without a second GPU.
+BatchNorm: the layers' own host and GPU cost, measurable without a second GPU. ``--graphs``
+also times every variant's step as a CUDA graph replay (static loss scale 128): the GPU's
+share without the host's.
 """
 
 import argparse
@@ -24,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mixprec.parallel._sync_batchnorm_function as sbf  # noqa: E402
 from mixprec import amp  # noqa: E402
@@ -43,6 +46,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--graphs", action="store_true",
+                   help="also time each variant's step as a CUDA graph replay")
     p.add_argument("--cprofile", action="store_true",
                    help="also run 5 steps of each variant under cProfile (host functions by "
                         "own time)")
@@ -58,12 +63,22 @@ def main(argv=None):
     x = x.contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device=device)
 
-    def build(convert):
+    def setup(convert, loss_scale=None):
         torch.manual_seed(0)
         model = convert(torchvision.models.resnet50()).to(device)
         model = model.to(memory_format=torch.channels_last)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        return amp.initialize(model, opt, opt_level="O2", loss_scale=loss_scale, verbosity=0)
+
+    def graphed(convert):
+        from bench_parallel import _graphed_step
+
+        model, opt = setup(convert, loss_scale=128.0)
+        return _graphed_step(model, opt, x, y, lambda out, t: F.cross_entropy(out.float(), t),
+                             DistributedDataParallel)
+
+    def build(convert):
+        model, opt = setup(convert)
         model = DistributedDataParallel(model)
 
         def step():
@@ -128,6 +143,14 @@ def main(argv=None):
                 print(table.table(sort_by="self_cuda_time_total", row_limit=20))
                 print(table.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
         del step
+        if args.graphs:
+            from bench_parallel import _time_steps
+
+            replay = graphed(convert)
+            ms = 1e3 * _time_steps(replay, device, args.steps, warmup=3)
+            if rank == 0:
+                print(f"{name}: {ms:.2f} ms/step as a CUDA graph replay", flush=True)
+            del replay
         torch.cuda.empty_cache()
     sbf.all_gather_rows, sbf.all_reduce_sum = real
     dist.destroy_process_group()

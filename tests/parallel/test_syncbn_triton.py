@@ -213,3 +213,71 @@ def test_usable_rejects_what_the_kernels_do_not_take():
     assert not _syncbn_triton.usable(torch.randn(2, 3, 4))
     with pytest.raises(ValueError, match="unit column stride"):
         _syncbn_triton.stats_row(x.t(), 1e-5)
+
+
+# The reductions at ResNet-50 sizes: hundreds of splits per channel block merged in a fixed
+# order, so every run gives the same bits (and the right ones).
+def _large_shapes(device):
+    # On the GPU, ResNet-50-like layers: hundreds of splits per channel block; in the
+    # interpreter a small shape (a few splits).
+    if device == "cuda":
+        return [(64 * 56 * 56, 64), (64 * 28 * 28, 512), (64 * 7 * 7, 2048)]
+    return [(1000, 130)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reductions_give_the_same_bits_every_run(device):
+    for m, c in _large_shapes(device):
+        x = _input(m, c, torch.float16, device, offset=0.5)
+        dy = _input(m, c, torch.float16, device, seed=1)
+        first = _syncbn_triton.stats_row(x, 1e-5)
+        first_sums = _syncbn_triton.backward_reduce(dy, x, first[:c], first[c:2 * c], True,
+                                                    True)
+        for _ in range(20 if device == "cuda" else 2):
+            again = _syncbn_triton.stats_row(x, 1e-5)
+            torch.testing.assert_close(again, first, rtol=0, atol=0)
+            sums = _syncbn_triton.backward_reduce(dy, x, first[:c], first[c:2 * c], True, True)
+            for got, want in zip(sums, first_sums):
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+        # and they are right (float64 reference, as above)
+        xd = x.double().cpu()
+        torch.testing.assert_close(first[:c].double().cpu(), xd.mean(0), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(first[c:2 * c].double().cpu(),
+                                   (xd.var(0, unbiased=False) + 1e-5).rsqrt(), rtol=1e-4,
+                                   atol=0)
+        assert first[2 * c].item() == m
+        dyd = dy.double().cpu()
+        xmu = xd - first[:c].double().cpu()
+        scale = float((dyd * xmu).abs().sum(0).max())
+        torch.testing.assert_close(first_sums[0][c:].double().cpu(), (dyd * xmu).sum(0),
+                                   rtol=1e-4, atol=1e-5 * scale)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="requires CUDA graphs")
+def test_reductions_captured_in_a_cuda_graph_match_eager():
+    # The reductions as CUDA-graph nodes: each replay, on new data copied into the captured
+    # input, gives the eager result bit for bit.
+    m, c = 64 * 28 * 28, 128
+    x = _input(m, c, torch.float16, "cuda")
+    dy = _input(m, c, torch.float16, "cuda", seed=1)
+
+    def reductions():
+        row = _syncbn_triton.stats_row(x, 1e-5)
+        sums, gw, gb = _syncbn_triton.backward_reduce(dy, x, row[:c], row[c:2 * c], True, True)
+        return row, sums, gw, gb
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        reductions()  # compile and warm up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = reductions()
+    for seed in range(2, 6):
+        x.copy_(_input(m, c, torch.float16, "cuda", offset=seed, seed=seed))
+        dy.copy_(_input(m, c, torch.float16, "cuda", seed=seed + 10))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(captured, reductions()):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
