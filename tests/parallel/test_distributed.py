@@ -99,6 +99,18 @@ def check_grads_match_single_process(ctx):
         torch.testing.assert_close(p, q, **_tol(ctx))
 
 
+def _grads_match_global_batch(ctx, net, model, ref, seed, what):
+    """One backward of ``net`` (wrapping ``model``) on this rank's slice and of ``ref`` on the
+    whole batch: ``model``'s gradients must be ``ref``'s."""
+    x, y = _global_batch(ctx, seed=seed)
+    model.zero_grad()
+    ref.zero_grad()
+    F.mse_loss(net(_mine(ctx, x)), _mine(ctx, y)).backward()
+    F.mse_loss(ref(x), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled(f"{what} {name}"))
+
+
 def check_compiled_grads_match_single_process(ctx):
     # torch.compile of the wrapped model (PyTorch's DDP graph splitting at bucket boundaries),
     # with the built-in C++ hook and with the Python hook (a pre-divide factor that is neither
@@ -112,15 +124,8 @@ def check_compiled_grads_match_single_process(ctx):
         ddp = DistributedDataParallel(model, message_size=64, gradient_predivide_factor=factor)
         compiled = torch.compile(ddp, backend=backend)
         for step in range(2):
-            x, y = _global_batch(ctx, seed=80 + step)
-            model.zero_grad()
-            ref.zero_grad()
-            F.mse_loss(compiled(_mine(ctx, x)), _mine(ctx, y)).backward()
-            F.mse_loss(ref(x), y).backward()
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-                torch.testing.assert_close(
-                    p.grad, q.grad, **_tol(ctx),
-                    msg=labelled(f"compiled ({backend}), predivide {factor}, step {step} {name}"))
+            _grads_match_global_batch(ctx, compiled, model, ref, 80 + step,
+                                      f"compiled ({backend}), predivide {factor}, step {step}")
 
 
 def check_broadcast_from_rank0_and_state_dict(ctx):
@@ -217,13 +222,7 @@ def check_delay_allreduce(ctx):
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert _reducer_bucket_cap(ddp) >= total_bytes, (_reducer_bucket_cap(ddp), total_bytes)
     for step in range(2):
-        x, y = _global_batch(ctx, seed=20 + step)
-        model.zero_grad()
-        ref.zero_grad()
-        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-        F.mse_loss(ref(x), y).backward()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+        _grads_match_global_batch(ctx, ddp, model, ref, 20 + step, f"delay_allreduce step {step}")
 
 
 def check_message_size_sets_bucket_bytes(ctx):
