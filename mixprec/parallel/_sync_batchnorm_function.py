@@ -32,7 +32,7 @@ Two implementations of the same maths:
   collectives send, the merge of the ranks' statistics is fused into the normalization, and
   PyTorch's channels-last kernels were the slow part of a SyncBatchNorm step on an H200. Each
   layer keeps the layout and launch plan of the shapes it sees (``cache``), so a step's host
-  work per layer is the autograd node, four launches and two collectives. Nothing synchronises
+  work per layer is the autograd node, six launches and two collectives. Nothing synchronises
   the host with the device (``torch.nn.SyncBatchNorm`` does, once per layer, to drop empty
   ranks), so a rank with an empty batch sends a negligible count (``_EMPTY_COUNT``) instead,
   which the merge kernels weigh as nothing.
