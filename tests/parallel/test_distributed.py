@@ -7,6 +7,7 @@ The reference for gradients is a single process running the concatenated global 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import pickle
@@ -422,6 +423,43 @@ def check_amp_o2_under_torch_ddp(ctx):
         torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
 
 
+def check_amp_o2_accumulation_with_no_sync(ctx):
+    # Apex's gradient-accumulation recipe at O2 under DDP: micro-batches under no_sync() with
+    # delay_unscale=True, the last one all-reduced and unscaled into the masters; two optimizer
+    # steps (the second starts from the gradients amp released after the first). Reference:
+    # the same accumulation in one process on the global micro-batches.
+    from mixprec import amp
+
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale=64.0, verbosity=0)
+    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", dtype=torch.bfloat16,
+                                  loss_scale=64.0, verbosity=0)
+    ddp = DistributedDataParallel(model, message_size=64)
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(3):
+            x, y = _global_batch(ctx, seed=110 + 3 * step + micro)
+            last = micro == 2
+            with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt,
+                                delay_unscale=not last) as scaled:
+                scaled.backward()
+            sync = contextlib.nullcontext() if last else ddp.no_sync()
+            with sync, amp.scale_loss(F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y)),
+                                      opt, delay_unscale=not last) as scaled:
+                scaled.backward()
+        opt.step()
+        ref_opt.step()
+    masters = list(amp.master_params(opt))
+    _assert_same_on_all_ranks(ctx, masters, "fp32 master weight")
+    for m, r in zip(masters, amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+
+
 def check_amp_o2_ddp_syncbn_compiled(ctx):
     # The whole Apex recipe under torch.compile: amp O2 (bf16), SyncBatchNorm (a graph break,
     # run eagerly), DDP, compiled; it must train as the same recipe run eagerly. On CPU the
@@ -547,6 +585,7 @@ CHECKS = [
     "check_reducer",
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_under_torch_ddp",
+    "check_amp_o2_accumulation_with_no_sync",
     "check_amp_o2_ddp_syncbn_compiled",
     "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
     "check_larc_under_amp_o2_and_ddp",
