@@ -144,6 +144,21 @@ def check_broadcast_from_rank0_and_state_dict(ctx):
     assert torch.all(model[1].running_mean == 1.0)
 
 
+def check_hook_only_where_apex_arithmetic_needs_it(ctx):
+    # The plain average needs no communication hook (PyTorch's reducer divides while copying
+    # into the buckets); Apex's other settings run the Python hook.
+    def hook(ddp):
+        return ddp._get_ddp_logging_data().get("comm_hook") or None
+
+    assert hook(DistributedDataParallel(_mlp(ctx.device))) is None
+    world = float(ctx.world_size)
+    assert hook(DistributedDataParallel(_mlp(ctx.device), gradient_predivide_factor=world)) is None
+    for kwargs in ({"gradient_predivide_factor": 4.0}, {"allreduce_always_fp32": True},
+                   {"gradient_average": False}, {"prof": True}):
+        assert hook(DistributedDataParallel(_mlp(ctx.device), **kwargs)) == "_apex_allreduce_hook", \
+            kwargs
+
+
 def check_pickle_roundtrip(ctx):
     ddp = DistributedDataParallel(_mlp(ctx.device), message_size=1000,
                                   gradient_predivide_factor=2.0)
@@ -574,6 +589,7 @@ CHECKS = [
     "check_grads_match_single_process",
     "check_compiled_grads_match_single_process",
     "check_broadcast_from_rank0_and_state_dict",
+    "check_hook_only_where_apex_arithmetic_needs_it",
     "check_pickle_roundtrip",
     "check_predivide_factor",
     "check_half_gradients_reduced_in_half",
