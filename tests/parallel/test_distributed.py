@@ -383,6 +383,30 @@ def _amp_step(model, opt, x, y, amp):
     opt.step()
 
 
+def _amp_o2_sgd_pair(model, ref, **amp_kwargs):
+    """``model`` and its single-process reference ``ref``, each with SGD (momentum) through
+    amp O2 bf16: ``(model, opt, ref, ref_opt)``."""
+    from mixprec import amp
+
+    pairs = []
+    for net in (model, ref):
+        opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        pairs.extend(amp.initialize(net, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0, **amp_kwargs))
+    return tuple(pairs)
+
+
+def _assert_masters_match_reference(ctx, opt, ref_opt):
+    """The fp32 masters are bitwise the same on every rank and equal the single-process
+    reference's up to bf16 rounding."""
+    from mixprec import amp
+
+    masters = list(amp.master_params(opt))
+    _assert_same_on_all_ranks(ctx, masters, "fp32 master weight")
+    for m, r in zip(masters, amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+
+
 def check_amp_o2_ddp_masters_bitwise_identical(ctx):
     from mixprec import amp
 
@@ -391,25 +415,18 @@ def check_amp_o2_ddp_masters_bitwise_identical(ctx):
     ref = copy.deepcopy(model)
     ref.bn = nn.BatchNorm2d(8).to(ctx.device)
     ref.bn.load_state_dict(model.bn.state_dict())
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", dtype=torch.bfloat16,
-                                  verbosity=0)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, ref)
     assert model.conv.weight.dtype == torch.bfloat16 and model.bn.weight.dtype == torch.float32
     ddp = DistributedDataParallel(model)
     for step in range(3):
         x, y = _images(ctx, seed=50 + step)
         _amp_step(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
         _amp_step(ref, ref_opt, x, y, amp)
-    masters = list(amp.master_params(opt))
-    assert all(m.dtype == torch.float32 for m in masters)
-    _assert_same_on_all_ranks(ctx, masters, "fp32 master weight")
+    assert all(m.dtype == torch.float32 for m in amp.master_params(opt))
     _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter")
     _assert_same_on_all_ranks(ctx, list(model.buffers()), "model buffer")
     # And the same training as one process on the global batch, up to bf16 rounding.
-    for m, r in zip(masters, amp.master_params(ref_opt)):
-        torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+    _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
 def check_amp_o2_under_torch_ddp(ctx):
@@ -418,12 +435,7 @@ def check_amp_o2_under_torch_ddp(ctx):
     from mixprec import amp
 
     model = _mlp(ctx.device)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", dtype=torch.bfloat16,
-                                  verbosity=0)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model))
     ddp = nn.parallel.DistributedDataParallel(model)
     for step in range(3):
         x, y = _global_batch(ctx, seed=90 + step)
@@ -432,10 +444,7 @@ def check_amp_o2_under_torch_ddp(ctx):
             with amp.scale_loss(F.mse_loss(net(xs).float(), ys), o) as scaled:
                 scaled.backward()
             o.step()
-    masters = list(amp.master_params(opt))
-    _assert_same_on_all_ranks(ctx, masters, "fp32 master weight")
-    for m, r in zip(masters, amp.master_params(ref_opt)):
-        torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+    _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
 def check_amp_o2_accumulation_with_no_sync(ctx):
@@ -446,13 +455,7 @@ def check_amp_o2_accumulation_with_no_sync(ctx):
     from mixprec import amp
 
     model = _mlp(ctx.device)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
-                                loss_scale=64.0, verbosity=0)
-    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", dtype=torch.bfloat16,
-                                  loss_scale=64.0, verbosity=0)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), loss_scale=64.0)
     ddp = DistributedDataParallel(model, message_size=64)
     for step in range(2):
         opt.zero_grad()
@@ -469,10 +472,7 @@ def check_amp_o2_accumulation_with_no_sync(ctx):
                 scaled.backward()
         opt.step()
         ref_opt.step()
-    masters = list(amp.master_params(opt))
-    _assert_same_on_all_ranks(ctx, masters, "fp32 master weight")
-    for m, r in zip(masters, amp.master_params(ref_opt)):
-        torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+    _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
 def check_amp_o2_ddp_syncbn_compiled(ctx):
