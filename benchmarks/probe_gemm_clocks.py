@@ -100,10 +100,10 @@ class Recipe:
         self.w = workload
         torch.manual_seed(0)
         model = workload.build_model().cuda()
-        opt = workload.build_optimizer(model.parameters(), torch.device("cuda"))
         self.extra = None
         self.amp = name.startswith(("O2", "O3"))
         if self.amp:
+            opt = workload.build_optimizer(model.parameters(), torch.device("cuda"))
             level = name[:2]
             scale = 1.0 if "scale 1" in name else "dynamic"
             model, opt = amp.initialize(model, opt, opt_level=level, dtype=torch.float16,
