@@ -43,14 +43,17 @@ def main():
     parser.add_argument("--checkpoint", default=None)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--half-dtype", default="float16")
+    # As in Apex's ImageNet example: strings, handed to amp.initialize as they are.
+    parser.add_argument("--keep-batchnorm-fp32", type=str, default=None)
+    parser.add_argument("--loss-scale", type=str, default=None)
     args = parser.parse_args()
 
     torch.manual_seed(0)
     model = Net().to(args.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = amp.initialize(model, optimizer, opt_level=args.opt_level, num_losses=2,
-                                      dtype=getattr(torch, args.half_dtype), verbosity=0)
+                                      keep_batchnorm_fp32=args.keep_batchnorm_fp32,
+                                      loss_scale=args.loss_scale, verbosity=0)
     start = 0
     if args.resume:
         checkpoint = torch.load(args.checkpoint)

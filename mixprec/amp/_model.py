@@ -15,7 +15,9 @@ The model object the user passed is returned, changed in three visible, reversib
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Callable, Dict, Optional
 
 import torch
@@ -28,13 +30,18 @@ __all__ = ["AmpForwardConfig", "cast_floating", "convert_model", "is_amp_model",
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor inside ``value`` to ``dtype``.
 
-    Walks lists, tuples, namedtuples, dicts and dataclass instances; integer/bool tensors and
-    non-tensors are returned untouched; containers are rebuilt, never modified in place.
+    Walks lists, tuples, namedtuples, mappings (``dict``, ``OrderedDict``, ``defaultdict``,
+    ``UserDict`` such as a tokenizer's batch) and dataclass instances; integer/bool tensors and
+    strings are returned untouched; containers are rebuilt, never modified in place. Any other
+    object with a ``to`` method (a custom batch class) is cast with ``value.to(dtype)``, as Apex
+    did: such a class decides itself which of its tensors to cast.
     """
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
-    if isinstance(value, dict):
-        return type(value)((k, cast_floating(v, dtype)) for k, v in value.items())
+    if type(value) is dict:  # the common case, kept cheap: this runs on every forward
+        return {k: cast_floating(v, dtype) for k, v in value.items()}
+    if isinstance(value, Mapping):
+        return _rebuild_mapping(value, {k: cast_floating(v, dtype) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
         return type(value)(*(cast_floating(v, dtype) for v in value))
     if isinstance(value, (list, tuple)):
@@ -46,7 +53,31 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
             if f.init
         }
         return dataclasses.replace(value, **changes)
+    if (callable(getattr(value, "to", None)) and not isinstance(value, (str, bytes, type))
+            and not isinstance(value, nn.Module)):
+        return value.to(dtype)
     return value
+
+
+def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
+    """A mapping of ``original``'s type holding ``items``, ``original`` left as it was.
+
+    A shallow copy with the items assigned keeps what a constructor call would lose (a
+    ``defaultdict``'s factory, a ``UserDict`` subclass's attributes); read-only mappings are
+    rebuilt from the items, and a type that takes neither becomes a plain ``dict``.
+    """
+    if isinstance(original, MutableMapping):
+        try:
+            out = copy.copy(original)
+            for k, v in items.items():
+                out[k] = v
+            return out
+        except Exception:  # an exotic mapping: fall through to the constructor
+            pass
+    try:
+        return type(original)(items)
+    except Exception:
+        return items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +125,11 @@ class _AmpModule:
     def __reduce_ex__(self, protocol):
         # The swapped class is made at run time, so pickle cannot find it by name: rebuild it
         # from the original class instead (which pickle can find).
-        return (_rebuild_amp_module, (_original_class(type(self)),), dict(self.__dict__))
+        # The state is what the user's class says it is (its own __getstate__ may leave out
+        # what cannot be pickled); object.__getstate__ exists from Python 3.11 on.
+        getstate = getattr(self, "__getstate__", None)
+        state = getstate() if getstate is not None else dict(self.__dict__)
+        return (_rebuild_amp_module, (_original_class(type(self)),), state)
 
 
 def _fp32_forward(original_forward: Callable, device_type: str, args, kwargs):
@@ -192,6 +227,13 @@ class _Fp32StateDict:
         return state_dict
 
     def load(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        if local_metadata.get("assign_to_params_buffers", False):
+            raise RuntimeError(
+                "load_state_dict(..., assign=True) on a model prepared by amp.initialize: "
+                "assigning replaces the half parameter objects, which cuts them off from the "
+                "optimizer and its fp32 master weights. Load with assign=False (the default); "
+                "amp then writes the fp32 values into the masters exactly."
+            )
         with torch.no_grad():
             for name, master in self.masters.items():
                 value = state_dict.get(prefix + name)
@@ -242,6 +284,15 @@ def _cast_module_tensors(module: nn.Module, dtype: torch.dtype) -> bool:
     return changed
 
 
+def _holds_half(module: nn.Module) -> bool:
+    """Whether ``module``'s own parameters or buffers include a half-precision tensor."""
+    return any(
+        t is not None and t.dtype in (torch.float16, torch.bfloat16)
+        for tensors in (module._parameters, module._buffers)
+        for t in tensors.values()
+    )
+
+
 def _device_type(model: nn.Module) -> str:
     for t in list(model.parameters()) + list(model.buffers()):
         return t.device.type
@@ -261,18 +312,29 @@ def convert_model(model: nn.Module, props) -> None:
     if props.model_is_half:
         for module in model.modules():
             if keep_bn and isinstance(module, _BatchNorm):
-                # Stays fp32: PyTorch's batch_norm takes half input with fp32 parameters
-                # (statistics in fp32, output in the input's dtype), train and eval alike.
+                # fp32 (cast back if the model came .half()-ed): PyTorch's batch_norm takes
+                # half input with fp32 parameters (statistics in fp32, output in the input's
+                # dtype), train and eval alike.
+                _cast_module_tensors(module, torch.float32)
                 continue
-            if _cast_module_tensors(module, props.cast_model_type):
+            _cast_module_tensors(module, props.cast_model_type)
+            if _holds_half(module):
+                # Every module holding half tensors, cast here or already half (a model
+                # .half()-ed before initialize, the second owner of a tied weight): each of
+                # its state-dict entries must come out fp32, the master where there is one.
                 _install_state_dict_hooks(module)
         output_dtype = props.cast_model_outputs or torch.float32
         config = AmpForwardConfig(input_dtype=props.cast_model_type, output_dtype=output_dtype,
                                   device_type=device_type)
     elif props.cast_model_type == torch.float32:
+        # O0, as in Apex: an fp32 model whose floating inputs and outputs are cast to fp32
+        # (e.g. float64 batches from NumPy); per-op casting only if asked for.
         for module in model.modules():
             _cast_module_tensors(module, torch.float32)
-        config = AmpForwardConfig(output_dtype=props.cast_model_outputs, device_type=device_type)
+        autocast_dtype = props.half_dtype if props.patch_torch_functions else None
+        config = AmpForwardConfig(input_dtype=torch.float32, autocast_dtype=autocast_dtype,
+                                  output_dtype=props.cast_model_outputs or torch.float32,
+                                  device_type=device_type)
     else:  # O1: parameters as they are, per-op casting
         autocast_dtype = props.half_dtype if props.patch_torch_functions else None
         config = AmpForwardConfig(autocast_dtype=autocast_dtype, device_type=device_type,

@@ -226,11 +226,13 @@ def resolve_properties(
         loss_scale=preset["loss_scale"],
         cast_model_outputs=cast_model_outputs,
     )
-    _check_combination(props)
+    _check_combination(props, {k for k, v in overrides.items() if v is not None})
     return props
 
 
-def _check_combination(p: Properties) -> None:
+def _check_combination(p: Properties, passed=frozenset()) -> None:
+    """Reject meaningless combinations; ``passed`` names the properties the user overrode
+    (the others come from the opt level), so that the message blames the right one."""
     where = f'amp.initialize(opt_level="{p.opt_level}", ...)'
     if p.patch_torch_functions and p.model_is_half:
         raise ValueError(
@@ -239,10 +241,19 @@ def _check_combination(p: Properties) -> None:
             'opt_level="O1" for per-op casting or "O2"/"O3" for a half model.'
         )
     if p.master_weights and not p.model_is_half:
+        cast = _DTYPE_NAMES.get(p.cast_model_type, p.cast_model_type)
+        if "master_weights" in passed:
+            raise ValueError(
+                f"{where}: master_weights=True keeps fp32 copies of half parameters, but with "
+                f"cast_model_type={cast} the parameters stay fp32. Use opt_level=\"O2\", or "
+                "drop master_weights=True."
+            )
         raise ValueError(
-            f"{where}: master_weights=True keeps fp32 copies of half parameters, but with "
-            f"cast_model_type={_DTYPE_NAMES.get(p.cast_model_type, p.cast_model_type)} the "
-            'parameters stay fp32. Use opt_level="O2", or drop master_weights=True.'
+            f'amp.initialize(opt_level="{p.opt_level}", cast_model_type={cast}): '
+            f"{p.opt_level} keeps fp32 master weights of "
+            "half parameters, and this cast_model_type leaves the parameters fp32. For an "
+            'fp32 model use opt_level="O0" or "O1"; to keep O2 with fp32 parameters anyway, '
+            "pass master_weights=False too."
         )
     if p.keep_batchnorm_fp32 is False and p.cast_model_type == torch.float32:
         raise ValueError(

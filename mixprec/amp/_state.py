@@ -5,7 +5,8 @@ state through :func:`optimizer_state`, a weak registry, so ``amp.scale_loss(loss
 needs no process-wide "current" amp and several ``initialize`` calls can live side by side.
 
 Where amp intercepts the optimizer: two step hooks (``Optimizer.register_step_pre_hook`` /
-``register_step_post_hook``), and nothing else. The pre-hook makes a step with overflowed
+``register_step_post_hook``) and two state-dict pre-hooks (which give a parameter group added
+after ``initialize`` its masters before the state is saved or loaded), and nothing else. The pre-hook makes a step with overflowed
 gradients a no-op by setting the gradients to ``None`` (every ``torch.optim`` optimizer skips
 such parameters, so neither the parameters nor the moment estimates move); the post-hook copies
 the fp32 master weights into the half model (O2). :meth:`_OptimizerState.remove_hooks` undoes it.
@@ -27,7 +28,7 @@ from mixprec.amp._logging import OverflowLog, log_rank0
 from mixprec.amp._model import register_masters
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 
-__all__ = ["AmpState", "optimizer_state"]
+__all__ = ["AmpState", "SyncParamGroupsOnLoad", "optimizer_state"]
 
 _OPTIMIZER_STATES: weakref.WeakKeyDictionary[object, _OptimizerState] = (
     weakref.WeakKeyDictionary()
@@ -188,6 +189,16 @@ class _OptimizerState:
     def install_hooks(self, hook_target: torch.optim.Optimizer) -> None:
         self._handles.append(hook_target.register_step_pre_hook(self._pre_step))
         self._handles.append(hook_target.register_step_post_hook(self._post_step))
+        # A group added after initialize gets its masters before the optimizer's state is
+        # saved or loaded, not only at the next scale_loss: a resume loads the checkpoint's
+        # fp32 moments into fp32 masters (loaded into the half parameters, torch would cast
+        # them to half).
+        self._handles.append(hook_target.register_state_dict_pre_hook(self._sync_hook))
+        self._handles.append(hook_target.register_load_state_dict_pre_hook(self._sync_hook))
+
+    def _sync_hook(self, optimizer, *state_dict):
+        if self.amp_state.enabled:
+            self.sync_param_groups()
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -211,14 +222,30 @@ class _OptimizerState:
         check = scaler.dynamic
         # Master-weighted params: half grad -> fp32, unscaled, added into the master's grad.
         # The cast happens before the unscale so small gradients do not underflow in half.
-        half_grads, targets = [], []
+        half_grads, targets, sparse_fresh, sparse_targets = [], [], [], []
         for p, master in self.pairs:
-            if p.grad is not None:
-                half_grads.append(p.grad)
+            g = p.grad
+            if g is None:
+                continue
+            p.grad = None
+            if g.layout == torch.strided:
+                half_grads.append(g)
                 targets.append(master)
-                p.grad = None
+            else:  # sparse (e.g. nn.Embedding(sparse=True)): cast, then sum duplicate indices
+                sparse_fresh.append(g.float().coalesce())
+                sparse_targets.append(master)
         fresh = [torch.empty_like(g, dtype=torch.float32) for g in half_grads]
-        plain_grads = [p.grad for p in self.plain if p.grad is not None]
+        plain_grads = []
+        for p in self.plain:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse and p.grad.dtype == torch.float16 and not p.grad.is_coalesced():
+                # Duplicate indices summed only now could overflow after the check (GradScaler
+                # coalesces fp16 sparse gradients for the same reason).
+                p.grad = p.grad.coalesce()
+            plain_grads.append(p.grad)
+        plain_grads += sparse_fresh
+        targets += sparse_targets
         found = {}
         if fresh and (check or scaler.loss_scale != 1.0) and _fused_cast_ok(half_grads):
             # One Triton pass casts, unscales and checks (6 bytes per element instead of 14).
@@ -234,18 +261,16 @@ class _OptimizerState:
         flags = flags or []
         del half_grads
         accumulate_into, accumulate = [], []
-        for master, g in zip(targets, fresh):
-            if master.grad is None:
-                master.grad = g
-            else:
-                accumulate_into.append(master.grad)
+        for param, g in [*zip(targets, fresh + sparse_fresh), *self._stash]:
+            if param.grad is None:
+                param.grad = g
+            elif param.grad.layout == torch.strided and g.layout == torch.strided:
+                accumulate_into.append(param.grad)
                 accumulate.append(g)
-        for p, old in self._stash:
-            if p.grad is None:
-                p.grad = old
+            elif param.grad.layout == torch.strided:
+                param.grad.add_(g)  # dense += sparse, in place
             else:
-                accumulate_into.append(p.grad)
-                accumulate.append(old)
+                param.grad = param.grad + g  # sparse + sparse or dense
         if accumulate:
             torch._foreach_add_(accumulate_into, accumulate)
         self._stash = []
@@ -322,6 +347,30 @@ class _OptimizerState:
                 torch._foreach_copy_(model_params, masters)
 
 
+class SyncParamGroupsOnLoad:
+    """A model's load-state-dict pre-hook: adopt late ``add_param_group`` calls first.
+
+    Registered on each model by ``initialize`` before the fp32 state-dict hooks, so that a
+    checkpoint loaded into the model reaches the masters of a group added after
+    ``initialize``. Holds its ``AmpState`` weakly; a pickled or deep-copied model's copy
+    holds none (the optimizers stay with the original).
+    """
+
+    def __init__(self, amp_state: AmpState):
+        self._amp_state = weakref.ref(amp_state)
+
+    def __call__(self, state_dict, prefix, *args):
+        amp_state = self._amp_state() if self._amp_state is not None else None
+        if amp_state is not None:
+            amp_state.sync_param_groups()
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self._amp_state = None
+
+
 class AmpState:
     """Everything one ``amp.initialize`` call set up.
 
@@ -339,6 +388,7 @@ class AmpState:
         # Weak references: module-level amp.state_dict() keeps the latest AmpState alive, and
         # that must not keep the user's models, optimizers and master weights alive with it.
         self._models = [weakref.ref(m) for m in models]
+        self._optimizer_states: List[weakref.ref] = []
         self.verbosity = verbosity
         loss_scale = properties.loss_scale if properties is not None else 1.0
         self.scalers = [
@@ -354,8 +404,18 @@ class AmpState:
     def models(self) -> list:
         return [m for m in (ref() for ref in self._models) if m is not None]
 
+    def sync_param_groups(self) -> None:
+        """Give every parameter group added since ``initialize`` its masters now."""
+        if not self.enabled:
+            return
+        for ref in self._optimizer_states:
+            opt_state = ref()
+            if opt_state is not None and opt_state.optimizer_ref() is not None:
+                opt_state.sync_param_groups()
+
     def add_optimizer(self, optimizer) -> _OptimizerState:
         state = _OptimizerState(self, optimizer)
+        self._optimizer_states.append(weakref.ref(state))
         _OPTIMIZER_STATES[optimizer] = state
         hook_target = hookable_optimizer(optimizer)
         if hook_target is not optimizer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 from typing import Iterator, List, Optional
 
 import torch
@@ -13,7 +14,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from mixprec.amp._logging import log_rank0
 from mixprec.amp._model import convert_model, is_amp_model, register_masters
 from mixprec.amp._properties import describe_opt_level, resolve_properties
-from mixprec.amp._state import AmpState, hookable_optimizer, optimizer_state
+from mixprec.amp._state import (
+    AmpState,
+    SyncParamGroupsOnLoad,
+    hookable_optimizer,
+    optimizer_state,
+)
 
 __all__ = [
     "initialize",
@@ -54,11 +60,44 @@ def _check_model(model: nn.Module) -> None:
             "returned model: `model, opt = amp.initialize(model, opt, ...); "
             "model = DistributedDataParallel(model)`."
         )
+    if isinstance(model, _COMPILED_MODULE_TYPES):
+        raise ValueError(
+            f"amp.initialize(models={type(model).__name__}(...)): the model was compiled "
+            "with torch.compile before amp.initialize, so amp's casts would never run in "
+            "it. Initialize the bare model, then compile the returned one: `model, opt = "
+            "amp.initialize(model, opt, ...); model = torch.compile(model)`."
+        )
     if is_amp_model(model):
         raise ValueError(
             f"amp.initialize(models={type(model).__name__}(...)): this model already went "
             "through amp.initialize. Initialize each model once; build a new model to try "
             "another opt level."
+        )
+
+
+def _compiled_module_types() -> tuple:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except Exception:  # (a torch without Dynamo: nothing can be compiled)
+        return ()
+    return (OptimizedModule,)
+
+
+_COMPILED_MODULE_TYPES = _compiled_module_types()
+
+
+def _warn_if_already_half(models: List[nn.Module]) -> None:
+    """Apex refused models whose parameters were already half; amp handles them, but the
+    precision lost by the user's ``.half()`` is gone before any master weight is made."""
+    halves = [p for m in models for p in m.parameters()
+              if p.dtype in (torch.float16, torch.bfloat16)]
+    if halves:
+        warnings.warn(
+            f"amp.initialize: {len(halves)} parameter(s) of the model are already "
+            f"{halves[0].dtype} (e.g. model.half() before initialize). amp casts the model "
+            "itself: pass the fp32 model, or the fp32 master weights (O2) start from the "
+            "rounded half values.",
+            stacklevel=3,
         )
 
 
@@ -170,7 +209,14 @@ def initialize(
             return models
         return models, optimizers
 
+    seen = set()
     for opt in opt_list:
+        if id(opt) in seen:
+            raise ValueError(
+                f"amp.initialize(optimizers=[...]): the same {type(opt).__name__} appears "
+                "twice in the list. Pass each optimizer once."
+            )
+        seen.add(id(opt))
         if optimizer_state(opt) is not None:
             raise ValueError(
                 f"amp.initialize: the optimizer {type(opt).__name__} already went through "
@@ -192,9 +238,15 @@ def initialize(
         master_weights=master_weights, loss_scale=loss_scale,
         cast_model_outputs=cast_model_outputs,
     )
-    for model in model_list:
+    for i, model in enumerate(model_list):
         _check_model(model)
+        if any(model is other for other in model_list[:i]):
+            raise ValueError(
+                f"amp.initialize(models=[...]): the same {type(model).__name__} appears twice "
+                "in the list. Pass each model once."
+            )
     _check_half_supported(model_list, props)
+    _warn_if_already_half(model_list)
 
     # Which parameters the conversion will cast to half (their fp32 values become masters).
     cast_ids = set()
@@ -224,6 +276,9 @@ def initialize(
         masters.update(opt_state.adopt_params(props.master_weights, cast_ids))
         opt_state.install_hooks(hookable_optimizer(opt))
     for model in model_list:
+        # Before convert_model's own hooks, so that a checkpoint loaded after a late
+        # optimizer.add_param_group finds the new group's masters in place.
+        model._register_load_state_dict_pre_hook(SyncParamGroupsOnLoad(state))
         convert_model(model, props)
         register_masters(model, masters)
     _latest = state
@@ -284,11 +339,6 @@ def scale_loss(
         >>> optimizer.step()
     """
     del model, delay_overflow_check
-    error = _loss_error(loss)
-    if error is not None:
-        raise (TypeError if not isinstance(loss, torch.Tensor) else ValueError)(
-            f"amp.scale_loss(loss=...): {error}"
-        )
     opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     states = [optimizer_state(opt) for opt in opt_list]
     if not opt_list or any(s is None for s in states):
@@ -303,9 +353,14 @@ def scale_loss(
             "amp.scale_loss: the optimizers come from different amp.initialize calls, which "
             "have separate loss scalers. Call scale_loss once per initialize call."
         )
-    if not amp_state.enabled:
+    if not amp_state.enabled:  # (Apex's no-op: the loss goes through as it is)
         yield loss
         return
+    error = _loss_error(loss)
+    if error is not None:
+        raise (TypeError if not isinstance(loss, torch.Tensor) else ValueError)(
+            f"amp.scale_loss(loss=...): {error}"
+        )
     scaler = amp_state.scaler(loss_id)
     device = amp_state.scale_device(states, loss_id)
     if device is not None and loss.device != device:

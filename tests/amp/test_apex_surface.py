@@ -248,6 +248,99 @@ def test_o2_casts_nested_inputs_only_floating():
     assert data[0].image.dtype == torch.float32  # the caller's objects are not modified
 
 
+class _TokenBatch(collections.UserDict):
+    """A tokenizer's batch (a ``UserDict`` with attributes of its own, like Hugging Face's)."""
+
+    def __init__(self, data, n_sequences):
+        super().__init__(data)
+        self.n_sequences = n_sequences
+
+
+class _CustomBatch:
+    """A user's batch class with a ``to`` method (Apex cast such objects with ``.to(dtype)``)."""
+
+    def __init__(self, image, label):
+        self.image, self.label = image, label
+
+    def to(self, dtype):
+        return _CustomBatch(self.image.to(dtype), self.label)
+
+
+def test_o2_casts_mappings_and_custom_batch_classes():
+    seen = {}
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, feats, tokens, batch):
+            seen.update(feats=feats, tokens=tokens, batch=batch)
+            return self.lin(feats["x"]) + self.lin(batch.image)
+
+    model = Spy()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    feats = collections.defaultdict(list, x=torch.randn(3, 2))
+    tokens = _TokenBatch({"ids": torch.arange(3), "scale": torch.ones(3)}, n_sequences=1)
+    out = model(feats, tokens, _CustomBatch(torch.randn(3, 2), torch.arange(3)))
+    assert out.dtype == torch.float32
+    got = seen["feats"]
+    assert type(got) is collections.defaultdict and got.default_factory is list
+    assert got["x"].dtype == torch.bfloat16 and feats["x"].dtype == torch.float32
+    got = seen["tokens"]
+    assert type(got) is _TokenBatch and got.n_sequences == 1
+    assert got["ids"].dtype == torch.int64 and got["scale"].dtype == torch.bfloat16
+    assert tokens["scale"].dtype == torch.float32  # the caller's batch is left alone
+    assert seen["batch"].image.dtype == torch.bfloat16 and seen["batch"].label.dtype == torch.int64
+
+
+# -- sparse gradients -----------------------------------------------------------------------------
+class _Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(50, 8, sparse=True)
+        self.lin = nn.Linear(8, 1)
+
+    def forward(self, idx):
+        # (/ 64: no fp16 overflow at the initial 2**16 scale, so the first step is taken)
+        return self.lin(self.emb(idx)).float().mean() / 64
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_sparse_gradients_under_dynamic_scaling(opt_level, dtype):
+    torch.manual_seed(0)
+    model, reference = _Bag(), _Bag()
+    reference.load_state_dict(model.state_dict())
+    idx = torch.tensor([[1, 2, 2, 7], [7, 7, 3, 1]])  # duplicate indices: uncoalesced grads
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, loss_scale="dynamic",
+                   verbosity=0)
+    with amp.scale_loss(model(idx), opt) as scaled:
+        scaled.backward()
+    reference(idx).backward()
+    grad = next(p for p in amp.master_params(opt) if p.shape == (50, 8)).grad
+    assert grad.is_sparse
+    expected = reference.emb.weight.grad.to_dense()
+    # O0 is fp32 throughout: exact. Elsewhere the gradient flows through half layers (one
+    # rounding of ~2**-8 relative in bf16, less in fp16, per op).
+    rtol, atol = (0, 0) if opt_level == "O0" else (2e-2, 1e-7)
+    torch.testing.assert_close(grad.to_dense().float(), expected, rtol=rtol, atol=atol)
+    if not (opt_level == "O3" and dtype == torch.float16):  # (no fp16 sparse add in CPU SGD)
+        opt.step()
+        assert not amp.step_was_skipped(opt)
+    opt.zero_grad()
+    # An inf in the sparse gradient skips the step, and the scale backs off.
+    before = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    weights = model.emb.weight.detach().clone()
+    with amp.scale_loss(model(idx) * float("inf"), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == before / 2
+    torch.testing.assert_close(model.emb.weight.detach(), weights, rtol=0, atol=0)
+
+
 # -- DataParallel ---------------------------------------------------------------------------------
 def test_data_parallel_around_o2_model(device):
     if device.type == "cpu" and torch.cuda.is_available():

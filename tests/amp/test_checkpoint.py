@@ -93,3 +93,96 @@ def test_resume_is_bit_for_bit(opt_level, dtype):
     torch.testing.assert_close(torch.stack(first + second), torch.stack(full), rtol=0, atol=0)
     for (k, v), v2 in zip(model.state_dict().items(), m2.state_dict().values()):
         torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
+
+
+def _run_with_late_group(steps, checkpoint=None):
+    """O2 fine-tuning shape: the head trains from the start, the features join through
+    optimizer.add_param_group after initialize (in their own group, with their own lr)."""
+    model = make_cnn()
+    opt = torch.optim.Adam(model.head.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    opt.add_param_group({"params": list(model.features.parameters()), "lr": 1e-3})
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        amp.load_state_dict(checkpoint["amp"])
+    start = 0 if checkpoint is None else checkpoint["step"]
+    losses = [train_step(model, opt, *batch(seed=100 + start + i), amp) for i in range(steps)]
+    return model, opt, losses
+
+
+def test_resume_after_add_param_group_is_bit_for_bit():
+    # The checkpoint is loaded before any scale_loss: the late group must already have its
+    # fp32 masters then, or the model's fp32 values and Adam's fp32 moments land in half.
+    model, _, full = _run_with_late_group(6)
+    m1, o1, first = _run_with_late_group(3)
+    ckpt = {"model": m1.state_dict(), "optimizer": o1.state_dict(), "amp": amp.state_dict(),
+            "step": 3}
+    saved_moments = [s["exp_avg_sq"] for s in ckpt["optimizer"]["state"].values()]
+    assert all(m.dtype == torch.float32 for m in saved_moments)
+    m2, o2, second = _run_with_late_group(3, checkpoint=ckpt)
+    torch.testing.assert_close(torch.stack(first + second), torch.stack(full), rtol=0, atol=0)
+    for (k, v), v2 in zip(model.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
+
+
+def test_already_half_model_saves_and_loads_fp32_masters():
+    model = make_cnn().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"already torch.float16.*pass the fp32 model"):
+        amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    sd = model.state_dict()
+    assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
+    source = make_cnn(seed=9).state_dict()
+    model.load_state_dict(source)
+    masters = list(amp.master_params(opt))
+    for master, name in zip(masters, dict(model.named_parameters())):
+        torch.testing.assert_close(master.detach(), source[name], rtol=0, atol=0)
+    # A step must continue from the loaded weights, not copy the old masters back.
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    train_step(model, opt, *batch(), amp)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), source[name].to(p.dtype), rtol=0, atol=0)
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(16, 8)
+        self.lin = torch.nn.Linear(8, 8)
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(torch.tanh(self.lin(self.wte(idx))))
+
+
+def test_tied_weights_save_the_master_under_both_names():
+    torch.manual_seed(0)
+    model = _TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    idx = torch.randint(0, 16, (4, 6))
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    sd = model.state_dict()
+    master = next(m for m in amp.master_params(opt) if m.shape == (16, 8))
+    for key in ("wte.weight", "lm_head.weight"):
+        assert sd[key].dtype == torch.float32, key
+        torch.testing.assert_close(sd[key], master.detach(), rtol=0, atol=0, msg=key)
+    plain = _TiedLM()
+    plain.load_state_dict(sd)
+    torch.testing.assert_close(plain.wte.weight.detach(), master.detach(), rtol=0, atol=0)
+
+
+def test_load_with_assign_is_refused_clearly():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with pytest.raises(RuntimeError, match=r"assign=True.*Load with assign=False"):
+        model.load_state_dict(make_cnn(seed=3).state_dict(), assign=True)

@@ -61,6 +61,10 @@ def test_enabled_false_is_noop():
     with amp.scale_loss(loss, opt) as scaled:
         assert scaled is loss
         scaled.backward()
+    # Disabled, scale_loss passes any loss through untouched, as Apex did (no checks).
+    per_sample = nn.functional.cross_entropy(model(x), y, reduction="none")
+    with amp.scale_loss(per_sample, opt) as scaled:
+        assert scaled is per_sample
 
 
 def test_initialize_twice_for_other_models_is_independent():
@@ -117,6 +121,86 @@ def test_rejects_same_optimizer_twice():
     amp.initialize(model, opt, opt_level="O1", verbosity=0)
     with pytest.raises(ValueError, match="already went through amp.initialize"):
         amp.initialize(make_cnn(), opt, opt_level="O1")
+
+
+def test_rejects_the_same_optimizer_or_model_twice_in_one_call():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="same SGD appears twice"):
+        amp.initialize(model, [opt, opt], opt_level="O2")
+    with pytest.raises(ValueError, match="same SmallCNN appears twice"):
+        amp.initialize([model, model], opt_level="O1")
+    assert optimizer_state(opt) is None and not amp.is_amp_model(model)  # nothing half-done
+
+
+def test_rejects_a_model_compiled_before_initialize():
+    model = torch.compile(make_cnn())
+    with pytest.raises(ValueError, match=r"compiled with torch.compile before amp.initialize.*"
+                                         r"then compile the returned one"):
+        amp.initialize(model, opt_level="O2")
+
+
+def test_o2_with_fp32_cast_model_type_names_the_preset_not_the_user():
+    with pytest.raises(ValueError, match=r'cast_model_type=torch.float32\): O2 keeps fp32 '
+                                         r"master weights.*pass master_weights=False too"):
+        amp.initialize(make_cnn(), opt_level="O2", cast_model_type=torch.float32)
+    model = make_cnn()
+    amp.initialize(model, opt_level="O2", cast_model_type=torch.float32, master_weights=False,
+                   verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_o0_casts_inputs_and_outputs_to_fp32():
+    # Apex's O0: a float64 batch (NumPy's default) reaches the fp32 model as fp32.
+    model = make_cnn()
+    amp.initialize(model, opt_level="O0", verbosity=0)
+    x, _ = batch()
+    out = model(x.double())
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o0_with_patch_torch_functions_casts_per_op(dtype):
+    model = make_cnn()
+    seen = []
+    model.head.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
+    amp.initialize(model, opt_level="O0", patch_torch_functions=True, dtype=dtype, verbosity=0)
+    out = model(batch()[0])
+    assert seen == [dtype]  # the linear layer ran in half under per-op casting
+    assert out.dtype == torch.float32 and all(p.dtype == torch.float32
+                                              for p in model.parameters())
+
+
+class _Unpicklable(nn.Module):
+    """A model that drops a member pickle cannot handle (a lock), as users' models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.lock = __import__("threading").Lock()
+
+    def forward(self, x):
+        return self.lin(x)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("lock")
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.lock = __import__("threading").Lock()
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_pickling_honours_the_models_own_getstate(opt_level):
+    model = _Unpicklable()
+    amp.initialize(model, opt_level=opt_level, verbosity=0)
+    x = torch.randn(2, 4)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert amp.is_amp_model(clone) and clone.lock is not model.lock
+        torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
 
 
 def test_rejects_model_initialized_twice():
