@@ -119,7 +119,11 @@ def _unflatten_into(flat: torch.Tensor, tensors: List[torch.Tensor]) -> None:
 
 
 def broadcast_coalesced(tensors: Iterable[torch.Tensor], src: int = 0, group=None) -> None:
-    """Broadcast ``tensors`` in place from rank ``src``: one flat broadcast per device/dtype."""
+    """Broadcast ``tensors`` in place from rank ``src`` of ``group`` (its rank within the
+    group, as PyTorch's DDP counts: the group's first member by default): one flat broadcast
+    per device/dtype."""
+    if group is not None:
+        src = dist.get_global_rank(group, src)  # dist.broadcast takes a global rank
     with torch.no_grad():
         for items in _by_device_and_dtype(tensors).values():
             flat = _flatten(items)

@@ -378,6 +378,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # kernels' mixed-type variants read; half weights (O3) are upcast here, once.
         w = _as_dtype(weight, stat_dtype)
         b = _as_dtype(bias, stat_dtype)
+        # Only when this rank holds at most one value per channel can the whole group's batch
+        # hold a single one (then every rank takes this branch): the running statistics are
+        # kept aside, and the global count read on the host (a sync only on this rare path).
+        single = layout.rows <= 1
+        kept = (None if not single or running_mean is None
+                else (running_mean.clone(), running_var.clone()))
         if _use_fused(x):
             out, mean, invstd, counts = _fused_forward(
                 x, layout, w, b, running_mean, running_var, eps, momentum, group, world_size,
@@ -388,6 +394,18 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 x, layout, w, b, running_mean, running_var, eps, momentum, group, world_size,
                 stat_dtype,
             )
+        if single:
+            total = float(counts.sum())
+            if total < 1.5:  # (an empty rank counts a tiny non-zero value: see _EMPTY_COUNT)
+                if kept is not None:
+                    running_mean.copy_(kept[0])
+                    running_var.copy_(kept[1])
+                raise ValueError(
+                    "SyncBatchNorm: expected more than 1 value per channel when training, got "
+                    f"{round(total)} over the whole process group (every rank's batch "
+                    f"together; this rank's input has shape {tuple(x.shape)}). A variance "
+                    "needs two values: use larger batches, or eval mode for this layer."
+                )
         ctx.save_for_backward(x, weight, mean, invstd, counts)
         ctx.layout = layout
         ctx.group = group

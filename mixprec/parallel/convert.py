@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from mixprec.parallel._comm import require_initialized
 from mixprec.parallel.sync_batchnorm import SyncBatchNorm
@@ -16,6 +17,12 @@ __all__ = ["convert_syncbn_model", "create_syncbn_process_group"]
 
 
 def _convert_one(bn: _BatchNorm, process_group, channel_last: bool) -> SyncBatchNorm:
+    if isinstance(bn, LazyModuleMixin) and bn.has_uninitialized_params():
+        raise ValueError(
+            f"convert_syncbn_model: {type(bn).__name__} has not seen an input yet, so its "
+            "number of channels is unknown. Run one forward pass (e.g. on a dummy batch) "
+            "before converting, or use BatchNorm with num_features."
+        )
     ref = bn.weight if bn.weight is not None else bn.running_mean
     factory = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
     sync = SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine,

@@ -93,6 +93,12 @@ def _launch(state: _HookState, buffer: torch.Tensor) -> torch.futures.Future:
     return future.then(finish)
 
 
+def _warn_rank0(message: str, category) -> None:
+    """Warn once per job, not once per rank (the constructor runs on every rank)."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        warnings.warn(message, category, stacklevel=3)
+
+
 def _reducer_param_names(module: nn.Module) -> List[str]:
     # The order in which PyTorch's DDP hands parameters to its reducer: per module (named_modules
     # order), its own trainable parameters, shared ones once. Its unused-parameter error speaks
@@ -161,13 +167,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     over many channels), ``retain_allreduce_buffers`` (gradients always live in the flat
     buckets). ``shared_param`` (deprecated in Apex) means ``delay_allreduce=shared_param``, and
     ``gradient_average_split_factor`` (renamed in Apex) means ``gradient_predivide_factor``;
-    both warn.
+    both warn (on rank 0). Apex's ``disable_allreduce()`` / ``enable_allreduce()`` switch the
+    all-reduce off and on, as ``no_sync()`` does for a block.
 
     Args:
         module (nn.Module): the model, on its device (after ``amp.initialize``).
         message_size (int): bucket size in elements (of the gradients' dtype). Default ``1e7``.
         delay_allreduce (bool): all-reduce everything after backward (one bucket per dtype)
-            instead of overlapping with it. Default False.
+            instead of overlapping with it; parameters without a gradient in a step are
+            skipped, as in Apex (this mode implies ``find_unused_parameters=True``). Default
+            False.
         shared_param: deprecated alias of ``delay_allreduce``. Default None.
         allreduce_trigger_params: ignored (warns). Default None.
         retain_allreduce_buffers (bool): ignored (warns). Default False.
@@ -230,10 +239,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "number of elements per bucket (Apex's default is 10000000)."
             )
         if gradient_average_split_factor is not None:
-            warnings.warn(
+            _warn_rank0(
                 "DistributedDataParallel(gradient_average_split_factor=...) was renamed "
                 "gradient_predivide_factor in Apex; using it as gradient_predivide_factor.",
-                FutureWarning, stacklevel=2,
+                FutureWarning,
             )
             gradient_predivide_factor = gradient_average_split_factor
         if (not isinstance(gradient_predivide_factor, (int, float))
@@ -245,12 +254,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "the world size: divide fully before the all-reduce)."
             )
         if shared_param is not None:
-            warnings.warn(
+            _warn_rank0(
                 "DistributedDataParallel(shared_param=...) is deprecated (as in Apex); use "
                 f"delay_allreduce={bool(shared_param)} instead.",
-                FutureWarning, stacklevel=2,
+                FutureWarning,
             )
-            delay_allreduce = bool(shared_param)
+            # (Never turns off an explicit delay_allreduce=True.)
+            delay_allreduce = bool(delay_allreduce) or bool(shared_param)
         ignored = []
         if allreduce_trigger_params is not None:
             ignored.append("allreduce_trigger_params (buckets follow gradient readiness)")
@@ -267,10 +277,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if allreduce_communicators is not None:
             ignored.append("allreduce_communicators (the process group's communicator is used)")
         if ignored:
-            warnings.warn(
+            _warn_rank0(
                 "DistributedDataParallel: ignoring Apex argument(s) that no longer apply: "
                 + "; ".join(ignored) + ".",
-                UserWarning, stacklevel=2,
+                UserWarning,
             )
 
         group_world_size(process_group)  # this rank must belong to the group
@@ -289,7 +299,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             device_ids=None,
             process_group=process_group,
             bucket_cap_mb=bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
+            # Apex's delay mode reduced, after backward, every gradient that existed: with one
+            # bucket, a parameter without a gradient would hold back every all-reduce of the
+            # step, so the delay mode finds the unused ones (one graph traversal per forward).
+            find_unused_parameters=find_unused_parameters or bool(delay_allreduce),
             gradient_as_bucket_view=True,
             **buffer_kwargs,
         )
@@ -368,6 +381,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             "to the loss in every step, freeze the unused ones (requires_grad_(False)) before "
             "wrapping, or pass find_unused_parameters=True to DistributedDataParallel."
         )
+
+    def disable_allreduce(self) -> None:
+        """Stop all-reducing gradients in backward until :meth:`enable_allreduce` (Apex's
+        method; the same as being inside ``no_sync()``): gradients accumulate locally."""
+        self.require_backward_grad_sync = False
+
+    def enable_allreduce(self) -> None:
+        """All-reduce gradients in backward again (the default; Apex's method)."""
+        self.require_backward_grad_sync = True
 
     def extra_repr(self) -> str:
         return (

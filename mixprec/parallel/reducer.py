@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from collections.abc import Iterable
+from typing import List, Optional, Union
 
 import torch
 from torch import nn
@@ -17,6 +18,18 @@ from mixprec.parallel._comm import (
 __all__ = ["Reducer"]
 
 
+def _collect_tensors(items: Iterable, out: List[torch.Tensor], bad: List[str]) -> None:
+    """Flatten nested iterables of tensors into ``out`` (as Apex's Reducer did); the type
+    names of anything else go to ``bad``."""
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            out.append(item)
+        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+            _collect_tensors(item, out, bad)
+        else:
+            bad.append(type(item).__name__)
+
+
 class Reducer:
     """Average gradients (or any tensors) over all ranks, when :meth:`reduce` is called.
 
@@ -27,7 +40,8 @@ class Reducer:
     Each call makes one flat all-reduce per (device, dtype).
 
     Args:
-        module_or_grads_list (nn.Module or list[Tensor]): what to reduce.
+        module_or_grads_list (nn.Module or iterable of Tensor): what to reduce (nested
+            lists and generators of tensors are flattened).
         process_group (ProcessGroup, optional, keyword-only): default: all ranks.
 
     Example::
@@ -41,26 +55,28 @@ class Reducer:
         ...     optimizer.zero_grad()
     """
 
-    def __init__(self, module_or_grads_list: Union[nn.Module, Sequence[torch.Tensor]], *,
+    def __init__(self, module_or_grads_list: Union[nn.Module, Iterable[torch.Tensor]], *,
                  process_group=None):
         self.process_group = process_group
         self.module: Optional[nn.Module] = None
         self.grads: List[torch.Tensor] = []
         if isinstance(module_or_grads_list, nn.Module):
             self.module = module_or_grads_list
-        elif isinstance(module_or_grads_list, (list, tuple)):
-            bad = [type(t).__name__ for t in module_or_grads_list
-                   if not isinstance(t, torch.Tensor)]
-            if bad or not module_or_grads_list:
+        elif isinstance(module_or_grads_list, Iterable) and not isinstance(
+                module_or_grads_list, (torch.Tensor, str, bytes)):
+            tensors, bad = [], []
+            _collect_tensors(module_or_grads_list, tensors, bad)
+            if bad or not tensors:
                 raise TypeError(
                     "Reducer(module_or_grads_list=...): expected an nn.Module or a non-empty "
-                    f"list of tensors; got a list holding {bad or 'nothing'}."
+                    "iterable of tensors (nested lists and generators are fine); got one "
+                    f"holding {sorted(set(bad)) or 'no tensors'}."
                 )
-            self.grads = list(module_or_grads_list)
+            self.grads = tensors
         else:
             raise TypeError(
                 f"Reducer(module_or_grads_list={type(module_or_grads_list).__name__}): expected "
-                "an nn.Module or a list of tensors."
+                "an nn.Module or an iterable of tensors (e.g. [p.grad for p in params])."
             )
         require_initialized("Reducer")
         if self.module is not None:

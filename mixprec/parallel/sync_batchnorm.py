@@ -27,8 +27,13 @@ class SyncBatchNorm(_BatchNorm):
     It is a ``torch.nn.modules.batchnorm._BatchNorm``, so ``amp.initialize(opt_level="O2")``
     keeps it in fp32: half input, fp32 parameters and statistics, output in the input's dtype.
 
-    Falls back to plain ``F.batch_norm`` (no communication) in eval mode (running statistics),
-    and when ``torch.distributed`` is not initialized or the group has one rank.
+    Falls back to plain ``F.batch_norm`` (no communication) in eval mode, and when
+    ``torch.distributed`` is not initialized or the group has one rank. In eval mode with
+    ``track_running_stats=False`` each rank therefore normalizes by its own batch's
+    statistics, as ``torch.nn.SyncBatchNorm`` does (Apex's layer synchronised them): evaluation
+    never communicates, so evaluating on one rank alone cannot hang. A training batch with a
+    single value per channel over the whole group raises ``ValueError``, as BatchNorm does,
+    and leaves the running statistics untouched.
 
     Inputs: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` in any memory
     format; ``torch.channels_last`` inputs are reduced in place over ``(N, H, W)`` (no NCHW copy)

@@ -232,13 +232,46 @@ def check_no_sync_accumulation(ctx):
 
 
 def check_delay_allreduce(ctx):
+    # A message_size far below the model's size: without the delay that is several buckets.
     model = _mlp(ctx.device)
     ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    ddp = DistributedDataParallel(model, message_size=16, delay_allreduce=True)
     total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert _reducer_bucket_cap(ddp) >= total_bytes, (_reducer_bucket_cap(ddp), total_bytes)
+    assert _reducer_bucket_cap(DistributedDataParallel(_mlp(ctx.device), message_size=16)) < 100
     for step in range(2):
         _grads_match_global_batch(ctx, ddp, model, ref, 20 + step, f"delay_allreduce step {step}")
+    # Apex's delay mode reduced whatever gradients existed after backward: a parameter that
+    # gets none must not hold back the others (one bucket would never complete).
+    torch.manual_seed(0)
+    model = _TwoHeads().to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    for step in range(2):
+        x, y = _global_batch(ctx, seed=50 + step)
+        model.zero_grad()
+        ref.zero_grad()
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, **_tol(ctx))
+        assert model.b.weight.grad is None and model.b.bias.grad is None
+
+
+def check_disable_and_enable_allreduce(ctx):
+    # Apex's switches: two local micro-batches accumulate, the third all-reduces the sum.
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=64)
+    for micro in range(3):
+        x, y = _global_batch(ctx, seed=60 + micro)
+        F.mse_loss(ref(x), y).backward()
+        if micro < 2:
+            ddp.disable_allreduce()
+        else:
+            ddp.enable_allreduce()
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
 
 
 def check_message_size_sets_bucket_bytes(ctx):
@@ -304,17 +337,20 @@ def check_arguments_validated_and_warned(ctx):
 
     ddp, caught = build(shared_param=True)
     assert ddp.delay_allreduce is True
+    # Apex's warnings come from rank 0 only (the constructor runs on every rank).
     assert any(issubclass(w.category, FutureWarning) and "delay_allreduce" in str(w.message)
-               for w in caught), [str(w.message) for w in caught]
+               for w in caught) == (ctx.rank == 0), [str(w.message) for w in caught]
+    ddp, _ = build(shared_param=False, delay_allreduce=True)  # never overrides an explicit True
+    assert ddp.delay_allreduce is True
     ddp, caught = build(gradient_average_split_factor=2.0)
     assert ddp.gradient_predivide_factor == 2.0
-    assert any("gradient_predivide_factor" in str(w.message) for w in caught)
+    assert any("gradient_predivide_factor" in str(w.message) for w in caught) == (ctx.rank == 0)
     _, caught = build(allreduce_trigger_params=[], retain_allreduce_buffers=True,
                       num_allreduce_streams=2, allreduce_communicators=[None, None])
     text = " ".join(str(w.message) for w in caught if issubclass(w.category, UserWarning))
     for name in ("allreduce_trigger_params", "retain_allreduce_buffers",
                  "num_allreduce_streams", "allreduce_communicators"):
-        assert name in text, (name, text)
+        assert (name in text) == (ctx.rank == 0), (name, ctx.rank, text)
     bad = [({"message_size": 0}, ValueError), ({"gradient_predivide_factor": 0.0}, ValueError),
            ({"num_allreduce_streams": 0}, ValueError)]
     for kwargs, error in bad:
@@ -354,6 +390,26 @@ def check_reducer(ctx):
     mean = (ctx.world_size + 1) / 2
     torch.testing.assert_close(tensors[0], torch.full_like(tensors[0], mean), rtol=0, atol=0)
     torch.testing.assert_close(tensors[1], torch.full_like(tensors[1], 10 * mean), rtol=0, atol=0)
+    # Any iterable of tensors, nested or a generator, as Apex's Reducer took.
+    a, b = (torch.full((2,), ctx.rank + 1.0, device=ctx.device) for _ in range(2))
+    Reducer([[a], (t for t in [b])]).reduce()
+    for t in (a, b):
+        torch.testing.assert_close(t, torch.full_like(t, mean), rtol=0, atol=0)
+    try:
+        Reducer([a, [3]])
+    except TypeError as err:
+        assert "['int']" in str(err), str(err)
+    else:
+        raise AssertionError("a non-tensor leaf did not raise TypeError")
+    # A group without global rank 0: its first member is the broadcast source.
+    last = ctx.world_size - 1
+    groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    solo = _mlp(ctx.device, seed=300 + ctx.rank)
+    before = [p.detach().clone() for p in solo.parameters()]
+    if ctx.rank == last:
+        Reducer(solo, process_group=groups[last])  # a group of one: nothing changes
+        for p, q in zip(solo.parameters(), before):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 class _ConvNet(nn.Module):
@@ -595,6 +651,7 @@ CHECKS = [
     "check_half_gradients_reduced_in_half",
     "check_no_sync_accumulation",
     "check_delay_allreduce",
+    "check_disable_and_enable_allreduce",
     "check_message_size_sets_bucket_bytes",
     "check_unused_parameters_found",
     "check_arguments_validated_and_warned",
@@ -645,10 +702,12 @@ def test_ddp_requires_init_process_group():
 def test_reducer_errors_without_process_group():
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is already initialized in this process")
-    with pytest.raises(TypeError, match="nn.Module or a list of tensors"):
+    with pytest.raises(TypeError, match=r"Reducer\(module_or_grads_list=str\).*iterable of"):
         Reducer("weights")
-    with pytest.raises(TypeError, match="list holding"):
+    with pytest.raises(TypeError, match=r"holding \['float'\]"):
         Reducer([torch.ones(2), 3.0])
+    with pytest.raises(TypeError, match="holding no tensors"):
+        Reducer([])
     with pytest.raises(RuntimeError, match="init_process_group"):
         Reducer(nn.Linear(2, 2))
 

@@ -79,19 +79,25 @@ def _reference(x, weight, bias, dy, running_mean, running_var, momentum, eps, ch
 def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
               memory_format=None, channel_last=False, affine=True, track=True, momentum=0.1,
               group=None, members=None, steps=2, relu_inplace=False, grad_contiguous=False,
-              compile_backend=None, input_grad=True, label=""):
+              compile_backend=None, input_grad=True, param_dtype=None, label=""):
     """Train ``steps`` steps of a SyncBatchNorm on per-rank slices of one global batch.
 
     ``sizes[i]`` is the batch of ``members[i]`` (default: every rank, in order).
     ``compile_backend``: run the layer as ``torch.compile(layer, backend=...)`` (one path:
     the compiled one). ``input_grad=False``: the input does not require grad (only the
-    parameters get gradients, and backward has no collective).
+    parameters get gradients, and backward has no collective). ``relu_inplace``: a
+    ``relu_()`` on the layer's output itself (ResNet's ``ReLU(inplace=True)``), and the
+    reference is BatchNorm followed by ReLU. ``param_dtype``: parameters and running statistics
+    in this dtype (O3 without keep_batchnorm_fp32); the reference uses the rounded values.
     """
     members = list(range(ctx.world_size)) if members is None else members
     me = members.index(ctx.rank)
     g = torch.Generator().manual_seed(1234)
     weight = torch.rand(channels, generator=g) + 0.5
     bias = torch.randn(channels, generator=g)
+    if param_dtype is not None:
+        weight, bias = weight.to(param_dtype).float(), bias.to(param_dtype).float()
+    stat_tol = STAT_TOL if param_dtype is None else OUT_TOL[param_dtype]
     paths = _paths(ctx)
     if compile_backend is not None:
         paths = [(f"compiled:{compile_backend}", contextlib.nullcontext)]
@@ -99,6 +105,8 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
     for path, path_ctx in paths:
         m = SyncBatchNorm(channels, momentum=momentum, affine=affine, track_running_stats=track,
                           process_group=group, channel_last=channel_last).to(ctx.device)
+        if param_dtype is not None:
+            m = m.to(param_dtype)
         layer = m if compile_backend is None else torch.compile(m, backend=compile_backend)
         if affine:
             with torch.no_grad():
@@ -129,22 +137,24 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
             with path_ctx():
                 y = layer(xl)
                 if relu_inplace:
-                    y = F.relu(y.clone()) * 0 + y  # keep y's values; then an in-place op on y
-                    y.relu_()
+                    y.relu_()  # on the layer's own output: it must not be a view
                 y.backward(dyl)
             what = f"[{path}{label} step {step} sizes {sizes} {dtype}]"
             assert y.dtype == dtype, f"{what} output dtype {y.dtype}"
             assert y.shape == xl.shape
             if memory_format is not None and sizes[me] > 0:
                 assert y.is_contiguous(memory_format=memory_format), f"{what} output layout"
-            ry, rdx, rdw, rdb, ref_rm, ref_rv = _reference(
-                x, weight if affine else None, bias if affine else None, dy, ref_rm, ref_rv,
-                momentum if momentum is not None else 1.0 / (step + 1), m.eps, channel_dim,
-            )
+            ref_args = (x, weight if affine else None, bias if affine else None)
+            ref_rest = (ref_rm, ref_rv, momentum if momentum is not None else 1.0 / (step + 1),
+                        m.eps, channel_dim)
+            if relu_inplace:  # the gradient reaching BatchNorm: dy where its output is > 0
+                before_relu = _reference(*ref_args, dy, *ref_rest)[0]
+                dy = dy.double() * (before_relu > 0)
+            ry, rdx, rdw, rdb, ref_rm, ref_rv = _reference(*ref_args, dy, *ref_rest)
             sl = slice(start, start + sizes[me])
             if relu_inplace:
                 ry = ry.clamp_min(0)
-            elif not input_grad:
+            if not input_grad:
                 assert xl.grad is None, f"{what} input grad of an input without requires_grad"
             else:
                 _close(xl.grad, rdx[sl], OUT_TOL[dtype], f"{what} input grad")
@@ -152,14 +162,14 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
             if affine:
                 for p, ref, name in ((m.weight, rdw, "weight"), (m.bias, rdb, "bias")):
                     total = _sum_over_ranks(p.grad, group)
-                    if not relu_inplace:
-                        # Half inputs: PyTorch's CUDA reduction kernels read dy and x in half,
-                        # so the per-channel sums carry half-precision rounding.
-                        tol = PARAM_GRAD_TOL.get(dtype, dict(rtol=1e-4, atol=1e-4))
-                        _close(total, ref, tol, f"{what} {name} grad")
+                    assert p.grad.dtype == p.dtype, f"{what} {name} grad dtype"
+                    # Half inputs: PyTorch's CUDA reduction kernels read dy and x in half,
+                    # so the per-channel sums carry half-precision rounding.
+                    tol = PARAM_GRAD_TOL.get(dtype, dict(rtol=1e-4, atol=1e-4))
+                    _close(total, ref, tol, f"{what} {name} grad")
             if track:
-                _close(m.running_mean, ref_rm, STAT_TOL, f"{what} running_mean")
-                _close(m.running_var, ref_rv, STAT_TOL, f"{what} running_var")
+                _close(m.running_mean, ref_rm, stat_tol, f"{what} running_mean")
+                _close(m.running_var, ref_rv, stat_tol, f"{what} running_var")
 
 
 PARAM_GRAD_TOL = {torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
@@ -317,16 +327,35 @@ def check_inplace_op_on_output(ctx):
 
 
 def check_half_parameters(ctx):
-    # O3 without keep_batchnorm_fp32: parameters and running statistics in half.
-    m = SyncBatchNorm(3).to(ctx.device).half()
+    # O3 without keep_batchnorm_fp32: input, parameters and running statistics in half.
+    for dtype in (torch.float16, torch.bfloat16):
+        _run_case(ctx, _uneven(ctx), dtype=dtype, param_dtype=dtype, label=" half params")
+        _run_case(ctx, _uneven(ctx), dtype=dtype, param_dtype=dtype,
+                  memory_format=torch.channels_last, label=" half params, channels_last")
+
+
+def check_single_value_per_channel_raises(ctx):
+    # BatchNorm refuses a batch with one value per channel (no variance): so does the layer
+    # when the whole group's batch holds one, on every rank, without touching its running
+    # statistics (an unbiased variance of one value would poison them for good).
+    sizes = [1] + [0] * (ctx.world_size - 1)
     for path, path_ctx in _paths(ctx):
-        x = torch.randn(5 + ctx.rank, 3, 4, 4, device=ctx.device).half().requires_grad_()
-        with path_ctx():
-            y = m(x)
-            y.float().sum().backward()
-        assert y.dtype == torch.float16 and m.weight.grad.dtype == torch.float16, path
-        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all(), path
-        assert m.running_mean.dtype == torch.float16, path
+        for memory_format in (None, torch.channels_last):
+            m = SyncBatchNorm(3).to(ctx.device)
+            x = torch.randn(sizes[ctx.rank], 3, 1, 1, device=ctx.device)
+            if memory_format is not None:
+                x = x.contiguous(memory_format=memory_format)
+            try:
+                with path_ctx():
+                    m(x)
+            except ValueError as err:
+                assert "more than 1 value per channel" in str(err), f"[{path}] {err}"
+            else:
+                raise AssertionError(f"[{path}] a one-value batch did not raise")
+            assert torch.equal(m.running_mean.cpu(), torch.zeros(3)), path
+            assert torch.equal(m.running_var.cpu(), torch.ones(3)), path
+    # One value on each of two ranks is a batch of two: fine.
+    _run_case(ctx, [1] * ctx.world_size, spatial=(), label=" one sample per rank")
 
 
 def check_eval_mode_uses_running_stats_without_communication(ctx):
@@ -405,6 +434,7 @@ GROUP_2 = [
     "check_no_affine_no_running_stats",
     "check_inplace_op_on_output",
     "check_half_parameters",
+    "check_single_value_per_channel_raises",
     "check_eval_mode_uses_running_stats_without_communication",
     "check_convert_syncbn_model_matches_batchnorm",
     "check_empty_rank",
@@ -545,6 +575,15 @@ def test_convert_syncbn_model_keeps_parameters_mode_and_requires_grad():
     assert convert_syncbn_model(already) is already
     with pytest.raises(TypeError, match="torch.nn.Module"):
         convert_syncbn_model("resnet")
+
+
+def test_convert_syncbn_model_lazy_batchnorm():
+    lazy = nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())
+    with pytest.raises(ValueError, match="LazyBatchNorm2d has not seen an input.*forward pass"):
+        convert_syncbn_model(lazy)
+    lazy(torch.randn(2, 3, 2, 2))  # materialized: a BatchNorm2d(4) now
+    converted = convert_syncbn_model(lazy)
+    assert isinstance(converted[1], SyncBatchNorm) and converted[1].num_features == 4
 
 
 def test_create_syncbn_process_group_errors(not_distributed):
