@@ -13,8 +13,8 @@ _SUBMODULES = ("amp", "parallel", "normalization")
 
 
 def install_apex_alias() -> None:
-    """Register ``apex``, ``apex.amp``, ``apex.parallel`` and ``apex.normalization`` as aliases
-    of the mixprec modules, so ``from apex import amp`` and
+    """Register ``apex``, ``apex.amp``, ``apex.parallel`` and ``apex.normalization`` (also as
+    ``apex.normalization.fused_layer_norm``) as aliases of the mixprec modules, so ``from apex import amp`` and
     ``from apex.parallel import DistributedDataParallel`` keep working after Apex's removal.
 
     Call it once, before the script's first ``import apex``. Calling it again is harmless.
@@ -51,4 +51,7 @@ def install_apex_alias() -> None:
         module = importlib.import_module(f"mixprec.{name}")
         setattr(apex, name, module)
         sys.modules[f"apex.{name}"] = module
+    # Where Apex defined its norms, and where Megatron-style code imports them from.
+    normalization = sys.modules["apex.normalization"]
+    sys.modules["apex.normalization.fused_layer_norm"] = normalization
     sys.modules["apex"] = apex

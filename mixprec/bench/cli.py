@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -220,6 +221,26 @@ def _norm_factory(name: str, parser):
     return FusedLayerNorm
 
 
+def _unwritable(path: Optional[str]) -> Optional[str]:
+    """Why ``path`` cannot be written (None when it can, or when no path was given).
+
+    The file itself is not created: its parent directory must exist and be writable, or be
+    creatable (the writers make missing directories).
+    """
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return "it is a directory"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK):
+        return f"{parent} is not writable"
+    return None
+
+
 def _progress(total: int, enabled: bool):
     """A tqdm bar and its per-step callback, or (None, None)."""
     if not enabled:
@@ -281,6 +302,15 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     if args.norm != "torch" and args.model != "gpt":
         parser.error(f"argument --norm: applies to --model gpt, not --model {args.model}")
+    if args.frozen_bn and args.model == "gpt":
+        parser.error(
+            "argument --frozen-bn: applies to models with BatchNorm (cnn, resnet50), not "
+            "--model gpt"
+        )
+    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        problem = _unwritable(path)
+        if problem:  # fail before the run, not after it
+            parser.error(f"argument {flag}: cannot write {path!r}: {problem}")
     norm_cls = _norm_factory(args.norm, parser)
     if args.plot:
         try:
@@ -363,15 +393,24 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "torch_version": torch.__version__,
         "device_name": where,
     }
-    for path, writer in ((args.json, report.write_json), (args.csv, report.write_csv)):
-        if path:
-            writer(results, path, baseline="O0", meta=meta)
+    title = f"mixprec bench: {workload.description} on {where}, {dtype_name}"
+    outputs = (
+        (args.json, lambda path: report.write_json(results, path, baseline="O0", meta=meta)),
+        (args.csv, lambda path: report.write_csv(results, path, baseline="O0", meta=meta)),
+        (args.plot, lambda path: report.write_plot(results, path, title=title)),
+    )
+    written = True
+    for path, write in outputs:
+        if not path:
+            continue
+        try:  # each output on its own: one that fails does not cost the others
+            write(path)
+        except OSError as exc:
+            print(f"mixprec bench: could not write {path}: {exc}", file=sys.stderr)
+            written = False
+        else:
             print(f"wrote {path}")
-    if args.plot:
-        title = f"mixprec bench: {workload.description} on {where}, {dtype_name}"
-        report.write_plot(results, args.plot, title=title)
-        print(f"wrote {args.plot}")
-    return 0 if any(r.ok for r in results) else 1
+    return 0 if any(r.ok for r in results) and written else 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -99,8 +99,12 @@ def rows_to_dicts(
     return rows
 
 
+def _finite(v) -> bool:
+    return v is not None and not (isinstance(v, float) and not math.isfinite(v))
+
+
 def _fmt(v, spec: str, missing: str = "-") -> str:
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+    if not _finite(v):
         return missing
     return format(v, spec)
 
@@ -139,7 +143,7 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
             _fmt(40 * r.time_per_iter_s if r.time_per_iter_s else None, ".3f"),
             _fmt(rel["speedup_vs_baseline"], ".2f") + ("x" if rel["speedup_vs_baseline"] else ""),
             "nan" if diverged else _fmt(r.final_loss, ".4f"),
-            _fmt(rel["loss_gap_pct"], "+.2f") + ("%" if rel["loss_gap_pct"] is not None else ""),
+            _fmt(rel["loss_gap_pct"], "+.2f") + ("%" if _finite(rel["loss_gap_pct"]) else ""),
             _fmt(r.skipped_steps, "d") if r.ok else "-",
             status,
         ]

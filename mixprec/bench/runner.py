@@ -698,7 +698,13 @@ def run_modes(
     if bad:
         raise ValueError(f"run_modes(modes={list(modes)!r}): unknown {bad}; allowed: {MODES}.")
     if process_warmup:
-        warm_up_process(workload, device=kwargs.get("device", "cpu"), dtype=dtype)
+        try:
+            warm_up_process(workload, device=kwargs.get("device", "cpu"), dtype=dtype)
+        except Exception:  # noqa: BLE001 - e.g. fp32 out of memory: the modes report their own
+            logger.debug("process warm-up failed; running the modes anyway", exc_info=True)
+            gc.collect()
+            if torch.device(kwargs.get("device", "cpu")).type == "cuda":
+                torch.cuda.empty_cache()
     results = []
     for mode in modes:
         try:

@@ -1,5 +1,6 @@
 """Argument checks shared by the norm functions and modules; errors name what was passed."""
 
+import numbers
 from typing import Optional, Sequence, Tuple, Union
 
 import torch
@@ -14,14 +15,15 @@ def normalize_shape(normalized_shape: Union[int, Sequence[int]], where: str) -> 
     """``int`` or sequence of ints -> tuple of ints, rejecting anything else with a clear error."""
     if isinstance(normalized_shape, bool):
         raise TypeError(f"{where}: normalized_shape must be an int or a tuple of ints, got a bool")
-    if isinstance(normalized_shape, int):
-        shape = (normalized_shape,)
+    if isinstance(normalized_shape, numbers.Integral):  # int, NumPy integers, ...
+        shape = (int(normalized_shape),)
     elif isinstance(normalized_shape, (tuple, list, torch.Size)):
-        shape = tuple(normalized_shape)
-        if not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        if not all(isinstance(d, numbers.Integral) and not isinstance(d, bool)
+                   for d in normalized_shape):
             raise TypeError(
                 f"{where}: normalized_shape must hold ints, got {normalized_shape!r}"
             )
+        shape = tuple(int(d) for d in normalized_shape)
     else:
         raise TypeError(
             f"{where}: normalized_shape must be an int or a tuple of ints, "

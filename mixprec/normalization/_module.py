@@ -11,6 +11,16 @@ from mixprec.normalization import _checks, _ops, reference
 __all__ = []
 
 
+def _require_affine(name: str, elementwise_affine) -> None:
+    """The Mixed variants are always affine; Apex's callers may still say so explicitly."""
+    if not elementwise_affine:
+        raise ValueError(
+            f"{name}(elementwise_affine={elementwise_affine!r}): the Mixed variants always "
+            "learn a weight (their output takes its dtype). Use the non-Mixed class for "
+            "elementwise_affine=False."
+        )
+
+
 class _FusedNorm(nn.Module):
     """Parameters, forward and repr of a fused norm; ``_is_rms`` picks RMSNorm (no bias).
 
@@ -37,6 +47,7 @@ class _FusedNorm(nn.Module):
         *,
         is_rms: bool,
         output_like_weight: bool,
+        bias: bool = True,
         device=None,
         dtype=None,
     ):
@@ -56,10 +67,11 @@ class _FusedNorm(nn.Module):
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, **kw))
         else:
             self.register_parameter("weight", None)
-        if self.elementwise_affine and not is_rms:
+        if self.elementwise_affine and not is_rms and bias:
             self.bias = nn.Parameter(torch.empty(self.normalized_shape, **kw))
         else:
-            self.register_parameter("bias", None)  # RMSNorm has none (not in the state dict)
+            # RMSNorm has none, nor LayerNorm(bias=False): not in the state dict either.
+            self.register_parameter("bias", None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -91,8 +103,11 @@ class _FusedNorm(nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return (
+        text = (
             f"{self.normalized_shape}, eps={self.eps}, "
             f"elementwise_affine={self.elementwise_affine}, "
             f"memory_efficient={self.memory_efficient}"
         )
+        if self.elementwise_affine and not self._is_rms and self.bias is None:
+            text += ", bias=False"
+        return text

@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Union
 from torch import Tensor
 
 from mixprec.normalization import _checks, _ops
-from mixprec.normalization._module import _FusedNorm
+from mixprec.normalization._module import _FusedNorm, _require_affine
 
 __all__ = ["fused_layer_norm", "FusedLayerNorm", "MixedFusedLayerNorm"]
 
@@ -69,9 +69,10 @@ def fused_layer_norm(
 class FusedLayerNorm(_FusedNorm):
     """LayerNorm over the last dims, with fused Triton kernels on CUDA.
 
-    Same arguments and parameters as Apex's ``FusedLayerNorm`` and
-    :class:`torch.nn.LayerNorm`. The output has the input's dtype; parameters may have another
-    dtype (e.g. fp32 weights with a bf16 input) and are read in their own precision.
+    Apex's ``FusedLayerNorm`` arguments (in its positional order), plus
+    :class:`torch.nn.LayerNorm`'s ``bias=`` as a keyword; the parameters and state-dict keys
+    are those of both. The output has the input's dtype; parameters may have another dtype
+    (e.g. fp32 weights with a bf16 input) and are read in their own precision.
 
     Args:
         normalized_shape (int or tuple of int): the trailing dims to normalize over.
@@ -80,6 +81,8 @@ class FusedLayerNorm(_FusedNorm):
             Default: ``True``.
         memory_efficient (bool): save the output, not the input, for backward; needs non-zero
             weights (see :func:`fused_layer_norm`). Default: ``False``.
+        bias (bool, keyword-only): with ``elementwise_affine``, also learn a ``bias``
+            (``torch.nn.LayerNorm``'s flag). Default: ``True``.
         device (torch.device, optional): where to create the parameters. Default: ``None``.
         dtype (torch.dtype, optional): dtype of the parameters. Default: ``None``.
 
@@ -101,12 +104,13 @@ class FusedLayerNorm(_FusedNorm):
         elementwise_affine: bool = True,
         memory_efficient: bool = False,
         *,
+        bias: bool = True,
         device=None,
         dtype=None,
     ):
         super().__init__(
             normalized_shape, eps, elementwise_affine, memory_efficient, is_rms=False,
-            output_like_weight=False, device=device, dtype=dtype,
+            output_like_weight=False, bias=bias, device=device, dtype=dtype,
         )
 
 
@@ -121,6 +125,7 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         eps (float): added to the variance. Default: ``1e-5``.
         memory_efficient (bool): save the output for backward (see :func:`fused_layer_norm`).
             Default: ``False``.
+        elementwise_affine (bool, keyword-only): accepted for Apex's callers; must be True.
         device (torch.device, optional): where to create the parameters. Default: ``None``.
         dtype (torch.dtype, optional): dtype of the parameters. Default: ``None`` (fp32).
 
@@ -138,9 +143,11 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         eps: float = 1e-5,
         *,
         memory_efficient: bool = False,
+        elementwise_affine: bool = True,
         device=None,
         dtype=None,
     ):
+        _require_affine(type(self).__name__, elementwise_affine)
         _FusedNorm.__init__(
             self, normalized_shape, eps, True, memory_efficient, is_rms=False,
             output_like_weight=True, device=device, dtype=dtype,

@@ -13,7 +13,7 @@ from typing import Optional, Sequence, Union
 from torch import Tensor
 
 from mixprec.normalization import _checks, _ops
-from mixprec.normalization._module import _FusedNorm
+from mixprec.normalization._module import _FusedNorm, _require_affine
 
 __all__ = ["fused_rms_norm", "FusedRMSNorm", "MixedFusedRMSNorm"]
 
@@ -113,6 +113,7 @@ class MixedFusedRMSNorm(FusedRMSNorm):
         eps (float): added to the mean square. Default: ``1e-5``.
         memory_efficient (bool): save the output for backward (see :func:`fused_rms_norm`).
             Default: ``False``.
+        elementwise_affine (bool, keyword-only): accepted for Apex's callers; must be True.
         device (torch.device, optional): where to create the parameter. Default: ``None``.
         dtype (torch.dtype, optional): dtype of the parameter. Default: ``None`` (fp32).
 
@@ -129,9 +130,11 @@ class MixedFusedRMSNorm(FusedRMSNorm):
         eps: float = 1e-5,
         *,
         memory_efficient: bool = False,
+        elementwise_affine: bool = True,
         device=None,
         dtype=None,
     ):
+        _require_affine(type(self).__name__, elementwise_affine)
         _FusedNorm.__init__(
             self, normalized_shape, eps, True, memory_efficient, is_rms=True,
             output_like_weight=True, device=device, dtype=dtype,

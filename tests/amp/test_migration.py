@@ -33,6 +33,12 @@ def test_alias_resolves_apex_imports(clean_apex):
     assert SyncBatchNorm is mixprec.parallel.SyncBatchNorm
     assert convert_syncbn_model is mixprec.parallel.convert_syncbn_model
     assert FusedLayerNorm is mixprec.normalization.FusedLayerNorm
+    # Where Apex defined its norms (Megatron-style imports).
+    from apex.normalization.fused_layer_norm import FusedLayerNorm as Deep
+    from apex.normalization.fused_layer_norm import MixedFusedRMSNorm
+
+    assert Deep is FusedLayerNorm
+    assert MixedFusedRMSNorm is mixprec.normalization.MixedFusedRMSNorm
 
 
 def test_alias_refuses_to_shadow_a_real_apex(clean_apex, tmp_path, monkeypatch):

@@ -129,6 +129,37 @@ def test_failed_mode_is_a_failed_row_and_others_run(monkeypatch, tmp_path):
     assert js["O2"]["time_per_iter_s"] is None and js["O3"]["status"] == "ok"
 
 
+def test_failed_process_warm_up_still_runs_every_mode(monkeypatch):
+    # The fp32 warm-up step (run before the modes) can fail where the modes do not, e.g. out
+    # of memory in fp32 at a batch that fits in half: it must not abort the benchmark.
+    import mixprec.bench.runner as runner
+
+    def oom(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory (forced by the test)")
+
+    monkeypatch.setattr(runner, "warm_up_process", oom)
+    code, text = _run(["bench", *FAST, "--opt-levels", "O0", "O2", "--no-native"])
+    assert code == 0
+    assert [r[-1] for r in _table_rows(text)] == ["ok", "ok"]
+
+
+def test_an_output_that_cannot_be_written_costs_only_itself(monkeypatch, tmp_path):
+    import mixprec.bench.report as report
+
+    def refuse(*args, **kwargs):
+        raise PermissionError("read-only file system (forced by the test)")
+
+    monkeypatch.setattr(report, "write_json", refuse)
+    csv_path = tmp_path / "rows.csv"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code, text = _run(["bench", *FAST, "--opt-levels", "O0", "--no-native",
+                           "--json", str(tmp_path / "rows.json"), "--csv", str(csv_path)])
+    assert code == 1  # the run itself was fine, but an asked-for output is missing
+    assert "could not write" in err.getvalue() and "read-only" in err.getvalue()
+    assert csv_path.exists() and f"wrote {csv_path}" in text
+
+
 def test_every_mode_failing_exits_1(monkeypatch):
     import mixprec.bench.runner as runner
 
@@ -156,6 +187,9 @@ def test_every_mode_failing_exits_1(monkeypatch):
         (["bench", "--device", "tpu"], "--device"),
         (["bench", "--model", "gpt", "--channels-last"], "image models"),
         (["bench", "--norm", "mixprec"], "--model gpt"),
+        (["bench", "--model", "gpt", "--frozen-bn"], "models with BatchNorm"),
+        (["bench", "--json", "."], "argument --json: cannot write '.': it is a directory"),
+        (["bench", "--csv", "/dev/null/x.csv"], "argument --csv: cannot write"),
         (["bench", "--bogus"], "unrecognized"),
     ],
 )
@@ -219,18 +253,29 @@ def test_gpt_with_mixprec_norm():
     assert _table_rows(text)[0][-1] == "ok"
 
 
-def test_progress_bar_callback_counts_steps():
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_bar_callback_counts_steps(monkeypatch):
     pytest.importorskip("tqdm")
     from mixprec.bench.cli import _progress
 
+    monkeypatch.setattr(sys, "stderr", _Terminal())  # the bar shows on terminals only
     bar, step = _progress(5, enabled=True)
     try:
+        assert not bar.disable
         for i in range(5):
             step("O1", i)
-        assert bar.total == 5
-        assert bar.n == (0 if bar.disable else 5)  # disabled when stderr is not a terminal
+        assert bar.total == 5 and bar.n == 5
     finally:
         bar.close()
+    assert "O1" in sys.stderr.getvalue()  # the mode labels the bar
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file: no bar
+    bar, _ = _progress(5, enabled=True)
+    assert bar.disable
+    bar.close()
     assert _progress(5, enabled=False) == (None, None)
 
 

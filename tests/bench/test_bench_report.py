@@ -70,6 +70,7 @@ def test_diverged_run_shows_nan_and_says_so():
     o3 = next(line for line in table if line.startswith("| O3 "))
     cells = [c.strip() for c in o3.strip("|").split("|")]
     assert cells[5] == "nan"
+    assert cells[6] == "-"  # no loss gap to a NaN loss (it printed "-%")
     assert cells[-1] == "ok, loss not finite (diverged)"
 
 

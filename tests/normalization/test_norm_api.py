@@ -16,7 +16,14 @@ from mixprec.normalization import (
     reference,
 )
 
-from .helpers import DEVICES, float64_reference, make_input, make_params, tolerance
+from .helpers import (
+    DEVICES,
+    float64_reference,
+    make_input,
+    make_params,
+    requires_interpreter,
+    tolerance,
+)
 
 
 @pytest.mark.parametrize(
@@ -248,3 +255,85 @@ def test_in_place_ops_on_the_output(device, memory_efficient):
     norm(x).relu().square().sum().backward()
     torch.testing.assert_close(got[0], x.grad, rtol=0, atol=0)
     torch.testing.assert_close(got[1], norm.weight.grad, rtol=0, atol=0)
+
+
+# -- eps, and torch's arguments ----------------------------------------------------------------
+def _eps_case(kind, eps, device, triton):
+    """A small-variance input (variance ~1e-6) where eps dominates: the result depends on it."""
+    from mixprec.normalization import _ops
+
+    torch.manual_seed(3)
+    x = (1e-3 * torch.randn(6, 40, dtype=torch.float64)).float().to(device).requires_grad_()
+    w = (1 + 0.1 * torch.randn(40)).to(device).requires_grad_()
+    b = (0.1 * torch.randn(40)).to(device).requires_grad_()
+    dy = torch.randn(6, 40, device=device)
+    module = (FusedLayerNorm(40, eps=eps) if kind == "layer" else FusedRMSNorm(40, eps=eps))
+    module = module.to(device)
+    with torch.no_grad():
+        module.weight.copy_(w)
+        if kind == "layer":
+            module.bias.copy_(b)
+    with _ops.triton_on_cpu() if triton else torch.enable_grad():
+        y = module(x)
+        y.backward(dy)
+    # Reference: PyTorch's own functions in float64.
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    b64 = b.detach().double().requires_grad_()
+    if kind == "layer":
+        ref = torch.nn.functional.layer_norm(x64, [40], w64, b64, eps)
+    else:
+        ref = torch.nn.functional.rms_norm(x64, [40], w64, eps)
+    ref.backward(dy.double())
+    tol = dict(rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(y.double(), ref.detach(), **tol)
+    torch.testing.assert_close(x.grad.double(), x64.grad, rtol=2e-4, atol=1e-2)
+    torch.testing.assert_close(module.weight.grad.double(), w64.grad, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("eps", [0.0, 1e-5, 1e-3, 1.0])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_eps_is_honoured(kind, eps, device):
+    if eps == 0.0 and kind == "layer":
+        eps = 1e-12  # (a variance of exactly 0 is not in this input; keep the case finite)
+    _eps_case(kind, eps, device, triton=False)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("eps", [1e-5, 1e-3, 1.0])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_eps_is_honoured_by_the_kernels(kind, eps):
+    _eps_case(kind, eps, "cpu", triton=True)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_zero_sized_normalized_shape_is_empty_as_in_torch(kind):
+    x = torch.randn(3, 0, requires_grad=True)
+    module = FusedLayerNorm(0) if kind == "layer" else FusedRMSNorm((0,))
+    y = module(x)
+    assert y.shape == (3, 0) and y.dtype == x.dtype
+    y.sum().backward()
+    assert x.grad.shape == (3, 0) and module.weight.grad.shape == (0,)
+    y = (fused_layer_norm if kind == "layer" else fused_rms_norm)(torch.randn(5, 2, 0), (2, 0))
+    assert y.shape == (5, 2, 0)
+
+
+def test_torch_layer_norm_arguments():
+    import numpy as np
+
+    # torch.nn.LayerNorm(bias=False): no bias, and the state dicts load both ways, strictly.
+    ours, theirs = FusedLayerNorm(8, bias=False), torch.nn.LayerNorm(8, bias=False)
+    assert ours.bias is None and "bias=False" in repr(ours)
+    ours.load_state_dict(theirs.state_dict())
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=1e-6, atol=1e-6)
+    # NumPy integers as sizes (torch accepts any integral number).
+    assert FusedLayerNorm(np.int64(8)).normalized_shape == (8,)
+    assert FusedRMSNorm((np.int32(2), 4)).normalized_shape == (2, 4)
+    # Apex's callers pass elementwise_affine=True to the Mixed classes.
+    assert MixedFusedLayerNorm(8, elementwise_affine=True).weight.shape == (8,)
+    assert MixedFusedRMSNorm(8, elementwise_affine=True).weight.shape == (8,)
+    with pytest.raises(ValueError, match=r"MixedFusedLayerNorm\(elementwise_affine=False\)"):
+        MixedFusedLayerNorm(8, elementwise_affine=False)
