@@ -14,8 +14,9 @@ _SUBMODULES = ("amp", "parallel", "normalization")
 
 def install_apex_alias() -> None:
     """Register ``apex``, ``apex.amp``, ``apex.parallel`` and ``apex.normalization`` (also as
-    ``apex.normalization.fused_layer_norm``) as aliases of the mixprec modules, so ``from apex import amp`` and
-    ``from apex.parallel import DistributedDataParallel`` keep working after Apex's removal.
+    ``apex.normalization.fused_layer_norm``) as aliases of the mixprec modules, so
+    ``from apex import amp`` and ``from apex.parallel import DistributedDataParallel`` keep
+    working after Apex's removal.
 
     Call it once, before the script's first ``import apex``. Calling it again is harmless.
 

@@ -250,10 +250,9 @@ def _check_combination(p: Properties, passed=frozenset()) -> None:
             )
         raise ValueError(
             f'amp.initialize(opt_level="{p.opt_level}", cast_model_type={cast}): '
-            f"{p.opt_level} keeps fp32 master weights of "
-            "half parameters, and this cast_model_type leaves the parameters fp32. For an "
-            'fp32 model use opt_level="O0" or "O1"; to keep O2 with fp32 parameters anyway, '
-            "pass master_weights=False too."
+            f"{p.opt_level} keeps fp32 master weights of half parameters, and this "
+            'cast_model_type leaves the parameters fp32. For an fp32 model use opt_level="O0" '
+            'or "O1"; to keep O2 with fp32 parameters anyway, pass master_weights=False too.'
         )
     if p.keep_batchnorm_fp32 is False and p.cast_model_type == torch.float32:
         raise ValueError(

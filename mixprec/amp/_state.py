@@ -6,10 +6,11 @@ needs no process-wide "current" amp and several ``initialize`` calls can live si
 
 Where amp intercepts the optimizer: two step hooks (``Optimizer.register_step_pre_hook`` /
 ``register_step_post_hook``) and two state-dict pre-hooks (which give a parameter group added
-after ``initialize`` its masters before the state is saved or loaded), and nothing else. The pre-hook makes a step with overflowed
-gradients a no-op by setting the gradients to ``None`` (every ``torch.optim`` optimizer skips
-such parameters, so neither the parameters nor the moment estimates move); the post-hook copies
-the fp32 master weights into the half model (O2). :meth:`_OptimizerState.remove_hooks` undoes it.
+after ``initialize`` its masters before the state is saved or loaded), and nothing else. The
+step pre-hook makes a step with overflowed gradients a no-op by setting the gradients to
+``None`` (every ``torch.optim`` optimizer skips such parameters, so neither the parameters nor
+the moment estimates move); the post-hook copies the fp32 master weights into the half model
+(O2). :meth:`_OptimizerState.remove_hooks` undoes it.
 Fused optimizers (which take ``found_inf`` in their kernel, as ``GradScaler`` uses them) skip an
 overflowed step on the device instead, and the dynamic loss scale then lives on the device too
 (``AmpState.scale_device``): no host sync per step.
