@@ -4,6 +4,7 @@ Configs are chosen by heuristic and cached, never autotuned at call time: a norm
 transformer layer and its Python overhead is part of its cost.
 """
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -175,21 +176,15 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-class _on_device:
-    """Make ``tensor``'s CUDA device current: Triton launches on the current device's stream."""
+_SAME_DEVICE = contextlib.nullcontext()  # (stateless: one object serves every call)
 
-    def __init__(self, tensor: Tensor):
-        self._ctx = None
-        if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
-            self._ctx = torch.cuda.device(tensor.device.index)
 
-    def __enter__(self):
-        if self._ctx is not None:
-            self._ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self._ctx is not None:
-            self._ctx.__exit__(*exc)
+def _on_device(tensor: Tensor):
+    """A context making ``tensor``'s CUDA device current (Triton launches on the current
+    device's stream); nothing to do, and no object made, when it already is."""
+    if tensor.is_cuda and tensor.device.index != torch.cuda.current_device():
+        return torch.cuda.device(tensor.device.index)
+    return _SAME_DEVICE
 
 
 # -- launching compiled kernels -------------------------------------------------------------
@@ -203,7 +198,41 @@ class _on_device:
 # launcher for a compiled kernel. The first call of each key takes Triton's normal path (which
 # compiles if needed and returns the compiled kernel); other Triton releases always do.
 _FAST_LAUNCH_TRITON = ((3, 6),)
-_COMPILED: Dict[tuple, object] = {}
+_COMPILED: Dict[tuple, "_Launchable"] = {}
+
+
+class _Launchable:
+    """A compiled kernel ready to launch without Triton's per-call runner: its launcher, handle,
+    packed metadata and the constexpr/launch-option values that follow the runtime arguments
+    (fixed for a cache key, which includes them)."""
+
+    __slots__ = ("compiled", "run", "function", "packed_metadata", "const_values")
+
+    def __init__(self, compiled, const_values: tuple):
+        compiled._init_handles()  # (loads the binary; a no-op after the first launch)
+        self.compiled = compiled
+        self.run = compiled.run
+        self.function = compiled.function
+        self.packed_metadata = compiled.packed_metadata
+        self.const_values = const_values
+
+    def __call__(self, grid: Tuple[int, ...], args: tuple, stream: int) -> None:
+        g1 = grid[1] if len(grid) > 1 else 1
+        g2 = grid[2] if len(grid) > 2 else 1
+        runtime = _triton_runtime_knobs()
+        if runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
+            # Someone (a profiler) listens to launches: Triton's own runner calls the hooks.
+            self.compiled[(grid[0], g1, g2)](*args, *self.const_values, stream=stream)
+            return
+        # What that runner does when no hook is set, minus building the launch metadata.
+        self.run(grid[0], g1, g2, stream, self.function, self.packed_metadata, None, None, None,
+                 *args, *self.const_values)
+
+
+def _triton_runtime_knobs():
+    import triton.knobs  # (imported already by then: a dictionary lookup)
+
+    return triton.knobs.runtime
 
 
 def _fast_launch_supported() -> bool:
@@ -246,20 +275,29 @@ def launch(kernel, grid: Tuple[int, ...], args: tuple, consts: dict, device: tor
         kernel[grid](*args, **consts)
         return
     key = (kernel, device.index, tuple(map(_arg_key, args)), tuple(consts.items()))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
+    launchable = _COMPILED.get(key)
+    if launchable is None:
         compiled = kernel[grid](*args, **consts)
         if interpreter_enabled():  # (read once per miss: the interpreter never caches)
             return
         if hasattr(compiled, "result"):  # an asynchronous compile's future
             compiled = compiled.result()
         if compiled is not None:
-            _COMPILED[key] = compiled
+            names = kernel.arg_names[len(args):]
+            try:
+                _COMPILED[key] = _Launchable(compiled, tuple(consts[n] for n in names))
+            except Exception as err:  # Triton internals moved: keep Triton's own path
+                _log.debug("direct launches disabled for %s: %s", kernel, err)
         return
-    values = list(args)
-    values.extend(consts[name] for name in kernel.arg_names[len(args):])
-    grid3 = tuple(grid) + (1,) * (3 - len(grid))  # the compiled kernel's launcher reads 3 dims
-    compiled[grid3](*values, stream=_raw_stream(device))
+    launchable(grid, args, _raw_stream(device))
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_consts(is_rms: bool, has_weight: bool, has_bias: bool, cfg: KernelConfig) -> dict:
+    """The forward kernel's constexprs and launch options (one dict per specialization; the
+    launcher only reads it)."""
+    return dict(IS_RMS=is_rms, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
 
 
 def forward(
@@ -309,14 +347,7 @@ def forward(
                 n,
                 eps,
             ),
-            dict(
-                IS_RMS=is_rms,
-                HAS_WEIGHT=weight is not None,
-                HAS_BIAS=has_bias,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                num_warps=cfg.num_warps,
-            ),
+            _forward_consts(is_rms, weight is not None, has_bias, cfg),
             x.device,
         )
     return y, mean, rstd
@@ -325,6 +356,8 @@ def forward(
 # (device index, kernel specialization) -> resident programs per SM, learnt from the compiled
 # kernel's register and shared-memory use after its first launch.
 _PROGRAMS_PER_SM: Dict[tuple, int] = {}
+# The same key -> the backward kernel's constexprs and launch options.
+_BWD_CONSTS: Dict[tuple, dict] = {}
 
 
 @functools.cache
@@ -439,20 +472,22 @@ def backward(
         None if weight is None else weight.dtype, None if bias is None else bias.dtype,
     )
     kernel = _kernels().norm_bwd_kernel
-    consts = dict(
-        IS_RMS=is_rms,
-        HAS_WEIGHT=weight is not None,
-        HAS_BIAS=bias is not None and not is_rms,
-        FROM_Y=from_y,
-        COMPUTE_DW=compute_dw,
-        COMPUTE_DB=compute_db,
-        NEED_MEAN=not is_rms and not from_y,
-        PREFETCH=cfg.prefetch,
-        PIPELINE_STAGES=cfg.pipeline_stages,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-    )
+    consts = _BWD_CONSTS.get(key)
+    if consts is None:  # (made once per specialization: this runs per layer and step)
+        consts = _BWD_CONSTS[key] = dict(
+            IS_RMS=is_rms,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None and not is_rms,
+            FROM_Y=from_y,
+            COMPUTE_DW=compute_dw,
+            COMPUTE_DB=compute_db,
+            NEED_MEAN=not is_rms and not from_y,
+            PREFETCH=cfg.prefetch,
+            PIPELINE_STAGES=cfg.pipeline_stages,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+        )
 
     def args(dw_partial, db_partial, blocks_per_program):
         return (
@@ -504,6 +539,7 @@ def backward(
     return dx, _no_grad(device) if dw is None else dw, _no_grad(device) if db is None else db
 
 
+@functools.lru_cache(maxsize=256)
 def default_finalize_config(num_partials: int, n: int) -> Tuple[int, int, int]:
     """(BLOCK_P, BLOCK_C, num_warps) of the weight/bias gradient finish.
 

@@ -137,6 +137,8 @@ def norm_bwd_impl(
 
 def _rows(t: Tensor, n: int) -> Tensor:
     """``t`` as ``[M, n]`` rows with unit column stride (a view where the strides allow)."""
+    if t.dim() == 2 and t.shape[1] == n and (n <= 1 or t.stride(1) == 1):
+        return t  # already rows: no view to make (this runs per call, forward and backward)
     t2d = t.reshape(-1, n)
     if n > 1 and t2d.stride(1) != 1:
         # e.g. a transposed input, or the expanded all-ones gradient of y.sum()
@@ -156,7 +158,8 @@ def _forward(x, weight, bias, n, eps, is_rms, out_dtype) -> Tuple[Tensor, Tensor
     x2d = _rows(x, n)
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     _, mean, rstd = norm_fwd_impl(
-        x2d, _flat(weight), _flat(bias), eps, is_rms, out_dtype, out=y.view(-1, n)
+        x2d, _flat(weight), _flat(bias), eps, is_rms, out_dtype,
+        out=y if x2d is x else y.view(-1, n),
     )
     return y, x2d, mean, rstd
 

@@ -80,11 +80,33 @@ def test_program_count_is_learnt_once_per_specialization(monkeypatch):
 
 
 class _FakeCompiled:
+    """A compiled kernel: Triton's runner (``[grid](...)``) and the launcher it calls."""
+
+    function, packed_metadata = "handle", "metadata"
+
     def __init__(self, log):
         self.log = log
 
+    def _init_handles(self):
+        self.log.append(("init",))
+
     def __getitem__(self, grid):
-        return lambda *args, stream: self.log.append(("compiled", grid, args, stream))
+        return lambda *args, stream: self.log.append(("runner", grid, args, stream))
+
+    def run(self, *args):
+        self.log.append(("run", args))
+
+
+class _Hooks:
+    def __init__(self, calls=()):
+        self.calls = list(calls)
+
+
+class _Runtime:
+    """Stands in for ``triton.knobs.runtime`` (its launch hook chains)."""
+
+    def __init__(self, enter=(), exit=()):
+        self.launch_enter_hook, self.launch_exit_hook = _Hooks(enter), _Hooks(exit)
 
 
 class _FakeKernel:
@@ -109,15 +131,26 @@ def test_launch_reuses_the_compiled_kernel_per_specialization(monkeypatch):
     monkeypatch.setattr(_launch, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(_launch, "_COMPILED", {})
     monkeypatch.setattr(_launch, "_raw_stream", lambda device: 77)
+    runtime = _Runtime()
+    monkeypatch.setattr(_launch, "_triton_runtime_knobs", lambda: runtime)
     kernel, device = _FakeKernel(), torch.device("cuda", 0)
     buf = torch.zeros(64)
     consts = dict(FLAG=True, BLOCK=128, num_warps=4)
 
     _launch.launch(kernel, (3,), (buf, 32, 1e-5), consts, device)
     _launch.launch(kernel, (5,), (buf, 48, 1e-6), consts, device)
-    assert [entry[0] for entry in kernel.log] == ["triton", "compiled"]
+    assert [entry[0] for entry in kernel.log] == ["triton", "init", "run"]
     assert kernel.log[0] == ("triton", (3,), (buf, 32, 1e-5), consts)
-    assert kernel.log[1] == ("compiled", (5, 1, 1), (buf, 48, 1e-6, True, 128), 77)
+    # Triton's launcher, called as its runner would with no launch hook set: grid, stream,
+    # handle, metadata, no launch metadata and no hooks, then the arguments in signature order.
+    assert kernel.log[2] == ("run", (5, 1, 1, 77, "handle", "metadata", None, None, None,
+                                     buf, 48, 1e-6, True, 128))
+    # With a launch hook set (a profiler), Triton's own runner launches, so the hook runs.
+    runtime.launch_enter_hook.calls.append(print)
+    _launch.launch(kernel, (2, 3), (buf, 48, 1e-6), consts, device)
+    assert kernel.log[3] == ("runner", (2, 3, 1), (buf, 48, 1e-6, True, 128), 77)
+    runtime.launch_enter_hook.calls.clear()
+    del kernel.log[1:]
 
     # Anything Triton specializes on makes a new key, which takes Triton's path once.
     _launch.launch(kernel, (1,), (buf[1:], 48, 1e-6), consts, device)  # 4-byte aligned data
@@ -127,7 +160,7 @@ def test_launch_reuses_the_compiled_kernel_per_specialization(monkeypatch):
     _launch.launch(kernel, (1,), (buf.half(), 48, 1e-6), consts, device)  # dtype
     _launch.launch(kernel, (1,), (buf, 48, 1e-6), dict(consts, FLAG=False), device)
     _launch.launch(kernel, (1,), (buf, 48, 1e-6), dict(consts, num_warps=8), device)
-    assert [entry[0] for entry in kernel.log[2:]] == ["triton"] * 7
+    assert [entry[0] for entry in kernel.log[1:]] == ["triton", "init"] * 7
 
 
 @pytest.mark.parametrize("case", ["cpu", "interpreter", "other_triton"])
