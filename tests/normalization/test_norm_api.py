@@ -337,3 +337,6 @@ def test_torch_layer_norm_arguments():
     assert MixedFusedRMSNorm(8, elementwise_affine=True).weight.shape == (8,)
     with pytest.raises(ValueError, match=r"MixedFusedLayerNorm\(elementwise_affine=False\)"):
         MixedFusedLayerNorm(8, elementwise_affine=False)
+    # torch.nn.RMSNorm(eps=None) means the dtype's machine epsilon: not supported, said so.
+    with pytest.raises(ValueError, match=r"FusedRMSNorm\(eps=None\).*pass a number"):
+        FusedRMSNorm(8, eps=None)
