@@ -175,8 +175,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         message_size (int): bucket size in elements (of the gradients' dtype). Default ``1e7``.
         delay_allreduce (bool): all-reduce everything after backward (one bucket per dtype)
             instead of overlapping with it; parameters without a gradient in a step are
-            skipped, as in Apex (this mode implies ``find_unused_parameters=True``). Default
-            False.
+            skipped, as in Apex (this mode implies ``find_unused_parameters=True``, so
+            PyTorch's reducer prints once per rank that it found none when every parameter
+            was used: harmless here). Default False.
         shared_param: deprecated alias of ``delay_allreduce``. Default None.
         allreduce_trigger_params: ignored (warns). Default None.
         retain_allreduce_buffers (bool): ignored (warns). Default False.
