@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections import UserDict
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["AmpForwardConfig", "cast_floating", "convert_model", "is_amp_model", "restore_model"]
+__all__ = [
+    "AmpForwardConfig", "cast_floating", "cast_module_tensors", "convert_model", "is_amp_model",
+    "restore_model",
+]
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
@@ -32,9 +36,10 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
 
     Walks lists, tuples, namedtuples, mappings (``dict``, ``OrderedDict``, ``defaultdict``,
     ``UserDict`` such as a tokenizer's batch) and dataclass instances; integer/bool tensors and
-    strings are returned untouched; containers are rebuilt, never modified in place. Any other
-    object with a ``to`` method (a custom batch class) is cast with ``value.to(dtype)``, as Apex
-    did: such a class decides itself which of its tensors to cast.
+    other objects are returned untouched; containers are rebuilt, never modified in place.
+    Objects of other classes are not entered, nor is their ``to`` method called (Apex called
+    ``value.to(dtype)``, which casts a typical batch class's integer labels too): a model that
+    takes such an object gets it as it is, and casts what it needs itself.
     """
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
@@ -53,20 +58,18 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
             if f.init
         }
         return dataclasses.replace(value, **changes)
-    if (callable(getattr(value, "to", None)) and not isinstance(value, (str, bytes, type))
-            and not isinstance(value, nn.Module)):
-        return value.to(dtype)
     return value
 
 
 def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
     """A mapping of ``original``'s type holding ``items``, ``original`` left as it was.
 
-    A shallow copy with the items assigned keeps what a constructor call would lose (a
-    ``defaultdict``'s factory, a ``UserDict`` subclass's attributes); read-only mappings are
-    rebuilt from the items, and a type that takes neither becomes a plain ``dict``.
+    For ``dict`` and ``UserDict`` subclasses a shallow copy with the items assigned keeps what
+    a constructor call would lose (a ``defaultdict``'s factory, a subclass's attributes): their
+    copies own their items. Other mappings (whose copy may share its storage with the original)
+    are rebuilt from the items, and a type that cannot be becomes a plain ``dict``.
     """
-    if isinstance(original, MutableMapping):
+    if isinstance(original, (dict, UserDict)):
         try:
             out = copy.copy(original)
             for k, v in items.items():
@@ -266,7 +269,7 @@ def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor]
 # ---------------------------------------------------------------------------------------------
 # conversion
 # ---------------------------------------------------------------------------------------------
-def _cast_module_tensors(module: nn.Module, dtype: torch.dtype) -> bool:
+def cast_module_tensors(module: nn.Module, dtype: torch.dtype) -> bool:
     """Cast a module's own floating parameters and buffers (not its children's) in place.
 
     Parameter objects are kept (their ``.data`` is swapped) so an optimizer's references stay
@@ -312,12 +315,11 @@ def convert_model(model: nn.Module, props) -> None:
     if props.model_is_half:
         for module in model.modules():
             if keep_bn and isinstance(module, _BatchNorm):
-                # fp32 (cast back if the model came .half()-ed): PyTorch's batch_norm takes
-                # half input with fp32 parameters (statistics in fp32, output in the input's
-                # dtype), train and eval alike.
-                _cast_module_tensors(module, torch.float32)
+                # Stays fp32 (initialize cast it back if the model came .half()-ed): PyTorch's
+                # batch_norm takes half input with fp32 parameters (statistics in fp32, output
+                # in the input's dtype), train and eval alike.
                 continue
-            _cast_module_tensors(module, props.cast_model_type)
+            cast_module_tensors(module, props.cast_model_type)
             if _holds_half(module):
                 # Every module holding half tensors, cast here or already half (a model
                 # .half()-ed before initialize, the second owner of a tied weight): each of
@@ -330,7 +332,7 @@ def convert_model(model: nn.Module, props) -> None:
         # O0, as in Apex: an fp32 model whose floating inputs and outputs are cast to fp32
         # (e.g. float64 batches from NumPy); per-op casting only if asked for.
         for module in model.modules():
-            _cast_module_tensors(module, torch.float32)
+            cast_module_tensors(module, torch.float32)
         autocast_dtype = props.half_dtype if props.patch_torch_functions else None
         config = AmpForwardConfig(input_dtype=torch.float32, autocast_dtype=autocast_dtype,
                                   output_dtype=props.cast_model_outputs or torch.float32,

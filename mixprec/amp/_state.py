@@ -92,6 +92,15 @@ def _fused_cast_ok(half_grads: List[torch.Tensor]) -> bool:
     return True
 
 
+def _coalesced_if_fp16(g: torch.Tensor) -> torch.Tensor:
+    # A sparse fp16 gradient's duplicate indices, summed only after the inf/NaN check, could
+    # still overflow: sum them first (GradScaler coalesces fp16 sparse gradients for the same
+    # reason).
+    if g.layout is not torch.strided and g.dtype == torch.float16 and not g.is_coalesced():
+        return g.coalesce()
+    return g
+
+
 class _OptimizerState:
     """Per-optimizer amp bookkeeping.
 
@@ -229,24 +238,24 @@ class _OptimizerState:
             if g is None:
                 continue
             p.grad = None
-            if g.layout == torch.strided:
+            if g.layout is torch.strided:
                 half_grads.append(g)
                 targets.append(master)
             else:  # sparse (e.g. nn.Embedding(sparse=True)): cast, then sum duplicate indices
                 sparse_fresh.append(g.float().coalesce())
                 sparse_targets.append(master)
         fresh = [torch.empty_like(g, dtype=torch.float32) for g in half_grads]
-        plain_grads = []
-        for p in self.plain:
-            if p.grad is None:
-                continue
-            if p.grad.is_sparse and p.grad.dtype == torch.float16 and not p.grad.is_coalesced():
-                # Duplicate indices summed only now could overflow after the check (GradScaler
-                # coalesces fp16 sparse gradients for the same reason).
-                p.grad = p.grad.coalesce()
-            plain_grads.append(p.grad)
-        plain_grads += sparse_fresh
-        targets += sparse_targets
+        plain_params = [p for p in self.plain if p.grad is not None]
+        plain_grads = [p.grad for p in plain_params]
+        if sparse_fresh or any(g.layout is not torch.strided for g in plain_grads):
+            # Sparse gradients (rare; the dense case pays one layout check per gradient) are
+            # unscaled and checked through their values, a dense view.
+            for p in plain_params:
+                p.grad = _coalesced_if_fp16(p.grad)
+            plain_grads = [
+                g if g.layout is torch.strided else g._values()
+                for g in [p.grad for p in plain_params] + sparse_fresh
+            ]
         found = {}
         if fresh and (check or scaler.loss_scale != 1.0) and _fused_cast_ok(half_grads):
             # One Triton pass casts, unscales and checks (6 bytes per element instead of 14).
@@ -262,13 +271,19 @@ class _OptimizerState:
         flags = flags or []
         del half_grads
         accumulate_into, accumulate = [], []
-        for param, g in [*zip(targets, fresh + sparse_fresh), *self._stash]:
+        for master, g in zip(targets, fresh):
+            if master.grad is None:
+                master.grad = g
+            else:
+                accumulate_into.append(master.grad)
+                accumulate.append(g)
+        for param, g in [*zip(sparse_targets, sparse_fresh), *self._stash]:
             if param.grad is None:
                 param.grad = g
-            elif param.grad.layout == torch.strided and g.layout == torch.strided:
+            elif param.grad.layout is torch.strided and g.layout is torch.strided:
                 accumulate_into.append(param.grad)
                 accumulate.append(g)
-            elif param.grad.layout == torch.strided:
+            elif param.grad.layout is torch.strided:
                 param.grad.add_(g)  # dense += sparse, in place
             else:
                 param.grad = param.grad + g  # sparse + sparse or dense

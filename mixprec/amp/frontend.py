@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import warnings
 from typing import Iterator, List, Optional
 
@@ -12,7 +13,12 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mixprec.amp._logging import log_rank0
-from mixprec.amp._model import convert_model, is_amp_model, register_masters
+from mixprec.amp._model import (
+    cast_module_tensors,
+    convert_model,
+    is_amp_model,
+    register_masters,
+)
 from mixprec.amp._properties import describe_opt_level, resolve_properties
 from mixprec.amp._state import (
     AmpState,
@@ -60,7 +66,7 @@ def _check_model(model: nn.Module) -> None:
             "returned model: `model, opt = amp.initialize(model, opt, ...); "
             "model = DistributedDataParallel(model)`."
         )
-    if isinstance(model, _COMPILED_MODULE_TYPES):
+    if _is_compiled_module(model):
         raise ValueError(
             f"amp.initialize(models={type(model).__name__}(...)): the model was compiled "
             "with torch.compile before amp.initialize, so amp's casts would never run in "
@@ -75,20 +81,18 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def _compiled_module_types() -> tuple:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except Exception:  # (a torch without Dynamo: nothing can be compiled)
-        return ()
-    return (OptimizedModule,)
+def _is_compiled_module(model: nn.Module) -> bool:
+    # Dynamo is only loaded once something was compiled: no import (over a second) just to ask.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    module_type = getattr(eval_frame, "OptimizedModule", None)
+    return module_type is not None and isinstance(model, module_type)
 
 
-_COMPILED_MODULE_TYPES = _compiled_module_types()
-
-
-def _warn_if_already_half(models: List[nn.Module]) -> None:
-    """Apex refused models whose parameters were already half; amp handles them, but the
-    precision lost by the user's ``.half()`` is gone before any master weight is made."""
+def _warn_if_already_half(models: List[nn.Module], props) -> None:
+    """Apex refused models whose parameters were already half; amp handles them, but at O2
+    the precision lost by the user's ``.half()`` is gone before the master weights are made."""
+    if not props.master_weights:
+        return
     halves = [p for m in models for p in m.parameters()
               if p.dtype in (torch.float16, torch.bfloat16)]
     if halves:
@@ -246,7 +250,14 @@ def initialize(
                 "in the list. Pass each model once."
             )
     _check_half_supported(model_list, props)
-    _warn_if_already_half(model_list)
+    _warn_if_already_half(model_list, props)
+    if props.model_is_half and props.keep_batchnorm_fp32 is True:
+        # BatchNorm stays fp32: cast back now a model .half()-ed by the user, so that its
+        # parameters are stepped as they are (no masters), before the optimizers are set up.
+        for model in model_list:
+            for module in model.modules():
+                if isinstance(module, _BatchNorm):
+                    cast_module_tensors(module, torch.float32)
 
     # Which parameters the conversion will cast to half (their fp32 values become masters).
     cast_ids = set()

@@ -219,8 +219,6 @@ def unscale_grads_(
         ``check``; else None.
     """
     found_by_device: Dict[torch.device, torch.Tensor] = {} if found is None else found
-    # A sparse gradient is unscaled and checked through its values (a dense view).
-    grads = [g._values() if g.is_sparse else g for g in grads]
     for (device, dtype), group in _group_by_device_and_dtype(grads).items():
         inv = scaler.inv_scale(device)
         if check:

@@ -220,13 +220,19 @@ class _Launchable:
         g1 = grid[1] if len(grid) > 1 else 1
         g2 = grid[2] if len(grid) > 2 else 1
         runtime = _triton_runtime_knobs()
-        if runtime.launch_enter_hook.calls or runtime.launch_exit_hook.calls:
+        if _hook_set(runtime.launch_enter_hook) or _hook_set(runtime.launch_exit_hook):
             # Someone (a profiler) listens to launches: Triton's own runner calls the hooks.
             self.compiled[(grid[0], g1, g2)](*args, *self.const_values, stream=stream)
             return
         # What that runner does when no hook is set, minus building the launch metadata.
         self.run(grid[0], g1, g2, stream, self.function, self.packed_metadata, None, None, None,
                  *args, *self.const_values)
+
+
+def _hook_set(hook) -> bool:
+    """Whether a Triton launch hook would run: a non-empty ``HookChain`` (Triton 3.6), or a
+    plain callable assigned in the older style; None or an empty chain would not."""
+    return bool(getattr(hook, "calls", hook))
 
 
 def _triton_runtime_knobs():

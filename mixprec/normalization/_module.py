@@ -54,11 +54,10 @@ class _FusedNorm(nn.Module):
         super().__init__()
         name = type(self).__name__
         self.normalized_shape = _checks.normalize_shape(normalized_shape, name)
-        if eps is None:
+        if eps is None and is_rms:
             raise ValueError(
-                f"{name}(eps=None): torch.nn.RMSNorm's eps=None (the machine epsilon of each "
-                "input's dtype) is not supported; pass a number, e.g. "
-                "eps=torch.finfo(torch.bfloat16).eps for bf16 inputs."
+                f"{name}(eps=None): torch.nn.RMSNorm's eps=None (a machine epsilon chosen per "
+                "input dtype) is not supported; pass a number, e.g. eps=1e-6."
             )
         if not isinstance(eps, numbers.Real) or eps < 0:
             raise ValueError(f"{name}: eps must be a non-negative float, got {eps!r}")

@@ -298,19 +298,6 @@ if _HAS_CUSTOM_OP:
     _fused_norm_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
-def _empty_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype) -> Tensor:
-    """The norm of rows with no elements, through PyTorch's functions (empty output, and
-    empty gradients for every input that needs one)."""
-    shape = list(normalized_shape)
-    w = None if weight is None else weight.to(x.dtype)
-    if is_rms:
-        y = torch.nn.functional.rms_norm(x, shape, w, eps)
-    else:
-        b = None if bias is None else bias.to(x.dtype)
-        y = torch.nn.functional.layer_norm(x, shape, w, b, eps)
-    return y.to(out_dtype)
-
-
 def fused_norm(
     x: Tensor,
     normalized_shape: Sequence[int],
@@ -325,8 +312,10 @@ def fused_norm(
     n = math.prod(normalized_shape)
     if is_rms:
         bias = None
-    if n == 0:  # nothing to normalize (a zero in normalized_shape): PyTorch's empty result
-        return _empty_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
+    if n == 0:  # nothing to normalize (a zero in normalized_shape): the reference's empty result
+        if is_rms:
+            return reference.rms_norm(x, list(normalized_shape), weight, eps, out_dtype)
+        return reference.layer_norm(x, list(normalized_shape), weight, bias, eps, out_dtype)
     if _HAS_CUSTOM_OP and (_launch.is_compiling() or torch.jit.is_tracing()):
         # One opaque node for Dynamo/AOTAutograd (and a serializable op in traces).
         y2d = torch.ops.mixprec.fused_norm_fwd(

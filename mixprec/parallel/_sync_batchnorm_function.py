@@ -395,11 +395,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 stat_dtype,
             )
         if single:
-            total = float(counts.sum())
-            if total < 1.5:  # (an empty rank counts a tiny non-zero value: see _EMPTY_COUNT)
-                if kept is not None:
-                    running_mean.copy_(kept[0])
-                    running_var.copy_(kept[1])
+            total = float(counts.sum())  # (an empty rank counts a tiny value: _EMPTY_COUNT)
+            if total < 1.5 and kept is not None:
+                running_mean.copy_(kept[0])
+                running_var.copy_(kept[1])
+            if 0.5 <= total < 1.5:  # (no values at all: an empty output, as BatchNorm gives)
                 raise ValueError(
                     "SyncBatchNorm: expected more than 1 value per channel when training, got "
                     f"{round(total)} over the whole process group (every rank's batch "

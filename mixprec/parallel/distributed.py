@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mixprec.amp._logging import is_rank_zero
 from mixprec.parallel._comm import broadcast_coalesced, group_world_size, require_initialized
 
 __all__ = ["DistributedDataParallel"]
@@ -95,7 +96,7 @@ def _launch(state: _HookState, buffer: torch.Tensor) -> torch.futures.Future:
 
 def _warn_rank0(message: str, category) -> None:
     """Warn once per job, not once per rank (the constructor runs on every rank)."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
+    if is_rank_zero():
         warnings.warn(message, category, stacklevel=3)
 
 
@@ -385,7 +386,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def disable_allreduce(self) -> None:
         """Stop all-reducing gradients in backward until :meth:`enable_allreduce` (Apex's
-        method; the same as being inside ``no_sync()``): gradients accumulate locally."""
+        method; the same as being inside ``no_sync()``): gradients accumulate locally. As with
+        ``no_sync()``, it applies from the next forward pass on (Apex's took effect in the
+        backward already running)."""
         self.require_backward_grad_sync = False
 
     def enable_allreduce(self) -> None:

@@ -1,6 +1,7 @@
 """The rest of Apex's amp surface, and modern PyTorch features, each on its own."""
 
 import collections
+import collections.abc
 import copy
 import dataclasses
 
@@ -257,16 +258,38 @@ class _TokenBatch(collections.UserDict):
 
 
 class _CustomBatch:
-    """A user's batch class with a ``to`` method (Apex cast such objects with ``.to(dtype)``)."""
+    """A user's batch class with a ``to`` method that casts every tensor, labels included."""
 
     def __init__(self, image, label):
         self.image, self.label = image, label
 
-    def to(self, dtype):
-        return _CustomBatch(self.image.to(dtype), self.label)
+    def to(self, what):
+        return _CustomBatch(self.image.to(what), self.label.to(what))
 
 
-def test_o2_casts_mappings_and_custom_batch_classes():
+class _Store(collections.abc.MutableMapping):
+    """A mapping keeping its items in an inner dict (a shallow copy would share it)."""
+
+    def __init__(self, data):
+        self.data = dict(data)
+
+    def __getitem__(self, key):
+        return self.data[key]
+
+    def __setitem__(self, key, value):
+        self.data[key] = value
+
+    def __delitem__(self, key):
+        del self.data[key]
+
+    def __iter__(self):
+        return iter(self.data)
+
+    def __len__(self):
+        return len(self.data)
+
+
+def test_o2_casts_mappings_and_leaves_other_objects_alone():
     seen = {}
 
     class Spy(nn.Module):
@@ -274,15 +297,17 @@ def test_o2_casts_mappings_and_custom_batch_classes():
             super().__init__()
             self.lin = nn.Linear(2, 2)
 
-        def forward(self, feats, tokens, batch):
-            seen.update(feats=feats, tokens=tokens, batch=batch)
-            return self.lin(feats["x"]) + self.lin(batch.image)
+        def forward(self, feats, tokens, store, batch):
+            seen.update(feats=feats, tokens=tokens, store=store, batch=batch)
+            return self.lin(feats["x"]) + self.lin(store["x"])
 
     model = Spy()
     amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     feats = collections.defaultdict(list, x=torch.randn(3, 2))
     tokens = _TokenBatch({"ids": torch.arange(3), "scale": torch.ones(3)}, n_sequences=1)
-    out = model(feats, tokens, _CustomBatch(torch.randn(3, 2), torch.arange(3)))
+    store = _Store({"x": torch.randn(3, 2)})
+    batch = _CustomBatch(torch.randn(3, 2), torch.arange(3))
+    out = model(feats, tokens, store, batch)
     assert out.dtype == torch.float32
     got = seen["feats"]
     assert type(got) is collections.defaultdict and got.default_factory is list
@@ -291,7 +316,10 @@ def test_o2_casts_mappings_and_custom_batch_classes():
     assert type(got) is _TokenBatch and got.n_sequences == 1
     assert got["ids"].dtype == torch.int64 and got["scale"].dtype == torch.bfloat16
     assert tokens["scale"].dtype == torch.float32  # the caller's batch is left alone
-    assert seen["batch"].image.dtype == torch.bfloat16 and seen["batch"].label.dtype == torch.int64
+    assert type(seen["store"]) is _Store and seen["store"]["x"].dtype == torch.bfloat16
+    assert store["x"].dtype == torch.float32  # (a shallow copy would have cast it in place)
+    # Other objects pass as they are: their .to() would cast the labels too.
+    assert seen["batch"] is batch and batch.label.dtype == torch.int64
 
 
 # -- sparse gradients -----------------------------------------------------------------------------

@@ -134,10 +134,18 @@ def test_already_half_model_saves_and_loads_fp32_masters():
     sd = model.state_dict()
     assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
     source = make_cnn(seed=9).state_dict()
+    for bn in ("features.1", "features.4"):  # BatchNorm's too (ones, zeros when fresh)
+        for name in ("weight", "bias", "running_mean", "running_var"):
+            source[f"{bn}.{name}"] = torch.rand_like(source[f"{bn}.{name}"]) + 0.5
     model.load_state_dict(source)
     masters = list(amp.master_params(opt))
     for master, name in zip(masters, dict(model.named_parameters())):
         torch.testing.assert_close(master.detach(), source[name], rtol=0, atol=0)
+    # BatchNorm is fp32 again and stepped directly (no master of its own).
+    bn_params = [p for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)
+                 for p in m.parameters()]
+    assert all(p.dtype == torch.float32 for p in bn_params)
+    assert sum(any(p is m for m in masters) for p in bn_params) == len(bn_params)
     # A step must continue from the loaded weights, not copy the old masters back.
     for g in opt.param_groups:
         g["lr"] = 0.0

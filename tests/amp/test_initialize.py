@@ -1,6 +1,10 @@
 import copy
 import io
+import os
 import pickle
+import subprocess
+import sys
+import warnings
 
 import pytest
 import torch
@@ -10,6 +14,8 @@ from mixprec import amp
 from mixprec.amp._state import optimizer_state
 
 from .helpers import HALF_DTYPES, OPT_LEVELS, batch, make_cnn, train_step
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_returns_same_objects_in_given_shape():
@@ -131,6 +137,24 @@ def test_rejects_the_same_optimizer_or_model_twice_in_one_call():
     with pytest.raises(ValueError, match="same SmallCNN appears twice"):
         amp.initialize([model, model], opt_level="O1")
     assert optimizer_state(opt) is None and not amp.is_amp_model(model)  # nothing half-done
+
+
+def test_no_warning_for_a_half_model_where_no_masters_are_made():
+    # The warning is about O2's masters starting from rounded values: nothing to say at O1/O3.
+    for opt_level in ("O1", "O3"):
+        model = make_cnn().to(torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+
+
+def test_import_does_not_load_the_compiler():
+    # Dynamo takes over a second to import: mixprec must not pull it in (every DDP worker
+    # imports mixprec).
+    code = "import sys, mixprec, mixprec.amp; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env=dict(os.environ, PYTHONPATH=_ROOT))
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
 def test_rejects_a_model_compiled_before_initialize():

@@ -340,3 +340,5 @@ def test_torch_layer_norm_arguments():
     # torch.nn.RMSNorm(eps=None) means the dtype's machine epsilon: not supported, said so.
     with pytest.raises(ValueError, match=r"FusedRMSNorm\(eps=None\).*pass a number"):
         FusedRMSNorm(8, eps=None)
+    with pytest.raises(ValueError, match=r"FusedLayerNorm: eps must be a non-negative float"):
+        FusedLayerNorm(8, eps=None)

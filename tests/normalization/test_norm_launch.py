@@ -149,7 +149,13 @@ def test_launch_reuses_the_compiled_kernel_per_specialization(monkeypatch):
     runtime.launch_enter_hook.calls.append(print)
     _launch.launch(kernel, (2, 3), (buf, 48, 1e-6), consts, device)
     assert kernel.log[3] == ("runner", (2, 3, 1), (buf, 48, 1e-6, True, 128), 77)
-    runtime.launch_enter_hook.calls.clear()
+    # A hook assigned the older way (a plain callable) counts as set; None does not.
+    runtime.launch_enter_hook = print
+    _launch.launch(kernel, (4,), (buf, 48, 1e-6), consts, device)
+    assert kernel.log[4][0] == "runner"
+    runtime.launch_enter_hook = None
+    _launch.launch(kernel, (4,), (buf, 48, 1e-6), consts, device)
+    assert kernel.log[5][0] == "run"
     del kernel.log[1:]
 
     # Anything Triton specializes on makes a new key, which takes Triton's path once.

@@ -262,6 +262,7 @@ def check_disable_and_enable_allreduce(ctx):
     model = _mlp(ctx.device)
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, message_size=64)
+    local = copy.deepcopy(model)  # this rank's batches alone: what disabled steps must give
     for micro in range(3):
         x, y = _global_batch(ctx, seed=60 + micro)
         F.mse_loss(ref(x), y).backward()
@@ -270,6 +271,11 @@ def check_disable_and_enable_allreduce(ctx):
         else:
             ddp.enable_allreduce()
         F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        if micro < 2:
+            # Not all-reduced: the rank's own (accumulated) gradient, different on each rank.
+            F.mse_loss(local(_mine(ctx, x)), _mine(ctx, y)).backward()
+            for p, q in zip(model.parameters(), local.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
 

@@ -356,6 +356,14 @@ def check_single_value_per_channel_raises(ctx):
             assert torch.equal(m.running_var.cpu(), torch.ones(3)), path
     # One value on each of two ranks is a batch of two: fine.
     _run_case(ctx, [1] * ctx.world_size, spatial=(), label=" one sample per rank")
+    # No values at all: an empty output, as BatchNorm gives, and the statistics untouched.
+    for path, path_ctx in _paths(ctx):
+        m = SyncBatchNorm(3).to(ctx.device)
+        with path_ctx():
+            y = m(torch.randn(0, 3, 2, 2, device=ctx.device))
+        assert y.shape == (0, 3, 2, 2), path
+        assert torch.equal(m.running_mean.cpu(), torch.zeros(3)), path
+        assert torch.equal(m.running_var.cpu(), torch.ones(3)), path
 
 
 def check_eval_mode_uses_running_stats_without_communication(ctx):
