@@ -243,18 +243,7 @@ def check_delay_allreduce(ctx):
         _grads_match_global_batch(ctx, ddp, model, ref, 20 + step, f"delay_allreduce step {step}")
     # Apex's delay mode reduced whatever gradients existed after backward: a parameter that
     # gets none must not hold back the others (one bucket would never complete).
-    torch.manual_seed(0)
-    model = _TwoHeads().to(ctx.device)
-    ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, delay_allreduce=True)
-    for step in range(2):
-        x, y = _global_batch(ctx, seed=50 + step)
-        model.zero_grad()
-        ref.zero_grad()
-        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-        F.mse_loss(ref(x), y).backward()
-        torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, **_tol(ctx))
-        assert model.b.weight.grad is None and model.b.bias.grad is None
+    _unused_head_is_skipped(ctx, seed=50, delay_allreduce=True)
 
 
 def check_disable_and_enable_allreduce(ctx):
@@ -319,19 +308,25 @@ def check_unused_parameters_named_in_error(ctx):
         raise AssertionError("expected a RuntimeError naming the unused parameters")
 
 
-def check_unused_parameters_found(ctx):
+def _unused_head_is_skipped(ctx, seed, **ddp_kwargs):
+    """Two steps of a model with a head no forward uses: the used head's gradients are the
+    single-process ones, the unused head gets none."""
     torch.manual_seed(0)
     model = _TwoHeads().to(ctx.device)
     ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    ddp = DistributedDataParallel(model, **ddp_kwargs)
     for step in range(2):
-        x, y = _global_batch(ctx, seed=30 + step)
+        x, y = _global_batch(ctx, seed=seed + step)
         model.zero_grad()
         ref.zero_grad()
         F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
         F.mse_loss(ref(x), y).backward()
         torch.testing.assert_close(model.a.weight.grad, ref.a.weight.grad, **_tol(ctx))
         assert model.b.weight.grad is None and model.b.bias.grad is None
+
+
+def check_unused_parameters_found(ctx):
+    _unused_head_is_skipped(ctx, seed=30, find_unused_parameters=True)
 
 
 def check_arguments_validated_and_warned(ctx):
