@@ -37,8 +37,9 @@ class _Identity(torch.autograd.Function):
         return g
 
 
-def _host_us(fn, calls=200, repeats=7):
-    """Median over repeats of the host microseconds per call (the GPU drained in between)."""
+def host_runs(fn, calls=200, repeats=7):
+    """Host microseconds per call of ``fn``, one figure per repeat of ``calls`` calls (after
+    20 untimed ones; the GPU drained in between)."""
     for _ in range(20):
         fn()
     torch.cuda.synchronize()
@@ -49,7 +50,12 @@ def _host_us(fn, calls=200, repeats=7):
             fn()
         runs.append((time.perf_counter() - t0) / calls * 1e6)
         torch.cuda.synchronize()
-    return statistics.median(runs)
+    return runs
+
+
+def _host_us(fn, calls=200, repeats=7):
+    """Median over repeats of the host microseconds per call (the GPU drained in between)."""
+    return statistics.median(host_runs(fn, calls, repeats))
 
 
 def main(argv=None):

@@ -23,6 +23,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from norm_host_overhead import host_runs  # noqa: E402
 
 from mixprec import amp  # noqa: E402
 from mixprec.bench.models import build_workload  # noqa: E402
@@ -32,16 +35,7 @@ from mixprec.normalization import FusedLayerNorm, _launch, _ops  # noqa: E402
 def _us(fn, calls, repeats=7):
     """(min, median) over repeats of the host microseconds per call. The host is shared and
     noisy: the minimum is the steadier figure of what the code costs."""
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
+    runs = host_runs(fn, calls, repeats)
     return min(runs), statistics.median(runs)
 
 

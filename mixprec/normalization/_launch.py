@@ -362,8 +362,17 @@ def forward(
 # (device index, kernel specialization) -> resident programs per SM, learnt from the compiled
 # kernel's register and shared-memory use after its first launch.
 _PROGRAMS_PER_SM: Dict[tuple, int] = {}
-# The same key -> the backward kernel's constexprs and launch options.
-_BWD_CONSTS: Dict[tuple, dict] = {}
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_consts(is_rms: bool, has_weight: bool, has_bias: bool, from_y: bool,
+                     compute_dw: bool, compute_db: bool, cfg: KernelConfig) -> dict:
+    """The backward kernel's constexprs and launch options, as :func:`_forward_consts`."""
+    return dict(IS_RMS=is_rms, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, FROM_Y=from_y,
+                COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db,
+                NEED_MEAN=not is_rms and not from_y, PREFETCH=cfg.prefetch,
+                PIPELINE_STAGES=cfg.pipeline_stages, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                num_warps=cfg.num_warps)
 
 
 @functools.cache
@@ -478,22 +487,8 @@ def backward(
         None if weight is None else weight.dtype, None if bias is None else bias.dtype,
     )
     kernel = _kernels().norm_bwd_kernel
-    consts = _BWD_CONSTS.get(key)
-    if consts is None:  # (made once per specialization: this runs per layer and step)
-        consts = _BWD_CONSTS[key] = dict(
-            IS_RMS=is_rms,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None and not is_rms,
-            FROM_Y=from_y,
-            COMPUTE_DW=compute_dw,
-            COMPUTE_DB=compute_db,
-            NEED_MEAN=not is_rms and not from_y,
-            PREFETCH=cfg.prefetch,
-            PIPELINE_STAGES=cfg.pipeline_stages,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps,
-        )
+    consts = _backward_consts(is_rms, weight is not None, bias is not None and not is_rms,
+                              from_y, compute_dw, compute_db, cfg)
 
     def args(dw_partial, db_partial, blocks_per_program):
         return (

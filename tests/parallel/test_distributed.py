@@ -87,13 +87,7 @@ def check_grads_match_single_process(ctx):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for step in range(3):
-        x, y = _global_batch(ctx, seed=step)
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-        F.mse_loss(ref(x), y).backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled(f"step {step} {name}"))
+        _grads_match_global_batch(ctx, ddp, model, ref, step, f"step {step}")
         opt.step()
         ref_opt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
