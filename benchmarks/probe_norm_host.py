@@ -9,7 +9,7 @@ A diagnostic for the eager GPT rows of bench_amp.py with FusedLayerNorm (slower 
 2. 25 norms in a chain on the GPT's activation shape: host time per norm, forward and
    backward, with and without Python's garbage collector.
 3. One norm call (64 x 1024 bf16, so that every figure is host time) taken apart on the main
-   thread: module call, the autograd Function, the host launchers, the bare launches.
+   thread: module call, the autograd Function, the launch plan, the bare launches.
 
     python benchmarks/probe_norm_host.py [--steps 20] [--calls 300]
 """
@@ -236,7 +236,7 @@ def part_call(calls):
     y, mean, rstd = _launch.forward(x2, wd, bd, 1e-5, False, x2.dtype)
     kernel = _launch._kernels().norm_fwd_kernel
     key = next(k for k in _launch._COMPILED if k[0] is kernel)
-    compiled = _launch._COMPILED[key]
+    compiled = _launch._COMPILED[key].compiled
     out = torch.empty_like(x2)
     cfg = _launch.default_config(1024)
     consts = dict(IS_RMS=False, HAS_WEIGHT=True, HAS_BIAS=True, BLOCK_M=cfg.block_m,
@@ -273,24 +273,17 @@ def part_call(calls):
     cases.append(("trivial Python autograd.Function fwd+bwd (autograd.grad)",
                   lambda: torch.autograd.grad(_Identity.apply(x, w, b), [x], dy)))
 
-    # The same fwd+bwd with the two host launchers replaced by stubs that return outputs
-    # made once: what the module, the autograd Function and the engine cost around them.
-    fwd_out = _launch.forward(x2, wd, bd, 1e-5, False, x2.dtype)
-    bwd_out = _launch.backward(dy, x2, wd, bd, fwd_out[1], fwd_out[2], False, False, x2.dtype,
-                               True, True)
-    real_fwd, real_bwd = _launch.forward, _launch.backward
-
-    def stub_fwd(x, weight, bias, eps, is_rms, out_dtype, config=None, out=None):
-        return (out if out is not None else fwd_out[0]), fwd_out[1], fwd_out[2]
-
-    def glue_only():
-        _launch.forward, _launch.backward = stub_fwd, lambda *a, **k: bwd_out
-        try:
-            return torch.autograd.grad(norm(x), [x, w, b], dy)
-        finally:
-            _launch.forward, _launch.backward = real_fwd, real_bwd
-
-    cases.append(("FusedLayerNorm fwd+bwd, launchers stubbed (glue + engine)", glue_only))
+    # The module's launch plan called directly: what is left of a norm's host work once the
+    # module, the autograd Function and the engine are taken away.
+    plan = _launch.norm_plan(x.device, 64, 1024, x.dtype, x.dtype, w.dtype, b.dtype, 1e-5,
+                             False, False)
+    plan_out = torch.empty_like(x2)
+    p_mean, p_rstd = plan.forward(x2, 1024, wd, bd, plan_out, 1024)
+    cases.append(("NormPlan.forward (allocations + launch)",
+                  lambda: plan.forward(x2, 1024, wd, bd, plan_out, 1024)))
+    cases.append(("NormPlan.backward (allocations + 2 launches)",
+                  lambda: plan.backward(dy, 1024, x2, 1024, wd, bd, p_mean, p_rstd, True, True,
+                                        (64, 1024))))
     print("\n| call (64x1024 bf16) | host us, min | median |")
     print("|---|---:|---:|")
     for name, fn in cases:

@@ -72,12 +72,19 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+_KERNELS = None
+
+
 def _kernels():
     # Imported on first use so that `import mixprec` never needs Triton, and so that
-    # TRITON_INTERPRET is read when the kernels are created, not when mixprec is imported.
-    from mixprec.normalization import _kernels
+    # TRITON_INTERPRET is read when the kernels are created, not when mixprec is imported; then
+    # kept (an import statement costs microseconds per call).
+    global _KERNELS
+    if _KERNELS is None:
+        from mixprec.normalization import _kernels as kernels
 
-    return _kernels
+        _KERNELS = kernels
+    return _KERNELS
 
 
 @dataclass(frozen=True)
@@ -271,31 +278,75 @@ def _raw_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-def launch(kernel, grid: Tuple[int, ...], args: tuple, consts: dict, device: torch.device) -> None:
+def launch(kernel, grid: Tuple[int, ...], args: tuple, consts: dict,
+           device: torch.device) -> Optional[_Launchable]:
     """``kernel[grid](*args, **consts)``; see the comment above for how it is made cheaper.
 
     ``args`` are the kernel's leading (runtime) arguments in signature order, ``consts`` its
-    constexprs (every one of them, by name) and launch options (``num_warps``, ...).
+    constexprs (every one of them, by name) and launch options (``num_warps``, ...). Returns
+    the compiled kernel's :class:`_Launchable` when there is one for this specialization (for
+    :class:`_Site` to keep), else None.
     """
     if device.type != "cuda" or not _fast_launch_supported():
         kernel[grid](*args, **consts)
-        return
+        return None
     key = (kernel, device.index, tuple(map(_arg_key, args)), tuple(consts.items()))
     launchable = _COMPILED.get(key)
     if launchable is None:
         compiled = kernel[grid](*args, **consts)
         if interpreter_enabled():  # (read once per miss: the interpreter never caches)
-            return
+            return None
         if hasattr(compiled, "result"):  # an asynchronous compile's future
             compiled = compiled.result()
         if compiled is not None:
             names = kernel.arg_names[len(args):]
             try:
-                _COMPILED[key] = _Launchable(compiled, tuple(consts[n] for n in names))
+                launchable = _COMPILED[key] = _Launchable(
+                    compiled, tuple(consts[n] for n in names))
             except Exception as err:  # Triton internals moved: keep Triton's own path
                 _log.debug("direct launches disabled for %s: %s", kernel, err)
-        return
+        return launchable
     launchable(grid, args, _raw_stream(device))
+    return launchable
+
+
+class _Site:
+    """One kernel launched with constexprs fixed by its owner (a :class:`NormPlan`), which keeps
+    the compiled kernel per *variant* so that a launch skips :func:`launch`'s key.
+
+    The owner promises that launches with equal variants have equal Triton specializations:
+    the tensors' dtypes and every scalar argument's specialization are fixed by the owner, and
+    the variant holds whatever else can change (e.g. a row stride). Launches whose tensors are
+    not all 16-byte aligned pass ``variant=None`` and go through :func:`launch` (alignment is
+    part of Triton's specialization, tensor by tensor).
+    """
+
+    __slots__ = ("kernel", "consts", "device", "cache")
+
+    def __init__(self, kernel, consts: dict, device: torch.device):
+        self.kernel, self.consts, self.device = kernel, consts, device
+        self.cache: Dict[tuple, _Launchable] = {}
+
+    def __call__(self, grid: Tuple[int, ...], args: tuple, variant: Optional[tuple]) -> None:
+        launchable = self.cache.get(variant) if variant is not None else None
+        if launchable is not None:
+            launchable(grid, args, _raw_stream(self.device))
+            return
+        launchable = launch(self.kernel, grid, args, self.consts, self.device)
+        if launchable is not None and variant is not None and len(self.cache) < 16:
+            self.cache[variant] = launchable
+
+
+def site_variant(tensors: tuple, extra: tuple = ()) -> Optional[tuple]:
+    """A :class:`_Site` variant for owners that fix only the scalar arguments: the tensors'
+    dtypes plus ``extra`` (e.g. strides that may change), or None when a tensor is not 16-byte
+    aligned."""
+    ptr = 0
+    for t in tensors:
+        ptr |= t.data_ptr()
+    if ptr & 15:
+        return None
+    return (*(t.dtype for t in tensors), *extra)
 
 
 @functools.lru_cache(maxsize=256)
@@ -304,59 +355,6 @@ def _forward_consts(is_rms: bool, has_weight: bool, has_bias: bool, cfg: KernelC
     launcher only reads it)."""
     return dict(IS_RMS=is_rms, HAS_WEIGHT=has_weight, HAS_BIAS=has_bias, BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
-
-
-def forward(
-    x: Tensor,
-    weight: Optional[Tensor],
-    bias: Optional[Tensor],
-    eps: float,
-    is_rms: bool,
-    out_dtype: torch.dtype,
-    config: Optional[KernelConfig] = None,
-    out: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """Launch the forward kernel on ``x [M, N]`` (unit column stride); see ``norm_forward``.
-
-    ``out``, when given, is the ``[M, N]`` tensor (of ``out_dtype``, unit column stride) that
-    receives ``y``, e.g. a view of an output allocated in the caller's shape.
-
-    Returns:
-        (Tensor, Tensor, Tensor): ``y [M, N]`` (``out_dtype``), ``mean [M]`` (``[0]`` for
-        RMSNorm) and ``rstd [M]``, the last two in fp32.
-    """
-    m, n = x.shape
-    # (A one-column row has no column stride to speak of: size-1 dims keep arbitrary strides.)
-    if n > 1 and x.stride(1) != 1:
-        raise ValueError(f"the fused forward needs unit column stride, got strides {x.stride()}")
-    cfg = config or default_config(n)
-    y = torch.empty((m, n), dtype=out_dtype, device=x.device) if out is None else out
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    mean = torch.empty(0 if is_rms else m, dtype=torch.float32, device=x.device)
-    if m == 0:
-        return y, mean, rstd
-    has_bias = bias is not None and not is_rms
-    with _on_device(x):
-        launch(
-            _kernels().norm_fwd_kernel,
-            (_cdiv(m, cfg.block_m),),
-            (
-                x,
-                y,
-                weight if weight is not None else x,  # placeholders are never read: constexpr off
-                bias if has_bias else x,
-                rstd if is_rms else mean,
-                rstd,
-                x.stride(0),
-                y.stride(0),
-                m,
-                n,
-                eps,
-            ),
-            _forward_consts(is_rms, weight is not None, has_bias, cfg),
-            x.device,
-        )
-    return y, mean, rstd
 
 
 # (device index, kernel specialization) -> resident programs per SM, learnt from the compiled
@@ -436,6 +434,208 @@ def backward_num_programs(row_blocks: int, cfg: KernelConfig, device: torch.devi
     return max(1, min(row_blocks, sms * per_sm))
 
 
+class NormPlan:
+    """The launches of one norm geometry, worked out once.
+
+    A geometry is ``m`` rows of ``n`` elements, the dtypes (input, output, saved tensor of the
+    backward, its incoming gradient, weight and bias, None for a missing parameter), ``eps``,
+    the norm kind and the kernel configs. The plan holds the grids, the constexprs and, per launch
+    site, the compiled kernels, so that a call allocates its outputs and launches, and does
+    nothing else: the fused modules keep one per input signature (``_ops``), since a norm runs
+    twice per transformer layer and step and its host time is part of the step's.
+
+    Its methods check nothing. Callers hand them tensors of the plan's dtypes whose memory
+    holds the ``[m, n]`` rows with unit column stride at the row strides they pass (the input
+    may be an N-D tensor viewable as such rows: no view is made); :func:`forward` and
+    :func:`backward` below are the checked entry points.
+    """
+
+    __slots__ = ("device", "m", "n", "eps", "is_rms", "has_weight", "has_bias", "from_y",
+                 "x_dtype", "y_dtype", "xy_dtype", "dy_dtype", "fwd_grid", "fwd_site",
+                 "backward_config", "num_programs", "finalize", "_backward_setups")
+
+    def __init__(self, device: torch.device, m: int, n: int, x_dtype: torch.dtype,
+                 y_dtype: torch.dtype, w_dtype: Optional[torch.dtype],
+                 b_dtype: Optional[torch.dtype], eps: float,
+                 is_rms: bool, from_y: bool, xy_dtype: Optional[torch.dtype] = None,
+                 dy_dtype: Optional[torch.dtype] = None, config: Optional[KernelConfig] = None,
+                 backward_config: Optional[KernelConfig] = None,
+                 num_programs: Optional[int] = None,
+                 finalize: Optional[Tuple[int, int, int]] = None):
+        if m <= 0:
+            raise ValueError(f"NormPlan needs at least one row, got m={m}")
+        self.device, self.m, self.n, self.eps = device, m, n, float(eps)
+        self.is_rms, self.from_y = is_rms, from_y
+        has_weight = w_dtype is not None
+        self.has_weight, self.has_bias = has_weight, b_dtype is not None and not is_rms
+        self.x_dtype, self.y_dtype = x_dtype, y_dtype
+        self.xy_dtype = xy_dtype or (y_dtype if from_y else x_dtype)
+        self.dy_dtype = dy_dtype or y_dtype
+        cfg = config or default_config(n)
+        self.fwd_grid = (_cdiv(m, cfg.block_m),)
+        self.fwd_site = _Site(_kernels().norm_fwd_kernel,
+                              _forward_consts(is_rms, has_weight, self.has_bias, cfg), device)
+        self.backward_config, self.num_programs, self.finalize = (
+            backward_config, num_programs, finalize)
+        self._backward_setups: Dict[Tuple[bool, bool], tuple] = {}
+
+    def forward(self, x: Tensor, x_stride: int, weight: Optional[Tensor], bias: Optional[Tensor],
+                y: Tensor, y_stride: int) -> Tuple[Tensor, Tensor]:
+        """Normalize ``x`` into ``y`` (row strides ``x_stride`` and ``y_stride``); returns
+        ``(mean, rstd)``, ``[m]`` fp32 each; for RMSNorm ``mean`` is ``rstd`` itself (there is
+        no mean, and one allocation fewer)."""
+        m, device = self.m, self.device
+        rstd = torch.empty(m, dtype=torch.float32, device=device)
+        mean = rstd if self.is_rms else torch.empty(m, dtype=torch.float32, device=device)
+        # Placeholders (never read: their constexpr is off) keep the argument types fixed.
+        w = weight if self.has_weight else x
+        b = bias if self.has_bias else x
+        aligned = not (x.data_ptr() | y.data_ptr() | w.data_ptr() | b.data_ptr()
+                       | mean.data_ptr() | rstd.data_ptr()) & 15
+        with _on_device(x):
+            self.fwd_site(self.fwd_grid,
+                          (x, y, w, b, mean, rstd, x_stride, y_stride, m, self.n, self.eps),
+                          (x_stride, y_stride) if aligned else None)
+        return mean, rstd
+
+    def backward(self, dy: Tensor, dy_stride: int, xy: Tensor, xy_stride: int,
+                 weight: Optional[Tensor], bias: Optional[Tensor], mean: Tensor, rstd: Tensor,
+                 need_dw: bool, need_db: bool, dx_shape) -> Tuple[Tensor, Optional[Tensor],
+                                                                 Optional[Tensor]]:
+        """``(dx, dweight, dbias)``: ``dx`` allocated contiguous in ``dx_shape`` (``m * n``
+        elements, the input dtype), the parameter gradients in the parameters' shapes and
+        dtypes, None where not requested or not there. ``mean`` is the forward's (``rstd``
+        for RMSNorm)."""
+        compute_dw = need_dw and self.has_weight
+        compute_db = need_db and self.has_bias
+        device, n = self.device, self.n
+        w = weight if self.has_weight else xy
+        b = bias if self.has_bias else xy
+        dx = torch.empty(dx_shape, dtype=self.x_dtype, device=device)
+        setup = self._backward_setups.get((compute_dw, compute_db))
+        if setup is None:
+            setup = self._setup_backward(compute_dw, compute_db, (dy, xy, w, b, mean, rstd, dx))
+        site, grid, blocks_per_program, n_partials, finish, finish_grid = setup
+        with _on_device(xy):
+            if n_partials:
+                # One buffer for both partial sums, so that one kernel finishes them.
+                partials = torch.empty((n_partials, grid[0], n), dtype=torch.float32,
+                                       device=device)
+                dw_partial = partials
+                db_partial = partials[1] if n_partials == 2 else partials
+            else:  # never written: COMPUTE_DW and COMPUTE_DB are off
+                partials = dw_partial = db_partial = rstd
+            aligned = not (dy.data_ptr() | xy.data_ptr() | w.data_ptr() | b.data_ptr()
+                           | mean.data_ptr() | rstd.data_ptr() | dx.data_ptr()
+                           | db_partial.data_ptr()) & 15
+            site(grid, (dy, xy, w, b, mean, rstd, dx, dw_partial, db_partial, dy_stride,
+                        xy_stride, self.m, n, blocks_per_program),
+                 (dy_stride, xy_stride) if aligned else None)
+            dw = db = None
+            if n_partials:
+                if compute_dw:
+                    dw = torch.empty(weight.shape, dtype=weight.dtype, device=device)
+                if compute_db:
+                    db = torch.empty(bias.shape, dtype=bias.dtype, device=device)
+                out0 = dw if compute_dw else db
+                out1 = db if compute_db else out0
+                aligned = not (partials.data_ptr() | out0.data_ptr() | out1.data_ptr()) & 15
+                finish(finish_grid, (partials, out0, out1, grid[0], n), () if aligned else None)
+        return dx, dw, db
+
+    def _setup_backward(self, compute_dw: bool, compute_db: bool, example: tuple) -> tuple:
+        """The backward's launch settings for one choice of gradients (first call only): the
+        config, the program count learnt from the compiled kernel, the finish's tiling."""
+        device, m, n = self.device, self.m, self.n
+        cfg = self.backward_config or default_backward_config(
+            n, self.xy_dtype.itemsize, self.dy_dtype.itemsize)
+        if cfg.pipeline_stages > 0 and device.type != "cuda":
+            raise ValueError(
+                f"pipeline_stages={cfg.pipeline_stages} needs a compiled GPU kernel; the CPU "
+                "interpreter cannot run tl.range with a runtime bound. Use pipeline_stages=0."
+            )
+        kernel = _kernels().norm_bwd_kernel
+        consts = _backward_consts(self.is_rms, self.has_weight, self.has_bias, self.from_y,
+                                  compute_dw, compute_db, cfg)
+        dy, xy, w, b, mean, rstd, dx = example
+        key = (device.index, self.is_rms, self.has_weight, self.has_bias, self.from_y,
+               compute_dw, compute_db, cfg, self.xy_dtype, self.dy_dtype, self.x_dtype,
+               w.dtype, b.dtype)
+        row_blocks = _cdiv(m, cfg.block_m)
+        with _on_device(xy):
+            programs = self.num_programs or backward_num_programs(
+                row_blocks, cfg, device, key,
+                lambda: kernel.warmup(dy, xy, w, b, mean, rstd, dx, rstd, rstd, n, n, m, n, 2,
+                                      grid=(1,), **consts),
+            )
+        programs = max(1, min(programs, row_blocks))
+        blocks_per_program = _cdiv(row_blocks, programs)
+        programs = _cdiv(row_blocks, blocks_per_program)
+        n_partials = int(compute_dw) + int(compute_db)
+        block_p, block_c, warps = self.finalize or default_finalize_config(programs, n)
+        setup = (
+            _Site(kernel, consts, device), (programs,), blocks_per_program, n_partials,
+            _Site(_kernels().norm_bwd_finalize_kernel,
+                  dict(BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps), device),
+            (_cdiv(n, block_c), n_partials),
+        )
+        self._backward_setups[(compute_dw, compute_db)] = setup
+        return setup
+
+
+def _dtype(t: Optional[Tensor]) -> Optional[torch.dtype]:
+    return None if t is None else t.dtype
+
+
+@functools.lru_cache(maxsize=512)
+def norm_plan(device: torch.device, m: int, n: int, x_dtype: torch.dtype, y_dtype: torch.dtype,
+              w_dtype: Optional[torch.dtype], b_dtype: Optional[torch.dtype], eps: float,
+              is_rms: bool, from_y: bool,
+              xy_dtype: Optional[torch.dtype] = None, dy_dtype: Optional[torch.dtype] = None,
+              config: Optional[KernelConfig] = None,
+              backward_config: Optional[KernelConfig] = None,
+              num_programs: Optional[int] = None,
+              finalize: Optional[Tuple[int, int, int]] = None) -> NormPlan:
+    """The cached :class:`NormPlan` of a geometry (same arguments)."""
+    return NormPlan(device, m, n, x_dtype, y_dtype, w_dtype, b_dtype, eps, is_rms, from_y,
+                    xy_dtype, dy_dtype, config, backward_config, num_programs, finalize)
+
+
+def forward(
+    x: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    eps: float,
+    is_rms: bool,
+    out_dtype: torch.dtype,
+    config: Optional[KernelConfig] = None,
+    out: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """Launch the forward kernel on ``x [M, N]`` (unit column stride); see ``norm_forward``.
+
+    ``out``, when given, is the ``[M, N]`` tensor (of ``out_dtype``, unit column stride) that
+    receives ``y``, e.g. a view of an output allocated in the caller's shape.
+
+    Returns:
+        (Tensor, Tensor, Tensor): ``y [M, N]`` (``out_dtype``), ``mean [M]`` (``[0]`` for
+        RMSNorm) and ``rstd [M]``, the last two in fp32.
+    """
+    m, n = x.shape
+    # (A one-column row has no column stride to speak of: size-1 dims keep arbitrary strides.)
+    if n > 1 and x.stride(1) != 1:
+        raise ValueError(f"the fused forward needs unit column stride, got strides {x.stride()}")
+    y = torch.empty((m, n), dtype=out_dtype, device=x.device) if out is None else out
+    if m == 0:
+        rstd = torch.empty(0, dtype=torch.float32, device=x.device)
+        return y, torch.empty(0, dtype=torch.float32, device=x.device), rstd
+    plan = norm_plan(x.device, m, n, x.dtype, out_dtype, _dtype(weight),
+                     None if is_rms else _dtype(bias), float(eps), is_rms, False, config=config)
+    mean, rstd = plan.forward(x, x.stride(0), weight, bias, y, y.stride(0))
+    if is_rms:
+        mean = torch.empty(0, dtype=torch.float32, device=x.device)
+    return y, mean, rstd
+
+
 def backward(
     dy: Tensor,
     xy: Tensor,
@@ -466,77 +666,21 @@ def backward(
         raise ValueError(
             f"the fused backward needs unit column strides, got {xy.stride()} and {dy.stride()}"
         )
-    cfg = config or default_backward_config(n, xy.element_size(), dy.element_size())
     device = xy.device
-    if cfg.pipeline_stages > 0 and device.type != "cuda":
-        raise ValueError(
-            f"pipeline_stages={cfg.pipeline_stages} needs a compiled GPU kernel; the CPU "
-            "interpreter cannot run tl.range with a runtime bound. Use pipeline_stages=0."
-        )
     compute_dw = need_dw and weight is not None
     compute_db = need_db and bias is not None and not is_rms
-    dx = torch.empty((m, n), dtype=x_dtype, device=device)
     if m == 0:
+        dx = torch.empty((m, n), dtype=x_dtype, device=device)
         dw = torch.zeros_like(weight) if compute_dw else _no_grad(device)
         db = torch.zeros_like(bias) if compute_db else _no_grad(device)
         return dx, dw, db
-
-    key = (
-        device.index, is_rms, weight is not None, bias is not None, from_y, compute_dw,
-        compute_db, cfg, xy.dtype, dy.dtype, x_dtype,
-        None if weight is None else weight.dtype, None if bias is None else bias.dtype,
-    )
-    kernel = _kernels().norm_bwd_kernel
-    consts = _backward_consts(is_rms, weight is not None, bias is not None and not is_rms,
-                              from_y, compute_dw, compute_db, cfg)
-
-    def args(dw_partial, db_partial, blocks_per_program):
-        return (
-            dy,
-            xy,
-            weight if weight is not None else xy,  # placeholders are never read: constexpr off
-            bias if bias is not None else xy,
-            mean if mean.numel() > 0 else rstd,
-            rstd,
-            dx,
-            dw_partial,
-            db_partial,
-            dy.stride(0),
-            xy.stride(0),
-            m,
-            n,
-            blocks_per_program,
-        )
-
-    row_blocks = _cdiv(m, cfg.block_m)
-    with _on_device(xy):
-        programs = num_programs or backward_num_programs(
-            row_blocks, cfg, device, key,
-            lambda: kernel.warmup(*args(rstd, rstd, 2), grid=(1,), **consts),
-        )
-        programs = max(1, min(programs, row_blocks))
-        blocks_per_program = _cdiv(row_blocks, programs)
-        programs = _cdiv(row_blocks, blocks_per_program)
-
-        # One buffer for both partial sums so that a single reduction kernel finishes them.
-        n_partials = int(compute_dw) + int(compute_db)
-        shape = (n_partials, programs, n) if n_partials else (1, 1, 1)  # (1, 1, 1): unused
-        partials = torch.empty(shape, dtype=torch.float32, device=device)
-        # Rows of `partials` the kernel never writes when COMPUTE_DW / COMPUTE_DB are off.
-        dw_partial, db_partial = partials[0], partials[n_partials - 1]
-        launch(kernel, (programs,), args(dw_partial, db_partial, blocks_per_program), consts,
-               device)
-
-        dw = torch.empty(n, dtype=weight.dtype, device=device) if compute_dw else None
-        db = torch.empty(n, dtype=bias.dtype, device=device) if compute_db else None
-        if n_partials:
-            outs = [t for t in (dw, db) if t is not None]
-            block_p, block_c, warps = finalize or default_finalize_config(programs, n)
-            launch(
-                _kernels().norm_bwd_finalize_kernel, (_cdiv(n, block_c), n_partials),
-                (partials, outs[0], outs[-1], programs, n),
-                dict(BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps), device,
-            )
+    plan = norm_plan(device, m, n, x_dtype, dy.dtype, _dtype(weight),
+                     None if is_rms else _dtype(bias), 0.0, is_rms, from_y, xy_dtype=xy.dtype,
+                     dy_dtype=dy.dtype, backward_config=config, num_programs=num_programs,
+                     finalize=finalize)
+    dx, dw, db = plan.backward(dy, dy.stride(0), xy, xy.stride(0), weight, bias,
+                               rstd if mean.numel() == 0 else mean, rstd, need_dw, need_db,
+                               (m, n))
     return dx, _no_grad(device) if dw is None else dw, _no_grad(device) if db is None else db
 
 

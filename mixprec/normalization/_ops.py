@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from mixprec.normalization import _launch, reference
+from mixprec.normalization import _checks, _launch, reference
 
 __all__ = []
 
@@ -47,12 +47,12 @@ def triton_on_cpu():
         _triton_on_cpu = previous
 
 
-def _use_triton(x: Tensor, *params: Optional[Tensor]) -> bool:
+def _use_triton(x: Tensor, n: int, *params: Optional[Tensor]) -> bool:
+    """Whether rows of ``n`` elements of ``x`` (with these parameters) take the kernels."""
     if x.dtype not in _launch.FUSED_DTYPES:
         return False
     if any(p is not None and p.dtype not in _launch.FUSED_DTYPES for p in params):
         return False
-    n = x.shape[1]
     if n == 0:
         return False
     if x.is_cuda:
@@ -94,7 +94,7 @@ def norm_fwd_impl(
     ``out``, when given, is a ``[M, N]`` view (unit column stride) that receives ``y`` and is
     returned as ``y``.
     """
-    if _use_triton(x, weight, bias):
+    if _use_triton(x, x.shape[1], weight, bias):
         return _launch.forward(x, weight, bias, eps, is_rms, out_dtype, out=out)
     y, mean, rstd = reference.norm_forward(x, weight, bias, eps, is_rms, out_dtype)
     if out is not None:
@@ -125,7 +125,7 @@ def norm_bwd_impl(
         rstd.dtype == torch.float32
         and x_dtype in _launch.FUSED_DTYPES
         and dy.dtype in _launch.FUSED_DTYPES
-        and _use_triton(xy, weight, bias)
+        and _use_triton(xy, xy.shape[1], weight, bias)
     ):
         return _launch.backward(
             dy, xy, weight, bias, mean, rstd, is_rms, from_y, x_dtype, need_dw, need_db
@@ -164,8 +164,112 @@ def _forward(x, weight, bias, n, eps, is_rms, out_dtype) -> Tuple[Tensor, Tensor
     return y, x2d, mean, rstd
 
 
+def _row_stride(x: Tensor, n: int) -> Optional[int]:
+    """The row stride when ``x``'s memory holds rows of ``n`` elements with unit column stride
+    (as ``x.view(-1, n)`` would see it, without making the view), else None."""
+    if x.dim() == 2 and x.shape[1] == n:
+        return x.stride(0) if n <= 1 or x.stride(1) == 1 else None
+    try:
+        rows = x.view(-1, n)
+    except RuntimeError:  # not viewable as rows: the generic path copies
+        return None
+    return rows.stride(0) if n <= 1 or rows.stride(1) == 1 else None
+
+
+class _TritonPath:
+    """One input signature on the Triton kernels: the input is read in place (its rows at
+    ``x_stride``), the output and the input gradient are allocated contiguous in its shape,
+    and a :class:`~mixprec.normalization._launch.NormPlan` launches."""
+
+    __slots__ = ("plan", "shape", "n", "x_stride", "xy_stride", "from_y", "y_dtype")
+
+    def __init__(self, plan, shape, n: int, x_stride: int, from_y: bool, y_dtype: torch.dtype):
+        self.plan, self.shape, self.n, self.x_stride = plan, shape, n, x_stride
+        self.from_y, self.y_dtype = from_y, y_dtype
+        self.xy_stride = n if from_y else x_stride
+
+    def forward(self, x, weight, bias):
+        """``(y, saved for backward, mean, rstd)``."""
+        y = torch.empty(self.shape, dtype=self.y_dtype, device=x.device)
+        mean, rstd = self.plan.forward(x, self.x_stride, weight, bias, y, self.n)
+        return y, y if self.from_y else x, mean, rstd
+
+    def backward(self, dy, saved, weight, bias, mean, rstd, need_dw, need_db):
+        """``(dx, dweight, dbias)`` in the input's and parameters' shapes (None where not
+        requested)."""
+        if dy.dtype is not self.y_dtype:  # (autograd hands y's dtype; other callers may not)
+            dy = dy.to(self.y_dtype)
+        if not dy.is_contiguous():  # e.g. the expanded all-ones gradient of y.sum()
+            dy = dy.contiguous()
+        return self.plan.backward(dy, self.n, saved, self.xy_stride, weight, bias, mean, rstd,
+                                  need_dw, need_db, self.shape)
+
+
+class _GenericPath:
+    """One input signature on :func:`norm_fwd_impl` / :func:`norm_bwd_impl` over ``[M, N]``
+    rows: the PyTorch reference (CPU, fp64, rows too long) or, for inputs whose memory is not
+    rows, the kernels on a row copy."""
+
+    __slots__ = ("shape", "x_dtype", "n", "eps", "is_rms", "from_y", "y_dtype")
+
+    def __init__(self, shape, x_dtype, n, eps, is_rms, from_y, y_dtype):
+        self.shape, self.x_dtype, self.n, self.eps = shape, x_dtype, n, eps
+        self.is_rms, self.from_y, self.y_dtype = is_rms, from_y, y_dtype
+
+    def forward(self, x, weight, bias):
+        y, x2d, mean, rstd = _forward(x, weight, bias, self.n, self.eps, self.is_rms,
+                                      self.y_dtype)
+        # memory_efficient keeps y (which the next layer keeps anyway) instead of x. A copy
+        # made by _rows is kept rather than remade in backward.
+        saved = y if self.from_y else (x if x2d is x or x2d._is_view() else x2d)
+        return y, saved, mean, rstd
+
+    def backward(self, dy, saved, weight, bias, mean, rstd, need_dw, need_db):
+        n = self.n
+        dx, dw, db = norm_bwd_impl(
+            _rows(dy, n), _rows(saved, n), _flat(weight), _flat(bias), mean, rstd, self.is_rms,
+            self.from_y, self.x_dtype, need_dw, need_db,
+        )
+        # (Views only where shapes differ: each costs host time.)
+        return (
+            dx if dx.shape == self.shape else dx.view(self.shape),
+            (dw if weight.dim() == 1 else dw.view(weight.shape)) if need_dw else None,
+            (db if bias.dim() == 1 else db.view(bias.shape)) if need_db else None,
+        )
+
+
+def _make_path(x: Tensor, weight, bias, n: int, eps: float, is_rms: bool, from_y: bool,
+               out_dtype: torch.dtype):
+    """The path of one input signature (``n > 0``)."""
+    m = x.numel() // n
+    if (
+        m > 0
+        and (weight is None or weight.is_contiguous())
+        and (bias is None or bias.is_contiguous())
+        and _use_triton(x, n, weight, bias)
+    ):
+        x_stride = _row_stride(x, n)
+        if x_stride is not None:
+            plan = _launch.norm_plan(
+                x.device, m, n, x.dtype, out_dtype, None if weight is None else weight.dtype,
+                None if bias is None else bias.dtype, eps, is_rms, from_y)
+            return _TritonPath(plan, x.shape, n, x_stride, from_y, out_dtype)
+    return _GenericPath(x.shape, x.dtype, n, eps, is_rms, from_y, out_dtype)
+
+
+def _backward(ctx, dy):
+    saved, weight, bias, mean, rstd = ctx.saved_tensors
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    dx, dw, db = ctx.path.backward(dy, saved, weight, bias, mean, rstd, need_w, need_b)
+    return dx if need_x else None, dw if need_w else None, db if need_b else None, None
+
+
+_backward_once_differentiable = once_differentiable(_backward)
+
+
 class _FusedNormFunction(torch.autograd.Function):
-    """Eager-mode autograd wrapper around :func:`norm_fwd_impl` / :func:`norm_bwd_impl`.
+    """Eager-mode autograd wrapper around a path (:class:`_TritonPath` or
+    :class:`_GenericPath`).
 
     It takes the input and parameters in their own shapes and does every reshape inside, so
     that a call adds one node to the autograd graph (not one per view), and it returns an
@@ -174,38 +278,20 @@ class _FusedNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, spec):
-        # The non-tensor arguments travel as one tuple: apply() inspects each argument.
-        n, eps, is_rms, memory_efficient, out_dtype = spec
-        y, x2d, mean, rstd = _forward(x, weight, bias, n, eps, is_rms, out_dtype)
-        # memory_efficient keeps y (which the next layer keeps anyway) instead of x. A copy made
-        # by _rows is kept rather than remade in backward.
-        saved = y if memory_efficient else (x if x2d is x or x2d._is_view() else x2d)
+    def forward(ctx, x, weight, bias, path):
+        y, saved, mean, rstd = path.forward(x, weight, bias)
         ctx.save_for_backward(saved, weight, bias, mean, rstd)
-        ctx.n = n
-        ctx.is_rms = is_rms
-        ctx.memory_efficient = memory_efficient
-        ctx.x_dtype = x.dtype
-        ctx.x_shape = x.shape
+        ctx.path = path
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
-        xy, weight, bias, mean, rstd = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        n = ctx.n
-        dx, dw, db = norm_bwd_impl(
-            _rows(dy, n), _rows(xy, n), _flat(weight), _flat(bias), mean, rstd, ctx.is_rms,
-            ctx.memory_efficient, ctx.x_dtype, need_w, need_b,
-        )
-        # (Views only where shapes differ: each costs host time, and this runs per layer.)
-        return (
-            (dx if len(ctx.x_shape) == 2 else dx.view(ctx.x_shape)) if need_x else None,
-            (dw if weight.dim() == 1 else dw.view(weight.shape)) if need_w else None,
-            (db if bias.dim() == 1 else db.view(bias.shape)) if need_b else None,
-            None,
-        )
+        if torch.is_grad_enabled():
+            # create_graph=True: no second derivative here (the kernels have none); a clear
+            # error if one is asked for, as @once_differentiable gives. (Checked here, not by
+            # decorating: its no_grad context costs host time on every plain backward.)
+            return _backward_once_differentiable(ctx, dy)
+        return _backward(ctx, dy)
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -298,6 +384,12 @@ if _HAS_CUSTOM_OP:
     _fused_norm_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
 
 
+# Paths of the input signatures seen so far; not kept while the triton_on_cpu() testing switch
+# is on (its path depends on the environment, and speed does not matter there).
+_PATHS: dict = {}
+_MAX_PATHS = 4096
+
+
 def fused_norm(
     x: Tensor,
     normalized_shape: Sequence[int],
@@ -307,27 +399,66 @@ def fused_norm(
     is_rms: bool,
     memory_efficient: bool,
     out_dtype: torch.dtype,
+    check: Optional[str] = None,
 ) -> Tensor:
-    """Normalize ``x`` over its trailing ``normalized_shape``; arguments already validated."""
-    n = math.prod(normalized_shape)
+    """Normalize ``x`` over its trailing ``normalized_shape``.
+
+    With ``check`` (the caller's name for messages), the arguments are validated whenever
+    their signature (shapes, strides, dtypes, devices, eps) has not been seen before; without
+    it the caller has validated them.
+    """
     if is_rms:
         bias = None
-    if n == 0:  # nothing to normalize (a zero in normalized_shape): the reference's empty result
-        if is_rms:
-            return reference.rms_norm(x, list(normalized_shape), weight, eps, out_dtype)
-        return reference.layer_norm(x, list(normalized_shape), weight, bias, eps, out_dtype)
-    if _HAS_CUSTOM_OP and (_launch.is_compiling() or torch.jit.is_tracing()):
-        # One opaque node for Dynamo/AOTAutograd (and a serializable op in traces).
-        y2d = torch.ops.mixprec.fused_norm_fwd(
-            _rows(x, n), _flat(weight), _flat(bias), eps, is_rms, memory_efficient, out_dtype
-        )[0]
-        return y2d.view(x.shape)
+    if not isinstance(x, Tensor) or (
+        _HAS_CUSTOM_OP and (_launch.is_compiling() or torch.jit.is_tracing())
+    ):
+        if check is not None:
+            _checks.check_inputs(check, x, tuple(normalized_shape), weight, bias, eps)
+        return _traced_norm(x, normalized_shape, weight, bias, eps, is_rms, memory_efficient,
+                            out_dtype)
+    key = (
+        x.shape, x.stride(), x.dtype, x.device,
+        None if weight is None else (weight.shape, weight.dtype, weight.device,
+                                     weight.is_contiguous()),
+        None if bias is None else (bias.shape, bias.dtype, bias.device, bias.is_contiguous()),
+        normalized_shape, eps, is_rms, memory_efficient, out_dtype, _triton_on_cpu,
+    )
+    path = _PATHS.get(key)
+    if path is None:
+        if check is not None:
+            _checks.check_inputs(check, x, tuple(normalized_shape), weight, bias, eps)
+        n = math.prod(normalized_shape)
+        if n == 0:  # nothing to normalize (a zero in normalized_shape)
+            return _empty_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
+        path = _make_path(x, weight, bias, n, eps, is_rms, memory_efficient, out_dtype)
+        if not _triton_on_cpu:
+            if len(_PATHS) >= _MAX_PATHS:
+                _PATHS.clear()
+            _PATHS[key] = path
     if torch.is_grad_enabled() and (
         x.requires_grad
         or (weight is not None and weight.requires_grad)
         or (bias is not None and bias.requires_grad)
     ):
-        return _FusedNormFunction.apply(
-            x, weight, bias, (n, eps, is_rms, memory_efficient, out_dtype)
-        )
-    return _forward(x, weight, bias, n, eps, is_rms, out_dtype)[0]
+        return _FusedNormFunction.apply(x, weight, bias, path)
+    return path.forward(x, weight, bias)[0]
+
+
+def _empty_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype) -> Tensor:
+    """The reference's (empty) result for a zero in ``normalized_shape``."""
+    if is_rms:
+        return reference.rms_norm(x, list(normalized_shape), weight, eps, out_dtype)
+    return reference.layer_norm(x, list(normalized_shape), weight, bias, eps, out_dtype)
+
+
+def _traced_norm(x, normalized_shape, weight, bias, eps, is_rms, memory_efficient,
+                 out_dtype) -> Tensor:
+    """Under ``torch.compile`` / ``torch.jit.trace``: one opaque custom op for Dynamo and
+    AOTAutograd (and a serializable op in traces)."""
+    n = math.prod(normalized_shape)
+    if n == 0:
+        return _empty_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
+    y2d = torch.ops.mixprec.fused_norm_fwd(
+        _rows(x, n), _flat(weight), _flat(bias), eps, is_rms, memory_efficient, out_dtype
+    )[0]
+    return y2d.view(x.shape)

@@ -114,6 +114,11 @@ class _Layout:
         self.rows = x.numel() // c if c else 0
         self.plan = None  # the Triton kernels' Plan, made on first use (dense layouts only)
 
+    def __getstate__(self):
+        # The plan holds compiled kernels (not picklable, and tied to this process's GPU): a
+        # copied or unpickled module makes its own on first use.
+        return {**self.__dict__, "plan": None}
+
     @property
     def num_channels(self) -> int:
         return self.shape[self.channel_dim]

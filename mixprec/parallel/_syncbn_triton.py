@@ -26,9 +26,10 @@ from torch import Tensor
 from mixprec.normalization._launch import (
     _cdiv,
     _on_device,
+    _Site,
     _sm_resources,
     interpreter_enabled,
-    launch,
+    site_variant,
     triton_available,
     triton_next_power_of_2,
 )
@@ -102,10 +103,12 @@ class Plan:
     unit column stride and the given row stride (a channels-last tensor itself, or a 2-D view):
     they check nothing, so callers hand them only what :func:`usable` accepts (the module-level
     functions below do the checks). Reductions use ``_PROGRAMS_PER_SM`` programs per SM,
-    element-wise passes ``_ELEMT_PROGRAMS_PER_SM``.
+    element-wise passes ``_ELEMT_PROGRAMS_PER_SM``. Each kernel (per set of constexprs) has a
+    launch site that keeps its compiled kernels per variant of the arguments (the tensors'
+    dtypes and the strides), so that a layer's launches skip the launcher's key.
     """
 
-    __slots__ = ("m", "c", "device", "reduce", "elemt", "merge_grid")
+    __slots__ = ("m", "c", "device", "reduce", "elemt", "merge_grid", "_sites")
 
     def __init__(self, m: int, c: int, device: torch.device):
         self.m, self.c, self.device = m, c, device
@@ -118,22 +121,32 @@ class Plan:
         self.reduce = _split(m, c, reduce_target)
         self.elemt = _split(m, c, elemt_target)
         self.merge_grid = (_cdiv(c, _MERGE_BLOCK_C),)
+        self._sites = {}
+
+    def _site(self, name: str, flags: tuple, consts: dict) -> _Site:
+        """The launch site of kernel ``name`` with these constexpr ``flags`` (``consts`` is
+        read on the first call only)."""
+        site = self._sites.get((name, flags))
+        if site is None:
+            site = self._sites[(name, flags)] = _Site(getattr(_kernels(), name), consts,
+                                                      self.device)
+        return site
 
     def stats_row(self, x: Tensor, stride_x: int, eps: float) -> Tensor:
         """``[mean (C), invstd (C), M]`` of ``x``, fp32 (see :func:`stats_row`)."""
         m, c, device = self.m, self.c, self.device
         block_m, block_c, splits, rows_per_split = self.reduce
-        k = _kernels()
         partial = torch.empty((splits, 3, c), dtype=torch.float32, device=device)
         row = torch.empty(2 * c + 1, dtype=torch.float32, device=device)
         with _on_device(x):
-            launch(k.bn_partial_stats_kernel, (_cdiv(c, block_c), splits),
-                   (x, partial, m, c, stride_x, rows_per_split),
-                   dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), device)
-            launch(k.bn_finalize_stats_kernel, self.merge_grid,
-                   (partial, row, splits, c, float(m), float(eps)),
-                   dict(BLOCK_S=_MERGE_BLOCK_S, BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS),
-                   device)
+            self._site("bn_partial_stats_kernel", (), dict(
+                BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
+            ))((_cdiv(c, block_c), splits), (x, partial, m, c, stride_x, rows_per_split),
+               site_variant((x, partial), (stride_x,)))
+            self._site("bn_finalize_stats_kernel", (), dict(
+                BLOCK_S=_MERGE_BLOCK_S, BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS,
+            ))(self.merge_grid, (partial, row, splits, c, float(m), float(eps)),
+               site_variant((partial, row)))
         return row
 
     def forward_elemt(self, x: Tensor, stride_x: int, out: Tensor, stride_out: int,
@@ -145,16 +158,18 @@ class Plan:
         block_m, block_c, splits, rows_per_split = self.elemt
         mean = torch.empty(c, dtype=torch.float32, device=device)
         invstd = torch.empty(c, dtype=torch.float32, device=device)
-        has_running = running_mean is not None
+        has_w, has_b, has_running = weight is not None, bias is not None, running_mean is not None
+        tensors = (x, out, rows, weight if has_w else mean, bias if has_b else mean,
+                   running_mean if has_running else mean, running_var if has_running else mean,
+                   mean, invstd)
         with _on_device(x):
-            launch(_kernels().bn_forward_elemt_kernel, (_cdiv(c, block_c), splits),
-                   (x, out, rows, mean if weight is None else weight,
-                    mean if bias is None else bias, running_mean if has_running else mean,
-                    running_var if has_running else mean, mean, invstd, m, c, stride_x,
-                    stride_out, rows.shape[0], rows_per_split, float(momentum), float(eps)),
-                   dict(HAS_W=weight is not None, HAS_B=bias is not None,
-                        HAS_RUNNING=has_running, BLOCK_M=block_m, BLOCK_C=block_c,
-                        num_warps=_NUM_WARPS), device)
+            self._site("bn_forward_elemt_kernel", (has_w, has_b, has_running), dict(
+                HAS_W=has_w, HAS_B=has_b, HAS_RUNNING=has_running, BLOCK_M=block_m,
+                BLOCK_C=block_c, num_warps=_NUM_WARPS,
+            ))((_cdiv(c, block_c), splits),
+               (*tensors, m, c, stride_x, stride_out, rows.shape[0], rows_per_split,
+                float(momentum), float(eps)),
+               site_variant(tensors, (stride_x, stride_out, rows.shape[0])))
         return mean, invstd
 
     def backward_reduce(self, dy: Tensor, stride_dy: int, x: Tensor, stride_x: int,
@@ -163,35 +178,39 @@ class Plan:
         """``(sums, grad_weight, grad_bias)`` (see :func:`backward_reduce`)."""
         m, c, device = self.m, self.c, self.device
         block_m, block_c, splits, rows_per_split = self.reduce
-        k = _kernels()
         partial = torch.empty((splits, 2, c), dtype=torch.float32, device=device)
         sums = torch.empty(2 * c, dtype=torch.float32, device=device)
         grad_weight = torch.empty(c, dtype=torch.float32, device=device) if need_weight else None
         grad_bias = torch.empty(c, dtype=torch.float32, device=device) if need_bias else None
         with _on_device(x):
-            launch(k.bn_partial_backward_kernel, (_cdiv(c, block_c), splits),
-                   (dy, x, mean, partial, m, c, stride_dy, stride_x, rows_per_split),
-                   dict(BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS), device)
-            launch(k.bn_finalize_backward_kernel, self.merge_grid,
-                   (partial, invstd, sums, grad_weight if need_weight else sums,
-                    grad_bias if need_bias else sums, splits, c),
-                   dict(COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, BLOCK_S=_MERGE_BLOCK_S,
-                        BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS), device)
+            tensors = (dy, x, mean, partial)
+            self._site("bn_partial_backward_kernel", (), dict(
+                BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
+            ))((_cdiv(c, block_c), splits),
+               (*tensors, m, c, stride_dy, stride_x, rows_per_split),
+               site_variant(tensors, (stride_dy, stride_x)))
+            tensors = (partial, invstd, sums, grad_weight if need_weight else sums,
+                       grad_bias if need_bias else sums)
+            self._site("bn_finalize_backward_kernel", (need_weight, need_bias), dict(
+                COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, BLOCK_S=_MERGE_BLOCK_S,
+                BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS,
+            ))(self.merge_grid, (*tensors, splits, c), site_variant(tensors))
         return sums, grad_weight, grad_bias
 
     def backward_elemt(self, dy: Tensor, stride_dy: int, x: Tensor, stride_x: int, out: Tensor,
                        stride_out: int, mean: Tensor, invstd: Tensor, weight: Optional[Tensor],
                        sums: Tensor, counts: Tensor) -> Tensor:
         """The input gradient into ``out`` (see :func:`backward_elemt`)."""
-        m, c, device = self.m, self.c, self.device
+        m, c = self.m, self.c
         block_m, block_c, splits, rows_per_split = self.elemt
+        has_w = weight is not None
+        tensors = (dy, x, out, mean, invstd, weight if has_w else mean, sums, counts)
+        extra = (stride_dy, stride_x, stride_out, counts.stride(0), counts.shape[0])
         with _on_device(x):
-            launch(_kernels().bn_backward_elemt_kernel, (_cdiv(c, block_c), splits),
-                   (dy, x, out, mean, invstd, mean if weight is None else weight, sums,
-                    counts, m, c, stride_dy, stride_x, stride_out, counts.stride(0),
-                    counts.shape[0], rows_per_split),
-                   dict(HAS_W=weight is not None, BLOCK_M=block_m, BLOCK_C=block_c,
-                        num_warps=_NUM_WARPS), device)
+            self._site("bn_backward_elemt_kernel", (has_w,), dict(
+                HAS_W=has_w, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
+            ))((_cdiv(c, block_c), splits), (*tensors, m, c, *extra, rows_per_split),
+               site_variant(tensors, extra))
         return out
 
 

@@ -1,5 +1,6 @@
 """The API around the kernels: errors, repr, state dicts, TorchScript, torch.compile, autocast."""
 
+import contextlib
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from mixprec.normalization import (
     FusedRMSNorm,
     MixedFusedLayerNorm,
     MixedFusedRMSNorm,
+    _ops,
     fused_layer_norm,
     fused_rms_norm,
     reference,
@@ -342,3 +344,90 @@ def test_torch_layer_norm_arguments():
         FusedRMSNorm(8, eps=None)
     with pytest.raises(ValueError, match=r"FusedLayerNorm: eps must be a non-negative float"):
         FusedLayerNorm(8, eps=None)
+
+
+def _signature_inputs(device):
+    """Inputs of one module call after another, each differing from the one before in what
+    the cached checks and launch plans are kept under (shape, strides, alignment, dtype)."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 5, 70, generator=gen).to(device)
+    flat = torch.randn(3 * 5 * 64 + 1, generator=gen).to(device)
+    return {
+        "contiguous": base[..., :64].contiguous(),
+        "same signature again": base[..., :64].contiguous() * 2,
+        "row-strided (stride 70)": base[..., :64],
+        "4-byte aligned data": flat[1:].view(3, 5, 64),
+        "transposed (a row copy)": base[..., :64].transpose(0, 1),
+        "one row": base[0, 0, :64],
+        "2-D": base[0, :, :64].contiguous(),
+        "bf16": base[..., :64].to(torch.bfloat16),
+    }
+
+
+@pytest.mark.parametrize(
+    "device", [*DEVICES, pytest.param("cpu-triton", marks=requires_interpreter)])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_one_module_across_changing_inputs(kind, device):
+    # A module keeps its argument checks and its launch plan per input signature: every change
+    # between calls (and back) must give the float64 reference's output and gradients.
+    # ("cpu-triton": the kernels' launch path in Triton's interpreter.)
+    kernels_on_cpu = _ops.triton_on_cpu if device == "cpu-triton" else contextlib.nullcontext
+    device = device.split("-")[0]
+    norm = (FusedLayerNorm(64) if kind == "layer" else FusedRMSNorm(64)).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(make_params((64,), torch.float32, device, True)[0])
+    params = [p for p in (norm.weight, norm.bias) if p is not None]
+    for name, x in _signature_inputs(device).items():
+        x = x.detach().requires_grad_(True)
+        dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(x)
+        with kernels_on_cpu():
+            y = norm(x)
+            got = torch.autograd.grad(y, [x, *params], dy)
+        want = float64_reference(kind, x, (64,), norm.weight, norm.bias, dy)
+        tol = tolerance(x.dtype)
+        torch.testing.assert_close(y.double(), want[0], **tol, msg=f"{name}: output")
+        for g, w in zip(got, want[1:]):
+            torch.testing.assert_close(g.double(), w, **tol, msg=f"{name}: gradient")
+            assert g.dtype == (x.dtype if g.shape == x.shape else torch.float32), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_attribute_changes_between_calls_are_honoured(device):
+    # eps, memory_efficient, the parameters' layout and their device may change after calls.
+    x = make_input((6, 32), torch.float32, device).requires_grad_(True)
+    norm = FusedLayerNorm(32).to(device)
+    norm(x)
+    norm.eps = 0.5
+    torch.testing.assert_close(
+        norm(x), torch.nn.functional.layer_norm(x, (32,), norm.weight, norm.bias, 0.5))
+    norm.memory_efficient = True
+    y = norm(x)
+    assert y.grad_fn is not None
+    y.sum().backward()
+    ref = x.detach().clone().requires_grad_(True)
+    torch.nn.functional.layer_norm(ref, (32,), norm.weight.detach(), norm.bias.detach(),
+                                   0.5).sum().backward()
+    torch.testing.assert_close(x.grad, ref.grad, atol=1e-5, rtol=1e-5)
+    # a weight whose memory is not one contiguous vector (every other element of a buffer)
+    wide = torch.randn(64, device=device)
+    norm.weight = torch.nn.Parameter(wide[::2])
+    torch.testing.assert_close(
+        norm(x), torch.nn.functional.layer_norm(x, (32,), wide[::2], norm.bias, 0.5))
+    if device == "cuda":  # moved off the input's device: the device check still runs
+        norm.to("cpu")
+        with pytest.raises(ValueError, match="same device"):
+            norm(x)
+
+
+def test_second_derivative_is_a_clear_error():
+    # create_graph=True works for first derivatives; asking for a second one through the
+    # fused backward (which has none) is an error, not a silent zero.
+    x = torch.randn(4, 16, requires_grad=True)
+    norm = FusedLayerNorm(16)
+    (gx,) = torch.autograd.grad(norm(x).pow(2).sum(), x, create_graph=True)
+    ref = x.detach().clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(
+        torch.nn.functional.layer_norm(ref, (16,), norm.weight, norm.bias).pow(2).sum(), ref)
+    torch.testing.assert_close(gx, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()

@@ -12,6 +12,7 @@ from mixprec.normalization import (
     FusedRMSNorm,
     MixedFusedRMSNorm,
     _launch,
+    _ops,
     fused_layer_norm,
     fused_rms_norm,
     reference,
@@ -24,7 +25,6 @@ pytestmark = requires_cuda
 
 def test_cuda_takes_the_triton_path(monkeypatch):
     calls = {"forward": 0, "backward": 0}
-    forward, backward = _launch.forward, _launch.backward
 
     def count(name, fn):
         def wrapped(*args, **kwargs):
@@ -33,12 +33,35 @@ def test_cuda_takes_the_triton_path(monkeypatch):
 
         return wrapped
 
-    monkeypatch.setattr(_launch, "forward", count("forward", forward))
-    monkeypatch.setattr(_launch, "backward", count("backward", backward))
+    for name in calls:
+        monkeypatch.setattr(_launch.NormPlan, name, count(name, getattr(_launch.NormPlan, name)))
     x = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     FusedLayerNorm(256).cuda()(x).float().sum().backward()
     fused_rms_norm(x, 256).float().sum().backward()
     assert calls == {"forward": 2, "backward": 2}
+
+
+def test_repeated_calls_launch_without_the_launch_key(monkeypatch):
+    # After the first call of an input signature, the module's launches go straight to the
+    # compiled kernels (the plan's sites), not through launch() and its specialization key.
+    if not _launch._fast_launch_supported():
+        pytest.skip(f"direct launches are verified on Triton 3.6 only, not {_launch.triton_version()}")
+    monkeypatch.setattr(_ops, "_PATHS", {})  # (a fresh plan: its first launches are keyed)
+    _launch.norm_plan.cache_clear()
+    keyed = []
+    launch = _launch.launch
+    monkeypatch.setattr(_launch, "launch", lambda *a: keyed.append(a[0]) or launch(*a))
+    norm = FusedLayerNorm(384).cuda()
+    x = torch.randn(7, 5, 384, device="cuda", requires_grad=True)
+    norm(x).sum().backward()
+    assert len(keyed) == 3  # forward, backward, the weight/bias gradient finish
+    want = [t.grad.clone() for t in (x, norm.weight, norm.bias)]
+    for t in (x, norm.weight, norm.bias):
+        t.grad = None
+    norm(x).sum().backward()
+    assert len(keyed) == 3
+    for t, w in zip((x, norm.weight, norm.bias), want):
+        torch.testing.assert_close(t.grad, w, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize(

@@ -179,3 +179,43 @@ def test_launch_takes_tritons_path_where_unverified(monkeypatch, case):
     for _ in range(3):
         _launch.launch(kernel, (1,), (torch.zeros(4), 16, 1.0), dict(FLAG=True, BLOCK=16), device)
     assert [entry[0] for entry in kernel.log] == ["triton"] * 3
+
+
+def test_site_keeps_the_compiled_kernel_per_variant(monkeypatch):
+    # A plan's launch site skips launch()'s key once its variant has been launched; a launch
+    # with misaligned tensors (variant None) always takes launch(), which keys on alignment.
+    monkeypatch.setattr(_launch, "_fast_launch_supported", lambda: True)
+    monkeypatch.setattr(_launch, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    monkeypatch.setattr(_launch, "_raw_stream", lambda device: 77)
+    monkeypatch.setattr(_launch, "_triton_runtime_knobs", lambda: _Runtime())
+    keys = []
+    arg_key = _launch._arg_key
+    monkeypatch.setattr(_launch, "_arg_key", lambda arg: keys.append(arg) or arg_key(arg))
+    kernel, device = _FakeKernel(), torch.device("cuda", 0)
+    site = _launch._Site(kernel, dict(FLAG=True, BLOCK=128, num_warps=4), device)
+    buf = torch.zeros(64)
+
+    site((3,), (buf, 32, 1e-5), (32,))
+    site((5,), (buf, 32, 1e-5), (32,))
+    assert [entry[0] for entry in kernel.log] == ["triton", "init", "run"]
+    assert kernel.log[2][1][:4] == (5, 1, 1, 77)
+    assert len(keys) == 3  # one key, for the first launch only
+    site((5,), (buf, 47, 1e-5), (47,))  # another variant (47: not a multiple of 16): keyed
+    site((5,), (buf, 47, 1e-5), (47,))  # once, compiled by Triton once, then kept
+    assert [entry[0] for entry in kernel.log[3:]] == ["triton", "init", "run"]
+    assert len(keys) == 6
+    site((1,), (buf[1:], 32, 1e-5), None)  # misaligned: launch() every time
+    site((1,), (buf[1:], 32, 1e-5), None)
+    assert [entry[0] for entry in kernel.log[6:]] == ["triton", "init", "run"]
+    assert len(keys) == 12
+    assert set(site.cache) == {(32,), (47,)}
+
+
+def test_site_on_the_interpreter_keeps_nothing(monkeypatch):
+    monkeypatch.setattr(_launch, "_COMPILED", {})
+    kernel = _FakeKernel()
+    site = _launch._Site(kernel, dict(FLAG=True, BLOCK=16), torch.device("cpu"))
+    for _ in range(2):
+        site((1,), (torch.zeros(4), 16, 1.0), ())
+    assert [entry[0] for entry in kernel.log] == ["triton"] * 2 and not site.cache
