@@ -451,7 +451,8 @@ class NormPlan:
     """
 
     __slots__ = ("device", "m", "n", "eps", "is_rms", "has_weight", "has_bias", "from_y",
-                 "x_dtype", "y_dtype", "xy_dtype", "dy_dtype", "fwd_grid", "fwd_site",
+                 "x_dtype", "y_dtype", "w_dtype", "b_dtype", "xy_dtype", "dy_dtype", "fwd_grid",
+                 "fwd_site",
                  "backward_config", "num_programs", "finalize", "_backward_setups")
 
     def __init__(self, device: torch.device, m: int, n: int, x_dtype: torch.dtype,
@@ -468,7 +469,7 @@ class NormPlan:
         self.is_rms, self.from_y = is_rms, from_y
         has_weight = w_dtype is not None
         self.has_weight, self.has_bias = has_weight, b_dtype is not None and not is_rms
-        self.x_dtype, self.y_dtype = x_dtype, y_dtype
+        self.x_dtype, self.y_dtype, self.w_dtype, self.b_dtype = x_dtype, y_dtype, w_dtype, b_dtype
         self.xy_dtype = xy_dtype or (y_dtype if from_y else x_dtype)
         self.dy_dtype = dy_dtype or y_dtype
         cfg = config or default_config(n)
@@ -514,7 +515,8 @@ class NormPlan:
         dx = torch.empty(dx_shape, dtype=self.x_dtype, device=device)
         setup = self._backward_setups.get((compute_dw, compute_db))
         if setup is None:
-            setup = self._setup_backward(compute_dw, compute_db, (dy, xy, w, b, mean, rstd, dx))
+            setup = self._setup_backward(compute_dw, compute_db,
+                                         (dy, xy, w, b, mean, rstd, dx, dy_stride, xy_stride))
         site, grid, blocks_per_program, n_partials, finish, finish_grid = setup
         with _on_device(xy):
             if n_partials:
@@ -549,15 +551,11 @@ class NormPlan:
         device, m, n = self.device, self.m, self.n
         cfg = self.backward_config or default_backward_config(
             n, self.xy_dtype.itemsize, self.dy_dtype.itemsize)
-        if cfg.pipeline_stages > 0 and device.type != "cuda":
-            raise ValueError(
-                f"pipeline_stages={cfg.pipeline_stages} needs a compiled GPU kernel; the CPU "
-                "interpreter cannot run tl.range with a runtime bound. Use pipeline_stages=0."
-            )
+        _check_pipeline(cfg, device)
         kernel = _kernels().norm_bwd_kernel
         consts = _backward_consts(self.is_rms, self.has_weight, self.has_bias, self.from_y,
                                   compute_dw, compute_db, cfg)
-        dy, xy, w, b, mean, rstd, dx = example
+        dy, xy, w, b, mean, rstd, dx, dy_stride, xy_stride = example
         key = (device.index, self.is_rms, self.has_weight, self.has_bias, self.from_y,
                compute_dw, compute_db, cfg, self.xy_dtype, self.dy_dtype, self.x_dtype,
                w.dtype, b.dtype)
@@ -565,8 +563,8 @@ class NormPlan:
         with _on_device(xy):
             programs = self.num_programs or backward_num_programs(
                 row_blocks, cfg, device, key,
-                lambda: kernel.warmup(dy, xy, w, b, mean, rstd, dx, rstd, rstd, n, n, m, n, 2,
-                                      grid=(1,), **consts),
+                lambda: kernel.warmup(dy, xy, w, b, mean, rstd, dx, rstd, rstd, dy_stride,
+                                      xy_stride, m, n, 2, grid=(1,), **consts),
             )
         programs = max(1, min(programs, row_blocks))
         blocks_per_program = _cdiv(row_blocks, programs)
@@ -581,6 +579,14 @@ class NormPlan:
         )
         self._backward_setups[(compute_dw, compute_db)] = setup
         return setup
+
+
+def _check_pipeline(cfg: KernelConfig, device: torch.device) -> None:
+    if cfg.pipeline_stages > 0 and device.type != "cuda":
+        raise ValueError(
+            f"pipeline_stages={cfg.pipeline_stages} needs a compiled GPU kernel; the CPU "
+            "interpreter cannot run tl.range with a runtime bound. Use pipeline_stages=0."
+        )
 
 
 def _dtype(t: Optional[Tensor]) -> Optional[torch.dtype]:
@@ -624,6 +630,9 @@ def forward(
     # (A one-column row has no column stride to speak of: size-1 dims keep arbitrary strides.)
     if n > 1 and x.stride(1) != 1:
         raise ValueError(f"the fused forward needs unit column stride, got strides {x.stride()}")
+    if out is not None and (out.dtype != out_dtype or out.shape != x.shape):
+        raise ValueError(f"out must be a {tuple(x.shape)} {out_dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     y = torch.empty((m, n), dtype=out_dtype, device=x.device) if out is None else out
     if m == 0:
         rstd = torch.empty(0, dtype=torch.float32, device=x.device)
@@ -658,8 +667,9 @@ def backward(
     weight/bias gradient finish's ``(BLOCK_P, BLOCK_C, num_warps)`` (tuning sweeps only).
 
     Returns:
-        (Tensor, Tensor, Tensor): ``dx [M, N]`` in ``x_dtype``; ``dweight``/``dbias`` ``[N]`` in
-        the parameters' dtypes, or empty ``[0]`` tensors when not requested.
+        (Tensor, Tensor, Tensor): ``dx [M, N]`` in ``x_dtype``; ``dweight``/``dbias`` in the
+        parameters' shapes (``[N]`` for the flat parameters the kernels read) and dtypes, or
+        empty ``[0]`` tensors when not requested.
     """
     m, n = xy.shape
     if n > 1 and (xy.stride(1) != 1 or dy.stride(1) != 1):
@@ -667,6 +677,8 @@ def backward(
             f"the fused backward needs unit column strides, got {xy.stride()} and {dy.stride()}"
         )
     device = xy.device
+    if config is not None:
+        _check_pipeline(config, device)
     compute_dw = need_dw and weight is not None
     compute_db = need_db and bias is not None and not is_rms
     if m == 0:

@@ -176,17 +176,35 @@ def _row_stride(x: Tensor, n: int) -> Optional[int]:
     return rows.stride(0) if n <= 1 or rows.stride(1) == 1 else None
 
 
+def _contiguous_strides(shape) -> Tuple[int, ...]:
+    """The strides ``torch.empty(shape)`` has (sizes 0 and 1 count as 1)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 class _TritonPath:
     """One input signature on the Triton kernels: the input is read in place (its rows at
     ``x_stride``), the output and the input gradient are allocated contiguous in its shape,
-    and a :class:`~mixprec.normalization._launch.NormPlan` launches."""
+    and a :class:`~mixprec.normalization._launch.NormPlan` launches.
 
-    __slots__ = ("plan", "shape", "n", "x_stride", "xy_stride", "from_y", "y_dtype")
+    The backward checks that what autograd hands back is what the forward saved (saved-tensor
+    hooks, e.g. ``torch.autograd.graph.save_on_cpu``, return copies with other strides or
+    dtypes, and a parameter may have been cast in between); anything else takes ``generic``.
+    """
 
-    def __init__(self, plan, shape, n: int, x_stride: int, from_y: bool, y_dtype: torch.dtype):
+    __slots__ = ("plan", "shape", "n", "x_stride", "xy_stride", "xy_strides", "from_y",
+                 "y_dtype", "generic")
+
+    def __init__(self, plan, shape, n: int, x_stride: int, x_strides, from_y: bool,
+                 y_dtype: torch.dtype, generic: "_GenericPath"):
         self.plan, self.shape, self.n, self.x_stride = plan, shape, n, x_stride
-        self.from_y, self.y_dtype = from_y, y_dtype
+        self.from_y, self.y_dtype, self.generic = from_y, y_dtype, generic
         self.xy_stride = n if from_y else x_stride
+        # The saved tensor's full strides: y's (contiguous) or x's.
+        self.xy_strides = _contiguous_strides(shape) if from_y else x_strides
 
     def forward(self, x, weight, bias):
         """``(y, saved for backward, mean, rstd)``."""
@@ -197,12 +215,23 @@ class _TritonPath:
     def backward(self, dy, saved, weight, bias, mean, rstd, need_dw, need_db):
         """``(dx, dweight, dbias)`` in the input's and parameters' shapes (None where not
         requested)."""
+        plan = self.plan
+        if (
+            saved.dtype is not plan.xy_dtype
+            or saved.stride() != self.xy_strides
+            or saved.device != plan.device
+            or rstd.dtype is not torch.float32
+            or mean.dtype is not torch.float32
+            or (weight is not None and weight.dtype is not plan.w_dtype)
+            or (bias is not None and bias.dtype is not plan.b_dtype)
+        ):
+            return self.generic.backward(dy, saved, weight, bias, mean, rstd, need_dw, need_db)
         if dy.dtype is not self.y_dtype:  # (autograd hands y's dtype; other callers may not)
             dy = dy.to(self.y_dtype)
         if not dy.is_contiguous():  # e.g. the expanded all-ones gradient of y.sum()
             dy = dy.contiguous()
-        return self.plan.backward(dy, self.n, saved, self.xy_stride, weight, bias, mean, rstd,
-                                  need_dw, need_db, self.shape)
+        return plan.backward(dy, self.n, saved, self.xy_stride, weight, bias, mean, rstd,
+                             need_dw, need_db, self.shape)
 
 
 class _GenericPath:
@@ -242,6 +271,7 @@ def _make_path(x: Tensor, weight, bias, n: int, eps: float, is_rms: bool, from_y
                out_dtype: torch.dtype):
     """The path of one input signature (``n > 0``)."""
     m = x.numel() // n
+    generic = _GenericPath(x.shape, x.dtype, n, eps, is_rms, from_y, out_dtype)
     if (
         m > 0
         and (weight is None or weight.is_contiguous())
@@ -253,8 +283,8 @@ def _make_path(x: Tensor, weight, bias, n: int, eps: float, is_rms: bool, from_y
             plan = _launch.norm_plan(
                 x.device, m, n, x.dtype, out_dtype, None if weight is None else weight.dtype,
                 None if bias is None else bias.dtype, eps, is_rms, from_y)
-            return _TritonPath(plan, x.shape, n, x_stride, from_y, out_dtype)
-    return _GenericPath(x.shape, x.dtype, n, eps, is_rms, from_y, out_dtype)
+            return _TritonPath(plan, x.shape, n, x_stride, x.stride(), from_y, out_dtype, generic)
+    return generic
 
 
 def _backward(ctx, dy):
@@ -421,7 +451,7 @@ def fused_norm(
         None if weight is None else (weight.shape, weight.dtype, weight.device,
                                      weight.is_contiguous()),
         None if bias is None else (bias.shape, bias.dtype, bias.device, bias.is_contiguous()),
-        normalized_shape, eps, is_rms, memory_efficient, out_dtype, _triton_on_cpu,
+        tuple(normalized_shape), eps, is_rms, memory_efficient, out_dtype, _triton_on_cpu,
     )
     path = _PATHS.get(key)
     if path is None:

@@ -99,7 +99,7 @@ class _Layout:
     """
 
     def __init__(self, x: torch.Tensor, channel_last: bool):
-        self.shape = x.shape
+        self.shape, self.strides = x.shape, x.stride()
         self.channel_dim = x.dim() - 1 if channel_last else 1
         self.perm: Optional[Tuple[int, ...]] = None
         self.flat = bool(channel_last)
@@ -413,6 +413,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 )
         ctx.save_for_backward(x, weight, mean, invstd, counts)
         ctx.layout = layout
+        ctx.channel_last = channel_last
         ctx.group = group
         return out
 
@@ -420,6 +421,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         x, weight, mean, invstd, counts = ctx.saved_tensors
+        layout = ctx.layout
+        if x.stride() != layout.strides:
+            # A saved-tensor hook (activation offloading) handed back a copy laid out
+            # otherwise: the kernels must read it as it is.
+            layout = _Layout(x, ctx.channel_last)
         needs = (
             ctx.needs_input_grad[0],
             weight is not None and ctx.needs_input_grad[1],
@@ -428,11 +434,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         w = _as_dtype(weight, mean.dtype)
         if _use_fused(x):
             grad_input, grad_weight, grad_bias = _fused_backward(
-                grad_out, x, ctx.layout, w, mean, invstd, counts, ctx.group, needs
+                grad_out, x, layout, w, mean, invstd, counts, ctx.group, needs
             )
         else:
             grad_input, grad_weight, grad_bias = _reference_backward(
-                grad_out, x, ctx.layout, w, mean, invstd, counts, ctx.group, needs
+                grad_out, x, layout, w, mean, invstd, counts, ctx.group, needs
             )
         if not needs[1]:
             grad_weight = None

@@ -431,3 +431,36 @@ def test_second_derivative_is_a_clear_error():
     torch.testing.assert_close(gx, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gx.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "device", [*DEVICES, pytest.param("cpu-triton", marks=requires_interpreter)])
+@pytest.mark.parametrize("hook", ["contiguous copy", "bf16 copy"])
+def test_backward_takes_what_autograd_hands_back(hook, device):
+    # Saved-tensor hooks (activation offloading such as torch.autograd.graph.save_on_cpu,
+    # compression) give the backward copies with other strides or dtypes (input, weight,
+    # statistics) than the forward saw: the backward must read what it is given. The input
+    # is a row-strided slice (a q of a fused qkv projection).
+    kernels_on_cpu = _ops.triton_on_cpu if device == "cpu-triton" else contextlib.nullcontext
+    device = device.split("-")[0]
+    norm = FusedRMSNorm(32).to(device)
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 5, 96, generator=gen).to(device).requires_grad_(True)
+    dy = torch.randn(2, 5, 32, generator=gen).to(device)
+    pack = {"contiguous copy": lambda t: t.contiguous().clone(),
+            "bf16 copy": lambda t: t.to(torch.bfloat16)}.get(hook, lambda t: t)
+    with kernels_on_cpu():
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = norm(qkv[..., :32])
+        gq, gw = torch.autograd.grad(y, [qkv, norm.weight], dy)
+    want = float64_reference("rms", qkv[..., :32], (32,), norm.weight, None, dy)
+    tol = tolerance(torch.float32 if hook == "contiguous copy" else torch.bfloat16)
+    torch.testing.assert_close(gq[..., :32].double(), want[1], **tol)
+    assert not gq[..., 32:].any()
+    torch.testing.assert_close(gw.double(), want[2], atol=tol["atol"] * 4, rtol=tol["rtol"])
+
+
+def test_internal_entry_takes_a_list_shape():
+    x = torch.randn(3, 8)
+    y = _ops.fused_norm(x, [8], None, None, 1e-5, False, False, torch.float32)
+    torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (8,)))

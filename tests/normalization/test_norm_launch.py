@@ -219,3 +219,14 @@ def test_site_on_the_interpreter_keeps_nothing(monkeypatch):
     for _ in range(2):
         site((1,), (torch.zeros(4), 16, 1.0), ())
     assert [entry[0] for entry in kernel.log] == ["triton"] * 2 and not site.cache
+
+
+def test_functional_launchers_reject_what_their_plans_cannot_take():
+    x = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="out must be a"):
+        _launch.forward(x, None, None, 1e-5, False, torch.float32,
+                        out=torch.empty(4, 16, dtype=torch.bfloat16))
+    cfg = _launch.KernelConfig(1, 16, 1, pipeline_stages=2)
+    with pytest.raises(ValueError, match="pipeline_stages=2 needs a compiled GPU kernel"):
+        _launch.backward(x[:0], x[:0], None, None, x[:0, 0], x[:0, 0], False, False,
+                         torch.float32, False, False, config=cfg)

@@ -79,7 +79,8 @@ def _reference(x, weight, bias, dy, running_mean, running_var, momentum, eps, ch
 def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
               memory_format=None, channel_last=False, affine=True, track=True, momentum=0.1,
               group=None, members=None, steps=2, relu_inplace=False, grad_contiguous=False,
-              compile_backend=None, input_grad=True, param_dtype=None, label=""):
+              compile_backend=None, input_grad=True, param_dtype=None, saved_hook=None,
+              label=""):
     """Train ``steps`` steps of a SyncBatchNorm on per-rank slices of one global batch.
 
     ``sizes[i]`` is the batch of ``members[i]`` (default: every rank, in order).
@@ -134,8 +135,11 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
             xl.requires_grad_(input_grad)
             if affine:
                 m.weight.grad = m.bias.grad = None
+            hooks = (contextlib.nullcontext() if saved_hook is None else
+                     torch.autograd.graph.saved_tensors_hooks(saved_hook, lambda t: t))
             with path_ctx():
-                y = layer(xl)
+                with hooks:
+                    y = layer(xl)
                 if relu_inplace:
                     y.relu_()  # on the layer's own output: it must not be a view
                 y.backward(dyl)
@@ -267,6 +271,18 @@ def check_channels_last_with_contiguous_gradient(ctx):
     # The output is channels-last; a gradient handed back in NCHW order must give the same.
     _run_case(ctx, _uneven(ctx), memory_format=torch.channels_last, grad_contiguous=True,
               label=" channels_last, NCHW gradient")
+
+
+def check_saved_tensors_as_contiguous_copies(ctx):
+    # A saved-tensor hook (activation offloading) hands the backward a contiguous (NCHW) copy
+    # of a channels-last input: the backward must read the copy as it is laid out.
+    _run_case(ctx, _uneven(ctx), memory_format=torch.channels_last,
+              saved_hook=lambda t: t.contiguous().clone(),
+              label=" channels_last, saved x as an NCHW copy")
+    _run_case(ctx, _uneven(ctx), channel_last=True, spatial=(4,),
+              saved_hook=lambda t: (t.transpose(0, 1).contiguous().transpose(0, 1)
+                                    if t.dim() == 3 else t),
+              label=" channel_last=True, saved x as a strided copy")
 
 
 def check_copies_and_pickles_after_use(ctx):
@@ -438,6 +454,7 @@ GROUP_2 = [
     "check_channels_last_with_contiguous_gradient",
     "check_copies_and_pickles_after_use",
     "check_under_torch_compile",
+    "check_saved_tensors_as_contiguous_copies",
     "check_input_without_grad",
     "check_no_affine_no_running_stats",
     "check_inplace_op_on_output",
