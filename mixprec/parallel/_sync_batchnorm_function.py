@@ -98,6 +98,8 @@ class _Layout:
     copy. Otherwise the kernels get the ``(N, C, *)`` tensor, made contiguous.
     """
 
+    strides: Optional[Tuple[int, ...]] = None  # (None in layouts pickled before it existed)
+
     def __init__(self, x: torch.Tensor, channel_last: bool):
         self.shape, self.strides = x.shape, x.stride()
         self.channel_dim = x.dim() - 1 if channel_last else 1
@@ -170,7 +172,7 @@ def _layout_of(x: torch.Tensor, channel_last: bool, cache: Optional[Dict]) -> _L
         return _Layout(x, channel_last)
     key = ("layout", x.shape, x.stride(), channel_last)
     layout = cache.get(key)
-    if layout is None:
+    if layout is None or layout.strides is None:
         layout = _Layout(x, channel_last)
         _cache_put(cache, key, layout)
     return layout
