@@ -1,0 +1,203 @@
+"""The seed's riddle, isolated: why pure half precision trains a CNN with BatchNorm slower.
+
+ResNet-50 (torchvision, channels_last, batch 128, SGD momentum) on one GPU, one process, each
+recipe in turn: per step the time (CUDA events over steps run back to back), the GPU time spent in
+batch-norm kernels (profiler, 3 steps), and which backend PyTorch picks for the BatchNorm
+layers (``torch._C._select_batch_norm_backend`` on the first layer's real input and
+parameters: cuDNN or PyTorch's native CUDA kernels). Recipes:
+
+* fp16: pure ``.half()``; amp O3 (the same model); O3 with ``keep_batchnorm_fp32=True``
+  (BatchNorm parameters fp32, everything else as O3); O2; torch autocast + GradScaler.
+* bf16 (also timed as CUDA-graph replays: the GPU's share, without the host's):
+  pure ``.bfloat16()``; O2; torch autocast; and O2 with every BatchNorm running
+  mixprec's channels-last Triton kernels (SyncBatchNorm's, in one process told it has a peer
+  with the collectives made local copies), against PyTorch's native kernels, which serve
+  every bf16 BatchNorm.
+
+    python benchmarks/probe_half_bn.py [--batch 128] [--steps 20]
+"""
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from mixprec import amp  # noqa: E402
+
+
+def _backend_of_first_bn(model, x):
+    """PyTorch's backend choice for the first BatchNorm layer, on its real input."""
+    bn = next(m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm))
+    seen = {}
+    handle = bn.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0]))
+    with torch.no_grad():
+        model(x)
+    handle.remove()
+    weight = bn.weight
+    backend = torch._C._select_batch_norm_backend(
+        seen["x"], weight, bn.bias, bn.running_mean, bn.running_var, True, bn.eps)
+    return f"{str(backend).split('.')[-1]} (input {seen['x'].dtype}, weight {weight.dtype})"
+
+
+def _step_fn(model, opt, x, y, mode, dtype=None):
+    """One training step: ``mode`` "plain" (pure half), "amp" (mixprec) or "autocast"."""
+    scaler = (torch.amp.GradScaler("cuda") if mode == "autocast" and dtype == torch.float16
+              else None)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype or torch.float16, enabled=mode == "autocast"):
+            loss = F.cross_entropy(model(x).float(), y)
+        if mode == "amp":
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        elif scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+    return step
+
+
+def _bn_kernel_ms(step, steps=3):
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    bn = total = 0.0
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        total += t
+        name = evt.key.lower()
+        if "batch_norm" in name or "bn_" in name or "batchnorm" in name:
+            bn += t
+    return bn / 1e3 / steps, total / 1e3 / steps
+
+
+def _mean_ms(step, steps, rounds=3):
+    """Milliseconds per step of ``steps`` steps run back to back (the host running ahead, as
+    in training), the median of ``rounds`` rounds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(steps):
+            step()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return statistics.median(times)
+
+
+def _triton_bn(model):
+    """Every BatchNorm as mixprec's SyncBatchNorm, which (told it has a peer whose collectives
+    are local copies) runs its channels-last Triton kernels in this one process."""
+    import mixprec.parallel._sync_batchnorm_function as sbf
+    import mixprec.parallel.sync_batchnorm as sbm
+    from mixprec.parallel import convert_syncbn_model
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=0,
+                                world_size=1)
+    sbm.group_world_size = lambda group: 2
+    sbf.all_gather_rows = lambda row, group, world: row.unsqueeze(0).expand(world, -1).clone()
+    sbf.all_reduce_sum = lambda t, group: t
+    return convert_syncbn_model(model)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=10, help="steps per timed round (3 rounds)")
+    p.add_argument("--warmup", type=int, default=6)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("probe_half_bn.py needs a CUDA GPU")
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    device = torch.device("cuda")
+    x32 = torch.randn(args.batch, 3, 224, 224, device=device).contiguous(
+        memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (args.batch,), device=device)
+    recipes = [
+        ("fp16", "pure .half()", dict(pure=torch.float16)),
+        ("fp16", "O3", dict(opt_level="O3")),
+        ("fp16", "O3 + keep_batchnorm_fp32", dict(opt_level="O3", keep_batchnorm_fp32=True)),
+        ("fp16", "O2", dict(opt_level="O2")),
+        ("fp16", "autocast + GradScaler", dict(autocast=torch.float16)),
+        ("bf16", "pure .bfloat16()", dict(pure=torch.bfloat16)),
+        ("bf16", "O2", dict(opt_level="O2")),
+        ("bf16", "autocast", dict(autocast=torch.bfloat16)),
+        ("bf16", "O2, BatchNorm on mixprec's Triton kernels", dict(opt_level="O2", triton=True)),
+    ]
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, ResNet-50 channels_last, "
+          f"batch {args.batch}\n")
+    print("| dtype | recipe | step ms (eager) | graph replay ms | batch-norm kernels ms/step | "
+          "all kernels ms/step | BatchNorm backend |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for dtype_name, name, spec in recipes:
+        dtype = torch.float16 if dtype_name == "fp16" else torch.bfloat16
+        torch.manual_seed(0)
+        model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
+        if spec.get("triton"):
+            model = _triton_bn(model)
+        x = x32
+        if "pure" in spec:
+            model = model.to(spec["pure"])
+            x = x32.to(spec["pure"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        if "pure" in spec:
+            step = _step_fn(model, opt, x, y, "plain")
+        elif "autocast" in spec:
+            step = _step_fn(model, opt, x, y, "autocast", dtype)
+        else:
+            kw = {k: v for k, v in spec.items() if k in ("opt_level", "keep_batchnorm_fp32")}
+            model, opt = amp.initialize(model, opt, dtype=dtype, verbosity=0, **kw)
+            step = _step_fn(model, opt, x, y, "amp", dtype)
+        try:
+            if spec.get("triton"):
+                backend = "mixprec Triton (channels-last kernels)"
+            else:
+                with torch.autocast("cuda", dtype=dtype, enabled="autocast" in spec):
+                    backend = _backend_of_first_bn(model, x)
+            for _ in range(args.warmup):
+                step()
+            ms = _mean_ms(step, args.steps)
+            bn_ms, all_ms = _bn_kernel_ms(step)
+            graph = "-"
+            if dtype == torch.bfloat16:  # (static loss scale: the whole step captures)
+                from probe_norm_host import _graph_ms
+
+                try:
+                    graph = f"{_graph_ms(step):.2f}"
+                except Exception as err:
+                    graph = f"failed ({type(err).__name__})"
+            print(f"| {dtype_name} | {name} | {ms:.2f} | {graph} | {bn_ms:.2f} | {all_ms:.2f} | "
+                  f"{backend} |")
+        except Exception as err:  # report and go on with the other recipes
+            print(f"| {dtype_name} | {name} | failed: {type(err).__name__}: {err} | | | |")
+        del model, opt, step
+        torch.cuda.empty_cache()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
