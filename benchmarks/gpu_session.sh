@@ -6,7 +6,8 @@
 # cli (mixprec bench, gpt on GPU 0 beside resnet50 on GPU 1), tests_amp (amp's CUDA cases),
 # tests12 (tests1 on GPU 0 beside tests2), graphs (bench_parallel --graphs: GPT and ResNet-50 steps as
 # CUDA graph replays), host (norm_host_overhead.py: host time per norm call), gemm_clocks
-# (probe_gemm_clocks.py: fp16 O2 vs .half() GEMM time, SM clock and power-cap reasons).
+# (probe_gemm_clocks.py: fp16 O2 vs .half() GEMM time, SM clock and power-cap reasons),
+# halfbn (probe_half_bn.py: ResNet-50 BatchNorm backends and kernel time per recipe).
 # Timing steps never share the machine with the test runs (compilers and test workers take
 # the CPU, and launch-bound steps then time the CPU). The logs are packed after every step, so
 # a run cut short still returns what it finished.
@@ -43,6 +44,7 @@ for s in "$@"; do
       step bench_parallel_graphs 200 torchrun --standalone --nproc_per_node=2 benchmarks/bench_parallel.py --graphs --parts resnet --out "$LOGS/graphs" ;;
     host) step norm_host_overhead 90 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/norm_host_overhead.py ;;
     gemm_clocks) step gemm_clocks 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_gemm_clocks.py ;;
+    halfbn) step probe_half_bn 300 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_half_bn.py ;;
     tests12)
       step tests_1gpu 400 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench &
       step tests_2gpu 400 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus &
