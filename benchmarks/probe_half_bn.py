@@ -1,18 +1,23 @@
 """The seed's riddle, isolated: why pure half precision trains a CNN with BatchNorm slower.
 
 ResNet-50 (torchvision, channels_last, batch 128, SGD momentum) on one GPU, one process, each
-recipe in turn: per step the time (CUDA events over steps run back to back), the GPU time spent in
+recipe in turn: per step the time (CUDA events over steps run back to back; every recipe timed
+before any is profiled), the GPU time spent in
 batch-norm kernels (profiler, 3 steps), and which backend PyTorch picks for the BatchNorm
 layers (``torch._C._select_batch_norm_backend`` on the first layer's real input and
 parameters: cuDNN or PyTorch's native CUDA kernels). Recipes:
 
 * fp16: pure ``.half()``; amp O3 (the same model); O3 with ``keep_batchnorm_fp32=True``
-  (BatchNorm parameters fp32, everything else as O3); O2; torch autocast + GradScaler.
+  (BatchNorm parameters fp32, everything else as O3); O2 (dynamic loss scale: with a plain SGD
+  the overflow flag is read on the host every step), O2 with a static loss scale and O2 with
+  ``SGD(fused=True)`` (the flag stays on the GPU); torch autocast + GradScaler.
 * bf16 (also timed as CUDA-graph replays: the GPU's share, without the host's):
   pure ``.bfloat16()``; O2; torch autocast; and O2 with every BatchNorm running
   mixprec's channels-last Triton kernels (SyncBatchNorm's, in one process told it has a peer
   with the collectives made local copies), against PyTorch's native kernels, which serve
-  every bf16 BatchNorm.
+  every bf16 BatchNorm; and O2 (bf16 and fp16) with every BatchNorm on the same kernels through
+  a lean one-GPU autograd Function defined here (a prototype: how much host work a one-GPU
+  module on those kernels would add).
 
     python benchmarks/probe_half_bn.py [--batch 128] [--steps 20]
 """
@@ -121,6 +126,52 @@ def _triton_bn(model):
     return convert_syncbn_model(model)
 
 
+class _LocalTritonBatchNorm(torch.autograd.Function):
+    """Prototype (this probe only): a one-GPU training BatchNorm on SyncBatchNorm's Triton
+    kernels with the least host work: no collectives, no layout handling (dense channels-last
+    input), one autograd node; the statistics row is the "gather" of a world of one."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, plan):
+        c = x.shape[1]
+        rows = plan.stats_row(x, c, eps).view(1, -1)
+        out = torch.empty_like(x)
+        mean, invstd = plan.forward_elemt(x, c, out, c, rows, weight, bias, running_mean,
+                                          running_var, momentum, eps)
+        ctx.save_for_backward(x, weight, mean, invstd, rows)
+        ctx.plan = plan
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, mean, invstd, rows = ctx.saved_tensors
+        c = x.shape[1]
+        if dy.stride() != x.stride():
+            dy = dy.contiguous(memory_format=torch.channels_last)
+        packed, grad_w, grad_b = ctx.plan.backward_reduce(dy, c, x, c, mean, invstd, True, True)
+        grad_x = torch.empty_like(x)
+        ctx.plan.backward_elemt(dy, c, x, c, grad_x, c, mean, invstd, weight, packed,
+                                rows[:, 2 * c])
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def _lean_triton_bn(model):
+    """Every BatchNorm2d's training forward through :class:`_LocalTritonBatchNorm`."""
+    from mixprec.parallel import _syncbn_triton
+
+    def forward(bn, x):
+        if not bn.training:
+            return torch.nn.BatchNorm2d.forward(bn, x)
+        plan = _syncbn_triton.plan_for(x.numel() // x.shape[1], x.shape[1], x.device)
+        return _LocalTritonBatchNorm.apply(x, bn.weight, bn.bias, bn.running_mean,
+                                           bn.running_var, bn.momentum, bn.eps, plan)
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.forward = forward.__get__(m)
+    return model
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=128)
@@ -141,46 +192,60 @@ def main(argv=None):
         ("fp16", "O3", dict(opt_level="O3")),
         ("fp16", "O3 + keep_batchnorm_fp32", dict(opt_level="O3", keep_batchnorm_fp32=True)),
         ("fp16", "O2", dict(opt_level="O2")),
+        ("fp16", "O2, static loss scale 128", dict(opt_level="O2", loss_scale=128.0)),
+        ("fp16", "O2, SGD(fused=True)", dict(opt_level="O2", fused=True)),
         ("fp16", "autocast + GradScaler", dict(autocast=torch.float16)),
         ("bf16", "pure .bfloat16()", dict(pure=torch.bfloat16)),
         ("bf16", "O2", dict(opt_level="O2")),
         ("bf16", "autocast", dict(autocast=torch.bfloat16)),
         ("bf16", "O2, BatchNorm on mixprec's Triton kernels", dict(opt_level="O2", triton=True)),
+        ("bf16", "O2, BatchNorm on the Triton kernels, lean one-GPU prototype",
+         dict(opt_level="O2", lean=True)),
+        ("fp16", "O2, BatchNorm on the Triton kernels, lean one-GPU prototype",
+         dict(opt_level="O2", lean=True)),
     ]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, ResNet-50 channels_last, "
           f"batch {args.batch}\n")
     print("| dtype | recipe | step ms (eager) | graph replay ms | batch-norm kernels ms/step | "
           "all kernels ms/step | BatchNorm backend |")
     print("|---|---|---:|---:|---:|---:|---|")
+    # Every recipe is timed before any is profiled: after a profiler session launches cost the
+    # host more, which showed as 3-12 ms slower eager steps in a first version of this script
+    # that profiled each recipe right after timing it (benchmarks/RESULTS.md).
+    runs = []
     for dtype_name, name, spec in recipes:
         dtype = torch.float16 if dtype_name == "fp16" else torch.bfloat16
         torch.manual_seed(0)
         model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
         if spec.get("triton"):
             model = _triton_bn(model)
+        if spec.get("lean"):
+            model = _lean_triton_bn(model)
         x = x32
         if "pure" in spec:
             model = model.to(spec["pure"])
             x = x32.to(spec["pure"])
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9,
+                              **({"fused": True} if spec.get("fused") else {}))
         if "pure" in spec:
             step = _step_fn(model, opt, x, y, "plain")
         elif "autocast" in spec:
             step = _step_fn(model, opt, x, y, "autocast", dtype)
         else:
-            kw = {k: v for k, v in spec.items() if k in ("opt_level", "keep_batchnorm_fp32")}
+            kw = {k: v for k, v in spec.items()
+                  if k in ("opt_level", "keep_batchnorm_fp32", "loss_scale")}
             model, opt = amp.initialize(model, opt, dtype=dtype, verbosity=0, **kw)
             step = _step_fn(model, opt, x, y, "amp", dtype)
+        row = [dtype_name, name]
         try:
-            if spec.get("triton"):
+            if spec.get("triton") or spec.get("lean"):
                 backend = "mixprec Triton (channels-last kernels)"
             else:
                 with torch.autocast("cuda", dtype=dtype, enabled="autocast" in spec):
                     backend = _backend_of_first_bn(model, x)
             for _ in range(args.warmup):
                 step()
-            ms = _mean_ms(step, args.steps)
-            bn_ms, all_ms = _bn_kernel_ms(step)
+            row.append(f"{_mean_ms(step, args.steps):.2f}")
             graph = "-"
             if dtype == torch.bfloat16:  # (static loss scale: the whole step captures)
                 from probe_norm_host import _graph_ms
@@ -189,12 +254,15 @@ def main(argv=None):
                     graph = f"{_graph_ms(step):.2f}"
                 except Exception as err:
                     graph = f"failed ({type(err).__name__})"
-            print(f"| {dtype_name} | {name} | {ms:.2f} | {graph} | {bn_ms:.2f} | {all_ms:.2f} | "
-                  f"{backend} |")
+            row.append(graph)
+            runs.append((row, step, backend))
         except Exception as err:  # report and go on with the other recipes
-            print(f"| {dtype_name} | {name} | failed: {type(err).__name__}: {err} | | | |")
-        del model, opt, step
-        torch.cuda.empty_cache()
+            runs.append((row + [f"failed: {type(err).__name__}: {err}"], None, ""))
+    for row, step, backend in runs:
+        if step is not None:
+            bn_ms, all_ms = _bn_kernel_ms(step)
+            row += [f"{bn_ms:.2f}", f"{all_ms:.2f}", backend]
+        print("| " + " | ".join(row) + " |")
     if dist.is_initialized():
         dist.destroy_process_group()
 
