@@ -15,9 +15,8 @@ parameters: cuDNN or PyTorch's native CUDA kernels). Recipes:
   pure ``.bfloat16()``; O2; torch autocast; and O2 with every BatchNorm running
   mixprec's channels-last Triton kernels (SyncBatchNorm's, in one process told it has a peer
   with the collectives made local copies), against PyTorch's native kernels, which serve
-  every bf16 BatchNorm; and O2 (bf16 and fp16) with every BatchNorm on the same kernels through
-  a lean one-GPU autograd Function defined here (a prototype: how much host work a one-GPU
-  module on those kernels would add).
+  every bf16 BatchNorm; and with ``mixprec.normalization.FusedBatchNorm`` (the same kernels in a
+  group of one) in bf16 O2, pure bf16 and fp16 O3.
 
     python benchmarks/probe_half_bn.py [--batch 128] [--steps 20]
 """
@@ -126,52 +125,6 @@ def _triton_bn(model):
     return convert_syncbn_model(model)
 
 
-class _LocalTritonBatchNorm(torch.autograd.Function):
-    """Prototype (this probe only): a one-GPU training BatchNorm on SyncBatchNorm's Triton
-    kernels with the least host work: no collectives, no layout handling (dense channels-last
-    input), one autograd node; the statistics row is the "gather" of a world of one."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, momentum, eps, plan):
-        c = x.shape[1]
-        rows = plan.stats_row(x, c, eps).view(1, -1)
-        out = torch.empty_like(x)
-        mean, invstd = plan.forward_elemt(x, c, out, c, rows, weight, bias, running_mean,
-                                          running_var, momentum, eps)
-        ctx.save_for_backward(x, weight, mean, invstd, rows)
-        ctx.plan = plan
-        return out
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, mean, invstd, rows = ctx.saved_tensors
-        c = x.shape[1]
-        if dy.stride() != x.stride():
-            dy = dy.contiguous(memory_format=torch.channels_last)
-        packed, grad_w, grad_b = ctx.plan.backward_reduce(dy, c, x, c, mean, invstd, True, True)
-        grad_x = torch.empty_like(x)
-        ctx.plan.backward_elemt(dy, c, x, c, grad_x, c, mean, invstd, weight, packed,
-                                rows[:, 2 * c])
-        return grad_x, grad_w, grad_b, None, None, None, None, None
-
-
-def _lean_triton_bn(model):
-    """Every BatchNorm2d's training forward through :class:`_LocalTritonBatchNorm`."""
-    from mixprec.parallel import _syncbn_triton
-
-    def forward(bn, x):
-        if not bn.training:
-            return torch.nn.BatchNorm2d.forward(bn, x)
-        plan = _syncbn_triton.plan_for(x.numel() // x.shape[1], x.shape[1], x.device)
-        return _LocalTritonBatchNorm.apply(x, bn.weight, bn.bias, bn.running_mean,
-                                           bn.running_var, bn.momentum, bn.eps, plan)
-
-    for m in model.modules():
-        if isinstance(m, torch.nn.BatchNorm2d):
-            m.forward = forward.__get__(m)
-    return model
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batch", type=int, default=128)
@@ -198,11 +151,11 @@ def main(argv=None):
         ("bf16", "pure .bfloat16()", dict(pure=torch.bfloat16)),
         ("bf16", "O2", dict(opt_level="O2")),
         ("bf16", "autocast", dict(autocast=torch.bfloat16)),
-        ("bf16", "O2, BatchNorm on mixprec's Triton kernels", dict(opt_level="O2", triton=True)),
-        ("bf16", "O2, BatchNorm on the Triton kernels, lean one-GPU prototype",
-         dict(opt_level="O2", lean=True)),
-        ("fp16", "O2, BatchNorm on the Triton kernels, lean one-GPU prototype",
-         dict(opt_level="O2", lean=True)),
+        ("bf16", "O2, SyncBatchNorm's Triton kernels (peer emulated)",
+         dict(opt_level="O2", triton=True)),
+        ("bf16", "O2 + FusedBatchNorm", dict(opt_level="O2", fused_bn=True)),
+        ("bf16", "pure .bfloat16() + FusedBatchNorm", dict(pure=torch.bfloat16, fused_bn=True)),
+        ("fp16", "O3 + FusedBatchNorm", dict(opt_level="O3", fused_bn=True)),
     ]
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, ResNet-50 channels_last, "
           f"batch {args.batch}\n")
@@ -219,8 +172,10 @@ def main(argv=None):
         model = torchvision.models.resnet50().to(device).to(memory_format=torch.channels_last)
         if spec.get("triton"):
             model = _triton_bn(model)
-        if spec.get("lean"):
-            model = _lean_triton_bn(model)
+        if spec.get("fused_bn"):
+            from mixprec.normalization import convert_fused_batchnorm
+
+            model = convert_fused_batchnorm(model)
         x = x32
         if "pure" in spec:
             model = model.to(spec["pure"])
@@ -238,7 +193,7 @@ def main(argv=None):
             step = _step_fn(model, opt, x, y, "amp", dtype)
         row = [dtype_name, name]
         try:
-            if spec.get("triton") or spec.get("lean"):
+            if spec.get("triton") or spec.get("fused_bn"):
                 backend = "mixprec Triton (channels-last kernels)"
             else:
                 with torch.autocast("cuda", dtype=dtype, enabled="autocast" in spec):

@@ -53,6 +53,21 @@ from mixprec.parallel._comm import all_gather_rows, all_reduce_sum
 
 __all__ = ["sync_batch_norm"]
 
+# The process group of a one-process batch norm (``mixprec.normalization.FusedBatchNorm``): the
+# same kernels, the gather being the rank's own row and the all-reduce nothing.
+LOCAL = object()
+
+
+def _gather_rows(row: torch.Tensor, group, world_size: int) -> torch.Tensor:
+    if group is LOCAL:
+        return row.view(1, -1)
+    return all_gather_rows(row, group, world_size)
+
+
+def _reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    return t if group is LOCAL else all_reduce_sum(t, group)
+
+
 # Count sent by a rank whose batch is empty. The merge kernel divides by (n + count), so an
 # exact 0 at the first rank gives 0 * inf = NaN; 1e-30 weighs as nothing against any real count
 # in fp32 (and truncates to 0 where the kernel keeps an integer running count).
@@ -221,7 +236,7 @@ def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, mome
         # Four Triton kernels take x itself: this rank's [mean, invstd, count] written straight
         # into the buffer the all-gather sends; then the ranks' statistics merged, the running
         # statistics updated and x normalized, in one kernel.
-        rows = all_gather_rows(plan.stats_row(x, C, eps), group, world_size)
+        rows = _gather_rows(plan.stats_row(x, C, eps), group, world_size)
         out = torch.empty_like(x)  # dense like x: the same (M, C) array
         mean, invstd = plan.forward_elemt(x, C, out, C, rows, weight, bias, running_mean,
                                           running_var, momentum, eps)
@@ -236,7 +251,7 @@ def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, mome
         mean = torch.zeros(C, dtype=stat_dtype, device=x.device)
         invstd = torch.ones(C, dtype=stat_dtype, device=x.device)
         count_t = _count_tensor(cache, _EMPTY_COUNT, mean)
-    rows = all_gather_rows(torch.cat([mean, invstd, count_t]), group, world_size)
+    rows = _gather_rows(torch.cat([mean, invstd, count_t]), group, world_size)
     counts = rows[:, 2 * C]  # every rank's row count (a strided view)
 
     # The merge kernel reads the counts in the running statistics' dtype (the input's when there
@@ -282,7 +297,7 @@ def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, ne
                                                               need_weight, need_bias)
         grad_input = None
         if need_input:
-            all_reduce_sum(packed, group)  # the one collective of the backward pass
+            _reduce_sum(packed, group)  # the one collective of the backward pass
             grad_input = torch.empty_like(x)
             plan.backward_elemt(gk, stride_g, x, C, grad_input, C, mean, invstd, weight, packed,
                                 counts)
@@ -301,7 +316,7 @@ def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, ne
     if need_input:
         # The one collective of the backward pass: both per-channel sums in one tensor.
         packed = torch.cat([sum_dy, sum_dy_xmu]).to(mean.dtype)
-        all_reduce_sum(packed, group)
+        _reduce_sum(packed, group)
         if xk.numel() > 0:
             # PyTorch's kernel takes int32 counts (an empty rank's tiny count truncates to 0).
             gk_in = _OPS.backward_elemt(gk, xk, mean, invstd, weight, packed[:C], packed[C:],
@@ -327,7 +342,7 @@ def _reference_forward(x, layout, weight, bias, running_mean, running_var, eps, 
     else:
         var = mean = torch.zeros(C, dtype=stat_dtype, device=x.device)
     count_t = torch.full((1,), float(count), dtype=stat_dtype, device=x.device)
-    rows = all_gather_rows(torch.cat([mean, var, count_t]), group, world_size)
+    rows = _gather_rows(torch.cat([mean, var, count_t]), group, world_size)
     # Merge in fp64 where that is cheap (these are (world_size, 2C + 1) tensors).
     merge = torch.float64 if rows.device.type == "cpu" else stat_dtype
     rows = rows.to(merge)
@@ -363,7 +378,7 @@ def _reference_backward(grad_out, x, layout, weight, mean, invstd, total, group,
     grad_input = None
     if need_input:
         packed = torch.cat([sum_dy, sum_dy_xmu])
-        all_reduce_sum(packed, group)
+        _reduce_sum(packed, group)
         C = layout.num_channels
         g_sum_dy, g_sum_dy_xmu = packed[:C], packed[C:]
         scale = invstd if weight is None else invstd * weight
@@ -466,7 +481,8 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, eps: float, mome
             running variance with the unbiased global variance).
         eps (float): added to the variance.
         momentum (float): running-average factor.
-        group: the process group (None: the default group).
+        group: the process group (None: the default group; ``LOCAL``: this process alone,
+            no collectives, as ``FusedBatchNorm`` uses it).
         world_size (int): its size.
         channel_last (bool): channels are ``x``'s last dimension. Default False.
         cache (dict, optional): per-module scratch: the layout (and Triton plan) of each input

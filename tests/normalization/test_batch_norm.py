@@ -1,0 +1,221 @@
+"""FusedBatchNorm: torch.nn.BatchNorm*d's results on every path, the kernels where they belong.
+
+References: ``torch.nn.functional.batch_norm`` in float64 on the same (rounded) inputs, two
+training steps (outputs, input and parameter gradients, running statistics, the batch counter).
+Paths: PyTorch's (CPU, fp32, non-channels-last layouts); mixprec's Triton kernels on CPU through
+Triton's interpreter (SyncBatchNorm's fused path routed to CPU tensors); the same on CUDA.
+"""
+
+import contextlib
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mixprec import amp
+from mixprec.normalization import FusedBatchNorm, convert_fused_batchnorm
+from mixprec.parallel import SyncBatchNorm
+from mixprec.parallel import _sync_batchnorm_function as sbf
+
+from ..parallel._fused_emulation import emulated_fused_path
+from .helpers import requires_cuda, requires_interpreter
+
+TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2),
+       torch.float16: dict(rtol=4e-3, atol=4e-3)}
+
+PATHS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("cpu-triton", id="cpu-triton", marks=requires_interpreter),
+    pytest.param("cuda", id="cuda", marks=requires_cuda),
+]
+
+
+def _path(path):
+    """(device, context manager factory) of a test path."""
+    if path == "cpu-triton":
+        return "cpu", lambda: emulated_fused_path(triton=True)
+    return path, contextlib.nullcontext
+
+
+def _layout(x, dims):
+    if dims == 4:
+        return x.contiguous(memory_format=torch.channels_last)
+    if dims == 5:
+        return x.contiguous(memory_format=torch.channels_last_3d)
+    return x.contiguous()
+
+
+@contextlib.contextmanager
+def _count_fused_calls():
+    calls = []
+    real = sbf.sync_batch_norm
+
+    def spy(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    sbf.sync_batch_norm = spy
+    try:
+        yield calls
+    finally:
+        sbf.sync_batch_norm = real
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dims", [2, 4, 5])
+@pytest.mark.parametrize(
+    "dtype,affine,track,momentum",
+    [(torch.bfloat16, True, True, 0.1), (torch.float16, True, True, None),
+     (torch.bfloat16, False, True, 0.3), (torch.bfloat16, True, False, 0.1),
+     (torch.float32, True, True, 0.1)],
+    ids=["bf16", "fp16-cumulative", "bf16-no-affine", "bf16-no-running-stats", "fp32"],
+)
+def test_matches_batchnorm(path, dims, dtype, affine, track, momentum):
+    device, path_ctx = _path(path)
+    channels = 6
+    shape = {2: (20, channels), 4: (4, channels, 5, 3), 5: (2, channels, 3, 2, 4)}[dims]
+    gen = torch.Generator().manual_seed(11)
+    ours = FusedBatchNorm(channels, momentum=momentum, affine=affine,
+                          track_running_stats=track).to(device)
+    ref = torch.nn.BatchNorm3d(channels, momentum=momentum, affine=affine,
+                               track_running_stats=track).double()
+    if affine:
+        with torch.no_grad():
+            ours.weight.copy_(torch.rand(channels, generator=gen) + 0.5)
+            ours.bias.copy_(torch.randn(channels, generator=gen))
+            ref.weight.copy_(ours.weight)
+            ref.bias.copy_(ours.bias)
+    with _count_fused_calls() as fused_calls:
+        for step in range(2):
+            x = (torch.randn(shape, generator=gen) * (1 + step) + 0.5).to(dtype)
+            dy = torch.randn(shape, generator=gen).to(dtype)
+            xr = x.double().requires_grad_(True)
+            xo = _layout(x.to(device), dims).detach().requires_grad_(True)
+            with path_ctx():
+                y = ours(xo)
+                y.backward(_layout(dy.to(device), dims))
+            yr = F.batch_norm(xr, ref.running_mean, ref.running_var, ref.weight, ref.bias,
+                              True, 1.0 / (step + 1) if momentum is None else momentum, ref.eps)
+            yr.backward(dy.double())
+            what = f"[{path} {dims}-D {dtype} step {step}]"
+            assert y.dtype == dtype and y.shape == xo.shape, what
+            torch.testing.assert_close(y.double().cpu(), yr, **TOL[dtype], msg=what + " output")
+            torch.testing.assert_close(xo.grad.double().cpu(), xr.grad, **TOL[dtype],
+                                       msg=what + " input grad")
+            if affine:
+                for p, r in ((ours.weight, ref.weight), (ours.bias, ref.bias)):
+                    assert p.grad.dtype == torch.float32
+                    torch.testing.assert_close(p.grad.double().cpu(), r.grad, **TOL[dtype],
+                                               msg=what + " parameter grad")
+                    p.grad = None
+                    r.grad = None
+            if track:
+                for b, r in ((ours.running_mean, ref.running_mean),
+                             (ours.running_var, ref.running_var)):
+                    torch.testing.assert_close(b.double().cpu(), r, rtol=1e-4, atol=1e-5,
+                                               msg=what + " running statistics")
+                assert int(ours.num_batches_tracked) == step + 1
+    # mixprec's kernels exactly for half inputs where PyTorch has no cuDNN path: everything
+    # half on CPU (PyTorch's CPU kernels are not cuDNN) when the fused path is routed there
+    # (cpu-triton); on CUDA bf16, and fp16 with fp32 parameters only for 2-D inputs (PyTorch
+    # gives cuDNN inputs of 3 or more dims).
+    expected = {
+        "cpu": False,
+        "cpu-triton": dtype != torch.float32,
+        "cuda": dtype == torch.bfloat16 or (dtype == torch.float16 and dims == 2),
+    }[path]
+    assert bool(fused_calls) == expected, fused_calls
+
+
+@requires_cuda
+@pytest.mark.parametrize(
+    "case,expected",
+    [("bf16 channels_last", True), ("fp16 channels_last, fp32 parameters", False),
+     ("fp16 channels_last, fp16 parameters", True), ("bf16 NCHW", False),
+     ("bf16 channels_last, eval", False), ("fp32 channels_last", False)],
+)
+def test_kernels_where_pytorch_has_no_cudnn_path(case, expected):
+    bn = FusedBatchNorm(8).cuda()
+    dtype = torch.float16 if case.startswith("fp16") else (
+        torch.float32 if case.startswith("fp32") else torch.bfloat16)
+    if "fp16 parameters" in case:
+        bn.half()
+    if "eval" in case:
+        bn.eval()
+    x = torch.randn(4, 8, 6, 6, device="cuda", dtype=dtype)
+    if "channels_last" in case:
+        x = x.contiguous(memory_format=torch.channels_last)
+    with _count_fused_calls() as calls:
+        y = bn(x)
+    assert bool(calls) == expected
+    want = F.batch_norm(x.float(), None, None, bn.weight.float(), bn.bias.float(),
+                        "eval" not in case, 0.0, bn.eps) if "eval" not in case else None
+    if want is not None:
+        torch.testing.assert_close(y.float(), want, **TOL[dtype])
+
+
+def test_convert_keeps_the_objects_and_the_state_dict():
+    model = torch.nn.Sequential(
+        torch.nn.BatchNorm1d(3), torch.nn.Sequential(torch.nn.BatchNorm2d(4)),
+        torch.nn.BatchNorm3d(5, affine=False, track_running_stats=False), SyncBatchNorm(6),
+    )
+    model[1][0].eval()
+    before = {name: t for name, t in model.state_dict(keep_vars=True).items()}
+    params = list(model.parameters())
+    reference = copy.deepcopy(model)
+    converted = convert_fused_batchnorm(model)
+    assert converted is model
+    assert [type(m) for m in (model[0], model[1][0], model[2])] == [FusedBatchNorm] * 3
+    assert type(model[3]) is SyncBatchNorm  # subclasses are left alone
+    assert not model[1][0].training
+    assert list(model.parameters()) == params
+    after = model.state_dict(keep_vars=True)
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] for k in before)
+    reference.load_state_dict(model.state_dict(), strict=True)
+    single = convert_fused_batchnorm(torch.nn.BatchNorm2d(2))
+    assert type(single) is FusedBatchNorm and single.num_features == 2
+
+
+def test_amp_keeps_it_fp32_and_it_copies_after_use():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), FusedBatchNorm(4), torch.nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert model[0].weight.dtype == torch.bfloat16 and model[1].weight.dtype == torch.float32
+    x = torch.randn(2, 3, 6, 6).contiguous(memory_format=torch.channels_last)
+    loss = model(x).float().sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    twin, loaded = copy.deepcopy(model), pickle.loads(pickle.dumps(model))
+    for m in (model, twin, loaded):
+        m.eval()
+    y = model(x)
+    for other in (twin, loaded):
+        torch.testing.assert_close(other(x), y, rtol=0, atol=0)
+
+
+def test_bad_input_is_a_clear_error():
+    bn = FusedBatchNorm(4)
+    with pytest.raises(ValueError, match="at least 2 dims"):
+        bn(torch.randn(4))
+    with pytest.raises(ValueError, match="3 channels in dim 1; expected 4"):
+        bn(torch.randn(2, 3, 5))
+    # one value per channel in training: PyTorch's own error, on every path
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        bn(torch.randn(1, 4))
+    with emulated_fused_path(triton=False), pytest.raises(ValueError, match="more than 1 value"):
+        bn(torch.randn(1, 4, 1, 1).to(torch.bfloat16))
+
+
+def test_under_torch_compile_it_is_pytorchs_batch_norm():
+    # Dynamo traces torch's batch norm (the compiler makes its own kernels); same results.
+    torch.manual_seed(0)
+    eager = FusedBatchNorm(4)
+    compiled_bn = copy.deepcopy(eager)
+    layer = torch.compile(compiled_bn, backend="aot_eager", fullgraph=True)
+    x = torch.randn(3, 4, 5, 5).contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(layer(x), eager(x))
+    torch.testing.assert_close(compiled_bn.running_var, eager.running_var)
