@@ -20,20 +20,34 @@ __all__ = ["FusedBatchNorm", "convert_fused_batchnorm"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _select_backend = getattr(torch._C, "_select_batch_norm_backend", None)
+_peek_functorch = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
 
 
 def _pytorch_uses_cudnn(x, weight, bias, running_mean, running_var, eps) -> bool:
     """Whether PyTorch's own training batch norm would run this call on cuDNN."""
+    if weight is None or bias is None:
+        return False  # (cuDNN needs both)
     if _select_backend is not None:
+        # Running statistics only need to be there or not (training accepts both), so a
+        # missing pair is stood in for by the weight.
+        if running_mean is None or running_var is None:
+            running_mean = running_var = weight
         try:
             backend = _select_backend(x, weight, bias, running_mean, running_var, True, eps)
             return "cudnn" in str(backend).lower()
         except (RuntimeError, TypeError):  # (a signature from another release)
             pass
-    # The rule of torch 2.4-2.13: never bf16; half input only with fp32 parameters.
-    w_dtype = None if weight is None else weight.dtype
-    return x.dtype != torch.bfloat16 and w_dtype != torch.bfloat16 and (
-        x.dtype != torch.float16 or w_dtype == torch.float32)
+    # The rule of torch 2.4-2.13: never bf16; half input only with fp32 parameters; 3+ dims.
+    return (x.dim() >= 3 and x.dtype != torch.bfloat16 and weight.dtype != torch.bfloat16
+            and (x.dtype != torch.float16 or weight.dtype == torch.float32))
+
+
+def _in_functorch_or_forward_ad() -> bool:
+    """torch.func transforms and forward-mode AD: the kernels' autograd Function has neither
+    ``setup_context`` nor ``jvp``, so these calls take PyTorch's batch norm."""
+    if _peek_functorch is not None and _peek_functorch() is not None:
+        return True
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
 class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -49,7 +63,11 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
     cuDNN serves well, other layouts, eval mode, CPU, ``torch.compile``) is
     ``torch.nn.functional.batch_norm``.
 
-    It is a ``_BatchNorm``, so ``amp.initialize`` keeps it fp32 at O2 as any BatchNorm.
+    It is a ``_BatchNorm``, so ``amp.initialize`` keeps it fp32 at O2 as any BatchNorm. It
+    scripts (``torch.jit.script``: PyTorch's batch norm) and is one call under ``torch.fx``.
+    On the kernels' path it gives first derivatives only, as SyncBatchNorm: a second
+    derivative through such a layer (a gradient penalty) is an error; keep ``BatchNorm*d``
+    there. ``torch.func`` transforms and forward-mode AD take PyTorch's batch norm.
 
     Use it where the GPU is the limit, or with the step captured in a CUDA graph: its layers
     cost the host several times PyTorch's (six launches, ten allocations and a Python autograd
@@ -74,17 +92,24 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
             raise ValueError(
-                f"FusedBatchNorm: expected an (N, C, *) input of at least 2 dims, got shape "
-                f"{tuple(input.shape)}"
+                f"FusedBatchNorm: expected an (N, C, *) input of at least 2 dims, got "
+                f"{input.dim()} dims"
             )
-        if input.shape[1] != self.num_features:
+        # (Without parameters or running statistics, as torch's BatchNorm, any channel count.)
+        if (self.weight is not None or self.running_mean is not None) and (
+                input.shape[1] != self.num_features):
             raise ValueError(
-                f"FusedBatchNorm({self.num_features}): input of shape {tuple(input.shape)} has "
-                f"{input.shape[1]} channels in dim 1; expected {self.num_features}."
+                f"FusedBatchNorm({self.num_features}): the input has {input.shape[1]} channels "
+                f"in dim 1 (shape {list(input.shape)}); expected {self.num_features}."
             )
 
-    def _fused(self, input: torch.Tensor, training: bool, running_mean, running_var) -> bool:
+    @torch.jit.unused
+    def _fused(self, input: torch.Tensor, training: bool, running_mean: Optional[torch.Tensor],
+               running_var: Optional[torch.Tensor]) -> bool:
+        """Whether this call takes mixprec's kernels (see the class documentation)."""
         if not training or input.dtype not in _HALF or is_compiling():
+            return False
+        if _in_functorch_or_forward_ad():
             return False
         from mixprec.parallel import _sync_batchnorm_function as sbf
         from mixprec.parallel import _syncbn_triton
@@ -97,13 +122,26 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
             fmt = torch.channels_last if input.dim() == 4 else torch.channels_last_3d
             dense = input.is_contiguous(memory_format=fmt) and not input.is_contiguous()
         else:
-            dense = input.dim() >= 3 and input.movedim(1, -1).is_contiguous()
+            dense = input.movedim(1, -1).is_contiguous()
         if not dense or input.numel() <= input.shape[1]:
             return False  # (one value per channel or none: PyTorch's own error or result)
         return not _pytorch_uses_cudnn(input, self.weight, self.bias, running_mean, running_var,
                                        self.eps)
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    @torch.jit.unused
+    def _fused_call(self, input: torch.Tensor, training: bool,
+                    running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                    factor: float) -> Optional[torch.Tensor]:
+        """The kernels' result, or None when this call is PyTorch's."""
+        if not self._fused(input, training, running_mean, running_var):
+            return None
+        from mixprec.parallel import _sync_batchnorm_function as sbf
+
+        return sbf.sync_batch_norm(input, self.weight, self.bias, running_mean, running_var,
+                                   self.eps, factor, sbf.LOCAL, 1,
+                                   channel_last=input.dim() == 2, cache=self._cache)
+
+    def _forward_impl(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -114,14 +152,19 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
         use_running = not self.training or self.track_running_stats
         running_mean = self.running_mean if use_running else None
         running_var = self.running_var if use_running else None
-        if self._fused(input, bn_training, running_mean, running_var):
-            from mixprec.parallel import _sync_batchnorm_function as sbf
-
-            return sbf.sync_batch_norm(input, self.weight, self.bias, running_mean, running_var,
-                                       self.eps, factor, sbf.LOCAL, 1,
-                                       channel_last=input.dim() == 2, cache=self._cache)
+        if not torch.jit.is_scripting():
+            out = self._fused_call(input, bn_training, running_mean, running_var, factor)
+            if out is not None:
+                return out
         return F.batch_norm(input, running_mean, running_var, self.weight, self.bias,
                             bn_training, factor, self.eps)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.jit.is_scripting():
+            return self._forward_impl(input)  # (PyTorch's batch norm: the kernels are Python)
+        else:
+            # One opaque call for torch.fx, as torch's BatchNorm is a leaf module there.
+            return _fused_batch_norm_forward(self, input)
 
     def __getstate__(self):
         # The cached layouts hold launch plans; a copy makes its own.
@@ -131,24 +174,24 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
         return state
 
 
+@torch.jit.unused
+def _fused_batch_norm_forward(module: FusedBatchNorm, input: torch.Tensor) -> torch.Tensor:
+    return module._forward_impl(input)
+
+
+torch.fx.wrap("_fused_batch_norm_forward")
+
+
 def convert_fused_batchnorm(module: nn.Module) -> nn.Module:
-    """Replace every ``BatchNorm1d/2d/3d`` in ``module`` by a :class:`FusedBatchNorm` holding the
-    same Parameter and buffer objects (an optimizer built earlier stays valid), mode and
-    ``requires_grad``; returns the converted module (a new one when ``module`` itself is a
-    BatchNorm). Subclasses of those layers (SyncBatchNorm, user-defined) are left alone."""
+    """Turn every ``BatchNorm1d/2d/3d`` in ``module`` into a :class:`FusedBatchNorm`, in place:
+    the same module objects (their parameters, buffers, hooks, mode and attributes stay, and a
+    layer registered under several names stays one layer), only their class changes. Returns
+    ``module``. Subclasses of those layers (SyncBatchNorm, user-defined ones, and the classes
+    ``amp.initialize`` gives BatchNorm at O1 with ``keep_batchnorm_fp32``: convert before
+    ``amp.initialize``, as for ``convert_syncbn_model``) are left alone."""
     plain = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
-    if type(module) in plain:
-        new = FusedBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                             module.track_running_stats)
-        # The same objects, not copies: parameters, buffers (None where the layer has none).
-        for name in ("weight", "bias"):
-            setattr(new, name, getattr(module, name))
-        for name in ("running_mean", "running_var", "num_batches_tracked"):
-            new._buffers[name] = module._buffers.get(name)
-        new.train(module.training)
-        return new
-    for name, child in module.named_children():
-        converted = convert_fused_batchnorm(child)
-        if converted is not child:
-            setattr(module, name, converted)
+    for layer in module.modules():
+        if type(layer) in plain:
+            layer.__class__ = FusedBatchNorm
+            layer._cache = {}
     return module

@@ -134,10 +134,11 @@ def test_matches_batchnorm(path, dims, dtype, affine, track, momentum):
     "case,expected",
     [("bf16 channels_last", True), ("fp16 channels_last, fp32 parameters", False),
      ("fp16 channels_last, fp16 parameters", True), ("bf16 NCHW", False),
-     ("bf16 channels_last, eval", False), ("fp32 channels_last", False)],
+     ("bf16 channels_last, eval", False), ("fp32 channels_last", False),
+     ("fp16 2-D, fp32 parameters, no running stats", True)],
 )
 def test_kernels_where_pytorch_has_no_cudnn_path(case, expected):
-    bn = FusedBatchNorm(8).cuda()
+    bn = FusedBatchNorm(8, track_running_stats="no running" not in case).cuda()
     dtype = torch.float16 if case.startswith("fp16") else (
         torch.float32 if case.startswith("fp32") else torch.bfloat16)
     if "fp16 parameters" in case:
@@ -145,6 +146,8 @@ def test_kernels_where_pytorch_has_no_cudnn_path(case, expected):
     if "eval" in case:
         bn.eval()
     x = torch.randn(4, 8, 6, 6, device="cuda", dtype=dtype)
+    if "2-D" in case:
+        x = torch.randn(16, 8, device="cuda", dtype=dtype)
     if "channels_last" in case:
         x = x.contiguous(memory_format=torch.channels_last)
     with _count_fused_calls() as calls:
@@ -157,26 +160,75 @@ def test_kernels_where_pytorch_has_no_cudnn_path(case, expected):
 
 
 def test_convert_keeps_the_objects_and_the_state_dict():
+    shared = torch.nn.BatchNorm2d(4)
     model = torch.nn.Sequential(
-        torch.nn.BatchNorm1d(3), torch.nn.Sequential(torch.nn.BatchNorm2d(4)),
+        torch.nn.BatchNorm1d(3), torch.nn.Sequential(shared),
         torch.nn.BatchNorm3d(5, affine=False, track_running_stats=False), SyncBatchNorm(6),
     )
-    model[1][0].eval()
-    before = {name: t for name, t in model.state_dict(keep_vars=True).items()}
-    params = list(model.parameters())
+    model.add_module("again", shared)  # one layer under two names
+    shared.eval()
+    shared.qconfig = "kept"
+    fired = []
+    shared.register_forward_hook(lambda m, args, out: fired.append("hook"))
+    before = dict(model.state_dict(keep_vars=True))
+    layers = list(model.modules())
     reference = copy.deepcopy(model)
-    converted = convert_fused_batchnorm(model)
-    assert converted is model
-    assert [type(m) for m in (model[0], model[1][0], model[2])] == [FusedBatchNorm] * 3
-    assert type(model[3]) is SyncBatchNorm  # subclasses are left alone
-    assert not model[1][0].training
-    assert list(model.parameters()) == params
+    assert convert_fused_batchnorm(model) is model
+    assert list(model.modules()) == layers  # the same objects, in place
+    assert [type(m) for m in (model[0], shared, model[2])] == [FusedBatchNorm] * 3
+    assert model.again is shared and type(model[3]) is SyncBatchNorm  # subclasses left alone
+    assert not shared.training and shared.qconfig == "kept"
+    shared(torch.randn(2, 4, 3, 3))
+    assert fired == ["hook"]
     after = model.state_dict(keep_vars=True)
-    assert after.keys() == before.keys()
-    assert all(after[k] is before[k] for k in before)
+    assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)
     reference.load_state_dict(model.state_dict(), strict=True)
-    single = convert_fused_batchnorm(torch.nn.BatchNorm2d(2))
-    assert type(single) is FusedBatchNorm and single.num_features == 2
+    single = torch.nn.BatchNorm2d(2)
+    assert convert_fused_batchnorm(single) is single and type(single) is FusedBatchNorm
+
+
+def test_scripts_and_traces_like_batchnorm():
+    torch.manual_seed(0)
+    ours, ref = FusedBatchNorm(4), torch.nn.BatchNorm2d(4)
+    x = torch.randn(3, 4, 2, 2)
+    torch.testing.assert_close(torch.jit.script(ours)(x), ref(x))
+    torch.testing.assert_close(ours.running_var, ref.running_var)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), FusedBatchNorm(4), torch.nn.ReLU())
+    graph = torch.fx.symbolic_trace(net)  # one opaque call, as torch's BatchNorm is a leaf
+    x = torch.randn(2, 3, 6, 6)
+    torch.testing.assert_close(graph(x), copy.deepcopy(net)(x))
+
+
+@requires_interpreter
+def test_functorch_transforms_take_pytorchs_batch_norm():
+    bn = FusedBatchNorm(4, track_running_stats=False)
+    ref = torch.nn.BatchNorm2d(4, track_running_stats=False)
+    x = torch.randn(2, 4, 3, 3).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+
+    def loss(module):
+        return lambda p: torch.func.functional_call(module, p, (x,)).float().pow(2).sum()
+
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        got = torch.func.grad(loss(bn))(dict(bn.named_parameters()))
+        batched = torch.func.vmap(bn)(torch.randn(3, 2, 4, 3, 3).to(torch.bfloat16))
+        assert not calls
+        bn(x)
+        assert calls  # a plain call still takes the kernels
+    want = torch.func.grad(loss(ref))(dict(ref.named_parameters()))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k])
+    assert batched.shape == (3, 2, 4, 3, 3)
+
+
+@requires_interpreter
+def test_second_derivative_on_the_kernels_path_is_a_clear_error():
+    bn = FusedBatchNorm(4)
+    x = torch.randn(4, 4, 3, 3).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    with emulated_fused_path(triton=True):
+        x.requires_grad_(True)
+        (g,) = torch.autograd.grad(bn(x).float().pow(2).sum(), x, create_graph=True)
+        with pytest.raises(RuntimeError, match="differentiate twice"):
+            g.float().sum().backward()
 
 
 def test_amp_keeps_it_fp32_and_it_copies_after_use():
@@ -201,8 +253,11 @@ def test_bad_input_is_a_clear_error():
     bn = FusedBatchNorm(4)
     with pytest.raises(ValueError, match="at least 2 dims"):
         bn(torch.randn(4))
-    with pytest.raises(ValueError, match="3 channels in dim 1; expected 4"):
+    with pytest.raises(ValueError, match="has 3 channels in dim 1"):
         bn(torch.randn(2, 3, 5))
+    # without parameters or running statistics any channel count goes, as in torch
+    assert FusedBatchNorm(4, affine=False, track_running_stats=False)(
+        torch.randn(2, 3, 5)).shape == (2, 3, 5)
     # one value per channel in training: PyTorch's own error, on every path
     with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
         bn(torch.randn(1, 4))
