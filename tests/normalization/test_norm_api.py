@@ -346,6 +346,18 @@ def test_torch_layer_norm_arguments():
         FusedLayerNorm(8, eps=None)
 
 
+# CPU, CUDA, and CPU through the Triton kernels in Triton's interpreter ("cpu-triton").
+KERNEL_DEVICES = pytest.mark.parametrize(
+    "device", [*DEVICES, pytest.param("cpu-triton", marks=requires_interpreter)])
+
+
+def _device_and_context(device):
+    """The tensors' device and a factory of the context that routes CPU calls to the kernels."""
+    if device == "cpu-triton":
+        return "cpu", _ops.triton_on_cpu
+    return device, contextlib.nullcontext
+
+
 def _signature_inputs(device):
     """Inputs of one module call after another, each differing from the one before in what
     the cached checks and launch plans are kept under (shape, strides, alignment, dtype)."""
@@ -364,15 +376,13 @@ def _signature_inputs(device):
     }
 
 
-@pytest.mark.parametrize(
-    "device", [*DEVICES, pytest.param("cpu-triton", marks=requires_interpreter)])
+@KERNEL_DEVICES
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_one_module_across_changing_inputs(kind, device):
     # A module keeps its argument checks and its launch plan per input signature: every change
     # between calls (and back) must give the float64 reference's output and gradients.
     # ("cpu-triton": the kernels' launch path in Triton's interpreter.)
-    kernels_on_cpu = _ops.triton_on_cpu if device == "cpu-triton" else contextlib.nullcontext
-    device = device.split("-")[0]
+    device, kernels_on_cpu = _device_and_context(device)
     norm = (FusedLayerNorm(64) if kind == "layer" else FusedRMSNorm(64)).to(device)
     with torch.no_grad():
         norm.weight.copy_(make_params((64,), torch.float32, device, True)[0])
@@ -433,16 +443,14 @@ def test_second_derivative_is_a_clear_error():
         gx.sum().backward()
 
 
-@pytest.mark.parametrize(
-    "device", [*DEVICES, pytest.param("cpu-triton", marks=requires_interpreter)])
+@KERNEL_DEVICES
 @pytest.mark.parametrize("hook", ["contiguous copy", "bf16 copy"])
 def test_backward_takes_what_autograd_hands_back(hook, device):
     # Saved-tensor hooks (activation offloading such as torch.autograd.graph.save_on_cpu,
     # compression) give the backward copies with other strides or dtypes (input, weight,
     # statistics) than the forward saw: the backward must read what it is given. The input
     # is a row-strided slice (a q of a fused qkv projection).
-    kernels_on_cpu = _ops.triton_on_cpu if device == "cpu-triton" else contextlib.nullcontext
-    device = device.split("-")[0]
+    device, kernels_on_cpu = _device_and_context(device)
     norm = FusedRMSNorm(32).to(device)
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(2, 5, 96, generator=gen).to(device).requires_grad_(True)
