@@ -116,14 +116,10 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
 
         if not (sbf._use_fused(input) and _syncbn_triton.usable_dtype(input)):
             return False
-        if input.dim() == 2:
-            dense = input.is_contiguous()
-        elif input.dim() in (4, 5):
-            fmt = torch.channels_last if input.dim() == 4 else torch.channels_last_3d
-            dense = input.is_contiguous(memory_format=fmt) and not input.is_contiguous()
-        else:
-            dense = input.movedim(1, -1).is_contiguous()
-        if not dense or input.numel() <= input.shape[1]:
+        # The layout SyncBatchNorm's function works out (and keeps in this module's cache for
+        # the call that follows): the kernels take channels-last memory as it is.
+        layout = sbf._layout_of(input, input.dim() == 2, self._cache)
+        if not layout.dense or layout.rows <= 1:
             return False  # (one value per channel or none: PyTorch's own error or result)
         return not _pytorch_uses_cudnn(input, self.weight, self.bias, running_mean, running_var,
                                        self.eps)
