@@ -128,8 +128,8 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--norm",
         choices=("torch", "mixprec"),
         default="torch",
-        help="GPT norm layers: torch.nn.LayerNorm (default) or "
-        "mixprec.normalization.FusedLayerNorm",
+        help="norm layers: PyTorch's (default) or mixprec's: FusedLayerNorm for gpt, "
+        "FusedBatchNorm for cnn and resnet50",
     )
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
@@ -300,8 +300,6 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(
             "argument --channels-last: applies to image models (cnn, resnet50), not --model gpt"
         )
-    if args.norm != "torch" and args.model != "gpt":
-        parser.error(f"argument --norm: applies to --model gpt, not --model {args.model}")
     if args.frozen_bn and args.model == "gpt":
         parser.error(
             "argument --frozen-bn: applies to models with BatchNorm (cnn, resnet50), not "
@@ -311,7 +309,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         problem = _unwritable(path)
         if problem:  # fail before the run, not after it
             parser.error(f"argument {flag}: cannot write {path!r}: {problem}")
-    norm_cls = _norm_factory(args.norm, parser)
+    norm_cls = _norm_factory(args.norm, parser) if args.model == "gpt" else None
     if args.plot:
         try:
             report._import_matplotlib()  # fail before the run, not after it
@@ -326,6 +324,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             batch_size=args.batch_size,
             seed=args.seed,
             norm_cls=norm_cls,
+            fused_batchnorm=args.norm == "mixprec" and args.model != "gpt",
         )
     except RuntimeError as exc:  # e.g. torchvision missing
         parser.error(str(exc))

@@ -336,6 +336,7 @@ def build_workload(
     num_batches: int = 4,
     norm_cls: Optional[NormFactory] = None,
     fused_adamw: Optional[bool] = None,
+    fused_batchnorm: bool = False,
 ) -> Workload:
     """Build a benchmark workload with its synthetic data on ``device``.
 
@@ -351,6 +352,8 @@ def build_workload(
         num_batches (int): distinct batches in the pool, cycled. Default ``4``.
         norm_cls (callable, optional): the GPT's norm layer factory. Default ``nn.LayerNorm``.
         fused_adamw (bool, optional): the GPT's ``AdamW(fused=...)``. Default: on for CUDA.
+        fused_batchnorm (bool): the image models' BatchNorm layers as mixprec's
+            ``FusedBatchNorm`` (``convert_fused_batchnorm``). Default False.
 
     Returns:
         Workload
@@ -371,6 +374,10 @@ def build_workload(
         raise ValueError(f"build_workload(batch_size={batch_size!r}): must be an int >= 1.")
     if num_batches < 1:
         raise ValueError(f"build_workload(num_batches={num_batches}): must be >= 1.")
+    if fused_batchnorm and name == "gpt":
+        raise ValueError("build_workload(name='gpt', fused_batchnorm=True): the GPT has no "
+                         "BatchNorm; fused_batchnorm applies to 'cnn' and 'resnet50' (for the "
+                         "GPT's norm layers pass norm_cls).")
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     large = size == "large"
@@ -426,6 +433,15 @@ def build_workload(
         )
         loss_fn, image = _lm_loss, False
 
+    if fused_batchnorm:
+        from mixprec.normalization import convert_fused_batchnorm
+
+        build_plain = build_model
+
+        def build_model():
+            return convert_fused_batchnorm(build_plain())
+
+        desc += ", FusedBatchNorm"
     batches = [(x.to(device), y.to(device)) for x, y in batches]
     return Workload(
         name=name,

@@ -4,8 +4,14 @@ PyTorch runs a training BatchNorm on cuDNN only when the input is fp32 or the pa
 fp32, and never in bf16; everything else (bf16 models, a model in pure fp16) takes PyTorch's own
 CUDA batch-norm kernels, which on an H200 spent 12.6 ms per ResNet-50 step against cuDNN's 7.0
 (``benchmarks/probe_half_bn.py``). ``FusedBatchNorm`` runs exactly those cases, for
-channels-last inputs, on mixprec's Triton batch-norm kernels (SyncBatchNorm's, in a group of
-one: 7.5 ms there), and everything else as ``torch.nn.BatchNorm*d`` does.
+channels-last inputs, on mixprec's Triton batch-norm kernels (SyncBatchNorm's, with no
+collectives: 7.5 ms there), and everything else as ``torch.nn.BatchNorm*d`` does.
+
+Host cost is part of the design: a layer's decision (kernels or PyTorch's, and the launch plan)
+is made once per input signature and kept in the module; a call then runs a three-argument
+autograd Function whose forward allocates three tensors and launches three kernels
+(``mixprec.parallel._syncbn_triton.LocalPlan``) and whose backward allocates up to five and
+launches three.
 """
 
 from typing import Optional
@@ -13,7 +19,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
+from mixprec.normalization._launch import interpreter_enabled as _launch_interpreter_enabled
 from mixprec.normalization._launch import is_compiling
 
 __all__ = ["FusedBatchNorm", "convert_fused_batchnorm"]
@@ -69,11 +77,12 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
     derivative through such a layer (a gradient penalty) is an error; keep ``BatchNorm*d``
     there. ``torch.func`` transforms and forward-mode AD take PyTorch's batch norm.
 
-    Use it where the GPU is the limit, or with the step captured in a CUDA graph: its layers
-    cost the host several times PyTorch's (six launches, ten allocations and a Python autograd
-    node each). Measured on an H200, ResNet-50 bf16 at amp O2, batch 128: 0.81x the step time
-    with ``BatchNorm2d`` as CUDA-graph replays (23.2 vs 28.4 ms), but 1.39x launched eagerly,
-    where that step is bound by the host (``benchmarks/RESULTS.md``).
+    Its layers cost the host more than PyTorch's (a Python autograd node and six launches per
+    layer: about 190 against 110 us per layer forward and backward on an H200's host), so the
+    gain shows where the GPU, not the host, is the limit, or with the step captured in a CUDA
+    graph. Measured on an H200, ResNet-50 bf16 at amp O2, batch 128: 0.81x the step time of
+    torch autocast as CUDA-graph replays (23.2 vs 28.5 ms), and eagerly 0.81-0.86x on machine
+    instances whose host keeps up, 1.16x on one whose host did not (``benchmarks/RESULTS.md``).
 
     Example::
 
@@ -104,38 +113,63 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
             )
 
     @torch.jit.unused
-    def _fused(self, input: torch.Tensor, training: bool, running_mean: Optional[torch.Tensor],
-               running_var: Optional[torch.Tensor]) -> bool:
-        """Whether this call takes mixprec's kernels (see the class documentation)."""
+    def _fused_call(self, input: torch.Tensor, training: bool,
+                    running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
+                    factor: float) -> Optional[torch.Tensor]:
+        """The kernels' result, or None when this call is PyTorch's (see the class
+        documentation). The decision is made once per input signature and kept."""
         if not training or input.dtype not in _HALF or is_compiling():
-            return False
+            return None
         if _in_functorch_or_forward_ad():
-            return False
+            return None
+        weight, bias = self.weight, self.bias
+        anchor = weight if weight is not None else running_mean
+        key = (input.shape, input.stride(), input.dtype, input.device,
+               None if anchor is None else anchor.device,
+               None if weight is None else weight.dtype, None if bias is None else bias.dtype,
+               None if running_mean is None else running_mean.dtype,
+               None if running_var is None else running_var.dtype,
+               self.eps, torch.backends.cudnn.enabled)
+        if not input.is_cuda:  # (CPU tensors take the kernels only under the tests' routing)
+            key += _cpu_routing()
+        plan = self._cache.get(key)
+        if plan is None:
+            plan = self._plan_for(input, weight, bias, running_mean, running_var)
+            if len(self._cache) >= 16:  # a layer fed ever-changing shapes: start over
+                self._cache.clear()
+            self._cache[key] = plan
+        if plan is False:
+            return None
+        return _kernels_batch_norm(input, weight, bias, running_mean, running_var,
+                                   float(factor), float(self.eps), plan)
+
+    @torch.jit.unused
+    def _plan_for(self, input, weight, bias, running_mean, running_var):
+        """The kernels' :class:`~mixprec.parallel._syncbn_triton.LocalPlan` for this call's
+        signature, or False where PyTorch's batch norm serves it (or raises its own error)."""
         from mixprec.parallel import _sync_batchnorm_function as sbf
         from mixprec.parallel import _syncbn_triton
 
         if not (sbf._use_fused(input) and _syncbn_triton.usable_dtype(input)):
             return False
-        # The layout SyncBatchNorm's function works out (and keeps in this module's cache for
-        # the call that follows): the kernels take channels-last memory as it is.
-        layout = sbf._layout_of(input, input.dim() == 2, self._cache)
+        if (running_mean is None) != (running_var is None):
+            return False
+        for t in (weight, bias, running_mean, running_var):
+            if t is not None and (t.dtype not in _KERNEL_PARAM_DTYPES or t.device != input.device
+                                  or t.dim() != 1 or t.numel() != input.shape[1]
+                                  or not t.is_contiguous()):
+                return False  # (PyTorch's batch norm explains what is wrong)
+        # The kernels take channels-last memory as it is: (N, C) contiguous, or a dense
+        # channels_last / channels_last_3d tensor.
+        layout = sbf._Layout(input, input.dim() == 2)
         if not layout.dense or layout.rows <= 1:
             return False  # (one value per channel or none: PyTorch's own error or result)
-        return not _pytorch_uses_cudnn(input, self.weight, self.bias, running_mean, running_var,
-                                       self.eps)
-
-    @torch.jit.unused
-    def _fused_call(self, input: torch.Tensor, training: bool,
-                    running_mean: Optional[torch.Tensor], running_var: Optional[torch.Tensor],
-                    factor: float) -> Optional[torch.Tensor]:
-        """The kernels' result, or None when this call is PyTorch's."""
-        if not self._fused(input, training, running_mean, running_var):
-            return None
-        from mixprec.parallel import _sync_batchnorm_function as sbf
-
-        return sbf.sync_batch_norm(input, self.weight, self.bias, running_mean, running_var,
-                                   self.eps, factor, sbf.LOCAL, 1,
-                                   channel_last=input.dim() == 2, cache=self._cache)
+        if _pytorch_uses_cudnn(input, weight, bias, running_mean, running_var, self.eps):
+            return False
+        return _syncbn_triton.local_plan(
+            layout.rows, layout.num_channels, input.device, input.dtype,
+            None if weight is None else weight.dtype, None if bias is None else bias.dtype,
+            None if running_mean is None else (running_mean.dtype, running_var.dtype))
 
     def _forward_impl(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
@@ -176,6 +210,84 @@ def _fused_batch_norm_forward(module: FusedBatchNorm, input: torch.Tensor) -> to
 
 
 torch.fx.wrap("_fused_batch_norm_forward")
+
+_KERNEL_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _cpu_routing() -> tuple:
+    """What decides whether CPU tensors take the kernels (the tests route them there, through
+    Triton's interpreter): part of a CPU call's cache key."""
+    from mixprec.parallel import _sync_batchnorm_function as sbf
+    from mixprec.parallel import _syncbn_triton
+
+    return (sbf._use_fused, _syncbn_triton._cpu_testing, _launch_interpreter_enabled())
+
+
+def _kernels_batch_norm(x, weight, bias, running_mean, running_var, momentum: float, eps: float,
+                        plan) -> torch.Tensor:
+    """Training batch norm of ``x`` on mixprec's kernels, as planned by ``plan``."""
+    # (What autograd needs not look at travels as one argument: each argument of a Python
+    # Function costs host time. The running statistics are buffers, updated in place.)
+    return _KernelsBatchNorm.apply(x, weight, bias, (running_mean, running_var, momentum, eps,
+                                                     plan))
+
+
+class _KernelsBatchNorm(torch.autograd.Function):
+    """The kernels' autograd node: saves the input, the weight and the statistics row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, rest):
+        running_mean, running_var, momentum, eps, plan = rest
+        out, row = plan.forward(x, weight, bias, running_mean, running_var, momentum, eps)
+        ctx.save_for_backward(x, weight, row)
+        ctx.plan, ctx.x_strides, ctx.x_dtype = plan, x.stride(), x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            # (create_graph=True) the gradients are not differentiable again: an error if one
+            # is asked for, as @once_differentiable gives, without its cost on every call.
+            return _backward_once_differentiable(ctx, grad_out)
+        return _backward(ctx, grad_out)
+
+
+def _backward(ctx, grad_out):
+    x, weight, row = ctx.saved_tensors
+    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    plan = ctx.plan
+    if (x.stride() != ctx.x_strides or x.dtype is not ctx.x_dtype or x.device != plan.device
+            or row.dtype is not torch.float32
+            or (weight is not None and weight.dtype is not plan.w_dtype)):
+        # A saved-tensor hook (activation offloading, compression) handed back copies laid
+        # out or typed otherwise: PyTorch arithmetic on what came back.
+        grads = _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias)
+    else:
+        if grad_out.dtype is not x.dtype or grad_out.stride() != x.stride():
+            grad_out = torch.empty_like(x).copy_(grad_out)  # (x's dense channels-last memory)
+        grads = plan.backward(grad_out, x, row, weight, need_input, need_weight, need_bias)
+    return (*grads, None)
+
+
+_backward_once_differentiable = once_differentiable(_backward)
+
+
+def _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias):
+    from mixprec.parallel import _sync_batchnorm_function as sbf
+
+    c = (row.numel() - 1) // 2
+    row = row.float()
+    w = None if weight is None else weight.float()
+    grad_input, grad_weight, grad_bias = sbf._reference_backward(
+        grad_out, x, sbf._Layout(x, x.dim() == 2), w, row[:c], row[c:2 * c], row[2 * c],
+        sbf.LOCAL, (need_input, need_weight, need_bias))
+    if grad_input is not None:
+        grad_input = grad_input.to(x.dtype)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None and weight is not None:
+        grad_bias = grad_bias.to(weight.dtype)
+    return grad_input, grad_weight, grad_bias
 
 
 def convert_fused_batchnorm(module: nn.Module) -> nn.Module:

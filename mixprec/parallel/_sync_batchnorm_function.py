@@ -53,8 +53,9 @@ from mixprec.parallel._comm import all_gather_rows, all_reduce_sum
 
 __all__ = ["sync_batch_norm"]
 
-# The process group of a one-process batch norm (``mixprec.normalization.FusedBatchNorm``): the
-# same kernels, the gather being the rank's own row and the all-reduce nothing.
+# The process group of a one-process batch norm: the gather is the rank's own row and the
+# all-reduce nothing (``FusedBatchNorm``'s backward uses it with ``_reference_backward`` for
+# inputs a saved-tensor hook handed back in another layout).
 LOCAL = object()
 
 
@@ -482,7 +483,7 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, eps: float, mome
         eps (float): added to the variance.
         momentum (float): running-average factor.
         group: the process group (None: the default group; ``LOCAL``: this process alone,
-            no collectives, as ``FusedBatchNorm`` uses it).
+            no collectives).
         world_size (int): its size.
         channel_last (bool): channels are ``x``'s last dimension. Default False.
         cache (dict, optional): per-module scratch: the layout (and Triton plan) of each input

@@ -176,7 +176,7 @@ def bn_partial_backward_kernel(
 @triton.jit
 def bn_finalize_backward_kernel(
     Partial,  # [S, 2, C] fp32 from bn_partial_backward_kernel
-    Invstd,  # [C] fp32
+    Invstd,  # [C] fp32 (ONE_ROW: the packed [mean, invstd, count] row, invstd at C)
     Sums,  # [2C] fp32 out: sum(dy), sum(dy * (x - mean)) over this rank's rows
     GradW,  # [C] fp32 out: sum(dy * x_hat), written when COMPUTE_DW
     GradB,  # [C] fp32 out: sum(dy), written when COMPUTE_DB (apart from Sums, which the
@@ -185,9 +185,11 @@ def bn_finalize_backward_kernel(
     C,
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
+    # GradW / GradB may be any float dtype (the parameters'): stores convert.
     cols, col_ok = _channel_block(C, BLOCK_C)
     sum_dy = tl.zeros([BLOCK_C], dtype=tl.float32)
     sum_dy_xmu = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -201,6 +203,8 @@ def bn_finalize_backward_kernel(
     tl.store(Sums + cols, sum_dy, mask=col_ok)
     tl.store(Sums + C + cols, sum_dy_xmu, mask=col_ok)
     if COMPUTE_DW:
+        if ONE_ROW:
+            Invstd += C
         invstd = tl.load(Invstd + cols, mask=col_ok, other=0.0)
         tl.store(GradW + cols, sum_dy_xmu * invstd, mask=col_ok)
     if COMPUTE_DB:
@@ -240,13 +244,14 @@ def _merge_rank_stats(Rows, C, world, cols, col_ok, eps, BLOCK_C: tl.constexpr):
 def bn_forward_elemt_kernel(
     X,  # [M, C] input, unit column stride
     Y,  # [M, C] output (the input's dtype), unit column stride
-    Rows,  # [world, 2C + 1] fp32: every rank's [mean, invstd, count] (the all-gather's result)
+    Rows,  # [world, 2C + 1] fp32: every rank's [mean, invstd, count] (the all-gather's result;
+    #        ONE_ROW: this process's own row, the statistics as they are)
     W,  # [C] weight (any float dtype), read when HAS_W
     B,  # [C] bias, read when HAS_B
     RunMean,  # [C] running mean, updated when HAS_RUNNING (any float dtype)
     RunVar,  # [C] running variance (unbiased), updated when HAS_RUNNING
-    MeanOut,  # [C] fp32 out: the global mean (saved for backward)
-    InvstdOut,  # [C] fp32 out: the global 1 / sqrt(var + eps)
+    MeanOut,  # [C] fp32 out: the global mean (saved for backward; not written when ONE_ROW)
+    InvstdOut,  # [C] fp32 out: the global 1 / sqrt(var + eps) (idem)
     M,
     C,
     stride_x_m,
@@ -258,18 +263,28 @@ def bn_forward_elemt_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     HAS_RUNNING: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     # Every program merges the ranks' statistics for its channels (world x 3 loads of BLOCK_C
     # values: nothing next to its tiles), the first split of each channel block also writes
     # them out and updates the running statistics; then y = x * scale + shift, tile by tile.
+    # ONE_ROW (one process: FusedBatchNorm): the row's statistics are used as they are, and the
+    # row itself is what the backward reads.
     cols, col_ok = _channel_block(C, BLOCK_C)
-    mean, var, n = _merge_rank_stats(Rows, C, world, cols, col_ok, eps, BLOCK_C)
-    invstd = 1.0 / tl.sqrt(var + eps)
+    if ONE_ROW:
+        mean = tl.load(Rows + cols, mask=col_ok, other=0.0)
+        invstd = tl.load(Rows + C + cols, mask=col_ok, other=1.0)
+        n = tl.load(Rows + 2 * C)
+        var = tl.maximum(1.0 / (invstd * invstd) - eps, 0.0)
+    else:
+        mean, var, n = _merge_rank_stats(Rows, C, world, cols, col_ok, eps, BLOCK_C)
+        invstd = 1.0 / tl.sqrt(var + eps)
     if tl.program_id(1) == 0:  # the first split of each channel block
-        tl.store(MeanOut + cols, mean, mask=col_ok)
-        tl.store(InvstdOut + cols, invstd, mask=col_ok)
+        if not ONE_ROW:
+            tl.store(MeanOut + cols, mean, mask=col_ok)
+            tl.store(InvstdOut + cols, invstd, mask=col_ok)
         if HAS_RUNNING:
             unbiased = var * (n / (n - 1.0))
             rm = tl.load(RunMean + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -299,11 +314,12 @@ def bn_backward_elemt_kernel(
     DY,  # [M, C] output gradient, unit column stride
     X,  # [M, C] input, unit column stride
     DX,  # [M, C] input gradient out (DY's dtype), unit column stride
-    Mean,  # [C] fp32 global mean
-    Invstd,  # [C] fp32 global invstd
+    Mean,  # [C] fp32 global mean (ONE_ROW: the packed [mean, invstd, count] row)
+    Invstd,  # [C] fp32 global invstd (not read when ONE_ROW)
     W,  # [C] weight, read when HAS_W
     Sums,  # [2C] fp32: sum(dy), sum(dy * (x - mean)) over every rank (all-reduced)
-    Counts,  # [world] fp32 row counts of the ranks (strided: a column of the gathered rows)
+    Counts,  # [world] fp32 row counts of the ranks (strided: a column of the gathered rows;
+    #          not read when ONE_ROW)
     M,
     C,
     stride_dy_m,
@@ -313,19 +329,24 @@ def bn_backward_elemt_kernel(
     world,
     rows_per_split,
     HAS_W: tl.constexpr,
+    ONE_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     # dx = (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N) * invstd * w
     #    = dy * k + x * a + b, with per-channel k, a, b computed once per program.
     cols, col_ok = _channel_block(C, BLOCK_C)
-    n = tl.load(Counts).to(tl.float32)
-    r = 1
-    while r < world:
-        n += tl.load(Counts + r * stride_counts).to(tl.float32)
-        r += 1
+    if ONE_ROW:
+        n = tl.load(Mean + 2 * C)
+        invstd = tl.load(Mean + C + cols, mask=col_ok, other=0.0)
+    else:
+        n = tl.load(Counts).to(tl.float32)
+        r = 1
+        while r < world:
+            n += tl.load(Counts + r * stride_counts).to(tl.float32)
+            r += 1
+        invstd = tl.load(Invstd + cols, mask=col_ok, other=0.0)
     mean = tl.load(Mean + cols, mask=col_ok, other=0.0)
-    invstd = tl.load(Invstd + cols, mask=col_ok, other=0.0)
     mean_dy = tl.load(Sums + cols, mask=col_ok, other=0.0) / n
     mean_dy_xmu = tl.load(Sums + C + cols, mask=col_ok, other=0.0) / n
     k = invstd

@@ -34,7 +34,7 @@ from mixprec.normalization._launch import (
     triton_next_power_of_2,
 )
 
-__all__ = ["Plan", "backward_elemt", "backward_reduce", "forward_elemt", "plan_for",
+__all__ = ["LocalPlan", "Plan", "backward_elemt", "local_plan", "backward_reduce", "forward_elemt", "plan_for",
            "stats_row", "usable", "usable_dtype"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -164,8 +164,8 @@ class Plan:
                    mean, invstd)
         with _on_device(x):
             self._site("bn_forward_elemt_kernel", (has_w, has_b, has_running), dict(
-                HAS_W=has_w, HAS_B=has_b, HAS_RUNNING=has_running, BLOCK_M=block_m,
-                BLOCK_C=block_c, num_warps=_NUM_WARPS,
+                HAS_W=has_w, HAS_B=has_b, HAS_RUNNING=has_running, ONE_ROW=False,
+                BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
             ))((_cdiv(c, block_c), splits),
                (*tensors, m, c, stride_x, stride_out, rows.shape[0], rows_per_split,
                 float(momentum), float(eps)),
@@ -192,7 +192,8 @@ class Plan:
             tensors = (partial, invstd, sums, grad_weight if need_weight else sums,
                        grad_bias if need_bias else sums)
             self._site("bn_finalize_backward_kernel", (need_weight, need_bias), dict(
-                COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, BLOCK_S=_MERGE_BLOCK_S,
+                COMPUTE_DW=need_weight, COMPUTE_DB=need_bias, ONE_ROW=False,
+                BLOCK_S=_MERGE_BLOCK_S,
                 BLOCK_C=_MERGE_BLOCK_C, num_warps=_NUM_WARPS,
             ))(self.merge_grid, (*tensors, splits, c), site_variant(tensors))
         return sums, grad_weight, grad_bias
@@ -208,10 +209,133 @@ class Plan:
         extra = (stride_dy, stride_x, stride_out, counts.stride(0), counts.shape[0])
         with _on_device(x):
             self._site("bn_backward_elemt_kernel", (has_w,), dict(
-                HAS_W=has_w, BLOCK_M=block_m, BLOCK_C=block_c, num_warps=_NUM_WARPS,
+                HAS_W=has_w, ONE_ROW=False, BLOCK_M=block_m, BLOCK_C=block_c,
+                num_warps=_NUM_WARPS,
             ))((_cdiv(c, block_c), splits), (*tensors, m, c, *extra, rows_per_split),
                site_variant(tensors, extra))
         return out
+
+
+class LocalPlan:
+    """:class:`~mixprec.normalization.FusedBatchNorm`'s launches for one input signature: a
+    dense channels-last ``(M, C)`` input of one dtype on one device, and parameters and running
+    statistics of given dtypes (or none).
+
+    One process, no collectives: the statistics row ``[mean, invstd, M]`` that SyncBatchNorm
+    all-gathers is used as it is (the kernels' ``ONE_ROW``), and it is all the backward needs
+    besides the input and the weight. What does not change from call to call (grids,
+    constexprs, compiled kernels, scratch shapes, argument dtypes) is fixed here, so a call
+    only allocates and launches: a forward three tensors (partials, row, output) and three
+    kernels; a backward up to five tensors (partials, sums, the gradients, which come in the
+    parameters' dtypes) and three kernels. Launches with an input, a parameter or a running
+    statistic that is not 16-byte aligned take the checked launcher. The methods check
+    nothing: tensors must have the signature's shapes, dtypes and dense channels-last memory.
+    """
+
+    __slots__ = ("m", "c", "device", "w_dtype", "b_dtype", "_stats_partial", "_grad_partial",
+                 "_splits", "_reduce_rows", "_elemt_rows", "_reduce_grid", "_elemt_grid",
+                 "_merge_grid", "_sites", "_grad_sites")
+
+    def __init__(self, m: int, c: int, device: torch.device, x_dtype: torch.dtype,
+                 w_dtype: Optional[torch.dtype], b_dtype: Optional[torch.dtype],
+                 running_dtypes: Optional[Tuple[torch.dtype, torch.dtype]]):
+        plan = plan_for(m, c, device)
+        self.m, self.c, self.device = m, c, device
+        self.w_dtype, self.b_dtype = w_dtype, b_dtype
+        block_m, block_c, splits, self._reduce_rows = plan.reduce
+        e_block_m, e_block_c, e_splits, self._elemt_rows = plan.elemt
+        self._splits = splits
+        self._stats_partial, self._grad_partial = (splits, 3, c), (splits, 2, c)
+        self._reduce_grid = (_cdiv(c, block_c), splits)
+        self._elemt_grid = (_cdiv(c, e_block_c), e_splits)
+        self._merge_grid = plan.merge_grid
+        kernels = _kernels()
+
+        def site(name, **consts):
+            return _Site(getattr(kernels, name), dict(consts, num_warps=_NUM_WARPS), device)
+
+        merge = dict(BLOCK_S=_MERGE_BLOCK_S, BLOCK_C=_MERGE_BLOCK_C)
+        self._sites = (
+            site("bn_partial_stats_kernel", BLOCK_M=block_m, BLOCK_C=block_c),
+            site("bn_finalize_stats_kernel", **merge),
+            site("bn_forward_elemt_kernel", HAS_W=w_dtype is not None,
+                 HAS_B=b_dtype is not None, HAS_RUNNING=running_dtypes is not None,
+                 ONE_ROW=True, BLOCK_M=e_block_m, BLOCK_C=e_block_c),
+            site("bn_partial_backward_kernel", BLOCK_M=block_m, BLOCK_C=block_c),
+            site("bn_backward_elemt_kernel", HAS_W=w_dtype is not None, ONE_ROW=True,
+                 BLOCK_M=e_block_m, BLOCK_C=e_block_c),
+        )
+        # (compute dw, compute db) -> the finalize's site
+        self._grad_sites = {
+            (dw, db): site("bn_finalize_backward_kernel", COMPUTE_DW=dw, COMPUTE_DB=db,
+                           ONE_ROW=True, **merge)
+            for dw in (False, True) for db in (False, True)
+        }
+
+    def forward(self, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                momentum: float, eps: float) -> Tuple[Tensor, Tensor]:
+        """``(out, row)``: ``x`` normalized with its own statistics (the running statistics
+        updated in place), and the ``[mean (C), invstd (C), M]`` fp32 row the backward takes."""
+        m, c, device, splits = self.m, self.c, self.device, self._splits
+        partial = torch.empty(self._stats_partial, dtype=torch.float32, device=device)
+        row = torch.empty(2 * c + 1, dtype=torch.float32, device=device)
+        out = torch.empty_like(x)
+        ptr = x.data_ptr()
+        x_variant = None if ptr & 15 else ()
+        for t in (weight, bias, running_mean, running_var):
+            if t is not None:
+                ptr |= t.data_ptr()
+        variant = None if ptr & 15 else ()
+        stats, finalize, elemt = self._sites[:3]
+        with _on_device(x):
+            stats(self._reduce_grid, (x, partial, m, c, c, self._reduce_rows), x_variant)
+            finalize(self._merge_grid, (partial, row, splits, c, float(m), eps), ())
+            elemt(self._elemt_grid,
+                  (x, out, row, row if weight is None else weight, row if bias is None else bias,
+                   row if running_mean is None else running_mean,
+                   row if running_var is None else running_var, row, row,
+                   m, c, c, c, 1, self._elemt_rows, momentum, eps), variant)
+        return out, row
+
+    def backward(self, dy: Tensor, x: Tensor, row: Tensor, weight: Optional[Tensor],
+                 need_input: bool, need_weight: bool, need_bias: bool
+                 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+        """``(grad_input, grad_weight, grad_bias)`` (None where not asked for); ``dy`` has
+        ``x``'s dtype and strides."""
+        m, c, device, splits = self.m, self.c, self.device, self._splits
+        partial = torch.empty(self._grad_partial, dtype=torch.float32, device=device)
+        sums = torch.empty(2 * c, dtype=torch.float32, device=device)
+        grad_weight = (torch.empty(c, dtype=self.w_dtype, device=device) if need_weight
+                       else None)
+        grad_bias = torch.empty(c, dtype=self.b_dtype, device=device) if need_bias else None
+        ptr = dy.data_ptr() | x.data_ptr()
+        variant = None if ptr & 15 else ()
+        reduce, elemt = self._sites[3:]
+        grad_input = None
+        with _on_device(x):
+            reduce(self._reduce_grid, (dy, x, row, partial, m, c, c, c, self._reduce_rows),
+                   variant)
+            self._grad_sites[(need_weight, need_bias)](
+                self._merge_grid,
+                (partial, row, sums, sums if grad_weight is None else grad_weight,
+                 sums if grad_bias is None else grad_bias, splits, c), ())
+            if need_input:
+                if weight is not None and weight.data_ptr() & 15:
+                    variant = None
+                grad_input = torch.empty_like(x)
+                elemt(self._elemt_grid,
+                      (dy, x, grad_input, row, row, row if weight is None else weight, sums,
+                       row, m, c, c, c, c, 1, 1, self._elemt_rows), variant)
+        return grad_input, grad_weight, grad_bias
+
+
+@functools.lru_cache(maxsize=512)
+def local_plan(m: int, c: int, device: torch.device, x_dtype: torch.dtype,
+               w_dtype: Optional[torch.dtype], b_dtype: Optional[torch.dtype],
+               running_dtypes: Optional[Tuple[torch.dtype, torch.dtype]]) -> LocalPlan:
+    """The :class:`LocalPlan` of a signature (cached)."""
+    return LocalPlan(m, c, device, x_dtype, w_dtype, b_dtype, running_dtypes)
 
 
 @functools.lru_cache(maxsize=512)

@@ -186,7 +186,6 @@ def test_every_mode_failing_exits_1(monkeypatch):
         (["bench", "--warmup", "-1"], "integer >= 0"),
         (["bench", "--device", "tpu"], "--device"),
         (["bench", "--model", "gpt", "--channels-last"], "image models"),
-        (["bench", "--norm", "mixprec"], "--model gpt"),
         (["bench", "--model", "gpt", "--frozen-bn"], "models with BatchNorm"),
         (["bench", "--json", "."], "argument --json: cannot write '.': it is a directory"),
         (["bench", "--csv", "/dev/null/x.csv"], "argument --csv: cannot write"),
@@ -251,6 +250,30 @@ def test_gpt_with_mixprec_norm():
     )
     assert code == 0 and "FusedLayerNorm" in text
     assert _table_rows(text)[0][-1] == "ok"
+
+
+def test_image_model_with_mixprec_norm_takes_fused_batchnorm(monkeypatch):
+    pytest.importorskip("mixprec.normalization").FusedBatchNorm  # noqa: B018
+    from mixprec.bench import models
+
+    built = []
+    real = models.build_workload
+
+    def spy(*args, **kwargs):
+        wl = real(*args, **kwargs)
+        built.append(wl.build_model())
+        return wl
+
+    monkeypatch.setattr(models, "build_workload", spy)  # (the CLI imports it when it runs)
+    code, text = _run(
+        ["bench", "--model", "cnn", *FAST, "--opt-levels", "O2", "--no-native", "--norm", "mixprec"]
+    )
+    assert code == 0 and "FusedBatchNorm" in text
+    assert _table_rows(text)[0][-1] == "ok"
+    from mixprec.normalization import FusedBatchNorm
+
+    bns = [m for m in built[0].modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert bns and all(type(m) is FusedBatchNorm for m in bns)
 
 
 class _Terminal(io.StringIO):

@@ -125,3 +125,17 @@ def test_gpt_workload_targets_are_shifted_inputs():
 def test_build_workload_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         build_workload(**kwargs)
+
+
+def test_fused_batchnorm_workloads():
+    from mixprec.normalization import FusedBatchNorm
+
+    wl = build_workload("cnn", batch_size=4, fused_batchnorm=True)
+    model = wl.build_model()
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert bns and all(type(m) is FusedBatchNorm for m in bns)
+    assert "FusedBatchNorm" in wl.description
+    x, y = wl.batches[0]
+    assert wl.loss_fn(model(x), y).isfinite()
+    with pytest.raises(ValueError, match="GPT has no BatchNorm"):
+        build_workload("gpt", fused_batchnorm=True)

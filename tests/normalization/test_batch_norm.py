@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from mixprec import amp
-from mixprec.normalization import FusedBatchNorm, convert_fused_batchnorm
+from mixprec.normalization import FusedBatchNorm, batch_norm, convert_fused_batchnorm
 from mixprec.parallel import SyncBatchNorm
-from mixprec.parallel import _sync_batchnorm_function as sbf
 
 from ..parallel._fused_emulation import emulated_fused_path
 from .helpers import requires_cuda, requires_interpreter
@@ -50,17 +49,17 @@ def _layout(x, dims):
 @contextlib.contextmanager
 def _count_fused_calls():
     calls = []
-    real = sbf.sync_batch_norm
+    real = batch_norm._kernels_batch_norm
 
     def spy(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    sbf.sync_batch_norm = spy
+    batch_norm._kernels_batch_norm = spy
     try:
         yield calls
     finally:
-        sbf.sync_batch_norm = real
+        batch_norm._kernels_batch_norm = real
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -274,3 +273,113 @@ def test_under_torch_compile_it_is_pytorchs_batch_norm():
     x = torch.randn(3, 4, 5, 5).contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(layer(x), eager(x))
     torch.testing.assert_close(compiled_bn.running_var, eager.running_var)
+
+
+def _reference_step(bn, x, dy, momentum):
+    """float64 batch norm of ``x`` with ``bn``'s parameters and running statistics (copies):
+    ``(y, dx, dweight, dbias, running_mean, running_var)``."""
+    xr = x.detach().double().cpu().requires_grad_(True)
+    w = bn.weight.detach().double().cpu().requires_grad_(True)
+    b = bn.bias.detach().double().cpu().requires_grad_(True)
+    rm, rv = bn.running_mean.double().cpu(), bn.running_var.double().cpu()
+    y = F.batch_norm(xr, rm, rv, w, b, True, momentum, bn.eps)
+    y.backward(dy.double().cpu())
+    return y, xr.grad, w.grad, b.grad, rm, rv
+
+
+def _check_step(bn, x, dy, dtype, what, momentum=0.1):
+    """One training step of ``bn`` on ``x`` against :func:`_reference_step`."""
+    ref = _reference_step(bn, x, dy, momentum)
+    bn.weight.grad = bn.bias.grad = None
+    xo = x.detach().requires_grad_(True)
+    y = bn(xo)
+    y.backward(dy)
+    got = (y, xo.grad, bn.weight.grad, bn.bias.grad, bn.running_mean, bn.running_var)
+    names = ("output", "input grad", "weight grad", "bias grad", "running mean", "running var")
+    for name, g, r in zip(names, got, ref):
+        torch.testing.assert_close(g.double().cpu(), r, **TOL[dtype], msg=f"{what}: {name}")
+    assert bn.weight.grad.dtype == bn.weight.dtype and bn.bias.grad.dtype == bn.bias.dtype
+    assert xo.grad.dtype == x.dtype and xo.grad.stride() == xo.stride(), what
+
+
+@pytest.mark.parametrize("path", PATHS[1:])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_parameters_and_changing_signatures(path, dtype):
+    # Parameters in half (a pure .bfloat16()/.half() model, O3): the kernels read them as they
+    # are and write their gradients in that dtype. The module keeps one plan per signature
+    # (shapes, strides, dtypes, devices): .to() between calls and new batch sizes are followed.
+    device, path_ctx = _path(path)
+    gen = torch.Generator().manual_seed(5)
+    bn = FusedBatchNorm(6).to(device)
+    with torch.no_grad():
+        bn.weight.copy_(torch.rand(6, generator=gen) + 0.5)
+        bn.bias.copy_(torch.randn(6, generator=gen))
+
+    def batch(n):
+        x = torch.randn(n, 6, 3, 5, generator=gen).to(dtype).to(device)
+        dy = torch.randn(n, 6, 3, 5, generator=gen).to(dtype).to(device)
+        return _layout(x, 4), _layout(dy, 4)
+
+    with path_ctx(), _count_fused_calls() as calls:
+        _check_step(bn, *batch(4), dtype, "fp32 parameters")
+        fp32_calls = len(calls)
+        bn.to(dtype)
+        for n in (4, 7, 4):
+            _check_step(bn, *batch(n), dtype, f"{dtype} parameters, batch {n}")
+    assert len(calls) == fp32_calls + 3  # every half-parameter call on the kernels
+    assert bn.running_var.dtype == dtype and int(bn.num_batches_tracked) == 4
+
+
+@pytest.mark.parametrize("path", PATHS[1:])
+@pytest.mark.parametrize("handed_back", ["NCHW copy", "fp32 copy"])
+def test_saved_tensor_hooks_that_hand_back_other_copies(path, handed_back):
+    # Activation offloading / compression hooks may return the saved input laid out or typed
+    # otherwise: the backward must read what it gets, not assume the forward's memory.
+    device, path_ctx = _path(path)
+    gen = torch.Generator().manual_seed(8)
+    bn = FusedBatchNorm(5).to(device)
+    x = _layout(torch.randn(3, 5, 4, 2, generator=gen).to(torch.bfloat16).to(device), 4)
+    dy = _layout(torch.randn(3, 5, 4, 2, generator=gen).to(torch.bfloat16).to(device), 4)
+
+    def unpack(t):
+        if t.dim() != 4:
+            return t
+        return t.contiguous() if handed_back == "NCHW copy" else t.float()
+
+    ref = _reference_step(bn, x, dy, 0.1)
+    xo = x.detach().requires_grad_(True)
+    with path_ctx(), _count_fused_calls() as calls:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = bn(xo)
+        y.backward(dy)
+    assert calls
+    for name, g, r in (("output", y, ref[0]), ("input grad", xo.grad, ref[1]),
+                       ("weight grad", bn.weight.grad, ref[2]),
+                       ("bias grad", bn.bias.grad, ref[3])):
+        torch.testing.assert_close(g.double().cpu(), r, **TOL[torch.bfloat16], msg=name)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dims", [2, 4])
+def test_unaligned_inputs_and_gradients(dims):
+    # Views at odd offsets: Triton specializes kernels on 16-byte alignment, so such tensors
+    # take the checked launcher, not the plan's compiled kernels.
+    gen = torch.Generator().manual_seed(3)
+    bn = FusedBatchNorm(8).cuda()
+    shape = (32, 8) if dims == 2 else (4, 8, 3, 3)
+
+    def unaligned(t):
+        base = torch.empty(t.numel() + 1, dtype=t.dtype, device="cuda")
+        view = base[1:].view(t.shape if dims == 2 else (t.shape[0], *t.shape[2:], t.shape[1]))
+        if dims == 4:
+            view = view.permute(0, 3, 1, 2)  # channels_last strides
+        view.copy_(t)
+        return view
+
+    for step, make in enumerate((unaligned, lambda t: _layout(t, dims), unaligned)):
+        x = make(torch.randn(shape, generator=gen).to(torch.bfloat16).cuda())
+        dy = make(torch.randn(shape, generator=gen).to(torch.bfloat16).cuda())
+        assert step == 1 or x.data_ptr() % 16
+        with _count_fused_calls() as calls:
+            _check_step(bn, x, dy, torch.bfloat16, f"step {step}")
+        assert calls
