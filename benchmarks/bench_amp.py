@@ -17,7 +17,9 @@ mixprec O1/O2/O3, and checks the targets, each a ratio measured in the same run:
   only, without the warm-up's one-off allocations such as cuDNN's algorithm search).
 
 With ``--norm both`` (the default when :mod:`mixprec.normalization` provides
-``FusedLayerNorm``) the GPT's O1 and O2 also run with mixprec's fused LayerNorm.
+``FusedLayerNorm``) the GPT's O1 and O2 also run with mixprec's fused LayerNorm, and
+ResNet-50's with mixprec's ``FusedBatchNorm`` (its Triton kernels where PyTorch has no cuDNN
+path: bf16, and fp16 with fp16 parameters; the fp16 rows show it stepping aside).
 
 It reuses ``mixprec bench``'s models and runner, so both measure the same way.
 
@@ -71,7 +73,8 @@ def _parse_args(argv=None):
         choices=("torch", "mixprec", "both"),
         default=None,
         help="GPT norm layers: torch LayerNorm, mixprec FusedLayerNorm, or both "
-        "(extra O1/O2 rows with FusedLayerNorm). Default: both when available",
+        "(extra O1/O2 rows with FusedLayerNorm); mixprec and both also add ResNet-50 O1/O2 "
+        "rows with FusedBatchNorm. Default: both when available",
     )
     p.add_argument(
         "--smoke",
@@ -257,7 +260,7 @@ def _run_gpt(args, norm, fused_ln):
     return rows
 
 
-def _run_resnet(args):
+def _run_resnet(args, norm):
     print("ResNet-50 (batch 128, 224x224, SGD momentum 0.9, channels_last):", file=sys.stderr)
     try:
         wl = _workload("resnet50", args)
@@ -271,6 +274,13 @@ def _run_resnet(args):
         rows += _run_group(wl, list(_HALF_MODES), dtype, args, tag, True)
     del wl
     _free(args.device)
+    if norm in ("mixprec", "both"):
+        wl = _workload("resnet50", args, fused_batchnorm=True)
+        tag = {"model": "resnet50", "variant": "FusedBatchNorm", "norm": "FusedBatchNorm"}
+        for dtype in args.resnet_dtypes:
+            rows += _run_group(wl, ["O1", "O2"], dtype, args, tag, True)
+        del wl
+        _free(args.device)
     return rows
 
 
@@ -305,7 +315,7 @@ def main(argv=None) -> int:
     if "gpt" in args.models:
         rows += _run_gpt(args, norm, fused_ln)
     if "resnet50" in args.models:
-        rows += _run_resnet(args)
+        rows += _run_resnet(args, norm)
     table, targets = _tables(rows)
     elapsed = time.perf_counter() - t_start
     meta = {

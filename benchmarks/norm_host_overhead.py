@@ -10,6 +10,9 @@ rows) so that every figure is host time. Rows:
   hand-over to its device thread and back, paid once per backward pass, not per layer.
 * ``chain of K, per layer``: K norms in sequence, one backward through all of them, divided
   by K: what a norm adds to a real model's step.
+* BatchNorm: ``torch.nn.BatchNorm2d`` against ``FusedBatchNorm`` on a small bf16
+  channels-last batch with fp32 parameters (amp O2's case, where FusedBatchNorm runs its
+  Triton kernels).
 * ``trivial Python autograd.Function``: an identity op defined in Python, the floor for any
   op whose backward is written in Python (as every Triton-based norm's is).
 
@@ -58,6 +61,26 @@ def _host_us(fn, calls=200, repeats=7):
     return statistics.median(host_runs(fn, calls, repeats))
 
 
+def _compare(name, chains, x, dy, chain_len):
+    """Table rows: host us of torch's and mixprec's layer, per case."""
+    cases = {}
+    for who, chain in chains.items():
+        one = chain[0]
+        params = list(one.parameters())
+        cases.setdefault("fwd", {})[who] = _host_us(lambda one=one: one(x))
+        cases.setdefault("fwd+bwd, one call", {})[who] = _host_us(
+            lambda one=one, params=params: torch.autograd.grad(one(x), [x, *params], dy)
+        )
+        all_params = list(chain.parameters())
+        per_chain = _host_us(
+            lambda chain=chain, ps=all_params: torch.autograd.grad(chain(x), [x, *ps], dy),
+            calls=20,
+        )
+        cases.setdefault(f"chain of {chain_len}, per layer", {})[who] = per_chain / chain_len
+    return [f"| {name} | {case} | {r['torch']:.0f} | {r['mixprec']:.0f} | "
+            f"{r['mixprec'] - r['torch']:+.0f} |" for case, r in cases.items()]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=64)
@@ -66,7 +89,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("norm_host_overhead.py needs a CUDA GPU")
-    from mixprec.normalization import FusedLayerNorm, FusedRMSNorm
+    from mixprec.normalization import FusedBatchNorm, FusedLayerNorm, FusedRMSNorm
 
     dtype = torch.bfloat16
     x = torch.randn(args.rows, args.n, device="cuda", dtype=dtype, requires_grad=True)
@@ -74,32 +97,24 @@ def main(argv=None):
     print(f"host us per call, {args.rows}x{args.n} bf16, torch {torch.__version__}\n")
     print("| op | case | torch | mixprec | mixprec - torch |")
     print("|---|---|---:|---:|---:|")
+    rows = []
     for name, ours_cls, torch_cls in (
         ("LayerNorm", FusedLayerNorm, torch.nn.LayerNorm),
         ("RMSNorm", FusedRMSNorm, torch.nn.RMSNorm),
     ):
-        chains = {}
-        for who, cls in (("torch", torch_cls), ("mixprec", ours_cls)):
-            chains[who] = torch.nn.Sequential(
-                *[cls(args.n) for _ in range(args.chain)]
-            ).to(device="cuda", dtype=dtype)
-        cases = {}
-        for who, chain in chains.items():
-            one = chain[0]
-            params = list(one.parameters())
-            cases.setdefault("fwd", {})[who] = _host_us(lambda one=one: one(x))
-            cases.setdefault("fwd+bwd, one call", {})[who] = _host_us(
-                lambda one=one, params=params: torch.autograd.grad(one(x), [x, *params], dy)
-            )
-            all_params = list(chain.parameters())
-            per_chain = _host_us(
-                lambda chain=chain, ps=all_params: torch.autograd.grad(chain(x), [x, *ps], dy),
-                calls=20,
-            )
-            cases.setdefault(f"chain of {args.chain}, per layer", {})[who] = per_chain / args.chain
-        for case, r in cases.items():
-            print(f"| {name} | {case} | {r['torch']:.0f} | {r['mixprec']:.0f} | "
-                  f"{r['mixprec'] - r['torch']:+.0f} |")
+        chains = {who: torch.nn.Sequential(*[cls(args.n) for _ in range(args.chain)]).to(
+            device="cuda", dtype=dtype) for who, cls in (("torch", torch_cls),
+                                                         ("mixprec", ours_cls))}
+        rows += _compare(name, chains, x, dy, args.chain)
+    # BatchNorm as amp O2 runs it: bf16 channels-last input, fp32 parameters (PyTorch's native
+    # kernels serve that; FusedBatchNorm takes its Triton kernels).
+    xb = torch.randn(8, 64, 4, 4, device="cuda", dtype=dtype).contiguous(
+        memory_format=torch.channels_last).requires_grad_(True)
+    chains = {who: torch.nn.Sequential(*[cls(64) for _ in range(args.chain)]).cuda()
+              for who, cls in (("torch", torch.nn.BatchNorm2d), ("mixprec", FusedBatchNorm))}
+    rows += _compare("BatchNorm2d 8x64x4x4", chains, xb, torch.randn_like(xb), args.chain)
+    for row in rows:
+        print(row)
     floor = _host_us(lambda: torch.autograd.grad(_Identity.apply(x), [x], dy))
     native = _host_us(lambda: torch.autograd.grad(x.clone(), [x], dy))
     print(f"\ntrivial Python autograd.Function (clone), fwd+bwd one call: {floor:.0f} us; "

@@ -18,13 +18,15 @@ parameters: cuDNN or PyTorch's native CUDA kernels). Recipes:
   every bf16 BatchNorm; and with ``mixprec.normalization.FusedBatchNorm`` (the same kernels in a
   group of one) in bf16 O2, pure bf16 and fp16 O3.
 
-    python benchmarks/probe_half_bn.py [--batch 128] [--steps 20]
+    python benchmarks/probe_half_bn.py [--batch 128] [--image 224] [--steps 10]
+        [--recipes 'bf16 O2,bf16 autocast'] [--no-profile]
 """
 
 import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -109,6 +111,28 @@ def _mean_ms(step, steps, rounds=3):
     return statistics.median(times)
 
 
+def _fused_bn_backend(model):
+    """How many FusedBatchNorm layers planned mixprec's kernels (the rest: PyTorch's)."""
+    from mixprec.normalization import FusedBatchNorm
+
+    layers = [m for m in model.modules() if isinstance(m, FusedBatchNorm)]
+    ours = sum(any(v is not False for v in m._cache.values()) for m in layers)
+    return f"mixprec Triton in {ours} of {len(layers)} layers, PyTorch's in the rest"
+
+
+def _host_ms(step, rounds=5):
+    """Host milliseconds of one step started on an idle GPU (it returns once its kernels are
+    queued, unless the launch queue fills), the median of ``rounds``."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def _triton_bn(model):
     """Every BatchNorm as mixprec's SyncBatchNorm, which (told it has a peer whose collectives
     are local copies) runs its channels-last Triton kernels in this one process."""
@@ -130,6 +154,16 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=10, help="steps per timed round (3 rounds)")
     p.add_argument("--warmup", type=int, default=6)
+    p.add_argument("--image", type=int, default=224,
+                   help="image side; with a tiny batch (--batch 2 --image 64) the GPU work "
+                        "is negligible and the eager column is the host's time per step")
+    p.add_argument("--recipes", default="",
+                   help="only these recipes, comma-separated, each as its table row's dtype "
+                        "and recipe, e.g. 'bf16 O2,bf16 autocast' (default: all)")
+    p.add_argument("--host", action="store_true",
+                   help="also the host's time for one step started on an idle GPU")
+    p.add_argument("--no-profile", action="store_true",
+                   help="skip the profiler columns (kernel times)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("probe_half_bn.py needs a CUDA GPU")
@@ -137,7 +171,7 @@ def main(argv=None):
 
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
-    x32 = torch.randn(args.batch, 3, 224, 224, device=device).contiguous(
+    x32 = torch.randn(args.batch, 3, args.image, args.image, device=device).contiguous(
         memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (args.batch,), device=device)
     recipes = [
@@ -156,9 +190,16 @@ def main(argv=None):
         ("bf16", "O2 + FusedBatchNorm", dict(opt_level="O2", fused_bn=True)),
         ("bf16", "pure .bfloat16() + FusedBatchNorm", dict(pure=torch.bfloat16, fused_bn=True)),
         ("fp16", "O3 + FusedBatchNorm", dict(opt_level="O3", fused_bn=True)),
+        ("fp16", "O2 + FusedBatchNorm (PyTorch's cuDNN path: fp32 parameters)",
+         dict(opt_level="O2", fused_bn=True)),
     ]
+    wanted = [w.strip() for w in args.recipes.split(",") if w.strip()]
+    if wanted:
+        recipes = [r for r in recipes if f"{r[0]} {r[1]}" in wanted]
+        if not recipes:
+            sys.exit(f"--recipes {args.recipes!r} matches no recipe")
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, ResNet-50 channels_last, "
-          f"batch {args.batch}\n")
+          f"batch {args.batch}, {args.image}x{args.image}\n")
     print("| dtype | recipe | step ms (eager) | graph replay ms | batch-norm kernels ms/step | "
           "all kernels ms/step | BatchNorm backend |")
     print("|---|---|---:|---:|---:|---:|---|")
@@ -193,14 +234,18 @@ def main(argv=None):
             step = _step_fn(model, opt, x, y, "amp", dtype)
         row = [dtype_name, name]
         try:
-            if spec.get("triton") or spec.get("fused_bn"):
+            if spec.get("triton"):
                 backend = "mixprec Triton (channels-last kernels)"
-            else:
+            elif not spec.get("fused_bn"):
                 with torch.autocast("cuda", dtype=dtype, enabled="autocast" in spec):
                     backend = _backend_of_first_bn(model, x)
             for _ in range(args.warmup):
                 step()
+            if spec.get("fused_bn"):
+                backend = _fused_bn_backend(model)
             row.append(f"{_mean_ms(step, args.steps):.2f}")
+            if args.host:
+                row[-1] += f" (host {_host_ms(step):.2f})"
             graph = "-"
             if dtype == torch.bfloat16:  # (static loss scale: the whole step captures)
                 from probe_norm_host import _graph_ms
@@ -215,8 +260,9 @@ def main(argv=None):
             runs.append((row + [f"failed: {type(err).__name__}: {err}"], None, ""))
     for row, step, backend in runs:
         if step is not None:
-            bn_ms, all_ms = _bn_kernel_ms(step)
-            row += [f"{bn_ms:.2f}", f"{all_ms:.2f}", backend]
+            bn_ms, all_ms = ("-", "-") if args.no_profile else (
+                f"{v:.2f}" for v in _bn_kernel_ms(step))
+            row += [bn_ms, all_ms, backend]
         print("| " + " | ".join(row) + " |")
     if dist.is_initialized():
         dist.destroy_process_group()
