@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
+from torch._C import _functions
 
 from mixprec.normalization._launch import interpreter_enabled as _launch_interpreter_enabled
 from mixprec.normalization._launch import is_compiling
@@ -123,12 +123,10 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
         if _in_functorch_or_forward_ad():
             return None
         weight, bias = self.weight, self.bias
-        anchor = weight if weight is not None else running_mean
-        key = (input.shape, input.stride(), input.dtype, input.device,
-               None if anchor is None else anchor.device,
-               None if weight is None else weight.dtype, None if bias is None else bias.dtype,
-               None if running_mean is None else running_mean.dtype,
-               None if running_var is None else running_var.dtype,
+        # Everything the plan depends on: the tensors' dtypes, devices and geometry (a
+        # parameter replaced by a strided or resized one must not reuse the plan).
+        key = (input.shape, input.stride(), input.dtype, input.device, _signature(weight),
+               _signature(bias), _signature(running_mean), _signature(running_var),
                self.eps, torch.backends.cudnn.enabled)
         if not input.is_cuda:  # (CPU tensors take the kernels only under the tests' routing)
             key += _cpu_routing()
@@ -214,6 +212,10 @@ torch.fx.wrap("_fused_batch_norm_forward")
 _KERNEL_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def _signature(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    return None if t is None else (t.dtype, t.device, t.shape, t.stride())
+
+
 def _cpu_routing() -> tuple:
     """What decides whether CPU tensors take the kernels (the tests route them there, through
     Triton's interpreter): part of a CPU call's cache key."""
@@ -247,9 +249,28 @@ class _KernelsBatchNorm(torch.autograd.Function):
     def backward(ctx, grad_out):
         if torch.is_grad_enabled():
             # (create_graph=True) the gradients are not differentiable again: an error if one
-            # is asked for, as @once_differentiable gives, without its cost on every call.
-            return _backward_once_differentiable(ctx, grad_out)
+            # is asked for. Unlike @once_differentiable, whose error node is attached only when
+            # grad_out requires grad, always: the gradients depend on x even when the loss is
+            # linear in the output, and a second derivative silently dropped is wrong.
+            with torch.no_grad():
+                grads = _backward(ctx, grad_out)
+            if not any(ctx.needs_input_grad[:3]):
+                return grads
+            err = _functions.DelayedError(_SECOND_DERIVATIVE, len(grads))
+
+            def aliased(g):
+                if g is not None:
+                    g = g.detach()
+                    g.requires_grad = True
+                return g
+
+            return err(*[aliased(g) for g in grads])
         return _backward(ctx, grad_out)
+
+
+_SECOND_DERIVATIVE = (b"FusedBatchNorm: trying to differentiate twice through its Triton kernels, "
+                      b"which give first derivatives only; use torch.nn.BatchNorm*d for this layer "
+                      b"(gradient penalties, double backward)")
 
 
 def _backward(ctx, grad_out):
@@ -257,8 +278,11 @@ def _backward(ctx, grad_out):
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     plan = ctx.plan
     if (x.stride() != ctx.x_strides or x.dtype is not ctx.x_dtype or x.device != plan.device
-            or row.dtype is not torch.float32
-            or (weight is not None and weight.dtype is not plan.w_dtype)):
+            or row.dtype is not torch.float32 or row.device != plan.device
+            or not row.is_contiguous()
+            or (weight is not None and (weight.dtype is not plan.w_dtype
+                                        or weight.device != plan.device
+                                        or not weight.is_contiguous()))):
         # A saved-tensor hook (activation offloading, compression) handed back copies laid
         # out or typed otherwise: PyTorch arithmetic on what came back.
         grads = _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias)
@@ -267,9 +291,6 @@ def _backward(ctx, grad_out):
             grad_out = torch.empty_like(x).copy_(grad_out)  # (x's dense channels-last memory)
         grads = plan.backward(grad_out, x, row, weight, need_input, need_weight, need_bias)
     return (*grads, None)
-
-
-_backward_once_differentiable = once_differentiable(_backward)
 
 
 def _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias):

@@ -309,7 +309,9 @@ class LocalPlan:
         grad_weight = (torch.empty(c, dtype=self.w_dtype, device=device) if need_weight
                        else None)
         grad_bias = torch.empty(c, dtype=self.b_dtype, device=device) if need_bias else None
-        ptr = dy.data_ptr() | x.data_ptr()
+        # (row too: a saved-tensor hook may hand back a copy at any address)
+        row_variant = None if row.data_ptr() & 15 else ()
+        ptr = dy.data_ptr() | x.data_ptr() | row.data_ptr()
         variant = None if ptr & 15 else ()
         reduce, elemt = self._sites[3:]
         grad_input = None
@@ -319,7 +321,7 @@ class LocalPlan:
             self._grad_sites[(need_weight, need_bias)](
                 self._merge_grid,
                 (partial, row, sums, sums if grad_weight is None else grad_weight,
-                 sums if grad_bias is None else grad_bias, splits, c), ())
+                 sums if grad_bias is None else grad_bias, splits, c), row_variant)
             if need_input:
                 if weight is not None and weight.data_ptr() & 15:
                     variant = None

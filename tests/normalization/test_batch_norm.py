@@ -220,14 +220,19 @@ def test_functorch_transforms_take_pytorchs_batch_norm():
 
 
 @requires_interpreter
-def test_second_derivative_on_the_kernels_path_is_a_clear_error():
+@pytest.mark.parametrize("loss", ["square", "linear in the output"])
+def test_second_derivative_on_the_kernels_path_is_a_clear_error(loss):
     bn = FusedBatchNorm(4)
     x = torch.randn(4, 4, 3, 3).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
     with emulated_fused_path(triton=True):
         x.requires_grad_(True)
-        (g,) = torch.autograd.grad(bn(x).float().pow(2).sum(), x, create_graph=True)
+        y = bn(x).float()
+        # A loss linear in y still has a gradient that depends on x: dropping its derivative
+        # silently would be wrong, so that case is an error too.
+        out = y.pow(2).sum() if loss == "square" else (y * torch.randn_like(y)).sum()
+        (g,) = torch.autograd.grad(out, x, create_graph=True)
         with pytest.raises(RuntimeError, match="differentiate twice"):
-            g.float().sum().backward()
+            g.float().pow(2).sum().backward()
 
 
 def test_amp_keeps_it_fp32_and_it_copies_after_use():
@@ -331,7 +336,7 @@ def test_half_parameters_and_changing_signatures(path, dtype):
 
 
 @pytest.mark.parametrize("path", PATHS[1:])
-@pytest.mark.parametrize("handed_back", ["NCHW copy", "fp32 copy"])
+@pytest.mark.parametrize("handed_back", ["NCHW copy", "fp32 copy", "row at an odd address"])
 def test_saved_tensor_hooks_that_hand_back_other_copies(path, handed_back):
     # Activation offloading / compression hooks may return the saved input laid out or typed
     # otherwise: the backward must read what it gets, not assume the forward's memory.
@@ -342,6 +347,12 @@ def test_saved_tensor_hooks_that_hand_back_other_copies(path, handed_back):
     dy = _layout(torch.randn(3, 5, 4, 2, generator=gen).to(torch.bfloat16).to(device), 4)
 
     def unpack(t):
+        if handed_back == "row at an odd address":  # (an arena packing saved tensors)
+            if t.dim() != 1 or t.numel() != 2 * 5 + 1:
+                return t
+            base = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+            base[1:].copy_(t)
+            return base[1:]
         if t.dim() != 4:
             return t
         return t.contiguous() if handed_back == "NCHW copy" else t.float()
@@ -383,3 +394,20 @@ def test_unaligned_inputs_and_gradients(dims):
         with _count_fused_calls() as calls:
             _check_step(bn, x, dy, torch.bfloat16, f"step {step}")
         assert calls
+
+
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_a_parameter_replaced_by_a_strided_one_is_not_read_with_the_old_plan(path):
+    # The plan is kept per signature, parameters' geometry included: a weight replaced by a
+    # strided view of the same dtype takes PyTorch's path (the kernels read unit strides).
+    device, path_ctx = _path(path)
+    gen = torch.Generator().manual_seed(2)
+    bn = FusedBatchNorm(6).to(device)
+    x = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16).to(device), 4)
+    dy = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16).to(device), 4)
+    with path_ctx(), _count_fused_calls() as calls:
+        _check_step(bn, x, dy, torch.bfloat16, "contiguous weight")
+        bn.weight = torch.nn.Parameter(
+            (torch.rand(12, generator=gen) + 0.5).to(device)[::2])
+        _check_step(bn, x, dy, torch.bfloat16, "strided weight")
+    assert len(calls) == 1
