@@ -8,7 +8,7 @@ channels-last inputs, on mixprec's Triton batch-norm kernels (SyncBatchNorm's, w
 collectives: 7.5 ms there), and everything else as ``torch.nn.BatchNorm*d`` does.
 
 Host cost is part of the design: a layer's decision (kernels or PyTorch's, and the launch plan)
-is made once per input signature and kept in the module; a call then runs a three-argument
+is made once per input signature and kept in the module; a call then runs a four-argument
 autograd Function whose forward allocates three tensors and launches three kernels
 (``mixprec.parallel._syncbn_triton.LocalPlan``) and whose backward allocates up to five and
 launches three.

@@ -239,6 +239,8 @@ class LocalPlan:
     def __init__(self, m: int, c: int, device: torch.device, x_dtype: torch.dtype,
                  w_dtype: Optional[torch.dtype], b_dtype: Optional[torch.dtype],
                  running_dtypes: Optional[Tuple[torch.dtype, torch.dtype]]):
+        # (x_dtype and the running statistics' dtypes are not read here, but the compiled
+        # kernels the sites keep are specialized on them: they are part of local_plan's key.)
         plan = plan_for(m, c, device)
         self.m, self.c, self.device = m, c, device
         self.w_dtype, self.b_dtype = w_dtype, b_dtype
