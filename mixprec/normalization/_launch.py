@@ -67,6 +67,37 @@ def is_compiling() -> bool:
     return torch._dynamo.is_compiling()
 
 
+def first_derivatives_only(backward, ctx, grad: Tensor, what: str):
+    """``backward(ctx, grad)`` for an autograd Function whose backward has no derivative of
+    its own (Triton kernels, or arithmetic run under ``no_grad``).
+
+    Under ``create_graph=True`` the gradients it returns carry an error node (autograd's
+    ``DelayedError``) whenever an input needed a gradient, so that asking for a second
+    derivative through them raises instead of dropping it silently. ``@once_differentiable``
+    attaches that node only when ``grad`` itself requires grad, which misses a loss linear in
+    the output (whose gradient still depends on the input), and costs a ``no_grad`` context on
+    every plain backward.
+    """
+    if not torch.is_grad_enabled():
+        return backward(ctx, grad)
+    with torch.no_grad():
+        grads = backward(ctx, grad)
+    if not any(ctx.needs_input_grad):
+        return grads
+    err = torch._C._functions.DelayedError(
+        f"{what}: trying to differentiate twice through a backward that gives first "
+        f"derivatives only".encode(), len(grads))
+    return err(*[_error_alias(g) for g in grads])
+
+
+def _error_alias(g: Optional[Tensor]) -> Optional[Tensor]:
+    # (The error node needs inputs that require grad to give its outputs a grad_fn.)
+    if g is not None:
+        g = g.detach()
+        g.requires_grad = True
+    return g
+
+
 def interpreter_enabled() -> bool:
     """Whether Triton runs kernels on CPU tensors (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

@@ -20,7 +20,6 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from mixprec.normalization import _checks, _launch, reference
 
@@ -294,9 +293,6 @@ def _backward(ctx, dy):
     return dx if need_x else None, dw if need_w else None, db if need_b else None, None
 
 
-_backward_once_differentiable = once_differentiable(_backward)
-
-
 class _FusedNormFunction(torch.autograd.Function):
     """Eager-mode autograd wrapper around a path (:class:`_TritonPath` or
     :class:`_GenericPath`).
@@ -316,12 +312,9 @@ class _FusedNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        if torch.is_grad_enabled():
-            # create_graph=True: no second derivative here (the kernels have none); a clear
-            # error if one is asked for, as @once_differentiable gives. (Checked here, not by
-            # decorating: its no_grad context costs host time on every plain backward.)
-            return _backward_once_differentiable(ctx, dy)
-        return _backward(ctx, dy)
+        # (create_graph=True: no second derivative here, the kernels have none; an error if
+        # one is asked for.)
+        return _launch.first_derivatives_only(_backward, ctx, dy, "mixprec's fused norm")
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:

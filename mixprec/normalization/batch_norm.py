@@ -19,10 +19,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._C import _functions
 
+from mixprec.normalization._launch import first_derivatives_only, is_compiling
 from mixprec.normalization._launch import interpreter_enabled as _launch_interpreter_enabled
-from mixprec.normalization._launch import is_compiling
 
 __all__ = ["FusedBatchNorm", "convert_fused_batchnorm"]
 
@@ -247,30 +246,10 @@ class _KernelsBatchNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if torch.is_grad_enabled():
-            # (create_graph=True) the gradients are not differentiable again: an error if one
-            # is asked for. Unlike @once_differentiable, whose error node is attached only when
-            # grad_out requires grad, always: the gradients depend on x even when the loss is
-            # linear in the output, and a second derivative silently dropped is wrong.
-            with torch.no_grad():
-                grads = _backward(ctx, grad_out)
-            if not any(ctx.needs_input_grad[:3]):
-                return grads
-            err = _functions.DelayedError(_SECOND_DERIVATIVE, len(grads))
-
-            def aliased(g):
-                if g is not None:
-                    g = g.detach()
-                    g.requires_grad = True
-                return g
-
-            return err(*[aliased(g) for g in grads])
-        return _backward(ctx, grad_out)
-
-
-_SECOND_DERIVATIVE = (b"FusedBatchNorm: trying to differentiate twice through its Triton kernels, "
-                      b"which give first derivatives only; use torch.nn.BatchNorm*d for this layer "
-                      b"(gradient penalties, double backward)")
+        # (create_graph=True: the gradients are not differentiable again; an error if asked.)
+        return first_derivatives_only(
+            _backward, ctx, grad_out,
+            "FusedBatchNorm (its Triton kernels; use torch.nn.BatchNorm*d for double backward)")
 
 
 def _backward(ctx, grad_out):

@@ -45,9 +45,8 @@ import dataclasses
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
-from mixprec.normalization._launch import is_compiling
+from mixprec.normalization._launch import first_derivatives_only, is_compiling
 from mixprec.parallel import _syncbn_triton
 from mixprec.parallel._comm import all_gather_rows, all_reduce_sum
 
@@ -436,38 +435,42 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out):
-        x, weight, mean, invstd, counts = ctx.saved_tensors
-        layout = ctx.layout
-        if x.stride() != layout.strides:
-            # A saved-tensor hook (activation offloading) handed back a copy laid out
-            # otherwise: the kernels must read it as it is.
-            layout = _Layout(x, ctx.channel_last)
-        needs = (
-            ctx.needs_input_grad[0],
-            weight is not None and ctx.needs_input_grad[1],
-            ctx.needs_input_grad[2],
+        # (create_graph=True: no second derivative, an error if one is asked for.)
+        return first_derivatives_only(_backward, ctx, grad_out, "SyncBatchNorm")
+
+
+def _backward(ctx, grad_out):
+    x, weight, mean, invstd, counts = ctx.saved_tensors
+    layout = ctx.layout
+    if x.stride() != layout.strides:
+        # A saved-tensor hook (activation offloading) handed back a copy laid out
+        # otherwise: the kernels must read it as it is.
+        layout = _Layout(x, ctx.channel_last)
+    needs = (
+        ctx.needs_input_grad[0],
+        weight is not None and ctx.needs_input_grad[1],
+        ctx.needs_input_grad[2],
+    )
+    w = _as_dtype(weight, mean.dtype)
+    if _use_fused(x):
+        grad_input, grad_weight, grad_bias = _fused_backward(
+            grad_out, x, layout, w, mean, invstd, counts, ctx.group, needs
         )
-        w = _as_dtype(weight, mean.dtype)
-        if _use_fused(x):
-            grad_input, grad_weight, grad_bias = _fused_backward(
-                grad_out, x, layout, w, mean, invstd, counts, ctx.group, needs
-            )
-        else:
-            grad_input, grad_weight, grad_bias = _reference_backward(
-                grad_out, x, layout, w, mean, invstd, counts, ctx.group, needs
-            )
-        if not needs[1]:
-            grad_weight = None
-        elif grad_weight is not None and grad_weight.dtype != weight.dtype:
-            grad_weight = grad_weight.to(weight.dtype)
-        if not needs[2]:
-            grad_bias = None
-        elif (grad_bias is not None and weight is not None
-              and grad_bias.dtype != weight.dtype):
-            grad_bias = grad_bias.to(weight.dtype)
-        return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+    else:
+        grad_input, grad_weight, grad_bias = _reference_backward(
+            grad_out, x, layout, w, mean, invstd, counts, ctx.group, needs
+        )
+    if not needs[1]:
+        grad_weight = None
+    elif grad_weight is not None and grad_weight.dtype != weight.dtype:
+        grad_weight = grad_weight.to(weight.dtype)
+    if not needs[2]:
+        grad_bias = None
+    elif (grad_bias is not None and weight is not None
+          and grad_bias.dtype != weight.dtype):
+        grad_bias = grad_bias.to(weight.dtype)
+    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def sync_batch_norm(x, weight, bias, running_mean, running_var, eps: float, momentum: float,

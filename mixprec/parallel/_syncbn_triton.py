@@ -34,8 +34,8 @@ from mixprec.normalization._launch import (
     triton_next_power_of_2,
 )
 
-__all__ = ["LocalPlan", "Plan", "backward_elemt", "local_plan", "backward_reduce", "forward_elemt", "plan_for",
-           "stats_row", "usable", "usable_dtype"]
+__all__ = ["LocalPlan", "Plan", "backward_elemt", "backward_reduce", "forward_elemt",
+           "local_plan", "plan_for", "stats_row", "usable", "usable_dtype"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _TILE = 4096  # elements of x per [BLOCK_M, BLOCK_C] tile (32 per thread at 4 warps)

@@ -429,18 +429,25 @@ def test_module_attribute_changes_between_calls_are_honoured(device):
             norm(x)
 
 
-def test_second_derivative_is_a_clear_error():
+@pytest.mark.parametrize("loss", ["square", "linear in the output"])
+def test_second_derivative_is_a_clear_error(loss):
     # create_graph=True works for first derivatives; asking for a second one through the
-    # fused backward (which has none) is an error, not a silent zero.
+    # fused backward (which has none) is an error, not a silent zero -- also when the loss is
+    # linear in the output (its gradient still depends on x; grad_out then needs no grad).
     x = torch.randn(4, 16, requires_grad=True)
     norm = FusedLayerNorm(16)
-    (gx,) = torch.autograd.grad(norm(x).pow(2).sum(), x, create_graph=True)
+    c = torch.randn(4, 16)
+
+    def out(y):
+        return y.pow(2).sum() if loss == "square" else (y * c).sum()
+
+    (gx,) = torch.autograd.grad(out(norm(x)), x, create_graph=True)
     ref = x.detach().clone().requires_grad_(True)
     (want,) = torch.autograd.grad(
-        torch.nn.functional.layer_norm(ref, (16,), norm.weight, norm.bias).pow(2).sum(), ref)
+        out(torch.nn.functional.layer_norm(ref, (16,), norm.weight, norm.bias)), ref)
     torch.testing.assert_close(gx, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="differentiate twice"):
-        gx.sum().backward()
+        gx.pow(2).sum().backward()
 
 
 @KERNEL_DEVICES

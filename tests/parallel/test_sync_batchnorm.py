@@ -624,3 +624,16 @@ def test_create_syncbn_process_group_errors(not_distributed):
         create_syncbn_process_group(-1)
     with pytest.raises(RuntimeError, match="init_process_group"):
         create_syncbn_process_group(2)
+
+
+@pytest.mark.parametrize("loss", ["square", "linear in the output"])
+def test_second_derivative_is_a_clear_error(loss):
+    # The function's backward gives first derivatives only: a second one through it raises,
+    # also for a loss linear in the output (whose gradient still depends on x).
+    x = torch.randn(6, 3, 4, requires_grad=True)
+    w = torch.rand(3, requires_grad=True)
+    y = fn.sync_batch_norm(x, w, torch.zeros(3), None, None, 1e-5, 0.1, fn.LOCAL, 1)
+    out = y.pow(2).sum() if loss == "square" else (y * torch.randn_like(y)).sum()
+    (gx,) = torch.autograd.grad(out, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.pow(2).sum().backward()
