@@ -10,7 +10,7 @@ collectives: 7.5 ms there), and everything else as ``torch.nn.BatchNorm*d`` does
 Host cost is part of the design: a layer's decision (kernels or PyTorch's, and the launch plan)
 is made once per input signature and kept in the module; a call then runs a four-argument
 autograd Function whose forward allocates three tensors and launches three kernels
-(``mixprec.parallel._syncbn_triton.LocalPlan``) and whose backward allocates up to five and
+(``mixprec.parallel._syncbn_triton.Plan``) and whose backward allocates up to five and
 launches three.
 """
 
@@ -142,31 +142,20 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     @torch.jit.unused
     def _plan_for(self, input, weight, bias, running_mean, running_var):
-        """The kernels' :class:`~mixprec.parallel._syncbn_triton.LocalPlan` for this call's
+        """The kernels' :class:`~mixprec.parallel._syncbn_triton.Plan` for this call's
         signature, or False where PyTorch's batch norm serves it (or raises its own error)."""
         from mixprec.parallel import _sync_batchnorm_function as sbf
-        from mixprec.parallel import _syncbn_triton
 
-        if not (sbf._use_fused(input) and _syncbn_triton.usable_dtype(input)):
+        # SyncBatchNorm's rule (dense channels-last memory: (N, C) contiguous or a
+        # channels_last / channels_last_3d tensor; a dtype the kernels read; parameters and
+        # running statistics they take; more than one row, else PyTorch's own error or result),
+        # then only where PyTorch would not use cuDNN.
+        plan = sbf._triton_plan(input, weight, bias, running_mean, running_var,
+                                input.dim() == 2)
+        if plan is None or _pytorch_uses_cudnn(input, weight, bias, running_mean, running_var,
+                                               self.eps):
             return False
-        if (running_mean is None) != (running_var is None):
-            return False
-        for t in (weight, bias, running_mean, running_var):
-            if t is not None and (t.dtype not in _KERNEL_PARAM_DTYPES or t.device != input.device
-                                  or t.dim() != 1 or t.numel() != input.shape[1]
-                                  or not t.is_contiguous()):
-                return False  # (PyTorch's batch norm explains what is wrong)
-        # The kernels take channels-last memory as it is: (N, C) contiguous, or a dense
-        # channels_last / channels_last_3d tensor.
-        layout = sbf._Layout(input, input.dim() == 2)
-        if not layout.dense or layout.rows <= 1:
-            return False  # (one value per channel or none: PyTorch's own error or result)
-        if _pytorch_uses_cudnn(input, weight, bias, running_mean, running_var, self.eps):
-            return False
-        return _syncbn_triton.local_plan(
-            layout.rows, layout.num_channels, input.device, input.dtype,
-            None if weight is None else weight.dtype, None if bias is None else bias.dtype,
-            None if running_mean is None else (running_mean.dtype, running_var.dtype))
+        return plan
 
     def _forward_impl(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
@@ -207,9 +196,6 @@ def _fused_batch_norm_forward(module: FusedBatchNorm, input: torch.Tensor) -> to
 
 
 torch.fx.wrap("_fused_batch_norm_forward")
-
-_KERNEL_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def _signature(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return None if t is None else (t.dtype, t.device, t.shape, t.stride())

@@ -19,24 +19,29 @@ which each rank computes its slice of the input gradient::
 Weight and bias gradients stay local (``sum_dy_xmu * invstd`` and ``sum_dy``): the data-parallel
 wrapper averages them like any other parameter gradient.
 
-Two implementations of the same maths:
+Three implementations of the same maths:
 
-* CUDA: PyTorch's fused kernels (``torch.batch_norm_stats``, ``batch_norm_gather_stats_with_counts``,
-  ``batch_norm_elemt``, ``batch_norm_backward_reduce``, ``batch_norm_backward_elemt``), which read
-  half input with fp32 parameters and have channels-last variants. Channels-last inputs are handed
-  to them as a ``(M, C)`` view (no copy); the output is written into a tensor with the input's
-  strides. For dense channels-last inputs (a ``channels_last`` tensor, or a contiguous one with
-  ``channel_last=True``) all four passes (statistics; merge + normalize; ``sum(dy)`` and
-  ``sum(dy * (x - mean))``; input gradient) run in mixprec's Triton kernels (``_syncbn_triton``),
-  on the tensors themselves, when Triton imports: the reductions write the packed tensors the
-  collectives send, the merge of the ranks' statistics is fused into the normalization, and
-  PyTorch's channels-last kernels were the slow part of a SyncBatchNorm step on an H200. Each
-  layer keeps the layout and launch plan of the shapes it sees (``cache``), so a step's host
-  work per layer is the autograd node, six launches and two collectives. Nothing synchronises
-  the host with the device (``torch.nn.SyncBatchNorm`` does, once per layer, to drop empty
-  ranks), so a rank with an empty batch sends a negligible count (``_EMPTY_COUNT``) instead,
-  which the merge kernels weigh as nothing.
+* Dense channels-last input on CUDA (a ``channels_last`` tensor, or a contiguous one with
+  ``channel_last=True``) in fp32/fp16/bf16, when Triton imports: mixprec's Triton kernels
+  (``_syncbn_triton``), on the tensors themselves. This rank's ``[mean, invstd, count]`` row is
+  written straight into the tensor the all-gather sends; the merge of the ranks' rows is fused
+  into the normalization, which writes the global row the backward reads; the backward's
+  reduction writes the tensor the all-reduce sends. PyTorch's channels-last kernels were the
+  slow part of a SyncBatchNorm step on an H200. Each layer keeps, per input signature, the
+  decision and the launch plan (``cache``), so a step's host work per layer is a four-argument
+  autograd node, six launches, five to eight allocations and two collectives; parameters and
+  running statistics are read in their own dtypes (no casts).
+* Other CUDA inputs: PyTorch's fused kernels (``torch.batch_norm_stats``,
+  ``batch_norm_gather_stats_with_counts``, ``batch_norm_elemt``, ``batch_norm_backward_reduce``,
+  ``batch_norm_backward_elemt``), which read half input with fp32 parameters and have
+  channels-last variants. Channels-last inputs are handed to them as a ``(M, C)`` view (no
+  copy); the output is written into a tensor with the input's strides.
 * Everything else (CPU over gloo): the same formulas in plain fp32 PyTorch, merged in fp64.
+
+Nothing synchronises the host with the device (``torch.nn.SyncBatchNorm`` does, once per layer,
+to drop empty ranks), so a rank with an empty batch sends a negligible count (``_EMPTY_COUNT``)
+instead, which the merges weigh as nothing; it takes PyTorch's kernels, whose rows and sums have
+the Triton path's format, so ranks may take different paths.
 """
 
 from __future__ import annotations
@@ -46,7 +51,11 @@ from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
-from mixprec.normalization._launch import first_derivatives_only, is_compiling
+from mixprec.normalization._launch import (
+    first_derivatives_only,
+    interpreter_enabled,
+    is_compiling,
+)
 from mixprec.parallel import _syncbn_triton
 from mixprec.parallel._comm import all_gather_rows, all_reduce_sum
 
@@ -83,7 +92,7 @@ class _FusedOps:
     elemt: Callable = torch.batch_norm_elemt
     backward_reduce: Callable = torch.batch_norm_backward_reduce
     backward_elemt: Callable = torch.batch_norm_backward_elemt
-    # Channels-last inputs: every pass in mixprec's Triton kernels (``_syncbn_triton``)
+    # Dense channels-last inputs: every pass in mixprec's Triton kernels (``_syncbn_triton``)
     # instead of the five above.
     triton_channels_last: bool = True
 
@@ -129,12 +138,6 @@ class _Layout:
         self.dense = self.flat and (self.perm is not None or x.is_contiguous())
         c = self.shape[self.channel_dim] if x.dim() else 0
         self.rows = x.numel() // c if c else 0
-        self.plan = None  # the Triton kernels' Plan, made on first use (dense layouts only)
-
-    def __getstate__(self):
-        # The plan holds compiled kernels (not picklable, and tied to this process's GPU): a
-        # copied or unpickled module makes its own on first use.
-        return {**self.__dict__, "plan": None}
 
     @property
     def num_channels(self) -> int:
@@ -181,8 +184,8 @@ class _Layout:
 
 
 def _layout_of(x: torch.Tensor, channel_last: bool, cache: Optional[Dict]) -> _Layout:
-    # A layer sees the same shapes step after step: keep its _Layout (and with it the Triton
-    # kernels' Plan) per geometry instead of working them out on every call.
+    # A layer sees the same shapes step after step: keep its _Layout per geometry instead of
+    # working it out on every call.
     if cache is None:
         return _Layout(x, channel_last)
     key = ("layout", x.shape, x.stride(), channel_last)
@@ -197,18 +200,6 @@ def _cache_put(cache: Dict, key, value) -> None:
     if len(cache) >= 16:  # a layer fed ever-changing shapes: start over
         cache.clear()
     cache[key] = value
-
-
-def _triton_plan(x: torch.Tensor, layout: _Layout):
-    """The Triton kernels' Plan when they take ``x`` as it is (dense channels-last on CUDA,
-    non-empty, a dtype they read), else None."""
-    if not (layout.dense and layout.rows and _OPS.triton_channels_last
-            and _syncbn_triton.usable_dtype(x)):
-        return None
-    plan = layout.plan
-    if plan is None or plan.device != x.device:
-        plan = layout.plan = _syncbn_triton.plan_for(layout.rows, layout.num_channels, x.device)
-    return plan
 
 
 def _count_tensor(cache: Optional[Dict], count: float, like: torch.Tensor) -> torch.Tensor:
@@ -231,17 +222,6 @@ def _count_tensor(cache: Optional[Dict], count: float, like: torch.Tensor) -> to
 def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, momentum, group,
                    world_size, stat_dtype, cache):
     C = layout.num_channels
-    plan = _triton_plan(x, layout)
-    if plan is not None:
-        # Four Triton kernels take x itself: this rank's [mean, invstd, count] written straight
-        # into the buffer the all-gather sends; then the ranks' statistics merged, the running
-        # statistics updated and x normalized, in one kernel.
-        rows = _gather_rows(plan.stats_row(x, C, eps), group, world_size)
-        out = torch.empty_like(x)  # dense like x: the same (M, C) array
-        mean, invstd = plan.forward_elemt(x, C, out, C, rows, weight, bias, running_mean,
-                                          running_var, momentum, eps)
-        return out, mean, invstd, rows[:, 2 * C]
-
     xk = layout.to_kernel(x)
     count = layout.rows
     if count > 0:
@@ -282,27 +262,6 @@ def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, mome
 def _fused_backward(grad_out, x, layout, weight, mean, invstd, counts, group, needs):
     need_input, need_weight, need_bias = needs
     C = layout.num_channels
-    plan = _triton_plan(x, layout) if mean.dtype == torch.float32 else None
-    if plan is not None:
-        # The gradient usually arrives with x's strides; otherwise as an (M, C) copy.
-        if grad_out.stride() == x.stride() and grad_out.dtype == x.dtype:
-            gk, stride_g = grad_out, C
-        else:
-            gk = layout.to_kernel(grad_out)
-            stride_g = gk.stride(0)
-            if not _syncbn_triton.usable(gk):
-                gk, plan = None, None
-    if plan is not None:
-        packed, grad_weight, grad_bias = plan.backward_reduce(gk, stride_g, x, C, mean, invstd,
-                                                              need_weight, need_bias)
-        grad_input = None
-        if need_input:
-            _reduce_sum(packed, group)  # the one collective of the backward pass
-            grad_input = torch.empty_like(x)
-            plan.backward_elemt(gk, stride_g, x, C, grad_input, C, mean, invstd, weight, packed,
-                                counts)
-        return grad_input, grad_weight, grad_bias
-
     xk = layout.to_kernel(x)
     gk = layout.to_kernel(grad_out)
     if xk.numel() > 0:
@@ -447,19 +406,28 @@ def _backward(ctx, grad_out):
         # A saved-tensor hook (activation offloading) handed back a copy laid out
         # otherwise: the kernels must read it as it is.
         layout = _Layout(x, ctx.channel_last)
+    grads = _pytorch_backward(grad_out, x, layout, weight, mean, invstd, counts, ctx.group,
+                              ctx.needs_input_grad)
+    return (*grads, None, None, None, None, None, None, None, None)
+
+
+def _pytorch_backward(grad_out, x, layout, weight, mean, invstd, counts, group,
+                      needs_input_grad):
+    """``(grad_input, grad_weight, grad_bias)`` by PyTorch's fused kernels (CUDA) or plain
+    PyTorch (CPU), the gradients in the parameters' dtype."""
     needs = (
-        ctx.needs_input_grad[0],
-        weight is not None and ctx.needs_input_grad[1],
-        ctx.needs_input_grad[2],
+        needs_input_grad[0],
+        weight is not None and needs_input_grad[1],
+        needs_input_grad[2],
     )
     w = _as_dtype(weight, mean.dtype)
     if _use_fused(x):
         grad_input, grad_weight, grad_bias = _fused_backward(
-            grad_out, x, layout, w, mean, invstd, counts, ctx.group, needs
+            grad_out, x, layout, w, mean, invstd, counts, group, needs
         )
     else:
         grad_input, grad_weight, grad_bias = _reference_backward(
-            grad_out, x, layout, w, mean, invstd, counts, ctx.group, needs
+            grad_out, x, layout, w, mean, invstd, counts, group, needs
         )
     if not needs[1]:
         grad_weight = None
@@ -470,7 +438,113 @@ def _backward(ctx, grad_out):
     elif (grad_bias is not None and weight is not None
           and grad_bias.dtype != weight.dtype):
         grad_bias = grad_bias.to(weight.dtype)
-    return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None, None
+    return grad_input, grad_weight, grad_bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Dense channels-last input: mixprec's Triton kernels
+# ---------------------------------------------------------------------------------------------
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _triton_plan(x, weight, bias, running_mean, running_var, channel_last):
+    """The Triton kernels' :class:`~mixprec.parallel._syncbn_triton.Plan` when they take this
+    call as it is, else None (PyTorch's kernels or plain PyTorch then).
+
+    They take dense channels-last ``x`` (its memory the ``(M, C)`` array) in a dtype they read,
+    with more than one row (an empty rank, or a single row that may make the whole group's
+    batch a single value, takes the general path, which handles both), and parameters and
+    running statistics that are 1-D, contiguous, ``C`` long and on ``x``'s device.
+    """
+    if not (_OPS.triton_channels_last and _use_fused(x) and _syncbn_triton.usable_dtype(x)):
+        return None
+    if (running_mean is None) != (running_var is None):
+        return None
+    layout = _Layout(x, channel_last)
+    if not layout.dense or layout.rows <= 1:
+        return None
+    c = layout.num_channels
+    for t in (weight, bias, running_mean, running_var):
+        if t is not None and (t.dtype not in _PARAM_DTYPES or t.device != x.device
+                              or t.dim() != 1 or t.numel() != c or not t.is_contiguous()):
+            return None
+    return _syncbn_triton.plan_for(
+        layout.rows, c, x.device, x.dtype, None if weight is None else weight.dtype,
+        None if bias is None else bias.dtype,
+        None if running_mean is None else (running_mean.dtype, running_var.dtype))
+
+
+def _signature(t: Optional[torch.Tensor]) -> Optional[tuple]:
+    return None if t is None else (t.dtype, t.device, t.shape, t.stride())
+
+
+def _cached_triton_plan(x, weight, bias, running_mean, running_var, channel_last, cache):
+    """:func:`_triton_plan`, decided once per call signature and kept in ``cache``."""
+    if cache is None:
+        return _triton_plan(x, weight, bias, running_mean, running_var, channel_last)
+    # Everything the decision depends on: the tensors' dtypes, devices and geometry (a
+    # parameter replaced by a strided or resized one must not reuse the plan), and the
+    # routing switches the tests flip.
+    key = ("plan", x.shape, x.stride(), x.dtype, x.device, _signature(weight),
+           _signature(bias), _signature(running_mean), _signature(running_var), channel_last,
+           _OPS.triton_channels_last, _use_fused)
+    if not x.is_cuda:
+        key += (_syncbn_triton._cpu_testing, interpreter_enabled())
+    plan = cache.get(key)
+    if plan is None:
+        plan = _triton_plan(x, weight, bias, running_mean, running_var, channel_last) or False
+        _cache_put(cache, key, plan)
+    return plan or None
+
+
+class _TritonSyncBatchNorm(torch.autograd.Function):
+    """The Triton path's autograd node: saves the input, the weight and the global statistics
+    row. (What autograd needs not look at travels as one argument: each argument of a Python
+    Function costs host time.)"""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, rest):
+        running_mean, running_var, momentum, eps, group, world_size, channel_last, plan = rest
+        rows = _gather_rows(plan.stats(x, eps), group, world_size)  # the forward's collective
+        out, row = plan.normalize(x, rows, weight, bias, running_mean, running_var, momentum,
+                                  eps)
+        ctx.save_for_backward(x, weight, row)
+        ctx.plan, ctx.group, ctx.channel_last, ctx.x_strides = plan, group, channel_last, \
+            x.stride()
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        # (create_graph=True: no second derivative, an error if one is asked for.)
+        return first_derivatives_only(_triton_backward, ctx, grad_out, "SyncBatchNorm")
+
+
+def _triton_backward(ctx, grad_out):
+    x, weight, row = ctx.saved_tensors
+    plan = ctx.plan
+    if (x.stride() != ctx.x_strides or x.dtype is not plan.x_dtype or x.device != plan.device
+            or row.dtype is not torch.float32 or row.device != plan.device
+            or not row.is_contiguous()
+            or (weight is not None and (weight.dtype is not plan.w_dtype
+                                        or weight.device != plan.device
+                                        or not weight.is_contiguous()))):
+        # A saved-tensor hook (activation offloading, compression) handed back copies laid
+        # out or typed otherwise: PyTorch's kernels (or plain PyTorch) on what came back.
+        c = plan.c
+        row = row.to(device=x.device, dtype=torch.float32)
+        grads = _pytorch_backward(grad_out, x, _Layout(x, ctx.channel_last), weight, row[:c],
+                                  row[c:2 * c], row[2 * c:], ctx.group, ctx.needs_input_grad)
+        return (*grads, None)
+    need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
+    if grad_out.dtype is not x.dtype or grad_out.stride() != x.stride():
+        grad_out = torch.empty_like(x).copy_(grad_out)  # (x's dense channels-last memory)
+    sums, grad_weight, grad_bias = plan.grad_sums(grad_out, x, row,
+                                                  need_weight and weight is not None, need_bias)
+    grad_input = None
+    if need_input:
+        _reduce_sum(sums, ctx.group)  # the one collective of the backward pass
+        grad_input = plan.grad_input(grad_out, x, row, weight, sums)
+    return grad_input, grad_weight, grad_bias, None
 
 
 def sync_batch_norm(x, weight, bias, running_mean, running_var, eps: float, momentum: float,
@@ -489,24 +563,36 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, eps: float, mome
             no collectives).
         world_size (int): its size.
         channel_last (bool): channels are ``x``'s last dimension. Default False.
-        cache (dict, optional): per-module scratch: the layout (and Triton plan) of each input
-            geometry seen, the count tensor of the PyTorch path.
+        cache (dict, optional): per-module scratch: per input signature, the Triton kernels'
+            plan (or that they do not take it), the layout of each input geometry, the count
+            tensor of PyTorch's kernels' path.
 
     Returns:
         Tensor: normalized ``x``, same shape, dtype and layout.
     """
-    args = (x, weight, bias, running_mean, running_var, eps, momentum, group, world_size,
-            channel_last, cache)
     if is_compiling():
-        return _outside_the_compiler()(*args)
-    return _SyncBatchNormFunction.apply(*args)
+        return _outside_the_compiler()(x, weight, bias, running_mean, running_var, eps,
+                                       momentum, group, world_size, channel_last, cache)
+    return _sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum, group,
+                            world_size, channel_last, cache)
+
+
+def _sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum, group,
+                     world_size, channel_last, cache):
+    plan = _cached_triton_plan(x, weight, bias, running_mean, running_var, channel_last, cache)
+    if plan is not None:
+        return _TritonSyncBatchNorm.apply(x, weight, bias, (
+            running_mean, running_var, float(momentum), float(eps), group, world_size,
+            channel_last, plan))
+    return _SyncBatchNormFunction.apply(x, weight, bias, running_mean, running_var, eps,
+                                        momentum, group, world_size, channel_last, cache)
 
 
 _UNCOMPILED = None
 
 
 def _outside_the_compiler():
-    """``_SyncBatchNormFunction.apply`` behind ``torch.compiler.disable``.
+    """``_sync_batch_norm`` behind ``torch.compiler.disable``.
 
     Under ``torch.compile`` each SyncBatchNorm layer is a graph break and runs as in eager mode
     (its Triton kernels included); the compiler takes the rest of the model. Letting Dynamo
@@ -518,5 +604,5 @@ def _outside_the_compiler():
     """
     global _UNCOMPILED
     if _UNCOMPILED is None:
-        _UNCOMPILED = torch.compiler.disable(_SyncBatchNormFunction.apply)
+        _UNCOMPILED = torch.compiler.disable(_sync_batch_norm)
     return _UNCOMPILED

@@ -13,7 +13,9 @@ result per split and channel; a second, small kernel merges the splits, a ``[BLO
 tile at a time in a fixed order, so results are bitwise reproducible run to run (no atomics).
 Element-wise passes (normalize; input gradient) compute their per-channel coefficients once
 per program: the forward merges the ranks' gathered statistics itself (a few loads per channel)
-instead of a separate merge launch.
+instead of a separate merge launch. Statistics travel as rows ``[mean (C), invstd (C), count]``
+of fp32: a rank's own row is what the all-gather sends; the global row, written by the
+normalization (or, in one process, the rank's own), is all the backward passes read.
 
 Numerics: loads in the storage dtype, all arithmetic in fp32, accumulated element-wise in
 registers and reduced across threads once per program. Each split's statistics come from sums
@@ -141,7 +143,7 @@ def bn_finalize_stats_kernel(
 def bn_partial_backward_kernel(
     DY,  # [M, C] output gradient, unit column stride
     X,  # [M, C] input, unit column stride
-    Mean,  # [C] fp32 global mean
+    Row,  # [2C + 1] fp32: the global [mean, invstd, count] row (the mean read)
     Partial,  # [S, 2, C] fp32: per split, sum(dy) and sum(dy * (x - mean))
     M,
     C,
@@ -152,7 +154,7 @@ def bn_partial_backward_kernel(
     BLOCK_C: tl.constexpr,
 ):
     cols, col_ok = _channel_block(C, BLOCK_C)
-    mean = tl.load(Mean + cols, mask=col_ok, other=0.0)
+    mean = tl.load(Row + cols, mask=col_ok, other=0.0)
     start, end = _split_rows(M, rows_per_split)
     acc_dy = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
     acc_dy_xmu = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
@@ -176,16 +178,15 @@ def bn_partial_backward_kernel(
 @triton.jit
 def bn_finalize_backward_kernel(
     Partial,  # [S, 2, C] fp32 from bn_partial_backward_kernel
-    Invstd,  # [C] fp32 (ONE_ROW: the packed [mean, invstd, count] row, invstd at C)
+    Row,  # [2C + 1] fp32: the global [mean, invstd, count] row (invstd read at C)
     Sums,  # [2C] fp32 out: sum(dy), sum(dy * (x - mean)) over this rank's rows
-    GradW,  # [C] fp32 out: sum(dy * x_hat), written when COMPUTE_DW
-    GradB,  # [C] fp32 out: sum(dy), written when COMPUTE_DB (apart from Sums, which the
+    GradW,  # [C] out: sum(dy * x_hat), written when COMPUTE_DW
+    GradB,  # [C] out: sum(dy), written when COMPUTE_DB (apart from Sums, which the
     #         collective then overwrites with the sum over ranks)
     S,
     C,
     COMPUTE_DW: tl.constexpr,
     COMPUTE_DB: tl.constexpr,
-    ONE_ROW: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -203,9 +204,7 @@ def bn_finalize_backward_kernel(
     tl.store(Sums + cols, sum_dy, mask=col_ok)
     tl.store(Sums + C + cols, sum_dy_xmu, mask=col_ok)
     if COMPUTE_DW:
-        if ONE_ROW:
-            Invstd += C
-        invstd = tl.load(Invstd + cols, mask=col_ok, other=0.0)
+        invstd = tl.load(Row + C + cols, mask=col_ok, other=0.0)
         tl.store(GradW + cols, sum_dy_xmu * invstd, mask=col_ok)
     if COMPUTE_DB:
         tl.store(GradB + cols, sum_dy, mask=col_ok)
@@ -250,8 +249,8 @@ def bn_forward_elemt_kernel(
     B,  # [C] bias, read when HAS_B
     RunMean,  # [C] running mean, updated when HAS_RUNNING (any float dtype)
     RunVar,  # [C] running variance (unbiased), updated when HAS_RUNNING
-    MeanOut,  # [C] fp32 out: the global mean (saved for backward; not written when ONE_ROW)
-    InvstdOut,  # [C] fp32 out: the global 1 / sqrt(var + eps) (idem)
+    RowOut,  # [2C + 1] fp32 out: the global [mean, invstd, count] row, which the backward
+    #          reads (not written when ONE_ROW: Rows is that row already)
     M,
     C,
     stride_x_m,
@@ -269,9 +268,9 @@ def bn_forward_elemt_kernel(
 ):
     # Every program merges the ranks' statistics for its channels (world x 3 loads of BLOCK_C
     # values: nothing next to its tiles), the first split of each channel block also writes
-    # them out and updates the running statistics; then y = x * scale + shift, tile by tile.
-    # ONE_ROW (one process: FusedBatchNorm): the row's statistics are used as they are, and the
-    # row itself is what the backward reads.
+    # them out (the global row) and updates the running statistics; then y = x * scale + shift,
+    # tile by tile. ONE_ROW (one process: FusedBatchNorm): the row's statistics are used as
+    # they are, and the row itself is what the backward reads.
     cols, col_ok = _channel_block(C, BLOCK_C)
     if ONE_ROW:
         mean = tl.load(Rows + cols, mask=col_ok, other=0.0)
@@ -283,8 +282,10 @@ def bn_forward_elemt_kernel(
         invstd = 1.0 / tl.sqrt(var + eps)
     if tl.program_id(1) == 0:  # the first split of each channel block
         if not ONE_ROW:
-            tl.store(MeanOut + cols, mean, mask=col_ok)
-            tl.store(InvstdOut + cols, invstd, mask=col_ok)
+            tl.store(RowOut + cols, mean, mask=col_ok)
+            tl.store(RowOut + C + cols, invstd, mask=col_ok)
+            if tl.program_id(0) == 0:
+                tl.store(RowOut + 2 * C, tl.max(n, axis=0))  # (every lane holds N)
         if HAS_RUNNING:
             unbiased = var * (n / (n - 1.0))
             rm = tl.load(RunMean + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -314,39 +315,25 @@ def bn_backward_elemt_kernel(
     DY,  # [M, C] output gradient, unit column stride
     X,  # [M, C] input, unit column stride
     DX,  # [M, C] input gradient out (DY's dtype), unit column stride
-    Mean,  # [C] fp32 global mean (ONE_ROW: the packed [mean, invstd, count] row)
-    Invstd,  # [C] fp32 global invstd (not read when ONE_ROW)
+    Row,  # [2C + 1] fp32: the global [mean, invstd, count] row
     W,  # [C] weight, read when HAS_W
     Sums,  # [2C] fp32: sum(dy), sum(dy * (x - mean)) over every rank (all-reduced)
-    Counts,  # [world] fp32 row counts of the ranks (strided: a column of the gathered rows;
-    #          not read when ONE_ROW)
     M,
     C,
     stride_dy_m,
     stride_x_m,
     stride_dx_m,
-    stride_counts,
-    world,
     rows_per_split,
     HAS_W: tl.constexpr,
-    ONE_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
     # dx = (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N) * invstd * w
     #    = dy * k + x * a + b, with per-channel k, a, b computed once per program.
     cols, col_ok = _channel_block(C, BLOCK_C)
-    if ONE_ROW:
-        n = tl.load(Mean + 2 * C)
-        invstd = tl.load(Mean + C + cols, mask=col_ok, other=0.0)
-    else:
-        n = tl.load(Counts).to(tl.float32)
-        r = 1
-        while r < world:
-            n += tl.load(Counts + r * stride_counts).to(tl.float32)
-            r += 1
-        invstd = tl.load(Invstd + cols, mask=col_ok, other=0.0)
-    mean = tl.load(Mean + cols, mask=col_ok, other=0.0)
+    n = tl.load(Row + 2 * C)
+    mean = tl.load(Row + cols, mask=col_ok, other=0.0)
+    invstd = tl.load(Row + C + cols, mask=col_ok, other=0.0)
     mean_dy = tl.load(Sums + cols, mask=col_ok, other=0.0) / n
     mean_dy_xmu = tl.load(Sums + C + cols, mask=col_ok, other=0.0) / n
     k = invstd

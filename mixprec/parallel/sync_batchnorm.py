@@ -94,9 +94,10 @@ class SyncBatchNorm(_BatchNorm):
                          device=device, dtype=dtype)
         self.process_group = process_group
         self.channel_last = channel_last
-        # Per-module scratch of the CUDA path, not state: the layout and Triton launch plan of
-        # each input geometry seen, a cached one-element count tensor. (The name predates the
-        # layouts; kept so that modules pickled earlier still load and run.)
+        # Per-module scratch of the CUDA path, not state: per input signature the Triton
+        # kernels' launch plan (or that they do not take it), the layout of each input geometry
+        # seen, a cached one-element count tensor. (The name predates the rest; kept so that
+        # modules pickled earlier still load and run.)
         self._count_cache: dict = {}
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -147,6 +148,16 @@ class SyncBatchNorm(_BatchNorm):
         return sync_batch_norm(input, self.weight, self.bias, running_mean, running_var,
                                self.eps, factor, self.process_group, world_size,
                                self.channel_last, self._count_cache)
+
+    def __getstate__(self):
+        # Launch plans hold compiled kernels (not picklable, and tied to this process's GPU):
+        # a copy or an unpickled module makes its own on first use.
+        state = dict(super().__getstate__() if hasattr(super(), "__getstate__")
+                     else self.__dict__)
+        cache = state.get("_count_cache")
+        if cache:
+            state["_count_cache"] = {k: v for k, v in cache.items() if k[0] != "plan"}
+        return state
 
     def extra_repr(self) -> str:
         text = super().extra_repr()

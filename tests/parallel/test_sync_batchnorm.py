@@ -236,7 +236,7 @@ def check_triton_kernels_run_for_channels_last(ctx):
 
     if not ctx.is_cuda and not _INTERPRETER:
         return  # no Triton here: nothing to check
-    names = ("stats_row", "forward_elemt", "backward_reduce", "backward_elemt")
+    names = ("stats", "normalize", "grad_sums", "grad_input")
     calls = []
     plan = _syncbn_triton.Plan
     saved = {name: getattr(plan, name) for name in names}
@@ -265,6 +265,39 @@ def check_triton_kernels_run_for_channels_last(ctx):
     # One call of each per step, unless this rank's batch is empty (then PyTorch's path).
     if _uneven(ctx)[ctx.rank] > 0:
         assert sorted(calls) == sorted(names), calls
+
+
+def check_plan_follows_parameter_changes(ctx):
+    # A layer keeps its kernels' plan per call signature: parameters cast (m.to(bfloat16)) or
+    # replaced by a strided tensor between steps must not reuse a plan made for the old ones.
+    # Each changed layer must compute what a copy of it computes (the copy decides afresh).
+    for path, path_ctx in _paths(ctx):
+        torch.manual_seed(11 + ctx.rank)
+        x = torch.randn(4, 6, 3, 3).to(ctx.device).contiguous(memory_format=torch.channels_last)
+
+        def strided_weight(layer):
+            base = torch.rand(12, device=ctx.device) + 0.5
+            layer.weight = nn.Parameter(base[::2])  # (stride 2: a plan for unit stride misreads)
+            return layer
+
+        changes = [("bf16 parameters", lambda layer: layer.to(torch.bfloat16), OUT_TOL[
+            torch.bfloat16]), ("strided weight", strided_weight, dict(rtol=1e-5, atol=1e-5))]
+        for what, change, tol in changes:
+            m = SyncBatchNorm(6).to(ctx.device)
+            with path_ctx():
+                m(x.requires_grad_()).sum().backward()  # a plan for fp32, contiguous parameters
+                x.grad = None
+                change(m)
+                twin = copy.deepcopy(m)
+                y, y_twin = m(x), twin(x)
+                y.square().sum().backward()
+                grad = x.grad.clone()
+                x.grad = None
+                y_twin.square().sum().backward()
+            _close(y, y_twin, tol, f"[{path}] {what}: output")
+            _close(grad, x.grad, tol, f"[{path}] {what}: input gradient")
+            _close(m.running_mean, twin.running_mean, tol, f"[{path}] {what}: running mean")
+            x.grad = None
 
 
 def check_channels_last_with_contiguous_gradient(ctx):
@@ -458,6 +491,7 @@ GROUP_2 = [
     "check_channels_last",
     "check_channel_last_flag",
     "check_triton_kernels_run_for_channels_last",
+    "check_plan_follows_parameter_changes",
     "check_channels_last_with_contiguous_gradient",
     "check_copies_and_pickles_after_use",
     "check_under_torch_compile",

@@ -1,12 +1,13 @@
-"""SyncBatchNorm's Triton reductions against float64 references (CPU interpreter and CUDA).
+"""SyncBatchNorm's Triton kernels against float64 references (CPU interpreter and CUDA).
 
 ``stats_row`` packs ``[mean, 1/sqrt(var + eps), M]`` for the all-gather, ``backward_reduce``
 gives ``[sum(dy), sum(dy * (x - mean))]`` and the local weight/bias gradients. Tolerances: the
 kernels compute in fp32 from the same rounded inputs the reference sees, so the errors are fp32
 accumulation errors: relative 1e-5 (statistics) and 1e-4 of the sums' magnitude.
-``forward_elemt`` (the ranks' statistics merged, then normalized) and ``backward_elemt`` (the input
-gradient) are compared with float64 formulas; their outputs are rounded once to the input's
-dtype, so the tolerance is that dtype's rounding (plus fp32 arithmetic for fp32).
+``forward_elemt`` (the ranks' statistics merged into the global row, then normalized) and
+``backward_elemt`` (the input gradient) are compared with float64 formulas; their outputs are
+rounded once to the input's dtype, so the tolerance is that dtype's rounding (plus fp32
+arithmetic for fp32).
 """
 
 import importlib.util
@@ -71,15 +72,10 @@ def test_stats_row_large_mean_does_not_cancel_the_variance(device):
     torch.testing.assert_close(row[5:10], (var + 1e-12).rsqrt(), rtol=1e-3, atol=0)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_stats_row_reads_a_row_strided_view(device):
-    # A channels-last NHWC tensor's (M, C) view is dense; a slice of channels is not.
-    full = _input(600, 40, torch.float32, device)
-    view = full[:, 5:29]
-    assert view.stride() == (40, 1)
-    row = _syncbn_triton.stats_row(view, 1e-5).cpu().double()
-    ref = _syncbn_triton.stats_row(view.contiguous(), 1e-5).cpu().double()
-    torch.testing.assert_close(row, ref, rtol=0, atol=0)
+def _row(mean, invstd, n):
+    # A global statistics row [mean (C), invstd (C), N], fp32, on mean's device.
+    return torch.cat([mean.float(), invstd.float(),
+                      torch.tensor([float(n)], device=mean.device)])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -91,7 +87,8 @@ def test_backward_reduce_matches_float64(device, dtype, m, c, need_weight, need_
     dy = _input(m, c, dtype, device, seed=1)
     mean = x.double().mean(0).float()
     invstd = (x.double().var(0, unbiased=False) + 1e-5).rsqrt().float()
-    sums, gw, gb = _syncbn_triton.backward_reduce(dy, x, mean, invstd, need_weight, need_bias)
+    row = _row(mean, invstd, m)
+    sums, gw, gb = _syncbn_triton.backward_reduce(dy, x, row, need_weight, need_bias)
     dyd, xmu = dy.cpu().double(), x.cpu().double() - mean.cpu().double()
     sum_dy, sum_dy_xmu = dyd.sum(0), (dyd * xmu).sum(0)
     scale = max(1.0, float(dyd.abs().sum(0).max()), float((dyd * xmu).abs().sum(0).max()))
@@ -139,14 +136,15 @@ def test_forward_elemt_merges_the_ranks_and_normalizes(device, dtype, m, c, affi
     rm = torch.randn(c, generator=g).to(device) if running else None
     rv = (torch.rand(c, generator=g) + 0.5).to(device) if running else None
     rm0, rv0 = (rm.clone(), rv.clone()) if running else (None, None)
-    out = torch.empty_like(x)
-    mean, invstd = _syncbn_triton.forward_elemt(x, rows, weight, bias, rm, rv, momentum, eps, out)
+    out, row = _syncbn_triton.forward_elemt(x, rows, weight, bias, rm, rv, momentum, eps)
 
     every = torch.cat([o.cpu().double() for o in (others[0], x, others[1])])
     g_mean, g_var = every.mean(0), every.var(0, unbiased=False)
     g_invstd = (g_var + eps).rsqrt()
-    torch.testing.assert_close(mean.cpu().double(), g_mean, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(invstd.cpu().double(), g_invstd, rtol=1e-4, atol=0)
+    assert row.shape == (2 * c + 1,) and row.dtype == torch.float32
+    torch.testing.assert_close(row[:c].cpu().double(), g_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(row[c:2 * c].cpu().double(), g_invstd, rtol=1e-4, atol=0)
+    assert row[2 * c].item() == len(every)
     y = (x.cpu().double() - g_mean) * g_invstd
     if affine:
         y = y * weight.cpu().double() + bias.cpu().double()
@@ -170,10 +168,11 @@ def test_forward_elemt_weighs_an_empty_rank_as_nothing(device):
     rows = _rank_rows([x], 1e-5)
     empty = torch.cat([torch.zeros(8), torch.ones(8), torch.tensor([1e-30])]).unsqueeze(0)
     both = torch.cat([empty, rows]).to(device)
-    out, ref = torch.empty_like(x), torch.empty_like(x)
-    _syncbn_triton.forward_elemt(x, both, None, None, None, None, 0.1, 1e-5, out)
-    _syncbn_triton.forward_elemt(x, rows.to(device), None, None, None, None, 0.1, 1e-5, ref)
+    out, row = _syncbn_triton.forward_elemt(x, both, None, None, None, None, 0.1, 1e-5)
+    ref, ref_row = _syncbn_triton.forward_elemt(x, rows.to(device), None, None, None, None,
+                                                0.1, 1e-5)
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(row, ref_row, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,12 +187,8 @@ def test_backward_elemt_matches_float64(device, dtype, m, c, affine):
     invstd = (torch.rand(c, generator=g) + 0.5).to(device)
     weight = (torch.rand(c, generator=g) + 0.5).to(device) if affine else None
     sums = torch.randn(2 * c, generator=g, dtype=torch.float64).float().to(device) * m
-    # The ranks' counts, as a strided column of the gathered rows (world 3, 2C + 1 = 5 wide).
-    counts = torch.tensor([[0, 0, 0, 0, 7.0], [0, 0, 0, 0, float(m)], [0, 0, 0, 0, 2.0]],
-                          device=device)[:, 4]
-    out = torch.empty_like(x)
-    assert _syncbn_triton.backward_elemt(dy, x, mean, invstd, weight, sums, counts, out) is out
-    n = 9.0 + m
+    n = 9.0 + m  # the global count: other ranks held 9 rows
+    out = _syncbn_triton.backward_elemt(dy, x, _row(mean, invstd, n), weight, sums)
     md, isd, sd = mean.cpu().double(), invstd.cpu().double(), sums.cpu().double()
     ref = (dy.cpu().double() - sd[:c] / n
            - (x.cpu().double() - md) * isd * isd * sd[c:] / n) * isd
@@ -210,9 +205,14 @@ def test_usable_rejects_what_the_kernels_do_not_take():
     x = torch.randn(8, 4)
     assert not _syncbn_triton.usable(x.double())
     assert not _syncbn_triton.usable(x.t())  # channels not contiguous
+    assert not _syncbn_triton.usable(torch.randn(8, 6)[:, :4])  # rows not dense
     assert not _syncbn_triton.usable(torch.randn(2, 3, 4))
-    with pytest.raises(ValueError, match="unit column stride"):
+    with pytest.raises(ValueError, match="contiguous"):
         _syncbn_triton.stats_row(x.t(), 1e-5)
+    with pytest.raises(ValueError, match=r"fp32 \(9,\) tensor"):
+        _syncbn_triton.backward_reduce(x, x, torch.zeros(8), True, True)
+    with pytest.raises(ValueError, match="same shape and dtype"):
+        _syncbn_triton.backward_elemt(x.half(), x, torch.zeros(9), None, torch.zeros(8))
 
 
 # The reductions at ResNet-50 sizes: hundreds of splits per channel block merged in a fixed
@@ -231,12 +231,11 @@ def test_reductions_give_the_same_bits_every_run(device):
         x = _input(m, c, torch.float16, device, offset=0.5)
         dy = _input(m, c, torch.float16, device, seed=1)
         first = _syncbn_triton.stats_row(x, 1e-5)
-        first_sums = _syncbn_triton.backward_reduce(dy, x, first[:c], first[c:2 * c], True,
-                                                    True)
+        first_sums = _syncbn_triton.backward_reduce(dy, x, first, True, True)
         for _ in range(20 if device == "cuda" else 2):
             again = _syncbn_triton.stats_row(x, 1e-5)
             torch.testing.assert_close(again, first, rtol=0, atol=0)
-            sums = _syncbn_triton.backward_reduce(dy, x, first[:c], first[c:2 * c], True, True)
+            sums = _syncbn_triton.backward_reduce(dy, x, first, True, True)
             for got, want in zip(sums, first_sums):
                 torch.testing.assert_close(got, want, rtol=0, atol=0)
         # and they are right (float64 reference, as above)
@@ -263,7 +262,7 @@ def test_reductions_captured_in_a_cuda_graph_match_eager():
 
     def reductions():
         row = _syncbn_triton.stats_row(x, 1e-5)
-        sums, gw, gb = _syncbn_triton.backward_reduce(dy, x, row[:c], row[c:2 * c], True, True)
+        sums, gw, gb = _syncbn_triton.backward_reduce(dy, x, row, True, True)
         return row, sums, gw, gb
 
     side = torch.cuda.Stream()
