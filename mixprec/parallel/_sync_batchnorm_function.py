@@ -110,7 +110,9 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _as_dtype(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return t if t is None or t.dtype == dtype else t.to(dtype)
+    """``t`` in ``dtype`` and contiguous (PyTorch's channels-last batch-norm kernels read a
+    strided weight as if it were contiguous: wrong input gradients on CUDA)."""
+    return t if t is None else t.to(dtype).contiguous()
 
 
 class _Layout:
@@ -240,11 +242,11 @@ def _fused_forward(x, layout, weight, bias, running_mean, running_var, eps, mome
     if rm is None:
         rm = torch.zeros(C, dtype=stat_dtype, device=x.device)
         rv = torch.ones(C, dtype=stat_dtype, device=x.device)
-    elif rm.dtype != stat_dtype:
-        rm, rv = rm.to(stat_dtype), rv.to(stat_dtype)
+    elif rm.dtype != stat_dtype or not (rm.is_contiguous() and rv.is_contiguous()):
+        rm, rv = _as_dtype(rm, stat_dtype), _as_dtype(rv, stat_dtype)
     mean, invstd = _OPS.gather_stats(xk, rows[:, :C], rows[:, C:2 * C], rm, rv, momentum, eps,
                                      counts)
-    if running_mean is not None and rm is not running_mean:
+    if running_mean is not None and (rm is not running_mean or rv is not running_var):
         running_mean.copy_(rm)
         running_var.copy_(rv)
 

@@ -280,8 +280,14 @@ def check_plan_follows_parameter_changes(ctx):
             layer.weight = nn.Parameter(base[::2])  # (stride 2: a plan for unit stride misreads)
             return layer
 
-        changes = [("bf16 parameters", lambda layer: layer.to(torch.bfloat16), OUT_TOL[
-            torch.bfloat16]), ("strided weight", strided_weight, dict(rtol=1e-5, atol=1e-5))]
+        def strided_running_var(layer):
+            layer.running_var = (torch.rand(12, device=ctx.device) + 0.5)[::2]
+            return layer
+
+        fp32 = dict(rtol=1e-5, atol=1e-5)
+        changes = [("bf16 parameters", lambda layer: layer.to(torch.bfloat16),
+                    OUT_TOL[torch.bfloat16]), ("strided weight", strided_weight, fp32),
+                   ("strided running variance", strided_running_var, fp32)]
         for what, change, tol in changes:
             m = SyncBatchNorm(6).to(ctx.device)
             with path_ctx():
@@ -297,6 +303,7 @@ def check_plan_follows_parameter_changes(ctx):
             _close(y, y_twin, tol, f"[{path}] {what}: output")
             _close(grad, x.grad, tol, f"[{path}] {what}: input gradient")
             _close(m.running_mean, twin.running_mean, tol, f"[{path}] {what}: running mean")
+            _close(m.running_var, twin.running_var, tol, f"[{path}] {what}: running variance")
             x.grad = None
 
 

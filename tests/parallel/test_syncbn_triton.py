@@ -201,18 +201,21 @@ def test_backward_elemt_matches_float64(device, dtype, m, c, affine):
                                atol=tol["atol"] * scale)
 
 
-def test_usable_rejects_what_the_kernels_do_not_take():
-    x = torch.randn(8, 4)
+@pytest.mark.parametrize("device", DEVICES)
+def test_usable_rejects_what_the_kernels_do_not_take(device):
+    x = torch.randn(8, 4, device=device)
+    assert _syncbn_triton.usable(x)
     assert not _syncbn_triton.usable(x.double())
     assert not _syncbn_triton.usable(x.t())  # channels not contiguous
-    assert not _syncbn_triton.usable(torch.randn(8, 6)[:, :4])  # rows not dense
-    assert not _syncbn_triton.usable(torch.randn(2, 3, 4))
+    assert not _syncbn_triton.usable(torch.randn(8, 6, device=device)[:, :4])  # rows not dense
+    assert not _syncbn_triton.usable(torch.randn(2, 3, 4, device=device))
     with pytest.raises(ValueError, match="contiguous"):
         _syncbn_triton.stats_row(x.t(), 1e-5)
     with pytest.raises(ValueError, match=r"fp32 \(9,\) tensor"):
-        _syncbn_triton.backward_reduce(x, x, torch.zeros(8), True, True)
+        _syncbn_triton.backward_reduce(x, x, torch.zeros(8, device=device), True, True)
     with pytest.raises(ValueError, match="same shape and dtype"):
-        _syncbn_triton.backward_elemt(x.half(), x, torch.zeros(9), None, torch.zeros(8))
+        _syncbn_triton.backward_elemt(x.half(), x, torch.zeros(9, device=device), None,
+                                      torch.zeros(8, device=device))
 
 
 # The reductions at ResNet-50 sizes: hundreds of splits per channel block merged in a fixed
