@@ -13,10 +13,14 @@ rows) so that every figure is host time. Rows:
 * BatchNorm: ``torch.nn.BatchNorm2d`` against ``FusedBatchNorm`` on a small bf16
   channels-last batch with fp32 parameters (amp O2's case, where FusedBatchNorm runs its
   Triton kernels).
+* SyncBatchNorm: ``torch.nn.BatchNorm2d`` against ``SyncBatchNorm`` on the same batch, the
+  layer told it is one of two ranks and its collectives replaced by local copies: the layer's
+  own host cost (a real collective adds c10d's and NCCL's).
 * ``trivial Python autograd.Function``: an identity op defined in Python, the floor for any
   op whose backward is written in Python (as every Triton-based norm's is).
 
     python benchmarks/norm_host_overhead.py [--rows 64] [--n 1024] [--chain 24]
+        [--only batchnorm]
 """
 
 import argparse
@@ -81,11 +85,26 @@ def _compare(name, chains, x, dy, chain_len):
             f"{r['mixprec'] - r['torch']:+.0f} |" for case, r in cases.items()]
 
 
+def _pretend_two_ranks():
+    """SyncBatchNorm layers believe they are one of two ranks; their all-gather hands back this
+    rank's row twice and their all-reduce does nothing (no process group needed)."""
+    import mixprec.parallel._sync_batchnorm_function as sbf
+    import mixprec.parallel.sync_batchnorm as sbm
+
+    sbm.is_distributed = lambda: True
+    sbm.group_world_size = lambda group: 2
+    sbf.all_gather_rows = lambda row, group, world_size: row.unsqueeze(0).expand(
+        world_size, -1).contiguous()
+    sbf.all_reduce_sum = lambda t, group: t
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--n", type=int, default=1024)
     p.add_argument("--chain", type=int, default=24)
+    p.add_argument("--only", choices=("all", "batchnorm"), default="all",
+                   help="batchnorm: only the BatchNorm and SyncBatchNorm rows")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("norm_host_overhead.py needs a CUDA GPU")
@@ -101,7 +120,7 @@ def main(argv=None):
     for name, ours_cls, torch_cls in (
         ("LayerNorm", FusedLayerNorm, torch.nn.LayerNorm),
         ("RMSNorm", FusedRMSNorm, torch.nn.RMSNorm),
-    ):
+    ) if args.only == "all" else ():
         chains = {who: torch.nn.Sequential(*[cls(args.n) for _ in range(args.chain)]).to(
             device="cuda", dtype=dtype) for who, cls in (("torch", torch_cls),
                                                          ("mixprec", ours_cls))}
@@ -113,6 +132,13 @@ def main(argv=None):
     chains = {who: torch.nn.Sequential(*[cls(64) for _ in range(args.chain)]).cuda()
               for who, cls in (("torch", torch.nn.BatchNorm2d), ("mixprec", FusedBatchNorm))}
     rows += _compare("BatchNorm2d 8x64x4x4", chains, xb, torch.randn_like(xb), args.chain)
+    _pretend_two_ranks()
+    from mixprec.parallel import SyncBatchNorm
+
+    chains = {who: torch.nn.Sequential(*[cls(64) for _ in range(args.chain)]).cuda()
+              for who, cls in (("torch", torch.nn.BatchNorm2d), ("mixprec", SyncBatchNorm))}
+    rows += _compare("SyncBatchNorm 8x64x4x4, collectives local", chains, xb,
+                     torch.randn_like(xb), args.chain)
     for row in rows:
         print(row)
     floor = _host_us(lambda: torch.autograd.grad(_Identity.apply(x), [x], dy))

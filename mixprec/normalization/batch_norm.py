@@ -227,7 +227,7 @@ class _KernelsBatchNorm(torch.autograd.Function):
         running_mean, running_var, momentum, eps, plan = rest
         out, row = plan.forward(x, weight, bias, running_mean, running_var, momentum, eps)
         ctx.save_for_backward(x, weight, row)
-        ctx.plan, ctx.x_strides, ctx.x_dtype = plan, x.stride(), x.dtype
+        ctx.plan, ctx.x_strides = plan, x.stride()
         return out
 
     @staticmethod
@@ -242,12 +242,7 @@ def _backward(ctx, grad_out):
     x, weight, row = ctx.saved_tensors
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     plan = ctx.plan
-    if (x.stride() != ctx.x_strides or x.dtype is not ctx.x_dtype or x.device != plan.device
-            or row.dtype is not torch.float32 or row.device != plan.device
-            or not row.is_contiguous()
-            or (weight is not None and (weight.dtype is not plan.w_dtype
-                                        or weight.device != plan.device
-                                        or not weight.is_contiguous()))):
+    if not plan.reads_saved(x, ctx.x_strides, weight, row):
         # A saved-tensor hook (activation offloading, compression) handed back copies laid
         # out or typed otherwise: PyTorch arithmetic on what came back.
         grads = _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias)

@@ -524,12 +524,7 @@ class _TritonSyncBatchNorm(torch.autograd.Function):
 def _triton_backward(ctx, grad_out):
     x, weight, row = ctx.saved_tensors
     plan = ctx.plan
-    if (x.stride() != ctx.x_strides or x.dtype is not plan.x_dtype or x.device != plan.device
-            or row.dtype is not torch.float32 or row.device != plan.device
-            or not row.is_contiguous()
-            or (weight is not None and (weight.dtype is not plan.w_dtype
-                                        or weight.device != plan.device
-                                        or not weight.is_contiguous()))):
+    if not plan.reads_saved(x, ctx.x_strides, weight, row):
         # A saved-tensor hook (activation offloading, compression) handed back copies laid
         # out or typed otherwise: PyTorch's kernels (or plain PyTorch) on what came back.
         c = plan.c

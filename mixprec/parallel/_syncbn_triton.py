@@ -179,6 +179,20 @@ class Plan:
         self._input_site = site("bn_backward_elemt_kernel", HAS_W=has_w, BLOCK_M=e_block_m,
                                 BLOCK_C=e_block_c)
 
+    def reads_saved(self, x: Tensor, x_strides: Tuple[int, ...], weight: Optional[Tensor],
+                    row: Tensor) -> bool:
+        """Whether the tensors autograd hands a backward are still what the kernels read: ``x``
+        with the forward's strides ``x_strides``, the weight and the fp32 statistics row, in
+        the plan's dtypes, on its device, contiguous. (A saved-tensor hook, for activation
+        offloading or compression, may hand back copies laid out or typed otherwise.)"""
+        device = self.device
+        return not (x.stride() != x_strides or x.dtype is not self.x_dtype
+                    or x.device != device or row.dtype is not torch.float32
+                    or row.device != device or not row.is_contiguous()
+                    or (weight is not None and (weight.dtype is not self.w_dtype
+                                                or weight.device != device
+                                                or not weight.is_contiguous())))
+
     def stats(self, x: Tensor, eps: float) -> Tensor:
         """This rank's statistics row ``[mean (C), invstd (C), M]``, fp32 (the biased variance:
         ``invstd = 1 / sqrt(var + eps)``, as ``torch.batch_norm_stats``)."""
