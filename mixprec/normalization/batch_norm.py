@@ -62,9 +62,9 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
     ``BatchNorm2d`` and ``BatchNorm3d`` (same arguments, parameters, buffers and state dict).
 
     In training, on CUDA, a channels-last input (``torch.channels_last`` /
-    ``channels_last_3d`` memory format, or a contiguous ``(N, C)`` batch) in fp16/bf16 for
-    which PyTorch would not use cuDNN (bf16 input or parameters; fp16 input with fp16
-    parameters) runs mixprec's Triton kernels: the per-channel statistics, the normalization
+    ``channels_last_3d`` memory format, or a contiguous ``(N, C)`` or ``(N, C, 1, 1)`` batch) in
+    fp16/bf16 for which PyTorch would not use cuDNN (bf16 input or parameters; fp16 input with
+    fp16 parameters) runs mixprec's Triton kernels: the per-channel statistics, the normalization
     with the running-statistics update, and the two backward passes, statistics in fp32, the
     output in the input's dtype. Every other call (fp32, fp16 with fp32 parameters, which
     cuDNN serves well, other layouts, eval mode, CPU, ``torch.compile``) is
@@ -146,12 +146,12 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
         signature, or False where PyTorch's batch norm serves it (or raises its own error)."""
         from mixprec.parallel import _sync_batchnorm_function as sbf
 
-        # SyncBatchNorm's rule (dense channels-last memory: (N, C) contiguous or a
-        # channels_last / channels_last_3d tensor; a dtype the kernels read; parameters and
+        # SyncBatchNorm's rule (dense channels-last memory: a channels_last /
+        # channels_last_3d tensor, or a contiguous (N, C) or (N, C, 1, ...) one; a dtype the
+        # kernels read; parameters and
         # running statistics they take; more than one row, else PyTorch's own error or result),
         # then only where PyTorch would not use cuDNN.
-        plan = sbf._triton_plan(input, weight, bias, running_mean, running_var,
-                                input.dim() == 2)
+        plan = sbf._triton_plan(input, weight, bias, running_mean, running_var, False)
         if plan is None or _pytorch_uses_cudnn(input, weight, bias, running_mean, running_var,
                                                self.eps):
             return False

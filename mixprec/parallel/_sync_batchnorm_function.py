@@ -47,6 +47,7 @@ the Triton path's format, so ranks may take different paths.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable, Dict, Optional, Tuple
 
 import torch
@@ -453,8 +454,9 @@ def _triton_plan(x, weight, bias, running_mean, running_var, channel_last):
     """The Triton kernels' :class:`~mixprec.parallel._syncbn_triton.Plan` when they take this
     call as it is, else None (PyTorch's kernels or plain PyTorch then).
 
-    They take dense channels-last ``x`` (its memory the ``(M, C)`` array) in a dtype they read,
-    with more than one row (an empty rank, or a single row that may make the whole group's
+    They take dense channels-last ``x`` (its memory the ``(M, C)`` array: a ``channels_last``
+    tensor, a contiguous one with ``channel_last``, and contiguous ``(N, C)`` or
+    ``(N, C, 1, ...)`` tensors) in a dtype they read, with more than one row (an empty rank, or a single row that may make the whole group's
     batch a single value, takes the general path, which handles both), and parameters and
     running statistics that are 1-D, contiguous, ``C`` long and on ``x``'s device.
     """
@@ -463,7 +465,9 @@ def _triton_plan(x, weight, bias, running_mean, running_var, channel_last):
     if (running_mean is None) != (running_var is None):
         return None
     layout = _Layout(x, channel_last)
-    if not layout.dense or layout.rows <= 1:
+    dense = layout.dense or (not channel_last and x.is_contiguous()
+                             and math.prod(x.shape[2:]) == 1)
+    if not dense or layout.rows <= 1:
         return None
     c = layout.num_channels
     for t in (weight, bias, running_mean, running_var):

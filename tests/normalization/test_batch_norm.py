@@ -63,7 +63,7 @@ def _count_fused_calls():
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("dims", [2, 4, 5])
+@pytest.mark.parametrize("dims", [2, 4, 5, "4 (1x1)"])  # (N, C, 1, 1) contiguous is (N, C) memory
 @pytest.mark.parametrize(
     "dtype,affine,track,momentum",
     [(torch.bfloat16, True, True, 0.1), (torch.float16, True, True, None),
@@ -74,7 +74,8 @@ def _count_fused_calls():
 def test_matches_batchnorm(path, dims, dtype, affine, track, momentum):
     device, path_ctx = _path(path)
     channels = 6
-    shape = {2: (20, channels), 4: (4, channels, 5, 3), 5: (2, channels, 3, 2, 4)}[dims]
+    shape = {2: (20, channels), 4: (4, channels, 5, 3), 5: (2, channels, 3, 2, 4),
+             "4 (1x1)": (20, channels, 1, 1)}[dims]
     gen = torch.Generator().manual_seed(11)
     ours = FusedBatchNorm(channels, momentum=momentum, affine=affine,
                           track_running_stats=track).to(device)

@@ -230,8 +230,9 @@ def check_channels_last(ctx):
 
 
 def check_triton_kernels_run_for_channels_last(ctx):
-    # Channels-last inputs take mixprec's four Triton passes (on the GPU, and on CPU through the
-    # interpreter); the cases above compare their results with float64 BatchNorm.
+    # Inputs whose memory is the (M, C) array take mixprec's four Triton passes (on the GPU,
+    # and on CPU through the interpreter): channels_last tensors, and contiguous (N, C) and
+    # (N, C, 1, 1) ones; the cases compare their results with float64 BatchNorm.
     from mixprec.parallel import _syncbn_triton
 
     if not ctx.is_cuda and not _INTERPRETER:
@@ -247,6 +248,8 @@ def check_triton_kernels_run_for_channels_last(ctx):
             return f(*args, **kwargs)
         return wrapper
 
+    cases = [(dict(memory_format=torch.channels_last), " channels_last"),
+             (dict(spatial=()), " (N, C)"), (dict(spatial=(1, 1)), " (N, C, 1, 1)")]
     for name in names:
         setattr(plan, name, counted(name, saved[name]))
     try:
@@ -255,16 +258,19 @@ def check_triton_kernels_run_for_channels_last(ctx):
         saved_paths = globals()["_paths"]
         globals()["_paths"] = lambda ctx: paths
         try:
-            _run_case(ctx, _uneven(ctx), memory_format=torch.channels_last, steps=1,
-                      label=" channels_last (Triton kernels)")
+            for kwargs, label in cases:
+                calls.clear()
+                _run_case(ctx, _uneven(ctx), steps=1, label=label + " (Triton kernels)",
+                          **kwargs)
+                # One call of each per step, unless this rank's batch holds at most one row
+                # (then PyTorch's path).
+                if _uneven(ctx)[ctx.rank] > 1:
+                    assert sorted(calls) == sorted(names), (label, calls)
         finally:
             globals()["_paths"] = saved_paths
     finally:
         for name in names:
             setattr(plan, name, saved[name])
-    # One call of each per step, unless this rank's batch is empty (then PyTorch's path).
-    if _uneven(ctx)[ctx.rank] > 0:
-        assert sorted(calls) == sorted(names), calls
 
 
 def check_plan_follows_parameter_changes(ctx):
