@@ -10,8 +10,8 @@ collectives: 7.5 ms there), and everything else as ``torch.nn.BatchNorm*d`` does
 Host cost is part of the design: a layer's decision (kernels or PyTorch's, and the launch plan)
 is made once per input signature and kept in the module; a call then runs a four-argument
 autograd Function whose forward allocates three tensors and launches three kernels
-(``mixprec.parallel._syncbn_triton.Plan``) and whose backward allocates up to five and
-launches three.
+(``mixprec.parallel._syncbn_triton.Plan``) and whose backward allocates up to five (six when
+the output gradient arrives in another layout and is copied) and launches three.
 """
 
 from typing import Optional
@@ -94,7 +94,8 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
                  dtype=None):
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype)
-        # Per-module scratch: the layout and launch plan of each input geometry seen.
+        # Per-module scratch: per input signature, the kernels' launch plan or False (PyTorch's
+        # batch norm).
         self._cache: dict = {}
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
@@ -123,10 +124,14 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
             return None
         weight, bias = self.weight, self.bias
         # Everything the plan depends on: the tensors' dtypes, devices and geometry (a
-        # parameter replaced by a strided or resized one must not reuse the plan).
-        key = (input.shape, input.stride(), input.dtype, input.device, _signature(weight),
-               _signature(bias), _signature(running_mean), _signature(running_var),
-               self.eps, torch.backends.cudnn.enabled)
+        # parameter replaced by a strided or resized one must not reuse the plan), and the
+        # routing switches SyncBatchNorm's rule reads.
+        sbf = _sbf()
+        sig = sbf._signature
+        key = (input.shape, input.stride(), input.dtype, input.device, sig(weight), sig(bias),
+               sig(running_mean), sig(running_var),
+               self.eps, torch.backends.cudnn.enabled, sbf._OPS.triton_channels_last,
+               sbf._use_fused)
         if not input.is_cuda:  # (CPU tensors take the kernels only under the tests' routing)
             key += _cpu_routing()
         plan = self._cache.get(key)
@@ -144,14 +149,12 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _plan_for(self, input, weight, bias, running_mean, running_var):
         """The kernels' :class:`~mixprec.parallel._syncbn_triton.Plan` for this call's
         signature, or False where PyTorch's batch norm serves it (or raises its own error)."""
-        from mixprec.parallel import _sync_batchnorm_function as sbf
-
         # SyncBatchNorm's rule (dense channels-last memory: a channels_last /
         # channels_last_3d tensor, or a contiguous (N, C) or (N, C, 1, ...) one; a dtype the
         # kernels read; parameters and
         # running statistics they take; more than one row, else PyTorch's own error or result),
         # then only where PyTorch would not use cuDNN.
-        plan = sbf._triton_plan(input, weight, bias, running_mean, running_var, False)
+        plan = _sbf()._triton_plan(input, weight, bias, running_mean, running_var, False)
         if plan is None or _pytorch_uses_cudnn(input, weight, bias, running_mean, running_var,
                                                self.eps):
             return False
@@ -183,7 +186,7 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
             return _fused_batch_norm_forward(self, input)
 
     def __getstate__(self):
-        # The cached layouts hold launch plans; a copy makes its own.
+        # The cache holds launch plans; a copy makes its own.
         state = dict(super().__getstate__() if hasattr(super(), "__getstate__")
                      else self.__dict__)
         state["_cache"] = {}
@@ -197,17 +200,26 @@ def _fused_batch_norm_forward(module: FusedBatchNorm, input: torch.Tensor) -> to
 
 torch.fx.wrap("_fused_batch_norm_forward")
 
-def _signature(t: Optional[torch.Tensor]) -> Optional[tuple]:
-    return None if t is None else (t.dtype, t.device, t.shape, t.stride())
+_SBF = None
+
+
+def _sbf():
+    """``mixprec.parallel._sync_batchnorm_function`` (the kernels' rule and plans), imported on
+    first use (it imports this package), then kept."""
+    global _SBF
+    if _SBF is None:
+        from mixprec.parallel import _sync_batchnorm_function
+
+        _SBF = _sync_batchnorm_function
+    return _SBF
 
 
 def _cpu_routing() -> tuple:
-    """What decides whether CPU tensors take the kernels (the tests route them there, through
-    Triton's interpreter): part of a CPU call's cache key."""
-    from mixprec.parallel import _sync_batchnorm_function as sbf
+    """What else decides whether CPU tensors take the kernels (the tests route them there,
+    through Triton's interpreter): part of a CPU call's cache key."""
     from mixprec.parallel import _syncbn_triton
 
-    return (sbf._use_fused, _syncbn_triton._cpu_testing, _launch_interpreter_enabled())
+    return (_syncbn_triton._cpu_testing, _launch_interpreter_enabled())
 
 
 def _kernels_batch_norm(x, weight, bias, running_mean, running_var, momentum: float, eps: float,
@@ -254,11 +266,11 @@ def _backward(ctx, grad_out):
 
 
 def _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias):
-    from mixprec.parallel import _sync_batchnorm_function as sbf
-
+    sbf = _sbf()
     c = (row.numel() - 1) // 2
-    row = row.float()
-    w = None if weight is None else weight.float()
+    # (a hook may hand the row or the weight back on another device, e.g. offloaded to CPU)
+    row = row.to(device=x.device, dtype=torch.float32)
+    w = None if weight is None else weight.to(device=x.device, dtype=torch.float32)
     grad_input, grad_weight, grad_bias = sbf._reference_backward(
         grad_out, x, sbf._Layout(x, x.dim() == 2), w, row[:c], row[c:2 * c], row[2 * c],
         sbf.LOCAL, (need_input, need_weight, need_bias))

@@ -1,6 +1,6 @@
 """The autograd function behind :class:`~mixprec.parallel.SyncBatchNorm`.
 
-Numerics (both paths): statistics and parameters in fp32 (fp64 for fp64 input), one cast of the
+Numerics (every path): statistics and parameters in fp32 (fp64 for fp64 input), one cast of the
 output to the input's dtype.
 
 Forward, per layer, ONE collective: every rank packs ``[mean (C), invstd or var (C), count]``
@@ -21,8 +21,9 @@ wrapper averages them like any other parameter gradient.
 
 Three implementations of the same maths:
 
-* Dense channels-last input on CUDA (a ``channels_last`` tensor, or a contiguous one with
-  ``channel_last=True``) in fp32/fp16/bf16, when Triton imports: mixprec's Triton kernels
+* Dense channels-last input on CUDA (a ``channels_last`` tensor, a contiguous one with
+  ``channel_last=True``, a contiguous ``(N, C)`` or ``(N, C, 1, ...)`` one) in fp32/fp16/bf16
+  with more than one row on this rank, when Triton imports: mixprec's Triton kernels
   (``_syncbn_triton``), on the tensors themselves. This rank's ``[mean, invstd, count]`` row is
   written straight into the tensor the all-gather sends; the merge of the ranks' rows is fused
   into the normalization, which writes the global row the backward reads; the backward's
@@ -40,8 +41,9 @@ Three implementations of the same maths:
 
 Nothing synchronises the host with the device (``torch.nn.SyncBatchNorm`` does, once per layer,
 to drop empty ranks), so a rank with an empty batch sends a negligible count (``_EMPTY_COUNT``)
-instead, which the merges weigh as nothing; it takes PyTorch's kernels, whose rows and sums have
-the Triton path's format, so ranks may take different paths.
+instead, which the merges weigh as nothing. An empty rank, or one with a single row (the whole
+group's batch may then hold a single value, an error), takes PyTorch's kernels, whose rows and
+sums have the Triton path's format, so ranks may take different paths.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class _FusedOps:
     backward_reduce: Callable = torch.batch_norm_backward_reduce
     backward_elemt: Callable = torch.batch_norm_backward_elemt
     # Dense channels-last inputs: every pass in mixprec's Triton kernels (``_syncbn_triton``)
-    # instead of the five above.
+    # instead of the five above. (Also FusedBatchNorm's switch: it follows the same rule.)
     triton_channels_last: bool = True
 
 

@@ -84,7 +84,7 @@ def usable_dtype(t: Tensor) -> bool:
 
 def usable(x2d: Tensor) -> bool:
     """Whether the Triton kernels take ``x2d``: a contiguous ``(M, C)`` tensor in
-    fp32/fp16/bf16 on CUDA, with Triton importable."""
+    fp32/fp16/bf16 on CUDA (CPU under the testing hook), with Triton importable."""
     if x2d.dim() != 2 or not x2d.is_contiguous():
         return False
     return usable_dtype(x2d)
@@ -204,7 +204,9 @@ class Plan:
         with _on_device(x):
             stats(self._reduce_grid, (x, partial, m, c, c, self.reduce[3]),
                   () if _aligned(x) else None)
-            finalize(self._merge_grid, (partial, row, splits, c, float(m), eps), ())
+            # (eps and momentum as floats: Triton would compile an int 1 in as a constant, and
+            # the sites' compiled kernels are shared by every call of the signature)
+            finalize(self._merge_grid, (partial, row, splits, c, float(m), float(eps)), ())
         return row
 
     def normalize(self, x: Tensor, rows: Tensor, weight: Optional[Tensor],
@@ -231,7 +233,7 @@ class Plan:
                 (x, out, rows, row if weight is None else weight, row if bias is None else bias,
                  row if running_mean is None else running_mean,
                  row if running_var is None else running_var, row,
-                 m, c, c, c, world, self.elemt[3], momentum, eps),
+                 m, c, c, c, world, self.elemt[3], float(momentum), float(eps)),
                 (world,) if aligned else None)  # (world: Triton specializes 1 and 16k)
         return out, row
 
@@ -331,6 +333,17 @@ def _check_row(what: str, row: Tensor, c: int) -> None:
                          f"[mean, invstd, count], got {row.dtype} {tuple(row.shape)}")
 
 
+def _check_vectors(what: str, x2d: Tensor, **vectors: Optional[Tensor]) -> None:
+    """Per-channel tensors (parameters, running statistics) as the kernels read them."""
+    c = x2d.shape[1]
+    for name, t in vectors.items():
+        if t is not None and (t.shape != (c,) or not t.is_contiguous() or t.device != x2d.device
+                              or t.dtype not in _DTYPES):
+            raise ValueError(f"{what}: {name} must be a contiguous ({c},) fp32/fp16/bf16 "
+                             f"tensor on {x2d.device}, got {t.dtype} {tuple(t.shape)} with "
+                             f"strides {t.stride()} on {t.device}")
+
+
 def _check_same_dtype(what: str, dy2d: Tensor, x2d: Tensor) -> None:
     if dy2d.dtype != x2d.dtype or dy2d.shape != x2d.shape:
         raise ValueError(f"{what}: dy and x must have the same shape and dtype, got "
@@ -363,6 +376,10 @@ def forward_elemt(x2d: Tensor, rows: Tensor, weight: Optional[Tensor], bias: Opt
     if rows.shape != (world, 2 * c + 1) or rows.dtype != torch.float32 or not rows.is_contiguous():
         raise ValueError(f"forward_elemt: rows must be a contiguous fp32 (world, {2 * c + 1}) "
                          f"tensor, got {rows.dtype} {tuple(rows.shape)}")
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("forward_elemt: pass both running statistics or neither")
+    _check_vectors("forward_elemt", x2d, weight=weight, bias=bias, running_mean=running_mean,
+                   running_var=running_var)
     return _plan_of(x2d, weight, bias, running_mean, running_var).normalize(
         x2d, rows, weight, bias, running_mean, running_var, momentum, eps)
 
@@ -388,4 +405,9 @@ def backward_elemt(dy2d: Tensor, x2d: Tensor, row: Tensor, weight: Optional[Tens
     _check("backward_elemt", dy2d, x2d)
     _check_row("backward_elemt", row, x2d.shape[1])
     _check_same_dtype("backward_elemt", dy2d, x2d)
+    _check_vectors("backward_elemt", x2d, weight=weight)
+    c = x2d.shape[1]
+    if sums.shape != (2 * c,) or sums.dtype != torch.float32 or not sums.is_contiguous():
+        raise ValueError(f"backward_elemt: sums must be a contiguous fp32 ({2 * c},) tensor "
+                         f"[sum_dy, sum_dy_xmu], got {sums.dtype} {tuple(sums.shape)}")
     return _plan_of(x2d, weight).grad_input(dy2d, x2d, row, weight, sums)

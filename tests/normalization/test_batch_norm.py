@@ -412,3 +412,26 @@ def test_a_parameter_replaced_by_a_strided_one_is_not_read_with_the_old_plan(pat
             (torch.rand(12, generator=gen) + 0.5).to(device)[::2])
         _check_step(bn, x, dy, torch.bfloat16, "strided weight")
     assert len(calls) == 1
+
+
+@requires_interpreter
+def test_a_layer_follows_the_kernels_switch_after_use():
+    # The decision is kept per signature; flipping SyncBatchNorm's switch for the kernels
+    # (which FusedBatchNorm's rule reads too) must reach layers that already ran.
+    from mixprec.parallel import _sync_batchnorm_function as sbf
+
+    gen = torch.Generator().manual_seed(3)
+    bn = FusedBatchNorm(6).to(torch.bfloat16)
+    x = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16), 4)
+    dy = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16), 4)
+    with emulated_fused_path(triton=True):
+        with _count_fused_calls() as on:
+            _check_step(bn, x, dy, torch.bfloat16, "kernels on")
+        saved = sbf._OPS.triton_channels_last
+        sbf._OPS.triton_channels_last = False
+        try:
+            with _count_fused_calls() as off:
+                _check_step(bn, x, dy, torch.bfloat16, "kernels off")
+        finally:
+            sbf._OPS.triton_channels_last = saved
+    assert len(on) == 1 and not off, (on, off)

@@ -216,6 +216,50 @@ def test_usable_rejects_what_the_kernels_do_not_take(device):
     with pytest.raises(ValueError, match="same shape and dtype"):
         _syncbn_triton.backward_elemt(x.half(), x, torch.zeros(9, device=device), None,
                                       torch.zeros(8, device=device))
+    row, sums = torch.zeros(9, device=device), torch.zeros(8, device=device)
+    with pytest.raises(ValueError, match=r"sums must be a contiguous fp32 \(8,\)"):
+        _syncbn_triton.backward_elemt(x, x, row, None, sums.double())
+    strided = torch.ones(8, device=device)[::2]
+    with pytest.raises(ValueError, match="weight must be a contiguous"):
+        _syncbn_triton.backward_elemt(x, x, row, strided, sums)
+    rows = torch.zeros(2, 9, device=device)
+    with pytest.raises(ValueError, match="running_var must be a contiguous"):
+        _syncbn_triton.forward_elemt(x, rows, None, None, torch.zeros(4, device=device),
+                                     strided, 0.1, 1e-5)
+    with pytest.raises(ValueError, match="both running statistics or neither"):
+        _syncbn_triton.forward_elemt(x, rows, None, None, None, strided, 0.1, 1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scalars_reach_the_kernels_as_floats(device):
+    # The compiled kernels a plan keeps are shared by every call of its signature: an int
+    # momentum or eps of 1 would be compiled in as a constant (Triton specializes ints equal
+    # to 1) and then apply to every later call. The plan hands the kernels floats.
+    x = _input(64, 4, torch.float32, device)
+    plan = _syncbn_triton.plan_for(64, 4, x.device, torch.float32)
+    seen = []
+
+    class Recorder:
+        def __init__(self, site):
+            self.site = site
+
+        def __call__(self, grid, args, variant):
+            seen.append(args)
+            return self.site(grid, args, variant)
+
+    stats, finalize = plan._stats_sites
+    saved = (plan._stats_sites, dict(plan._normalize_sites))
+    plan._stats_sites = (stats, Recorder(finalize))
+    for one_row in (False, True):
+        plan._normalize_sites[one_row] = Recorder(plan._normalize_sites[one_row])
+    try:
+        plan.forward(x, None, None, None, None, 1, 1)
+        plan.normalize(x, torch.stack([plan.stats(x, 1)] * 2), None, None, None, None, 1, 1)
+    finally:
+        plan._stats_sites = saved[0]
+        plan._normalize_sites.update(saved[1])
+    scalars = [args[-1] for args in seen] + [args[-2] for args in seen if len(args) > 6]
+    assert len(seen) == 4 and all(type(v) is float for v in scalars), seen
 
 
 # The reductions at ResNet-50 sizes: hundreds of splits per channel block merged in a fixed
