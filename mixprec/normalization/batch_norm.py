@@ -151,9 +151,8 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
         signature, or False where PyTorch's batch norm serves it (or raises its own error)."""
         # SyncBatchNorm's rule (dense channels-last memory: a channels_last /
         # channels_last_3d tensor, or a contiguous (N, C) or (N, C, 1, ...) one; a dtype the
-        # kernels read; parameters and
-        # running statistics they take; more than one row, else PyTorch's own error or result),
-        # then only where PyTorch would not use cuDNN.
+        # kernels read; parameters and running statistics they take; more than one row, else
+        # PyTorch's own error or result), then only where PyTorch would not use cuDNN.
         plan = _sbf()._triton_plan(input, weight, bias, running_mean, running_var, False)
         if plan is None or _pytorch_uses_cudnn(input, weight, bias, running_mean, running_var,
                                                self.eps):

@@ -458,9 +458,10 @@ def _triton_plan(x, weight, bias, running_mean, running_var, channel_last):
 
     They take dense channels-last ``x`` (its memory the ``(M, C)`` array: a ``channels_last``
     tensor, a contiguous one with ``channel_last``, and contiguous ``(N, C)`` or
-    ``(N, C, 1, ...)`` tensors) in a dtype they read, with more than one row (an empty rank, or a single row that may make the whole group's
-    batch a single value, takes the general path, which handles both), and parameters and
-    running statistics that are 1-D, contiguous, ``C`` long and on ``x``'s device.
+    ``(N, C, 1, ...)`` tensors) in a dtype they read, with more than one row (an empty rank,
+    or a single row that may make the whole group's batch a single value, takes the general
+    path, which handles both), and parameters and running statistics that are 1-D,
+    contiguous, ``C`` long and on ``x``'s device.
     """
     if not (_OPS.triton_channels_last and _use_fused(x) and _syncbn_triton.usable_dtype(x)):
         return None
@@ -534,7 +535,9 @@ def _triton_backward(ctx, grad_out):
         # A saved-tensor hook (activation offloading, compression) handed back copies laid
         # out or typed otherwise: PyTorch's kernels (or plain PyTorch) on what came back.
         c = plan.c
+        # (the row or the weight may come back on another device, e.g. offloaded to CPU)
         row = row.to(device=x.device, dtype=torch.float32)
+        weight = None if weight is None else weight.to(x.device)
         grads = _pytorch_backward(grad_out, x, _Layout(x, ctx.channel_last), weight, row[:c],
                                   row[c:2 * c], row[2 * c:], ctx.group, ctx.needs_input_grad)
         return (*grads, None)
