@@ -703,20 +703,22 @@ def backward(
         empty ``[0]`` tensors when not requested.
     """
     m, n = xy.shape
-    if n > 1 and (xy.stride(1) != 1 or dy.stride(1) != 1):
-        raise ValueError(
-            f"the fused backward needs unit column strides, got {xy.stride()} and {dy.stride()}"
-        )
     device = xy.device
-    if config is not None:
-        _check_pipeline(config, device)
     compute_dw = need_dw and weight is not None
     compute_db = need_db and bias is not None and not is_rms
     if m == 0:
+        # (Before the stride check: an empty gradient may come with any strides, e.g. the
+        # (0, 0) of y.sum()'s expanded ones, which .contiguous() leaves as they are.)
         dx = torch.empty((m, n), dtype=x_dtype, device=device)
         dw = torch.zeros_like(weight) if compute_dw else _no_grad(device)
         db = torch.zeros_like(bias) if compute_db else _no_grad(device)
         return dx, dw, db
+    if n > 1 and (xy.stride(1) != 1 or dy.stride(1) != 1):
+        raise ValueError(
+            f"the fused backward needs unit column strides, got {xy.stride()} and {dy.stride()}"
+        )
+    if config is not None:
+        _check_pipeline(config, device)
     plan = norm_plan(device, m, n, x_dtype, dy.dtype, _dtype(weight),
                      None if is_rms else _dtype(bias), 0.0, is_rms, from_y, xy_dtype=xy.dtype,
                      dy_dtype=dy.dtype, backward_config=config, num_programs=num_programs,

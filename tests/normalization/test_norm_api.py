@@ -321,6 +321,41 @@ def test_zero_sized_normalized_shape_is_empty_as_in_torch(kind):
     assert y.shape == (5, 2, 0)
 
 
+_KERNEL_DEVICES = [
+    pytest.param("cpu", marks=requires_interpreter, id="interpreter"),
+    pytest.param("cuda", marks=DEVICES[1].marks, id="cuda"),
+]
+
+
+@pytest.mark.parametrize("device", _KERNEL_DEVICES)
+@pytest.mark.parametrize("dy_kind", ["sum", "dense"])
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8)])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_zero_rows_through_the_kernels_as_in_torch(kind, shape, dy_kind, device):
+    # An empty batch (an MoE expert that got no tokens) on the kernels' path: y.sum()'s
+    # gradient is an expanded empty tensor whose (0, 0) strides .contiguous() keeps; the
+    # backward once refused it for its column stride. Compared with PyTorch's own modules.
+    torch.manual_seed(0)
+    ours = (FusedLayerNorm(8) if kind == "layer" else FusedRMSNorm(8)).to(device)
+    theirs = (torch.nn.LayerNorm(8) if kind == "layer" else torch.nn.RMSNorm(8)).to(device)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        theirs.weight.copy_(ours.weight)
+    results = []
+    for module in (ours, theirs):
+        x = torch.randn(*shape, device=device, requires_grad=True)
+        with _ops.triton_on_cpu() if device == "cpu" else contextlib.nullcontext():
+            y = module(x)
+            if dy_kind == "sum":
+                y.sum().backward()
+            else:
+                y.backward(torch.randn_like(y))
+        results.append((y, x.grad, module.weight.grad))
+    for got, want in zip(results[0], results[1]):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_torch_layer_norm_arguments():
     import numpy as np
 
