@@ -125,6 +125,25 @@ class _AmpModule:
             out = cast_floating(out, cfg.output_dtype)
         return out
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, reaching the fp32 masters' gradients too (O2).
+
+        The optimizer steps the masters, so clearing only the half parameters (all the base
+        class sees) would let the masters' gradients pile up across iterations in a loop that
+        zeroes through the model (PyTorch's DCGAN example: ``netD.zero_grad()``).
+        """
+        super().zero_grad(set_to_none)
+        for module in self.modules():
+            hooks = getattr(module, "_mixprec_state_dict", None)
+            for master in hooks.masters.values() if hooks is not None else ():
+                if master.grad is None:
+                    continue
+                if set_to_none:
+                    master.grad = None
+                else:
+                    master.grad.detach_()
+                    master.grad.zero_()
+
     def __reduce_ex__(self, protocol):
         # The swapped class is made at run time, so pickle cannot find it by name: rebuild it
         # from the original class instead (which pickle can find).

@@ -218,7 +218,16 @@ class _OptimizerState:
     # -- scale_loss ----------------------------------------------------------------------------
     def before_backward(self, scaler: LossScaler) -> None:
         self.sync_param_groups()
-        if self.grads_scaled or (not scaler.dynamic and scaler.loss_scale == 1.0):
+        if self.grads_scaled:
+            return
+        # A half parameter's gradient left from a backward outside this optimizer's scale_loss
+        # (a GAN's generator loss run through the discriminator) is stale, and scaled by
+        # another loss's scale: the optimizer cannot see it to zero it, since it holds the
+        # masters. This backward's gradients start from None, as in Apex; what earlier
+        # backwards contributed through scale_loss is already in the masters' gradients.
+        for p, _ in self.pairs:
+            p.grad = None
+        if not scaler.dynamic and scaler.loss_scale == 1.0:
             return
         # Grads already hold unscaled values from an earlier backward (accumulation without
         # delay_unscale): set them aside so the new scaled grads can be unscaled alone, then
