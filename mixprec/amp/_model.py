@@ -19,16 +19,23 @@ import copy
 import dataclasses
 from collections import UserDict
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = [
-    "AmpForwardConfig", "cast_floating", "cast_module_tensors", "convert_model", "is_amp_model",
-    "restore_model",
+    "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "cast_floating", "cast_module_tensors",
+    "convert_model", "is_amp_model", "master_weights", "restore_model",
 ]
+
+# Set on a model by mixprec.parallel.DistributedDataParallel's forward: True when the backward
+# of that forward will not all-reduce (inside no_sync() / after disable_allreduce()). amp's
+# scale_loss then keeps the gradients scaled in place, as delay_unscale=True does, so that the
+# next synced backward all-reduces the whole accumulated sum (unscaling into the masters would
+# leave each rank's local micro-batches out of the all-reduce).
+GRAD_SYNC_DEFERRED = "_mixprec_grad_sync_deferred"
 
 
 def cast_floating(value: Any, dtype: torch.dtype) -> Any:
@@ -133,16 +140,14 @@ class _AmpModule:
         zeroes through the model (PyTorch's DCGAN example: ``netD.zero_grad()``).
         """
         super().zero_grad(set_to_none)
-        for module in self.modules():
-            hooks = getattr(module, "_mixprec_state_dict", None)
-            for master in hooks.masters.values() if hooks is not None else ():
-                if master.grad is None:
-                    continue
-                if set_to_none:
-                    master.grad = None
-                else:
-                    master.grad.detach_()
-                    master.grad.zero_()
+        for master in master_weights(self):
+            if master.grad is None:
+                continue
+            if set_to_none:
+                master.grad = None
+            else:
+                master.grad.detach_()
+                master.grad.zero_()
 
     def __reduce_ex__(self, protocol):
         # The swapped class is made at run time, so pickle cannot find it by name: rebuild it
@@ -272,6 +277,19 @@ def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     module._register_state_dict_hook(hooks.save)
     module._register_load_state_dict_pre_hook(hooks.load)
     return hooks
+
+
+def master_weights(model: nn.Module) -> List[torch.Tensor]:
+    """The fp32 master weights standing for ``model``'s parameters (O2 with an optimizer),
+    each once (a tied weight has one master), in the order of ``model.modules()``."""
+    seen, out = set(), []
+    for module in model.modules():
+        hooks = getattr(module, "_mixprec_state_dict", None)
+        for master in hooks.masters.values() if hooks is not None else ():
+            if id(master) not in seen:
+                seen.add(id(master))
+                out.append(master)
+    return out
 
 
 def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor]) -> None:

@@ -328,9 +328,11 @@ class _OptimizerState:
             )
         if self.grads_scaled:
             raise RuntimeError(
-                "optimizer.step() was called right after amp.scale_loss(..., delay_unscale=True): "
-                "the gradients are still scaled. Use delay_unscale=True only for the inner "
-                "micro-batches and delay_unscale=False for the last backward before step()."
+                "optimizer.step() was called right after amp.scale_loss(..., delay_unscale=True) "
+                "or a backward under DistributedDataParallel's no_sync()/disable_allreduce(): "
+                "the gradients are still scaled and not all-reduced. Use these only for the "
+                "inner micro-batches; run the last backward before step() with the all-reduce "
+                "on and delay_unscale=False."
             )
         if self.overflow:
             for p in _params_of(optimizer):

@@ -14,6 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from mixprec.amp._logging import log_rank0
 from mixprec.amp._model import (
+    GRAD_SYNC_DEFERRED,
     cast_module_tensors,
     convert_model,
     is_amp_model,
@@ -338,6 +339,9 @@ def scale_loss(
         model: accepted for Apex compatibility; unused.
         delay_unscale (bool): leave the gradients scaled (inner micro-batches of gradient
             accumulation); the last backward before ``step()`` must not delay. Default False.
+            A backward under :class:`mixprec.parallel.DistributedDataParallel`'s ``no_sync()``
+            (or after its ``disable_allreduce()``) is always delayed so: the synced backward
+            that follows then all-reduces every micro-batch's gradient, not its own alone.
         delay_overflow_check (bool): accepted for Apex compatibility; unused.
 
     Yields:
@@ -397,7 +401,7 @@ def scale_loss(
         scale = scaler.loss_scale
         yield loss.float() if scale == 1.0 else loss.float() * scale
 
-    if delay_unscale:
+    if delay_unscale or any(getattr(m, GRAD_SYNC_DEFERRED, False) for m in amp_state.models):
         for s in states:
             s.grads_scaled = True
         return

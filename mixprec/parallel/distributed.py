@@ -24,7 +24,10 @@ averaged result is the same; the sum cannot overflow fp16; and no Python runs pe
 (measured on two H200s, the Python hook cost about 1 ms per GPT-style step).
 
 And as Apex did, parameters and buffers are broadcast from rank 0 once, at construction, and
-never again (PyTorch's default re-broadcasts the buffers in every forward).
+never again (PyTorch's default re-broadcasts the buffers in every forward); at amp O2 the fp32
+master weights are broadcast with them. With amp, a backward inside ``no_sync()`` keeps its
+gradients scaled in place (as ``delay_unscale=True``), so that the synced backward after it
+all-reduces the whole accumulated gradient.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec.amp._logging import is_rank_zero
+from mixprec.amp._model import GRAD_SYNC_DEFERRED, master_weights
 from mixprec.parallel._comm import broadcast_coalesced, group_world_size, require_initialized
 
 __all__ = ["DistributedDataParallel"]
@@ -315,6 +319,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             if buffers:
                 broadcast_coalesced(buffers, src=0, group=process_group)
 
+        # amp O2's fp32 master weights live in the optimizer, out of PyTorch's broadcast of the
+        # module's state: without this each rank would keep its own initial masters and copy
+        # them into the (broadcast) half model at its first step.
+        masters = master_weights(module)
+        if masters:
+            broadcast_coalesced(masters, src=0, group=process_group)
+
         self.message_size = message_size
         self.delay_allreduce = delay_allreduce
         self.allreduce_always_fp32 = bool(allreduce_always_fp32)
@@ -359,6 +370,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._install_hook()
 
     def forward(self, *inputs, **kwargs):
+        if torch.is_grad_enabled():
+            # Tells amp.scale_loss whether this forward's backward all-reduces (see
+            # mixprec.amp._model.GRAD_SYNC_DEFERRED): inside no_sync() it keeps the gradients
+            # scaled in place for the synced backward to reduce.
+            setattr(self.module, GRAD_SYNC_DEFERRED, not self.require_backward_grad_sync)
         try:
             return super().forward(*inputs, **kwargs)
         except RuntimeError as err:
@@ -383,6 +399,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             "to the loss in every step, freeze the unused ones (requires_grad_(False)) before "
             "wrapping, or pass find_unused_parameters=True to DistributedDataParallel."
         )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped module's ``zero_grad`` (an amp model's reaches its fp32 masters)."""
+        self.module.zero_grad(set_to_none)
 
     def disable_allreduce(self) -> None:
         """Stop all-reducing gradients in backward until :meth:`enable_allreduce` (Apex's

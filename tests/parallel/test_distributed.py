@@ -526,6 +526,64 @@ def check_amp_o2_accumulation_with_no_sync(ctx):
     _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
+def check_amp_o2_masters_broadcast_from_rank0(ctx):
+    # Every rank initialises its own weights (no common seed, as in the README's example): the
+    # fp32 masters, which live in the optimizer and make the checkpoint, come from rank 0 too.
+    from mixprec import amp
+
+    torch.manual_seed(200 + ctx.rank)
+    model = _mlp(ctx.device, seed=200 + ctx.rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    ddp = DistributedDataParallel(model)
+    masters = list(amp.master_params(opt))
+    _assert_same_on_all_ranks(ctx, masters, "fp32 master weight after construction")
+    _assert_same_on_all_ranks(ctx, list(ddp.state_dict().values()), "state_dict entry")
+    for m, p in zip(masters, model.parameters()):
+        assert torch.equal(m.to(p.dtype), p), "the half model is not its masters' rounding"
+    x, y = _global_batch(ctx, seed=210)
+    _amp_step(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+    _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter after a step")
+
+
+def check_amp_accumulation_with_no_sync_needs_no_delay_unscale(ctx):
+    # The plain accumulation loop: micro-batches under no_sync(), every scale_loss with the
+    # default delay_unscale=False. Unscaling into the masters inside no_sync() would keep each
+    # rank's earlier micro-batches out of the final all-reduce (ranks then differ); amp keeps
+    # them scaled in place for the synced backward. Zeroing goes through the DDP wrapper
+    # (reaching the masters). O2 with a static and a dynamic scale, and O1 (fp32 parameters).
+    from mixprec import amp
+
+    for opt_level, loss_scale in (("O2", 64.0), ("O2", "dynamic"), ("O1", "dynamic")):
+        model = _mlp(ctx.device)
+        ref = copy.deepcopy(model)
+        pairs = []
+        for net in (model, ref):
+            opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+            pairs.extend(amp.initialize(net, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                        loss_scale=loss_scale, verbosity=0))
+        model, opt, ref, ref_opt = pairs
+        ddp = DistributedDataParallel(model, message_size=64)
+        for step in range(2):
+            ddp.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(3):
+                x, y = _global_batch(ctx, seed=130 + 3 * step + micro)
+                with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as scaled:
+                    scaled.backward()
+                sync = contextlib.nullcontext() if micro == 2 else ddp.no_sync()
+                with sync:
+                    out = ddp(_mine(ctx, x))
+                with amp.scale_loss(F.mse_loss(out.float(), _mine(ctx, y)), opt) as scaled:
+                    scaled.backward()
+            opt.step()
+            ref_opt.step()
+        masters = list(amp.master_params(opt))
+        _assert_same_on_all_ranks(ctx, masters, f"{opt_level} {loss_scale} weight")
+        for m, r in zip(masters, amp.master_params(ref_opt)):
+            torch.testing.assert_close(m, r, rtol=0, atol=2e-2 if opt_level == "O1" else 2e-3)
+
+
 def check_amp_o2_ddp_syncbn_compiled(ctx):
     # The whole Apex recipe under torch.compile: amp O2 (bf16), SyncBatchNorm (a graph break,
     # run eagerly), DDP, compiled; it must train as the same recipe run eagerly. On CPU the
@@ -654,6 +712,8 @@ CHECKS = [
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
+    "check_amp_o2_masters_broadcast_from_rank0",
+    "check_amp_accumulation_with_no_sync_needs_no_delay_unscale",
     "check_amp_o2_ddp_syncbn_compiled",
     "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
     "check_larc_under_amp_o2_and_ddp",
