@@ -376,8 +376,13 @@ def convert_model(model: nn.Module, props) -> None:
                                   device_type=device_type)
     else:  # O1: parameters as they are, per-op casting
         autocast_dtype = props.half_dtype if props.patch_torch_functions else None
+        # Outputs come out fp32: the loss that follows the model runs outside its autocast
+        # region, so half logits would give a half-precision loss (and an fp16 loss's gradient
+        # at the 2**16 starting scale overflows); Apex's patched torch functions computed it
+        # in fp32, and torch.autocast's loss inside the region does too.
+        output_dtype = props.cast_model_outputs or (torch.float32 if autocast_dtype else None)
         config = AmpForwardConfig(autocast_dtype=autocast_dtype, device_type=device_type,
-                                  output_dtype=props.cast_model_outputs)
+                                  output_dtype=output_dtype)
         if keep_bn and autocast_dtype is not None:
             bn_config = AmpForwardConfig(device_type=device_type, fp32_compute=True)
             for module in model.modules():

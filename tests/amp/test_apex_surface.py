@@ -165,12 +165,15 @@ def test_registered_function_inside_o1_model():
 
         def forward(self, x):
             h = self.lin(x)  # autocast: bf16
-            return h, ns.matmul(h, h.t())  # registered float: fp32
+            out = ns.matmul(h, h.t())  # registered float: fp32
+            seen.update(h=h.dtype, out=out.dtype)  # (O1's outputs leave the model in fp32)
+            return out
 
+    seen = {}
     model = Net()
     amp.initialize(model, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
-    h, out = model(torch.randn(3, 4))
-    assert h.dtype == torch.bfloat16 and out.dtype == torch.float32
+    model(torch.randn(3, 4))
+    assert seen == {"h": torch.bfloat16, "out": torch.float32}
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
@@ -222,9 +225,9 @@ def test_cast_model_outputs_every_level(opt_level, out_dtype):
     if out_dtype is not None:
         assert y.dtype == out_dtype
     else:
-        expected = {"O0": torch.float32, "O1": torch.float16, "O2": torch.float32,
-                    "O3": torch.float32}[opt_level]
-        assert y.dtype == expected
+        # Every level's floating outputs leave the model in fp32 unless told otherwise (O1:
+        # the loss after the model runs outside its autocast region).
+        assert y.dtype == torch.float32
 
 
 def test_o2_casts_nested_inputs_only_floating():

@@ -47,7 +47,33 @@ def test_parameter_dtypes(opt_level, dtype, device):
     assert all(p.dtype == torch.float32 for p in masters) == (opt_level != "O3")
     x, _ = batch(device)
     out = model(x)  # fp32 input: cast on entry at O2/O3
-    assert out.dtype == (dtype if opt_level == "O1" else torch.float32)
+    assert out.dtype == torch.float32  # outputs cast to fp32 at every level (O1 too)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_o1_loss_after_the_model_is_fp32_as_under_autocast(dtype):
+    # The loss is computed after the model, outside its autocast region: from fp32 outputs it
+    # is the same fp32 quantity torch.autocast gives (cross_entropy is on its fp32 list), and
+    # an fp16 loss's gradient at the 2**16 starting scale no longer overflows (it did: the
+    # first step was always skipped). cast_model_outputs=half keeps the half outputs.
+    model = make_cnn()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=dtype, verbosity=0,
+                                loss_scale="dynamic")
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y)
+    with torch.autocast("cpu", dtype=dtype):
+        want = nn.functional.cross_entropy(ref(x), y)
+    assert loss.dtype == torch.float32 and want.dtype == torch.float32
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not amp.step_was_skipped(opt)
+    half = make_cnn()
+    amp.initialize(half, opt_level="O1", dtype=dtype, cast_model_outputs=dtype, verbosity=0)
+    assert half(x).dtype == dtype
 
 
 def test_cast_model_outputs():
