@@ -198,7 +198,6 @@ def initialize(
         >>> torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
         ...             "amp": amp.state_dict()}, "checkpoint.pt")
     """
-    global _latest
     model_list, single_model = _as_list(models, "models", nn.Module, "torch.nn.Module")
     if optimizers is None:
         opt_list, single_opt = [], True
@@ -234,7 +233,7 @@ def initialize(
                          verbosity)
         for opt in opt_list:
             state.add_optimizer(opt)
-        _latest = state
+        _set_latest(state, opt_list)
         return result()
 
     props = resolve_properties(
@@ -293,7 +292,7 @@ def initialize(
         model._register_load_state_dict_pre_hook(SyncParamGroupsOnLoad(state))
         convert_model(model, props)
         register_masters(model, masters)
-    _latest = state
+    _set_latest(state, opt_list)
     if verbosity > 0:
         log_rank0(logging.INFO, "amp: opt_level %s (%s): %s", props.opt_level,
                   describe_opt_level(props.opt_level), props.describe())
@@ -411,14 +410,36 @@ def scale_loss(
     amp_state.record_overflow(states, loss_id, flags)
 
 
-def _current(what: str) -> AmpState:
+def _set_latest(state: AmpState, opt_list) -> None:
+    # An initialize without optimizers (a frozen teacher, an EMA copy, inference) has loss
+    # scalers that no scale_loss can use: it does not displace the training call's state.
+    global _latest
+    if opt_list or _latest is None:
+        _latest = state
+
+
+def _current(what: str, optimizer=None) -> AmpState:
+    if optimizer is not None:
+        state = optimizer_state(optimizer)
+        if state is None:
+            raise ValueError(
+                f"amp.{what}(optimizer={type(optimizer).__name__}): this optimizer did not go "
+                "through amp.initialize. Pass one that initialize returned."
+            )
+        return state.amp_state
     if _latest is None:
         raise RuntimeError(f"amp.{what}() was called before amp.initialize().")
     return _latest
 
 
-def state_dict(destination=None) -> dict:
-    """The loss scalers of the most recent ``initialize``, in Apex's format.
+def state_dict(destination=None, *, optimizer=None) -> dict:
+    """The loss scalers of the most recent ``initialize`` given optimizers, in Apex's format.
+
+    Args:
+        destination (dict, optional): update this dict and return it. Default None.
+        optimizer (Optimizer, optional, keyword-only): save the scalers of the ``initialize``
+            call this optimizer went through instead (for several calls with optimizers).
+            Default None.
 
     Returns:
         dict: ``{"loss_scaler0": {"loss_scale": float, "unskipped": int}, ...}``.
@@ -427,21 +448,22 @@ def state_dict(destination=None) -> dict:
 
         >>> torch.save({"amp": amp.state_dict(), ...}, "checkpoint.pt")
     """
-    result = _current("state_dict").state_dict()
+    result = _current("state_dict", optimizer).state_dict()
     if destination is not None:
         destination.update(result)
         return destination
     return result
 
 
-def load_state_dict(state_dict: dict) -> None:
-    """Restore loss scalers saved by :func:`state_dict` (into the most recent ``initialize``).
+def load_state_dict(state_dict: dict, *, optimizer=None) -> None:
+    """Restore loss scalers saved by :func:`state_dict`, into the most recent ``initialize``
+    given optimizers (or, with ``optimizer=``, the one that optimizer went through).
 
     Example::
 
         >>> amp.load_state_dict(torch.load("checkpoint.pt")["amp"])
     """
-    _current("load_state_dict").load_state_dict(state_dict)
+    _current("load_state_dict", optimizer).load_state_dict(state_dict)
 
 
 def master_params(optimizer) -> Iterator[torch.Tensor]:

@@ -438,6 +438,34 @@ def test_state_dict_into_a_destination():
     assert dest == {"other": 1, "loss_scaler0": {"loss_scale": 128.0, "unskipped": 0}}
 
 
+def test_state_dict_follows_the_training_initialize_not_a_later_frozen_one():
+    # Distillation: the student with its optimizer, then a teacher without one. The module-level
+    # state_dict must keep saving the student's (backed-off) scale, not the teacher's unused
+    # one; optimizer= picks a call explicitly, also across two calls with optimizers.
+    student = make_cnn()
+    opt = torch.optim.SGD(student.parameters(), lr=0.1)
+    student, opt = amp.initialize(student, opt, opt_level="O1", dtype=torch.bfloat16,
+                                  loss_scale="dynamic", verbosity=0)
+    amp.initialize(make_cnn(seed=1), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = batch()
+    with amp.scale_loss(nn.functional.cross_entropy(student(x), y), opt) as s:
+        (s * float("inf")).backward()  # one overflow: 2**16 -> 2**15
+    opt.step()
+    student_sd = {"loss_scaler0": {"loss_scale": 2.0**15, "unskipped": 0}}
+    assert amp.state_dict() == student_sd
+    other = make_cnn(seed=2)
+    other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    amp.initialize(other, other_opt, opt_level="O1", dtype=torch.bfloat16, loss_scale=8.0,
+                   verbosity=0)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 8.0  # the newest training call
+    assert amp.state_dict(optimizer=opt) == student_sd
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 3}}, optimizer=opt)
+    assert amp.state_dict(optimizer=opt)["loss_scaler0"] == {"loss_scale": 4.0, "unskipped": 3}
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 8.0
+    with pytest.raises(ValueError, match="did not go through amp.initialize"):
+        amp.state_dict(optimizer=torch.optim.SGD(make_cnn().parameters(), lr=0.1))
+
+
 def _gan_run(opt_level, dtype, steps=3, zero_grad_via="optimizer"):
     """A GAN's loop (PyTorch's DCGAN example's order): D on real and fake, then G through D.
     G's backward leaves gradients on D's parameters that D's next step must not see.
