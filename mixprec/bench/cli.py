@@ -39,15 +39,16 @@ examples:
 """
 
 
-def _int_at_least(minimum: int, what: str):
-    """An argparse type: an int >= ``minimum``, with ``what`` naming it in the error."""
+def _int_at_least(minimum: int, what: str, maximum: Optional[int] = None):
+    """An argparse type: an int >= ``minimum`` (and <= ``maximum``), with ``what`` naming it
+    in the error."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if value < minimum:
+        if value < minimum or (maximum is not None and value > maximum):
             raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
         return value
 
@@ -56,6 +57,8 @@ def _int_at_least(minimum: int, what: str):
 
 _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
+_seed = _int_at_least(0, "an integer from 0 to 2**64 - 1 (torch.manual_seed's range)",
+                      maximum=2**64 - 1)
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -136,9 +139,10 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plot",
         metavar="PATH",
-        help="write a PNG: loss curves, time and memory bars (needs matplotlib)",
+        help="write a figure of loss curves, time and memory bars (needs matplotlib); the "
+        "extension picks the format: .png, .svg, .pdf or .jpg",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed for weights and data (default 0)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed for weights and data (default 0)")
     p.add_argument(
         "--device",
         default=None,
@@ -306,9 +310,16 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "--model gpt"
         )
     for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+        if path is not None and not path.strip():
+            parser.error(f"argument {flag}: expected a file path, got {path!r}")
         problem = _unwritable(path)
         if problem:  # fail before the run, not after it
             parser.error(f"argument {flag}: cannot write {path!r}: {problem}")
+    if args.plot:
+        try:
+            report.plot_format(args.plot)
+        except ValueError as exc:
+            parser.error(f"argument --plot: {exc}")
     norm_cls = _norm_factory(args.norm, parser) if args.model == "gpt" else None
     if args.plot:
         try:
@@ -362,10 +373,12 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print()
     print(report.format_table(results, baseline="O0"))
     print()
+    window = min(len(workload.batches), warmup + args.iters)
+    over = (f"one pass over the {window}-batch pool" if window == len(workload.batches)
+            else f"every step run, {window} of the {len(workload.batches)} batches")
     notes = [
         "s / 40 it = 40 x the median step time; final loss = mean over the last "
-        f"{min(len(workload.batches), warmup + args.iters)} steps (one pass over the "
-        "batch pool)."
+        f"{window} step{'s' if window != 1 else ''} ({over})."
     ]
     if on_cuda:
         notes.append("peak mem = torch.cuda.max_memory_allocated() growth over the mode's start.")

@@ -197,14 +197,36 @@ def _import_matplotlib():
     return Figure, FigureCanvasAgg
 
 
+PLOT_FORMATS = ("png", "svg", "pdf", "jpg", "jpeg")
+
+
+def plot_format(path: str) -> str:
+    """The image format for ``path``: its extension's, or ``"png"`` without one.
+
+    Raises:
+        ValueError: the extension names a format not in :data:`PLOT_FORMATS`.
+    """
+    ext = os.path.splitext(path)[1].lower().lstrip(".")
+    if not ext:
+        return "png"
+    if ext not in PLOT_FORMATS:
+        raise ValueError(
+            f"cannot write a plot as {path!r}: the extension .{ext} is not one of "
+            f"{', '.join('.' + f for f in PLOT_FORMATS)}; name the file e.g. 'bench.png'."
+        )
+    return ext
+
+
 def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> None:
-    """Save a PNG: every mode's loss curve on one axis, and bars of step time and memory.
+    """Save a figure: every mode's loss curve on one axis, and bars of step time and memory.
+
+    The format follows the file's extension (one of :data:`PLOT_FORMATS`; PNG without one).
 
     Failed modes are left out of the curves and shown as empty bars labelled "failed".
 
     Args:
         results: rows from :func:`~mixprec.bench.runner.run_modes`.
-        path (str): the PNG file to write.
+        path (str): the file to write (``.png``, ``.svg``, ``.pdf``, ``.jpg``).
         title (str): figure title. Default ``""``.
 
     Raises:
@@ -282,4 +304,4 @@ def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> Non
     if title:
         fig.suptitle(textwrap.fill(title, 110), fontsize="medium")
     _parent_dir(path)
-    fig.savefig(path, format="png", dpi=100)
+    fig.savefig(path, format=plot_format(path), dpi=100)

@@ -105,6 +105,16 @@ def test_plot_is_a_png(default_run):
     assert len(data) > 20_000  # three axes with curves, bars and labels
 
 
+def test_plot_format_follows_the_extension(tmp_path):
+    path = tmp_path / "bench.svg"
+    code, text = _run(["bench", *FAST, "--opt-levels", "O0", "--no-native", "--iters", "1",
+                       "--warmup", "0", "--plot", str(path)])
+    assert code == 0
+    assert path.read_bytes().lstrip().startswith(b"<?xml") and b"<svg" in path.read_bytes()
+    # One step run: the note says what the final loss is the mean of.
+    assert "mean over the last 1 step (every step run, 1 of the 4 batches)" in text
+
+
 def test_failed_mode_is_a_failed_row_and_others_run(monkeypatch, tmp_path):
     from mixprec import amp
 
@@ -190,6 +200,10 @@ def test_every_mode_failing_exits_1(monkeypatch):
         (["bench", "--json", "."], "argument --json: cannot write '.': it is a directory"),
         (["bench", "--csv", "/dev/null/x.csv"], "argument --csv: cannot write"),
         (["bench", "--bogus"], "unrecognized"),
+        (["bench", "--seed", str(2**64)], "from 0 to 2**64 - 1"),
+        (["bench", "--seed", "-1"], "from 0 to 2**64 - 1"),
+        (["bench", "--csv", ""], "argument --csv: expected a file path, got ''"),
+        (["bench", "--plot", "out.txt"], "argument --plot: cannot write a plot as 'out.txt'"),
     ],
 )
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
