@@ -80,6 +80,8 @@ def test_torch_amp_before_and_mixprec_after_agree(monkeypatch):
     before = runpy.run_path(str(EXAMPLES / "torch_amp_before.py"), run_name="before")
     after = runpy.run_path(str(EXAMPLES / "mixprec_after.py"), run_name="after")
     native = before["train"]()
-    for opt_level in ("O1", "O2"):
-        ours = after["train"](opt_level=opt_level)
-        assert abs(ours - native) <= 0.05 * native + 1e-3, (opt_level, ours, native)
+    # O1 is the native recipe, loss included (the model's outputs leave it in fp32, as the
+    # loss inside the autocast block sees them): the same run, bit for bit.
+    assert after["train"](opt_level="O1") == native
+    ours = after["train"](opt_level="O2")
+    assert abs(ours - native) <= 0.05 * native + 1e-3, (ours, native)
