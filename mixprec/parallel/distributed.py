@@ -370,17 +370,40 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._install_hook()
 
     def forward(self, *inputs, **kwargs):
-        if torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if grad:
             # Tells amp.scale_loss whether this forward's backward all-reduces (see
             # mixprec.amp._model.GRAD_SYNC_DEFERRED): inside no_sync() it keeps the gradients
             # scaled in place for the synced backward to reduce.
             setattr(self.module, GRAD_SYNC_DEFERRED, not self.require_backward_grad_sync)
         try:
-            return super().forward(*inputs, **kwargs)
+            out = super().forward(*inputs, **kwargs)
         except RuntimeError as err:
             if _UNFINISHED_REDUCTION not in str(err):
                 raise
             raise RuntimeError(self._unused_parameters_message(str(err))) from err
+        if grad:
+            self._watch_unsynced_backward(out)
+        return out
+
+    def _watch_unsynced_backward(self, out) -> None:
+        """Remember whether a backward of a forward run with the all-reduce off is still to come
+        (its first gradient clears the mark): enable_allreduce() then would not reach it."""
+        self._unsynced_backward_pending = False
+        if self.require_backward_grad_sync:
+            return
+        tensors = [t for t in torch.utils._pytree.tree_leaves(out)
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not tensors:
+            return
+        self._unsynced_backward_pending = True
+
+        def started(grad):
+            self._unsynced_backward_pending = False
+            return grad
+
+        for t in tensors:
+            t.register_hook(started)
 
     def _unused_parameters_message(self, torch_message: str) -> str:
         names = _reducer_param_names(self.module)
@@ -408,11 +431,27 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """Stop all-reducing gradients in backward until :meth:`enable_allreduce` (Apex's
         method; the same as being inside ``no_sync()``): gradients accumulate locally. As with
         ``no_sync()``, it applies from the next forward pass on (Apex's took effect in the
-        backward already running)."""
+        backward already running; called between a forward and its backward, that backward
+        still all-reduces, which leaves the accumulated average right)."""
         self.require_backward_grad_sync = False
 
     def enable_allreduce(self) -> None:
-        """All-reduce gradients in backward again (the default; Apex's method)."""
+        """All-reduce gradients in backward again (the default; Apex's method), from the next
+        forward pass on.
+
+        Raises:
+            RuntimeError: called between a forward run with the all-reduce off and its backward
+                (Apex's switch acted on that backward; PyTorch's reducer is set up in the
+                forward, so that backward would silently not be all-reduced).
+        """
+        if getattr(self, "_unsynced_backward_pending", False):
+            raise RuntimeError(
+                "DistributedDataParallel.enable_allreduce() was called after a forward pass run "
+                "with the all-reduce off (disable_allreduce() or no_sync()) and before its "
+                "backward: that backward would not be all-reduced, since the all-reduce is set "
+                "up in the forward. Call enable_allreduce() before the forward of the "
+                "micro-batch whose backward should all-reduce."
+            )
         self.require_backward_grad_sync = True
 
     def extra_repr(self) -> str:

@@ -261,6 +261,30 @@ def check_disable_and_enable_allreduce(ctx):
                 torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+    # Apex's timing (the switch flipped after the forward) cannot reach a backward whose
+    # forward ran with the all-reduce off: that is an error, not a silently local gradient.
+    ddp.disable_allreduce()
+    loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    try:
+        ddp.enable_allreduce()
+    except RuntimeError as err:
+        assert "before the forward" in str(err), err
+    else:
+        raise AssertionError("enable_allreduce() between a local forward and its backward")
+    assert not ddp.require_backward_grad_sync
+    loss.backward()
+    ddp.enable_allreduce()  # after the backward: fine
+    with ddp.no_sync():
+        loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    ok = False
+    try:
+        ddp.enable_allreduce()
+    except RuntimeError:
+        ok = True
+    assert ok, "no_sync()'s forward is pending its backward too"
+    loss.backward()
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()  # synced; nothing pending
+    ddp.enable_allreduce()
 
 
 def check_message_size_sets_bucket_bytes(ctx):
