@@ -194,3 +194,29 @@ def test_load_with_assign_is_refused_clearly():
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
     with pytest.raises(RuntimeError, match=r"assign=True.*Load with assign=False"):
         model.load_state_dict(make_cnn(seed=3).state_dict(), assign=True)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_frozen_parameters_in_the_optimizer_checkpoint_exactly(dtype):
+    # Head-only fine-tuning at O2, as the README says: a frozen layer the optimizer holds (with
+    # requires_grad=False) gets a master and is saved exactly and never stepped; one it does
+    # not hold is saved as its half value upcast.
+    model = make_cnn()
+    pretrained = {k: v.clone() for k, v in model.state_dict().items()}
+    model.features[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    for _ in range(2):
+        train_step(model, opt, *batch(), amp)
+    state = model.state_dict()
+    for key in ("features.0.weight", "features.0.bias"):
+        assert torch.equal(state[key], pretrained[key]), key
+    assert not torch.equal(state["head.weight"], pretrained["head.weight"])  # it trained
+
+    left_out = make_cnn()
+    left_out.features[0].requires_grad_(False)
+    head_opt = torch.optim.SGD(left_out.head.parameters(), lr=0.1)
+    amp.initialize(left_out, head_opt, opt_level="O2", dtype=dtype, verbosity=0)
+    got = left_out.state_dict()["features.0.weight"]
+    assert got.dtype == torch.float32
+    assert torch.equal(got, pretrained["features.0.weight"].to(dtype).float())
