@@ -8,6 +8,7 @@ from typing import List, Optional, Union
 import torch
 from torch import nn
 
+from mixprec.amp._model import master_weights
 from mixprec.parallel._comm import (
     all_reduce_average_coalesced,
     broadcast_coalesced,
@@ -38,6 +39,11 @@ class Reducer:
     are broadcast from rank 0 at construction and :meth:`reduce` averages the gradients of its
     parameters that have one; given a list of tensors, :meth:`reduce` averages those in place.
     Each call makes one flat all-reduce per (device, dtype).
+
+    With an amp O2 model (``amp.initialize`` first, as for DDP) the fp32 master weights are
+    broadcast too, and :meth:`reduce` averages the masters' gradients as well as the half
+    parameters', so it may be called inside the ``amp.scale_loss`` block after backward or
+    after the block (where the gradients have moved into the masters) alike.
 
     Args:
         module_or_grads_list (nn.Module or iterable of Tensor): what to reduce (nested
@@ -81,6 +87,7 @@ class Reducer:
         require_initialized("Reducer")
         if self.module is not None:
             params = [p.data for p in self.module.parameters()]
+            params += [m.data for m in master_weights(self.module)]
             if params:
                 broadcast_coalesced(params, src=0, group=process_group)
 
@@ -91,7 +98,10 @@ class Reducer:
         have gradients for the same set of parameters.
         """
         if self.module is not None:
+            # (Averaging a gradient that is already the same on every rank leaves it as it is,
+            # so half and master gradients can both be reduced whatever amp has moved where.)
             tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
+            tensors += [m.grad for m in master_weights(self.module) if m.grad is not None]
         else:
             tensors = self.grads
         if tensors:

@@ -431,6 +431,47 @@ def check_reducer(ctx):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+def check_reducer_with_amp_o2(ctx):
+    # Reducer on an amp O2 model with per-rank initial weights: the masters come from rank 0,
+    # and reduce() averages whichever gradients exist, inside the scale_loss block (half
+    # gradients) or after it (moved into the masters): both train as one process would.
+    from mixprec import amp
+
+    for where in ("inside", "after"):
+        model = _mlp(ctx.device, seed=220 + ctx.rank)
+        ref = _mlp(ctx.device, seed=220)  # rank 0's weights
+        pairs = []
+        for net in (model, ref):
+            opt = torch.optim.SGD(net.parameters(), lr=0.05)
+            pairs.extend(amp.initialize(net, opt, opt_level="O2", dtype=torch.bfloat16,
+                                        verbosity=0))
+        model, opt, ref, ref_opt = pairs
+        reducer = Reducer(model)
+        for step in range(2):
+            x, y = _global_batch(ctx, seed=230 + step)
+            opt.zero_grad()
+            with amp.scale_loss(F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y)),
+                                opt) as scaled:
+                scaled.backward()
+                if where == "inside":
+                    reducer.reduce()
+            if where == "after":
+                reducer.reduce()
+            opt.step()
+            _amp_step_mse(ref, ref_opt, x, y, amp)
+        masters = list(amp.master_params(opt))
+        _assert_same_on_all_ranks(ctx, masters, f"master weight (reduce {where} scale_loss)")
+        for m, r in zip(masters, amp.master_params(ref_opt)):
+            torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+
+
+def _amp_step_mse(model, opt, x, y, amp):
+    opt.zero_grad()
+    with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
 class _ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -733,6 +774,7 @@ CHECKS = [
     "check_unused_parameters_found",
     "check_arguments_validated_and_warned",
     "check_reducer",
+    "check_reducer_with_amp_o2",
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
