@@ -38,8 +38,12 @@ __all__ = [
 GRAD_SYNC_DEFERRED = "_mixprec_grad_sync_deferred"
 
 
-def cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """Cast every floating-point tensor inside ``value`` to ``dtype``.
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) -> Any:
+    """Cast every floating-point tensor inside ``value`` to ``dtype`` (with ``only``, just the
+    tensors of those dtypes).
 
     Walks lists, tuples, namedtuples, mappings (``dict``, ``OrderedDict``, ``defaultdict``,
     ``UserDict`` such as a tokenizer's batch) and dataclass instances; integer/bool tensors and
@@ -49,18 +53,21 @@ def cast_floating(value: Any, dtype: torch.dtype) -> Any:
     takes such an object gets it as it is, and casts what it needs itself.
     """
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+        if not value.is_floating_point() or value.dtype == dtype:
+            return value
+        return value if only is not None and value.dtype not in only else value.to(dtype)
     if type(value) is dict:  # the common case, kept cheap: this runs on every forward
-        return {k: cast_floating(v, dtype) for k, v in value.items()}
+        return {k: cast_floating(v, dtype, only) for k, v in value.items()}
     if isinstance(value, Mapping):
-        return _rebuild_mapping(value, {k: cast_floating(v, dtype) for k, v in value.items()})
+        return _rebuild_mapping(value,
+                                {k: cast_floating(v, dtype, only) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(cast_floating(v, dtype) for v in value))
+        return type(value)(*(cast_floating(v, dtype, only) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype) for v in value)
+        return type(value)(cast_floating(v, dtype, only) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         changes = {
-            f.name: cast_floating(getattr(value, f.name), dtype)
+            f.name: cast_floating(getattr(value, f.name), dtype, only)
             for f in dataclasses.fields(value)
             if f.init
         }
@@ -101,6 +108,8 @@ class AmpForwardConfig:
         output_dtype: cast floating outputs to this dtype (None: leave them).
         fp32_compute: run the forward in fp32 with autocast off, casting half inputs up and the
             outputs back to the input's dtype (BatchNorm under O1 with keep_batchnorm_fp32).
+        half_outputs_to_fp32: cast fp16/bf16 outputs to fp32, leaving other dtypes (O1's
+            default: autocast's half results, not a float64 output, come out fp32).
     """
 
     input_dtype: Optional[torch.dtype] = None
@@ -108,6 +117,7 @@ class AmpForwardConfig:
     device_type: str = "cpu"
     output_dtype: Optional[torch.dtype] = None
     fp32_compute: bool = False
+    half_outputs_to_fp32: bool = False
 
 
 class _AmpModule:
@@ -130,6 +140,8 @@ class _AmpModule:
             out = original_forward(*args, **kwargs)
         if cfg.output_dtype is not None:
             out = cast_floating(out, cfg.output_dtype)
+        elif cfg.half_outputs_to_fp32:
+            out = cast_floating(out, torch.float32, only=_HALF)
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -145,8 +157,11 @@ class _AmpModule:
                 continue
             if set_to_none:
                 master.grad = None
-            else:
-                master.grad.detach_()
+            else:  # (as nn.Module.zero_grad does it: a view's graph is cut, not detached)
+                if master.grad.grad_fn is not None:
+                    master.grad.detach_()
+                else:
+                    master.grad.requires_grad_(False)
                 master.grad.zero_()
 
     def __reduce_ex__(self, protocol):
@@ -380,9 +395,9 @@ def convert_model(model: nn.Module, props) -> None:
         # region, so half logits would give a half-precision loss (and an fp16 loss's gradient
         # at the 2**16 starting scale overflows); Apex's patched torch functions computed it
         # in fp32, and torch.autocast's loss inside the region does too.
-        output_dtype = props.cast_model_outputs or (torch.float32 if autocast_dtype else None)
         config = AmpForwardConfig(autocast_dtype=autocast_dtype, device_type=device_type,
-                                  output_dtype=output_dtype)
+                                  output_dtype=props.cast_model_outputs,
+                                  half_outputs_to_fp32=autocast_dtype is not None)
         if keep_bn and autocast_dtype is not None:
             bn_config = AmpForwardConfig(device_type=device_type, fp32_compute=True)
             for module in model.modules():

@@ -26,7 +26,7 @@ import torch
 
 from mixprec.amp import _multi_tensor
 from mixprec.amp._logging import OverflowLog, log_rank0
-from mixprec.amp._model import register_masters
+from mixprec.amp._model import GRAD_SYNC_DEFERRED, register_masters
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 
 __all__ = ["AmpState", "SyncParamGroupsOnLoad", "optimizer_state"]
@@ -119,8 +119,17 @@ class _OptimizerState:
         self.plain: List[torch.Tensor] = []
         self.known_params = 0
         self.grads_scaled = False
+        # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
+        # device), that the held (still scaled) gradients carry.
+        self.held_scaler: Optional[LossScaler] = None
+        self.held_scale = None
+        self.held_changes = 0
         self.overflow = False
         self.last_step_skipped = False
+        # The models (weak) holding this optimizer's parameters, for grad_sync_deferred(); and
+        # the parameter count they were found for.
+        self._owners: List[weakref.ref] = []
+        self._owners_for = -1
         # Sync-free skipping (fused optimizers on one CUDA device): the overflow flag stays on
         # the device and the optimizer's fused kernel skips the update itself.
         self.pending_found: Optional[torch.Tensor] = None
@@ -216,9 +225,44 @@ class _OptimizerState:
         self._handles.clear()
 
     # -- scale_loss ----------------------------------------------------------------------------
-    def before_backward(self, scaler: LossScaler) -> None:
+    def grad_sync_deferred(self) -> bool:
+        """Whether a model holding this optimizer's parameters ran its last forward inside
+        ``mixprec.parallel.DistributedDataParallel``'s ``no_sync()`` (see GRAD_SYNC_DEFERRED)."""
+        if self._owners_for != self.known_params:
+            ids = {id(p) for p, _ in self.pairs} | {id(p) for p in self.plain}
+            self._owners = [weakref.ref(m) for m in self.amp_state.models
+                            if any(id(p) in ids for p in m.parameters())]
+            self._owners_for = self.known_params
+        return any(getattr(ref(), GRAD_SYNC_DEFERRED, False) for ref in self._owners)
+
+    def hold_scaled(self, scaler: LossScaler, scale) -> None:
+        """Leave this backward's gradients scaled in place (delay_unscale, or no_sync())."""
+        self.grads_scaled = True
+        self.held_scaler, self.held_changes = scaler, scaler.changes
+        # (A device scale is updated in place when another optimizer's gradients unscale.)
+        self.held_scale = scale.clone() if torch.is_tensor(scale) else scale
+
+    def _rescale_held(self, scaler: LossScaler, scale) -> None:
+        """Bring held gradients from the scale they carry to ``scale`` (another loss_id's, or
+        this one's after it moved), so that this backward adds onto gradients of its scale."""
+        if self.held_scaler is scaler and self.held_changes == scaler.changes:
+            return
+        old = self.held_scale
+        self.hold_scaled(scaler, scale)
+        if not (torch.is_tensor(old) or torch.is_tensor(scale)) and old == scale:
+            return
+        grads = [p.grad for p, _ in self.pairs if p.grad is not None]
+        grads += [p.grad for p in self.plain if p.grad is not None]
+        grads = [g._values() if g.layout is not torch.strided else g for g in grads]
+        if grads:
+            with torch.no_grad():  # powers of two for dynamic scales: exact unless inf
+                torch._foreach_mul_(grads, scale / old)
+
+    def before_backward(self, scaler: LossScaler, scale) -> None:
+        """Before a backward at ``scale`` (``scaler``'s: a float, or a 0-dim device tensor)."""
         self.sync_param_groups()
         if self.grads_scaled:
+            self._rescale_held(scaler, scale)
             return
         # A half parameter's gradient left from a backward outside this optimizer's scale_loss
         # (a GAN's generator loss run through the discriminator) is stale, and scaled by
@@ -300,6 +344,7 @@ class _OptimizerState:
             torch._foreach_add_(accumulate_into, accumulate)
         self._stash = []
         self.grads_scaled = False
+        self.held_scaler = self.held_scale = None
         return flags
 
     def discard_grads(self) -> None:

@@ -14,7 +14,6 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from mixprec.amp._logging import log_rank0
 from mixprec.amp._model import (
-    GRAD_SYNC_DEFERRED,
     cast_module_tensors,
     convert_model,
     is_amp_model,
@@ -391,23 +390,29 @@ def scale_loss(
             )
         scaler.release_device()
     amp_state.resolve_pending()
+    # The dynamic scale stays on the device where it can: no host sync, capturable.
+    scale = scaler.device_state(device).scale if device is not None else scaler.loss_scale
     for s in states:
-        s.before_backward(scaler)
+        s.before_backward(scaler, scale)
     if device is not None:
-        # The dynamic scale stays on the device: no host sync, capturable.
-        yield loss.float() * scaler.device_state(device).scale
+        yield loss.float() * scale
     else:
-        scale = scaler.loss_scale
         yield loss.float() if scale == 1.0 else loss.float() * scale
 
-    if delay_unscale or any(getattr(m, GRAD_SYNC_DEFERRED, False) for m in amp_state.models):
-        for s in states:
-            s.grads_scaled = True
+    # Per optimizer: one whose model ran this forward inside DDP's no_sync() keeps its
+    # gradients scaled for the synced backward to all-reduce; the others unscale as usual.
+    unscale = []
+    for s in states:
+        if delay_unscale or s.grad_sync_deferred():
+            s.hold_scaled(scaler, scale)
+        else:
+            unscale.append(s)
+    if not unscale:
         return
     flags = []
-    for s in states:
+    for s in unscale:
         flags.extend(s.unscale(scaler))
-    amp_state.record_overflow(states, loss_id, flags)
+    amp_state.record_overflow(unscale, loss_id, flags)
 
 
 def _set_latest(state: AmpState, opt_list) -> None:

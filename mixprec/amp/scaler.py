@@ -63,6 +63,9 @@ class LossScaler:
         self._factor = float(scale_factor)
         self._window = int(scale_window)
         self._unskipped = 0
+        # Counts the updates and loads that may have moved the scale (a cheap "unchanged"
+        # test for gradients held at it; a device scale cannot be compared without a sync).
+        self.changes = 0
         # Cached device tensors of 1/scale, refreshed only when the scale moves.
         self._inv_scale_cache: Dict[torch.device, Tuple[float, torch.Tensor]] = {}
         # The dynamic scale kept on the gradients' device (see ``on_device``), or None.
@@ -118,6 +121,7 @@ class LossScaler:
         """``update`` done by kernels on the scale's device: ``found_inf`` (a 0-dim fp32 tensor,
         non-zero for an overflow) is never read by the host. Same policy as ``update``."""
         dev = self._dev
+        self.changes += 1
         torch._amp_update_scale_(dev.scale, dev.tracker, found_inf, self._factor,
                                  1.0 / self._factor, self._window)
         dev.scale.clamp_(self._min, self._max)
@@ -147,6 +151,7 @@ class LossScaler:
         if not self.dynamic:
             return False
         self.release_device()
+        self.changes += 1
         if found_inf:
             self._scale = max(self._min, self._scale / self._factor)
             self._unskipped = 0
@@ -174,6 +179,7 @@ class LossScaler:
             raise ValueError(f"LossScaler.load_state_dict: loss_scale={scale} must be > 0.")
         self._scale = scale
         self._unskipped = unskipped
+        self.changes += 1
         if self._dev is not None:  # in place: a captured graph may hold these tensors
             self._dev.scale.fill_(scale)
             self._dev.inv.fill_(1.0 / scale)

@@ -39,7 +39,7 @@ examples:
 """
 
 
-def _int_at_least(minimum: int, what: str, maximum: Optional[int] = None):
+def _int_in(minimum: int, what: str, maximum: Optional[int] = None):
     """An argparse type: an int >= ``minimum`` (and <= ``maximum``), with ``what`` naming it
     in the error."""
 
@@ -55,10 +55,10 @@ def _int_at_least(minimum: int, what: str, maximum: Optional[int] = None):
     return parse
 
 
-_positive_int = _int_at_least(1, "a positive integer")
-_non_negative_int = _int_at_least(0, "an integer >= 0")
-_seed = _int_at_least(0, "an integer from 0 to 2**64 - 1 (torch.manual_seed's range)",
-                      maximum=2**64 - 1)
+_positive_int = _int_in(1, "a positive integer")
+_non_negative_int = _int_in(0, "an integer >= 0")
+_seed = _int_in(-(2**63), "an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)",
+                maximum=2**64 - 1)
 
 
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:

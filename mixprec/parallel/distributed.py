@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mixprec.amp._logging import is_rank_zero
-from mixprec.amp._model import GRAD_SYNC_DEFERRED, master_weights
+from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
 from mixprec.parallel._comm import broadcast_coalesced, group_world_size, require_initialized
 
 __all__ = ["DistributedDataParallel"]
@@ -325,6 +325,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         masters = master_weights(module)
         if masters:
             broadcast_coalesced(masters, src=0, group=process_group)
+        # The amp models inside (the module itself, or e.g. a container of several): each
+        # forward tells them whether its backward all-reduces.
+        self._amp_models = [m for m in module.modules() if is_amp_model(m)]
 
         self.message_size = message_size
         self.delay_allreduce = delay_allreduce
@@ -375,7 +378,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             # Tells amp.scale_loss whether this forward's backward all-reduces (see
             # mixprec.amp._model.GRAD_SYNC_DEFERRED): inside no_sync() it keeps the gradients
             # scaled in place for the synced backward to reduce.
-            setattr(self.module, GRAD_SYNC_DEFERRED, not self.require_backward_grad_sync)
+            for m in getattr(self, "_amp_models", ()):
+                setattr(m, GRAD_SYNC_DEFERRED, not self.require_backward_grad_sync)
         try:
             out = super().forward(*inputs, **kwargs)
         except RuntimeError as err:

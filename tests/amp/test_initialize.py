@@ -75,6 +75,19 @@ def test_o1_loss_after_the_model_is_fp32_as_under_autocast(dtype):
     amp.initialize(half, opt_level="O1", dtype=dtype, cast_model_outputs=dtype, verbosity=0)
     assert half(x).dtype == dtype
 
+    class TwoOutputs(nn.Module):  # only autocast's half results are cast: float64 stays
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return {"half": self.lin(x), "double": x.double().sum(), "ids": x.argmax(1)}
+
+    out = amp.initialize(TwoOutputs(), opt_level="O1", dtype=dtype, verbosity=0)(
+        torch.randn(2, 4))
+    assert (out["half"].dtype, out["double"].dtype, out["ids"].dtype) == (
+        torch.float32, torch.float64, torch.int64)
+
 
 def test_cast_model_outputs():
     model = make_cnn()

@@ -523,3 +523,52 @@ def test_gan_loop_matches_float64(opt_level, dtype, zero_grad_via):
     assert not skipped
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < (5e-3 if dtype == torch.bfloat16 else 1e-3), rel
+
+
+def test_held_gradients_follow_another_loss_ids_scale():
+    # Gradients left scaled (delay_unscale, or inside DDP's no_sync()) carry one scaler's
+    # scale; a backward at another loss_id's scale is added onto them rescaled (it gave a
+    # silently wrong gradient: 68% off with scales 1024 and 128). Reference: the same two
+    # losses' gradients, unscaled one by one.
+    from mixprec.amp._state import optimizer_state
+
+    def run(delay):
+        model = make_cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, num_losses=2,
+                       loss_scale="dynamic", verbosity=0)
+        state = optimizer_state(opt).amp_state
+        state.scalers[0].load_state_dict({"loss_scale": 1024.0, "unskipped": 0})
+        state.scalers[1].load_state_dict({"loss_scale": 128.0, "unskipped": 0})
+        x, y = batch()
+        for micro in range(2):
+            last = micro == 1
+            out = model(x)
+            with amp.scale_loss(nn.functional.cross_entropy(out, y), opt, loss_id=0,
+                                delay_unscale=delay and not last) as s:
+                s.backward(retain_graph=True)
+            with amp.scale_loss(out.pow(2).mean(), opt, loss_id=1,
+                                delay_unscale=delay and not last) as s:
+                s.backward()
+        return [m.grad.clone() for m in amp.master_params(opt)]
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
+
+
+def test_model_zero_grad_keeps_zeroed_master_gradients_without_set_to_none():
+    # zero_grad(set_to_none=False) zeroes the masters' gradients in place, also gradients that
+    # are views (a flat gradient buffer), as nn.Module.zero_grad does for parameters.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    masters = list(amp.master_params(opt))
+    flat = torch.ones(sum(m.numel() for m in masters))
+    offset = 0
+    for m in masters:
+        m.grad = flat[offset:offset + m.numel()].view_as(m)
+        offset += m.numel()
+    model.zero_grad(set_to_none=False)
+    assert all(m.grad is not None and not m.grad.any() for m in masters)
+    assert not flat.any()  # zeroed in place, through the views

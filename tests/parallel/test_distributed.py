@@ -649,6 +649,57 @@ def check_amp_accumulation_with_no_sync_needs_no_delay_unscale(ctx):
             torch.testing.assert_close(m, r, rtol=0, atol=2e-2 if opt_level == "O1" else 2e-3)
 
 
+def check_no_sync_deferral_follows_the_models_that_ran(ctx):
+    # (1) A container of two amp models (initialize([backbone, head]), then DDP of a
+    # Sequential): the plain no_sync accumulation loop still all-reduces every micro-batch.
+    # (2) A GAN with one initialize call: D's forward inside D.no_sync() during G's phase must
+    # not hold G's optimizer's gradients scaled (G is not wrapped; its step must run).
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    backbone, head = nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Linear(16, 4)
+    refs = copy.deepcopy([backbone, head])
+    opt = torch.optim.SGD([*backbone.parameters(), *head.parameters()], lr=0.05)
+    ref_opt = torch.optim.SGD([*refs[0].parameters(), *refs[1].parameters()], lr=0.05)
+    kw = dict(opt_level="O2", dtype=torch.bfloat16, loss_scale=64.0, verbosity=0)
+    _, opt = amp.initialize([backbone, head], opt, **kw)
+    _, ref_opt = amp.initialize(refs, ref_opt, **kw)
+    ddp = DistributedDataParallel(nn.Sequential(backbone, head), message_size=64)
+    ref = nn.Sequential(*refs)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for micro in range(3):
+        x, y = _global_batch(ctx, seed=150 + micro)
+        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as scaled:
+            scaled.backward()
+        with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
+            out = ddp(_mine(ctx, x))
+        with amp.scale_loss(F.mse_loss(out.float(), _mine(ctx, y)), opt) as scaled:
+            scaled.backward()
+    opt.step()
+    ref_opt.step()
+    masters = list(amp.master_params(opt))
+    _assert_same_on_all_ranks(ctx, masters, "container model's master weight")
+    for m, r in zip(masters, amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+
+    G, D = _mlp(ctx.device, seed=160), nn.Linear(4, 1).to(ctx.device)
+    opt_g = torch.optim.SGD(G.parameters(), lr=0.05)
+    opt_d = torch.optim.SGD(D.parameters(), lr=0.05)
+    [G, D], [opt_g, opt_d] = amp.initialize([G, D], [opt_g, opt_d], num_losses=2, **kw)
+    D_ddp = DistributedDataParallel(D)
+    G_ddp = DistributedDataParallel(G)
+    z = _mine(ctx, _global_batch(ctx, seed=170)[0])
+    opt_g.zero_grad()
+    with D_ddp.no_sync():  # D's gradients from G's loss are not wanted: no all-reduce
+        err_g = D_ddp(G_ddp(z)).float().mean()
+    with amp.scale_loss(err_g, opt_g, loss_id=1) as scaled:
+        scaled.backward()
+    opt_g.step()  # raised "still scaled" when D's no_sync forward deferred G's unscale too
+    assert not amp.step_was_skipped(opt_g)
+    _assert_same_on_all_ranks(ctx, list(G.parameters()), "G's parameter after its step")
+
+
 def check_amp_o2_ddp_syncbn_compiled(ctx):
     # The whole Apex recipe under torch.compile: amp O2 (bf16), SyncBatchNorm (a graph break,
     # run eagerly), DDP, compiled; it must train as the same recipe run eagerly. On CPU the
@@ -780,6 +831,7 @@ CHECKS = [
     "check_amp_o2_accumulation_with_no_sync",
     "check_amp_o2_masters_broadcast_from_rank0",
     "check_amp_accumulation_with_no_sync_needs_no_delay_unscale",
+    "check_no_sync_deferral_follows_the_models_that_ran",
     "check_amp_o2_ddp_syncbn_compiled",
     "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
     "check_larc_under_amp_o2_and_ddp",
