@@ -525,7 +525,8 @@ def test_gan_loop_matches_float64(opt_level, dtype, zero_grad_via):
     assert rel < (5e-3 if dtype == torch.bfloat16 else 1e-3), rel
 
 
-def test_held_gradients_follow_another_loss_ids_scale():
+@pytest.mark.parametrize("fused", [False, True])  # fused: the scale lives on the device
+def test_held_gradients_follow_another_loss_ids_scale(fused):
     # Gradients left scaled (delay_unscale, or inside DDP's no_sync()) carry one scaler's
     # scale; a backward at another loss_id's scale is added onto them rescaled (it gave a
     # silently wrong gradient: 68% off with scales 1024 and 128). Reference: the same two
@@ -534,7 +535,7 @@ def test_held_gradients_follow_another_loss_ids_scale():
 
     def run(delay):
         model = make_cnn()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
         amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, num_losses=2,
                        loss_scale="dynamic", verbosity=0)
         state = optimizer_state(opt).amp_state
@@ -550,6 +551,8 @@ def test_held_gradients_follow_another_loss_ids_scale():
             with amp.scale_loss(out.pow(2).mean(), opt, loss_id=1,
                                 delay_unscale=delay and not last) as s:
                 s.backward()
+        assert (optimizer_state(opt).held_scaler is None) and (
+            state.scale_device([optimizer_state(opt)], 0) is not None) == fused
         return [m.grad.clone() for m in amp.master_params(opt)]
 
     for got, want in zip(run(True), run(False)):
