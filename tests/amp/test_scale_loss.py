@@ -481,6 +481,13 @@ def _gan_run(opt_level, dtype, steps=3, zero_grad_via="optimizer"):
         [D, G], [opt_d, opt_g] = amp.initialize([D, G], [opt_d, opt_g], opt_level=opt_level,
                                                 dtype=dtype, num_losses=2, verbosity=0,
                                                 max_loss_scale=2.0**10)  # (no real overflows)
+    def backward(loss, opt, loss_id):
+        if opt_level is None:
+            loss.backward()
+            return
+        with amp.scale_loss(loss, opt, loss_id=loss_id) as s:
+            s.backward()
+
     skipped = False
     g = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -488,20 +495,10 @@ def _gan_run(opt_level, dtype, steps=3, zero_grad_via="optimizer"):
         if opt_level is None:
             real, z = real.double(), z.double()
         (D if zero_grad_via == "model" else opt_d).zero_grad()
-        err_d = D(real).float().mean() - D(G(z).detach()).float().mean()
-        if opt_level is None:
-            err_d.backward()
-        else:
-            with amp.scale_loss(err_d, opt_d, loss_id=0) as s:
-                s.backward()
+        backward(D(real).float().mean() - D(G(z).detach()).float().mean(), opt_d, 0)
         opt_d.step()
         (G if zero_grad_via == "model" else opt_g).zero_grad()
-        err_g = D(G(z)).float().mean()  # backward through D: gradients land on D's too
-        if opt_level is None:
-            err_g.backward()
-        else:
-            with amp.scale_loss(err_g, opt_g, loss_id=1) as s:
-                s.backward()
+        backward(D(G(z)).float().mean(), opt_g, 1)  # through D: gradients land on D's too
         opt_g.step()
         if opt_level is not None:
             skipped |= amp.step_was_skipped(opt_d) or amp.step_was_skipped(opt_g)

@@ -499,15 +499,15 @@ def _amp_step(model, opt, x, y, amp):
     opt.step()
 
 
-def _amp_o2_sgd_pair(model, ref, **amp_kwargs):
+def _amp_o2_sgd_pair(model, ref, opt_level="O2", **amp_kwargs):
     """``model`` and its single-process reference ``ref``, each with SGD (momentum) through
-    amp O2 bf16: ``(model, opt, ref, ref_opt)``."""
+    amp bf16 (O2 unless told): ``(model, opt, ref, ref_opt)``."""
     from mixprec import amp
 
     pairs = []
     for net in (model, ref):
         opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-        pairs.extend(amp.initialize(net, opt, opt_level="O2", dtype=torch.bfloat16,
+        pairs.extend(amp.initialize(net, opt, opt_level=opt_level, dtype=torch.bfloat16,
                                     verbosity=0, **amp_kwargs))
     return tuple(pairs)
 
@@ -621,13 +621,8 @@ def check_amp_accumulation_with_no_sync_needs_no_delay_unscale(ctx):
 
     for opt_level, loss_scale in (("O2", 64.0), ("O2", "dynamic"), ("O1", "dynamic")):
         model = _mlp(ctx.device)
-        ref = copy.deepcopy(model)
-        pairs = []
-        for net in (model, ref):
-            opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
-            pairs.extend(amp.initialize(net, opt, opt_level=opt_level, dtype=torch.bfloat16,
-                                        loss_scale=loss_scale, verbosity=0))
-        model, opt, ref, ref_opt = pairs
+        model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), opt_level,
+                                                    loss_scale=loss_scale)
         ddp = DistributedDataParallel(model, message_size=64)
         for step in range(2):
             ddp.zero_grad()
