@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from mixprec.amp._properties import _HALF_TYPES
+
 __all__ = [
     "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "cast_floating", "cast_module_tensors",
     "convert_model", "is_amp_model", "master_weights", "restore_model",
@@ -36,9 +38,6 @@ __all__ = [
 # next synced backward all-reduces the whole accumulated sum (unscaling into the masters would
 # leave each rank's local micro-batches out of the all-reduce).
 GRAD_SYNC_DEFERRED = "_mixprec_grad_sync_deferred"
-
-
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) -> Any:
@@ -141,7 +140,7 @@ class _AmpModule:
         if cfg.output_dtype is not None:
             out = cast_floating(out, cfg.output_dtype)
         elif cfg.half_outputs_to_fp32:
-            out = cast_floating(out, torch.float32, only=_HALF)
+            out = cast_floating(out, torch.float32, only=_HALF_TYPES)
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:

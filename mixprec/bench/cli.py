@@ -315,15 +315,14 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         problem = _unwritable(path)
         if problem:  # fail before the run, not after it
             parser.error(f"argument {flag}: cannot write {path!r}: {problem}")
-    if args.plot:
+    norm_cls = _norm_factory(args.norm, parser) if args.model == "gpt" else None
+    if args.plot:  # fail before the run, not after it
         try:
             report.plot_format(args.plot)
         except ValueError as exc:
             parser.error(f"argument --plot: {exc}")
-    norm_cls = _norm_factory(args.norm, parser) if args.model == "gpt" else None
-    if args.plot:
         try:
-            report._import_matplotlib()  # fail before the run, not after it
+            report._import_matplotlib()
         except RuntimeError as exc:
             parser.error(str(exc))
 

@@ -41,6 +41,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
@@ -396,7 +397,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._unsynced_backward_pending = False
         if self.require_backward_grad_sync:
             return
-        tensors = [t for t in torch.utils._pytree.tree_leaves(out)
+        tensors = [t for t in tree_leaves(out)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
