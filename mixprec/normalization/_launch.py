@@ -704,6 +704,8 @@ def backward(
     """
     m, n = xy.shape
     device = xy.device
+    if config is not None:
+        _check_pipeline(config, device)
     compute_dw = need_dw and weight is not None
     compute_db = need_db and bias is not None and not is_rms
     if m == 0:
@@ -717,8 +719,6 @@ def backward(
         raise ValueError(
             f"the fused backward needs unit column strides, got {xy.stride()} and {dy.stride()}"
         )
-    if config is not None:
-        _check_pipeline(config, device)
     plan = norm_plan(device, m, n, x_dtype, dy.dtype, _dtype(weight),
                      None if is_rms else _dtype(bias), 0.0, is_rms, from_y, xy_dtype=xy.dtype,
                      dy_dtype=dy.dtype, backward_config=config, num_programs=num_programs,
