@@ -568,27 +568,35 @@ def check_amp_o2_accumulation_with_no_sync(ctx):
     # delay_unscale=True, the last one all-reduced and unscaled into the masters; two optimizer
     # steps (the second starts from the gradients amp released after the first). Reference:
     # the same accumulation in one process on the global micro-batches.
-    from mixprec import amp
-
     model = _mlp(ctx.device)
     model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), loss_scale=64.0)
     ddp = DistributedDataParallel(model, message_size=64)
     for step in range(2):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        for micro in range(3):
-            x, y = _global_batch(ctx, seed=110 + 3 * step + micro)
-            last = micro == 2
-            with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt,
-                                delay_unscale=not last) as scaled:
-                scaled.backward()
-            sync = contextlib.nullcontext() if last else ddp.no_sync()
-            with sync, amp.scale_loss(F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y)),
-                                      opt, delay_unscale=not last) as scaled:
-                scaled.backward()
-        opt.step()
-        ref_opt.step()
+        _accumulation_step(ctx, ddp, opt, ref, ref_opt, 110 + 3 * step, delay_unscale=True)
     _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def _accumulation_step(ctx, ddp, opt, ref, ref_opt, seed, delay_unscale, zero_grad=None):
+    """One optimizer step over three micro-batches, each in scale_loss: ``ref`` in one process
+    on the global micro-batches, ``ddp`` on this rank's shares with the first two inside
+    ``no_sync()`` (and ``delay_unscale`` there, if asked). ``zero_grad``: default
+    ``opt.zero_grad``."""
+    from mixprec import amp
+
+    (zero_grad or opt.zero_grad)()
+    ref_opt.zero_grad()
+    for micro in range(3):
+        x, y = _global_batch(ctx, seed=seed + micro)
+        last = micro == 2
+        delay = delay_unscale and not last
+        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt, delay_unscale=delay) as s:
+            s.backward()
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+            with amp.scale_loss(loss, opt, delay_unscale=delay) as s:
+                s.backward()
+    opt.step()
+    ref_opt.step()
 
 
 def check_amp_o2_masters_broadcast_from_rank0(ctx):
@@ -625,19 +633,8 @@ def check_amp_accumulation_with_no_sync_needs_no_delay_unscale(ctx):
                                                     loss_scale=loss_scale)
         ddp = DistributedDataParallel(model, message_size=64)
         for step in range(2):
-            ddp.zero_grad()
-            ref_opt.zero_grad()
-            for micro in range(3):
-                x, y = _global_batch(ctx, seed=130 + 3 * step + micro)
-                with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as scaled:
-                    scaled.backward()
-                sync = contextlib.nullcontext() if micro == 2 else ddp.no_sync()
-                with sync:
-                    out = ddp(_mine(ctx, x))
-                with amp.scale_loss(F.mse_loss(out.float(), _mine(ctx, y)), opt) as scaled:
-                    scaled.backward()
-            opt.step()
-            ref_opt.step()
+            _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
+                               delay_unscale=False, zero_grad=ddp.zero_grad)
         masters = list(amp.master_params(opt))
         _assert_same_on_all_ranks(ctx, masters, f"{opt_level} {loss_scale} weight")
         for m, r in zip(masters, amp.master_params(ref_opt)):
@@ -660,19 +657,7 @@ def check_no_sync_deferral_follows_the_models_that_ran(ctx):
     _, opt = amp.initialize([backbone, head], opt, **kw)
     _, ref_opt = amp.initialize(refs, ref_opt, **kw)
     ddp = DistributedDataParallel(nn.Sequential(backbone, head), message_size=64)
-    ref = nn.Sequential(*refs)
-    opt.zero_grad()
-    ref_opt.zero_grad()
-    for micro in range(3):
-        x, y = _global_batch(ctx, seed=150 + micro)
-        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as scaled:
-            scaled.backward()
-        with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
-            out = ddp(_mine(ctx, x))
-        with amp.scale_loss(F.mse_loss(out.float(), _mine(ctx, y)), opt) as scaled:
-            scaled.backward()
-    opt.step()
-    ref_opt.step()
+    _accumulation_step(ctx, ddp, opt, nn.Sequential(*refs), ref_opt, 150, delay_unscale=False)
     masters = list(amp.master_params(opt))
     _assert_same_on_all_ranks(ctx, masters, "container model's master weight")
     for m, r in zip(masters, amp.master_params(ref_opt)):
