@@ -232,6 +232,24 @@ def test_cuda_large_tensor():
 
 
 @requires_cuda
+def test_cuda_tables_hold_no_device_memory():
+    # The cached tables live on the host; each launch uploads a transient copy, freed once the
+    # launch is queued. Cached device tables (the old design) stayed allocated across steps and
+    # raised a training step's peak memory above autocast's.
+    srcs, dsts = _make(_CASES, "cuda", torch.Generator().manual_seed(8))
+    inv_scale, found_inf = _scalars("cuda", 1.0 / 8)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for step in range(3):  # a miss, then cache hits
+        mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+        assert torch.cuda.memory_allocated() == before, step
+    torch.cuda.synchronize()
+    for src, dst in zip(srcs, dsts):
+        _assert_exact(dst, src, inv_scale)
+    assert found_inf.item() == 0.0
+
+
+@requires_cuda
 @pytest.mark.parametrize("warm", [True, False], ids=["table_cached", "table_built_in_capture"])
 def test_cuda_graph_capture(warm):
     srcs, dsts = _make(_CASES, "cuda", torch.Generator().manual_seed(6))
