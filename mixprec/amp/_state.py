@@ -371,6 +371,12 @@ class _OptimizerState:
                 "overflows could not be skipped. Use a plain optimizer.step() after "
                 'amp.scale_loss, or pass loss_scale=<number> to amp.initialize.'
             )
+        replaced = None
+        if closure is not None and self.pairs:
+            # An optimizer may evaluate its closure several times in one step (LBFGS),
+            # updating the fp32 masters in between: each evaluation must see the half model
+            # made from the masters as they are then, not as they were when step() began.
+            replaced = self._synced_closure(closure)
         if self.grads_scaled:
             raise RuntimeError(
                 "optimizer.step() was called right after amp.scale_loss(..., delay_unscale=True) "
@@ -398,6 +404,19 @@ class _OptimizerState:
                     "master weights. Run the backward pass inside `with amp.scale_loss(loss, "
                     "optimizer) as scaled_loss: scaled_loss.backward()`."
                 )
+        if replaced is not None:
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": replaced}
+            first = 1 if args and args[0] is optimizer else 0
+            return (*args[:first], replaced, *args[first + 1:]), kwargs
+        return None
+
+    def _synced_closure(self, closure):
+        def synced_closure():
+            self.copy_masters_to_model()
+            return closure()
+
+        return synced_closure
 
     def _post_step(self, optimizer, args, kwargs):
         if not self.amp_state.enabled:
@@ -412,6 +431,10 @@ class _OptimizerState:
         if self.overflow:
             self.overflow = False
             return
+        self.copy_masters_to_model()
+
+    def copy_masters_to_model(self) -> None:
+        """Copy the fp32 master weights into the half model's parameters (cast to half)."""
         if self.pairs:
             with torch.no_grad():
                 model_params = [p for p, _ in self.pairs]

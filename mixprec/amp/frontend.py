@@ -275,7 +275,10 @@ def initialize(
                 raise ValueError(
                     f"amp.initialize: {type(opt).__name__} holds a parameter of shape "
                     f"{tuple(p.shape)} that belongs to none of the models passed. Pass every "
-                    "model whose parameters the optimizers update (a list is fine)."
+                    "model whose parameters the optimizers update (a list is fine). A bare "
+                    "nn.Parameter (a learnable loss weight, say) can go in a module passed "
+                    "with the models (cast to half with them at O2/O3), or be added after "
+                    "initialize with optimizer.add_param_group (stepped in fp32 as it is)."
                 )
 
     state = AmpState(props, True, model_list, num_losses, min_loss_scale, max_loss_scale,

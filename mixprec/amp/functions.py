@@ -66,10 +66,16 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 def _wrap(fn: Callable, rule: str) -> Callable:
-    if getattr(fn, "_mixprec_cast_rule", None) is not None:
+    existing = getattr(fn, "_mixprec_cast_rule", None)
+    if existing == rule:
+        # The same registration again (a model builder run once per trial, a re-run notebook
+        # cell): Apex kept registrations in a set, so a repeat changed nothing. Nor here.
+        return fn
+    if existing is not None:
         raise ValueError(
             f"{getattr(fn, '__qualname__', fn)!r} already has the amp casting rule "
-            f"{fn._mixprec_cast_rule!r}; register each function once."
+            f"{existing!r}; it cannot also take {rule!r}. A function has one rule: register "
+            "it once, with the rule it needs."
         )
 
     @functools.wraps(fn)
@@ -129,7 +135,9 @@ def _register(module, name: str, rule: str) -> None:
             f"amp.register_{rule}_function(..., {name!r}): {name!r} is a "
             f"{type(fn).__name__}, not a function."
         )
-    setattr(module, name, _wrap(fn, rule))
+    wrapped = _wrap(fn, rule)
+    if wrapped is not fn:
+        setattr(module, name, wrapped)
 
 
 def register_half_function(module, name: str) -> None:

@@ -149,8 +149,17 @@ def test_register_functions_and_decorators():
         assert amp.promote_function(_probe)(b, b) == (torch.bfloat16, torch.bfloat16)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         amp.register_half_function(ns, "nope")
-    with pytest.raises(ValueError, match="already has the amp casting rule"):
+    with pytest.raises(ValueError, match="already has the amp casting rule 'half'; it cannot "
+                                         "also take 'float'"):
         amp.register_float_function(ns, "half_fn")
+    # The same registration again changes nothing (Apex kept a set): a model builder that
+    # registers its functions may run once per trial.
+    registered = ns.half_fn
+    amp.register_half_function(ns, "half_fn")
+    assert ns.half_fn is registered
+    assert amp.half_function(registered) is registered
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ns.half_fn(a, b) == (torch.bfloat16, torch.bfloat16)
 
 
 def test_registered_function_inside_o1_model():

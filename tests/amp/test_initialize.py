@@ -276,8 +276,27 @@ def test_rejects_model_initialized_twice():
 def test_rejects_optimizer_with_foreign_params():
     model, other = make_cnn(), nn.Linear(3, 3)
     opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
-    with pytest.raises(ValueError, match=r"shape \(3, 3\).*belongs to none of the models"):
+    with pytest.raises(ValueError, match=r"shape \(3, 3\).*belongs to none of the models"
+                                         r".*optimizer.add_param_group"):
         amp.initialize(model, opt, opt_level="O2")
+
+
+def test_bare_parameter_added_after_initialize_steps_in_fp32():
+    # The error's second remedy for a bare nn.Parameter (a learnable loss weight): added with
+    # add_param_group after initialize it stays fp32 and is stepped as it is, at O2 too.
+    model, weight = make_cnn(), nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    opt.add_param_group({"params": [weight], "lr": 0.5})
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y) * weight.sum() / 2
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert weight.dtype == torch.float32 and weight in opt.param_groups[1]["params"]
+    # d loss / d weight_i = cross_entropy / 2 = loss / 2 at weight = 1.
+    expected = torch.full((2,), 1.0 - 0.5 * loss.item() / 2)
+    torch.testing.assert_close(weight.detach(), expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("bad,exc", [("model", TypeError), (3, TypeError)])
