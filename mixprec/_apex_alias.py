@@ -13,10 +13,13 @@ _SUBMODULES = ("amp", "parallel", "normalization")
 
 
 def install_apex_alias() -> None:
-    """Register ``apex``, ``apex.amp``, ``apex.parallel`` and ``apex.normalization`` (also as
-    ``apex.normalization.fused_layer_norm``) as aliases of the mixprec modules, so
-    ``from apex import amp`` and ``from apex.parallel import DistributedDataParallel`` keep
-    working after Apex's removal.
+    """Register ``apex``, ``apex.amp``, ``apex.parallel``, ``apex.normalization`` and
+    ``apex.normalization.fused_layer_norm`` as aliases of the mixprec modules, so
+    ``from apex import amp``, ``from apex.parallel import DistributedDataParallel`` and
+    ``from apex.normalization.fused_layer_norm import fused_layer_norm_affine`` keep working
+    after Apex's removal. ``apex.normalization.fused_layer_norm`` is
+    :mod:`mixprec.normalization.apex_functional`: the norm classes and Apex's functional API
+    with Apex's signatures.
 
     Call it once, before the script's first ``import apex``. Calling it again is harmless.
 
@@ -52,7 +55,23 @@ def install_apex_alias() -> None:
         module = importlib.import_module(f"mixprec.{name}")
         setattr(apex, name, module)
         sys.modules[f"apex.{name}"] = module
-    # Where Apex defined its norms, and where Megatron-style code imports them from.
-    normalization = sys.modules["apex.normalization"]
-    sys.modules["apex.normalization.fused_layer_norm"] = normalization
+    # apex.normalization: a package of its own, as in Apex, whose `fused_layer_norm` is the
+    # submodule where Apex defined its norms and its functional API (Megatron-style and timm
+    # code import from there; Apex's functions take other arguments than mixprec's
+    # fused_layer_norm, which is therefore not the package's `fused_layer_norm` here).
+    mixprec_norm = importlib.import_module("mixprec.normalization")
+    functional = importlib.import_module("mixprec.normalization.apex_functional")
+    normalization = types.ModuleType(
+        "apex.normalization", "Alias of mixprec.normalization (Apex's layout).")
+    normalization.__path__ = []
+    for name in mixprec_norm.__all__:
+        if name not in ("fused_layer_norm", "fused_rms_norm"):
+            setattr(normalization, name, getattr(mixprec_norm, name))
+    for name in functional.__all__:
+        if name.endswith("Function"):
+            setattr(normalization, name, getattr(functional, name))
+    normalization.fused_layer_norm = functional
+    apex.normalization = normalization
+    sys.modules["apex.normalization"] = normalization
+    sys.modules["apex.normalization.fused_layer_norm"] = functional
     sys.modules["apex"] = apex

@@ -11,6 +11,9 @@ __all__ = []
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+_APEX_FUNCTIONAL = ("fused_layer_norm", "fused_rms_norm")
+
+
 def normalize_shape(normalized_shape: Union[int, Sequence[int]], where: str) -> Tuple[int, ...]:
     """``int`` or sequence of ints -> tuple of ints, rejecting anything else with a clear error."""
     if isinstance(normalized_shape, bool):
@@ -54,16 +57,28 @@ def check_inputs(
         )
     k = len(normalized_shape)
     if x.dim() < k or tuple(x.shape[x.dim() - k:]) != normalized_shape:
+        if x.dim() == 0:
+            fix = f"a 0-dim input has no dims to normalize; it needs trailing dims {normalized_shape}"
+        else:
+            fix = (f"pass the input's last dims as normalized_shape (e.g. "
+                   f"{tuple(x.shape[-1:])}) or reshape the input")
         raise ValueError(
             f"{where}: input of shape {tuple(x.shape)} does not end with normalized_shape "
-            f"{normalized_shape}; pass the input's last dims as normalized_shape (e.g. "
-            f"{tuple(x.shape[-1:])}) or reshape the input"
+            f"{normalized_shape}; {fix}"
         )
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
         if not isinstance(p, Tensor):
-            raise TypeError(f"{where}: {name} must be a Tensor or None, got {type(p).__name__}")
+            hint = ""
+            if isinstance(p, numbers.Real) and where in _APEX_FUNCTIONAL:
+                # Apex's fused_layer_norm(input, normalized_shape, eps): an eps in weight's place.
+                hint = (f". mixprec's {where}(x, normalized_shape, weight, bias, eps) follows "
+                        f"torch.nn.functional's order; Apex's {where}(input, normalized_shape, "
+                        f"eps) is mixprec.normalization.apex_functional.{where} (also "
+                        f"apex.normalization.fused_layer_norm.{where} through the Apex alias)")
+            raise TypeError(
+                f"{where}: {name} must be a Tensor or None, got {type(p).__name__}{hint}")
         if p.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"{where}: {name} dtype {p.dtype} is not supported; use float32, float16, "

@@ -67,16 +67,34 @@ def is_compiling() -> bool:
     return torch._dynamo.is_compiling()
 
 
+_peek_functorch = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
+
+
+def in_functorch_or_forward_ad() -> bool:
+    """Inside a ``torch.func`` transform (vmap, grad, jvp, ...) or forward-mode AD.
+
+    The kernels' autograd Functions have neither ``setup_context`` nor ``jvp``, so the norms
+    run PyTorch's differentiable math there.
+    """
+    if _peek_functorch is not None and _peek_functorch() is not None:
+        return True
+    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
+
+
 def first_derivatives_only(backward, ctx, grad: Tensor, what: str):
     """``backward(ctx, grad)`` for an autograd Function whose backward has no derivative of
     its own (Triton kernels, or arithmetic run under ``no_grad``).
 
-    Under ``create_graph=True`` the gradients it returns carry an error node (autograd's
+    Under ``create_graph=True`` the gradients it returns come out of an error node (autograd's
     ``DelayedError``) whenever an input needed a gradient, so that asking for a second
-    derivative through them raises instead of dropping it silently. ``@once_differentiable``
-    attaches that node only when ``grad`` itself requires grad, which misses a loss linear in
-    the output (whose gradient still depends on the input), and costs a ``no_grad`` context on
-    every plain backward.
+    derivative through them raises instead of dropping it silently. The node's inputs are the
+    gradients and also the tensors the second derivative would flow to (the incoming
+    gradient and the saved tensors that require grad: the input, the weight), so that it lies
+    on every path ``torch.autograd.grad(..., inputs=...)`` follows, not only on
+    ``.backward()``'s (with detached aliases alone a Hessian-vector product came out without
+    the norm's term, silently). ``@once_differentiable`` attaches its node only when ``grad``
+    itself requires grad, which misses a loss linear in the output (whose gradient still
+    depends on the input), and costs a ``no_grad`` context on every plain backward.
     """
     if not torch.is_grad_enabled():
         return backward(ctx, grad)
@@ -84,10 +102,12 @@ def first_derivatives_only(backward, ctx, grad: Tensor, what: str):
         grads = backward(ctx, grad)
     if not any(ctx.needs_input_grad):
         return grads
+    links = [t for t in (grad, *ctx.saved_tensors)
+             if isinstance(t, Tensor) and t.requires_grad]
     err = torch._C._functions.DelayedError(
         f"{what}: trying to differentiate twice through a backward that gives first "
-        f"derivatives only".encode(), len(grads))
-    return err(*[_error_alias(g) for g in grads])
+        f"derivatives only".encode(), len(grads) + len(links))
+    return tuple(err(*[_error_alias(g) for g in grads], *links))[:len(grads)]
 
 
 def _error_alias(g: Optional[Tensor]) -> Optional[Tensor]:

@@ -432,6 +432,11 @@ def fused_norm(
     """
     if is_rms:
         bias = None
+    if _launch.in_functorch_or_forward_ad():
+        # torch.func transforms and forward-mode AD: PyTorch's differentiable math.
+        if check is not None:
+            _checks.check_inputs(check, x, tuple(normalized_shape), weight, bias, eps)
+        return _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
     if not isinstance(x, Tensor) or (
         _HAS_CUSTOM_OP and (_launch.is_compiling() or torch.jit.is_tracing())
     ):
@@ -452,7 +457,7 @@ def fused_norm(
             _checks.check_inputs(check, x, tuple(normalized_shape), weight, bias, eps)
         n = math.prod(normalized_shape)
         if n == 0:  # nothing to normalize (a zero in normalized_shape)
-            return _empty_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
+            return _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
         path = _make_path(x, weight, bias, n, eps, is_rms, memory_efficient, out_dtype)
         if not _triton_on_cpu:
             if len(_PATHS) >= _MAX_PATHS:
@@ -467,8 +472,9 @@ def fused_norm(
     return path.forward(x, weight, bias)[0]
 
 
-def _empty_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype) -> Tensor:
-    """The reference's (empty) result for a zero in ``normalized_shape``."""
+def _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype) -> Tensor:
+    """The plain-PyTorch reference's result (differentiable by every autograd mode): for a
+    zero in ``normalized_shape`` (an empty result), and under torch.func / forward-mode AD."""
     if is_rms:
         return reference.rms_norm(x, list(normalized_shape), weight, eps, out_dtype)
     return reference.layer_norm(x, list(normalized_shape), weight, bias, eps, out_dtype)
@@ -480,7 +486,7 @@ def _traced_norm(x, normalized_shape, weight, bias, eps, is_rms, memory_efficien
     AOTAutograd (and a serializable op in traces)."""
     n = math.prod(normalized_shape)
     if n == 0:
-        return _empty_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
+        return _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
     y2d = torch.ops.mixprec.fused_norm_fwd(
         _rows(x, n), _flat(weight), _flat(bias), eps, is_rms, memory_efficient, out_dtype
     )[0]

@@ -20,14 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mixprec.normalization._launch import first_derivatives_only, is_compiling
+from mixprec.normalization._launch import (
+    first_derivatives_only,
+    in_functorch_or_forward_ad,
+    is_compiling,
+)
 from mixprec.normalization._launch import interpreter_enabled as _launch_interpreter_enabled
 
 __all__ = ["FusedBatchNorm", "convert_fused_batchnorm"]
 
 _HALF = (torch.float16, torch.bfloat16)
 _select_backend = getattr(torch._C, "_select_batch_norm_backend", None)
-_peek_functorch = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
 
 
 def _pytorch_uses_cudnn(x, weight, bias, running_mean, running_var, eps) -> bool:
@@ -47,14 +50,6 @@ def _pytorch_uses_cudnn(x, weight, bias, running_mean, running_var, eps) -> bool
     # The rule of torch 2.4-2.13: never bf16; half input only with fp32 parameters; 3+ dims.
     return (x.dim() >= 3 and x.dtype != torch.bfloat16 and weight.dtype != torch.bfloat16
             and (x.dtype != torch.float16 or weight.dtype == torch.float32))
-
-
-def _in_functorch_or_forward_ad() -> bool:
-    """torch.func transforms and forward-mode AD: the kernels' autograd Function has neither
-    ``setup_context`` nor ``jvp``, so these calls take PyTorch's batch norm."""
-    if _peek_functorch is not None and _peek_functorch() is not None:
-        return True
-    return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
 class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -120,7 +115,7 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
         documentation). The decision is made once per input signature and kept."""
         if not training or input.dtype not in _HALF or is_compiling():
             return None
-        if _in_functorch_or_forward_ad():
+        if in_functorch_or_forward_ad():  # PyTorch's batch norm there
             return None
         weight, bias = self.weight, self.bias
         # Everything the plan depends on: the tensors' dtypes, devices and geometry (a

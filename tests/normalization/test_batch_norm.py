@@ -221,8 +221,9 @@ def test_functorch_transforms_take_pytorchs_batch_norm():
 
 
 @requires_interpreter
+@pytest.mark.parametrize("how", ["backward", "grad wrt x"])
 @pytest.mark.parametrize("loss", ["square", "linear in the output"])
-def test_second_derivative_on_the_kernels_path_is_a_clear_error(loss):
+def test_second_derivative_on_the_kernels_path_is_a_clear_error(loss, how):
     bn = FusedBatchNorm(4)
     x = torch.randn(4, 4, 3, 3).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
     with emulated_fused_path(triton=True):
@@ -232,8 +233,14 @@ def test_second_derivative_on_the_kernels_path_is_a_clear_error(loss):
         # silently would be wrong, so that case is an error too.
         out = y.pow(2).sum() if loss == "square" else (y * torch.randn_like(y)).sum()
         (g,) = torch.autograd.grad(out, x, create_graph=True)
+        # (x also reaches the second loss directly: autograd.grad(..., x) then has a path that
+        # skips the norm; the error node must lie on the norm's path to x all the same.)
+        second = g.float().pow(2).sum() + x.float().pow(3).sum()
         with pytest.raises(RuntimeError, match="differentiate twice"):
-            g.float().pow(2).sum().backward()
+            if how == "backward":
+                second.backward()
+            else:
+                torch.autograd.grad(second, x)
 
 
 def test_amp_keeps_it_fp32_and_it_copies_after_use():

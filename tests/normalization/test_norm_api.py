@@ -464,11 +464,15 @@ def test_module_attribute_changes_between_calls_are_honoured(device):
             norm(x)
 
 
+@pytest.mark.parametrize("how", ["backward", "grad wrt x", "grad wrt weight"])
 @pytest.mark.parametrize("loss", ["square", "linear in the output"])
-def test_second_derivative_is_a_clear_error(loss):
+def test_second_derivative_is_a_clear_error(loss, how):
     # create_graph=True works for first derivatives; asking for a second one through the
     # fused backward (which has none) is an error, not a silent zero -- also when the loss is
-    # linear in the output (its gradient still depends on x; grad_out then needs no grad).
+    # linear in the output (its gradient still depends on x; grad_out then needs no grad),
+    # and also through torch.autograd.grad with explicit inputs (a Hessian-vector product, a
+    # gradient penalty on the parameters), which follows only paths that reach its inputs:
+    # that once skipped the error node and returned the result without the norm's term.
     x = torch.randn(4, 16, requires_grad=True)
     norm = FusedLayerNorm(16)
     c = torch.randn(4, 16)
@@ -481,8 +485,47 @@ def test_second_derivative_is_a_clear_error(loss):
     (want,) = torch.autograd.grad(
         out(torch.nn.functional.layer_norm(ref, (16,), norm.weight, norm.bias)), ref)
     torch.testing.assert_close(gx, want, atol=1e-5, rtol=1e-5)
+    # x also reaches the second loss outside the norm, so autograd has a path to x (and the
+    # weight) that does not need the norm's second derivative.
+    second = (gx * c).sum() + (x ** 3).sum() + norm.weight.sum()
     with pytest.raises(RuntimeError, match="differentiate twice"):
-        gx.pow(2).sum().backward()
+        if how == "backward":
+            second.backward()
+        else:
+            torch.autograd.grad(second, x if how == "grad wrt x" else norm.weight)
+
+
+@pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
+def test_torch_func_and_forward_ad_match_pytorch(rms):
+    # torch.func transforms and forward-mode AD run PyTorch's math (the kernels' autograd
+    # Function has no setup_context or jvp: they raised before). Float64 references.
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(3, 5, 8, generator=gen, dtype=torch.float64)
+    fused = (FusedRMSNorm(8) if rms else FusedLayerNorm(8)).double()
+    ref = (torch.nn.RMSNorm(8, eps=1e-5) if rms else torch.nn.LayerNorm(8)).double()
+    with torch.no_grad():
+        fused.weight.uniform_(0.5, 1.5, generator=gen)
+        ref.weight.copy_(fused.weight)
+        if not rms:
+            fused.bias.normal_(generator=gen)
+            ref.bias.copy_(fused.bias)
+
+    def loss(norm):
+        return lambda t: norm(t).tanh().sum()
+
+    tol = dict(atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(torch.func.vmap(fused)(x), torch.func.vmap(ref)(x), **tol)
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(loss(fused)))(x),
+                               torch.func.vmap(torch.func.grad(loss(ref)))(x), **tol)
+    for a, b in zip(torch.func.jvp(fused, (x,), (v,)), torch.func.jvp(ref, (x,), (v,))):
+        torch.testing.assert_close(a, b, **tol)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(fused(fwAD.make_dual(x, v))).tangent
+        want = fwAD.unpack_dual(ref(fwAD.make_dual(x, v))).tangent
+    torch.testing.assert_close(got, want, **tol)
 
 
 @KERNEL_DEVICES

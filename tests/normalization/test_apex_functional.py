@@ -1,0 +1,138 @@
+"""Apex's functional norm API (mixprec.normalization.apex_functional) and its alias layout.
+
+References: PyTorch's own ``layer_norm`` / ``rms_norm`` in float64 with Apex's default eps
+(1e-6), on the plain path, the CUDA kernels and the Triton interpreter.
+"""
+
+import contextlib
+import sys
+
+import pytest
+import torch
+
+import mixprec
+from mixprec.normalization import _ops
+from mixprec.normalization import apex_functional as F
+from mixprec.normalization import fused_layer_norm as mixprec_fused_layer_norm
+
+from .helpers import DEVICES, requires_interpreter
+
+DEVICE_PATHS = pytest.mark.parametrize(
+    "device", [*DEVICES, pytest.param("cpu-triton", marks=requires_interpreter)])
+
+
+def _context(device):
+    if device == "cpu-triton":
+        return "cpu", _ops.triton_on_cpu
+    return device, contextlib.nullcontext
+
+
+def _ln(x, shape, w=None, b=None, eps=1e-6):
+    return torch.nn.functional.layer_norm(x.double(), shape, None if w is None else w.double(),
+                                          None if b is None else b.double(), eps)
+
+
+def _rms(x, shape, w=None, eps=1e-6):
+    return torch.nn.functional.rms_norm(x.double(), shape, None if w is None else w.double(),
+                                        eps)
+
+
+@DEVICE_PATHS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_apex_signatures_match_pytorch_with_apex_eps(device, dtype):
+    device, ctx = _context(device)
+    gen = torch.Generator().manual_seed(0)
+    # Small activations: Apex's default eps (1e-6) and PyTorch's (1e-5) give visibly
+    # different results here, so the default is checked, not only the argument order.
+    x = (torch.randn(6, 2, 8, generator=gen) * 3e-3).to(device, dtype)
+    w = torch.randn(2, 8, generator=gen).to(device)
+    b = torch.randn(2, 8, generator=gen).to(device)
+    shape = (2, 8)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+    with ctx():
+        cases = [
+            (F.fused_layer_norm(x, shape), _ln(x, shape), dtype),
+            (F.fused_layer_norm(x, shape, 1e-6, True), _ln(x, shape), dtype),
+            (F.fused_layer_norm_affine(x, w.to(dtype), b.to(dtype), shape),
+             _ln(x, shape, w.to(dtype), b.to(dtype)), dtype),
+            (F.mixed_dtype_fused_layer_norm_affine(x, w, b, shape), _ln(x, shape, w, b),
+             torch.float32),
+            (F.fused_rms_norm(x, shape), _rms(x, shape), dtype),
+            (F.fused_rms_norm_affine(x, w.to(dtype), shape), _rms(x, shape, w.to(dtype)), dtype),
+            (F.mixed_dtype_fused_rms_norm_affine(x, w, shape), _rms(x, shape, w),
+             torch.float32),
+            (F.FusedLayerNormAffineFunction.apply(x, w.to(dtype), b.to(dtype), shape, 1e-6),
+             _ln(x, shape, w.to(dtype), b.to(dtype)), dtype),
+            (F.FusedRMSNormAffineMixedDtypesFunction.apply(x, w, shape, 1e-6),
+             _rms(x, shape, w), torch.float32),
+            (F.FusedLayerNormFunction.apply(x.reshape(6, 16), 16, 0.5),
+             _ln(x.reshape(6, 16), (16,), eps=0.5), dtype),
+        ]
+    for i, (got, want, out_dtype) in enumerate(cases):
+        assert got.dtype == out_dtype, i
+        torch.testing.assert_close(got.double(), want, **tol, msg=lambda m, i=i: f"case {i}: {m}")
+    # The eps default matters at this scale: PyTorch's 1e-5 is far off.
+    assert (_ln(x, shape, eps=1e-5) - _ln(x, shape)).abs().max() > 0.05
+
+
+def test_apex_functional_gradients_match_pytorch():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 12, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(12, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(12, generator=gen, dtype=torch.float64, requires_grad=True)
+    dy = torch.randn(4, 12, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad((F.fused_layer_norm_affine(x, w, b, 12) * dy).sum(), (x, w, b))
+    want = torch.autograd.grad((_ln(x, (12,), w, b) * dy).sum(), (x, w, b))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10)
+    got = torch.autograd.grad((F.fused_rms_norm_affine(x, w, 12) * dy).sum(), (x, w))
+    want = torch.autograd.grad((_rms(x, (12,), w) * dy).sum(), (x, w))
+    for g, r in zip(got, want):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10)
+
+
+def test_bad_input_errors():
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match=r"mixed_dtype_fused_rms_norm_affine: weight is None"):
+        F.mixed_dtype_fused_rms_norm_affine(x, None, 8)
+    with pytest.raises(ValueError, match=r"fused_layer_norm_affine: weight has shape \(4,\)"):
+        F.fused_layer_norm_affine(x, torch.ones(4), None, 8)
+    with pytest.raises(TypeError, match="is not instantiated"):
+        F.FusedLayerNormAffineFunction()
+    # Apex's positional eps given to mixprec's own fused_layer_norm (weight's place): the
+    # message says which signature is which and where Apex's lives.
+    with pytest.raises(TypeError, match=r"weight must be a Tensor or None, got float\. "
+                                        r".*apex_functional\.fused_layer_norm"):
+        mixprec_fused_layer_norm(x, (8,), 1e-6)
+    with pytest.raises(ValueError, match=r"a 0-dim input has no dims to normalize; it needs "
+                                         r"trailing dims \(8,\)"):
+        F.fused_layer_norm(torch.tensor(1.0), 8)
+
+
+@pytest.fixture
+def clean_apex(monkeypatch):
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        del sys.modules[name]
+
+
+def test_alias_layout_is_apex_s(clean_apex):
+    mixprec.install_apex_alias()
+    import apex.normalization
+    import apex.normalization.fused_layer_norm as fln
+    from apex.normalization import FusedLayerNormAffineFunction, MixedFusedLayerNorm
+    from apex.normalization.fused_layer_norm import fused_layer_norm, fused_rms_norm_affine
+
+    # Both import forms bind the submodule (it was once the package's fused_layer_norm
+    # function, so `fln.FusedLayerNorm` raised AttributeError).
+    assert fln is F and apex.normalization.fused_layer_norm is F
+    assert fln.FusedLayerNorm is mixprec.normalization.FusedLayerNorm
+    assert apex.normalization.fused_layer_norm.MixedFusedLayerNorm is MixedFusedLayerNorm
+    assert fused_layer_norm is F.fused_layer_norm and fused_rms_norm_affine is F.fused_rms_norm_affine
+    assert FusedLayerNormAffineFunction is F.FusedLayerNormAffineFunction
+    assert apex.normalization.FusedBatchNorm is mixprec.normalization.FusedBatchNorm
+    # mixprec's own functions (torch.nn.functional's argument order) are not in Apex's
+    # namespace, where those names have Apex's signatures.
+    assert not hasattr(apex.normalization, "fused_rms_norm")
