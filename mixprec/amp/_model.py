@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from collections import UserDict
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional
@@ -28,8 +29,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from mixprec.amp._properties import _HALF_TYPES
 
 __all__ = [
-    "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "cast_floating", "cast_module_tensors",
-    "convert_model", "is_amp_model", "master_weights", "restore_model",
+    "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "agree_on_overflow", "cast_floating",
+    "cast_module_tensors", "convert_model", "is_amp_model", "master_weights", "overflow_groups",
+    "restore_model",
 ]
 
 # Set on a model by mixprec.parallel.DistributedDataParallel's forward: True when the backward
@@ -38,6 +40,27 @@ __all__ = [
 # next synced backward all-reduces the whole accumulated sum (unscaling into the masters would
 # leave each rank's local micro-batches out of the all-reduce).
 GRAD_SYNC_DEFERRED = "_mixprec_grad_sync_deferred"
+
+# amp models whose overflow decision must agree across ranks, with the process groups to agree
+# over: a mixprec.parallel.Reducer registers its model here. (DDP needs none: its all-reduce
+# runs inside the backward, so an inf on one rank reaches every rank's gradients before amp
+# checks them. A Reducer may reduce after the scale_loss block, when each rank has decided.)
+# Weak keys: a deep copy or a pickled model is not registered, and no process group is pickled.
+_OVERFLOW_GROUPS: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+
+
+def agree_on_overflow(model: nn.Module, group) -> None:
+    """Make amp's inf/NaN check of ``model``'s gradients agree over ``group`` (None: all
+    ranks): every rank then skips a step that overflowed on any rank, and the loss scales stay
+    equal. Costs one all-reduce of one flag per checked backward."""
+    groups = _OVERFLOW_GROUPS.setdefault(model, [])
+    if not any(g is group for g in groups):
+        groups.append(group)
+
+
+def overflow_groups(model: nn.Module) -> list:
+    """The process groups ``model``'s overflow decisions must agree over (see above)."""
+    return _OVERFLOW_GROUPS.get(model, ())
 
 
 def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) -> Any:

@@ -26,7 +26,7 @@ import torch
 
 from mixprec.amp import _multi_tensor
 from mixprec.amp._logging import OverflowLog, log_rank0
-from mixprec.amp._model import GRAD_SYNC_DEFERRED, register_masters
+from mixprec.amp._model import GRAD_SYNC_DEFERRED, overflow_groups, register_masters
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 
 __all__ = ["AmpState", "SyncParamGroupsOnLoad", "optimizer_state"]
@@ -228,12 +228,24 @@ class _OptimizerState:
     def grad_sync_deferred(self) -> bool:
         """Whether a model holding this optimizer's parameters ran its last forward inside
         ``mixprec.parallel.DistributedDataParallel``'s ``no_sync()`` (see GRAD_SYNC_DEFERRED)."""
+        return any(getattr(m, GRAD_SYNC_DEFERRED, False) for m in self._owner_models())
+
+    def overflow_groups(self) -> list:
+        """The process groups over which this optimizer's overflow decision must agree (its
+        models under a ``mixprec.parallel.Reducer``; see ``_model.agree_on_overflow``)."""
+        groups = []
+        for model in self._owner_models():
+            groups.extend(g for g in overflow_groups(model) if not any(g is h for h in groups))
+        return groups
+
+    def _owner_models(self) -> list:
+        """The models holding this optimizer's parameters (looked up again after a new group)."""
         if self._owners_for != self.known_params:
             ids = {id(p) for p, _ in self.pairs} | {id(p) for p in self.plain}
             self._owners = [weakref.ref(m) for m in self.amp_state.models
                             if any(id(p) in ids for p in m.parameters())]
             self._owners_for = self.known_params
-        return any(getattr(ref(), GRAD_SYNC_DEFERRED, False) for ref in self._owners)
+        return [m for m in (ref() for ref in self._owners) if m is not None]
 
     def hold_scaled(self, scaler: LossScaler, scale) -> None:
         """Leave this backward's gradients scaled in place (delay_unscale, or no_sync())."""
@@ -442,6 +454,24 @@ class _OptimizerState:
                 torch._foreach_copy_(model_params, masters)
 
 
+def _agreed_flag(flags, states, groups) -> torch.Tensor:
+    """One overflow flag, the maximum of ``flags`` over this rank and over every rank of
+    ``groups`` (a rank whose backward left no gradient still takes part, with 0)."""
+    import torch.distributed as dist
+
+    if flags:
+        flag = flags[0].float() if len(flags) == 1 else torch.stack(
+            [f.to(flags[0].device).float() for f in flags]).amax()
+        flag = flag.clone()
+    else:
+        params = [m for s in states for _, m in s.pairs] + [p for s in states for p in s.plain]
+        flag = torch.zeros((), dtype=torch.float32,
+                           device=params[0].device if params else "cpu")
+    for group in groups:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return flag
+
+
 class SyncParamGroupsOnLoad:
     """A model's load-state-dict pre-hook: adopt late ``add_param_group`` calls first.
 
@@ -547,6 +577,11 @@ class AmpState:
         scaler = self.scalers[loss_id]
         if not scaler.dynamic:
             return
+        groups = []
+        for state in states:
+            groups.extend(g for g in state.overflow_groups() if not any(g is h for h in groups))
+        if groups:
+            flags = [_agreed_flag(flags, states, groups)]
         device = scaler.on_device
         if device is None:
             self._apply(loss_id, any_flag_set(flags), states)

@@ -133,11 +133,19 @@ def broadcast_coalesced(tensors: Iterable[torch.Tensor], src: int = 0, group=Non
 
 def all_reduce_average_coalesced(tensors: Iterable[torch.Tensor], group=None,
                                  world_size: Optional[int] = None) -> None:
-    """Replace each tensor by its average over the ranks: one flat all-reduce per device/dtype."""
+    """Replace each tensor by its average over the ranks: one flat all-reduce per device/dtype.
+
+    fp16/bf16 tensors are divided by the number of ranks before the sum (finite fp16 values
+    whose sum passes 65504 would overflow it); wider types after it (one rounding less).
+    """
     world = world_size if world_size is not None else group_world_size(group)
     with torch.no_grad():
         for items in _by_device_and_dtype(tensors).values():
             flat = _flatten(items)
+            half = flat.dtype in (torch.float16, torch.bfloat16)
+            if half:
+                flat.div_(world)
             dist.all_reduce(flat, group=group)
-            flat.div_(world)
+            if not half:
+                flat.div_(world)
             _unflatten_into(flat, items)

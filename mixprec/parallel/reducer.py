@@ -8,7 +8,7 @@ from typing import List, Optional, Union
 import torch
 from torch import nn
 
-from mixprec.amp._model import master_weights
+from mixprec.amp._model import agree_on_overflow, is_amp_model, master_weights
 from mixprec.parallel._comm import (
     all_reduce_average_coalesced,
     broadcast_coalesced,
@@ -43,7 +43,12 @@ class Reducer:
     With an amp O2 model (``amp.initialize`` first, as for DDP) the fp32 master weights are
     broadcast too, and :meth:`reduce` averages the masters' gradients as well as the half
     parameters', so it may be called inside the ``amp.scale_loss`` block after backward or
-    after the block (where the gradients have moved into the masters) alike.
+    after the block (where the gradients have moved into the masters) alike. Under dynamic
+    loss scaling amp's overflow check of a model given to a Reducer agrees over its ranks
+    (one all-reduce of one flag per checked backward): a step that overflowed on any rank is
+    skipped on all, as when the inf is averaged in before the check. Half-precision tensors
+    are divided by the number of ranks before they are summed, so a sum of finite fp16
+    gradients cannot overflow.
 
     Args:
         module_or_grads_list (nn.Module or iterable of Tensor): what to reduce (nested
@@ -86,6 +91,13 @@ class Reducer:
             )
         require_initialized("Reducer")
         if self.module is not None:
+            # After the scale_loss block each rank has already decided alone whether its
+            # gradients overflowed (and dropped them if so): amp's check of these models now
+            # agrees over the group, so every rank skips the same steps, keeps the same loss
+            # scale, and holds gradients for the same parameters when reduce() runs.
+            for m in self.module.modules():
+                if is_amp_model(m):
+                    agree_on_overflow(m, process_group)
             params = [p.data for p in self.module.parameters()]
             params += [m.data for m in master_weights(self.module)]
             if params:

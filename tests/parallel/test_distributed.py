@@ -465,6 +465,55 @@ def check_reducer_with_amp_o2(ctx):
             torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
 
 
+def check_reducer_amp_overflow_on_one_rank(ctx):
+    # fp16, dynamic loss scale, an overflow on rank 0 only (its loss x 1e4 at step 0). After
+    # the scale_loss block each rank had decided alone: rank 0 dropped its gradients and
+    # skipped reduce()'s all-reduce while the others waited in it (a hang). The overflow check
+    # of a Reducer's model now agrees over the ranks: every rank skips step 0 and halves its
+    # scale, then step 1 trains as one process would.
+    from mixprec import amp
+
+    for opt_level, where in (("O2", "after"), ("O1", "after"), ("O2", "inside")):
+        model = _mlp(ctx.device, seed=240)
+        ref = _mlp(ctx.device, seed=240)
+        pairs = []
+        for net in (model, ref):
+            opt = torch.optim.SGD(net.parameters(), lr=0.05)
+            pairs.extend(amp.initialize(net, opt, opt_level=opt_level, dtype=torch.float16,
+                                        verbosity=0))
+        model, opt, ref, ref_opt = pairs
+        reducer = Reducer(model)
+        skipped = []
+        for step in range(2):
+            x, y = _global_batch(ctx, seed=250 + step)
+            blow_up = 1e4 if step == 0 and ctx.rank == 0 else 1.0
+            opt.zero_grad()
+            loss = F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y)) * blow_up
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+                if where == "inside":
+                    reducer.reduce()
+            if where == "after":
+                reducer.reduce()
+            opt.step()
+            skipped.append(amp.step_was_skipped(opt))
+            if step == 1:  # the reference: step 0 skipped everywhere, step 1 on the batch
+                _amp_step_mse(ref, ref_opt, x, y, amp)
+        what = f"{opt_level}, reduce {where} scale_loss"
+        assert skipped == [True, False], (what, skipped)
+        scale = torch.tensor([amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]])
+        _assert_same_on_all_ranks(ctx, [scale], f"loss scale ({what})")
+        assert scale.item() == 2.0 ** 15, (what, scale.item())
+        params = list(amp.master_params(opt))
+        _assert_same_on_all_ranks(ctx, params, f"master weight ({what})")
+        for m, r in zip(params, amp.master_params(ref_opt)):
+            torch.testing.assert_close(m, r, rtol=0, atol=2e-3, msg=lambda e, what=what: f"{what}: {e}")
+    # fp16 tensors are divided before the sum: finite values whose sum passes 65504 stay finite.
+    half = torch.full((3,), 40000.0, dtype=torch.float16, device=ctx.device)
+    Reducer([half]).reduce()
+    torch.testing.assert_close(half, torch.full_like(half, 40000.0), rtol=1e-3, atol=0)
+
+
 def _amp_step_mse(model, opt, x, y, amp):
     opt.zero_grad()
     with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
@@ -806,6 +855,7 @@ CHECKS = [
     "check_arguments_validated_and_warned",
     "check_reducer",
     "check_reducer_with_amp_o2",
+    "check_reducer_amp_overflow_on_one_rank",
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
