@@ -8,6 +8,7 @@ CUDA present the kernels compile for the GPU instead and the interpreter tests s
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -25,3 +26,13 @@ def device(request):
 
 def requires_cuda(fn):
     return pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")(fn)
+
+
+@pytest.fixture
+def clean_apex(monkeypatch):
+    """No ``apex`` modules in ``sys.modules`` during the test (the alias's tests install it)."""
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        del sys.modules[name]

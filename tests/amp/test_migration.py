@@ -12,15 +12,6 @@ from mixprec import amp
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
-@pytest.fixture
-def clean_apex(monkeypatch):
-    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
-        monkeypatch.delitem(sys.modules, name)
-    yield
-    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
-        del sys.modules[name]
-
-
 def test_alias_resolves_apex_imports(clean_apex):
     mixprec.install_apex_alias()
     mixprec.install_apex_alias()  # idempotent

@@ -1,5 +1,6 @@
 """Cases, tolerances and the float64 reference shared by the normalization tests."""
 
+import contextlib
 import importlib.util
 import math
 
@@ -22,6 +23,20 @@ requires_interpreter = pytest.mark.skipif(
         "run the same kernels)"
     ),
 )
+
+# CPU, CUDA, and CPU through the Triton kernels in Triton's interpreter ("cpu-triton").
+KERNEL_DEVICES = pytest.mark.parametrize(
+    "device", [*DEVICES, pytest.param("cpu-triton", marks=requires_interpreter)])
+
+
+def device_and_context(device):
+    """The tensors' device and a factory of the context that routes CPU calls to the kernels."""
+    from mixprec.normalization import _ops
+
+    if device == "cpu-triton":
+        return "cpu", _ops.triton_on_cpu
+    return device, contextlib.nullcontext
+
 
 # (dtype, atol, rtol) against a float64 reference fed the same (rounded) inputs. One rounding of
 # the result accounts for most of it; the rest is fp32 summation over rows of up to 65,536

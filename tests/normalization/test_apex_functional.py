@@ -4,27 +4,15 @@ References: PyTorch's own ``layer_norm`` / ``rms_norm`` in float64 with Apex's d
 (1e-6), on the plain path, the CUDA kernels and the Triton interpreter.
 """
 
-import contextlib
-import sys
 
 import pytest
 import torch
 
 import mixprec
-from mixprec.normalization import _ops
 from mixprec.normalization import apex_functional as F
 from mixprec.normalization import fused_layer_norm as mixprec_fused_layer_norm
 
-from .helpers import DEVICES, requires_interpreter
-
-DEVICE_PATHS = pytest.mark.parametrize(
-    "device", [*DEVICES, pytest.param("cpu-triton", marks=requires_interpreter)])
-
-
-def _context(device):
-    if device == "cpu-triton":
-        return "cpu", _ops.triton_on_cpu
-    return device, contextlib.nullcontext
+from .helpers import KERNEL_DEVICES, device_and_context
 
 
 def _ln(x, shape, w=None, b=None, eps=1e-6):
@@ -37,10 +25,10 @@ def _rms(x, shape, w=None, eps=1e-6):
                                         eps)
 
 
-@DEVICE_PATHS
+@KERNEL_DEVICES
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_apex_signatures_match_pytorch_with_apex_eps(device, dtype):
-    device, ctx = _context(device)
+    device, ctx = device_and_context(device)
     gen = torch.Generator().manual_seed(0)
     # Small activations: Apex's default eps (1e-6) and PyTorch's (1e-5) give visibly
     # different results here, so the default is checked, not only the argument order.
@@ -107,15 +95,6 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match=r"a 0-dim input has no dims to normalize; it needs "
                                          r"trailing dims \(8,\)"):
         F.fused_layer_norm(torch.tensor(1.0), 8)
-
-
-@pytest.fixture
-def clean_apex(monkeypatch):
-    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
-        monkeypatch.delitem(sys.modules, name)
-    yield
-    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
-        del sys.modules[name]
 
 
 def test_alias_layout_is_apex_s(clean_apex):

@@ -20,6 +20,8 @@ from mixprec.normalization import (
 
 from .helpers import (
     DEVICES,
+    KERNEL_DEVICES,
+    device_and_context,
     float64_reference,
     make_input,
     make_params,
@@ -381,18 +383,6 @@ def test_torch_layer_norm_arguments():
         FusedLayerNorm(8, eps=None)
 
 
-# CPU, CUDA, and CPU through the Triton kernels in Triton's interpreter ("cpu-triton").
-KERNEL_DEVICES = pytest.mark.parametrize(
-    "device", [*DEVICES, pytest.param("cpu-triton", marks=requires_interpreter)])
-
-
-def _device_and_context(device):
-    """The tensors' device and a factory of the context that routes CPU calls to the kernels."""
-    if device == "cpu-triton":
-        return "cpu", _ops.triton_on_cpu
-    return device, contextlib.nullcontext
-
-
 def _signature_inputs(device):
     """Inputs of one module call after another, each differing from the one before in what
     the cached checks and launch plans are kept under (shape, strides, alignment, dtype)."""
@@ -417,7 +407,7 @@ def test_one_module_across_changing_inputs(kind, device):
     # A module keeps its argument checks and its launch plan per input signature: every change
     # between calls (and back) must give the float64 reference's output and gradients.
     # ("cpu-triton": the kernels' launch path in Triton's interpreter.)
-    device, kernels_on_cpu = _device_and_context(device)
+    device, kernels_on_cpu = device_and_context(device)
     norm = (FusedLayerNorm(64) if kind == "layer" else FusedRMSNorm(64)).to(device)
     with torch.no_grad():
         norm.weight.copy_(make_params((64,), torch.float32, device, True)[0])
@@ -535,7 +525,7 @@ def test_backward_takes_what_autograd_hands_back(hook, device):
     # compression) give the backward copies with other strides or dtypes (input, weight,
     # statistics) than the forward saw: the backward must read what it is given. The input
     # is a row-strided slice (a q of a fused qkv projection).
-    device, kernels_on_cpu = _device_and_context(device)
+    device, kernels_on_cpu = device_and_context(device)
     norm = FusedRMSNorm(32).to(device)
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(2, 5, 96, generator=gen).to(device).requires_grad_(True)

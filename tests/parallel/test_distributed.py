@@ -431,6 +431,18 @@ def check_reducer(ctx):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+def _amp_sgd_pairs(ctx, seed, ref_seed, opt_level, dtype):
+    """(model, optimizer, reference model, its optimizer): two MLPs under amp with SGD."""
+    from mixprec import amp
+
+    out = []
+    for s in (seed, ref_seed):
+        net = _mlp(ctx.device, seed=s)
+        opt = torch.optim.SGD(net.parameters(), lr=0.05)
+        out.extend(amp.initialize(net, opt, opt_level=opt_level, dtype=dtype, verbosity=0))
+    return out
+
+
 def check_reducer_with_amp_o2(ctx):
     # Reducer on an amp O2 model with per-rank initial weights: the masters come from rank 0,
     # and reduce() averages whichever gradients exist, inside the scale_loss block (half
@@ -438,14 +450,8 @@ def check_reducer_with_amp_o2(ctx):
     from mixprec import amp
 
     for where in ("inside", "after"):
-        model = _mlp(ctx.device, seed=220 + ctx.rank)
-        ref = _mlp(ctx.device, seed=220)  # rank 0's weights
-        pairs = []
-        for net in (model, ref):
-            opt = torch.optim.SGD(net.parameters(), lr=0.05)
-            pairs.extend(amp.initialize(net, opt, opt_level="O2", dtype=torch.bfloat16,
-                                        verbosity=0))
-        model, opt, ref, ref_opt = pairs
+        model, opt, ref, ref_opt = _amp_sgd_pairs(
+            ctx, 220 + ctx.rank, 220, "O2", torch.bfloat16)  # the reference: rank 0's weights
         reducer = Reducer(model)
         for step in range(2):
             x, y = _global_batch(ctx, seed=230 + step)
@@ -474,14 +480,7 @@ def check_reducer_amp_overflow_on_one_rank(ctx):
     from mixprec import amp
 
     for opt_level, where in (("O2", "after"), ("O1", "after"), ("O2", "inside")):
-        model = _mlp(ctx.device, seed=240)
-        ref = _mlp(ctx.device, seed=240)
-        pairs = []
-        for net in (model, ref):
-            opt = torch.optim.SGD(net.parameters(), lr=0.05)
-            pairs.extend(amp.initialize(net, opt, opt_level=opt_level, dtype=torch.float16,
-                                        verbosity=0))
-        model, opt, ref, ref_opt = pairs
+        model, opt, ref, ref_opt = _amp_sgd_pairs(ctx, 240, 240, opt_level, torch.float16)
         reducer = Reducer(model)
         skipped = []
         for step in range(2):
