@@ -443,6 +443,18 @@ def _amp_sgd_pairs(ctx, seed, ref_seed, opt_level, dtype):
     return out
 
 
+def _reducer_amp_step(amp, reducer, opt, loss, where):
+    """One amp step whose gradients ``reducer`` averages inside or after the scale_loss block."""
+    opt.zero_grad()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+        if where == "inside":
+            reducer.reduce()
+    if where == "after":
+        reducer.reduce()
+    opt.step()
+
+
 def check_reducer_with_amp_o2(ctx):
     # Reducer on an amp O2 model with per-rank initial weights: the masters come from rank 0,
     # and reduce() averages whichever gradients exist, inside the scale_loss block (half
@@ -455,15 +467,8 @@ def check_reducer_with_amp_o2(ctx):
         reducer = Reducer(model)
         for step in range(2):
             x, y = _global_batch(ctx, seed=230 + step)
-            opt.zero_grad()
-            with amp.scale_loss(F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y)),
-                                opt) as scaled:
-                scaled.backward()
-                if where == "inside":
-                    reducer.reduce()
-            if where == "after":
-                reducer.reduce()
-            opt.step()
+            loss = F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y))
+            _reducer_amp_step(amp, reducer, opt, loss, where)
             _amp_step_mse(ref, ref_opt, x, y, amp)
         masters = list(amp.master_params(opt))
         _assert_same_on_all_ranks(ctx, masters, f"master weight (reduce {where} scale_loss)")
@@ -486,15 +491,8 @@ def check_reducer_amp_overflow_on_one_rank(ctx):
         for step in range(2):
             x, y = _global_batch(ctx, seed=250 + step)
             blow_up = 1e4 if step == 0 and ctx.rank == 0 else 1.0
-            opt.zero_grad()
             loss = F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y)) * blow_up
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-                if where == "inside":
-                    reducer.reduce()
-            if where == "after":
-                reducer.reduce()
-            opt.step()
+            _reducer_amp_step(amp, reducer, opt, loss, where)
             skipped.append(amp.step_was_skipped(opt))
             if step == 1:  # the reference: step 0 skipped everywhere, step 1 on the batch
                 _amp_step_mse(ref, ref_opt, x, y, amp)
