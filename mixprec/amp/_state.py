@@ -228,17 +228,9 @@ class _OptimizerState:
     def grad_sync_deferred(self) -> bool:
         """Whether a model holding this optimizer's parameters ran its last forward inside
         ``mixprec.parallel.DistributedDataParallel``'s ``no_sync()`` (see GRAD_SYNC_DEFERRED)."""
-        return any(getattr(m, GRAD_SYNC_DEFERRED, False) for m in self._owner_models())
+        return any(getattr(m, GRAD_SYNC_DEFERRED, False) for m in self.owner_models())
 
-    def overflow_groups(self) -> list:
-        """The process groups over which this optimizer's overflow decision must agree (its
-        models under a ``mixprec.parallel.Reducer``; see ``_model.agree_on_overflow``)."""
-        groups = []
-        for model in self._owner_models():
-            groups.extend(g for g in overflow_groups(model) if not any(g is h for h in groups))
-        return groups
-
-    def _owner_models(self) -> list:
+    def owner_models(self) -> list:
         """The models holding this optimizer's parameters (looked up again after a new group)."""
         if self._owners_for != self.known_params:
             ids = {id(p) for p, _ in self.pairs} | {id(p) for p in self.plain}
@@ -577,9 +569,12 @@ class AmpState:
         scaler = self.scalers[loss_id]
         if not scaler.dynamic:
             return
+        # The process groups over which the decision must agree: those of the models (under a
+        # mixprec.parallel.Reducer; see _model.agree_on_overflow) holding these parameters.
         groups = []
-        for state in states:
-            groups.extend(g for g in state.overflow_groups() if not any(g is h for h in groups))
+        for group in (g for s in states for m in s.owner_models() for g in overflow_groups(m)):
+            if not any(group is h for h in groups):
+                groups.append(group)
         if groups:
             flags = [_agreed_flag(flags, states, groups)]
         device = scaler.on_device

@@ -11,6 +11,7 @@ __all__ = []
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
+# mixprec functions named as Apex functions with another argument order (see check_inputs).
 _APEX_FUNCTIONAL = ("fused_layer_norm", "fused_rms_norm")
 
 

@@ -116,8 +116,6 @@ class _ApexFunction:
     """Apex's autograd-function name: ``apply`` runs the matching function above (one node of
     mixprec's own autograd function)."""
 
-    _fn = None
-
     def __init__(self):
         raise TypeError(f"{type(self).__name__} is not instantiated: call "
                         f"{type(self).__name__}.apply(...) as in Apex")
@@ -128,8 +126,9 @@ def _apex_function(name: str, fn, signature: str):
         return fn(*args, **kwargs)
 
     apply.__doc__ = f"``{name}.apply({signature})``: :func:`{fn.__name__}`."
-    return type(name, (_ApexFunction,), {"apply": staticmethod(apply), "__doc__": (
-        f"Apex's ``{name}``: ``apply({signature})`` computes :func:`{fn.__name__}`.")})
+    return type(name, (_ApexFunction,), {
+        "apply": staticmethod(apply), "__module__": __name__,
+        "__doc__": f"Apex's ``{name}``: ``apply({signature})`` computes :func:`{fn.__name__}`."})
 
 
 FusedLayerNormFunction = _apex_function(
@@ -149,8 +148,3 @@ FusedRMSNormAffineFunction = _apex_function(
 FusedRMSNormAffineMixedDtypesFunction = _apex_function(
     "FusedRMSNormAffineMixedDtypesFunction", mixed_dtype_fused_rms_norm_affine,
     "input, weight, normalized_shape, eps, memory_efficient=False")
-for _cls in (FusedLayerNormFunction, FusedLayerNormAffineFunction,
-             FusedLayerNormAffineMixedDtypesFunction, FusedRMSNormFunction,
-             FusedRMSNormAffineFunction, FusedRMSNormAffineMixedDtypesFunction):
-    _cls.__module__ = __name__
-del _cls

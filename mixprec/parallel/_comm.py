@@ -11,6 +11,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from mixprec.amp._properties import _HALF_TYPES
+
 __all__ = [
     "all_gather_rows",
     "all_reduce_average_coalesced",
@@ -142,7 +144,7 @@ def all_reduce_average_coalesced(tensors: Iterable[torch.Tensor], group=None,
     with torch.no_grad():
         for items in _by_device_and_dtype(tensors).values():
             flat = _flatten(items)
-            half = flat.dtype in (torch.float16, torch.bfloat16)
+            half = flat.dtype in _HALF_TYPES
             if half:
                 flat.div_(world)
             dist.all_reduce(flat, group=group)
