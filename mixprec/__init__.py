@@ -7,11 +7,14 @@ Three tools in one package:
 * :mod:`mixprec.parallel` -- ``DistributedDataParallel``, ``SyncBatchNorm``, ``Reducer``
   and ``LARC`` on ``torch.distributed``.
 * :mod:`mixprec.normalization` -- fused LayerNorm / RMSNorm (Triton on GPU, PyTorch on CPU).
+
+And :mod:`mixprec.optimizers`: Apex's ``FusedAdam``, whose step also writes amp O2's half model.
 """
 
-from mixprec import amp, normalization, parallel
+from mixprec import amp, normalization, optimizers, parallel
 from mixprec._apex_alias import install_apex_alias
 
 __version__ = "0.1.0"
 
-__all__ = ["amp", "install_apex_alias", "normalization", "parallel", "__version__"]
+__all__ = ["amp", "install_apex_alias", "normalization", "optimizers", "parallel",
+           "__version__"]

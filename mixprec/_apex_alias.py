@@ -9,15 +9,16 @@ import types
 
 __all__ = ["install_apex_alias"]
 
-_SUBMODULES = ("amp", "parallel", "normalization")
+_SUBMODULES = ("amp", "optimizers", "parallel", "normalization")
 
 
 def install_apex_alias() -> None:
-    """Register ``apex``, ``apex.amp``, ``apex.parallel``, ``apex.normalization`` and
-    ``apex.normalization.fused_layer_norm`` as aliases of the mixprec modules, so
-    ``from apex import amp``, ``from apex.parallel import DistributedDataParallel`` and
+    """Register ``apex``, ``apex.amp``, ``apex.optimizers``, ``apex.parallel``,
+    ``apex.normalization`` and ``apex.normalization.fused_layer_norm`` as aliases of the
+    mixprec modules, so ``from apex import amp``, ``from apex.optimizers import FusedAdam``,
+    ``from apex.parallel import DistributedDataParallel`` and
     ``from apex.normalization.fused_layer_norm import fused_layer_norm_affine`` keep working
-    after Apex's removal. ``apex.normalization.fused_layer_norm`` is
+    after Apex's removal (of Apex's optimizers, mixprec has ``FusedAdam``). ``apex.normalization.fused_layer_norm`` is
     :mod:`mixprec.normalization.apex_functional`: the norm classes and Apex's functional API
     with Apex's signatures.
 

@@ -280,9 +280,10 @@ def _check_scalar(t, name: str, device: torch.device) -> None:
                          f"{device}, got {t.dtype} of shape {tuple(t.shape)} on {t.device}")
 
 
-def _build_rows(src_ptrs: List[int], dst_ptrs: List[int], numels: List[int],
-                src_dtypes: List[torch.dtype], chunk: int):
-    """The table's rows as a NumPy ``[n_chunks, 4]`` int64 array; empty tensors get none."""
+def chunk_rows(numels: Sequence[int], chunk: int):
+    """Split tensors of ``numels`` elements into chunks of at most ``chunk``: NumPy arrays
+    ``(owner, start, count)`` with one entry per chunk (the tensor's index, the chunk's first
+    element, its element count). Empty tensors get no chunk."""
     import numpy as np
 
     n = np.asarray(numels, dtype=np.int64)
@@ -291,24 +292,38 @@ def _build_rows(src_ptrs: List[int], dst_ptrs: List[int], numels: List[int],
     owner = np.repeat(np.arange(len(numels)), per_tensor)
     first_row = np.cumsum(per_tensor) - per_tensor
     start = (np.arange(total, dtype=np.int64) - first_row[owner]) * chunk  # element offset
-    rows = np.empty((total, 4), dtype=np.int64)
+    return owner, start, np.minimum(n[owner] - start, chunk)
+
+
+def _build_rows(src_ptrs: List[int], dst_ptrs: List[int], numels: List[int],
+                src_dtypes: List[torch.dtype], chunk: int):
+    """The table's rows as a NumPy ``[n_chunks, 4]`` int64 array; empty tensors get none."""
+    import numpy as np
+
+    owner, start, count = chunk_rows(numels, chunk)
+    rows = np.empty((len(owner), 4), dtype=np.int64)
     rows[:, 0] = np.asarray(src_ptrs, dtype=np.int64)[owner] + 2 * start
     rows[:, 1] = np.asarray(dst_ptrs, dtype=np.int64)[owner] + 4 * start
-    rows[:, 2] = np.minimum(n[owner] - start, chunk)
+    rows[:, 2] = count
     bf16 = np.asarray([dtype is torch.bfloat16 for dtype in src_dtypes], dtype=np.int64)
     rows[:, 3] = bf16[owner]
     return rows
 
 
-def _table(key: tuple, src_ptrs, dst_ptrs, numels, src_dtypes, device: torch.device,
-           chunk: int) -> _Table:
-    """The cached host table for ``key``, built on a miss."""
+def cached_table(key: tuple, build, device: torch.device, pointer_columns: Sequence[int]
+                 ) -> _Table:
+    """The cached host table for ``key``; on a miss ``build()`` makes its rows, a NumPy
+    ``[n_chunks, k]`` int64 array whose ``pointer_columns`` hold addresses (checked for 16-byte
+    alignment). Shared by every multi-tensor kernel of mixprec: the key must name the kernel."""
     entry = _TABLES.get(key)  # (one lookup: hashing the key costs ~5 us at 200 tensors)
     if entry is None:
-        rows = _build_rows(src_ptrs, dst_ptrs, numels, src_dtypes, chunk)
+        rows = build()
         # Chunk starts are multiples of 8 elements, so a 16-byte aligned tensor has 16-byte
         # aligned chunks.
-        aligned = not bool(((rows[:, 0] | rows[:, 1]) & 15).any()) if len(rows) else True
+        aligned = True
+        if len(rows):
+            addresses = rows[:, list(pointer_columns)]
+            aligned = not bool((addresses & 15).any())
         host = torch.from_numpy(rows)
         if device.type == "cuda":
             host = host.pin_memory()  # never written again: uploads need no host sync
@@ -320,7 +335,7 @@ def _table(key: tuple, src_ptrs, dst_ptrs, numels, src_dtypes, device: torch.dev
     return entry
 
 
-def _device_rows(key: tuple, table: _Table, device: torch.device, capturing: bool) -> Tensor:
+def device_rows(key: tuple, table: _Table, device: torch.device, capturing: bool) -> Tensor:
     """``table``'s rows where the kernel reads them: on the device for a GPU launch.
 
     Eagerly a fresh device tensor, uploaded on the current stream from the pinned host table
@@ -393,11 +408,13 @@ def cast_unscale_check_(srcs: Sequence[Tensor], dsts: Sequence[Tensor], inv_scal
     chunk, block = (_CHUNK, _BLOCK) if on_gpu else (_INTERPRETER_CHUNK, _INTERPRETER_BLOCK)
     with _on_device(srcs[0]):
         capturing = on_gpu and torch.cuda.is_current_stream_capturing()
-        key = (device, chunk, *src_ptrs, *dst_ptrs, *numels, *src_dtypes)
-        table = _table(key, src_ptrs, dst_ptrs, numels, src_dtypes, device, chunk)
+        key = ("cast", device, chunk, *src_ptrs, *dst_ptrs, *numels, *src_dtypes)
+        table = cached_table(
+            key, lambda: _build_rows(src_ptrs, dst_ptrs, numels, src_dtypes, chunk), device,
+            (0, 1))
         if table.n_chunks == 0:
             return  # only empty tensors
         _kernel()[(table.n_chunks,)](
-            _device_rows(key, table, device, capturing), inv_scale, found_inf,
+            device_rows(key, table, device, capturing), inv_scale, found_inf,
             ALIGNED=table.aligned, BLOCK=block, num_warps=_NUM_WARPS,
         )

@@ -174,6 +174,11 @@ class _OptimizerState:
                     self.plain.append(p)
         self.known_params = sum(len(g["params"]) for g in optimizer.param_groups)
         self._skips_on_device = None
+        link = getattr(hookable_optimizer(optimizer), "_link_half_copies", None)
+        if link is not None and masters:
+            # An optimizer that writes the half model itself (mixprec.optimizers.FusedAdam):
+            # the post-step copy then skips the masters it wrote.
+            link(list(masters.items()))
         return masters
 
     def sync_param_groups(self) -> None:
@@ -223,6 +228,11 @@ class _OptimizerState:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        optimizer = self.optimizer_ref()
+        link = None if optimizer is None else getattr(
+            hookable_optimizer(optimizer), "_link_half_copies", None)
+        if link is not None:
+            link([])
 
     # -- scale_loss ----------------------------------------------------------------------------
     def grad_sync_deferred(self) -> bool:
@@ -435,14 +445,21 @@ class _OptimizerState:
         if self.overflow:
             self.overflow = False
             return
-        self.copy_masters_to_model()
+        written = getattr(optimizer, "_half_copies_written", None)
+        if not written:
+            self.copy_masters_to_model()
+        elif len(written) < len(self.pairs):  # the optimizer wrote some half copies itself
+            done = set(map(id, written))
+            self.copy_masters_to_model([(p, m) for p, m in self.pairs if id(m) not in done])
 
-    def copy_masters_to_model(self) -> None:
-        """Copy the fp32 master weights into the half model's parameters (cast to half)."""
-        if self.pairs:
+    def copy_masters_to_model(self, pairs=None) -> None:
+        """Copy the fp32 master weights into the half model's parameters (cast to half), for
+        ``pairs`` (default: all of this optimizer's)."""
+        pairs = self.pairs if pairs is None else pairs
+        if pairs:
             with torch.no_grad():
-                model_params = [p for p, _ in self.pairs]
-                masters = [m for _, m in self.pairs]
+                model_params = [p for p, _ in pairs]
+                masters = [m for _, m in pairs]
                 torch._foreach_copy_(model_params, masters)
 
 

@@ -1,0 +1,432 @@
+"""``FusedAdam``: Apex's fused Adam/AdamW, one Triton pass per step, writing amp O2's half model."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from mixprec.amp import _multi_tensor
+from mixprec.optimizers import _adam_kernel
+
+__all__ = ["FusedAdam"]
+
+_log = logging.getLogger(__name__)
+
+# Tests set this to run the kernel on CPU tensors through Triton's interpreter.
+_KERNEL_ON_CPU = False
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _kernel_device_ok(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return not _multi_tensor.interpreter_enabled() and _multi_tensor.verified_triton()
+    return (device.type == "cpu" and _KERNEL_ON_CPU and _multi_tensor.interpreter_enabled()
+            and _multi_tensor.verified_triton())
+
+
+def _check_hyper(name: str, value, low: float, high: float = math.inf, *, high_open=False):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if ok:
+        ok = low <= value < high if high_open else low <= value <= high
+    if not ok:
+        bound = f"in [{low}, {high})" if high_open else f">= {low}"
+        raise ValueError(f"FusedAdam({name}={value!r}): {name} must be a number {bound}.")
+
+
+class FusedAdam(torch.optim.Optimizer):
+    """Adam and AdamW (Apex's ``apex.optimizers.FusedAdam``), one fused pass per step.
+
+    The same arguments and defaults as Apex's ``FusedAdam``: note ``adam_w_mode=True`` by
+    default, so ``weight_decay`` is decoupled as in ``torch.optim.AdamW``; with
+    ``adam_w_mode=False`` it is added to the gradient as in ``torch.optim.Adam``. The update is
+    PyTorch's Adam/AdamW with ``amsgrad=False, maximize=False``, computed in fp32; the state
+    (``step``, ``exp_avg``, ``exp_avg_sq``) has the layout of PyTorch's fused Adam, so
+    ``state_dict()`` checkpoints load into ``torch.optim.AdamW`` and back.
+
+    How it runs: fp32 parameters on a CUDA device (with Triton >= 3.6) are updated by one
+    Triton kernel per parameter group over all of them. Under ``amp.initialize(...,
+    opt_level="O2")`` that kernel also writes each fp32 master's half model copy, which amp
+    otherwise copies in a second pass after the step: 30 bytes of memory traffic per parameter
+    instead of 34, at close to the copy bandwidth (on an H200 1.0 ms less per step than
+    ``torch.optim.AdamW(fused=True)`` plus amp's copy for a 218M-parameter GPT;
+    ``benchmarks/RESULTS.md``). Other parameters (half ones as at O3 or in a pure ``.half()``
+    model, CPU tensors, no Triton) take PyTorch's fused Adam kernel where it runs, and the
+    same arithmetic in plain PyTorch elsewhere (or with ``bias_correction=False``).
+
+    Like PyTorch's fused optimizers it follows ``GradScaler``'s protocol
+    (``_step_supports_amp_scaling``): an overflowed step is skipped on the device, with no host
+    synchronization, under ``torch.amp.GradScaler`` and under amp's dynamic loss scaling alike,
+    and a step can be captured in a CUDA graph (with a constant learning rate: ``lr`` is read
+    on the host at each step).
+
+    Args:
+        params (iterable): parameters or parameter groups (dicts).
+        lr (float): learning rate. Default ``1e-3``.
+        bias_correction (bool): Adam's bias correction of both moments. Default ``True``.
+        betas (Tuple[float, float]): moment decay rates, each in [0, 1). Default
+            ``(0.9, 0.999)``.
+        eps (float): added to the denominator. Default ``1e-8``.
+        adam_w_mode (bool): decoupled weight decay (AdamW) when True, L2 (Adam) when False.
+            Default ``True``.
+        weight_decay (float): Default ``0.0``.
+        amsgrad (bool): not supported (as in Apex); ``True`` raises ``ValueError``.
+        set_grad_none (bool): ``zero_grad()`` sets gradients to ``None`` (else zeros them).
+            Default ``True``.
+        capturable (bool): accepted for Apex compatibility; every step is capturable.
+        master_weights (bool): Apex's own fp32 copies of half parameters are not offered:
+            ``True`` raises ``ValueError`` (use ``amp.initialize(..., opt_level="O2")``).
+
+    Example::
+
+        >>> from mixprec import amp
+        >>> from mixprec.optimizers import FusedAdam
+        >>> model = GPT().cuda()
+        >>> optimizer = FusedAdam(model.parameters(), lr=3e-4, weight_decay=0.1)
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2",
+        ...                                   dtype=torch.bfloat16)
+        >>> for x, y in loader:
+        ...     optimizer.zero_grad()
+        ...     loss = loss_fn(model(x), y)
+        ...     with amp.scale_loss(loss, optimizer) as scaled_loss:
+        ...         scaled_loss.backward()
+        ...     optimizer.step()  # updates the fp32 masters and writes the bf16 model
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
+                 set_grad_none: bool = True, capturable: bool = False,
+                 master_weights: bool = False):
+        if amsgrad:
+            raise ValueError("FusedAdam(amsgrad=True): the AMSGrad variant is not supported "
+                             "(nor was it in Apex's FusedAdam). Use torch.optim.AdamW("
+                             "amsgrad=True, fused=True) for it.")
+        if master_weights:
+            raise ValueError(
+                "FusedAdam(master_weights=True): mixprec keeps fp32 master weights in amp, not "
+                "in the optimizer. Build FusedAdam on the fp32 model and call amp.initialize("
+                "model, optimizer, opt_level='O2'): the masters then live in the optimizer and "
+                "FusedAdam writes the half model in the same pass.")
+        _check_hyper("lr", lr, 0.0)
+        _check_hyper("eps", eps, 0.0)
+        _check_hyper("weight_decay", weight_decay, 0.0)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            raise ValueError(f"FusedAdam(betas={betas!r}): betas must be a pair of numbers in "
+                             "[0, 1), e.g. (0.9, 0.999).")
+        for i, beta in enumerate(betas):
+            _check_hyper(f"betas[{i}]", beta, 0.0, 1.0, high_open=True)
+        defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas),
+                        eps=eps, weight_decay=weight_decay, adam_w_mode=bool(adam_w_mode))
+        super().__init__(params, defaults)
+        self.set_grad_none = bool(set_grad_none)
+        self.capturable = bool(capturable)
+        # amp O2 (amp.initialize): fp32 master -> the half model parameter it is copied into.
+        self._half_copies: Dict[Tensor, Tensor] = {}
+        # The masters whose half copies the last step wrote (amp copies the others).
+        self._half_copies_written: List[Tensor] = []
+        # Routing plans per set of parameters with gradients; an epoch change retires them.
+        self._plans: Dict[tuple, _Plan] = {}
+        self._epoch = 0
+
+    # -- amp's protocol --------------------------------------------------------------------
+    def _link_half_copies(self, pairs) -> None:
+        """amp O2: from now on write ``half`` whenever ``master`` is updated, for each
+        ``(half, master)`` in ``pairs``; an empty ``pairs`` ends it (``amp.restore_model``)."""
+        pairs = list(pairs)
+        if not pairs:
+            self._half_copies.clear()
+        for half, master in pairs:
+            self._half_copies[master] = half
+        self._epoch += 1
+
+    # -- torch.optim.Optimizer -------------------------------------------------------------
+    def add_param_group(self, param_group: dict) -> None:
+        """PyTorch's; the new group takes this optimizer's defaults for options it lacks."""
+        super().add_param_group(param_group)
+        if hasattr(self, "_plans"):  # (torch's __init__ adds the first groups)
+            self._plans.clear()
+            self._epoch += 1
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Clear the gradients: to ``None`` when ``set_to_none`` (default: ``set_grad_none``),
+        else to zeros."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None
+                          else set_to_none)
+
+    def state_dict(self) -> dict:
+        """PyTorch's, with each group also stating PyTorch's Adam options (``amsgrad=False``,
+        ``maximize=False``, ``decoupled_weight_decay`` = ``adam_w_mode``), so that
+        ``torch.optim.Adam``/``AdamW`` load it as the same update."""
+        state = super().state_dict()
+        for group in state["param_groups"]:
+            group["decoupled_weight_decay"] = group["adam_w_mode"]
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """PyTorch's, accepting ``torch.optim.Adam``/``AdamW`` checkpoints too: a group saved
+        by them takes ``adam_w_mode`` from its ``decoupled_weight_decay`` where it has one
+        (else from this optimizer's defaults) and this optimizer's other missing options; step
+        counts move to their parameter's device as fp32."""
+        super().load_state_dict(state_dict)
+        self._epoch += 1
+        for group in self.param_groups:
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError(
+                    "FusedAdam.load_state_dict: the checkpoint's optimizer used "
+                    f"amsgrad={group.get('amsgrad')}, maximize={group.get('maximize')}; "
+                    "FusedAdam supports neither. Keep that checkpoint's optimizer "
+                    "(torch.optim.Adam/AdamW).")
+            if "adam_w_mode" not in group and "decoupled_weight_decay" in group:
+                group["adam_w_mode"] = bool(group["decoupled_weight_decay"])
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and torch.is_tensor(state.get("step")):
+                    state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+                elif state and "step" in state:
+                    state["step"] = torch.tensor(float(state["step"]), device=p.device)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every parameter with a gradient.
+
+        Args:
+            closure (callable, optional): re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        written: List[Tensor] = []
+        for group in self.param_groups:
+            self._step_group(group, grad_scale, found_inf, written)
+        self._half_copies_written = written
+        return loss
+
+    def _state_of(self, p: Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    def _plan(self, group: dict, params: List[Tensor], grads: List[Tensor]) -> _Plan:
+        """The route of each parameter (kernel, PyTorch's fused kernel, plain PyTorch), checked
+        in full; kept while its parameters keep gradients (see ``_Plan.holds``)."""
+        key = tuple(map(id, params))
+        plan = self._plans.get(key)
+        if plan is not None and plan.epoch == self._epoch and plan.holds(params, grads):
+            return plan
+        for g in grads:
+            if g.is_sparse:
+                raise RuntimeError("FusedAdam does not support sparse gradients (e.g. "
+                                   "nn.Embedding(sparse=True)); use torch.optim.SparseAdam for "
+                                   "those parameters.")
+        states = [self._state_of(p) for p in params]
+        copies = [self._half_copies.get(p) for p in params] if self._half_copies else [
+            None] * len(params)
+        kernel, fused, plain = [], [], []
+        for i, (p, g, s, c) in enumerate(zip(params, grads, states, copies)):
+            if _kernel_device_ok(p.device) and _adam_kernel.kernel_reason(
+                    p, g, s["exp_avg"], s["exp_avg_sq"], s["step"], c) is None:
+                kernel.append(i)
+            elif (group["bias_correction"] and _torch_fused_ok(p.device)
+                  and _same_layout(p, g, s["exp_avg"], s["exp_avg_sq"])):
+                fused.append(i)
+            else:
+                plain.append(i)
+        if len(self._plans) >= 64:  # (param sets come and go, e.g. with frozen layers)
+            self._plans.clear()
+        plan = _Plan(self._epoch, states, copies, kernel, fused, plain, params)
+        self._plans[key] = plan
+        return plan
+
+    def _step_group(self, group: dict, grad_scale, found_inf, written: List[Tensor]) -> None:
+        params, grads = [], []
+        for p in group["params"]:
+            g = p.grad
+            if g is not None:
+                params.append(p)
+                grads.append(g)
+        if not params:
+            return
+        plan = self._plan(group, params, grads)
+        states, steps, copies = plan.states, plan.steps, plan.copies
+        torch._foreach_add_(steps, 1.0)
+        beta1, beta2 = group["betas"]
+        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                     weight_decay=group["weight_decay"], adam_w=group["adam_w_mode"],
+                     bias_correction=group["bias_correction"])
+        for idx in plan.kernel_by_device:
+            dev = params[idx[0]].device
+            _adam_kernel.adam_step_(
+                [params[i] for i in idx], [grads[i] for i in idx],
+                [states[i]["exp_avg"] for i in idx], [states[i]["exp_avg_sq"] for i in idx],
+                [steps[i] for i in idx], [copies[i] for i in idx],
+                grad_scale=_on(grad_scale, dev), found_inf=_on(found_inf, dev), **hyper)
+        for idx in plan.fused_by_device:
+            _torch_fused_step(params, grads, states, steps, idx, hyper, grad_scale, found_inf)
+        if plan.plain:
+            _reference_step(params, grads, states, plan.plain, hyper, grad_scale, found_inf)
+        written.extend(plan.written_by_kernel)
+        for i in plan.copied_after:
+            copies[i].copy_(params[i])
+            written.append(params[i])
+        if found_inf is not None:
+            for ss in plan.steps_by_device:
+                torch._foreach_sub_(ss, [_on(found_inf, ss[0].device)] * len(ss))
+
+
+class _Plan:
+    """One parameter group's routing for one set of parameters with gradients.
+
+    Built with every check (:func:`mixprec.optimizers._adam_kernel.kernel_reason`); a later
+    step reuses it while :meth:`holds`: the optimizer's epoch is the same (no state loaded, no
+    half copies linked since) and the per-step facts the checks relied on still stand, read
+    from cached flags (each gradient's and parameter's layout, each copy's device and dtype).
+    State tensors replaced by hand in ``optimizer.state`` are not noticed.
+    """
+
+    __slots__ = ("epoch", "params", "states", "steps", "copies", "kernel", "plain",
+                 "kernel_by_device", "fused_by_device", "steps_by_device", "written_by_kernel",
+                 "copied_after", "_layouts", "_copy_facts")
+
+    def __init__(self, epoch, states, copies, kernel, fused, plain, params):
+        self.epoch = epoch
+        # Held, so that no other tensor can take one of their ids (the plan's key) meanwhile.
+        self.params = params
+        self.states = states
+        self.steps = [s["step"] for s in states]
+        self.copies = copies
+        self.kernel = kernel
+        self.plain = plain
+        self.kernel_by_device = _by_device(kernel, params)
+        self.fused_by_device = _by_device(fused, params)
+        by_device: Dict[torch.device, List[Tensor]] = {}
+        for step in self.steps:
+            by_device.setdefault(step.device, []).append(step)
+        self.steps_by_device = list(by_device.values())
+        self.written_by_kernel = [params[i] for i in kernel if copies[i] is not None]
+        self.copied_after = [i for i in fused + plain if copies[i] is not None]
+        # What the checks of both fused routes saw, re-read cheaply every step.
+        self._layouts = [(i, params[i].is_contiguous()) for i in kernel + fused]
+        self._copy_facts = [(c, c.dtype, c.get_device()) for c in copies if c is not None]
+
+    def holds(self, params: List[Tensor], grads: List[Tensor]) -> bool:
+        for i, contiguous in self._layouts:
+            p, g = params[i], grads[i]
+            if contiguous:
+                if not (p.is_contiguous() and g.is_contiguous()):
+                    return False
+            elif not (p.is_contiguous(memory_format=torch.channels_last)
+                      and g.is_contiguous(memory_format=torch.channels_last)):
+                return False
+        for c, dtype, device in self._copy_facts:
+            if c.dtype is not dtype or c.get_device() != device:
+                return False
+        return True
+
+
+def _same_layout(p: Tensor, *others: Tensor) -> bool:
+    # PyTorch's fused kernels walk every tensor's memory in the same order: one dtype, one
+    # device and one dense layout (a contiguous gradient of a channels-last parameter gave
+    # wrong updates on the CPU).
+    if not (p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(
+            memory_format=torch.channels_last))):
+        return False
+    return all(t.dtype == p.dtype and t.device == p.device and t.stride() == p.stride()
+               for t in others)
+
+
+def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
+    if t is None or t.device == device:
+        return t
+    return t.to(device, non_blocking=True)
+
+
+def _by_device(indices: List[int], params: List[Tensor]) -> List[List[int]]:
+    groups: Dict[torch.device, List[int]] = {}
+    for i in indices:
+        groups.setdefault(params[i].device, []).append(i)
+    return list(groups.values())
+
+
+@functools.cache
+def _torch_fused_on(device_type: str) -> bool:
+    # PyTorch's fused Adam runs on CUDA, and on the CPU from some release on: try it once.
+    if device_type == "cuda":
+        return True
+    try:
+        p = torch.zeros(2, device=device_type)
+        step = torch.zeros((), device=device_type)
+        torch._fused_adamw_([p], [p.clone()], [p.clone()], [p.clone()], [], [step], lr=0.0,
+                            beta1=0.9, beta2=0.9, weight_decay=0.0, eps=1.0, amsgrad=False,
+                            maximize=False, grad_scale=None, found_inf=None)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError) as exc:
+        _log.debug("PyTorch's fused Adam is not available on %s: %s", device_type, exc)
+        return False
+    return True
+
+
+def _torch_fused_ok(device: torch.device) -> bool:
+    return device.type in ("cuda", "cpu") and _torch_fused_on(device.type)
+
+
+def _torch_fused_step(params, grads, states, steps, idx, hyper, grad_scale, found_inf) -> None:
+    """Parameters the kernel does not take (half ones, on CUDA; on CPU any): PyTorch's fused
+    Adam/AdamW kernel (fp32 arithmetic inside), where it runs."""
+    op = torch._fused_adamw_ if hyper["adam_w"] else torch._fused_adam_
+    dev = params[idx[0]].device
+    op([params[i] for i in idx], [grads[i] for i in idx],
+       [states[i]["exp_avg"] for i in idx], [states[i]["exp_avg_sq"] for i in idx], [],
+       [steps[i] for i in idx], lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"],
+       weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False,
+       grad_scale=_on(grad_scale, dev), found_inf=_on(found_inf, dev))
+
+
+def _reference_step(params, grads, states, idx, hyper, grad_scale, found_inf) -> None:
+    """The update in plain PyTorch, in fp32 (half tensors are upcast and written back)."""
+    if found_inf is not None and bool(found_inf.item()):  # (a host sync: not the fast path)
+        return
+    lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
+    eps, wd = hyper["eps"], hyper["weight_decay"]
+    for i in idx:
+        p, state = params[i], states[i]
+        p32, g = p.float(), grads[i].float()
+        m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
+        if grad_scale is not None:
+            g = g / grad_scale.to(g.device)
+        if hyper["adam_w"]:
+            p32 = p32 - lr * wd * p32
+        else:
+            g = g + wd * p32
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * g * g
+        if hyper["bias_correction"]:
+            # In fp64 (on the device: no sync): 1 - beta2 ** step in fp32 is off by ~1e-5.
+            step = state["step"].to(device=p.device, dtype=torch.float64)
+            bc1 = (1 - torch.pow(beta1, step)).float()
+            bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, step)).float()
+        else:
+            bc1 = bc2_sqrt = torch.ones((), device=p.device)
+        p32 = p32 - (lr / bc1) * m / (v.sqrt() / bc2_sqrt + eps)
+        p.copy_(p32)
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)

@@ -1,0 +1,537 @@
+"""mixprec.optimizers.FusedAdam against PyTorch's Adam/AdamW and a float64 reference.
+
+Each of its paths is checked on every device: the Triton kernel (on CPU through Triton's
+interpreter, small sizes), PyTorch's fused Adam kernel (for what the Triton kernel does not
+take) and the plain-PyTorch arithmetic it falls back to last. The reference is
+PyTorch's single-tensor Adam/AdamW run in float64 on the same gradients; after five steps the
+fp32 results must agree to ``rtol=1e-5, atol=1e-6`` (fp32 rounding of an update of size
+``lr``; PyTorch's own fp32 AdamW lands as far from the float64 run). The half copies written
+for amp O2 must equal the masters cast by PyTorch bit for bit.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from mixprec import amp
+from mixprec.amp import _state
+from mixprec.optimizers import FusedAdam, fused_adam
+from tests._triton import interpreter_skip_reason
+from tests.conftest import requires_cuda
+
+# Odd sizes that straddle the interpreter's 1,024-element chunks and 256-element blocks.
+_SHAPES = [(1,), (3,), (1023,), (37, 29), (2050,), (2, 3, 5, 7)]
+_TOL = dict(rtol=1e-5, atol=1e-6)
+_PATHS = ["kernel", "torch_fused", "plain"]
+
+
+@pytest.fixture(params=_PATHS)
+def path(request, monkeypatch, device):
+    """Route FusedAdam through its Triton kernel, PyTorch's fused Adam kernel (where this
+    PyTorch runs it on the device), or its plain-PyTorch arithmetic."""
+    if request.param == "kernel":
+        if device.type == "cpu":
+            reason = interpreter_skip_reason()
+            if reason is not None:
+                pytest.skip(reason)
+            monkeypatch.setattr(fused_adam, "_KERNEL_ON_CPU", True)
+        return request.param
+    monkeypatch.setattr(fused_adam, "_kernel_device_ok", lambda device: False)
+    if request.param == "torch_fused":
+        if not fused_adam._torch_fused_ok(device):
+            pytest.skip(f"this PyTorch has no fused Adam kernel for {device.type} tensors")
+    else:
+        monkeypatch.setattr(fused_adam, "_torch_fused_ok", lambda device: False)
+    return request.param
+
+
+@pytest.fixture
+def amp_device(device, monkeypatch):
+    """Where the amp tests train: on CPU the Triton kernel and amp's fused cast run through
+    Triton's interpreter; on CUDA they are compiled."""
+    if device.type == "cpu":
+        reason = interpreter_skip_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        monkeypatch.setattr(fused_adam, "_KERNEL_ON_CPU", True)
+        monkeypatch.setattr(_state, "_FUSED_CAST_ON_CPU", True)
+    return device
+
+
+def _params(device, gen, shapes=_SHAPES, memory_format=None):
+    ps = []
+    for s in shapes:
+        p = torch.randn(s, generator=gen).to(device)
+        if memory_format is not None and p.dim() == 4:
+            p = p.contiguous(memory_format=memory_format)
+        ps.append(p)
+    return ps
+
+
+def _run(make_opt, params, grads_per_step):
+    opt = make_opt(params)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads):
+            p.grad = g.to(dtype=p.dtype).clone()
+        opt.step()
+    return opt
+
+
+def _torch_reference(adam_w: bool, **kw):
+    cls = torch.optim.AdamW if adam_w else torch.optim.Adam
+    return lambda params: cls(params, foreach=False, **kw)
+
+
+def _grads(params, gen, steps=5):
+    return [[torch.randn(p.shape, generator=gen).to(p.device) for p in params]
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("adam_w", [True, False])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("memory_format", [None, torch.channels_last])
+def test_matches_pytorch_adam_in_float64(device, path, adam_w, weight_decay, memory_format):
+    gen = torch.Generator().manual_seed(0)
+    params = _params(device, gen, memory_format=memory_format)
+    grads = _grads(params, gen)
+    hyper = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay)
+    ours = [p.clone() for p in params]
+    opt = _run(lambda ps: FusedAdam(ps, adam_w_mode=adam_w, **hyper), ours, grads)
+    ref = [p.double() for p in params]
+    ref_opt = _run(_torch_reference(adam_w, **hyper), ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+        if memory_format is not None and p.dim() == 4:
+            assert p.is_contiguous(memory_format=memory_format)
+    for p, r in zip(ours, ref):
+        state, ref_state = opt.state[p], ref_opt.state[r]
+        torch.testing.assert_close(state["exp_avg"], ref_state["exp_avg"].float(), **_TOL)
+        torch.testing.assert_close(state["exp_avg_sq"], ref_state["exp_avg_sq"].float(),
+                                   rtol=1e-5, atol=1e-8)
+        assert state["step"].item() == 5.0 and state["step"].device == p.device
+
+
+def test_without_bias_correction(device, path):
+    """Apex's ``bias_correction=False``: the moments are used as they are (float64 formula)."""
+    gen = torch.Generator().manual_seed(1)
+    params = _params(device, gen)
+    grads = _grads(params, gen, steps=3)
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.05
+    ours = [p.clone() for p in params]
+    _run(lambda ps: FusedAdam(ps, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
+                              bias_correction=False), ours, grads)
+    for k, (p0, p) in enumerate(zip(params, ours)):
+        r, m, v = p0.double(), torch.zeros_like(p0, dtype=torch.float64), 0
+        for step in grads:
+            g = step[k].double()
+            r = r - lr * wd * r
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+            r = r - lr * m / (v.sqrt() + eps)
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+def test_groups_keep_their_own_options(device, path):
+    gen = torch.Generator().manual_seed(2)
+    a, b = _params(device, gen, [(300,), (7, 11)])
+    grads = _grads([a, b], gen, steps=3)
+    ours = [a.clone(), b.clone()]
+    opt = FusedAdam([{"params": [ours[0]], "lr": 1e-1, "adam_w_mode": False,
+                      "weight_decay": 0.3}, {"params": [ours[1]]}], lr=1e-3, weight_decay=0.1)
+    ref = [a.double(), b.double()]
+    ref_opt = [torch.optim.Adam([ref[0]], lr=1e-1, weight_decay=0.3, foreach=False),
+               torch.optim.AdamW([ref[1]], lr=1e-3, weight_decay=0.1, foreach=False)]
+    for step in grads:
+        for p, r, g in zip(ours, ref, step):
+            p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        for o in ref_opt:
+            o.step()
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+def test_parameters_without_gradients_are_left_alone(device, path):
+    gen = torch.Generator().manual_seed(3)
+    a, b = _params(device, gen, [(50,), (60,)])
+    before = b.clone()
+    opt = FusedAdam([a, b], lr=1e-2, weight_decay=0.5)
+    a.grad = torch.randn_like(a)
+    opt.step()
+    assert torch.equal(b, before) and b not in opt.state
+
+
+def test_a_gradient_of_another_layout_is_rerouted(device, path):
+    """The route chosen at the first step is kept only while the gradients keep their layout:
+    a transposed (strided) gradient later must not be read as if it were contiguous."""
+    gen = torch.Generator().manual_seed(11)
+    params = _params(device, gen, [(33, 17), (40,)])
+    grads = _grads(params, gen, steps=3)
+    ours = [p.clone() for p in params]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
+    ref = [p.double() for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    for k, step in enumerate(grads):
+        for p, r, g in zip(ours, ref, step):
+            if k == 1 and g.dim() == 2:  # the same values, laid out column-major
+                p.grad = g.t().contiguous().t()
+                assert not p.grad.is_contiguous()
+            else:
+                p.grad = g.clone()
+            r.grad = g.double()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+def test_found_inf_skips_the_step_on_the_device(device, path):
+    """GradScaler's protocol: with ``found_inf`` set nothing moves, the step count included."""
+    gen = torch.Generator().manual_seed(4)
+    params = _params(device, gen)
+    opt = _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), params,
+               _grads(params, gen, steps=2))
+    snapshot = [(p.clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.found_inf = torch.ones((), device=device)
+    opt.grad_scale = None
+    opt.step()
+    for p, (p0, s0) in zip(params, snapshot):
+        assert torch.equal(p, p0)
+        for k, v in s0.items():
+            assert torch.equal(opt.state[p][k], v), k
+    opt.found_inf = torch.zeros((), device=device)
+    opt.step()
+    assert all(opt.state[p]["step"].item() == 3.0 for p in params)
+    assert not any(torch.equal(p, p0) for p, (p0, _) in zip(params, snapshot))
+
+
+def test_grad_scale_divides_the_gradients(device, path):
+    gen = torch.Generator().manual_seed(5)
+    params = _params(device, gen)
+    grads = _grads(params, gen, steps=3)
+    plain = [p.clone() for p in params]
+    _run(lambda ps: FusedAdam(ps, lr=1e-2), plain, grads)
+    scaled = [p.clone() for p in params]
+    opt = FusedAdam(scaled, lr=1e-2)
+    opt.grad_scale = torch.full((), 1024.0, device=device)
+    _run(lambda ps: opt, scaled, [[g * 1024 for g in step] for step in grads])
+    for a, b in zip(scaled, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # dividing by a power of two: exact
+
+
+def test_works_with_torch_grad_scaler(device, path):
+    """``torch.amp.GradScaler`` hands FusedAdam its scale and flag, as to PyTorch's fused
+    optimizers; a backward that overflows is skipped, the others match AdamW + GradScaler."""
+    gen = torch.Generator().manual_seed(6)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 3).to(device)
+    ref_model = nn.Linear(8, 3).to(device)
+    ref_model.load_state_dict(model.state_dict())
+    opt = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1,
+                                foreach=False)
+    scalers = [torch.amp.GradScaler(device.type, init_scale=2.0**10) for _ in range(2)]
+    for i in range(4):
+        x = torch.randn(5, 8, generator=gen).to(device)
+        if i == 2:
+            x[0, 0] = float("inf")
+        for m, o, s in ((model, opt, scalers[0]), (ref_model, ref_opt, scalers[1])):
+            o.zero_grad()
+            s.scale(m(x).square().mean()).backward()
+            s.step(o)
+            s.update()
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**9
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(a, b, **_TOL)
+    assert opt.state[model.weight]["step"].item() == 3.0
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_copies_are_the_masters_rounded_by_pytorch(device, path, half):
+    """The copies written in the step equal ``master.to(half)`` bit for bit, ties, the
+    largest values (rounding to inf) and subnormals included."""
+    gen = torch.Generator().manual_seed(7)
+    masters = _params(device, gen)
+    specials = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-11), 1 + 3 * 2**-11,
+                             3.4e38, -3.4e38, 65519.0, 65520.0, 1e-40, 6e-8, 2**-25, -0.0],
+                            device=device)
+    masters.append(specials)
+    copies = [m.to(half) for m in masters]
+    opt = FusedAdam(masters, lr=1e-2, weight_decay=0.1)
+    opt._link_half_copies(list(zip(copies, masters)))
+    for m in masters[:-1]:
+        m.grad = torch.randn_like(m)
+    masters[-1].grad = torch.zeros_like(masters[-1])
+    opt.param_groups[0]["lr"] = 1e-2
+    opt.step()
+    for m, c in zip(masters[:-1], copies[:-1]):
+        assert torch.equal(c, m.to(half))
+    # With lr 0 the specials stay as they are and only their rounding is checked.
+    opt.param_groups[0]["lr"] = 0.0
+    opt.step()
+    assert torch.equal(copies[-1], masters[-1].to(half)) and torch.equal(masters[-1], specials)
+    assert {id(m) for m in opt._half_copies_written} == {id(m) for m in masters}
+
+
+def test_state_dict_loads_into_torch_adamw_and_back(device, path):
+    gen = torch.Generator().manual_seed(8)
+    params = _params(device, gen)
+    grads = _grads(params, gen, steps=6)
+    ours = [p.clone() for p in params]
+    opt = _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), ours, grads[:3])
+    theirs = [p.clone() for p in ours]
+    torch_opt = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, foreach=False)
+    # (Copies, as a checkpoint file gives: optimizers loading a live state dict share its
+    # tensors.)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    # ... and a torch checkpoint (CPU step counts) back into a fresh FusedAdam.
+    back = [p.clone() for p in ours]
+    opt_back = FusedAdam(back, lr=123.0)
+    opt_back.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert opt_back.param_groups[0]["lr"] == 1e-2
+    assert opt_back.param_groups[0]["adam_w_mode"] is True
+    for step in grads[3:]:
+        for group in (ours, theirs, back):
+            for p, g in zip(group, step):
+                p.grad = g.clone()
+        opt.step()
+        torch_opt.step()
+        opt_back.step()
+    for a, b, c in zip(ours, theirs, back):
+        torch.testing.assert_close(a, b, **_TOL)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+    assert opt_back.state[back[0]]["step"].device == back[0].device
+
+
+def test_bad_arguments_say_what_to_do():
+    p = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="AMSGrad variant is not supported"):
+        FusedAdam(p, amsgrad=True)
+    with pytest.raises(ValueError, match="opt_level='O2'"):
+        FusedAdam(p, master_weights=True)
+    with pytest.raises(ValueError, match=r"FusedAdam\(lr=-0.1\)"):
+        FusedAdam(p, lr=-0.1)
+    with pytest.raises(ValueError, match=r"betas\[1\]=1.0"):
+        FusedAdam(p, betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="pair of numbers"):
+        FusedAdam(p, betas=0.9)
+    emb = nn.Embedding(10, 3, sparse=True)
+    opt = FusedAdam(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+    amsgrad = torch.optim.AdamW(p, amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        FusedAdam(p).load_state_dict(amsgrad.state_dict())
+
+
+def test_zero_grad_follows_set_grad_none():
+    p = nn.Parameter(torch.ones(3))
+    for set_grad_none, expected in ((True, None), (False, torch.zeros(3))):
+        opt = FusedAdam([p], set_grad_none=set_grad_none)
+        p.grad = torch.ones(3)
+        opt.zero_grad()
+        assert (p.grad is None) if expected is None else torch.equal(p.grad, expected)
+    p.grad = torch.ones(3)
+    FusedAdam([p], set_grad_none=False).zero_grad(set_to_none=True)
+    assert p.grad is None
+
+
+def test_closure_is_evaluated_with_grad():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    x = torch.randn(6, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert loss.requires_grad and opt.state[model.weight]["step"].item() == 1.0
+
+
+# -- with amp ----------------------------------------------------------------------------------
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.BatchNorm1d(32), nn.Linear(32, 4))
+
+
+def _amp_train(opt_cls, dtype, device, steps=5, opt_level="O2", inject_inf_at=None, **init):
+    model = _net().to(device)
+    opt = opt_cls(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0,
+                                **init)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(steps):
+        x = torch.randn(8, 16, generator=gen).to(device)
+        y = torch.randint(0, 4, (8,), generator=gen).to(device)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        if i == inject_inf_at:
+            loss = loss * float("inf")
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_amp_o2_writes_the_half_model_in_the_step(amp_device, monkeypatch, dtype):
+    """At O2 FusedAdam updates the fp32 masters as torch's AdamW does and writes the half
+    model itself: amp's own master-to-model copy then copies nothing."""
+    copied = []
+    original = _state._OptimizerState.copy_masters_to_model
+
+    def spy(self, pairs=None):
+        copied.append(len(self.pairs if pairs is None else pairs))
+        return original(self, pairs)
+
+    monkeypatch.setattr(_state._OptimizerState, "copy_masters_to_model", spy)
+    ours = lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
+    theirs = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)  # noqa
+    model, opt = _amp_train(ours, dtype, amp_device)
+    assert copied == []
+    ref_model, _ = _amp_train(theirs, dtype, amp_device)
+    assert copied == [4] * 5  # the two Linear layers' masters (BatchNorm stays fp32)
+    pairs = _state.optimizer_state(opt).pairs
+    assert len(pairs) == 4 and len(opt._half_copies_written) == 4
+    for half, master in pairs:
+        assert torch.equal(half, master.to(dtype))
+    # The fp32 state dicts after one step: the same update within fp32 rounding. (Over more
+    # steps fp16 amplifies it: a master one fp32 ulp away can round to another fp16 weight.)
+    one, _ = _amp_train(ours, dtype, amp_device, steps=1)
+    ref_one, _ = _amp_train(theirs, dtype, amp_device, steps=1)
+    for (name, a), b in zip(one.state_dict().items(), ref_one.state_dict().values()):
+        torch.testing.assert_close(a, b, **_TOL, msg=name)
+
+
+def test_amp_o2_copies_what_the_step_did_not_write(amp_device):
+    """A master the step did not update (no gradient) that was changed by hand still reaches
+    the half model after the step, as with any optimizer under amp."""
+    model, opt = _amp_train(lambda ps: FusedAdam(ps, lr=1e-2), torch.bfloat16, amp_device,
+                            steps=1)
+    pairs = _state.optimizer_state(opt).pairs
+    frozen_half, frozen_master = pairs[0]
+    with torch.no_grad():
+        frozen_master.fill_(0.5)
+    opt.zero_grad()
+    loss = model(torch.randn(8, 16, device=amp_device)).sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    frozen_master.grad = None
+    opt.step()
+    assert len(opt._half_copies_written) == len(pairs) - 1
+    assert torch.equal(frozen_half, torch.full_like(frozen_half, 0.5))
+
+
+def test_amp_o2_fp16_overflow_is_skipped_on_the_device(amp_device):
+    """Dynamic loss scaling with FusedAdam keeps the flag on the device (the optimizer skips
+    the step itself): masters, moments and step counts stay, the scale halves."""
+    model, opt = _amp_train(lambda ps: FusedAdam(ps, lr=1e-2), torch.float16, amp_device, steps=3,
+                            inject_inf_at=2)
+    ref_model, ref_opt = _amp_train(lambda ps: FusedAdam(ps, lr=1e-2), torch.float16,
+                                    amp_device, steps=2)
+    assert _state.optimizer_state(opt).skips_on_device().type == amp_device.type
+    assert amp.step_was_skipped(opt)
+    assert amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"] == 2.0**15
+    for (half, master), (ref_half, ref_master) in zip(_state.optimizer_state(opt).pairs,
+                                                       _state.optimizer_state(ref_opt).pairs):
+        assert torch.equal(master, ref_master) and torch.equal(half, ref_half)
+        assert opt.state[master]["step"].item() == 2.0
+
+
+def test_amp_o3_and_o1_step_the_model_directly(amp_device):
+    for level, dtype in (("O3", torch.bfloat16), ("O1", torch.bfloat16)):
+        model, opt = _amp_train(lambda ps: FusedAdam(ps, lr=1e-2), dtype, amp_device, steps=2,
+                                opt_level=level)
+        assert opt._half_copies == {} and opt._half_copies_written == []
+        p = next(model.parameters())
+        assert opt.state[p]["step"].item() == 2.0
+
+
+def test_apex_alias_imports_fused_adam(clean_apex):
+    import mixprec
+
+    mixprec.install_apex_alias()
+    from apex.optimizers import FusedAdam as AliasFusedAdam
+
+    assert AliasFusedAdam is FusedAdam
+
+
+# -- CUDA --------------------------------------------------------------------------------------
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_kernel_matches_torch_fused_adamw(dtype):
+    """On the GPU: the kernel against PyTorch's own fused AdamW (fp32), with half copies."""
+    gen = torch.Generator().manual_seed(9)
+    shapes = [(4096, 1024), (1024,), (32000, 64), (3, 5, 7, 11)]
+    params = _params("cuda", gen, shapes)
+    grads = _grads(params, gen, steps=4)
+    ours = [p.clone() for p in params]
+    copies = [p.to(dtype) for p in ours]
+    opt = FusedAdam(ours, lr=1e-3, weight_decay=0.1)
+    opt._link_half_copies(list(zip(copies, ours)))
+    _run(lambda ps: opt, ours, grads)
+    ref = [p.clone() for p in params]
+    _run(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.1, fused=True), ref, grads)
+    for p, r, c in zip(ours, ref, copies):
+        torch.testing.assert_close(p, r, **_TOL)
+        assert torch.equal(c, p.to(dtype))
+
+
+@requires_cuda
+def test_cuda_half_parameters_take_torch_fused_kernel():
+    gen = torch.Generator().manual_seed(10)
+    params = [p.to(torch.bfloat16) for p in _params("cuda", gen, [(300, 7), (11,)])]
+    grads = _grads(params, gen, steps=3)
+    ours = [p.clone() for p in params]
+    _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), ours, grads)
+    ref = [p.clone() for p in params]
+    _run(lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True), ref, grads)
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_amp_o2_step_captured_in_a_graph(dtype):
+    """A whole O2 step with FusedAdam (a static loss scale for fp16) captured after 3 eager
+    steps: 4 replays equal 7 eager steps."""
+    from tests._graphs import amp_step, warm_up_and_capture
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
+        opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.1)
+        return amp.initialize(model, opt, opt_level="O2", dtype=dtype, loss_scale=128.0,
+                              verbosity=0)
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(32, 64, generator=gen).cuda()
+    y = torch.randint(0, 10, (32,), generator=gen).cuda()
+    model, opt = build()
+    graph, static_loss = warm_up_and_capture(lambda: amp_step(model, opt, x, y), opt, 3)
+    losses = []
+    for _ in range(4):
+        graph.replay()
+        losses.append(static_loss.item())
+    ref_model, ref_opt = build()
+    ref_losses = []
+    for _ in range(7):
+        ref_opt.zero_grad(set_to_none=True)
+        ref_losses.append(amp_step(ref_model, ref_opt, x, y).item())
+    assert losses == pytest.approx(ref_losses[3:], rel=1e-5, abs=1e-6)
+    for a, b in zip(model.state_dict().values(), ref_model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for (half, master), (ref_half, _) in zip(_state.optimizer_state(opt).pairs,
+                                             _state.optimizer_state(ref_opt).pairs):
+        assert torch.equal(half, master.to(dtype))
+        torch.testing.assert_close(half, ref_half, rtol=0, atol=0)
