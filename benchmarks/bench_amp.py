@@ -19,7 +19,11 @@ mixprec O1/O2/O3, and checks the targets, each a ratio measured in the same run:
 With ``--norm both`` (the default when :mod:`mixprec.normalization` provides
 ``FusedLayerNorm``) the GPT's O1 and O2 also run with mixprec's fused LayerNorm, and
 ResNet-50's with mixprec's ``FusedBatchNorm`` (its Triton kernels where PyTorch has no cuDNN
-path: bf16, and fp16 with fp16 parameters; the fp16 rows show it stepping aside).
+path: bf16, and fp16 with fp16 parameters; the fp16 rows show it stepping aside). With
+``--optimizer both`` (the default) the GPT's O1 and O2 also run with
+:class:`mixprec.optimizers.FusedAdam` in place of ``torch.optim.AdamW(fused=True)``, and O2
+with both of mixprec's pieces (FusedLayerNorm and FusedAdam). Every variant row is judged
+against the base rows (PyTorch's norm and optimizer) of autocast and pure half.
 
 It reuses ``mixprec bench``'s models and runner, so both measure the same way.
 
@@ -75,6 +79,14 @@ def _parse_args(argv=None):
         help="GPT norm layers: torch LayerNorm, mixprec FusedLayerNorm, or both "
         "(extra O1/O2 rows with FusedLayerNorm); mixprec and both also add ResNet-50 O1/O2 "
         "rows with FusedBatchNorm. Default: both when available",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=("torch", "mixprec", "both"),
+        default="both",
+        help="GPT optimizer: torch.optim.AdamW(fused=True), mixprec's FusedAdam, or both "
+        "(extra O1/O2 rows with FusedAdam, and an O2 row with FusedLayerNorm and FusedAdam "
+        "when --norm allows). Default: both",
     )
     p.add_argument(
         "--smoke",
@@ -238,23 +250,35 @@ def _run_gpt(args, norm, fused_ln):
     print("GPT (d_model 1024, 12 layers, seq 1024, batch 8, fused AdamW):", file=sys.stderr)
     fused = args.device.type == "cuda"
     rows = []
-    wl = _workload("gpt", args, norm_cls=fused_ln if norm == "mixprec" else None, fused_adamw=fused)
+    base_optimizer = "mixprec" if args.optimizer == "mixprec" else "torch"
+    wl = _workload("gpt", args, norm_cls=fused_ln if norm == "mixprec" else None,
+                   fused_adamw=fused, optimizer=base_optimizer)
     warm_up_process(wl, device=args.device, dtype=DTYPES[args.gpt_dtypes[0]])
     tag = {
         "model": "gpt",
         "variant": "base",
         "norm": "FusedLayerNorm" if norm == "mixprec" else "LayerNorm",
+        "optimizer": "FusedAdam" if base_optimizer == "mixprec" else "AdamW",
     }
     rows += _run_group(wl, ["fp32"], args.gpt_dtypes[0], args, tag, False)
     for dtype in args.gpt_dtypes:
         rows += _run_group(wl, list(_HALF_MODES), dtype, args, tag, False)
     del wl
     _free(args.device)
+    variants = []  # (variant, norm class or None, optimizer, modes)
     if norm == "both":
-        wl = _workload("gpt", args, norm_cls=fused_ln, fused_adamw=fused)
-        tag = {"model": "gpt", "variant": "FusedLayerNorm", "norm": "FusedLayerNorm"}
+        variants.append(("FusedLayerNorm", fused_ln, "torch", ["O1", "O2"]))
+    if args.optimizer == "both":
+        variants.append(("FusedAdam", None, "mixprec", ["O1", "O2"]))
+        if norm == "both":
+            variants.append(("FusedLayerNorm+FusedAdam", fused_ln, "mixprec", ["O2"]))
+    for variant, norm_cls, optimizer, modes in variants:
+        wl = _workload("gpt", args, norm_cls=norm_cls, fused_adamw=fused, optimizer=optimizer)
+        tag = {"model": "gpt", "variant": variant,
+               "norm": "FusedLayerNorm" if norm_cls is not None else "LayerNorm",
+               "optimizer": "FusedAdam" if optimizer == "mixprec" else "AdamW"}
         for dtype in args.gpt_dtypes:
-            rows += _run_group(wl, ["O1", "O2"], dtype, args, tag, False)
+            rows += _run_group(wl, modes, dtype, args, tag, False)
         del wl
         _free(args.device)
     return rows
@@ -325,6 +349,7 @@ def main(argv=None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "norm": norm,
+        "optimizer": args.optimizer,
         "smoke": args.smoke,
         "elapsed_s": elapsed,
         "timing": "median of the timed steps (CUDA events); memory: max_memory_allocated "

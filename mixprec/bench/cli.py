@@ -134,6 +134,13 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="norm layers: PyTorch's (default) or mixprec's: FusedLayerNorm for gpt, "
         "FusedBatchNorm for cnn and resnet50",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=("torch", "mixprec"),
+        default="torch",
+        help="the gpt's AdamW: PyTorch's (default) or mixprec's FusedAdam (the same update in "
+        "one Triton pass; at O2 it also writes the half model), for every mode",
+    )
     p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
     p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
     p.add_argument(
@@ -309,6 +316,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             "argument --frozen-bn: applies to models with BatchNorm (cnn, resnet50), not "
             "--model gpt"
         )
+    if args.optimizer != "torch" and args.model != "gpt":
+        parser.error(
+            f"argument --optimizer: {args.optimizer} (an AdamW) applies to --model gpt; the "
+            f"image models train with SGD (leave --optimizer torch for --model {args.model})"
+        )
     for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
         if path is not None and not path.strip():
             parser.error(f"argument {flag}: expected a file path, got {path!r}")
@@ -335,6 +347,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             seed=args.seed,
             norm_cls=norm_cls,
             fused_batchnorm=args.norm == "mixprec" and args.model != "gpt",
+            optimizer=args.optimizer,
         )
     except RuntimeError as exc:  # e.g. torchvision missing
         parser.error(str(exc))
@@ -401,6 +414,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "channels_last": bool(args.channels_last and workload.image),
         "frozen_bn": bool(args.frozen_bn),
         "norm": args.norm,
+        "optimizer": args.optimizer,
         "torch_version": torch.__version__,
         "device_name": where,
     }

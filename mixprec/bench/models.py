@@ -28,6 +28,7 @@ __all__ = [
     "gpt_config",
     "resnet50",
     "MODEL_NAMES",
+    "OPTIMIZERS",
     "SIZES",
 ]
 
@@ -36,6 +37,9 @@ MODEL_NAMES = ("cnn", "gpt", "resnet50")
 #: Sizes accepted by :func:`build_workload`: ``small`` runs in seconds on a laptop CPU,
 #: ``large`` is the GPU benchmark configuration.
 SIZES = ("small", "large")
+#: The GPT's optimizer (:func:`build_workload`'s ``optimizer``, the CLI's ``--optimizer``):
+#: ``torch.optim.AdamW`` or mixprec's ``FusedAdam``.
+OPTIMIZERS = ("torch", "mixprec")
 
 NormFactory = Callable[[int], nn.Module]
 
@@ -337,6 +341,7 @@ def build_workload(
     norm_cls: Optional[NormFactory] = None,
     fused_adamw: Optional[bool] = None,
     fused_batchnorm: bool = False,
+    optimizer: str = "torch",
 ) -> Workload:
     """Build a benchmark workload with its synthetic data on ``device``.
 
@@ -354,6 +359,10 @@ def build_workload(
         fused_adamw (bool, optional): the GPT's ``AdamW(fused=...)``. Default: on for CUDA.
         fused_batchnorm (bool): the image models' BatchNorm layers as mixprec's
             ``FusedBatchNorm`` (``convert_fused_batchnorm``). Default False.
+        optimizer (str): the GPT's AdamW: ``"torch"`` (default; ``torch.optim.AdamW``) or
+            ``"mixprec"`` (:class:`mixprec.optimizers.FusedAdam`, the same update; at amp O2
+            it also writes the half model). The image models train with SGD and take
+            ``"torch"`` only.
 
     Returns:
         Workload
@@ -374,6 +383,13 @@ def build_workload(
         raise ValueError(f"build_workload(batch_size={batch_size!r}): must be an int >= 1.")
     if num_batches < 1:
         raise ValueError(f"build_workload(num_batches={num_batches}): must be >= 1.")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"build_workload(optimizer={optimizer!r}): optimizer must be one of "
+                         f"{OPTIMIZERS}.")
+    if optimizer == "mixprec" and name != "gpt":
+        raise ValueError(f"build_workload(name={name!r}, optimizer='mixprec'): mixprec's "
+                         "optimizer is an AdamW, which only the 'gpt' workload uses; the image "
+                         "models train with SGD (optimizer='torch').")
     if fused_batchnorm and name == "gpt":
         raise ValueError("build_workload(name='gpt', fused_batchnorm=True): the GPT has no "
                          "BatchNorm; fused_batchnorm applies to 'cnn' and 'resnet50' (for the "
@@ -422,6 +438,10 @@ def build_workload(
             return GPT(cfg, norm_cls=norm)
 
         def build_optimizer(params, dev):
+            if optimizer == "mixprec":
+                from mixprec.optimizers import FusedAdam
+
+                return FusedAdam(params, lr=3e-4, weight_decay=0.1)  # AdamW (adam_w_mode)
             fused = fused_adamw if fused_adamw is not None else torch.device(dev).type == "cuda"
             kwargs = {"fused": True} if fused else {}
             return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, **kwargs)
@@ -429,7 +449,8 @@ def build_workload(
         norm_name = getattr(norm, "__name__", type(norm).__name__)
         desc = (
             f"GPT(d_model={cfg.d_model}, layers={cfg.n_layers}, heads={cfg.n_heads}, "
-            f"seq={cfg.seq_len}, vocab={cfg.vocab_size}, norm={norm_name}), batch {bs}, AdamW"
+            f"seq={cfg.seq_len}, vocab={cfg.vocab_size}, norm={norm_name}), batch {bs}, "
+            + ("mixprec FusedAdam (AdamW)" if optimizer == "mixprec" else "AdamW")
         )
         loss_fn, image = _lm_loss, False
 

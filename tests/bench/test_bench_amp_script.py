@@ -90,6 +90,8 @@ def test_smoke_run_on_cpu_writes_json(bench_amp, capsys, tmp_path):
             "bf16",
             "--norm",
             "torch",
+            "--optimizer",
+            "torch",
             "--out",
             str(tmp_path),
         ]
@@ -106,6 +108,30 @@ def test_smoke_run_on_cpu_writes_json(bench_amp, capsys, tmp_path):
     assert [t["verdict"] for t in steady] == ["n/a"]
     out = capsys.readouterr().out
     assert "### Targets" in out and "| gpt | bf16 | base |" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run")
+def test_smoke_run_adds_fused_adam_variants(bench_amp, tmp_path):
+    """--optimizer both (the default): O1/O2 rows with mixprec's FusedAdam, and O2 with
+    FusedLayerNorm and FusedAdam, each judged against the base autocast/pure-half rows."""
+    code = bench_amp.main(["--smoke", "--steps", "1", "--warmup", "0", "--models", "gpt",
+                           "--gpt-dtypes", "bf16", "--out", str(tmp_path)])
+    assert code == 0
+    with open(tmp_path / "bench_amp.json") as f:
+        data = json.load(f)
+    extra = [(r["variant"], r["mode"], r["optimizer"], r["norm"]) for r in data["rows"]
+             if r["variant"] != "base"]
+    assert extra == [
+        ("FusedLayerNorm", "O1", "AdamW", "FusedLayerNorm"),
+        ("FusedLayerNorm", "O2", "AdamW", "FusedLayerNorm"),
+        ("FusedAdam", "O1", "FusedAdam", "LayerNorm"),
+        ("FusedAdam", "O2", "FusedAdam", "LayerNorm"),
+        ("FusedLayerNorm+FusedAdam", "O2", "FusedAdam", "FusedLayerNorm"),
+    ]
+    assert all(r["status"] == "ok" for r in data["rows"]), data["rows"]
+    judged = {(t["variant"], t["target"]) for t in data["targets"] if t["verdict"] != "n/a"}
+    assert ("FusedAdam", "O2 time <= 1.05x pure half") in judged
+    assert ("FusedLayerNorm+FusedAdam", "O2 time <= 0.92x autocast") in judged
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")

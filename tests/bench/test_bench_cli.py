@@ -266,6 +266,24 @@ def test_gpt_with_mixprec_norm():
     assert _table_rows(text)[0][-1] == "ok"
 
 
+def test_gpt_with_mixprec_optimizer(tmp_path):
+    path = str(tmp_path / "rows.json")
+    code, text = _run(["bench", "--model", "gpt", *FAST, "--opt-levels", "O0", "O2",
+                       "--optimizer", "mixprec", "--json", path])
+    assert code == 0 and "mixprec FusedAdam" in text
+    assert all(r[-1] == "ok" for r in _table_rows(text)), text
+    with open(path) as f:
+        data = json.load(f)
+    assert {row["optimizer"] for row in data} == {"mixprec"}  # meta repeated on each row
+
+
+def test_image_model_with_mixprec_optimizer_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--model", "resnet50", *FAST, "--optimizer", "mixprec"])
+    assert exc.value.code == 2
+    assert "applies to --model gpt" in capsys.readouterr().err
+
+
 def test_image_model_with_mixprec_norm_takes_fused_batchnorm(monkeypatch):
     pytest.importorskip("mixprec.normalization").FusedBatchNorm  # noqa: B018
     from mixprec.bench import models

@@ -120,6 +120,8 @@ def test_gpt_workload_targets_are_shifted_inputs():
         ({"name": "vgg"}, "name must be one of"),
         ({"size": "huge"}, "size must be one of"),
         ({"batch_size": 0}, "batch_size"),
+        ({"name": "gpt", "optimizer": "lamb"}, "optimizer must be one of"),
+        ({"name": "resnet50", "optimizer": "mixprec"}, "train with SGD"),
     ],
 )
 def test_build_workload_errors(kwargs, match):
@@ -139,3 +141,28 @@ def test_fused_batchnorm_workloads():
     assert wl.loss_fn(model(x), y).isfinite()
     with pytest.raises(ValueError, match="GPT has no BatchNorm"):
         build_workload("gpt", fused_batchnorm=True)
+
+
+def test_gpt_workload_with_mixprec_optimizer():
+    """optimizer="mixprec": FusedAdam with the AdamW settings of the default workload, the same
+    update (to fp32 rounding) on the same model and data."""
+    from mixprec.optimizers import FusedAdam
+
+    steps = []
+    for optimizer in ("torch", "mixprec"):
+        wl = build_workload("gpt", batch_size=2, num_batches=1, optimizer=optimizer)
+        torch.manual_seed(0)
+        model = wl.build_model()
+        opt = wl.build_optimizer(model.parameters(), torch.device("cpu"))
+        x, y = wl.batches[0]
+        for _ in range(2):
+            opt.zero_grad()
+            wl.loss_fn(model(x), y).backward()
+            opt.step()
+        steps.append((model, opt, wl.description))
+    (ref, ref_opt, _), (ours, opt, desc) = steps
+    assert isinstance(opt, FusedAdam) and type(ref_opt) is torch.optim.AdamW
+    assert "FusedAdam" in desc
+    assert opt.defaults["adam_w_mode"] and opt.defaults["weight_decay"] == 0.1
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
