@@ -70,13 +70,26 @@ def is_compiling() -> bool:
 _peek_functorch = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
 
 
+def _functorch_active() -> bool:
+    return _peek_functorch() is not None
+
+
+# Under torch.compile the answer is taken when Dynamo traces the call, as a constant: what
+# newer Dynamo does with the peek itself (torch 2.13's), while torch 2.4's has no rule for the
+# peek and broke the graph (fullgraph=True raised). This is the mark that
+# torch.compiler.assume_constant_result sets, set directly: calling that function would import
+# Dynamo (over a second) whenever mixprec is imported. A Dynamo that ignored the mark would
+# trace the peek as before.
+_functorch_active._dynamo_marked_constant = True
+
+
 def in_functorch_or_forward_ad() -> bool:
     """Inside a ``torch.func`` transform (vmap, grad, jvp, ...) or forward-mode AD.
 
     The kernels' autograd Functions have neither ``setup_context`` nor ``jvp``, so the norms
     run PyTorch's differentiable math there.
     """
-    if _peek_functorch is not None and _peek_functorch() is not None:
+    if _peek_functorch is not None and _functorch_active():
         return True
     return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 

@@ -133,6 +133,28 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_compile_fullgraph_of_torch_func_matches_eager(transform):
+    # Whether a torch.func transform is active is read when Dynamo traces the call (torch
+    # 2.4's Dynamo had no rule for the check: fullgraph=True raised, even with no transform).
+    # Against the eager transform of torch.nn.LayerNorm.
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 5, 8, generator=gen)
+    fused, ref = FusedLayerNorm(8), torch.nn.LayerNorm(8)
+    with torch.no_grad():
+        fused.weight.uniform_(0.5, 1.5, generator=gen)
+        fused.bias.normal_(generator=gen)
+        ref.load_state_dict(fused.state_dict())
+
+    def transformed(norm):
+        if transform == "grad":
+            return torch.func.grad(lambda t: norm(t).tanh().sum())
+        return torch.func.vmap(lambda t: norm(t))  # (torch 2.4's Dynamo: no module here)
+
+    got = torch.compile(transformed(fused), fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, transformed(ref)(x), atol=1e-5, rtol=1e-5)
+
+
 def test_custom_ops_pass_opcheck():
     if not hasattr(torch.library, "opcheck"):
         pytest.skip("requires torch.library.opcheck")
