@@ -188,6 +188,34 @@ class _AmpModule:
                     master.grad.requires_grad_(False)
                 master.grad.zero_()
 
+    def _apply(self, fn, *args, **kwargs):
+        # model.float() / .half() / .double() / .to(dtype) after initialize, where the forward
+        # casts floating inputs to a fixed dtype (O0, O2, O3): a conversion to another dtype
+        # is refused before anything changes, since the forward would then fail with a dtype
+        # mismatch deep inside the model. Device moves, memory formats and a conversion to the
+        # input dtype pass: each dtype held is tried on an empty tensor.
+        cfg = self.__dict__.get("_mixprec_forward")
+        if cfg is not None and cfg.input_dtype is not None and not cfg.fp32_compute:
+            held = {}
+            for t in list(self.parameters()) + list(self.buffers()):
+                if t.is_floating_point():
+                    held.setdefault(t.dtype, t.device)
+            for dtype, device in held.items():
+                new = fn(torch.empty(0, dtype=dtype, device=device))
+                if (isinstance(new, torch.Tensor) and new.dtype != dtype
+                        and new.dtype != cfg.input_dtype):
+                    raise RuntimeError(
+                        f"{type(self).__name__}: converting a model prepared by amp.initialize "
+                        f"from {dtype} to {new.dtype} (model.float(), .half(), .to(dtype), "
+                        f"...). Its forward casts floating inputs to {cfg.input_dtype}, so the "
+                        "converted model could not run. For the weights in fp32, load "
+                        "model.state_dict() (the fp32 master weights at O2) into a new model; "
+                        "for another precision, pass opt_level/dtype to amp.initialize of a "
+                        "new model; amp.restore_model(model) first removes amp's casts if you "
+                        "mean to convert this one anyway."
+                    )
+        return super()._apply(fn, *args, **kwargs)
+
     def __reduce_ex__(self, protocol):
         # The swapped class is made at run time, so pickle cannot find it by name: rebuild it
         # from the original class instead (which pickle can find).
