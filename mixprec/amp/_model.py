@@ -150,6 +150,8 @@ class _AmpModule:
     def forward(self, *args, **kwargs):
         cfg = self._mixprec_forward
         original_forward = super().forward  # the user's class's forward
+        if self.__dict__.get(_OWN_MASTERS, False):
+            _push_written_masters(self)
         if cfg.fp32_compute:
             return _fp32_forward(original_forward, cfg.device_type, args, kwargs)
         if cfg.input_dtype is not None:
@@ -186,6 +188,34 @@ class _AmpModule:
                     master.grad.requires_grad_(False)
                 master.grad.zero_()
 
+    def _apply(self, fn, *args, **kwargs):
+        # model.float() / .half() / .double() / .to(dtype) after initialize, where the forward
+        # casts floating inputs to a fixed dtype (O0, O2, O3): a conversion to another dtype
+        # is refused before anything changes, since the forward would then fail with a dtype
+        # mismatch deep inside the model. Device moves, memory formats and a conversion to the
+        # input dtype pass: each dtype held is tried on an empty tensor.
+        cfg = self.__dict__.get("_mixprec_forward")
+        if cfg is not None and cfg.input_dtype is not None and not cfg.fp32_compute:
+            held = {}
+            for t in list(self.parameters()) + list(self.buffers()):
+                if t.is_floating_point():
+                    held.setdefault(t.dtype, t.device)
+            for dtype, device in held.items():
+                new = fn(torch.empty(0, dtype=dtype, device=device))
+                if (isinstance(new, torch.Tensor) and new.dtype != dtype
+                        and new.dtype != cfg.input_dtype):
+                    raise RuntimeError(
+                        f"{type(self).__name__}: converting a model prepared by amp.initialize "
+                        f"from {dtype} to {new.dtype} (model.float(), .half(), .to(dtype), "
+                        f"...). Its forward casts floating inputs to {cfg.input_dtype}, so the "
+                        "converted model could not run. For the weights in fp32, load "
+                        "model.state_dict() (the fp32 master weights at O2) into a new model; "
+                        "for another precision, pass opt_level/dtype to amp.initialize of a "
+                        "new model; amp.restore_model(model) first removes amp's casts if you "
+                        "mean to convert this one anyway."
+                    )
+        return super()._apply(fn, *args, **kwargs)
+
     def __reduce_ex__(self, protocol):
         # The swapped class is made at run time, so pickle cannot find it by name: rebuild it
         # from the original class instead (which pickle can find).
@@ -193,7 +223,38 @@ class _AmpModule:
         # what cannot be pickled); object.__getstate__ exists from Python 3.11 on.
         getstate = getattr(self, "__getstate__", None)
         state = getstate() if getstate is not None else dict(self.__dict__)
+        if isinstance(state, dict) and master_weights(self):
+            # The copy takes fp32 masters of its own (see _Fp32StateDict.__getstate__), which
+            # its forward must keep the half parameters in step with.
+            state = {**state, _OWN_MASTERS: True}
         return (_rebuild_amp_module, (_original_class(type(self)),), state)
+
+
+# Set on a deep-copied or unpickled amp model whose modules hold masters of their own (see
+# _Fp32StateDict.sync).
+_OWN_MASTERS = "_mixprec_own_masters"
+
+
+def _push_written_masters(model: nn.Module) -> None:
+    """Before a copy's forward: masters written since (through ``state_dict()``'s tensors, as
+    an EMA of the state dict does) go into the half parameters the forward uses."""
+    if torch.compiler.is_compiling():
+        # Version counters cannot be traced: a compiled forward runs this eagerly (a graph
+        # break). Built on first use, so that importing mixprec does not load the compiler.
+        global _push_outside_graph
+        if _push_outside_graph is None:
+            _push_outside_graph = torch.compiler.disable(_push_written_masters)
+        return _push_outside_graph(model)
+    if getattr(model, "_is_replica", False):  # (a DataParallel replica's are broadcast copies)
+        return None
+    for module in model.modules():
+        hooks = module.__dict__.get("_mixprec_state_dict")
+        if hooks is not None and hooks.standalone:
+            hooks.sync(module, check_params=False)
+    return None
+
+
+_push_outside_graph: Optional[Callable] = None
 
 
 def _fp32_forward(original_forward: Callable, device_type: str, args, kwargs):
@@ -265,20 +326,67 @@ class _Fp32StateDict:
 
     ``masters`` maps a direct parameter's name to its fp32 master tensor (O2). Parameters with
     no master (O3, or O2 without an optimizer) are saved upcast from half. The masters belong
-    to the optimizer, so a pickled or deep-copied model leaves them behind: the copy saves its
-    half values upcast, which is what it holds.
+    to the optimizer, which keeps the half parameters in step with them. A pickled or
+    deep-copied model (an EMA copy, a snapshot) takes copies of the masters along: its
+    ``state_dict()`` stays the exact fp32 values, and its tensors are the copy's own, so an
+    EMA written into them in place (``ema.state_dict()[k].copy_(...)``) accumulates in fp32.
+    With no optimizer to keep them in step, such a copy's masters are ``standalone`` and
+    :meth:`sync` does it: a master written since is cast into its half parameter (before the
+    copy's forward and state dict), and a half parameter changed since (an EMA over
+    ``parameters()``, a plain optimizer stepping the copy) is upcast into its master before the
+    state dict is read.
     """
 
     def __init__(self):
         self.masters: Dict[str, torch.Tensor] = {}
+        self.standalone = False
+        self._versions: Dict[str, int] = {}  # each standalone master's version when synced
 
     def __getstate__(self):
-        return {"masters": {}}
+        return {"masters": dict(self.masters)}
 
     def __setstate__(self, state):
         self.masters = dict(state["masters"])
+        self.standalone = bool(self.masters)
+        self._versions = {}
+
+    def __deepcopy__(self, memo):
+        masters = {}
+        for name, master in self.masters.items():
+            clone = memo.get(id(master))  # (a tied weight's one master stays one in the copy)
+            if clone is None:
+                # Without its gradient: the copy has no optimizer to step it.
+                clone = master.detach().clone().requires_grad_(master.requires_grad)
+                memo[id(master)] = clone
+            masters[name] = clone
+        new = _Fp32StateDict.__new__(_Fp32StateDict)
+        new.__setstate__({"masters": masters})
+        memo[id(self)] = new
+        return new
+
+    def sync(self, module: nn.Module, check_params: bool) -> None:
+        """Bring a standalone master and its half parameter in step (see the class doc).
+
+        A master written since the last sync wins (a load writes both); else, with
+        ``check_params``, a half parameter that no longer equals its master cast to half was
+        changed (in place, by ``.data`` too, which no version counter sees) and is upcast into
+        the master.
+        """
+        with torch.no_grad():
+            for name, master in self.masters.items():
+                param = module._parameters.get(name)
+                if param is None:
+                    continue
+                synced = self._versions.get(name)
+                if synced is not None and master._version != synced:
+                    param.copy_(master)
+                elif check_params and not torch.equal(param, master.to(param.dtype)):
+                    master.copy_(param)
+                self._versions[name] = master._version
 
     def save(self, module, state_dict, prefix, local_metadata):
+        if self.standalone:
+            self.sync(module, check_params=True)
         for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             key = prefix + name
             if tensor is None or key not in state_dict:

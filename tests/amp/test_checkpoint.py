@@ -1,5 +1,6 @@
 """Checkpoints are true fp32 models, and resuming continues bit for bit."""
 
+import copy
 import io
 
 import pytest
@@ -220,3 +221,74 @@ def test_frozen_parameters_in_the_optimizer_checkpoint_exactly(dtype):
     got = left_out.state_dict()["features.0.weight"]
     assert got.dtype == torch.float32
     assert torch.equal(got, pretrained["features.0.weight"].to(dtype).float())
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_ema_written_into_a_copys_state_dict_accumulates_in_fp32(dtype):
+    # timm's ModelEmaV2 and ultralytics' ModelEMA: ema = copy.deepcopy(model), then each step
+    # every tensor of ema.state_dict() is updated in place from model.state_dict(). At O2 the
+    # copy used to save its half values upcast into new tensors, so the writes went nowhere and
+    # the EMA stayed at the initial weights. Reference: the same EMA on plain fp32 tensors.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    ema = copy.deepcopy(model).eval()
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y = batch()
+    for _ in range(4):
+        train_step(model, opt, x, y, amp)
+        with torch.no_grad():
+            for e, r, m in zip(ema.state_dict().values(), ref.values(),
+                               model.state_dict().values()):
+                for t in (e, r):
+                    if t.is_floating_point():
+                        t.copy_(0.7 * t + 0.3 * m)
+                    else:
+                        t.copy_(m)
+    got = ema.state_dict()
+    assert got.keys() == ref.keys()
+    for k, v in ref.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+    assert not torch.equal(got["head.weight"], model.state_dict()["head.weight"])
+    # The copy's forward runs on its half parameters made from the fp32 EMA.
+    plain = make_cnn(seed=3)
+    plain.load_state_dict(got)
+    amp.initialize(plain, opt_level="O2", dtype=dtype, verbosity=0)
+    torch.testing.assert_close(ema(x), plain.eval()(x), rtol=0, atol=0)
+    for name, p in ema.named_parameters():
+        torch.testing.assert_close(p, got[name].to(p.dtype), rtol=0, atol=0, msg=name)
+
+
+def test_a_copy_keeps_changes_to_its_half_parameters():
+    # An EMA over parameters() (torch.optim.swa_utils.AveragedModel, timm's ModelEmaV3, or
+    # `e.data.mul_(d).add_(p.data, ...)`) writes the copy's half parameters: its state dict
+    # then holds those values (each equal to the parameter once cast back to half).
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    averaged = torch.optim.swa_utils.AveragedModel(model)
+    plain_ema = copy.deepcopy(model)
+    x, y = batch()
+    for _ in range(3):
+        train_step(model, opt, x, y, amp)
+        averaged.update_parameters(model)
+        for e, p in zip(plain_ema.parameters(), model.parameters()):
+            e.data.mul_(0.5).add_(p.data, alpha=0.5)
+    for copy_ in (averaged.module, plain_ema):
+        state = copy_.state_dict()
+        for name, p in copy_.named_parameters():
+            assert torch.equal(state[name].to(p.dtype), p), name
+        assert not torch.equal(state["head.weight"], make_cnn().state_dict()["head.weight"])
+
+
+def test_a_pickled_o2_model_keeps_its_fp32_masters():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=k)

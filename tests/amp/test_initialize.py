@@ -266,6 +266,32 @@ def test_pickling_honours_the_models_own_getstate(opt_level):
         torch.testing.assert_close(clone(x), model(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("opt_level", ["O0", "O2", "O3"])
+def test_recasting_an_amp_model_is_refused_before_it_changes(opt_level):
+    # model.float() after O2 used to fail later, in the forward, with "Input type
+    # (c10::BFloat16) and bias type (float) should be the same" from inside the model.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    before = {k: (v.dtype, v.clone()) for k, v in model.state_dict(keep_vars=True).items()}
+    other = torch.float16 if opt_level == "O0" else torch.float32
+    for convert in (lambda m: m.double(), lambda m: m.to(other), lambda m: m.type(other)):
+        with pytest.raises(RuntimeError, match=r"converting a model prepared by amp\.initialize "
+                                               r"from .* to .*casts floating inputs to .*"
+                                               r"load model\.state_dict\(\)"):
+            convert(model)
+    for k, v in model.state_dict(keep_vars=True).items():
+        assert v.dtype == before[k][0] and torch.equal(v, before[k][1]), k
+    # Device moves, memory formats and the forward's own dtype still go through.
+    x, y = batch()
+    model.to("cpu").to(memory_format=torch.channels_last).train()
+    model.to(torch.float32 if opt_level == "O0" else torch.bfloat16)
+    train_step(model, opt, x, y, amp)
+    # restore_model lifts it, as the message says.
+    amp.restore_model(model).double()
+    assert model.head.weight.dtype == torch.float64
+
+
 def test_rejects_model_initialized_twice():
     model = make_cnn()
     amp.initialize(model, opt_level="O1", verbosity=0)
