@@ -75,13 +75,12 @@ _INTERPRETER_BLOCK = 256
 
 # Host tables kept for reuse, oldest evicted first once there are more than _MAX_TABLES. A
 # table used while a CUDA graph was being captured is never evicted (its key joins
-# _GRAPH_KEYS), and its device copy stays in _GRAPH_ROWS: the graph's replays read that copy
-# (and, when it was uploaded during the capture, the pinned buffer it was copied from) by
-# address.
+# _GRAPH_KEYS), and the device copies uploaded in captures stay in _GRAPH_ROWS: each graph's
+# replays refill its copy from the pinned buffer and read it, both by address.
 _MAX_TABLES = 16
 _TABLES: Dict[tuple, "_Table"] = {}
 _GRAPH_KEYS: Set[tuple] = set()
-_GRAPH_ROWS: Dict[tuple, Tensor] = {}
+_GRAPH_ROWS: Dict[tuple, List[Tensor]] = {}
 
 _dtype_of = attrgetter("dtype")
 
@@ -338,19 +337,20 @@ def cached_table(key: tuple, build, device: torch.device, pointer_columns: Seque
 def device_rows(key: tuple, table: _Table, device: torch.device, capturing: bool) -> Tensor:
     """``table``'s rows where the kernel reads them: on the device for a GPU launch.
 
-    Eagerly a fresh device tensor, uploaded on the current stream from the pinned host table
-    and released once the launch is queued (the caching allocator orders its reuse after the
-    kernel on that stream). Under graph capture the device copy is kept: the replays read it.
+    A fresh device tensor, uploaded on the current stream from the pinned host table. Eagerly
+    it is released once the launch is queued (the caching allocator orders its reuse after the
+    kernel on that stream). Under graph capture the upload is a node of the graph, run by each
+    replay before the kernel, and the device copy is kept for good: the replays read it.
+    Captured rows are never handed to an eager launch: their memory holds the table only once
+    a replay has run (an eager step between the capture and the first replay read garbage
+    addresses: an illegal memory access).
     """
     if device.type != "cuda":
         return table.host
-    rows = _GRAPH_ROWS.get(key)
-    if rows is not None:
-        return rows
     rows = table.host.to(device, non_blocking=True)
     if capturing:
-        _GRAPH_KEYS.add(key)
-        _GRAPH_ROWS[key] = rows
+        _GRAPH_KEYS.add(key)  # (the pinned source of the captured upload is never evicted)
+        _GRAPH_ROWS.setdefault(key, []).append(rows)
     return rows
 
 

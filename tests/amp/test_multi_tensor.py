@@ -278,3 +278,29 @@ def test_cuda_graph_capture(warm):
         assert found_inf.item() == float(step == 1)
         for src, dst in zip(srcs, dsts):
             _assert_exact(dst, src, inv_scale)
+
+
+@requires_cuda
+def test_cuda_eager_call_between_capture_and_replay():
+    """A captured call's device table is filled by the graph's replays only: an eager call with
+    the same tensors right after the capture (before any replay) must upload its own (reading
+    the captured one gave an illegal memory access), and both then compute correctly."""
+    srcs, dsts = _make(_CASES, "cuda", torch.Generator().manual_seed(7))
+    inv_scale, found_inf = _scalars("cuda", 1.0 / 1024)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    for run in (lambda: mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf), graph.replay):
+        for src, dst in zip(srcs, dsts):
+            src.normal_()
+            dst.fill_(-7.0)
+        run()
+        torch.cuda.synchronize()
+        assert found_inf.item() == 0.0
+        for src, dst in zip(srcs, dsts):
+            _assert_exact(dst, src, inv_scale)

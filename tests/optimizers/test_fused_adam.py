@@ -535,3 +535,38 @@ def test_cuda_amp_o2_step_captured_in_a_graph(dtype):
                                              _state.optimizer_state(ref_opt).pairs):
         assert torch.equal(half, master.to(dtype))
         torch.testing.assert_close(half, ref_half, rtol=0, atol=0)
+
+
+@requires_cuda
+def test_cuda_eager_step_between_capture_and_replay():
+    """Eager steps and replays of a captured step mix: 3 eager, capture, 1 eager, 2 replays
+    equal 6 eager steps (the eager step after the capture must not read the graph's table)."""
+    gen = torch.Generator().manual_seed(12)
+    params = _params("cuda", gen, [(4096, 33), (1000,), (3, 5, 7, 11)])
+    grads = [g for g in _grads(params, gen, steps=1)[0]]
+    ours, ref = [p.clone() for p in params], [p.clone() for p in params]
+    copies = [p.to(torch.bfloat16) for p in ours]
+    for p, r, g in zip(ours, ref, grads):
+        p.grad, r.grad = g.clone(), g.clone()
+    opt = FusedAdam(ours, lr=1e-3, weight_decay=0.1)
+    opt._link_half_copies(list(zip(copies, ours)))
+    ref_opt = FusedAdam(ref, lr=1e-3, weight_decay=0.1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    opt.step()
+    graph.replay()
+    graph.replay()
+    for _ in range(6):
+        ref_opt.step()
+    torch.cuda.synchronize()
+    for p, r, c in zip(ours, ref, copies):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
+        assert torch.equal(c, p.to(torch.bfloat16))
+    assert opt.state[ours[0]]["step"].item() == 6.0
