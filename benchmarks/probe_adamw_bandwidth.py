@@ -19,6 +19,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -32,9 +33,10 @@ from mixprec.optimizers import FusedAdam  # noqa: E402
 
 
 def _time(fn, reps):
-    """(eager, replay): medians of ``reps`` CUDA-event timings, in ms, of ``fn()`` launched
-    from Python (the host's work included when the GPU waits for it) and of a CUDA graph of
-    it (the GPU's time alone). 3 warm-up calls first, on a side stream as capture needs."""
+    """(eager, replay, host): medians of ``reps`` CUDA-event timings, in ms, of ``fn()``
+    launched from Python (the host's work included when the GPU waits for it) and of a CUDA
+    graph of it (the GPU's time alone), and of the call's host time. 3 warm-up calls first, on
+    a side stream as capture needs."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -44,6 +46,13 @@ def _time(fn, reps):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    host = []  # the call's own time on the host (it returns once its work is queued)
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        host.append(1e3 * (time.perf_counter() - t0))
+    torch.cuda.synchronize()
     out = []
     for run in (fn, graph.replay):
         times = []
@@ -55,7 +64,7 @@ def _time(fn, reps):
             b.synchronize()
             times.append(a.elapsed_time(b))
         out.append(statistics.median(times))
-    return tuple(out)
+    return (*out, statistics.median(host))
 
 
 def _masters(shapes, dev, seed):
@@ -126,9 +135,9 @@ def main(argv=None) -> int:
     rows = []
 
     def record(name, ms, bytes_per):
-        eager, replay = ms
+        eager, replay, host = ms
         bw = bytes_per * n / (replay * 1e-3)
-        rows.append((name, eager, replay, bytes_per, bw / 1e12, bw / copy_bw))
+        rows.append((name, eager, replay, host, bytes_per, bw / 1e12, bw / copy_bw))
 
     for name, ms, bytes_per in _timings(shapes, dev, half, args):
         record(name, ms, bytes_per)
@@ -151,10 +160,11 @@ def main(argv=None) -> int:
     print(f"copy ceiling: 1 GiB fp32 in {t_copy:.3f} ms = {copy_bw / 1e12:.2f} TB/s")
     print(f"FusedAdam vs torch fused AdamW after 10 steps: max relative difference {err:.1e}; "
           f"half copies equal the masters cast: {exact}")
-    print("\n| pass | eager ms | graph ms | B/param | TB/s (graph) | of copy |\n"
-          "|---|---:|---:|---:|---:|---:|")
-    for name, eager, replay, b_, tbs, frac in rows:
-        print(f"| {name} | {eager:.3f} | {replay:.3f} | {b_} | {tbs:.2f} | {frac:.2f} |")
+    print("\n| pass | eager ms | graph ms | host ms | B/param | TB/s (graph) | of copy |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
+    for name, eager, replay, host, b_, tbs, frac in rows:
+        print(f"| {name} | {eager:.3f} | {replay:.3f} | {host:.3f} | {b_} | {tbs:.2f} | "
+              f"{frac:.2f} |")
     return 0
 
 
