@@ -136,6 +136,24 @@ class FusedAdam(torch.optim.Optimizer):
         self._plans: Dict[tuple, _Plan] = {}
         self._epoch = 0
 
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["set_grad_none"] = self.set_grad_none
+        state["capturable"] = self.capturable
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        # A pickled or deep-copied FusedAdam: PyTorch keeps defaults, state and groups; the
+        # copy writes no half copies (its masters' models are not the original's) and plans
+        # its routes again.
+        super().__setstate__(state)
+        self.__dict__.setdefault("set_grad_none", True)
+        self.__dict__.setdefault("capturable", False)
+        self._half_copies = {}
+        self._half_copies_written = []
+        self._plans = {}
+        self._epoch = 0
+
     # -- amp's protocol --------------------------------------------------------------------
     def _link_half_copies(self, pairs) -> None:
         """amp O2: from now on write ``half`` whenever ``master`` is updated, for each

@@ -308,6 +308,32 @@ def test_state_dict_loads_into_torch_adamw_and_back(device, path):
     assert opt_back.state[back[0]]["step"].device == back[0].device
 
 
+def test_pickle_and_deepcopy_keep_options_and_state():
+    """A pickled or deep-copied FusedAdam (PyTorch pickles only defaults, state and groups)
+    keeps its options and steps on as the original does."""
+    import pickle
+
+    gen = torch.Generator().manual_seed(13)
+    params = _params("cpu", gen, [(20,), (3, 4)])
+    grads = _grads(params, gen, steps=2)
+    opt = _run(lambda ps: FusedAdam(ps, lr=1e-2, set_grad_none=False), params, grads[:1])
+    for clone in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):
+        assert clone.set_grad_none is False
+        assert {k: clone.defaults[k] for k in opt.defaults} == opt.defaults
+        ps = clone.param_groups[0]["params"]
+        for p, g in zip(ps, grads[1]):
+            p.grad = g.clone()
+        clone.step()
+        expected = [p.clone() for p in params]
+        ref = FusedAdam(expected, lr=1e-2)
+        ref.load_state_dict(copy.deepcopy(opt.state_dict()))
+        for p, g in zip(expected, grads[1]):
+            p.grad = g.clone()
+        ref.step()
+        for a, b in zip(ps, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_bad_arguments_say_what_to_do():
     p = [nn.Parameter(torch.zeros(2))]
     with pytest.raises(ValueError, match="AMSGrad variant is not supported"):
