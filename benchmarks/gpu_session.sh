@@ -7,7 +7,8 @@
 # tests12 (tests1 on GPU 0 beside tests2), graphs (bench_parallel --graphs: GPT and ResNet-50 steps as
 # CUDA graph replays), host (norm_host_overhead.py: host time per norm call), gemm_clocks
 # (probe_gemm_clocks.py: fp16 O2 vs .half() GEMM time, SM clock and power-cap reasons),
-# halfbn (probe_half_bn.py: ResNet-50 BatchNorm backends and kernel time per recipe).
+# halfbn (probe_half_bn.py: ResNet-50 BatchNorm backends and kernel time per recipe), adamw
+# (probe_adamw_bandwidth.py: O2's optimizer passes, torch's vs FusedAdam, bf16 and fp16).
 # Timing steps never share the machine with the test runs (compilers and test workers take
 # the CPU, and launch-bound steps then time the CPU). The logs are packed after every step, so
 # a run cut short still returns what it finished.
@@ -45,13 +46,15 @@ for s in "$@"; do
     host) step norm_host_overhead 90 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/norm_host_overhead.py ;;
     gemm_clocks) step gemm_clocks 200 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_gemm_clocks.py ;;
     halfbn) step probe_half_bn 300 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_half_bn.py ;;
+    adamw) step probe_adamw_bf16 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_adamw_bandwidth.py
+      step probe_adamw_fp16 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_adamw_bandwidth.py --dtype fp16 ;;
     tests12)
-      step tests_1gpu 400 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench &
+      step tests_1gpu 400 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench tests/optimizers &
       step tests_2gpu 400 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus &
       wait ;;
     norm) step bench_norm 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_norm.py --out "$LOGS" ;;
     sweep) step bench_norm_sweep 240 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --out "$LOGS/sweep" ;;
-    tests1) step tests_1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench ;;
+    tests1) step tests_1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench tests/optimizers ;;
     tests_norm) step tests_norm_cuda 90 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/normalization/test_norm_numerics.py -k cuda ;;
     tests_amp) step tests_amp_cuda 200 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp -k "cuda or CUDA or fused" ;;
     tests2) step tests_2gpu 240 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus ;;
