@@ -448,6 +448,74 @@ def test_amp_o2_fp16_overflow_is_skipped_on_the_device(amp_device):
         assert opt.state[master]["step"].item() == 2.0
 
 
+def test_amp_two_overflowed_losses_skip_one_step(amp_device):
+    """Two losses (``num_losses=2``) that both overflow before one ``step()``: the step is
+    skipped once and the step counts stay (the flags were summed to found_inf=2, which the
+    fused step subtracted from its counts: step -1, then NaN weights from a zero bias
+    correction)."""
+    def train(opt_cls):
+        model = _net().to(amp_device)
+        opt = opt_cls(model.parameters())
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                    num_losses=2, verbosity=0)
+        gen = torch.Generator().manual_seed(2)
+        skipped = []
+        for i in range(3):
+            x = torch.randn(8, 16, generator=gen).to(amp_device)
+            opt.zero_grad()
+            for loss_id in (0, 1):
+                loss = model(x).float().square().mean() * (float("inf") if i == 0 else 1.0)
+                with amp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+                    scaled.backward()
+            opt.step()
+            skipped.append(amp.step_was_skipped(opt))
+        return model, opt, skipped
+
+    model, opt, skipped = train(lambda ps: FusedAdam(ps, lr=1e-2))
+    ref_model, _, ref_skipped = train(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0, foreach=False))
+    assert _state.optimizer_state(opt).skips_on_device() is not None
+    assert skipped == ref_skipped == [True, False, False]
+    assert all(s["step"].item() == 2.0 for s in opt.state.values())
+    for (name, a), b in zip(model.state_dict().items(), ref_model.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3, msg=name)
+
+
+def test_amp_an_overflow_in_one_of_two_optimizers_skips_both(amp_device):
+    """``scale_loss(loss, [opt1, opt2])`` with the scale on the device: an inf/NaN in the
+    second optimizer's gradients skips both steps, as on the host (only the first optimizer's
+    flag was read, and the second stepped its masters to NaN)."""
+    def train(opt_cls):
+        torch.manual_seed(0)
+        first, second = nn.Linear(16, 4).to(amp_device), nn.Linear(16, 4).to(amp_device)
+        opts = [opt_cls(first.parameters()), opt_cls(second.parameters())]
+        models, opts = amp.initialize([first, second], opts, opt_level="O2",
+                                      dtype=torch.float16, verbosity=0)
+        gen = torch.Generator().manual_seed(3)
+        skipped = []
+        for i in range(3):
+            x = torch.randn(8, 16, generator=gen).to(amp_device)
+            bad = float("inf") if i == 1 else 1.0
+            loss = models[0](x).float().square().mean() + models[1](
+                x).float().square().mean() * bad
+            with amp.scale_loss(loss, opts) as scaled:
+                scaled.backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            skipped.append([amp.step_was_skipped(opt) for opt in opts])
+        return models, opts, skipped
+
+    models, opts, skipped = train(lambda ps: FusedAdam(ps, lr=1e-2))
+    ref_models, _, ref_skipped = train(
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0, foreach=False))
+    assert _state.optimizer_state(opts[1]).skips_on_device() is not None
+    assert skipped == ref_skipped == [[False, False], [True, True], [False, False]]
+    for model, ref_model in zip(models, ref_models):
+        for (name, a), b in zip(model.state_dict().items(), ref_model.state_dict().values()):
+            torch.testing.assert_close(a, b, **_TOL, msg=name)
+
+
 def test_amp_o3_and_o1_step_the_model_directly(amp_device):
     for level, dtype in (("O3", torch.bfloat16), ("O1", torch.bfloat16)):
         model, opt = _amp_train(lambda ps: FusedAdam(ps, lr=1e-2), dtype, amp_device, steps=2,
