@@ -9,7 +9,9 @@ fp32 results must agree to ``rtol=1e-5, atol=1e-6`` (fp32 rounding of an update 
 for amp O2 must equal the masters cast by PyTorch bit for bit.
 """
 
+import collections
 import copy
+import pickle
 
 import pytest
 import torch
@@ -356,6 +358,104 @@ def test_closure_is_evaluated_with_grad():
 
     loss = opt.step(closure)
     assert loss.requires_grad and opt.state[model.weight]["step"].item() == 1.0
+
+
+def _train_pair(params, ref, gen, steps, between=None):
+    """``FusedAdam`` on ``params`` and ``torch.optim.AdamW`` (float64) on ``ref``, the same
+    gradients; ``between(optimizer, i)`` runs on both after step ``i``."""
+    opt = FusedAdam(params, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    for i in range(steps):
+        for p, r in zip(params, ref):
+            g = torch.randn(p.shape, generator=gen).to(p.device)
+            p.grad, r.grad = g, g.double()
+        opt.step()
+        ref_opt.step()
+        if between is not None:
+            between(opt, i)
+            between(ref_opt, i)
+    return opt, ref_opt
+
+
+@pytest.mark.parametrize("reset", ["clear", "new_dict", "del"])
+def test_a_reset_state_starts_the_moments_afresh(device, path, reset):
+    """Clearing ``optimizer.state`` (a common reset of the moments) is seen by the next step,
+    as by torch's optimizers: new moments, and ``state_dict()`` saves them. The cached routing
+    plan kept stepping the old moments, and checkpoints came out with no state at all."""
+    gen = torch.Generator().manual_seed(11)
+    params = _params(device, gen, [(37, 29), (5,)])
+    ref = [p.double() for p in params]
+
+    def between(opt, i):
+        if i == 1:
+            if reset == "clear":
+                opt.state.clear()
+            elif reset == "new_dict":
+                opt.state = collections.defaultdict(dict)
+            else:
+                for p in opt.param_groups[0]["params"]:
+                    del opt.state[p]
+
+    opt, ref_opt = _train_pair(params, ref, gen, 4, between)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+        assert opt.state[p]["step"].item() == 2.0
+    saved = opt.state_dict()["state"]
+    assert sorted(saved) == [0, 1] and saved[0]["step"].item() == 2.0
+
+
+def test_deepcopy_and_pickle_give_a_working_optimizer(device, path):
+    """``copy.deepcopy`` and pickling keep the options and give an optimizer that steps as the
+    original does (PyTorch's __getstate__ dropped FusedAdam's own attributes: AttributeError at
+    the copy's first step)."""
+    gen = torch.Generator().manual_seed(12)
+    params = _params(device, gen, [(37, 29), (5,)])
+    opt = FusedAdam(params, lr=1e-2, weight_decay=0.1, set_grad_none=False)
+    grads = _grads(params, gen, steps=4)
+    for step in grads[:2]:
+        for p, g in zip(params, step):
+            p.grad = g.clone()
+        opt.step()
+    copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    for step in grads[2:]:
+        for o in [opt, *copies]:
+            for p, g in zip(o.param_groups[0]["params"], step):
+                p.grad = g.clone()
+            o.step()
+    for o in copies:
+        assert o.set_grad_none is False
+        for p, q in zip(params, o.param_groups[0]["params"]):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+            assert o.state[q]["step"].item() == 4.0
+        o.zero_grad()
+        assert torch.count_nonzero(o.param_groups[0]["params"][0].grad) == 0
+
+
+def test_a_compiled_training_step_steps_eagerly(device, path):
+    """``torch.compile`` of a function calling ``step()``: the step is a graph break, and the
+    result is the eager one (traced, it died in Inductor with an internal assert)."""
+    torch._dynamo.reset()
+    torch.manual_seed(13)
+    model = nn.Linear(8, 4).to(device)
+    ref = copy.deepcopy(model).double()
+    opt = FusedAdam(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1, foreach=False)
+
+    @torch.compile(backend="aot_eager")
+    def train_step(x):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        x = torch.randn(16, 8, device=device)
+        train_step(x)
+        ref(x.double()).square().mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+    torch._dynamo.reset()
 
 
 # -- with amp ----------------------------------------------------------------------------------
