@@ -254,7 +254,8 @@ class FusedAdam(torch.optim.Optimizer):
     def _plan(self, group: dict, params: List[Tensor], grads: List[Tensor]) -> _Plan:
         """The route of each parameter (kernel, PyTorch's fused kernel, plain PyTorch), checked
         in full; kept while its parameters keep gradients (see ``_Plan.holds``)."""
-        key = tuple(map(id, params))
+        # (bias_correction=False takes parameters off PyTorch's fused kernel: part of the key.)
+        key = (bool(group["bias_correction"]), *map(id, params))
         plan = self._plans.get(key)
         if (plan is not None and plan.epoch == self._epoch and plan.state_map is self.state
                 and plan.state_count == len(self.state) and plan.holds(params, grads)):

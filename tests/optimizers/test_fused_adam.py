@@ -135,6 +135,31 @@ def test_without_bias_correction(device, path):
         torch.testing.assert_close(p, r.float(), **_TOL)
 
 
+def test_bias_correction_changed_between_steps_is_followed(device, path):
+    """A group's ``bias_correction`` turned off after the first steps: later steps use the
+    moments as they are (PyTorch's fused kernel, which always corrects, was kept for it)."""
+    gen = torch.Generator().manual_seed(4)
+    params = _params(device, gen, [(300,), (7, 11)])
+    grads = _grads(params, gen, steps=4)
+    lr, b1, b2, eps = 1e-2, 0.9, 0.999, 1e-8
+    ours = [p.clone() for p in params]
+    opt = FusedAdam(ours, lr=lr, betas=(b1, b2), eps=eps)
+    for i, step in enumerate(grads):
+        opt.param_groups[0]["bias_correction"] = i < 2
+        for p, g in zip(ours, step):
+            p.grad = g.clone()
+        opt.step()
+    for k, (p0, p) in enumerate(zip(params, ours)):
+        r, m, v = p0.double(), 0, 0
+        for i, step in enumerate(grads):
+            g = step[k].double()
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+            bc1, bc2 = (1 - b1 ** (i + 1), 1 - b2 ** (i + 1)) if i < 2 else (1.0, 1.0)
+            r = r - lr / bc1 * m / (v.sqrt() / bc2 ** 0.5 + eps)
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
 def test_groups_keep_their_own_options(device, path):
     gen = torch.Generator().manual_seed(2)
     a, b = _params(device, gen, [(300,), (7, 11)])
