@@ -592,7 +592,9 @@ class AmpState:
         for group in (g for s in states for m in s.owner_models() for g in overflow_groups(m)):
             if not any(group is h for h in groups):
                 groups.append(group)
-        if groups:
+        if groups or len(flags) > 1:
+            # (Several flags: one per optimizer stepped by this loss. Any overflow skips them
+            # all, as on the host.)
             flags = [_agreed_flag(flags, states, groups)]
         device = scaler.on_device
         if device is None:
@@ -600,8 +602,10 @@ class AmpState:
             return
         flag = flags[0] if flags else torch.zeros((), dtype=torch.float32, device=device)
         for state in states:
+            # The maximum, not the sum: fused kernels subtract found_inf from the step counts
+            # (GradScaler's protocol), so two overflowed losses must not give 2.
             state.pending_found = (flag if state.pending_found is None
-                                   else state.pending_found + flag)
+                                   else torch.maximum(state.pending_found, flag))
         scaler.update_on_device(flag)
         on_gpu = device.type == "cuda"
         if on_gpu and torch.cuda.is_current_stream_capturing():

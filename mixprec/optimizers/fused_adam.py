@@ -137,22 +137,20 @@ class FusedAdam(torch.optim.Optimizer):
         self._epoch = 0
 
     def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        state["set_grad_none"] = self.set_grad_none
-        state["capturable"] = self.capturable
+        state = super().__getstate__()  # (PyTorch's: defaults, state and param_groups only)
+        state.update(set_grad_none=self.set_grad_none, capturable=self.capturable)
         return state
 
     def __setstate__(self, state: dict) -> None:
-        # A pickled or deep-copied FusedAdam: PyTorch keeps defaults, state and groups; the
-        # copy writes no half copies (its masters' models are not the original's) and plans
-        # its routes again.
+        """PyTorch's (``copy.deepcopy``, pickling, a state replaced by hand); a copy starts
+        with no routing plans and no half copies linked (amp's hooks stay with the original)."""
         super().__setstate__(state)
         self.__dict__.setdefault("set_grad_none", True)
         self.__dict__.setdefault("capturable", False)
-        self._half_copies = {}
-        self._half_copies_written = []
+        self.__dict__.setdefault("_half_copies", {})
+        self.__dict__.setdefault("_half_copies_written", [])
         self._plans = {}
-        self._epoch = 0
+        self._epoch = self.__dict__.get("_epoch", 0) + 1
 
     # -- amp's protocol --------------------------------------------------------------------
     def _link_half_copies(self, pairs) -> None:
@@ -215,9 +213,11 @@ class FusedAdam(torch.optim.Optimizer):
                 elif state and "step" in state:
                     state["step"] = torch.tensor(float(state["step"]), device=p.device)
 
-    @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter with a gradient.
+
+        Under ``torch.compile`` the step is a graph break and runs eagerly: its routing plans
+        and tables of addresses are host logic that Dynamo cannot trace.
 
         Args:
             closure (callable, optional): re-evaluates the model and returns the loss.
@@ -225,6 +225,12 @@ class FusedAdam(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
+        if torch.compiler.is_compiling():
+            return _eager_step()(self, closure)
+        return self._step(closure)
+
+    @torch.no_grad()
+    def _step(self, closure):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -248,9 +254,11 @@ class FusedAdam(torch.optim.Optimizer):
     def _plan(self, group: dict, params: List[Tensor], grads: List[Tensor]) -> _Plan:
         """The route of each parameter (kernel, PyTorch's fused kernel, plain PyTorch), checked
         in full; kept while its parameters keep gradients (see ``_Plan.holds``)."""
-        key = tuple(map(id, params))
+        # (bias_correction=False takes parameters off PyTorch's fused kernel: part of the key.)
+        key = (bool(group["bias_correction"]), *map(id, params))
         plan = self._plans.get(key)
-        if plan is not None and plan.epoch == self._epoch and plan.holds(params, grads):
+        if (plan is not None and plan.epoch == self._epoch and plan.state_map is self.state
+                and plan.state_count == len(self.state) and plan.holds(params, grads)):
             return plan
         for g in grads:
             if g.is_sparse:
@@ -273,6 +281,9 @@ class FusedAdam(torch.optim.Optimizer):
         if len(self._plans) >= 64:  # (param sets come and go, e.g. with frozen layers)
             self._plans.clear()
         plan = _Plan(self._epoch, states, copies, kernel, fused, plain, params)
+        # A state cleared or replaced since (optimizer.state.clear(), a new dict, `del
+        # optimizer.state[p]`: resets of the moments) is seen by these two.
+        plan.state_map, plan.state_count = self.state, len(self.state)
         self._plans[key] = plan
         return plan
 
@@ -317,13 +328,14 @@ class _Plan:
 
     Built with every check (:func:`mixprec.optimizers._adam_kernel.kernel_reason`); a later
     step reuses it while :meth:`holds`: the optimizer's epoch is the same (no state loaded, no
-    half copies linked since) and the per-step facts the checks relied on still stand, read
-    from cached flags (each gradient's and parameter's layout, each copy's device and dtype).
+    half copies linked since), ``optimizer.state`` is the same dict with as many entries (none
+    cleared or deleted), and the per-step facts the checks relied on still stand, read from
+    cached flags (each gradient's and parameter's layout, each copy's device and dtype).
     State tensors replaced by hand in ``optimizer.state`` are not noticed.
     """
 
-    __slots__ = ("epoch", "params", "states", "steps", "copies", "kernel", "plain",
-                 "kernel_by_device", "fused_by_device", "steps_by_device", "written_by_kernel",
+    __slots__ = ("epoch", "state_map", "state_count", "params", "states", "steps", "copies",
+                 "kernel", "plain", "kernel_by_device", "fused_by_device", "steps_by_device", "written_by_kernel",
                  "copied_after", "_layouts", "_copy_facts")
 
     def __init__(self, epoch, states, copies, kernel, fused, plain, params):
@@ -360,6 +372,19 @@ class _Plan:
             if c.dtype is not dtype or c.get_device() != device:
                 return False
         return True
+
+
+_EAGER_STEP = None
+
+
+def _eager_step():
+    """``FusedAdam._step`` behind ``torch.compiler.disable``, made on first use (eager mode
+    never loads the compiler). Traced, the step failed inside Dynamo or Inductor (PyTorch's
+    fused op: an internal functionalization assert; the kernel: its address tables)."""
+    global _EAGER_STEP
+    if _EAGER_STEP is None:
+        _EAGER_STEP = torch.compiler.disable(FusedAdam._step)
+    return _EAGER_STEP
 
 
 def _same_layout(p: Tensor, *others: Tensor) -> bool:
