@@ -79,7 +79,9 @@ def _copy_ceiling(dev, reps):
     """A 1 GiB fp32 device-to-device copy: (ms, bytes read + written per second)."""
     big = torch.empty(2**28, device=dev)
     dst = torch.empty_like(big)
-    t_copy = _time(lambda: dst.copy_(big), reps)[1]
+    # (Eagerly: a graph replay of the same copy measured 0.78 ms on the H200, 2.75 TB/s, where
+    # the eager copy ran at 4.1: not a ceiling for kernels.)
+    t_copy = _time(lambda: dst.copy_(big), reps)[0]
     return t_copy, 2 * big.numel() * 4 / (t_copy * 1e-3)
 
 

@@ -246,8 +246,10 @@ def test_grad_scale_divides_the_gradients(device, path):
     opt = FusedAdam(scaled, lr=1e-2)
     opt.grad_scale = torch.full((), 1024.0, device=device)
     _run(lambda ps: opt, scaled, [[g * 1024 for g in step] for step in grads])
+    # Dividing by a power of two is exact, but the compiled kernel with a grad_scale is another
+    # specialization, whose fused multiply-adds may round differently: one fp32 ulp.
     for a, b in zip(scaled, plain):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)  # dividing by a power of two: exact
+        torch.testing.assert_close(a, b, rtol=2e-7, atol=2e-7)  # (H200: at most 6e-8)
 
 
 def test_works_with_torch_grad_scaler(device, path):
