@@ -42,7 +42,8 @@ from mixprec.normalization._launch import _on_device
 __all__ = ["adam_step_", "kernel_reason"]
 
 # Elements per table row and per loop step on a GPU. 16K-element chunks and 1K blocks with 4
-# warps streamed the GPT's 218M parameters at 0.90 of the H200's copy bandwidth (probe).
+# warps stream the GPT's 218M parameters at 3.9 TB/s on an H200, 0.95 of its eager copy
+# bandwidth (benchmarks/probe_adamw_bandwidth.py; not tuned further).
 _CHUNK = 16384
 _BLOCK = 1024
 _NUM_WARPS = 4
