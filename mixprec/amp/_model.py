@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mixprec.amp._properties import _HALF_TYPES
+from mixprec.normalization._launch import outside_the_compiler
 
 __all__ = [
     "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "agree_on_overflow", "cast_floating",
@@ -240,11 +241,8 @@ def _push_written_masters(model: nn.Module) -> None:
     an EMA of the state dict does) go into the half parameters the forward uses."""
     if torch.compiler.is_compiling():
         # Version counters cannot be traced: a compiled forward runs this eagerly (a graph
-        # break). Built on first use, so that importing mixprec does not load the compiler.
-        global _push_outside_graph
-        if _push_outside_graph is None:
-            _push_outside_graph = torch.compiler.disable(_push_written_masters)
-        return _push_outside_graph(model)
+        # break).
+        return outside_the_compiler(_push_written_masters)(model)
     if getattr(model, "_is_replica", False):  # (a DataParallel replica's are broadcast copies)
         return None
     for module in model.modules():
@@ -253,8 +251,6 @@ def _push_written_masters(model: nn.Module) -> None:
             hooks.sync(module, check_params=False)
     return None
 
-
-_push_outside_graph: Optional[Callable] = None
 
 
 def _fp32_forward(original_forward: Callable, device_type: str, args, kwargs):

@@ -67,6 +67,21 @@ def is_compiling() -> bool:
     return torch._dynamo.is_compiling()
 
 
+# outside_the_compiler's wrappers, one per function.
+_OUTSIDE_THE_COMPILER: Dict[object, object] = {}
+
+
+def outside_the_compiler(fn):
+    """``fn`` behind ``torch.compiler.disable``: under ``torch.compile`` a call is a graph break
+    and runs eagerly. Made on first use for each function, so that eager mode never imports
+    Dynamo nor pays the wrapper's cost (SyncBatchNorm's layer, FusedAdam's step, an amp copy's
+    master push)."""
+    wrapped = _OUTSIDE_THE_COMPILER.get(fn)
+    if wrapped is None:
+        wrapped = _OUTSIDE_THE_COMPILER[fn] = torch.compiler.disable(fn)
+    return wrapped
+
+
 _peek_functorch = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", None)
 
 

@@ -200,8 +200,8 @@ def _build_rows(columns: List[List[int]], numels: List[int], copy_bf16: List[int
 
     owner, start, count = _multi_tensor.chunk_rows(numels, chunk)
     rows = np.zeros((len(owner), _COLUMNS), dtype=np.int64)
-    for j, size in enumerate((4, 4, 4, 4)):
-        rows[:, j] = np.asarray(columns[j], dtype=np.int64)[owner] + size * start
+    for j in range(4):  # p, g, m, v: fp32
+        rows[:, j] = np.asarray(columns[j], dtype=np.int64)[owner] + 4 * start
     copies = np.asarray(columns[4], dtype=np.int64)[owner]
     rows[:, 4] = np.where(copies != 0, copies + 2 * start, 0)
     rows[:, 5] = np.asarray(columns[5], dtype=np.int64)[owner]

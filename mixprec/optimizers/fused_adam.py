@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from mixprec.amp import _multi_tensor
+from mixprec.normalization._launch import outside_the_compiler
 from mixprec.optimizers import _adam_kernel
 
 __all__ = ["FusedAdam"]
@@ -226,7 +227,9 @@ class FusedAdam(torch.optim.Optimizer):
             The closure's loss, or None.
         """
         if torch.compiler.is_compiling():
-            return _eager_step()(self, closure)
+            # (Traced, the step failed inside Dynamo or Inductor: PyTorch's fused op an
+            # internal functionalization assert, the kernel its address tables.)
+            return outside_the_compiler(FusedAdam._step)(self, closure)
         return self._step(closure)
 
     @torch.no_grad()
@@ -280,10 +283,7 @@ class FusedAdam(torch.optim.Optimizer):
                 plain.append(i)
         if len(self._plans) >= 64:  # (param sets come and go, e.g. with frozen layers)
             self._plans.clear()
-        plan = _Plan(self._epoch, states, copies, kernel, fused, plain, params)
-        # A state cleared or replaced since (optimizer.state.clear(), a new dict, `del
-        # optimizer.state[p]`: resets of the moments) is seen by these two.
-        plan.state_map, plan.state_count = self.state, len(self.state)
+        plan = _Plan(self._epoch, self.state, states, copies, kernel, fused, plain, params)
         self._plans[key] = plan
         return plan
 
@@ -335,17 +335,19 @@ class _Plan:
     """
 
     __slots__ = ("epoch", "state_map", "state_count", "params", "states", "steps", "copies",
-                 "kernel", "plain", "kernel_by_device", "fused_by_device", "steps_by_device", "written_by_kernel",
-                 "copied_after", "_layouts", "_copy_facts")
+                 "plain", "kernel_by_device", "fused_by_device", "steps_by_device",
+                 "written_by_kernel", "copied_after", "_layouts", "_copy_facts")
 
-    def __init__(self, epoch, states, copies, kernel, fused, plain, params):
+    def __init__(self, epoch, state_map, states, copies, kernel, fused, plain, params):
         self.epoch = epoch
+        # A state cleared or replaced since (optimizer.state.clear(), a new dict, `del
+        # optimizer.state[p]`: resets of the moments) is seen by these two.
+        self.state_map, self.state_count = state_map, len(state_map)
         # Held, so that no other tensor can take one of their ids (the plan's key) meanwhile.
         self.params = params
         self.states = states
         self.steps = [s["step"] for s in states]
         self.copies = copies
-        self.kernel = kernel
         self.plain = plain
         self.kernel_by_device = _by_device(kernel, params)
         self.fused_by_device = _by_device(fused, params)
@@ -372,19 +374,6 @@ class _Plan:
             if c.dtype is not dtype or c.get_device() != device:
                 return False
         return True
-
-
-_EAGER_STEP = None
-
-
-def _eager_step():
-    """``FusedAdam._step`` behind ``torch.compiler.disable``, made on first use (eager mode
-    never loads the compiler). Traced, the step failed inside Dynamo or Inductor (PyTorch's
-    fused op: an internal functionalization assert; the kernel: its address tables)."""
-    global _EAGER_STEP
-    if _EAGER_STEP is None:
-        _EAGER_STEP = torch.compiler.disable(FusedAdam._step)
-    return _EAGER_STEP
 
 
 def _same_layout(p: Tensor, *others: Tensor) -> bool:

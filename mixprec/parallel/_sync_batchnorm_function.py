@@ -58,6 +58,7 @@ from mixprec.normalization._launch import (
     first_derivatives_only,
     interpreter_enabled,
     is_compiling,
+    outside_the_compiler,
 )
 from mixprec.parallel import _syncbn_triton
 from mixprec.parallel._comm import all_gather_rows, all_reduce_sum
@@ -594,21 +595,15 @@ def _sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum, 
                                         momentum, group, world_size, channel_last, cache)
 
 
-_UNCOMPILED = None
-
-
 def _outside_the_compiler():
-    """``_sync_batch_norm`` behind ``torch.compiler.disable``.
+    """``_sync_batch_norm`` behind ``torch.compiler.disable`` (see
+    :func:`mixprec.normalization._launch.outside_the_compiler`).
 
     Under ``torch.compile`` each SyncBatchNorm layer is a graph break and runs as in eager mode
     (its Triton kernels included); the compiler takes the rest of the model. Letting Dynamo
     trace the layer instead went wrong on two of the PyTorch releases we test: on torch 2.11
     the compiled layer's input gradient came out zero, silently (H200 machine, CPU and CUDA
     alike), and torch 2.4 refuses to trace it (a mutation outside the traced function's
-    scope). Made on first use, so that eager mode never imports Dynamo nor pays the wrapper's
-    cost.
+    scope).
     """
-    global _UNCOMPILED
-    if _UNCOMPILED is None:
-        _UNCOMPILED = torch.compiler.disable(_sync_batch_norm)
-    return _UNCOMPILED
+    return outside_the_compiler(_sync_batch_norm)
