@@ -6,56 +6,116 @@ import importlib
 import importlib.util
 import sys
 import types
+import warnings
+from typing import Tuple
 
 __all__ = ["install_apex_alias"]
 
 _SUBMODULES = ("amp", "optimizers", "parallel", "normalization")
 
 
-def install_apex_alias() -> None:
-    """Register ``apex``, ``apex.amp``, ``apex.optimizers``, ``apex.parallel``,
-    ``apex.normalization`` and ``apex.normalization.fused_layer_norm`` as aliases of the
-    mixprec modules, so ``from apex import amp``, ``from apex.optimizers import FusedAdam``,
-    ``from apex.parallel import DistributedDataParallel`` and
-    ``from apex.normalization.fused_layer_norm import fused_layer_norm_affine`` keep working
-    after Apex's removal (of Apex's optimizers, mixprec has ``FusedAdam``). ``apex.normalization.fused_layer_norm`` is
-    :mod:`mixprec.normalization.apex_functional`: the norm classes and Apex's functional API
-    with Apex's signatures.
+def install_apex_alias() -> Tuple[str, ...]:
+    """Make ``import apex`` and its submodules resolve to mixprec where Apex does not provide
+    them, so scripts written for Apex run unmodified.
 
-    Call it once, before the script's first ``import apex``. Calling it again is harmless.
+    Without Apex installed, ``apex``, ``apex.amp``, ``apex.optimizers``, ``apex.parallel``,
+    ``apex.normalization`` and ``apex.normalization.fused_layer_norm`` all become aliases of
+    the mixprec modules: ``from apex import amp``, ``from apex.optimizers import FusedAdam``,
+    ``from apex.parallel import DistributedDataParallel`` and
+    ``from apex.normalization.fused_layer_norm import fused_layer_norm_affine`` keep working.
+    (``apex.normalization.fused_layer_norm`` is :mod:`mixprec.normalization.apex_functional`:
+    the norm classes and Apex's functional API with Apex's signatures. Of Apex's optimizers
+    mixprec has ``FusedAdam``.)
+
+    With Apex installed, the alias never shadows it: it fills in only the submodules that the
+    installed Apex lacks. Apex releases from 2025 on removed ``apex.amp`` and
+    ``apex.parallel`` but keep ``apex.optimizers`` and ``apex.normalization`` (NGC containers
+    ship such an Apex), so there ``apex.amp`` and ``apex.parallel`` become mixprec's while
+    ``FusedLAMB``, ``FusedLayerNorm`` and the rest stay Apex's own. An older Apex that still
+    has ``apex.amp`` is left as it is, with a warning.
+
+    Call it once, before the script imports ``apex`` (for example in a launcher or
+    ``sitecustomize.py``). Calling it again is harmless and returns the same names.
+
+    Returns:
+        tuple of str: the module names now served by mixprec, e.g. ``("apex.amp",
+        "apex.parallel")`` beside an Apex of 2025 or later; empty when the installed Apex has
+        every submodule.
 
     Raises:
-        RuntimeError: when a real ``apex`` package is importable or already imported; the alias
-            would shadow it. Uninstall Apex (``pip uninstall apex``) or import mixprec directly.
+        RuntimeError: an installed Apex that fails to import (a broken build): the message
+            carries its error. Fix or uninstall it (``pip uninstall apex``), or import mixprec's
+            modules directly (``from mixprec import amp``).
 
     Example::
 
         >>> import mixprec
         >>> mixprec.install_apex_alias()
+        ('apex', 'apex.amp', 'apex.optimizers', 'apex.parallel', 'apex.normalization', 'apex.normalization.fused_layer_norm')
         >>> from apex import amp          # mixprec.amp
     """
     existing = sys.modules.get("apex")
     if existing is not None:
-        if getattr(existing, "__mixprec_alias__", False):
-            return
-        raise RuntimeError(
-            f"install_apex_alias(): a real apex package is already imported (from "
-            f"{getattr(existing, '__file__', '?')}). The alias would shadow it: uninstall Apex "
-            "or import mixprec's modules directly (from mixprec import amp)."
-        )
+        served = getattr(existing, "__mixprec_alias__", None)
+        if served is not None:
+            return served
+        return _fill_in(existing)
     if importlib.util.find_spec("apex") is not None:
-        raise RuntimeError(
-            "install_apex_alias(): a real apex package is installed and importable. The alias "
-            "would shadow it: uninstall Apex (pip uninstall apex) or import mixprec's modules "
-            "directly (from mixprec import amp)."
-        )
+        try:
+            real = importlib.import_module("apex")
+        except Exception as err:
+            raise RuntimeError(
+                f"install_apex_alias(): an apex package is installed but fails to import "
+                f"({type(err).__name__}: {err}). The alias fills in only what a working Apex "
+                "lacks: fix or uninstall that Apex (pip uninstall apex), or import mixprec's "
+                "modules directly (from mixprec import amp).") from err
+        return _fill_in(real)
     apex = types.ModuleType("apex", "Alias of mixprec installed by mixprec.install_apex_alias().")
-    apex.__mixprec_alias__ = True
     apex.__path__ = []  # a package, so `import apex.amp` consults sys.modules
-    for name in _SUBMODULES:
+    served = ("apex",) + _serve(apex, _SUBMODULES)
+    apex.__mixprec_alias__ = served
+    sys.modules["apex"] = apex
+    return served
+
+
+def _fill_in(apex: types.ModuleType) -> Tuple[str, ...]:
+    """Attach mixprec's modules to a real Apex package for the submodules it does not have."""
+    missing = tuple(name for name in _SUBMODULES if not _has_submodule(apex, name))
+    served = _serve(apex, missing)
+    apex.__mixprec_alias__ = served
+    if not served:
+        warnings.warn(
+            f"install_apex_alias(): the installed Apex ({getattr(apex, '__file__', '?')}) has "
+            f"all of {', '.join('apex.' + n for n in _SUBMODULES)}, so nothing was aliased and "
+            "`apex.amp` is Apex's own. To use mixprec, uninstall that Apex (pip uninstall apex) "
+            "or import mixprec's modules directly (from mixprec import amp).", stacklevel=3)
+    return served
+
+
+def _has_submodule(apex: types.ModuleType, name: str) -> bool:
+    if f"apex.{name}" in sys.modules or isinstance(getattr(apex, name, None), types.ModuleType):
+        return True
+    try:
+        return importlib.util.find_spec(f"apex.{name}") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _serve(apex: types.ModuleType, names) -> Tuple[str, ...]:
+    """Register ``apex.<name>`` as mixprec's module for each name; the names registered."""
+    served = []
+    for name in names:
+        if name == "normalization":
+            served += _serve_normalization(apex)
+            continue
         module = importlib.import_module(f"mixprec.{name}")
         setattr(apex, name, module)
         sys.modules[f"apex.{name}"] = module
+        served.append(f"apex.{name}")
+    return tuple(served)
+
+
+def _serve_normalization(apex: types.ModuleType) -> list:
     # apex.normalization: a package of its own, as in Apex, whose `fused_layer_norm` is the
     # submodule where Apex defined its norms and its functional API (Megatron-style and timm
     # code import from there; Apex's functions take other arguments than mixprec's
@@ -75,4 +135,4 @@ def install_apex_alias() -> None:
     apex.normalization = normalization
     sys.modules["apex.normalization"] = normalization
     sys.modules["apex.normalization.fused_layer_norm"] = functional
-    sys.modules["apex"] = apex
+    return ["apex.normalization", "apex.normalization.fused_layer_norm"]

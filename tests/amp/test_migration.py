@@ -13,8 +13,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
 def test_alias_resolves_apex_imports(clean_apex):
-    mixprec.install_apex_alias()
-    mixprec.install_apex_alias()  # idempotent
+    served = mixprec.install_apex_alias()
+    assert mixprec.install_apex_alias() == served  # idempotent
+    assert served == ("apex", "apex.amp", "apex.optimizers", "apex.parallel",
+                      "apex.normalization", "apex.normalization.fused_layer_norm")
     from apex import amp as apex_amp
     from apex.normalization import FusedLayerNorm
     from apex.parallel import DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
@@ -32,11 +34,69 @@ def test_alias_resolves_apex_imports(clean_apex):
     assert MixedFusedRMSNorm is mixprec.normalization.MixedFusedRMSNorm
 
 
-def test_alias_refuses_to_shadow_a_real_apex(clean_apex, tmp_path, monkeypatch):
-    (tmp_path / "apex").mkdir()
-    (tmp_path / "apex" / "__init__.py").write_text("")
+def _fake_apex(root, *submodules, init=""):
+    """An installed ``apex`` package under ``root`` with the given submodules."""
+    package = root / "apex"
+    package.mkdir()
+    (package / "__init__.py").write_text(init)
+    for name in submodules:
+        (package / name).mkdir()
+        (package / name / "__init__.py").write_text(f"WHO = 'apex.{name} itself'\n")
+    return package
+
+
+def test_alias_fills_in_what_a_current_apex_lacks(clean_apex, tmp_path, monkeypatch):
+    # Apex from 2025 on: optimizers and normalization kept, amp and parallel removed.
+    _fake_apex(tmp_path, "optimizers", "normalization",
+               init="from . import optimizers, normalization\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RuntimeError, match="real apex package is installed.*uninstall Apex"):
+    served = mixprec.install_apex_alias()
+    assert served == ("apex.amp", "apex.parallel")
+    assert mixprec.install_apex_alias() == served  # idempotent
+
+    import apex
+    from apex import amp as apex_amp
+    from apex.normalization import WHO as norm_who
+    from apex.optimizers import WHO as opt_who
+    from apex.parallel import DistributedDataParallel
+
+    assert apex.__file__.startswith(str(tmp_path))  # the real package, not a stand-in
+    assert apex_amp is amp and sys.modules["apex.amp"] is amp
+    assert DistributedDataParallel is mixprec.parallel.DistributedDataParallel
+    assert (opt_who, norm_who) == ("apex.optimizers itself", "apex.normalization itself")
+
+
+def test_alias_fills_in_around_an_apex_imported_first(clean_apex, tmp_path, monkeypatch):
+    _fake_apex(tmp_path, "optimizers", "parallel")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import apex
+
+    assert mixprec.install_apex_alias() == (
+        "apex.amp", "apex.normalization", "apex.normalization.fused_layer_norm")
+    assert apex.amp is amp
+    from apex.parallel import WHO
+
+    assert WHO == "apex.parallel itself"
+    from apex.normalization.fused_layer_norm import FusedLayerNorm
+
+    assert FusedLayerNorm is mixprec.normalization.FusedLayerNorm
+
+
+def test_alias_leaves_an_apex_with_its_own_amp_alone(clean_apex, tmp_path, monkeypatch):
+    _fake_apex(tmp_path, *mixprec._apex_alias._SUBMODULES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match="nothing was aliased.*uninstall that Apex"):
+        assert mixprec.install_apex_alias() == ()
+    from apex import amp as apex_amp
+
+    assert apex_amp.WHO == "apex.amp itself"
+
+
+def test_alias_reports_a_broken_apex(clean_apex, tmp_path, monkeypatch):
+    _fake_apex(tmp_path, init="import fused_adam_cuda_missing_extension\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match="fails to import.*ModuleNotFoundError.*"
+                                           "fused_adam_cuda_missing_extension.*uninstall"):
         mixprec.install_apex_alias()
 
 
