@@ -17,8 +17,11 @@ The update, per element, in fp32 (PyTorch's fused Adam's order of operations)::
 
 with ``bc1 = 1 - beta1 ** step``, ``bc2 = 1 - beta2 ** step`` (both 1 without bias
 correction) and ``step`` each tensor's step count, read on the device (already incremented).
-When ``found_inf`` is non-zero nothing is written. Nothing here reads device memory from the
-host, so a step can be captured in a CUDA graph.
+``lr`` is a float passed with the launch, or a one-element floating tensor on the parameters'
+device that the kernel reads (as fp32, the float's rounding) when it runs: a replay of a
+captured step then uses the tensor's value at the replay. When ``found_inf`` is non-zero
+nothing is written. Nothing here reads device memory from the host, so a step can be captured
+in a CUDA graph.
 
 How the kernel finds the tensors: a table of int64 rows, one per chunk of at most ``chunk``
 elements of one tensor (see :mod:`mixprec.amp._multi_tensor`, whose table cache it shares)::
@@ -31,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -68,7 +71,8 @@ def _kernel():
     def adam_kernel(
         Table,  # [n_chunks, 8] int64: p, g, m, v (fp32), copy (fp16/bf16 or 0), step (fp32 []),
         #         count (<= chunk), 1 if the copy is bf16
-        lr, beta1, beta2, eps, weight_decay,  # fp32 scalars, the parameter group's
+        Lr,  # fp32 scalar, or (LR_IS_PTR) a pointer to the one-element lr tensor
+        beta1, beta2, eps, weight_decay,  # fp32 scalars, the parameter group's
         one_minus_beta1, one_minus_beta2, log2_beta1, log2_beta2,  # computed in fp64 on the host
         GradScale,  # [] fp32: gradients are divided by it (HAS_GRAD_SCALE)
         FoundInf,  # [] fp32: nothing is written when it is non-zero (HAS_FOUND_INF)
@@ -76,6 +80,7 @@ def _kernel():
         BIAS_CORRECTION: tl.constexpr,
         HAS_GRAD_SCALE: tl.constexpr,
         HAS_FOUND_INF: tl.constexpr,
+        LR_IS_PTR: tl.constexpr,  # Lr is a tensor, read here (a float lr: no load, as before)
         ALIGNED: tl.constexpr,  # every address in Table is a multiple of 16 bytes
         BLOCK: tl.constexpr,
     ):
@@ -110,6 +115,11 @@ def _kernel():
         else:
             bc1 = 1.0
             bc2_sqrt = 1.0
+        if LR_IS_PTR:
+            # Rounded to fp32 as a float lr is when passed: both give the same update.
+            lr = tl.load(Lr).to(tl.float32)
+        else:
+            lr = Lr
         step_size = tl.div_rn(lr, bc1)
         if HAS_GRAD_SCALE:
             grad_scale = tl.load(GradScale)
@@ -212,15 +222,22 @@ def _build_rows(columns: List[List[int]], numels: List[int], copy_bf16: List[int
 
 def adam_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequence[Tensor],
                exp_avg_sqs: Sequence[Tensor], steps: Sequence[Tensor],
-               copies: Sequence[Optional[Tensor]], *, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, adam_w: bool, bias_correction: bool,
-               grad_scale: Optional[Tensor] = None, found_inf: Optional[Tensor] = None) -> None:
+               copies: Sequence[Optional[Tensor]], *, lr: Union[float, Tensor], beta1: float,
+               beta2: float, eps: float, weight_decay: float, adam_w: bool,
+               bias_correction: bool, grad_scale: Optional[Tensor] = None,
+               found_inf: Optional[Tensor] = None) -> None:
     """One Adam/AdamW update of every parameter in one launch (see the module docs).
 
     Every tensor must pass :func:`kernel_reason` and all sit on one device; ``steps`` must
-    already count this step. Writes go through raw pointers: call under ``torch.no_grad()``.
+    already count this step; a tensor ``lr`` (one floating element) must be on that device
+    too, and is read by the kernel. Writes go through raw pointers: call under
+    ``torch.no_grad()``.
     """
     device = params[0].device
+    lr_is_ptr = isinstance(lr, Tensor)
+    if lr_is_ptr and (lr.device != device or lr.numel() != 1 or not lr.is_floating_point()):
+        raise ValueError(f"adam_step_: a tensor lr must be one floating element on {device}, "
+                         f"got {lr.dtype} of shape {tuple(lr.shape)} on {lr.device}")
     on_gpu = device.type == "cuda"
     chunk, block = (_CHUNK, _BLOCK) if on_gpu else (_INTERPRETER_CHUNK, _INTERPRETER_BLOCK)
     data_ptr = Tensor.data_ptr
@@ -240,11 +257,12 @@ def adam_step_(params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: Sequ
             return
         rows = _multi_tensor.device_rows(key, table, device, capturing)
         _kernel()[(table.n_chunks,)](
-            rows, float(lr), float(beta1), float(beta2), float(eps), float(weight_decay),
+            rows, lr if lr_is_ptr else float(lr), float(beta1), float(beta2), float(eps),
+            float(weight_decay),
             1.0 - beta1, 1.0 - beta2, _log2(beta1), _log2(beta2),
             grad_scale if grad_scale is not None else rows,
             found_inf if found_inf is not None else rows,
             ADAM_W=bool(adam_w), BIAS_CORRECTION=bool(bias_correction),
             HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            ALIGNED=table.aligned, BLOCK=block, num_warps=_NUM_WARPS,
+            LR_IS_PTR=lr_is_ptr, ALIGNED=table.aligned, BLOCK=block, num_warps=_NUM_WARPS,
         )

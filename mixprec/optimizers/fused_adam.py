@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -40,6 +40,46 @@ def _check_hyper(name: str, value, low: float, high: float = math.inf, *, high_o
         raise ValueError(f"FusedAdam({name}={value!r}): {name} must be a number {bound}.")
 
 
+def _describe_lr(lr) -> str:
+    if not isinstance(lr, Tensor):
+        return repr(lr)
+    value = ""
+    if lr.device.type == "cpu" and lr.numel() == 1:  # (a GPU tensor's value: a host sync)
+        value = f" holding {lr.item()!r}"
+    return f"a {lr.dtype} tensor of shape {tuple(lr.shape)} on {lr.device}{value}"
+
+
+def _lr_problem(lr, check_value: bool = True) -> Optional[str]:
+    """What is wrong with a learning rate, or None: it must be a number >= 0 or a one-element
+    floating tensor (whose value is checked only on the CPU: reading a GPU one would sync)."""
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1:
+            return ("a tensor lr must hold one element (one rate per parameter group): pass a "
+                    "0-dim tensor such as torch.tensor(1e-3, device='cuda')")
+        if not lr.is_floating_point():
+            return ("a tensor lr must be floating point: pass e.g. torch.tensor(1e-3) or "
+                    "lr.float()")
+        if check_value and lr.device.type == "cpu" and not lr.item() >= 0:
+            return "lr must be >= 0"
+        return None
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+        return ("lr must be a number >= 0 or a one-element floating tensor (e.g. 1e-3, or "
+                "torch.tensor(1e-3, device='cuda') for a rate that CUDA-graph replays read)")
+    if not lr >= 0:
+        return "lr must be a number >= 0.0"
+    return None
+
+
+def _check_lr(lr, where: Optional[str] = None) -> None:
+    """Raise ``ValueError`` for a bad ``lr``: the constructor's argument, or the one of what
+    ``where`` names (e.g. ``FusedAdam param group 1``)."""
+    problem = _lr_problem(lr)
+    if problem is not None:
+        if where is None:
+            raise ValueError(f"FusedAdam(lr={_describe_lr(lr)}): {problem}.")
+        raise ValueError(f"{where}: lr={_describe_lr(lr)}: {problem}.")
+
+
 class FusedAdam(torch.optim.Optimizer):
     """Adam and AdamW (Apex's ``apex.optimizers.FusedAdam``), one fused pass per step.
 
@@ -63,12 +103,21 @@ class FusedAdam(torch.optim.Optimizer):
     Like PyTorch's fused optimizers it follows ``GradScaler``'s protocol
     (``_step_supports_amp_scaling``): an overflowed step is skipped on the device, with no host
     synchronization, under ``torch.amp.GradScaler`` and under amp's dynamic loss scaling alike,
-    and a step can be captured in a CUDA graph (with a constant learning rate: ``lr`` is read
-    on the host at each step).
+    and a step can be captured in a CUDA graph.
+
+    The learning rate may be a tensor, as in ``torch.optim.AdamW(fused=True)``. A float ``lr``
+    is passed to the kernels at each step, so a captured step keeps the rate it was captured
+    with. A one-element floating tensor on the parameters' device is read on the device when
+    the update runs: a CUDA graph's replays then follow a schedule that changes the tensor in
+    place between them (PyTorch's LR schedulers do, ``group["lr"].fill_(new_lr)``, when
+    ``lr`` is a tensor; a new tensor put in the group is not seen by a graph captured before).
+    A CPU tensor is read on the host at each step, as PyTorch's fused Adam reads it (no device
+    sync; inside a capture it raises, since a replay could not read it).
 
     Args:
         params (iterable): parameters or parameter groups (dicts).
-        lr (float): learning rate. Default ``1e-3``.
+        lr (float or Tensor): learning rate, a number >= 0 or a one-element floating tensor
+            (see above). Default ``1e-3``.
         bias_correction (bool): Adam's bias correction of both moments. Default ``True``.
         betas (Tuple[float, float]): moment decay rates, each in [0, 1). Default
             ``(0.9, 0.999)``.
@@ -116,7 +165,7 @@ class FusedAdam(torch.optim.Optimizer):
                 "in the optimizer. Build FusedAdam on the fp32 model and call amp.initialize("
                 "model, optimizer, opt_level='O2'): the masters then live in the optimizer and "
                 "FusedAdam writes the half model in the same pass.")
-        _check_hyper("lr", lr, 0.0)
+        _check_lr(lr)
         _check_hyper("eps", eps, 0.0)
         _check_hyper("weight_decay", weight_decay, 0.0)
         if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
@@ -167,6 +216,8 @@ class FusedAdam(torch.optim.Optimizer):
     # -- torch.optim.Optimizer -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """PyTorch's; the new group takes this optimizer's defaults for options it lacks."""
+        if isinstance(param_group, dict) and "lr" in param_group:
+            _check_lr(param_group["lr"], f"FusedAdam param group {len(self.param_groups)}")
         super().add_param_group(param_group)
         if hasattr(self, "_plans"):  # (torch's __init__ adds the first groups)
             self._plans.clear()
@@ -193,7 +244,11 @@ class FusedAdam(torch.optim.Optimizer):
         """PyTorch's, accepting ``torch.optim.Adam``/``AdamW`` checkpoints too: a group saved
         by them takes ``adam_w_mode`` from its ``decoupled_weight_decay`` where it has one
         (else from this optimizer's defaults) and this optimizer's other missing options; step
-        counts move to their parameter's device as fp32."""
+        counts move to their parameter's device as fp32. A tensor ``lr`` is loaded as
+        PyTorch loads it: a copy, on the device it was saved from (or mapped to)."""
+        for i, group in enumerate(state_dict.get("param_groups", ())):
+            if "lr" in group:
+                _check_lr(group["lr"], f"FusedAdam.load_state_dict: param group {i}")
         super().load_state_dict(state_dict)
         self._epoch += 1
         for group in self.param_groups:
@@ -241,8 +296,8 @@ class FusedAdam(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         written: List[Tensor] = []
-        for group in self.param_groups:
-            self._step_group(group, grad_scale, found_inf, written)
+        for i, group in enumerate(self.param_groups):
+            self._step_group(i, group, grad_scale, found_inf, written)
         self._half_copies_written = written
         return loss
 
@@ -287,7 +342,8 @@ class FusedAdam(torch.optim.Optimizer):
         self._plans[key] = plan
         return plan
 
-    def _step_group(self, group: dict, grad_scale, found_inf, written: List[Tensor]) -> None:
+    def _step_group(self, index: int, group: dict, grad_scale, found_inf,
+                    written: List[Tensor]) -> None:
         params, grads = [], []
         for p in group["params"]:
             g = p.grad
@@ -296,11 +352,25 @@ class FusedAdam(torch.optim.Optimizer):
                 grads.append(g)
         if not params:
             return
+        lr = group["lr"]
+        if isinstance(lr, Tensor):
+            # (Set by hand or by a scheduler since the checks: its shape and dtype, read
+            # without a sync; the routes read its value where it is, at each step.)
+            problem = _lr_problem(lr, check_value=False)
+            if problem is not None:
+                raise ValueError(f"FusedAdam param group {index}: lr={_describe_lr(lr)}: "
+                                 f"{problem}.")
+            if lr.is_cuda and torch.cuda.is_current_stream_capturing():
+                _CAPTURED_LRS.setdefault(id(lr), lr)  # replays read it by address
+        else:
+            lr = float(lr)
         plan = self._plan(group, params, grads)
+        # The rate for each device's parameters, before anything is launched (or captured).
+        lrs = {dev: _lr_on(lr, dev) for dev in plan.devices}
         states, steps, copies = plan.states, plan.steps, plan.copies
         torch._foreach_add_(steps, 1.0)
         beta1, beta2 = group["betas"]
-        hyper = dict(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+        hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"],
                      weight_decay=group["weight_decay"], adam_w=group["adam_w_mode"],
                      bias_correction=group["bias_correction"])
         for idx in plan.kernel_by_device:
@@ -308,12 +378,20 @@ class FusedAdam(torch.optim.Optimizer):
             _adam_kernel.adam_step_(
                 [params[i] for i in idx], [grads[i] for i in idx],
                 [states[i]["exp_avg"] for i in idx], [states[i]["exp_avg_sq"] for i in idx],
-                [steps[i] for i in idx], [copies[i] for i in idx],
+                [steps[i] for i in idx], [copies[i] for i in idx], lr=lrs[dev],
                 grad_scale=_on(grad_scale, dev), found_inf=_on(found_inf, dev), **hyper)
         for idx in plan.fused_by_device:
-            _torch_fused_step(params, grads, states, steps, idx, hyper, grad_scale, found_inf)
+            dev_lr = lrs[params[idx[0]].device]
+            if (isinstance(dev_lr, Tensor) and dev_lr.device.type != "cpu"
+                    and not _torch_fused_takes_tensor_lr()):
+                # (A PyTorch without the tensor-lr overload: the plain arithmetic reads it.)
+                _reference_step(params, grads, states, idx, lrs, hyper, grad_scale, found_inf)
+            else:
+                _torch_fused_step(params, grads, states, steps, idx, dev_lr, hyper,
+                                  grad_scale, found_inf)
         if plan.plain:
-            _reference_step(params, grads, states, plan.plain, hyper, grad_scale, found_inf)
+            _reference_step(params, grads, states, plan.plain, lrs, hyper, grad_scale,
+                            found_inf)
         written.extend(plan.written_by_kernel)
         for i in plan.copied_after:
             copies[i].copy_(params[i])
@@ -331,11 +409,13 @@ class _Plan:
     half copies linked since), ``optimizer.state`` is the same dict with as many entries (none
     cleared or deleted), and the per-step facts the checks relied on still stand, read from
     cached flags (each gradient's and parameter's layout, each copy's device and dtype).
-    State tensors replaced by hand in ``optimizer.state`` are not noticed.
+    State tensors replaced by hand in ``optimizer.state`` are not noticed. The learning rate is
+    no part of it: each step takes the group's ``lr`` as it is then (a float, a tensor changed
+    in place, or a new tensor or float put in the group).
     """
 
     __slots__ = ("epoch", "state_map", "state_count", "params", "states", "steps", "copies",
-                 "plain", "kernel_by_device", "fused_by_device", "steps_by_device",
+                 "plain", "kernel_by_device", "fused_by_device", "steps_by_device", "devices",
                  "written_by_kernel", "copied_after", "_layouts", "_copy_facts")
 
     def __init__(self, epoch, state_map, states, copies, kernel, fused, plain, params):
@@ -355,6 +435,7 @@ class _Plan:
         for step in self.steps:
             by_device.setdefault(step.device, []).append(step)
         self.steps_by_device = list(by_device.values())
+        self.devices = list(by_device)  # (the parameters' devices: steps are on them)
         self.written_by_kernel = [params[i] for i in kernel if copies[i] is not None]
         self.copied_after = [i for i in fused + plain if copies[i] is not None]
         # What the checks of both fused routes saw, re-read cheaply every step.
@@ -393,6 +474,36 @@ def _on(t: Optional[Tensor], device: torch.device) -> Optional[Tensor]:
     return t.to(device, non_blocking=True)
 
 
+# Tensor learning rates read by captured steps: a replay reads them by address, so they are
+# kept from being freed (and their memory reused) while the graph may still be replayed.
+_CAPTURED_LRS: Dict[int, Tensor] = {}
+
+
+def _lr_on(lr: Union[float, Tensor], device: torch.device) -> Union[float, Tensor]:
+    """A group's learning rate for its parameters on ``device``: a float, or a tensor on
+    ``device`` that the update reads there (at a CUDA-graph replay, its value then).
+
+    PyTorch's rule for its fused Adam: a tensor on the parameters' device is read there, a CPU
+    tensor is read on the host (no device sync) at each step, and one on another device is
+    copied over first.
+    """
+    if not isinstance(lr, Tensor) or lr.device == device:
+        return lr
+    if lr.device.type == "cpu":
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"FusedAdam: this step is being captured in a CUDA graph and lr is a CPU "
+                f"tensor, which a replay cannot read (the capture would keep its value now). "
+                f"Put lr on the parameters' device before the capture, e.g. lr=torch.tensor("
+                f"1e-3, device='{device}') or group['lr'] = group['lr'].to('{device}'), and "
+                f"change it in place (fill_, as LR schedulers do); or pass a float for a "
+                f"constant rate.")
+        return lr.item()
+    if device.type == "cpu":
+        return lr.item()  # (a GPU rate for CPU parameters: a host sync, as in PyTorch)
+    return lr.to(device, non_blocking=True)
+
+
 def _by_device(indices: List[int], params: List[Tensor]) -> List[List[int]]:
     groups: Dict[torch.device, List[int]] = {}
     for i in indices:
@@ -421,26 +532,50 @@ def _torch_fused_ok(device: torch.device) -> bool:
     return device.type in ("cuda", "cpu") and _torch_fused_on(device.type)
 
 
-def _torch_fused_step(params, grads, states, steps, idx, hyper, grad_scale, found_inf) -> None:
+@functools.cache
+def _torch_fused_takes_tensor_lr() -> bool:
+    # PyTorch's fused Adam takes a tensor lr through its `tensor_lr` overloads (2.13 has them;
+    # without them a GPU tensor lr takes the plain arithmetic).
+    try:
+        return all("tensor_lr" in op.overloads()
+                   for op in (torch.ops.aten._fused_adam_, torch.ops.aten._fused_adamw_))
+    except (AttributeError, RuntimeError) as exc:
+        _log.debug("PyTorch's fused Adam has no tensor-lr overload: %s", exc)
+        return False
+
+
+def _torch_fused_step(params, grads, states, steps, idx, lr, hyper, grad_scale,
+                      found_inf) -> None:
     """Parameters the kernel does not take (half ones, on CUDA; on CPU any): PyTorch's fused
-    Adam/AdamW kernel (fp32 arithmetic inside), where it runs."""
+    Adam/AdamW kernel (fp32 arithmetic inside), where it runs. ``lr`` is a float or a tensor on
+    the parameters' device (a CPU one is read on the host, as PyTorch's CPU kernel does)."""
     op = torch._fused_adamw_ if hyper["adam_w"] else torch._fused_adam_
     dev = params[idx[0]].device
+    if isinstance(lr, Tensor):
+        if lr.device.type == "cpu":
+            lr = lr.item()
+        else:  # (read as fp32 by PyTorch's GPU kernel, which takes no other dtype)
+            lr = lr.reshape(()).to(torch.float32)
     op([params[i] for i in idx], [grads[i] for i in idx],
        [states[i]["exp_avg"] for i in idx], [states[i]["exp_avg_sq"] for i in idx], [],
-       [steps[i] for i in idx], lr=hyper["lr"], beta1=hyper["beta1"], beta2=hyper["beta2"],
+       [steps[i] for i in idx], lr=lr, beta1=hyper["beta1"], beta2=hyper["beta2"],
        weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False,
        grad_scale=_on(grad_scale, dev), found_inf=_on(found_inf, dev))
 
 
-def _reference_step(params, grads, states, idx, hyper, grad_scale, found_inf) -> None:
-    """The update in plain PyTorch, in fp32 (half tensors are upcast and written back)."""
+def _reference_step(params, grads, states, idx, lrs, hyper, grad_scale, found_inf) -> None:
+    """The update in plain PyTorch, in fp32 (half tensors are upcast and written back);
+    ``lrs`` maps each device to the rate of its parameters, a float or a tensor there (read as
+    fp32)."""
     if found_inf is not None and bool(found_inf.item()):  # (a host sync: not the fast path)
         return
-    lr, beta1, beta2 = hyper["lr"], hyper["beta1"], hyper["beta2"]
+    beta1, beta2 = hyper["beta1"], hyper["beta2"]
     eps, wd = hyper["eps"], hyper["weight_decay"]
     for i in idx:
         p, state = params[i], states[i]
+        lr = lrs[p.device]
+        if isinstance(lr, Tensor):
+            lr = lr.reshape(()).to(torch.float32)
         p32, g = p.float(), grads[i].float()
         m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
         if grad_scale is not None:

@@ -485,6 +485,225 @@ def test_a_compiled_training_step_steps_eagerly(device, path):
     torch._dynamo.reset()
 
 
+# -- a tensor learning rate --------------------------------------------------------------------
+@pytest.fixture
+def kernel_device(device, monkeypatch):
+    """Where FusedAdam's Triton kernel runs: on CPU through Triton's interpreter."""
+    if device.type == "cpu":
+        reason = interpreter_skip_reason()
+        if reason is not None:
+            pytest.skip(reason)
+        monkeypatch.setattr(fused_adam, "_KERNEL_ON_CPU", True)
+    return device
+
+
+def _scheduler(name, optimizer):
+    if name == "lambda":  # a warm-up, then a decay
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda epoch: (epoch + 1) / 3 if epoch < 2 else 0.6**epoch)
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.3)
+
+
+@pytest.mark.parametrize("adam_w", [True, False])
+@pytest.mark.parametrize("schedule", ["lambda", "step"])
+def test_tensor_lr_with_a_schedule_matches_pytorch_in_float64(device, path, adam_w, schedule):
+    """A tensor ``lr`` that an LR scheduler changes in place after each step: FusedAdam follows
+    it as PyTorch's Adam/AdamW (float64, a float64 copy of the tensor) does under the same
+    schedule."""
+    gen = torch.Generator().manual_seed(14)
+    params = _params(device, gen)
+    grads = _grads(params, gen, steps=6)
+    hyper = dict(betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1)
+    lr = torch.tensor(1e-2, device=device)
+    ours = [p.clone() for p in params]
+    opt = FusedAdam(ours, lr=lr, adam_w_mode=adam_w, **hyper)
+    ref = [p.double() for p in params]
+    ref_opt = _torch_reference(adam_w, lr=lr.double(), **hyper)(ref)
+    schedulers = [_scheduler(schedule, o) for o in (opt, ref_opt)]
+    rates = []
+    for step in grads:
+        rates.append(lr.item())
+        for p, r, g in zip(ours, ref, step):
+            p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        ref_opt.step()
+        for s in schedulers:
+            s.step()
+    assert opt.param_groups[0]["lr"] is lr  # changed in place by the scheduler, not replaced
+    assert len(set(rates)) >= 3
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+def test_lr_changed_in_place_or_replaced_is_followed(device, path):
+    """Each step takes the group's ``lr`` as it is then: the tensor changed in place (with no
+    new routing plan: its checks are not redone), another tensor (float64, shape (1,), on the
+    CPU for parameters elsewhere), a float, and a tensor again; as PyTorch's AdamW (float64)
+    stepped with those rates as floats."""
+    gen = torch.Generator().manual_seed(15)
+    params = _params(device, gen, [(1023,), (37, 29), (5,)])
+    grads = _grads(params, gen, steps=8)
+    first = torch.tensor(2e-2, device=device)
+    changes = [
+        lambda group: None,  # the tensor given to the constructor
+        lambda group: group["lr"].fill_(5e-3),
+        lambda group: group["lr"].mul_(3.0),
+        lambda group: group.__setitem__("lr", torch.tensor(3e-3, dtype=torch.float64,
+                                                           device=device)),
+        lambda group: group.__setitem__("lr", 1e-2),
+        lambda group: group.__setitem__("lr", torch.tensor([4e-3], device=device)),
+        lambda group: group.__setitem__("lr", torch.tensor(7e-3)),  # on the CPU
+        lambda group: group.__setitem__("lr", first),  # (holding 1.5e-2 since the third step)
+    ]
+    ours = [p.clone() for p in params]
+    opt = FusedAdam(ours, lr=first, weight_decay=0.1)
+    ref = [p.double() for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=1.0, weight_decay=0.1, foreach=False)
+    plans = []
+    for change, step in zip(changes, grads):
+        change(opt.param_groups[0])
+        ref_opt.param_groups[0]["lr"] = float(opt.param_groups[0]["lr"])
+        for p, r, g in zip(ours, ref, step):
+            p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        ref_opt.step()
+        plans.append(list(opt._plans.values()))
+    assert all(len(ps) == 1 and ps[0] is plans[0][0] for ps in plans)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+@pytest.mark.parametrize("make_lr", [
+    lambda device: torch.tensor(1e-2, device=device),
+    lambda device: torch.tensor(1e-2, dtype=torch.float64, device=device),
+    lambda device: torch.tensor([1e-2], device=device),
+], ids=["float32", "float64", "shape_1"])
+def test_the_kernel_reads_a_tensor_lr_itself(kernel_device, monkeypatch, make_lr):
+    """The kernel is handed the group's tensor, which it loads when it runs (nothing reads it
+    on the host), and rounds it to fp32 as a float ``lr`` is rounded: the same update."""
+    seen = []
+    original = fused_adam._adam_kernel.adam_step_
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["lr"])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_adam._adam_kernel, "adam_step_", spy)
+    gen = torch.Generator().manual_seed(16)
+    params = _params(kernel_device, gen)
+    grads = _grads(params, gen, steps=3)
+    lr = make_lr(kernel_device)
+    with_tensor = [p.clone() for p in params]
+    _run(lambda ps: FusedAdam(ps, lr=lr, weight_decay=0.1), with_tensor, grads)
+    with_float = [p.clone() for p in params]
+    _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), with_float, grads)
+    assert len(seen) == 6 and all(s is lr for s in seen[:3]) and seen[3:] == [1e-2] * 3
+    # (On the GPU two compiled specializations: one fp32 ulp allowed, as for grad_scale; the
+    # H200 gave identical results.)
+    tol = dict(rtol=0, atol=0) if kernel_device.type == "cpu" else dict(rtol=2e-7, atol=2e-7)
+    for a, b in zip(with_tensor, with_float):
+        torch.testing.assert_close(a, b, **tol)
+
+
+def test_without_pytorchs_tensor_lr_overload_the_plain_arithmetic_reads_it(device, monkeypatch):
+    """A PyTorch whose fused Adam has no tensor-lr overload: the parameters it would step with a
+    GPU tensor ``lr`` take the plain arithmetic instead (a CPU tensor is read on the host and
+    stays on PyTorch's kernel); the update is PyTorch's AdamW's (float64) either way."""
+    if not fused_adam._torch_fused_ok(device):
+        pytest.skip(f"this PyTorch has no fused Adam kernel for {device.type} tensors")
+    monkeypatch.setattr(fused_adam, "_kernel_device_ok", lambda device: False)
+    monkeypatch.setattr(fused_adam, "_torch_fused_takes_tensor_lr", lambda: False)
+    plain_steps = []
+    original = fused_adam._reference_step
+
+    def spy(*args, **kwargs):
+        plain_steps.append(args[3])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_adam, "_reference_step", spy)
+    gen = torch.Generator().manual_seed(21)
+    params = _params(device, gen, [(37, 29), (5,)])
+    grads = _grads(params, gen, steps=3)
+    lr = torch.tensor(1e-2, device=device)
+    ours = [p.clone() for p in params]
+    _run(lambda ps: FusedAdam(ps, lr=lr, weight_decay=0.1), ours, grads)
+    ref = [p.double() for p in params]
+    _run(_torch_reference(True, lr=lr.double(), weight_decay=0.1), ref, grads)
+    assert plain_steps == ([[0, 1]] * 3 if device.type == "cuda" else [])
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+def test_bad_tensor_lrs_say_what_to_do():
+    p = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"FusedAdam\(lr=a torch.float32 tensor of shape "
+                                         r"\(2,\) on cpu\): a tensor lr must hold one element"):
+        FusedAdam(p, lr=torch.tensor([1e-3, 2e-3]))
+    with pytest.raises(ValueError, match=r"torch.int64 .* must be floating point"):
+        FusedAdam(p, lr=torch.tensor(1))
+    with pytest.raises(ValueError, match=r"holding -0.5\): lr must be >= 0"):
+        FusedAdam(p, lr=torch.tensor(-0.5))
+    with pytest.raises(ValueError, match="lr must be >= 0"):
+        FusedAdam(p, lr=torch.tensor(float("nan")))
+    with pytest.raises(ValueError, match="a number >= 0 or a one-element floating tensor"):
+        FusedAdam(p, lr="1e-3")
+    with pytest.raises(ValueError, match=r"FusedAdam param group 1: lr=.*one element"):
+        FusedAdam([{"params": p}, {"params": [nn.Parameter(torch.zeros(1))],
+                                   "lr": torch.ones(3)}])
+    opt = FusedAdam(p, lr=torch.tensor(1e-3))
+    with pytest.raises(ValueError, match=r"FusedAdam param group 1: lr=.*>= 0"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))], "lr": -1.0})
+    assert len(opt.param_groups) == 1
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0]["lr"] = torch.tensor(3)
+    with pytest.raises(ValueError, match=r"load_state_dict: param group 0: lr=a torch.int64"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["lr"].dtype == torch.float32  # (not loaded)
+    # Set by hand after the checks: the step refuses it before it changes anything.
+    p[0].grad = torch.ones(2)
+    opt.step()
+    opt.param_groups[0]["lr"] = torch.tensor([1e-3, 1e-3])
+    with pytest.raises(ValueError, match=r"FusedAdam param group 0: lr=.*one element"):
+        opt.step()
+    assert opt.state[p[0]]["step"].item() == 1.0
+
+
+def test_a_tensor_lr_goes_through_state_dicts_and_copies(device, path):
+    """A tensor ``lr`` is saved and loaded as PyTorch's AdamW saves and loads it (a tensor, a
+    copy on its device); AdamW loads FusedAdam's and FusedAdam AdamW's, and deep copies and
+    pickles get their own tensor: each steps as the original with the rate set in its own."""
+    gen = torch.Generator().manual_seed(17)
+    params = _params(device, gen, [(37, 29), (5,)])
+    grads = _grads(params, gen, steps=5)
+    lr = torch.tensor(1e-2, device=device)
+    ours = [p.clone() for p in params]
+    opt = _run(lambda ps: FusedAdam(ps, lr=lr, weight_decay=0.1), ours, grads[:2])
+    theirs = [p.clone() for p in ours]
+    torch_opt = torch.optim.AdamW(theirs, lr=1.0, weight_decay=0.1, foreach=False)
+    torch_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    back = [p.clone() for p in ours]
+    opt_back = FusedAdam(back, lr=123.0)
+    opt_back.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
+    others = [torch_opt, opt_back, *copies]
+    lr.fill_(4e-3)
+    for o in others:
+        loaded = o.param_groups[0]["lr"]
+        assert torch.is_tensor(loaded) and loaded is not lr and loaded.device == lr.device
+        assert loaded.item() == pytest.approx(1e-2)  # (not the original's new value)
+        loaded.fill_(4e-3)
+    for step in grads[2:]:
+        for o in [opt, *others]:
+            for p, g in zip(o.param_groups[0]["params"], step):
+                p.grad = g.clone()
+            o.step()
+    for p, q in zip(ours, theirs):
+        torch.testing.assert_close(q, p, **_TOL)
+    for o in [opt_back, *copies]:
+        for p, q in zip(ours, o.param_groups[0]["params"]):
+            torch.testing.assert_close(q, p, rtol=0, atol=0)
+
+
 # -- with amp ----------------------------------------------------------------------------------
 def _net():
     torch.manual_seed(0)
@@ -643,6 +862,23 @@ def test_amp_an_overflow_in_one_of_two_optimizers_skips_both(amp_device):
             torch.testing.assert_close(a, b, **_TOL, msg=name)
 
 
+def test_amp_o2_with_a_tensor_lr_steps_as_with_the_float(amp_device):
+    """At O2 a tensor ``lr`` on the device gives the update of the same float ``lr``, and the
+    half model is written from the masters in the step as ever."""
+    model, opt = _amp_train(lambda ps: FusedAdam(ps, lr=torch.tensor(1e-2, device=amp_device)),
+                            torch.bfloat16, amp_device, steps=3)
+    ref_model, ref_opt = _amp_train(lambda ps: FusedAdam(ps, lr=1e-2), torch.bfloat16,
+                                    amp_device, steps=3)
+    assert torch.is_tensor(opt.param_groups[0]["lr"]) and len(opt._half_copies_written) == 4
+    # (On the GPU two compiled specializations: one fp32 ulp allowed, as for grad_scale; the
+    # H200 gave identical results.)
+    tol = dict(rtol=0, atol=0) if amp_device.type == "cpu" else dict(rtol=2e-7, atol=2e-7)
+    for (half, master), (_, ref_master) in zip(_state.optimizer_state(opt).pairs,
+                                               _state.optimizer_state(ref_opt).pairs):
+        assert torch.equal(half, master.to(torch.bfloat16))
+        torch.testing.assert_close(master, ref_master, **tol)
+
+
 def test_amp_o3_and_o1_step_the_model_directly(amp_device):
     for level, dtype in (("O3", torch.bfloat16), ("O1", torch.bfloat16)):
         model, opt = _amp_train(lambda ps: FusedAdam(ps, lr=1e-2), dtype, amp_device, steps=2,
@@ -765,3 +1001,102 @@ def test_cuda_eager_step_between_capture_and_replay():
         torch.testing.assert_close(p, r, rtol=0, atol=0)
         assert torch.equal(c, p.to(torch.bfloat16))
     assert opt.state[ours[0]]["step"].item() == 6.0
+
+
+@requires_cuda
+def test_cuda_graph_replays_read_a_tensor_lr_changed_in_place():
+    """A step captured with the rate a GPU tensor: a LambdaLR changing it in place between
+    replays changes each replay's update as it changes eager steps, on the kernel (fp32
+    parameters, with half copies) and PyTorch's fused kernel (bf16 ones) alike. A replay at rate
+    0 leaves the parameters as they are."""
+    gen = torch.Generator().manual_seed(18)
+    params = _params("cuda", gen, [(4096, 33), (1000,)]) + [
+        p.to(torch.bfloat16) for p in _params("cuda", gen, [(300, 7)])]
+    grads = _grads(params, gen, steps=1)[0]
+    factors = [1.0, 1.0, 1.0, 0.5, 4.0, 0.0, 0.25, 1.0]  # steps 0-2 eager, 3-6 replays (, 7)
+
+    def build():
+        ps = [p.clone() for p in params]
+        for p, g in zip(ps, grads):
+            p.grad = g.to(p.dtype)
+        opt = FusedAdam(ps, lr=torch.tensor(1e-3, device="cuda"), weight_decay=0.1)
+        copies = [p.to(torch.bfloat16) for p in ps[:2]]
+        opt._link_half_copies(list(zip(copies, ps[:2])))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: factors[epoch])
+        return ps, copies, opt, scheduler
+
+    ours, copies, opt, scheduler = build()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            opt.step()
+            scheduler.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    moved = []
+    for _ in range(4):
+        before = [p.clone() for p in ours]
+        graph.replay()
+        scheduler.step()
+        moved.append(not all(torch.equal(a, b) for a, b in zip(before, ours)))
+    assert moved == [True, True, False, True]
+    ref, _, ref_opt, ref_scheduler = build()
+    for _ in range(7):
+        ref_opt.step()
+        ref_scheduler.step()
+    torch.cuda.synchronize()
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
+    for c, p in zip(copies, ours):
+        assert torch.equal(c, p.to(torch.bfloat16))
+    assert opt.state[ours[0]]["step"].item() == 7.0
+
+
+@requires_cuda
+def test_cuda_cpu_tensor_lr_is_read_on_the_host_and_refused_in_a_capture():
+    """PyTorch's rule: a CPU tensor ``lr`` for GPU parameters is read on the host at each step
+    (the update of that float); a replay could not read it, so a capture raises, saying what to
+    do, before anything is captured."""
+    gen = torch.Generator().manual_seed(19)
+    params = _params("cuda", gen, [(1000,), (3, 5, 7, 11)])
+    grads = _grads(params, gen, steps=2)
+    ours = [p.clone() for p in params]
+    opt = _run(lambda ps: FusedAdam(ps, lr=torch.tensor(1e-2, dtype=torch.float64)), ours, grads)
+    ref = [p.clone() for p in params]
+    _run(lambda ps: FusedAdam(ps, lr=1e-2), ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=r"lr is a CPU tensor.*device='cuda:0'"):
+        with torch.cuda.graph(graph):
+            opt.step()
+    assert opt.state[ours[0]]["step"].item() == 2.0
+
+
+@requires_cuda
+def test_cuda_tensor_lr_steps_with_no_host_sync():
+    """With the rate a GPU tensor nothing reads it on the host: the constructor's checks (which
+    leave a GPU tensor's value unchecked for that reason), both fused routes' steps and a
+    scheduler's in-place changes run under ``torch.cuda.set_sync_debug_mode("error")``."""
+    gen = torch.Generator().manual_seed(20)
+    params = _params("cuda", gen, [(1000,)]) + [
+        p.to(torch.bfloat16) for p in _params("cuda", gen, [(300, 7)])]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device="cuda", dtype=p.dtype)
+    lr, negative = torch.tensor(1e-2, device="cuda"), torch.tensor(-1.0, device="cuda")
+    FusedAdam(params, lr=lr).step()  # (compiles the kernel and builds its table)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        FusedAdam(params, lr=negative)
+        opt = FusedAdam(params, lr=lr, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+        for _ in range(3):
+            opt.step()
+            scheduler.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert opt.param_groups[0]["lr"].item() == pytest.approx(1e-2 * 0.5**3)
