@@ -31,8 +31,10 @@ def install_apex_alias() -> Tuple[str, ...]:
     installed Apex lacks. Apex releases from 2025 on removed ``apex.amp`` and
     ``apex.parallel`` but keep ``apex.optimizers`` and ``apex.normalization`` (NGC containers
     ship such an Apex), so there ``apex.amp`` and ``apex.parallel`` become mixprec's while
-    ``FusedLAMB``, ``FusedLayerNorm`` and the rest stay Apex's own. An older Apex that still
-    has ``apex.amp`` is left as it is, with a warning.
+    ``FusedLAMB``, ``FusedLayerNorm`` and the rest stay Apex's own. An older Apex whose
+    ``apex.amp`` still works is left as it is, with a warning; an ``apex.amp`` that fails to
+    import (an old Apex on a newer PyTorch) is replaced by mixprec's, with a warning, and so is
+    an ``apex.parallel`` without ``DistributedDataParallel``.
 
     Call it once, before the script imports ``apex`` (for example in a launcher or
     ``sitecustomize.py``). Calling it again is harmless and returns the same names.
@@ -80,7 +82,7 @@ def install_apex_alias() -> Tuple[str, ...]:
 
 def _fill_in(apex: types.ModuleType) -> Tuple[str, ...]:
     """Attach mixprec's modules to a real Apex package for the submodules it does not have."""
-    missing = tuple(name for name in _SUBMODULES if not _has_submodule(apex, name))
+    missing = tuple(name for name in _SUBMODULES if not _apex_provides(apex, name))
     served = _serve(apex, missing)
     apex.__mixprec_alias__ = served
     if not served:
@@ -90,6 +92,28 @@ def _fill_in(apex: types.ModuleType) -> Tuple[str, ...]:
             "`apex.amp` is Apex's own. To use mixprec, uninstall that Apex (pip uninstall apex) "
             "or import mixprec's modules directly (from mixprec import amp).", stacklevel=3)
     return served
+
+
+# What the submodules Apex removed in 2025 must hold to count as Apex's own: a release that
+# kept an `apex.parallel` without its DistributedDataParallel still gets mixprec's.
+_MARKERS = {"amp": "initialize", "parallel": "DistributedDataParallel"}
+
+
+def _apex_provides(apex: types.ModuleType, name: str) -> bool:
+    if not _has_submodule(apex, name):
+        return False
+    marker = _MARKERS.get(name)
+    if marker is None:
+        return True
+    try:
+        module = importlib.import_module(f"apex.{name}")
+    except Exception as err:  # (an old apex.amp on a newer PyTorch, say)
+        warnings.warn(
+            f"install_apex_alias(): the installed Apex's apex.{name} fails to import "
+            f"({type(err).__name__}: {err}); mixprec.{name} serves as apex.{name} instead.",
+            stacklevel=5)
+        return False
+    return hasattr(module, marker)
 
 
 def _has_submodule(apex: types.ModuleType, name: str) -> bool:

@@ -41,7 +41,11 @@ def _fake_apex(root, *submodules, init=""):
     (package / "__init__.py").write_text(init)
     for name in submodules:
         (package / name).mkdir()
-        (package / name / "__init__.py").write_text(f"WHO = 'apex.{name} itself'\n")
+        (package / name / "__init__.py").write_text(
+            f"WHO = 'apex.{name} itself'\n"
+            # What Apex's own amp and parallel held (the alias checks for them).
+            + {"amp": "def initialize(*args, **kwargs): pass\n",
+               "parallel": "class DistributedDataParallel: pass\n"}.get(name, ""))
     return package
 
 
@@ -90,6 +94,25 @@ def test_alias_leaves_an_apex_with_its_own_amp_alone(clean_apex, tmp_path, monke
     from apex import amp as apex_amp
 
     assert apex_amp.WHO == "apex.amp itself"
+
+
+def test_alias_replaces_a_broken_or_partial_apex_submodule(clean_apex, tmp_path, monkeypatch):
+    # An old apex.amp that no longer imports, and an apex.parallel without its DDP.
+    package = _fake_apex(tmp_path, "optimizers", "normalization")
+    (package / "amp").mkdir()
+    (package / "amp" / "__init__.py").write_text("from torch._six import string_classes\n")
+    (package / "parallel").mkdir()
+    (package / "parallel" / "__init__.py").write_text("class SyncBatchNorm: pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match="apex.amp fails to import.*torch._six.*mixprec.amp"):
+        served = mixprec.install_apex_alias()
+    assert served == ("apex.amp", "apex.parallel")
+    from apex import amp as apex_amp
+    from apex.optimizers import WHO
+    from apex.parallel import DistributedDataParallel
+
+    assert apex_amp is amp and WHO == "apex.optimizers itself"
+    assert DistributedDataParallel is mixprec.parallel.DistributedDataParallel
 
 
 def test_alias_reports_a_broken_apex(clean_apex, tmp_path, monkeypatch):
