@@ -10,7 +10,9 @@ after ``initialize`` its masters before the state is saved or loaded), and nothi
 step pre-hook makes a step with overflowed gradients a no-op by setting the gradients to
 ``None`` (every ``torch.optim`` optimizer skips such parameters, so neither the parameters nor
 the moment estimates move); the post-hook copies the fp32 master weights into the half model
-(O2). :meth:`_OptimizerState.remove_hooks` undoes it.
+(O2). :meth:`_OptimizerState.remove_hooks` undoes it. Before a step the pre-hook also takes into
+the masters any half parameter written in place since amp last set it (version counters; see
+:meth:`_OptimizerState.take_model_writes`): PyTorch's DDP broadcasting rank 0's weights, say.
 Fused optimizers (which take ``found_inf`` in their kernel, as ``GradScaler`` uses them) skip an
 overflowed step on the device instead, and the dynamic loss scale then lives on the device too
 (``AmpState.scale_device``): no host sync per step.
@@ -28,6 +30,7 @@ from mixprec.amp import _multi_tensor
 from mixprec.amp._logging import OverflowLog, log_rank0
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, overflow_groups, register_masters
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
+from mixprec.normalization._launch import is_compiling
 
 __all__ = ["AmpState", "SyncParamGroupsOnLoad", "optimizer_state"]
 
@@ -140,6 +143,10 @@ class _OptimizerState:
         self._skips_on_device = None
         self._stash: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._handles = []
+        # The (half parameter, master) version counters of each pair when amp last put the two
+        # in step (take_model_writes); None until the pairs are adopted.
+        self._synced_versions: Optional[List[Tuple[int, int]]] = None
+        self._writes_logged = False
 
     # -- set-up ------------------------------------------------------------------------------
     def adopt_params(self, make_masters: bool, cast_param_ids) -> Dict[torch.Tensor, torch.Tensor]:
@@ -174,6 +181,8 @@ class _OptimizerState:
                     self.plain.append(p)
         self.known_params = sum(len(g["params"]) for g in optimizer.param_groups)
         self._skips_on_device = None
+        # (The model's cast to half swaps each parameter's .data: no version change follows.)
+        self.record_synced()
         link = getattr(hookable_optimizer(optimizer), "_link_half_copies", None)
         if link is not None and masters:
             # An optimizer that writes the half model itself (mixprec.optimizers.FusedAdam):
@@ -411,6 +420,8 @@ class _OptimizerState:
             self._last_step_flag = self.pending_found
             self.pending_found = None
             self._flag_handed_over = True
+        if self.pairs:
+            self.take_model_writes()
         for p, _ in self.pairs:
             if p.grad is not None:
                 raise RuntimeError(
@@ -424,6 +435,50 @@ class _OptimizerState:
             first = 1 if args and args[0] is optimizer else 0
             return (*args[:first], replaced, *args[first + 1:]), kwargs
         return None
+
+    def record_synced(self) -> None:
+        """Note the version counters of every pair: the half parameters now hold their
+        masters' values (or the masters were just made from them)."""
+        self._synced_versions = [(p._version, m._version) for p, m in self.pairs]
+
+    def take_model_writes(self) -> None:
+        """Copy into its fp32 master every half parameter written in place since amp last set
+        it, so that the write holds instead of being overwritten by the next post-step copy.
+
+        Seen through the version counters, which every in-place write bumps (under
+        ``torch.no_grad()`` too) and amp's own copies are recorded after:
+        ``torch.nn.parallel.DistributedDataParallel`` broadcasting rank 0's weights into the
+        half model at construction (without this each rank would go on from its own masters,
+        and replicas initialized differently would train apart), ``nn.init`` or
+        ``reset_parameters()`` after ``initialize``, an update under ``no_grad``. A master
+        written since as well (``model.load_state_dict`` writes both) wins. Writes through
+        ``.data`` bump no counter and are not seen. Not inside a CUDA-graph capture or a
+        ``torch.compile`` trace (a captured copy would replay at every step).
+        """
+        synced = self._synced_versions
+        if is_compiling() or (self.pairs[0][1].is_cuda
+                              and torch.cuda.is_current_stream_capturing()):
+            return
+        now = [(p._version, m._version) for p, m in self.pairs]
+        if now == synced:
+            return
+        written = [] if synced is None or len(synced) != len(now) else [
+            pair for pair, (pv, mv), (sp, sm) in zip(self.pairs, now, synced)
+            if pv != sp and mv == sm]
+        if written:
+            with torch.no_grad():
+                torch._foreach_copy_([m for _, m in written], [p for p, _ in written])
+            level = logging.DEBUG if self._writes_logged else logging.INFO
+            self._writes_logged = True
+            if self.amp_state.verbosity > 0:
+                log_rank0(
+                    level, "amp: %d of the half model's %d master-weighted parameters were "
+                    "written in place since amp last set them (e.g. by PyTorch's "
+                    "DistributedDataParallel broadcasting rank 0's weights, or nn.init): their "
+                    "fp32 master weights were set from them (at half precision). To keep full "
+                    "precision, write amp.master_params(optimizer) as well, or load weights "
+                    "with model.load_state_dict.", len(written), len(self.pairs))
+        self.record_synced()
 
     def _synced_closure(self, closure):
         def synced_closure():
@@ -451,6 +506,8 @@ class _OptimizerState:
         elif len(written) < len(self.pairs):  # the optimizer wrote some half copies itself
             done = set(map(id, written))
             self.copy_masters_to_model([(p, m) for p, m in self.pairs if id(m) not in done])
+        if self.pairs:
+            self.record_synced()
 
     def copy_masters_to_model(self, pairs=None) -> None:
         """Copy the fp32 master weights into the half model's parameters (cast to half), for

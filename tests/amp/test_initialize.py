@@ -325,6 +325,67 @@ def test_bare_parameter_added_after_initialize_steps_in_fp32():
     torch.testing.assert_close(weight.detach(), expected, rtol=1e-6, atol=1e-6)
 
 
+def _o2_model(optimizer):
+    from mixprec.optimizers import FusedAdam
+
+    model = make_cnn()
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
+           else FusedAdam(model.parameters(), lr=1e-2))
+    return amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("steps_before", [0, 2], ids=["before-first-step", "after-two-steps"])
+@pytest.mark.parametrize("optimizer", ["sgd", "fused_adam"])
+def test_o2_in_place_write_to_the_half_model_holds(optimizer, steps_before, caplog):
+    # A half parameter written in place after initialize (reset_parameters here; nn.init, an
+    # update under no_grad, PyTorch DDP broadcasting rank 0's weights alike) is taken into its
+    # fp32 master before the next step, instead of being overwritten by the post-step copy.
+    # (FusedAdam writes the half copies itself, without a version change.) A step at lr 0
+    # changes nothing else: every other master keeps its fp32 value bit for bit.
+    model, opt = _o2_model(optimizer)
+    x, y = batch()
+    for _ in range(steps_before):
+        train_step(model, opt, x, y, amp)
+    masters = {id(p): m for p, m in optimizer_state(opt).pairs}
+    others = {name: masters[id(p)].detach().clone() for name, p in model.named_parameters()
+              if id(p) in masters and not name.startswith("head.")}
+    torch.manual_seed(5)
+    model.head.reset_parameters()
+    written = model.head.weight.detach().clone()
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    with caplog.at_level("INFO", logger="mixprec.amp"):
+        train_step(model, opt, x, y, amp)
+    assert torch.equal(model.head.weight, written)  # not overwritten by the old master
+    assert torch.equal(masters[id(model.head.weight)], written.float())
+    assert torch.equal(model.state_dict()["head.weight"], written.float())
+    for name, p in model.named_parameters():
+        if name in others:
+            assert torch.equal(masters[id(p)], others[name]), name
+    assert "2 of the half model's 6 master-weighted parameters were written in place" in (
+        caplog.text)
+
+
+def test_o2_load_state_dict_after_initialize_keeps_exact_masters():
+    # model.load_state_dict writes the half parameters and the masters: the masters win (an
+    # fp32 checkpoint is not rounded to half by the next step's check for in-place writes).
+    model, opt = _o2_model("sgd")
+    fresh = make_cnn(seed=7).state_dict()
+    model.load_state_dict(fresh)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    x, y = batch()
+    train_step(model, opt, x, y, amp)
+    masters = {id(p): m for p, m in optimizer_state(opt).pairs}
+    checked = 0
+    for name, p in model.named_parameters():
+        if id(p) in masters:  # (BatchNorm's fp32 parameters have none)
+            assert torch.equal(masters[id(p)], fresh[name]), f"{name}: master rounded"
+            assert not torch.equal(fresh[name], fresh[name].bfloat16().float())  # (could fail)
+            checked += 1
+    assert checked == 6
+
+
 @pytest.mark.parametrize("bad,exc", [("model", TypeError), (3, TypeError)])
 def test_rejects_non_modules(bad, exc):
     with pytest.raises(exc, match="torch.nn.Module"):

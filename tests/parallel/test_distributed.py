@@ -665,6 +665,34 @@ def check_amp_o2_masters_broadcast_from_rank0(ctx):
     _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter after a step")
 
 
+def check_amp_o2_rank_dependent_init_under_either_ddp(ctx):
+    # Weights initialised per rank, then amp O2, then a DDP wrapper, then one step at lr 0.
+    # PyTorch's DDP broadcasts rank 0's half weights only (not the masters in the optimizer):
+    # amp takes them into the masters before the step, so every rank goes on from rank 0's
+    # weights (rounded to bf16) and the replicas stay one model. mixprec's DDP broadcasts the
+    # fp32 masters too: there they stay rank 0's exact fp32 weights.
+    from mixprec import amp
+
+    rank0 = [p.detach().clone() for p in _mlp(ctx.device, seed=300).parameters()]
+    for wrapper in (nn.parallel.DistributedDataParallel, DistributedDataParallel):
+        model = _mlp(ctx.device, seed=300 + ctx.rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0)
+        ddp = wrapper(model)
+        x, y = _global_batch(ctx, seed=310)
+        _amp_step(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+        masters = list(amp.master_params(opt))
+        _assert_same_on_all_ranks(ctx, masters, f"fp32 master weight under {wrapper.__module__}")
+        _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter after a step")
+        exact = wrapper is DistributedDataParallel
+        for m, w in zip(masters, rank0):
+            expected = w if exact else w.to(torch.bfloat16).float()
+            assert torch.equal(m, expected), (
+                f"{wrapper.__module__}: masters are not rank 0's weights"
+                f"{'' if exact else ' rounded to bf16'}")
+
+
 def check_amp_accumulation_with_no_sync_needs_no_delay_unscale(ctx):
     # The plain accumulation loop: micro-batches under no_sync(), every scale_loss with the
     # default delay_unscale=False. Unscaling into the masters inside no_sync() would keep each
@@ -857,6 +885,7 @@ CHECKS = [
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
     "check_amp_o2_masters_broadcast_from_rank0",
+    "check_amp_o2_rank_dependent_init_under_either_ddp",
     "check_amp_accumulation_with_no_sync_needs_no_delay_unscale",
     "check_no_sync_deferral_follows_the_models_that_ran",
     "check_amp_o2_ddp_syncbn_compiled",
