@@ -143,9 +143,10 @@ class _OptimizerState:
         self._skips_on_device = None
         self._stash: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._handles = []
-        # The (half parameter, master) version counters of each pair when amp last put the two
-        # in step (take_model_writes); None until the pairs are adopted.
-        self._synced_versions: Optional[List[Tuple[int, int]]] = None
+        # Each pair's half parameter's version counter, its master's, and the half parameter's
+        # TensorImpl, when amp last put the two in step (take_model_writes); None until the
+        # pairs are adopted.
+        self._synced_versions: Optional[List[Tuple[int, int, int]]] = None
         self._writes_logged = False
 
     # -- set-up ------------------------------------------------------------------------------
@@ -439,7 +440,7 @@ class _OptimizerState:
     def record_synced(self) -> None:
         """Note the version counters of every pair: the half parameters now hold their
         masters' values (or the masters were just made from them)."""
-        self._synced_versions = [(p._version, m._version) for p, m in self.pairs]
+        self._synced_versions = [(p._version, m._version, p._cdata) for p, m in self.pairs]
 
     def take_model_writes(self) -> None:
         """Copy into its fp32 master every half parameter written in place since amp last set
@@ -451,20 +452,23 @@ class _OptimizerState:
         half model at construction (without this each rank would go on from its own masters,
         and replicas initialized differently would train apart), ``nn.init`` or
         ``reset_parameters()`` after ``initialize``, an update under ``no_grad``. A master
-        written since as well (``model.load_state_dict`` writes both) wins. Writes through
-        ``.data`` bump no counter and are not seen. Not inside a CUDA-graph capture or a
-        ``torch.compile`` trace (a captured copy would replay at every step).
+        written since as well (``model.load_state_dict`` writes both) wins. A parameter whose
+        tensor was swapped for another (``model.to(...)`` under PyTorch's
+        ``swap_module_params_on_conversion``, whose new tensor has a version counter of its
+        own) was moved, not written. Writes through ``.data`` bump no counter and are not
+        seen. Not inside a CUDA-graph capture or a ``torch.compile`` trace (a captured copy
+        would replay at every step).
         """
         synced = self._synced_versions
         if is_compiling() or (self.pairs[0][1].is_cuda
                               and torch.cuda.is_current_stream_capturing()):
             return
-        now = [(p._version, m._version) for p, m in self.pairs]
+        now = [(p._version, m._version, p._cdata) for p, m in self.pairs]
         if now == synced:
             return
         written = [] if synced is None or len(synced) != len(now) else [
-            pair for pair, (pv, mv), (sp, sm) in zip(self.pairs, now, synced)
-            if pv != sp and mv == sm]
+            pair for pair, (pv, mv, pc), (sp, sm, sc) in zip(self.pairs, now, synced)
+            if pv != sp and mv == sm and pc == sc]
         if written:
             with torch.no_grad():
                 torch._foreach_copy_([m for _, m in written], [p for p, _ in written])

@@ -366,6 +366,31 @@ def test_o2_in_place_write_to_the_half_model_holds(optimizer, steps_before, capl
         caplog.text)
 
 
+@pytest.mark.skipif(not hasattr(torch.__future__, "set_swap_module_params_on_conversion"),
+                    reason="PyTorch without swap_module_params_on_conversion")
+def test_o2_conversion_that_swaps_tensors_is_no_write():
+    # Under PyTorch's swap_module_params_on_conversion a model.to(...) swaps each parameter's
+    # tensor for a new one, whose version counter differs: a move, not an in-place write, so
+    # the fp32 masters keep their exact values (a step at lr 0 leaves them bit for bit).
+    model, opt = _o2_model("sgd")
+    before = [m.detach().clone() for _, m in optimizer_state(opt).pairs]
+    ids = [id(p) for p in model.parameters()]
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model = model.to(memory_format=torch.channels_last)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+    assert [id(p) for p in model.parameters()] == ids  # (swapped in place: the same objects)
+    assert model.features[0].weight.is_contiguous(memory_format=torch.channels_last)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    x, y = batch()
+    train_step(model, opt, x, y, amp)
+    for old, (_, master) in zip(before, optimizer_state(opt).pairs):
+        assert torch.equal(old, master)
+
+
 def test_o2_load_state_dict_after_initialize_keeps_exact_masters():
     # model.load_state_dict writes the half parameters and the masters: the masters win (an
     # fp32 checkpoint is not rounded to half by the next step's check for in-place writes).
