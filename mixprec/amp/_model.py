@@ -195,6 +195,17 @@ class _AmpModule:
         # is refused before anything changes, since the forward would then fail with a dtype
         # mismatch deep inside the model. Device moves, memory formats and a conversion to the
         # input dtype pass: each dtype held is tried on an empty tensor.
+        if _replaces_parameters() and any(
+                getattr(m, "_mixprec_state_dict", None) is not None and m._mixprec_state_dict.masters
+                for m in self.modules()):
+            raise RuntimeError(
+                f"{type(self).__name__}: converting a model whose parameters have fp32 master "
+                "weights (amp O2) with torch.__future__.set_overwrite_module_params_on_conversion"
+                "(True) would replace its Parameter objects with new ones that the optimizer and "
+                "amp do not hold, and training would silently stop changing the model. Move or "
+                "convert the model before amp.initialize, turn the flag off, or use "
+                "torch.__future__.set_swap_module_params_on_conversion(True), which keeps the "
+                "objects.")
         cfg = self.__dict__.get("_mixprec_forward")
         if cfg is not None and cfg.input_dtype is not None and not cfg.fp32_compute:
             held = {}
@@ -251,6 +262,12 @@ def _push_written_masters(model: nn.Module) -> None:
             hooks.sync(module, check_params=False)
     return None
 
+
+
+def _replaces_parameters() -> bool:
+    """Whether ``nn.Module._apply`` now gives converted parameters new Parameter objects."""
+    swap = getattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: False)
+    return torch.__future__.get_overwrite_module_params_on_conversion() and not swap()
 
 
 def _fp32_forward(original_forward: Callable, device_type: str, args, kwargs):

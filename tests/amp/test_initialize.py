@@ -391,6 +391,34 @@ def test_o2_conversion_that_swaps_tensors_is_no_write():
         assert torch.equal(old, master)
 
 
+def test_o2_conversion_that_would_replace_parameters_is_refused():
+    # Under PyTorch's overwrite_module_params_on_conversion a model.to(...) gives every
+    # parameter a new object: the optimizer's masters would pair with the old ones and the
+    # model would silently stop training. Refused before anything changes.
+    model, opt = _o2_model("sgd")
+    ids = [id(p) for p in model.parameters()]
+    previous = torch.__future__.get_overwrite_module_params_on_conversion()
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        with pytest.raises(RuntimeError, match="overwrite_module_params_on_conversion.*would "
+                                               "replace its Parameter objects.*before amp"):
+            model.to(memory_format=torch.channels_last)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(previous)
+    assert [id(p) for p in model.parameters()] == ids
+    x, y = batch()
+    before = model.head.weight.detach().clone()
+    train_step(model, opt, x, y, amp)
+    assert not torch.equal(before, model.head.weight)  # (still training)
+    # Without masters (O1) there is nothing of amp's to lose: the conversion goes through.
+    o1 = amp.initialize(make_cnn(), opt_level="O1", verbosity=0)
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        o1.to(memory_format=torch.channels_last)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(previous)
+
+
 def test_o2_load_state_dict_after_initialize_keeps_exact_masters():
     # model.load_state_dict writes the half parameters and the masters: the masters win (an
     # fp32 checkpoint is not rounded to half by the next step's check for in-place writes).
