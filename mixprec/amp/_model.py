@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mixprec.amp._properties import _HALF_TYPES
-from mixprec.normalization._launch import outside_the_compiler
+from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
 __all__ = [
     "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "agree_on_overflow", "cast_floating",
@@ -195,9 +195,7 @@ class _AmpModule:
         # is refused before anything changes, since the forward would then fail with a dtype
         # mismatch deep inside the model. Device moves, memory formats and a conversion to the
         # input dtype pass: each dtype held is tried on an empty tensor.
-        if _replaces_parameters() and any(
-                getattr(m, "_mixprec_state_dict", None) is not None and m._mixprec_state_dict.masters
-                for m in self.modules()):
+        if _replaces_parameters() and master_weights(self):
             raise RuntimeError(
                 f"{type(self).__name__}: converting a model whose parameters have fp32 master "
                 "weights (amp O2) with torch.__future__.set_overwrite_module_params_on_conversion"
@@ -250,7 +248,7 @@ _OWN_MASTERS = "_mixprec_own_masters"
 def _push_written_masters(model: nn.Module) -> None:
     """Before a copy's forward: masters written since (through ``state_dict()``'s tensors, as
     an EMA of the state dict does) go into the half parameters the forward uses."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         # Version counters cannot be traced: a compiled forward runs this eagerly (a graph
         # break).
         return outside_the_compiler(_push_written_masters)(model)
@@ -261,7 +259,6 @@ def _push_written_masters(model: nn.Module) -> None:
         if hooks is not None and hooks.standalone:
             hooks.sync(module, check_params=False)
     return None
-
 
 
 def _replaces_parameters() -> bool:

@@ -469,20 +469,22 @@ class _OptimizerState:
         written = [] if synced is None or len(synced) != len(now) else [
             pair for pair, (pv, mv, pc), (sp, sm, sc) in zip(self.pairs, now, synced)
             if pv != sp and mv == sm and pc == sc]
-        if written:
-            with torch.no_grad():
-                torch._foreach_copy_([m for _, m in written], [p for p, _ in written])
-            level = logging.DEBUG if self._writes_logged else logging.INFO
-            self._writes_logged = True
-            if self.amp_state.verbosity > 0:
-                log_rank0(
-                    level, "amp: %d of the half model's %d master-weighted parameters were "
-                    "written in place since amp last set them (e.g. by PyTorch's "
-                    "DistributedDataParallel broadcasting rank 0's weights, or nn.init): their "
-                    "fp32 master weights were set from them (at half precision). To keep full "
-                    "precision, write amp.master_params(optimizer) as well, or load weights "
-                    "with model.load_state_dict.", len(written), len(self.pairs))
-        self.record_synced()
+        if not written:
+            self._synced_versions = now  # (moves, masters written too: nothing to take)
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([m for _, m in written], [p for p, _ in written])
+        level = logging.DEBUG if self._writes_logged else logging.INFO
+        self._writes_logged = True
+        if self.amp_state.verbosity > 0:
+            log_rank0(
+                level, "amp: %d of the half model's %d master-weighted parameters were written "
+                "in place since amp last set them (e.g. by PyTorch's DistributedDataParallel "
+                "broadcasting rank 0's weights, or nn.init): their fp32 master weights were set "
+                "from them (at half precision). To keep full precision, write "
+                "amp.master_params(optimizer) as well, or load weights with "
+                "model.load_state_dict.", len(written), len(self.pairs))
+        self.record_synced()  # (the copy moved the masters' version counters)
 
     def _synced_closure(self, closure):
         def synced_closure():
