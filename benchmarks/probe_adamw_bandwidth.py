@@ -31,40 +31,22 @@ except ImportError:  # run from a checkout without installing
 from mixprec.bench.models import GPT, gpt_config  # noqa: E402
 from mixprec.optimizers import FusedAdam  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cuda_timing import capture_graph, median_ms  # noqa: E402
+
 
 def _time(fn, reps):
     """(eager, replay, host): medians of ``reps`` CUDA-event timings, in ms, of ``fn()``
     launched from Python (the host's work included when the GPU waits for it) and of a CUDA
-    graph of it (the GPU's time alone), and of the call's host time. 3 warm-up calls first, on
-    a side stream as capture needs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph of it (the GPU's time alone), and of the call's host time."""
+    graph = capture_graph(fn)
     host = []  # the call's own time on the host (it returns once its work is queued)
     for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         host.append(1e3 * (time.perf_counter() - t0))
-    torch.cuda.synchronize()
-    out = []
-    for run in (fn, graph.replay):
-        times = []
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            run()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        out.append(statistics.median(times))
-    return (*out, statistics.median(host))
+    return median_ms(fn, reps), median_ms(graph.replay, reps), statistics.median(host)
 
 
 def _masters(shapes, dev, seed):

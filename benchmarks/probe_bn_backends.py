@@ -10,24 +10,10 @@ backward of each backend against PyTorch's choice, with errors against an fp32 r
 
 import torch
 import torch.nn.functional as F
+from _cuda_timing import median_ms
 
 SHAPES = [(128, 64, 112, 112), (128, 256, 56, 56), (128, 512, 28, 28), (128, 1024, 14, 14),
           (128, 2048, 7, 7)]
-
-
-def _median_ms(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[n // 2]
 
 
 def _probe(n, c, h, w, dtype, totals):
@@ -59,7 +45,7 @@ def _probe(n, c, h, w, dtype, totals):
             y = fn()
             err_y = (y.float() - yr).abs().max().item()
             err_gx = ((x.grad.float() - xr.grad).abs().max() / xr.grad.abs().max()).item()
-            ms = _median_ms(fn)
+            ms = median_ms(fn, warmup=3)
         except RuntimeError as exc:
             print(f"{label} FAILED: {str(exc)[:160]}")
             continue

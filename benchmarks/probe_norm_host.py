@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from _cuda_timing import capture_graph, median_ms  # noqa: E402
 from norm_host_overhead import host_runs  # noqa: E402
 
 from mixprec import amp  # noqa: E402
@@ -80,26 +81,8 @@ def _step_fn(norm_cls):
 
 
 def _graph_ms(step, replays=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    graph = capture_graph(step)
+    return median_ms(graph.replay, replays, warmup=3)
 
 
 def part_step(steps):
