@@ -133,6 +133,9 @@ class AmpForwardConfig:
             outputs back to the input's dtype (BatchNorm under O1 with keep_batchnorm_fp32).
         half_outputs_to_fp32: cast fp16/bf16 outputs to fp32, leaving other dtypes (O1's
             default: autocast's half results, not a float64 output, come out fp32).
+        renorm_master: an ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` (O2): the rows
+            looked up are renormalised in the fp32 master first (see
+            :func:`_renorm_master_rows`).
     """
 
     input_dtype: Optional[torch.dtype] = None
@@ -141,6 +144,7 @@ class AmpForwardConfig:
     output_dtype: Optional[torch.dtype] = None
     fp32_compute: bool = False
     half_outputs_to_fp32: bool = False
+    renorm_master: bool = False
 
 
 class _AmpModule:
@@ -153,6 +157,8 @@ class _AmpModule:
         original_forward = super().forward  # the user's class's forward
         if self.__dict__.get(_OWN_MASTERS, False):
             _push_written_masters(self)
+        if cfg.renorm_master:
+            _renorm_master_rows(self, args[0] if args else kwargs.get("input"))
         if cfg.fp32_compute:
             return _fp32_forward(original_forward, cfg.device_type, args, kwargs)
         if cfg.input_dtype is not None:
@@ -212,8 +218,20 @@ class _AmpModule:
                     held.setdefault(t.dtype, t.device)
             for dtype, device in held.items():
                 new = fn(torch.empty(0, dtype=dtype, device=device))
-                if (isinstance(new, torch.Tensor) and new.dtype != dtype
-                        and new.dtype != cfg.input_dtype):
+                if not isinstance(new, torch.Tensor) or new.dtype == dtype:
+                    continue
+                if dtype == torch.float32 and cfg.input_dtype != torch.float32:
+                    # (A half model's fp32 tensors are the BatchNorm layers amp keeps fp32,
+                    # which their optimizer steps without masters.)
+                    raise RuntimeError(
+                        f"{type(self).__name__}: converting a model prepared by amp.initialize "
+                        f"from torch.float32 to {new.dtype} (model.half(), .to(dtype), ...). "
+                        f"The model is already {cfg.input_dtype} except the BatchNorm layers "
+                        "amp keeps in fp32 (keep_batchnorm_fp32=True), which the optimizer "
+                        "steps in fp32: this would cast them too. Drop the call; for BatchNorm "
+                        "in half, pass keep_batchnorm_fp32=False to amp.initialize."
+                    )
+                if new.dtype != cfg.input_dtype:
                     raise RuntimeError(
                         f"{type(self).__name__}: converting a model prepared by amp.initialize "
                         f"from {dtype} to {new.dtype} (model.float(), .half(), .to(dtype), "
@@ -258,6 +276,32 @@ def _push_written_masters(model: nn.Module) -> None:
         hooks = module.__dict__.get("_mixprec_state_dict")
         if hooks is not None and hooks.standalone:
             hooks.sync(module, check_params=False)
+    return None
+
+
+def _renorm_master_rows(module: nn.Module, indices) -> None:
+    """``max_norm`` of an embedding whose weight has an fp32 master (O2), applied to the master.
+
+    ``F.embedding(..., max_norm=...)`` rescales the looked-up rows of the weight in place, and
+    in fp32 training that write is permanent. Left to the half weight, it would bump the
+    weight's version at every forward, and amp would take the whole half weight into the
+    master before each step (its in-place-write rule), rounding the embedding's master to half
+    every step. Renormalising the master's rows first (exactly as fp32 training does) and
+    copying those rows into the half weight keeps the master authoritative: a master written
+    since amp's last copy wins over the half weight. The forward's own renorm of the half rows
+    then only corrects their rounding.
+    """
+    hooks = module.__dict__.get("_mixprec_state_dict")
+    master = hooks.masters.get("weight") if hooks is not None else None
+    if (master is None or not isinstance(indices, torch.Tensor)
+            or getattr(module, "_is_replica", False)):  # (DataParallel: a broadcast copy)
+        return None
+    if is_compiling():
+        return outside_the_compiler(_renorm_master_rows)(module, indices)
+    with torch.no_grad():
+        rows = indices.reshape(-1).to(master.device)
+        torch.embedding_renorm_(master, rows, module.max_norm, module.norm_type)
+        module.weight.index_copy_(0, rows, master.index_select(0, rows).to(module.weight.dtype))
     return None
 
 
@@ -504,8 +548,16 @@ def convert_model(model: nn.Module, props) -> None:
     device_type = _device_type(model)
     keep_bn = props.keep_batchnorm_fp32 is True
 
+    renorm_model = False
     if props.model_is_half:
         for module in model.modules():
+            if (props.master_weights and isinstance(module, (nn.Embedding, nn.EmbeddingBag))
+                    and module.max_norm is not None):
+                if module is model:
+                    renorm_model = True
+                else:
+                    _swap_class(module, AmpForwardConfig(device_type=device_type,
+                                                         renorm_master=True))
             if keep_bn and isinstance(module, _BatchNorm):
                 # Stays fp32 (initialize cast it back if the model came .half()-ed): PyTorch's
                 # batch_norm takes half input with fp32 parameters (statistics in fp32, output
@@ -519,7 +571,7 @@ def convert_model(model: nn.Module, props) -> None:
                 _install_state_dict_hooks(module)
         output_dtype = props.cast_model_outputs or torch.float32
         config = AmpForwardConfig(input_dtype=props.cast_model_type, output_dtype=output_dtype,
-                                  device_type=device_type)
+                                  device_type=device_type, renorm_master=renorm_model)
     elif props.cast_model_type == torch.float32:
         # O0, as in Apex: an fp32 model whose floating inputs and outputs are cast to fp32
         # (e.g. float64 batches from NumPy); per-op casting only if asked for.

@@ -61,6 +61,33 @@ def hookable_optimizer(optimizer) -> torch.optim.Optimizer:
     )
 
 
+def refuse_inner_optimizer(optimizer, cast_param_ids, known=frozenset()) -> None:
+    """Refuse, before anything changes, an optimizer that steps an inner optimizer built over
+    the parameters themselves (``torch.distributed.optim.ZeroRedundancyOptimizer``'s ``optim``
+    holds its shard): amp O2 puts fp32 masters into the outer ``param_groups`` only, so the
+    inner one would step half parameters whose gradients amp moved away, and the model would
+    silently never train. A wrapper whose ``param_groups`` are its inner optimizer's (LARC)
+    passes."""
+    inner = getattr(optimizer, "optim", None)
+    if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+        return
+    outer_groups = {id(g) for g in optimizer.param_groups}
+    for group in inner.param_groups:
+        if id(group) in outer_groups:
+            continue
+        for p in group["params"]:
+            if id(p) not in known and (id(p) in cast_param_ids
+                                       or p.dtype in (torch.float16, torch.bfloat16)):
+                raise ValueError(
+                    f"amp.initialize: {type(optimizer).__name__} steps an inner "
+                    f"{type(inner).__name__} (its `.optim`) over parameters of its own, so the "
+                    "fp32 master weights of this opt level (master_weights=True: O2) would never "
+                    "be stepped and the model would not train. Use opt_level='O1' (fp32 "
+                    "parameters, per-op casting), or O2 with master_weights=False, or an "
+                    "optimizer that steps its own param_groups."
+                )
+
+
 def _params_of(optimizer) -> List[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -160,6 +187,8 @@ class _OptimizerState:
         masters = {}
         known = {id(p) for p, _ in self.pairs} | {id(m) for _, m in self.pairs}
         known |= {id(p) for p in self.plain}
+        if make_masters:
+            refuse_inner_optimizer(optimizer, cast_param_ids, known)
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
@@ -190,6 +219,25 @@ class _OptimizerState:
             # the post-step copy then skips the masters it wrote.
             link(list(masters.items()))
         return masters
+
+    def match_plain_state_dtypes(self) -> None:
+        """Cast the floating state an optimizer already holds for a parameter it steps directly
+        (no master) to that parameter's dtype, after the model's cast.
+
+        ``torch.optim.Adagrad`` makes its ``sum`` in its constructor: left fp32 beside a half
+        parameter (O3), a fused Adagrad fails at its first step and a checkpoint round trip
+        (``load_state_dict`` casts state to the parameter's dtype) would resume from other
+        values. The step count stays as it is, as in ``Optimizer.load_state_dict``.
+        """
+        state = self.optimizer_ref().state
+        for p in self.plain:
+            values = state.get(p)
+            if not values:
+                continue
+            for key, v in values.items():
+                if (key != "step" and torch.is_tensor(v) and v.is_floating_point()
+                        and v.dtype != p.dtype):
+                    values[key] = v.to(p.dtype)
 
     def sync_param_groups(self) -> None:
         """Pick up ``optimizer.add_param_group`` calls made after ``initialize``."""
@@ -391,8 +439,9 @@ class _OptimizerState:
         if closure is not None and any(s.dynamic for s in self.amp_state.scalers):
             raise RuntimeError(
                 "optimizer.step(closure) was called on an optimizer managed by amp with dynamic "
-                "loss scaling. A closure re-evaluates the loss outside amp.scale_loss, so "
-                "overflows could not be skipped. Use a plain optimizer.step() after "
+                "loss scaling. The optimizer evaluates the closure inside step(), after amp "
+                "decided whether to skip it (LBFGS evaluates it several times), so an overflow "
+                "there could not be skipped. Use a plain optimizer.step() after "
                 'amp.scale_loss, or pass loss_scale=<number> to amp.initialize.'
             )
         replaced = None

@@ -25,6 +25,7 @@ from mixprec.amp._state import (
     SyncParamGroupsOnLoad,
     hookable_optimizer,
     optimizer_state,
+    refuse_inner_optimizer,
 )
 
 __all__ = [
@@ -281,6 +282,9 @@ def initialize(
                     "initialize with optimizer.add_param_group (stepped in fp32 as it is)."
                 )
 
+    if props.master_weights:
+        for opt in opt_list:  # (before any optimizer is changed)
+            refuse_inner_optimizer(opt, cast_ids)
     state = AmpState(props, True, model_list, num_losses, min_loss_scale, max_loss_scale,
                      verbosity)
     masters = {}
@@ -294,6 +298,8 @@ def initialize(
         model._register_load_state_dict_pre_hook(SyncParamGroupsOnLoad(state))
         convert_model(model, props)
         register_masters(model, masters)
+    for opt in opt_list:
+        optimizer_state(opt).match_plain_state_dtypes()
     _set_latest(state, opt_list)
     if verbosity > 0:
         log_rank0(logging.INFO, "amp: opt_level %s (%s): %s", props.opt_level,

@@ -282,10 +282,15 @@ def test_recasting_an_amp_model_is_refused_before_it_changes(opt_level):
             convert(model)
     for k, v in model.state_dict(keep_vars=True).items():
         assert v.dtype == before[k][0] and torch.equal(v, before[k][1]), k
-    # Device moves, memory formats and the forward's own dtype still go through.
+    # Device moves, memory formats and the forward's own dtype still go through (at O2 not
+    # the latter: it would cast the BatchNorm layers amp keeps fp32).
     x, y = batch()
     model.to("cpu").to(memory_format=torch.channels_last).train()
-    model.to(torch.float32 if opt_level == "O0" else torch.bfloat16)
+    if opt_level == "O2":
+        with pytest.raises(RuntimeError, match="BatchNorm layers amp keeps in fp32"):
+            model.to(torch.bfloat16)
+    else:
+        model.to(torch.float32 if opt_level == "O0" else torch.bfloat16)
     train_step(model, opt, x, y, amp)
     # restore_model lifts it, as the message says.
     amp.restore_model(model).double()
@@ -513,3 +518,183 @@ def test_optimizer_state_from_before_initialize_moves_to_the_masters():
     before = [m.detach().clone() for m in amp.master_params(opt)]
     train_step(model, opt, *batch(seed=5), amp)
     assert any(not torch.equal(m, b) for m, b in zip(amp.master_params(opt), before))
+
+
+class _Bag(nn.Module):
+    """An EmbeddingBag with max_norm as a child, a linear head after it."""
+
+    def __init__(self, max_norm):
+        super().__init__()
+        self.bag = nn.EmbeddingBag(40, 16, max_norm=max_norm, mode="mean")
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, ids):
+        return self.head(self.bag(ids))
+
+
+def _embedding_model(kind, max_norm, device):
+    torch.manual_seed(0)
+    if kind == "Embedding":  # the embedding is the model itself
+        return nn.Embedding(40, 16, max_norm=max_norm).to(device)
+    return _Bag(max_norm).to(device)
+
+
+def _train_embedding(model, opt, ids, steps, use_amp):
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids[step]).float().pow(2).mean()
+        if use_amp:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        else:
+            loss.backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])
+def test_o2_embedding_max_norm_keeps_fp32_masters(kind, device):
+    # nn.Embedding(max_norm=...) renormalises the looked-up rows of its weight in place at
+    # every forward. At O2 that write used to bump the half weight's version counter each
+    # step, and amp took the whole half weight into the master: the embedding's master was
+    # rounded to half every step (its updates below half an ulp were lost). amp now applies
+    # max_norm to the fp32 master's rows, as fp32 training applies it to the weight.
+    ids = torch.randint(0, 30, (6, 8, 5), generator=torch.Generator().manual_seed(3)).to(device)
+    lr = 1e-3
+    # 1. A max_norm no row reaches changes nothing: masters equal those without max_norm,
+    #    bit for bit.
+    masters = {}
+    for max_norm in (None, 1e6):
+        model = _embedding_model(kind, max_norm, device)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        _train_embedding(model, opt, ids, 6, True)
+        masters[max_norm] = [m.detach().clone() for m in amp.master_params(opt)]
+    for a, b in zip(masters[None], masters[1e6]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # 2. A max_norm every looked-up row exceeds (rows of 16 N(0, 1) entries have norms near
+    #    4): the masters follow fp32 training with the same max_norm, far closer than the
+    #    half rounding the old behaviour left (bf16's half ulp at these values, ~4e-3), and
+    #    the rows never looked up keep their exact fp32 initial values.
+    ref = _embedding_model(kind, 1.0, device).double()
+    model = _embedding_model(kind, 1.0, device)
+    initial = model.weight.detach().clone() if kind == "Embedding" else (
+        model.bag.weight.detach().clone())
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    _train_embedding(model, opt, ids, 6, True)
+    _train_embedding(ref, ref_opt, ids, 6, False)
+    master = next(iter(amp.master_params(opt)))
+    ref_weight = next(ref.parameters())
+    assert master.shape == (40, 16) and master.dtype == torch.float32
+    torch.testing.assert_close(master.double(), ref_weight.detach(), rtol=0, atol=1e-5)
+    # Every row 0..29 was looked up and renormalised (from norms near 4) before its last
+    # small update.
+    assert initial[:30].norm(dim=1).min() > 2 and master[:30].norm(dim=1).max() < 1.01
+    torch.testing.assert_close(master[30:], initial[30:], rtol=0, atol=0)
+    assert not torch.equal(master[:30], master[:30].bfloat16().float())  # (fp32 values)
+
+
+def test_o2_half_conversion_of_the_fp32_batchnorm_is_refused():
+    # model.half() after O2 in fp16: the rest of the model is fp16 already, and the call used
+    # to cast the BatchNorm layers amp keeps fp32 (stepped without masters), so Adam failed at
+    # its next step with a dtype error from inside torch and SGD went on with BatchNorm in
+    # fp16. Refused before anything changes; without fp32 BatchNorm the call passes.
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    before = {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()}
+    for convert in (lambda m: m.half(), lambda m: m.to(torch.float16)):
+        with pytest.raises(RuntimeError, match=r"from torch\.float32 to torch\.float16.*"
+                                               r"BatchNorm layers amp keeps in fp32.*"
+                                               r"keep_batchnorm_fp32=False"):
+            convert(model)
+    assert {k: v.dtype for k, v in model.state_dict(keep_vars=True).items()} == before
+    train_step(model, opt, *batch(), amp)
+    plain = make_cnn()
+    amp.initialize(plain, opt_level="O2", dtype=torch.float16, keep_batchnorm_fp32=False,
+                   verbosity=0)
+    plain.half()  # (nothing fp32 left to cast)
+
+
+@pytest.mark.parametrize("opt_level,extra", [("O3", {}), ("O2", {"master_weights": False})])
+def test_optimizer_state_made_before_initialize_follows_a_half_parameter(opt_level, extra):
+    # Adagrad makes its state ("sum") in its constructor. Where a parameter becomes half with
+    # no master (O3, O2 without masters), that state used to stay fp32: fused Adagrad failed at
+    # its first step, and a checkpoint round trip (load_state_dict casts state to the
+    # parameter's dtype) resumed from other values. It is cast with its parameter, so the
+    # step equals that of a plain .bfloat16() model whose Adagrad was made after the cast.
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model).bfloat16()
+    opt = torch.optim.Adagrad(model.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+    ref_opt = torch.optim.Adagrad(ref.parameters(), lr=1e-2, initial_accumulator_value=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, loss_scale=1.0,
+                   verbosity=0, **extra)
+    for p in model.parameters():
+        assert opt.state[p]["sum"].dtype == torch.bfloat16
+        assert opt.state[p]["step"].dtype == torch.float32  # (the count stays as it is)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(x.bfloat16()).float().pow(2).mean().backward()
+        ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+class _ShardedLike(torch.optim.Optimizer):
+    """Shaped like ZeroRedundancyOptimizer: steps an inner optimizer (``.optim``) that holds
+    the parameters in param_groups of its own."""
+
+    def __init__(self, params):
+        params = list(params)
+        super().__init__(params, {"lr": 0.1})
+        self.optim = torch.optim.SGD(params, lr=0.1)
+
+    def step(self, closure=None):
+        return self.optim.step(closure)
+
+
+def test_o2_refuses_an_optimizer_stepping_an_inner_optimizer_of_its_own():
+    # ZeroRedundancyOptimizer steps its inner optimizer, built over the half parameters; O2's
+    # masters go into the outer param_groups only, so the model silently never trained.
+    # Refused before anything changes; O1 and LARC (whose param_groups are its inner
+    # optimizer's) go through.
+    from mixprec.parallel import LARC
+
+    model = make_cnn()
+    opt = _ShardedLike(model.parameters())
+    with pytest.raises(ValueError, match=r"_ShardedLike steps an inner SGD \(its `\.optim`\).*"
+                                         r"would not train.*opt_level='O1'"):
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p is q for p, q in zip(model.parameters(), opt.param_groups[0]["params"]))
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    larc_model = make_cnn()
+    larc = LARC(torch.optim.SGD(larc_model.parameters(), lr=0.1))
+    amp.initialize(larc_model, larc, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    before = [m.detach().clone() for m in amp.master_params(larc)]
+    train_step(larc_model, larc, *batch(), amp)
+    assert all(not torch.equal(m, b) for m, b in zip(amp.master_params(larc), before))
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
+def test_o2_refuses_zero_redundancy_optimizer():
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = make_cnn()
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD,
+                                      lr=0.1)
+        with pytest.raises(ValueError, match="ZeroRedundancyOptimizer steps an inner SGD"):
+            amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    finally:
+        dist.destroy_process_group()
