@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import pkgutil
 import sys
 import types
 import warnings
@@ -25,7 +26,10 @@ def install_apex_alias() -> Tuple[str, ...]:
     ``from apex.normalization.fused_layer_norm import fused_layer_norm_affine`` keep working.
     (``apex.normalization.fused_layer_norm`` is :mod:`mixprec.normalization.apex_functional`:
     the norm classes and Apex's functional API with Apex's signatures. Of Apex's optimizers
-    mixprec has ``FusedAdam``.)
+    mixprec has ``FusedAdam``.) Apex's module paths give the same objects:
+    ``from apex.parallel.LARC import LARC``, ``apex.parallel.sync_batchnorm``,
+    ``apex.parallel.optimized_sync_batchnorm``, ``apex.parallel.distributed``,
+    ``apex.amp.handle``, ``apex.amp.frontend``, ``apex.optimizers.fused_adam``.
 
     With Apex installed, the alias never shadows it: it fills in only the submodules that the
     installed Apex lacks. Apex releases from 2025 on removed ``apex.amp`` and
@@ -136,7 +140,30 @@ def _serve(apex: types.ModuleType, names) -> Tuple[str, ...]:
         setattr(apex, name, module)
         sys.modules[f"apex.{name}"] = module
         served.append(f"apex.{name}")
+        _register_submodules(name, module)
     return tuple(served)
+
+
+# Apex's own submodule paths that scripts import from, and the mixprec module holding the same
+# names (SwAV/DINO-style code: `from apex.parallel.LARC import LARC`).
+_APEX_ONLY_SUBMODULES = {
+    "amp": {"amp": "mixprec.amp", "frontend": "mixprec.amp", "handle": "mixprec.amp"},
+    "parallel": {"LARC": "mixprec.parallel.larc",
+                 "optimized_sync_batchnorm": "mixprec.parallel.sync_batchnorm"},
+}
+
+
+def _register_submodules(name: str, package: types.ModuleType) -> None:
+    """``apex.<name>.<sub>`` for mixprec's imported submodules and Apex's paths above, as the
+    same module objects. (``apex.<name>`` is mixprec's package, whose ``__path__`` would
+    otherwise run mixprec's files again under the ``apex`` name: copies of every class, which
+    fail ``isinstance`` against the originals.)"""
+    for info in pkgutil.iter_modules(package.__path__):
+        module = sys.modules.get(f"{package.__name__}.{info.name}")
+        if module is not None:
+            sys.modules.setdefault(f"apex.{name}.{info.name}", module)
+    for sub, target in _APEX_ONLY_SUBMODULES.get(name, {}).items():
+        sys.modules.setdefault(f"apex.{name}.{sub}", importlib.import_module(target))
 
 
 def _serve_normalization(apex: types.ModuleType) -> list:

@@ -14,6 +14,7 @@ autograd Function whose forward allocates three tensors and launches three kerne
 the output gradient arrives in another layout and is copied) and launches three.
 """
 
+import inspect
 from typing import Optional
 
 import torch
@@ -30,6 +31,27 @@ from mixprec.normalization._launch import interpreter_enabled as _launch_interpr
 __all__ = ["FusedBatchNorm", "convert_fused_batchnorm"]
 
 _HALF = (torch.float16, torch.bfloat16)
+# PyTorch's BatchNorm takes ``bias=False`` (a weight without a bias) in its 2026 releases.
+_TORCH_BN_TAKES_BIAS = "bias" in inspect.signature(nn.modules.batchnorm._NormBase.__init__).parameters
+
+
+def batch_norm_bias_kwargs(cls_name: str, bias: bool) -> dict:
+    """The ``bias=`` keyword to pass on to PyTorch's ``_BatchNorm``: none for the default, and a
+    clear error for ``bias=False`` on a PyTorch whose BatchNorm does not take it."""
+    if not isinstance(bias, bool):
+        raise TypeError(f"{cls_name}(bias={bias!r}): must be a bool.")
+    if bias:
+        return {}
+    if not _TORCH_BN_TAKES_BIAS:
+        raise TypeError(
+            f"{cls_name}(bias=False): this PyTorch ({torch.__version__}) has no BatchNorm "
+            "without a bias (torch.nn.BatchNorm2d takes `bias` in recent releases). Upgrade "
+            "PyTorch, or keep the bias and freeze it: layer.bias.requires_grad_(False) (it starts at "
+            "zero)."
+        )
+    return {"bias": False}
+
+
 _select_backend = getattr(torch._C, "_select_batch_norm_backend", None)
 
 
@@ -86,9 +108,10 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True, device=None,
-                 dtype=None):
+                 dtype=None, *, bias: bool = True):
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype,
+                         **batch_norm_bias_kwargs(type(self).__name__, bias))
         # Per-module scratch: per input signature, the kernels' launch plan or False (PyTorch's
         # batch norm).
         self._cache: dict = {}

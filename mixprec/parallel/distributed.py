@@ -154,7 +154,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     up as Apex's DDP was: parameters and buffers broadcast from rank 0 at construction only;
     gradients all-reduced in buckets of ``message_size`` elements while backward runs, in
     their own dtype (half at amp O2); averaged with the pre-divide factor applied before the
-    all-reduce and the rest after.
+    all-reduce and the rest after. ``join(divide_by_initial_world_size=False)`` (divide the
+    uneven steps' gradients by the ranks still active) works with the default averaging; with
+    ``prof``, ``allreduce_always_fp32`` or a pre-divide factor other than 1 or the world size,
+    whose all-reduce runs in a communication hook that divides by the initial world size, it
+    is refused (PyTorch's own hooks ignore it).
 
     Works on CPU modules (gloo) and single-device CUDA modules (NCCL); inputs are passed to the
     module as they are (move them to the device yourself, as with Apex). Use it after
@@ -351,8 +355,32 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         plain_average = (self.gradient_average and not self.allreduce_always_fp32
                          and not self.prof
                          and self.gradient_predivide_factor in (1.0, float(world_size)))
+        self._divides_in_hook = not plain_average and (
+            self._hook_state.predivide != 1.0 or self._hook_state.postdivide != 1.0)
         if not plain_average:  # else the reducer's own path (see the module docstring)
             self.register_comm_hook(self._hook_state, _apex_allreduce_hook)
+
+    def join_hook(self, **kwargs):
+        """PyTorch's join hook; ``divide_by_initial_world_size=False`` is refused where the
+        gradients are divided in mixprec's all-reduce hook (see the class documentation)."""
+        if (not kwargs.get("divide_by_initial_world_size", True)
+                and getattr(self, "_divides_in_hook", False)):
+            options = ", ".join(
+                name for name, on in (
+                    ("prof=True", self.prof),
+                    ("allreduce_always_fp32=True", self.allreduce_always_fp32),
+                    ("gradient_average=False", not self.gradient_average),
+                    (f"gradient_predivide_factor={self.gradient_predivide_factor:g}",
+                     self.gradient_predivide_factor != 1.0)) if on)
+            raise ValueError(
+                "DistributedDataParallel.join(divide_by_initial_world_size=False) with "
+                f"{options}: these options all-reduce through mixprec's communication hook, "
+                "which divides by the world size fixed at construction (as PyTorch's own "
+                "hooks do), not by the ranks still active, so the gradients of the uneven "
+                "steps would come out smaller than asked. Use join() with the default "
+                "divide_by_initial_world_size=True, or construct without those options."
+            )
+        return super().join_hook(**kwargs)
 
     # Pickling/deep-copying (default process group only, as for PyTorch's DDP): the hook state
     # holds the process group, so it is rebuilt on the other side with the new reducer.

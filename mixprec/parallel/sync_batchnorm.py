@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from mixprec.normalization.batch_norm import batch_norm_bias_kwargs
 from mixprec.parallel._comm import group_world_size, is_distributed
 from mixprec.parallel._sync_batchnorm_function import sync_batch_norm
 
@@ -51,6 +52,9 @@ class SyncBatchNorm(_BatchNorm):
             :func:`~mixprec.parallel.create_syncbn_process_group`. Default None: all ranks.
         channel_last (bool): input is ``(N, *, C)``. Default False.
         device, dtype (keyword-only, optional): factory arguments for parameters and buffers.
+        bias (bool, keyword-only): with ``affine``, a learnable bias too; False for a weight
+            alone, as ``nn.BatchNorm2d(bias=False)`` (on a PyTorch whose BatchNorm takes
+            it). Default True.
 
     Example::
 
@@ -79,6 +83,7 @@ class SyncBatchNorm(_BatchNorm):
         *,
         device=None,
         dtype=None,
+        bias: bool = True,
     ):
         if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
             raise ValueError(
@@ -91,7 +96,8 @@ class SyncBatchNorm(_BatchNorm):
                 "input is shaped (N, *, C); channels_last memory format needs no flag."
             )
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype,
+                         **batch_norm_bias_kwargs(type(self).__name__, bias))
         self.process_group = process_group
         self.channel_last = channel_last
         # Per-module scratch of the CUDA path, not state: per input signature the Triton

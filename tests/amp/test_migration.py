@@ -34,6 +34,38 @@ def test_alias_resolves_apex_imports(clean_apex):
     assert MixedFusedRMSNorm is mixprec.normalization.MixedFusedRMSNorm
 
 
+def test_alias_serves_apex_submodule_paths_as_the_same_objects(clean_apex):
+    # Apex's own module paths (SwAV/DINO-style `from apex.parallel.LARC import LARC`), and
+    # mixprec's submodules under the apex name, give the very classes of the package: before,
+    # apex.parallel.LARC did not exist and apex.parallel.sync_batchnorm ran mixprec's file a
+    # second time, so a layer from convert_syncbn_model failed isinstance against its class.
+    import torch
+
+    mixprec.install_apex_alias()
+    import apex.parallel
+    from apex.amp.frontend import initialize
+    from apex.amp.handle import disable_casts, scale_loss
+    from apex.optimizers.fused_adam import FusedAdam
+    from apex.parallel.distributed import DistributedDataParallel
+    from apex.parallel.LARC import LARC
+    from apex.parallel.optimized_sync_batchnorm import SyncBatchNorm as Optimized
+    from apex.parallel.sync_batchnorm import SyncBatchNorm
+
+    assert LARC is mixprec.parallel.LARC
+    assert SyncBatchNorm is Optimized is mixprec.parallel.SyncBatchNorm
+    assert DistributedDataParallel is mixprec.parallel.DistributedDataParallel
+    assert FusedAdam is mixprec.optimizers.FusedAdam
+    assert (initialize, scale_loss, disable_casts) == (
+        amp.initialize, amp.scale_loss, amp.disable_casts)
+    converted = apex.parallel.convert_syncbn_model(torch.nn.Sequential(torch.nn.BatchNorm2d(3)))
+    assert isinstance(converted[0], SyncBatchNorm)
+    # No file of mixprec's was loaded twice under the apex name (the stand-in packages
+    # `apex` and `apex.normalization` have no file).
+    for name, module in list(sys.modules.items()):
+        if name.startswith("apex.") and getattr(module, "__file__", None) is not None:
+            assert module.__name__.startswith("mixprec."), name
+
+
 def _fake_apex(root, *submodules, init=""):
     """An installed ``apex`` package under ``root`` with the given submodules."""
     package = root / "apex"

@@ -442,3 +442,47 @@ def test_a_layer_follows_the_kernels_switch_after_use():
         finally:
             sbf._OPS.triton_channels_last = saved
     assert len(on) == 1 and not off, (on, off)
+
+
+@pytest.mark.skipif(not batch_norm._TORCH_BN_TAKES_BIAS,
+                    reason="this PyTorch's BatchNorm has no bias argument")
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("cls", [FusedBatchNorm, SyncBatchNorm])
+def test_bias_false_matches_batchnorm_without_a_bias(cls, path):
+    # nn.BatchNorm2d(C, bias=False): a weight and no bias. Both layers take the argument, and
+    # match PyTorch's layer on each path (bf16 channels-last: the kernels where they run).
+    device, path_ctx = _path(path)
+    ours = cls(6, bias=False).to(device)
+    ref = torch.nn.BatchNorm2d(6, bias=False).double()
+    assert ours.bias is None and "bias" not in ours.state_dict()
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        ours.weight.copy_(torch.rand(6, generator=gen) + 0.5)
+        ref.weight.copy_(ours.weight)
+    x = torch.randn(4, 6, 5, 3, generator=gen).bfloat16()
+    dy = torch.randn(4, 6, 5, 3, generator=gen).bfloat16()
+    xo = _layout(x.to(device), 4).requires_grad_(True)
+    xr = x.double().requires_grad_(True)
+    with path_ctx():
+        y = ours(xo)
+        y.backward(_layout(dy.to(device), 4))
+    yr = ref(xr)
+    yr.backward(dy.double())
+    torch.testing.assert_close(y.double().cpu(), yr.detach(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(xo.grad.double().cpu(), xr.grad, **TOL[torch.bfloat16])
+    torch.testing.assert_close(ours.weight.grad.double().cpu(), ref.weight.grad,
+                               **TOL[torch.bfloat16])
+    torch.testing.assert_close(ours.running_mean.double().cpu(), ref.running_mean,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_bias_false_on_a_pytorch_without_it_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(batch_norm, "_TORCH_BN_TAKES_BIAS", False)
+    for cls in (FusedBatchNorm, SyncBatchNorm):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}\(bias=False\): this PyTorch .* "
+                                            r"no BatchNorm without a bias.*requires_grad_"):
+            cls(4, bias=False)
+        assert cls(4, bias=True).bias is not None
+    with pytest.raises(TypeError, match=r"FusedBatchNorm\(bias='no'\): must be a bool"):
+        FusedBatchNorm(4, bias="no")

@@ -846,6 +846,46 @@ def check_larc_under_amp_o2_and_ddp(ctx):
     _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter")
 
 
+def check_join_divides_uneven_steps_as_asked(ctx):
+    # Rank 1 runs out of data after one step. Step 1: the average of both ranks' gradients
+    # (x = rank + 1: 1.5). Step 2, rank 0 alone: divided by the ranks still active (1.0) or by
+    # the initial world size (0.5), as join() is asked. Options whose all-reduce runs in
+    # mixprec's hook divide by the initial world size only: asking otherwise is refused on
+    # every rank, before any collective, instead of silently halving the gradients.
+    def run(ddp, divide_by_initial):
+        grads = []
+        with ddp.join(divide_by_initial_world_size=divide_by_initial):
+            for _ in range(2 if ctx.rank == 0 else 1):
+                ddp.module.zero_grad()
+                ddp(torch.full((3,), float(ctx.rank + 1), device=ctx.device)).backward()
+                grads.append(ddp.module.weight.grad.clone())
+        return grads
+
+    for kwargs, divide_by_initial, last in (({}, False, 1.0), ({}, True, 0.5),
+                                            ({"prof": True}, True, 0.5)):
+        grads = run(DistributedDataParallel(_Scale().to(ctx.device), **kwargs), divide_by_initial)
+        torch.testing.assert_close(grads[0], torch.full_like(grads[0], 1.5))
+        if ctx.rank == 0:
+            torch.testing.assert_close(grads[1], torch.full_like(grads[1], last),
+                                       msg=labelled(f"{kwargs} {divide_by_initial}"))
+    for kwargs in ({"prof": True}, {"allreduce_always_fp32": True},
+                   {"gradient_predivide_factor": 4.0}):
+        ddp = DistributedDataParallel(_Scale().to(ctx.device), **kwargs)
+        try:
+            ddp.join(divide_by_initial_world_size=False)
+        except ValueError as err:
+            assert "divide_by_initial_world_size=False" in str(err) and "ranks still active" in (
+                str(err)), str(err)
+        else:
+            raise AssertionError(f"join(divide_by_initial_world_size=False) with {kwargs}")
+    # gradient_average=False divides by nothing: nothing to refuse.
+    ddp = DistributedDataParallel(_Scale().to(ctx.device), gradient_average=False)
+    grads = run(ddp, False)
+    torch.testing.assert_close(grads[0], torch.full_like(grads[0], 3.0))
+    if ctx.rank == 0:
+        torch.testing.assert_close(grads[1], torch.full_like(grads[1], 1.0))
+
+
 def check_dead_peer_raises_quickly(ctx):
     # Last check of the CPU group: the last rank leaves; the others' next collective must raise
     # (gloo notices the closed connection) instead of hanging.
@@ -892,6 +932,7 @@ CHECKS = [
     "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
     "check_larc_under_amp_o2_and_ddp",
     "check_unused_parameters_named_in_error",
+    "check_join_divides_uneven_steps_as_asked",
 ]
 CPU_ONLY = ["check_dead_peer_raises_quickly"]
 
