@@ -8,7 +8,9 @@
 # CUDA graph replays), host (norm_host_overhead.py: host time per norm call), gemm_clocks
 # (probe_gemm_clocks.py: fp16 O2 vs .half() GEMM time, SM clock and power-cap reasons),
 # halfbn (probe_half_bn.py: ResNet-50 BatchNorm backends and kernel time per recipe), adamw
-# (probe_adamw_bandwidth.py: O2's optimizer passes, torch's vs FusedAdam, bf16 and fp16).
+# (probe_adamw_bandwidth.py: O2's optimizer passes, torch's vs FusedAdam, bf16 and fp16),
+# bnbackends (probe_bn_backends.py: bf16/fp16 BatchNorm backends), normhost
+# (probe_norm_host.py --parts step: host and GPU time of the GPT step per norm).
 # Timing steps never share the machine with the test runs (compilers and test workers take
 # the CPU, and launch-bound steps then time the CPU). The logs are packed after every step, so
 # a run cut short still returns what it finished.
@@ -48,6 +50,8 @@ for s in "$@"; do
     halfbn) step probe_half_bn 300 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_half_bn.py ;;
     adamw) step probe_adamw_bf16 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_adamw_bandwidth.py
       step probe_adamw_fp16 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_adamw_bandwidth.py --dtype fp16 ;;
+    bnbackends) step probe_bn_backends 90 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_bn_backends.py ;;
+    normhost) step probe_norm_host_step 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_norm_host.py --parts step ;;
     tests12)
       step tests_1gpu 400 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench tests/optimizers &
       step tests_2gpu 400 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus &
