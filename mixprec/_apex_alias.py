@@ -117,7 +117,12 @@ def _apex_provides(apex: types.ModuleType, name: str) -> bool:
             f"({type(err).__name__}: {err}); mixprec.{name} serves as apex.{name} instead.",
             stacklevel=5)
         return False
-    return hasattr(module, marker)
+    if hasattr(module, marker):
+        return True
+    warnings.warn(
+        f"install_apex_alias(): the installed Apex's apex.{name} has no {marker}; "
+        f"mixprec.{name} serves as apex.{name} instead.", stacklevel=5)
+    return False
 
 
 def _has_submodule(apex: types.ModuleType, name: str) -> bool:

@@ -5,7 +5,12 @@ its import changed to `from mixprec import amp`). It exercises what Apex users r
 two losses with their own loss scales, gradient accumulation with `delay_unscale`, gradient
 clipping on `amp.master_params`, and checkpoint/resume with `amp.state_dict()`.
 
-    python apex_style_train.py --opt-level O2 --steps 20 --checkpoint ckpt.pt
+    python -c "import mixprec, runpy, sys; mixprec.install_apex_alias(); \
+        sys.argv = ['apex_style_train.py', '--opt-level', 'O2', '--steps', '20', \
+        '--checkpoint', 'ckpt.pt']; runpy.run_path('apex_style_train.py', run_name='__main__')"
+
+(with the alias installed in a ``sitecustomize.py``: ``python apex_style_train.py --opt-level
+O2 --steps 20 --checkpoint ckpt.pt``).
 """
 import argparse
 

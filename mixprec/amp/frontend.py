@@ -140,7 +140,7 @@ def initialize(
 ):
     """Prepare models and optimizers for mixed-precision training (Apex's signature).
 
-    Call it once, after moving the models to their device and before wrapping them for data
+    Call it once per set of models, after moving them to their device and before wrapping them for data
     parallelism. The same model and optimizer objects come back, changed in place (see
     ``mixprec/amp/_model.py`` for exactly how).
 

@@ -20,7 +20,7 @@ The output has the input's dtype, except for the ``mixed_dtype_*`` forms, whose 
 weight's (as :class:`~mixprec.normalization.MixedFusedLayerNorm`). All of them run mixprec's
 kernels (Triton on CUDA, PyTorch's math elsewhere). Under ``torch.autocast`` the arguments are
 used in the dtypes given (Apex cast them to the autocast dtype first): normalization is one of
-autocast's fp32 ops, and mixprec computes its statistics in fp32 for every input dtype anyway.
+CUDA autocast's fp32 ops, and mixprec computes its statistics in fp32 for every input dtype anyway.
 
 The classes (:class:`~mixprec.normalization.FusedLayerNorm` and the others) are re-exported
 here, so that this module can stand for ``apex.normalization.fused_layer_norm`` (see

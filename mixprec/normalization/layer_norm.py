@@ -7,7 +7,7 @@ Dtypes: statistics are always computed in fp32 and the output is cast once. The 
 is the input's for :func:`fused_layer_norm` and :class:`FusedLayerNorm`, and the weight's for
 :class:`MixedFusedLayerNorm`. Parameters are read in their own dtype and their gradients come
 back in it. The op is not on ``torch.autocast``'s lists, so autocast changes nothing: a bf16
-activation gives a bf16 output (``torch.nn.LayerNorm`` would give fp32 under autocast).
+activation gives a bf16 output (``torch.nn.LayerNorm`` would give fp32 under CUDA autocast).
 """
 
 from typing import Optional, Sequence, Union
