@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import math
+import operator
 from typing import Dict, List, Optional, Tuple, Union
 
 import torch
@@ -31,13 +33,33 @@ def _kernel_device_ok(device: torch.device) -> bool:
             and _multi_tensor.verified_triton())
 
 
-def _check_hyper(name: str, value, low: float, high: float = math.inf, *, high_open=False):
+def _check_hyper(name: str, value, low: float, high: float = math.inf, *, high_open=False,
+                 where: Optional[str] = None):
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if ok:
         ok = low <= value < high if high_open else low <= value <= high
     if not ok:
         bound = f"in [{low}, {high})" if high_open else f">= {low}"
-        raise ValueError(f"FusedAdam({name}={value!r}): {name} must be a number {bound}.")
+        what = f"FusedAdam({name}={value!r})" if where is None else f"{where}: {name}={value!r}"
+        raise ValueError(f"{what}: {name} must be a number {bound}.")
+
+
+def _check_options(options: dict, where: Optional[str] = None) -> None:
+    """Raise ``ValueError`` for a bad ``eps``, ``weight_decay`` or ``betas`` among ``options``:
+    the constructor's (``where`` None), or those of what ``where`` names (a parameter
+    group)."""
+    if "eps" in options:
+        _check_hyper("eps", options["eps"], 0.0, where=where)
+    if "weight_decay" in options:
+        _check_hyper("weight_decay", options["weight_decay"], 0.0, where=where)
+    if "betas" in options:
+        betas = options["betas"]
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+            what = f"FusedAdam(betas={betas!r})" if where is None else f"{where}: betas={betas!r}"
+            raise ValueError(f"{what}: betas must be a pair of numbers in [0, 1), e.g. "
+                             "(0.9, 0.999).")
+        for i, beta in enumerate(betas):
+            _check_hyper(f"betas[{i}]", beta, 0.0, 1.0, high_open=True, where=where)
 
 
 def _describe_lr(lr) -> str:
@@ -78,6 +100,48 @@ def _check_lr(lr, where: Optional[str] = None) -> None:
         if where is None:
             raise ValueError(f"FusedAdam(lr={_describe_lr(lr)}): {problem}.")
         raise ValueError(f"{where}: lr={_describe_lr(lr)}: {problem}.")
+
+
+class _TrackedState(collections.defaultdict):
+    """``optimizer.state`` that counts the entries set, replaced and deleted (``changes``), so
+    that a cached plan sees a parameter's state reset by hand (``state[p] = {}``, ``del
+    state[p]``) with one comparison per step instead of a lookup per parameter."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.changes = 0
+
+    def __setitem__(self, key, value):
+        self.changes += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        self.changes += 1
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        self.changes += 1
+        return super().pop(*args)
+
+    def popitem(self):
+        self.changes += 1
+        return super().popitem()
+
+    def clear(self):
+        self.changes += 1
+        super().clear()
+
+    def update(self, *args, **kwargs):
+        self.changes += 1
+        super().update(*args, **kwargs)
+
+    def setdefault(self, key, default=None):
+        self.changes += 1
+        return super().setdefault(key, default)
+
+
+def _tracked(state) -> _TrackedState:
+    return state if isinstance(state, _TrackedState) else _TrackedState(dict, state)
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -166,16 +230,11 @@ class FusedAdam(torch.optim.Optimizer):
                 "model, optimizer, opt_level='O2'): the masters then live in the optimizer and "
                 "FusedAdam writes the half model in the same pass.")
         _check_lr(lr)
-        _check_hyper("eps", eps, 0.0)
-        _check_hyper("weight_decay", weight_decay, 0.0)
-        if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-            raise ValueError(f"FusedAdam(betas={betas!r}): betas must be a pair of numbers in "
-                             "[0, 1), e.g. (0.9, 0.999).")
-        for i, beta in enumerate(betas):
-            _check_hyper(f"betas[{i}]", beta, 0.0, 1.0, high_open=True)
+        _check_options(dict(eps=eps, weight_decay=weight_decay, betas=betas))
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas),
                         eps=eps, weight_decay=weight_decay, adam_w_mode=bool(adam_w_mode))
         super().__init__(params, defaults)
+        self.state = _tracked(self.state)
         self.set_grad_none = bool(set_grad_none)
         self.capturable = bool(capturable)
         # amp O2 (amp.initialize): fp32 master -> the half model parameter it is copied into.
@@ -195,6 +254,7 @@ class FusedAdam(torch.optim.Optimizer):
         """PyTorch's (``copy.deepcopy``, pickling, a state replaced by hand); a copy starts
         with no routing plans and no half copies linked (amp's hooks stay with the original)."""
         super().__setstate__(state)
+        self.state = _tracked(self.state)
         self.__dict__.setdefault("set_grad_none", True)
         self.__dict__.setdefault("capturable", False)
         self.__dict__.setdefault("_half_copies", {})
@@ -216,8 +276,11 @@ class FusedAdam(torch.optim.Optimizer):
     # -- torch.optim.Optimizer -------------------------------------------------------------
     def add_param_group(self, param_group: dict) -> None:
         """PyTorch's; the new group takes this optimizer's defaults for options it lacks."""
-        if isinstance(param_group, dict) and "lr" in param_group:
-            _check_lr(param_group["lr"], f"FusedAdam param group {len(self.param_groups)}")
+        if isinstance(param_group, dict):
+            where = f"FusedAdam param group {len(self.param_groups)}"
+            if "lr" in param_group:
+                _check_lr(param_group["lr"], where)
+            _check_options(param_group, where)
         super().add_param_group(param_group)
         if hasattr(self, "_plans"):  # (torch's __init__ adds the first groups)
             self._plans.clear()
@@ -246,18 +309,21 @@ class FusedAdam(torch.optim.Optimizer):
         (else from this optimizer's defaults) and this optimizer's other missing options; step
         counts move to their parameter's device as fp32. A tensor ``lr`` is loaded as
         PyTorch loads it: a copy, on the device it was saved from (or mapped to)."""
+        # Everything is checked before anything is loaded: a refused checkpoint leaves this
+        # optimizer as it was.
         for i, group in enumerate(state_dict.get("param_groups", ())):
+            where = f"FusedAdam.load_state_dict: param group {i}"
             if "lr" in group:
-                _check_lr(group["lr"], f"FusedAdam.load_state_dict: param group {i}")
+                _check_lr(group["lr"], where)
+            _check_options(group, where)
+            if group.get("amsgrad") or group.get("maximize"):
+                raise ValueError(
+                    f"{where}: the checkpoint's optimizer used amsgrad={group.get('amsgrad')}, "
+                    f"maximize={group.get('maximize')}; FusedAdam supports neither. Keep that "
+                    "checkpoint's optimizer (torch.optim.Adam/AdamW).")
         super().load_state_dict(state_dict)
         self._epoch += 1
         for group in self.param_groups:
-            if group.get("amsgrad") or group.get("maximize"):
-                raise ValueError(
-                    "FusedAdam.load_state_dict: the checkpoint's optimizer used "
-                    f"amsgrad={group.get('amsgrad')}, maximize={group.get('maximize')}; "
-                    "FusedAdam supports neither. Keep that checkpoint's optimizer "
-                    "(torch.optim.Adam/AdamW).")
             if "adam_w_mode" not in group and "decoupled_weight_decay" in group:
                 group["adam_w_mode"] = bool(group["decoupled_weight_decay"])
             for key, value in self.defaults.items():
@@ -315,14 +381,23 @@ class FusedAdam(torch.optim.Optimizer):
         # (bias_correction=False takes parameters off PyTorch's fused kernel: part of the key.)
         key = (bool(group["bias_correction"]), *map(id, params))
         plan = self._plans.get(key)
-        if (plan is not None and plan.epoch == self._epoch and plan.state_map is self.state
-                and plan.state_count == len(self.state) and plan.holds(params, grads)):
+        state_map = self.state
+        if (plan is not None and plan.epoch == self._epoch and plan.state_map is state_map
+                and plan.state_changes == state_map.changes and plan.holds(params, grads)):
             return plan
+        if not isinstance(state_map, _TrackedState):  # (a new dict put in by hand)
+            self.state = _tracked(state_map)
         for g in grads:
             if g.is_sparse:
                 raise RuntimeError("FusedAdam does not support sparse gradients (e.g. "
                                    "nn.Embedding(sparse=True)); use torch.optim.SparseAdam for "
                                    "those parameters.")
+        for p in params:
+            if p.is_complex() or not p.is_floating_point():
+                raise TypeError(
+                    f"FusedAdam: a parameter of shape {tuple(p.shape)} is {p.dtype}; FusedAdam "
+                    "steps real floating-point parameters (fp32, fp16, bf16, fp64). Use "
+                    "torch.optim.Adam/AdamW for complex ones (or view_as_real them).")
         states = [self._state_of(p) for p in params]
         copies = [self._half_copies.get(p) for p in params] if self._half_copies else [
             None] * len(params)
@@ -339,6 +414,7 @@ class FusedAdam(torch.optim.Optimizer):
         if len(self._plans) >= 64:  # (param sets come and go, e.g. with frozen layers)
             self._plans.clear()
         plan = _Plan(self._epoch, self.state, states, copies, kernel, fused, plain, params)
+        plan.state_changes = self.state.changes  # (after _state_of made any new entries)
         self._plans[key] = plan
         return plan
 
@@ -408,21 +484,26 @@ class _Plan:
     step reuses it while :meth:`holds`: the optimizer's epoch is the same (no state loaded, no
     half copies linked since), ``optimizer.state`` is the same dict with as many entries (none
     cleared or deleted), and the per-step facts the checks relied on still stand, read from
-    cached flags (each gradient's and parameter's layout, each copy's device and dtype).
-    State tensors replaced by hand in ``optimizer.state`` are not noticed. The learning rate is
+    cached flags (each fused-route parameter's and gradient's dtype, size and layout, each
+    copy's device and dtype), and each parameter's state is the same non-empty dict (a state
+    reset by hand, ``optimizer.state[p] = {}``, ``.clear()`` or ``del``, starts fresh moments,
+    as in PyTorch's Adam). Single state tensors replaced by hand inside a kept dict are not
+    noticed. The learning rate is
     no part of it: each step takes the group's ``lr`` as it is then (a float, a tensor changed
     in place, or a new tensor or float put in the group).
     """
 
-    __slots__ = ("epoch", "state_map", "state_count", "params", "states", "steps", "copies",
+    __slots__ = ("epoch", "state_map", "state_changes", "params", "states", "steps", "copies",
                  "plain", "kernel_by_device", "fused_by_device", "steps_by_device", "devices",
-                 "written_by_kernel", "copied_after", "_layouts", "_copy_facts")
+                 "written_by_kernel", "copied_after", "_take", "_nbytes", "_take_contiguous",
+                 "_take_channels_last", "_copy_facts")
 
     def __init__(self, epoch, state_map, states, copies, kernel, fused, plain, params):
         self.epoch = epoch
         # A state cleared or replaced since (optimizer.state.clear(), a new dict, `del
-        # optimizer.state[p]`: resets of the moments) is seen by these two.
-        self.state_map, self.state_count = state_map, len(state_map)
+        # optimizer.state[p]`, `optimizer.state[p] = {}`: resets of the moments) is seen by
+        # these two; a parameter's state dict emptied in place, by holds().
+        self.state_map, self.state_changes = state_map, state_map.changes
         # Held, so that no other tensor can take one of their ids (the plan's key) meanwhile.
         self.params = params
         self.states = states
@@ -438,23 +519,51 @@ class _Plan:
         self.devices = list(by_device)  # (the parameters' devices: steps are on them)
         self.written_by_kernel = [params[i] for i in kernel if copies[i] is not None]
         self.copied_after = [i for i in fused + plain if copies[i] is not None]
-        # What the checks of both fused routes saw, re-read cheaply every step.
-        self._layouts = [(i, params[i].is_contiguous()) for i in kernel + fused]
+        # What the checks of both fused routes saw, re-read cheaply every step (C-level maps
+        # over the routed tensors: dtypes, sizes and layouts).
+        routed = sorted(kernel + fused)
+        self._take = _picker(routed)
+        # (Bytes stand for dtype and size: a parameter converted or resized through .data
+        # since would have the kernel write its old dtype's bytes over the new storage.)
+        self._nbytes = [params[i].nbytes for i in routed]
+        self._take_contiguous = _picker([i for i in routed if params[i].is_contiguous()])
+        self._take_channels_last = _picker([i for i in routed if not params[i].is_contiguous()])
         self._copy_facts = [(c, c.dtype, c.get_device()) for c in copies if c is not None]
 
     def holds(self, params: List[Tensor], grads: List[Tensor]) -> bool:
-        for i, contiguous in self._layouts:
-            p, g = params[i], grads[i]
-            if contiguous:
-                if not (p.is_contiguous() and g.is_contiguous()):
-                    return False
-            elif not (p.is_contiguous(memory_format=torch.channels_last)
-                      and g.is_contiguous(memory_format=torch.channels_last)):
-                return False
+        if not all(map(len, self.states)):  # (a state dict emptied in place: .clear())
+            return False
+        # (A gradient always has its parameter's dtype and size: PyTorch checks assignments.)
+        if list(map(_NBYTES, self._take(params))) != self._nbytes:
+            return False
+        take = self._take_contiguous
+        if not (all(map(Tensor.is_contiguous, take(params)))
+                and all(map(Tensor.is_contiguous, take(grads)))):
+            return False
+        take = self._take_channels_last
+        if not (all(map(_is_channels_last, take(params)))
+                and all(map(_is_channels_last, take(grads)))):
+            return False
         for c, dtype, device in self._copy_facts:
             if c.dtype is not dtype or c.get_device() != device:
                 return False
         return True
+
+
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def _is_channels_last(t: Tensor) -> bool:
+    return t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _picker(indices: List[int]):
+    """``seq -> (seq[i] for i in indices)`` as a tuple, at C speed (``itemgetter``)."""
+    if not indices:
+        return lambda seq: ()
+    if len(indices) == 1:
+        return lambda seq, i=indices[0]: (seq[i],)
+    return operator.itemgetter(*indices)
 
 
 def _same_layout(p: Tensor, *others: Tensor) -> bool:

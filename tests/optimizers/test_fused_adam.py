@@ -431,6 +431,131 @@ def test_a_reset_state_starts_the_moments_afresh(device, path, reset):
     assert sorted(saved) == [0, 1] and saved[0]["step"].item() == 2.0
 
 
+@pytest.mark.parametrize("reset", ["new_dict", "clear", "del"])
+def test_one_parameters_reset_state_starts_its_moments_afresh(device, path, reset):
+    """One parameter's state reset by hand (``state[p] = {}``, ``state[p].clear()``, ``del
+    state[p]``), here in the step where a parameter of an earlier group gets its first
+    gradient (so the optimizer's state count is unchanged): that parameter starts fresh
+    moments, as in PyTorch's AdamW, and the checkpoint saves them. The cached plan of its
+    group used to keep stepping the old moments (or failed with a KeyError after
+    ``clear()``)."""
+    gen = torch.Generator().manual_seed(12)
+    params = _params(device, gen, [(37, 29), (5,)])
+    ref = [p.double() for p in params]
+    # Group 0 holds the late parameter, group 1 the one reset.
+    opt = FusedAdam([{"params": [params[1]]}, {"params": [params[0]]}], lr=1e-2,
+                    weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([{"params": [ref[1]]}, {"params": [ref[0]]}], lr=1e-2,
+                                weight_decay=0.1, foreach=False)
+    for i in range(4):
+        for j, (p, r) in enumerate(zip(params, ref)):
+            if j == 1 and i < 2:  # the second parameter's first gradient comes at step 2
+                p.grad = r.grad = None
+                continue
+            g = torch.randn(p.shape, generator=gen).to(p.device)
+            p.grad, r.grad = g, g.double()
+        # (A dict replaced or cleared keeps the state count: any step shows it. A deletion
+        # does only where another parameter's first state makes up the count: step 2.)
+        if i == (2 if reset == "del" else 3):
+            for o, first in ((opt, params[0]), (ref_opt, ref[0])):
+                if reset == "new_dict":
+                    o.state[first] = {}
+                elif reset == "clear":
+                    o.state[first].clear()
+                else:
+                    del o.state[first]
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+        assert opt.state[p]["step"].item() == ref_opt.state[r]["step"].item()
+    assert ref_opt.state[ref[0]]["step"].item() == (2.0 if reset == "del" else 1.0)
+    saved = opt.state_dict()["state"]
+    assert sorted(saved) == [0, 1]
+    assert saved[1]["step"].item() == ref_opt.state[ref[0]]["step"].item()
+
+
+def test_a_parameter_converted_through_data_is_replanned(device, path):
+    """``p.data = p.data.half()`` (what ``module.half()`` does) after a step: the cached plan
+    sent the fp16 parameter to the fp32 kernel, which wrote 4-byte values into the 2-byte
+    storage (heap corruption). The plan is rebuilt and the parameter takes a route of its
+    dtype, or PyTorch's error for the fp32 moments beside it; never the fp32 kernel."""
+    gen = torch.Generator().manual_seed(13)
+    p = _params(device, gen, [(2050,)])[0]
+    opt = FusedAdam([p], lr=1e-2)
+    p.grad = torch.randn(p.shape, generator=gen).to(device)
+    opt.step()
+    p.data = p.data.half()
+    before = p.detach().clone()
+    p.grad = torch.randn(p.shape, generator=gen).to(device).half()
+    calls = []
+    real = fused_adam._adam_kernel.adam_step_
+    fused_adam._adam_kernel.adam_step_ = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        opt.step()
+    except RuntimeError as err:  # (PyTorch's fused kernel: fp16 parameter, fp32 moments)
+        assert "Half" in str(err) or "dtype" in str(err), str(err)
+    finally:
+        fused_adam._adam_kernel.adam_step_ = real
+    assert not calls, "an fp16 parameter went to the fp32 kernel"
+    assert p.dtype == torch.float16 and torch.isfinite(p).all()
+    assert (p.float() - before.float()).abs().max() <= 2e-2
+
+
+def test_complex_and_integer_parameters_are_a_clear_error():
+    for dtype in (torch.complex64, torch.int64):
+        p = nn.Parameter(torch.zeros(2, dtype=dtype), requires_grad=dtype.is_complex)
+        if not dtype.is_complex:
+            p.grad = torch.zeros(2, dtype=dtype)
+        else:
+            p.grad = torch.ones(2, dtype=dtype)
+        for kw in ({}, {"bias_correction": False}):
+            with pytest.raises(TypeError, match=rf"is {dtype}; FusedAdam steps real "
+                                                r"floating-point parameters"):
+                FusedAdam([p], **kw).step()
+
+
+def test_a_refused_checkpoint_leaves_the_optimizer_as_it_was():
+    """A checkpoint FusedAdam cannot take (amsgrad, maximize, a bad option) is refused before
+    anything is loaded: the optimizer keeps its options and state and steps on."""
+    p = nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p], lr=1e-3)
+    p.grad = torch.ones(3)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    other = nn.Parameter(torch.ones(3))
+    for make in (lambda: torch.optim.Adam([other], lr=0.5, amsgrad=True),
+                 lambda: torch.optim.Adam([other], lr=0.5, maximize=True)):
+        src = make()
+        other.grad = torch.ones(3)
+        src.step()
+        with pytest.raises(ValueError, match=r"param group 0: the checkpoint's optimizer used"):
+            opt.load_state_dict(src.state_dict())
+        after = opt.state_dict()
+        assert after["param_groups"] == before["param_groups"]
+        torch.testing.assert_close(after["state"], before["state"], rtol=0, atol=0)
+    bad = copy.deepcopy(before)
+    bad["param_groups"][0]["eps"] = -1.0
+    with pytest.raises(ValueError, match=r"param group 0: eps=-1.0: eps must be a number"):
+        opt.load_state_dict(bad)
+    assert opt.param_groups[0]["eps"] == 1e-8
+    opt.step()
+    assert opt.state[p]["step"].item() == 2.0
+
+
+def test_a_param_groups_options_are_checked_as_the_constructors():
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match=r"FusedAdam param group 1: betas\[0\]=2.0: betas\[0\] "
+                                         r"must be a number in \[0.0, 1.0\)"):
+        FusedAdam([{"params": [a]}, {"params": [b], "betas": (2.0, 0.9)}])
+    opt = FusedAdam([a])
+    with pytest.raises(ValueError, match=r"FusedAdam param group 1: eps=-1: eps must be"):
+        opt.add_param_group({"params": [b], "eps": -1})
+    with pytest.raises(ValueError, match=r"FusedAdam param group 1: weight_decay=-0.1"):
+        opt.add_param_group({"params": [b], "weight_decay": -0.1})
+    assert len(opt.param_groups) == 1
+
+
 def test_deepcopy_and_pickle_give_a_working_optimizer(device, path):
     """``copy.deepcopy`` and pickling keep the options and give an optimizer that steps as the
     original does (PyTorch's __getstate__ dropped FusedAdam's own attributes: AttributeError at
