@@ -327,6 +327,13 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         problem = _unwritable(path)
         if problem:  # fail before the run, not after it
             parser.error(f"argument {flag}: cannot write {path!r}: {problem}")
+    outputs = [(flag, os.path.realpath(path)) for flag, path in
+               (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)) if path]
+    for i, (flag, real) in enumerate(outputs):
+        for other, other_real in outputs[:i]:
+            if real == other_real:
+                parser.error(f"arguments {other} and {flag}: both name {real}; give each "
+                             "output its own file")
     norm_cls = _norm_factory(args.norm, parser) if args.model == "gpt" else None
     if args.plot:  # fail before the run, not after it
         try:

@@ -204,6 +204,8 @@ def test_every_mode_failing_exits_1(monkeypatch):
         (["bench", "--seed", str(-(2**63) - 1)], "from -2**63 to 2**64 - 1"),
         (["bench", "--csv", ""], "argument --csv: expected a file path, got ''"),
         (["bench", "--plot", "out.txt"], "argument --plot: cannot write a plot as 'out.txt'"),
+        (["bench", "--json", "rows.out", "--csv", "./rows.out"],
+         "arguments --json and --csv: both name"),
     ],
 )
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
