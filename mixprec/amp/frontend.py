@@ -140,8 +140,8 @@ def initialize(
 ):
     """Prepare models and optimizers for mixed-precision training (Apex's signature).
 
-    Call it once per set of models, after moving them to their device and before wrapping them for data
-    parallelism. The same model and optimizer objects come back, changed in place (see
+    Call it once per set of models, after moving them to their device and before wrapping them
+    for data parallelism. The same model and optimizer objects come back, changed in place (see
     ``mixprec/amp/_model.py`` for exactly how).
 
     Opt levels (overridable one property at a time, as in Apex):

@@ -414,7 +414,6 @@ class FusedAdam(torch.optim.Optimizer):
         if len(self._plans) >= 64:  # (param sets come and go, e.g. with frozen layers)
             self._plans.clear()
         plan = _Plan(self._epoch, self.state, states, copies, kernel, fused, plain, params)
-        plan.state_changes = self.state.changes  # (after _state_of made any new entries)
         self._plans[key] = plan
         return plan
 
@@ -482,15 +481,15 @@ class _Plan:
 
     Built with every check (:func:`mixprec.optimizers._adam_kernel.kernel_reason`); a later
     step reuses it while :meth:`holds`: the optimizer's epoch is the same (no state loaded, no
-    half copies linked since), ``optimizer.state`` is the same dict with as many entries (none
-    cleared or deleted), and the per-step facts the checks relied on still stand, read from
-    cached flags (each fused-route parameter's and gradient's dtype, size and layout, each
-    copy's device and dtype), and each parameter's state is the same non-empty dict (a state
-    reset by hand, ``optimizer.state[p] = {}``, ``.clear()`` or ``del``, starts fresh moments,
-    as in PyTorch's Adam). Single state tensors replaced by hand inside a kept dict are not
-    noticed. The learning rate is
-    no part of it: each step takes the group's ``lr`` as it is then (a float, a tensor changed
-    in place, or a new tensor or float put in the group).
+    half copies linked since), ``optimizer.state`` is the same mapping with no entry set or
+    deleted since (its change counter) and no parameter's state dict emptied, and the per-step
+    facts the checks relied on still stand, read from cached flags (each fused-route
+    parameter's byte size, for its dtype and size, its and its gradient's layout, each copy's
+    device and dtype). So a state reset by hand (``optimizer.state[p] = {}``, ``.clear()``,
+    ``del``) starts fresh moments, as in PyTorch's Adam; single state tensors replaced inside
+    a kept dict are not noticed. The learning rate is no part of it: each step takes the
+    group's ``lr`` as it is then (a float, a tensor changed in place, or a new tensor or float
+    put in the group).
     """
 
     __slots__ = ("epoch", "state_map", "state_changes", "params", "states", "steps", "copies",
@@ -520,7 +519,7 @@ class _Plan:
         self.written_by_kernel = [params[i] for i in kernel if copies[i] is not None]
         self.copied_after = [i for i in fused + plain if copies[i] is not None]
         # What the checks of both fused routes saw, re-read cheaply every step (C-level maps
-        # over the routed tensors: dtypes, sizes and layouts).
+        # over the routed tensors: byte sizes and layouts).
         routed = sorted(kernel + fused)
         self._take = _picker(routed)
         # (Bytes stand for dtype and size: a parameter converted or resized through .data
