@@ -672,20 +672,21 @@ def _torch_fused_step(params, grads, states, steps, idx, lr, hyper, grad_scale,
 
 
 def _reference_step(params, grads, states, idx, lrs, hyper, grad_scale, found_inf) -> None:
-    """The update in plain PyTorch, in fp32 (half tensors are upcast and written back);
-    ``lrs`` maps each device to the rate of its parameters, a float or a tensor there (read as
-    fp32)."""
+    """The update in plain PyTorch, in fp32 (half tensors are upcast and written back), or in
+    fp64 for fp64 parameters as PyTorch's Adam; ``lrs`` maps each device to the rate of its
+    parameters, a float or a tensor there (read in the update's dtype)."""
     if found_inf is not None and bool(found_inf.item()):  # (a host sync: not the fast path)
         return
     beta1, beta2 = hyper["beta1"], hyper["beta2"]
     eps, wd = hyper["eps"], hyper["weight_decay"]
     for i in idx:
         p, state = params[i], states[i]
+        dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
         lr = lrs[p.device]
         if isinstance(lr, Tensor):
-            lr = lr.reshape(()).to(torch.float32)
-        p32, g = p.float(), grads[i].float()
-        m, v = state["exp_avg"].float(), state["exp_avg_sq"].float()
+            lr = lr.reshape(()).to(dtype)
+        p32, g = p.to(dtype), grads[i].to(dtype)
+        m, v = state["exp_avg"].to(dtype), state["exp_avg_sq"].to(dtype)
         if grad_scale is not None:
             g = g / grad_scale.to(g.device)
         if hyper["adam_w"]:
@@ -697,10 +698,10 @@ def _reference_step(params, grads, states, idx, lrs, hyper, grad_scale, found_in
         if hyper["bias_correction"]:
             # In fp64 (on the device: no sync): 1 - beta2 ** step in fp32 is off by ~1e-5.
             step = state["step"].to(device=p.device, dtype=torch.float64)
-            bc1 = (1 - torch.pow(beta1, step)).float()
-            bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, step)).float()
+            bc1 = (1 - torch.pow(beta1, step)).to(dtype)
+            bc2_sqrt = torch.sqrt(1 - torch.pow(beta2, step)).to(dtype)
         else:
-            bc1 = bc2_sqrt = torch.ones((), device=p.device)
+            bc1 = bc2_sqrt = torch.ones((), dtype=dtype, device=p.device)
         p32 = p32 - (lr / bc1) * m / (v.sqrt() / bc2_sqrt + eps)
         p.copy_(p32)
         state["exp_avg"].copy_(m)

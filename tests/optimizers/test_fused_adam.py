@@ -135,6 +135,34 @@ def test_without_bias_correction(device, path):
         torch.testing.assert_close(p, r.float(), **_TOL)
 
 
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_float64_parameters_update_in_float64(bias_correction):
+    """fp64 parameters step in fp64 on every route that takes them (PyTorch's fused kernel,
+    or the plain arithmetic, which ``bias_correction=False`` always takes): equal to
+    PyTorch's float64 AdamW (with the moments as they are where there is no correction) to
+    float64 rounding, not to fp32's. The plain route used to compute in fp32."""
+    gen = torch.Generator().manual_seed(4)
+    p = nn.Parameter(torch.randn(257, generator=gen, dtype=torch.float64))
+    ref = p.detach().clone()
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.05
+    opt = FusedAdam([p], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd,
+                    bias_correction=bias_correction)
+    m = torch.zeros_like(ref)
+    v = torch.zeros_like(ref)
+    for step in range(1, 4):
+        g = torch.randn(257, generator=gen, dtype=torch.float64)
+        p.grad = g.clone()
+        opt.step()
+        ref = ref - lr * wd * ref
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        bc1 = 1 - b1 ** step if bias_correction else 1.0
+        bc2 = (1 - b2 ** step) ** 0.5 if bias_correction else 1.0
+        ref = ref - (lr / bc1) * m / (v.sqrt() / bc2 + eps)
+    assert p.dtype == torch.float64
+    torch.testing.assert_close(p.detach(), ref, rtol=1e-12, atol=1e-12)
+
+
 def test_bias_correction_changed_between_steps_is_followed(device, path):
     """A group's ``bias_correction`` turned off after the first steps: later steps use the
     moments as they are (PyTorch's fused kernel, which always corrects, was kept for it)."""
