@@ -162,13 +162,16 @@ def _register_submodules(name: str, package: types.ModuleType) -> None:
     """``apex.<name>.<sub>`` for mixprec's imported submodules and Apex's paths above, as the
     same module objects. (``apex.<name>`` is mixprec's package, whose ``__path__`` would
     otherwise run mixprec's files again under the ``apex`` name: copies of every class, which
-    fail ``isinstance`` against the originals.)"""
+    fail ``isinstance`` against the originals.) Submodules left behind by an Apex package
+    this one replaces (an ``apex.amp`` that failed halfway through its imports) go."""
+    for stale in [key for key in sys.modules if key.startswith(f"apex.{name}.")]:
+        del sys.modules[stale]
     for info in pkgutil.iter_modules(package.__path__):
         module = sys.modules.get(f"{package.__name__}.{info.name}")
         if module is not None:
-            sys.modules.setdefault(f"apex.{name}.{info.name}", module)
+            sys.modules[f"apex.{name}.{info.name}"] = module
     for sub, target in _APEX_ONLY_SUBMODULES.get(name, {}).items():
-        sys.modules.setdefault(f"apex.{name}.{sub}", importlib.import_module(target))
+        sys.modules[f"apex.{name}.{sub}"] = importlib.import_module(target)
 
 
 def _serve_normalization(apex: types.ModuleType) -> list:

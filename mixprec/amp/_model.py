@@ -293,16 +293,22 @@ def _renorm_master_rows(module: nn.Module, indices) -> None:
     """
     hooks = module.__dict__.get("_mixprec_state_dict")
     master = hooks.masters.get("weight") if hooks is not None else None
-    if (master is None or not isinstance(indices, torch.Tensor)
+    if (master is None or module.max_norm is None or not isinstance(indices, torch.Tensor)
             or getattr(module, "_is_replica", False)):  # (DataParallel: a broadcast copy)
-        return None
-    if is_compiling():
-        return outside_the_compiler(_renorm_master_rows)(module, indices)
+        return
+    if not is_compiling():
+        # First the in-place-write rule, as at a step: a half weight written since amp's last
+        # copy (nn.init, PyTorch's DDP broadcasting rank 0's weights) goes into the master,
+        # which this renorm is about to write (and would then win). (Traced by torch.compile,
+        # the renorm alone: version counters are not traceable, as at the step.)
+        taker = hooks.take_writes.get("weight")
+        take = taker() if taker is not None else None
+        if take is not None:
+            take()
     with torch.no_grad():
-        rows = indices.reshape(-1).to(master.device)
+        rows = indices.reshape(-1).to(device=master.device, dtype=torch.long)
         torch.embedding_renorm_(master, rows, module.max_norm, module.norm_type)
         module.weight.index_copy_(0, rows, master.index_select(0, rows).to(module.weight.dtype))
-    return None
 
 
 def _replaces_parameters() -> bool:
@@ -393,6 +399,9 @@ class _Fp32StateDict:
 
     def __init__(self):
         self.masters: Dict[str, torch.Tensor] = {}
+        # Per master, its optimizer's in-place-write check (weak: amp's state owns it), for
+        # a forward that writes the master itself (an embedding's max_norm). Not copied.
+        self.take_writes: Dict[str, weakref.WeakMethod] = {}
         self.standalone = False
         self._versions: Dict[str, int] = {}  # each standalone master's version when synced
 
@@ -401,6 +410,7 @@ class _Fp32StateDict:
 
     def __setstate__(self, state):
         self.masters = dict(state["masters"])
+        self.take_writes = {}
         self.standalone = bool(self.masters)
         self._versions = {}
 
@@ -491,8 +501,10 @@ def master_weights(model: nn.Module) -> List[torch.Tensor]:
     return out
 
 
-def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor]) -> None:
-    """Tell ``model``'s state-dict hooks which fp32 master stands for which parameter."""
+def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor],
+                     take_writes: Optional[Callable[[], None]] = None) -> None:
+    """Tell ``model``'s state-dict hooks which fp32 master stands for which parameter, and
+    which optimizer's ``take_model_writes`` (a bound method, held weakly) keeps them."""
     for module in model.modules():
         hooks = getattr(module, "_mixprec_state_dict", None)
         if hooks is None:
@@ -500,6 +512,8 @@ def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor]
         for name, param in module._parameters.items():
             if param is not None and param in masters:
                 hooks.masters[name] = masters[param]
+                if take_writes is not None:
+                    hooks.take_writes[name] = weakref.WeakMethod(take_writes)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -246,7 +246,7 @@ class _OptimizerState:
         if count != self.known_params:
             masters = self.adopt_params(self.amp_state.properties.master_weights, set())
             for model in self.amp_state.models:
-                register_masters(model, masters)
+                register_masters(model, masters, self.take_model_writes)
 
     def skips_on_device(self) -> Optional[torch.device]:
         """The device on which an overflow can skip the step without a host sync, or None.

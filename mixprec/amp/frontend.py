@@ -287,17 +287,18 @@ def initialize(
             refuse_inner_optimizer(opt, cast_ids)
     state = AmpState(props, True, model_list, num_losses, min_loss_scale, max_loss_scale,
                      verbosity)
-    masters = {}
+    masters = []  # (the optimizer's amp state, its {half parameter: master})
     for opt in opt_list:
         opt_state = state.add_optimizer(opt)
-        masters.update(opt_state.adopt_params(props.master_weights, cast_ids))
+        masters.append((opt_state, opt_state.adopt_params(props.master_weights, cast_ids)))
         opt_state.install_hooks(hookable_optimizer(opt))
     for model in model_list:
         # Before convert_model's own hooks, so that a checkpoint loaded after a late
         # optimizer.add_param_group finds the new group's masters in place.
         model._register_load_state_dict_pre_hook(SyncParamGroupsOnLoad(state))
         convert_model(model, props)
-        register_masters(model, masters)
+        for opt_state, its_masters in masters:
+            register_masters(model, its_masters, opt_state.take_model_writes)
     for opt in opt_list:
         optimizer_state(opt).match_plain_state_dtypes()
     _set_latest(state, opt_list)

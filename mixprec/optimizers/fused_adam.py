@@ -484,7 +484,7 @@ class _Plan:
     half copies linked since), ``optimizer.state`` is the same mapping with no entry set or
     deleted since (its change counter) and no parameter's state dict emptied, and the per-step
     facts the checks relied on still stand, read from cached flags (each fused-route
-    parameter's byte size, for its dtype and size, its and its gradient's layout, each copy's
+    parameter's byte size and device, its and its gradient's layout, each copy's
     device and dtype). So a state reset by hand (``optimizer.state[p] = {}``, ``.clear()``,
     ``del``) starts fresh moments, as in PyTorch's Adam; single state tensors replaced inside
     a kept dict are not noticed. The learning rate is no part of it: each step takes the
@@ -494,7 +494,8 @@ class _Plan:
 
     __slots__ = ("epoch", "state_map", "state_changes", "params", "states", "steps", "copies",
                  "plain", "kernel_by_device", "fused_by_device", "steps_by_device", "devices",
-                 "written_by_kernel", "copied_after", "_take", "_nbytes", "_take_contiguous",
+                 "written_by_kernel", "copied_after", "_take", "_nbytes", "_devices",
+                 "_take_contiguous",
                  "_take_channels_last", "_copy_facts")
 
     def __init__(self, epoch, state_map, states, copies, kernel, fused, plain, params):
@@ -525,6 +526,7 @@ class _Plan:
         # (Bytes stand for dtype and size: a parameter converted or resized through .data
         # since would have the kernel write its old dtype's bytes over the new storage.)
         self._nbytes = [params[i].nbytes for i in routed]
+        self._devices = [params[i].get_device() for i in routed]  # (moved through .data)
         self._take_contiguous = _picker([i for i in routed if params[i].is_contiguous()])
         self._take_channels_last = _picker([i for i in routed if not params[i].is_contiguous()])
         self._copy_facts = [(c, c.dtype, c.get_device()) for c in copies if c is not None]
@@ -533,7 +535,9 @@ class _Plan:
         if not all(map(len, self.states)):  # (a state dict emptied in place: .clear())
             return False
         # (A gradient always has its parameter's dtype and size: PyTorch checks assignments.)
-        if list(map(_NBYTES, self._take(params))) != self._nbytes:
+        taken = self._take(params)
+        if (list(map(_NBYTES, taken)) != self._nbytes
+                or list(map(Tensor.get_device, taken)) != self._devices):
             return False
         take = self._take_contiguous
         if not (all(map(Tensor.is_contiguous, take(params)))

@@ -595,6 +595,46 @@ def test_o2_embedding_max_norm_keeps_fp32_masters(kind, device):
     assert not torch.equal(master[:30], master[:30].bfloat16().float())  # (fp32 values)
 
 
+def test_o2_embedding_max_norm_takes_writes_and_compiles():
+    # The renorm of the master must not lose a write to the half weight made since amp's last
+    # copy (nn.init here; PyTorch's DDP broadcasting rank 0's weights alike): the write is
+    # taken first, as at a step. int32 indices work, max_norm may be switched off after
+    # initialize, and a compiled model (fullgraph) trains as the eager one, bit for bit.
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(20, 8, max_norm=1.0), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        return model, opt
+
+    def train(model, opt, steps, dtype=torch.int64):
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            x = torch.randint(0, 20, (4, 3), generator=g).to(dtype)
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().pow(2).sum(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+
+    model, opt = build()
+    train(model, opt, 1)
+    with torch.no_grad():
+        nn.init.constant_(model[0].weight, 0.125)  # (norm 0.35: under max_norm)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    train(model, opt, 2, dtype=torch.int32)
+    master = next(iter(amp.master_params(opt)))
+    assert torch.equal(master, torch.full_like(master, 0.125))
+    model[0].max_norm = None
+    train(model, opt, 1)
+    eager_model, eager_opt = build()
+    train(eager_model, eager_opt, 3)
+    compiled_model, compiled_opt = build()
+    train(torch.compile(compiled_model, backend="aot_eager", fullgraph=True), compiled_opt, 3)
+    for a, b in zip(amp.master_params(eager_opt), amp.master_params(compiled_opt)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_o2_half_conversion_of_the_fp32_batchnorm_is_refused():
     # model.half() after O2 in fp16: the rest of the model is fp16 already, and the call used
     # to cast the BatchNorm layers amp keeps fp32 (stepped without masters), so Adam failed at

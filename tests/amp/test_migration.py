@@ -153,6 +153,22 @@ def test_alias_replaces_a_broken_or_partial_apex_submodule(clean_apex, tmp_path,
     assert DistributedDataParallel is mixprec.parallel.DistributedDataParallel
 
 
+def test_alias_drops_what_a_failed_apex_amp_left_behind(clean_apex, tmp_path, monkeypatch):
+    # Apex's amp imports its submodules (handle, scaler) before the one that fails on a newer
+    # PyTorch: those half-imported modules must not stand for apex.amp.handle afterwards.
+    package = _fake_apex(tmp_path, "optimizers")
+    (package / "amp").mkdir()
+    (package / "amp" / "handle.py").write_text("def scale_loss(*a, **k): pass\n")
+    (package / "amp" / "__init__.py").write_text(
+        "from . import handle\nfrom torch._six import string_classes\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match="apex.amp fails to import"):
+        mixprec.install_apex_alias()
+    from apex.amp.handle import scale_loss
+
+    assert scale_loss is amp.scale_loss
+
+
 def test_alias_reports_a_broken_apex(clean_apex, tmp_path, monkeypatch):
     _fake_apex(tmp_path, init="import fused_adam_cuda_missing_extension\n")
     monkeypatch.syspath_prepend(str(tmp_path))
