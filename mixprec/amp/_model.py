@@ -288,8 +288,9 @@ def _renorm_master_rows(module: nn.Module, indices) -> None:
     master before each step (its in-place-write rule), rounding the embedding's master to half
     every step. Renormalising the master's rows first (exactly as fp32 training does) and
     copying those rows into the half weight keeps the master authoritative: a master written
-    since amp's last copy wins over the half weight. The forward's own renorm of the half rows
-    then only corrects their rounding.
+    since amp's last copy wins over the half weight, so half-weight writes made before this
+    forward are taken into the master first (its optimizer's ``take_model_writes``). The
+    forward's own renorm of the half rows then only corrects their rounding.
     """
     hooks = module.__dict__.get("_mixprec_state_dict")
     master = hooks.masters.get("weight") if hooks is not None else None

@@ -299,8 +299,8 @@ def initialize(
         convert_model(model, props)
         for opt_state, its_masters in masters:
             register_masters(model, its_masters, opt_state.take_model_writes)
-    for opt in opt_list:
-        optimizer_state(opt).match_plain_state_dtypes()
+    for opt_state, _ in masters:
+        opt_state.match_plain_state_dtypes()
     _set_latest(state, opt_list)
     if verbosity > 0:
         log_rank0(logging.INFO, "amp: opt_level %s (%s): %s", props.opt_level,

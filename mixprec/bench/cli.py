@@ -321,19 +321,19 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"argument --optimizer: {args.optimizer} (an AdamW) applies to --model gpt; the "
             f"image models train with SGD (leave --optimizer torch for --model {args.model})"
         )
+    named = {}  # each output's resolved path -> the flag that named it
     for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
         if path is not None and not path.strip():
             parser.error(f"argument {flag}: expected a file path, got {path!r}")
         problem = _unwritable(path)
         if problem:  # fail before the run, not after it
             parser.error(f"argument {flag}: cannot write {path!r}: {problem}")
-    outputs = [(flag, os.path.realpath(path)) for flag, path in
-               (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)) if path]
-    for i, (flag, real) in enumerate(outputs):
-        for other, other_real in outputs[:i]:
-            if real == other_real:
-                parser.error(f"arguments {other} and {flag}: both name {real}; give each "
+        if path:
+            real = os.path.realpath(path)
+            if real in named:
+                parser.error(f"arguments {named[real]} and {flag}: both name {real}; give each "
                              "output its own file")
+            named[real] = flag
     norm_cls = _norm_factory(args.norm, parser) if args.model == "gpt" else None
     if args.plot:  # fail before the run, not after it
         try:
