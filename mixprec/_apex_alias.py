@@ -29,7 +29,9 @@ def install_apex_alias() -> Tuple[str, ...]:
     mixprec has ``FusedAdam``.) Apex's module paths give the same objects:
     ``from apex.parallel.LARC import LARC``, ``apex.parallel.sync_batchnorm``,
     ``apex.parallel.optimized_sync_batchnorm``, ``apex.parallel.distributed``,
-    ``apex.amp.handle``, ``apex.amp.frontend``, ``apex.optimizers.fused_adam``.
+    ``apex.amp.handle``, ``apex.amp.frontend``, ``apex.amp._amp_state`` (a view of the
+    latest ``initialize`` for scripts that set ``_loss_scale`` or read ``_unskipped``; see
+    docs/migrating.md), ``apex.optimizers.fused_adam``.
 
     With Apex installed, the alias never shadows it: it fills in only the submodules that the
     installed Apex lacks. Apex releases from 2025 on removed ``apex.amp`` and

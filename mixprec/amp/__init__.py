@@ -30,6 +30,10 @@ from mixprec.amp.functions import (
 )
 from mixprec.amp.scaler import LossScaler
 
+# Apex's private process-wide state, as a view, for scripts that reach into it (this binds
+# the name to the object, not to the submodule of the same name, as Apex's package did).
+from mixprec.amp._amp_state import _amp_state  # noqa: E402, F401  isort: skip
+
 __all__ = [
     "OPT_LEVELS",
     "LossScaler",

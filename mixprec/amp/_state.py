@@ -27,6 +27,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from mixprec.amp import _multi_tensor
+from mixprec.amp._amp_state import attach_apex_optimizer_names
 from mixprec.amp._logging import OverflowLog, log_rank0
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, overflow_groups, register_masters
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
@@ -663,6 +664,7 @@ class AmpState:
         state = _OptimizerState(self, optimizer)
         self._optimizer_states.append(weakref.ref(state))
         _OPTIMIZER_STATES[optimizer] = state
+        attach_apex_optimizer_names(optimizer)
         hook_target = hookable_optimizer(optimizer)
         if hook_target is not optimizer:
             _OPTIMIZER_STATES[hook_target] = state
@@ -697,6 +699,7 @@ class AmpState:
         """
         scaler = self.scalers[loss_id]
         if not scaler.dynamic:
+            scaler.update(False)  # (counts the step; a static scale never skips one)
             return
         # The process groups over which the decision must agree: those of the models (under a
         # mixprec.parallel.Reducer; see _model.agree_on_overflow) holding these parameters.

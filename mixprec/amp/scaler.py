@@ -70,6 +70,8 @@ class LossScaler:
         self._inv_scale_cache: Dict[torch.device, Tuple[float, torch.Tensor]] = {}
         # The dynamic scale kept on the gradients' device (see ``on_device``), or None.
         self._dev: Optional[_DeviceScale] = None
+        # The most recent update's overflow: a bool, or the device flag it was given.
+        self._last_found = False
 
     @property
     def loss_scale(self) -> float:
@@ -77,6 +79,13 @@ class LossScaler:
         scale lives on the device (``on_device``)."""
         self._pull()
         return self._scale
+
+    @property
+    def found_overflow(self) -> bool:
+        """Whether the most recent update saw an inf/NaN (its step was skipped). Reading it
+        costs a device sync while the scale lives on the device."""
+        found = self._last_found
+        return bool(found.item()) if isinstance(found, torch.Tensor) else found
 
     @property
     def on_device(self) -> Optional[torch.device]:
@@ -122,6 +131,7 @@ class LossScaler:
         non-zero for an overflow) is never read by the host. Same policy as ``update``."""
         dev = self._dev
         self.changes += 1
+        self._last_found = found_inf
         torch._amp_update_scale_(dev.scale, dev.tracker, found_inf, self._factor,
                                  1.0 / self._factor, self._window)
         dev.scale.clamp_(self._min, self._max)
@@ -149,9 +159,13 @@ class LossScaler:
             bool: True when the step must be skipped (dynamic scaling and an overflow).
         """
         if not self.dynamic:
+            # A static scale never moves, but counts its steps as Apex's did (scripts read
+            # the count to tell a taken step from a skipped one).
+            self._unskipped += 1
             return False
         self.release_device()
         self.changes += 1
+        self._last_found = bool(found_inf)
         if found_inf:
             self._scale = max(self._min, self._scale / self._factor)
             self._unskipped = 0
@@ -177,13 +191,27 @@ class LossScaler:
             ) from None
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"LossScaler.load_state_dict: loss_scale={scale} must be > 0.")
-        self._scale = scale
-        self._unskipped = unskipped
+        self.set_state(scale, unskipped)
+
+    def set_state(self, loss_scale: Optional[float] = None,
+                  unskipped: Optional[int] = None) -> None:
+        """Set the scale and/or the clean-step count now (where they live: host or device).
+
+        For restoring and for Apex scripts that set ``_loss_scale`` directly; the values are
+        taken as they are (a dynamic scale outside ``[min, max]`` is clamped at its next
+        update). Callers check them.
+        """
+        if loss_scale is None or unskipped is None:
+            self._pull()  # (the value not given stays as it is now)
+        if loss_scale is not None:
+            self._scale = float(loss_scale)
+        if unskipped is not None:
+            self._unskipped = int(unskipped)
         self.changes += 1
         if self._dev is not None:  # in place: a captured graph may hold these tensors
-            self._dev.scale.fill_(scale)
-            self._dev.inv.fill_(1.0 / scale)
-            self._dev.tracker.fill_(unskipped)
+            self._dev.scale.fill_(self._scale)
+            self._dev.inv.fill_(1.0 / self._scale)
+            self._dev.tracker.fill_(self._unskipped)
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"

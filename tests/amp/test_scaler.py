@@ -32,6 +32,28 @@ def test_bounds():
 def test_static_never_skips():
     s = LossScaler(128.0)
     assert s.update(True) is False and s.loss_scale == 128.0
+    assert not s.found_overflow
+    # Apex counted a static scale's steps as clean ones (its "unskipped").
+    s.update(False)
+    assert s.state_dict() == {"loss_scale": 128.0, "unskipped": 2}
+
+
+def test_found_overflow_and_set_state_host_and_device():
+    s = LossScaler("dynamic")
+    s.update(True)
+    assert s.found_overflow
+    s.update(False)
+    assert not s.found_overflow
+    dev = s.device_state(torch.device("cpu"))
+    s.update_on_device(torch.ones(()))
+    assert s.found_overflow and s.loss_scale == 2.0**14
+    s.set_state(loss_scale=2.0**20)  # in place on the device; the count stays
+    assert float(dev.scale) == 2.0**20 and float(dev.inv) == 2.0**-20
+    assert s.state_dict() == {"loss_scale": 2.0**20, "unskipped": 0}
+    s.update_on_device(torch.zeros(()))
+    s.set_state(unskipped=5)
+    assert not s.found_overflow
+    assert s.state_dict() == {"loss_scale": 2.0**20, "unskipped": 5}
 
 
 def test_state_dict_roundtrip_and_errors():

@@ -1,0 +1,297 @@
+"""Apex's private names that training scripts of its era reach into: ``amp._amp_state`` (the
+loss scalers and opt properties), ``optimizer._amp_stash`` and
+``optimizer._lazy_init_maybe_master_weights()``, served as views over mixprec's state."""
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import mixprec
+from mixprec import amp
+from mixprec.amp import frontend
+from mixprec.amp._state import optimizer_state
+
+from .helpers import batch, make_cnn, train_step
+
+# SGD steps with the scale on the host (one sync per step); fused AdamW with the dynamic
+# scale on the device (CPU tensors here), updated by kernels.
+LR = {"host": 0.05, "device": 1e-3}
+OPTIMIZERS = {
+    "host": lambda params: torch.optim.SGD(params, lr=LR["host"], momentum=0.9),
+    "device": lambda params: torch.optim.AdamW(params, lr=LR["device"], fused=True),
+}
+
+
+def _setup(where="host", opt_level="O2", **kw):
+    model = make_cnn()
+    opt = OPTIMIZERS[where](model.parameters())
+    kw.setdefault("verbosity", 0)
+    return (*amp.initialize(model, opt, opt_level=opt_level, **kw), amp._amp_state)
+
+
+def _scaled_step(model, opt, x, y, poison=False, loss_id=0):
+    """One step; ``poison`` puts an inf into the loss (an overflow). Returns the loss and
+    the scaled loss the context manager yielded."""
+    opt.zero_grad(set_to_none=True)
+    loss = nn.functional.cross_entropy(model(x), y)
+    if poison:
+        loss = loss * torch.tensor(math.inf)
+    with amp.scale_loss(loss, opt, loss_id=loss_id) as scaled:
+        scaled.backward()
+        yielded = scaled.detach().clone()
+    opt.step()
+    return loss.detach(), yielded
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_initial_scale_set_through_amp_state(where):
+    # `amp._amp_state.loss_scalers[0]._loss_scale = 2**20` right after initialize (NVIDIA's
+    # BERT, ViT and their forks): the first backward runs at that scale.
+    model, opt, state = _setup(where)
+    state.loss_scalers[0]._loss_scale = 2.0**12
+    assert state.loss_scalers[0].loss_scale() == 2.0**12  # Apex's method, not a property
+    assert state.loss_scalers[0]._loss_scale == 2.0**12
+    x, y = batch()
+    loss, yielded = _scaled_step(model, opt, x, y)
+    assert float(yielded) == pytest.approx(float(loss) * 2.0**12, rel=1e-6)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0**12, "unskipped": 1}}
+    on_device = optimizer_state(opt).amp_state.scalers[0].on_device
+    assert on_device == (torch.device("cpu") if where == "device" else None)
+    # Set again once the scale is in use (on the device with the fused optimizer).
+    state.loss_scalers[0]._loss_scale = 2.0**9
+    loss, yielded = _scaled_step(model, opt, x, y)
+    assert float(yielded) == pytest.approx(float(loss) * 2.0**9, rel=1e-6)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**9
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_unskipped_and_has_overflow_tell_skipped_steps(where):
+    # `if amp._amp_state.loss_scalers[0]._unskipped != 0: scheduler.step()` and
+    # `global_step += 0 if ..._has_overflow else 1`: the scheduler and the step count follow
+    # the steps actually taken.
+    model, opt, state = _setup(where)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = batch()
+    poison = [False, True, False, False, True]
+    taken, unskipped, overflowed = 0, [], []
+    for bad in poison:
+        before = [m.detach().clone() for m in amp.master_params(opt)]
+        _scaled_step(model, opt, x, y, poison=bad)
+        scaler = state.loss_scalers[0]
+        unskipped.append(scaler._unskipped)
+        overflowed.append(scaler._has_overflow)
+        if scaler._unskipped != 0:
+            sched.step()
+            taken += 1
+        moved = any(not torch.equal(b, m) for b, m in zip(before, amp.master_params(opt)))
+        assert moved == (not bad)
+    assert unskipped == [1, 0, 1, 2, 0]
+    assert overflowed == poison
+    assert taken == 3 and opt.param_groups[0]["lr"] == pytest.approx(LR[where] / 8)
+    assert state.loss_scalers[0].loss_scale() == 2.0**14  # halved twice from 2**16
+
+
+@pytest.mark.parametrize("opt_level,kw", [
+    ("O2", {"dtype": torch.bfloat16}),  # bf16's static 1.0
+    ("O0", {}),
+    ("O1", {"loss_scale": 128.0}),
+], ids=["O2-bf16", "O0", "O1-static"])
+def test_a_static_scale_counts_its_steps_as_apex_did(opt_level, kw):
+    # Apex counted every step of a static scale in `_unskipped` (and in amp.state_dict()), so
+    # the `_unskipped != 0` scheduler recipe also steps the scheduler under bf16 or O0.
+    model, opt, state = _setup("host", opt_level, **kw)
+    x, y = batch()
+    for step in range(1, 4):
+        _scaled_step(model, opt, x, y)
+        assert state.loss_scalers[0]._unskipped == step
+        assert not state.loss_scalers[0]._has_overflow
+    scale = kw.get("loss_scale", 1.0)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": scale, "unskipped": 3}}
+    assert not state.loss_scalers[0].dynamic
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_scale_seq_len_sets_the_growth_window(where):
+    model, opt, state = _setup(where)
+    scaler = state.loss_scalers[0]
+    assert scaler._scale_seq_len == 2000  # Apex's default window
+    scaler._scale_seq_len = 2
+    scaler._loss_scale = 2.0**10
+    x, y = batch()
+    scales = []
+    for _ in range(5):
+        _scaled_step(model, opt, x, y)
+        scales.append(scaler.loss_scale())
+    assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**12, 2.0**12]
+
+
+def test_loss_scalers_of_several_losses_are_separate():
+    # GAN-style `num_losses=2` scripts set each loss's scale by index.
+    model, opt, state = _setup("host", num_losses=2)
+    state.loss_scalers[0]._loss_scale = 4.0
+    state.loss_scalers[1]._loss_scale = 1.0
+    x, y = batch()
+    loss, yielded = _scaled_step(model, opt, x, y, loss_id=1)
+    assert float(yielded) == pytest.approx(float(loss))
+    loss, yielded = _scaled_step(model, opt, x, y, loss_id=0)
+    assert float(yielded) == pytest.approx(4.0 * float(loss))
+    assert [s.loss_scale() for s in state.loss_scalers] == [4.0, 1.0]
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 4.0, "unskipped": 1},
+                                "loss_scaler1": {"loss_scale": 1.0, "unskipped": 1}}
+
+
+@pytest.mark.parametrize("opt_level,dtype,cast,master", [
+    ("O1", torch.float16, None, False),
+    ("O2", torch.float16, torch.float16, True),
+    ("O2", torch.bfloat16, torch.bfloat16, True),
+    ("O3", torch.float16, torch.float16, False),
+])
+def test_opt_properties_read_like_apex(opt_level, dtype, cast, master):
+    _, _, state = _setup("host", opt_level, dtype=dtype)
+    props = state.opt_properties
+    assert props.options["opt_level"] == props.opt_level == opt_level
+    assert props.options["cast_model_type"] is cast
+    assert props.master_weights is master and props.enabled is True
+    with pytest.raises(AttributeError, match="pass cast_model_type=... to amp.initialize"):
+        props.cast_model_type = torch.float32
+    with pytest.raises(AttributeError, match="not an amp property"):
+        props.nonsense  # noqa: B018
+
+
+def test_initialize_disabled_has_apex_state_too():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, enabled=False, verbosity=0)
+    assert amp._amp_state.opt_properties.enabled is False
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 1.0
+    opt._lazy_init_maybe_master_weights()
+    assert opt._amp_stash.lazy_init_called is True
+
+
+def test_state_follows_the_most_recent_initialize_with_optimizers():
+    _, _, state = _setup("host", "O1", loss_scale=8.0)
+    _, _, _ = _setup("host", "O2", loss_scale=64.0)
+    assert state.loss_scalers[0].loss_scale() == 64.0
+    assert state.opt_properties.opt_level == "O2"
+
+
+def test_clear_errors(monkeypatch):
+    _, _, state = _setup("host")
+    scaler = state.loss_scalers[0]
+    with pytest.raises(AttributeError, match="amp.step_was_skipped"):
+        scaler.update_scale()
+    with pytest.raises(AttributeError, match="settable names are"):
+        scaler.dynamic = False
+    for bad in (0, -1.0, math.inf, math.nan, "big"):
+        with pytest.raises(ValueError, match="expected a finite number > 0"):
+            scaler._loss_scale = bad
+    with pytest.raises(ValueError, match="expected an int >= 1"):
+        scaler._scale_seq_len = 0
+    with pytest.raises(ValueError, match="expected an int >= 0"):
+        scaler._unskipped = -1
+    with pytest.raises(ValueError, match="above the maximum"):
+        scaler._min_loss_scale = 2.0**30
+    assert scaler.loss_scale() == 2.0**16  # nothing changed by the refused writes
+    with pytest.raises(AttributeError, match="public API"):
+        state.handle  # noqa: B018
+    with pytest.raises(AttributeError, match="no process-wide amp state"):
+        state.loss_scalers = []
+    monkeypatch.setattr(frontend, "_latest", None)
+    with pytest.raises(RuntimeError, match=r"before amp.initialize\(\)"):
+        amp._amp_state.loss_scalers  # noqa: B018
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_amp_stash_reports_a_pending_skip(where):
+    # Apex's `optimizer._amp_stash.already_patched`: set by an overflowed backward until the
+    # step it skips.
+    model, opt, _ = _setup(where)
+    stash = opt._amp_stash
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y) * torch.tensor(math.inf)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert stash.already_patched is True
+    opt.step()
+    assert stash.already_patched is False
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    assert stash.already_patched is False
+    opt.step()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt,
+                        delay_unscale=True) as scaled:
+        scaled.backward()
+    assert stash.params_have_scaled_gradients is True
+    opt.zero_grad()
+
+
+def test_amp_stash_lists_the_half_params_and_their_masters():
+    model, opt, _ = _setup("host")
+    stash = opt._amp_stash
+    masters = stash.all_fp32_from_fp16_params
+    halves = stash.all_fp16_params
+    assert len(masters) == len(halves) > 0
+    assert all(m.dtype == torch.float32 and h.dtype == torch.float16
+               for m, h in zip(masters, halves))
+    assert all(torch.equal(m.half(), h) for m, h in zip(masters, halves))
+    # Together with the parameters stepped as they are (BatchNorm's fp32 ones), they are
+    # what the optimizer steps.
+    stepped = {id(p) for p in amp.master_params(opt)}
+    assert stepped == {id(p) for p in masters + stash.all_fp32_from_fp32_params}
+    with pytest.raises(AttributeError, match="amp.master_params"):
+        stash.dls_update_manager  # noqa: B018
+    copied = copy.deepcopy(opt)  # torch copies an optimizer without its extra names
+    assert not hasattr(copied, "_amp_stash")
+
+
+def _checkpointed_run(tmp_path, resume_at, steps=6):
+    """O2 fp16 training with Adam; with ``resume_at`` a fresh model and optimizer restore a
+    checkpoint taken there the way NVIDIA's BERT scripts did. The losses and final masters."""
+    x, y = batch()
+
+    def fresh():
+        model = make_cnn()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        return amp.initialize(model, opt, opt_level="O2", verbosity=0)
+
+    model, opt = fresh()
+    losses = []
+    for step in range(steps):
+        if step == resume_at:
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "amp": amp.state_dict(),
+                        "master params": list(amp.master_params(opt))}, tmp_path / "ck.pt")
+            model, opt = fresh()
+            ck = torch.load(tmp_path / "ck.pt", weights_only=False)
+            model.load_state_dict(ck["model"])
+            opt._lazy_init_maybe_master_weights()
+            opt._amp_stash.lazy_init_called = True
+            opt.load_state_dict(ck["optimizer"])
+            for param, saved in zip(amp.master_params(opt), ck["master params"]):
+                param.data.copy_(saved.data)
+            amp.load_state_dict(ck["amp"])
+        losses.append(float(train_step(model, opt, x, y, amp)))
+    return losses, [m.detach().clone() for m in amp.master_params(opt)]
+
+
+def test_bert_style_resume_continues_bit_for_bit(tmp_path):
+    losses, masters = _checkpointed_run(tmp_path, resume_at=None)
+    resumed_losses, resumed = _checkpointed_run(tmp_path, resume_at=3)
+    assert resumed_losses == losses
+    for a, b in zip(masters, resumed):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert losses[-1] < losses[0]
+
+
+def test_apex_module_path_serves_the_same_object(clean_apex):
+    mixprec.install_apex_alias()
+    import apex
+    from apex.amp._amp_state import _amp_state, master_params
+
+    assert _amp_state is amp._amp_state is apex.amp._amp_state
+    model, opt, _ = _setup("host")
+    assert list(master_params(opt)) == list(amp.master_params(opt))
