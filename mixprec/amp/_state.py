@@ -564,6 +564,13 @@ class _OptimizerState:
             self.copy_masters_to_model([(p, m) for p, m in self.pairs if id(m) not in done])
         if self.pairs:
             self.record_synced()
+            # The step consumed the masters' gradients: free them, as Apex did. A loop that
+            # zeroes through a wrapper (``DataParallel(model).zero_grad()``, torch DDP's, a
+            # ``p.grad = None`` pass over ``model.parameters()``) reaches only the half
+            # parameters, and the masters' gradients would pile up across steps.
+            for _, master in self.pairs:
+                if master.grad is not None:
+                    master.grad = None
 
     def copy_masters_to_model(self, pairs=None) -> None:
         """Copy the fp32 master weights into the half model's parameters (cast to half), for

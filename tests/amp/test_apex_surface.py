@@ -89,6 +89,39 @@ def test_accumulation_equals_large_batch_step(opt_level):
 
 
 # -- add_param_group after initialize -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("zeroing", ["DataParallel.zero_grad", "grad=None over parameters()"])
+def test_o2_masters_grads_do_not_pile_up_when_zeroed_through_a_wrapper(zeroing, dtype):
+    # HuggingFace-style loops wrap the amp model (DataParallel, torch DDP) and zero through the
+    # wrapper, which reaches only the half parameters; NVIDIA's tip sets `p.grad = None` over
+    # model.parameters(). The step consumes the masters' gradients (Apex freed them), so these
+    # train exactly like optimizer.zero_grad(). Before, the masters' gradients accumulated over
+    # all past steps.
+    def run(zero):
+        model = make_cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+        wrapped = nn.DataParallel(model)  # (on CPU it calls the module)
+        for step in range(4):
+            x, y = batch(seed=step)
+            loss = nn.functional.cross_entropy(wrapped(x), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            assert all(m.grad is None for m in opt._amp_stash.all_fp32_from_fp16_params)
+            if zero == "optimizer":
+                opt.zero_grad()
+            elif zero == "DataParallel.zero_grad":
+                wrapped.zero_grad()
+            else:
+                for p in model.parameters():
+                    p.grad = None
+        return [m.detach().clone() for m in amp.master_params(opt)]
+
+    for a, b in zip(run("optimizer"), run(zeroing)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_add_param_group_gets_masters_at_o2():
     model = make_cnn()
     frozen = list(model.head.parameters())
