@@ -242,7 +242,15 @@ class _AmpModule:
                         "new model; amp.restore_model(model) first removes amp's casts if you "
                         "mean to convert this one anyway."
                     )
-        return super()._apply(fn, *args, **kwargs)
+        result = super()._apply(fn, *args, **kwargs)
+        cfg = self.__dict__.get("_mixprec_forward")
+        if cfg is not None:
+            # A device move after initialize (initialize on CPU, then model.cuda()): autocast
+            # and BatchNorm's fp32 guard must follow the parameters to their new device type.
+            device_type = _device_type(self)
+            if device_type != cfg.device_type:
+                self._mixprec_forward = dataclasses.replace(cfg, device_type=device_type)
+        return result
 
     def __reduce_ex__(self, protocol):
         # The swapped class is made at run time, so pickle cannot find it by name: rebuild it

@@ -738,3 +738,28 @@ def test_o2_refuses_zero_redundancy_optimizer():
             amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_o1_autocast_follows_a_device_move_after_initialize(target):
+    # initialize on one device, then move (`model.cuda()` after initialize, which the README
+    # allows): O1's autocast must run for the new device type. It stayed the old one, so on
+    # CUDA nothing was cast (silently fp32). On CPU the move shown is meta -> cpu.
+    if target == "cuda" and not torch.cuda.is_available():
+        pytest.skip("requires CUDA")
+    source = "meta" if target == "cpu" else "cpu"
+    with torch.device(source):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = amp.initialize(model, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    model = model.to_empty(device=target) if source == "meta" else model.to(target)
+    torch.manual_seed(0)
+    for layer in (model[0], model[2]):
+        layer.reset_parameters()
+    seen = []
+    model[0].register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+    out = model(torch.randn(3, 4, device=target))
+    assert seen == [torch.bfloat16]
+    assert out.dtype == torch.float32  # (O1 hands fp32 outputs back)
+    config = model._mixprec_forward
+    model.to(target)  # a move to where it already is keeps the same config
+    assert model._mixprec_forward is config
