@@ -12,7 +12,13 @@ from typing import Tuple
 
 __all__ = ["install_apex_alias"]
 
-_SUBMODULES = ("amp", "optimizers", "parallel", "normalization")
+_SUBMODULES = ("amp", "optimizers", "parallel", "normalization", "fp16_utils",
+               "multi_tensor_apply")
+# Where mixprec keeps each (default: mixprec.<name>). The last two serve only the alias: the
+# import blocks of Apex-era scripts (Apex's ImageNet example: `from apex.fp16_utils import *`,
+# `from apex.multi_tensor_apply import multi_tensor_applier`).
+_MIXPREC_MODULES = {"fp16_utils": "mixprec._apex_legacy.fp16_utils",
+                    "multi_tensor_apply": "mixprec._apex_legacy.multi_tensor_apply"}
 
 
 def install_apex_alias() -> Tuple[str, ...]:
@@ -31,12 +37,16 @@ def install_apex_alias() -> Tuple[str, ...]:
     ``apex.parallel.optimized_sync_batchnorm``, ``apex.parallel.distributed``,
     ``apex.amp.handle``, ``apex.amp.frontend``, ``apex.amp._amp_state`` (a view of the
     latest ``initialize`` for scripts that set ``_loss_scale`` or read ``_unskipped``; see
-    docs/migrating.md), ``apex.optimizers.fused_adam``.
+    docs/migrating.md), ``apex.optimizers.fused_adam``. Apex's legacy ``apex.fp16_utils``
+    (``to_python_float``, ``network_to_half``, the hand-made master-weight helpers) and an
+    ``apex.multi_tensor_apply`` whose ``multi_tensor_applier.available`` is False are served
+    too, so the import block of Apex's ImageNet example and its copies runs.
 
     With Apex installed, the alias never shadows it: it fills in only the submodules that the
     installed Apex lacks. Apex releases from 2025 on removed ``apex.amp`` and
     ``apex.parallel`` but keep ``apex.optimizers`` and ``apex.normalization`` (NGC containers
-    ship such an Apex), so there ``apex.amp`` and ``apex.parallel`` become mixprec's while
+    ship such an Apex), so there ``apex.amp``, ``apex.parallel`` and ``apex.fp16_utils``
+    become mixprec's while
     ``FusedLAMB``, ``FusedLayerNorm`` and the rest stay Apex's own. An older Apex whose
     ``apex.amp`` still works is left as it is, with a warning; an ``apex.amp`` that fails to
     import (an old Apex on a newer PyTorch) is replaced by mixprec's, with a warning, and so is
@@ -47,8 +57,8 @@ def install_apex_alias() -> Tuple[str, ...]:
 
     Returns:
         tuple of str: the module names now served by mixprec, e.g. ``("apex.amp",
-        "apex.parallel")`` beside an Apex of 2025 or later; empty when the installed Apex has
-        every submodule.
+        "apex.parallel", "apex.fp16_utils")`` beside an Apex of 2025 or later; empty when the
+        installed Apex has every submodule.
 
     Raises:
         RuntimeError: an installed Apex that fails to import (a broken build): the message
@@ -59,7 +69,7 @@ def install_apex_alias() -> Tuple[str, ...]:
 
         >>> import mixprec
         >>> mixprec.install_apex_alias()
-        ('apex', 'apex.amp', 'apex.optimizers', 'apex.parallel', 'apex.normalization', 'apex.normalization.fused_layer_norm')
+        ('apex', 'apex.amp', 'apex.optimizers', 'apex.parallel', 'apex.normalization', 'apex.normalization.fused_layer_norm', 'apex.fp16_utils', 'apex.multi_tensor_apply')
         >>> from apex import amp          # mixprec.amp
     """
     existing = sys.modules.get("apex")
@@ -143,11 +153,12 @@ def _serve(apex: types.ModuleType, names) -> Tuple[str, ...]:
         if name == "normalization":
             served += _serve_normalization(apex)
             continue
-        module = importlib.import_module(f"mixprec.{name}")
+        module = importlib.import_module(_MIXPREC_MODULES.get(name, f"mixprec.{name}"))
         setattr(apex, name, module)
         sys.modules[f"apex.{name}"] = module
         served.append(f"apex.{name}")
-        _register_submodules(name, module)
+        if hasattr(module, "__path__"):  # (a package)
+            _register_submodules(name, module)
     return tuple(served)
 
 

@@ -17,7 +17,8 @@ def test_alias_resolves_apex_imports(clean_apex):
     served = mixprec.install_apex_alias()
     assert mixprec.install_apex_alias() == served  # idempotent
     assert served == ("apex", "apex.amp", "apex.optimizers", "apex.parallel",
-                      "apex.normalization", "apex.normalization.fused_layer_norm")
+                      "apex.normalization", "apex.normalization.fused_layer_norm",
+                      "apex.fp16_utils", "apex.multi_tensor_apply")
     from apex import amp as apex_amp
     from apex.normalization import FusedLayerNorm
     from apex.parallel import DistributedDataParallel, SyncBatchNorm, convert_syncbn_model
@@ -83,12 +84,13 @@ def _fake_apex(root, *submodules, init=""):
 
 
 def test_alias_fills_in_what_a_current_apex_lacks(clean_apex, tmp_path, monkeypatch):
-    # Apex from 2025 on: optimizers and normalization kept, amp and parallel removed.
-    _fake_apex(tmp_path, "optimizers", "normalization",
+    # Apex from 2025 on: optimizers, normalization and multi_tensor_apply kept; amp, parallel
+    # and fp16_utils removed.
+    _fake_apex(tmp_path, "optimizers", "normalization", "multi_tensor_apply",
                init="from . import optimizers, normalization\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     served = mixprec.install_apex_alias()
-    assert served == ("apex.amp", "apex.parallel")
+    assert served == ("apex.amp", "apex.parallel", "apex.fp16_utils")
     assert mixprec.install_apex_alias() == served  # idempotent
 
     import apex
@@ -109,7 +111,8 @@ def test_alias_fills_in_around_an_apex_imported_first(clean_apex, tmp_path, monk
     import apex
 
     assert mixprec.install_apex_alias() == (
-        "apex.amp", "apex.normalization", "apex.normalization.fused_layer_norm")
+        "apex.amp", "apex.normalization", "apex.normalization.fused_layer_norm",
+        "apex.fp16_utils", "apex.multi_tensor_apply")
     assert apex.amp is amp
     from apex.parallel import WHO
 
@@ -144,7 +147,7 @@ def test_alias_replaces_a_broken_or_partial_apex_submodule(clean_apex, tmp_path,
                for m in messages), messages
     assert any(re.search(r"apex\.parallel has no DistributedDataParallel; mixprec\.parallel "
                          r"serves", m) for m in messages), messages
-    assert served == ("apex.amp", "apex.parallel")
+    assert served == ("apex.amp", "apex.parallel", "apex.fp16_utils", "apex.multi_tensor_apply")
     from apex import amp as apex_amp
     from apex.optimizers import WHO
     from apex.parallel import DistributedDataParallel
@@ -213,3 +216,52 @@ def test_torch_amp_before_and_mixprec_after_agree(monkeypatch):
     assert after["train"](opt_level="O1") == native
     ours = after["train"](opt_level="O2")
     assert abs(ours - native) <= 0.05 * native + 1e-3, (ours, native)
+
+
+def test_apex_imagenet_example_import_block_and_fp16_utils(clean_apex):
+    # The import block of Apex's examples/imagenet/main_amp.py, copied into many scripts.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    namespace = {}
+    exec(  # noqa: S102  (the star import needs a module-level namespace)
+        "from apex.parallel import DistributedDataParallel as DDP\n"
+        "from apex.fp16_utils import *\n"
+        "from apex import amp, optimizers\n"
+        "from apex.multi_tensor_apply import multi_tensor_applier\n", namespace)
+    assert namespace["amp"] is amp
+    assert namespace["to_python_float"](torch.tensor([2.5])) == 2.5
+    applier = namespace["multi_tensor_applier"]
+    assert applier.available is False
+    with pytest.raises(RuntimeError, match="amp_C.*_foreach"):
+        applier(None, torch.zeros(1), [[torch.ones(2)]])
+    with pytest.raises(NotImplementedError, match="FP16_Optimizer.*opt_level=\"O2\""):
+        namespace["FP16_Optimizer"](torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten())
+    ref = [p.detach().clone() for p in net.parameters()]
+    half = namespace["network_to_half"](net)
+    assert [p.dtype for p in net.parameters()] == [torch.float16, torch.float16,
+                                                  torch.float32, torch.float32]
+    assert half(torch.randn(2, 3, 5, 5)).dtype == torch.float16
+    # Hand-made master weights: fp32 copies, gradients in, values out; flat and not.
+    for flat in (False, True):
+        model_params, masters = namespace["prep_param_lists"](net, flat_master=flat)
+        for p in model_params:
+            p.grad = torch.full_like(p, 0.5)
+        namespace["model_grads_to_master_grads"](model_params, masters, flat_master=flat)
+        grads = torch.cat([m.grad.flatten() for m in masters])
+        assert grads.dtype == torch.float32 and bool((grads == 0.5).all())
+        for m in masters:
+            m.data.sub_(m.grad)  # an SGD step with lr 1 on the masters
+        namespace["master_params_to_model_params"](model_params, masters, flat_master=flat)
+        for p, r in zip(model_params, ref):
+            torch.testing.assert_close(p.float(), (r.to(p.dtype).float() - 0.5).to(p.dtype)
+                                       .float(), rtol=0, atol=0)
+            with torch.no_grad():
+                p.copy_(r)
+    fp16_model = namespace["FP16Model"](nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
+    assert fp16_model(torch.randn(4, 3)).dtype == torch.float16
+    assert fp16_model.network[1].weight.dtype == torch.float32

@@ -1,0 +1,173 @@
+"""``apex.fp16_utils`` under the Apex alias: Apex's manual half-precision helpers.
+
+Apex's ImageNet example and the scripts copied from it start with
+``from apex.fp16_utils import *`` and use ``to_python_float``; older scripts convert their
+model with ``network_to_half`` and keep fp32 master copies by hand with ``prep_param_lists``,
+``model_grads_to_master_grads`` and ``master_params_to_model_params``. Those helpers are here,
+with Apex's signatures. Apex's legacy ``FP16_Optimizer`` and its loss scaler classes are not:
+``amp.initialize(model, optimizer, opt_level="O2")`` gives the same fp32 master weights and
+dynamic loss scaling, and constructing them raises an error that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Tuple
+
+import torch
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = [
+    "BN_convert_float",
+    "DynamicLossScaler",
+    "FP16Model",
+    "FP16_Optimizer",
+    "LossScaler",
+    "clip_grad_norm",
+    "convert_module",
+    "convert_network",
+    "master_params_to_model_params",
+    "model_grads_to_master_grads",
+    "network_to_half",
+    "prep_param_lists",
+    "to_python_float",
+    "tofp16",
+]
+
+
+def to_python_float(t) -> float:
+    """The Python number held by a one-element tensor (or the first item of a sequence)."""
+    if hasattr(t, "item"):
+        return t.item()
+    return t[0]
+
+
+class tofp16(nn.Module):  # noqa: N801  (Apex's name)
+    """A module that casts its input to fp16."""
+
+    def forward(self, input):
+        return input.half()
+
+
+def BN_convert_float(module: nn.Module) -> nn.Module:  # noqa: N802  (Apex's name)
+    """Cast every affine BatchNorm layer of ``module`` back to fp32, in place; returns it."""
+    if isinstance(module, _BatchNorm) and module.affine:
+        module.float()
+    for child in module.children():
+        BN_convert_float(child)
+    return module
+
+
+def network_to_half(network: nn.Module) -> nn.Module:
+    """``network`` in fp16 except its BatchNorm layers, behind a cast of the input to fp16."""
+    return nn.Sequential(tofp16(), BN_convert_float(network.half()))
+
+
+def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s own floating parameters and buffers (and their gradients) to
+    ``dtype``, in place."""
+    for param in module.parameters(recurse=False):
+        if param is not None and param.is_floating_point():
+            param.data = param.data.to(dtype)
+            if param.grad is not None:
+                param.grad.data = param.grad.data.to(dtype)
+    for name, buf in module.named_buffers(recurse=False):
+        if buf is not None and buf.is_floating_point():
+            setattr(module, name, buf.to(dtype))
+
+
+def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Cast every module of ``network`` to ``dtype`` except affine BatchNorm layers; returns
+    it."""
+    for module in network.modules():
+        if isinstance(module, _BatchNorm) and module.affine:
+            continue
+        convert_module(module, dtype)
+    return network
+
+
+class FP16Model(nn.Module):
+    """``network`` converted to fp16 (BatchNorm stays fp32); floating inputs are cast to fp16."""
+
+    def __init__(self, network: nn.Module):
+        super().__init__()
+        self.network = convert_network(network, dtype=torch.half)
+
+    def forward(self, *inputs):
+        return self.network(*(t.half() if torch.is_tensor(t) and t.is_floating_point() else t
+                              for t in inputs))
+
+
+def prep_param_lists(model: nn.Module, flat_master: bool = False
+                     ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """The model's trainable parameters and fp32 master copies of them (one flat tensor with
+    ``flat_master``), for hand-written master-weight training."""
+    model_params = [p for p in model.parameters() if p.requires_grad]
+    if flat_master:
+        master = nn.Parameter(_flatten_dense_tensors([p.detach().float() for p in model_params]))
+        master.grad = master.new_zeros(master.size())
+        return model_params, [master]
+    master_params = [nn.Parameter(p.detach().clone().float()) for p in model_params]
+    return model_params, master_params
+
+
+def model_grads_to_master_grads(model_params: List[torch.Tensor],
+                                master_params: List[torch.Tensor],
+                                flat_master: bool = False) -> None:
+    """Copy the model's gradients into the masters' (as fp32); a missing one leaves the
+    master's gradient None."""
+    if flat_master:
+        master_params[0].grad.data.copy_(
+            _flatten_dense_tensors([p.grad.data for p in model_params]))
+        return
+    for model, master in zip(model_params, master_params):
+        if model.grad is None:
+            master.grad = None
+        elif master.grad is None:
+            master.grad = model.grad.detach().float()
+        else:
+            master.grad.data.copy_(model.grad.data)
+
+
+def master_params_to_model_params(model_params: List[torch.Tensor],
+                                  master_params: List[torch.Tensor],
+                                  flat_master: bool = False) -> None:
+    """Copy the masters' values into the model's parameters (cast to their dtype)."""
+    if flat_master:
+        masters = _unflatten_dense_tensors(master_params[0].data, model_params)
+    else:
+        masters = [m.data for m in master_params]
+    with torch.no_grad():
+        for model, master in zip(model_params, masters):
+            model.copy_(master)
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
+                   norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_``, under Apex's old name."""
+    return nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
+
+
+class _NotProvided:
+    _use = ""
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"apex.fp16_utils.{type(self).__name__} (Apex's legacy manual mixed precision) is "
+            f"not provided by mixprec's Apex alias. {self._use}"
+        )
+
+
+class FP16_Optimizer(_NotProvided):  # noqa: N801  (Apex's name)
+    _use = ("Use `model, optimizer = amp.initialize(model, optimizer, opt_level=\"O2\")` and "
+            "`with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()`: fp32 master "
+            "weights and dynamic loss scaling, as FP16_Optimizer gave.")
+
+
+class LossScaler(_NotProvided):
+    _use = "Pass loss_scale=<number> to amp.initialize and use amp.scale_loss."
+
+
+class DynamicLossScaler(_NotProvided):
+    _use = "amp.initialize's default loss_scale=\"dynamic\" with amp.scale_loss does this."
