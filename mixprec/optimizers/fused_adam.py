@@ -6,6 +6,7 @@ import collections
 import functools
 import logging
 import math
+import numbers
 import operator
 from typing import Dict, List, Optional, Tuple, Union
 
@@ -35,7 +36,8 @@ def _kernel_device_ok(device: torch.device) -> bool:
 
 def _check_hyper(name: str, value, low: float, high: float = math.inf, *, high_open=False,
                  where: Optional[str] = None):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    # (numbers.Real: NumPy scalars too, as torch.optim takes them.)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if ok:
         ok = low <= value < high if high_open else low <= value <= high
     if not ok:
@@ -84,7 +86,7 @@ def _lr_problem(lr, check_value: bool = True) -> Optional[str]:
         if check_value and lr.device.type == "cpu" and not lr.item() >= 0:
             return "lr must be >= 0"
         return None
-    if isinstance(lr, bool) or not isinstance(lr, (int, float)):
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real):
         return ("lr must be a number >= 0 or a one-element floating tensor (e.g. 1e-3, or "
                 "torch.tensor(1e-3, device='cuda') for a rate that CUDA-graph replays read)")
     if not lr >= 0:
@@ -307,8 +309,10 @@ class FusedAdam(torch.optim.Optimizer):
         """PyTorch's, accepting ``torch.optim.Adam``/``AdamW`` checkpoints too: a group saved
         by them takes ``adam_w_mode`` from its ``decoupled_weight_decay`` where it has one
         (else from this optimizer's defaults) and this optimizer's other missing options; step
-        counts move to their parameter's device as fp32. A tensor ``lr`` is loaded as
-        PyTorch loads it: a copy, on the device it was saved from (or mapped to)."""
+        counts move to their parameter's device as fp32. A checkpoint of Apex's FusedAdam
+        (one step count per group, in ``group["step"]``) gives each parameter that count. A
+        tensor ``lr`` is loaded as PyTorch loads it: a copy, on the device it was saved from
+        (or mapped to)."""
         # Everything is checked before anything is loaded: a refused checkpoint leaves this
         # optimizer as it was.
         for i, group in enumerate(state_dict.get("param_groups", ())):
@@ -328,8 +332,13 @@ class FusedAdam(torch.optim.Optimizer):
                 group["adam_w_mode"] = bool(group["decoupled_weight_decay"])
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+            # Apex's FusedAdam counted steps per group (group["step"], an int) and kept only
+            # the moments per parameter: each parameter with moments takes the group's count.
+            group_step = group.pop("step", None)
             for p in group["params"]:
                 state = self.state.get(p)
+                if state and "step" not in state and group_step is not None:
+                    state["step"] = torch.tensor(float(group_step), device=p.device)
                 if state and torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
                 elif state and "step" in state:
@@ -445,8 +454,8 @@ class FusedAdam(torch.optim.Optimizer):
         states, steps, copies = plan.states, plan.steps, plan.copies
         torch._foreach_add_(steps, 1.0)
         beta1, beta2 = group["betas"]
-        hyper = dict(beta1=beta1, beta2=beta2, eps=group["eps"],
-                     weight_decay=group["weight_decay"], adam_w=group["adam_w_mode"],
+        hyper = dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
+                     weight_decay=float(group["weight_decay"]), adam_w=group["adam_w_mode"],
                      bias_correction=group["bias_correction"])
         for idx in plan.kernel_by_device:
             dev = params[idx[0]].device

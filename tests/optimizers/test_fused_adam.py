@@ -571,6 +571,59 @@ def test_a_refused_checkpoint_leaves_the_optimizer_as_it_was():
     assert opt.state[p]["step"].item() == 2.0
 
 
+def test_a_checkpoint_of_apexs_fused_adam_resumes(device, path):
+    # Apex's FusedAdam kept one step count per group (group["step"], an int) and only the
+    # moments per parameter; loading such a checkpoint failed at the first step (KeyError).
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(4, 3), (3,)]
+    weights = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    moments = [(torch.randn(s, generator=gen, dtype=torch.float64) * 0.1,
+                torch.rand(s, generator=gen, dtype=torch.float64) * 0.01) for s in shapes]
+    grads = [torch.randn(s, generator=gen, dtype=torch.float64) for s in shapes]
+    apex_checkpoint = {
+        "state": {i: {"exp_avg": m.float(), "exp_avg_sq": v.float()}
+                  for i, (m, v) in enumerate(moments)},
+        "param_groups": [{"lr": 1e-2, "bias_correction": True, "betas": (0.9, 0.999),
+                          "eps": 1e-8, "weight_decay": 0.01, "step": 3, "params": [0, 1]}],
+    }
+    # Reference: torch's AdamW in float64, resumed at step 3 from the same moments.
+    ref_params = [nn.Parameter(w.clone()) for w in weights]
+    ref = torch.optim.AdamW(ref_params, lr=1e-2, weight_decay=0.01)
+    ref.load_state_dict({
+        "state": {i: {"step": torch.tensor(3.0), "exp_avg": m.clone(), "exp_avg_sq": v.clone()}
+                  for i, (m, v) in enumerate(moments)},
+        "param_groups": [{**ref.state_dict()["param_groups"][0], "params": [0, 1]}]})
+    params = [nn.Parameter(w.float().to(device)) for w in weights]
+    opt = FusedAdam(params, lr=1e-2, weight_decay=0.01)
+    opt.load_state_dict(apex_checkpoint)
+    assert "step" not in opt.param_groups[0]
+    for p, r, g in zip(params, ref_params, grads):
+        p.grad, r.grad = g.float().to(device), g.clone()
+    opt.step()
+    ref.step()
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p.double().cpu(), r.detach(), rtol=1e-5, atol=1e-6)
+        assert float(opt.state[p]["step"]) == 4.0
+
+
+def test_numpy_hyperparameters_are_taken_as_torch_optim_takes_them(device):
+    np = pytest.importorskip("numpy")
+    gen = torch.Generator().manual_seed(0)
+    params = _params(device, gen)
+    ref_params = [nn.Parameter(p.detach().clone()) for p in params]
+    opt = FusedAdam(params, lr=np.float32(1e-2), betas=(np.float32(0.9), np.float64(0.99)),
+                    eps=np.float32(1e-6), weight_decay=np.float32(0.01))
+    ref = FusedAdam(ref_params, lr=float(np.float32(1e-2)), betas=(float(np.float32(0.9)), 0.99),
+                    eps=float(np.float32(1e-6)), weight_decay=float(np.float32(0.01)))
+    for p, r in zip(params, ref_params):
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+        r.grad = p.grad.clone()
+    opt.step()
+    ref.step()
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
+
+
 def test_a_param_groups_options_are_checked_as_the_constructors():
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match=r"FusedAdam param group 1: betas\[0\]=2.0: betas\[0\] "
