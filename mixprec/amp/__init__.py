@@ -54,3 +54,15 @@ __all__ = [
     "state_dict",
     "step_was_skipped",
 ]
+
+
+def __getattr__(name):
+    if name in ("init", "AmpHandle", "NoOpHandle"):
+        raise AttributeError(
+            f"mixprec.amp.{name}: Apex's first amp API (2018: amp_handle = amp.init(), then "
+            "amp_handle.scale_loss and amp_handle.wrap_optimizer) is not provided; Apex itself "
+            "replaced it with amp.initialize. Use `model, optimizer = amp.initialize(model, "
+            "optimizer, opt_level=\"O1\")` and `with amp.scale_loss(loss, optimizer) as "
+            "scaled_loss: scaled_loss.backward()`."
+        )
+    raise AttributeError(f"module 'mixprec.amp' has no attribute {name!r}")

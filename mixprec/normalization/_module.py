@@ -1,6 +1,7 @@
 """The module machinery shared by FusedLayerNorm and FusedRMSNorm (and their Mixed variants)."""
 
 import numbers
+import warnings
 from typing import Sequence, Tuple, Union
 
 import torch
@@ -11,8 +12,14 @@ from mixprec.normalization import _checks, _ops, reference
 __all__ = []
 
 
-def _require_affine(name: str, elementwise_affine) -> None:
-    """The Mixed variants are always affine; Apex's callers may still say so explicitly."""
+def _require_affine(name: str, elementwise_affine, ignored: dict) -> None:
+    """The Mixed variants are always affine; Apex's callers may still say so explicitly.
+    Other keywords (``ignored``), which Apex's Mixed classes took and dropped (Megatron/NeMo
+    callers pass ``sequence_parallel_enabled``), are dropped with a warning."""
+    if ignored:
+        warnings.warn(
+            f"{name}: ignoring the keyword argument(s) {', '.join(sorted(ignored))}, which it "
+            "does not use (Apex's class dropped them too).", stacklevel=3)
     if not elementwise_affine:
         raise ValueError(
             f"{name}(elementwise_affine={elementwise_affine!r}): the Mixed variants always "

@@ -126,6 +126,8 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         memory_efficient (bool): save the output for backward (see :func:`fused_layer_norm`).
             Default: ``False``.
         elementwise_affine (bool, keyword-only): accepted for Apex's callers; must be True.
+        **ignored: other keywords (Megatron's ``sequence_parallel_enabled``, say) are dropped
+            with a warning, as Apex's class dropped them.
         device (torch.device, optional): where to create the parameters. Default: ``None``.
         dtype (torch.dtype, optional): dtype of the parameters. Default: ``None`` (fp32).
 
@@ -146,8 +148,9 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         elementwise_affine: bool = True,
         device=None,
         dtype=None,
+        **ignored,
     ):
-        _require_affine(type(self).__name__, elementwise_affine)
+        _require_affine(type(self).__name__, elementwise_affine, ignored)
         _FusedNorm.__init__(
             self, normalized_shape, eps, True, memory_efficient, is_rms=False,
             output_like_weight=True, device=device, dtype=dtype,

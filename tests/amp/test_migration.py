@@ -265,3 +265,9 @@ def test_apex_imagenet_example_import_block_and_fp16_utils(clean_apex):
     fp16_model = namespace["FP16Model"](nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
     assert fp16_model(torch.randn(4, 3)).dtype == torch.float16
     assert fp16_model.network[1].weight.dtype == torch.float32
+
+
+def test_apexs_first_amp_api_says_what_replaced_it():
+    with pytest.raises(AttributeError, match=r"amp.init.*replaced it with amp.initialize"):
+        amp.init(enabled=True)
+    assert not hasattr(amp, "no_such_name")

@@ -398,6 +398,12 @@ def test_torch_layer_norm_arguments():
     assert MixedFusedRMSNorm(8, elementwise_affine=True).weight.shape == (8,)
     with pytest.raises(ValueError, match=r"MixedFusedLayerNorm\(elementwise_affine=False\)"):
         MixedFusedLayerNorm(8, elementwise_affine=False)
+    # Megatron/NeMo pass keywords Apex's Mixed classes took and dropped: dropped, with a warning.
+    for cls in (MixedFusedLayerNorm, MixedFusedRMSNorm):
+        with pytest.warns(UserWarning, match=r"ignoring the keyword argument\(s\) "
+                                             r"sequence_parallel_enabled"):
+            norm = cls(8, 1e-5, sequence_parallel_enabled=False)
+        assert norm.weight.shape == (8,) and norm.eps == 1e-5
     # torch.nn.RMSNorm(eps=None) means the dtype's machine epsilon: not supported, said so.
     with pytest.raises(ValueError, match=r"FusedRMSNorm\(eps=None\).*pass a number"):
         FusedRMSNorm(8, eps=None)
