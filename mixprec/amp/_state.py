@@ -20,6 +20,8 @@ overflowed step on the device instead, and the dynamic loss scale then lives on 
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -60,6 +62,42 @@ def hookable_optimizer(optimizer) -> torch.optim.Optimizer:
         "torch.optim.Optimizer (or a wrapper such as LARC exposing it as `.optim`), or a list "
         "of them."
     )
+
+
+_HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+                "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+def _ensure_hook_tables(optimizer: torch.optim.Optimizer) -> None:
+    """Give an ``Optimizer`` subclass that never ran ``Optimizer.__init__`` (Lookahead- and
+    torchcontrib-SWA-style wrappers that share their inner optimizer's ``param_groups``) the
+    hook tables that ``__init__`` would have set up, and, on this object only (its class
+    stays as it is: other instances have no tables), a ``step`` that runs the step hooks
+    around the wrapper's whole step, as Apex patched such objects."""
+    if all(hasattr(optimizer, name) for name in _HOOK_TABLES):
+        return
+    for name in _HOOK_TABLES:
+        if not hasattr(optimizer, name):
+            setattr(optimizer, name, collections.OrderedDict())
+    if getattr(type(optimizer).step, "hooked", False):
+        return  # (the class's step already runs the hooks)
+    inner = optimizer.step  # the bound method, or an instance wrapper (an LR scheduler's)
+    ref = weakref.ref(optimizer)
+
+    @functools.wraps(inner)  # (keeps an LR scheduler's mark on its wrapper)
+    def step(*args, **kwargs):
+        this = ref()
+        for hook in list(this._optimizer_step_pre_hooks.values()):
+            result = hook(this, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+        out = inner(*args, **kwargs)
+        for hook in list(this._optimizer_step_post_hooks.values()):
+            hook(this, args, kwargs)
+        return out
+
+    optimizer.step = step
 
 
 def refuse_inner_optimizer(optimizer, cast_param_ids, known=frozenset()) -> None:
@@ -270,6 +308,7 @@ class _OptimizerState:
         return self.last_step_skipped
 
     def install_hooks(self, hook_target: torch.optim.Optimizer) -> None:
+        _ensure_hook_tables(hook_target)
         self._handles.append(hook_target.register_step_pre_hook(self._pre_step))
         self._handles.append(hook_target.register_step_post_hook(self._post_step))
         # A group added after initialize gets its masters before the optimizer's state is

@@ -122,6 +122,70 @@ def test_o2_masters_grads_do_not_pile_up_when_zeroed_through_a_wrapper(zeroing, 
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+class _SlowFastWrapper(torch.optim.Optimizer):
+    """Lookahead/torchcontrib-SWA-shaped: an Optimizer subclass that never calls
+    Optimizer.__init__, shares its inner optimizer's param_groups and, after the inner step,
+    pulls every k-th step's weights half way back towards slow copies."""
+
+    def __init__(self, inner, k=2):  # noqa: D107  (deliberately no super().__init__)
+        self.inner, self.k = inner, k
+        self.param_groups = inner.param_groups
+        self.state = collections.defaultdict(dict)
+        self.steps = 0
+
+    def step(self, closure=None):
+        loss = self.inner.step(closure)
+        self.steps += 1
+        if self.steps % self.k == 0:
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        slow = self.state[p].setdefault("slow", p.detach().clone())
+                        slow += (p - slow) * 0.5
+                        p.copy_(slow)
+        return loss
+
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_optimizer_wrapper_without_optimizer_init(opt_level):
+    # Such wrappers failed inside amp.initialize (PyTorch's hook tables were missing). amp's
+    # hooks must run around the wrapper's whole step: at O2 the half model then holds the
+    # masters after the pull-back too, and training equals the same loop run by hand on fp32
+    # weights through the same wrapper (O2's masters at a static scale of 1, bf16 forward).
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = _SlowFastWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+        if use_amp:
+            model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                        verbosity=0)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x = torch.randn(6, 4, generator=gen)
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean()
+            if use_amp:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            opt.step()
+            if use_amp and opt_level == "O2":
+                for half, master in zip(opt._amp_stash.all_fp16_params,
+                                        opt._amp_stash.all_fp32_from_fp16_params):
+                    assert torch.equal(half, master.to(half.dtype))
+        return [p.detach().float().clone() for p in amp.master_params(opt)], opt.steps
+
+    (mixed, steps), (plain, _) = run(True), run(False)
+    assert steps == 4
+    for a, b in zip(mixed, plain):
+        torch.testing.assert_close(a, b, rtol=0.05, atol=2e-2)  # (bf16 forward/backward)
+        assert not torch.equal(a, b) or opt_level == "O1"
+
+
 def test_add_param_group_gets_masters_at_o2():
     model = make_cnn()
     frozen = list(model.head.parameters())
@@ -133,7 +197,8 @@ def test_add_param_group_gets_masters_at_o2():
     before = model.head.weight.detach().clone()
     train_step(model, opt, x, y, amp)
     group = opt.param_groups[-1]["params"]
-    assert all(p.dtype == torch.float32 and p.grad is not None for p in group)
+    # fp32 masters, stepped (their gradients are freed by the step, as Apex did)
+    assert all(p.dtype == torch.float32 and p.grad is None for p in group)
     assert not torch.equal(model.head.weight, before)  # master stepped, copied into the model
     torch.testing.assert_close(model.state_dict()["head.weight"], group[0].detach(), rtol=0, atol=0)
 
