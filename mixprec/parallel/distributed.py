@@ -41,6 +41,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._pytree import tree_leaves
 
 from mixprec.amp._logging import is_rank_zero
@@ -48,6 +49,29 @@ from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
 from mixprec.parallel._comm import broadcast_coalesced, group_world_size, require_initialized
 
 __all__ = ["DistributedDataParallel"]
+
+# Apex's helpers of apex.parallel.distributed, which scripts import from there (this module
+# is apex.parallel.distributed under the Apex alias): flatten/unflatten and flat_dist_call.
+flatten = _flatten_dense_tensors
+unflatten = _unflatten_dense_tensors
+
+
+def flat_dist_call(tensors, call, extra_args=None) -> None:
+    """Run the collective ``call`` (e.g. ``dist.broadcast`` with ``extra_args=(0,)``, or
+    ``dist.all_reduce``) once per (device, dtype) over the flattened ``tensors``, then copy
+    the results back into them, as Apex's helper did; after ``dist.all_reduce`` the result is
+    divided by the world size (the average)."""
+    buckets = {}
+    for t in tensors:
+        buckets.setdefault((t.device, t.dtype), []).append(t)
+    for bucket in buckets.values():
+        flat = flatten(bucket)
+        call(flat, *(extra_args or ()))
+        if call is dist.all_reduce:
+            flat /= dist.get_world_size()
+        with torch.no_grad():
+            for t, synced in zip(bucket, unflatten(flat, bucket)):
+                t.copy_(synced)
 
 _HALF = (torch.float16, torch.bfloat16)
 _MB = 1024 * 1024
@@ -330,6 +354,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         masters = master_weights(module)
         if masters:
             broadcast_coalesced(masters, src=0, group=process_group)
+        # The reducer's parameters by name, in its order (its unused-parameter error gives
+        # indices into the list it was built with, whatever requires_grad says later).
+        self._reducer_names = _reducer_param_names(module)
         # The amp models inside (the module itself, or e.g. a container of several): each
         # forward tells them whether its backward all-reduces.
         self._amp_models = [m for m in module.modules() if is_amp_model(m)]
@@ -439,7 +466,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             t.register_hook(started)
 
     def _unused_parameters_message(self, torch_message: str) -> str:
-        names = _reducer_param_names(self.module)
+        names = getattr(self, "_reducer_names", None) or _reducer_param_names(self.module)
         match = re.search(r"did not receive grad for rank \d+:\s*([\d\s,]+)", torch_message)
         unused = []
         if match:
@@ -453,7 +480,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             f"{dist.get_rank()}, {which}, so their gradients were never all-reduced (and that "
             "step may have used unreduced gradients). Either make every parameter contribute "
             "to the loss in every step, freeze the unused ones (requires_grad_(False)) before "
-            "wrapping, or pass find_unused_parameters=True to DistributedDataParallel."
+            "wrapping, or pass find_unused_parameters=True (or delay_allreduce=True) to "
+            "DistributedDataParallel. (Apex's left out parameters unused from the first step "
+            "on; here that takes one of these options.)"
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

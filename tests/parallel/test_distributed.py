@@ -326,6 +326,56 @@ def check_unused_parameters_named_in_error(ctx):
         raise AssertionError("expected a RuntimeError naming the unused parameters")
 
 
+class _FrozenLater(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)  # never used in forward
+        self.c = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.c(self.a(x))
+
+
+def check_unused_parameters_named_as_the_reducer_was_built(ctx):
+    # `a` frozen after wrapping: the reducer still waits for it. The error names the
+    # parameters by the list the reducer was built with (it named b's as a's before).
+    torch.manual_seed(0)
+    model = _FrozenLater().to(ctx.device)
+    ddp = DistributedDataParallel(model)
+    model.a.requires_grad_(False)
+    x, _ = _global_batch(ctx)
+    ddp(_mine(ctx, x)).sum().backward()
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        text = str(err)
+        assert "a.weight, a.bias, b.weight, b.bias" in text, text
+        assert "c.weight" not in text, text
+    else:
+        raise AssertionError("expected a RuntimeError naming the unused parameters")
+
+
+def check_apex_flat_dist_call(ctx):
+    # Apex's apex.parallel.distributed.flat_dist_call, imported by scripts from there.
+    from mixprec.parallel.distributed import flat_dist_call
+
+    rank = dist.get_rank()
+    dtypes = (torch.float16, torch.float32) if ctx.is_cuda else (torch.float32, torch.float64)
+    tensors = [torch.full((3, 2), float(rank + 1), dtype=dtypes[0], device=ctx.device),
+               torch.full((5,), 10.0 * (rank + 1), dtype=dtypes[1], device=ctx.device),
+               torch.full((4,), -float(rank), dtype=dtypes[0], device=ctx.device)]
+    flat_dist_call(tensors, dist.broadcast, (0,))
+    assert [float(t.float().mean()) for t in tensors] == [1.0, 10.0, 0.0]
+    assert [t.dtype for t in tensors] == [dtypes[0], dtypes[1], dtypes[0]]
+    for t in tensors:
+        t.add_(rank)
+    flat_dist_call(tensors, dist.all_reduce)  # the average over the ranks
+    world = dist.get_world_size()
+    shift = sum(range(world)) / world
+    assert [float(t.float().mean()) for t in tensors] == [1.0 + shift, 10.0 + shift, shift]
+
+
 def _unused_head_is_skipped(ctx, seed, **ddp_kwargs):
     """Two steps of a model with a head no forward uses: the used head's gradients are the
     single-process ones, the unused head gets none."""
@@ -932,6 +982,8 @@ CHECKS = [
     "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
     "check_larc_under_amp_o2_and_ddp",
     "check_unused_parameters_named_in_error",
+    "check_unused_parameters_named_as_the_reducer_was_built",
+    "check_apex_flat_dist_call",
     "check_join_divides_uneven_steps_as_asked",
 ]
 CPU_ONLY = ["check_dead_peer_raises_quickly"]
