@@ -193,7 +193,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     NCCL: after the process group's ``timeout``). Pass ``timeout=`` to ``init_process_group``
     to bound the wait. Parameters that get no gradient in a step make the next forward raise a
     RuntimeError naming them, unless ``find_unused_parameters=True`` (then they are handled:
-    a parameter unused on every rank keeps ``grad=None``).
+    a parameter unused on every rank keeps ``grad=None``). A parameter frozen when the model
+    was wrapped and set to require gradients later makes the next forward raise: it is not
+    in the all-reduce, so wrap the model again after changing ``requires_grad``.
 
     Apex arguments that no longer apply are accepted with a warning and ignored:
     ``allreduce_trigger_params`` (buckets follow gradient readiness), ``num_allreduce_streams``
@@ -357,6 +359,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # The reducer's parameters by name, in its order (its unused-parameter error gives
         # indices into the list it was built with, whatever requires_grad says later).
         self._reducer_names = _reducer_param_names(module)
+        # Parameters frozen at wrapping are not in the reducer: one unfrozen later
+        # (progressive fine-tuning) would train on this rank's gradient alone.
+        self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad]
         # The amp models inside (the module itself, or e.g. a container of several): each
         # forward tells them whether its backward all-reduces.
         self._amp_models = [m for m in module.modules() if is_amp_model(m)]
@@ -430,6 +435,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def forward(self, *inputs, **kwargs):
         grad = torch.is_grad_enabled()
+        frozen = getattr(self, "_frozen_at_wrap", ())
+        if grad and frozen and any(p.requires_grad for p in frozen):
+            raise RuntimeError(self._unfrozen_message())
         if grad:
             # Tells amp.scale_loss whether this forward's backward all-reduces (see
             # mixprec.amp._model.GRAD_SYNC_DEFERRED): inside no_sync() it keeps the gradients
@@ -464,6 +472,19 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
         for t in tensors:
             t.register_hook(started)
+
+    def _unfrozen_message(self) -> str:
+        unfrozen = {id(p) for p in self._frozen_at_wrap if p.requires_grad}
+        names = [n for n, p in self.module.named_parameters() if id(p) in unfrozen]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return (
+            f"DistributedDataParallel: {shown} were frozen (requires_grad=False) when the model "
+            "was wrapped and require gradients now. The all-reduce is set up at wrapping, so "
+            "their gradients would never be averaged across ranks and the replicas would drift "
+            "apart. Wrap the model again after changing requires_grad (e.g. model = "
+            "DistributedDataParallel(model.module)), or wrap it with every parameter you will "
+            "train unfrozen and keep the frozen ones out of the optimizer."
+        )
 
     def _unused_parameters_message(self, torch_message: str) -> str:
         names = getattr(self, "_reducer_names", None) or _reducer_param_names(self.module)

@@ -356,6 +356,31 @@ def check_unused_parameters_named_as_the_reducer_was_built(ctx):
         raise AssertionError("expected a RuntimeError naming the unused parameters")
 
 
+def check_unfrozen_after_wrapping_is_refused(ctx):
+    # Progressive fine-tuning: a layer frozen at wrapping is not in the all-reduce; unfrozen
+    # later, its gradients stayed this rank's own and the replicas drifted apart silently.
+    for delay in (False, True):
+        model = _mlp(ctx.device)
+        model[0].requires_grad_(False)
+        ddp = DistributedDataParallel(model, delay_allreduce=delay)
+        x, _ = _global_batch(ctx)
+        ddp(_mine(ctx, x)).sum().backward()
+        with torch.no_grad():
+            ddp(_mine(ctx, x))  # (no backward: nothing to refuse)
+        model[0].requires_grad_(True)
+        try:
+            ddp(_mine(ctx, x))
+        except RuntimeError as err:
+            assert "0.weight, 0.bias were frozen" in str(err), str(err)
+        else:
+            raise AssertionError("expected a RuntimeError naming the unfrozen parameters")
+        # Re-wrapped, they are all-reduced: the gradients agree on every rank.
+        ddp = DistributedDataParallel(model, delay_allreduce=delay)
+        model.zero_grad()
+        ddp(_mine(ctx, x)).sum().backward()
+        _assert_same_on_all_ranks(ctx, [model[0].weight.grad], "unfrozen 0.weight.grad")
+
+
 def check_apex_flat_dist_call(ctx):
     # Apex's apex.parallel.distributed.flat_dist_call, imported by scripts from there.
     from mixprec.parallel.distributed import flat_dist_call
@@ -984,6 +1009,7 @@ CHECKS = [
     "check_unused_parameters_named_in_error",
     "check_unused_parameters_named_as_the_reducer_was_built",
     "check_apex_flat_dist_call",
+    "check_unfrozen_after_wrapping_is_refused",
     "check_join_divides_uneven_steps_as_asked",
 ]
 CPU_ONLY = ["check_dead_peer_raises_quickly"]
