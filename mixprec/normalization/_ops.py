@@ -437,9 +437,13 @@ def fused_norm(
         if check is not None:
             _checks.check_inputs(check, x, tuple(normalized_shape), weight, bias, eps)
         return _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
-    if not isinstance(x, Tensor) or (
-        _HAS_CUSTOM_OP and (_launch.is_compiling() or torch.jit.is_tracing())
-    ):
+    if torch.jit.is_tracing():
+        # torch.jit.trace: PyTorch's own ops, so that the trace loads and runs where mixprec is
+        # not installed (TorchScript serving, libtorch), as Apex's modules traced. (No
+        # argument checks: on traced shapes they would only add TracerWarnings; PyTorch's
+        # ops check.)
+        return _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
+    if not isinstance(x, Tensor) or (_HAS_CUSTOM_OP and _launch.is_compiling()):
         if check is not None:
             _checks.check_inputs(check, x, tuple(normalized_shape), weight, bias, eps)
         return _traced_norm(x, normalized_shape, weight, bias, eps, is_rms, memory_efficient,
@@ -482,8 +486,7 @@ def _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype) -
 
 def _traced_norm(x, normalized_shape, weight, bias, eps, is_rms, memory_efficient,
                  out_dtype) -> Tensor:
-    """Under ``torch.compile`` / ``torch.jit.trace``: one opaque custom op for Dynamo and
-    AOTAutograd (and a serializable op in traces)."""
+    """Under ``torch.compile``: one opaque custom op for Dynamo and AOTAutograd."""
     n = math.prod(normalized_shape)
     if n == 0:
         return _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)

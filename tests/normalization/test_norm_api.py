@@ -575,3 +575,33 @@ def test_internal_entry_takes_a_list_shape():
     x = torch.randn(3, 8)
     y = _ops.fused_norm(x, [8], None, None, 1e-5, False, False, torch.float32)
     torch.testing.assert_close(y, torch.nn.functional.layer_norm(x, (8,)))
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm,
+                                 MixedFusedRMSNorm])
+def test_jit_trace_records_pytorchs_own_ops(cls, device, tmp_path):
+    # HF-style code traces models built on Apex's FusedLayerNorm for TorchScript serving: the
+    # trace must hold PyTorch's ops (it held mixprec's custom op, which a process without
+    # mixprec, or libtorch, cannot load), and compute what the module computes.
+    torch.manual_seed(0)
+    norm = cls(16).to(device)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 5, 16, device=device)
+    traced = torch.jit.trace(norm, x)
+    kinds = {node.kind() for node in traced.graph.nodes()}
+    assert not any(kind.startswith("mixprec::") for kind in kinds), kinds
+    path = tmp_path / "norm.pt"
+    traced.save(str(path))
+    loaded = torch.jit.load(str(path))
+    y = loaded(x)
+    expected = norm(x)
+    assert y.dtype == expected.dtype
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    # The saved trace is self-contained: it runs in a fresh process without mixprec.
+    script = ("import torch, sys; m = torch.jit.load(sys.argv[1]); "
+              "assert 'mixprec' not in sys.modules; "
+              "print(m(torch.ones(2, 16)).shape)")
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    assert out.strip() == "torch.Size([2, 16])"
