@@ -23,6 +23,8 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import re
+import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
 
@@ -30,7 +32,7 @@ import torch
 
 from mixprec.amp import _multi_tensor
 from mixprec.amp._amp_state import attach_apex_optimizer_names
-from mixprec.amp._logging import OverflowLog, log_rank0
+from mixprec.amp._logging import OverflowLog, is_rank_zero, log_rank0
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, overflow_groups, register_masters
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 from mixprec.normalization._launch import is_compiling
@@ -811,15 +813,37 @@ class AmpState:
         return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
 
     def load_state_dict(self, state_dict: Dict[str, dict]) -> None:
-        expected = {f"loss_scaler{i}" for i in range(len(self.scalers))}
-        if not isinstance(state_dict, dict) or set(state_dict) != expected:
-            got = sorted(state_dict) if isinstance(state_dict, dict) else type(state_dict)
+        """Apex's rules: keys other than ``loss_scaler<i>`` are an error; a checkpoint saved
+        with another ``num_losses`` loads the scalers both have, with a warning (a loss added
+        since starts from the default scale). Nothing loads unless every entry is valid."""
+        if not isinstance(state_dict, dict):
             raise ValueError(
-                f"amp.load_state_dict: expected keys {sorted(expected)} (num_losses="
-                f"{len(self.scalers)}), got {got}. Pass the dict saved by amp.state_dict() from "
-                "a run initialized with the same num_losses."
+                f"amp.load_state_dict: expected the dict saved by amp.state_dict() "
+                f"({{'loss_scaler0': {{'loss_scale': ..., 'unskipped': ...}}, ...}}), got "
+                f"{type(state_dict).__name__}."
             )
+        unexpected = sorted(str(k) for k in state_dict
+                            if not re.fullmatch(r"loss_scaler\d+", str(k)))
+        if unexpected:
+            raise ValueError(
+                f"amp.load_state_dict: unexpected key(s) {unexpected}; amp.state_dict() holds "
+                "only 'loss_scaler0', 'loss_scaler1', ... Pass checkpoint['amp'] (what "
+                "amp.state_dict() returned), not the whole checkpoint."
+            )
+        entries = {}
+        for i in range(len(self.scalers)):
+            entry = state_dict.get(f"loss_scaler{i}")
+            if entry is not None:
+                LossScaler().load_state_dict(entry)  # (validates it before anything loads)
+                entries[i] = entry
+        expected = {f"loss_scaler{i}" for i in range(len(self.scalers))}
+        if set(state_dict) != expected and is_rank_zero():
+            warnings.warn(
+                f"amp.load_state_dict: the checkpoint holds {len(state_dict)} loss scaler(s) "
+                f"({', '.join(sorted(state_dict))}) and this run has num_losses="
+                f"{len(self.scalers)}: loaded {len(entries)}; the others keep their "
+                "initial scale (as Apex did).", stacklevel=3)
         self.resolve_pending(block=True)
-        for i, scaler in enumerate(self.scalers):
-            scaler.load_state_dict(state_dict[f"loss_scaler{i}"])
+        for i, entry in entries.items():
+            self.scalers[i].load_state_dict(entry)
         log_rank0(logging.DEBUG, "amp: loaded loss scalers %s", self.state_dict())

@@ -292,3 +292,26 @@ def test_a_pickled_o2_model_keeps_its_fp32_masters():
     loaded = torch.load(buf, weights_only=False)
     for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=k)
+
+
+def test_amp_state_dict_of_another_num_losses_loads_what_fits():
+    # Apex's rule: a checkpoint saved with another num_losses loads the scalers both runs have,
+    # with a warning (a loss added since starts afresh); other keys are an error.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
+    with pytest.warns(UserWarning, match=r"holds 1 loss scaler.*num_losses=2: loaded 1"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}})
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7},
+                                "loss_scaler1": {"loss_scale": 65536.0, "unskipped": 0}}
+    with pytest.warns(UserWarning, match=r"holds 3 loss scaler.*loaded 2"):
+        amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": 2.0 ** i, "unskipped": i}
+                             for i in range(3)})
+    assert amp.state_dict()["loss_scaler1"] == {"loss_scale": 2.0, "unskipped": 1}
+    # Refused, and nothing loaded: a whole checkpoint, or one bad entry.
+    with pytest.raises(ValueError, match=r"unexpected key\(s\) \['model'\].*checkpoint\['amp'\]"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}, "model": {}})
+    with pytest.raises(ValueError, match="must be > 0"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0},
+                             "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0}})
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": 0}
