@@ -24,6 +24,7 @@ import collections
 import functools
 import logging
 import re
+import types
 import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -85,11 +86,9 @@ def _ensure_hook_tables(optimizer: torch.optim.Optimizer) -> None:
     if getattr(type(optimizer).step, "hooked", False):
         return  # (the class's step already runs the hooks)
     inner = optimizer.step  # the bound method, or an instance wrapper (an LR scheduler's)
-    ref = weakref.ref(optimizer)
 
     @functools.wraps(inner)  # (keeps an LR scheduler's mark on its wrapper)
-    def step(*args, **kwargs):
-        this = ref()
+    def step(this, *args, **kwargs):
         for hook in list(this._optimizer_step_pre_hooks.values()):
             result = hook(this, args, kwargs)
             if result is not None:
@@ -99,7 +98,8 @@ def _ensure_hook_tables(optimizer: torch.optim.Optimizer) -> None:
             hook(this, args, kwargs)
         return out
 
-    optimizer.step = step
+    # A bound method, as PyTorch's LR schedulers expect to find (they wrap its __func__).
+    optimizer.step = types.MethodType(step, optimizer)
 
 
 def refuse_inner_optimizer(optimizer, cast_param_ids, known=frozenset()) -> None:
@@ -319,6 +319,38 @@ class _OptimizerState:
         # them to half).
         self._handles.append(hook_target.register_state_dict_pre_hook(self._sync_hook))
         self._handles.append(hook_target.register_load_state_dict_pre_hook(self._sync_hook))
+
+    def install_skipping_step(self, optimizer) -> None:
+        """Make an overflowed step skip ``optimizer.step()`` as a whole, as Apex did: on this
+        object only, a ``step`` that returns at once after an overflow seen on the host, so
+        that nothing of the user's step runs (a wrapper's pull-back, an update counter, a rate
+        set inside ``step``), not just the parameter updates. A step whose overflow flag is
+        on the device runs and its fused kernel skips the update (nothing else runs there)."""
+        inner = optimizer.step  # the bound method, or an instance wrapper (an LR scheduler's)
+        ref = weakref.ref(self)
+
+        @functools.wraps(inner)  # (keeps an LR scheduler's mark on its wrapper)
+        def step(this, *args, **kwargs):
+            state = ref()
+            if (state is not None and state.overflow and state.amp_state.enabled
+                    and not args and "closure" not in kwargs):
+                state.skip_step()
+                return None
+            return inner(*args, **kwargs)
+
+        # A bound method, as PyTorch's LR schedulers expect to find (they wrap its __func__).
+        optimizer.step = types.MethodType(step, optimizer)
+
+    def skip_step(self) -> None:
+        """The step after an overflow, skipped: what the step hooks do for it, without it."""
+        for p in _params_of(self.optimizer_ref()):
+            p.grad = None
+        self._last_step_flag = None
+        self.last_step_skipped = True
+        self.overflow = False
+        # What an LR scheduler's wrapper of step() records (it was not called): no warning
+        # that the scheduler stepped before the optimizer.
+        self.optimizer_ref()._opt_called = True
 
     def _sync_hook(self, optimizer, *state_dict):
         if self.amp_state.enabled:

@@ -292,6 +292,7 @@ def initialize(
         opt_state = state.add_optimizer(opt)
         masters.append((opt_state, opt_state.adopt_params(props.master_weights, cast_ids)))
         opt_state.install_hooks(hookable_optimizer(opt))
+        opt_state.install_skipping_step(opt)
     for model in model_list:
         # Before convert_model's own hooks, so that a checkpoint loaded after a late
         # optimizer.add_param_group finds the new group's masters in place.

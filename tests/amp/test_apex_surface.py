@@ -527,6 +527,55 @@ def test_scheduler_recipe_with_step_was_skipped():
     assert opt.param_groups[0]["lr"] == 0.25  # two real steps
 
 
+class _CountingSGD(torch.optim.SGD):
+    """XLM-style: the optimizer's own step keeps an update count (and sets the rate from it)."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        for group in self.param_groups:
+            group["num_updates"] = group.get("num_updates", 0) + 1
+        return loss
+
+
+@pytest.mark.parametrize("scheduler_first", [True, False])
+@pytest.mark.parametrize("make", ["counting", "wrapper"])
+def test_an_overflowed_step_skips_the_whole_step(make, scheduler_first, recwarn):
+    # Apex replaced step() for the overflowed step, so nothing of the user's step ran. Before,
+    # amp only dropped the gradients: a counter in step() counted skipped steps, and a
+    # Lookahead-style wrapper pulled the weights back on one. An LR scheduler built before or
+    # after initialize keeps working, without PyTorch's warnings about step() being replaced.
+    model = make_cnn()
+    if make == "counting":
+        opt = _CountingSGD(model.parameters(), lr=0.1, momentum=0.9)
+    else:
+        opt = _SlowFastWrapper(torch.optim.SGD(model.parameters(), lr=0.1), k=1)
+    if scheduler_first:
+        sched = torch.optim.lr_scheduler.StepLR(opt.inner if make == "wrapper" else opt, 1, 0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    if not scheduler_first:
+        sched = torch.optim.lr_scheduler.StepLR(opt.inner if make == "wrapper" else opt, 1, 0.5)
+    x, y = batch()
+    for poison in (True, False, True, False, False):
+        before = [m.detach().clone() for m in amp.master_params(opt)]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss * (float("inf") if poison else 1.0), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert amp.step_was_skipped(opt) is poison
+        unchanged = all(torch.equal(b, m) for b, m in zip(before, amp.master_params(opt)))
+        assert unchanged is poison
+        if not amp.step_was_skipped(opt):
+            sched.step()
+    if make == "counting":
+        assert opt.param_groups[0]["num_updates"] == 3
+    else:
+        assert opt.steps == 3
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / 8)
+    assert not [w for w in recwarn if "lr_scheduler" in str(w.message)], \
+        [str(w.message) for w in recwarn]
+
+
 # -- torch.compile and activation checkpointing -----------------------------------------------------
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_torch_compile_fullgraph_matches_eager(opt_level, device):
