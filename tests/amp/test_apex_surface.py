@@ -90,10 +90,11 @@ def test_accumulation_equals_large_batch_step(opt_level):
 
 # -- add_param_group after initialize -----------------------------------------------------------
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-@pytest.mark.parametrize("zeroing", ["DataParallel.zero_grad", "grad=None over parameters()"])
+@pytest.mark.parametrize("zeroing", ["wrapper.zero_grad", "grad=None over parameters()"])
 def test_o2_masters_grads_do_not_pile_up_when_zeroed_through_a_wrapper(zeroing, dtype):
     # HuggingFace-style loops wrap the amp model (DataParallel, torch DDP) and zero through the
-    # wrapper, which reaches only the half parameters; NVIDIA's tip sets `p.grad = None` over
+    # wrapper, which reaches only the half parameters (nn.Module.zero_grad over its own
+    # parameters(), as a plain container here does); NVIDIA's tip sets `p.grad = None` over
     # model.parameters(). The step consumes the masters' gradients (Apex freed them), so these
     # train exactly like optimizer.zero_grad(). Before, the masters' gradients accumulated over
     # all past steps.
@@ -101,7 +102,7 @@ def test_o2_masters_grads_do_not_pile_up_when_zeroed_through_a_wrapper(zeroing, 
         model = make_cnn()
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
-        wrapped = nn.DataParallel(model)  # (on CPU it calls the module)
+        wrapped = nn.Sequential(model)  # (zero_grad as DataParallel's and torch DDP's)
         for step in range(4):
             x, y = batch(seed=step)
             loss = nn.functional.cross_entropy(wrapped(x), y)
@@ -111,7 +112,7 @@ def test_o2_masters_grads_do_not_pile_up_when_zeroed_through_a_wrapper(zeroing, 
             assert all(m.grad is None for m in opt._amp_stash.all_fp32_from_fp16_params)
             if zero == "optimizer":
                 opt.zero_grad()
-            elif zero == "DataParallel.zero_grad":
+            elif zero == "wrapper.zero_grad":
                 wrapped.zero_grad()
             else:
                 for p in model.parameters():

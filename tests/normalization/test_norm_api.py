@@ -601,7 +601,8 @@ def test_jit_trace_records_pytorchs_own_ops(cls, device, tmp_path):
     # The saved trace is self-contained: it runs in a fresh process without mixprec.
     script = ("import torch, sys; m = torch.jit.load(sys.argv[1]); "
               "assert 'mixprec' not in sys.modules; "
-              "print(m(torch.ones(2, 16)).shape)")
-    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
-    assert out.strip() == "torch.Size([2, 16])"
+              "print(m(torch.ones(2, 16, device=sys.argv[2])).shape)")
+    run = subprocess.run([sys.executable, "-c", script, str(path), str(device)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "torch.Size([2, 16])"
