@@ -343,14 +343,17 @@ class _OptimizerState:
 
     def skip_step(self) -> None:
         """The step after an overflow, skipped: what the step hooks do for it, without it."""
-        for p in _params_of(self.optimizer_ref()):
+        optimizer = self.optimizer_ref()
+        for p in _params_of(optimizer):
             p.grad = None
         self._last_step_flag = None
         self.last_step_skipped = True
         self.overflow = False
         # What an LR scheduler's wrapper of step() records (it was not called): no warning
-        # that the scheduler stepped before the optimizer.
-        self.optimizer_ref()._opt_called = True
+        # that the scheduler stepped before the optimizer (one built on a wrapper's inner
+        # optimizer included).
+        optimizer._opt_called = True
+        hookable_optimizer(optimizer)._opt_called = True
 
     def _sync_hook(self, optimizer, *state_dict):
         if self.amp_state.enabled:
