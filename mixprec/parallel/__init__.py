@@ -17,11 +17,16 @@ Example::
     >>> model = DistributedDataParallel(model)
 """
 
+import torch
+
 from mixprec.parallel.convert import convert_syncbn_model, create_syncbn_process_group
 from mixprec.parallel.distributed import DistributedDataParallel
 from mixprec.parallel.larc import LARC
 from mixprec.parallel.reducer import Reducer
 from mixprec.parallel.sync_batchnorm import SyncBatchNorm
+
+# Apex's apex.parallel also gave torch's ReduceOp (scripts import it from there).
+ReduceOp = torch.distributed.ReduceOp
 
 __all__ = [
     "LARC",

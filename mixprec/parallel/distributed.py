@@ -544,3 +544,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             f"gradient_average={self.gradient_average}, "
             f"gradient_predivide_factor={self.gradient_predivide_factor}"
         )
+
+
+# Apex defined its Reducer in this module; scripts import it from here too.
+from mixprec.parallel.reducer import Reducer  # noqa: E402, F401  (after the class: no cycle)

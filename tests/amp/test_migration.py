@@ -48,7 +48,13 @@ def test_alias_serves_apex_submodule_paths_as_the_same_objects(clean_apex):
     from apex.amp.frontend import initialize
     from apex.amp.handle import disable_casts, scale_loss
     from apex.optimizers.fused_adam import FusedAdam
-    from apex.parallel.distributed import DistributedDataParallel, flat_dist_call, flatten
+    from apex.parallel import ReduceOp
+    from apex.parallel.distributed import (
+        DistributedDataParallel,
+        Reducer,
+        flat_dist_call,
+        flatten,
+    )
     from apex.parallel.LARC import LARC
     from apex.parallel.optimized_sync_batchnorm import SyncBatchNorm as Optimized
     from apex.parallel.sync_batchnorm import SyncBatchNorm
@@ -57,6 +63,7 @@ def test_alias_serves_apex_submodule_paths_as_the_same_objects(clean_apex):
     assert SyncBatchNorm is Optimized is mixprec.parallel.SyncBatchNorm
     assert DistributedDataParallel is mixprec.parallel.DistributedDataParallel
     assert flat_dist_call is mixprec.parallel.distributed.flat_dist_call
+    assert Reducer is mixprec.parallel.Reducer and ReduceOp is torch.distributed.ReduceOp
     assert torch.equal(flatten([torch.ones(2), torch.zeros(1)]), torch.tensor([1.0, 1.0, 0.0]))
     assert FusedAdam is mixprec.optimizers.FusedAdam
     assert (initialize, scale_loss, disable_casts) == (
