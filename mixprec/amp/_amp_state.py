@@ -34,12 +34,18 @@ def _latest():
 
     state = frontend._latest
     if state is None:
-        raise RuntimeError(
-            "amp._amp_state was read before amp.initialize(): Apex's private state (loss "
-            "scalers, opt properties) exists only once initialize has run. Call "
-            "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first."
-        )
+        raise _before_initialize()
     return state
+
+
+def _before_initialize() -> AttributeError:
+    # An AttributeError, as in Apex, where these names did not exist before initialize:
+    # `hasattr(amp._amp_state, "opt_properties")` is how scripts ask whether it has run.
+    return AttributeError(
+        "amp._amp_state was read before amp.initialize(): Apex's private state (loss "
+        "scalers, opt properties) exists only once initialize has run. Call "
+        "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first."
+    )
 
 
 def _positive(what: str, value) -> float:
@@ -221,6 +227,9 @@ class _ApexAmpState:
         return _latest().verbosity
 
     def __getattr__(self, name):
+        # (Python calls this also when a property above raised AttributeError.)
+        if name in ("loss_scalers", "opt_properties", "verbosity"):
+            raise _before_initialize()
         raise AttributeError(
             f"amp._amp_state.{name}: mixprec serves Apex's loss_scalers, opt_properties and "
             "verbosity here (views of the most recent amp.initialize). For the rest use the "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import weakref
 from collections import UserDict
 from collections.abc import Mapping
@@ -243,13 +244,18 @@ class _AmpModule:
                         "mean to convert this one anyway."
                     )
         result = super()._apply(fn, *args, **kwargs)
-        cfg = self.__dict__.get("_mixprec_forward")
-        if cfg is not None:
-            # A device move after initialize (initialize on CPU, then model.cuda()): autocast
-            # and BatchNorm's fp32 guard must follow the parameters to their new device type.
-            device_type = _device_type(self)
-            if device_type != cfg.device_type:
-                self._mixprec_forward = dataclasses.replace(cfg, device_type=device_type)
+        # A device move after initialize (initialize on CPU, then model.cuda()): autocast and
+        # BatchNorm's fp32 guard follow the tensors to their new device type, in this module
+        # and in the swapped submodules that hold no tensor to tell (a BatchNorm with
+        # affine=False and track_running_stats=False).
+        device_type = _held_device_type(self)
+        if device_type is not None:
+            for module in self.modules():
+                cfg = module.__dict__.get("_mixprec_forward")
+                if cfg is None or cfg.device_type == device_type:
+                    continue
+                if module is self or _held_device_type(module) is None:
+                    module._mixprec_forward = dataclasses.replace(cfg, device_type=device_type)
         return result
 
     def __reduce_ex__(self, protocol):
@@ -553,6 +559,13 @@ def _holds_half(module: nn.Module) -> bool:
         for tensors in (module._parameters, module._buffers)
         for t in tensors.values()
     )
+
+
+def _held_device_type(model: nn.Module) -> Optional[str]:
+    """The device type of the first tensor ``model`` holds, or None when it holds none."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        return t.device.type
+    return None
 
 
 def _device_type(model: nn.Module) -> str:

@@ -21,10 +21,8 @@ overflowed step on the device instead, and the dynamic loss scale then lives on 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import re
-import types
 import warnings
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -72,34 +70,102 @@ _HOOK_TABLES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
                 "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
 
 
-def _ensure_hook_tables(optimizer: torch.optim.Optimizer) -> None:
+def _ensure_hook_tables(optimizer: torch.optim.Optimizer) -> bool:
     """Give an ``Optimizer`` subclass that never ran ``Optimizer.__init__`` (Lookahead- and
     torchcontrib-SWA-style wrappers that share their inner optimizer's ``param_groups``) the
-    hook tables that ``__init__`` would have set up, and, on this object only (its class
-    stays as it is: other instances have no tables), a ``step`` that runs the step hooks
-    around the wrapper's whole step, as Apex patched such objects."""
+    hook tables that ``__init__`` would have set up. Returns whether its ``step`` must run
+    the step hooks itself (its class's ``step`` was never hooked by PyTorch, and patching
+    the class would break its other instances, which have no tables)."""
     if all(hasattr(optimizer, name) for name in _HOOK_TABLES):
-        return
+        return False
     for name in _HOOK_TABLES:
         if not hasattr(optimizer, name):
             setattr(optimizer, name, collections.OrderedDict())
-    if getattr(type(optimizer).step, "hooked", False):
-        return  # (the class's step already runs the hooks)
-    inner = optimizer.step  # the bound method, or an instance wrapper (an LR scheduler's)
+    return not getattr(type(optimizer).step, "hooked", False)
 
-    @functools.wraps(inner)  # (keeps an LR scheduler's mark on its wrapper)
-    def step(this, *args, **kwargs):
+
+class _InstanceStep:
+    """``optimizer.step`` as amp sets it on the object (see :func:`_amp_step`): bound to the
+    optimizer weakly, so the optimizer holds no reference to itself (freed on ``del``, not at
+    the next garbage collection), and re-bound to the copy by ``copy.deepcopy``. It carries
+    ``__func__`` as a bound method does, which PyTorch's LR schedulers wrap."""
+
+    def __init__(self, optimizer, marks=()):
+        self.__func__ = _amp_step
+        self._ref = weakref.ref(optimizer)
+        for name, value in marks:  # (an LR scheduler's mark on the step it wrapped)
+            setattr(self, name, value)
+
+    @property
+    def __self__(self):
+        return self._ref()
+
+    def __call__(self, *args, **kwargs):
+        return _amp_step(self._ref(), *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        marks = [(k, v) for k, v in self.__dict__.items() if k not in ("__func__", "_ref")]
+        return _InstanceStep(copy.deepcopy(self._ref(), memo), marks)
+
+    def __reduce__(self):
+        marks = tuple((k, v) for k, v in self.__dict__.items() if k not in ("__func__", "_ref"))
+        return (_InstanceStep, (self._ref(), marks))
+
+
+def _install_amp_step(optimizer, run_hooks: bool) -> None:
+    """Put amp's ``step`` on ``optimizer`` itself (see :func:`_amp_step`), over whatever
+    ``step`` it has now: its class's, or an instance-level one (an LR scheduler's wrapper)."""
+    current = optimizer.__dict__.get("step")
+    if isinstance(current, _InstanceStep):
+        optimizer._mixprec_step_runs_hooks = (
+            run_hooks or optimizer.__dict__.get("_mixprec_step_runs_hooks", False))
+        return
+    if current is None:
+        below = None  # the class's step
+    elif getattr(current, "__self__", None) is optimizer:
+        below = (current.__func__, True)  # (kept unbound: no reference to the optimizer)
+    else:
+        below = (current, False)
+    optimizer._mixprec_step_below = below
+    optimizer._mixprec_step_runs_hooks = run_hooks
+    marks = [(k, v) for k, v in getattr(current, "__dict__", {}).items()
+             if k == "_wrapped_by_lr_sched"]
+    optimizer.step = _InstanceStep(optimizer, marks)
+
+
+def _amp_step(this, *args, **kwargs):
+    """amp's ``step`` on an optimizer (installed by :func:`_install_amp_step`).
+
+    After an overflow seen on the host it returns at once, as Apex's patched step did, so that
+    nothing of the user's step runs (a wrapper's pull-back, an update counter, a rate set
+    inside ``step``), not just the parameter updates; a step whose overflow flag is on the
+    device runs, and its fused kernel skips the update. An optimizer whose class never ran
+    ``Optimizer.__init__`` also has the step hooks run here, around its whole step."""
+    state = optimizer_state(this)
+    closure = kwargs.get("closure", args[0] if args else None)
+    if (state is not None and state.overflow and state.amp_state.enabled
+            and closure is None):
+        state.skip_step()
+        return None
+    runs_hooks = this.__dict__.get("_mixprec_step_runs_hooks", False)
+    if runs_hooks:
         for hook in list(this._optimizer_step_pre_hooks.values()):
             result = hook(this, args, kwargs)
             if result is not None:
                 args, kwargs = result
-        out = inner(*args, **kwargs)
+    below = this.__dict__.get("_mixprec_step_below")
+    if below is None:
+        out = type(this).step(this, *args, **kwargs)
+    elif below[1]:
+        out = below[0](this, *args, **kwargs)
+    else:
+        out = below[0](*args, **kwargs)
+    if runs_hooks:
         for hook in list(this._optimizer_step_post_hooks.values()):
             hook(this, args, kwargs)
-        return out
-
-    # A bound method, as PyTorch's LR schedulers expect to find (they wrap its __func__).
-    optimizer.step = types.MethodType(step, optimizer)
+    return out
 
 
 def refuse_inner_optimizer(optimizer, cast_param_ids, known=frozenset()) -> None:
@@ -310,7 +376,8 @@ class _OptimizerState:
         return self.last_step_skipped
 
     def install_hooks(self, hook_target: torch.optim.Optimizer) -> None:
-        _ensure_hook_tables(hook_target)
+        if _ensure_hook_tables(hook_target):
+            _install_amp_step(hook_target, run_hooks=True)
         self._handles.append(hook_target.register_step_pre_hook(self._pre_step))
         self._handles.append(hook_target.register_step_post_hook(self._post_step))
         # A group added after initialize gets its masters before the optimizer's state is
@@ -321,25 +388,9 @@ class _OptimizerState:
         self._handles.append(hook_target.register_load_state_dict_pre_hook(self._sync_hook))
 
     def install_skipping_step(self, optimizer) -> None:
-        """Make an overflowed step skip ``optimizer.step()`` as a whole, as Apex did: on this
-        object only, a ``step`` that returns at once after an overflow seen on the host, so
-        that nothing of the user's step runs (a wrapper's pull-back, an update counter, a rate
-        set inside ``step``), not just the parameter updates. A step whose overflow flag is
-        on the device runs and its fused kernel skips the update (nothing else runs there)."""
-        inner = optimizer.step  # the bound method, or an instance wrapper (an LR scheduler's)
-        ref = weakref.ref(self)
-
-        @functools.wraps(inner)  # (keeps an LR scheduler's mark on its wrapper)
-        def step(this, *args, **kwargs):
-            state = ref()
-            if (state is not None and state.overflow and state.amp_state.enabled
-                    and not args and "closure" not in kwargs):
-                state.skip_step()
-                return None
-            return inner(*args, **kwargs)
-
-        # A bound method, as PyTorch's LR schedulers expect to find (they wrap its __func__).
-        optimizer.step = types.MethodType(step, optimizer)
+        """Make an overflowed step skip ``optimizer.step()`` as a whole, as Apex did (see
+        :func:`_amp_step`), on this object only."""
+        _install_amp_step(optimizer, run_hooks=False)
 
     def skip_step(self) -> None:
         """The step after an overflow, skipped: what the step hooks do for it, without it."""
@@ -871,13 +922,21 @@ class AmpState:
             if entry is not None:
                 LossScaler().load_state_dict(entry)  # (validates it before anything loads)
                 entries[i] = entry
-        expected = {f"loss_scaler{i}" for i in range(len(self.scalers))}
-        if set(state_dict) != expected and is_rank_zero():
+        kept = len(self.scalers) - len(entries)
+        dropped = sorted(k for k in state_dict
+                         if int(str(k)[len("loss_scaler"):]) >= len(self.scalers))
+        if (kept or dropped) and is_rank_zero():
+            what = []
+            if kept:
+                what.append(f"{kept} of this run's scaler(s) had no entry and keep their "
+                            "initial scale")
+            if dropped:
+                what.append(f"the checkpoint's {', '.join(dropped)} had no scaler here: "
+                            "dropped")
             warnings.warn(
                 f"amp.load_state_dict: the checkpoint holds {len(state_dict)} loss scaler(s) "
-                f"({', '.join(sorted(state_dict))}) and this run has num_losses="
-                f"{len(self.scalers)}: loaded {len(entries)}; the others keep their "
-                "initial scale (as Apex did).", stacklevel=3)
+                f"and this run has num_losses={len(self.scalers)}: loaded {len(entries)}; "
+                + "; ".join(what) + " (as Apex did).", stacklevel=3)
         self.resolve_pending(block=True)
         for i, entry in entries.items():
             self.scalers[i].load_state_dict(entry)

@@ -129,16 +129,18 @@ def _warn_rank0(message: str, category) -> None:
         warnings.warn(message, category, stacklevel=3)
 
 
-def _reducer_param_names(module: nn.Module) -> List[str]:
+def _reducer_param_names(module: nn.Module, ignored=frozenset()) -> List[str]:
     # The order in which PyTorch's DDP hands parameters to its reducer: per module (named_modules
-    # order), its own trainable parameters, shared ones once. Its unused-parameter error speaks
-    # in indices into this list.
+    # order), its own trainable parameters not set to be ignored
+    # (_set_params_and_buffers_to_ignore_for_model), shared ones once. Its unused-parameter
+    # error speaks in indices into this list.
     names, seen = [], set()
     for module_name, sub in module.named_modules():
         for param_name, param in sub.named_parameters(recurse=False):
-            if param.requires_grad and param not in seen:
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            if param.requires_grad and param not in seen and name not in ignored:
                 seen.add(param)
-                names.append(f"{module_name}.{param_name}" if module_name else param_name)
+                names.append(name)
     return names
 
 
@@ -358,7 +360,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             broadcast_coalesced(masters, src=0, group=process_group)
         # The reducer's parameters by name, in its order (its unused-parameter error gives
         # indices into the list it was built with, whatever requires_grad says later).
-        self._reducer_names = _reducer_param_names(module)
+        self._reducer_names = _reducer_param_names(
+            module, frozenset(getattr(self, "parameters_to_ignore", ())))
         # Parameters frozen at wrapping are not in the reducer: one unfrozen later
         # (progressive fine-tuning) would train on this rank's gradient alone.
         self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad]

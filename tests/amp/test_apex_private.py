@@ -71,7 +71,8 @@ def test_initial_scale_set_through_amp_state(where):
 def test_unskipped_and_has_overflow_tell_skipped_steps(where):
     # `if amp._amp_state.loss_scalers[0]._unskipped != 0: scheduler.step()` and
     # `global_step += 0 if ..._has_overflow else 1`: the scheduler and the step count follow
-    # the steps actually taken.
+    # the steps actually taken. (As in Apex, `_unskipped` is also 0 on the clean step where a
+    # dynamic scale grows, every 2000th by default; `_has_overflow` is exact.)
     model, opt, state = _setup(where)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     x, y = batch()
@@ -200,8 +201,11 @@ def test_clear_errors(monkeypatch):
     with pytest.raises(AttributeError, match="no process-wide amp state"):
         state.loss_scalers = []
     monkeypatch.setattr(frontend, "_latest", None)
-    with pytest.raises(RuntimeError, match=r"before amp.initialize\(\)"):
+    with pytest.raises(AttributeError, match=r"before amp.initialize\(\)"):
         amp._amp_state.loss_scalers  # noqa: B018
+    # As in Apex, where the names did not exist yet: scripts test for initialize this way.
+    assert not hasattr(amp._amp_state, "opt_properties")
+    assert getattr(amp._amp_state, "loss_scalers", None) is None
 
 
 @pytest.mark.parametrize("where", OPTIMIZERS)

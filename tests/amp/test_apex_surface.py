@@ -577,6 +577,69 @@ def test_an_overflowed_step_skips_the_whole_step(make, scheduler_first, recwarn)
         [str(w.message) for w in recwarn]
 
 
+@pytest.mark.parametrize("make", ["sgd", "wrapper", "larc"])
+def test_amps_step_keeps_no_reference_to_its_optimizer(make):
+    # amp's step on the optimizer object must not hold the optimizer: a sweep that drops its
+    # models and optimizers frees them (fp32 masters, moments) at once, not at the next full
+    # garbage collection; a deep copy's step steps the copy.
+    import gc
+    import weakref
+
+    from mixprec.parallel import LARC
+
+    def build():
+        model = make_cnn()
+        if make == "sgd":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        elif make == "wrapper":
+            opt = _SlowFastWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+        else:
+            opt = LARC(torch.optim.SGD(model.parameters(), lr=0.1))
+        inner = {"sgd": opt, "wrapper": getattr(opt, "inner", None),
+                 "larc": getattr(opt, "optim", None)}[make]
+        torch.optim.lr_scheduler.StepLR(inner, 1)
+        return amp.initialize(model, opt, opt_level="O2", verbosity=0)
+
+    build()  # (a process's first optimizer is kept by PyTorch's own first-call caches)
+    gc.collect()
+    gc.disable()
+    try:
+        model, opt = build()
+        train_step(model, opt, *batch(), amp)
+        ref = weakref.ref(opt)
+        del model, opt
+        assert ref() is None, gc.get_referrers(ref())
+    finally:
+        gc.enable()
+    if make == "larc":  # (torch optimizers deep-copy without their instance attributes)
+        model, opt = build()
+        x, y = batch()
+        twin = copy.deepcopy(opt)
+        assert twin.step.__self__ is twin
+        before = [p.detach().clone() for p in amp.master_params(opt)]
+        for p in (p for g in twin.param_groups for p in g["params"]):
+            p.grad = torch.ones_like(p)
+        twin.step()
+        assert all(torch.equal(b, p) for b, p in zip(before, amp.master_params(opt)))
+        assert not all(torch.equal(b, p) for b, p in zip(
+            before, (p for g in twin.param_groups for p in g["params"])))
+
+
+@pytest.mark.parametrize("call", ["step()", "step(None)", "step(closure=None)"])
+def test_an_overflowed_step_is_skipped_however_it_is_called(call):
+    model = make_cnn()
+    opt = _CountingSGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y) * float("inf")
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    {"step()": lambda: opt.step(), "step(None)": lambda: opt.step(None),
+     "step(closure=None)": lambda: opt.step(closure=None)}[call]()
+    assert amp.step_was_skipped(opt)
+    assert "num_updates" not in opt.param_groups[0]  # the user's step never ran
+
+
 # -- torch.compile and activation checkpointing -----------------------------------------------------
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_torch_compile_fullgraph_matches_eager(opt_level, device):

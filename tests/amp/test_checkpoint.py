@@ -300,11 +300,13 @@ def test_amp_state_dict_of_another_num_losses_loads_what_fits():
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
-    with pytest.warns(UserWarning, match=r"holds 1 loss scaler.*num_losses=2: loaded 1"):
+    with pytest.warns(UserWarning, match=r"holds 1 loss scaler.*num_losses=2: loaded 1; 1 of "
+                                         r"this run's scaler\(s\) had no entry"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}})
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7},
                                 "loss_scaler1": {"loss_scale": 65536.0, "unskipped": 0}}
-    with pytest.warns(UserWarning, match=r"holds 3 loss scaler.*loaded 2"):
+    with pytest.warns(UserWarning, match=r"holds 3 loss scaler.*loaded 2; the checkpoint's "
+                                         r"loss_scaler2 had no scaler here: dropped"):
         amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": 2.0 ** i, "unskipped": i}
                              for i in range(3)})
     assert amp.state_dict()["loss_scaler1"] == {"loss_scale": 2.0, "unskipped": 1}

@@ -763,3 +763,21 @@ def test_o1_autocast_follows_a_device_move_after_initialize(target):
     config = model._mixprec_forward
     model.to(target)  # a move to where it already is keeps the same config
     assert model._mixprec_forward is config
+
+
+def test_a_tensorless_batchnorm_follows_its_model_across_moves():
+    # O1 with keep_batchnorm_fp32: a BatchNorm that holds no tensor (affine=False,
+    # track_running_stats=False) has no device of its own; its fp32 guard must follow the
+    # model's device type, not fall back to "cpu" on any .to() (on a GPU model that left
+    # CUDA autocast on inside it). Shown with the meta device, this machine's second one.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 4, 3),
+                              nn.BatchNorm2d(4, affine=False, track_running_stats=False))
+    model = amp.initialize(model, opt_level="O1", keep_batchnorm_fp32=True, verbosity=0)
+    guard = model[1]._mixprec_forward
+    assert guard.fp32_compute and guard.device_type == "meta"
+    model.to(memory_format=torch.channels_last)  # a move within the device
+    assert model[1]._mixprec_forward.device_type == "meta"
+    model.to_empty(device="cpu")
+    assert model[1]._mixprec_forward.device_type == "cpu"
+    assert model._mixprec_forward.device_type == "cpu"

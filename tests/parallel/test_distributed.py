@@ -381,6 +381,25 @@ def check_unfrozen_after_wrapping_is_refused(ctx):
         _assert_same_on_all_ranks(ctx, [model[0].weight.grad], "unfrozen 0.weight.grad")
 
 
+def check_unused_parameters_named_with_ignored_ones_left_out(ctx):
+    # Parameters set to be ignored (_set_params_and_buffers_to_ignore_for_model) are not in
+    # the reducer's list: the unused `b` must be named, not the ignored `a`.
+    torch.manual_seed(0)
+    model = _FrozenLater().to(ctx.device)  # a -> c, b unused
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["a.weight", "a.bias"])
+    ddp = DistributedDataParallel(model)
+    x, _ = _global_batch(ctx)
+    ddp(_mine(ctx, x)).sum().backward()
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        assert "got no gradient: b.weight, b.bias," in str(err), str(err)
+        assert "a.weight" not in str(err), str(err)
+    else:
+        raise AssertionError("expected a RuntimeError naming the unused parameters")
+
+
 def check_apex_flat_dist_call(ctx):
     # Apex's apex.parallel.distributed.flat_dist_call, imported by scripts from there.
     from mixprec.parallel.distributed import flat_dist_call
@@ -1009,6 +1028,7 @@ CHECKS = [
     "check_unused_parameters_named_in_error",
     "check_unused_parameters_named_as_the_reducer_was_built",
     "check_apex_flat_dist_call",
+    "check_unused_parameters_named_with_ignored_ones_left_out",
     "check_unfrozen_after_wrapping_is_refused",
     "check_join_divides_uneven_steps_as_asked",
 ]
