@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
 import importlib.util
+import pathlib
 import pkgutil
 import sys
 import types
@@ -88,12 +92,52 @@ def install_apex_alias() -> Tuple[str, ...]:
                 "lacks: fix or uninstall that Apex (pip uninstall apex), or import mixprec's "
                 "modules directly (from mixprec import amp).") from err
         return _fill_in(real)
-    apex = types.ModuleType("apex", "Alias of mixprec installed by mixprec.install_apex_alias().")
-    apex.__path__ = []  # a package, so `import apex.amp` consults sys.modules
+    apex = _stand_in("apex", "Alias of mixprec installed by mixprec.install_apex_alias().")
     served = ("apex",) + _serve(apex, _SUBMODULES)
     apex.__mixprec_alias__ = served
     sys.modules["apex"] = apex
+    if not any(isinstance(f, _AliasDistributionFinder) for f in sys.meta_path):
+        sys.meta_path.append(_AliasDistributionFinder())
     return served
+
+
+def _stand_in(name: str, doc: str) -> types.ModuleType:
+    """A package module made here (no file), with a spec: `importlib.util.find_spec("apex")`,
+    which libraries call to ask whether Apex is installed (transformers at import time,
+    Lightning), raises ValueError for a module in sys.modules without one."""
+    module = types.ModuleType(name, doc)
+    module.__path__ = []  # a package, so `import apex.amp` consults sys.modules
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    return module
+
+
+class _AliasDistribution(importlib.metadata.Distribution):
+    """The installed-package metadata of the stand-in ``apex``: libraries that check for Apex
+    by its version (``importlib.metadata.version("apex")``: transformers' Trainer with
+    ``half_precision_backend="apex"``) find one, ``0.1+mixprec.<mixprec's version>``."""
+
+    def read_text(self, filename):
+        if filename == "METADATA":
+            from mixprec import __version__
+
+            return (f"Metadata-Version: 2.1\nName: apex\nVersion: 0.1+mixprec.{__version__}\n"
+                    "Summary: mixprec's Apex alias (mixprec.install_apex_alias())\n")
+        return None
+
+    def locate_file(self, path):
+        return pathlib.Path(__file__).parent / path
+
+
+class _AliasDistributionFinder(importlib.abc.MetaPathFinder):
+    """Finds no modules (the alias's are in sys.modules), only the stand-in's metadata."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return None
+
+    def find_distributions(self, context=None):
+        name = getattr(context, "name", None)
+        if name is None or name.replace("-", "_").lower() == "apex":
+            yield _AliasDistribution()
 
 
 def _fill_in(apex: types.ModuleType) -> Tuple[str, ...]:
@@ -194,9 +238,8 @@ def _serve_normalization(apex: types.ModuleType) -> list:
     # fused_layer_norm, which is therefore not the package's `fused_layer_norm` here).
     mixprec_norm = importlib.import_module("mixprec.normalization")
     functional = importlib.import_module("mixprec.normalization.apex_functional")
-    normalization = types.ModuleType(
+    normalization = _stand_in(
         "apex.normalization", "Alias of mixprec.normalization (Apex's layout).")
-    normalization.__path__ = []
     for name in mixprec_norm.__all__:
         if name not in ("fused_layer_norm", "fused_rms_norm"):
             setattr(normalization, name, getattr(mixprec_norm, name))

@@ -36,3 +36,5 @@ def clean_apex(monkeypatch):
     yield
     for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
         del sys.modules[name]
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if type(f).__name__ != "_AliasDistributionFinder"]

@@ -548,14 +548,12 @@ class _OptimizerState:
         return flags
 
     def discard_grads(self) -> None:
-        """An overflow: the step will be skipped, so free every gradient now."""
+        """An overflow: the next step will be skipped, and frees the gradients. Until then
+        they stay as unscaled (non-finite) as Apex left them, so that a gradient norm taken
+        before ``step()`` reads inf/NaN (Tacotron2-style ``is_overflow = isnan(grad_norm)``,
+        a logged norm), not 0."""
         self.overflow = True
         self._stash = []
-        for p, master in self.pairs:
-            p.grad = None
-            master.grad = None
-        for p in self.plain:
-            p.grad = None
 
     # -- step hooks ----------------------------------------------------------------------------
     def _pre_step(self, optimizer, args, kwargs):

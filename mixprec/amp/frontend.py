@@ -82,6 +82,32 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
+def _refuse_if_inside_ddp(model: nn.Module) -> None:
+    """Refuse to cast a model to half that a PyTorch ``DistributedDataParallel`` built earlier
+    holds (directly or through wrapper modules: Lightning 1.x wraps before its Apex plugin
+    calls ``initialize``). Changing a parameter's dtype replaces its gradient accumulator,
+    which carries DDP's all-reduce hooks: the gradients would silently stop being averaged
+    (Apex's O2 had the same trap). Looked up once, and only in a distributed run."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    import gc
+
+    ddp_type = nn.parallel.DistributedDataParallel
+    for owner in gc.get_objects():  # (one pass over the live objects; DDPs are few)
+        if not issubclass(type(owner), ddp_type):  # (type(): a dead weak proxy cannot raise)
+            continue
+        if any(m is model for m in owner.module.modules()):
+            raise ValueError(
+                f"amp.initialize: the {type(model).__name__} passed is inside a "
+                f"{type(owner).__name__} built before initialize. Casting it to half (this "
+                "opt level) replaces the gradient hooks DistributedDataParallel installed on "
+                "its parameters, so their gradients would silently never be averaged across "
+                "ranks. Call amp.initialize on the bare model first and wrap the returned "
+                "model afterwards, or use opt_level='O1' (parameters stay fp32)."
+            )
+
+
 def _is_compiled_module(model: nn.Module) -> bool:
     # Dynamo is only loaded once something was compiled: no import (over a second) just to ask.
     eval_frame = sys.modules.get("torch._dynamo.eval_frame")
@@ -250,6 +276,9 @@ def initialize(
                 "in the list. Pass each model once."
             )
     _check_half_supported(model_list, props)
+    if props.model_is_half:
+        for model in model_list:
+            _refuse_if_inside_ddp(model)
     _warn_if_already_half(model_list, props)
     if props.model_is_half and props.keep_batchnorm_fp32 is True:
         # BatchNorm stays fp32: cast back now a model .half()-ed by the user, so that its

@@ -625,6 +625,29 @@ def test_amps_step_keeps_no_reference_to_its_optimizer(make):
             before, (p for g in twin.param_groups for p in g["params"])))
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_an_overflowed_backward_leaves_its_gradients_for_the_norm(opt_level):
+    # Tacotron2-style loops take the gradient norm before step() to spot an overflow
+    # (`is_overflow = math.isnan(grad_norm)`) and log it: the gradients stay, non-finite, until
+    # the skipped step frees them, as in Apex. They were freed at once (the norm read 0).
+    import math
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y) * float("nan")
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+    assert math.isnan(float(norm))
+    before = [p.detach().clone() for p in amp.master_params(opt)]
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    assert all(p.grad is None for p in amp.master_params(opt))
+    assert all(torch.equal(b, p) for b, p in zip(before, amp.master_params(opt)))
+
+
 @pytest.mark.parametrize("call", ["step()", "step(None)", "step(closure=None)"])
 def test_an_overflowed_step_is_skipped_however_it_is_called(call):
     model = make_cnn()

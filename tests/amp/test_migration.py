@@ -36,6 +36,27 @@ def test_alias_resolves_apex_imports(clean_apex):
     assert MixedFusedRMSNorm is mixprec.normalization.MixedFusedRMSNorm
 
 
+def test_alias_answers_libraries_that_check_for_apex(clean_apex):
+    # transformers (at import time) and Lightning ask importlib whether Apex is installed;
+    # find_spec raised ValueError on the stand-in module (no __spec__), which broke
+    # `import transformers` wherever the alias was installed first, and transformers' Trainer
+    # also reads Apex's version from the installed-package metadata.
+    import importlib.metadata
+    import importlib.util
+
+    mixprec.install_apex_alias()
+    mixprec.install_apex_alias()
+    for name in ("apex", "apex.amp", "apex.parallel", "apex.normalization",
+                 "apex.normalization.fused_layer_norm", "apex.optimizers"):
+        assert importlib.util.find_spec(name) is not None, name
+    assert importlib.metadata.version("apex") == f"0.1+mixprec.{mixprec.__version__}"
+    assert importlib.metadata.metadata("apex")["Name"] == "apex"
+    finders = [f for f in sys.meta_path if type(f).__name__ == "_AliasDistributionFinder"]
+    assert len(finders) == 1  # once, however often the alias is installed
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.version("surely-not-installed-package")
+
+
 def test_alias_serves_apex_submodule_paths_as_the_same_objects(clean_apex):
     # Apex's own module paths (SwAV/DINO-style `from apex.parallel.LARC import LARC`), and
     # mixprec's submodules under the apex name, give the very classes of the package: before,

@@ -400,6 +400,30 @@ def check_unused_parameters_named_with_ignored_ones_left_out(ctx):
         raise AssertionError("expected a RuntimeError naming the unused parameters")
 
 
+def check_amp_half_refuses_a_model_already_inside_torch_ddp(ctx):
+    # Lightning 1.x wraps its module in torch's DDP (through a wrapper module) before its Apex
+    # plugin runs amp.initialize: at O2/O3 the cast replaced the parameters' gradient
+    # accumulators carrying DDP's hooks, and the ranks silently stopped averaging.
+    from mixprec import amp
+
+    for opt_level in ("O2", "O3", "O1"):
+        model = _mlp(ctx.device)
+        holder = nn.ModuleDict({"inner": model})  # (Lightning's wrapper module)
+        ddp = nn.parallel.DistributedDataParallel(holder)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if opt_level == "O1":  # (fp32 parameters: the hooks stay)
+            amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+            continue
+        try:
+            amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+        except ValueError as err:
+            assert "inside a DistributedDataParallel built before initialize" in str(err), err
+        else:
+            raise AssertionError(f"{opt_level}: expected a refusal")
+        assert all(p.dtype == torch.float32 for p in model.parameters())  # nothing changed
+        del ddp
+
+
 def check_apex_flat_dist_call(ctx):
     # Apex's apex.parallel.distributed.flat_dist_call, imported by scripts from there.
     from mixprec.parallel.distributed import flat_dist_call
@@ -1028,6 +1052,7 @@ CHECKS = [
     "check_unused_parameters_named_in_error",
     "check_unused_parameters_named_as_the_reducer_was_built",
     "check_apex_flat_dist_call",
+    "check_amp_half_refuses_a_model_already_inside_torch_ddp",
     "check_unused_parameters_named_with_ignored_ones_left_out",
     "check_unfrozen_after_wrapping_is_refused",
     "check_join_divides_uneven_steps_as_asked",
