@@ -53,12 +53,12 @@ for s in "$@"; do
     bnbackends) step probe_bn_backends 90 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_bn_backends.py ;;
     normhost) step probe_norm_host_step 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/probe_norm_host.py --parts step ;;
     tests12)
-      step tests_1gpu 400 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench tests/optimizers &
-      step tests_2gpu 400 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus &
+      step tests_1gpu 540 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench tests/optimizers &
+      step tests_2gpu 540 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus &
       wait ;;
     norm) step bench_norm 120 env CUDA_VISIBLE_DEVICES=0 python3 benchmarks/bench_norm.py --out "$LOGS" ;;
     sweep) step bench_norm_sweep 240 env CUDA_VISIBLE_DEVICES=1 python3 benchmarks/bench_norm.py --sweep --out "$LOGS/sweep" ;;
-    tests1) step tests_1gpu 300 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench tests/optimizers ;;
+    tests1) step tests_1gpu 540 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp tests/normalization tests/bench tests/optimizers ;;
     tests_norm) step tests_norm_cuda 90 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/normalization/test_norm_numerics.py -k cuda ;;
     tests_amp) step tests_amp_cuda 200 env CUDA_VISIBLE_DEVICES=0 python3 -m pytest -q -p no:cacheprovider -n 8 tests/amp -k "cuda or CUDA or fused" ;;
     tests2) step tests_2gpu 240 python3 -m pytest -q -p no:cacheprovider tests/parallel tests/amp/test_apex_surface.py::test_data_parallel_replicas_on_two_gpus ;;
