@@ -497,6 +497,18 @@ class _OptimizerState:
             else:  # sparse (e.g. nn.Embedding(sparse=True)): cast, then sum duplicate indices
                 sparse_fresh.append(g.float().coalesce())
                 sparse_targets.append(master)
+        if half_grads and half_grads[0].requires_grad:
+            # backward(create_graph=True) (second-order optimizers, gradient penalties through
+            # .grad): the fp32 masters' gradients are a copy, with no graph back to the model,
+            # so a second derivative taken from them would silently miss every term.
+            raise RuntimeError(
+                "amp.scale_loss: the backward ran with create_graph=True, but under "
+                "master_weights (O2) the gradients the optimizer reads are fp32 copies of the "
+                "half model's, with no graph back to it, so a second derivative through them "
+                "would silently come out wrong. Use opt_level='O1' (the model's own gradients, "
+                "graph kept), or compute the higher-order term with torch.autograd.grad on the "
+                "model's parameters before scale_loss exits."
+            )
         fresh = [torch.empty_like(g, dtype=torch.float32) for g in half_grads]
         plain_params = [p for p in self.plain if p.grad is not None]
         plain_grads = [p.grad for p in plain_params]

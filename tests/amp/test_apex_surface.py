@@ -648,6 +648,33 @@ def test_an_overflowed_backward_leaves_its_gradients_for_the_norm(opt_level):
     assert all(torch.equal(b, p) for b, p in zip(before, amp.master_params(opt)))
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_backward_with_create_graph(opt_level):
+    # timm's second-order path: scaled_loss.backward(create_graph=True). O1 keeps the model's
+    # own gradients with their graph; at O2 the fp32 master gradients are copies without one,
+    # so the Hessian term dropped out silently: refused now, as Apex failed there too.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, loss_scale=1.0, verbosity=0)
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y)
+    if opt_level == "O2":
+        with pytest.raises(RuntimeError, match="create_graph=True.*opt_level='O1'"):
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward(create_graph=True)
+        return
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward(create_graph=True)
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and g.requires_grad for g in grads)
+    # The gradient-norm penalty differentiates through them (a second derivative exists).
+    penalty = sum(g.float().pow(2).sum() for g in grads)
+    second = torch.autograd.grad(penalty, model.head.weight)[0]
+    assert torch.isfinite(second).all() and second.abs().sum() > 0
+    model.zero_grad()  # (breaks the parameter <-> gradient cycle create_graph makes)
+
+
 @pytest.mark.parametrize("call", ["step()", "step(None)", "step(closure=None)"])
 def test_an_overflowed_step_is_skipped_however_it_is_called(call):
     model = make_cnn()
