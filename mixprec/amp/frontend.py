@@ -82,7 +82,7 @@ def _check_model(model: nn.Module) -> None:
         )
 
 
-def _refuse_if_inside_ddp(model: nn.Module) -> None:
+def _refuse_if_inside_ddp(models: List[nn.Module]) -> None:
     """Refuse to cast a model to half that a PyTorch ``DistributedDataParallel`` built earlier
     holds (directly or through wrapper modules: Lightning 1.x wraps before its Apex plugin
     calls ``initialize``). Changing a parameter's dtype replaces its gradient accumulator,
@@ -94,10 +94,12 @@ def _refuse_if_inside_ddp(model: nn.Module) -> None:
     import gc
 
     ddp_type = nn.parallel.DistributedDataParallel
+    ids = {id(m): m for m in models}
     for owner in gc.get_objects():  # (one pass over the live objects; DDPs are few)
         if not issubclass(type(owner), ddp_type):  # (type(): a dead weak proxy cannot raise)
             continue
-        if any(m is model for m in owner.module.modules()):
+        model = next((ids[id(m)] for m in owner.module.modules() if id(m) in ids), None)
+        if model is not None:
             raise ValueError(
                 f"amp.initialize: the {type(model).__name__} passed is inside a "
                 f"{type(owner).__name__} built before initialize. Casting it to half (this "
@@ -277,8 +279,7 @@ def initialize(
             )
     _check_half_supported(model_list, props)
     if props.model_is_half:
-        for model in model_list:
-            _refuse_if_inside_ddp(model)
+        _refuse_if_inside_ddp(model_list)
     _warn_if_already_half(model_list, props)
     if props.model_is_half and props.keep_batchnorm_fp32 is True:
         # BatchNorm stays fp32: cast back now a model .half()-ed by the user, so that its
