@@ -569,9 +569,7 @@ def _held_device_type(model: nn.Module) -> Optional[str]:
 
 
 def _device_type(model: nn.Module) -> str:
-    for t in list(model.parameters()) + list(model.buffers()):
-        return t.device.type
-    return "cpu"
+    return _held_device_type(model) or "cpu"
 
 
 def convert_model(model: nn.Module, props) -> None:

@@ -103,15 +103,16 @@ class _InstanceStep:
     def __call__(self, *args, **kwargs):
         return _amp_step(self._ref(), *args, **kwargs)
 
+    def _marks(self) -> tuple:
+        return tuple((k, v) for k, v in self.__dict__.items() if k not in ("__func__", "_ref"))
+
     def __deepcopy__(self, memo):
         import copy
 
-        marks = [(k, v) for k, v in self.__dict__.items() if k not in ("__func__", "_ref")]
-        return _InstanceStep(copy.deepcopy(self._ref(), memo), marks)
+        return _InstanceStep(copy.deepcopy(self._ref(), memo), self._marks())
 
     def __reduce__(self):
-        marks = tuple((k, v) for k, v in self.__dict__.items() if k not in ("__func__", "_ref"))
-        return (_InstanceStep, (self._ref(), marks))
+        return (_InstanceStep, (self._ref(), self._marks()))
 
 
 def _install_amp_step(optimizer, run_hooks: bool) -> None:

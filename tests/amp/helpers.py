@@ -35,6 +35,16 @@ def batch(device="cpu", n=16, seed=1, size=8, classes=4):
     return x.to(device), y.to(device)
 
 
+def backward_and_step(loss, optimizer, amp, use_amp=True):
+    """``loss.backward()`` (inside ``amp.scale_loss`` with ``use_amp``), then the step."""
+    if use_amp:
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+    else:
+        loss.backward()
+    optimizer.step()
+
+
 def train_step(model, optimizer, x, y, amp):
     optimizer.zero_grad(set_to_none=True)
     loss = nn.functional.cross_entropy(model(x), y)

@@ -12,7 +12,14 @@ from torch.utils.checkpoint import checkpoint
 
 from mixprec import amp
 
-from .helpers import HALF_DTYPES, OPT_LEVELS, batch, make_cnn, train_step
+from .helpers import (
+    HALF_DTYPES,
+    OPT_LEVELS,
+    backward_and_step,
+    batch,
+    make_cnn,
+    train_step,
+)
 
 
 # -- several models, optimizers and losses ------------------------------------------------------
@@ -167,13 +174,7 @@ def test_optimizer_wrapper_without_optimizer_init(opt_level):
         for _ in range(4):
             x = torch.randn(6, 4, generator=gen)
             opt.zero_grad()
-            loss = model(x).float().pow(2).mean()
-            if use_amp:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-            else:
-                loss.backward()
-            opt.step()
+            backward_and_step(model(x).float().pow(2).mean(), opt, amp, use_amp)
             if use_amp and opt_level == "O2":
                 for half, master in zip(opt._amp_stash.all_fp16_params,
                                         opt._amp_stash.all_fp32_from_fp16_params):

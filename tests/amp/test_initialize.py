@@ -13,7 +13,7 @@ from torch import nn
 from mixprec import amp
 from mixprec.amp._state import optimizer_state
 
-from .helpers import HALF_DTYPES, OPT_LEVELS, batch, make_cnn, train_step
+from .helpers import HALF_DTYPES, OPT_LEVELS, backward_and_step, batch, make_cnn, train_step
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -542,13 +542,7 @@ def _embedding_model(kind, max_norm, device):
 def _train_embedding(model, opt, ids, steps, use_amp):
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = model(ids[step]).float().pow(2).mean()
-        if use_amp:
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-        else:
-            loss.backward()
-        opt.step()
+        backward_and_step(model(ids[step]).float().pow(2).mean(), opt, amp, use_amp)
 
 
 @pytest.mark.parametrize("kind", ["Embedding", "EmbeddingBag"])

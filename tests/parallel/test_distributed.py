@@ -310,20 +310,23 @@ class _TwoHeads(nn.Module):
         return self.a(x)
 
 
-def check_unused_parameters_named_in_error(ctx):
-    torch.manual_seed(0)
-    ddp = DistributedDataParallel(_TwoHeads().to(ctx.device))
+def _unused_parameters_error(ctx, ddp) -> str:
+    """One step through ``ddp``, then the next forward's error (the unused parameters')."""
     x, _ = _global_batch(ctx)
     ddp(_mine(ctx, x)).sum().backward()
     try:
         ddp(_mine(ctx, x))
     except RuntimeError as err:
-        text = str(err)
-        for needle in ("b.weight", "b.bias", "find_unused_parameters=True"):
-            assert needle in text, f"{needle!r} missing from: {text}"
-        assert "a.weight" not in text, text
-    else:
-        raise AssertionError("expected a RuntimeError naming the unused parameters")
+        return str(err)
+    raise AssertionError("expected a RuntimeError naming the unused parameters")
+
+
+def check_unused_parameters_named_in_error(ctx):
+    torch.manual_seed(0)
+    text = _unused_parameters_error(ctx, DistributedDataParallel(_TwoHeads().to(ctx.device)))
+    for needle in ("b.weight", "b.bias", "find_unused_parameters=True"):
+        assert needle in text, f"{needle!r} missing from: {text}"
+    assert "a.weight" not in text, text
 
 
 class _FrozenLater(nn.Module):
@@ -344,16 +347,9 @@ def check_unused_parameters_named_as_the_reducer_was_built(ctx):
     model = _FrozenLater().to(ctx.device)
     ddp = DistributedDataParallel(model)
     model.a.requires_grad_(False)
-    x, _ = _global_batch(ctx)
-    ddp(_mine(ctx, x)).sum().backward()
-    try:
-        ddp(_mine(ctx, x))
-    except RuntimeError as err:
-        text = str(err)
-        assert "a.weight, a.bias, b.weight, b.bias" in text, text
-        assert "c.weight" not in text, text
-    else:
-        raise AssertionError("expected a RuntimeError naming the unused parameters")
+    text = _unused_parameters_error(ctx, ddp)
+    assert "a.weight, a.bias, b.weight, b.bias" in text, text
+    assert "c.weight" not in text, text
 
 
 def check_unfrozen_after_wrapping_is_refused(ctx):
@@ -388,16 +384,9 @@ def check_unused_parameters_named_with_ignored_ones_left_out(ctx):
     model = _FrozenLater().to(ctx.device)  # a -> c, b unused
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, ["a.weight", "a.bias"])
-    ddp = DistributedDataParallel(model)
-    x, _ = _global_batch(ctx)
-    ddp(_mine(ctx, x)).sum().backward()
-    try:
-        ddp(_mine(ctx, x))
-    except RuntimeError as err:
-        assert "got no gradient: b.weight, b.bias," in str(err), str(err)
-        assert "a.weight" not in str(err), str(err)
-    else:
-        raise AssertionError("expected a RuntimeError naming the unused parameters")
+    text = _unused_parameters_error(ctx, DistributedDataParallel(model))
+    assert "got no gradient: b.weight, b.bias," in text, text
+    assert "a.weight" not in text, text
 
 
 def check_amp_half_refuses_a_model_already_inside_torch_ddp(ctx):
