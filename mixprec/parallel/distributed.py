@@ -15,6 +15,9 @@ communication hook (:func:`_apex_allreduce_hook`), run once per bucket:
   after);
 * the gradients ARE the bucket (``gradient_as_bucket_view=True``): no copy in or out.
 
+``delay_allreduce=True`` does not use the reducer (PyTorch's constructor builds one, which is
+then dropped): :mod:`mixprec.parallel._delayed` all-reduces after backward, as Apex did.
+
 The common case (``gradient_average=True``, ``gradient_predivide_factor`` 1 or the world size,
 no fp32 upcast, no profiling) registers no hook at all: PyTorch's reducer then divides each
 gradient by the world size while copying it into its bucket (one fused pass; with any hook,
@@ -36,7 +39,7 @@ import dataclasses
 import inspect
 import re
 import warnings
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
 from mixprec.parallel._comm import broadcast_coalesced, group_world_size, require_initialized
+from mixprec.parallel._delayed import DelayedAllReduce, _Arithmetic
 
 __all__ = ["DistributedDataParallel"]
 
@@ -129,19 +133,23 @@ def _warn_rank0(message: str, category) -> None:
         warnings.warn(message, category, stacklevel=3)
 
 
-def _reducer_param_names(module: nn.Module, ignored=frozenset()) -> List[str]:
+def _reducer_params(module: nn.Module, ignored=frozenset()) -> List[Tuple[str, nn.Parameter]]:
     # The order in which PyTorch's DDP hands parameters to its reducer: per module (named_modules
     # order), its own trainable parameters not set to be ignored
     # (_set_params_and_buffers_to_ignore_for_model), shared ones once. Its unused-parameter
-    # error speaks in indices into this list.
-    names, seen = [], set()
+    # error speaks in indices into this list; the delay mode all-reduces these parameters.
+    pairs, seen = [], set()
     for module_name, sub in module.named_modules():
         for param_name, param in sub.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
             if param.requires_grad and param not in seen and name not in ignored:
                 seen.add(param)
-                names.append(name)
-    return names
+                pairs.append((name, param))
+    return pairs
+
+
+def _reducer_param_names(module: nn.Module, ignored=frozenset()) -> List[str]:
+    return [name for name, _ in _reducer_params(module, ignored)]
 
 
 def _compile_friendly_bucket_cap(ddp: nn.parallel.DistributedDataParallel) -> None:
@@ -197,7 +205,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     RuntimeError naming them, unless ``find_unused_parameters=True`` (then they are handled:
     a parameter unused on every rank keeps ``grad=None``). A parameter frozen when the model
     was wrapped and set to require gradients later makes the next forward raise: it is not
-    in the all-reduce, so wrap the model again after changing ``requires_grad``.
+    in the all-reduce, so wrap the model again after changing ``requires_grad``. With
+    ``delay_allreduce=True`` any parameter may go without a gradient.
 
     Apex arguments that no longer apply are accepted with a warning and ignored:
     ``allreduce_trigger_params`` (buckets follow gradient readiness), ``num_allreduce_streams``
@@ -211,11 +220,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     Args:
         module (nn.Module): the model, on its device (after ``amp.initialize``).
         message_size (int): bucket size in elements (of the gradients' dtype). Default ``1e7``.
-        delay_allreduce (bool): all-reduce everything after backward (one bucket per dtype)
-            instead of overlapping with it; parameters without a gradient in a step are
-            skipped, as in Apex (this mode implies ``find_unused_parameters=True``, so
-            PyTorch's reducer prints once per rank that it found none when every parameter
-            was used: harmless here). Default False.
+        delay_allreduce (bool): Apex's delay mode: all-reduce every gradient that exists
+            after backward (buckets of ``message_size``), instead of overlapping with it, and
+            without PyTorch's reducer (see :mod:`mixprec.parallel._delayed`): it works with
+            reentrant activation checkpointing, blocks run twice, custom output objects and
+            parameters without gradients, which the reducer cannot follow. One small
+            all-reduce read on the host per backward; ``join()`` and ``register_comm_hook()``
+            are refused. Default False.
         shared_param: deprecated alias of ``delay_allreduce``. Default None.
         allreduce_trigger_params: ignored (warns). Default None.
         retain_allreduce_buffers (bool): ignored (warns). Default False.
@@ -323,29 +334,28 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
 
         group_world_size(process_group)  # this rank must belong to the group
-        if delay_allreduce:
-            # One bucket per dtype, complete only when backward has produced every gradient.
-            total = sum(p.numel() * p.element_size() for p in module.parameters())
-            bucket_cap_mb = total / _MB + 1
-        else:
-            bucket_cap_mb = float(message_size) * _dominant_itemsize(module) / _MB
+        delay_allreduce = bool(delay_allreduce)
         buffer_kwargs = (
             {"forward_sync_buffers": False} if "forward_sync_buffers" in _TORCH_DDP_PARAMS
             else {"broadcast_buffers": False}
         )
+        # PyTorch's constructor checks the parameters' shapes across the ranks and broadcasts
+        # the module's state from rank 0; in the delay mode its reducer is then dropped (see
+        # mixprec.parallel._delayed), so it keeps the gradients as autograd makes them.
         super().__init__(
             module,
             device_ids=None,
             process_group=process_group,
-            bucket_cap_mb=bucket_cap_mb,
-            # Apex's delay mode reduced, after backward, every gradient that existed: with one
-            # bucket, a parameter without a gradient would hold back every all-reduce of the
-            # step, so the delay mode finds the unused ones (one graph traversal per forward).
-            find_unused_parameters=find_unused_parameters or bool(delay_allreduce),
-            gradient_as_bucket_view=True,
+            bucket_cap_mb=float(message_size) * _dominant_itemsize(module) / _MB,
+            find_unused_parameters=find_unused_parameters and not delay_allreduce,
+            gradient_as_bucket_view=not delay_allreduce,
             **buffer_kwargs,
         )
-        _compile_friendly_bucket_cap(self)
+        if delay_allreduce:
+            self.reducer = None  # (its destructor removes its autograd hooks)
+            self.logger = None
+        else:
+            _compile_friendly_bucket_cap(self)
         if "forward_sync_buffers" not in _TORCH_DDP_PARAMS:
             # Older PyTorch skips the buffers at construction with broadcast_buffers=False.
             buffers = [b for b in module.buffers() if b is not None]
@@ -390,6 +400,21 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         plain_average = (self.gradient_average and not self.allreduce_always_fp32
                          and not self.prof
                          and self.gradient_predivide_factor in (1.0, float(world_size)))
+        if self.delay_allreduce:
+            self._divides_in_hook = False
+            # The plain average divides before the sum, as PyTorch's reducer does above.
+            pre, post = ((float(world_size), 1.0) if plain_average
+                         else (self._hook_state.predivide, self._hook_state.postdivide))
+            pairs = _reducer_params(
+                self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
+            self._delayed = DelayedAllReduce(
+                [name for name, _ in pairs], [p for _, p in pairs],
+                process_group=self.process_group, message_size=int(self.message_size),
+                arithmetic=_Arithmetic(predivide=pre, postdivide=post,
+                                       always_fp32=self.allreduce_always_fp32,
+                                       average=self.gradient_average, prof=self.prof))
+            return
+        self._delayed = None
         self._divides_in_hook = not plain_average and (
             self._hook_state.predivide != 1.0 or self._hook_state.postdivide != 1.0)
         if not plain_average:  # else the reducer's own path (see the module docstring)
@@ -398,6 +423,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def join_hook(self, **kwargs):
         """PyTorch's join hook; ``divide_by_initial_world_size=False`` is refused where the
         gradients are divided in mixprec's all-reduce hook (see the class documentation)."""
+        if getattr(self, "_delayed", None) is not None:
+            raise RuntimeError(
+                "DistributedDataParallel(delay_allreduce=True).join(): uneven inputs are "
+                "handled by PyTorch's reducer, which the delay mode does not use (Apex had no "
+                "join either). Construct with delay_allreduce=False (and "
+                "find_unused_parameters=True if some parameters go without gradients) to use "
+                "join(), or give every rank the same number of batches."
+            )
         if (not kwargs.get("divide_by_initial_world_size", True)
                 and getattr(self, "_divides_in_hook", False)):
             options = ", ".join(
@@ -419,9 +452,21 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     # Pickling/deep-copying (default process group only, as for PyTorch's DDP): the hook state
     # holds the process group, so it is rebuilt on the other side with the new reducer.
+    def register_comm_hook(self, state, hook) -> None:
+        """PyTorch's ``register_comm_hook``; refused in the delay mode, whose all-reduce runs
+        after backward outside PyTorch's reducer."""
+        if getattr(self, "_delayed", None) is not None:
+            raise RuntimeError(
+                "DistributedDataParallel(delay_allreduce=True).register_comm_hook(): the delay "
+                "mode all-reduces after backward without PyTorch's reducer, which runs "
+                "communication hooks. Construct with delay_allreduce=False to use a hook."
+            )
+        super().register_comm_hook(state, hook)
+
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_hook_state", None)
+        state.pop("_delayed", None)
         # The unpickled reducer is rebuilt from bucket_bytes_cap: give it the reducer's cap
         # (__setstate__ then raises the compiler's copy again).
         cap = state.pop("_reducer_bucket_bytes_cap", None)
@@ -432,8 +477,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return state
 
     def __setstate__(self, state):
-        super().__setstate__(state)
-        _compile_friendly_bucket_cap(self)
+        if state.get("delay_allreduce"):
+            # No reducer to rebuild (PyTorch's __setstate__ would build one).
+            self.process_group = dist.distributed_c10d._get_default_group()
+            nn.Module.__setstate__(self, state)
+            self.reducer = None
+            self.logger = None
+        else:
+            super().__setstate__(state)
+            _compile_friendly_bucket_cap(self)
         self._install_hook()
 
     def forward(self, *inputs, **kwargs):
@@ -447,6 +499,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             # scaled in place for the synced backward to reduce.
             for m in getattr(self, "_amp_models", ()):
                 setattr(m, GRAD_SYNC_DEFERRED, not self.require_backward_grad_sync)
+        delayed = getattr(self, "_delayed", None)
+        if delayed is not None:
+            with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
+                out = self.module(*inputs, **kwargs)
+            if grad:
+                delayed.arm(self.require_backward_grad_sync, out)
+                self._watch_unsynced_backward(out)
+            return out
         try:
             out = super().forward(*inputs, **kwargs)
         except RuntimeError as err:

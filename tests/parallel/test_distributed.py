@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import datetime
+import itertools
 import pickle
 import time
 import warnings
@@ -49,6 +51,9 @@ def _mine(ctx, t, per_rank=PER_RANK):
 
 
 def _gather(ctx, t):
+    if ctx.is_cuda and ctx.backend == "gloo":  # (gloo all-gathers host tensors only)
+        return [part.to(t.device) for part in _gather(dataclasses.replace(
+            ctx, device=torch.device("cpu")), t.cpu())]
     parts = [torch.empty_like(t) for _ in range(ctx.world_size)]
     dist.all_gather(parts, t.contiguous())
     return parts
@@ -109,18 +114,20 @@ def _grads_match_global_batch(ctx, net, model, ref, seed, what):
 def check_compiled_grads_match_single_process(ctx):
     # torch.compile of the wrapped model (PyTorch's DDP graph splitting at bucket boundaries),
     # with the built-in C++ hook and with the Python hook (a pre-divide factor that is neither
-    # 1 nor the world size): gradients of the single-process global batch. On CPU the quick
-    # aot_eager backend; on CUDA the real compiler.
+    # 1 nor the world size), and in the delay mode: gradients of the single-process global
+    # batch. On CPU the quick aot_eager backend; on CUDA the real compiler.
     backend = "inductor" if ctx.is_cuda else "aot_eager"
-    for factor in (1.0, 4.0):
+    for factor, delay in ((1.0, False), (4.0, False), (1.0, True)):
         torch._dynamo.reset()
         model = _mlp(ctx.device)
         ref = copy.deepcopy(model)
-        ddp = DistributedDataParallel(model, message_size=64, gradient_predivide_factor=factor)
+        ddp = DistributedDataParallel(model, message_size=64, gradient_predivide_factor=factor,
+                                      delay_allreduce=delay)
         compiled = torch.compile(ddp, backend=backend)
         for step in range(2):
-            _grads_match_global_batch(ctx, compiled, model, ref, 80 + step,
-                                      f"compiled ({backend}), predivide {factor}, step {step}")
+            _grads_match_global_batch(
+                ctx, compiled, model, ref, 80 + step,
+                f"compiled ({backend}), predivide {factor}, delay {delay}, step {step}")
 
 
 def check_broadcast_from_rank0_and_state_dict(ctx):
@@ -168,6 +175,15 @@ def check_pickle_roundtrip(ctx):
     F.mse_loss(ref(x), y).backward()
     for p, q in zip(copy_.module.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+    # The delay mode: the copies (pickled, deep-copied) all-reduce after backward, no reducer.
+    ddp = DistributedDataParallel(_mlp(ctx.device), delay_allreduce=True, message_size=100)
+    for copy_ in (pickle.loads(pickle.dumps(ddp)), copy.deepcopy(ddp)):
+        assert copy_.delay_allreduce and copy_.reducer is None and copy_.message_size == 100
+        ref = copy.deepcopy(copy_.module)
+        F.mse_loss(copy_(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        for p, q in zip(copy_.module.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled("delay copy"))
 
 
 def check_predivide_factor(ctx):
@@ -178,13 +194,14 @@ def check_predivide_factor(ctx):
         (1.0, True, total / ws), (4.0, True, total / ws), (2.0, True, total / ws),
         (4.0, False, total / 4), (1.0, False, total),
     ]
-    for factor, average, expected in cases:
+    for (factor, average, expected), delay in itertools.product(cases, (False, True)):
         model = _Scale().to(ctx.device)
         ddp = DistributedDataParallel(model, gradient_predivide_factor=factor,
-                                      gradient_average=average)
+                                      gradient_average=average, delay_allreduce=delay)
         ddp(x).backward()
-        torch.testing.assert_close(model.weight.grad, expected, rtol=0, atol=0,
-                                   msg=labelled(f"predivide={factor} average={average}"))
+        torch.testing.assert_close(
+            model.weight.grad, expected, rtol=0, atol=0,
+            msg=labelled(f"predivide={factor} average={average} delay={delay}"))
 
 
 def check_half_gradients_reduced_in_half(ctx):
@@ -196,55 +213,238 @@ def check_half_gradients_reduced_in_half(ctx):
     x = torch.full((3,), 40960.0, dtype=torch.float16, device=ctx.device)
     cases = [({"gradient_average": False}, None), ({"allreduce_always_fp32": True}, 40960.0),
              ({"gradient_predivide_factor": float(ctx.world_size)}, 40960.0), ({}, 40960.0)]
-    for kwargs, expected in cases:
+    for (kwargs, expected), delay in itertools.product(cases, (False, True)):
         model = _Scale(dtype=torch.float16).to(ctx.device)
-        ddp = DistributedDataParallel(model, **kwargs)
+        ddp = DistributedDataParallel(model, delay_allreduce=delay, **kwargs)
         ddp(x).backward()
         grad = model.weight.grad
         assert grad.dtype == torch.float16, grad.dtype
+        what = f"{kwargs}, delay_allreduce={delay}"
         if expected is None:
-            assert torch.isinf(grad).all(), f"{kwargs}: expected an fp16 overflow, got {grad}"
+            assert torch.isinf(grad).all(), f"{what}: expected an fp16 overflow, got {grad}"
         else:
             torch.testing.assert_close(grad, torch.full_like(grad, expected), rtol=0, atol=0,
-                                       msg=labelled(str(kwargs)))
+                                       msg=labelled(what))
 
 
 def check_no_sync_accumulation(ctx):
-    model = _mlp(ctx.device)
-    ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, message_size=64)
-    for micro in range(3):
-        x, y = _global_batch(ctx, seed=10 + micro)
-        F.mse_loss(ref(x), y).backward()
-        if micro < 2:
-            with ddp.no_sync():
+    for delay in (False, True):
+        model = _mlp(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, message_size=64, delay_allreduce=delay)
+        for micro in range(3):
+            x, y = _global_batch(ctx, seed=10 + micro)
+            F.mse_loss(ref(x), y).backward()
+            if micro < 2:
+                with ddp.no_sync():
+                    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+            else:
                 F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-        else:
-            F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx),
+                                       msg=labelled(f"delay_allreduce={delay}"))
 
 
 def check_delay_allreduce(ctx):
-    # A message_size far below the model's size: without the delay that is several buckets.
+    # Apex's delay mode: no PyTorch reducer (the gradients stay autograd's own tensors); after
+    # backward, one all-reduce of a flag per parameter, then the gradients in buckets of at
+    # most message_size elements (the MLP's 128/16/64/4-element gradients: four buckets of 16).
     model = _mlp(ctx.device)
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(model, message_size=16, delay_allreduce=True)
-    total_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    assert _reducer_bucket_cap(ddp) >= total_bytes, (_reducer_bucket_cap(ddp), total_bytes)
-    assert _reducer_bucket_cap(DistributedDataParallel(_mlp(ctx.device), message_size=16)) < 100
-    for step in range(2):
-        _grads_match_global_batch(ctx, ddp, model, ref, 20 + step, f"delay_allreduce step {step}")
+    assert ddp.reducer is None
+    with _counting_all_reduces() as calls:
+        _grads_match_global_batch(ctx, ddp, model, ref, 20, "delay_allreduce step 0")
+    assert calls == [4, 128, 16, 64, 4], calls  # 4 flags (one per parameter), then 4 buckets
+    _grads_match_global_batch(ctx, ddp, model, ref, 21, "delay_allreduce step 1")
     # Apex's delay mode reduced whatever gradients existed after backward: a parameter that
-    # gets none must not hold back the others (one bucket would never complete).
+    # gets none keeps grad=None.
     _unused_head_is_skipped(ctx, seed=50, delay_allreduce=True)
+    # What needs PyTorch's reducer is refused with the way out, before any collective.
+    for call in (lambda: ddp.join(), lambda: ddp.register_comm_hook(None, _apex_hook)):
+        try:
+            call()
+        except RuntimeError as err:
+            assert "delay_allreduce=False" in str(err), str(err)
+        else:
+            raise AssertionError("join()/register_comm_hook() in the delay mode")
+
+
+def _apex_hook(state, bucket):  # (never runs: registering it is refused)
+    raise AssertionError("ran")
+
+
+@contextlib.contextmanager
+def _counting_all_reduces():
+    """The number of elements of each ``dist.all_reduce`` call made inside the block."""
+    calls, real = [], dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting
+    try:
+        yield calls
+    finally:
+        dist.all_reduce = real
+
+
+class _Output:
+    """A model-output class that pytree does not know (as in many research codebases)."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+
+class _Hidden:
+    """An output whose tensor is out of the delay mode's sight (two objects deep)."""
+
+    def __init__(self, logits):
+        self.inner = {"head": _Output(logits)}
+
+
+def _logits(out):
+    if isinstance(out, _Hidden):
+        return out.inner["head"].logits
+    return out.logits if isinstance(out, _Output) else out
+
+
+class _Checkpointed(nn.Module):
+    """Graphs that PyTorch's reducer cannot follow with find_unused_parameters=True ("Expected
+    to mark a variable ready only once"), which Apex's delay mode took: reentrant activation
+    checkpointing per block (timm's checkpoint_seq), a block checkpointed twice (shared
+    weights), a custom output object, one whose tensor the mode cannot find (its all-reduce
+    then runs at the end of the checkpoint's nested backward first), and a branch some ranks
+    or steps skip."""
+
+    def __init__(self, pattern):
+        super().__init__()
+        self.pattern = pattern
+        self.inp = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+        self.b1 = nn.Linear(8, 8)
+        self.b2 = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def _blocks(self, h):
+        return self.head(self.b2(torch.tanh(self.b1(h))))
+
+    def forward(self, x, extra=False):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        if extra:
+            h = h + self.extra(h)
+        if self.pattern == "plain":
+            return self._blocks(h)
+        if self.pattern == "reentrant":
+            h = checkpoint(self.b1, h, use_reentrant=True)
+            h = checkpoint(self.b2, torch.tanh(h), use_reentrant=True)
+            return self.head(h)
+        if self.pattern == "twice":
+            h = checkpoint(self.b1, h, use_reentrant=True)
+            h = checkpoint(self.b1, torch.tanh(h), use_reentrant=True)
+            return self.head(self.b2(h))
+        if self.pattern == "object":
+            return _Output(self._blocks(h))
+        assert self.pattern == "hidden", self.pattern
+        return _Hidden(checkpoint(self._blocks, h, use_reentrant=True))
+
+
+def _checkpointed_steps(ctx, pattern, steps=3, **ddp_kwargs):
+    """``steps`` steps of ``_Checkpointed(pattern)`` in the delay mode against one process
+    running every rank's slice (the extra branch taken by rank 0 only, then by all, then by
+    none): the gradients must match, and a parameter no rank used keeps grad=None."""
+    torch.manual_seed(0)
+    model = _Checkpointed(pattern).to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True, **ddp_kwargs)
+    average = ddp_kwargs.get("gradient_average", True)
+    for step in range(steps):
+        takes = [(r == 0, True, False)[step % 3] for r in range(ctx.world_size)]
+        x, y = _global_batch(ctx, seed=300 + step)
+        model.zero_grad()
+        ref.zero_grad()
+        F.mse_loss(_logits(ddp(_mine(ctx, x), extra=takes[ctx.rank])), _mine(ctx, y)).backward()
+        losses = [F.mse_loss(_logits(ref(x[r * PER_RANK:(r + 1) * PER_RANK], extra=takes[r])),
+                             y[r * PER_RANK:(r + 1) * PER_RANK]) for r in range(ctx.world_size)]
+        (sum(losses) / (ctx.world_size if average else 1)).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            what = f"{pattern} step {step} {name}"
+            assert (p.grad is None) == (q.grad is None), (what, p.grad, q.grad)
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled(what))
+
+
+def check_delay_allreduce_where_the_reducer_cannot(ctx):
+    for pattern in ("reentrant", "twice", "object", "hidden"):
+        _checkpointed_steps(ctx, pattern)
+    _checkpointed_steps(ctx, "reentrant", steps=2, gradient_average=False)  # sums: once
+    # A sum whose all-reduce ran early (the hidden output) cannot be all-reduced again: an
+    # error on every rank, not a gradient counted twice.
+    try:
+        _checkpointed_steps(ctx, "hidden", steps=1, gradient_average=False)
+    except RuntimeError as err:
+        assert "cannot be all-reduced twice" in str(err), str(err)
+    else:
+        raise AssertionError("a second all-reduce of a sum was not refused")
+
+
+def check_delay_allreduce_old_wrapper_stays_quiet(ctx):
+    # A model wrapped again while the old wrapper is still referenced, its last forward's
+    # backward never run: only the new wrapper all-reduces (a second sum would double it).
+    model = _Scale().to(ctx.device)
+    old = DistributedDataParallel(model, delay_allreduce=True, gradient_average=False)
+    x = torch.full((3,), float(ctx.rank + 1), device=ctx.device)
+    old(x)
+    new = DistributedDataParallel(model, delay_allreduce=True, gradient_average=False)
+    new(x).backward()
+    total = float(ctx.world_size * (ctx.world_size + 1) // 2)
+    torch.testing.assert_close(model.weight.grad, torch.full_like(model.weight.grad, total),
+                               rtol=0, atol=0)
+    # And once per forward: a second backward through the same forward is this rank's own
+    # (as with PyTorch's reducer).
+    model.zero_grad()
+    loss = new(x)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    torch.testing.assert_close(model.weight.grad, torch.full_like(model.weight.grad,
+                                                                  total + ctx.rank + 1))
+
+
+def check_delay_allreduce_amp_o2_with_checkpointing(ctx):
+    # amp O2 (bf16 model, fp32 masters) under the delay mode with reentrant checkpointing:
+    # the same training as the default mode on the same model without checkpointing.
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = _Checkpointed("reentrant").to(ctx.device)
+    plain = _Checkpointed("plain").to(ctx.device)
+    plain.load_state_dict(model.state_dict())
+    model, opt, plain, plain_opt = _amp_o2_sgd_pair(model, plain)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    plain_ddp = DistributedDataParallel(plain, find_unused_parameters=True)  # (`extra`)
+    for step in range(3):
+        x, y = _global_batch(ctx, seed=400 + step)
+        _amp_step_mse(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+        _amp_step_mse(plain_ddp, plain_opt, _mine(ctx, x), _mine(ctx, y), amp)
+    masters = list(amp.master_params(opt))
+    _assert_same_on_all_ranks(ctx, masters, "fp32 master weight")
+    for m, r in zip(masters, amp.master_params(plain_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=1e-6)
 
 
 def check_disable_and_enable_allreduce(ctx):
+    for delay in (False, True):
+        _disable_and_enable_allreduce(ctx, delay)
+
+
+def _disable_and_enable_allreduce(ctx, delay):
     # Apex's switches: two local micro-batches accumulate, the third all-reduces the sum.
     model = _mlp(ctx.device)
     ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, message_size=64)
+    ddp = DistributedDataParallel(model, message_size=64, delay_allreduce=delay)
     local = copy.deepcopy(model)  # this rank's batches alone: what disabled steps must give
     for micro in range(3):
         x, y = _global_batch(ctx, seed=60 + micro)
@@ -1021,6 +1221,9 @@ CHECKS = [
     "check_half_gradients_reduced_in_half",
     "check_no_sync_accumulation",
     "check_delay_allreduce",
+    "check_delay_allreduce_where_the_reducer_cannot",
+    "check_delay_allreduce_old_wrapper_stays_quiet",
+    "check_delay_allreduce_amp_o2_with_checkpointing",
     "check_disable_and_enable_allreduce",
     "check_message_size_sets_bucket_bytes",
     "check_unused_parameters_found",
@@ -1047,6 +1250,17 @@ CHECKS = [
     "check_join_divides_uneven_steps_as_asked",
 ]
 CPU_ONLY = ["check_dead_peer_raises_quickly"]
+# The delay mode's CUDA path (its callbacks run on autograd's device threads) on a machine with
+# one GPU: two processes share it, over gloo.
+DELAY_CHECKS = [
+    "check_delay_allreduce",
+    "check_delay_allreduce_where_the_reducer_cannot",
+    "check_delay_allreduce_old_wrapper_stays_quiet",
+    "check_delay_allreduce_amp_o2_with_checkpointing",
+    "check_no_sync_accumulation",
+    "check_predivide_factor",
+    "check_half_gradients_reduced_in_half",
+]
 
 
 @pytest.fixture(scope="module")
@@ -1059,6 +1273,19 @@ def nccl_results():
     if cuda_count() < 2:
         pytest.skip("requires 2 GPUs")
     return run_checks(__name__, CHECKS, world_size=2, backend="nccl", device_type="cuda")
+
+
+@pytest.fixture(scope="module")
+def one_gpu_gloo_results():
+    if cuda_count() < 1:
+        pytest.skip("requires CUDA")
+    return run_checks(__name__, DELAY_CHECKS, world_size=2, device_type="cuda",
+                      shared_device=True)
+
+
+@pytest.mark.parametrize("check", DELAY_CHECKS)
+def test_one_gpu_gloo(one_gpu_gloo_results, check):
+    one_gpu_gloo_results.assert_ok(check)
 
 
 @pytest.mark.parametrize("check", CHECKS + CPU_ONLY)
