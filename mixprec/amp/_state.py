@@ -477,7 +477,10 @@ class _OptimizerState:
         # Grads already hold unscaled values from an earlier backward (accumulation without
         # delay_unscale): set them aside so the new scaled grads can be unscaled alone, then
         # add them back. Masters accumulate on their own, so only plain params need this.
-        self._stash = [(p, p.grad) for p in self.plain if p.grad is not None]
+        # A gradient that is a view (a bucket of DDP's reducer, gradient_as_bucket_view=True)
+        # is set aside as a copy: the reducer writes the next gradient into the same memory.
+        self._stash = [(p, p.grad.clone() if p.grad._is_view() else p.grad)
+                       for p in self.plain if p.grad is not None]
         for p, _ in self._stash:
             p.grad = None
 

@@ -8,29 +8,29 @@ parameters that never get a gradient. PyTorch's reducer with ``find_unused_param
 fails on the first three ("Expected to mark a variable ready only once"), so this mode does
 not use PyTorch's reducer at all:
 
-* every trainable parameter gets a post-accumulate-grad hook, and each forward (with grad
-  enabled) hooks its output tensors. The first of these to fire in a backward whose forward
-  all-reduces queues one callback on the autograd engine, which runs when that backward ends.
-  The output's hook fires first in the outermost backward, so the callback waits for any
-  nested (reentrant checkpoint) backward inside it;
-* the callback agrees over the ranks which parameters hold a gradient (one small all-reduce
-  of a flag per parameter, read on the host), gives a zero gradient to those that hold none
-  here but do on another rank, and all-reduces the gradients in flat buckets of
-  ``message_size`` elements per (device, dtype). A parameter without a gradient on every
-  rank keeps ``grad=None``, as with PyTorch's ``find_unused_parameters=True``.
+* every trainable parameter gets a post-accumulate-grad hook. After a forward (with grad
+  enabled) whose backward all-reduces, the first of them to fire queues one callback on the
+  autograd engine, run when that backward ends;
+* a reentrant checkpoint runs a nested backward inside a node of the outer one, and a callback
+  queued there runs when the nested one ends, too early. The callback then defers itself: a
+  one-shot post hook on the node that ran the nested backward queues it again, in the outer
+  backward, until it runs at the end of the outermost one. So every rank all-reduces exactly
+  once per backward, whichever of its parameters a rank used and wherever;
+* there it agrees over the ranks which parameters hold a gradient (one small all-reduce of a
+  flag per parameter, read on the host), gives a zero gradient to those that hold none here
+  but do on another rank, and all-reduces the gradients in flat buckets of ``message_size``
+  elements per (device, dtype). A parameter without a gradient on every rank keeps
+  ``grad=None``, as with PyTorch's ``find_unused_parameters=True``.
 
-Each forward's backward is all-reduced once (a second backward through the same forward, with
-``retain_graph=True``, is not, as with PyTorch's reducer), with one exception. Where the output
-holds no tensor this mode can find, the first parameter hook queues the callback; in a reentrant
-checkpoint that is the nested backward's, which ends early. A gradient arriving in the rest of
-that backward then queues another all-reduce at its end: averaging is linear and leaves
-gradients that are already equal on every rank as they are, so the result is the same average.
-A sum (``gradient_average=False``) is not: that case raises.
+Each forward's backward is all-reduced once: a second backward through the same forward (with
+``retain_graph=True``) is not, as with PyTorch's reducer. ``torch.autograd.grad`` accumulates
+no parameter gradient and so triggers nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -38,7 +38,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
-from torch.utils._pytree import tree_leaves
 
 from mixprec.amp._properties import _HALF_TYPES
 
@@ -46,7 +45,9 @@ __all__ = ["DelayedAllReduce"]
 
 # The node autograd is running on this thread (None outside a node): a callback that runs
 # inside a node runs at the end of a nested (reentrant) backward, not of the outermost one.
-_current_node = getattr(torch._C, "_current_autograd_node", None)
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+# The backward running on this thread (-1: none).
+_current_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 # The live delay modes: a forward disarms the others that share its parameters (a model
 # wrapped again, the old wrapper still referenced), so their hooks do nothing.
@@ -61,22 +62,7 @@ class _Arithmetic:
     predivide: float
     postdivide: float
     always_fp32: bool
-    average: bool  # the result is an average (linear and idempotent), not a sum
     prof: bool
-
-
-def _output_tensors(out) -> List[torch.Tensor]:
-    """Tensors requiring grad in a forward's output: inside containers (pytree), and one level
-    into the attributes of other objects (e.g. a model-output class that pytree does not
-    know)."""
-    found = []
-    for leaf in tree_leaves(out):
-        if isinstance(leaf, torch.Tensor):
-            found.append(leaf)
-        elif hasattr(leaf, "__dict__") and not isinstance(leaf, (type, nn.Module)):
-            found.extend(x for x in tree_leaves(list(vars(leaf).values()))
-                         if isinstance(x, torch.Tensor))
-    return [t for t in found if t.requires_grad]
 
 
 def _buckets(grads: Sequence[torch.Tensor], cap: int) -> List[List[torch.Tensor]]:
@@ -106,6 +92,18 @@ def _hook_for(ref: weakref.ReferenceType[DelayedAllReduce]):
     return hook
 
 
+def _requeue_after(ref: weakref.ReferenceType[DelayedAllReduce]):
+    done = []
+
+    def post_hook(grad_inputs, grad_outputs):
+        mode = ref()
+        if mode is not None and not done:  # (one-shot: the graph may be run again)
+            done.append(True)
+            Variable._execution_engine.queue_callback(mode._finish)
+
+    return post_hook
+
+
 def _remove(handles) -> None:
     for handle in handles:
         handle.remove()
@@ -129,56 +127,43 @@ class DelayedAllReduce:
         self._stage_on_host = backend == "gloo"
         self._ids = frozenset(map(id, self.params))
         self._armed = False  # the last forward's backward is still to be all-reduced
-        self._queued = False  # a callback is waiting for the end of the running backward
-        self._reduced = False  # ... and ran at the end of a nested backward already
-        hook = _hook_for(weakref.ref(self))
-        handles = [p.register_post_accumulate_grad_hook(hook) for p in self.params]
+        self._queued = False  # a callback waits for the end of the running backward
+        self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
+        ref = weakref.ref(self)
+        handles = [p.register_post_accumulate_grad_hook(_hook_for(ref)) for p in self.params]
         weakref.finalize(self, _remove, handles)
         _LIVE.add(self)
 
     @torch.compiler.disable
-    def arm(self, sync: bool, out) -> None:
-        """Called after each forward with grad enabled: whether its backward all-reduces, and
-        its output, whose tensors' hooks queue the callback from the outermost backward."""
+    def arm(self, sync: bool) -> None:
+        """Called by each forward with grad enabled: whether its backward all-reduces."""
+        if _current_task() == -1:
+            # Outside any backward: a callback still marked queued belonged to a backward that
+            # raised (the engine drops its callbacks then).
+            self._queued = False
         self._armed = bool(sync)
-        self._reduced = False
         for other in list(_LIVE):
             if other is not self and other._armed and not self._ids.isdisjoint(other._ids):
                 other._armed = False
-        if not sync:
-            return
-        for t in _output_tensors(out):
-            t.register_hook(self._output_gradient)
-
-    def _output_gradient(self, grad):
-        self._gradient_arrived()
 
     def _gradient_arrived(self) -> None:
         if not self._armed or self._queued:
             return
-        if self._reduced and not self.arithmetic.average:
-            raise RuntimeError(
-                "DistributedDataParallel(delay_allreduce=True, gradient_average=False): a "
-                "gradient arrived after this step's all-reduce had run at the end of a nested "
-                "backward (a reentrant activation checkpoint), because the forward's output "
-                "held no tensor requiring grad to wait on. A sum cannot be all-reduced twice. "
-                "Return the output tensors from forward (a tensor, or lists, tuples, dicts or "
-                "objects holding them), use checkpoint(..., use_reentrant=False), or keep "
-                "gradient_average=True."
-            )
-        self._queue()
-
-    def _queue(self) -> None:
-        if self._armed and not self._queued:
-            Variable._execution_engine.queue_callback(self._finish)
+        with self._lock:
+            if self._queued:
+                return
             self._queued = True
+        Variable._execution_engine.queue_callback(self._finish)
 
     def _finish(self) -> None:
+        node = _current_node()
+        if node is not None:
+            # The end of a nested backward, run by ``node`` of the one around it: wait for the
+            # end of that one (the post hook runs when ``node`` is done, in its backward).
+            node.register_hook(_requeue_after(weakref.ref(self)))
+            return
         self._queued = False
-        if _current_node is not None and _current_node() is not None:
-            self._reduced = True  # nested: gradients may still arrive in this backward
-        else:
-            self._armed = False  # the outermost backward is done
+        self._armed = False  # the outermost backward is done: once per forward
         if self.arithmetic.prof:
             with torch.autograd.profiler.record_function("mixprec.ddp.delayed_allreduce"):
                 self.all_reduce()
@@ -186,32 +171,36 @@ class DelayedAllReduce:
             self.all_reduce()
 
     # --------------------------------------------------------------------------------------
-    def _which_have_gradients(self) -> List[bool]:
-        """Whether each parameter has a gradient on any rank (one small all-reduce, read on
-        the host: the buckets must be the same on every rank)."""
+    def _agree_on_gradients(self) -> Tuple[List[bool], List[bool]]:
+        """Whether each parameter has a gradient, and a sparse one, on any rank (one small
+        all-reduce, read on the host: the buckets must be the same on every rank)."""
         local = [p.grad is not None for p in self.params]
+        local += [p.grad is not None and p.grad.is_sparse for p in self.params]
         device = (torch.device("cpu") if self._stage_on_host or not self.params
                   else self.params[0].device)
         flags = torch.tensor(local, dtype=torch.int32, device=device)
         dist.all_reduce(flags, group=self.process_group)
-        return [bool(n) for n in flags.tolist()]
+        agreed = [bool(n) for n in flags.tolist()]
+        return agreed[:len(self.params)], agreed[len(self.params):]
 
     def all_reduce(self) -> None:
         """All-reduce (average, or as configured) every gradient that exists on any rank."""
+        has, sparse = self._agree_on_gradients()
+        if any(sparse):  # (raised on every rank alike, before any other collective)
+            names = [n for n, s in zip(self.names, sparse) if s]
+            raise RuntimeError(
+                f"DistributedDataParallel(delay_allreduce=True): {', '.join(names)} got a "
+                "sparse gradient (on some rank), which this mode does not all-reduce. Use "
+                "delay_allreduce=False (with find_unused_parameters=True if some parameters go "
+                "without gradients), or a dense embedding (sparse=False)."
+            )
         grads = []
         with torch.no_grad():
-            for name, p, has in zip(self.names, self.params, self._which_have_gradients()):
-                if not has:
+            for p, used in zip(self.params, has):
+                if not used:
                     continue
                 if p.grad is None:  # used on another rank only: this rank adds nothing
                     p.grad = torch.zeros_like(p)
-                elif p.grad.is_sparse:
-                    raise RuntimeError(
-                        f"DistributedDataParallel(delay_allreduce=True): {name} has a sparse "
-                        "gradient, which this mode does not all-reduce. Use "
-                        "delay_allreduce=False (with find_unused_parameters=True if some "
-                        "parameters go without gradients), or a dense embedding."
-                    )
                 grads.append(p.grad)
             pending = [self._launch(bucket) for bucket in _buckets(grads, self.message_size)]
             for bucket, flat, work in pending:

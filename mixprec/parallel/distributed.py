@@ -411,8 +411,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 [name for name, _ in pairs], [p for _, p in pairs],
                 process_group=self.process_group, message_size=int(self.message_size),
                 arithmetic=_Arithmetic(predivide=pre, postdivide=post,
-                                       always_fp32=self.allreduce_always_fp32,
-                                       average=self.gradient_average, prof=self.prof))
+                                       always_fp32=self.allreduce_always_fp32, prof=self.prof))
             return
         self._delayed = None
         self._divides_in_hook = not plain_average and (
@@ -504,7 +503,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
                 out = self.module(*inputs, **kwargs)
             if grad:
-                delayed.arm(self.require_backward_grad_sync, out)
+                delayed.arm(self.require_backward_grad_sync)
                 self._watch_unsynced_backward(out)
             return out
         try:

@@ -255,7 +255,8 @@ def check_delay_allreduce(ctx):
     assert ddp.reducer is None
     with _counting_all_reduces() as calls:
         _grads_match_global_batch(ctx, ddp, model, ref, 20, "delay_allreduce step 0")
-    assert calls == [4, 128, 16, 64, 4], calls  # 4 flags (one per parameter), then 4 buckets
+    # Two flags per parameter (has a gradient, a sparse one), then the 4 buckets.
+    assert calls == [8, 128, 16, 64, 4], calls
     _grads_match_global_batch(ctx, ddp, model, ref, 21, "delay_allreduce step 1")
     # Apex's delay mode reduced whatever gradients existed after backward: a parameter that
     # gets none keeps grad=None.
@@ -314,9 +315,9 @@ class _Checkpointed(nn.Module):
     """Graphs that PyTorch's reducer cannot follow with find_unused_parameters=True ("Expected
     to mark a variable ready only once"), which Apex's delay mode took: reentrant activation
     checkpointing per block (timm's checkpoint_seq), a block checkpointed twice (shared
-    weights), a custom output object, one whose tensor the mode cannot find (its all-reduce
-    then runs at the end of the checkpoint's nested backward first), and a branch some ranks
-    or steps skip."""
+    weights), a custom output object, the head's gradients first computed inside a nested
+    backward (the callback queued there must wait for the outer one), checkpoints nested two
+    deep, a checkpoint on rank 0 only, and a branch some ranks or steps skip."""
 
     def __init__(self, pattern):
         super().__init__()
@@ -348,6 +349,14 @@ class _Checkpointed(nn.Module):
             return self.head(self.b2(h))
         if self.pattern == "object":
             return _Output(self._blocks(h))
+        if self.pattern == "nested":
+            return _Hidden(checkpoint(
+                lambda z: self.head(checkpoint(self.b2, torch.tanh(self.b1(z)),
+                                               use_reentrant=True)), h, use_reentrant=True))
+        if self.pattern == "rank0":  # (every rank computes the same; rank 0 recomputes)
+            if dist.get_rank() == 0:
+                return _Hidden(checkpoint(self._blocks, h, use_reentrant=True))
+            return _Hidden(self._blocks(h))
         assert self.pattern == "hidden", self.pattern
         return _Hidden(checkpoint(self._blocks, h, use_reentrant=True))
 
@@ -378,17 +387,11 @@ def _checkpointed_steps(ctx, pattern, steps=3, **ddp_kwargs):
 
 
 def check_delay_allreduce_where_the_reducer_cannot(ctx):
-    for pattern in ("reentrant", "twice", "object", "hidden"):
+    for pattern in ("reentrant", "twice", "object", "hidden", "nested", "rank0"):
         _checkpointed_steps(ctx, pattern)
-    _checkpointed_steps(ctx, "reentrant", steps=2, gradient_average=False)  # sums: once
-    # A sum whose all-reduce ran early (the hidden output) cannot be all-reduced again: an
-    # error on every rank, not a gradient counted twice.
-    try:
-        _checkpointed_steps(ctx, "hidden", steps=1, gradient_average=False)
-    except RuntimeError as err:
-        assert "cannot be all-reduced twice" in str(err), str(err)
-    else:
-        raise AssertionError("a second all-reduce of a sum was not refused")
+    # Sums (gradient_average=False): all-reduced exactly once, wherever the first gradient came.
+    for pattern in ("reentrant", "nested", "rank0"):
+        _checkpointed_steps(ctx, pattern, steps=2, gradient_average=False)
 
 
 def check_delay_allreduce_old_wrapper_stays_quiet(ctx):
@@ -411,6 +414,117 @@ def check_delay_allreduce_old_wrapper_stays_quiet(ctx):
     loss.backward()
     torch.testing.assert_close(model.weight.grad, torch.full_like(model.weight.grad,
                                                                   total + ctx.rank + 1))
+
+
+def check_gradient_penalty_through_autograd_grad(ctx):
+    # WGAN-GP / R1: torch.autograd.grad through the wrapped model's output (create_graph),
+    # then one backward of loss + penalty. autograd.grad accumulates no parameter gradient:
+    # it must neither all-reduce nor use up the step's all-reduce.
+    for delay in (False, True):
+        torch.manual_seed(0)
+        model = _mlp(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, delay_allreduce=delay)
+        x, y = _global_batch(ctx, seed=500)
+
+        def loss_of(net, xs, ys):
+            xs = xs.clone().requires_grad_(True)
+            out = net(xs)
+            (g,) = torch.autograd.grad(out.sum(), xs, create_graph=True)
+            return F.mse_loss(out, ys) + g.pow(2).mean()
+
+        loss_of(ddp, _mine(ctx, x), _mine(ctx, y)).backward()
+        halves = [(x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK])
+                  for r in range(ctx.world_size)]
+        (sum(loss_of(ref, xs, ys) for xs, ys in halves) / ctx.world_size).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx),
+                                       msg=labelled(f"delay={delay} {name}"))
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("out of memory (simulated)")
+
+
+def check_delay_allreduce_after_a_backward_that_raised(ctx):
+    # A backward that raises after some gradients arrived (an OOM caught to skip the batch):
+    # the engine drops the queued callback, and the next steps must still all-reduce.
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    x, _ = _global_batch(ctx, seed=510)
+    ddp(_mine(ctx, x))  # (arms the mode; its output is not used)
+    h = model[2](_FailingBackward.apply(model[1](model[0](_mine(ctx, x)))))
+    try:
+        h.sum().backward()  # model[2]'s gradients arrive, then the backward raises
+    except RuntimeError as err:
+        assert "simulated" in str(err), err
+    else:
+        raise AssertionError("the backward did not raise")
+    for step in range(2):
+        _grads_match_global_batch(ctx, ddp, model, ref, 511 + step, f"after the failure {step}")
+
+
+class _EmbedOnRank0(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, idx):
+        h = torch.ones(len(idx), 4, device=idx.device)
+        if dist.get_rank() == 0:
+            h = h + self.emb(idx)
+        return self.lin(h)
+
+
+def check_delay_allreduce_refuses_sparse_gradients_on_every_rank(ctx):
+    # A sparse gradient on rank 0 only: every rank raises (none waits in a collective alone).
+    ddp = DistributedDataParallel(_EmbedOnRank0().to(ctx.device), delay_allreduce=True)
+    try:
+        ddp(torch.arange(3, device=ctx.device)).sum().backward()
+    except RuntimeError as err:
+        assert "emb.weight got a sparse gradient" in str(err), str(err)
+    else:
+        raise AssertionError("a sparse gradient was not refused")
+    dist.barrier()  # (both ranks got here: the group is still in step)
+
+
+def check_amp_two_losses_under_the_reducers_bucket_views(ctx):
+    # Two scale_loss backwards in one step (num_losses=2), amp O1 with a dynamic scale: amp
+    # sets the first backward's gradients aside while the second runs. Under PyTorch's
+    # reducer they are views of its buckets, which the second backward wrote into (the sum
+    # came out 0.45 instead of 0.33 in norm). Both modes against one process.
+    from mixprec import amp
+
+    for delay in (False, True):
+        torch.manual_seed(0)
+        model = _mlp(ctx.device)
+        ref = copy.deepcopy(model)
+        opts = []
+        for net in (model, ref):
+            opt = torch.optim.SGD(net.parameters(), lr=0.1)
+            amp.initialize(net, opt, opt_level="O1", dtype=torch.bfloat16, num_losses=2,
+                           loss_scale="dynamic", verbosity=0)
+            opts.append(opt)
+        ddp = DistributedDataParallel(model, delay_allreduce=delay)
+        x, y = _global_batch(ctx, seed=520)
+        for net, opt, xs, ys in ((ddp, opts[0], _mine(ctx, x), _mine(ctx, y)),
+                                 (ref, opts[1], x, y)):
+            opt.zero_grad()
+            with amp.scale_loss(F.mse_loss(net(xs).float(), ys), opt, loss_id=0) as scaled:
+                scaled.backward()
+            with amp.scale_loss(net(xs).float().abs().mean(), opt, loss_id=1) as scaled:
+                scaled.backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=2e-2, atol=2e-3,
+                                       msg=labelled(f"delay={delay} {name}"))
 
 
 def check_delay_allreduce_amp_o2_with_checkpointing(ctx):
@@ -1224,6 +1338,10 @@ CHECKS = [
     "check_delay_allreduce_where_the_reducer_cannot",
     "check_delay_allreduce_old_wrapper_stays_quiet",
     "check_delay_allreduce_amp_o2_with_checkpointing",
+    "check_gradient_penalty_through_autograd_grad",
+    "check_delay_allreduce_after_a_backward_that_raised",
+    "check_delay_allreduce_refuses_sparse_gradients_on_every_rank",
+    "check_amp_two_losses_under_the_reducers_bucket_views",
     "check_disable_and_enable_allreduce",
     "check_message_size_sets_bucket_bytes",
     "check_unused_parameters_found",
@@ -1257,6 +1375,10 @@ DELAY_CHECKS = [
     "check_delay_allreduce_where_the_reducer_cannot",
     "check_delay_allreduce_old_wrapper_stays_quiet",
     "check_delay_allreduce_amp_o2_with_checkpointing",
+    "check_gradient_penalty_through_autograd_grad",
+    "check_delay_allreduce_after_a_backward_that_raised",
+    "check_delay_allreduce_refuses_sparse_gradients_on_every_rank",
+    "check_amp_two_losses_under_the_reducers_bucket_views",
     "check_no_sync_accumulation",
     "check_predivide_factor",
     "check_half_gradients_reduced_in_half",
