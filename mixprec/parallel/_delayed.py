@@ -23,14 +23,18 @@ not use PyTorch's reducer at all:
   ``grad=None``, as with PyTorch's ``find_unused_parameters=True``.
 
 Each forward's backward is all-reduced once: a second backward through the same forward (with
-``retain_graph=True``) is not, as with PyTorch's reducer. ``torch.autograd.grad`` accumulates
-no parameter gradient and so triggers nothing.
+``retain_graph=True``) is not, as with PyTorch's reducer and Apex, and warns once (its
+gradients stay this rank's own). ``torch.autograd.grad`` accumulates no parameter gradient and
+so triggers nothing. Whether a backward all-reduces is ``sync`` when it ends: set by the
+forward from ``require_backward_grad_sync`` (``no_sync()``, PyTorch's semantics), and by Apex's
+``disable_allreduce()`` / ``enable_allreduce()`` at once (Apex's semantics).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -39,7 +43,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
 
+from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._properties import _HALF_TYPES
+from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
 __all__ = ["DelayedAllReduce"]
 
@@ -104,6 +110,18 @@ def _requeue_after(ref: weakref.ReferenceType[DelayedAllReduce]):
     return post_hook
 
 
+def _warn_late_gradient() -> None:
+    if is_rank_zero():
+        warnings.warn(
+            "DistributedDataParallel(delay_allreduce=True): a backward reached the model after "
+            "its forward's backward had been all-reduced (e.g. loss.backward(retain_graph=True) "
+            "then a second backward through the same forward, as an SRGAN step does from the "
+            "discriminator's loss into the generator). Its gradients are this rank's own, not "
+            "averaged (as with Apex and PyTorch's DDP). Sum the losses into one backward, or run "
+            "the model's forward again before the second backward. (Warned once per wrapper.)",
+            UserWarning, stacklevel=2)
+
+
 def _remove(handles) -> None:
     for handle in handles:
         handle.remove()
@@ -126,7 +144,10 @@ class DelayedAllReduce:
         # NCCL and the others take tensors on the parameters' device.
         self._stage_on_host = backend == "gloo"
         self._ids = frozenset(map(id, self.params))
-        self._armed = False  # the last forward's backward is still to be all-reduced
+        self.sync = True  # whether the backward's end all-reduces (see the module docstring)
+        self._armed = False  # the last forward's backward has not ended yet
+        self._spent = False  # ... it has: gradients arriving now stay local (warned once)
+        self._warned = False
         self._queued = False  # a callback waits for the end of the running backward
         self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
         ref = weakref.ref(self)
@@ -134,20 +155,26 @@ class DelayedAllReduce:
         weakref.finalize(self, _remove, handles)
         _LIVE.add(self)
 
-    @torch.compiler.disable
     def arm(self, sync: bool) -> None:
         """Called by each forward with grad enabled: whether its backward all-reduces."""
+        if is_compiling():  # (a graph break: flags of this object, set eagerly)
+            return outside_the_compiler(DelayedAllReduce.arm)(self, sync)
         if _current_task() == -1:
             # Outside any backward: a callback still marked queued belonged to a backward that
             # raised (the engine drops its callbacks then).
             self._queued = False
-        self._armed = bool(sync)
+        self.sync = bool(sync)
+        self._armed = True
+        self._spent = False
         for other in list(_LIVE):
-            if other is not self and other._armed and not self._ids.isdisjoint(other._ids):
-                other._armed = False
+            if other is not self and not self._ids.isdisjoint(other._ids):
+                other._armed = other._spent = False
 
     def _gradient_arrived(self) -> None:
         if not self._armed or self._queued:
+            if self._spent and not self._warned:
+                self._warned = True
+                _warn_late_gradient()
             return
         with self._lock:
             if self._queued:
@@ -164,6 +191,9 @@ class DelayedAllReduce:
             return
         self._queued = False
         self._armed = False  # the outermost backward is done: once per forward
+        if not self.sync:
+            return
+        self._spent = True
         if self.arithmetic.prof:
             with torch.autograd.profiler.record_function("mixprec.ddp.delayed_allreduce"):
                 self.all_reduce()

@@ -206,7 +206,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     a parameter unused on every rank keeps ``grad=None``). A parameter frozen when the model
     was wrapped and set to require gradients later makes the next forward raise: it is not
     in the all-reduce, so wrap the model again after changing ``requires_grad``. With
-    ``delay_allreduce=True`` any parameter may go without a gradient.
+    ``delay_allreduce=True`` any parameter may go without a gradient. A module without
+    trainable parameters (a frozen loss network) is broadcast and passed through, as in Apex.
 
     Apex arguments that no longer apply are accepted with a warning and ignored:
     ``allreduce_trigger_params`` (buckets follow gradient readiness), ``num_allreduce_streams``
@@ -339,23 +340,30 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             {"forward_sync_buffers": False} if "forward_sync_buffers" in _TORCH_DDP_PARAMS
             else {"broadcast_buffers": False}
         )
-        # PyTorch's constructor checks the parameters' shapes across the ranks and broadcasts
-        # the module's state from rank 0; in the delay mode its reducer is then dropped (see
-        # mixprec.parallel._delayed), so it keeps the gradients as autograd makes them.
-        super().__init__(
-            module,
-            device_ids=None,
-            process_group=process_group,
-            bucket_cap_mb=float(message_size) * _dominant_itemsize(module) / _MB,
-            find_unused_parameters=find_unused_parameters and not delay_allreduce,
-            gradient_as_bucket_view=not delay_allreduce,
-            **buffer_kwargs,
-        )
-        if delay_allreduce:
-            self.reducer = None  # (its destructor removes its autograd hooks)
-            self.logger = None
+        ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        if not _reducer_params(module, ignored):
+            # Nothing to all-reduce (a frozen perceptual-loss network, which Apex scripts wrap
+            # too): PyTorch's constructor refuses it; Apex broadcast it and passed it through.
+            self._pass_through(module, process_group, buffer_kwargs)
         else:
-            _compile_friendly_bucket_cap(self)
+            # PyTorch's constructor checks the parameters' shapes across the ranks and
+            # broadcasts the module's state from rank 0; in the delay mode its reducer is then
+            # dropped (see mixprec.parallel._delayed): the gradients stay autograd's own.
+            super().__init__(
+                module,
+                device_ids=None,
+                process_group=process_group,
+                bucket_cap_mb=float(message_size) * _dominant_itemsize(module) / _MB,
+                find_unused_parameters=find_unused_parameters and not delay_allreduce,
+                gradient_as_bucket_view=not delay_allreduce,
+                **buffer_kwargs,
+            )
+            self._no_reducer = delay_allreduce
+            if delay_allreduce:
+                self.reducer = None  # (its destructor removes its autograd hooks)
+                self.logger = None
+            else:
+                _compile_friendly_bucket_cap(self)
         if "forward_sync_buffers" not in _TORCH_DDP_PARAMS:
             # Older PyTorch skips the buffers at construction with broadcast_buffers=False.
             buffers = [b for b in module.buffers() if b is not None]
@@ -400,7 +408,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         plain_average = (self.gradient_average and not self.allreduce_always_fp32
                          and not self.prof
                          and self.gradient_predivide_factor in (1.0, float(world_size)))
-        if self.delay_allreduce:
+        if self._no_reducer:
             self._divides_in_hook = False
             # The plain average divides before the sum, as PyTorch's reducer does above.
             pre, post = ((float(world_size), 1.0) if plain_average
@@ -419,14 +427,39 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if not plain_average:  # else the reducer's own path (see the module docstring)
             self.register_comm_hook(self._hook_state, _apex_allreduce_hook)
 
+    def _pass_through(self, module: nn.Module, process_group, buffer_kwargs) -> None:
+        """Set up without PyTorch's constructor, for a module without trainable parameters:
+        its state broadcast from rank 0, its forward run as it is (the delay mode's path, with
+        nothing to all-reduce), and the attributes PyTorch's methods read."""
+        nn.Module.__init__(self)
+        self.module = module
+        self.process_group = (process_group if process_group is not None
+                              else dist.distributed_c10d._get_default_group())
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self.device_ids = self.output_device = None
+        self.dim = 0
+        self.static_graph = self.find_unused_parameters = self.gradient_as_bucket_view = False
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.reducer = self.logger = None
+        for name, value in buffer_kwargs.items():
+            if not isinstance(getattr(type(self), name, None), property):
+                setattr(self, name, value)
+        self.forward_sync_buffers = False
+        self._no_reducer = True
+        state = [t for t in list(module.parameters()) + list(module.buffers()) if t is not None]
+        if state:
+            broadcast_coalesced(state, src=0, group=process_group)
+
     def join_hook(self, **kwargs):
         """PyTorch's join hook; ``divide_by_initial_world_size=False`` is refused where the
         gradients are divided in mixprec's all-reduce hook (see the class documentation)."""
         if getattr(self, "_delayed", None) is not None:
             raise RuntimeError(
-                "DistributedDataParallel(delay_allreduce=True).join(): uneven inputs are "
-                "handled by PyTorch's reducer, which the delay mode does not use (Apex had no "
-                "join either). Construct with delay_allreduce=False (and "
+                "DistributedDataParallel.join(): uneven inputs are handled by PyTorch's "
+                "reducer, which this wrapper does not use (delay_allreduce=True, or a module "
+                "without trainable parameters; Apex had no join either). Construct with "
+                "delay_allreduce=False (and "
                 "find_unused_parameters=True if some parameters go without gradients) to use "
                 "join(), or give every rank the same number of batches."
             )
@@ -456,9 +489,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         after backward outside PyTorch's reducer."""
         if getattr(self, "_delayed", None) is not None:
             raise RuntimeError(
-                "DistributedDataParallel(delay_allreduce=True).register_comm_hook(): the delay "
-                "mode all-reduces after backward without PyTorch's reducer, which runs "
-                "communication hooks. Construct with delay_allreduce=False to use a hook."
+                "DistributedDataParallel.register_comm_hook(): PyTorch's reducer runs "
+                "communication hooks, and this wrapper does not use it (delay_allreduce=True "
+                "all-reduces after backward; a module without trainable parameters has nothing "
+                "to all-reduce). Construct with delay_allreduce=False to use a hook."
             )
         super().register_comm_hook(state, hook)
 
@@ -476,7 +510,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return state
 
     def __setstate__(self, state):
-        if state.get("delay_allreduce"):
+        if state.get("_no_reducer"):
             # No reducer to rebuild (PyTorch's __setstate__ would build one).
             self.process_group = dist.distributed_c10d._get_default_group()
             nn.Module.__setstate__(self, state)
@@ -504,7 +538,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 out = self.module(*inputs, **kwargs)
             if grad:
                 delayed.arm(self.require_backward_grad_sync)
-                self._watch_unsynced_backward(out)
             return out
         try:
             out = super().forward(*inputs, **kwargs)
@@ -577,18 +610,25 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         method; the same as being inside ``no_sync()``): gradients accumulate locally. As with
         ``no_sync()``, it applies from the next forward pass on (Apex's took effect in the
         backward already running; called between a forward and its backward, that backward
-        still all-reduces, which leaves the accumulated average right)."""
+        still all-reduces, which leaves the accumulated average right). With
+        ``delay_allreduce=True`` it acts as Apex's did: on the backwards that end after it."""
         self.require_backward_grad_sync = False
+        self._switch_delayed(False)
 
     def enable_allreduce(self) -> None:
         """All-reduce gradients in backward again (the default; Apex's method), from the next
-        forward pass on.
+        forward pass on; with ``delay_allreduce=True``, as in Apex, from the backward running
+        or next to run.
 
         Raises:
             RuntimeError: called between a forward run with the all-reduce off and its backward
                 (Apex's switch acted on that backward; PyTorch's reducer is set up in the
-                forward, so that backward would silently not be all-reduced).
+                forward, so that backward would silently not be all-reduced). Not in the delay
+                mode, which reads the switch when the backward ends.
         """
+        if self._switch_delayed(True):
+            self.require_backward_grad_sync = True
+            return
         if getattr(self, "_unsynced_backward_pending", False):
             raise RuntimeError(
                 "DistributedDataParallel.enable_allreduce() was called after a forward pass run "
@@ -598,6 +638,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "micro-batch whose backward should all-reduce."
             )
         self.require_backward_grad_sync = True
+
+    def _switch_delayed(self, sync: bool) -> bool:
+        """Apex's switch in the delay mode (False in the reducer's mode): it decides the
+        all-reduce at the end of the next backward, and whether amp keeps that backward's
+        gradients scaled for a later synced one (see GRAD_SYNC_DEFERRED)."""
+        delayed = getattr(self, "_delayed", None)
+        if delayed is None:
+            return False
+        delayed.sync = sync
+        for m in getattr(self, "_amp_models", ()):
+            setattr(m, GRAD_SYNC_DEFERRED, not sync)
+        return True
 
     def extra_repr(self) -> str:
         return (

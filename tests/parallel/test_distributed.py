@@ -575,6 +575,9 @@ def _disable_and_enable_allreduce(ctx, delay):
                 torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+    if delay:
+        _apex_switch_timing(ctx)
+        return
     # Apex's timing (the switch flipped after the forward) cannot reach a backward whose
     # forward ran with the all-reduce off: that is an error, not a silently local gradient.
     ddp.disable_allreduce()
@@ -599,6 +602,107 @@ def _disable_and_enable_allreduce(ctx, delay):
     loss.backward()
     F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()  # synced; nothing pending
     ddp.enable_allreduce()
+
+
+def _apex_switch_timing(ctx):
+    # The delay mode reads Apex's switch when the backward ends, as Apex did (scripts flip it
+    # between the forward and loss.backward()): a forward run with it off and a backward after
+    # enable_allreduce() all-reduces; a synced forward and a backward after
+    # disable_allreduce() does not.
+    model = _mlp(ctx.device)
+    ref, local = copy.deepcopy(model), copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    x, y = _global_batch(ctx, seed=66)
+    ddp.disable_allreduce()
+    loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    ddp.enable_allreduce()
+    loss.backward()
+    F.mse_loss(ref(x), y).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled("enabled late"))
+    model.zero_grad()
+    loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    ddp.disable_allreduce()
+    loss.backward()
+    F.mse_loss(local(_mine(ctx, x)), _mine(ctx, y)).backward()
+    for p, q in zip(model.parameters(), local.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled("disabled late"))
+    ddp.enable_allreduce()
+
+
+def check_delay_allreduce_amp_o2_apex_switch_timing(ctx):
+    # A BERT-style accumulation loop at amp O2, the switch flipped between each forward and
+    # its backward: the local micro-batch stays scaled in the half gradients, the last one's
+    # backward all-reduces the sum, and the step is the one-process step on the global batch.
+    from mixprec import amp
+
+    model = _mlp(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model))
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(2):
+            x, y = _global_batch(ctx, seed=600 + 2 * step + micro)
+            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y)) / 2
+            if micro == 0:
+                ddp.disable_allreduce()
+            else:
+                ddp.enable_allreduce()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            with amp.scale_loss(F.mse_loss(ref(x).float(), y) / 2, ref_opt) as scaled:
+                scaled.backward()
+        opt.step()
+        ref_opt.step()
+    _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_delay_allreduce_warns_on_a_second_backward(ctx):
+    # SRGAN's step: the discriminator's loss backward (retain_graph) also reaches the
+    # generator and spends its all-reduce; the generator's own backward then stays local.
+    # Rank 0 warns, once.
+    model = _Scale().to(ctx.device)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    x = torch.full((3,), float(ctx.rank + 1), device=ctx.device)
+    for step in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = ddp(x)
+            out.backward(retain_graph=True)
+            out.backward()
+        late = [w for w in caught if "after its forward's backward" in str(w.message)]
+        expected = 1 if ctx.rank == 0 and step == 0 else 0
+        assert len(late) == expected, [str(w.message) for w in late]
+
+
+def check_module_without_trainable_parameters_passes_through(ctx):
+    # A frozen perceptual-loss network wrapped as Apex scripts do (PyTorch's DDP refuses it:
+    # "not needed"): broadcast from rank 0, then its forward as it is, gradients flowing
+    # through it to the input.
+    for delay in (False, True):
+        torch.manual_seed(ctx.rank)  # different weights on every rank
+        frozen = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).to(ctx.device)
+        frozen.requires_grad_(False)
+        frozen[1].running_mean.fill_(ctx.rank + 1.0)
+        ddp = DistributedDataParallel(frozen, delay_allreduce=delay)
+        assert isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp.module is frozen
+        assert set(ddp.state_dict()) == {"module." + k for k in frozen.state_dict()}
+        _assert_same_on_all_ranks(ctx, list(frozen.state_dict().values()), "frozen state")
+        assert torch.all(frozen[1].running_mean == 1.0)
+        x = torch.randn(4, 8, device=ctx.device, requires_grad=True)
+        out = ddp(x)
+        torch.testing.assert_close(out, frozen(x), rtol=0, atol=0)
+        out.sum().backward()
+        assert x.grad is not None and all(p.grad is None for p in frozen.parameters())
+        copy_ = pickle.loads(pickle.dumps(ddp))
+        torch.testing.assert_close(copy_(x), frozen(x), rtol=0, atol=0)
+        try:
+            ddp.join()
+        except RuntimeError as err:
+            assert "without trainable parameters" in str(err), str(err)
+        else:
+            raise AssertionError("join() on a pass-through wrapper")
 
 
 def check_message_size_sets_bucket_bytes(ctx):
@@ -1342,6 +1446,9 @@ CHECKS = [
     "check_delay_allreduce_after_a_backward_that_raised",
     "check_delay_allreduce_refuses_sparse_gradients_on_every_rank",
     "check_amp_two_losses_under_the_reducers_bucket_views",
+    "check_delay_allreduce_amp_o2_apex_switch_timing",
+    "check_delay_allreduce_warns_on_a_second_backward",
+    "check_module_without_trainable_parameters_passes_through",
     "check_disable_and_enable_allreduce",
     "check_message_size_sets_bucket_bytes",
     "check_unused_parameters_found",
@@ -1379,6 +1486,9 @@ DELAY_CHECKS = [
     "check_delay_allreduce_after_a_backward_that_raised",
     "check_delay_allreduce_refuses_sparse_gradients_on_every_rank",
     "check_amp_two_losses_under_the_reducers_bucket_views",
+    "check_delay_allreduce_amp_o2_apex_switch_timing",
+    "check_delay_allreduce_warns_on_a_second_backward",
+    "check_module_without_trainable_parameters_passes_through",
     "check_no_sync_accumulation",
     "check_predivide_factor",
     "check_half_gradients_reduced_in_half",
