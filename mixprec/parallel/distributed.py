@@ -635,7 +635,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "with the all-reduce off (disable_allreduce() or no_sync()) and before its "
                 "backward: that backward would not be all-reduced, since the all-reduce is set "
                 "up in the forward. Call enable_allreduce() before the forward of the "
-                "micro-batch whose backward should all-reduce."
+                "micro-batch whose backward should all-reduce, or construct the wrapper with "
+                "delay_allreduce=True, where the switches act on the backward as in Apex."
             )
         self.require_backward_grad_sync = True
 

@@ -585,7 +585,7 @@ def _disable_and_enable_allreduce(ctx, delay):
     try:
         ddp.enable_allreduce()
     except RuntimeError as err:
-        assert "before the forward" in str(err), err
+        assert "before the forward" in str(err) and "delay_allreduce=True" in str(err), err
     else:
         raise AssertionError("enable_allreduce() between a local forward and its backward")
     assert not ddp.require_backward_grad_sync
