@@ -15,7 +15,10 @@ not use PyTorch's reducer at all:
   queued there runs when the nested one ends, too early. The callback then defers itself: a
   one-shot post hook on the node that ran the nested backward queues it again, in the outer
   backward, until it runs at the end of the outermost one. So every rank all-reduces exactly
-  once per backward, whichever of its parameters a rank used and wherever;
+  once per backward, whichever of its parameters a rank used and wherever (as long as each
+  rank's backward reaches at least one of them: a rank whose loss never reaches the model
+  skips the collectives, and the others wait for it until the process group's timeout, as
+  with Apex);
 * there it agrees over the ranks which parameters hold a gradient (one small all-reduce of a
   flag per parameter, read on the host), gives a zero gradient to those that hold none here
   but do on another rank, and all-reduces the gradients in flat buckets of ``message_size``
@@ -46,6 +49,7 @@ from torch.autograd import Variable
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._properties import _HALF_TYPES
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
+from mixprec.parallel._comm import _flatten, _unflatten_into
 
 __all__ = ["DelayedAllReduce"]
 
@@ -55,8 +59,8 @@ _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 # The backward running on this thread (-1: none).
 _current_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
-# The live delay modes: a forward disarms the others that share its parameters (a model
-# wrapped again, the old wrapper still referenced), so their hooks do nothing.
+# The live delay modes: a forward disarms the others of the same module (a model wrapped
+# again, the old wrapper still referenced), so their hooks do nothing.
 _LIVE: weakref.WeakSet[DelayedAllReduce] = weakref.WeakSet()
 
 
@@ -98,14 +102,35 @@ def _hook_for(ref: weakref.ReferenceType[DelayedAllReduce]):
     return hook
 
 
+class _Pending:
+    """The callback queued for the end of a backward. If the engine drops it unrun (the
+    backward raised: an OOM caught to skip a batch), freeing it clears the mode's queued mark,
+    which would otherwise keep every later backward from queueing its all-reduce."""
+
+    __slots__ = ("ref", "ran")
+
+    def __init__(self, ref: weakref.ReferenceType[DelayedAllReduce]):
+        self.ref = ref
+        self.ran = False
+
+    def __call__(self) -> None:
+        self.ran = True
+        mode = self.ref()
+        if mode is not None:
+            mode._finish()
+
+    def __del__(self):
+        mode = self.ref() if not self.ran else None
+        if mode is not None:
+            mode._queued = False
+
+
 def _requeue_after(ref: weakref.ReferenceType[DelayedAllReduce]):
-    done = []
+    pending = [_Pending(ref)]  # (freed unrun with the graph if the node never completes)
 
     def post_hook(grad_inputs, grad_outputs):
-        mode = ref()
-        if mode is not None and not done:  # (one-shot: the graph may be run again)
-            done.append(True)
-            Variable._execution_engine.queue_callback(mode._finish)
+        if pending:  # (one-shot: the graph may be run again)
+            Variable._execution_engine.queue_callback(pending.pop())
 
     return post_hook
 
@@ -131,9 +156,10 @@ class DelayedAllReduce:
     """The all-reduce after backward of one :class:`DistributedDataParallel` (see the module
     docstring). ``arm`` is called by each forward with grad enabled."""
 
-    def __init__(self, names: Sequence[str], params: Sequence[nn.Parameter], *,
-                 process_group: Optional[dist.ProcessGroup], message_size: int,
+    def __init__(self, module: nn.Module, names: Sequence[str], params: Sequence[nn.Parameter],
+                 *, process_group: Optional[dist.ProcessGroup], message_size: int,
                  arithmetic: _Arithmetic):
+        self.module = weakref.ref(module)
         self.names = list(names)
         self.params = list(params)
         self.process_group = process_group
@@ -143,7 +169,6 @@ class DelayedAllReduce:
         # gloo reduces CPU tensors (and CUDA ones through host memory, in the one-GPU tests);
         # NCCL and the others take tensors on the parameters' device.
         self._stage_on_host = backend == "gloo"
-        self._ids = frozenset(map(id, self.params))
         self.sync = True  # whether the backward's end all-reduces (see the module docstring)
         self._armed = False  # the last forward's backward has not ended yet
         self._spent = False  # ... it has: gradients arriving now stay local (warned once)
@@ -167,7 +192,7 @@ class DelayedAllReduce:
         self._armed = True
         self._spent = False
         for other in list(_LIVE):
-            if other is not self and not self._ids.isdisjoint(other._ids):
+            if other is not self and other.module() is self.module():
                 other._armed = other._spent = False
 
     def _gradient_arrived(self) -> None:
@@ -180,7 +205,7 @@ class DelayedAllReduce:
             if self._queued:
                 return
             self._queued = True
-        Variable._execution_engine.queue_callback(self._finish)
+        Variable._execution_engine.queue_callback(_Pending(weakref.ref(self)))
 
     def _finish(self) -> None:
         node = _current_node()
@@ -190,9 +215,9 @@ class DelayedAllReduce:
             node.register_hook(_requeue_after(weakref.ref(self)))
             return
         self._queued = False
-        self._armed = False  # the outermost backward is done: once per forward
-        if not self.sync:
+        if not self.sync:  # (Apex's switch off: a later backward may still all-reduce)
             return
+        self._armed = False  # the outermost backward is done: once per forward
         self._spent = True
         if self.arithmetic.prof:
             with torch.autograd.profiler.record_function("mixprec.ddp.delayed_allreduce"):
@@ -238,14 +263,10 @@ class DelayedAllReduce:
                     work.wait()
                 if self.arithmetic.postdivide != 1.0:
                     flat.div_(self.arithmetic.postdivide)
-                offset = 0
-                for g in bucket:
-                    n = g.numel()
-                    g.copy_(flat[offset:offset + n].view_as(g))
-                    offset += n
+                _unflatten_into(flat, bucket)
 
     def _launch(self, bucket: List[torch.Tensor]):
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+        flat = _flatten(bucket)
         if self.arithmetic.always_fp32 and flat.dtype in _HALF_TYPES:
             flat = flat.float()
         if self.arithmetic.predivide != 1.0:

@@ -362,6 +362,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             if delay_allreduce:
                 self.reducer = None  # (its destructor removes its autograd hooks)
                 self.logger = None
+                # Under torch._dynamo.config.optimize_ddp="python_reducer" PyTorch all-reduces
+                # from hooks of its own instead of the reducer: none of those either.
+                for handle in getattr(self, "_accum_grad_hooks", ()):
+                    handle.remove()
+                self._accum_grad_hooks = []
+                self._use_python_reducer = False
             else:
                 _compile_friendly_bucket_cap(self)
         if "forward_sync_buffers" not in _TORCH_DDP_PARAMS:
@@ -416,7 +422,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             pairs = _reducer_params(
                 self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
             self._delayed = DelayedAllReduce(
-                [name for name, _ in pairs], [p for _, p in pairs],
+                self.module, [name for name, _ in pairs], [p for _, p in pairs],
                 process_group=self.process_group, message_size=int(self.message_size),
                 arithmetic=_Arithmetic(predivide=pre, postdivide=post,
                                        always_fp32=self.allreduce_always_fp32, prof=self.prof))
@@ -447,7 +453,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 setattr(self, name, value)
         self.forward_sync_buffers = False
         self._no_reducer = True
-        state = [t for t in list(module.parameters()) + list(module.buffers()) if t is not None]
+        # Rank 0's state, except what the model sets to be ignored (as PyTorch broadcasts).
+        state = [t for name, t in [*module.named_parameters(), *module.named_buffers()]
+                 if t is not None and name not in self.parameters_to_ignore]
+        self.device = state[0].device if state else torch.device("cpu")
+        self.device_type = self.device.type
         if state:
             broadcast_coalesced(state, src=0, group=process_group)
 
@@ -482,8 +492,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
         return super().join_hook(**kwargs)
 
-    # Pickling/deep-copying (default process group only, as for PyTorch's DDP): the hook state
-    # holds the process group, so it is rebuilt on the other side with the new reducer.
     def register_comm_hook(self, state, hook) -> None:
         """PyTorch's ``register_comm_hook``; refused in the delay mode, whose all-reduce runs
         after backward outside PyTorch's reducer."""
@@ -496,6 +504,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
         super().register_comm_hook(state, hook)
 
+    # Pickling/deep-copying (default process group only, as for PyTorch's DDP): the hook state
+    # holds the process group, so it is rebuilt on the other side with the new reducer.
     def __getstate__(self):
         state = super().__getstate__()
         state.pop("_hook_state", None)

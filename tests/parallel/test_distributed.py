@@ -299,7 +299,7 @@ class _Output:
 
 
 class _Hidden:
-    """An output whose tensor is out of the delay mode's sight (two objects deep)."""
+    """An output holding its tensor two objects deep (pytree sees none)."""
 
     def __init__(self, logits):
         self.inner = {"head": _Output(logits)}
@@ -484,6 +484,79 @@ class _EmbedOnRank0(nn.Module):
         return self.lin(h)
 
 
+def check_delay_allreduce_recovers_inside_a_checkpoint(ctx):
+    # The whole wrapper under a reentrant checkpoint (its forward, which arms the mode, runs
+    # inside the backward) and one backward that raises: the dropped callback must not keep
+    # the later steps from all-reducing.
+    from torch.utils.checkpoint import checkpoint
+
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    for step, fail in enumerate((True, False, False)):
+        x, y = _global_batch(ctx, seed=530 + step)
+        model.zero_grad()
+        ref.zero_grad()
+
+        def run(z, fail=fail):
+            h = _FailingBackward.apply(z) if fail else z  # (its backward runs last)
+            return ddp(z) + 0 * h.sum()
+
+        xs = _mine(ctx, x).clone().requires_grad_(True)
+        loss = F.mse_loss(checkpoint(run, xs, use_reentrant=True), _mine(ctx, y))
+        if fail:
+            try:
+                loss.backward()
+            except RuntimeError as err:
+                assert "simulated" in str(err), err
+            else:
+                raise AssertionError("the backward did not raise")
+            continue
+        loss.backward()
+        F.mse_loss(ref(x), y).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx),
+                                       msg=labelled(f"step {step} {name}"))
+
+
+def check_delay_allreduce_two_wrappers_and_the_python_reducer_setting(ctx):
+    # Two live wrappers sharing a tied layer, both used in one loss: each all-reduces its own
+    # parameters (the shared one's average twice, which leaves it as it is). And under
+    # torch._dynamo.config.optimize_ddp="python_reducer" PyTorch's constructor adds all-reduce
+    # hooks of its own, which must go: a second all-reduce per gradient (a collective
+    # mismatch with a branch some ranks skip).
+    torch.manual_seed(0)
+    tied = nn.Linear(8, 8)
+    enc = nn.Sequential(tied, nn.Linear(8, 8)).to(ctx.device)
+    dec = nn.Sequential(nn.Linear(8, 8), tied).to(ctx.device)
+    ref_enc = copy.deepcopy(enc)
+    ref_dec = nn.Sequential(copy.deepcopy(dec[0]), ref_enc[0])
+    a = DistributedDataParallel(enc, delay_allreduce=True)
+    b = DistributedDataParallel(dec, delay_allreduce=True)
+    x, _ = _global_batch(ctx, seed=540)
+    (a(_mine(ctx, x)).pow(2).mean() + b(_mine(ctx, x)).pow(2).mean()).backward()
+    halves = [x[r * PER_RANK:(r + 1) * PER_RANK] for r in range(ctx.world_size)]
+    (sum(ref_enc(h).pow(2).mean() + ref_dec(h).pow(2).mean() for h in halves)
+     / ctx.world_size).backward()
+    for mine, ref in ((enc, ref_enc), (dec, ref_dec)):
+        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled(name))
+    import torch._dynamo as dynamo
+
+    before = dynamo.config.optimize_ddp
+    dynamo.config.optimize_ddp = "python_reducer"
+    try:
+        model = _Scale().to(ctx.device)
+        ddp = DistributedDataParallel(model, delay_allreduce=True, gradient_average=False)
+    finally:
+        dynamo.config.optimize_ddp = before
+    assert len(model.weight._post_accumulate_grad_hooks) == 1  # the delay mode's own
+    ddp(torch.full((3,), float(ctx.rank + 1), device=ctx.device)).backward()
+    total = float(ctx.world_size * (ctx.world_size + 1) // 2)
+    torch.testing.assert_close(model.weight.grad, torch.full_like(model.weight.grad, total),
+                               rtol=0, atol=0)
+
+
 def check_delay_allreduce_refuses_sparse_gradients_on_every_rank(ctx):
     # A sparse gradient on rank 0 only: every rank raises (none waits in a collective alone).
     ddp = DistributedDataParallel(_EmbedOnRank0().to(ctx.device), delay_allreduce=True)
@@ -628,6 +701,19 @@ def _apex_switch_timing(ctx):
     for p, q in zip(model.parameters(), local.parameters()):
         torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled("disabled late"))
     ddp.enable_allreduce()
+    # A backward run with the switch off leaves the forward's all-reduce to the next one: two
+    # backwards through one forward (retain_graph), the first local, the second all-reduces
+    # the accumulated sum.
+    model.zero_grad()
+    ref.zero_grad()
+    loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    ddp.disable_allreduce()
+    loss.backward(retain_graph=True)
+    ddp.enable_allreduce()
+    loss.backward()
+    (2 * F.mse_loss(ref(x), y)).backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled("off, then on"))
 
 
 def check_delay_allreduce_amp_o2_apex_switch_timing(ctx):
@@ -685,11 +771,17 @@ def check_module_without_trainable_parameters_passes_through(ctx):
         frozen = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)).to(ctx.device)
         frozen.requires_grad_(False)
         frozen[1].running_mean.fill_(ctx.rank + 1.0)
+        frozen[1].running_var.fill_(ctx.rank + 1.0)  # set to be ignored: stays this rank's
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            frozen, ["1.running_var"])
         ddp = DistributedDataParallel(frozen, delay_allreduce=delay)
         assert isinstance(ddp, nn.parallel.DistributedDataParallel) and ddp.module is frozen
         assert set(ddp.state_dict()) == {"module." + k for k in frozen.state_dict()}
-        _assert_same_on_all_ranks(ctx, list(frozen.state_dict().values()), "frozen state")
+        _assert_same_on_all_ranks(
+            ctx, [v for k, v in frozen.state_dict().items() if k != "1.running_var"],
+            "frozen state")
         assert torch.all(frozen[1].running_mean == 1.0)
+        assert torch.all(frozen[1].running_var == ctx.rank + 1.0)
         x = torch.randn(4, 8, device=ctx.device, requires_grad=True)
         out = ddp(x)
         torch.testing.assert_close(out, frozen(x), rtol=0, atol=0)
@@ -1449,6 +1541,8 @@ CHECKS = [
     "check_delay_allreduce_amp_o2_apex_switch_timing",
     "check_delay_allreduce_warns_on_a_second_backward",
     "check_module_without_trainable_parameters_passes_through",
+    "check_delay_allreduce_recovers_inside_a_checkpoint",
+    "check_delay_allreduce_two_wrappers_and_the_python_reducer_setting",
     "check_disable_and_enable_allreduce",
     "check_message_size_sets_bucket_bytes",
     "check_unused_parameters_found",
@@ -1489,6 +1583,8 @@ DELAY_CHECKS = [
     "check_delay_allreduce_amp_o2_apex_switch_timing",
     "check_delay_allreduce_warns_on_a_second_backward",
     "check_module_without_trainable_parameters_passes_through",
+    "check_delay_allreduce_recovers_inside_a_checkpoint",
+    "check_delay_allreduce_two_wrappers_and_the_python_reducer_setting",
     "check_no_sync_accumulation",
     "check_predivide_factor",
     "check_half_gradients_reduced_in_half",
