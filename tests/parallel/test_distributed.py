@@ -1586,6 +1586,7 @@ DELAY_CHECKS = [
     "check_delay_allreduce_recovers_inside_a_checkpoint",
     "check_delay_allreduce_two_wrappers_and_the_python_reducer_setting",
     "check_no_sync_accumulation",
+    "check_disable_and_enable_allreduce",
     "check_predivide_factor",
     "check_half_gradients_reduced_in_half",
 ]
