@@ -341,7 +341,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             else {"broadcast_buffers": False}
         )
         ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        if not _reducer_params(module, ignored):
+        pass_through = not _reducer_params(module, ignored)
+        if pass_through:
             # Nothing to all-reduce (a frozen perceptual-loss network, which Apex scripts wrap
             # too): PyTorch's constructor refuses it; Apex broadcast it and passed it through.
             self._pass_through(module, process_group, buffer_kwargs)
@@ -370,9 +371,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 self._use_python_reducer = False
             else:
                 _compile_friendly_bucket_cap(self)
-        if "forward_sync_buffers" not in _TORCH_DDP_PARAMS:
-            # Older PyTorch skips the buffers at construction with broadcast_buffers=False.
-            buffers = [b for b in module.buffers() if b is not None]
+        if "forward_sync_buffers" not in _TORCH_DDP_PARAMS and not pass_through:
+            # Older PyTorch skips the buffers at construction with broadcast_buffers=False
+            # (those set to be ignored stay each rank's own, as PyTorch broadcasts).
+            buffers = [b for name, b in module.named_buffers()
+                       if b is not None and name not in ignored]
             if buffers:
                 broadcast_coalesced(buffers, src=0, group=process_group)
 
