@@ -1521,12 +1521,10 @@ def check_dead_peer_raises_quickly(ctx):
     raise StopWorker()
 
 
-CHECKS = [
-    "check_grads_match_single_process",
-    "check_compiled_grads_match_single_process",
-    "check_broadcast_from_rank0_and_state_dict",
-    "check_hook_only_where_apex_arithmetic_needs_it",
-    "check_pickle_roundtrip",
+# The delay mode's checks, and those that run both modes. They also run on a machine with one
+# GPU: two processes share it over gloo (the delay mode's callbacks then run on autograd's
+# device thread).
+DELAY_CHECKS = [
     "check_predivide_factor",
     "check_half_gradients_reduced_in_half",
     "check_no_sync_accumulation",
@@ -1544,6 +1542,14 @@ CHECKS = [
     "check_delay_allreduce_recovers_inside_a_checkpoint",
     "check_delay_allreduce_two_wrappers_and_the_python_reducer_setting",
     "check_disable_and_enable_allreduce",
+]
+CHECKS = [
+    "check_grads_match_single_process",
+    "check_compiled_grads_match_single_process",
+    "check_broadcast_from_rank0_and_state_dict",
+    "check_hook_only_where_apex_arithmetic_needs_it",
+    "check_pickle_roundtrip",
+    *DELAY_CHECKS,
     "check_message_size_sets_bucket_bytes",
     "check_unused_parameters_found",
     "check_arguments_validated_and_warned",
@@ -1569,27 +1575,6 @@ CHECKS = [
     "check_join_divides_uneven_steps_as_asked",
 ]
 CPU_ONLY = ["check_dead_peer_raises_quickly"]
-# The delay mode's CUDA path (its callbacks run on autograd's device threads) on a machine with
-# one GPU: two processes share it, over gloo.
-DELAY_CHECKS = [
-    "check_delay_allreduce",
-    "check_delay_allreduce_where_the_reducer_cannot",
-    "check_delay_allreduce_old_wrapper_stays_quiet",
-    "check_delay_allreduce_amp_o2_with_checkpointing",
-    "check_gradient_penalty_through_autograd_grad",
-    "check_delay_allreduce_after_a_backward_that_raised",
-    "check_delay_allreduce_refuses_sparse_gradients_on_every_rank",
-    "check_amp_two_losses_under_the_reducers_bucket_views",
-    "check_delay_allreduce_amp_o2_apex_switch_timing",
-    "check_delay_allreduce_warns_on_a_second_backward",
-    "check_module_without_trainable_parameters_passes_through",
-    "check_delay_allreduce_recovers_inside_a_checkpoint",
-    "check_delay_allreduce_two_wrappers_and_the_python_reducer_setting",
-    "check_no_sync_accumulation",
-    "check_disable_and_enable_allreduce",
-    "check_predivide_factor",
-    "check_half_gradients_reduced_in_half",
-]
 
 
 @pytest.fixture(scope="module")
