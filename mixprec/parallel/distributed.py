@@ -133,6 +133,30 @@ def _warn_rank0(message: str, category) -> None:
         warnings.warn(message, category, stacklevel=3)
 
 
+# Methods of Apex's DistributedDataParallel that subclasses overrode to customise it (a
+# sub-group all-reduce, a compressed one): this class has no such methods, so an override
+# would silently do nothing.
+_APEX_INTERNALS = frozenset({
+    "allreduce_bucket", "allreduce_maybe_retain", "allreduce_fallback", "allreduce_params",
+    "comm_ready_buckets", "create_hooks", "sync_bucket_structure",
+})
+
+
+def _warn_on_apex_internals(cls: type) -> None:
+    overridden = sorted({name for klass in cls.__mro__
+                         if not issubclass(DistributedDataParallel, klass)
+                         for name in vars(klass) if name in _APEX_INTERNALS})
+    if overridden:
+        _warn_rank0(
+            f"{cls.__name__} overrides {', '.join(overridden)} of Apex's "
+            "DistributedDataParallel, which mixprec's does not have or call: the override has "
+            "no effect, and gradients are all-reduced over the wrapper's process_group as "
+            "usual. Customise the all-reduce with register_comm_hook() (delay_allreduce=False) "
+            "and pass process_group= to the constructor.",
+            UserWarning,
+        )
+
+
 def _reducer_params(module: nn.Module, ignored=frozenset()) -> List[Tuple[str, nn.Parameter]]:
     # The order in which PyTorch's DDP hands parameters to its reducer: per module (named_modules
     # order), its own trainable parameters not set to be ignored
@@ -403,6 +427,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.gradient_predivide_factor = float(gradient_predivide_factor)
         self.prof = bool(prof)
         self._install_hook()
+        _warn_on_apex_internals(type(self))
 
     def _install_hook(self) -> None:
         world_size = group_world_size(self.process_group)

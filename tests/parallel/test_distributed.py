@@ -987,6 +987,18 @@ def check_arguments_validated_and_warned(ctx):
     for name in ("allreduce_trigger_params", "retain_allreduce_buffers",
                  "num_allreduce_streams", "allreduce_communicators"):
         assert (name in text) == (ctx.rank == 0), (name, ctx.rank, text)
+
+    # A subclass customising Apex's internals (a sub-group all-reduce): its override would do
+    # nothing here, silently; rank 0 warns.
+    class _SubgroupDDP(DistributedDataParallel):
+        def allreduce_bucket(self, bucket):
+            raise AssertionError("never called")
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _SubgroupDDP(_mlp(ctx.device))
+    text = " ".join(str(w.message) for w in caught)
+    assert ("_SubgroupDDP overrides allreduce_bucket" in text) == (ctx.rank == 0), text
     bad = [({"message_size": 0}, ValueError), ({"gradient_predivide_factor": 0.0}, ValueError),
            ({"num_allreduce_streams": 0}, ValueError)]
     for kwargs, error in bad:
