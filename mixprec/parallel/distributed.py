@@ -39,6 +39,7 @@ import dataclasses
 import inspect
 import re
 import warnings
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -125,6 +126,10 @@ def _launch(state: _HookState, buffer: torch.Tensor) -> torch.futures.Future:
         return buffer
 
     return future.then(finish)
+
+
+class _Token:
+    """A weakly referenced marker (see ``_watch_unsynced_backward``)."""
 
 
 def _warn_rank0(message: str, category) -> None:
@@ -538,6 +543,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         state = super().__getstate__()
         state.pop("_hook_state", None)
         state.pop("_delayed", None)
+        state.pop("_unsynced_backward", None)  # (a weak reference)
         # The unpickled reducer is rebuilt from bucket_bytes_cap: give it the reducer's cap
         # (__setstate__ then raises the compiler's copy again).
         cap = state.pop("_reducer_bucket_bytes_cap", None)
@@ -588,23 +594,30 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return out
 
     def _watch_unsynced_backward(self, out) -> None:
-        """Remember whether a backward of a forward run with the all-reduce off is still to come
-        (its first gradient clears the mark): enable_allreduce() then would not reach it."""
-        self._unsynced_backward_pending = False
+        """Remember whether a backward of a forward run with the all-reduce off may still come
+        (enable_allreduce() then would not reach it): until its first gradient arrives, or
+        until its output and graph are freed without one (a skipped micro-batch). The hooks on
+        the output tensors hold a token; their graph nodes hold the hooks."""
+        self._unsynced_backward = None
         if self.require_backward_grad_sync:
             return
         tensors = [t for t in tree_leaves(out)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not tensors:
             return
-        self._unsynced_backward_pending = True
+        token = _Token()
+        self._unsynced_backward = weakref.ref(token)
 
-        def started(grad):
-            self._unsynced_backward_pending = False
+        def started(grad, token=token):
+            self._unsynced_backward = None
             return grad
 
         for t in tensors:
             t.register_hook(started)
+
+    def _unsynced_backward_pending(self) -> bool:
+        ref = getattr(self, "_unsynced_backward", None)
+        return ref is not None and ref() is not None
 
     def _unfrozen_message(self) -> str:
         unfrozen = {id(p) for p in self._frozen_at_wrap if p.requires_grad}
@@ -667,7 +680,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._switch_delayed(True):
             self.require_backward_grad_sync = True
             return
-        if getattr(self, "_unsynced_backward_pending", False):
+        if self._unsynced_backward_pending():
             raise RuntimeError(
                 "DistributedDataParallel.enable_allreduce() was called after a forward pass run "
                 "with the all-reduce off (disable_allreduce() or no_sync()) and before its "

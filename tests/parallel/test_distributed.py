@@ -675,6 +675,13 @@ def _disable_and_enable_allreduce(ctx, delay):
     loss.backward()
     F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()  # synced; nothing pending
     ddp.enable_allreduce()
+    # A micro-batch skipped after its forward (its output dropped, no backward) leaves nothing
+    # pending; the wrapper still pickles in between.
+    ddp.disable_allreduce()
+    loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    pickle.dumps(ddp)
+    del loss
+    ddp.enable_allreduce()
 
 
 def _apex_switch_timing(ctx):
