@@ -5,6 +5,7 @@ Everything here goes through ``torch.distributed``: NCCL for CUDA tensors, gloo 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from mixprec.amp._properties import _HALF_TYPES
 
 __all__ = [
+    "ReduceSpec",
     "all_gather_rows",
     "all_reduce_average_coalesced",
     "all_reduce_sum",
@@ -35,6 +37,28 @@ _INIT_HINT = (
     "MASTER_PORT) and call torch.distributed.init_process_group(backend='nccl' on GPUs or "
     "'gloo' on CPUs, timeout=datetime.timedelta(minutes=5)) first."
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceSpec:
+    """How DistributedDataParallel all-reduces gradients with Apex's arithmetic, fixed at
+    construction: over ``process_group``, divided by ``predivide`` before the sum and by
+    ``postdivide`` after it, half tensors summed in fp32 when ``always_fp32``; ``prof``
+    labels the all-reduces in profiler traces."""
+
+    process_group: Optional[dist.ProcessGroup]
+    predivide: float
+    postdivide: float
+    always_fp32: bool
+    prof: bool
+
+    def summand(self, buffer: torch.Tensor) -> torch.Tensor:
+        """What to all-reduce for ``buffer``: ``buffer`` itself, or its fp32 copy (half with
+        ``always_fp32``), divided by ``predivide`` in place."""
+        work = buffer.float() if self.always_fp32 and buffer.dtype in _HALF_TYPES else buffer
+        if self.predivide != 1.0:
+            work.div_(self.predivide)
+        return work
 
 
 def is_distributed() -> bool:

@@ -35,11 +35,10 @@ forward from ``require_backward_grad_sync`` (``no_sync()``, PyTorch's semantics)
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import warnings
 import weakref
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,9 +46,15 @@ from torch import nn
 from torch.autograd import Variable
 
 from mixprec.amp._logging import is_rank_zero
-from mixprec.amp._properties import _HALF_TYPES
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
-from mixprec.parallel._comm import _flatten, _unflatten_into
+from mixprec.parallel._comm import (
+    ReduceSpec,
+    _by_device_and_dtype,
+    _flatten,
+    _unflatten_into,
+    all_reduce_sum,
+    backend_of,
+)
 
 __all__ = ["DelayedAllReduce"]
 
@@ -64,31 +69,20 @@ _current_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 _LIVE: weakref.WeakSet[DelayedAllReduce] = weakref.WeakSet()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Arithmetic:
-    """How a bucket is averaged: divide by ``predivide`` before the sum and by ``postdivide``
-    after it, optionally summing half gradients in fp32."""
-
-    predivide: float
-    postdivide: float
-    always_fp32: bool
-    prof: bool
-
-
 def _buckets(grads: Sequence[torch.Tensor], cap: int) -> List[List[torch.Tensor]]:
     """Split ``grads`` by (device, dtype), keeping their order, into buckets of at most ``cap``
     elements (a larger gradient gets a bucket of its own)."""
-    by_kind: Dict[Tuple[torch.device, torch.dtype], List[List[torch.Tensor]]] = {}
-    sizes: Dict[Tuple[torch.device, torch.dtype], int] = {}
-    for g in grads:
-        key = (g.device, g.dtype)
-        buckets = by_kind.setdefault(key, [[]])
-        if buckets[-1] and sizes[key] + g.numel() > cap:
-            buckets.append([])
-            sizes[key] = 0
-        buckets[-1].append(g)
-        sizes[key] = sizes.get(key, 0) + g.numel()
-    return [b for buckets in by_kind.values() for b in buckets]
+    buckets = []
+    for items in _by_device_and_dtype(grads).values():
+        bucket, size = [], 0
+        for g in items:
+            if bucket and size + g.numel() > cap:
+                buckets.append(bucket)
+                bucket, size = [], 0
+            bucket.append(g)
+            size += g.numel()
+        buckets.append(bucket)
+    return buckets
 
 
 def _hook_for(ref: weakref.ReferenceType[DelayedAllReduce]):
@@ -157,18 +151,16 @@ class DelayedAllReduce:
     docstring). ``arm`` is called by each forward with grad enabled."""
 
     def __init__(self, module: nn.Module, names: Sequence[str], params: Sequence[nn.Parameter],
-                 *, process_group: Optional[dist.ProcessGroup], message_size: int,
-                 arithmetic: _Arithmetic):
+                 *, spec: ReduceSpec, message_size: int):
         self.module = weakref.ref(module)
         self.names = list(names)
         self.params = list(params)
-        self.process_group = process_group
+        self.spec = spec
+        self.process_group = spec.process_group
         self.message_size = max(1, int(message_size))
-        self.arithmetic = arithmetic
-        backend = str(dist.get_backend(process_group)).lower()
         # gloo reduces CPU tensors (and CUDA ones through host memory, in the one-GPU tests);
         # NCCL and the others take tensors on the parameters' device.
-        self._stage_on_host = backend == "gloo"
+        self._stage_on_host = backend_of(self.process_group) == "gloo"
         self.sync = True  # whether the backward's end all-reduces (see the module docstring)
         self._armed = False  # the last forward's backward has not ended yet
         self._spent = False  # ... it has: gradients arriving now stay local (warned once)
@@ -219,7 +211,7 @@ class DelayedAllReduce:
             return
         self._armed = False  # the outermost backward is done: once per forward
         self._spent = True
-        if self.arithmetic.prof:
+        if self.spec.prof:
             with torch.autograd.profiler.record_function("mixprec.ddp.delayed_allreduce"):
                 self.all_reduce()
         else:
@@ -261,19 +253,12 @@ class DelayedAllReduce:
             for bucket, flat, work in pending:
                 if work is not None:
                     work.wait()
-                if self.arithmetic.postdivide != 1.0:
-                    flat.div_(self.arithmetic.postdivide)
+                if self.spec.postdivide != 1.0:
+                    flat.div_(self.spec.postdivide)
                 _unflatten_into(flat, bucket)
 
     def _launch(self, bucket: List[torch.Tensor]):
-        flat = _flatten(bucket)
-        if self.arithmetic.always_fp32 and flat.dtype in _HALF_TYPES:
-            flat = flat.float()
-        if self.arithmetic.predivide != 1.0:
-            flat.div_(self.arithmetic.predivide)
-        if self._stage_on_host and flat.device.type != "cpu":
-            staged = flat.cpu()
-            dist.all_reduce(staged, group=self.process_group)
-            flat.copy_(staged)
-            return bucket, flat, None
+        flat = self.spec.summand(_flatten(bucket))
+        if self._stage_on_host:  # (through host memory for CUDA tensors)
+            return bucket, all_reduce_sum(flat, self.process_group), None
         return bucket, flat, dist.all_reduce(flat, group=self.process_group, async_op=True)

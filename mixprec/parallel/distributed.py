@@ -50,8 +50,13 @@ from torch.utils._pytree import tree_leaves
 
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
-from mixprec.parallel._comm import broadcast_coalesced, group_world_size, require_initialized
-from mixprec.parallel._delayed import DelayedAllReduce, _Arithmetic
+from mixprec.parallel._comm import (
+    ReduceSpec,
+    broadcast_coalesced,
+    group_world_size,
+    require_initialized,
+)
+from mixprec.parallel._delayed import DelayedAllReduce
 
 __all__ = ["DistributedDataParallel"]
 
@@ -78,23 +83,11 @@ def flat_dist_call(tensors, call, extra_args=None) -> None:
             for t, synced in zip(bucket, unflatten(flat, bucket)):
                 t.copy_(synced)
 
-_HALF = (torch.float16, torch.bfloat16)
 _MB = 1024 * 1024
 _TORCH_DDP_PARAMS = frozenset(
     inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters
 )
 _UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
-
-
-@dataclasses.dataclass(frozen=True)
-class _HookState:
-    """What :func:`_apex_allreduce_hook` needs, fixed at construction."""
-
-    process_group: Optional[dist.ProcessGroup]
-    predivide: float  # divide by this before the all-reduce
-    postdivide: float  # and by this after it
-    always_fp32: bool
-    prof: bool
 
 
 def _apex_allreduce_hook(state, bucket):
@@ -108,11 +101,9 @@ def _apex_allreduce_hook(state, bucket):
     return _launch(state, bucket.buffer())
 
 
-def _launch(state: _HookState, buffer: torch.Tensor) -> torch.futures.Future:
-    upcast = state.always_fp32 and buffer.dtype in _HALF
-    work = buffer.float() if upcast else buffer
-    if state.predivide != 1.0:
-        work.div_(state.predivide)
+def _launch(state: ReduceSpec, buffer: torch.Tensor) -> torch.futures.Future:
+    work = state.summand(buffer)
+    upcast = work is not buffer
     future = dist.all_reduce(work, group=state.process_group, async_op=True).get_future()
     postdivide = state.postdivide
 
@@ -370,11 +361,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             else {"broadcast_buffers": False}
         )
         ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        pass_through = not _reducer_params(module, ignored)
+        reducer_names = _reducer_param_names(module, ignored)
+        pass_through = not reducer_names
         if pass_through:
             # Nothing to all-reduce (a frozen perceptual-loss network, which Apex scripts wrap
             # too): PyTorch's constructor refuses it; Apex broadcast it and passed it through.
-            self._pass_through(module, process_group, buffer_kwargs)
+            self._pass_through(module, process_group, buffer_kwargs, ignored)
         else:
             # PyTorch's constructor checks the parameters' shapes across the ranks and
             # broadcasts the module's state from rank 0; in the delay mode its reducer is then
@@ -416,8 +408,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             broadcast_coalesced(masters, src=0, group=process_group)
         # The reducer's parameters by name, in its order (its unused-parameter error gives
         # indices into the list it was built with, whatever requires_grad says later).
-        self._reducer_names = _reducer_param_names(
-            module, frozenset(getattr(self, "parameters_to_ignore", ())))
+        self._reducer_names = reducer_names
         # Parameters frozen at wrapping are not in the reducer: one unfrozen later
         # (progressive fine-tuning) would train on this rank's gradient alone.
         self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad]
@@ -437,7 +428,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _install_hook(self) -> None:
         world_size = group_world_size(self.process_group)
         post = (world_size / self.gradient_predivide_factor if self.gradient_average else 1.0)
-        self._hook_state = _HookState(
+        self._hook_state = ReduceSpec(
             process_group=self.process_group,
             predivide=self.gradient_predivide_factor,
             postdivide=post,
@@ -450,15 +441,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if self._no_reducer:
             self._divides_in_hook = False
             # The plain average divides before the sum, as PyTorch's reducer does above.
-            pre, post = ((float(world_size), 1.0) if plain_average
-                         else (self._hook_state.predivide, self._hook_state.postdivide))
+            spec = (dataclasses.replace(self._hook_state, predivide=float(world_size),
+                                        postdivide=1.0)
+                    if plain_average else self._hook_state)
             pairs = _reducer_params(
                 self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
             self._delayed = DelayedAllReduce(
                 self.module, [name for name, _ in pairs], [p for _, p in pairs],
-                process_group=self.process_group, message_size=int(self.message_size),
-                arithmetic=_Arithmetic(predivide=pre, postdivide=post,
-                                       always_fp32=self.allreduce_always_fp32, prof=self.prof))
+                spec=spec, message_size=int(self.message_size))
             return
         self._delayed = None
         self._divides_in_hook = not plain_average and (
@@ -466,7 +456,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if not plain_average:  # else the reducer's own path (see the module docstring)
             self.register_comm_hook(self._hook_state, _apex_allreduce_hook)
 
-    def _pass_through(self, module: nn.Module, process_group, buffer_kwargs) -> None:
+    def _pass_through(self, module: nn.Module, process_group, buffer_kwargs, ignored) -> None:
         """Set up without PyTorch's constructor, for a module without trainable parameters:
         its state broadcast from rank 0, its forward run as it is (the delay mode's path, with
         nothing to all-reduce), and the attributes PyTorch's methods read."""
@@ -479,7 +469,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.device_ids = self.output_device = None
         self.dim = 0
         self.static_graph = self.find_unused_parameters = self.gradient_as_bucket_view = False
-        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self.parameters_to_ignore = set(ignored)
         self.reducer = self.logger = None
         for name, value in buffer_kwargs.items():
             if not isinstance(getattr(type(self), name, None), property):
@@ -574,8 +564,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             # Tells amp.scale_loss whether this forward's backward all-reduces (see
             # mixprec.amp._model.GRAD_SYNC_DEFERRED): inside no_sync() it keeps the gradients
             # scaled in place for the synced backward to reduce.
-            for m in getattr(self, "_amp_models", ()):
-                setattr(m, GRAD_SYNC_DEFERRED, not self.require_backward_grad_sync)
+            self._tell_amp_models(deferred=not self.require_backward_grad_sync)
         delayed = getattr(self, "_delayed", None)
         if delayed is not None:
             with torch.autograd.profiler.record_function("DistributedDataParallel.forward"):
@@ -699,9 +688,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if delayed is None:
             return False
         delayed.sync = sync
-        for m in getattr(self, "_amp_models", ()):
-            setattr(m, GRAD_SYNC_DEFERRED, not sync)
+        self._tell_amp_models(deferred=not sync)
         return True
+
+    def _tell_amp_models(self, deferred: bool) -> None:
+        # Whether the backward to come leaves its gradients local (see GRAD_SYNC_DEFERRED).
+        for m in getattr(self, "_amp_models", ()):
+            setattr(m, GRAD_SYNC_DEFERRED, deferred)
 
     def extra_repr(self) -> str:
         return (

@@ -99,6 +99,12 @@ def check_grads_match_single_process(ctx):
         torch.testing.assert_close(p, q, **_tol(ctx))
 
 
+def _assert_same_grads(ctx, model, ref, what=""):
+    """``model``'s gradients are ``ref``'s, parameter by parameter, within ``_tol(ctx)``."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled(f"{what} {name}"))
+
+
 def _grads_match_global_batch(ctx, net, model, ref, seed, what):
     """One backward of ``net`` (wrapping ``model``) on this rank's slice and of ``ref`` on the
     whole batch: ``model``'s gradients must be ``ref``'s."""
@@ -107,8 +113,7 @@ def _grads_match_global_batch(ctx, net, model, ref, seed, what):
     ref.zero_grad()
     F.mse_loss(net(_mine(ctx, x)), _mine(ctx, y)).backward()
     F.mse_loss(ref(x), y).backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled(f"{what} {name}"))
+    _assert_same_grads(ctx, model, ref, what)
 
 
 def check_compiled_grads_match_single_process(ctx):
@@ -173,8 +178,7 @@ def check_pickle_roundtrip(ctx):
     x, y = _global_batch(ctx, seed=70)
     F.mse_loss(copy_(_mine(ctx, x)), _mine(ctx, y)).backward()
     F.mse_loss(ref(x), y).backward()
-    for p, q in zip(copy_.module.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+    _assert_same_grads(ctx, copy_.module, ref)
     # The delay mode: the copies (pickled, deep-copied) all-reduce after backward, no reducer.
     ddp = DistributedDataParallel(_mlp(ctx.device), delay_allreduce=True, message_size=100)
     for copy_ in (pickle.loads(pickle.dumps(ddp)), copy.deepcopy(ddp)):
@@ -182,8 +186,7 @@ def check_pickle_roundtrip(ctx):
         ref = copy.deepcopy(copy_.module)
         F.mse_loss(copy_(_mine(ctx, x)), _mine(ctx, y)).backward()
         F.mse_loss(ref(x), y).backward()
-        for p, q in zip(copy_.module.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled("delay copy"))
+        _assert_same_grads(ctx, copy_.module, ref, "delay copy")
 
 
 def check_predivide_factor(ctx):
@@ -240,9 +243,7 @@ def check_no_sync_accumulation(ctx):
                     F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
             else:
                 F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx),
-                                       msg=labelled(f"delay_allreduce={delay}"))
+        _assert_same_grads(ctx, model, ref, f"delay_allreduce={delay}")
 
 
 def check_delay_allreduce(ctx):
@@ -437,9 +438,7 @@ def check_gradient_penalty_through_autograd_grad(ctx):
         halves = [(x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK])
                   for r in range(ctx.world_size)]
         (sum(loss_of(ref, xs, ys) for xs, ys in halves) / ctx.world_size).backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx),
-                                       msg=labelled(f"delay={delay} {name}"))
+        _assert_same_grads(ctx, model, ref, f"delay={delay}")
 
 
 class _FailingBackward(torch.autograd.Function):
@@ -514,9 +513,7 @@ def check_delay_allreduce_recovers_inside_a_checkpoint(ctx):
             continue
         loss.backward()
         F.mse_loss(ref(x), y).backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx),
-                                       msg=labelled(f"step {step} {name}"))
+        _assert_same_grads(ctx, model, ref, f"step {step}")
 
 
 def check_delay_allreduce_two_wrappers_and_the_python_reducer_setting(ctx):
@@ -539,8 +536,7 @@ def check_delay_allreduce_two_wrappers_and_the_python_reducer_setting(ctx):
     (sum(ref_enc(h).pow(2).mean() + ref_dec(h).pow(2).mean() for h in halves)
      / ctx.world_size).backward()
     for mine, ref in ((enc, ref_enc), (dec, ref_dec)):
-        for (name, p), q in zip(mine.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled(name))
+        _assert_same_grads(ctx, mine, ref)
     import torch._dynamo as dynamo
 
     before = dynamo.config.optimize_ddp
@@ -644,10 +640,8 @@ def _disable_and_enable_allreduce(ctx, delay):
         if micro < 2:
             # Not all-reduced: the rank's own (accumulated) gradient, different on each rank.
             F.mse_loss(local(_mine(ctx, x)), _mine(ctx, y)).backward()
-            for p, q in zip(model.parameters(), local.parameters()):
-                torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+            _assert_same_grads(ctx, model, local)
+    _assert_same_grads(ctx, model, ref)
     if delay:
         _apex_switch_timing(ctx)
         return
@@ -698,15 +692,13 @@ def _apex_switch_timing(ctx):
     ddp.enable_allreduce()
     loss.backward()
     F.mse_loss(ref(x), y).backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled("enabled late"))
+    _assert_same_grads(ctx, model, ref, "enabled late")
     model.zero_grad()
     loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
     ddp.disable_allreduce()
     loss.backward()
     F.mse_loss(local(_mine(ctx, x)), _mine(ctx, y)).backward()
-    for p, q in zip(model.parameters(), local.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled("disabled late"))
+    _assert_same_grads(ctx, model, local, "disabled late")
     ddp.enable_allreduce()
     # A backward run with the switch off leaves the forward's all-reduce to the next one: two
     # backwards through one forward (retain_graph), the first local, the second all-reduces
@@ -719,8 +711,7 @@ def _apex_switch_timing(ctx):
     ddp.enable_allreduce()
     loss.backward()
     (2 * F.mse_loss(ref(x), y)).backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled("off, then on"))
+    _assert_same_grads(ctx, model, ref, "off, then on")
 
 
 def check_delay_allreduce_amp_o2_apex_switch_timing(ctx):
@@ -1037,8 +1028,7 @@ def check_reducer(ctx):
     F.mse_loss(model(_mine(ctx, x)), _mine(ctx, y)).backward()
     reducer.reduce()
     F.mse_loss(ref(x), y).backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, **_tol(ctx))
+    _assert_same_grads(ctx, model, ref)
     tensors = [torch.full((3,), ctx.rank + 1.0, device=ctx.device),
                torch.full((2,), 10.0 * (ctx.rank + 1), dtype=torch.float64, device=ctx.device)]
     Reducer(tensors).reduce()
