@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,6 +17,7 @@ from mixprec.amp._properties import _HALF_TYPES
 __all__ = [
     "ReduceSpec",
     "all_gather_rows",
+    "any_rank",
     "all_reduce_average_coalesced",
     "all_reduce_sum",
     "backend_of",
@@ -121,6 +122,16 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     else:
         dist.all_reduce(t, group=group)
     return t
+
+
+def any_rank(flags: Sequence[bool], group, device: torch.device) -> List[bool]:
+    """For each of ``flags``, whether it is set on any rank of ``group``: one all-reduce of
+    int32 flags, on ``device`` (on the host for gloo), read back on the host."""
+    if backend_of(group) == "gloo":
+        device = torch.device("cpu")
+    counts = torch.tensor([bool(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(counts, group=group)
+    return [n > 0 for n in counts.tolist()]
 
 
 def _by_device_and_dtype(

@@ -13,8 +13,8 @@ not use PyTorch's reducer at all:
   autograd engine, run when that backward ends;
 * a reentrant checkpoint runs a nested backward inside a node of the outer one, and a callback
   queued there runs when the nested one ends, too early. The callback then defers itself: a
-  one-shot post hook on the node that ran the nested backward queues it again, in the outer
-  backward, until it runs at the end of the outermost one. So every rank all-reduces exactly
+  one-shot hook that runs in the outer backward queues it again, until it runs at the end of
+  the outermost one (:mod:`mixprec.parallel._backward_end`). So every rank all-reduces exactly
   once per backward, whichever of its parameters a rank used and wherever (as long as each
   rank's backward reaches at least one of them: a rank whose loss never reaches the model
   skips the collectives, and the others wait for it until the process group's timeout, as
@@ -43,26 +43,21 @@ from typing import List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 
 from mixprec.amp._logging import is_rank_zero
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
+from mixprec.parallel._backward_end import current_task, defer_if_nested, queue_once
 from mixprec.parallel._comm import (
     ReduceSpec,
     _by_device_and_dtype,
     _flatten,
     _unflatten_into,
     all_reduce_sum,
+    any_rank,
     backend_of,
 )
 
 __all__ = ["DelayedAllReduce"]
-
-# The node autograd is running on this thread (None outside a node): a callback that runs
-# inside a node runs at the end of a nested (reentrant) backward, not of the outermost one.
-_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
-# The backward running on this thread (-1: none).
-_current_task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 # The live delay modes: a forward disarms the others of the same module (a model wrapped
 # again, the old wrapper still referenced), so their hooks do nothing.
@@ -94,39 +89,6 @@ def _hook_for(ref: weakref.ReferenceType[DelayedAllReduce]):
             mode._gradient_arrived()
 
     return hook
-
-
-class _Pending:
-    """The callback queued for the end of a backward. If the engine drops it unrun (the
-    backward raised: an OOM caught to skip a batch), freeing it clears the mode's queued mark,
-    which would otherwise keep every later backward from queueing its all-reduce."""
-
-    __slots__ = ("ref", "ran")
-
-    def __init__(self, ref: weakref.ReferenceType[DelayedAllReduce]):
-        self.ref = ref
-        self.ran = False
-
-    def __call__(self) -> None:
-        self.ran = True
-        mode = self.ref()
-        if mode is not None:
-            mode._finish()
-
-    def __del__(self):
-        mode = self.ref() if not self.ran else None
-        if mode is not None:
-            mode._queued = False
-
-
-def _requeue_after(ref: weakref.ReferenceType[DelayedAllReduce]):
-    pending = [_Pending(ref)]  # (freed unrun with the graph if the node never completes)
-
-    def post_hook(grad_inputs, grad_outputs):
-        if pending:  # (one-shot: the graph may be run again)
-            Variable._execution_engine.queue_callback(pending.pop())
-
-    return post_hook
 
 
 def _warn_late_gradient() -> None:
@@ -176,7 +138,7 @@ class DelayedAllReduce:
         """Called by each forward with grad enabled: whether its backward all-reduces."""
         if is_compiling():  # (a graph break: flags of this object, set eagerly)
             return outside_the_compiler(DelayedAllReduce.arm)(self, sync)
-        if _current_task() == -1:
+        if current_task() == -1:
             # Outside any backward: a callback still marked queued belonged to a backward that
             # raised (the engine drops its callbacks then).
             self._queued = False
@@ -193,18 +155,10 @@ class DelayedAllReduce:
                 self._warned = True
                 _warn_late_gradient()
             return
-        with self._lock:
-            if self._queued:
-                return
-            self._queued = True
-        Variable._execution_engine.queue_callback(_Pending(weakref.ref(self)))
+        queue_once(self)
 
     def _finish(self) -> None:
-        node = _current_node()
-        if node is not None:
-            # The end of a nested backward, run by ``node`` of the one around it: wait for the
-            # end of that one (the post hook runs when ``node`` is done, in its backward).
-            node.register_hook(_requeue_after(weakref.ref(self)))
+        if defer_if_nested(self):  # (the end of a nested backward: wait for the outer one)
             return
         self._queued = False
         if not self.sync:  # (Apex's switch off: a later backward may still all-reduce)
@@ -223,11 +177,8 @@ class DelayedAllReduce:
         all-reduce, read on the host: the buckets must be the same on every rank)."""
         local = [p.grad is not None for p in self.params]
         local += [p.grad is not None and p.grad.is_sparse for p in self.params]
-        device = (torch.device("cpu") if self._stage_on_host or not self.params
-                  else self.params[0].device)
-        flags = torch.tensor(local, dtype=torch.int32, device=device)
-        dist.all_reduce(flags, group=self.process_group)
-        agreed = [bool(n) for n in flags.tolist()]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        agreed = any_rank(local, self.process_group, device)
         return agreed[:len(self.params)], agreed[len(self.params):]
 
     def all_reduce(self) -> None:

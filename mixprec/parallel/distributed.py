@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
+from mixprec.normalization._launch import is_compiling, outside_the_compiler
 from mixprec.parallel._comm import (
     ReduceSpec,
     broadcast_coalesced,
@@ -57,6 +58,7 @@ from mixprec.parallel._comm import (
     require_initialized,
 )
 from mixprec.parallel._delayed import DelayedAllReduce
+from mixprec.parallel._first_step import FirstStep
 
 __all__ = ["DistributedDataParallel"]
 
@@ -121,6 +123,31 @@ def _launch(state: ReduceSpec, buffer: torch.Tensor) -> torch.futures.Future:
 
 class _Token:
     """A weakly referenced marker (see ``_watch_unsynced_backward``)."""
+
+
+# Per module, the hooks guarding the parameters its latest wrapper's first step left out.
+_LEFT_OUT_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+def _left_out_guard(ref, name: str):
+    def hook(param):
+        if ref() is not None:
+            raise RuntimeError(
+                f"DistributedDataParallel: {name} got a gradient, but it got none on any rank "
+                "in the first step, so (as in Apex) it was left out of the all-reduce, and this "
+                "gradient would stay this rank's own while the replicas drift apart. If some "
+                "parameters are unused in some steps only, construct the wrapper with "
+                "find_unused_parameters=True (or delay_allreduce=True); if the model changed "
+                "(a head added to the loss), wrap it again."
+            )
+
+    return hook
 
 
 def _warn_rank0(message: str, category) -> None:
@@ -221,13 +248,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     Failure modes: a rank that never joins makes ``init_process_group`` raise after its
     ``timeout``; a rank that dies makes the others' next collective raise (gloo: at once;
     NCCL: after the process group's ``timeout``). Pass ``timeout=`` to ``init_process_group``
-    to bound the wait. Parameters that get no gradient in a step make the next forward raise a
-    RuntimeError naming them, unless ``find_unused_parameters=True`` (then they are handled:
-    a parameter unused on every rank keeps ``grad=None``). A parameter frozen when the model
-    was wrapped and set to require gradients later makes the next forward raise: it is not
-    in the all-reduce, so wrap the model again after changing ``requires_grad``. With
-    ``delay_allreduce=True`` any parameter may go without a gradient. A module without
-    trainable parameters (a frozen loss network) is broadcast and passed through, as in Apex.
+    to bound the wait. Parameters that get no gradient on any rank in the first all-reducing
+    backward are left out of the all-reduce from then on, as Apex's DDP did (see
+    :mod:`mixprec.parallel._first_step`; rank 0 warns once with their names): they keep
+    ``grad=None``, and one that gets a gradient later raises. A parameter that got a gradient
+    in the first step and none in a later one makes the next forward raise a RuntimeError
+    naming it, unless ``find_unused_parameters=True`` (then any parameter may go without a
+    gradient in any step: one unused on every rank keeps ``grad=None``). A parameter frozen
+    when the model was wrapped (or in the first step) and set to require gradients later
+    makes the next forward raise: it is not in the all-reduce, so wrap the model again after
+    changing ``requires_grad``. With ``delay_allreduce=True`` any parameter may go without a
+    gradient. A module without trainable parameters (a frozen loss network) is broadcast and
+    passed through, as in Apex.
 
     Apex arguments that no longer apply are accepted with a warning and ignored:
     ``allreduce_trigger_params`` (buckets follow gradient readiness), ``num_allreduce_streams``
@@ -260,8 +292,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         gradient_average_split_factor (float, optional): old name of the above (warns).
         prof (bool): label each bucket's all-reduce in profiler traces. Default False.
         process_group (ProcessGroup, optional, keyword-only): default: all ranks.
-        find_unused_parameters (bool, keyword-only): let parameters go without gradients in a
-            step (costs a graph traversal per forward). Default False.
+        find_unused_parameters (bool, keyword-only): let parameters go without gradients in
+            any step, not only from the first one on (costs a graph traversal per forward).
+            Default False.
 
     Example::
 
@@ -355,6 +388,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
 
         group_world_size(process_group)  # this rank must belong to the group
+        _remove_hooks(_LEFT_OUT_GUARDS.pop(module, []))  # (an older wrapper's; see _leave_out)
         delay_allreduce = bool(delay_allreduce)
         buffer_kwargs = (
             {"forward_sync_buffers": False} if "forward_sync_buffers" in _TORCH_DDP_PARAMS
@@ -426,6 +460,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         _warn_on_apex_internals(type(self))
 
     def _install_hook(self) -> None:
+        # The communication hooks registered on the reducer, to register again on a rebuilt
+        # one (see _rebuild_reducer).
+        self._comm_hook_record = []
         world_size = group_world_size(self.process_group)
         post = (world_size / self.gradient_predivide_factor if self.gradient_average else 1.0)
         self._hook_state = ReduceSpec(
@@ -455,6 +492,26 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self._hook_state.predivide != 1.0 or self._hook_state.postdivide != 1.0)
         if not plain_average:  # else the reducer's own path (see the module docstring)
             self.register_comm_hook(self._hook_state, _apex_allreduce_hook)
+        self._watch_first_step()
+
+    def _watch_first_step(self) -> None:
+        """Apex's first-step rule (see :mod:`mixprec.parallel._first_step`), unless the
+        reducer handles unused parameters itself, or the first step has been seen (then guard
+        the parameters it left out)."""
+        self._first_step = None
+        self._left_out_guards = []
+        weakref.finalize(self, _remove_hooks, self._left_out_guards)
+        if self.find_unused_parameters or self.static_graph:
+            return
+        if getattr(self, "_left_out_names", None) is None:
+            sparse = any(getattr(m, "sparse", False) for m in self.module.modules()
+                         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
+            if not sparse:  # (a zero gradient for those would have to be a sparse one)
+                pairs = _reducer_params(
+                    self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
+                self._first_step = FirstStep(self, pairs)
+            return
+        self._guard_left_out()
 
     def _pass_through(self, module: nn.Module, process_group, buffer_kwargs, ignored) -> None:
         """Set up without PyTorch's constructor, for a module without trainable parameters:
@@ -526,6 +583,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "to all-reduce). Construct with delay_allreduce=False to use a hook."
             )
         super().register_comm_hook(state, hook)
+        self._comm_hook_record.append((state, hook))
 
     # Pickling/deep-copying (default process group only, as for PyTorch's DDP): the hook state
     # holds the process group, so it is rebuilt on the other side with the new reducer.
@@ -534,6 +592,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         state.pop("_hook_state", None)
         state.pop("_delayed", None)
         state.pop("_unsynced_backward", None)  # (a weak reference)
+        for name in ("_comm_hook_record", "_first_step", "_left_out_guards"):
+            state.pop(name, None)  # (hooks and their process group; set up again)
         # The unpickled reducer is rebuilt from bucket_bytes_cap: give it the reducer's cap
         # (__setstate__ then raises the compiler's copy again).
         cap = state.pop("_reducer_bucket_bytes_cap", None)
@@ -551,6 +611,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.reducer = None
             self.logger = None
         else:
+            # (PyTorch rebuilds the reducer without the parameters set to be ignored, those
+            # the first step left out included.)
+            self._reducer_stale = False
             super().__setstate__(state)
             _compile_friendly_bucket_cap(self)
         self._install_hook()
@@ -572,6 +635,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             if grad:
                 delayed.arm(self.require_backward_grad_sync)
             return out
+        if getattr(self, "_reducer_stale", False):
+            self._rebuild_reducer()
+        first = getattr(self, "_first_step", None)
+        if (first is not None and grad and self.require_backward_grad_sync
+                and not getattr(getattr(self, "_join_config", None), "enable", False)):
+            # (Not under join(): the ranks that ran out of batches would not match the watch's
+            # all-reduce. Not with a static graph, set after construction: it finds the unused
+            # parameters itself.)
+            if self.static_graph:
+                self._first_step = None
+            else:
+                first.arm()
         try:
             out = super().forward(*inputs, **kwargs)
         except RuntimeError as err:
@@ -581,6 +656,79 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if grad:
             self._watch_unsynced_backward(out)
         return out
+
+    def _leave_out(self, pairs: List[Tuple[str, nn.Parameter]]) -> None:
+        """Called when the first all-reducing backward ends, with the parameters that got no
+        gradient on any rank: leave them out of the all-reduce from the next forward on, as
+        Apex's DDP did."""
+        self._first_step = None
+        self._left_out_names = [name for name, _ in pairs]
+        if not pairs:
+            return
+        # Every name PyTorch's reducer builder may look them up by: each alias of a shared
+        # parameter, and PyTorch's spelling of a root parameter's (".weight").
+        ids = {id(p) for _, p in pairs}
+        aliases = set()
+        for module_name, sub in self.module.named_modules(remove_duplicate=False):
+            for param_name, p in sub.named_parameters(recurse=False):
+                if id(p) in ids:
+                    aliases.add(f"{module_name}.{param_name}")
+                    aliases.add(f"{module_name}.{param_name}" if module_name else param_name)
+        self.parameters_to_ignore = set(self.parameters_to_ignore) | aliases
+        self._reducer_stale = True  # (rebuilt by the next forward: this backward's is running)
+        shown = ", ".join(self._left_out_names[:8]) + (
+            f" and {len(pairs) - 8} more" if len(pairs) > 8 else "")
+        _warn_rank0(
+            f"DistributedDataParallel: {shown} got no gradient on any rank in the first step, "
+            "so, as in Apex, they are left out of the all-reduce from now on (and keep "
+            "grad=None). If they should train, make the loss depend on them; if they are "
+            "unused in some steps only, construct the wrapper with "
+            "find_unused_parameters=True (or delay_allreduce=True).",
+            UserWarning,
+        )
+
+    def _rebuild_reducer(self) -> None:
+        """PyTorch's reducer again, without the parameters left out (the calls PyTorch makes
+        when it unpickles a DDP), with the communication hooks registered so far."""
+        if is_compiling():  # (a graph break: the reducer is built eagerly)
+            return outside_the_compiler(DistributedDataParallel._rebuild_reducer)(self)
+        self._reducer_stale = False
+        cap = getattr(self, "_reducer_bucket_bytes_cap", None)
+        if cap is not None:  # (what the reducer was built with; see _compile_friendly...)
+            self.bucket_bytes_cap = cap
+        parameters, expect_sparse_gradient = self._build_params_for_reducer()
+        self._ddp_init_helper(
+            parameters,
+            expect_sparse_gradient,
+            self._build_debug_param_to_name_mapping(parameters),
+            self.static_graph,
+        )
+        _compile_friendly_bucket_cap(self)
+        if hasattr(self, "_comm_hooks"):  # (PyTorch's record, of the old reducer's hooks)
+            self._comm_hooks = []
+        hooks, self._comm_hook_record = self._comm_hook_record, []
+        for state, hook in hooks:
+            self.register_comm_hook(state, hook)
+        self._reducer_names = _reducer_param_names(
+            self.module, frozenset(self.parameters_to_ignore))
+        self._guard_left_out()
+
+    def _guard_left_out(self) -> None:
+        """Raise when a parameter left out by the first step gets a gradient after all (it
+        would stay this rank's own): from its gradient hook, or, for one frozen then, from the
+        forward that finds it trainable (as for parameters frozen at wrapping)."""
+        names = set(self._left_out_names)
+        ref = weakref.ref(self)
+        for name, p in self.module.named_parameters():
+            if name not in names:
+                continue
+            if p.requires_grad:
+                self._left_out_guards.append(
+                    p.register_post_accumulate_grad_hook(_left_out_guard(ref, name)))
+            elif all(p is not q for q in self._frozen_at_wrap):
+                self._frozen_at_wrap.append(p)
+        # (A wrapper built later around the same module replaces these guards.)
+        _LEFT_OUT_GUARDS[self.module] = self._left_out_guards
 
     def _watch_unsynced_backward(self, out) -> None:
         """Remember whether a backward of a forward run with the all-reduce off may still come
@@ -614,8 +762,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         return (
             f"DistributedDataParallel: {shown} were frozen (requires_grad=False) when the model "
-            "was wrapped and require gradients now. The all-reduce is set up at wrapping, so "
-            "their gradients would never be averaged across ranks and the replicas would drift "
+            "was wrapped (or in its first step, which left them out of the all-reduce, as "
+            "Apex did) and require gradients now. The all-reduce is set up then, so their "
+            "gradients would never be averaged across ranks and the replicas would drift "
             "apart. Wrap the model again after changing requires_grad (e.g. model = "
             "DistributedDataParallel(model.module)), or wrap it with every parameter you will "
             "train unfrozen and keep the frozen ones out of the optimizer."
@@ -637,8 +786,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             "step may have used unreduced gradients). Either make every parameter contribute "
             "to the loss in every step, freeze the unused ones (requires_grad_(False)) before "
             "wrapping, or pass find_unused_parameters=True (or delay_allreduce=True) to "
-            "DistributedDataParallel. (Apex's left out parameters unused from the first step "
-            "on; here that takes one of these options.)"
+            "DistributedDataParallel. (Parameters without a gradient on every rank in the "
+            "first step are left out, as in Apex; these had one then.)"
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

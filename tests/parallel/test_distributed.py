@@ -15,6 +15,7 @@ import itertools
 import pickle
 import time
 import warnings
+from typing import List
 
 import pytest
 import torch
@@ -362,29 +363,41 @@ class _Checkpointed(nn.Module):
         return _Hidden(checkpoint(self._blocks, h, use_reentrant=True))
 
 
-def _checkpointed_steps(ctx, pattern, steps=3, **ddp_kwargs):
-    """``steps`` steps of ``_Checkpointed(pattern)`` in the delay mode against one process
-    running every rank's slice (the extra branch taken by rank 0 only, then by all, then by
-    none): the gradients must match, and a parameter no rank used keeps grad=None."""
+def _checkpointed_steps(ctx, pattern, steps=3, takes=None, **ddp_kwargs):
+    """``steps`` steps of ``_Checkpointed(pattern)`` (in the delay mode unless told) against
+    one process running every rank's slice (the extra branch taken as ``takes(step, rank)``
+    says; by default by rank 0 only, then by all, then by none): the gradients must match, and
+    a parameter no rank used keeps grad=None. Returns the wrapper."""
     torch.manual_seed(0)
     model = _Checkpointed(pattern).to(ctx.device)
     ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, delay_allreduce=True, **ddp_kwargs)
+    ddp = DistributedDataParallel(model, **{"delay_allreduce": True, **ddp_kwargs})
     average = ddp_kwargs.get("gradient_average", True)
+    if takes is None:
+        def takes(step, rank):
+            return (rank == 0, True, False)[step % 3]
     for step in range(steps):
-        takes = [(r == 0, True, False)[step % 3] for r in range(ctx.world_size)]
+        takes_now = [takes(step, r) for r in range(ctx.world_size)]
         x, y = _global_batch(ctx, seed=300 + step)
         model.zero_grad()
         ref.zero_grad()
-        F.mse_loss(_logits(ddp(_mine(ctx, x), extra=takes[ctx.rank])), _mine(ctx, y)).backward()
-        losses = [F.mse_loss(_logits(ref(x[r * PER_RANK:(r + 1) * PER_RANK], extra=takes[r])),
+        F.mse_loss(_logits(ddp(_mine(ctx, x), extra=takes_now[ctx.rank])),
+                   _mine(ctx, y)).backward()
+        losses = [F.mse_loss(_logits(ref(x[r * PER_RANK:(r + 1) * PER_RANK],
+                                         extra=takes_now[r])),
                              y[r * PER_RANK:(r + 1) * PER_RANK]) for r in range(ctx.world_size)]
         (sum(losses) / (ctx.world_size if average else 1)).backward()
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            what = f"{pattern} step {step} {name}"
-            assert (p.grad is None) == (q.grad is None), (what, p.grad, q.grad)
-            if q.grad is not None:
-                torch.testing.assert_close(p.grad, q.grad, **_tol(ctx), msg=labelled(what))
+        _assert_same_grads_or_none(ctx, model, ref, f"{pattern} step {step}")
+    return ddp
+
+
+def _assert_same_grads_or_none(ctx, model, ref, what):
+    """As ``_assert_same_grads``, where a parameter may have no gradient (in both)."""
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert (p.grad is None) == (q.grad is None), (what, name, p.grad, q.grad)
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, **_tol(ctx),
+                                       msg=labelled(f"{what} {name}"))
 
 
 def check_delay_allreduce_where_the_reducer_cannot(ctx):
@@ -812,15 +825,21 @@ class _TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(8, 4)
-        self.b = nn.Linear(8, 4)  # never used in forward
+        self.b = nn.Linear(8, 4)  # used while use_b is set
+        self.use_b = False
 
     def forward(self, x):
-        return self.a(x)
+        return self.a(x) + self.b(x) if self.use_b else self.a(x)
 
 
-def _unused_parameters_error(ctx, ddp) -> str:
-    """One step through ``ddp``, then the next forward's error (the unused parameters')."""
+def _unused_parameters_error(ctx, ddp, stop_using) -> str:
+    """A first step using every parameter (``use_b`` set), one after ``stop_using()``, then
+    the next forward's error (the unused parameters')."""
     x, _ = _global_batch(ctx)
+    ddp.module.use_b = True
+    ddp(_mine(ctx, x)).sum().backward()
+    ddp.module.use_b = False
+    stop_using()
     ddp(_mine(ctx, x)).sum().backward()
     try:
         ddp(_mine(ctx, x))
@@ -830,9 +849,11 @@ def _unused_parameters_error(ctx, ddp) -> str:
 
 
 def check_unused_parameters_named_in_error(ctx):
+    # Used in the first step, unused in the second: the reducer waits for them.
     torch.manual_seed(0)
-    text = _unused_parameters_error(ctx, DistributedDataParallel(_TwoHeads().to(ctx.device)))
-    for needle in ("b.weight", "b.bias", "find_unused_parameters=True"):
+    ddp = DistributedDataParallel(_TwoHeads().to(ctx.device))
+    text = _unused_parameters_error(ctx, ddp, lambda: None)
+    for needle in ("b.weight", "b.bias", "find_unused_parameters=True", "these had one then"):
         assert needle in text, f"{needle!r} missing from: {text}"
     assert "a.weight" not in text, text
 
@@ -841,21 +862,22 @@ class _FrozenLater(nn.Module):
     def __init__(self):
         super().__init__()
         self.a = nn.Linear(8, 8)
-        self.b = nn.Linear(8, 4)  # never used in forward
+        self.b = nn.Linear(8, 4)  # used while use_b is set
         self.c = nn.Linear(8, 4)
+        self.use_b = False
 
     def forward(self, x):
-        return self.c(self.a(x))
+        h = self.a(x)
+        return self.c(h) + self.b(h) if self.use_b else self.c(h)
 
 
 def check_unused_parameters_named_as_the_reducer_was_built(ctx):
-    # `a` frozen after wrapping: the reducer still waits for it. The error names the
+    # `a` frozen after the first step: the reducer still waits for it. The error names the
     # parameters by the list the reducer was built with (it named b's as a's before).
     torch.manual_seed(0)
     model = _FrozenLater().to(ctx.device)
     ddp = DistributedDataParallel(model)
-    model.a.requires_grad_(False)
-    text = _unused_parameters_error(ctx, ddp)
+    text = _unused_parameters_error(ctx, ddp, lambda: model.a.requires_grad_(False))
     assert "a.weight, a.bias, b.weight, b.bias" in text, text
     assert "c.weight" not in text, text
 
@@ -892,7 +914,7 @@ def check_unused_parameters_named_with_ignored_ones_left_out(ctx):
     model = _FrozenLater().to(ctx.device)  # a -> c, b unused
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, ["a.weight", "a.bias"])
-    text = _unused_parameters_error(ctx, DistributedDataParallel(model))
+    text = _unused_parameters_error(ctx, DistributedDataParallel(model), lambda: None)
     assert "got no gradient: b.weight, b.bias," in text, text
     assert "a.weight" not in text, text
 
@@ -960,6 +982,156 @@ def _unused_head_is_skipped(ctx, seed, **ddp_kwargs):
 
 def check_unused_parameters_found(ctx):
     _unused_head_is_skipped(ctx, seed=30, find_unused_parameters=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Apex's first-step rule in the reducer's mode (mixprec.parallel._first_step)
+# ------------------------------------------------------------------------------------------------
+def _left_out_warnings(caught) -> List[str]:
+    return [str(w.message) for w in caught if "left out of the all-reduce" in str(w.message)]
+
+
+def check_first_step_leaves_out_what_no_rank_used(ctx):
+    # A branch no rank takes in the first step (BERT's pooler under a question-answering head)
+    # is left out of the all-reduce, as Apex's DDP did (PyTorch's reducer raised at the next
+    # forward), wherever the other gradients come from: reentrant checkpoints (the watch's
+    # callback queued inside a nested backward), custom output objects, a checkpoint on rank
+    # 0 only. Every step's gradients are the single-process ones; warned once, on rank 0.
+    for pattern in ("plain", "reentrant", "object", "hidden", "nested", "rank0"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = _checkpointed_steps(ctx, pattern, takes=lambda step, rank: False,
+                                      delay_allreduce=False, message_size=64)
+        left = _left_out_warnings(caught)
+        assert len(left) == (ctx.rank == 0), (pattern, left)
+        if left:
+            assert left[0].startswith("DistributedDataParallel: extra.weight, extra.bias got "
+                                      "no gradient on any rank in the first step"), left[0]
+        assert "extra.weight" not in ddp._reducer_names, (pattern, ddp._reducer_names)
+        assert "inp.weight" in ddp._reducer_names, (pattern, ddp._reducer_names)
+    _unused_head_is_skipped(ctx, seed=32)  # (the default options)
+
+
+def check_first_step_averages_what_some_ranks_used(ctx):
+    # A branch only rank 0 takes in the first step is averaged with the other ranks' zeros
+    # (as with find_unused_parameters=True) and stays in the all-reduce for the later steps,
+    # which all take it.
+    for pattern in ("plain", "reentrant", "rank0"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = _checkpointed_steps(ctx, pattern, takes=lambda step, rank: rank == 0 or step,
+                                      delay_allreduce=False, message_size=64)
+        assert not _left_out_warnings(caught), _left_out_warnings(caught)
+        assert "extra.weight" in ddp._reducer_names, (pattern, ddp._reducer_names)
+
+
+def check_first_step_after_no_sync_micro_batches(ctx):
+    # Gradient accumulation before the first all-reduce: a branch taken in the no_sync()
+    # micro-batch only holds an accumulated gradient, which the synced micro-batch must
+    # all-reduce (it fires no hook there); a layer no micro-batch uses is left out.
+    torch.manual_seed(0)
+    model = _Checkpointed("reentrant").to(ctx.device)
+    model.spare = nn.Linear(8, 8).to(ctx.device)  # (no forward uses it)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=64)
+    for step in range(2):
+        x, y = _global_batch(ctx, seed=400 + step)
+        model.zero_grad()
+        ref.zero_grad()
+        with ddp.no_sync():
+            F.mse_loss(ddp(_mine(ctx, x), extra=True), _mine(ctx, y)).backward()
+        F.mse_loss(ddp(_mine(ctx, x).flip(0), extra=step > 0), _mine(ctx, y)).backward()
+        for r in range(ctx.world_size):
+            xs, ys = x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK]
+            loss = F.mse_loss(ref(xs, extra=True), ys) + F.mse_loss(
+                ref(xs.flip(0), extra=step > 0), ys)
+            (loss / ctx.world_size).backward()
+        _assert_same_grads_or_none(ctx, model, ref, f"step {step}")
+    assert model.spare.weight.grad is None and "spare.weight" not in ddp._reducer_names
+    assert "extra.weight" in ddp._reducer_names
+
+
+def check_first_step_guards_what_it_left_out(ctx):
+    # After the first step: communication hooks registered before it still run on the rebuilt
+    # reducer; copies (pickled, deep-copied) keep the parameters out; a gradient reaching one
+    # of them raises (it would stay this rank's own); one frozen after wrapping and trainable
+    # again is refused at the forward.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(state, bucket)
+
+    torch.manual_seed(0)
+    model = _Checkpointed("plain").to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=64)
+    ddp.register_comm_hook(None, counting_hook)
+    for step in range(3):
+        x, y = _global_batch(ctx, seed=440 + step)
+        model.zero_grad()
+        ref.zero_grad()
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        _assert_same_grads_or_none(ctx, model, ref, f"step {step}")
+        if step == 0:
+            first = len(calls)
+    assert first > 0 and len(calls) > first, (first, len(calls))
+    for copy_ in (pickle.loads(pickle.dumps(ddp)), copy.deepcopy(ddp)):
+        assert "extra.weight" not in copy_._reducer_names
+        copy_.module.zero_grad()
+        F.mse_loss(copy_(_mine(ctx, x)), _mine(ctx, y)).backward()
+        assert copy_.module.extra.weight.grad is None
+        _assert_same_on_all_ranks(ctx, [copy_.module.head.weight.grad], "copy's head grad")
+    try:
+        ddp(_mine(ctx, x), extra=True).sum().backward()
+    except RuntimeError as err:
+        assert "extra." in str(err) and "left out of the all-reduce" in str(err), str(err)
+        assert "find_unused_parameters=True" in str(err), str(err)
+    else:
+        raise AssertionError("a gradient for a left-out parameter did not raise")
+    # Frozen after wrapping (a fine-tuning script freezing the backbone through .module).
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=64)
+    for net in (model, ref):
+        net[0].requires_grad_(False)
+    for step in range(3):
+        _grads_match_global_batch(ctx, ddp, model, ref, 460 + step, f"frozen, step {step}")
+    assert model[0].weight.grad is None
+    model[0].requires_grad_(True)
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        assert "0.weight, 0.bias were frozen" in str(err) and "first step" in str(err), err
+    else:
+        raise AssertionError("a parameter left out when frozen, trainable again, was taken")
+
+
+def check_amp_o2_first_step_leaves_an_unused_head_out(ctx):
+    # amp O2 under the rule: half gradients, an unused head (no master gradient, no step), the
+    # same training as one process on the global batch.
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = _Checkpointed("reentrant").to(ctx.device)
+    model.spare = nn.Linear(8, 4).to(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model))
+    ddp = DistributedDataParallel(model, message_size=64)
+    spare = [float(m.double().sum()) for m in amp.master_params(opt)]
+    for step in range(3):
+        x, y = _global_batch(ctx, seed=480 + step)
+        for net, o, xs, ys in ((ddp, opt, _mine(ctx, x), _mine(ctx, y)), (ref, ref_opt, x, y)):
+            o.zero_grad()
+            with amp.scale_loss(F.mse_loss(net(xs).float(), ys), o) as scaled:
+                scaled.backward()
+            o.step()
+    _assert_masters_match_reference(ctx, opt, ref_opt)
+    assert model.spare.weight.grad is None and "spare.weight" not in ddp._reducer_names
+    masters = [float(m.double().sum()) for m in amp.master_params(opt)]
+    assert masters[-2:] == spare[-2:] and masters[:2] != spare[:2], (masters, spare)
 
 
 def check_arguments_validated_and_warned(ctx):
@@ -1530,6 +1702,15 @@ def check_dead_peer_raises_quickly(ctx):
     raise StopWorker()
 
 
+# Apex's first-step rule; also on the one-GPU machine (its callback, and the small backward
+# that fires the reducer's hooks, then run on autograd's device thread).
+FIRST_STEP_CHECKS = [
+    "check_first_step_leaves_out_what_no_rank_used",
+    "check_first_step_averages_what_some_ranks_used",
+    "check_first_step_after_no_sync_micro_batches",
+    "check_first_step_guards_what_it_left_out",
+    "check_amp_o2_first_step_leaves_an_unused_head_out",
+]
 # The delay mode's checks, and those that run both modes. They also run on a machine with one
 # GPU: two processes share it over gloo (the delay mode's callbacks then run on autograd's
 # device thread).
@@ -1559,6 +1740,7 @@ CHECKS = [
     "check_hook_only_where_apex_arithmetic_needs_it",
     "check_pickle_roundtrip",
     *DELAY_CHECKS,
+    *FIRST_STEP_CHECKS,
     "check_message_size_sets_bucket_bytes",
     "check_unused_parameters_found",
     "check_arguments_validated_and_warned",
@@ -1602,11 +1784,11 @@ def nccl_results():
 def one_gpu_gloo_results():
     if cuda_count() < 1:
         pytest.skip("requires CUDA")
-    return run_checks(__name__, DELAY_CHECKS, world_size=2, device_type="cuda",
-                      shared_device=True)
+    return run_checks(__name__, DELAY_CHECKS + FIRST_STEP_CHECKS, world_size=2,
+                      device_type="cuda", shared_device=True)
 
 
-@pytest.mark.parametrize("check", DELAY_CHECKS)
+@pytest.mark.parametrize("check", DELAY_CHECKS + FIRST_STEP_CHECKS)
 def test_one_gpu_gloo(one_gpu_gloo_results, check):
     one_gpu_gloo_results.assert_ok(check)
 

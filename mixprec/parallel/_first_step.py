@@ -1,0 +1,129 @@
+"""Apex's first-step rule for the parameters of ``DistributedDataParallel``'s reducer.
+
+Apex's DDP recorded, during the first backward, which parameters produced gradients, and built
+its buckets from those: a parameter no forward used (BERT's pooler under a question-answering
+head, a layer frozen after the model was wrapped) was never all-reduced, and training went on.
+PyTorch's reducer, built before any step, waits for every parameter: an unused one keeps its
+bucket from being all-reduced, and the next forward raises. This module gives the reducer's
+mode Apex's rule.
+
+* The first backward that all-reduces is watched: for that backward only, each parameter of
+  the reducer has a post-accumulate-grad hook, and the first hook to fire queues a callback for
+  the end of the outermost backward (past the nested backwards of reentrant checkpoints; see
+  :mod:`mixprec.parallel._backward_end`).
+* There, the parameters whose hook did not fire get a zero gradient through a small backward of
+  their own, which fires the reducer's hooks too. Every rank then completes every bucket, in
+  the same order, so the step's gradients are all-reduced as with
+  ``find_unused_parameters=True``: a parameter used on some ranks only is averaged with zeros.
+* Then one small all-reduce, read on the host, tells which parameters hold no gradient on any
+  rank. Those get ``grad=None`` back and are left out: the wrapper rebuilds its reducer without
+  them before the next forward, and a gradient that reaches one of them later raises (it would
+  never be averaged across the ranks).
+
+A model whose parameters all get gradients in the first step pays one hook call per parameter
+and one small all-reduce, once.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from mixprec.normalization._launch import is_compiling, outside_the_compiler
+from mixprec.parallel._backward_end import current_task, defer_if_nested, queue_once
+from mixprec.parallel._comm import any_rank
+
+__all__ = ["FirstStep"]
+
+
+def _fired(ref: weakref.ReferenceType[FirstStep], index: int):
+    # Held weakly, as the delay mode's hooks: a dropped wrapper's watch does nothing.
+    def hook(param):
+        watch = ref()
+        if watch is not None:
+            watch.fired[index] = True
+            queue_once(watch)
+
+    return hook
+
+
+def _remove(handles) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
+class FirstStep:
+    """The watch over the first all-reducing backward of one ``DistributedDataParallel`` (see
+    the module docstring). ``arm`` is called by each forward with grad enabled whose backward
+    all-reduces, until that backward has ended; then the wrapper's ``_leave_out`` gets the
+    parameters without a gradient on any rank (possibly none), and the watch is over."""
+
+    def __init__(self, ddp: nn.Module, pairs: Sequence[Tuple[str, nn.Parameter]]):
+        self.ddp = weakref.ref(ddp)
+        self.names = [name for name, _ in pairs]  # the reducer's parameters, in its order
+        self.params = [p for _, p in pairs]
+        self.fired = [False] * len(self.params)
+        self.done = False
+        self._handles: List = []
+        self._queued = False  # a callback waits for the end of the running backward
+        self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
+        weakref.finalize(self, _remove, self._handles)
+
+    def arm(self) -> None:
+        if is_compiling():  # (a graph break: hooks and flags, set eagerly)
+            return outside_the_compiler(FirstStep.arm)(self)
+        if self.done:
+            return
+        if current_task() == -1:
+            # Outside any backward: a callback still marked queued belonged to a backward that
+            # raised (the engine drops its callbacks then); start the watch afresh.
+            self._queued = False
+            self.fired = [False] * len(self.params)
+        if not self._handles:
+            ref = weakref.ref(self)
+            self._handles.extend(p.register_post_accumulate_grad_hook(_fired(ref, i))
+                                 for i, p in enumerate(self.params) if p.requires_grad)
+
+    def _finish(self) -> None:
+        if defer_if_nested(self):  # (the end of a nested backward: wait for the outer one)
+            return
+        self._queued = False
+        ddp = self.ddp()
+        if ddp is None or self.done:
+            return
+        self.done = True
+        _remove(self._handles)
+        # Whether each parameter holds a gradient (this backward's, or one accumulated in
+        # no_sync() micro-batches before it), before any gets a zero one.
+        held = [p.grad is not None for p in self.params]
+        silent = [p for p, fired in zip(self.params, self.fired) if not fired]
+        if silent:
+            _fire_with_zeros(silent)
+        unused = [i for i, anywhere in
+                  enumerate(any_rank(held, ddp.process_group, self._device())) if not anywhere]
+        for i in unused:  # (their all-reduced zeros)
+            self.params[i].grad = None
+        ddp._leave_out([(self.names[i], self.params[i]) for i in unused])
+
+    def _device(self) -> torch.device:
+        return self.params[0].device if self.params else torch.device("cpu")
+
+
+def _fire_with_zeros(params: List[nn.Parameter]) -> None:
+    """Accumulate a zero gradient into each of ``params`` through autograd, so that the hooks
+    on their gradient accumulators (the reducer's) fire as if backward had reached them. A
+    parameter frozen after the reducer was built takes requires_grad for that moment: its
+    accumulator, kept by the reducer, is the one its hooks are on."""
+    frozen = [p for p in params if not p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(True)
+    try:
+        torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
+    finally:
+        for p in frozen:
+            p.requires_grad_(False)
