@@ -44,7 +44,7 @@ def _fired(ref: weakref.ReferenceType[FirstStep], index: int):
     # Held weakly, as the delay mode's hooks: a dropped wrapper's watch does nothing.
     def hook(param):
         watch = ref()
-        if watch is not None:
+        if watch is not None and watch.armed:
             watch.fired[index] = True
             queue_once(watch)
 
@@ -59,25 +59,31 @@ def _remove(handles) -> None:
 
 class FirstStep:
     """The watch over the first all-reducing backward of one ``DistributedDataParallel`` (see
-    the module docstring). ``arm`` is called by each forward with grad enabled whose backward
-    all-reduces, until that backward has ended; then the wrapper's ``_leave_out`` gets the
-    parameters without a gradient on any rank (possibly none), and the watch is over."""
+    the module docstring). ``arm`` is called by each forward with grad enabled, saying whether
+    its backward all-reduces, until such a backward has ended; then the wrapper's
+    ``_leave_out`` gets the parameters without a gradient on any rank (possibly none), and
+    the watch is over."""
 
     def __init__(self, ddp: nn.Module, pairs: Sequence[Tuple[str, nn.Parameter]]):
         self.ddp = weakref.ref(ddp)
         self.names = [name for name, _ in pairs]  # the reducer's parameters, in its order
         self.params = [p for _, p in pairs]
         self.fired = [False] * len(self.params)
+        self.armed = False  # the last forward's backward all-reduces
         self.done = False
         self._handles: List = []
         self._queued = False  # a callback waits for the end of the running backward
         self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
         weakref.finalize(self, _remove, self._handles)
 
-    def arm(self) -> None:
+    def arm(self, sync: bool) -> None:
         if is_compiling():  # (a graph break: hooks and flags, set eagerly)
-            return outside_the_compiler(FirstStep.arm)(self)
+            return outside_the_compiler(FirstStep.arm)(self, sync)
         if self.done:
+            return
+        # (A no_sync() micro-batch's backward is not the step watched: its hooks do nothing.)
+        self.armed = bool(sync)
+        if not sync:
             return
         if current_task() == -1:
             # Outside any backward: a callback still marked queued belonged to a backward that
@@ -94,10 +100,9 @@ class FirstStep:
             return
         self._queued = False
         ddp = self.ddp()
-        if ddp is None or self.done:
+        if ddp is None or self.done or not self.armed:
             return
-        self.done = True
-        _remove(self._handles)
+        self.close()
         # Whether each parameter holds a gradient (this backward's, or one accumulated in
         # no_sync() micro-batches before it), before any gets a zero one.
         held = [p.grad is not None for p in self.params]
@@ -109,6 +114,12 @@ class FirstStep:
         for i in unused:  # (their all-reduced zeros)
             self.params[i].grad = None
         ddp._leave_out([(self.names[i], self.params[i]) for i in unused])
+
+    def close(self) -> None:
+        """End the watch (its backward has ended, or a newer wrapper took the module)."""
+        self.done = True
+        self.armed = False
+        _remove(self._handles)
 
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")

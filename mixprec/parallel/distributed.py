@@ -125,7 +125,9 @@ class _Token:
     """A weakly referenced marker (see ``_watch_unsynced_backward``)."""
 
 
-# Per module, the hooks guarding the parameters its latest wrapper's first step left out.
+# Per module, its latest wrapper's first-step watch, and the hooks guarding the parameters
+# that first step left out: a wrapper built later around the module ends both.
+_FIRST_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _LEFT_OUT_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -388,7 +390,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
 
         group_world_size(process_group)  # this rank must belong to the group
-        _remove_hooks(_LEFT_OUT_GUARDS.pop(module, []))  # (an older wrapper's; see _leave_out)
+        # An older wrapper's first-step watch and guards (see _leave_out) end here.
+        older = _FIRST_STEPS.pop(module, None)
+        if older is not None:
+            older.close()
+        _remove_hooks(_LEFT_OUT_GUARDS.pop(module, []))
         delay_allreduce = bool(delay_allreduce)
         buffer_kwargs = (
             {"forward_sync_buffers": False} if "forward_sync_buffers" in _TORCH_DDP_PARAMS
@@ -510,6 +516,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 pairs = _reducer_params(
                     self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
                 self._first_step = FirstStep(self, pairs)
+                _FIRST_STEPS[self.module] = self._first_step
             return
         self._guard_left_out()
 
@@ -638,15 +645,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if getattr(self, "_reducer_stale", False):
             self._rebuild_reducer()
         first = getattr(self, "_first_step", None)
-        if (first is not None and grad and self.require_backward_grad_sync
-                and not getattr(getattr(self, "_join_config", None), "enable", False)):
+        if first is not None and grad:
             # (Not under join(): the ranks that ran out of batches would not match the watch's
             # all-reduce. Not with a static graph, set after construction: it finds the unused
             # parameters itself.)
             if self.static_graph:
+                first.close()
                 self._first_step = None
             else:
-                first.arm()
+                first.arm(self.require_backward_grad_sync and not getattr(
+                    getattr(self, "_join_config", None), "enable", False))
         try:
             out = super().forward(*inputs, **kwargs)
         except RuntimeError as err:
@@ -727,7 +735,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                     p.register_post_accumulate_grad_hook(_left_out_guard(ref, name)))
             elif all(p is not q for q in self._frozen_at_wrap):
                 self._frozen_at_wrap.append(p)
-        # (A wrapper built later around the same module replaces these guards.)
         _LEFT_OUT_GUARDS[self.module] = self._left_out_guards
 
     def _watch_unsynced_backward(self, out) -> None:

@@ -1110,6 +1110,27 @@ def check_first_step_guards_what_it_left_out(ctx):
         raise AssertionError("a parameter left out when frozen, trainable again, was taken")
 
 
+def check_first_step_watches_the_synced_backward_only(ctx):
+    # A forward with grad enabled and no backward (a dry run), then a no_sync() micro-batch:
+    # the watch waits for the synced backward (settling in the unsynced one, it all-reduced
+    # nothing and left the branch that micro-batch alone took to go unreduced).
+    torch.manual_seed(0)
+    model = _Checkpointed("plain").to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=64)
+    x, y = _global_batch(ctx, seed=500)
+    ddp(_mine(ctx, x))  # (no backward)
+    with ddp.no_sync():
+        F.mse_loss(ddp(_mine(ctx, x), extra=True), _mine(ctx, y)).backward()
+    F.mse_loss(ddp(_mine(ctx, x).flip(0)), _mine(ctx, y)).backward()
+    for r in range(ctx.world_size):
+        xs, ys = x[r * PER_RANK:(r + 1) * PER_RANK], y[r * PER_RANK:(r + 1) * PER_RANK]
+        loss = F.mse_loss(ref(xs, extra=True), ys) + F.mse_loss(ref(xs.flip(0)), ys)
+        (loss / ctx.world_size).backward()
+    _assert_same_grads_or_none(ctx, model, ref, "after a dry run and no_sync()")
+    assert "extra.weight" in ddp._reducer_names
+
+
 def check_amp_o2_first_step_leaves_an_unused_head_out(ctx):
     # amp O2 under the rule: half gradients, an unused head (no master gradient, no step), the
     # same training as one process on the global batch.
@@ -1709,6 +1730,7 @@ FIRST_STEP_CHECKS = [
     "check_first_step_averages_what_some_ranks_used",
     "check_first_step_after_no_sync_micro_batches",
     "check_first_step_guards_what_it_left_out",
+    "check_first_step_watches_the_synced_backward_only",
     "check_amp_o2_first_step_leaves_an_unused_head_out",
 ]
 # The delay mode's checks, and those that run both modes. They also run on a machine with one
