@@ -1142,14 +1142,7 @@ def check_amp_o2_first_step_leaves_an_unused_head_out(ctx):
     model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model))
     ddp = DistributedDataParallel(model, message_size=64)
     spare = [float(m.double().sum()) for m in amp.master_params(opt)]
-    for step in range(3):
-        x, y = _global_batch(ctx, seed=480 + step)
-        for net, o, xs, ys in ((ddp, opt, _mine(ctx, x), _mine(ctx, y)), (ref, ref_opt, x, y)):
-            o.zero_grad()
-            with amp.scale_loss(F.mse_loss(net(xs).float(), ys), o) as scaled:
-                scaled.backward()
-            o.step()
-    _assert_masters_match_reference(ctx, opt, ref_opt)
+    _amp_steps_against_reference(ctx, ddp, opt, ref, ref_opt, seed=480)
     assert model.spare.weight.grad is None and "spare.weight" not in ddp._reducer_names
     masters = [float(m.double().sum()) for m in amp.master_params(opt)]
     assert masters[-2:] == spare[-2:] and masters[:2] != spare[:2], (masters, spare)
@@ -1337,6 +1330,18 @@ def _amp_step_mse(model, opt, x, y, amp):
     opt.step()
 
 
+def _amp_steps_against_reference(ctx, ddp, opt, ref, ref_opt, seed, steps=3):
+    """``steps`` amp steps of ``ddp`` on this rank's slice and of ``ref`` on the whole batch:
+    the fp32 masters must then match (``_assert_masters_match_reference``)."""
+    from mixprec import amp
+
+    for step in range(steps):
+        x, y = _global_batch(ctx, seed=seed + step)
+        _amp_step_mse(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+        _amp_step_mse(ref, ref_opt, x, y, amp)
+    _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
 class _ConvNet(nn.Module):
     def __init__(self):
         super().__init__()
@@ -1413,19 +1418,11 @@ def check_amp_o2_ddp_masters_bitwise_identical(ctx):
 def check_amp_o2_under_torch_ddp(ctx):
     # mixprec.amp with PyTorch's own DDP (not ours): half gradients all-reduced by it, then
     # unscaled into the masters; the same training as one process on the global batch.
-    from mixprec import amp
 
     model = _mlp(ctx.device)
     model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model))
     ddp = nn.parallel.DistributedDataParallel(model)
-    for step in range(3):
-        x, y = _global_batch(ctx, seed=90 + step)
-        for net, o, xs, ys in ((ddp, opt, _mine(ctx, x), _mine(ctx, y)), (ref, ref_opt, x, y)):
-            o.zero_grad()
-            with amp.scale_loss(F.mse_loss(net(xs).float(), ys), o) as scaled:
-                scaled.backward()
-            o.step()
-    _assert_masters_match_reference(ctx, opt, ref_opt)
+    _amp_steps_against_reference(ctx, ddp, opt, ref, ref_opt, seed=90)
 
 
 def check_amp_o2_accumulation_with_no_sync(ctx):
