@@ -44,9 +44,13 @@ def _fired(ref: weakref.ReferenceType[FirstStep], index: int):
     # Held weakly, as the delay mode's hooks: a dropped wrapper's watch does nothing.
     def hook(param):
         watch = ref()
-        if watch is not None and watch.armed:
+        if watch is None:
+            return
+        if watch.armed:
             watch.fired[index] = True
             queue_once(watch)
+        else:  # (a no_sync() micro-batch before the watched backward)
+            watch.accumulated[index] = True
 
     return hook
 
@@ -68,7 +72,8 @@ class FirstStep:
         self.ddp = weakref.ref(ddp)
         self.names = [name for name, _ in pairs]  # the reducer's parameters, in its order
         self.params = [p for _, p in pairs]
-        self.fired = [False] * len(self.params)
+        self.fired = [False] * len(self.params)  # in the watched backward
+        self.accumulated = [False] * len(self.params)  # in no_sync() backwards before it
         self.armed = False  # the last forward's backward all-reduces
         self.done = False
         self._handles: List = []
@@ -81,11 +86,10 @@ class FirstStep:
             return outside_the_compiler(FirstStep.arm)(self, sync)
         if self.done:
             return
-        # (A no_sync() micro-batch's backward is not the step watched: its hooks do nothing.)
+        # (A no_sync() micro-batch's backward is not the step watched: its hooks only note
+        # the gradients it accumulates.)
         self.armed = bool(sync)
-        if not sync:
-            return
-        if current_task() == -1:
+        if sync and current_task() == -1:
             # Outside any backward: a callback still marked queued belonged to a backward that
             # raised (the engine drops its callbacks then); start the watch afresh.
             self._queued = False
@@ -103,9 +107,10 @@ class FirstStep:
         if ddp is None or self.done or not self.armed:
             return
         self.close()
-        # Whether each parameter holds a gradient (this backward's, or one accumulated in
-        # no_sync() micro-batches before it), before any gets a zero one.
-        held = [p.grad is not None for p in self.params]
+        # Whether each parameter got a gradient: in this backward, or in no_sync() micro-batches
+        # before it (a gradient tensor left from before the wrapper, or zeroed in place, does
+        # not count: Apex's rule was the gradient hook's firing).
+        held = [f or a for f, a in zip(self.fired, self.accumulated)]
         silent = [p for p, fired in zip(self.params, self.fired) if not fired]
         if silent:
             _fire_with_zeros(silent)
@@ -116,7 +121,7 @@ class FirstStep:
         ddp._leave_out([(self.names[i], self.params[i]) for i in unused])
 
     def close(self) -> None:
-        """End the watch (its backward has ended, or a newer wrapper took the module)."""
+        """End the watch (its backward has ended, or the graph turned static)."""
         self.done = True
         self.armed = False
         _remove(self._handles)

@@ -125,10 +125,10 @@ class _Token:
     """A weakly referenced marker (see ``_watch_unsynced_backward``)."""
 
 
-# Per module, its latest wrapper's first-step watch, and the hooks guarding the parameters
-# that first step left out: a wrapper built later around the module ends both.
-_FIRST_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_LEFT_OUT_GUARDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per module, the wrapper (in the reducer's mode) that ran its last forward: only that one
+# watches the first step and guards the parameters it left out (a model wrapped again, the
+# old wrapper still referenced, must not raise for the new one's gradients).
+_ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _remove_hooks(handles) -> None:
@@ -139,7 +139,8 @@ def _remove_hooks(handles) -> None:
 
 def _left_out_guard(ref, name: str):
     def hook(param):
-        if ref() is not None:
+        ddp = ref()
+        if ddp is not None and ddp._active:
             raise RuntimeError(
                 f"DistributedDataParallel: {name} got a gradient, but it got none on any rank "
                 "in the first step, so (as in Apex) it was left out of the all-reduce, and this "
@@ -253,7 +254,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     to bound the wait. Parameters that get no gradient on any rank in the first all-reducing
     backward are left out of the all-reduce from then on, as Apex's DDP did (see
     :mod:`mixprec.parallel._first_step`; rank 0 warns once with their names): they keep
-    ``grad=None``, and one that gets a gradient later raises. A parameter that got a gradient
+    ``grad=None``, and one that gets a gradient later raises (not for a first step inside
+    ``join()``, nor for a model with sparse gradients: there PyTorch's rule holds). A parameter that got a gradient
     in the first step and none in a later one makes the next forward raise a RuntimeError
     naming it, unless ``find_unused_parameters=True`` (then any parameter may go without a
     gradient in any step: one unused on every rank keeps ``grad=None``). A parameter frozen
@@ -390,11 +392,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
 
         group_world_size(process_group)  # this rank must belong to the group
-        # An older wrapper's first-step watch and guards (see _leave_out) end here.
-        older = _FIRST_STEPS.pop(module, None)
-        if older is not None:
-            older.close()
-        _remove_hooks(_LEFT_OUT_GUARDS.pop(module, []))
         delay_allreduce = bool(delay_allreduce)
         buffer_kwargs = (
             {"forward_sync_buffers": False} if "forward_sync_buffers" in _TORCH_DDP_PARAMS
@@ -505,6 +502,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         reducer handles unused parameters itself, or the first step has been seen (then guard
         the parameters it left out)."""
         self._first_step = None
+        self._active = True  # (until another wrapper runs the module; see _note_forward)
         self._left_out_guards = []
         weakref.finalize(self, _remove_hooks, self._left_out_guards)
         if self.find_unused_parameters or self.static_graph:
@@ -516,7 +514,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 pairs = _reducer_params(
                     self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
                 self._first_step = FirstStep(self, pairs)
-                _FIRST_STEPS[self.module] = self._first_step
             return
         self._guard_left_out()
 
@@ -644,6 +641,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             return out
         if getattr(self, "_reducer_stale", False):
             self._rebuild_reducer()
+        if getattr(self, "_active", None) is not None:  # (the reducer's mode)
+            self._note_forward()
         first = getattr(self, "_first_step", None)
         if first is not None and grad:
             # (Not under join(): the ranks that ran out of batches would not match the watch's
@@ -684,6 +683,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                     aliases.add(f"{module_name}.{param_name}" if module_name else param_name)
         self.parameters_to_ignore = set(self.parameters_to_ignore) | aliases
         self._reducer_stale = True  # (rebuilt by the next forward: this backward's is running)
+        self._guard_left_out()  # (from now: a second backward of this step may come)
         shown = ", ".join(self._left_out_names[:8]) + (
             f" and {len(pairs) - 8} more" if len(pairs) > 8 else "")
         _warn_rank0(
@@ -701,6 +701,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if is_compiling():  # (a graph break: the reducer is built eagerly)
             return outside_the_compiler(DistributedDataParallel._rebuild_reducer)(self)
         self._reducer_stale = False
+        before = set(self._reducer_names)
         cap = getattr(self, "_reducer_bucket_bytes_cap", None)
         if cap is not None:  # (what the reducer was built with; see _compile_friendly...)
             self.bucket_bytes_cap = cap
@@ -719,7 +720,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.register_comm_hook(state, hook)
         self._reducer_names = _reducer_param_names(
             self.module, frozenset(self.parameters_to_ignore))
-        self._guard_left_out()
+        # Frozen since the first step: out of the new reducer, like those frozen at wrapping
+        # (refused if trainable again).
+        kept = set(self._reducer_names) | set(self._left_out_names)
+        for name, p in self.module.named_parameters():
+            if (name in before and name not in kept and not p.requires_grad
+                    and all(p is not q for q in self._frozen_at_wrap)):
+                self._frozen_at_wrap.append(p)
 
     def _guard_left_out(self) -> None:
         """Raise when a parameter left out by the first step gets a gradient after all (it
@@ -735,7 +742,22 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                     p.register_post_accumulate_grad_hook(_left_out_guard(ref, name)))
             elif all(p is not q for q in self._frozen_at_wrap):
                 self._frozen_at_wrap.append(p)
-        _LEFT_OUT_GUARDS[self.module] = self._left_out_guards
+
+    def _note_forward(self) -> None:
+        """This wrapper runs its module now: an older wrapper of the same module (the model
+        wrapped again, the old wrapper still referenced) stops watching and guarding it."""
+        if is_compiling():  # (a graph break: module-level bookkeeping, done eagerly)
+            return outside_the_compiler(DistributedDataParallel._note_forward)(self)
+        ref = _ACTIVE.get(self.module)
+        previous = ref() if ref is not None else None
+        if previous is self:
+            return
+        _ACTIVE[self.module] = weakref.ref(self)
+        self._active = True
+        if previous is not None:
+            previous._active = False
+            if getattr(previous, "_first_step", None) is not None:
+                previous._first_step.armed = False
 
     def _watch_unsynced_backward(self, out) -> None:
         """Remember whether a backward of a forward run with the all-reduce off may still come
@@ -793,8 +815,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             "step may have used unreduced gradients). Either make every parameter contribute "
             "to the loss in every step, freeze the unused ones (requires_grad_(False)) before "
             "wrapping, or pass find_unused_parameters=True (or delay_allreduce=True) to "
-            "DistributedDataParallel. (Parameters without a gradient on every rank in the "
-            "first step are left out, as in Apex; these had one then.)"
+            "DistributedDataParallel." + (
+                " (Parameters without a gradient on every rank in the first step are left "
+                "out, as in Apex; these had one then.)"
+                if getattr(self, "_left_out_names", None) is not None else
+                " (Apex's rule, leaving out the parameters without a gradient in the first "
+                "step, does not apply to a model with sparse gradients or to a first step run "
+                "inside join().)")
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1131,6 +1131,108 @@ def check_first_step_watches_the_synced_backward_only(ctx):
     assert "extra.weight" in ddp._reducer_names
 
 
+class _HeadPair(nn.Module):
+    """A trunk and two heads, each output its own loss (``num_losses=2`` scripts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.a(h), self.b(h)
+
+
+def _train_steps(ctx, ddp, seeds, set_to_none=True, **forward_kwargs):
+    for seed in seeds:
+        x, y = _global_batch(ctx, seed=seed)
+        ddp.module.zero_grad(set_to_none=set_to_none)
+        F.mse_loss(_logits(ddp(_mine(ctx, x), **forward_kwargs)), _mine(ctx, y)).backward()
+
+
+def check_first_step_rule_edges(ctx):
+    # (1) A layer frozen after the first step, before the reducer is rebuilt without the
+    # left-out parameters: out of the new reducer, so refused when trainable again (it fell
+    # out silently and drifted apart).
+    torch.manual_seed(0)
+    model = _Checkpointed("plain").to(ctx.device)
+    ddp = DistributedDataParallel(model, message_size=64)
+    _train_steps(ctx, ddp, [520])
+    model.inp.requires_grad_(False)
+    _train_steps(ctx, ddp, [521, 522])
+    model.inp.requires_grad_(True)
+    try:
+        _train_steps(ctx, ddp, [523])
+    except RuntimeError as err:
+        assert "inp.weight, inp.bias were frozen" in str(err), str(err)
+    else:
+        raise AssertionError("a layer frozen after the first step, unfrozen, was taken")
+    # (2) Another wrapper built around the module but not run (an evaluation helper) leaves
+    # the first one's guards in place; a wrapper that runs the module takes over (the old
+    # one's guards then stay quiet).
+    torch.manual_seed(0)
+    model = _Checkpointed("plain").to(ctx.device)
+    ddp = DistributedDataParallel(model, message_size=64)
+    _train_steps(ctx, ddp, [530])
+    DistributedDataParallel(model)
+    try:
+        _train_steps(ctx, ddp, [531], extra=True)
+    except RuntimeError as err:
+        assert "left out of the all-reduce" in str(err), str(err)
+    else:
+        raise AssertionError("a second wrapper switched the first one's guards off")
+    torch.manual_seed(0)
+    model = _Checkpointed("plain").to(ctx.device)
+    ref = copy.deepcopy(model)
+    old = DistributedDataParallel(model, message_size=64)
+    _train_steps(ctx, old, [540])
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    _train_steps(ctx, ddp, [541], extra=True)
+    ref.zero_grad()
+    x, y = _global_batch(ctx, seed=541)
+    F.mse_loss(ref(x, extra=True), y).backward()
+    _assert_same_grads_or_none(ctx, model, ref, "wrapped again")
+    # (3) Gradients zeroed in place (set_to_none=False) count as none: a model wrapped again
+    # for a second phase that trains another head leaves the first head out.
+    torch.manual_seed(0)
+    model = _TwoHeads().to(ctx.device)
+    model.use_b = True
+    _train_steps(ctx, DistributedDataParallel(model), [550], set_to_none=False)
+    model.use_b = False  # (now b is the unused head, with a zero gradient tensor)
+    ddp = DistributedDataParallel(model)
+    _train_steps(ctx, ddp, [551, 552, 553], set_to_none=False)
+    assert "b.weight" not in ddp._reducer_names and model.b.weight.grad is None
+    # (4) A model with sparse gradients keeps PyTorch's rule, and the error says so.
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"emb": nn.Embedding(10, 4, sparse=True), "b": nn.Linear(4, 4)})
+    model.forward = lambda x: model["emb"](x).sum()
+    ddp = DistributedDataParallel(model.to(ctx.device))
+    idx = torch.arange(4, device=ctx.device)
+    ddp(idx).backward()
+    try:
+        ddp(idx)
+    except RuntimeError as err:
+        assert "b.weight" in str(err) and "does not apply to a model with sparse" in str(err)
+    else:
+        raise AssertionError("expected the unused-parameter error")
+    # (5) A second backward through the first step's forward (retain_graph, two losses)
+    # reaching a parameter the first one left out raises before any optimizer step (its
+    # gradient would stay this rank's own).
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_HeadPair().to(ctx.device))
+    x, _ = _global_batch(ctx, seed=560)
+    out_a, out_b = ddp(_mine(ctx, x))
+    out_a.sum().backward(retain_graph=True)
+    try:
+        out_b.sum().backward()
+    except RuntimeError as err:
+        assert "b.weight got a gradient" in str(err) or "b.bias got a gradient" in str(err), err
+    else:
+        raise AssertionError("a second backward reaching a left-out parameter was taken")
+
+
 def check_amp_o2_first_step_leaves_an_unused_head_out(ctx):
     # amp O2 under the rule: half gradients, an unused head (no master gradient, no step), the
     # same training as one process on the global batch.
@@ -1728,6 +1830,7 @@ FIRST_STEP_CHECKS = [
     "check_first_step_after_no_sync_micro_batches",
     "check_first_step_guards_what_it_left_out",
     "check_first_step_watches_the_synced_backward_only",
+    "check_first_step_rule_edges",
     "check_amp_o2_first_step_leaves_an_unused_head_out",
 ]
 # The delay mode's checks, and those that run both modes. They also run on a machine with one
