@@ -197,6 +197,9 @@ class FusedAdam(torch.optim.Optimizer):
         capturable (bool): accepted for Apex compatibility; every step is capturable.
         master_weights (bool): Apex's own fp32 copies of half parameters are not offered:
             ``True`` raises ``ValueError`` (use ``amp.initialize(..., opt_level="O2")``).
+        max_grad_norm (float, keyword-only), eps_inside_sqrt (bool, keyword-only): options of
+            Apex's first FusedAdam, used with ``FP16_Optimizer``: accepted at their defaults
+            (0 and False, which did nothing); otherwise ``ValueError`` says how to clip.
 
     Example::
 
@@ -220,7 +223,18 @@ class FusedAdam(torch.optim.Optimizer):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
                  set_grad_none: bool = True, capturable: bool = False,
-                 master_weights: bool = False):
+                 master_weights: bool = False, *, max_grad_norm: float = 0.0,
+                 eps_inside_sqrt: bool = False):
+        if max_grad_norm or eps_inside_sqrt:
+            given = (f"max_grad_norm={max_grad_norm!r}" if max_grad_norm
+                     else f"eps_inside_sqrt={eps_inside_sqrt!r}")
+            raise ValueError(
+                f"FusedAdam({given}): these options belong to Apex's first FusedAdam (2018-19), "
+                "which clipped and unscaled inside FP16_Optimizer's step; Apex removed both "
+                "with FP16_Optimizer. Drop the argument, build the model with amp.initialize("
+                "model, optimizer, opt_level='O2') instead of FP16_Optimizer, and clip before "
+                "step() with torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), "
+                "max_norm) after the scale_loss block (eps is added outside the square root).")
         if amsgrad:
             raise ValueError("FusedAdam(amsgrad=True): the AMSGrad variant is not supported "
                              "(nor was it in Apex's FusedAdam). Use torch.optim.AdamW("

@@ -371,6 +371,13 @@ def test_bad_arguments_say_what_to_do():
         FusedAdam(p, amsgrad=True)
     with pytest.raises(ValueError, match="opt_level='O2'"):
         FusedAdam(p, master_weights=True)
+    # Apex's first FusedAdam (BERT scripts' --fp16 path, with FP16_Optimizer): its options at
+    # their defaults do nothing; set, they are refused with the way to clip.
+    FusedAdam(p, lr=1e-3, bias_correction=False, max_grad_norm=0.0, eps_inside_sqrt=False)
+    with pytest.raises(ValueError, match=r"max_grad_norm=1.0.*clip_grad_norm_\(amp"):
+        FusedAdam(p, lr=1e-3, bias_correction=False, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match=r"eps_inside_sqrt=True"):
+        FusedAdam(p, eps_inside_sqrt=True)
     with pytest.raises(ValueError, match=r"FusedAdam\(lr=-0.1\)"):
         FusedAdam(p, lr=-0.1)
     with pytest.raises(ValueError, match=r"betas\[1\]=1.0"):
