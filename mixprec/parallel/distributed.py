@@ -258,10 +258,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     ``join()``, nor for a model with sparse gradients: there PyTorch's rule holds). A parameter that got a gradient
     in the first step and none in a later one makes the next forward raise a RuntimeError
     naming it, unless ``find_unused_parameters=True`` (then any parameter may go without a
-    gradient in any step: one unused on every rank keeps ``grad=None``). Parameters frozen or
-    unfrozen after wrapping are seen by the next forward, which sets the all-reduce up again
-    for the trainable ones (Apex re-recorded its buckets so). With ``delay_allreduce=True``
-    any parameter may go without a gradient. A module without trainable parameters (a frozen loss network) is broadcast and
+    gradient in any step: one unused on every rank keeps ``grad=None``). A parameter frozen
+    when the model was wrapped (or in the first step) and set to require gradients later
+    makes the next forward raise: it is not in the all-reduce, so wrap the model again after
+    changing ``requires_grad``; so does freezing some of the parameters (not all) after the
+    first step, which the all-reduce would wait for. With ``delay_allreduce=True`` any parameter may go without a
+    gradient. A module without trainable parameters (a frozen loss network) is broadcast and
     passed through, as in Apex.
 
     Apex arguments that no longer apply are accepted with a warning and ignored:
@@ -445,16 +447,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # The reducer's parameters by name, in its order (its unused-parameter error gives
         # indices into the list it was built with, whatever requires_grad says later).
         self._reducer_names = reducer_names
-        # The parameters set to be ignored by the user (the first step's rule adds its own to
-        # parameters_to_ignore), and which parameters were trainable when the all-reduce was
-        # set up: a forward that finds this changed sets it up again.
-        self._user_ignored = frozenset(getattr(self, "parameters_to_ignore", ignored))
-        self._snapshot_requires_grad()
+        # Parameters frozen at wrapping are not in the reducer: one unfrozen later
+        # (progressive fine-tuning) would train on this rank's gradient alone.
+        self._frozen_at_wrap = [p for p in module.parameters() if not p.requires_grad]
         # The amp models inside (the module itself, or e.g. a container of several): each
         # forward tells them whether its backward all-reduces.
         self._amp_models = [m for m in module.modules() if is_amp_model(m)]
 
-        self._reducer_stale = False  # (see _leave_out)
         self.message_size = message_size
         self.delay_allreduce = delay_allreduce
         self.allreduce_always_fp32 = bool(allreduce_always_fp32)
@@ -507,6 +506,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._active = True  # (until another wrapper runs the module; see _note_forward)
         self._left_out_guards = []
         weakref.finalize(self, _remove_hooks, self._left_out_guards)
+        # (The reducer's parameters: after the first step, freezing some of them and not the
+        # rest is refused at the forward; see _partly_frozen.)
+        self._reducer_param_list = [p for _, p in _reducer_params(
+            self.module, frozenset(getattr(self, "parameters_to_ignore", ())))]
         if self.find_unused_parameters or self.static_graph:
             return
         if getattr(self, "_left_out_names", None) is None:
@@ -539,7 +542,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 setattr(self, name, value)
         self.forward_sync_buffers = False
         self._no_reducer = True
-        self._reducer_stale = False
         # Rank 0's state, except what the model sets to be ignored (as PyTorch broadcasts).
         state = [t for name, t in [*module.named_parameters(), *module.named_buffers()]
                  if t is not None and name not in self.parameters_to_ignore]
@@ -627,9 +629,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def forward(self, *inputs, **kwargs):
         grad = torch.is_grad_enabled()
-        if grad and any(p.requires_grad is not was for p, was in zip(
-                self._rg_params, self._rg_flags)):
-            self._refresh_trainable()
+        frozen = getattr(self, "_frozen_at_wrap", ())
+        if grad and frozen and any(p.requires_grad for p in frozen):
+            raise RuntimeError(self._unfrozen_message())
+        if grad and getattr(self, "_left_out_names", None) is not None:
+            partly = self._partly_frozen()
+            if partly:
+                raise RuntimeError(self._partly_frozen_message(partly))
         if grad:
             # Tells amp.scale_loss whether this forward's backward all-reduces (see
             # mixprec.amp._model.GRAD_SYNC_DEFERRED): inside no_sync() it keeps the gradients
@@ -642,7 +648,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             if grad:
                 delayed.arm(self.require_backward_grad_sync)
             return out
-        if self._reducer_stale:
+        if getattr(self, "_reducer_stale", False) and any(
+                p.requires_grad for p in self._reducer_param_list):
+            # (Not while the whole model is frozen, as a GAN's discriminator is during the
+            # generator's step: there is nothing to build a reducer of, nor to all-reduce.)
             self._rebuild_reducer()
         if getattr(self, "_active", None) is not None:  # (the reducer's mode)
             self._note_forward()
@@ -686,13 +695,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                     aliases.add(f"{module_name}.{param_name}" if module_name else param_name)
         self.parameters_to_ignore = set(self.parameters_to_ignore) | aliases
         self._reducer_stale = True  # (rebuilt by the next forward: this backward's is running)
+        self._reducer_param_list = [p for p in self._reducer_param_list if id(p) not in ids]
         self._guard_left_out()  # (from now: a second backward of this step may come)
-        warned = self.__dict__.setdefault("_warned_left_out", set())
-        new = [name for name in self._left_out_names if name not in warned]
-        if not new:  # (named already, before the trainable parameters changed)
+        # (Named: the trainable ones. Those frozen after wrapping were meant to get none.)
+        unused = [name for name, p in pairs if p.requires_grad]
+        if not unused:
             return
-        warned.update(new)
-        shown = ", ".join(new[:8]) + (f" and {len(new) - 8} more" if len(new) > 8 else "")
+        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8
+                                         else "")
         _warn_rank0(
             f"DistributedDataParallel: {shown} got no gradient on any rank in the first step, "
             "so, as in Apex, they are left out of the all-reduce from now on (and keep "
@@ -708,10 +718,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if is_compiling():  # (a graph break: the reducer is built eagerly)
             return outside_the_compiler(DistributedDataParallel._rebuild_reducer)(self)
         self._reducer_stale = False
+        before = set(self._reducer_names)
         cap = getattr(self, "_reducer_bucket_bytes_cap", None)
         if cap is not None:  # (what the reducer was built with; see _compile_friendly...)
             self.bucket_bytes_cap = cap
         parameters, expect_sparse_gradient = self._build_params_for_reducer()
+        self._reducer_param_list = list(parameters)
         self._ddp_init_helper(
             parameters,
             expect_sparse_gradient,
@@ -726,43 +738,28 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.register_comm_hook(state, hook)
         self._reducer_names = _reducer_param_names(
             self.module, frozenset(self.parameters_to_ignore))
-        self._snapshot_requires_grad()
-
-    def _snapshot_requires_grad(self) -> None:
-        """Remember which parameters are trainable now, as the all-reduce is set up for them."""
-        self._rg_params = [p for name, p in self.module.named_parameters()
-                           if name not in self._user_ignored]
-        self._rg_flags = [p.requires_grad for p in self._rg_params]
-
-    def _refresh_trainable(self) -> None:
-        """Parameters were frozen or unfrozen since the all-reduce was set up (progressive
-        fine-tuning, a backbone frozen through ``.module``): set it up again for the trainable
-        ones, as Apex's DDP re-recorded its buckets when that set changed. The reducer is
-        rebuilt with the first step's rule applied afresh; the delay mode hooks the new set."""
-        if is_compiling():  # (a graph break: set up eagerly)
-            return outside_the_compiler(DistributedDataParallel._refresh_trainable)(self)
-        if self._no_reducer:
-            self._install_hook()
-            self._snapshot_requires_grad()
-            return
-        _remove_hooks(self._left_out_guards)
-        if self._first_step is not None:
-            self._first_step.close()
-        self._left_out_names = None
-        self.parameters_to_ignore = set(self._user_ignored)
-        self._rebuild_reducer()
-        self._watch_first_step()
+        # Frozen since the first step: out of the new reducer, like those frozen at wrapping
+        # (refused if trainable again).
+        kept = set(self._reducer_names) | set(self._left_out_names)
+        for name, p in self.module.named_parameters():
+            if (name in before and name not in kept and not p.requires_grad
+                    and all(p is not q for q in self._frozen_at_wrap)):
+                self._frozen_at_wrap.append(p)
 
     def _guard_left_out(self) -> None:
         """Raise when a parameter left out by the first step gets a gradient after all (it
-        would stay this rank's own). (One frozen then and trainable later is set up again by
-        the forward that finds it so: see _refresh_trainable.)"""
+        would stay this rank's own): from its gradient hook, or, for one frozen then, from the
+        forward that finds it trainable (as for parameters frozen at wrapping)."""
         names = set(self._left_out_names)
         ref = weakref.ref(self)
         for name, p in self.module.named_parameters():
-            if name in names and p.requires_grad:
+            if name not in names:
+                continue
+            if p.requires_grad:
                 self._left_out_guards.append(
                     p.register_post_accumulate_grad_hook(_left_out_guard(ref, name)))
+            elif all(p is not q for q in self._frozen_at_wrap):
+                self._frozen_at_wrap.append(p)
 
     def _note_forward(self) -> None:
         """This wrapper runs its module now: an older wrapper of the same module (the model
@@ -805,6 +802,47 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _unsynced_backward_pending(self) -> bool:
         ref = getattr(self, "_unsynced_backward", None)
         return ref is not None and ref() is not None
+
+    def _unfrozen_message(self) -> str:
+        unfrozen = {id(p) for p in self._frozen_at_wrap if p.requires_grad}
+        names = [n for n, p in self.module.named_parameters() if id(p) in unfrozen]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return (
+            f"DistributedDataParallel: {shown} were frozen (requires_grad=False) when the model "
+            "was wrapped (or in its first step, which left them out of the all-reduce, as "
+            "Apex did) and require gradients now. The all-reduce is set up then, so their "
+            "gradients would never be averaged across ranks and the replicas would drift "
+            "apart. Wrap the model again after changing requires_grad (e.g. model = "
+            "DistributedDataParallel(model.module)), or wrap it with every parameter you will "
+            "train unfrozen and keep the frozen ones out of the optimizer."
+        )
+
+    def _partly_frozen(self) -> List[str]:
+        """The reducer's parameters frozen since it was built, if others still train (the
+        reducer would wait for their gradients: that step would run on unreduced ones). All
+        of them frozen (a GAN's discriminator during the generator's step) is fine: the
+        reducer then sees no gradient at all."""
+        if self.find_unused_parameters or self.static_graph:
+            return []
+        params = self._reducer_param_list
+        frozen = [p for p in params if not p.requires_grad]
+        if not frozen or len(frozen) == len(params):
+            return []
+        ids = {id(p) for p in frozen}
+        return [name for name, p in self.module.named_parameters() if id(p) in ids]
+
+    def _partly_frozen_message(self, names: List[str]) -> str:
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        return (
+            f"DistributedDataParallel: {shown} were frozen (requires_grad=False) after the "
+            "first step while other parameters still train. The all-reduce is set up for "
+            "them and would wait for their gradients, so this step would run on unreduced "
+            "gradients. Wrap the model again after changing requires_grad (model = "
+            "DistributedDataParallel(model.module)), or construct the wrapper with "
+            "find_unused_parameters=True or delay_allreduce=True. (Apex re-recorded its "
+            "buckets when the trainable parameters changed; freezing before the first step, or "
+            "all of a wrapped model at once, needs nothing.)"
+        )
 
     def _unused_parameters_message(self, torch_message: str) -> str:
         names = getattr(self, "_reducer_names", None) or _reducer_param_names(self.module)

@@ -872,41 +872,50 @@ class _FrozenLater(nn.Module):
 
 
 def check_unused_parameters_named_as_the_reducer_was_built(ctx):
-    # `a` frozen after the first step: the all-reduce is set up again without it, the first
-    # step's rule watching again. A branch used in that step and unused in the next is named
-    # from the new reducer's list (indices into the old one named b's as a's).
+    # `a` frozen after the first step, `b` unused from then on: the forward refuses the
+    # freeze, naming a's parameters by the list the reducer was built with (it named b's as
+    # a's before), not b's or c's.
     torch.manual_seed(0)
     model = _FrozenLater().to(ctx.device)
     ddp = DistributedDataParallel(model)
     x, _ = _global_batch(ctx)
     model.use_b = True
     ddp(_mine(ctx, x)).sum().backward()
+    model.use_b = False
     model.a.requires_grad_(False)
-    text = _unused_parameters_error(ctx, ddp, lambda: None)
-    assert "got no gradient: b.weight, b.bias," in text, text
-    assert "a.weight" not in text and "c.weight" not in text, text
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        text = str(err)
+    else:
+        raise AssertionError("expected a RuntimeError naming the frozen parameters")
+    assert "a.weight, a.bias were frozen" in text and "after the first step" in text, text
+    assert "b.weight" not in text and "c.weight" not in text, text
 
 
-def check_requires_grad_changes_set_the_all_reduce_up_again(ctx):
-    # Progressive fine-tuning and freezing through .module: a layer frozen at wrapping and
-    # unfrozen later (its gradients stayed this rank's own and the replicas drifted apart
-    # silently; then it was refused), and a trained layer frozen later (that step ran on
-    # unreduced gradients, then the next forward raised). As Apex's DDP re-recorded its
-    # buckets, the all-reduce is set up again for the trainable parameters: every step's
-    # gradients are the single-process ones.
+def check_unfrozen_after_wrapping_is_refused(ctx):
+    # Progressive fine-tuning: a layer frozen at wrapping is not in the all-reduce; unfrozen
+    # later, its gradients stayed this rank's own and the replicas drifted apart silently.
     for delay in (False, True):
         model = _mlp(ctx.device)
-        ref = copy.deepcopy(model)
-        for net in (model, ref):
-            net[0].requires_grad_(False)
-        ddp = DistributedDataParallel(model, delay_allreduce=delay, message_size=64)
-        for step, change in enumerate((None, 0, None, 2, None)):
-            if change is not None:  # (unfreeze layer 0; then freeze layer 2)
-                for net in (model, ref):
-                    net[change].requires_grad_(change == 0)
-            _grads_match_global_batch(ctx, ddp, model, ref, 600 + step,
-                                      f"delay {delay}, step {step}")
-        assert model[2].weight.grad is None and model[0].weight.grad is not None
+        model[0].requires_grad_(False)
+        ddp = DistributedDataParallel(model, delay_allreduce=delay)
+        x, _ = _global_batch(ctx)
+        ddp(_mine(ctx, x)).sum().backward()
+        with torch.no_grad():
+            ddp(_mine(ctx, x))  # (no backward: nothing to refuse)
+        model[0].requires_grad_(True)
+        try:
+            ddp(_mine(ctx, x))
+        except RuntimeError as err:
+            assert "0.weight, 0.bias were frozen" in str(err), str(err)
+        else:
+            raise AssertionError("expected a RuntimeError naming the unfrozen parameters")
+        # Re-wrapped, they are all-reduced: the gradients agree on every rank.
+        ddp = DistributedDataParallel(model, delay_allreduce=delay)
+        model.zero_grad()
+        ddp(_mine(ctx, x)).sum().backward()
+        _assert_same_on_all_ranks(ctx, [model[0].weight.grad], "unfrozen 0.weight.grad")
 
 
 def check_unused_parameters_named_with_ignored_ones_left_out(ctx):
@@ -1094,22 +1103,25 @@ def check_first_step_guards_what_it_left_out(ctx):
         assert "find_unused_parameters=True" in str(err), str(err)
     else:
         raise AssertionError("a gradient for a left-out parameter did not raise")
-    # Frozen after wrapping (a fine-tuning script freezing the backbone through .module):
-    # set up again without it before the first step, so it is not named as unused; trainable
-    # again, it is all-reduced.
+    # Frozen after wrapping (a fine-tuning script freezing the backbone through .module).
     model = _mlp(ctx.device)
     ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=64)
+    for net in (model, ref):
+        net[0].requires_grad_(False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ddp = DistributedDataParallel(model, message_size=64)
-        for net in (model, ref):
-            net[0].requires_grad_(False)
-        for step in range(5):
-            if step == 3:
-                for net in (model, ref):
-                    net[0].requires_grad_(True)
+        for step in range(3):
             _grads_match_global_batch(ctx, ddp, model, ref, 460 + step, f"frozen, step {step}")
-    assert not _left_out_warnings(caught), _left_out_warnings(caught)
+    assert not _left_out_warnings(caught), _left_out_warnings(caught)  # (frozen: meant so)
+    assert model[0].weight.grad is None
+    model[0].requires_grad_(True)
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        assert "0.weight, 0.bias were frozen" in str(err) and "first step" in str(err), err
+    else:
+        raise AssertionError("a parameter left out when frozen, trainable again, was taken")
 
 
 def check_first_step_watches_the_synced_backward_only(ctx):
@@ -1155,25 +1167,54 @@ def _train_steps(ctx, ddp, seeds, set_to_none=True, **forward_kwargs):
 
 
 def check_first_step_rule_edges(ctx):
-    # (1) A layer frozen after the first step, before the reducer is rebuilt without the
-    # left-out parameters, then trainable again (it fell out of the reducer silently and
-    # drifted apart): set up again each time, the branch left out again, warned once.
+    # (1) A layer frozen after the first step while the rest trains (a backbone frozen
+    # through .module after a few steps): refused at the forward, before a step on
+    # unreduced gradients (it ran one, then the next forward raised; or, frozen before the
+    # reducer's rebuild, it fell out silently and drifted apart when unfrozen). Wrapped
+    # again, it trains as one process. The whole model frozen at once (a GAN's
+    # discriminator during the generator's step) needs nothing.
     torch.manual_seed(0)
     model = _Checkpointed("plain").to(ctx.device)
     ref = copy.deepcopy(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        ddp = DistributedDataParallel(model, message_size=64)
-        for step in range(4):
-            if step in (1, 3):
-                for net in (model, ref):
-                    net.inp.requires_grad_(step == 3)
-            _train_steps(ctx, ddp, [520 + step])
-            ref.zero_grad()
-            x, y = _global_batch(ctx, seed=520 + step)
-            F.mse_loss(ref(x), y).backward()
-            _assert_same_grads_or_none(ctx, model, ref, f"frozen later, step {step}")
-    assert len(_left_out_warnings(caught)) == (ctx.rank == 0), _left_out_warnings(caught)
+    ddp = DistributedDataParallel(model, message_size=64)
+    _train_steps(ctx, ddp, [520])
+    for net in (model, ref):
+        net.requires_grad_(False)
+    x, y = _global_batch(ctx, seed=521)
+    xs = _mine(ctx, x).requires_grad_(True)
+    F.mse_loss(ddp(xs), _mine(ctx, y)).backward()  # (gradients for the input only)
+    assert xs.grad is not None and model.inp.weight.grad is not None  # (step 520's)
+    for net in (model, ref):
+        net.requires_grad_(True)
+        net.inp.requires_grad_(False)
+    try:
+        _train_steps(ctx, ddp, [522])
+    except RuntimeError as err:
+        assert "inp.weight, inp.bias were frozen (requires_grad=False) after the first" in (
+            str(err)) and "Wrap the model again" in str(err), str(err)
+    else:
+        raise AssertionError("a layer frozen after the first step was taken")
+    ddp = DistributedDataParallel(model, message_size=64)
+    for step in range(2):
+        _train_steps(ctx, ddp, [523 + step])
+        ref.zero_grad()
+        x, y = _global_batch(ctx, seed=523 + step)
+        F.mse_loss(ref(x), y).backward()
+        _assert_same_grads_or_none(ctx, model, ref, f"wrapped again, step {step}")
+    # A CycleGAN step from the start: the discriminator's first forward runs frozen (the
+    # generator's loss), its own step after; the first step watched is the latter.
+    torch.manual_seed(0)
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=64)
+    for step in range(2):
+        model.requires_grad_(False)
+        x, y = _global_batch(ctx, seed=527 + step)
+        xs = _mine(ctx, x).requires_grad_(True)
+        ddp(xs).sum().backward()
+        model.requires_grad_(True)
+        _grads_match_global_batch(ctx, ddp, model, ref, 527 + step, f"GAN step {step}")
+    assert ddp._left_out_names == []
     # (2) Another wrapper built around the module but not run (an evaluation helper) leaves
     # the first one's guards in place; a wrapper that runs the module takes over (the old
     # one's guards then stay quiet).
@@ -1889,7 +1930,7 @@ CHECKS = [
     "check_apex_flat_dist_call",
     "check_amp_half_refuses_a_model_already_inside_torch_ddp",
     "check_unused_parameters_named_with_ignored_ones_left_out",
-    "check_requires_grad_changes_set_the_all_reduce_up_again",
+    "check_unfrozen_after_wrapping_is_refused",
     "check_join_divides_uneven_steps_as_asked",
 ]
 CPU_ONLY = ["check_dead_peer_raises_quickly"]
