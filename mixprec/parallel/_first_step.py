@@ -7,18 +7,22 @@ PyTorch's reducer, built before any step, waits for every parameter: an unused o
 bucket from being all-reduced, and the next forward raises. This module gives the reducer's
 mode Apex's rule.
 
-* The first backward that all-reduces is watched: for that backward only, each parameter of
-  the reducer has a post-accumulate-grad hook, and the first hook to fire queues a callback for
-  the end of the outermost backward (past the nested backwards of reentrant checkpoints; see
+* The first backward that all-reduces is watched: from the first forward until that backward
+  ends, each trainable parameter of the reducer has a post-accumulate-grad hook (in no_sync()
+  micro-batches before it, the hooks only note which parameters got a gradient). In that
+  backward the first hook to fire queues a callback for the end of the outermost backward
+  (past the nested backwards of reentrant checkpoints; see
   :mod:`mixprec.parallel._backward_end`).
 * There, the parameters whose hook did not fire get a zero gradient through a small backward of
   their own, which fires the reducer's hooks too. Every rank then completes every bucket, in
   the same order, so the step's gradients are all-reduced as with
   ``find_unused_parameters=True``: a parameter used on some ranks only is averaged with zeros.
-* Then one small all-reduce, read on the host, tells which parameters hold no gradient on any
-  rank. Those get ``grad=None`` back and are left out: the wrapper rebuilds its reducer without
-  them before the next forward, and a gradient that reaches one of them later raises (it would
-  never be averaged across the ranks).
+* Then one small all-reduce, read on the host, tells which parameters got no gradient on any
+  rank, in that backward or the micro-batches before it (a gradient tensor merely left over,
+  or zeroed in place, does not count: Apex's rule was the hook's firing). Those get
+  ``grad=None`` back and are left out: the wrapper rebuilds its reducer without them before
+  the next forward, and a gradient that reaches one of them later raises (it would never be
+  averaged across the ranks).
 
 A model whose parameters all get gradients in the first step pays one hook call per parameter
 and one small all-reduce, once.

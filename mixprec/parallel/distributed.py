@@ -253,18 +253,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     NCCL: after the process group's ``timeout``). Pass ``timeout=`` to ``init_process_group``
     to bound the wait. Parameters that get no gradient on any rank in the first all-reducing
     backward are left out of the all-reduce from then on, as Apex's DDP did (see
-    :mod:`mixprec.parallel._first_step`; rank 0 warns once with their names): they keep
-    ``grad=None``, and one that gets a gradient later raises (not for a first step inside
-    ``join()``, nor for a model with sparse gradients: there PyTorch's rule holds). A parameter that got a gradient
-    in the first step and none in a later one makes the next forward raise a RuntimeError
-    naming it, unless ``find_unused_parameters=True`` (then any parameter may go without a
-    gradient in any step: one unused on every rank keeps ``grad=None``). A parameter frozen
-    when the model was wrapped (or in the first step) and set to require gradients later
-    makes the next forward raise: it is not in the all-reduce, so wrap the model again after
-    changing ``requires_grad``; so does freezing some of the parameters (not all) after the
-    first step, which the all-reduce would wait for. With ``delay_allreduce=True`` any parameter may go without a
-    gradient. A module without trainable parameters (a frozen loss network) is broadcast and
-    passed through, as in Apex.
+    :mod:`mixprec.parallel._first_step`; rank 0 warns once with the trainable ones' names):
+    they keep ``grad=None``, and one that gets a gradient later raises (not for a first step
+    inside ``join()``, nor for a model with sparse gradients: there PyTorch's rule holds). A
+    parameter that got a gradient in the first step and none in a later one makes the next
+    forward raise a RuntimeError naming it, unless ``find_unused_parameters=True`` (then any
+    parameter may go without a gradient in any step: one unused on every rank keeps
+    ``grad=None``). A parameter frozen when the model was wrapped (or in the first step) and
+    set to require gradients later makes the next forward raise: it is not in the all-reduce,
+    so wrap the model again after changing ``requires_grad``; so does freezing some of the
+    parameters (not all) after the first step, which the all-reduce would wait for. With
+    ``delay_allreduce=True`` any parameter may go without a gradient. A module without
+    trainable parameters (a frozen loss network) is broadcast and passed through, as in Apex.
 
     Apex arguments that no longer apply are accepted with a warning and ignored:
     ``allreduce_trigger_params`` (buckets follow gradient readiness), ``num_allreduce_streams``
@@ -508,16 +508,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         weakref.finalize(self, _remove_hooks, self._left_out_guards)
         # (The reducer's parameters: after the first step, freezing some of them and not the
         # rest is refused at the forward; see _partly_frozen.)
-        self._reducer_param_list = [p for _, p in _reducer_params(
-            self.module, frozenset(getattr(self, "parameters_to_ignore", ())))]
+        pairs = _reducer_params(
+            self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
+        self._reducer_param_list = [p for _, p in pairs]
         if self.find_unused_parameters or self.static_graph:
             return
         if getattr(self, "_left_out_names", None) is None:
             sparse = any(getattr(m, "sparse", False) for m in self.module.modules()
                          if isinstance(m, (nn.Embedding, nn.EmbeddingBag)))
             if not sparse:  # (a zero gradient for those would have to be a sparse one)
-                pairs = _reducer_params(
-                    self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
                 self._first_step = FirstStep(self, pairs)
             return
         self._guard_left_out()
@@ -718,7 +717,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if is_compiling():  # (a graph break: the reducer is built eagerly)
             return outside_the_compiler(DistributedDataParallel._rebuild_reducer)(self)
         self._reducer_stale = False
-        before = set(self._reducer_names)
         cap = getattr(self, "_reducer_bucket_bytes_cap", None)
         if cap is not None:  # (what the reducer was built with; see _compile_friendly...)
             self.bucket_bytes_cap = cap
@@ -738,13 +736,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             self.register_comm_hook(state, hook)
         self._reducer_names = _reducer_param_names(
             self.module, frozenset(self.parameters_to_ignore))
-        # Frozen since the first step: out of the new reducer, like those frozen at wrapping
-        # (refused if trainable again).
-        kept = set(self._reducer_names) | set(self._left_out_names)
-        for name, p in self.module.named_parameters():
-            if (name in before and name not in kept and not p.requires_grad
-                    and all(p is not q for q in self._frozen_at_wrap)):
-                self._frozen_at_wrap.append(p)
 
     def _guard_left_out(self) -> None:
         """Raise when a parameter left out by the first step gets a gradient after all (it
