@@ -153,6 +153,12 @@ def _left_out_guard(ref, name: str):
     return hook
 
 
+def _listed(names: List[str], most: int = 8) -> str:
+    """``names`` for a message: the first ``most``, then how many more."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
 def _warn_rank0(message: str, category) -> None:
     """Warn once per job, not once per rank (the constructor runs on every rank)."""
     if is_rank_zero():
@@ -700,8 +706,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         unused = [name for name, p in pairs if p.requires_grad]
         if not unused:
             return
-        shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8
-                                         else "")
+        shown = _listed(unused)
         _warn_rank0(
             f"DistributedDataParallel: {shown} got no gradient on any rank in the first step, "
             "so, as in Apex, they are left out of the all-reduce from now on (and keep "
@@ -797,7 +802,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _unfrozen_message(self) -> str:
         unfrozen = {id(p) for p in self._frozen_at_wrap if p.requires_grad}
         names = [n for n, p in self.module.named_parameters() if id(p) in unfrozen]
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        shown = _listed(names)
         return (
             f"DistributedDataParallel: {shown} were frozen (requires_grad=False) when the model "
             "was wrapped (or in its first step, which left them out of the all-reduce, as "
@@ -823,7 +828,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return [name for name, p in self.module.named_parameters() if id(p) in ids]
 
     def _partly_frozen_message(self, names: List[str]) -> str:
-        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        shown = _listed(names)
         return (
             f"DistributedDataParallel: {shown} were frozen (requires_grad=False) after the "
             "first step while other parameters still train. The all-reduce is set up for "
