@@ -631,13 +631,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             super().__setstate__(state)
             _compile_friendly_bucket_cap(self)
         self._install_hook()
+        # The copy's all-reduce is set up for the parameters trainable now: one frozen since
+        # wrapping (through .module) is out of it too, and refused if unfrozen.
+        self._frozen_at_wrap.extend(
+            p for p in self.module.parameters()
+            if not p.requires_grad and all(p is not q for q in self._frozen_at_wrap))
 
     def forward(self, *inputs, **kwargs):
         grad = torch.is_grad_enabled()
         frozen = getattr(self, "_frozen_at_wrap", ())
         if grad and frozen and any(p.requires_grad for p in frozen):
             raise RuntimeError(self._unfrozen_message())
-        if grad and getattr(self, "_left_out_names", None) is not None:
+        if grad and getattr(self, "_reducer_param_list", None) is not None:
             partly = self._partly_frozen()
             if partly:
                 raise RuntimeError(self._partly_frozen_message(partly))
@@ -669,8 +674,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 first.close()
                 self._first_step = None
             else:
-                first.arm(self.require_backward_grad_sync and not getattr(
-                    getattr(self, "_join_config", None), "enable", False))
+                first.arm(self.require_backward_grad_sync and not self._joining())
         try:
             out = super().forward(*inputs, **kwargs)
         except RuntimeError as err:
@@ -820,6 +824,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         reducer then sees no gradient at all."""
         if self.find_unused_parameters or self.static_graph:
             return []
+        if self._first_step is not None and not self._joining():
+            return []  # (the first step's watch takes them: see _fire_with_zeros)
         params = self._reducer_param_list
         frozen = [p for p in params if not p.requires_grad]
         if not frozen or len(frozen) == len(params):
@@ -827,11 +833,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         ids = {id(p) for p in frozen}
         return [name for name, p in self.module.named_parameters() if id(p) in ids]
 
+    def _joining(self) -> bool:
+        """Inside ``join()`` (uneven inputs)."""
+        return bool(getattr(getattr(self, "_join_config", None), "enable", False))
+
     def _partly_frozen_message(self, names: List[str]) -> str:
         shown = _listed(names)
         return (
-            f"DistributedDataParallel: {shown} were frozen (requires_grad=False) after the "
-            "first step while other parameters still train. The all-reduce is set up for "
+            f"DistributedDataParallel: {shown} were frozen (requires_grad=False) since the "
+            "all-reduce was set up (after the first step, or in a model or join() where that "
+            "step is not watched) while other parameters still train. The all-reduce is set up for "
             "them and would wait for their gradients, so this step would run on unreduced "
             "gradients. Wrap the model again after changing requires_grad (model = "
             "DistributedDataParallel(model.module)), or construct the wrapper with "
