@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch.autograd import Variable
 
-__all__ = ["current_task", "defer_if_nested", "queue_once"]
+__all__ = ["current_task", "defer_if_nested", "queue_once", "remove_hooks"]
 
 # The node autograd is running on this thread (None outside a node): a callback that runs
 # inside a node runs at the end of a nested (reentrant) backward, not of the outermost one.
@@ -86,3 +86,11 @@ def defer_if_nested(watcher) -> bool:
     else:
         node.register_hook(hook)
     return True
+
+
+def remove_hooks(handles: list) -> None:
+    """Remove the hooks behind ``handles`` (a watcher's, when it ends or is freed) and forget
+    them."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()

@@ -46,7 +46,12 @@ from torch import nn
 
 from mixprec.amp._logging import is_rank_zero
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
-from mixprec.parallel._backward_end import current_task, defer_if_nested, queue_once
+from mixprec.parallel._backward_end import (
+    current_task,
+    defer_if_nested,
+    queue_once,
+    remove_hooks,
+)
 from mixprec.parallel._comm import (
     ReduceSpec,
     _by_device_and_dtype,
@@ -103,11 +108,6 @@ def _warn_late_gradient() -> None:
             UserWarning, stacklevel=2)
 
 
-def _remove(handles) -> None:
-    for handle in handles:
-        handle.remove()
-
-
 class DelayedAllReduce:
     """The all-reduce after backward of one :class:`DistributedDataParallel` (see the module
     docstring). ``arm`` is called by each forward with grad enabled."""
@@ -131,7 +131,7 @@ class DelayedAllReduce:
         self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
         ref = weakref.ref(self)
         handles = [p.register_post_accumulate_grad_hook(_hook_for(ref)) for p in self.params]
-        weakref.finalize(self, _remove, handles)
+        weakref.finalize(self, remove_hooks, handles)
         _LIVE.add(self)
 
     def arm(self, sync: bool) -> None:

@@ -38,7 +38,12 @@ import torch
 from torch import nn
 
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
-from mixprec.parallel._backward_end import current_task, defer_if_nested, queue_once
+from mixprec.parallel._backward_end import (
+    current_task,
+    defer_if_nested,
+    queue_once,
+    remove_hooks,
+)
 from mixprec.parallel._comm import any_rank
 
 __all__ = ["FirstStep"]
@@ -59,12 +64,6 @@ def _fired(ref: weakref.ReferenceType[FirstStep], index: int):
     return hook
 
 
-def _remove(handles) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
-
-
 class FirstStep:
     """The watch over the first all-reducing backward of one ``DistributedDataParallel`` (see
     the module docstring). ``arm`` is called by each forward with grad enabled, saying whether
@@ -83,7 +82,7 @@ class FirstStep:
         self._handles: List = []
         self._queued = False  # a callback waits for the end of the running backward
         self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
-        weakref.finalize(self, _remove, self._handles)
+        weakref.finalize(self, remove_hooks, self._handles)
 
     def arm(self, sync: bool) -> None:
         if is_compiling():  # (a graph break: hooks and flags, set eagerly)
@@ -128,7 +127,7 @@ class FirstStep:
         """End the watch (its backward has ended, or the graph turned static)."""
         self.done = True
         self.armed = False
-        _remove(self._handles)
+        remove_hooks(self._handles)
 
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")

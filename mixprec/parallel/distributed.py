@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
+from mixprec.parallel._backward_end import remove_hooks
 from mixprec.parallel._comm import (
     ReduceSpec,
     broadcast_coalesced,
@@ -129,12 +130,6 @@ class _Token:
 # watches the first step and guards the parameters it left out (a model wrapped again, the
 # old wrapper still referenced, must not raise for the new one's gradients).
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _remove_hooks(handles) -> None:
-    for handle in handles:
-        handle.remove()
-    handles.clear()
 
 
 def _left_out_guard(ref, name: str):
@@ -511,7 +506,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._first_step = None
         self._active = True  # (until another wrapper runs the module; see _note_forward)
         self._left_out_guards = []
-        weakref.finalize(self, _remove_hooks, self._left_out_guards)
+        weakref.finalize(self, remove_hooks, self._left_out_guards)
         # (The reducer's parameters: after the first step, freezing some of them and not the
         # rest is refused at the forward; see _partly_frozen.)
         pairs = _reducer_params(
