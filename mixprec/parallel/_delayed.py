@@ -64,11 +64,6 @@ from mixprec.parallel._comm import (
 
 __all__ = ["DelayedAllReduce"]
 
-# The live delay modes: a forward disarms the others of the same module (a model wrapped
-# again, the old wrapper still referenced), so their hooks do nothing.
-_LIVE: weakref.WeakSet[DelayedAllReduce] = weakref.WeakSet()
-
-
 def _buckets(grads: Sequence[torch.Tensor], cap: int) -> List[List[torch.Tensor]]:
     """Split ``grads`` by (device, dtype), keeping their order, into buckets of at most ``cap``
     elements (a larger gradient gets a bucket of its own)."""
@@ -112,9 +107,8 @@ class DelayedAllReduce:
     """The all-reduce after backward of one :class:`DistributedDataParallel` (see the module
     docstring). ``arm`` is called by each forward with grad enabled."""
 
-    def __init__(self, module: nn.Module, names: Sequence[str], params: Sequence[nn.Parameter],
+    def __init__(self, names: Sequence[str], params: Sequence[nn.Parameter],
                  *, spec: ReduceSpec, message_size: int):
-        self.module = weakref.ref(module)
         self.names = list(names)
         self.params = list(params)
         self.spec = spec
@@ -129,10 +123,26 @@ class DelayedAllReduce:
         self._warned = False
         self._queued = False  # a callback waits for the end of the running backward
         self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
-        ref = weakref.ref(self)
-        handles = [p.register_post_accumulate_grad_hook(_hook_for(ref)) for p in self.params]
-        weakref.finalize(self, remove_hooks, handles)
-        _LIVE.add(self)
+        self._hook = _hook_for(weakref.ref(self))
+        self._handles = {id(p): p.register_post_accumulate_grad_hook(self._hook)
+                         for p in self.params}
+        # (the finalizer's list, kept in step with _handles by refresh)
+        self._handle_list = list(self._handles.values())
+        weakref.finalize(self, remove_hooks, self._handle_list)
+
+    def refresh(self, names: Sequence[str], params: Sequence[nn.Parameter]) -> None:
+        """Follow the module's trainable parameters as they are now (a layer replaced, added
+        or unfrozen since the last forward): hooks on the new ones, none left on those gone.
+        Called by the wrapper's forward, between backwards."""
+        keep = {id(p) for p in params}
+        for p in self.params:
+            if id(p) not in keep:
+                self._handles.pop(id(p)).remove()
+        for p in params:
+            if id(p) not in self._handles:
+                self._handles[id(p)] = p.register_post_accumulate_grad_hook(self._hook)
+        self.names, self.params = list(names), list(params)
+        self._handle_list[:] = self._handles.values()
 
     def arm(self, sync: bool) -> None:
         """Called by each forward with grad enabled: whether its backward all-reduces."""
@@ -145,9 +155,11 @@ class DelayedAllReduce:
         self.sync = bool(sync)
         self._armed = True
         self._spent = False
-        for other in list(_LIVE):
-            if other is not self and other.module() is self.module():
-                other._armed = other._spent = False
+
+    def disarm(self) -> None:
+        """Another wrapper runs the module now (the model wrapped again, this one still
+        referenced): this one's hooks do nothing until its own forward runs again."""
+        self._armed = self._spent = False
 
     def _gradient_arrived(self) -> None:
         if not self._armed or self._queued:

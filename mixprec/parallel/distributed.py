@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
+from mixprec.parallel import _structure
 from mixprec.parallel._backward_end import remove_hooks
 from mixprec.parallel._comm import (
     ReduceSpec,
@@ -184,16 +185,19 @@ def _warn_on_apex_internals(cls: type) -> None:
         )
 
 
-def _reducer_params(module: nn.Module, ignored=frozenset()) -> List[Tuple[str, nn.Parameter]]:
+def _reducer_params(module: nn.Module, ignored=frozenset(),
+                    also=frozenset()) -> List[Tuple[str, nn.Parameter]]:
     # The order in which PyTorch's DDP hands parameters to its reducer: per module (named_modules
     # order), its own trainable parameters not set to be ignored
     # (_set_params_and_buffers_to_ignore_for_model), shared ones once. Its unused-parameter
-    # error speaks in indices into this list; the delay mode all-reduces these parameters.
+    # error speaks in indices into this list; the delay mode all-reduces these parameters (and,
+    # as it follows the module, those frozen since it listed them: ids in ``also``).
     pairs, seen = [], set()
     for module_name, sub in module.named_modules():
         for param_name, param in sub.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
-            if param.requires_grad and param not in seen and name not in ignored:
+            if ((param.requires_grad or id(param) in also) and param not in seen
+                    and name not in ignored):
                 seen.add(param)
                 pairs.append((name, param))
     return pairs
@@ -263,8 +267,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     ``grad=None``). A parameter frozen when the model was wrapped (or in the first step) and
     set to require gradients later makes the next forward raise: it is not in the all-reduce,
     so wrap the model again after changing ``requires_grad``; so does freezing some of the
-    parameters (not all) after the first step, which the all-reduce would wait for. With
-    ``delay_allreduce=True`` any parameter may go without a gradient. A module without
+    parameters (not all) after the first step, which the all-reduce would wait for, and a
+    layer replaced or added after wrapping (its parameters are not in PyTorch's reducer).
+    With ``delay_allreduce=True`` any parameter may go without a gradient, and the wrapper
+    follows the module as Apex's delay mode did: parameters unfrozen, replaced or added are
+    all-reduced from the next backward on, and layers new to the module get rank 0's state at
+    the next forward with grad enabled (every rank must make the same change). A module without
     trainable parameters (a frozen loss network) is broadcast and passed through, as in Apex.
 
     Apex arguments that no longer apply are accepted with a warning and ignored:
@@ -465,6 +473,14 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         _warn_on_apex_internals(type(self))
 
     def _install_hook(self) -> None:
+        # The module's parameters and submodules now (held, so that their ids stay theirs): a
+        # forward after a change to any module's parameters or submodules (see _structure)
+        # compares them with the module's own then (see _check_parameters).
+        self._active = True  # (until another wrapper runs the module; see _note_forward)
+        _structure.watch()
+        self._structure_seen = _structure.version()
+        self._known_params = list(self.module.named_parameters())
+        self._known_modules = list(self.module.modules())
         # The communication hooks registered on the reducer, to register again on a rebuilt
         # one (see _rebuild_reducer).
         self._comm_hook_record = []
@@ -489,7 +505,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             pairs = _reducer_params(
                 self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
             self._delayed = DelayedAllReduce(
-                self.module, [name for name, _ in pairs], [p for _, p in pairs],
+                [name for name, _ in pairs], [p for _, p in pairs],
                 spec=spec, message_size=int(self.message_size))
             return
         self._delayed = None
@@ -504,7 +520,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         reducer handles unused parameters itself, or the first step has been seen (then guard
         the parameters it left out)."""
         self._first_step = None
-        self._active = True  # (until another wrapper runs the module; see _note_forward)
         self._left_out_guards = []
         weakref.finalize(self, remove_hooks, self._left_out_guards)
         # (The reducer's parameters: after the first step, freezing some of them and not the
@@ -634,9 +649,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def forward(self, *inputs, **kwargs):
         grad = torch.is_grad_enabled()
-        frozen = getattr(self, "_frozen_at_wrap", ())
-        if grad and frozen and any(p.requires_grad for p in frozen):
-            raise RuntimeError(self._unfrozen_message())
+        self._before_forward(grad)
         if grad and getattr(self, "_reducer_param_list", None) is not None:
             partly = self._partly_frozen()
             if partly:
@@ -658,8 +671,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             # (Not while the whole model is frozen, as a GAN's discriminator is during the
             # generator's step: there is nothing to build a reducer of, nor to all-reduce.)
             self._rebuild_reducer()
-        if getattr(self, "_active", None) is not None:  # (the reducer's mode)
-            self._note_forward()
         first = getattr(self, "_first_step", None)
         if first is not None and grad:
             # (Not under join(): the ranks that ran out of batches would not match the watch's
@@ -679,6 +690,106 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if grad:
             self._watch_unsynced_backward(out)
         return out
+
+    def _before_forward(self, grad: bool) -> None:
+        """Each forward's bookkeeping, done eagerly (one graph break under ``torch.compile``):
+        this wrapper becomes the one that runs the module (see _note_forward) and, with grad
+        enabled, the module's parameters are checked (see _check_parameters)."""
+        if getattr(self, "_active", None) is None:  # (a wrapper still being built)
+            return
+        if is_compiling():
+            return outside_the_compiler(DistributedDataParallel._before_forward)(self, grad)
+        self._note_forward()
+        if grad:
+            self._check_parameters()
+
+    def _check_parameters(self) -> None:
+        """At a forward with grad enabled: a parameter unfrozen, or the module's parameters
+        changed (a layer replaced or added), since the all-reduce was set up. The delay mode
+        (and a module passed through) follows the module; PyTorch's reducer cannot, so that
+        raises (see the messages)."""
+        frozen = self._frozen_at_wrap
+        unfrozen = any(p.requires_grad for p in frozen)
+        if not unfrozen and self._structure_seen == _structure.version():
+            return
+        if getattr(self, "_delayed", None) is not None:
+            self._follow_module()
+        elif unfrozen:
+            raise RuntimeError(self._unfrozen_message())
+        else:
+            self._check_structure()
+
+    def _follow_module(self) -> None:
+        """The delay mode all-reduces what the module holds now, as Apex's delay mode reduced
+        whatever gradients the module's parameters held: parameters unfrozen, added or
+        replaced since the last forward join the all-reduce. Modules and parameters new to the
+        module get rank 0's values (and the new modules' buffers), as the whole model did at
+        wrapping: every rank must make the same change before the same forward."""
+        ignored = frozenset(self.parameters_to_ignore)
+        known = {id(p) for _, p in self._known_params}
+        known_modules = {id(m) for m in self._known_modules}
+        state = [p for name, p in self.module.named_parameters()
+                 if id(p) not in known and name not in ignored]
+        for module_name, sub in self.module.named_modules():
+            if id(sub) in known_modules:
+                continue
+            prefix = f"{module_name}." if module_name else ""
+            state.extend(b for name, b in sub.named_buffers(recurse=False)
+                         if b is not None and prefix + name not in ignored)
+        if state:
+            broadcast_coalesced(state, src=0, group=self.process_group)
+        delayed = self._delayed
+        pairs = _reducer_params(self.module, ignored, also={id(p) for p in delayed.params})
+        delayed.refresh([name for name, _ in pairs], [p for _, p in pairs])
+        self._known_params = list(self.module.named_parameters())
+        self._known_modules = list(self.module.modules())
+        self._frozen_at_wrap = [p for _, p in self._known_params if not p.requires_grad]
+        self._structure_seen = _structure.version()
+
+    def _check_structure(self) -> None:
+        """PyTorch's reducer all-reduces the parameters it was built with: a trainable
+        parameter new to the module (a layer replaced or added after wrapping) would train on
+        this rank's gradients alone, and one gone from it would leave the reducer waiting."""
+        ignored = frozenset(self.parameters_to_ignore)
+        known = {id(p) for _, p in self._known_params}
+        current = list(self.module.named_parameters())
+        here = {id(p) for _, p in current}
+        new = [name for name, p in current
+               if p.requires_grad and id(p) not in known and name not in ignored]
+        reduced = {id(p) for p in self._reducer_param_list}
+        gone = [name for name, p in self._known_params
+                if id(p) in reduced and id(p) not in here]
+        if new or gone:
+            raise RuntimeError(self._changed_message(new, gone))
+        # (A frozen one is refused when unfrozen, as those frozen at wrapping are.)
+        self._frozen_at_wrap.extend(p for name, p in current
+                                    if not p.requires_grad and id(p) not in known)
+        self._known_params = current
+        self._known_modules = list(self.module.modules())
+        self._structure_seen = _structure.version()
+
+    def _changed_message(self, new: List[str], gone: List[str]) -> str:
+        replaced = [name for name in new if name in gone]
+        what = []
+        if replaced:
+            what.append(f"{_listed(replaced)} are new parameter objects")
+        new = [name for name in new if name not in replaced]
+        if new:
+            what.append(f"{_listed(new)} are new to it")
+        gone = [name for name in gone if name not in replaced]
+        if gone:
+            what.append(f"{_listed(gone)} are no longer in it")
+        return (
+            f"DistributedDataParallel: the wrapped module's parameters changed since the "
+            f"all-reduce was set up: {' and '.join(what)} (a layer replaced or added after "
+            "wrapping, e.g. ddp.module.fc = nn.Linear(...)). PyTorch's reducer all-reduces the "
+            "parameters it was built with, so the new ones would train on this rank's "
+            "gradients alone and the replicas would drift apart. Wrap the model again after "
+            "changing it (ddp = DistributedDataParallel(ddp.module); the new wrapper "
+            "broadcasts rank 0's weights), and give the optimizer the new parameters; or "
+            "construct the wrapper with delay_allreduce=True, which follows the module's "
+            "parameters at every forward, as Apex's delay mode did."
+        )
 
     def _leave_out(self, pairs: List[Tuple[str, nn.Parameter]]) -> None:
         """Called when the first all-reducing backward ends, with the parameters that got no
@@ -758,9 +869,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     def _note_forward(self) -> None:
         """This wrapper runs its module now: an older wrapper of the same module (the model
-        wrapped again, the old wrapper still referenced) stops watching and guarding it."""
-        if is_compiling():  # (a graph break: module-level bookkeeping, done eagerly)
-            return outside_the_compiler(DistributedDataParallel._note_forward)(self)
+        wrapped again, the old wrapper still referenced), in either mode, stops watching and
+        guarding it, and its delay mode's all-reduce is called off."""
         ref = _ACTIVE.get(self.module)
         previous = ref() if ref is not None else None
         if previous is self:
@@ -771,6 +881,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             previous._active = False
             if getattr(previous, "_first_step", None) is not None:
                 previous._first_step.armed = False
+            if getattr(previous, "_delayed", None) is not None:
+                previous._delayed.disarm()
 
     def _watch_unsynced_backward(self, out) -> None:
         """Remember whether a backward of a forward run with the all-reduce off may still come
@@ -809,7 +921,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             "gradients would never be averaged across ranks and the replicas would drift "
             "apart. Wrap the model again after changing requires_grad (e.g. model = "
             "DistributedDataParallel(model.module)), or wrap it with every parameter you will "
-            "train unfrozen and keep the frozen ones out of the optimizer."
+            "train unfrozen and keep the frozen ones out of the optimizer, or construct it "
+            "with delay_allreduce=True, which follows the module's trainable parameters at "
+            "every forward, as Apex's delay mode did."
         )
 
     def _partly_frozen(self) -> List[str]:

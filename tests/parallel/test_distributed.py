@@ -428,6 +428,39 @@ def check_delay_allreduce_old_wrapper_stays_quiet(ctx):
     loss.backward()
     torch.testing.assert_close(model.weight.grad, torch.full_like(model.weight.grad,
                                                                   total + ctx.rank + 1))
+    # Across modes: an armed delay-mode wrapper stays quiet under a default-mode one (its
+    # hooks summed the reducer's sum again), ...
+    model = _Scale().to(ctx.device)
+    old = DistributedDataParallel(model, delay_allreduce=True, gradient_average=False)
+    old(x)
+    new = DistributedDataParallel(model, gradient_average=False)
+    new(x).backward()
+    torch.testing.assert_close(model.weight.grad, torch.full_like(model.weight.grad, total),
+                               rtol=0, atol=0)
+    # ... and a default-mode wrapper's guards on the parameters its first step left out stay
+    # off under a delay-mode one (they raised as the head came into use, though the new
+    # wrapper all-reduces it).
+    torch.manual_seed(0)
+    model = _MaybeHead(ctx.device)
+    ref = copy.deepcopy(model)
+    old = DistributedDataParallel(model)
+    for seed in (530, 531):  # (the second builds the reducer without the head)
+        _grads_match_global_batch(ctx, old, model, ref, seed, "head unused")
+    new = DistributedDataParallel(model, delay_allreduce=True)
+    model.use_head = ref.use_head = True
+    _grads_match_global_batch(ctx, new, model, ref, 532, "head used, wrapped again")
+
+
+class _MaybeHead(nn.Module):
+    def __init__(self, device):
+        super().__init__()
+        self.body = _mlp(device)
+        self.head = nn.Linear(4, 4).to(device)
+        self.use_head = False
+
+    def forward(self, x):
+        y = self.body(x)
+        return self.head(y) if self.use_head else y
 
 
 def check_gradient_penalty_through_autograd_grad(ctx):
@@ -894,28 +927,140 @@ def check_unused_parameters_named_as_the_reducer_was_built(ctx):
 
 
 def check_unfrozen_after_wrapping_is_refused(ctx):
-    # Progressive fine-tuning: a layer frozen at wrapping is not in the all-reduce; unfrozen
-    # later, its gradients stayed this rank's own and the replicas drifted apart silently.
-    for delay in (False, True):
+    # Progressive fine-tuning: a layer frozen at wrapping is not in PyTorch's reducer;
+    # unfrozen later, its gradients stayed this rank's own and the replicas drifted apart
+    # silently. (The delay mode follows it: check_delay_allreduce_follows_the_module.)
+    model = _mlp(ctx.device)
+    model[0].requires_grad_(False)
+    ddp = DistributedDataParallel(model)
+    x, _ = _global_batch(ctx)
+    ddp(_mine(ctx, x)).sum().backward()
+    with torch.no_grad():
+        ddp(_mine(ctx, x))  # (no backward: nothing to refuse)
+    model[0].requires_grad_(True)
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        assert "0.weight, 0.bias were frozen" in str(err), str(err)
+        assert "delay_allreduce=True, which follows" in str(err), str(err)
+    else:
+        raise AssertionError("expected a RuntimeError naming the unfrozen parameters")
+    # Re-wrapped, they are all-reduced: the gradients agree on every rank.
+    ddp = DistributedDataParallel(model)
+    model.zero_grad()
+    ddp(_mine(ctx, x)).sum().backward()
+    _assert_same_on_all_ranks(ctx, [model[0].weight.grad], "unfrozen 0.weight.grad")
+
+
+def _expect_changed(ctx, ddp, x, *phrases):
+    """``ddp``'s forward refuses the module's changed parameters, naming them."""
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        text = str(err)
+    else:
+        raise AssertionError(f"a change to the wrapped module was taken: {phrases}")
+    assert "parameters changed since the all-reduce was set up" in text, text
+    for phrase in phrases:
+        assert phrase in text, (phrase, text)
+
+
+def check_replaced_layer_refused_by_the_reducer(ctx):
+    # A head replaced after wrapping (ddp.module[2] = nn.Linear(...)): PyTorch's reducer
+    # all-reduces the parameters it was built with, so the new ones trained on each rank's
+    # gradients alone (and, before the first step, the first-step rule left the old ones
+    # out and then named the new ones as left out). Refused at the next forward, with or
+    # without a step before; a layer added and trained is too. Unrelated modules built
+    # between steps (which move the structure counter) change nothing.
+    x, _ = _global_batch(ctx)
+    for steps_before in (0, 1):
         model = _mlp(ctx.device)
-        model[0].requires_grad_(False)
-        ddp = DistributedDataParallel(model, delay_allreduce=delay)
-        x, _ = _global_batch(ctx)
-        ddp(_mine(ctx, x)).sum().backward()
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model)
+        for step in range(steps_before):
+            nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))  # (not part of the model)
+            _grads_match_global_batch(ctx, ddp, model, ref, 600 + step, "before the change")
+        model[2] = nn.Linear(16, 4).to(ctx.device)
+        _expect_changed(ctx, ddp, x, "2.weight, 2.bias are new parameter objects")
+        _expect_changed(ctx, ddp, x, "2.weight, 2.bias")  # (until wrapped again)
         with torch.no_grad():
             ddp(_mine(ctx, x))  # (no backward: nothing to refuse)
-        model[0].requires_grad_(True)
-        try:
-            ddp(_mine(ctx, x))
-        except RuntimeError as err:
-            assert "0.weight, 0.bias were frozen" in str(err), str(err)
-        else:
-            raise AssertionError("expected a RuntimeError naming the unfrozen parameters")
-        # Re-wrapped, they are all-reduced: the gradients agree on every rank.
-        ddp = DistributedDataParallel(model, delay_allreduce=delay)
-        model.zero_grad()
-        ddp(_mine(ctx, x)).sum().backward()
-        _assert_same_on_all_ranks(ctx, [model[0].weight.grad], "unfrozen 0.weight.grad")
+    model = _mlp(ctx.device)
+    ddp = DistributedDataParallel(model)
+    model.append(nn.Linear(4, 4).to(ctx.device))
+    _expect_changed(ctx, ddp, x, "3.weight, 3.bias are new to it", "delay_allreduce=True")
+    del model[3]
+    model[2] = nn.Identity()
+    _expect_changed(ctx, ddp, x, "2.weight, 2.bias are no longer in it")
+    # A frozen layer added is no business of the reducer's; unfrozen later, it is refused as a
+    # layer frozen at wrapping is.
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    model.add_module("spare", nn.Linear(4, 4).to(ctx.device).requires_grad_(False))
+    ref.add_module("spare", copy.deepcopy(model.spare))
+    _grads_match_global_batch(ctx, ddp, model, ref, 610, "a frozen layer added")
+    model.spare.requires_grad_(True)
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        assert "spare.weight, spare.bias were frozen" in str(err), str(err)
+    else:
+        raise AssertionError("a layer added frozen and unfrozen later was taken")
+
+
+class _Growing(nn.Module):
+    """An MLP whose head may be replaced, with an optional BatchNorm (eval mode) before it."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.body = _mlp(device)
+        self.norm = nn.Identity()
+
+    def forward(self, x):
+        return self.norm(self.body(x))
+
+
+def check_delay_allreduce_follows_the_module(ctx):
+    # Apex's delay mode reduced whatever gradients the module's parameters held after
+    # backward: a layer frozen at wrapping and unfrozen later (progressive fine-tuning), a
+    # head replaced or a layer added (each rank building its own, differently initialised)
+    # all train as one process. The new layers (and their buffers) take rank 0's values,
+    # as the model did at wrapping; the replaced head's hooks are removed.
+    torch.manual_seed(0)
+    model = _Growing(ctx.device)
+    ref = copy.deepcopy(model)
+    model.body[0].requires_grad_(False)
+    ref.body[0].requires_grad_(False)
+    ddp = DistributedDataParallel(model, delay_allreduce=True, message_size=64)
+    _grads_match_global_batch(ctx, ddp, model, ref, 620, "frozen at wrapping")
+    assert model.body[0].weight.grad is None
+    model.body[0].requires_grad_(True)
+    ref.body[0].requires_grad_(True)
+    _grads_match_global_batch(ctx, ddp, model, ref, 621, "unfrozen")
+    old_head = model.body[2]
+    torch.manual_seed(100 + ctx.rank)  # (each rank its own head and statistics)
+    model.body[2] = nn.Linear(16, 4).to(ctx.device)
+    model.norm = nn.BatchNorm1d(4).to(ctx.device).eval()
+    with torch.no_grad():
+        model.norm.running_mean.uniform_()
+        model.norm.running_var.uniform_(0.5, 1.5)
+    x, _ = _global_batch(ctx, seed=622)
+    ddp(_mine(ctx, x))  # (a forward with grad: rank 0's values arrive here)
+    _assert_same_on_all_ranks(
+        ctx, [model.body[2].weight, model.body[2].bias, model.norm.weight,
+              model.norm.running_mean, model.norm.running_var], "the new layers")
+    ref.body[2] = copy.deepcopy(model.body[2])
+    ref.norm = copy.deepcopy(model.norm)
+    _grads_match_global_batch(ctx, ddp, model, ref, 623, "a head replaced, a layer added")
+    assert not old_head.weight._post_accumulate_grad_hooks, "the old head's hook stayed"
+    # A parameter frozen between steps stays in; a layer frozen and unfrozen again trains.
+    model.body[0].requires_grad_(False)
+    ref.body[0].requires_grad_(False)
+    _grads_match_global_batch(ctx, ddp, model, ref, 624, "frozen again")
+    model.body[0].requires_grad_(True)
+    ref.body[0].requires_grad_(True)
+    _grads_match_global_batch(ctx, ddp, model, ref, 625, "unfrozen again")
 
 
 def check_unused_parameters_named_with_ignored_ones_left_out(ctx):
@@ -1905,6 +2050,7 @@ FIRST_STEP_CHECKS = [
     "check_first_step_watches_the_synced_backward_only",
     "check_first_step_rule_edges",
     "check_amp_o2_first_step_leaves_an_unused_head_out",
+    "check_replaced_layer_refused_by_the_reducer",
 ]
 # The delay mode's checks, and those that run both modes. They also run on a machine with one
 # GPU: two processes share it over gloo (the delay mode's callbacks then run on autograd's
@@ -1927,6 +2073,7 @@ DELAY_CHECKS = [
     "check_delay_allreduce_recovers_inside_a_checkpoint",
     "check_delay_allreduce_two_wrappers_and_the_python_reducer_setting",
     "check_disable_and_enable_allreduce",
+    "check_delay_allreduce_follows_the_module",
 ]
 CHECKS = [
     "check_grads_match_single_process",
