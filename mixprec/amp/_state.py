@@ -150,6 +150,13 @@ def _amp_step(this, *args, **kwargs):
             and closure is None):
         state.skip_step()
         return None
+    if (state is not None and state.pairs and state.amp_state.enabled
+            and not isinstance(this, torch.optim.Optimizer)):
+        # A wrapper such as LARC reads the masters (its trust ratio, its weight decay) before
+        # its inner optimizer's step hooks run: in-place writes to the half model since amp
+        # last set it (PyTorch's DDP broadcasting rank 0's weights, nn.init) go into the
+        # masters first, as they do for the inner optimizer's own step.
+        state.take_model_writes()
     runs_hooks = this.__dict__.get("_mixprec_step_runs_hooks", False)
     if runs_hooks:
         for hook in list(this._optimizer_step_pre_hooks.values()):

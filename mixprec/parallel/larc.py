@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable, Optional
 
 import torch
@@ -58,13 +60,16 @@ class LARC:
                 "e.g. LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))."
             )
         for name, value in (("trust_coefficient", trust_coefficient), ("eps", eps)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"LARC({name}={value!r}): must be a number >= 0.")
-        if not isinstance(clip, bool):
-            raise TypeError(f"LARC(clip={clip!r}): must be a bool.")
+            # (NumPy scalars too: Apex took any number.)
+            if (not isinstance(value, numbers.Real) or isinstance(value, bool)
+                    or not math.isfinite(value) or value < 0):
+                raise ValueError(f"LARC({name}={value!r}): must be a finite number >= 0.")
+        if isinstance(clip, torch.Tensor) or clip not in (True, False):
+            raise TypeError(f"LARC(clip={clip!r}): must be a bool (True clips the rate at the "
+                            "group's lr, LARC; False scales it, LARS).")
         self.optim = optimizer
         self.trust_coefficient = float(trust_coefficient)
-        self.clip = clip
+        self.clip = bool(clip)
         self.eps = float(eps)
 
     # -- the inner optimizer's state, shared (the same objects) -------------------------------

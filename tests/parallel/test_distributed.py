@@ -1827,6 +1827,23 @@ def check_amp_o2_rank_dependent_init_under_either_ddp(ctx):
             assert torch.equal(m, expected), (
                 f"{wrapper.__module__}: masters are not rank 0's weights"
                 f"{'' if exact else ' rounded to bf16'}")
+    # The same with LARC around SGD, at a rate that moves the weights: LARC's trust ratio and
+    # weight decay read the masters before its inner optimizer's step (it read each rank's
+    # own initial masters under PyTorch's DDP, so the replicas drifted apart).
+    from mixprec.parallel import LARC
+
+    for wrapper in (nn.parallel.DistributedDataParallel, DistributedDataParallel):
+        model = _mlp(ctx.device, seed=300 + ctx.rank)
+        opt = LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9,
+                                   weight_decay=1e-2))
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0)
+        ddp = wrapper(model)
+        for step in range(2):
+            x, y = _global_batch(ctx, seed=311 + step)
+            _amp_step(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+        _assert_same_on_all_ranks(ctx, list(amp.master_params(opt)),
+                                  f"LARC's fp32 master weight under {wrapper.__module__}")
 
 
 def check_amp_accumulation_with_no_sync_needs_no_delay_unscale(ctx):

@@ -51,6 +51,122 @@ def test_larc_matches_reference(clip, wd):
     assert larc.param_groups[0]["weight_decay"] == wd  # restored after the inner step
 
 
+def _sgd_reference(groups, grads_per_step, lrs_per_step, trust, clip, eps):
+    """Several steps of LARC around SGD (momentum, dampening 0, nesterov per group) in float64,
+    by hand: ``groups`` are dicts of params (tensors), lr, weight_decay, momentum, nesterov."""
+    params = [[p.clone() for p in g["params"]] for g in groups]
+    bufs = [[None] * len(g["params"]) for g in groups]
+    for grads, lrs in zip(grads_per_step, lrs_per_step):
+        for gi, group in enumerate(groups):
+            lr, wd, mom = lrs[gi], group["weight_decay"], group["momentum"]
+            for pi, p in enumerate(params[gi]):
+                g = grads[gi][pi]
+                pn, gn = p.norm().item(), g.norm().item()
+                if pn != 0 and gn != 0:
+                    local = trust * pn / (gn + pn * wd + eps)
+                    if clip:
+                        local = min(local / lr, 1.0)
+                    g = (g + wd * p) * local
+                buf = g.clone() if bufs[gi][pi] is None else bufs[gi][pi] * mom + g
+                bufs[gi][pi] = buf
+                step = g + mom * buf if group["nesterov"] else buf
+                params[gi][pi] = p - lr * step
+    return params
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_larc_groups_momentum_and_a_scheduler_match_reference(clip):
+    # Each group's own lr (as a scheduler sets it between steps) and weight decay, momentum
+    # with and without nesterov, over three steps: LARC must read the groups, not the
+    # defaults, and scale every group.
+    gen = torch.Generator().manual_seed(1)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+    groups = [
+        {"params": [rand(4, 3), rand(3)], "lr": 0.1, "weight_decay": 1e-2, "momentum": 0.9,
+         "nesterov": False},
+        {"params": [rand(5, scale=10)], "lr": 0.5, "weight_decay": 0.0, "momentum": 0.5,
+         "nesterov": True},
+        {"params": [rand(2, 2)], "lr": 0.01, "weight_decay": 5e-2, "momentum": 0.9,
+         "nesterov": True},
+    ]
+    steps = 3
+    grads = [[[rand(*p.shape, scale=s) for p, s in zip(g["params"], (1e-3, 50.0, 1.0))]
+              for g in groups] for _ in range(steps)]
+    gamma = 0.5
+    lrs = [[g["lr"] * gamma ** k for g in groups] for k in range(steps)]
+    expected = _sgd_reference(groups, grads, lrs, trust=0.02, clip=clip, eps=1e-8)
+
+    tensors = [[torch.nn.Parameter(p.clone()) for p in g["params"]] for g in groups]
+    inner = torch.optim.SGD(
+        [{**{k: v for k, v in g.items() if k != "params"}, "params": ts}
+         for g, ts in zip(groups, tensors)],
+        lr=1.0, weight_decay=0.3, momentum=0.0)  # (defaults unlike every group)
+    larc = LARC(inner, trust_coefficient=0.02, clip=clip)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(larc.optim, gamma=gamma)
+    for k in range(steps):
+        for ts, gs in zip(tensors, grads[k]):
+            for t, g in zip(ts, gs):
+                t.grad = g.clone()
+        larc.step()
+        scheduler.step()
+    for gi, (ts, es) in enumerate(zip(tensors, expected)):
+        for pi, (t, e) in enumerate(zip(ts, es)):
+            torch.testing.assert_close(t.detach(), e, rtol=1e-12, atol=1e-12,
+                                       msg=f"group {gi} param {pi} differs from the reference")
+    assert [g["weight_decay"] for g in larc.param_groups] == [1e-2, 0.0, 5e-2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_larc_under_amp_o2_matches_reference_on_the_masters(dtype):
+    # amp O2: LARC steps the fp32 masters with the unscaled master gradients (a static loss
+    # scale of 128 would show as a wrong trust ratio), and takes the half model's in-place
+    # writes since initialize (nn.init, PyTorch's DDP broadcast) into the masters first (it
+    # read the masters from before the write).
+    from mixprec import amp
+
+    if dtype == torch.float16 and not _cpu_half_matmul():
+        pytest.skip("this CPU build has no fp16 matmul")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    larc = LARC(torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1,
+                                momentum=0.9), trust_coefficient=0.02)
+    model, larc = amp.initialize(model, larc, opt_level="O2", dtype=dtype, loss_scale=128.0,
+                                 verbosity=0)
+    with torch.no_grad():
+        model.weight.fill_(0.5)  # (exact in half)
+        model.bias.fill_(0.25)
+    x = torch.randn(4, 16)
+    with amp.scale_loss(model(x).float().pow(2).mean(), larc) as scaled:
+        scaled.backward()
+    masters = list(amp.master_params(larc))
+    grads = [m.grad.double().clone() for m in masters]
+    larc.step()
+    starts = [torch.full((8, 16), 0.5, dtype=torch.float64),
+              torch.full((8,), 0.25, dtype=torch.float64)]
+    expected = _expected(starts, grads, lr=0.1, wd=0.1, trust=0.02, clip=True, eps=1e-8)
+    for i, (m, e) in enumerate(zip(masters, expected)):
+        torch.testing.assert_close(m.double(), e, rtol=1e-6, atol=1e-7,
+                                   msg=f"master {i} differs from the reference")
+    # The unscaled gradient: the same model's loss in float64, by hand.
+    w = starts[0].clone().requires_grad_(True)
+    b = starts[1].clone().requires_grad_(True)
+    (x.double() @ w.T + b).pow(2).mean().backward()
+    tol = dict(rtol=2e-2, atol=1e-3)  # (the forward ran in half)
+    torch.testing.assert_close(grads[0], w.grad, **tol)
+    torch.testing.assert_close(grads[1], b.grad, **tol)
+
+
+def _cpu_half_matmul() -> bool:
+    try:
+        torch.ones(2, 2, dtype=torch.float16) @ torch.ones(2, 2, dtype=torch.float16)
+    except RuntimeError:
+        return False
+    return True
+
+
 def test_larc_clip_bounds_the_rate():
     # Tiny gradient on a large weight: the trust ratio is huge, so LARC clips at lr exactly.
     p = torch.nn.Parameter(torch.full((4,), 10.0))
@@ -119,3 +235,11 @@ def test_larc_errors():
         LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=-1.0)
     with pytest.raises(TypeError, match="clip"):
         LARC(torch.optim.SGD([p], lr=0.1), clip="yes")
+    with pytest.raises(ValueError, match="trust_coefficient=nan"):
+        LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=float("nan"))
+    # What Apex took: any number, a truthy int or NumPy bool for clip.
+    np = pytest.importorskip("numpy")
+    larc = LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=np.float32(0.01),
+                clip=np.bool_(False), eps=np.float64(1e-6))
+    assert larc.clip is False and larc.trust_coefficient == pytest.approx(0.01)
+    assert LARC(torch.optim.SGD([p], lr=0.1), clip=1).clip is True
