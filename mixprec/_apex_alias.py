@@ -201,8 +201,7 @@ def _serve(apex: types.ModuleType, names) -> Tuple[str, ...]:
         setattr(apex, name, module)
         sys.modules[f"apex.{name}"] = module
         served.append(f"apex.{name}")
-        if hasattr(module, "__path__"):  # (a package)
-            _register_submodules(name, module)
+        _register_submodules(name, module)
     return tuple(served)
 
 
@@ -212,6 +211,12 @@ _APEX_ONLY_SUBMODULES = {
     "amp": {"amp": "mixprec.amp", "frontend": "mixprec.amp", "handle": "mixprec.amp"},
     "parallel": {"LARC": "mixprec.parallel.larc",
                  "optimized_sync_batchnorm": "mixprec.parallel.sync_batchnorm"},
+    # (BERT-era scripts: `from apex.fp16_utils.fp16_optimizer import FP16_Optimizer` inside a
+    # try whose except says "install apex": the module must import for its message to show.)
+    "fp16_utils": {"fp16_optimizer": "mixprec._apex_legacy.fp16_utils",
+                   "fp16util": "mixprec._apex_legacy.fp16_utils",
+                   "loss_scaler": "mixprec._apex_legacy.fp16_utils"},
+    "multi_tensor_apply": {"multi_tensor_apply": "mixprec._apex_legacy.multi_tensor_apply"},
 }
 
 
@@ -223,12 +228,14 @@ def _register_submodules(name: str, package: types.ModuleType) -> None:
     this one replaces (an ``apex.amp`` that failed halfway through its imports) go."""
     for stale in [key for key in sys.modules if key.startswith(f"apex.{name}.")]:
         del sys.modules[stale]
-    for info in pkgutil.iter_modules(package.__path__):
+    for info in pkgutil.iter_modules(getattr(package, "__path__", ())):
         module = sys.modules.get(f"{package.__name__}.{info.name}")
         if module is not None:
             sys.modules[f"apex.{name}.{info.name}"] = module
     for sub, target in _APEX_ONLY_SUBMODULES.get(name, {}).items():
-        sys.modules[f"apex.{name}.{sub}"] = importlib.import_module(target)
+        module = sys.modules[f"apex.{name}.{sub}"] = importlib.import_module(target)
+        if not hasattr(package, sub):  # (`import apex.fp16_utils.fp16_optimizer as m`)
+            setattr(package, sub, module)
 
 
 def _serve_normalization(apex: types.ModuleType) -> list:

@@ -11,7 +11,7 @@ dynamic loss scaling, and constructing them raises an error that says so.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Tuple
+from typing import List, Tuple
 
 import torch
 from torch import nn
@@ -72,9 +72,9 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
             param.data = param.data.to(dtype)
             if param.grad is not None:
                 param.grad.data = param.grad.data.to(dtype)
-    for name, buf in module.named_buffers(recurse=False):
+    for buf in module.buffers(recurse=False):
         if buf is not None and buf.is_floating_point():
-            setattr(module, name, buf.to(dtype))
+            buf.data = buf.data.to(dtype)  # (in place: a buffer shared by two modules stays so)
 
 
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -124,8 +124,9 @@ def model_grads_to_master_grads(model_params: List[torch.Tensor],
     for model, master in zip(model_params, master_params):
         if model.grad is None:
             master.grad = None
-        elif master.grad is None:
-            master.grad = model.grad.detach().float()
+        elif master.grad is None:  # (a copy, also of an fp32 gradient: zeroing one of the
+            # two before the master's step must not zero the other)
+            master.grad = torch.empty_like(model.grad, dtype=torch.float32).copy_(model.grad)
         else:
             master.grad.data.copy_(model.grad.data)
 
@@ -143,10 +144,8 @@ def master_params_to_model_params(model_params: List[torch.Tensor],
             model.copy_(master)
 
 
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float,
-                   norm_type: float = 2.0) -> torch.Tensor:
-    """``torch.nn.utils.clip_grad_norm_``, under Apex's old name."""
-    return nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)
+# Apex's old name for it (every argument of PyTorch's: error_if_nonfinite, foreach).
+clip_grad_norm = nn.utils.clip_grad_norm_
 
 
 class _NotProvided:

@@ -21,6 +21,10 @@ class MultiTensorApply:
     def __init__(self, chunk_size: int):
         self.chunk_size = chunk_size
 
+    def check_avail(self) -> None:
+        """Raise: the ``amp_C`` kernels are not available (Apex raised when they were not)."""
+        self(None, None, None)
+
     def __call__(self, op, noop_flag_buffer, tensor_lists, *args):
         raise RuntimeError(
             "apex.multi_tensor_apply.multi_tensor_applier runs kernels of Apex's compiled "

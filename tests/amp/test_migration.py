@@ -297,6 +297,50 @@ def test_apex_imagenet_example_import_block_and_fp16_utils(clean_apex):
     assert fp16_model.network[1].weight.dtype == torch.float32
 
 
+def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
+    # BERT-era scripts import Apex's legacy classes from their own files, inside a try whose
+    # except says "install apex" (they were "not a package": the NotImplementedError that
+    # names amp.initialize never showed).
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    import apex.fp16_utils.fp16_optimizer as fp16_optimizer
+    from apex.fp16_utils.fp16util import network_to_half
+    from apex.fp16_utils.loss_scaler import DynamicLossScaler
+    from apex.multi_tensor_apply.multi_tensor_apply import MultiTensorApply
+
+    legacy = sys.modules["apex.fp16_utils"]
+    assert fp16_optimizer is legacy and network_to_half is legacy.network_to_half
+    with pytest.raises(NotImplementedError, match="amp.initialize"):
+        fp16_optimizer.FP16_Optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1))
+    with pytest.raises(NotImplementedError, match="loss_scale"):
+        DynamicLossScaler()
+    with pytest.raises(RuntimeError, match="amp_C"):
+        MultiTensorApply(2048).check_avail()
+    # Master gradients are copies, also of fp32 gradients (a BatchNorm after network_to_half):
+    # zeroing the model's gradients before the masters' step left those masters at zero.
+    net = network_to_half(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
+    model_params, masters = legacy.prep_param_lists(net)
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    legacy.model_grads_to_master_grads(model_params, masters)
+    net.zero_grad(set_to_none=False)
+    for m in masters:
+        assert m.grad is not None and bool((m.grad == 1).all()), m.grad
+    # A buffer shared by two modules stays shared when converted (cast in place, as Apex).
+    shared = nn.Sequential(nn.BatchNorm1d(2, affine=False), nn.BatchNorm1d(2, affine=False))
+    shared[1].running_mean = shared[0].running_mean
+    legacy.convert_network(shared, torch.float16)
+    assert shared[1].running_mean is shared[0].running_mean
+    assert shared[0].running_mean.dtype == torch.float16
+    # clip_grad_norm is PyTorch's clip_grad_norm_ itself (its keyword arguments too).
+    p = nn.Parameter(torch.ones(2))
+    p.grad = torch.tensor([float("inf"), 1.0])
+    with pytest.raises(RuntimeError, match="non-finite"):
+        legacy.clip_grad_norm([p], 1.0, error_if_nonfinite=True)
+
+
 def test_apexs_first_amp_api_says_what_replaced_it():
     with pytest.raises(AttributeError, match=r"amp.init.*replaced it with amp.initialize"):
         amp.init(enabled=True)
