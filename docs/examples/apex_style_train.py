@@ -61,7 +61,7 @@ def main():
                                       loss_scale=args.loss_scale, verbosity=0)
     start = 0
     if args.resume:
-        checkpoint = torch.load(args.checkpoint)
+        checkpoint = torch.load(args.checkpoint, weights_only=True)
         model.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
         amp.load_state_dict(checkpoint["amp"])
