@@ -1,5 +1,6 @@
 """Argument checks shared by the norm functions and modules; errors name what was passed."""
 
+import math
 import numbers
 from typing import Optional, Sequence, Tuple, Union
 
@@ -61,8 +62,9 @@ def check_inputs(
         if x.dim() == 0:
             fix = f"a 0-dim input has no dims to normalize; it needs trailing dims {normalized_shape}"
         else:
+            # (as many trailing dims as normalized_shape has, not only the last one)
             fix = (f"pass the input's last dims as normalized_shape (e.g. "
-                   f"{tuple(x.shape[-1:])}) or reshape the input")
+                   f"{tuple(x.shape[max(x.dim() - k, 0):])}) or reshape the input")
         raise ValueError(
             f"{where}: input of shape {tuple(x.shape)} does not end with normalized_shape "
             f"{normalized_shape}; {fix}"
@@ -95,5 +97,20 @@ def check_inputs(
                 f"{where}: {name} is on {p.device} but the input is on {x.device}; move both "
                 "to the same device"
             )
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool) or eps < 0:
-        raise ValueError(f"{where}: eps must be a non-negative float, got {eps!r}")
+    check_eps(eps, where)
+
+
+def check_eps(eps, where: str) -> float:
+    """``eps`` as a float: any real number (``float``, ``int``, NumPy scalars such as
+    ``np.float32``, as ``torch.nn.LayerNorm`` takes), finite and non-negative; not a bool."""
+    if (
+        not isinstance(eps, numbers.Real)
+        or isinstance(eps, bool)
+        or not math.isfinite(eps)
+        or eps < 0
+    ):
+        raise ValueError(
+            f"{where}: eps must be a non-negative float (a finite real number >= 0, not a "
+            f"bool), got {eps!r}; pass e.g. eps=1e-5"
+        )
+    return float(eps)

@@ -1,8 +1,7 @@
 """The module machinery shared by FusedLayerNorm and FusedRMSNorm (and their Mixed variants)."""
 
-import numbers
 import warnings
-from typing import Sequence, Tuple, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -66,9 +65,7 @@ class _FusedNorm(nn.Module):
                 f"{name}(eps=None): torch.nn.RMSNorm's eps=None (a machine epsilon chosen per "
                 "input dtype) is not supported; pass a number, e.g. eps=1e-6."
             )
-        if not isinstance(eps, numbers.Real) or eps < 0:
-            raise ValueError(f"{name}: eps must be a non-negative float, got {eps!r}")
-        self.eps = float(eps)
+        self.eps = _checks.check_eps(eps, name)
         self.elementwise_affine = bool(elementwise_affine)
         self.memory_efficient = bool(memory_efficient)
         self._is_rms = is_rms
@@ -94,25 +91,19 @@ class _FusedNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        out_dtype = input.dtype
-        if self._output_like_weight and self.weight is not None:
-            out_dtype = self.weight.dtype
         if torch.jit.is_scripting():
             # TorchScript cannot call the Triton launcher; run the plain-PyTorch math.
+            out_dtype = input.dtype
+            if self._output_like_weight and self.weight is not None:
+                out_dtype = self.weight.dtype
             shape = list(self.normalized_shape)
             if self._is_rms:
                 return reference.rms_norm(input, shape, self.weight, self.eps, out_dtype)
             return reference.layer_norm(input, shape, self.weight, self.bias, self.eps, out_dtype)
-        return self._fused_forward(input, out_dtype)
-
-    @torch.jit.unused
-    def _fused_forward(self, input: Tensor, out_dtype: torch.dtype) -> Tensor:
-        # The arguments are checked once per input signature (shapes, strides, dtypes,
-        # devices), which is also what the launch plan is kept under: a norm runs twice per
-        # transformer layer and its host time is part of a step's.
-        return _ops.fused_norm(
-            input, self.normalized_shape, self.weight, self.bias, self.eps, self._is_rms,
-            self.memory_efficient, out_dtype, check=type(self).__name__,
+        # One opaque call for torch.fx (see _fused_norm_forward).
+        return _fused_norm_forward(
+            input, self.weight, self.bias, self.normalized_shape, self.eps, self._is_rms,
+            self.memory_efficient, self._output_like_weight, type(self).__name__,
         )
 
     def extra_repr(self) -> str:
@@ -124,3 +115,32 @@ class _FusedNorm(nn.Module):
         if self.elementwise_affine and not self._is_rms and self.bias is None:
             text += ", bias=False"
         return text
+
+
+@torch.jit.unused
+def _fused_norm_forward(
+    input: Tensor,
+    weight: Optional[Tensor],
+    bias: Optional[Tensor],
+    normalized_shape: Tuple[int, ...],
+    eps: float,
+    is_rms: bool,
+    memory_efficient: bool,
+    output_like_weight: bool,
+    name: str,
+) -> Tensor:
+    """A module's forward outside TorchScript.
+
+    Registered with ``torch.fx.wrap``: ``torch.fx.symbolic_trace`` records it as one
+    ``call_function`` node (the parameters as ``get_attr`` inputs) instead of tracing into the
+    launcher, which needs real tensors, as ``torch.nn.LayerNorm`` is one leaf module there.
+    The arguments are checked once per input signature (shapes, strides, dtypes, devices),
+    which is also what the launch plan is kept under: a norm runs twice per transformer layer
+    and its host time is part of a step's.
+    """
+    out_dtype = weight.dtype if output_like_weight and weight is not None else input.dtype
+    return _ops.fused_norm(input, normalized_shape, weight, bias, eps, is_rms, memory_efficient,
+                           out_dtype, check=name)
+
+
+torch.fx.wrap("_fused_norm_forward")

@@ -3,7 +3,9 @@
 Two entry points run the same implementation (:func:`norm_fwd_impl` / :func:`norm_bwd_impl`):
 
 * eager mode uses :class:`_FusedNormFunction`, a plain ``torch.autograd.Function``: it costs a
-  few microseconds of Python per call where a ``torch.library`` op costs tens;
+  few microseconds of Python per call where a ``torch.library`` op costs tens (on the PyTorch
+  path its backward is differentiable, for second derivatives; ``memory_efficient`` there uses
+  :class:`_FromOutputNormFunction`);
 * under ``torch.compile`` the call goes to the custom ops ``mixprec::fused_norm_fwd`` and
   ``mixprec::fused_norm_bwd``, which have fake implementations and a registered autograd
   formula, so Dynamo keeps them as single opaque nodes and ``fullgraph=True`` holds.
@@ -197,6 +199,10 @@ class _TritonPath:
     __slots__ = ("plan", "shape", "n", "x_stride", "xy_stride", "xy_strides", "from_y",
                  "y_dtype", "generic")
 
+    # The kernels' backward gives first derivatives only; the output alone is returned.
+    kernels = True
+    returns_rstd = False
+
     def __init__(self, plan, shape, n: int, x_stride: int, x_strides, from_y: bool,
                  y_dtype: torch.dtype, generic: "_GenericPath"):
         self.plan, self.shape, self.n, self.x_stride = plan, shape, n, x_stride
@@ -236,28 +242,56 @@ class _TritonPath:
 class _GenericPath:
     """One input signature on :func:`norm_fwd_impl` / :func:`norm_bwd_impl` over ``[M, N]``
     rows: the PyTorch reference (CPU, fp64, rows too long) or, for inputs whose memory is not
-    rows, the kernels on a row copy."""
+    rows, the kernels on a row copy (``kernels``).
 
-    __slots__ = ("shape", "x_dtype", "n", "eps", "is_rms", "from_y", "y_dtype")
+    On the PyTorch reference the backward is itself differentiable (a second derivative, e.g.
+    ``torch.autograd.gradgradcheck`` or a gradient penalty, works): under ``create_graph=True``
+    it recomputes the statistics from the saved ``x``, so that autograd sees how they depend
+    on it. With ``memory_efficient`` (``returns_rstd``) ``x`` is not kept; the autograd
+    Function then returns ``rstd`` beside ``y`` (:class:`_FromOutputNormFunction`), and both
+    stay connected to ``x`` through it.
+    """
 
-    def __init__(self, shape, x_dtype, n, eps, is_rms, from_y, y_dtype):
+    __slots__ = ("shape", "x_dtype", "n", "eps", "is_rms", "from_y", "y_dtype", "kernels",
+                 "returns_rstd")
+
+    def __init__(self, shape, x_dtype, n, eps, is_rms, from_y, y_dtype, kernels):
         self.shape, self.x_dtype, self.n, self.eps = shape, x_dtype, n, eps
         self.is_rms, self.from_y, self.y_dtype = is_rms, from_y, y_dtype
+        self.kernels = kernels
+        self.returns_rstd = from_y and not kernels
 
     def forward(self, x, weight, bias):
         y, x2d, mean, rstd = _forward(x, weight, bias, self.n, self.eps, self.is_rms,
                                       self.y_dtype)
-        # memory_efficient keeps y (which the next layer keeps anyway) instead of x. A copy
-        # made by _rows is kept rather than remade in backward.
-        saved = y if self.from_y else (x if x2d is x or x2d._is_view() else x2d)
+        # memory_efficient keeps y (which the next layer keeps anyway) instead of x. On the
+        # kernels, a copy made by _rows is kept rather than remade in backward; on the
+        # reference, x itself, through which a second derivative reaches the input.
+        if self.from_y:
+            saved = y
+        elif x2d is x or x2d._is_view() or not self.kernels:
+            saved = x
+        else:
+            saved = x2d
         return y, saved, mean, rstd
 
-    def backward(self, dy, saved, weight, bias, mean, rstd, need_dw, need_db):
+    def backward(self, dy, saved, weight, bias, mean, rstd, need_dw, need_db, drstd=None):
+        """``(dx, dweight, dbias)``; ``drstd``: the gradient reaching ``rstd`` where it is an
+        output (``returns_rstd``)."""
         n = self.n
-        dx, dw, db = norm_bwd_impl(
-            _rows(dy, n), _rows(saved, n), _flat(weight), _flat(bias), mean, rstd, self.is_rms,
-            self.from_y, self.x_dtype, need_dw, need_db,
-        )
+        dy2d, xy, w, b = _rows(dy, n), _rows(saved, n), _flat(weight), _flat(bias)
+        if self.kernels:
+            dx, dw, db = norm_bwd_impl(dy2d, xy, w, b, mean, rstd, self.is_rms, self.from_y,
+                                       self.x_dtype, need_dw, need_db)
+        else:
+            if torch.is_grad_enabled() and not self.from_y:
+                # create_graph=True: autograd records this backward; the saved statistics are
+                # constants to it, so recompute them from x.
+                _, mean, rstd = reference.norm_forward(xy, None, None, self.eps, self.is_rms,
+                                                       xy.dtype)
+            dx, dw, db = reference.norm_backward(dy2d, xy, w, b, mean, rstd, self.is_rms,
+                                                 self.from_y, self.x_dtype, need_dw, need_db,
+                                                 drstd)
         # (Views only where shapes differ: each costs host time.)
         return (
             dx if dx.shape == self.shape else dx.view(self.shape),
@@ -270,12 +304,13 @@ def _make_path(x: Tensor, weight, bias, n: int, eps: float, is_rms: bool, from_y
                out_dtype: torch.dtype):
     """The path of one input signature (``n > 0``)."""
     m = x.numel() // n
-    generic = _GenericPath(x.shape, x.dtype, n, eps, is_rms, from_y, out_dtype)
+    kernels = _use_triton(x, n, weight, bias)
+    generic = _GenericPath(x.shape, x.dtype, n, eps, is_rms, from_y, out_dtype, kernels)
     if (
-        m > 0
+        kernels
+        and m > 0
         and (weight is None or weight.is_contiguous())
         and (bias is None or bias.is_contiguous())
-        and _use_triton(x, n, weight, bias)
     ):
         x_stride = _row_stride(x, n)
         if x_stride is not None:
@@ -312,9 +347,42 @@ class _FusedNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        # (create_graph=True: no second derivative here, the kernels have none; an error if
-        # one is asked for.)
-        return _launch.first_derivatives_only(_backward, ctx, dy, "mixprec's fused norm")
+        if not ctx.path.kernels and torch.is_grad_enabled():
+            # create_graph=True on the PyTorch reference: its backward is differentiable.
+            return _backward(ctx, dy)
+        # The kernels have no second derivative: an error if one is asked for.
+        return _launch.first_derivatives_only(_backward, ctx, dy, _KERNELS_FIRST_ONLY)
+
+
+_KERNELS_FIRST_ONLY = (
+    "mixprec's fused norm on its Triton kernels (for second derivatives use "
+    "torch.nn.LayerNorm / RMSNorm there; mixprec's PyTorch path, on CPU or in float64, has them)"
+)
+
+
+class _FromOutputNormFunction(torch.autograd.Function):
+    """:class:`_FusedNormFunction` for ``memory_efficient`` on the PyTorch reference
+    (``path.returns_rstd``): ``rstd`` is an output beside ``y`` so that both, saved for
+    backward in place of ``x``, stay connected to ``x`` and a second derivative can flow
+    through them (``d rstd / dx = -rstd**2 * x_hat / N``, see ``reference.norm_backward``).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, path):
+        ctx.set_materialize_grads(False)
+        y, _, mean, rstd = path.forward(x, weight, bias)
+        ctx.save_for_backward(y, weight, bias, mean, rstd)
+        ctx.path = path
+        return y, rstd
+
+    @staticmethod
+    def backward(ctx, dy, drstd):
+        y, weight, bias, mean, rstd = ctx.saved_tensors
+        if dy is None:
+            dy = torch.zeros_like(y)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx, dw, db = ctx.path.backward(dy, y, weight, bias, mean, rstd, need_w, need_b, drstd)
+        return dx if need_x else None, dw if need_w else None, db if need_b else None, None
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -472,6 +540,8 @@ def fused_norm(
         or (weight is not None and weight.requires_grad)
         or (bias is not None and bias.requires_grad)
     ):
+        if path.returns_rstd:
+            return _FromOutputNormFunction.apply(x, weight, bias, path)[0]
         return _FusedNormFunction.apply(x, weight, bias, path)
     return path.forward(x, weight, bias)[0]
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
+import torch
 from torch import Tensor
 
 from mixprec.normalization import _checks, _ops
@@ -61,6 +62,10 @@ def _norm(where: str, x: Tensor, normalized_shape: _Shape, weight: Optional[Tens
     out_dtype = weight.dtype if output_like_weight else x.dtype
     return _ops.fused_norm(x, shape, weight, bias, float(eps), is_rms, bool(memory_efficient),
                            out_dtype)
+
+
+# One call_function node under torch.fx (the functions below call it through this module).
+torch.fx.wrap("_norm")
 
 
 def fused_layer_norm(input: Tensor, normalized_shape: _Shape, eps: float = _APEX_EPS,

@@ -12,6 +12,7 @@ activation gives a bf16 output (``torch.nn.LayerNorm`` would give fp32 under CUD
 
 from typing import Optional, Sequence, Union
 
+import torch
 from torch import Tensor
 
 from mixprec.normalization import _checks, _ops
@@ -61,9 +62,17 @@ def fused_layer_norm(
         >>> y = fused_layer_norm(x, 1024, w, b)  # bf16, statistics in fp32
         >>> y.float().pow(2).mean().backward()
     """
+    return _fused_layer_norm(x, normalized_shape, weight, bias, eps, memory_efficient)
+
+
+def _fused_layer_norm(x, normalized_shape, weight, bias, eps, memory_efficient) -> Tensor:
+    # Registered with torch.fx.wrap (below): one call_function node under torch.fx.
     shape = _checks.normalize_shape(normalized_shape, "fused_layer_norm")
     _checks.check_inputs("fused_layer_norm", x, shape, weight, bias, eps)
     return _ops.fused_norm(x, shape, weight, bias, float(eps), False, memory_efficient, x.dtype)
+
+
+torch.fx.wrap("_fused_layer_norm")
 
 
 class FusedLayerNorm(_FusedNorm):
@@ -126,6 +135,8 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         memory_efficient (bool): save the output for backward (see :func:`fused_layer_norm`).
             Default: ``False``.
         elementwise_affine (bool, keyword-only): accepted for Apex's callers; must be True.
+        bias (bool, keyword-only): also learn a ``bias``, as in :class:`FusedLayerNorm`
+            (``torch.nn.LayerNorm``'s flag; Apex's class had none). Default: ``True``.
         **ignored: other keywords (Megatron's ``sequence_parallel_enabled``, say) are dropped
             with a warning, as Apex's class dropped them.
         device (torch.device, optional): where to create the parameters. Default: ``None``.
@@ -146,6 +157,7 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         *,
         memory_efficient: bool = False,
         elementwise_affine: bool = True,
+        bias: bool = True,
         device=None,
         dtype=None,
         **ignored,
@@ -153,5 +165,5 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         _require_affine(type(self).__name__, elementwise_affine, ignored)
         _FusedNorm.__init__(
             self, normalized_shape, eps, True, memory_efficient, is_rms=False,
-            output_like_weight=True, device=device, dtype=dtype,
+            output_like_weight=True, bias=bias, device=device, dtype=dtype,
         )

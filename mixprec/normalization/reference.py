@@ -175,6 +175,7 @@ def norm_backward(
     x_dtype: torch.dtype,
     need_dw: bool,
     need_db: bool,
+    drstd: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
     """Backward of :func:`norm_forward`, with the same formulas as the Triton backward kernel.
 
@@ -195,6 +196,12 @@ def norm_backward(
         x_dtype (torch.dtype): dtype of ``dx``.
         need_dw (bool): compute the weight gradient.
         need_db (bool): compute the bias gradient.
+        drstd (Tensor, optional): ``[M]``, a gradient reaching ``rstd`` itself (where it is an
+            output, as on the memory-efficient path, for second derivatives): adds
+            ``drstd * d rstd / dx = -drstd * rstd**2 * x_hat / N`` to ``dx``. Default: ``None``.
+
+    Being plain PyTorch, the result is differentiable where the arguments are (mean and rstd
+    included: recompute them from ``x`` for that).
 
     Returns:
         (Tensor, Tensor, Tensor): ``dx [M, N]`` in ``x_dtype``; ``dweight`` and ``dbias`` ``[N]``
@@ -227,6 +234,9 @@ def norm_backward(
     else:
         c2 = wdy.sum(dim=1, keepdim=True) / n
         dx = (wdy - (x_hat * c1 + c2)) * rstd[:, None]
+    if drstd is not None:
+        # rstd = (var + eps)**-0.5 (mean square for RMSNorm): d rstd / dx = -rstd**2 * x_hat / n
+        dx = dx - (drstd.to(compute) * rstd * rstd / n)[:, None] * x_hat
     # Separate empty tensors: the custom ops' outputs may not alias each other.
     dw = torch.empty(0, dtype=compute, device=dy.device)
     db = torch.empty(0, dtype=compute, device=dy.device)

@@ -10,6 +10,7 @@ their own dtype, unchanged under ``torch.autocast``.
 
 from typing import Optional, Sequence, Union
 
+import torch
 from torch import Tensor
 
 from mixprec.normalization import _checks, _ops
@@ -55,9 +56,17 @@ def fused_rms_norm(
         >>> y = fused_rms_norm(x, 4096, w)
         >>> y.float().sum().backward()
     """
+    return _fused_rms_norm(x, normalized_shape, weight, eps, memory_efficient)
+
+
+def _fused_rms_norm(x, normalized_shape, weight, eps, memory_efficient) -> Tensor:
+    # Registered with torch.fx.wrap (below): one call_function node under torch.fx.
     shape = _checks.normalize_shape(normalized_shape, "fused_rms_norm")
     _checks.check_inputs("fused_rms_norm", x, shape, weight, None, eps)
     return _ops.fused_norm(x, shape, weight, None, float(eps), True, memory_efficient, x.dtype)
+
+
+torch.fx.wrap("_fused_rms_norm")
 
 
 class FusedRMSNorm(_FusedNorm):
@@ -115,7 +124,8 @@ class MixedFusedRMSNorm(FusedRMSNorm):
             Default: ``False``.
         elementwise_affine (bool, keyword-only): accepted for Apex's callers; must be True.
         **ignored: other keywords (Megatron's ``sequence_parallel_enabled``, say) are dropped
-            with a warning, as Apex's class dropped them.
+            with a warning, as Apex's class dropped them. ``bias=False`` is accepted
+            silently (RMSNorm has no bias); ``bias=True`` is an error.
         device (torch.device, optional): where to create the parameter. Default: ``None``.
         dtype (torch.dtype, optional): dtype of the parameter. Default: ``None`` (fp32).
 
@@ -137,7 +147,16 @@ class MixedFusedRMSNorm(FusedRMSNorm):
         dtype=None,
         **ignored,
     ):
-        _require_affine(type(self).__name__, elementwise_affine, ignored)
+        name = type(self).__name__
+        if "bias" in ignored:
+            # torch.nn.LayerNorm's flag: False is what RMSNorm is, True cannot be honoured.
+            bias = ignored.pop("bias")
+            if bias:
+                raise ValueError(
+                    f"{name}(bias={bias!r}): RMSNorm has no bias (as torch.nn.RMSNorm). Drop "
+                    "bias=, or use MixedFusedLayerNorm for a learned shift."
+                )
+        _require_affine(name, elementwise_affine, ignored)
         _FusedNorm.__init__(
             self, normalized_shape, eps, True, memory_efficient, is_rms=True,
             output_like_weight=True, device=device, dtype=dtype,

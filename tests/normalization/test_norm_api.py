@@ -3,6 +3,7 @@
 import contextlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from mixprec.normalization import (
     MixedFusedLayerNorm,
     MixedFusedRMSNorm,
     _ops,
+    apex_functional,
     fused_layer_norm,
     fused_rms_norm,
     reference,
@@ -46,6 +48,14 @@ def test_mismatched_trailing_shape_is_a_value_error(call):
         call()
 
 
+def test_mismatch_hint_suggests_as_many_trailing_dims_as_normalized_shape_has():
+    # (4, 8) on a (3, 5, 8) input: the hint is the input's last two dims, not its last one.
+    with pytest.raises(ValueError, match=r"normalized_shape \(e\.g\. \(5, 8\)\)"):
+        FusedLayerNorm((4, 8))(torch.randn(3, 5, 8))
+    with pytest.raises(ValueError, match=r"normalized_shape \(e\.g\. \(5,\)\)"):
+        fused_rms_norm(torch.randn(5), (2, 5))  # fewer dims than normalized_shape: all of them
+
+
 def test_other_argument_errors():
     x = torch.randn(2, 4)
     with pytest.raises(ValueError, match="weight has shape"):
@@ -62,6 +72,33 @@ def test_other_argument_errors():
         FusedRMSNorm(4, eps=-1.0)
     with pytest.raises(ValueError, match="eps must be a non-negative"):
         fused_layer_norm(x, 4, eps=-1e-5)
+
+
+def test_eps_takes_any_finite_non_negative_real():
+    # NumPy scalars (a config read with NumPy) work in the functions as in the modules and in
+    # torch.nn.functional.layer_norm; bools, non-finite and negative values do not.
+    import numpy as np
+
+    x = torch.randn(3, 8)
+    want = torch.nn.functional.layer_norm(x, (8,), eps=1e-3)
+    want_rms = torch.nn.functional.rms_norm(x, (8,), eps=1e-3)
+    for eps in (np.float32(1e-3), np.float64(1e-3), 1e-3):
+        for got in (fused_layer_norm(x, 8, eps=eps), apex_functional.fused_layer_norm(x, 8, eps),
+                    FusedLayerNorm(8, eps)(x)):
+            torch.testing.assert_close(got, want)
+        for got in (fused_rms_norm(x, 8, eps=eps), apex_functional.fused_rms_norm(x, 8, eps),
+                    FusedRMSNorm(8, eps)(x)):
+            torch.testing.assert_close(got, want_rms)
+    assert fused_layer_norm(x, 8, eps=np.int64(0)).shape == x.shape
+    assert FusedLayerNorm(8, eps=np.float32(1e-3)).eps == float(np.float32(1e-3))
+    for bad in (True, float("nan"), float("inf"), -1e-5, np.float32(-1), None, "1e-5",
+                torch.tensor(1e-5)):
+        with pytest.raises(ValueError, match=r"fused_layer_norm: eps must be a non-negative"):
+            fused_layer_norm(x, 8, eps=bad)
+        with pytest.raises(ValueError, match=r"fused_rms_norm: eps must be a non-negative"):
+            apex_functional.fused_rms_norm(x, 8, bad)
+        with pytest.raises(ValueError, match=r"FusedLayerNorm: eps must be a non-negative"):
+            FusedLayerNorm(8, eps=bad)
 
 
 def test_extra_repr_and_parameters():
@@ -404,6 +441,21 @@ def test_torch_layer_norm_arguments():
                                              r"sequence_parallel_enabled"):
             norm = cls(8, 1e-5, sequence_parallel_enabled=False)
         assert norm.weight.shape == (8,) and norm.eps == 1e-5
+    # torch.nn.LayerNorm's bias=False is honoured by the Mixed class too (it was dropped with
+    # an "ignoring" warning, and a bias kept), silently; RMSNorm has no bias to keep.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixed = MixedFusedLayerNorm(8, bias=False)
+        mixed_rms = MixedFusedRMSNorm(8, bias=False)
+    assert mixed.bias is None and list(mixed.state_dict()) == ["weight"]
+    assert "bias=False" in repr(mixed)
+    mixed.load_state_dict(theirs.state_dict())
+    theirs.load_state_dict(mixed.state_dict())
+    torch.testing.assert_close(mixed(x.bfloat16()), theirs(x), rtol=1e-2, atol=1e-2)
+    assert mixed(x.bfloat16()).dtype == torch.float32  # (the weight's dtype)
+    assert list(mixed_rms.state_dict()) == ["weight"]
+    with pytest.raises(ValueError, match=r"MixedFusedRMSNorm\(bias=True\): RMSNorm has no bias"):
+        MixedFusedRMSNorm(8, bias=True)
     # torch.nn.RMSNorm(eps=None) means the dtype's machine epsilon: not supported, said so.
     with pytest.raises(ValueError, match=r"FusedRMSNorm\(eps=None\).*pass a number"):
         FusedRMSNorm(8, eps=None)
@@ -482,23 +534,33 @@ def test_module_attribute_changes_between_calls_are_honoured(device):
             norm(x)
 
 
+# The Triton kernels: on CUDA, or in Triton's interpreter on CPU.
+_KERNELS_ONLY = pytest.mark.parametrize("device", [
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="requires CUDA")),
+    pytest.param("cpu-triton", marks=requires_interpreter)])
+
+
+@_KERNELS_ONLY
 @pytest.mark.parametrize("how", ["backward", "grad wrt x", "grad wrt weight"])
 @pytest.mark.parametrize("loss", ["square", "linear in the output"])
-def test_second_derivative_is_a_clear_error(loss, how):
+def test_second_derivative_through_the_kernels_is_a_clear_error(loss, how, device):
     # create_graph=True works for first derivatives; asking for a second one through the
-    # fused backward (which has none) is an error, not a silent zero -- also when the loss is
-    # linear in the output (its gradient still depends on x; grad_out then needs no grad),
+    # kernels' backward (which has none) is an error, not a silent zero -- also when the loss
+    # is linear in the output (its gradient still depends on x; grad_out then needs no grad),
     # and also through torch.autograd.grad with explicit inputs (a Hessian-vector product, a
     # gradient penalty on the parameters), which follows only paths that reach its inputs:
     # that once skipped the error node and returned the result without the norm's term.
-    x = torch.randn(4, 16, requires_grad=True)
-    norm = FusedLayerNorm(16)
-    c = torch.randn(4, 16)
+    device, kernels_on_cpu = device_and_context(device)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    norm = FusedLayerNorm(16).to(device)
+    c = torch.randn(4, 16, device=device)
 
     def out(y):
         return y.pow(2).sum() if loss == "square" else (y * c).sum()
 
-    (gx,) = torch.autograd.grad(out(norm(x)), x, create_graph=True)
+    with kernels_on_cpu():
+        (gx,) = torch.autograd.grad(out(norm(x)), x, create_graph=True)
     ref = x.detach().clone().requires_grad_(True)
     (want,) = torch.autograd.grad(
         out(torch.nn.functional.layer_norm(ref, (16,), norm.weight, norm.bias)), ref)
@@ -506,11 +568,39 @@ def test_second_derivative_is_a_clear_error(loss, how):
     # x also reaches the second loss outside the norm, so autograd has a path to x (and the
     # weight) that does not need the norm's second derivative.
     second = (gx * c).sum() + (x ** 3).sum() + norm.weight.sum()
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match="Triton kernels.*differentiate twice"):
         if how == "backward":
             second.backward()
         else:
             torch.autograd.grad(second, x if how == "grad wrt x" else norm.weight)
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-x", "memory-efficient"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_second_derivatives_on_the_pytorch_path(cls, affine, memory_efficient):
+    # The PyTorch path (CPU here; also float64 and over-long rows on CUDA) differentiates its
+    # own backward, as torch.nn.LayerNorm does: gradgradcheck in float64, with respect to the
+    # input and the parameters, on rows that are a view and on rows that must be copied.
+    gen = torch.Generator().manual_seed(7)
+    norm = cls((3, 4), elementwise_affine=affine, memory_efficient=memory_efficient,
+               dtype=torch.float64)
+    names = [name for name, _ in norm.named_parameters()]
+    with torch.no_grad():
+        for p in norm.parameters():  # (memory_efficient needs non-zero weights)
+            p.uniform_(0.5, 1.5, generator=gen)
+
+    def call(x, *params):
+        return torch.func.functional_call(norm, dict(zip(names, params)), (x,))
+
+    params = [p.detach().clone().requires_grad_(True) for p in norm.parameters()]
+    inputs = {
+        "rows": torch.randn(2, 3, 4, generator=gen, dtype=torch.float64),
+        "transposed": torch.randn(3, 2, 4, generator=gen, dtype=torch.float64).transpose(0, 1),
+    }
+    for name, x in inputs.items():
+        x = x.requires_grad_(True)
+        assert torch.autograd.gradgradcheck(call, (x, *params)), name
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
@@ -569,6 +659,50 @@ def test_backward_takes_what_autograd_hands_back(hook, device):
     torch.testing.assert_close(gq[..., :32].double(), want[1], **tol)
     assert not gq[..., 32:].any()
     torch.testing.assert_close(gw.double(), want[2], atol=tol["atol"] * 4, rtol=tol["rtol"])
+
+
+class _FunctionalNorms(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.linspace(0.5, 1.5, 8))
+        self.b = torch.nn.Parameter(torch.linspace(-1, 1, 8))
+
+    def forward(self, x):
+        h = fused_layer_norm(x, 8, self.w, self.b) + fused_rms_norm(x, (8,), self.w)
+        return h + apex_functional.fused_layer_norm_affine(x, self.w, self.b, 8)
+
+
+@pytest.mark.parametrize("make,norm_calls", [
+    (lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), FusedLayerNorm(8)), 1),
+    (lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), FusedRMSNorm(8, memory_efficient=True)),
+     1),
+    (lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), MixedFusedLayerNorm(8)), 1),
+    (lambda: MixedFusedRMSNorm((2, 8)), 1),
+    (lambda: FusedLayerNorm(8, elementwise_affine=False), 1),
+    (_FunctionalNorms, 3),
+], ids=["layer_norm", "rms_norm", "mixed", "mixed-rms-root", "plain-root", "functional"])
+def test_fx_symbolic_trace_records_one_call_per_norm(make, norm_calls):
+    # torch.nn.LayerNorm is a leaf module under torch.fx; mixprec's norms (modules, also as
+    # the traced root, and functions) are recorded as one call_function node each, which runs
+    # the fused norm (the trace once failed: "input must be a torch.Tensor, got Proxy").
+    import operator
+
+    torch.manual_seed(0)
+    model = make()
+    traced = torch.fx.symbolic_trace(model)
+    calls = [node.target for node in traced.graph.nodes if node.op == "call_function"]
+    norms = [t for t in calls if t.__module__.startswith("mixprec.normalization")]
+    assert len(norms) == norm_calls and len(calls) - len(norms) == calls.count(operator.add)
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    want = model(x)
+    got = traced(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    params = list(model.parameters())
+    got_grads = torch.autograd.grad(got.square().sum(), [x, *params])
+    want_grads = torch.autograd.grad(want.square().sum(), [x, *params])
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 def test_internal_entry_takes_a_list_shape():
