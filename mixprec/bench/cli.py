@@ -7,6 +7,8 @@ This module is the command line; it is the only place in the package that prints
 from __future__ import annotations
 
 import argparse
+import contextlib
+import difflib
 import logging
 import os
 import sys
@@ -55,8 +57,13 @@ def _int_in(minimum: int, what: str, maximum: Optional[int] = None):
     return parse
 
 
+#: The most --iters (and --warmup) steps: far more than a benchmark needs (the default is 40),
+#: and few enough that a typo (an extra zero or three) is caught before the run, not hours in.
+_MAX_STEPS = 1_000_000
+
 _positive_int = _int_in(1, "a positive integer")
-_non_negative_int = _int_in(0, "an integer >= 0")
+_iters = _int_in(1, f"a positive integer up to {_MAX_STEPS:,} (default 40)", maximum=_MAX_STEPS)
+_warmup = _int_in(0, f"an integer >= 0 and up to {_MAX_STEPS:,}", maximum=_MAX_STEPS)
 _seed = _int_in(-(2**63), "an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)",
                 maximum=2**64 - 1)
 
@@ -93,13 +100,13 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--iters",
-        type=_positive_int,
+        type=_iters,
         default=40,
-        help="timed iterations per mode (default 40, the seed's unit)",
+        help=f"timed iterations per mode, at most {_MAX_STEPS:,} (default 40, the seed's unit)",
     )
     p.add_argument(
         "--warmup",
-        type=_non_negative_int,
+        type=_warmup,
         default=None,
         help="untimed iterations before them (default 5 on CUDA, 3 on CPU)",
     )
@@ -141,8 +148,12 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="the gpt's AdamW: PyTorch's (default) or mixprec's FusedAdam (the same update in "
         "one Triton pass; at O2 it also writes the half model), for every mode",
     )
-    p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
-    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV")
+    p.add_argument(
+        "--json",
+        metavar="PATH",
+        help="write the rows as a JSON list (a file: stdout carries the table, so not '-')",
+    )
+    p.add_argument("--csv", metavar="PATH", help="write the rows as CSV (a file, not '-')")
     p.add_argument(
         "--plot",
         metavar="PATH",
@@ -155,7 +166,12 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="cpu, cuda or cuda:N (default: cuda when available, else cpu)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (a line per finished mode on stderr instead, as when stderr is "
+        "not a terminal)",
+    )
     p.add_argument(
         "-v",
         "--verbose",
@@ -232,24 +248,93 @@ def _norm_factory(name: str, parser):
     return FusedLayerNorm
 
 
-def _unwritable(path: Optional[str]) -> Optional[str]:
-    """Why ``path`` cannot be written (None when it can, or when no path was given).
+def _unwritable(path: Optional[str], example: str) -> Optional[str]:
+    """Why ``path`` cannot be written (None when it can, or when no path was given);
+    ``example`` is a file name to suggest.
 
-    The file itself is not created: its parent directory must exist and be writable, or be
-    creatable (the writers make missing directories).
+    Checked by doing it: the missing parent directories are made (the writers make them too)
+    and the file is opened for appending (its contents stay), then what did not exist before
+    is removed again, so the check leaves nothing behind, whether it passes or fails.
     """
     if not path:
         return None
+    if path == "-":
+        return (
+            "writing to standard output is not supported (stdout carries the table); give a "
+            f"file name, e.g. {example}"
+        )
+    if path.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        return (
+            "it ends with a path separator, so it names a directory; name a file in it, e.g. "
+            f"{os.path.join(path, example)!r}"
+        )
     if os.path.isdir(path):
         return "it is a directory"
     parent = os.path.dirname(os.path.abspath(path))
+    missing = []
     while not os.path.exists(parent):
+        missing.append(parent)
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"{parent} is not a directory"
-    if not os.access(parent, os.W_OK):
-        return f"{parent} is not writable"
+    existed = os.path.lexists(path)
+    made = []
+    try:
+        for directory in reversed(missing):
+            os.mkdir(directory)
+            made.append(directory)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        return f"{exc.strerror or exc}; give a path in a writable directory"
+    finally:
+        with contextlib.suppress(OSError):
+            if not existed and os.path.lexists(path):
+                os.remove(path)
+            for directory in reversed(made):
+                os.rmdir(directory)
     return None
+
+
+def _to_devnull(stream) -> None:
+    """Point ``stream``'s file descriptor at os.devnull after a BrokenPipeError (the pattern of
+    Python's signal docs): what is still buffered, and the flush at exit, go nowhere instead of
+    raising again."""
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation: in-memory)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
+class _Stdout:
+    """The CLI's prints to stdout. A reader that goes away (``mixprec bench | head -1``) does
+    not stop the run: stdout then goes to os.devnull, ``broken`` is set and the output files
+    are still written (:func:`main` exits 1)."""
+
+    def __init__(self):
+        self.broken = False
+
+    def __call__(self, *lines: str) -> None:
+        if self.broken:
+            return
+        try:
+            for line in lines:
+                print(line)
+            sys.stdout.flush()  # (here, so that a closed pipe shows here)
+        except BrokenPipeError:
+            self.broken = True
+            _to_devnull(sys.stdout)
+
+
+def _err(message: str) -> None:
+    """One line on stderr; a closed stderr is not an error of the benchmark."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except BrokenPipeError:
+        _to_devnull(sys.stderr)
 
 
 def _progress(total: int, enabled: bool):
@@ -259,7 +344,7 @@ def _progress(total: int, enabled: bool):
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        print("(no progress bar: install tqdm, e.g. pip install 'mixprec[bench]')", file=sys.stderr)
+        _err("(no progress bar: install tqdm, e.g. pip install 'mixprec[bench]')")
         return None, None
     # disable=None: no bar when stderr is not a terminal (logs, CI), so they stay clean.
     bar = tqdm(
@@ -297,10 +382,22 @@ class _VerboseLogging:
             self._logger.setLevel(self._level)
 
 
-def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _mode_line(row, done: int, total: int) -> str:
+    """The stderr line for a finished mode (when no progress bar shows)."""
+    if not row.ok:
+        reason = (row.error or "unknown error").splitlines()[0]
+        what = "FAILED: " + (reason if len(reason) <= 100 else reason[:97] + "...")
+    else:
+        what = f"ok, {40 * row.time_per_iter_s:.3f} s / 40 it"
+        if row.diverged:
+            what += ", loss not finite (diverged)"
+    return f"mixprec bench: [{done}/{total}] {row.label}: {what}"
+
+
+def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdout) -> int:
     from mixprec.bench import report
     from mixprec.bench.models import build_workload
-    from mixprec.bench.runner import DTYPES, run_modes
+    from mixprec.bench.runner import DTYPES, mode_label, run_modes
 
     device = _resolve_device(args.device, parser)
     on_cuda = device.type == "cuda"
@@ -322,10 +419,14 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"image models train with SGD (leave --optimizer torch for --model {args.model})"
         )
     named = {}  # each output's resolved path -> the flag that named it
-    for flag, path in (("--json", args.json), ("--csv", args.csv), ("--plot", args.plot)):
+    for flag, path, example in (
+        ("--json", args.json, "rows.json"),
+        ("--csv", args.csv, "rows.csv"),
+        ("--plot", args.plot, "bench.png"),
+    ):
         if path is not None and not path.strip():
             parser.error(f"argument {flag}: expected a file path, got {path!r}")
-        problem = _unwritable(path)
+        problem = _unwritable(path, example)
         if problem:  # fail before the run, not after it
             parser.error(f"argument {flag}: cannot write {path!r}: {problem}")
         if path:
@@ -344,6 +445,12 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             report._import_matplotlib()
         except RuntimeError as exc:
             parser.error(str(exc))
+    if size == "large" and not on_cuda:
+        _err(
+            f"mixprec bench: warning: --size large on CPU is slow (a {args.model} step can take "
+            "seconds, times 40 iterations, times each mode); use --size small or fewer --iters "
+            "(e.g. --iters 5)"
+        )
 
     try:
         workload = build_workload(
@@ -363,12 +470,34 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     modes: List[str] = sorted(dict.fromkeys(args.opt_levels), key=order.__getitem__)
     if args.native:
         modes += list(_NATIVE_MODES)
+    dtype = DTYPES[dtype_name]
+
+    # The header first, so that a log (2>&1 | tee log) says what runs while it runs.
+    where = torch.cuda.get_device_name(device) if on_cuda else "CPU"
+    out(
+        f"mixprec bench: {workload.description}",
+        f"device {device} ({where}), half type {dtype_name}, {warmup} warm-up + {args.iters} "
+        f"timed iterations per mode, seed {args.seed}"
+        + (", channels_last" if args.channels_last and workload.image else "")
+        + (", BatchNorm frozen (eval)" if args.frozen_bn else ""),
+        "",
+    )
     bar, step = _progress(len(modes) * (warmup + args.iters), not args.no_progress)
+    # Without a bar on the screen (a log file, --no-progress), a line per finished mode.
+    log_modes = bar is None or bar.disable
+    results = []
+
+    def finished(row) -> None:
+        results.append(row)
+        if log_modes:
+            _err(_mode_line(row, len(results), len(modes)))
+
+    interrupted = False
     try:
-        results = run_modes(
+        run_modes(
             workload,
             modes,
-            dtype=DTYPES[dtype_name],
+            dtype=dtype,
             device=device,
             iters=args.iters,
             warmup=warmup,
@@ -376,41 +505,54 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             frozen_bn=args.frozen_bn,
             seed=args.seed,
             progress=step,
+            on_result=finished,
         )
+    except KeyboardInterrupt:  # Ctrl-C: keep what finished
+        interrupted = True
     finally:
         if bar is not None:
             bar.close()
 
-    where = torch.cuda.get_device_name(device) if on_cuda else "CPU"
-    print(f"mixprec bench: {workload.description}")
-    print(
-        f"device {device} ({where}), half type {dtype_name}, {warmup} warm-up + {args.iters} "
-        f"timed iterations per mode, seed {args.seed}"
-        + (", channels_last" if args.channels_last and workload.image else "")
-        + (", BatchNorm frozen (eval)" if args.frozen_bn else "")
-    )
-    print()
-    print(report.format_table(results, baseline="O0"))
-    print()
     window = min(len(workload.batches), warmup + args.iters)
     over = (f"one pass over the {window}-batch pool" if window == len(workload.batches)
             else f"every step run, {window} of the {len(workload.batches)} batches")
-    notes = [
+    notes = []
+    if interrupted:
+        left = [mode_label(m, dtype) for m in modes[len(results):]]
+        notes.append(
+            f"interrupted (Ctrl-C) during {left[0]}; did not run: {', '.join(left)}."
+            if left else "interrupted (Ctrl-C) after the last mode."
+        )
+    notes.append(
         "s / 40 it = 40 x the median step time; final loss = mean over the last "
         f"{window} step{'s' if window != 1 else ''} ({over})."
-    ]
+    )
     if on_cuda:
         notes.append("peak mem = torch.cuda.max_memory_allocated() growth over the mode's start.")
     else:
         notes.append(
             "peak mem = growth of the process's resident memory (RSS): approximate on CPU."
         )
-    if "O0" not in modes or not any(r.mode == "O0" and r.ok for r in results):
+    if not on_cuda:
+        fused = []
+        if args.norm == "mixprec":
+            fused.append("FusedLayerNorm" if args.model == "gpt" else "FusedBatchNorm")
+        if args.optimizer == "mixprec":
+            fused.append("FusedAdam")
+        if fused:
+            notes.append(
+                f"{' and '.join(fused)} ran PyTorch code here, not mixprec's fused kernels: "
+                "those are Triton kernels, which run on CUDA only; use --device cuda to time "
+                "them."
+            )
+    if results and not any(r.mode == "O0" and r.ok for r in results):
         notes.append("no successful O0 row: speed-up and loss gap are not available.")
     if any(not r.ok for r in results):
-        notes.append("failed modes: run with -v for their tracebacks.")
-    for note in notes:
-        print(f"note: {note}")
+        notes.append(
+            "failed modes: their tracebacks are in the log above (-v)."
+            if args.verbose
+            else "failed modes: run with -v for their tracebacks."
+        )
 
     meta = {
         "model": args.model,
@@ -431,18 +573,51 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         (args.csv, lambda path: report.write_csv(results, path, baseline="O0", meta=meta)),
         (args.plot, lambda path: report.write_plot(results, path, title=title)),
     )
+    # The files before the table: a reader that stops early (| head) must not cost them.
     written = True
+    wrote = []
     for path, write in outputs:
         if not path:
+            continue
+        if not results:
+            _err(f"mixprec bench: did not write {path}: no mode finished")
+            written = False
             continue
         try:  # each output on its own: one that fails does not cost the others
             write(path)
         except OSError as exc:
-            print(f"mixprec bench: could not write {path}: {exc}", file=sys.stderr)
+            _err(f"mixprec bench: could not write {path}: {exc}")
             written = False
         else:
-            print(f"wrote {path}")
-    return 0 if any(r.ok for r in results) and written else 1
+            wrote.append(f"wrote {path}")
+
+    out(report.format_table(results, baseline="O0"), "")
+    out(*(f"note: {note}" for note in notes))
+    out(*wrote)
+    if interrupted:
+        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+    return 0 if any(r.ok for r in results) and written and not out.broken else 1
+
+
+def _reject_unknown(parser: argparse.ArgumentParser, extra: List[str]) -> None:
+    """``parser.error`` for arguments no option takes, naming the closest option of each."""
+    longs = [o for action in parser._actions for o in action.option_strings if o[:2] == "--"]
+    hints = []
+    for arg in extra:
+        if not arg.startswith("--"):
+            continue
+        flag = arg.split("=", 1)[0]
+        # Compared without the dashes, which every option shares: they would make "--epochs"
+        # look like "--csv".
+        close = difflib.get_close_matches(flag[2:], [o[2:] for o in longs], n=1)
+        if close:
+            hints.append((flag, "--" + close[0]))
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    if len(hints) == 1:
+        message += f"; did you mean {hints[0][1]}?"
+    elif hints:
+        message += "; " + "; ".join(f"{f}: did you mean {m}?" for f, m in hints)
+    parser.error(message)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -453,8 +628,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             ``sys.argv[1:]``.
 
     Returns:
-        int: 0 when at least one mode ran, 1 when every mode failed. Bad arguments exit with
-        argparse's status 2.
+        int: 0 when at least one mode ran and every output file asked for was written. 1 when
+        every mode failed, when an output file (``--json``/``--csv``/``--plot``) could not be
+        written, or when stdout was closed before the table was printed (``mixprec bench |
+        head -1``: the output files are written first, so they are still there). 130 when the
+        run was interrupted (Ctrl-C): the modes that finished are printed and written, a note
+        names those that did not run; a second Ctrl-C while that happens just stops. Bad
+        arguments exit with argparse's status 2.
 
     Example::
 
@@ -462,6 +642,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         0
     """
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    with _VerboseLogging(args.verbose):
-        return _bench(args, args.subparser)
+    args, extra = parser.parse_known_args(list(argv) if argv is not None else None)
+    if extra:  # the subcommand's error: its usage, and the closest option
+        _reject_unknown(args.subparser, extra)
+    try:
+        with _VerboseLogging(args.verbose):
+            return _bench(args, args.subparser, _Stdout())
+    except KeyboardInterrupt:  # before the modes ran, or a second Ctrl-C after them
+        _err("mixprec bench: interrupted")
+        return 130

@@ -17,17 +17,23 @@ from mixprec.bench.runner import ModeResult
 
 __all__ = ["format_table", "relative_to", "rows_to_dicts", "write_csv", "write_json", "write_plot"]
 
-#: Columns of the CSV file (scalars only; the JSON also has every step's loss and time).
+#: Columns of the CSV file (scalars only; the JSON also has every step's loss and time). The
+#: fields are :class:`~mixprec.bench.runner.ModeResult`'s (``diverged``: the mode ran but its
+#: final loss is NaN or inf, which the CSV leaves empty) and :func:`rows_to_dicts`'s.
 CSV_FIELDS = (
     "mode",
     "label",
     "dtype",
     "status",
+    "diverged",
     "device",
     "iters",
     "warmup",
     "time_per_iter_s",
     "time_per_iter_mean_s",
+    "time_per_iter_iqr_s",
+    "time_per_iter_min_s",
+    "time_per_iter_max_s",
     "total_time_s",
     "time_per_40_iters_s",
     "speedup_vs_baseline",
@@ -83,7 +89,9 @@ def _json_safe(v):
 def rows_to_dicts(
     results: Sequence[ModeResult], baseline: str = "O0", meta: Optional[dict] = None
 ) -> List[dict]:
-    """JSON-ready rows: every :class:`ModeResult` field, the ratios of :func:`relative_to`,
+    """JSON-ready rows: every :class:`ModeResult` field (non-finite numbers as None), its
+    ``diverged`` flag (True when the mode ran but its final loss is NaN or inf: ``status`` is
+    then ``"ok"`` and ``final_loss`` None), the ratios of :func:`relative_to`,
     ``time_per_40_iters_s`` (40 x the median step time, the seed's unit) and ``meta``'s keys
     (model, batch size, ...) repeated in each row so that every row stands alone."""
     rows = []
@@ -127,7 +135,7 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
     )
     lines = [header, _rule(header)]
     for r, rel in zip(results, relative_to(results, baseline)):
-        diverged = r.ok and r.final_loss is not None and not math.isfinite(r.final_loss)
+        diverged = r.diverged
         if diverged:
             # e.g. pure fp16 with Adam: eps=1e-8 underflows to 0 in fp16 and 0/0 gives NaN
             status = "ok, loss not finite (diverged)"
@@ -143,12 +151,20 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
             _fmt(40 * r.time_per_iter_s if r.time_per_iter_s else None, ".3f"),
             _fmt(rel["speedup_vs_baseline"], ".2f") + ("x" if rel["speedup_vs_baseline"] else ""),
             "nan" if diverged else _fmt(r.final_loss, ".4f"),
-            _fmt(rel["loss_gap_pct"], "+.2f") + ("%" if _finite(rel["loss_gap_pct"]) else ""),
+            _gap(rel["loss_gap_pct"]),
             _fmt(r.skipped_steps, "d") if r.ok else "-",
             status,
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _gap(pct) -> str:
+    if not _finite(pct):
+        return "-"
+    text = format(pct, "+.2f")
+    # A gap that rounds to zero reads as O0's own "+0.00%", whichever side it is on.
+    return ("+0.00" if text == "-0.00" else text) + "%"
 
 
 def _rule(header: str) -> str:
@@ -232,7 +248,20 @@ def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> Non
     Raises:
         RuntimeError: matplotlib is not installed.
     """
+    fig = _figure(results, title)
+    _parent_dir(path)
+    fig.savefig(path, format=plot_format(path), dpi=100)
+
+
+# Curves of at most this many steps get a marker per step: one step is otherwise invisible.
+_MARKERS_UP_TO = 20
+
+
+def _figure(results: Sequence[ModeResult], title: str):
+    """The matplotlib Figure of :func:`write_plot`."""
     Figure, FigureCanvasAgg = _import_matplotlib()
+    from matplotlib.ticker import MaxNLocator
+
     fig = Figure(figsize=(12, 7.5), layout="constrained")
     FigureCanvasAgg(fig)  # attaches the Agg canvas: rendering never touches a display
     grid = fig.add_gridspec(2, 2, height_ratios=(1.3, 1.0))
@@ -260,6 +289,8 @@ def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> Non
                 linewidth=1.4,
                 color=f"C{i % 10}",
                 linestyle=styles[i % len(styles)],
+                marker="o" if len(r.losses) <= _MARKERS_UP_TO else None,
+                markersize=4,
             )
     if finite_runs:
         # Scale the axis to the runs that did not diverge; a diverging one (pure fp16 with
@@ -272,7 +303,10 @@ def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> Non
     warmups = {r.warmup for r in results if r.ok}
     if len(warmups) == 1 and next(iter(warmups)) > 0:
         ax_loss.axvline(next(iter(warmups)) + 0.5, color="0.6", linestyle=":", linewidth=1)
-    ax_loss.set_xlabel("step (warm-up steps left of the dotted line)")
+        ax_loss.set_xlabel("step (warm-up steps left of the dotted line)")
+    else:
+        ax_loss.set_xlabel("step")
+    ax_loss.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))  # whole steps
     ax_loss.set_ylabel("training loss")
     ax_loss.set_title("Loss per step")
     if any(r.ok for r in results):
@@ -303,5 +337,4 @@ def write_plot(results: Sequence[ModeResult], path: str, title: str = "") -> Non
         ax.grid(axis="y", alpha=0.3)
     if title:
         fig.suptitle(textwrap.fill(title, 110), fontsize="medium")
-    _parent_dir(path)
-    fig.savefig(path, format=plot_format(path), dpi=100)
+    return fig

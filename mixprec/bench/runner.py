@@ -20,17 +20,22 @@ Peak memory: on CUDA, ``torch.cuda.max_memory_allocated()`` minus what was alloc
 mode started (the shared synthetic data): what the mode itself needs (weights, gradients,
 optimizer state, activations, casts), over all steps; ``extra["peak_memory_steady_mb"]`` is the
 same over the timed steps only (without the warm-up's one-off allocations, e.g. cuDNN's
-algorithm search). On CPU there is no allocator statistic, so the resident
-set size (RSS) of the process is sampled every few milliseconds from ``/proc/self/statm``
-(``psutil`` elsewhere; ``ru_maxrss`` as a last resort) and the growth over the start of the mode
-is reported: an approximation, since the C allocator keeps and reuses freed memory.
+algorithm search). On CPU there is no allocator statistic: the growth of the process's resident
+set size (RSS) over the start of the mode is reported, an approximation, since the C allocator
+keeps and reuses freed memory. On Linux the peak is the kernel's own high-water mark (``VmHWM``
+in ``/proc/self/status``, reset through ``/proc/self/clear_refs`` when the mode starts): exact,
+and nothing runs beside the timed steps. Where the reset is not possible (other systems, a
+``/proc`` that refuses it) a background thread samples the RSS every 10 ms (``/proc/self/statm``
+or ``psutil``; ``ru_maxrss`` as a last resort), and the runner once more after every step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import gc
+import inspect
 import logging
 import math
 import os
@@ -82,9 +87,16 @@ class ModeResult:
         iters (int): timed steps. warmup (int): untimed steps before them.
         time_per_iter_s (float or None): median time of a timed step, seconds.
         time_per_iter_mean_s (float or None): mean time of a timed step, seconds.
-        total_time_s (float or None): wall time of all timed steps.
+        time_per_iter_iqr_s (float or None): interquartile range of the timed steps' times
+            (third minus first quartile, ``statistics.quantiles(method="inclusive")``; 0.0 for
+            one step), seconds: the timing noise next to the median.
+        time_per_iter_min_s, time_per_iter_max_s (float or None): the fastest and the slowest
+            timed step, seconds.
+        total_time_s (float or None): wall time of all timed steps, the loop's own work between
+            them included (so ``total_time_s / iters >= time_per_iter_mean_s``).
         peak_memory_mb (float or None): peak memory the mode added, MiB (see module docs).
-        final_loss (float or None): mean loss of the last pass over the batch pool.
+        final_loss (float or None): mean loss of the last pass over the batch pool; NaN or
+            inf when the training diverged (see :attr:`diverged`).
         skipped_steps (int or None): optimizer steps skipped because of inf/NaN gradients
             (dynamic loss scaling); None when it could not be determined.
         losses (list of float): every step's loss, warm-up included.
@@ -102,6 +114,9 @@ class ModeResult:
     warmup: int = 0
     time_per_iter_s: Optional[float] = None
     time_per_iter_mean_s: Optional[float] = None
+    time_per_iter_iqr_s: Optional[float] = None
+    time_per_iter_min_s: Optional[float] = None
+    time_per_iter_max_s: Optional[float] = None
     total_time_s: Optional[float] = None
     peak_memory_mb: Optional[float] = None
     final_loss: Optional[float] = None
@@ -114,9 +129,17 @@ class ModeResult:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    @property
+    def diverged(self) -> bool:
+        """The mode ran (``status == "ok"``) but its final loss is NaN or inf (e.g. pure fp16
+        with Adam: eps=1e-8 underflows to 0 in fp16 and 0/0 gives NaN)."""
+        return self.ok and self.final_loss is not None and not math.isfinite(self.final_loss)
+
     def to_dict(self) -> dict:
-        """A JSON-ready dict of every field (non-finite floats become None)."""
+        """A JSON-ready dict of every field plus ``diverged`` (non-finite floats become
+        None)."""
         out = dataclasses.asdict(self)
+        out["diverged"] = self.diverged
         out["losses"] = [_finite_or_none(v) for v in self.losses]
         if out["final_loss"] is not None:
             out["final_loss"] = _finite_or_none(out["final_loss"])
@@ -184,19 +207,53 @@ def _release_free_heap() -> None:
             pass
 
 
-class _CpuPeakMemory:
-    """Samples the RSS in a background thread; ``peak_mb`` is the growth over the start."""
+_CLEAR_REFS = "/proc/self/clear_refs"
+_STATUS = "/proc/self/status"
 
-    def __init__(self, interval_s: float = 0.002):
+
+def _read_hwm_bytes() -> int:
+    """The kernel's peak RSS of this process (``VmHWM``), bytes."""
+    with open(_STATUS, "rb") as f:
+        for line in f:
+            if line.startswith(b"VmHWM:"):
+                return int(line.split()[1]) * 1024  # in kB
+    raise OSError(f"no VmHWM line in {_STATUS}")
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak RSS to the current RSS; False where that is not possible."""
+    read = _rss_reader()
+    if read is None or not os.path.exists(_CLEAR_REFS):
+        return False
+    try:
+        with open(_CLEAR_REFS, "w") as f:
+            f.write("5")  # "5": reset the peak RSS only (Linux >= 4.0)
+        # An older kernel takes the write and ignores it: the peak must now be the current RSS
+        # (give it some slack for pages touched in between).
+        return _read_hwm_bytes() <= read() + 2**20
+    except (OSError, ValueError):
+        return False
+
+
+class _CpuPeakMemory:
+    """Peak RSS growth over the start (``peak_mb``): the kernel's high-water mark where it can
+    be reset (Linux), else RSS samples from a background thread and from :meth:`sample`."""
+
+    # Only the fallback samples. Every 10 ms, not 2: a thread waking 500 times a second
+    # competes with the timed steps of a small CPU run for the GIL and the cores, and the
+    # bench's CPU workloads showed the same peaks at 10 ms (the runner also samples after
+    # every step).
+    def __init__(self, interval_s: float = 0.01):
         self._read = _rss_reader()
         self._interval = interval_s
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._hwm = False
         self._base = 0
         self._peak = 0
 
     def sample(self) -> None:
-        if self._read is not None:
+        if self._read is not None and not self._hwm:
             self._peak = max(self._peak, self._read())
 
     def _loop(self) -> None:
@@ -207,16 +264,22 @@ class _CpuPeakMemory:
         gc.collect()
         _release_free_heap()
         if self._read is not None:
+            self._hwm = _reset_hwm()
             self._base = self._peak = self._read()
-            self._thread = threading.Thread(target=self._loop, name="mixprec-rss", daemon=True)
-            self._thread.start()
+            if not self._hwm:
+                self._thread = threading.Thread(
+                    target=self._loop, name="mixprec-rss", daemon=True
+                )
+                self._thread.start()
         else:
             self._base = self._peak = _max_rss_bytes()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        if self._thread is not None:
+        if self._hwm:
+            self._peak = max(self._peak, _read_hwm_bytes())
+        elif self._thread is not None:
             self._thread.join()
             self.sample()
         else:
@@ -513,15 +576,31 @@ def _cudnn_benchmark(enabled: bool):
         torch.backends.cudnn.benchmark = prev
 
 
-def _check_args(mode, dtype, iters, warmup):
-    if mode not in MODES:
-        raise ValueError(f"run_mode(mode={mode!r}): mode must be one of {MODES}.")
+def _check_args(fn: str, dtype, iters, warmup) -> None:
+    """Raise for arguments no mode can run with; ``fn`` names the caller in the message."""
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"{fn}(dtype={dtype!r}): dtype must be a torch.dtype, torch.float16 or "
+            "torch.bfloat16; pass e.g. dtype=torch.bfloat16 (or mixprec.bench.runner.DTYPES"
+            "['bf16'])."
+        )
     if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"run_mode(dtype={dtype}): dtype must be torch.float16 or torch.bfloat16.")
-    if not isinstance(iters, int) or iters < 1:
-        raise ValueError(f"run_mode(iters={iters!r}): iters must be an int >= 1.")
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"run_mode(warmup={warmup!r}): warmup must be an int >= 0.")
+        raise ValueError(
+            f"{fn}(dtype={dtype}): dtype must be torch.float16 or torch.bfloat16, the half type "
+            "the mixed-precision modes use; the 'fp32' and 'O0' modes stay fp32 whatever it is, "
+            "so pass dtype=torch.bfloat16 (or float16) and run those modes for fp32."
+        )
+    for name, value, low, example in (("iters", iters, 1, 40), ("warmup", warmup, 0, 3)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(
+                f"{fn}({name}={value!r}): {name} must be an int >= {low}, not "
+                f"{type(value).__name__}; pass e.g. {name}={example}."
+            )
+        if value < low:
+            raise ValueError(
+                f"{fn}({name}={value!r}): {name} must be an int >= {low}; pass e.g. "
+                f"{name}={example}."
+            )
 
 
 def run_mode(
@@ -568,7 +647,9 @@ def run_mode(
         >>> r.status, len(r.losses)
         ('ok', 3)
     """
-    _check_args(mode, dtype, iters, warmup)
+    if mode not in MODES:
+        raise ValueError(f"run_mode(mode={mode!r}): mode must be one of {MODES}.")
+    _check_args("run_mode", dtype, iters, warmup)
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
@@ -616,8 +697,16 @@ def run_mode(
         result.losses = losses.tolist()
         result.step_times_s = timer.times_s()
         result.total_time_s = timer.wall_s
-        result.time_per_iter_s = statistics.median(result.step_times_s)
-        result.time_per_iter_mean_s = timer.wall_s / iters
+        times = result.step_times_s
+        result.time_per_iter_s = statistics.median(times)
+        result.time_per_iter_mean_s = statistics.fmean(times)
+        if len(times) > 1:
+            q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+            result.time_per_iter_iqr_s = q3 - q1
+        else:
+            result.time_per_iter_iqr_s = 0.0
+        result.time_per_iter_min_s = min(times)
+        result.time_per_iter_max_s = max(times)
         result.peak_memory_mb = memory.peak_mb
         if isinstance(memory, _CudaPeakMemory):
             result.extra["peak_memory_total_mb"] = memory.total_peak_mb
@@ -665,6 +754,48 @@ def warm_up_process(workload: Workload, device="cpu", dtype: Optional[torch.dtyp
         torch.cuda.empty_cache()
 
 
+#: The keyword arguments :func:`run_modes` passes through to :func:`run_mode`.
+_RUN_MODE_OPTIONS = tuple(
+    name
+    for name in inspect.signature(run_mode).parameters
+    if name not in ("workload", "mode", "dtype", "progress")
+)
+
+
+def _check_run_modes_args(modes, dtype, kwargs) -> None:
+    if isinstance(modes, str):
+        raise TypeError(
+            f"run_modes(modes={modes!r}): modes must be a sequence of mode names, not one "
+            f"string; pass e.g. modes=[{modes!r}]."
+        )
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"run_modes(modes={list(modes)!r}): unknown {bad}; allowed: {MODES}.")
+    allowed = _RUN_MODE_OPTIONS
+    for name in kwargs:
+        if name not in allowed:
+            close = difflib.get_close_matches(name, allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else "."
+            raise TypeError(
+                f"run_modes() got an unexpected keyword argument {name!r}; the keywords it "
+                f"passes to run_mode are {', '.join(allowed)}{hint}"
+            )
+    _check_args("run_modes", dtype, kwargs.get("iters", 40), kwargs.get("warmup", 3))
+    device = kwargs.get("device", "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ValueError(
+            f"run_modes(device={device!r}): not a device ({exc}); pass e.g. device='cpu' or "
+            "device='cuda'."
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"run_modes(device={str(device)!r}): CUDA is not available in this torch build or "
+            "machine; pass device='cpu'."
+        )
+
+
 def run_modes(
     workload: Workload,
     modes: Sequence[str],
@@ -672,9 +803,13 @@ def run_modes(
     dtype: torch.dtype = torch.bfloat16,
     progress: Optional[ProgressFn] = None,
     process_warmup: bool = True,
+    on_result: Optional[Callable[[ModeResult], None]] = None,
     **kwargs,
 ) -> List[ModeResult]:
     """Run several modes one after the other; a mode that raises becomes a failed row.
+
+    The arguments are checked once, before anything runs: a mistake in them (``iters=0``,
+    ``dtype=torch.float32``, a misspelled keyword) raises instead of failing every mode.
 
     Args:
         workload (Workload): the benchmark.
@@ -682,10 +817,18 @@ def run_modes(
         dtype (torch.dtype): the half type. Default ``torch.bfloat16``.
         progress (callable, optional): see :func:`run_mode`.
         process_warmup (bool): first run :func:`warm_up_process`. Default ``True``.
-        **kwargs: passed to :func:`run_mode` (device, iters, warmup, channels_last, ...).
+        on_result (callable, optional): ``on_result(row)`` as each mode finishes (failed
+            rows too), e.g. to keep the finished rows when the run is interrupted
+            (``KeyboardInterrupt`` is not caught here). Default None.
+        **kwargs: passed to :func:`run_mode` (device, iters, warmup, channels_last, frozen_bn,
+            seed, cudnn_benchmark).
 
     Returns:
         list of ModeResult, one per mode, failed ones with ``status="failed"`` and ``error``.
+
+    Raises:
+        ValueError, TypeError: an unknown mode or keyword, a dtype other than float16 or
+            bfloat16, ``iters < 1``, ``warmup < 0``, a device that is not one.
 
     Example::
 
@@ -694,9 +837,7 @@ def run_modes(
         >>> [r.mode for r in rows]
         ['fp32', 'half']
     """
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise ValueError(f"run_modes(modes={list(modes)!r}): unknown {bad}; allowed: {MODES}.")
+    _check_run_modes_args(modes, dtype, kwargs)
     if process_warmup:
         try:
             warm_up_process(workload, device=kwargs.get("device", "cpu"), dtype=dtype)
@@ -708,20 +849,21 @@ def run_modes(
     results = []
     for mode in modes:
         try:
-            results.append(run_mode(workload, mode, dtype=dtype, progress=progress, **kwargs))
+            row = run_mode(workload, mode, dtype=dtype, progress=progress, **kwargs)
         except Exception as exc:  # noqa: BLE001 - one failing recipe must not stop the others
             logger.debug("mode %s failed", mode, exc_info=True)
             dtype_name = "fp32" if mode in ("fp32", "O0") else _DTYPE_NAMES.get(dtype, str(dtype))
-            results.append(
-                ModeResult(
-                    mode=mode,
-                    label=mode_label(mode, dtype),
-                    dtype=dtype_name,
-                    status="failed",
-                    error=f"{type(exc).__name__}: {exc}",
-                    device=str(kwargs.get("device", "cpu")),
-                    iters=kwargs.get("iters", 40),
-                    warmup=kwargs.get("warmup", 3),
-                )
+            row = ModeResult(
+                mode=mode,
+                label=mode_label(mode, dtype),
+                dtype=dtype_name,
+                status="failed",
+                error=f"{type(exc).__name__}: {exc}",
+                device=str(kwargs.get("device", "cpu")),
+                iters=kwargs.get("iters", 40),
+                warmup=kwargs.get("warmup", 3),
             )
+        results.append(row)
+        if on_result is not None:
+            on_result(row)
     return results

@@ -391,3 +391,193 @@ def test_cuda_run_every_mode(model, dtype, tmp_path):
         assert math.isfinite(r["final_loss"]) and r["skipped_steps"] is not None
         assert r["extra"]["peak_memory_total_mb"] >= r["peak_memory_mb"]
     assert "torch.cuda.max_memory_allocated" in text
+
+
+# --------------------------------------------------------------------------------------------
+# Interruptions, closed pipes, output paths, progress lines, notes (review 19b)
+# --------------------------------------------------------------------------------------------
+def _interrupt_at(monkeypatch, mode):
+    """Make the runner raise KeyboardInterrupt (as Ctrl-C does) when ``mode`` starts."""
+    import mixprec.bench.runner as runner
+
+    real = runner.run_mode
+
+    def run_mode(workload, m, **kwargs):
+        if m == mode:
+            raise KeyboardInterrupt
+        return real(workload, m, **kwargs)
+
+    monkeypatch.setattr(runner, "run_mode", run_mode)
+
+
+def test_ctrl_c_keeps_the_finished_modes_and_exits_130(monkeypatch, tmp_path):
+    _interrupt_at(monkeypatch, "O1")
+    paths = {k: tmp_path / f"rows.{k}" for k in ("json", "csv", "png")}
+    try:
+        code, text = _run(["bench", *FAST, "--opt-levels", "O0", "O1", "O2",
+                           "--json", str(paths["json"]), "--csv", str(paths["csv"]),
+                           "--plot", str(paths["png"])])
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped main(): the finished modes were thrown away")
+    assert code == 130
+    assert [r[0] for r in _table_rows(text)] == ["O0"]
+    assert "note: interrupted (Ctrl-C) during O1; did not run: O1, O2, autocast, .bfloat16()." \
+        in text
+    assert [r["mode"] for r in json.loads(paths["json"].read_text())] == ["O0"]
+    with open(paths["csv"], newline="") as f:
+        assert [r["mode"] for r in csv.DictReader(f)] == ["O0"]
+    assert paths["png"].read_bytes()[:8] == PNG_MAGIC
+
+
+def test_closed_stdout_still_writes_the_files_and_exits_1_quietly(tmp_path):
+    # `mixprec bench --json x.json | head -1`: the reader is gone before the table is printed.
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    path = tmp_path / "rows.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mixprec", "bench", *FAST, "--iters", "1", "--warmup", "0",
+         "--opt-levels", "O0", "--no-native", "--json", str(path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    proc.stdout.close()  # (before the child prints anything)
+    _, err = proc.communicate(timeout=120)
+    err = err.decode()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert [r["mode"] for r in json.loads(path.read_text())] == ["O0"]
+
+
+@pytest.mark.parametrize(
+    "flag, path, message",
+    [
+        ("--json", "newdir" + os.sep, "it ends with a path separator"),
+        ("--plot", "newdir2" + os.sep, "name a file in it, e.g. 'newdir2/bench.png'"),
+        ("--csv", "-", "writing to standard output is not supported"),
+        ("--json", "-", "(stdout carries the table); give a file name, e.g. rows.json"),
+    ],
+)
+def test_output_paths_that_are_not_files_are_refused(flag, path, message, capsys,
+                                                     monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *FAST, flag, path])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: cannot write {path!r}" in err and message in err
+    assert os.listdir(tmp_path) == []  # no file "-", no directory made
+
+
+def test_output_check_opens_the_file_and_leaves_nothing_behind(capsys, tmp_path):
+    # The parent directory could be made, but the file cannot be created in it.
+    bad = tmp_path / "new" / "sub" / ("x" * 300 + ".json")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *FAST, "--json", str(bad)])
+    assert exc.value.code == 2
+    assert "argument --json: cannot write" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []  # the directories made by the check are gone again
+    # A passing check leaves nothing either (here a later flag is the error).
+    with pytest.raises(SystemExit):
+        main(["bench", *FAST, "--csv", str(tmp_path / "new" / "rows.csv"), "--plot", "p.txt"])
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_output_in_an_unwritable_place_fails_before_the_run(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *FAST, "--json", "/proc/x.json"])
+    assert exc.value.code == 2
+    assert "argument --json: cannot write '/proc/x.json'" in capsys.readouterr().err
+
+
+def test_header_comes_first_and_stderr_gets_a_line_per_mode(monkeypatch):
+    import mixprec.bench.runner as runner
+
+    out, err = io.StringIO(), io.StringIO()  # stderr is no terminal: no bar
+    seen = []
+    real = runner.run_mode
+
+    def run_mode(*args, **kwargs):
+        seen.append(out.getvalue())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_mode", run_mode)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["bench", *FAST[:-1], "--opt-levels", "O0", "O1", "--no-native"])
+    assert code == 0
+    assert "mixprec bench: SmallCNN" in seen[0] and "half type bf16" in seen[0]
+    lines = [ln for ln in err.getvalue().splitlines() if ln.startswith("mixprec bench: [")]
+    assert [ln.split(": ok")[0] for ln in lines] == ["mixprec bench: [1/2] O0",
+                                                     "mixprec bench: [2/2] O1"], lines
+
+
+@pytest.mark.parametrize(
+    "argv, suggestion",
+    [
+        (["--steps", "3"], "; did you mean --iters?"),
+        (["--itters=3"], "; did you mean --iters?"),
+        (["--epochs", "3"], None),
+    ],
+)
+def test_unknown_flags_are_bench_errors_with_a_suggestion(argv, suggestion, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mixprec bench ")  # the subcommand's usage, not mixprec's
+    assert f"mixprec bench: error: unrecognized arguments: {' '.join(argv)}" in err
+    if suggestion:
+        assert suggestion in err
+    else:
+        assert "did you mean" not in err
+
+
+def test_mixprec_kernels_on_cpu_say_they_were_not_used():
+    pytest.importorskip("mixprec.normalization").FusedBatchNorm  # noqa: B018
+    code, text = _run(["bench", *FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O0",
+                       "--no-native", "--norm", "mixprec"])
+    assert code == 0
+    assert "note: FusedBatchNorm ran PyTorch code here, not mixprec's fused kernels" in text
+    assert "CUDA only" in text
+
+
+def test_large_size_on_cpu_warns_before_building(monkeypatch, capsys):
+    from mixprec.bench import models
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped by the test")
+
+    monkeypatch.setattr(models, "build_workload", stop)
+    with pytest.raises(SystemExit):
+        main(["bench", "--size", "large", "--device", "cpu", "--no-progress"])
+    err = capsys.readouterr().err
+    assert "warning: --size large on CPU is slow" in err and "--size small" in err
+    assert err.index("warning") < err.index("stopped by the test")
+
+
+def test_iters_has_an_upper_bound(monkeypatch, capsys):
+    from mixprec.bench import models
+
+    def stop(*args, **kwargs):  # (should the bound be missing: no two million steps)
+        raise RuntimeError("stopped by the test")
+
+    monkeypatch.setattr(models, "build_workload", stop)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--iters", "2000000"])
+    assert exc.value.code == 2
+    assert "argument --iters: expected a positive integer up to 1,000,000" in \
+        capsys.readouterr().err
+
+
+def test_failed_mode_note_under_verbose_does_not_ask_for_verbose(monkeypatch, capsys):
+    import mixprec.bench.runner as runner
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runner, "_build_recipe", boom)
+    code = main(["bench", *FAST, "--opt-levels", "O0", "--no-native", "-v"])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "run with -v" not in out and "failed modes: their tracebacks are" in out

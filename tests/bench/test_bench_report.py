@@ -83,3 +83,59 @@ def test_plot_with_a_diverged_run(tmp_path):
     write_plot([ok, bad], str(path), title="t")
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_diverged_rows_say_so_in_json_and_csv(tmp_path):
+    import csv
+
+    from mixprec.bench.report import write_csv
+
+    rows = [_row("O0", 0.1, 100.0, 1.0), _row("O3", 0.05, 50.0, float("nan")),
+            ModeResult(mode="O2", label="O2", dtype="fp16", status="failed", error="x")]
+    dicts = rows_to_dicts(rows)
+    assert [d["diverged"] for d in dicts] == [False, True, False]
+    assert dicts[1]["status"] == "ok" and dicts[1]["final_loss"] is None
+    path = tmp_path / "rows.csv"
+    write_csv(rows, str(path))
+    with open(path, newline="") as f:
+        assert [r["diverged"] for r in csv.DictReader(f)] == ["False", "True", "False"]
+
+
+def test_step_time_spread_is_in_json_and_csv(tmp_path):
+    import csv
+
+    from mixprec.bench.report import write_csv
+
+    row = _row("O0", 0.2, 10.0, 1.0, time_per_iter_iqr_s=0.01, time_per_iter_min_s=0.19,
+               time_per_iter_max_s=0.3)
+    (d,) = rows_to_dicts([row])
+    assert (d["time_per_iter_iqr_s"], d["time_per_iter_min_s"], d["time_per_iter_max_s"]) == (
+        0.01, 0.19, 0.3)
+    path = tmp_path / "rows.csv"
+    write_csv([row], str(path))
+    with open(path, newline="") as f:
+        (r,) = csv.DictReader(f)
+    assert float(r["time_per_iter_iqr_s"]) == 0.01 and float(r["time_per_iter_max_s"]) == 0.3
+
+
+def test_a_gap_that_rounds_to_zero_has_no_minus_sign():
+    rows = [_row("O0", 0.1, 100.0, 1.0), _row("O1", 0.1, 100.0, 0.99999)]
+    o1 = format_table(rows).splitlines()[-1]
+    assert "| +0.00% |" in o1 and "-0.00" not in o1
+
+
+def test_plot_of_few_steps_has_markers_and_whole_step_ticks():
+    from mixprec.bench.report import _figure
+
+    one = _row("O0", 0.1, 100.0, 1.0, losses=[2.0], warmup=0)
+    fig = _figure([one], title="")
+    ax = fig.axes[0]
+    (line,) = ax.get_lines()
+    assert line.get_marker() == "o"  # a single point is visible
+    assert ax.get_xlabel() == "step"  # no dotted warm-up line to mention
+    fig.canvas.draw()
+    assert all(float(t).is_integer() for t in ax.get_xticks())
+    warm = _row("O0", 0.1, 100.0, 1.0, losses=[2.0] * 30, warmup=3)
+    ax = _figure([warm], title="").axes[0]
+    assert ax.get_lines()[0].get_marker() in ("None", None, "")  # many steps: a plain line
+    assert "dotted line" in ax.get_xlabel()

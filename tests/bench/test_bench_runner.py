@@ -130,3 +130,58 @@ def test_run_mode_errors(cnn, kwargs, match):
 def test_run_modes_rejects_unknown_modes(cnn):
     with pytest.raises(ValueError, match="unknown"):
         run_modes(cnn, ["O1", "fp8"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"iters": 0}, ValueError, r"run_modes\(iters=0\): iters must be an int >= 1; pass e.g."),
+        ({"warmup": 1.5}, TypeError, r"run_modes\(warmup=1.5\): warmup must be an int >= 0, not"),
+        ({"dtype": torch.float32}, ValueError, r"run_modes\(dtype=torch.float32\): dtype must be "
+                                               r"torch.float16 or torch.bfloat16"),
+        ({"dtype": "bf16"}, TypeError, r"dtype must be a torch.dtype"),
+        ({"itters": 3}, TypeError, r"unexpected keyword argument 'itters'.*did you mean 'iters'"),
+        ({"device": "tpu"}, ValueError, r"run_modes\(device='tpu'\): not a device"),
+    ],
+)
+def test_run_modes_checks_its_arguments_before_running(cnn, monkeypatch, kwargs, error, match):
+    import mixprec.bench.runner as runner
+
+    def must_not_run(*args, **kw):
+        raise AssertionError("ran before the arguments were checked")
+
+    monkeypatch.setattr(runner, "warm_up_process", must_not_run)
+    monkeypatch.setattr(runner, "run_mode", must_not_run)
+    with pytest.raises(error, match=match):
+        run_modes(cnn, ["O0", "O1"], **kwargs)
+
+
+def test_run_modes_reports_each_row_as_it_finishes(cnn):
+    seen = []
+    rows = run_modes(cnn, ["fp32", "O1"], on_result=seen.append, process_warmup=False, **FAST)
+    assert seen == rows and [r.mode for r in seen] == ["fp32", "O1"]
+
+
+def test_step_time_spread(cnn):
+    r = run_mode(cnn, "fp32", iters=5, warmup=0)
+    times = r.step_times_s
+    assert r.time_per_iter_mean_s == pytest.approx(sum(times) / len(times))  # not wall / iters
+    assert r.time_per_iter_min_s == min(times) and r.time_per_iter_max_s == max(times)
+    assert r.time_per_iter_min_s <= r.time_per_iter_s <= r.time_per_iter_max_s
+    assert 0 <= r.time_per_iter_iqr_s <= r.time_per_iter_max_s - r.time_per_iter_min_s
+    one = run_mode(cnn, "fp32", iters=1, warmup=0)
+    assert one.time_per_iter_iqr_s == 0.0
+
+
+def test_cpu_peak_memory_sees_a_short_peak_without_sampling_fast():
+    from mixprec.bench.runner import _CpuPeakMemory
+
+    probe = _CpuPeakMemory()
+    assert probe._interval >= 0.01  # a fallback thread, if any, samples at most at 100 Hz
+    with probe:
+        x = torch.ones(16 * 2**20 // 4)  # 16 MiB, touched, then freed at once
+        del x
+    # Exact with the kernel's high-water mark; the fallback samples after the block as well.
+    if probe._hwm:
+        assert probe.peak_mb >= 15
+    assert probe.peak_mb >= 0
