@@ -21,17 +21,20 @@ def _params():
     return [p1, p2, p3, p4], grads
 
 
+def _larc_gradient(p, g, lr, wd, trust, clip, eps):
+    """Apex's LARC formula by hand: the gradient the inner optimizer is given."""
+    pn, gn = p.norm().item(), g.norm().item()
+    if pn == 0 or gn == 0:
+        return g
+    local = trust * pn / (gn + pn * wd + eps)
+    if clip:
+        local = min(local / lr, 1.0)
+    return (g + wd * p) * local
+
+
 def _expected(params, grads, lr, wd, trust, clip, eps):
-    out = []
-    for p, g in zip(params, grads):
-        pn, gn = p.norm().item(), g.norm().item()
-        if pn != 0 and gn != 0:
-            local = trust * pn / (gn + pn * wd + eps)
-            if clip:
-                local = min(local / lr, 1.0)
-            g = (g + wd * p) * local
-        out.append(p - lr * g)
-    return out
+    return [p - lr * _larc_gradient(p, g, lr, wd, trust, clip, eps)
+            for p, g in zip(params, grads)]
 
 
 @pytest.mark.parametrize("clip", [True, False])
@@ -60,13 +63,7 @@ def _sgd_reference(groups, grads_per_step, lrs_per_step, trust, clip, eps):
         for gi, group in enumerate(groups):
             lr, wd, mom = lrs[gi], group["weight_decay"], group["momentum"]
             for pi, p in enumerate(params[gi]):
-                g = grads[gi][pi]
-                pn, gn = p.norm().item(), g.norm().item()
-                if pn != 0 and gn != 0:
-                    local = trust * pn / (gn + pn * wd + eps)
-                    if clip:
-                        local = min(local / lr, 1.0)
-                    g = (g + wd * p) * local
+                g = _larc_gradient(p, grads[gi][pi], lr, wd, trust, clip, eps)
                 buf = g.clone() if bufs[gi][pi] is None else bufs[gi][pi] * mom + g
                 bufs[gi][pi] = buf
                 step = g + mom * buf if group["nesterov"] else buf
