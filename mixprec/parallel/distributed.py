@@ -692,16 +692,17 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return out
 
     def _before_forward(self, grad: bool) -> None:
-        """Each forward's bookkeeping, done eagerly (one graph break under ``torch.compile``):
-        this wrapper becomes the one that runs the module (see _note_forward) and, with grad
-        enabled, the module's parameters are checked (see _check_parameters)."""
-        if getattr(self, "_active", None) is None:  # (a wrapper still being built)
+        """Each forward's bookkeeping with grad enabled, done eagerly (one graph break under
+        ``torch.compile``): this wrapper becomes the one that runs the module (see
+        _note_forward), and the module's parameters are checked (see _check_parameters). (Not
+        for a forward without grad, such as an evaluation through an older wrapper: that must
+        not call off the all-reduce of a backward still to come.)"""
+        if not grad or getattr(self, "_active", None) is None:  # (or still being built)
             return
         if is_compiling():
             return outside_the_compiler(DistributedDataParallel._before_forward)(self, grad)
         self._note_forward()
-        if grad:
-            self._check_parameters()
+        self._check_parameters()
 
     def _check_parameters(self) -> None:
         """At a forward with grad enabled: a parameter unfrozen, or the module's parameters
@@ -749,17 +750,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _check_structure(self) -> None:
         """PyTorch's reducer all-reduces the parameters it was built with: a trainable
         parameter new to the module (a layer replaced or added after wrapping) would train on
-        this rank's gradients alone, and one gone from it would leave the reducer waiting."""
-        ignored = frozenset(self.parameters_to_ignore)
+        this rank's gradients alone. (One gone from it is left to the reducer: it waits for
+        its gradient and names it at the next forward, unless find_unused_parameters=True,
+        which takes it. The names ignored here are the user's own, not those the first step
+        left out: a left-out layer replaced is new.)"""
+        ignored = frozenset(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
         known = {id(p) for _, p in self._known_params}
         current = list(self.module.named_parameters())
-        here = {id(p) for _, p in current}
         new = [name for name, p in current
                if p.requires_grad and id(p) not in known and name not in ignored]
-        reduced = {id(p) for p in self._reducer_param_list}
-        gone = [name for name, p in self._known_params
-                if id(p) in reduced and id(p) not in here]
-        if new or gone:
+        if new:
+            here = {id(p) for _, p in current}
+            gone = [name for name, p in self._known_params if id(p) not in here]
             raise RuntimeError(self._changed_message(new, gone))
         # (A frozen one is refused when unfrozen, as those frozen at wrapping are.)
         self._frozen_at_wrap.extend(p for name, p in current
@@ -776,9 +778,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         new = [name for name in new if name not in replaced]
         if new:
             what.append(f"{_listed(new)} are new to it")
-        gone = [name for name in gone if name not in replaced]
-        if gone:
-            what.append(f"{_listed(gone)} are no longer in it")
         return (
             f"DistributedDataParallel: the wrapped module's parameters changed since the "
             f"all-reduce was set up: {' and '.join(what)} (a layer replaced or added after "

@@ -449,6 +449,17 @@ def check_delay_allreduce_old_wrapper_stays_quiet(ctx):
     new = DistributedDataParallel(model, delay_allreduce=True)
     model.use_head = ref.use_head = True
     _grads_match_global_batch(ctx, new, model, ref, 532, "head used, wrapped again")
+    # A forward without grad through the old wrapper (an evaluation) between the new one's
+    # forward and its backward does not call off that backward's all-reduce.
+    x, y = _global_batch(ctx, seed=533)
+    model.zero_grad()
+    ref.zero_grad()
+    out = new(_mine(ctx, x))
+    with torch.no_grad():
+        old(_mine(ctx, x))
+    F.mse_loss(out, _mine(ctx, y)).backward()
+    F.mse_loss(ref(x), y).backward()
+    _assert_same_grads_or_none(ctx, model, ref, "an evaluation through the old wrapper")
 
 
 class _MaybeHead(nn.Module):
@@ -989,9 +1000,26 @@ def check_replaced_layer_refused_by_the_reducer(ctx):
     ddp = DistributedDataParallel(model)
     model.append(nn.Linear(4, 4).to(ctx.device))
     _expect_changed(ctx, ddp, x, "3.weight, 3.bias are new to it", "delay_allreduce=True")
-    del model[3]
-    model[2] = nn.Identity()
-    _expect_changed(ctx, ddp, x, "2.weight, 2.bias are no longer in it")
+    # A layer removed is the reducer's to handle: with find_unused_parameters=True it trains
+    # on (it was refused, also when an unrelated module built later moved the counter).
+    torch.manual_seed(0)
+    model = _MaybeHead(ctx.device)  # (its head unused)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    _grads_match_global_batch(ctx, ddp, model, ref, 605, "with the head")
+    model.head = ref.head = None
+    nn.Linear(2, 2)
+    _grads_match_global_batch(ctx, ddp, model, ref, 606, "the head removed")
+    # A layer the first step left out, replaced: new to the reducer too (the first step's
+    # leave-out had exempted its name, and it trained on each rank's own gradients).
+    torch.manual_seed(0)
+    model = _MaybeHead(ctx.device)
+    ddp = DistributedDataParallel(model)
+    for seed in (607, 608):
+        _train_steps(ctx, ddp, [seed])
+    model.head = nn.Linear(4, 4).to(ctx.device)
+    model.use_head = True
+    _expect_changed(ctx, ddp, x, "head.weight, head.bias are new parameter objects")
     # A frozen layer added is no business of the reducer's; unfrozen later, it is refused as a
     # layer frozen at wrapping is.
     model = _mlp(ctx.device)
