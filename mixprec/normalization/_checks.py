@@ -103,12 +103,11 @@ def check_inputs(
 def check_eps(eps, where: str) -> float:
     """``eps`` as a float: any real number (``float``, ``int``, NumPy scalars such as
     ``np.float32``, as ``torch.nn.LayerNorm`` takes), finite and non-negative; not a bool."""
-    if (
-        not isinstance(eps, numbers.Real)
-        or isinstance(eps, bool)
-        or not math.isfinite(eps)
-        or eps < 0
-    ):
+    try:
+        finite = math.isfinite(eps)
+    except (TypeError, OverflowError):  # (not a number; an int too large for a float)
+        finite = False
+    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not finite or eps < 0:
         raise ValueError(
             f"{where}: eps must be a non-negative float (a finite real number >= 0, not a "
             f"bool), got {eps!r}; pass e.g. eps=1e-5"
