@@ -202,6 +202,7 @@ class _TritonPath:
     # The kernels' backward gives first derivatives only; the output alone is returned.
     kernels = True
     returns_rstd = False
+    copies_rows = False
 
     def __init__(self, plan, shape, n: int, x_stride: int, x_strides, from_y: bool,
                  y_dtype: torch.dtype, generic: "_GenericPath"):
@@ -253,13 +254,19 @@ class _GenericPath:
     """
 
     __slots__ = ("shape", "x_dtype", "n", "eps", "is_rms", "from_y", "y_dtype", "kernels",
-                 "returns_rstd")
+                 "returns_rstd", "copies_rows")
 
-    def __init__(self, shape, x_dtype, n, eps, is_rms, from_y, y_dtype, kernels):
+    def __init__(self, shape, x_dtype, n, eps, is_rms, from_y, y_dtype, kernels,
+                 copies_rows=False):
         self.shape, self.x_dtype, self.n, self.eps = shape, x_dtype, n, eps
         self.is_rms, self.from_y, self.y_dtype = is_rms, from_y, y_dtype
         self.kernels = kernels
         self.returns_rstd = from_y and not kernels
+        # On the reference, an input whose memory is not rows (transposed, strided) is copied
+        # into rows by autograd before the Function (see fused_norm): the Function then keeps
+        # that copy, not x (whose whole storage it would hold alive), and second derivatives
+        # still reach x through the copy.
+        self.copies_rows = copies_rows
 
     def forward(self, x, weight, bias):
         y, x2d, mean, rstd = _forward(x, weight, bias, self.n, self.eps, self.is_rms,
@@ -305,7 +312,9 @@ def _make_path(x: Tensor, weight, bias, n: int, eps: float, is_rms: bool, from_y
     """The path of one input signature (``n > 0``)."""
     m = x.numel() // n
     kernels = _use_triton(x, n, weight, bias)
-    generic = _GenericPath(x.shape, x.dtype, n, eps, is_rms, from_y, out_dtype, kernels)
+    copies_rows = not kernels and not from_y and _row_stride(x, n) is None
+    generic = _GenericPath(x.shape, x.dtype, n, eps, is_rms, from_y, out_dtype, kernels,
+                           copies_rows)
     if (
         kernels
         and m > 0
@@ -542,6 +551,10 @@ def fused_norm(
     ):
         if path.returns_rstd:
             return _FromOutputNormFunction.apply(x, weight, bias, path)[0]
+        if path.copies_rows:  # (see _GenericPath)
+            rows = _rows(x, path.n)
+            return fused_norm(rows, (path.n,), weight, bias, eps, is_rms, memory_efficient,
+                              out_dtype).view(x.shape)
         return _FusedNormFunction.apply(x, weight, bias, path)
     return path.forward(x, weight, bias)[0]
 

@@ -603,6 +603,27 @@ def test_second_derivatives_on_the_pytorch_path(cls, affine, memory_efficient):
         assert torch.autograd.gradgradcheck(call, (x, *params)), name
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_pytorch_path_keeps_a_row_copy_of_a_strided_input_not_its_storage(cls):
+    # An input whose memory is not rows (every other column of a wider tensor) is copied into
+    # rows by autograd before the norm, which keeps that copy for backward, as the kernels'
+    # path does: keeping the input itself (for second derivatives) held its whole storage,
+    # twice the bytes here, and copied it again in every backward. Second derivatives still
+    # reach the input through the copy.
+    norm = cls(256)
+    base = torch.randn(64, 512)
+    x = (base * 1.0)[:, ::2].requires_grad_(True)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y = norm(x)
+    storages = {t.untyped_storage().data_ptr() for t in kept}
+    assert x.untyped_storage().data_ptr() not in storages
+    torch.testing.assert_close(y, norm(x.detach().contiguous()), rtol=0, atol=0)
+    small = cls((3, 4), dtype=torch.float64)
+    wide = torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda b: small(b[..., ::2]), (wide,))
+
+
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
 def test_torch_func_and_forward_ad_match_pytorch(rms):
     # torch.func transforms and forward-mode AD run PyTorch's math (the kernels' autograd
