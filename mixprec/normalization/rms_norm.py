@@ -124,8 +124,8 @@ class MixedFusedRMSNorm(FusedRMSNorm):
             Default: ``False``.
         elementwise_affine (bool, keyword-only): accepted for Apex's callers; must be True.
         **ignored: other keywords (Megatron's ``sequence_parallel_enabled``, say) are dropped
-            with a warning, as Apex's class dropped them. ``bias=False`` is accepted
-            silently (RMSNorm has no bias); ``bias=True`` is an error.
+            with a warning, as Apex's class dropped them (``bias=True`` too: RMSNorm has no
+            bias); ``bias=False`` is accepted silently.
         device (torch.device, optional): where to create the parameter. Default: ``None``.
         dtype (torch.dtype, optional): dtype of the parameter. Default: ``None`` (fp32).
 
@@ -148,14 +148,10 @@ class MixedFusedRMSNorm(FusedRMSNorm):
         **ignored,
     ):
         name = type(self).__name__
-        if "bias" in ignored:
-            # torch.nn.LayerNorm's flag: False is what RMSNorm is, True cannot be honoured.
-            bias = ignored.pop("bias")
-            if bias:
-                raise ValueError(
-                    f"{name}(bias={bias!r}): RMSNorm has no bias (as torch.nn.RMSNorm). Drop "
-                    "bias=, or use MixedFusedLayerNorm for a learned shift."
-                )
+        if "bias" in ignored and not ignored["bias"]:
+            # torch.nn.LayerNorm's flag: False is what RMSNorm is. (True is dropped with the
+            # warning below, as Apex's class dropped it: an Apex script passing it runs.)
+            del ignored["bias"]
         _require_affine(name, elementwise_affine, ignored)
         _FusedNorm.__init__(
             self, normalized_shape, eps, True, memory_efficient, is_rms=True,

@@ -454,8 +454,8 @@ def test_torch_layer_norm_arguments():
     torch.testing.assert_close(mixed(x.bfloat16()), theirs(x), rtol=1e-2, atol=1e-2)
     assert mixed(x.bfloat16()).dtype == torch.float32  # (the weight's dtype)
     assert list(mixed_rms.state_dict()) == ["weight"]
-    with pytest.raises(ValueError, match=r"MixedFusedRMSNorm\(bias=True\): RMSNorm has no bias"):
-        MixedFusedRMSNorm(8, bias=True)
+    with pytest.warns(UserWarning, match=r"ignoring the keyword argument\(s\) bias"):
+        MixedFusedRMSNorm(8, bias=True)  # (dropped as Apex's class dropped it: scripts run)
     # torch.nn.RMSNorm(eps=None) means the dtype's machine epsilon: not supported, said so.
     with pytest.raises(ValueError, match=r"FusedRMSNorm\(eps=None\).*pass a number"):
         FusedRMSNorm(8, eps=None)
