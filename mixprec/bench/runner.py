@@ -754,12 +754,13 @@ def warm_up_process(workload: Workload, device="cpu", dtype: Optional[torch.dtyp
         torch.cuda.empty_cache()
 
 
-#: The keyword arguments :func:`run_modes` passes through to :func:`run_mode`.
-_RUN_MODE_OPTIONS = tuple(
-    name
-    for name in inspect.signature(run_mode).parameters
+#: The keyword arguments :func:`run_modes` passes through to :func:`run_mode`, with
+#: run_mode's defaults.
+_RUN_MODE_DEFAULTS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(run_mode).parameters.items()
     if name not in ("workload", "mode", "dtype", "progress")
-)
+}
 
 
 def _check_run_modes_args(modes, dtype, kwargs) -> None:
@@ -771,7 +772,7 @@ def _check_run_modes_args(modes, dtype, kwargs) -> None:
     bad = [m for m in modes if m not in MODES]
     if bad:
         raise ValueError(f"run_modes(modes={list(modes)!r}): unknown {bad}; allowed: {MODES}.")
-    allowed = _RUN_MODE_OPTIONS
+    allowed = tuple(_RUN_MODE_DEFAULTS)
     for name in kwargs:
         if name not in allowed:
             close = difflib.get_close_matches(name, allowed, n=1)
@@ -780,8 +781,9 @@ def _check_run_modes_args(modes, dtype, kwargs) -> None:
                 f"run_modes() got an unexpected keyword argument {name!r}; the keywords it "
                 f"passes to run_mode are {', '.join(allowed)}{hint}"
             )
-    _check_args("run_modes", dtype, kwargs.get("iters", 40), kwargs.get("warmup", 3))
-    device = kwargs.get("device", "cpu")
+    options = {**_RUN_MODE_DEFAULTS, **kwargs}
+    _check_args("run_modes", dtype, options["iters"], options["warmup"])
+    device = options["device"]
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
@@ -838,13 +840,14 @@ def run_modes(
         ['fp32', 'half']
     """
     _check_run_modes_args(modes, dtype, kwargs)
+    device = kwargs.get("device", _RUN_MODE_DEFAULTS["device"])
     if process_warmup:
         try:
-            warm_up_process(workload, device=kwargs.get("device", "cpu"), dtype=dtype)
+            warm_up_process(workload, device=device, dtype=dtype)
         except Exception:  # noqa: BLE001 - e.g. fp32 out of memory: the modes report their own
             logger.debug("process warm-up failed; running the modes anyway", exc_info=True)
             gc.collect()
-            if torch.device(kwargs.get("device", "cpu")).type == "cuda":
+            if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
     results = []
     for mode in modes:
@@ -859,9 +862,9 @@ def run_modes(
                 dtype=dtype_name,
                 status="failed",
                 error=f"{type(exc).__name__}: {exc}",
-                device=str(kwargs.get("device", "cpu")),
-                iters=kwargs.get("iters", 40),
-                warmup=kwargs.get("warmup", 3),
+                device=str(device),
+                iters=kwargs.get("iters", _RUN_MODE_DEFAULTS["iters"]),
+                warmup=kwargs.get("warmup", _RUN_MODE_DEFAULTS["warmup"]),
             )
         results.append(row)
         if on_result is not None:

@@ -271,12 +271,13 @@ class _GenericPath:
     def forward(self, x, weight, bias):
         y, x2d, mean, rstd = _forward(x, weight, bias, self.n, self.eps, self.is_rms,
                                       self.y_dtype)
-        # memory_efficient keeps y (which the next layer keeps anyway) instead of x. On the
-        # kernels, a copy made by _rows is kept rather than remade in backward; on the
-        # reference, x itself, through which a second derivative reaches the input.
+        # memory_efficient keeps y (which the next layer keeps anyway) instead of x. A copy
+        # made by _rows is kept rather than remade in backward. (On the reference, with grad,
+        # x is always rows here, through which a second derivative reaches the input: one that
+        # is not was copied into rows by autograd first; see copies_rows.)
         if self.from_y:
             saved = y
-        elif x2d is x or x2d._is_view() or not self.kernels:
+        elif x2d is x or x2d._is_view():
             saved = x
         else:
             saved = x2d

@@ -473,14 +473,13 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         _warn_on_apex_internals(type(self))
 
     def _install_hook(self) -> None:
-        # The module's parameters and submodules now (held, so that their ids stay theirs): a
-        # forward after a change to any module's parameters or submodules (see _structure)
-        # compares them with the module's own then (see _check_parameters).
+        # The module's parameters now (held, so that their ids stay theirs): a forward after a
+        # change to any module's parameters or submodules (see _structure) compares them with
+        # the module's own then (see _check_parameters).
         self._active = True  # (until another wrapper runs the module; see _note_forward)
         _structure.watch()
         self._structure_seen = _structure.version()
         self._known_params = list(self.module.named_parameters())
-        self._known_modules = list(self.module.modules())
         # The communication hooks registered on the reducer, to register again on a rebuilt
         # one (see _rebuild_reducer).
         self._comm_hook_record = []
@@ -504,6 +503,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                     if plain_average else self._hook_state)
             pairs = _reducer_params(
                 self.module, frozenset(getattr(self, "parameters_to_ignore", ())))
+            # (and its submodules: new ones get rank 0's buffers too; see _follow_module)
+            self._known_modules = list(self.module.modules())
             self._delayed = DelayedAllReduce(
                 [name for name, _ in pairs], [p for _, p in pairs],
                 spec=spec, message_size=int(self.message_size))
@@ -767,7 +768,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self._frozen_at_wrap.extend(p for name, p in current
                                     if not p.requires_grad and id(p) not in known)
         self._known_params = current
-        self._known_modules = list(self.module.modules())
         self._structure_seen = _structure.version()
 
     def _changed_message(self, new: List[str], gone: List[str]) -> str:
