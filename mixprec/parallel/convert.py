@@ -49,10 +49,12 @@ def convert_syncbn_model(module: nn.Module, process_group=None,
     """Replace every BatchNorm layer of ``module`` by a :class:`SyncBatchNorm` (Apex's function).
 
     Every ``torch.nn.modules.batchnorm._BatchNorm`` (``BatchNorm1d/2d/3d``, ``nn.SyncBatchNorm``)
-    is swapped; existing :class:`SyncBatchNorm` layers are left as they are. The new layers take
+    is swapped; existing :class:`SyncBatchNorm` layers stay (the same objects) but take
+    ``process_group`` and ``channel_last``, as Apex's rebuilt ones did. The new layers take
     over the old ones' parameters and running-statistics buffers (the same objects), train/eval
-    mode and ``requires_grad``. Call it before ``amp.initialize`` and before wrapping the model
-    in ``DistributedDataParallel``.
+    mode and ``requires_grad``, and a BatchNorm subclass's submodules (converted too; its own
+    ``forward`` is not kept, as in Apex). Call it before ``amp.initialize`` and before wrapping
+    the model in ``DistributedDataParallel``.
 
     Args:
         module (nn.Module): the model (or a single BatchNorm layer).
@@ -78,8 +80,19 @@ def convert_syncbn_model(module: nn.Module, process_group=None,
         )
     if not isinstance(channel_last, bool):
         raise TypeError(f"convert_syncbn_model(channel_last={channel_last!r}): must be a bool.")
-    if isinstance(module, _BatchNorm) and not isinstance(module, SyncBatchNorm):
-        return _convert_one(module, process_group, channel_last)
+    if isinstance(module, SyncBatchNorm):
+        # Apex's function rebuilt every _BatchNorm, its own SyncBatchNorm included, with the
+        # arguments given: the layer stays (the same object) and takes them too, so that a
+        # group passed for layers a model builds as SyncBatchNorm itself is not ignored.
+        module.process_group = process_group
+        module.channel_last = channel_last
+    elif isinstance(module, _BatchNorm):
+        sync = _convert_one(module, process_group, channel_last)
+        # A subclass's submodules (e.g. an activation) come along, converted, as in Apex and
+        # torch's convert_sync_batchnorm: the model keeps their parameters and state_dict keys.
+        for name, child in module.named_children():
+            sync.add_module(name, convert_syncbn_model(child, process_group, channel_last))
+        return sync
     for name, child in module.named_children():
         converted = convert_syncbn_model(child, process_group, channel_last)
         if converted is not child:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Optional
 
 import torch
@@ -164,6 +165,18 @@ class SyncBatchNorm(_BatchNorm):
         if cache:
             state["_count_cache"] = {k: v for k, v in cache.items() if k[0] != "plan"}
         return state
+
+    def __deepcopy__(self, memo):
+        # A process group is a handle on the ranks' communicator, not data, and cannot be
+        # copied: a copy of the layer (of a model, e.g. for an EMA of its weights) syncs over
+        # the same group. Everything else is copied as usual.
+        group = self.__dict__.get("process_group")
+        if group is not None:
+            memo.setdefault(id(group), group)
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__getstate__(), memo))
+        return copied
 
     def extra_repr(self) -> str:
         text = super().extra_repr()

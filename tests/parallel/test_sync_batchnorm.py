@@ -480,6 +480,24 @@ def check_convert_syncbn_model_matches_batchnorm(ctx):
         torch.testing.assert_close(b, rb, rtol=1e-4, atol=1e-5)
 
 
+def check_deepcopy_with_process_group(ctx):
+    # A model with a custom group deep-copied (an EMA of its weights, a frozen teacher): the
+    # copy shares the group (a communicator handle cannot be copied), its tensors are its own,
+    # and it computes what the original computes.
+    group = create_syncbn_process_group(ctx.world_size)
+    torch.manual_seed(3)
+    model = convert_syncbn_model(nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)),
+                                 process_group=group).to(ctx.device)
+    x = torch.randn(2 + ctx.rank, 3, 3, 3, device=ctx.device)
+    model(x).sum().backward()  # after use: per-geometry scratch in the layer
+    twin = copy.deepcopy(model)
+    assert twin[1].process_group is group
+    assert twin[1].weight is not model[1].weight
+    assert twin[1].running_mean is not model[1].running_mean
+    torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
+    torch.testing.assert_close(twin[1].running_var, model[1].running_var, rtol=0, atol=0)
+
+
 def check_empty_rank(ctx):
     # One rank (the first, the hardest case for the merge kernel) has no samples at all.
     sizes = [0, 3, 5, 1, 2, 0, 4, 6][:ctx.world_size]
@@ -516,6 +534,7 @@ GROUP_2 = [
     "check_single_value_per_channel_raises",
     "check_eval_mode_uses_running_stats_without_communication",
     "check_convert_syncbn_model_matches_batchnorm",
+    "check_deepcopy_with_process_group",
     "check_empty_rank",
 ]
 GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups"]
@@ -654,6 +673,45 @@ def test_convert_syncbn_model_keeps_parameters_mode_and_requires_grad():
     assert convert_syncbn_model(already) is already
     with pytest.raises(TypeError, match="torch.nn.Module"):
         convert_syncbn_model("resnet")
+
+
+def test_convert_syncbn_model_existing_layers_take_the_arguments():
+    # As Apex's function (which rebuilt every _BatchNorm, its own SyncBatchNorm included): a
+    # model that builds SyncBatchNorm layers itself, converted with a group, uses the group.
+    group = object()  # (stands in for a ProcessGroup: nothing communicates here)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), SyncBatchNorm(4), nn.BatchNorm2d(4))
+    layer = model[1]
+    assert convert_syncbn_model(model, process_group=group, channel_last=True) is model
+    assert model[1] is layer
+    for bn in (model[1], model[2]):
+        assert bn.process_group is group and bn.channel_last, bn
+    convert_syncbn_model(model)
+    assert model[1].process_group is None and not model[1].channel_last
+
+
+class _BatchNormAct(nn.BatchNorm2d):
+    """timm's BatchNormAct2d pattern: a BatchNorm subclass with submodules."""
+
+    def __init__(self, num_features):
+        super().__init__(num_features)
+        self.act = nn.PReLU(num_features)
+        self.extra = nn.Sequential(nn.BatchNorm1d(num_features))
+
+    def forward(self, x):
+        return self.act(super().forward(x))
+
+
+def test_convert_syncbn_model_keeps_a_subclass_submodules():
+    # Their parameters stay in the model (an optimizer built earlier, a checkpoint loaded with
+    # strict=True), converted too, as Apex and torch's convert_sync_batchnorm keep them.
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), _BatchNormAct(4))
+    state = model.state_dict()
+    act = model[1].act
+    convert_syncbn_model(model)
+    assert isinstance(model[1], SyncBatchNorm) and model[1].act is act
+    assert isinstance(model[1].extra[0], SyncBatchNorm)
+    assert set(model.state_dict()) == set(state)
+    model.load_state_dict(state, strict=True)
 
 
 def test_convert_syncbn_model_lazy_batchnorm():
