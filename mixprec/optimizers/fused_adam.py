@@ -507,19 +507,19 @@ class _Plan:
     half copies linked since), ``optimizer.state`` is the same mapping with no entry set or
     deleted since (its change counter) and no parameter's state dict emptied, and the per-step
     facts the checks relied on still stand, read from cached flags (each fused-route
-    parameter's byte size and device, its and its gradient's layout, each copy's
-    device and dtype). So a state reset by hand (``optimizer.state[p] = {}``, ``.clear()``,
-    ``del``) starts fresh moments, as in PyTorch's Adam; single state tensors replaced inside
-    a kept dict are not noticed. The learning rate is no part of it: each step takes the
-    group's ``lr`` as it is then (a float, a tensor changed in place, or a new tensor or float
-    put in the group).
+    parameter's byte size and device, its and its gradient's layout, each plain-route
+    gradient's being dense, each copy's device and dtype). So a state reset by hand
+    (``optimizer.state[p] = {}``, ``.clear()``, ``del``) starts fresh moments, as in PyTorch's
+    Adam; single state tensors replaced inside a kept dict are not noticed. The learning rate
+    is no part of it: each step takes the group's ``lr`` as it is then (a float, a tensor
+    changed in place, or a new tensor or float put in the group).
     """
 
     __slots__ = ("epoch", "state_map", "state_changes", "params", "states", "steps", "copies",
                  "plain", "kernel_by_device", "fused_by_device", "steps_by_device", "devices",
                  "written_by_kernel", "copied_after", "_take", "_nbytes", "_devices",
                  "_take_contiguous",
-                 "_take_channels_last", "_copy_facts")
+                 "_take_channels_last", "_take_plain", "_copy_facts")
 
     def __init__(self, epoch, state_map, states, copies, kernel, fused, plain, params):
         self.epoch = epoch
@@ -552,6 +552,8 @@ class _Plan:
         self._devices = [params[i].get_device() for i in routed]  # (moved through .data)
         self._take_contiguous = _picker([i for i in routed if params[i].is_contiguous()])
         self._take_channels_last = _picker([i for i in routed if not params[i].is_contiguous()])
+        # (The plain route's gradients: checked to stay dense, as a sparse one is refused.)
+        self._take_plain = _picker(plain)
         self._copy_facts = [(c, c.dtype, c.get_device()) for c in copies if c is not None]
 
     def holds(self, params: List[Tensor], grads: List[Tensor]) -> bool:
@@ -570,6 +572,8 @@ class _Plan:
         if not (all(map(_is_channels_last, take(params)))
                 and all(map(_is_channels_last, take(grads)))):
             return False
+        if not all(map(_is_strided, self._take_plain(grads))):
+            return False
         for c, dtype, device in self._copy_facts:
             if c.dtype is not dtype or c.get_device() != device:
                 return False
@@ -577,6 +581,10 @@ class _Plan:
 
 
 _NBYTES = operator.attrgetter("nbytes")
+
+
+def _is_strided(t: Tensor) -> bool:
+    return t.layout is torch.strided
 
 
 def _is_channels_last(t: Tensor) -> bool:

@@ -550,6 +550,24 @@ def test_complex_and_integer_parameters_are_a_clear_error():
                 FusedAdam([p], **kw).step()
 
 
+def test_a_gradient_turned_sparse_after_the_first_step_is_refused(device, path):
+    """A sparse gradient is refused on every route, also when the parameter's earlier
+    gradients were dense (an embedding switched to ``sparse=True``): the cached route is not
+    taken for it, and nothing is updated."""
+    emb = nn.Embedding(10, 3).to(device)
+    opt = FusedAdam(emb.parameters(), lr=1e-2)
+    idx = torch.tensor([1, 2], device=device)
+    emb(idx).sum().backward()
+    opt.step()
+    emb.sparse = True
+    opt.zero_grad()
+    emb(idx).sum().backward()
+    before = emb.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        opt.step()
+    assert torch.equal(emb.weight, before)
+
+
 def test_a_refused_checkpoint_leaves_the_optimizer_as_it_was():
     """A checkpoint FusedAdam cannot take (amsgrad, maximize, a bad option) is refused before
     anything is loaded: the optimizer keeps its options and state and steps on."""
