@@ -211,6 +211,8 @@ class _AmpModule:
                 "convert the model before amp.initialize, turn the flag off, or use "
                 "torch.__future__.set_swap_module_params_on_conversion(True), which keeps the "
                 "objects.")
+        if master_weights(self):
+            _refuse_a_move_masters_cannot_follow(self, fn)
         cfg = self.__dict__.get("_mixprec_forward")
         if cfg is not None and cfg.input_dtype is not None and not cfg.fp32_compute:
             held = {}
@@ -244,6 +246,7 @@ class _AmpModule:
                         "mean to convert this one anyway."
                     )
         result = super()._apply(fn, *args, **kwargs)
+        _masters_follow_their_parameters(self)
         # A device move after initialize (initialize on CPU, then model.cuda()): autocast and
         # BatchNorm's fp32 guard follow the tensors to their new device type, in this module
         # and in the swapped submodules that hold no tensor to tell (a BatchNorm with
@@ -324,6 +327,62 @@ def _renorm_master_rows(module: nn.Module, indices) -> None:
         rows = indices.reshape(-1).to(device=master.device, dtype=torch.long)
         torch.embedding_renorm_(master, rows, module.max_norm, module.norm_type)
         module.weight.index_copy_(0, rows, master.index_select(0, rows).to(module.weight.dtype))
+
+
+def _masters_follow_their_parameters(model: nn.Module) -> None:
+    """After a device move of ``model`` (``model.cuda()`` or ``model.to_empty(device=...)``
+    after ``initialize``), move each fp32 master to its half parameter's new device.
+
+    In place (``.data``, as ``nn.Module._apply`` moves parameters): the optimizer holds the
+    master objects. Left behind, the masters were stepped on the old device and copied from
+    there into the model, and on a GPU the first backward failed assigning a CUDA gradient to
+    a CPU master. (A move that cannot keep the tensor objects, to or from the meta device, is
+    refused first: see :func:`_refuse_a_move_masters_cannot_follow`.) The optimizer's
+    per-parameter state stays where it is, as PyTorch leaves it for a moved model.
+    """
+    for module in model.modules():
+        hooks = module.__dict__.get("_mixprec_state_dict")
+        if hooks is None:
+            continue
+        for name, master in hooks.masters.items():
+            param = module._parameters.get(name)
+            if param is None or master.device == param.device:
+                continue
+            with torch.no_grad():
+                grad, master.grad = master.grad, None
+                master.data = master.data.to(param.device)
+                if grad is not None:
+                    master.grad = grad.to(param.device)
+            taker = hooks.take_writes.get(name)
+            take = taker() if taker is not None else None
+            moved = getattr(getattr(take, "__self__", None), "params_moved", None)
+            if moved is not None:
+                moved()
+
+
+def _refuse_a_move_masters_cannot_follow(model: nn.Module, fn) -> None:
+    """Refuse, before anything changes, a device move of a model with fp32 masters between
+    device types whose tensors PyTorch cannot move in place (to or from the meta device:
+    ``model.to_empty(device="cuda")`` of a model built on meta and initialized there).
+
+    ``nn.Module._apply`` then gives the model new Parameter objects, which neither the
+    optimizer nor amp hold: the masters stayed on the old device, the steps changed them
+    alone, and the model silently never trained.
+    """
+    for device in {p.device for p in model.parameters()}:
+        probe = torch.empty(0, device=device)
+        new = fn(probe)
+        if (isinstance(new, torch.Tensor) and new.device != device
+                and not torch._has_compatible_shallow_copy_type(probe, new)):
+            raise RuntimeError(
+                f"{type(model).__name__}: moving a model whose parameters have fp32 master "
+                f"weights (amp O2) from {device} to {new.device} after amp.initialize. PyTorch "
+                "moves parameters between these device types by making new tensors, which the "
+                "optimizer and its fp32 master weights would not follow, so training would "
+                "silently stop changing the model. Move the model first (e.g. "
+                f"model.to_empty(device=\"{new.device}\") and initialize its weights), then "
+                "build the optimizer and call amp.initialize."
+            )
 
 
 def _replaces_parameters() -> bool:

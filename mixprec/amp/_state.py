@@ -284,6 +284,9 @@ class _OptimizerState:
         # parameters are adopted).
         self._skips_on_device = None
         self._stash: List[Tuple[torch.Tensor, torch.Tensor]] = []
+        # Whether the backward in progress set the plain parameters' gradients aside (then
+        # every plain parameter missing from _stash had none).
+        self._set_aside = False
         self._handles = []
         # Each pair's half parameter's version counter, its master's, and the half parameter's
         # TensorImpl, when amp last put the two in step (take_model_writes); None until the
@@ -376,6 +379,10 @@ class _OptimizerState:
             self._skips_on_device = (next(iter(devices)) if fused and len(devices) == 1
                                      else False)
         return self._skips_on_device or None
+
+    def params_moved(self) -> None:
+        """Some masters moved to another device (with their model): look it up again."""
+        self._skips_on_device = None
 
     def step_was_skipped(self) -> bool:
         if self._last_step_flag is not None:
@@ -490,6 +497,27 @@ class _OptimizerState:
                        for p in self.plain if p.grad is not None]
         for p, _ in self._stash:
             p.grad = None
+        self._set_aside = True
+
+    def abandon_backward(self) -> None:
+        """The ``scale_loss`` block raised (a backward out of memory, say, which the caller skips
+        to go on with the next micro-batch): give back the gradients as they were before it.
+
+        The unscaled gradients of earlier backwards, set aside by :meth:`before_backward`,
+        return to their parameters, and what the failed backward left (partial and scaled) is
+        dropped; without this they were lost. Gradients held scaled (``delay_unscale``) were
+        not set aside, and a partial backward's share of them cannot be told apart: left as
+        they are.
+        """
+        if not self.grads_scaled:
+            for p, _ in self.pairs:  # (None before the block: before_backward set them so)
+                p.grad = None
+        if self._set_aside:
+            stashed = {id(p): g for p, g in self._stash}
+            for p in self.plain:
+                p.grad = stashed.get(id(p))
+        self._stash = []
+        self._set_aside = False
 
     def unscale(self, scaler: LossScaler) -> List[torch.Tensor]:
         """Move this backward's gradients, unscaled, to where the optimizer reads them."""
@@ -566,6 +594,7 @@ class _OptimizerState:
         if accumulate:
             torch._foreach_add_(accumulate_into, accumulate)
         self._stash = []
+        self._set_aside = False
         self.grads_scaled = False
         self.held_scaler = self.held_scale = None
         return flags

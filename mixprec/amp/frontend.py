@@ -78,7 +78,9 @@ def _check_model(model: nn.Module) -> None:
         raise ValueError(
             f"amp.initialize(models={type(model).__name__}(...)): this model already went "
             "through amp.initialize. Initialize each model once; build a new model to try "
-            "another opt level."
+            "another opt level. An optimizer cannot be added to it by a second call: build "
+            "the optimizer before amp.initialize and pass both in one call, `model, opt = "
+            "amp.initialize(model, opt, ...)`."
         )
 
 
@@ -399,8 +401,13 @@ def scale_loss(
         raise RuntimeError(
             "amp.scale_loss was given an optimizer that did not go through amp.initialize. "
             "Call `model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first "
-            "and pass the returned optimizer."
+            "and pass the returned optimizer (an optimizer built after amp.initialize of its "
+            "model cannot join it later: build the optimizer first, then initialize both in "
+            "one call)."
         )
+    # Each optimizer's gradients unscaled once: the same optimizer listed twice (or a wrapper
+    # such as LARC beside its inner optimizer, which share one state) would divide them twice.
+    states = list({id(s): s for s in states}.values())
     amp_state = states[0].amp_state
     if any(s.amp_state is not amp_state for s in states):
         raise ValueError(
@@ -435,10 +442,17 @@ def scale_loss(
     scale = scaler.device_state(device).scale if device is not None else scaler.loss_scale
     for s in states:
         s.before_backward(scaler, scale)
-    if device is not None:
-        yield loss.float() * scale
-    else:
-        yield loss.float() if scale == 1.0 else loss.float() * scale
+    try:
+        if device is not None:
+            yield loss.float() * scale
+        else:
+            yield loss.float() if scale == 1.0 else loss.float() * scale
+    except BaseException:
+        # The block raised (a caller skipping an out-of-memory backward goes on training):
+        # the gradients of earlier backwards, set aside for this one, are given back.
+        for s in states:
+            s.abandon_backward()
+        raise
 
     # Per optimizer: one whose model ran this forward inside DDP's no_sync() keeps its
     # gradients scaled for the synced backward to all-reduce; the others unscale as usual.

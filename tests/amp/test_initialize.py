@@ -304,6 +304,21 @@ def test_rejects_model_initialized_twice():
         amp.initialize(model, opt_level="O2")
 
 
+def test_an_optimizer_built_after_initialize_is_told_the_order():
+    # `model = amp.initialize(model)`, then an optimizer: scale_loss said to call initialize
+    # with the optimizer, and that call said only "initialize each model once; build a new
+    # model": each message sent the user to the other. Both now give the order that works.
+    model = amp.initialize(make_cnn(), opt_level="O2", verbosity=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(batch()[0]).sum()
+    with pytest.raises(RuntimeError, match="build the optimizer first, then initialize both"):
+        with amp.scale_loss(loss, opt):
+            pass
+    with pytest.raises(ValueError, match="already went through.*build the optimizer before "
+                                         "amp.initialize and pass both in one call"):
+        amp.initialize(model, opt, opt_level="O2")
+
+
 def test_rejects_optimizer_with_foreign_params():
     model, other = make_cnn(), nn.Linear(3, 3)
     opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
@@ -422,6 +437,50 @@ def test_o2_conversion_that_would_replace_parameters_is_refused():
         o1.to(memory_format=torch.channels_last)
     finally:
         torch.__future__.set_overwrite_module_params_on_conversion(previous)
+
+
+def test_o2_move_from_the_meta_device_is_refused():
+    # A model built on the meta device, initialized at O2 there, then given real memory with
+    # model.to_empty(): PyTorch makes new Parameter objects for a move to or from meta, the
+    # masters stayed on meta, and the model silently never trained (its state_dict() even
+    # came back on meta). Refused before anything changes, saying to move first.
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    ids = [id(p) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="from meta to cpu after amp.initialize.*Move the "
+                                           "model first"):
+        model.to_empty(device="cpu")
+    assert [id(p) for p in model.parameters()] == ids
+    assert all(p.is_meta for p in model.parameters())
+    # Without masters (O1) there is nothing of amp's to lose: the move goes through.
+    with torch.device("meta"):
+        o1 = nn.Linear(4, 2)
+    amp.initialize(o1, opt_level="O1", verbosity=0).to_empty(device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+def test_o2_masters_follow_a_device_move_after_initialize():
+    # initialize on the CPU, then model.cuda() (the README: device moves work after
+    # initialize). The masters stayed on the CPU: the first backward failed assigning a CUDA
+    # gradient to a CPU master.
+    model = make_cnn()
+    ref = copy.deepcopy(model).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    model.cuda()
+    assert all(m.is_cuda for m in amp.master_params(opt))
+    x, y = batch("cuda")
+    for _ in range(3):
+        train_step(model, opt, x, y, amp)
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+    for k, v in model.state_dict().items():
+        assert v.is_cuda and v.dtype == torch.float32
+        torch.testing.assert_close(v, ref.state_dict()[k], rtol=5e-2, atol=5e-2)
 
 
 def test_o2_load_state_dict_after_initialize_keeps_exact_masters():

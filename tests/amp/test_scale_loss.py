@@ -620,3 +620,63 @@ def test_closure_evaluations_see_the_current_masters_at_o2(as_keyword):
     # bf16 forwards bound both amp levels near 1e-3 (O1 measured 3.7e-4); stale evaluations
     # left O2 at 1.1e-2.
     assert o1 < 2e-3 and o2 < 2e-3, (o1, o2)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_an_optimizer_listed_twice_is_unscaled_once(opt_level):
+    # scale_loss(loss, [opt, opt]) unscaled the directly stepped (fp32) gradients twice:
+    # divided by the scale squared, silently.
+    model = make_cnn()
+    x, y = batch()
+    ref = copy.deepcopy(model)
+    nn.functional.cross_entropy(ref(x), y).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, loss_scale=512.0, dtype=torch.bfloat16,
+                   patch_torch_functions=False if opt_level == "O1" else None, verbosity=0)
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), [opt, opt]) as s:
+        s.backward()
+    got = torch.cat([m.grad.float().flatten() for m in amp.master_params(opt)])
+    want = torch.cat([r.grad.flatten() for r in ref.parameters()])
+    assert (got - want).norm() / want.norm() < 3e-2
+
+
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises once the gradient above it was computed (an OOM in the
+    middle of a backward, after some parameters already received their share)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("out of memory (simulated)")
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_failed_backward_gives_back_the_earlier_gradients(opt_level):
+    # Gradient accumulation that skips a micro-batch whose backward raised (fairseq-style OOM
+    # recovery without zeroing): the unscaled gradients of the earlier micro-batches were set
+    # aside for the failed backward and lost with it, and the half-done backward's scaled
+    # gradients stayed behind.
+    model = make_cnn()
+    x, y = batch(n=16)
+    ref = copy.deepcopy(model)
+    for xs, ys in ((x[:8], y[:8]), (x[8:], y[8:])):
+        nn.functional.cross_entropy(ref(xs), ys).backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, loss_scale=512.0, dtype=torch.bfloat16,
+                   patch_torch_functions=False if opt_level == "O1" else None, verbosity=0)
+    with amp.scale_loss(nn.functional.cross_entropy(model(x[:8]), y[:8]), opt) as s:
+        s.backward()
+    inputs = x[:8].to(model.head.weight.dtype)  # (the submodules, called as they are)
+    features = _FailingBackward.apply(model.features(inputs))
+    loss = nn.functional.cross_entropy(model.head(features).float(), y[:8])
+    with pytest.raises(RuntimeError, match="simulated"):
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()  # the head's gradients are written, then the backward fails
+    with amp.scale_loss(nn.functional.cross_entropy(model(x[8:]), y[8:]), opt) as s:
+        s.backward()
+    got = torch.cat([m.grad.float().flatten() for m in amp.master_params(opt)])
+    want = torch.cat([r.grad.flatten() for r in ref.parameters()])
+    assert (got - want).norm() / want.norm() < 3e-2
