@@ -3,7 +3,8 @@
 It runs unmodified on mixprec once `mixprec.install_apex_alias()` has been called (or with
 its import changed to `from mixprec import amp`). It exercises what Apex users relied on:
 two losses with their own loss scales, gradient accumulation with `delay_unscale`, gradient
-clipping on `amp.master_params`, and checkpoint/resume with `amp.state_dict()`.
+clipping on `amp.master_params`, and checkpoint/resume with `amp.state_dict()`. From this
+folder:
 
     python -c "import mixprec, runpy, sys; mixprec.install_apex_alias(); \
         sys.argv = ['apex_style_train.py', '--opt-level', 'O2', '--steps', '20', \
