@@ -137,17 +137,19 @@ def _warn_if_already_half(models: List[nn.Module], props) -> None:
 
 
 def _check_half_supported(models: List[nn.Module], props) -> None:
+    """bf16 asked for a model with parameters on a GPU without it: every model's every GPU."""
     if props.half_dtype != torch.bfloat16 or props.opt_level == "O0":
         return
-    for model in models:
-        for p in model.parameters():
-            if p.is_cuda and not torch.cuda.is_bf16_supported():
-                raise RuntimeError(
-                    f"amp.initialize(dtype=torch.bfloat16): {torch.cuda.get_device_name(p.device)}"
-                    " does not support bfloat16. Use dtype=torch.float16 (with dynamic loss "
-                    "scaling) on this GPU."
-                )
-            return
+    devices = {p.device for model in models for p in model.parameters() if p.is_cuda}
+    for device in sorted(devices, key=str):
+        with torch.cuda.device(device):
+            supported = torch.cuda.is_bf16_supported()
+        if not supported:
+            raise RuntimeError(
+                f"amp.initialize(dtype=torch.bfloat16): {torch.cuda.get_device_name(device)} "
+                f"({device}) does not support bfloat16. Use dtype=torch.float16 (with dynamic "
+                "loss scaling) on this GPU."
+            )
 
 
 def initialize(

@@ -526,6 +526,15 @@ def test_bf16_on_gpu_without_it(monkeypatch):
         amp.initialize(make_cnn("cuda"), opt_level="O2", dtype=torch.bfloat16)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+def test_bf16_checked_on_every_model(monkeypatch):
+    # (The check once stopped at the first parameter of the first model: a CPU model listed
+    # first let a CUDA model through.)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with pytest.raises(RuntimeError, match="does not support bfloat16"):
+        amp.initialize([make_cnn(), make_cnn("cuda")], opt_level="O2", dtype=torch.bfloat16)
+
+
 def test_initialize_logs_opt_level(caplog):
     import logging
     with caplog.at_level(logging.INFO, logger="mixprec.amp"):
