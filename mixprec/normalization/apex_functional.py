@@ -55,7 +55,10 @@ def _norm(where: str, x: Tensor, normalized_shape: _Shape, weight: Optional[Tens
           bias: Optional[Tensor], eps: float, memory_efficient: bool, is_rms: bool,
           output_like_weight: bool) -> Tensor:
     shape = _checks.normalize_shape(normalized_shape, where)
-    _checks.check_inputs(where, x, shape, weight, bias, eps)
+    if not torch.jit.is_tracing():
+        # (Under torch.jit.trace the sizes are traced tensors: the checks would only add
+        # TracerWarnings, and the PyTorch ops recorded there check.)
+        _checks.check_inputs(where, x, shape, weight, bias, eps)
     if output_like_weight and weight is None:
         raise ValueError(f"{where}: weight is None; the mixed-dtype form needs a weight tensor "
                          "(its output takes the weight's dtype)")

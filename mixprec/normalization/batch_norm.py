@@ -84,7 +84,7 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
     fp16 parameters) runs mixprec's Triton kernels: the per-channel statistics, the normalization
     with the running-statistics update, and the two backward passes, statistics in fp32, the
     output in the input's dtype. Every other call (fp32, fp16 with fp32 parameters, which
-    cuDNN serves well, other layouts, eval mode, CPU, ``torch.compile``) is
+    cuDNN serves well, other layouts, eval mode, CPU, ``torch.compile``, ``torch.jit.trace``) is
     ``torch.nn.functional.batch_norm``.
 
     It is a ``_BatchNorm``, so ``amp.initialize`` keeps it fp32 at O2 as any BatchNorm. It
@@ -122,9 +122,10 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
                 f"FusedBatchNorm: expected an (N, C, *) input of at least 2 dims, got "
                 f"{input.dim()} dims"
             )
-        # (Without parameters or running statistics, as torch's BatchNorm, any channel count.)
+        # (Without parameters or running statistics, as torch's BatchNorm, any channel count.
+        # Under torch.jit.trace the sizes are traced tensors: F.batch_norm checks there.)
         if (self.weight is not None or self.running_mean is not None) and (
-                input.shape[1] != self.num_features):
+                not torch.jit.is_tracing()) and input.shape[1] != self.num_features:
             raise ValueError(
                 f"FusedBatchNorm({self.num_features}): the input has {input.shape[1]} channels "
                 f"in dim 1 (shape {list(input.shape)}); expected {self.num_features}."
@@ -137,6 +138,10 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
         """The kernels' result, or None when this call is PyTorch's (see the class
         documentation). The decision is made once per input signature and kept."""
         if not training or input.dtype not in _HALF or is_compiling():
+            return None
+        if torch.jit.is_tracing():
+            # torch.jit.trace records PyTorch's batch norm, so that the trace saves and runs
+            # without mixprec (a Python autograd Function is no TorchScript op).
             return None
         if in_functorch_or_forward_ad():  # PyTorch's batch norm there
             return None

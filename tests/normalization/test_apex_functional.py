@@ -4,6 +4,7 @@ References: PyTorch's own ``layer_norm`` / ``rms_norm`` in float64 with Apex's d
 (1e-6), on the plain path, the CUDA kernels and the Triton interpreter.
 """
 
+import warnings
 
 import pytest
 import torch
@@ -77,6 +78,23 @@ def test_apex_functional_gradients_match_pytorch():
     want = torch.autograd.grad((_rms(x, (12,), w) * dy).sum(), (x, w))
     for g, r in zip(got, want):
         torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10)
+
+
+
+def test_jit_trace_has_no_tracer_warnings():
+    # Under torch.jit.trace the argument checks would compare traced sizes (TracerWarning:
+    # "might cause the trace to be incorrect"); the recorded PyTorch ops check there.
+    w = torch.randn(8)
+    b = torch.randn(8)
+
+    def fn(x):
+        return F.fused_rms_norm_affine(F.fused_layer_norm_affine(x, w, b, 8), w, (8,))
+
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        traced = torch.jit.trace(fn, x)
+    torch.testing.assert_close(traced(x), _rms(_ln(x, (8,), w, b), (8,), w).float())
 
 
 def test_bad_input_errors():

@@ -8,7 +8,9 @@ Triton's interpreter (SyncBatchNorm's fused path routed to CPU tensors); the sam
 
 import contextlib
 import copy
+import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -198,6 +200,31 @@ def test_scripts_and_traces_like_batchnorm():
     x = torch.randn(2, 3, 6, 6)
     torch.testing.assert_close(graph(x), copy.deepcopy(net)(x))
 
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_jit_trace_records_pytorchs_batch_norm(path, mode):
+    # torch.jit.trace sees traced sizes (tensors) and can save no Python autograd Function:
+    # the trace records PyTorch's batch norm (it used to launch the kernels with tensor sizes
+    # and fail), saves, loads and matches; the channel check adds no TracerWarning (in
+    # training PyTorch's own batch-size check in F.batch_norm gives one, as for BatchNorm2d).
+    device, path_ctx = _path(path)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), FusedBatchNorm(4)).bfloat16()
+    getattr(net, mode)()
+    ref = copy.deepcopy(net)
+    x = torch.randn(2, 3, 5, 5).bfloat16().contiguous(memory_format=torch.channels_last)
+    with path_ctx(), _count_fused_calls() as calls, warnings.catch_warnings():
+        warnings.simplefilter("error" if mode == "eval" else "ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(net, x, check_trace=False)
+    assert not calls
+    buf = io.BytesIO()
+    torch.jit.save(traced, buf)
+    buf.seek(0)
+    loaded = torch.jit.load(buf)
+    torch.testing.assert_close(loaded(x), ref(x))
+    torch.testing.assert_close(net[1].running_var, ref[1].running_var)
 
 @requires_interpreter
 def test_functorch_transforms_take_pytorchs_batch_norm():

@@ -726,6 +726,23 @@ def test_fx_symbolic_trace_records_one_call_per_norm(make, norm_calls):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def test_jit_trace_of_the_functionals_has_no_tracer_warnings():
+    # The functionals' argument checks compared traced sizes under torch.jit.trace
+    # (TracerWarning: "might cause the trace to be incorrect"); the recorded ops check there.
+    w, b = torch.randn(8), torch.randn(8)
+
+    def fn(x):
+        return fused_rms_norm(fused_layer_norm(x, 8, w, b), (8,), w)
+
+    x = torch.randn(3, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        traced = torch.jit.trace(fn, x)
+    y = reference.layer_norm(x.double(), (8,), w.double(), b.double(), 1e-5)
+    y = reference.rms_norm(y, (8,), w.double(), 1e-5)
+    torch.testing.assert_close(traced(x).double(), y, rtol=1e-5, atol=1e-5)
+
+
 def test_internal_entry_takes_a_list_shape():
     x = torch.randn(3, 8)
     y = _ops.fused_norm(x, [8], None, None, 1e-5, False, False, torch.float32)
