@@ -345,3 +345,30 @@ def test_apexs_first_amp_api_says_what_replaced_it():
     with pytest.raises(AttributeError, match=r"amp.init.*replaced it with amp.initialize"):
         amp.init(enabled=True)
     assert not hasattr(amp, "no_such_name")
+
+
+def test_apexs_other_optimizers_import_and_name_their_replacement(clean_apex):
+    # Scripts import several of Apex's optimizers in one line and build the one asked for
+    # (`from apex.optimizers import FusedAdam, FusedSGD, FusedNovoGrad, FusedLAMB`; BERT's
+    # FusedLAMB; pytorch-pretrained-BERT's apex.optimizers.FP16_Optimizer). Before, the import
+    # failed with "cannot import name 'FusedSGD' from 'mixprec.optimizers'", which such scripts
+    # turn into "please install apex", and a FusedAdam run could not start at all.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    import apex
+    from apex.optimizers import FP16_Optimizer, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+    from apex.optimizers.fused_adam import FusedAdam as from_its_file
+    from apex.optimizers.fused_lamb import FusedLAMB as lamb_from_its_file
+
+    assert FusedAdam is from_its_file is mixprec.optimizers.FusedAdam
+    assert lamb_from_its_file is FusedLAMB is apex.optimizers.FusedLAMB
+    assert not hasattr(mixprec.optimizers, "FusedLAMB")  # mixprec's own package is untouched
+    params = [nn.Parameter(torch.ones(2))]
+    FusedAdam(params, lr=1e-3)
+    for cls, use in ((FusedSGD, r"torch.optim.SGD\(.*fused=True"),
+                     (FusedLAMB, "no LAMB.*FusedAdam"), (FusedNovoGrad, "no NovoGrad"),
+                     (FP16_Optimizer, r"amp.initialize\(.*O2")):
+        with pytest.raises(NotImplementedError, match=f"apex.optimizers.{cls.__name__}.*{use}"):
+            cls(params, lr=1e-3)
