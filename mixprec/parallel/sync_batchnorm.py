@@ -52,6 +52,8 @@ class SyncBatchNorm(_BatchNorm):
         process_group (ProcessGroup, optional): ranks whose statistics are merged, e.g. from
             :func:`~mixprec.parallel.create_syncbn_process_group`. Default None: all ranks.
         channel_last (bool): input is ``(N, *, C)``. Default False.
+        fuse_relu (bool): a ReLU after the normalization (and after ``z``, see ``forward``), as
+            Apex's optimized layer's flag. Default False.
         device, dtype (keyword-only, optional): factory arguments for parameters and buffers.
         bias (bool, keyword-only): with ``affine``, a learnable bias too; False for a weight
             alone, as ``nn.BatchNorm2d(bias=False)`` (on a PyTorch whose BatchNorm takes
@@ -81,6 +83,7 @@ class SyncBatchNorm(_BatchNorm):
         track_running_stats: bool = True,
         process_group=None,
         channel_last: bool = False,
+        fuse_relu: bool = False,
         *,
         device=None,
         dtype=None,
@@ -96,11 +99,17 @@ class SyncBatchNorm(_BatchNorm):
                 f"SyncBatchNorm(channel_last={channel_last!r}): must be a bool. True means the "
                 "input is shaped (N, *, C); channels_last memory format needs no flag."
             )
+        if not isinstance(fuse_relu, bool):
+            raise TypeError(
+                f"SyncBatchNorm(fuse_relu={fuse_relu!r}): must be a bool. True applies a ReLU "
+                "to the output (after adding forward's z, if given)."
+            )
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype,
                          **batch_norm_bias_kwargs(type(self).__name__, bias))
         self.process_group = process_group
         self.channel_last = channel_last
+        self.fuse_relu = fuse_relu
         # Per-module scratch of the CUDA path, not state: per input signature the Triton
         # kernels' launch plan (or that they do not take it), the layout of each input geometry
         # seen, a cached one-element count tensor. (The name predates the rest; kept so that
@@ -138,7 +147,23 @@ class SyncBatchNorm(_BatchNorm):
                            factor, self.eps)
         return out.movedim(1, -1) if x is not input else out
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Normalize ``input``; with ``z`` (Apex's optimized layer: a residual branch, shaped
+        as the output) return ``bn(input) + z``, and with ``fuse_relu`` its ReLU."""
+        out = self._normalize(input)
+        if z is not None:
+            if z.shape != out.shape:
+                raise ValueError(
+                    f"SyncBatchNorm.forward(input, z): z has shape {tuple(z.shape)}, the output "
+                    f"{tuple(out.shape)}; z is added to the output, so give it the input's "
+                    "shape."
+                )
+            out = out + z
+        if self.__dict__.get("fuse_relu", False):  # (absent from modules pickled earlier)
+            out = F.relu(out)
+        return out
+
+    def _normalize(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         factor = self._average_factor()
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
@@ -182,6 +207,8 @@ class SyncBatchNorm(_BatchNorm):
         text = super().extra_repr()
         if self.channel_last:
             text += ", channel_last=True"
+        if self.__dict__.get("fuse_relu", False):
+            text += ", fuse_relu=True"
         if self.process_group is not None:
             text += ", process_group=<custom>"
         return text

@@ -498,6 +498,29 @@ def check_deepcopy_with_process_group(ctx):
     torch.testing.assert_close(twin[1].running_var, model[1].running_var, rtol=0, atol=0)
 
 
+def check_residual_z_and_fuse_relu(ctx):
+    # Apex's optimized layer: forward(input, z) with fuse_relu=True is relu(bn(input) + z),
+    # the statistics over every rank's batch; against nn.BatchNorm2d over the whole batch.
+    torch.manual_seed(0)
+    ref = nn.BatchNorm2d(4).double().to(ctx.device)
+    sync = SyncBatchNorm(4, fuse_relu=True).double().to(ctx.device)
+    sizes = _uneven(ctx)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(sum(sizes), 4, 3, 3, generator=g, dtype=torch.float64).to(ctx.device)
+    z = torch.randn(x.shape, generator=g, dtype=torch.float64).to(ctx.device)
+    sl = slice(sum(sizes[:ctx.rank]), sum(sizes[:ctx.rank + 1]))
+    xl, zl = x[sl].clone().requires_grad_(), z[sl].clone().requires_grad_()
+    xr, zr = x.clone().requires_grad_(), z.clone().requires_grad_()
+    y = sync(xl, zl)
+    want = F.relu(ref(xr) + zr)
+    y.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    torch.testing.assert_close(y, want[sl], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(xl.grad, xr.grad[sl], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(zl.grad, zr.grad[sl], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(sync.running_var, ref.running_var, rtol=1e-10, atol=1e-10)
+
+
 def check_empty_rank(ctx):
     # One rank (the first, the hardest case for the merge kernel) has no samples at all.
     sizes = [0, 3, 5, 1, 2, 0, 4, 6][:ctx.world_size]
@@ -535,6 +558,7 @@ GROUP_2 = [
     "check_eval_mode_uses_running_stats_without_communication",
     "check_convert_syncbn_model_matches_batchnorm",
     "check_deepcopy_with_process_group",
+    "check_residual_z_and_fuse_relu",
     "check_empty_rank",
 ]
 GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups"]
@@ -628,6 +652,26 @@ def test_single_process_channel_last_flag(not_distributed):
     assert y.shape == x.shape
     torch.testing.assert_close(y, bn(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
     torch.testing.assert_close(sync.running_var, bn.running_var)
+
+
+@pytest.mark.parametrize("fuse_relu", [False, True])
+def test_single_process_residual_z_and_fuse_relu(not_distributed, fuse_relu):
+    # Apex's optimized SyncBatchNorm(fuse_relu=...) and forward(input, z): bn(input) + z, then
+    # the ReLU if asked for.
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4)
+    sync = SyncBatchNorm(4, fuse_relu=fuse_relu)
+    x, z = torch.randn(6, 4, 5, 5), torch.randn(6, 4, 5, 5)
+    want = bn(x) + z
+    torch.testing.assert_close(sync(x, z), F.relu(want) if fuse_relu else want)
+    assert ("fuse_relu=True" in repr(sync)) == fuse_relu
+    sync.eval()
+    bn.eval()
+    torch.testing.assert_close(sync(x), F.relu(bn(x)) if fuse_relu else bn(x))
+    with pytest.raises(ValueError, match=r"z has shape \(6, 4\)"):
+        sync(x, torch.randn(6, 4))
+    with pytest.raises(TypeError, match="fuse_relu"):
+        SyncBatchNorm(4, fuse_relu=1)
 
 
 def test_syncbn_is_a_batchnorm_for_amp():
