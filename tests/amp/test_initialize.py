@@ -479,7 +479,7 @@ def test_o2_masters_follow_a_device_move_after_initialize():
         nn.functional.cross_entropy(ref(x), y).backward()
         ref_opt.step()
     for k, v in model.state_dict().items():
-        assert v.is_cuda and v.dtype == torch.float32
+        assert v.is_cuda and v.dtype == ref.state_dict()[k].dtype, k
         torch.testing.assert_close(v, ref.state_dict()[k], rtol=5e-2, atol=5e-2)
 
 
