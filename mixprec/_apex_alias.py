@@ -21,7 +21,8 @@ _SUBMODULES = ("amp", "optimizers", "parallel", "normalization", "fp16_utils",
 # Where mixprec keeps each (default: mixprec.<name>). These serve only the alias: the import
 # blocks of Apex-era scripts (Apex's ImageNet example: `from apex.fp16_utils import *`,
 # `from apex.multi_tensor_apply import multi_tensor_applier`; `from apex.optimizers import
-# FusedAdam, FusedSGD, FusedLAMB`: mixprec.optimizers plus stand-ins for Apex's other optimizers).
+# FusedAdam, FusedSGD, FusedLAMB`: mixprec.optimizers, FusedSGD as PyTorch's SGD, and
+# stand-ins for Apex's other optimizers).
 _MIXPREC_MODULES = {"optimizers": "mixprec._apex_legacy.optimizers",
                     "fp16_utils": "mixprec._apex_legacy.fp16_utils",
                     "multi_tensor_apply": "mixprec._apex_legacy.multi_tensor_apply"}
@@ -38,10 +39,10 @@ def install_apex_alias() -> Tuple[str, ...]:
     ``from apex.normalization.fused_layer_norm import fused_layer_norm_affine`` keep working.
     (``apex.normalization.fused_layer_norm`` is :mod:`mixprec.normalization.apex_functional`:
     the norm classes and Apex's functional API with Apex's signatures. Of Apex's optimizers
-    mixprec has ``FusedAdam``; Apex's others (``FusedSGD``, ``FusedLAMB``, ``FusedNovoGrad``,
-    ``FusedAdagrad``, ``FusedMixedPrecisionLamb``, ``FusedLANS``, 2019's ``FP16_Optimizer``)
-    import, from ``apex.optimizers`` and their own module paths, and constructing one raises
-    an error naming its replacement.) Apex's module paths give the same objects:
+    mixprec has ``FusedAdam``, and ``FusedSGD`` is PyTorch's SGD with Apex's signature; Apex's
+    others (``FusedLAMB``, ``FusedNovoGrad``, ``FusedAdagrad``, ``FusedMixedPrecisionLamb``,
+    ``FusedLANS``, 2019's ``FP16_Optimizer``) import, from ``apex.optimizers`` and their own
+    module paths, and constructing one raises an error naming its replacement.) Apex's module paths give the same objects:
     ``from apex.parallel.LARC import LARC``, ``apex.parallel.sync_batchnorm``,
     ``apex.parallel.optimized_sync_batchnorm``, ``apex.parallel.distributed``,
     ``apex.amp.handle``, ``apex.amp.frontend``, ``apex.amp._amp_state`` (a view of the

@@ -1,16 +1,20 @@
-"""``apex.optimizers`` under the Apex alias: mixprec's ``FusedAdam``, and Apex's other optimizer
-names as stand-ins that say what to use instead.
+"""``apex.optimizers`` under the Apex alias: mixprec's ``FusedAdam``, Apex's ``FusedSGD`` as
+PyTorch's SGD, and Apex's other optimizer names as stand-ins that say what to use instead.
 
 Scripts of Apex's era import several of Apex's optimizers in one line
 (``from apex.optimizers import FusedAdam, FusedSGD, FusedNovoGrad, FusedLAMB``, BERT
 pretraining's ``FusedLAMB``, pytorch-pretrained-BERT's ``FP16_Optimizer``) and construct only
-the one they were asked for. mixprec has ``FusedAdam``; the others import here, so such a
-script runs with ``FusedAdam`` or a PyTorch optimizer, and constructing one of them raises an
-error naming its replacement (Apex itself raised at construction where its CUDA extensions were
-not built). Their Apex module paths (``apex.optimizers.fused_lamb``, ...) import too.
+the one they were asked for. ``FusedAdam`` is mixprec's, ``FusedSGD`` is PyTorch's SGD (the
+same update) with Apex's signature; the other names import, and constructing one raises an
+error naming its replacement (Apex itself raised at construction where its CUDA extensions
+were not built). Their Apex module paths (``apex.optimizers.fused_lamb``, ...) import too.
 """
 
 from __future__ import annotations
+
+from typing import Optional
+
+import torch
 
 import mixprec.optimizers as _mixprec_optimizers
 from mixprec.optimizers import fused_adam  # noqa: F401  (apex.optimizers.fused_adam)
@@ -28,6 +32,8 @@ __all__ = list(_mixprec_optimizers.__all__) + [
 # Every optimizer mixprec has (FusedAdam), as the same objects.
 globals().update({name: getattr(_mixprec_optimizers, name)
                   for name in _mixprec_optimizers.__all__})
+
+_REQUIRED = object()  # (Apex's FusedSGD has no default lr)
 
 _ANY_OPTIMIZER = ("amp.initialize works with any torch.optim.Optimizer (at O2 it keeps the fp32 "
                   "masters for it and writes the half model after its step).")
@@ -47,10 +53,39 @@ class _NotProvided:
         )
 
 
-class FusedSGD(_NotProvided):
-    _use = ("Use torch.optim.SGD(params, lr, momentum=..., weight_decay=..., nesterov=..., "
-            "fused=True) (foreach=True where fused is unsupported): the same update. "
-            + _ANY_OPTIMIZER)
+class FusedSGD(torch.optim.SGD):
+    """Apex's ``FusedSGD`` as PyTorch's SGD: the same update (weight decay added to the
+    gradient before the momentum), Apex's signature and its ``set_grad_none``.
+
+    ``FusedSGD(params, lr, momentum=0., dampening=0., weight_decay=0., nesterov=False,
+    wd_after_momentum=False, materialize_master_grads=True, set_grad_none=False)``. The step
+    is ``torch.optim.SGD``'s (its multi-tensor ``foreach`` implementation on CUDA).
+    ``materialize_master_grads`` concerned Apex's amp O2 internals and changes nothing here
+    (amp O2 always gives the optimizer fp32 master gradients); ``wd_after_momentum=True``,
+    Apex's variant that adds the weight decay after the momentum, is refused.
+    """
+
+    def __init__(self, params, lr=_REQUIRED, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
+                 set_grad_none=False):
+        if lr is _REQUIRED:
+            raise TypeError("apex.optimizers.FusedSGD: lr is required (as in Apex), e.g. "
+                            "FusedSGD(model.parameters(), lr=0.1, momentum=0.9).")
+        if wd_after_momentum:
+            raise ValueError(
+                f"apex.optimizers.FusedSGD(wd_after_momentum={wd_after_momentum!r}): adding the "
+                "weight decay after the momentum (Apex's variant) is not provided. Pass "
+                "wd_after_momentum=False for PyTorch's SGD update (decay added to the gradient "
+                "before the momentum, Apex's default), or write the variant as your own "
+                "torch.optim.Optimizer.")
+        super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
+                         weight_decay=weight_decay, nesterov=nesterov)
+        self.set_grad_none = bool(set_grad_none)
+        self.materialize_master_grads = materialize_master_grads
+
+    def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
+        """Apex's default: ``set_grad_none`` from the constructor (False: zero the gradients)."""
+        super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
 
 class FusedAdagrad(_NotProvided):

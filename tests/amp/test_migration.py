@@ -364,11 +364,46 @@ def test_apexs_other_optimizers_import_and_name_their_replacement(clean_apex):
 
     assert FusedAdam is from_its_file is mixprec.optimizers.FusedAdam
     assert lamb_from_its_file is FusedLAMB is apex.optimizers.FusedLAMB
+    assert issubclass(FusedSGD, torch.optim.SGD)  # (built: test_apexs_fused_sgd_is_...)
     assert not hasattr(mixprec.optimizers, "FusedLAMB")  # mixprec's own package is untouched
     params = [nn.Parameter(torch.ones(2))]
     FusedAdam(params, lr=1e-3)
-    for cls, use in ((FusedSGD, r"torch.optim.SGD\(.*fused=True"),
-                     (FusedLAMB, "no LAMB.*FusedAdam"), (FusedNovoGrad, "no NovoGrad"),
+    for cls, use in ((FusedLAMB, "no LAMB.*FusedAdam"), (FusedNovoGrad, "no NovoGrad"),
                      (FP16_Optimizer, r"amp.initialize\(.*O2")):
         with pytest.raises(NotImplementedError, match=f"apex.optimizers.{cls.__name__}.*{use}"):
             cls(params, lr=1e-3)
+
+
+def test_apexs_fused_sgd_is_pytorchs_sgd(clean_apex):
+    # Apex's FusedSGD (ImageNet-style scripts) builds and steps as torch.optim.SGD with the
+    # same arguments, bit for bit, with Apex's signature: lr required, set_grad_none=False
+    # zeroing the gradients, wd_after_momentum=True refused.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.optimizers import FusedSGD
+
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4))]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedSGD(ours, 0.1, 0.9, 0.1, 1e-2, False)  # Apex's positional order
+    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=1e-2)
+    assert isinstance(opt, torch.optim.SGD)
+    for _ in range(4):
+        g = [torch.randn_like(p) for p in ours]
+        for p, q, gi in zip(ours, ref, g):
+            p.grad, q.grad = gi.clone(), gi.clone()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        assert all(p.grad is not None and not p.grad.any() for p in ours)  # zeroed, kept
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    opt = FusedSGD(ours, lr=0.1, nesterov=True, momentum=0.9, set_grad_none=True)
+    opt.zero_grad()
+    assert all(p.grad is None for p in ours)
+    with pytest.raises(TypeError, match="lr is required"):
+        FusedSGD(ours)
+    with pytest.raises(ValueError, match="wd_after_momentum=True.*not provided"):
+        FusedSGD(ours, lr=0.1, weight_decay=1e-4, wd_after_momentum=True)
