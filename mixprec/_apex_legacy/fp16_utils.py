@@ -79,11 +79,15 @@ def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
 
 def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast every module of ``network`` to ``dtype`` except affine BatchNorm layers; returns
-    it."""
+    it. RNN layers re-pack their weights for cuDNN (``flatten_parameters``, as Apex did: the
+    cast leaves them in separate tensors, which cuDNN would re-pack, with a warning, at every
+    forward)."""
     for module in network.modules():
         if isinstance(module, _BatchNorm) and module.affine:
             continue
         convert_module(module, dtype)
+        if isinstance(module, nn.RNNBase):
+            module.flatten_parameters()
     return network
 
 

@@ -334,6 +334,12 @@ def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
     legacy.convert_network(shared, torch.float16)
     assert shared[1].running_mean is shared[0].running_mean
     assert shared[0].running_mean.dtype == torch.float16
+    # RNNs re-pack their cast weights for cuDNN (flatten_parameters), as Apex's did.
+    lstm = nn.LSTM(3, 4)
+    calls = []
+    lstm.flatten_parameters = lambda: calls.append(lstm.weight_ih_l0.dtype)
+    legacy.convert_network(nn.Sequential(lstm), torch.float16)
+    assert calls == [torch.float16]
     # clip_grad_norm is PyTorch's clip_grad_norm_ itself (its keyword arguments too).
     p = nn.Parameter(torch.ones(2))
     p.grad = torch.tensor([float("inf"), 1.0])
