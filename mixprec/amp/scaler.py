@@ -166,15 +166,20 @@ class LossScaler:
         self.release_device()
         self.changes += 1
         self._last_found = bool(found_inf)
-        if found_inf:
-            self._scale = max(self._min, self._scale / self._factor)
+        skip = bool(found_inf)
+        if skip:
+            self._scale /= self._factor
             self._unskipped = 0
-            return True
-        self._unskipped += 1
-        if self._unskipped >= self._window:
-            self._scale = min(self._max, self._scale * self._factor)
-            self._unskipped = 0
-        return False
+        else:
+            self._unskipped += 1
+            if self._unskipped >= self._window:
+                self._scale *= self._factor
+                self._unskipped = 0
+        # Within [min, max] after every update, as update_on_device's kernels keep it: a scale
+        # set outside them (a checkpoint saved with a higher max_loss_scale, Apex's
+        # `_loss_scale` written by hand) comes back at the first update either way.
+        self._scale = min(self._max, max(self._min, self._scale))
+        return skip
 
     def state_dict(self) -> dict:
         """Apex's format: ``{"loss_scale": float, "unskipped": int}``."""

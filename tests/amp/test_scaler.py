@@ -79,3 +79,54 @@ def test_unscale_matches_division_and_flags_inf(device, dtype):
     g[0][3] = float("nan")
     flags = unscale_grads_(g, s, check=True)
     assert any(bool(f.item()) for f in flags)
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_scale_sequence_within_bounds_host_and_device(on_device):
+    # The dynamic policy with both bounds reached, on the host (update) and on the device
+    # (update_on_device: PyTorch's update kernel, then a clamp): the same hand-computed
+    # sequence of (scale, clean-step count), and 1/scale kept in step on the device.
+    s = LossScaler("dynamic", scale_window=2, min_loss_scale=2.0**14, max_loss_scale=2.0**17)
+    dev = s.device_state(torch.device("cpu")) if on_device else None
+    flags = [True, True, True, False, False, False, False, False, False, False, False, True]
+    want = [(2.0**15, 0), (2.0**14, 0), (2.0**14, 0),  # the floor holds
+            (2.0**14, 1), (2.0**15, 0), (2.0**15, 1), (2.0**16, 0), (2.0**16, 1),
+            (2.0**17, 0), (2.0**17, 1), (2.0**17, 0),  # the ceiling holds
+            (2.0**16, 0)]
+    got = []
+    for flag in flags:
+        if on_device:
+            s.update_on_device(torch.tensor(float(flag)))
+            assert float(dev.inv) == 1.0 / float(dev.scale)
+        else:
+            assert s.update(flag) is flag
+        got.append((s.state_dict()["loss_scale"], s.state_dict()["unskipped"]))
+        assert s.found_overflow is flag
+    assert got == want
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+@pytest.mark.parametrize("loaded, flags, want", [
+    # A checkpoint saved under a higher max_loss_scale (or Apex's `_loss_scale` written by
+    # hand): the first update brings the scale into [min, max], clean step or overflow.
+    (2.0**16, [False, True, False], [(2.0**10, 1), (2.0**9, 0), (2.0**9, 1)]),
+    (2.0**16, [True, False], [(2.0**10, 0), (2.0**10, 1)]),
+    (2.0**-2, [False, True], [(2.0**3, 1), (2.0**3, 0)]),
+])
+def test_a_scale_set_outside_the_bounds_is_clamped_at_the_next_update(on_device, loaded,
+                                                                       flags, want):
+    # (The host's policy clamped only in the direction it moved: halving 2**16 stayed 16x
+    # above the max, and a clean step did not clamp at all, where the device's kernels did.)
+    s = LossScaler("dynamic", scale_window=1000, min_loss_scale=2.0**3,
+                   max_loss_scale=2.0**10)
+    s.load_state_dict({"loss_scale": loaded, "unskipped": 0})
+    if on_device:
+        s.device_state(torch.device("cpu"))
+    got = []
+    for flag in flags:
+        if on_device:
+            s.update_on_device(torch.tensor(float(flag)))
+        else:
+            s.update(flag)
+        got.append((s.state_dict()["loss_scale"], s.state_dict()["unskipped"]))
+    assert got == want
