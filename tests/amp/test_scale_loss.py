@@ -680,3 +680,85 @@ def test_a_failed_backward_gives_back_the_earlier_gradients(opt_level):
     got = torch.cat([m.grad.float().flatten() for m in amp.master_params(opt)])
     want = torch.cat([r.grad.flatten() for r in ref.parameters()])
     assert (got - want).norm() / want.norm() < 3e-2
+
+
+@pytest.mark.parametrize("fused", [False, True])  # fused: the scale lives on the device
+def test_one_overflowing_optimizer_skips_every_optimizer_of_its_loss(fused):
+    # One loss over two optimizers (two models): an inf/NaN in one optimizer's gradients skips
+    # both steps, as in Apex, and halves the scale once. The other's finite gradients must not
+    # be stepped (the decision is the maximum of the per-optimizer flags).
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    oa = torch.optim.AdamW(a.parameters(), lr=0.1, fused=fused)
+    ob = torch.optim.AdamW(b.parameters(), lr=0.1, fused=fused)
+    [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level="O2", dtype=torch.bfloat16,
+                                      loss_scale="dynamic", verbosity=0)
+    before = [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
+    x = torch.randn(5, 4)
+    loss = a(x.bfloat16()).float().pow(2).mean() + b(x.bfloat16()).float().mean() * float("inf")
+    with amp.scale_loss(loss, [oa, ob]) as s:
+        s.backward()
+    oa.step()
+    ob.step()
+    assert amp.step_was_skipped(oa) and amp.step_was_skipped(ob)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 0}
+    for p, q in zip([*a.parameters(), *b.parameters()], before):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused", [False, True])  # fused: the scale lives on the device
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_held_gradients_follow_their_own_scalers_move(opt_level, fused):
+    # Gradients held scaled (delay_unscale) carry the scale of their backward; when that same
+    # scaler moves before their last micro-batch (another optimizer's overflow on loss 0 halves
+    # it), they must be rescaled to the new scale, or the first micro-batch counts twice.
+    # Reference: the two micro-batches' gradients summed in float64.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    ref = copy.deepcopy(a).double()
+    oa = torch.optim.AdamW(a.parameters(), lr=0.1, fused=fused)
+    ob = torch.optim.AdamW(b.parameters(), lr=0.1, fused=fused)
+    [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level=opt_level,
+                                      dtype=torch.bfloat16, loss_scale="dynamic",
+                                      patch_torch_functions=False if opt_level == "O1" else None,
+                                      verbosity=0)
+    gen = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    dtype = a.weight.dtype
+    with amp.scale_loss(a(x1.to(dtype)).float().pow(2).mean(), oa, delay_unscale=True) as s:
+        s.backward()  # held at 2**16
+    with amp.scale_loss(b(x1.to(dtype)).float().mean() * float("inf"), ob) as s:
+        s.backward()  # overflow: 2**16 -> 2**15
+    ob.step()
+    assert amp.step_was_skipped(ob)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**15
+    with amp.scale_loss(a(x2.to(dtype)).float().pow(2).mean(), oa) as s:
+        s.backward()
+    for x in (x1, x2):
+        ref(x.double()).pow(2).mean().backward()
+    got = torch.cat([m.grad.double().flatten() for m in amp.master_params(oa)])
+    want = torch.cat([r.grad.flatten() for r in ref.parameters()])
+    # fp32 throughout at O1 (rounding only); bf16 forward and backward at O2.
+    assert (got - want).norm() / want.norm() < (1e-5 if opt_level == "O1" else 2e-2)
+
+
+def test_overflowed_step_is_skipped_through_a_step_bound_before_initialize():
+    # A training framework that took `optimizer.step` before amp.initialize calls the class's
+    # step, not amp's: the step pre-hook still skips an overflowed step (parameters and
+    # momentum untouched) and amp.step_was_skipped reports it; the next clean step runs.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    step = opt.step
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
+                   verbosity=0)
+    x, y = batch()
+    for inf in (False, True, False):
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss, opt) as s:
+            (s * (float("inf") if inf else 1.0)).backward()
+        step()
+        assert amp.step_was_skipped(opt) is inf
+        unchanged = all(torch.equal(p.detach(), q) for p, q in zip(model.parameters(), before))
+        assert unchanged is inf
