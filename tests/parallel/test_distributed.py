@@ -231,6 +231,113 @@ def check_half_gradients_reduced_in_half(ctx):
                                        msg=labelled(what))
 
 
+def check_allreduce_always_fp32_averages_half_gradients(ctx):
+    # allreduce_always_fp32: half gradients are summed in an fp32 copy, which must be copied
+    # back into them. Rank-dependent gradients (each rank's own differs from the average), so
+    # a result left in the fp32 copy shows up as this rank's unreduced gradient.
+    ws = ctx.world_size
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16, device=ctx.device) * (ctx.rank + 1)
+    mean = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16, device=ctx.device) * ((ws + 1) / 2)
+    for delay, factor in itertools.product((False, True), (1.0, 2.0)):
+        what = f"allreduce_always_fp32, delay_allreduce={delay}, predivide={factor}"
+        model = _Scale(dtype=torch.float16).to(ctx.device)
+        ddp = DistributedDataParallel(model, allreduce_always_fp32=True, delay_allreduce=delay,
+                                      gradient_predivide_factor=factor)
+        ddp(x).backward()
+        grad = model.weight.grad
+        assert grad.dtype == torch.float16, f"{what}: {grad.dtype}"
+        # Exact: (1+...+ws)/ws times 1, 2, 3 is representable in fp16 for 2, 4 and 8 ranks.
+        torch.testing.assert_close(grad, mean, rtol=0, atol=0, msg=labelled(what))
+        # An fp16 MLP against the single-process fp32 global batch: fp16 rounding of the
+        # forward, backward and result, hence rtol 1e-2 / atol 1e-3 (the unreduced gradient of
+        # one rank's half-batch is off by tens of percent).
+        model = _mlp(ctx.device).half()
+        ref = copy.deepcopy(model).float()
+        ddp = DistributedDataParallel(model, message_size=64, allreduce_always_fp32=True,
+                                      delay_allreduce=delay, gradient_predivide_factor=factor)
+        xb, yb = _global_batch(ctx, seed=90)
+        F.mse_loss(ddp(_mine(ctx, xb).half()).float(), _mine(ctx, yb)).backward()
+        F.mse_loss(ref(xb), yb).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad.dtype == torch.float16, f"{what} {name}: {p.grad.dtype}"
+            torch.testing.assert_close(p.grad.float(), q.grad, rtol=1e-2, atol=1e-3,
+                                       msg=labelled(f"{what} {name}"))
+
+
+def check_buffers_broadcast_at_construction_only(ctx):
+    # As Apex: the buffers are rank 0's after wrapping, then each rank's own (PyTorch's default
+    # re-broadcasts them from rank 0 before every forward). BatchNorm's running statistics
+    # after two training forwards on this rank's slices are those of a local copy run on them.
+    for delay in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)).to(ctx.device)
+        model[1].running_mean.fill_(ctx.rank + 1.0)  # rank 0's 1.0 after wrapping
+        ddp = DistributedDataParallel(model, delay_allreduce=delay)
+        assert torch.all(model[1].running_mean == 1.0)
+        local = copy.deepcopy(model)
+        for step in range(2):
+            x, y = _global_batch(ctx, seed=95 + step)
+            F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+            local(_mine(ctx, x))
+        for name in ("running_mean", "running_var"):
+            mine, want = getattr(model[1], name), getattr(local[1], name)
+            torch.testing.assert_close(mine, want, rtol=0, atol=0,
+                                       msg=labelled(f"delay={delay} {name}"))
+            others = _gather(ctx, mine)
+            assert not torch.equal(others[0], others[-1]), \
+                f"delay={delay} {name}: the ranks' statistics should differ"
+
+
+class _IgnoredFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+        self.extra = None  # (added after wrapping, in the delay mode)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.extra is not None:
+            h = h + self.extra(h)
+        return self.b(h)
+
+
+def check_ignored_parameters_stay_local(ctx):
+    # Parameters set to be ignored (_set_params_and_buffers_to_ignore_for_model, as PyTorch's
+    # DDP): not broadcast, not all-reduced, in either mode; also a layer under an ignored name
+    # added after wrapping (the delay mode follows the module). The others' gradients are the
+    # single-process global batch's; the ignored ones' this rank's own slice's.
+    for delay, grow in ((False, False), (True, False), (True, True)):
+        torch.manual_seed(0)
+        model = _IgnoredFirst().to(ctx.device)
+        names = ["a.weight", "a.bias"] + (["extra.weight", "extra.bias"] if grow else [])
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+        ddp = DistributedDataParallel(model, delay_allreduce=delay, message_size=64)
+        if grow:  # a layer with this rank's own weights, under ignored names
+            torch.manual_seed(500 + ctx.rank)
+            model.extra = nn.Linear(16, 16).to(ctx.device)
+        ref, local = copy.deepcopy(model), copy.deepcopy(model)
+        x, y = _global_batch(ctx, seed=97)
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        if grow:
+            others = _gather(ctx, model.extra.weight.detach())
+            assert not torch.equal(others[0], others[-1]), \
+                "an added layer under ignored names was broadcast from rank 0"
+        F.mse_loss(local(_mine(ctx, x)), _mine(ctx, y)).backward()
+        if not grow:  # (with the rank's own `extra`, the global batch is no reference)
+            F.mse_loss(ref(x), y).backward()
+        for (name, p), mine, glob in zip(model.named_parameters(), local.parameters(),
+                                         ref.parameters()):
+            what = f"delay={delay} grow={grow} {name}"
+            if name in names:
+                torch.testing.assert_close(p.grad, mine.grad, **_tol(ctx), msg=labelled(what))
+            elif not grow:
+                torch.testing.assert_close(p.grad, glob.grad, **_tol(ctx), msg=labelled(what))
+            else:  # all-reduced: the same on every rank, and not this rank's own
+                _assert_same_on_all_ranks(ctx, [p.grad], what)
+                assert not torch.allclose(p.grad, mine.grad), what
+
+
 def check_no_sync_accumulation(ctx):
     for delay in (False, True):
         model = _mlp(ctx.device)
@@ -2103,6 +2210,9 @@ FIRST_STEP_CHECKS = [
 DELAY_CHECKS = [
     "check_predivide_factor",
     "check_half_gradients_reduced_in_half",
+    "check_allreduce_always_fp32_averages_half_gradients",
+    "check_buffers_broadcast_at_construction_only",
+    "check_ignored_parameters_stay_local",
     "check_no_sync_accumulation",
     "check_delay_allreduce",
     "check_delay_allreduce_where_the_reducer_cannot",
