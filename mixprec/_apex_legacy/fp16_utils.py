@@ -18,6 +18,8 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from mixprec._apex_legacy import NotProvided
+
 __all__ = [
     "BN_convert_float",
     "DynamicLossScaler",
@@ -152,14 +154,9 @@ def master_params_to_model_params(model_params: List[torch.Tensor],
 clip_grad_norm = nn.utils.clip_grad_norm_
 
 
-class _NotProvided:
-    _use = ""
-
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"apex.fp16_utils.{type(self).__name__} (Apex's legacy manual mixed precision) is "
-            f"not provided by mixprec's Apex alias. {self._use}"
-        )
+class _NotProvided(NotProvided):
+    _module = "fp16_utils"
+    _what = " (Apex's legacy manual mixed precision)"
 
 
 class FP16_Optimizer(_NotProvided):  # noqa: N801  (Apex's name)

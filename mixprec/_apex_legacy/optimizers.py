@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 
 import mixprec.optimizers as _mixprec_optimizers
+from mixprec._apex_legacy import NotProvided
 from mixprec.optimizers import fused_adam  # noqa: F401  (apex.optimizers.fused_adam)
 
 __all__ = list(_mixprec_optimizers.__all__) + [
@@ -43,14 +44,9 @@ _NO_TORCH_EQUIVALENT = ("PyTorch has no {algorithm} optimizer: use an implementa
                         "torch.optim.AdamW(..., fused=True). " + _ANY_OPTIMIZER)
 
 
-class _NotProvided:
-    _use = ""
-
-    def __init__(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"apex.optimizers.{type(self).__name__} is not provided by mixprec's Apex alias "
-            f"(of Apex's optimizers it has FusedAdam). {self._use}"
-        )
+class _NotProvided(NotProvided):
+    _module = "optimizers"
+    _what = " (of Apex's optimizers mixprec has FusedAdam, and FusedSGD as PyTorch's SGD)"
 
 
 class FusedSGD(torch.optim.SGD):
