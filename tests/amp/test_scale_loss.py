@@ -5,9 +5,34 @@ import torch
 from torch import nn
 
 from mixprec import amp
+from tests._autograd import FailingBackward
 from tests._triton import interpreter_skip_reason
 
 from .helpers import HALF_DTYPES, OPT_LEVELS, batch, make_cnn, train_step
+
+
+def _micro_batch_reference(model, x, y):
+    """A copy of ``model`` whose gradients are the sum over the two halves of the batch."""
+    ref = copy.deepcopy(model)
+    for xs, ys in ((x[:8], y[:8]), (x[8:], y[8:])):
+        nn.functional.cross_entropy(ref(xs), ys).backward()
+    return ref
+
+
+def _sgd_at_static_512(model, opt_level):
+    """``model`` through amp.initialize with SGD at a static scale 512 in bf16 (O1 keeping
+    fp32 compute); returns the optimizer."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, loss_scale=512.0, dtype=torch.bfloat16,
+                   patch_torch_functions=False if opt_level == "O1" else None, verbosity=0)
+    return opt
+
+
+def _master_grads_error(opt, ref):
+    """Relative error of ``opt``'s master gradients, all together, against ``ref``'s."""
+    got = torch.cat([m.grad.float().flatten() for m in amp.master_params(opt)])
+    want = torch.cat([r.grad.flatten() for r in ref.parameters()])
+    return (got - want).norm() / want.norm()
 
 
 def _ref_grads(model, x, y):
@@ -186,12 +211,8 @@ def test_accumulation_equals_sum_of_micro_batches(opt_level, delay):
     # the sum of their unscaled gradients, with or without delay_unscale.
     model = make_cnn()
     x, y = batch(n=16)
-    ref = copy.deepcopy(model)
-    for xs, ys in ((x[:8], y[:8]), (x[8:], y[8:])):
-        nn.functional.cross_entropy(ref(xs), ys).backward()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level=opt_level, loss_scale=512.0, dtype=torch.bfloat16,
-                   patch_torch_functions=False if opt_level == "O1" else None, verbosity=0)
+    ref = _micro_batch_reference(model, x, y)
+    opt = _sgd_at_static_512(model, opt_level)
     with amp.scale_loss(nn.functional.cross_entropy(model(x[:8]), y[:8]), opt,
                         delay_unscale=delay) as s:
         s.backward()
@@ -201,9 +222,7 @@ def test_accumulation_equals_sum_of_micro_batches(opt_level, delay):
         for m, r in zip(amp.master_params(opt), ref.parameters()):
             torch.testing.assert_close(m.grad.float(), r.grad, rtol=1e-5, atol=1e-6)
     else:  # bf16 arithmetic in the model: relative error over all gradients together
-        got = torch.cat([m.grad.float().flatten() for m in amp.master_params(opt)])
-        want = torch.cat([r.grad.flatten() for r in ref.parameters()])
-        rel = (got - want).norm() / want.norm()
+        rel = _master_grads_error(opt, ref)
         assert rel < (3e-2 if opt_level == "O2" else 5e-2), rel  # O3: BatchNorm in bf16 too
 
 
@@ -630,27 +649,10 @@ def test_an_optimizer_listed_twice_is_unscaled_once(opt_level):
     x, y = batch()
     ref = copy.deepcopy(model)
     nn.functional.cross_entropy(ref(x), y).backward()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level=opt_level, loss_scale=512.0, dtype=torch.bfloat16,
-                   patch_torch_functions=False if opt_level == "O1" else None, verbosity=0)
+    opt = _sgd_at_static_512(model, opt_level)
     with amp.scale_loss(nn.functional.cross_entropy(model(x), y), [opt, opt]) as s:
         s.backward()
-    got = torch.cat([m.grad.float().flatten() for m in amp.master_params(opt)])
-    want = torch.cat([r.grad.flatten() for r in ref.parameters()])
-    assert (got - want).norm() / want.norm() < 3e-2
-
-
-class _FailingBackward(torch.autograd.Function):
-    """Identity whose backward raises once the gradient above it was computed (an OOM in the
-    middle of a backward, after some parameters already received their share)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("out of memory (simulated)")
+    assert _master_grads_error(opt, ref) < 3e-2
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
@@ -661,25 +663,19 @@ def test_a_failed_backward_gives_back_the_earlier_gradients(opt_level):
     # gradients stayed behind.
     model = make_cnn()
     x, y = batch(n=16)
-    ref = copy.deepcopy(model)
-    for xs, ys in ((x[:8], y[:8]), (x[8:], y[8:])):
-        nn.functional.cross_entropy(ref(xs), ys).backward()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level=opt_level, loss_scale=512.0, dtype=torch.bfloat16,
-                   patch_torch_functions=False if opt_level == "O1" else None, verbosity=0)
+    ref = _micro_batch_reference(model, x, y)
+    opt = _sgd_at_static_512(model, opt_level)
     with amp.scale_loss(nn.functional.cross_entropy(model(x[:8]), y[:8]), opt) as s:
         s.backward()
     inputs = x[:8].to(model.head.weight.dtype)  # (the submodules, called as they are)
-    features = _FailingBackward.apply(model.features(inputs))
+    features = FailingBackward.apply(model.features(inputs))
     loss = nn.functional.cross_entropy(model.head(features).float(), y[:8])
     with pytest.raises(RuntimeError, match="simulated"):
         with amp.scale_loss(loss, opt) as s:
             s.backward()  # the head's gradients are written, then the backward fails
     with amp.scale_loss(nn.functional.cross_entropy(model(x[8:]), y[8:]), opt) as s:
         s.backward()
-    got = torch.cat([m.grad.float().flatten() for m in amp.master_params(opt)])
-    want = torch.cat([r.grad.flatten() for r in ref.parameters()])
-    assert (got - want).norm() / want.norm() < 3e-2
+    assert _master_grads_error(opt, ref) < 3e-2
 
 
 @pytest.mark.parametrize("fused", [False, True])  # fused: the scale lives on the device

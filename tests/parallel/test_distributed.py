@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mixprec.parallel import LARC, DistributedDataParallel, Reducer, convert_syncbn_model
+from tests._autograd import FailingBackward
 from tests.parallel._harness import StopWorker, cuda_count, free_port, labelled, run_checks
 
 PER_RANK = 4
@@ -605,16 +606,6 @@ def check_gradient_penalty_through_autograd_grad(ctx):
         _assert_same_grads(ctx, model, ref, f"delay={delay}")
 
 
-class _FailingBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("out of memory (simulated)")
-
-
 def check_delay_allreduce_after_a_backward_that_raised(ctx):
     # A backward that raises after some gradients arrived (an OOM caught to skip the batch):
     # the engine drops the queued callback, and the next steps must still all-reduce.
@@ -623,7 +614,7 @@ def check_delay_allreduce_after_a_backward_that_raised(ctx):
     ddp = DistributedDataParallel(model, delay_allreduce=True)
     x, _ = _global_batch(ctx, seed=510)
     ddp(_mine(ctx, x))  # (arms the mode; its output is not used)
-    h = model[2](_FailingBackward.apply(model[1](model[0](_mine(ctx, x)))))
+    h = model[2](FailingBackward.apply(model[1](model[0](_mine(ctx, x)))))
     try:
         h.sum().backward()  # model[2]'s gradients arrive, then the backward raises
     except RuntimeError as err:
@@ -662,7 +653,7 @@ def check_delay_allreduce_recovers_inside_a_checkpoint(ctx):
         ref.zero_grad()
 
         def run(z, fail=fail):
-            h = _FailingBackward.apply(z) if fail else z  # (its backward runs last)
+            h = FailingBackward.apply(z) if fail else z  # (its backward runs last)
             return ddp(z) + 0 * h.sum()
 
         xs = _mine(ctx, x).clone().requires_grad_(True)
