@@ -42,7 +42,8 @@ def install_apex_alias() -> Tuple[str, ...]:
     mixprec has ``FusedAdam``, and ``FusedSGD`` is PyTorch's SGD with Apex's signature; Apex's
     others (``FusedLAMB``, ``FusedNovoGrad``, ``FusedAdagrad``, ``FusedMixedPrecisionLamb``,
     ``FusedLANS``, 2019's ``FP16_Optimizer``) import, from ``apex.optimizers`` and their own
-    module paths, and constructing one raises an error naming its replacement.) Apex's module paths give the same objects:
+    module paths, and constructing one raises an error naming its replacement.) Apex's module
+    paths give the same objects:
     ``from apex.parallel.LARC import LARC``, ``apex.parallel.sync_batchnorm``,
     ``apex.parallel.optimized_sync_batchnorm``, ``apex.parallel.distributed``,
     ``apex.amp.handle``, ``apex.amp.frontend``, ``apex.amp._amp_state`` (a view of the

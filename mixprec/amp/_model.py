@@ -202,7 +202,9 @@ class _AmpModule:
         # is refused before anything changes, since the forward would then fail with a dtype
         # mismatch deep inside the model. Device moves, memory formats and a conversion to the
         # input dtype pass: each dtype held is tried on an empty tensor.
-        if _replaces_parameters() and master_weights(self):
+        # (One walk for the masters, used by the checks and by the move after it.)
+        has_masters = bool(master_weights(self))
+        if has_masters and _replaces_parameters():
             raise RuntimeError(
                 f"{type(self).__name__}: converting a model whose parameters have fp32 master "
                 "weights (amp O2) with torch.__future__.set_overwrite_module_params_on_conversion"
@@ -211,7 +213,7 @@ class _AmpModule:
                 "convert the model before amp.initialize, turn the flag off, or use "
                 "torch.__future__.set_swap_module_params_on_conversion(True), which keeps the "
                 "objects.")
-        if master_weights(self):
+        if has_masters:
             _refuse_a_move_masters_cannot_follow(self, fn)
         cfg = self.__dict__.get("_mixprec_forward")
         if cfg is not None and cfg.input_dtype is not None and not cfg.fp32_compute:
@@ -246,7 +248,8 @@ class _AmpModule:
                         "mean to convert this one anyway."
                     )
         result = super()._apply(fn, *args, **kwargs)
-        _masters_follow_their_parameters(self)
+        if has_masters:
+            _masters_follow_their_parameters(self)
         # A device move after initialize (initialize on CPU, then model.cuda()): autocast and
         # BatchNorm's fp32 guard follow the tensors to their new device type, in this module
         # and in the swapped submodules that hold no tensor to tell (a BatchNorm with
