@@ -338,7 +338,13 @@ def _reference_backward(grad_out, x, layout, weight, mean, invstd, total, group,
     xmu = x.to(stat_dtype) - mean.view(cshape)
     sum_dy = gs.sum(dims)
     sum_dy_xmu = (gs * xmu).sum(dims)
-    grad_weight = sum_dy_xmu * invstd if need_weight else None
+    grad_weight = None
+    if need_weight:
+        # An empty batch adds nothing to the weight's gradient (zeros, as BatchNorm and the
+        # fused path give): not 0 * invstd, which is NaN when the whole group's batch is empty
+        # (its variance 0 / 0).
+        grad_weight = (sum_dy_xmu * invstd if x.numel() > 0
+                       else torch.zeros_like(sum_dy_xmu))
     grad_bias = sum_dy if need_bias else None
     grad_input = None
     if need_input:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Optional
 
 import torch
@@ -89,11 +90,18 @@ class SyncBatchNorm(_BatchNorm):
         dtype=None,
         bias: bool = True,
     ):
-        if not isinstance(num_features, int) or isinstance(num_features, bool) or num_features < 1:
+        # Any integer type BatchNorm takes (a NumPy one, e.g. from a model's channel
+        # arithmetic), so that convert_syncbn_model converts every layer BatchNorm accepted.
+        try:
+            channels = None if isinstance(num_features, bool) else operator.index(num_features)
+        except TypeError:
+            channels = None
+        if channels is None or channels < 1:
             raise ValueError(
                 f"SyncBatchNorm(num_features={num_features!r}): must be a positive int (the "
                 "number of channels C)."
             )
+        num_features = int(channels)
         if not isinstance(channel_last, bool):
             raise TypeError(
                 f"SyncBatchNorm(channel_last={channel_last!r}): must be a bool. True means the "

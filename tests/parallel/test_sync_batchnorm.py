@@ -529,6 +529,27 @@ def check_empty_rank(ctx):
               label=" empty last rank")
 
 
+def check_empty_global_batch(ctx):
+    # Every rank's batch empty (no samples, or a zero spatial extent): BatchNorm gives an empty
+    # output and zero parameter gradients; the layer must too, not NaN (the whole group's
+    # variance is then 0 / 0), which would poison the weights at the optimizer step.
+    for path, path_ctx in _paths(ctx):
+        for shape in ((0, 3, 2, 2), (2, 3, 0, 2)):
+            m = SyncBatchNorm(3).to(ctx.device)
+            x = torch.randn(shape, device=ctx.device, requires_grad=True)
+            with path_ctx():
+                y = m(x)
+                y.sum().backward()
+            what = f"[{path}] empty global batch {shape}"
+            assert y.shape == shape, what
+            assert x.grad.shape == shape, what
+            for name in ("weight", "bias"):
+                grad = getattr(m, name).grad
+                assert torch.equal(grad.cpu(), torch.zeros(3)), f"{what}: {name} grad {grad}"
+            assert torch.equal(m.running_mean.cpu(), torch.zeros(3)), what
+            assert torch.equal(m.running_var.cpu(), torch.ones(3)), what
+
+
 def check_syncbn_process_groups(ctx):
     group = create_syncbn_process_group(2)
     members = [r for r in range(ctx.world_size) if r // 2 == ctx.rank // 2]
@@ -560,6 +581,7 @@ GROUP_2 = [
     "check_deepcopy_with_process_group",
     "check_residual_z_and_fuse_relu",
     "check_empty_rank",
+    "check_empty_global_batch",
 ]
 GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups"]
 
@@ -756,6 +778,18 @@ def test_convert_syncbn_model_keeps_a_subclass_submodules():
     assert isinstance(model[1].extra[0], SyncBatchNorm)
     assert set(model.state_dict()) == set(state)
     model.load_state_dict(state, strict=True)
+
+
+def test_convert_syncbn_model_numpy_num_features():
+    # BatchNorm takes any integer type (a NumPy one from a model's channel arithmetic), as does
+    # torch's convert_sync_batchnorm: such a layer must convert, not raise.
+    np = pytest.importorskip("numpy")
+    model = convert_syncbn_model(nn.Sequential(nn.BatchNorm2d(np.int64(4))))
+    assert isinstance(model[0], SyncBatchNorm)
+    assert model[0].num_features == 4 and type(model[0].num_features) is int
+    for bad in (0, -2, 2.0, True, "3", None, np.int64(0)):
+        with pytest.raises(ValueError, match="num_features"):
+            SyncBatchNorm(bad)
 
 
 def test_convert_syncbn_model_lazy_batchnorm():
