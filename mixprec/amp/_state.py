@@ -203,6 +203,38 @@ def refuse_inner_optimizer(optimizer, cast_param_ids, known=frozenset()) -> None
                 )
 
 
+def _prime_fused_momentum(optimizer, found_inf: torch.Tensor) -> bool:
+    """Before a fused ``torch.optim.SGD`` step that ``found_inf`` may skip: give every
+    parameter about to take its first momentum step a momentum buffer of zeros.
+
+    PyTorch's fused SGD makes a parameter's first momentum buffer with ``torch.empty_like``
+    and lets its kernel fill it; with ``found_inf`` set the kernel skips the parameter, and the
+    uninitialised buffer stays in the optimizer's state for every later step to use (a fp16
+    run's first steps overflow at the 2**16 starting scale, so this is the usual start of
+    training: the weights came out inf). With ``dampening == 0`` (the default) a zero buffer
+    gives the first step's result bit for bit (``0.9 * 0 + g == g``) and a skipped step leaves
+    it zero, so no sync is needed. With dampening the first step differs from a step from
+    zeros: the flag is read on the host for that one step (not inside a CUDA-graph capture),
+    and True is returned when it is set, for the step to be skipped as on the host.
+    """
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    read_flag = False
+    for group in optimizer.param_groups:
+        if not group.get("fused") or group["momentum"] == 0:
+            continue
+        for p in group["params"]:
+            if p.grad is None or "momentum_buffer" in optimizer.state.get(p, ()):
+                continue
+            if group["dampening"] == 0:
+                optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
+            else:
+                read_flag = True
+    if not read_flag or (found_inf.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    return bool(found_inf.item())
+
+
 def _params_of(optimizer) -> List[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
@@ -637,6 +669,14 @@ class _OptimizerState:
                 "on and delay_unscale=False."
             )
         if self.overflow:
+            for p in _params_of(optimizer):
+                p.grad = None
+            return
+        if self.pending_found is not None and _prime_fused_momentum(optimizer,
+                                                                    self.pending_found):
+            # (A first momentum step that overflowed, which only the host could skip cleanly.)
+            self.pending_found = None
+            self.overflow = True
             for p in _params_of(optimizer):
                 p.grad = None
             return
