@@ -205,7 +205,7 @@ class FusedAdam(torch.optim.Optimizer):
 
         >>> from mixprec import amp
         >>> from mixprec.optimizers import FusedAdam
-        >>> model = GPT().cuda()
+        >>> model = MyModel().cuda()  # any nn.Module; loader and loss_fn are yours too
         >>> optimizer = FusedAdam(model.parameters(), lr=3e-4, weight_decay=0.1)
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2",
         ...                                   dtype=torch.bfloat16)

@@ -302,7 +302,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         allreduce_communicators: ignored (warns). Default None.
         gradient_average (bool): average over ranks (else sum). Default True.
         gradient_predivide_factor (float): divide by this before the all-reduce and by
-            ``world_size / factor`` after. Default 1.0.
+            ``world_size / factor`` after (Apex's arithmetic; every factor gives the same
+            average). Default 1.0, which runs like a factor of ``world_size``: each gradient
+            is divided by the world size before the sum, which then cannot overflow fp16.
         gradient_average_split_factor (float, optional): old name of the above (warns).
         prof (bool): label each bucket's all-reduce in profiler traces. Default False.
         process_group (ProcessGroup, optional, keyword-only): default: all ranks.
@@ -368,8 +370,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 or not gradient_predivide_factor > 0):
             raise ValueError(
                 "DistributedDataParallel(gradient_predivide_factor="
-                f"{gradient_predivide_factor!r}): must be a number > 0 (1.0: no pre-division; "
-                "the world size: divide fully before the all-reduce)."
+                f"{gradient_predivide_factor!r}): must be a number > 0, e.g. 1.0 (the default) or "
+                "the world size; both divide every gradient by the world size before the "
+                "all-reduce."
             )
         if shared_param is not None:
             _warn_rank0(
