@@ -405,7 +405,10 @@ def scale_loss(
             "Call `model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first "
             "and pass the returned optimizer (an optimizer built after amp.initialize of its "
             "model cannot join it later: build the optimizer first, then initialize both in "
-            "one call)."
+            "one call). A copy of a prepared optimizer (copy.deepcopy, or torch.save of the "
+            "object) is a plain optimizer: to duplicate a run, build a new model and "
+            "optimizer, amp.initialize them, and load the state dicts (model, optimizer, "
+            "amp.state_dict())."
         )
     # Each optimizer's gradients unscaled once: the same optimizer listed twice (or a wrapper
     # such as LARC beside its inner optimizer, which share one state) would divide them twice.

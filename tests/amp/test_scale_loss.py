@@ -51,6 +51,19 @@ def test_scale_loss_before_initialize():
             pass
 
 
+def test_scale_loss_with_a_copy_of_a_prepared_optimizer_says_how_to_duplicate():
+    # copy.deepcopy / pickling of (model, optimizer) gives a plain optimizer: the error says
+    # so, and how to duplicate a run instead.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    model2, opt2 = copy.deepcopy((model, opt))
+    loss = model2(batch()[0]).float().sum()
+    with pytest.raises(RuntimeError, match=r"copy\.deepcopy.*amp\.initialize them.*state dicts"):
+        with amp.scale_loss(loss, opt2):
+            pass
+
+
 @pytest.mark.parametrize("loss,exc,match", [
     (torch.ones(3), ValueError, r"shape \(3,\).*scalar"),
     (torch.tensor(3), ValueError, "floating point"),
