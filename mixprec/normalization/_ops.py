@@ -142,8 +142,12 @@ def _rows(t: Tensor, n: int) -> Tensor:
         return t  # already rows: no view to make (this runs per call, forward and backward)
     t2d = t.reshape(-1, n)
     if n > 1 and t2d.stride(1) != 1:
-        # e.g. a transposed input, or the expanded all-ones gradient of y.sum()
-        t2d = t2d.contiguous()
+        # e.g. a transposed input, or the expanded all-ones gradient of y.sum(). (An empty
+        # tensor counts as contiguous, so .contiguous() would keep its strides, e.g. the (32, 2)
+        # of torch.empty(0, 32)[:, ::2]: the kernels' launcher rejected them and the PyTorch
+        # path's row copy, still not rows, recursed forever. clone() gives row strides.)
+        t2d = t2d.contiguous() if t2d.numel() else t2d.clone(
+            memory_format=torch.contiguous_format)
     return t2d
 
 

@@ -417,6 +417,34 @@ def test_zero_rows_through_the_kernels_as_in_torch(kind, shape, dy_kind, device)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@KERNEL_DEVICES
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_zero_rows_with_a_strided_last_dim(kind, device):
+    # An empty input whose last dim is not unit-stride (a column slice of an empty batch):
+    # PyTorch counts every empty tensor contiguous, so .contiguous() kept its (16, 2) strides;
+    # the PyTorch path's row copy then recursed forever (with grad) and the kernels' launcher
+    # refused the strides. Compared with torch.nn.functional, with and without grad.
+    device, context = device_and_context(device)
+    fn = fused_layer_norm if kind == "layer" else fused_rms_norm
+    theirs = (torch.nn.functional.layer_norm if kind == "layer"
+              else torch.nn.functional.rms_norm)
+    for grad in (False, True):
+        x = torch.empty(0, 16, device=device)[:, ::2].requires_grad_(grad)
+        w = torch.ones(8, device=device, requires_grad=grad)
+        assert x.stride() == (16, 2)
+        with context():
+            y = fn(x, 8, w)
+            if grad:
+                y.sum().backward()
+        assert y.shape == (0, 8) and y.dtype == x.dtype
+        if grad:
+            x_ref = x.detach().requires_grad_(True)
+            w_ref = w.detach().requires_grad_(True)
+            theirs(x_ref, (8,), w_ref).sum().backward()
+            assert x.grad.shape == x_ref.grad.shape == (0, 8)
+            torch.testing.assert_close(w.grad, w_ref.grad, rtol=0, atol=0)  # zeros
+
+
 def test_torch_layer_norm_arguments():
     import numpy as np
 
