@@ -463,7 +463,19 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
             fused_batchnorm=args.norm == "mixprec" and args.model != "gpt",
             optimizer=args.optimizer,
         )
-    except RuntimeError as exc:  # e.g. torchvision missing
+    except (RuntimeError, MemoryError) as exc:  # e.g. torchvision missing
+        if isinstance(exc, MemoryError) or "alloc" in str(exc) or "out of memory" in str(exc):
+            # The synthetic batches are made here: a huge --batch-size (an extra zero or
+            # three) failed with the allocator's own message, naming neither the option nor
+            # a way out.
+            first = (str(exc) or type(exc).__name__).strip().splitlines()[-1]
+            batch = (f"--batch-size {args.batch_size}" if args.batch_size is not None
+                     else f"the default batch size of --size {size}")
+            parser.error(
+                f"argument --batch-size: the synthetic data for --model {args.model} at "
+                f"{batch} does not fit in memory on {device} ({first}); use a smaller "
+                "--batch-size" + (" or --size small" if size == "large" else "")
+            )
         parser.error(str(exc))
 
     order = {m: i for i, m in enumerate(_OPT_LEVELS)}

@@ -470,15 +470,23 @@ class _AutocastRecipe(_Recipe):
         if self.scaler is None:
             return
         # Reading the scale each step would add a host sync per step to this recipe only;
-        # instead count the halvings. Exact while no growth happened (growth_interval = 2000).
-        self.skipped = _halvings(self._scale0, self.scaler.get_scale())
-        self.skips_known = self.steps < 2000
+        # instead count the halvings. Exact while no growth happened (growth_interval = 2000)
+        # and the scale is still above 0: GradScaler's fp32 scale underflows to 0 after ~165
+        # halvings in a row (a diverged run), and from there on its skips no longer show.
+        end = self.scaler.get_scale()
+        self.skipped = _halvings(self._scale0, end)
+        self.skips_known = self.steps < 2000 and end > 0
 
 
 def _halvings(start: float, end: float) -> int:
     if not (start > 0 and end > 0):
         return 0
     return max(0, int(round(math.log2(start / end))))
+
+
+#: amp's dynamic loss scale never goes below this floor (``min_loss_scale``'s default, which
+#: the runner does not change): 40 halvings from the initial 2**16.
+_AMP_MIN_LOSS_SCALE = 2.0**-24
 
 
 class _AmpRecipe(_Recipe):
@@ -508,13 +516,31 @@ class _AmpRecipe(_Recipe):
         self.steps += 1
         return loss
 
+    def _overflow_count(self) -> Optional[int]:
+        """amp's own count of the skipped steps since ``initialize`` (exact, read once), or
+        None where this amp does not keep one."""
+        try:
+            from mixprec.amp._state import optimizer_state
+
+            count = optimizer_state(self.optimizer).amp_state.overflow_log.count
+        except (ImportError, AttributeError):  # (not prepared by amp): the halvings instead
+            return None
+        return count if isinstance(count, int) else None
+
     def finish(self):
-        end = self._loss_scale()
-        if self._scale0 is None or end is None:
+        end = self._loss_scale()  # (amp.state_dict() also collects device-side overflows)
+        count = self._overflow_count()
+        if count is not None:
+            # The halvings undercount once the scale reaches its floor (2**-24, 40 halvings
+            # from 2**16): a run that overflows at every step (an fp16 forward that gives
+            # inf) skipped all 43 steps of the default run but showed 40. amp counts the
+            # skips itself, wherever the scale lives, without a sync per step.
+            self.skipped, self.skips_known = count, True
+        elif self._scale0 is None or end is None:
             self.skipped, self.skips_known = 0, False
         else:
             self.skipped = _halvings(self._scale0, end)
-            self.skips_known = self.steps < 2000
+            self.skips_known = self.steps < 2000 and end > _AMP_MIN_LOSS_SCALE
 
 
 def _import_amp():

@@ -231,6 +231,25 @@ def test_resnet50_without_torchvision_is_a_clear_error(monkeypatch, capsys):
     assert "needs torchvision" in capsys.readouterr().err
 
 
+def test_batch_too_large_for_memory_names_the_option(monkeypatch, capsys):
+    # The synthetic batches are allocated before any mode runs: a huge --batch-size used to end
+    # with only the allocator's message ("DefaultCPUAllocator: can't allocate memory ...").
+    from mixprec.bench import models
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 307200000000 bytes.")
+
+    monkeypatch.setattr(models, "_image_batches", no_memory)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *FAST[:4], "--batch-size", "100000000", "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --batch-size: the synthetic data for --model cnn at --batch-size " \
+        "100000000 does not fit in memory" in err
+    assert "can't allocate memory" in err and "use a smaller --batch-size" in err
+
+
 def test_plot_without_matplotlib_is_a_clear_error_before_running(monkeypatch, capsys, tmp_path):
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)

@@ -139,3 +139,15 @@ def test_plot_of_few_steps_has_markers_and_whole_step_ticks():
     ax = _figure([warm], title="").axes[0]
     assert ax.get_lines()[0].get_marker() in ("None", None, "")  # many steps: a plain line
     assert "dotted line" in ax.get_xlabel()
+
+
+def test_small_losses_and_times_print_enough_digits_to_check_the_ratios():
+    # A fixed .4f printed 0.0104 and 0.0103 next to a -1.26% gap (the default CNN run ends
+    # near 0.01): the printed numbers must give back the printed ratios.
+    rows = [_row("O0", 0.0024, 1.0, 0.010432), _row("O2", 0.0019, 1.0, 0.0103)]
+    line = format_table(rows).splitlines()[-1]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    time, speedup, loss, gap = float(cells[3]), cells[4], float(cells[5]), cells[6]
+    o0 = [c.strip() for c in format_table(rows).splitlines()[2].strip("|").split("|")]
+    assert f"{float(o0[3]) / time:.2f}x" == speedup
+    assert f"{100 * (loss - float(o0[5])) / float(o0[5]):+.2f}%" == gap

@@ -88,6 +88,27 @@ def test_skipped_steps_are_counted_under_fp16(cnn):
     assert all(math.isfinite(v) for v in o1.losses)
 
 
+@pytest.mark.parametrize("mode", ["O1", "O2"])
+def test_every_step_skipped_past_the_loss_scale_floor_is_counted(mode):
+    # An inf loss overflows at every step, whatever the scale: amp's dynamic scale bottoms out
+    # at 2**-24 after 40 halvings from 2**16, and counting halvings showed 40 for 42 skips.
+    wl = build_workload("cnn", batch_size=1, num_batches=1)
+    wl = _overflowing(wl, factor=float("inf"))
+    r = run_mode(wl, mode, dtype=torch.float16, iters=41, warmup=1)
+    assert r.ok, r.error
+    assert r.skipped_steps == 42
+
+
+def test_grad_scaler_underflowed_to_zero_is_not_reported_as_no_skips():
+    # GradScaler's scale underflows to 0 after ~165 halvings in a row; the halvings then read
+    # 0 skipped steps. A fake scaler stands in for that long run.
+    from mixprec.bench.runner import _AutocastRecipe
+
+    recipe = _AutocastRecipe(nn.Linear(1, 1), None, None, torch.float16, "cpu")
+    recipe.scaler = type("Scaler", (), {"get_scale": lambda self: 0.0})()
+    recipe.steps = 170
+    recipe.finish()
+    assert not recipe.skips_known
 
 
 def test_bf16_skips_nothing(cnn):
