@@ -36,7 +36,7 @@ from mixprec.amp._model import GRAD_SYNC_DEFERRED, overflow_groups, register_mas
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 from mixprec.normalization._launch import is_compiling
 
-__all__ = ["AmpState", "SyncParamGroupsOnLoad", "optimizer_state"]
+__all__ = ["AmpState", "SyncParamGroupsOnLoad", "optimizer_state", "set_aside_grads"]
 
 _OPTIMIZER_STATES: weakref.WeakKeyDictionary[object, _OptimizerState] = (
     weakref.WeakKeyDictionary()
@@ -49,6 +49,30 @@ def optimizer_state(optimizer) -> Optional[_OptimizerState]:
         return _OPTIMIZER_STATES.get(optimizer)
     except TypeError:  # not weak-referenceable, so it cannot have been registered
         return None
+
+
+def set_aside_grads(params) -> List[torch.Tensor]:
+    """The gradients of ``params`` that a ``scale_loss`` block holds aside, in their order.
+
+    Without master weights, a backward inside ``scale_loss`` that accumulates onto gradients
+    an earlier block unscaled starts from ``grad=None``: the earlier gradients wait aside
+    (``_OptimizerState._stash``) and are added back when the block exits. Code that averages
+    gradients inside such a block (``mixprec.parallel.Reducer``) must average these too.
+    """
+    aside = {}
+    for state in list(_OPTIMIZER_STATES.values()):  # (an optimizer and its hook target
+        for p, g in state._stash:                   # share one state: setdefault)
+            if g is not None:
+                aside.setdefault(id(p), g)
+    if not aside:
+        return []
+    out, seen = [], set()
+    for p in params:
+        g = aside.get(id(p))
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            out.append(g)
+    return out
 
 
 def hookable_optimizer(optimizer) -> torch.optim.Optimizer:

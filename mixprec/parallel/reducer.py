@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mixprec.amp._model import agree_on_overflow, is_amp_model, master_weights
+from mixprec.amp._state import set_aside_grads
 from mixprec.parallel._comm import (
     all_reduce_average_coalesced,
     broadcast_coalesced,
@@ -114,6 +115,9 @@ class Reducer:
             # so half and master gradients can both be reduced whatever amp has moved where.)
             tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
             tensors += [m.grad for m in master_weights(self.module) if m.grad is not None]
+            # (and, without masters, the earlier micro-batches' gradients that a scale_loss
+            # block holds aside until it exits: reduce() inside the block must average them)
+            tensors += set_aside_grads(self.module.parameters())
         else:
             tensors = self.grads
         if tensors:

@@ -1769,6 +1769,33 @@ def check_reducer_amp_overflow_on_one_rank(ctx):
     torch.testing.assert_close(half, torch.full_like(half, 40000.0), rtol=1e-3, atol=0)
 
 
+def check_reducer_inside_an_accumulating_scale_loss_block(ctx):
+    # Without master weights (O1, O3) a backward in scale_loss that accumulates onto gradients
+    # an earlier block unscaled starts from grad=None: amp sets the earlier ones aside and adds
+    # them back when the block exits. reduce() inside that block must average those too (as it
+    # does the masters' gradients at O2), or this rank's earlier micro-batches come back
+    # unaveraged and the ranks' gradients differ.
+    from mixprec import amp
+
+    for level in ("O1", "O2", "O3"):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 1, bias=False).to(ctx.device)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        model, opt = amp.initialize(model, opt, opt_level=level, dtype=torch.bfloat16,
+                                    loss_scale=128.0, verbosity=0)
+        reducer = Reducer(model)
+        for micro in range(2):
+            x = torch.tensor([[1.0, 2.0, 4.0]], device=ctx.device) * (ctx.rank + 1) * (micro + 1)
+            with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+                scaled.backward()
+                if micro == 1:
+                    reducer.reduce()
+        grad = next(iter(amp.master_params(opt))).grad.float()
+        # x summed over the micro-batches, averaged over the ranks (exact in bf16 for 2, 4, 8)
+        expected = torch.tensor([[3.0, 6.0, 12.0]], device=ctx.device) * (ctx.world_size + 1) / 2
+        torch.testing.assert_close(grad, expected, rtol=0, atol=0, msg=labelled(level))
+
+
 def _amp_step_mse(model, opt, x, y, amp):
     opt.zero_grad()
     with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
@@ -2235,6 +2262,7 @@ CHECKS = [
     "check_reducer",
     "check_reducer_with_amp_o2",
     "check_reducer_amp_overflow_on_one_rank",
+    "check_reducer_inside_an_accumulating_scale_loss_block",
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
