@@ -90,13 +90,30 @@ def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) 
     if isinstance(value, (list, tuple)):
         return type(value)(cast_floating(v, dtype, only) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: cast_floating(getattr(value, f.name), dtype, only)
-            for f in dataclasses.fields(value)
-            if f.init
-        }
-        return dataclasses.replace(value, **changes)
+        return _rebuild_dataclass(value, dtype, only)
     return value
+
+
+def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple]) -> Any:
+    """A copy of the dataclass instance ``value`` with its fields' tensors cast.
+
+    A shallow copy with each field set (``object.__setattr__``: frozen ones too), not
+    ``dataclasses.replace``: that calls ``__init__`` again, which drops the values of
+    ``field(init=False)`` fields (reset to their defaults: a tensor set there vanished on its
+    way into an O2 model, or out of any model), fails on an ``InitVar`` without a default, and
+    runs ``__post_init__`` a second time on values it already processed.
+    """
+    fields = dataclasses.fields(value)
+    try:
+        out = copy.copy(value)
+        for f in fields:
+            if hasattr(value, f.name):
+                object.__setattr__(out, f.name, cast_floating(getattr(value, f.name), dtype, only))
+        return out
+    except Exception:  # an instance that cannot be copied: rebuild it through __init__
+        changes = {f.name: cast_floating(getattr(value, f.name), dtype, only)
+                   for f in fields if f.init}
+        return dataclasses.replace(value, **changes)
 
 
 def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
@@ -148,6 +165,14 @@ class AmpForwardConfig:
     renorm_master: bool = False
 
 
+# How many ``amp.disable_casts()`` blocks are open. The O1 forward enters ``torch.autocast``
+# itself, which would turn casting back on for a model called inside such a block; Apex's
+# disable_casts switched its one casting handle off for everything run inside, models
+# included. Process-wide, as Apex's handle was (DataParallel's worker threads run the replicas
+# of a model called inside the block); a plain global, which torch.compile traces and guards.
+_CASTS_DISABLED = [0]
+
+
 class _AmpModule:
     """Mixin placed first in the MRO of a model's swapped class. See the module docstring."""
 
@@ -165,7 +190,7 @@ class _AmpModule:
         if cfg.input_dtype is not None:
             args = cast_floating(args, cfg.input_dtype)
             kwargs = cast_floating(kwargs, cfg.input_dtype)
-        if cfg.autocast_dtype is not None:
+        if cfg.autocast_dtype is not None and not _CASTS_DISABLED[0]:
             with torch.autocast(cfg.device_type, dtype=cfg.autocast_dtype):
                 out = original_forward(*args, **kwargs)
         else:
@@ -395,12 +420,17 @@ def _replaces_parameters() -> bool:
 
 
 def _fp32_forward(original_forward: Callable, device_type: str, args, kwargs):
+    # The input's dtype, given positionally or by keyword (``bn(input=x)``: the output went
+    # back as fp32 instead of the half the layer was given).
     in_dtype = next(
-        (a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()), None
+        (a.dtype for a in itertools.chain(args, kwargs.values())
+         if isinstance(a, torch.Tensor) and a.is_floating_point()), None
     )
+    # Only half inputs go up to fp32: a float64 input (a .double() model under O1) stays
+    # float64, which its float64 parameters need (cast to fp32, batch_norm refused the mix).
     with torch.autocast(device_type, enabled=False):
-        out = original_forward(*cast_floating(args, torch.float32),
-                               **cast_floating(kwargs, torch.float32))
+        out = original_forward(*cast_floating(args, torch.float32, only=_HALF_TYPES),
+                               **cast_floating(kwargs, torch.float32, only=_HALF_TYPES))
     return cast_floating(out, in_dtype) if in_dtype is not None else out
 
 

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+from collections.abc import Mapping
 from typing import Callable, Iterator, Optional
 
 import torch
 
+from mixprec.amp import _model
 from mixprec.amp._model import cast_floating
 
 __all__ = [
@@ -39,8 +42,11 @@ def _first_device_type(args, kwargs) -> Optional[str]:
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.Tensor):
             return value.device.type
-        if isinstance(value, (list, tuple)):
-            found = _first_device_type(value, {})
+        # (Mappings too, as cast_floating and _floating_dtypes walk them: a function given
+        # only a dict of tensors ran uncast under autocast.)
+        inner = value.values() if isinstance(value, Mapping) else value
+        if isinstance(value, (list, tuple, Mapping)):
+            found = _first_device_type(list(inner), {})
             if found is not None:
                 return found
     return None
@@ -53,13 +59,19 @@ def _floating_dtypes(value, out):
     elif isinstance(value, (list, tuple)):
         for v in value:
             _floating_dtypes(v, out)
-    elif isinstance(value, dict):
+    elif isinstance(value, Mapping):
         for v in value.values():
             _floating_dtypes(v, out)
     return out
 
 
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    # A device type autocast does not know (meta tensors: shape inference, a model built on
+    # the meta device) has no autocast to be on: torch.is_autocast_enabled("meta") raises, so
+    # a registered torch function failed on meta tensors everywhere, casting or not.
+    available = getattr(torch.amp, "is_autocast_available", None)
+    if available is not None and not available(device_type):
+        return None
     if torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return None
@@ -135,6 +147,17 @@ def _register(module, name: str, rule: str) -> None:
             f"amp.register_{rule}_function(..., {name!r}): {name!r} is a "
             f"{type(fn).__name__}, not a function."
         )
+    # A static or class method of a class (an extension's ops gathered as
+    # ``class Ops: @staticmethod def gelu(x)``): wrap the function inside and keep the
+    # descriptor. The bare wrapper set on the class became an instance method, so
+    # ``Ops().gelu(x)`` passed the instance along (and ``Ops.g(x)`` of a classmethod the class
+    # twice): TypeError. (Apex had the same bug.)
+    raw = inspect.getattr_static(module, name, None) if isinstance(module, type) else None
+    if isinstance(raw, (staticmethod, classmethod)):
+        wrapped = _wrap(raw.__func__, rule)
+        if wrapped is not raw.__func__:
+            setattr(module, name, type(raw)(wrapped))
+        return
     wrapped = _wrap(fn, rule)
     if wrapped is not fn:
         setattr(module, name, wrapped)
@@ -170,7 +193,8 @@ def disable_casts() -> Iterator[None]:
     """Context manager: no per-op casting inside the block, at every opt level.
 
     Ops run in the dtype of their inputs (fp32 master-level numerics where the inputs are
-    fp32). Outside O1 there is no casting to disable and the block runs as it is.
+    fp32), in an O1 model called inside the block too (as under Apex). Outside O1 there is no
+    casting to disable and the block runs as it is.
 
     Example::
 
@@ -181,4 +205,13 @@ def disable_casts() -> Iterator[None]:
         for device_type in ("cpu", "cuda"):
             if torch.is_autocast_enabled(device_type):
                 stack.enter_context(torch.autocast(device_type, enabled=False))
+        # An O1 model called inside the block (its forward enters torch.autocast itself) runs
+        # uncast too, as under Apex, whose disable_casts turned its casting off for all code
+        # in the block; without this the model's forward re-enabled casting.
+        _model._CASTS_DISABLED[0] += 1
+        stack.callback(_casts_enabled_again)
         yield
+
+
+def _casts_enabled_again() -> None:
+    _model._CASTS_DISABLED[0] -= 1

@@ -305,6 +305,72 @@ def test_disable_casts_at_every_level(opt_level):
         assert lin_out.dtype == torch.float32  # O1's autocast is off inside the block
 
 
+class _Seen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.seen.append(h.dtype)
+        return h
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_disable_casts_around_a_model_call(opt_level):
+    # Apex's disable_casts turned casting off for everything run inside the block, a model
+    # called there included; the O1 forward's own torch.autocast turned it back on.
+    model = _Seen()
+    amp.initialize(model, opt_level=opt_level, patch_torch_functions=True,
+                   dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.disable_casts():
+        with amp.disable_casts():
+            model(x)
+        model(x)
+    with pytest.raises(KeyError), amp.disable_casts():
+        raise KeyError
+    model(x)  # after the blocks (an exception included): casting again
+    assert model.seen == [torch.float32, torch.float32, torch.bfloat16]
+
+
+def test_register_static_and_class_methods():
+    # An extension's ops gathered on a class: the registered static/class method stays one
+    # (a bare wrapper set on the class turned into an instance method: TypeError).
+    class Ops:
+        @staticmethod
+        def static(x):
+            return x.dtype
+
+        @classmethod
+        def cls_method(cls, x):
+            return cls, x.dtype
+
+    amp.register_half_function(Ops, "static")
+    amp.register_float_function(Ops, "cls_method")
+    amp.register_half_function(Ops, "static")  # again: no change
+    b = torch.randn(2, dtype=torch.bfloat16)
+    assert Ops.static(b) == Ops().static(b) == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert Ops.static(torch.randn(2)) == Ops().static(torch.randn(2)) == torch.bfloat16
+        assert Ops.cls_method(b) == Ops().cls_method(b) == (Ops, torch.float32)
+
+
+def test_registered_function_finds_tensors_in_mappings_and_on_meta():
+    probe = amp.half_function(lambda *args, **kwargs: [
+        t.dtype for t in list(args) + list(kwargs.values()) for t in t.values()])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # a function given only a dict of tensors was left uncast
+        assert probe({"x": torch.randn(2)}) == [torch.bfloat16]
+        assert probe(batch={"x": torch.randn(2)}) == [torch.bfloat16]
+        # meta tensors (autocast knows no such device): run as they are, not a RuntimeError
+        assert probe({"x": torch.empty(2, device="meta")}) == [torch.float32]
+    assert probe({"x": torch.empty(2, device="meta")}) == [torch.float32]
+    mm = amp.float_function(torch.mm)  # (as amp.register_float_function(torch, "mm") makes it)
+    assert mm(*[torch.empty(2, 2, device="meta")] * 2).shape == (2, 2)
+
+
 # -- outputs and nested inputs ------------------------------------------------------------------
 Pair = collections.namedtuple("Pair", "a b")
 
@@ -359,6 +425,46 @@ def test_o2_casts_nested_inputs_only_floating():
     assert extra["mask"].dtype == torch.bool and extra["w"][0].dtype == torch.bfloat16
     assert extra["w"][1] == "s"
     assert data[0].image.dtype == torch.float32  # the caller's objects are not modified
+
+
+@dataclasses.dataclass
+class _Derived:
+    x: torch.Tensor
+    scale: dataclasses.InitVar[float]
+    scaled: torch.Tensor = dataclasses.field(init=False)
+    note: torch.Tensor = dataclasses.field(init=False, default=None)
+
+    def __post_init__(self, scale):
+        self.scaled = self.x * scale
+
+
+def test_o2_casts_dataclass_fields_set_outside_init():
+    # Fields with init=False (and an InitVar) survive the cast, in and out: rebuilding through
+    # __init__ failed on the InitVar, dropped `note` and ran __post_init__ again.
+    seen = {}
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, d):
+            seen["d"] = d
+            out = _Derived(self.lin(d.x), 1.0)
+            out.note = self.lin(d.note)
+            return out
+
+    model = Spy()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    data = _Derived(torch.randn(3, 2), 2.0)
+    data.note = torch.randn(3, 2)
+    out = model(data)
+    got = seen["d"]
+    assert type(got) is _Derived and got is not data
+    assert got.x.dtype == got.scaled.dtype == got.note.dtype == torch.bfloat16
+    torch.testing.assert_close(got.scaled, data.scaled.bfloat16())  # not scaled twice
+    assert data.note.dtype == torch.float32  # the caller's object is left alone
+    assert out.note is not None and out.note.dtype == out.scaled.dtype == torch.float32
 
 
 class _TokenBatch(collections.UserDict):

@@ -65,6 +65,38 @@ def test_o1_keep_batchnorm_fp32_computes_in_fp32(keep, dtype, device, monkeypatc
     assert all(p.grad.dtype == torch.float32 for bn in _bns(model) for p in bn.parameters())
 
 
+def test_o1_fp32_batchnorm_keyword_input_and_float64_model():
+    # The fp32 BatchNorm hands back the dtype it was given, by keyword too (bn(input=x) came
+    # back fp32), and leaves float64 alone (a .double() model under O1 failed: its float64
+    # parameters met an input cast down to fp32).
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+
+        def forward(self, x):
+            return self.bn(input=self.conv(x))
+
+    bf16 = Net()
+    amp.initialize(bf16, opt_level="O1", keep_batchnorm_fp32=True, dtype=torch.bfloat16,
+                   cast_model_outputs=torch.bfloat16, verbosity=0)
+    outputs = []
+    bf16.bn.register_forward_hook(lambda mod, args, kwargs, out: outputs.append(out.dtype),
+                                  with_kwargs=True)
+    bf16(torch.randn(2, 3, 4, 4))
+    assert outputs == [torch.bfloat16]
+
+    torch.manual_seed(0)
+    plain = Net().double()
+    f64 = Net().double()
+    f64.load_state_dict(plain.state_dict())
+    amp.initialize(f64, opt_level="O1", keep_batchnorm_fp32=True, verbosity=0)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    out = f64(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, plain(x))
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_seed_finetuning_with_frozen_batchnorm(opt_level, dtype, device):
