@@ -297,6 +297,15 @@ class FusedAdam(torch.optim.Optimizer):
             if "lr" in param_group:
                 _check_lr(param_group["lr"], where)
             _check_options(param_group, where)
+            # (A group's amsgrad/maximize was taken silently, ignored by the step, saved in
+            # state_dict() and then refused by load_state_dict: refused here as the
+            # constructor's amsgrad=True is.)
+            if param_group.get("amsgrad") or param_group.get("maximize"):
+                raise ValueError(
+                    f"{where}: amsgrad={param_group.get('amsgrad', False)!r}, maximize="
+                    f"{param_group.get('maximize', False)!r}: FusedAdam supports neither (nor "
+                    "did Apex's). Drop the option, or use torch.optim.AdamW(amsgrad=..., "
+                    "maximize=..., fused=True) for these parameters.")
         super().add_param_group(param_group)
         if hasattr(self, "_plans"):  # (torch's __init__ adds the first groups)
             self._plans.clear()
@@ -422,6 +431,20 @@ class FusedAdam(torch.optim.Optimizer):
                     "steps real floating-point parameters (fp32, fp16, bf16, fp64). Use "
                     "torch.optim.Adam/AdamW for complex ones (or view_as_real them).")
         states = [self._state_of(p) for p in params]
+        for p, s in zip(params, states):
+            # Moments of another shape (a checkpoint of another model, a parameter resized
+            # through .data) must not reach a fused kernel: PyTorch's checks no sizes on the
+            # CPU and read and wrote past the moments (heap corruption, segfaults), where
+            # torch.optim.AdamW raises. Refused before anything of this group is written.
+            for name in ("exp_avg", "exp_avg_sq"):
+                t = s.get(name)
+                if isinstance(t, Tensor) and t.shape != p.shape:
+                    raise RuntimeError(
+                        f"FusedAdam: a parameter of shape {tuple(p.shape)} has an {name} of "
+                        f"shape {tuple(t.shape)} in its state (a checkpoint of another model "
+                        "loaded, or the parameter resized through .data since its last step). "
+                        "Load the matching checkpoint, or reset that parameter's state "
+                        "(optimizer.state[p] = {}) to start its moments afresh.")
         copies = [self._half_copies.get(p) for p in params] if self._half_copies else [
             None] * len(params)
         kernel, fused, plain = [], [], []
@@ -545,11 +568,14 @@ class _Plan:
         # What the checks of both fused routes saw, re-read cheaply every step (C-level maps
         # over the routed tensors: byte sizes and layouts).
         routed = sorted(kernel + fused)
-        self._take = _picker(routed)
         # (Bytes stand for dtype and size: a parameter converted or resized through .data
-        # since would have the kernel write its old dtype's bytes over the new storage.)
-        self._nbytes = [params[i].nbytes for i in routed]
-        self._devices = [params[i].get_device() for i in routed]  # (moved through .data)
+        # since would have the kernel write its old dtype's bytes over the new storage. Read
+        # for every parameter, the plain route's too: one resized is re-planned, and the plan
+        # refuses moments of another shape before the arithmetic writes the parameter.)
+        every = list(range(len(params)))
+        self._take = _picker(every)
+        self._nbytes = [params[i].nbytes for i in every]
+        self._devices = [params[i].get_device() for i in every]  # (moved through .data)
         self._take_contiguous = _picker([i for i in routed if params[i].is_contiguous()])
         self._take_channels_last = _picker([i for i in routed if not params[i].is_contiguous()])
         # (The plain route's gradients: checked to stay dense, as a sparse one is refused.)

@@ -662,6 +662,54 @@ def test_a_param_groups_options_are_checked_as_the_constructors():
     assert len(opt.param_groups) == 1
 
 
+def test_a_groups_amsgrad_or_maximize_is_refused_as_the_constructors():
+    """A group's ``amsgrad=True``/``maximize=True`` was taken silently, ignored by the step
+    (plain Adam, minimizing), saved in ``state_dict()`` and then refused by FusedAdam's own
+    ``load_state_dict``: refused up front, as the constructor's ``amsgrad=True`` is."""
+    a, b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    for key in ("amsgrad", "maximize"):
+        with pytest.raises(ValueError, match=rf"FusedAdam param group 1: .*{key}=True.*: "
+                                             r"FusedAdam supports neither"):
+            FusedAdam([{"params": [a]}, {"params": [b], key: True}])
+        opt = FusedAdam([a])
+        with pytest.raises(ValueError, match=rf"param group 1: .*{key}=True"):
+            opt.add_param_group({"params": [b], key: True})
+        assert len(opt.param_groups) == 1
+    # (False, as torch.optim.AdamW's state dicts say, is taken.)
+    opt = FusedAdam([{"params": [a], "amsgrad": False, "maximize": False}])
+    FusedAdam([b]).load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def test_moments_of_another_shape_are_refused_before_any_write(device, path):
+    """Moments not of the parameter's shape (a checkpoint of another model, a parameter resized
+    through ``.data``) reached PyTorch's fused kernel, which checks no sizes on the CPU: it
+    read and wrote past the moments (segfaults, heap corruption, with larger sizes here) where
+    ``torch.optim.AdamW`` raises. Now a clear error, before anything is written."""
+    small = nn.Parameter(torch.ones(3, device=device))
+    src = FusedAdam([small], lr=0.1)
+    small.grad = torch.ones(3, device=device)
+    src.step()
+    for how in ("checkpoint", "resized"):
+        p = nn.Parameter(torch.ones(3, device=device))
+        opt = FusedAdam([p], lr=0.1)
+        if how == "checkpoint":
+            p.data = torch.ones(4, device=device)
+            opt.load_state_dict(copy.deepcopy(src.state_dict()))
+        else:
+            p.grad = torch.ones(3, device=device)
+            opt.step()
+            p.data = torch.ones(4, device=device)
+        p.grad = torch.ones(4, device=device)
+        before = p.detach().clone()
+        with pytest.raises(RuntimeError, match=r"shape \(4,\) has an exp_avg of shape \(3,\)"):
+            opt.step()
+        assert torch.equal(p, before), how
+        assert opt.state[p]["step"].item() == 1.0, how
+        opt.state[p] = {}  # the way out the error names
+        opt.step()
+        assert opt.state[p]["step"].item() == 1.0 and not torch.equal(p, before)
+
+
 def test_deepcopy_and_pickle_give_a_working_optimizer(device, path):
     """``copy.deepcopy`` and pickling keep the options and give an optimizer that steps as the
     original does (PyTorch's __getstate__ dropped FusedAdam's own attributes: AttributeError at
