@@ -83,6 +83,23 @@ class _FusedNorm(nn.Module):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
+    # What an instance without its own value is (see __setstate__); set by each public class.
+    _CLASS_IS_RMS = False
+    _CLASS_OUTPUT_LIKE_WEIGHT = False
+
+    def __setstate__(self, state) -> None:
+        # A whole model saved under Apex (torch.save(model)) unpickles into these classes
+        # through the Apex alias, with Apex's instance state: without mixprec's own attributes
+        # (its forward failed on `_is_rms`), without `memory_efficient` before Apex added it,
+        # and Apex's RMSNorm without a `bias`. Fill them in as the class makes them.
+        super().__setstate__(state)
+        self.__dict__.setdefault("_is_rms", self._CLASS_IS_RMS)
+        self.__dict__.setdefault("_output_like_weight", self._CLASS_OUTPUT_LIKE_WEIGHT)
+        self.__dict__.setdefault("memory_efficient", False)
+        if "bias" not in self._parameters:
+            self.register_parameter("bias", None)
+        self.normalized_shape = tuple(self.normalized_shape)  # (Apex's is a torch.Size)
+
     def reset_parameters(self) -> None:
         """Weight to ones, bias (LayerNorm) to zeros."""
         if self.weight is not None:

@@ -151,6 +151,8 @@ class MixedFusedLayerNorm(FusedLayerNorm):
         >>> y.sum().backward()  # x.grad is bf16, norm.weight.grad fp32
     """
 
+    _CLASS_OUTPUT_LIKE_WEIGHT = True  # (for __setstate__: see _FusedNorm)
+
     def __init__(
         self,
         normalized_shape: Union[int, Sequence[int]],

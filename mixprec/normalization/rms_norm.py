@@ -96,6 +96,8 @@ class FusedRMSNorm(_FusedNorm):
         ...     opt.step()
     """
 
+    _CLASS_IS_RMS = True  # (for __setstate__: see _FusedNorm)
+
     def __init__(
         self,
         normalized_shape: Union[int, Sequence[int]],
@@ -136,6 +138,8 @@ class MixedFusedRMSNorm(FusedRMSNorm):
         >>> x = torch.randn(16, 4096, device="cuda", dtype=torch.float16, requires_grad=True)
         >>> norm(x).sum().backward()  # output fp32, x.grad fp16, norm.weight.grad fp32
     """
+
+    _CLASS_OUTPUT_LIKE_WEIGHT = True  # (for __setstate__: see _FusedNorm)
 
     def __init__(
         self,

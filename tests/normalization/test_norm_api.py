@@ -806,3 +806,35 @@ def test_jit_trace_records_pytorchs_own_ops(cls, device, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "torch.Size([2, 16])"
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, MixedFusedLayerNorm, FusedRMSNorm,
+                                 MixedFusedRMSNorm])
+def test_unpickles_apex_instance_state(cls):
+    # A model saved whole under Apex (torch.save(model)) unpickles into these classes through
+    # the Apex alias with Apex's instance state: a torch.Size shape, no mixprec attributes, no
+    # memory_efficient (older Apex), and for RMSNorm no bias at all. Its forward failed on
+    # `_is_rms`; it must run as the class built here does.
+    import io
+
+    built = cls(6)
+    with torch.no_grad():
+        built.weight.uniform_(0.5, 1.5)
+    apex_like = cls.__new__(cls)
+    state = {k: v for k, v in built.__dict__.items()
+             if k not in ("_is_rms", "_output_like_weight", "memory_efficient")}
+    state["normalized_shape"] = torch.Size(built.normalized_shape)
+    state["_parameters"] = {k: v for k, v in built._parameters.items()
+                            if not (k == "bias" and v is None)}
+    apex_like.__dict__.update(state)
+    buffer = io.BytesIO()
+    torch.save(apex_like, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(3, 6, dtype=torch.bfloat16)
+    assert loaded.normalized_shape == (6,) and type(loaded.normalized_shape) is tuple
+    assert loaded.memory_efficient is False
+    assert loaded.state_dict().keys() == built.state_dict().keys()
+    out = loaded(x)
+    assert out.dtype == built(x).dtype
+    torch.testing.assert_close(out, built(x), rtol=0, atol=0)
