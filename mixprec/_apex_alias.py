@@ -89,7 +89,11 @@ def install_apex_alias() -> Tuple[str, ...]:
         if served is not None:
             return served
         return _fill_in(existing)
-    if importlib.util.find_spec("apex") is not None:
+    spec = importlib.util.find_spec("apex")
+    # A directory named apex without an __init__.py (the root of an Apex source checkout,
+    # whose package is apex/apex/, left beside a script) is found as a namespace package: no
+    # Apex is installed, and filling it in would leave out the metadata libraries check for.
+    if spec is not None and spec.origin is not None:
         try:
             real = importlib.import_module("apex")
         except Exception as err:
@@ -152,6 +156,12 @@ def _fill_in(apex: types.ModuleType) -> Tuple[str, ...]:
     missing = tuple(name for name in _SUBMODULES if not _apex_provides(apex, name))
     served = _serve(apex, missing)
     apex.__mixprec_alias__ = served
+    public = getattr(apex, "__all__", None)
+    if public is not None:
+        # `from apex import *` gave Apex's amp (its __all__ listed it); Apex's 2025 __all__
+        # names only what it kept, so the star import would leave the served modules out.
+        top = [name.split(".")[1] for name in served if name.count(".") == 1]
+        apex.__all__ = list(public) + [name for name in top if name not in public]
     if not served:
         warnings.warn(
             f"install_apex_alias(): the installed Apex ({getattr(apex, '__file__', '?')}) has "

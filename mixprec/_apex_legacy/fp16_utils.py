@@ -111,6 +111,10 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False
     ``flat_master``), for hand-written master-weight training."""
     model_params = [p for p in model.parameters() if p.requires_grad]
     if flat_master:
+        if not model_params:  # (torch.cat's "expected a non-empty list of Tensors" otherwise)
+            raise ValueError(
+                "prep_param_lists(model, flat_master=True): the model has no parameter with "
+                "requires_grad=True, so there is nothing to flatten into a master tensor.")
         master = nn.Parameter(_flatten_dense_tensors([p.detach().float() for p in model_params]))
         master.grad = master.new_zeros(master.size())
         return model_params, [master]
@@ -122,10 +126,26 @@ def model_grads_to_master_grads(model_params: List[torch.Tensor],
                                 master_params: List[torch.Tensor],
                                 flat_master: bool = False) -> None:
     """Copy the model's gradients into the masters' (as fp32); a missing one leaves the
-    master's gradient None."""
+    master's gradient None (with ``flat_master``, where a part of one tensor cannot be left
+    out, it raises a ``ValueError`` naming the parameters without one)."""
+    model_params, master_params = list(model_params), list(master_params)  # (generators too)
+    _check_masters("model_grads_to_master_grads", model_params, master_params, flat_master)
     if flat_master:
-        master_params[0].grad.data.copy_(
-            _flatten_dense_tensors([p.grad.data for p in model_params]))
+        missing = [i for i, p in enumerate(model_params) if p.grad is None]
+        if missing:  # (Apex: "'NoneType' object has no attribute 'data'")
+            raise ValueError(
+                f"model_grads_to_master_grads(flat_master=True): model_params "
+                f"{_describe(model_params, missing)} have no gradient (not used in the "
+                "backward, or zeroed with set_to_none). The flat master's gradient covers "
+                "every parameter; use prep_param_lists(model, flat_master=False), which "
+                "leaves those masters' gradients None so the optimizer skips them.")
+        flat = master_params[0]
+        if flat.grad is None:
+            # PyTorch's optimizer.zero_grad() sets gradients to None by default since 2.0
+            # (Apex's era zeroed them), so the master optimizer's zero_grad() takes away the
+            # gradient prep_param_lists gave the flat master: make it again.
+            flat.grad = torch.zeros_like(flat, memory_format=torch.contiguous_format)
+        flat.grad.data.copy_(_flatten_dense_tensors([p.grad.data for p in model_params]))
         return
     for model, master in zip(model_params, master_params):
         if model.grad is None:
@@ -141,6 +161,8 @@ def master_params_to_model_params(model_params: List[torch.Tensor],
                                   master_params: List[torch.Tensor],
                                   flat_master: bool = False) -> None:
     """Copy the masters' values into the model's parameters (cast to their dtype)."""
+    model_params, master_params = list(model_params), list(master_params)  # (generators too)
+    _check_masters("master_params_to_model_params", model_params, master_params, flat_master)
     if flat_master:
         masters = _unflatten_dense_tensors(master_params[0].data, model_params)
     else:
@@ -148,6 +170,43 @@ def master_params_to_model_params(model_params: List[torch.Tensor],
     with torch.no_grad():
         for model, master in zip(model_params, masters):
             model.copy_(master)
+
+
+def _describe(params, indices, limit=4) -> str:
+    shown = ", ".join(f"[{i}] {tuple(params[i].shape)}" for i in indices[:limit])
+    return shown + (f" and {len(indices) - limit} more" if len(indices) > limit else "")
+
+
+def _check_masters(fn: str, model_params, master_params, flat_master: bool) -> None:
+    """Refuse master lists that do not match ``model_params`` the way ``flat_master`` says.
+    Apex zipped the lists: a shorter one silently left parameters out, and masters made with
+    the other ``flat_master`` value copied into the wrong tensor or failed deep in ``copy_``."""
+    numel = sum(p.numel() for p in model_params)
+    if flat_master:
+        if len(master_params) == 1 and master_params[0].numel() == numel:
+            return
+        raise ValueError(
+            f"{fn}(flat_master=True): expected master_params to be the one-tensor list "
+            f"prep_param_lists(model, flat_master=True) returned, holding all {numel} elements "
+            f"of the {len(model_params)} model_params; got {len(master_params)} tensor(s) "
+            f"with {sum(m.numel() for m in master_params)} elements. Pass the flat_master "
+            "value the masters were made with.")
+    bad = [i for i, (p, m) in enumerate(zip(model_params, master_params))
+           if p.shape != m.shape]
+    if len(master_params) == len(model_params) and not bad:
+        return
+    if bad:
+        i = bad[0]
+        what = (f"master_params[{i}] has shape {tuple(master_params[i].shape)}, "
+                f"model_params[{i}] {tuple(model_params[i].shape)}")
+    else:
+        what = f"got {len(master_params)} master_params for {len(model_params)} model_params"
+    raise ValueError(
+        f"{fn}: {what}. Expected the two lists prep_param_lists(model) returned, one master "
+        "per model parameter in the same order" + (
+            "; masters made with flat_master=True need flat_master=True here too."
+            if len(model_params) > 1 and len(master_params) == 1
+            and master_params[0].dim() == 1 and master_params[0].numel() == numel else "."))
 
 
 # Apex's old name for it (every argument of PyTorch's: error_if_nonfinite, foreach).

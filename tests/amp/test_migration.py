@@ -202,6 +202,38 @@ def test_alias_drops_what_a_failed_apex_amp_left_behind(clean_apex, tmp_path, mo
     assert scale_loss is amp.scale_loss
 
 
+def test_alias_takes_a_stray_apex_directory_for_no_apex(clean_apex, tmp_path, monkeypatch):
+    # The root of an Apex source checkout (its package is apex/apex/) beside a script is found
+    # as a namespace package `apex`. It was taken for an installed Apex and filled in, without
+    # the metadata: importlib.metadata.version("apex") raised, so libraries that check Apex's
+    # version (transformers' Trainer) said Apex was missing.
+    import importlib.metadata
+
+    (tmp_path / "apex" / "csrc").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    served = mixprec.install_apex_alias()
+    assert served[0] == "apex" and "apex.amp" in served
+    assert importlib.metadata.version("apex") == f"0.1+mixprec.{mixprec.__version__}"
+    from apex import amp as apex_amp
+
+    assert apex_amp is amp
+
+
+def test_alias_star_import_beside_an_apex_with_all(clean_apex, tmp_path, monkeypatch):
+    # Apex's own __all__ listed amp, so `from apex import *` gave it; Apex's 2025 __all__
+    # names only what it kept, and the served modules were left out of the star import.
+    _fake_apex(tmp_path, "optimizers", "normalization", "multi_tensor_apply",
+               init="from . import optimizers, normalization\n"
+                    "__all__ = ['optimizers', 'normalization']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mixprec.install_apex_alias()
+    namespace = {}
+    exec("from apex import *", namespace)  # noqa: S102  (a star import needs a namespace)
+    assert namespace["amp"] is amp and namespace["parallel"] is mixprec.parallel
+    assert namespace["optimizers"].WHO == "apex.optimizers itself"
+    assert "multi_tensor_apply" not in namespace  # (not in that Apex's __all__; not served)
+
+
 def test_alias_reports_a_broken_apex(clean_apex, tmp_path, monkeypatch):
     _fake_apex(tmp_path, init="import fused_adam_cuda_missing_extension\n")
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -345,6 +377,104 @@ def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
     p.grad = torch.tensor([float("inf"), 1.0])
     with pytest.raises(RuntimeError, match="non-finite"):
         legacy.clip_grad_norm([p], 1.0, error_if_nonfinite=True)
+
+
+def test_fp16_utils_master_weights_on_random_models(clean_apex):
+    # Seeded random models (nested, BatchNorm affine or not, RNNs, frozen and fp64 parameters)
+    # through Apex's hand-made master-weight loop, flat and not, with PyTorch's
+    # zero_grad(), which sets gradients to None since 2.0 (Apex's era zeroed them): the flat
+    # master lost the gradient prep_param_lists gave it, and the next
+    # model_grads_to_master_grads failed with "'NoneType' object has no attribute 'data'".
+    import random
+
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import (
+        master_params_to_model_params,
+        model_grads_to_master_grads,
+        network_to_half,
+        prep_param_lists,
+    )
+
+    def layer(rng):
+        return rng.choice([
+            lambda: nn.Linear(3, 3, bias=rng.random() < 0.5),
+            lambda: nn.BatchNorm1d(3, affine=rng.random() < 0.5),
+            lambda: nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)),
+            lambda: nn.GRU(3, 3),
+        ])()
+
+    for seed in range(8):
+        rng = random.Random(seed)
+        torch.manual_seed(seed)
+        model = nn.Sequential(*[layer(rng) for _ in range(rng.randint(1, 4))], nn.Linear(3, 3))
+        model = network_to_half(model)
+        for p in model.parameters():
+            if rng.random() < 0.2:
+                p.requires_grad_(False)
+            elif rng.random() < 0.1:
+                p.data = p.data.double()
+        for flat in (False, True):
+            model_params, masters = prep_param_lists(model, flat_master=flat)
+            assert [m.dtype for m in masters] == [torch.float32] * len(masters)
+            assert len(masters) == (1 if flat else len(model_params))
+            opt = torch.optim.SGD(masters, lr=0.5)
+            for _ in range(2):
+                model.zero_grad()
+                opt.zero_grad()  # set_to_none=True
+                grads = [torch.randn_like(p) for p in model_params]
+                for p, g in zip(model_params, grads):
+                    p.grad = g.clone()
+                model_grads_to_master_grads(model_params, masters, flat_master=flat)
+                got = torch.cat([m.grad.flatten() for m in masters])
+                assert torch.equal(got, torch.cat([g.float().flatten() for g in grads]))
+                before = torch.cat([m.detach().flatten() for m in masters])
+                opt.step()
+                master_params_to_model_params(model_params, masters, flat_master=flat)
+                after = torch.cat([m.detach().flatten() for m in masters])
+                torch.testing.assert_close(after, before - 0.5 * got, rtol=0, atol=0)
+                values = torch.cat([p.detach().float().flatten() for p in model_params])
+                expect = torch.cat([a.to(p.dtype).float().flatten() for a, p in zip(
+                    after.split([p.numel() for p in model_params]), model_params)])
+                assert torch.equal(values, expect)  # each cast once to its own dtype
+
+
+def test_fp16_utils_refuse_master_lists_that_do_not_match(clean_apex):
+    # Apex zipped the lists (a shorter one silently left parameters out) and failed deep in
+    # copy_ or on None for the rest: each now says what was passed and what was expected.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import (
+        master_params_to_model_params,
+        model_grads_to_master_grads,
+        prep_param_lists,
+    )
+
+    model = nn.Sequential(nn.Linear(1, 1, bias=False), nn.Linear(1, 3), nn.Linear(3, 2))
+    model_params, flat = prep_param_lists(model, flat_master=True)
+    _, masters = prep_param_lists(model)
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"master_params\[0\] has shape \(15,\), "
+                                         r"model_params\[0\] \(1, 1\).*need flat_master=True"):
+        model_grads_to_master_grads(model_params, flat)
+    with pytest.raises(ValueError, match="flat_master=True.*one-tensor list.*15 elements of "
+                                         "the 5 model_params; got 5 tensor"):
+        model_grads_to_master_grads(model_params, masters, flat_master=True)
+    with pytest.raises(ValueError, match="got 4 master_params for 5 model_params"):
+        master_params_to_model_params(model_params, masters[:4])
+    model_params[-1].grad = None  # (a parameter the backward did not reach)
+    with pytest.raises(ValueError, match=r"model_params \[4\] \(2,\) have no gradient.*"
+                                         "flat_master=False"):
+        model_grads_to_master_grads(model_params, flat, flat_master=True)
+    model_grads_to_master_grads(model_params, masters)  # (not flat: that master's is None)
+    assert masters[-1].grad is None and masters[0].grad is not None
+    with pytest.raises(ValueError, match="no parameter with requires_grad=True"):
+        prep_param_lists(nn.Linear(2, 2).requires_grad_(False), flat_master=True)
 
 
 def test_apexs_first_amp_api_says_what_replaced_it():
