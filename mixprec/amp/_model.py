@@ -562,6 +562,16 @@ class _Fp32StateDict:
             key = prefix + name
             if tensor is None or key not in state_dict:
                 continue
+            if state_dict[key] is tensor:
+                # state_dict(keep_vars=True), which puts the module's tensor itself there (a
+                # detached alias otherwise; the hook is not told keep_vars, so identity is the
+                # sign): the caller asked for the module's variables, and gets them, as from
+                # torch. torch.jit's tracing (legacy torch.onnx.export) maps them by identity
+                # to the tensors the forward uses; a detached fp32 master or an upcast copy
+                # in their place failed the trace ("Cannot insert a Tensor that requires grad
+                # as a constant"), and the upcast was a non-leaf with a grad_fn that
+                # copy.deepcopy of the state dict refused.
+                continue
             master = self.masters.get(name)
             if master is not None:
                 state_dict[key] = master.detach()

@@ -203,9 +203,14 @@ def _layout_reason(srcs: Sequence[Tensor], dsts: Sequence[Tensor]) -> Optional[s
             i = _first(ts, lambda t: not t.is_contiguous())
             return (f"{name}[{i}] is not contiguous (shape {tuple(ts[i].shape)}, strides "
                     f"{ts[i].stride()}); pass contiguous tensors")
-    devices = set(map(Tensor.get_device, srcs)) | set(map(Tensor.get_device, dsts))
+    # Whole devices, not get_device()'s indices: those are -1 for CPU and meta tensors alike
+    # (and 0 for cuda:0 and any other backend's device 0), so a CPU src with a meta dst passed
+    # and the kernel wrote through the meta tensor's null data_ptr (a segfault).
+    device_of = attrgetter("device")
+    devices = set(map(device_of, srcs)) | set(map(device_of, dsts))
     if len(devices) != 1:
-        return f"the tensors span several devices ({sorted(devices)}); pass one device's"
+        return (f"the tensors span several devices ({sorted(map(str, devices))}); pass one "
+                f"device's")
     first = srcs[0]
     if interpreter_enabled():
         if first.device.type != "cpu":

@@ -1024,6 +1024,18 @@ class AmpState:
             )
         unexpected = sorted(str(k) for k in state_dict
                             if not re.fullmatch(r"loss_scaler\d+", str(k)))
+        if {"scale", "_growth_tracker"} <= set(unexpected):
+            # torch.amp.GradScaler's state dict (a run migrated from autocast + GradScaler):
+            # the generic advice below ("not the whole checkpoint") would mislead. Say what it
+            # is and how to carry its scale over; not converted silently, since its growth
+            # and backoff settings may not be amp's.
+            raise ValueError(
+                "amp.load_state_dict: this is torch.amp.GradScaler's state dict (keys "
+                f"{unexpected}), not amp's. amp's dynamic scaling has GradScaler's default "
+                "settings (x2 growth every 2000 clean steps, /2 backoff); to carry its scale "
+                "over: amp.load_state_dict({'loss_scaler0': {'loss_scale': sd['scale'], "
+                "'unskipped': sd['_growth_tracker']}})."
+            )
         if unexpected:
             raise ValueError(
                 f"amp.load_state_dict: unexpected key(s) {unexpected}; amp.state_dict() holds "

@@ -190,7 +190,8 @@ def initialize(
     With ``dtype=torch.bfloat16`` the default loss scale is a static 1.0 (bf16 has fp32's
     range); ``loss_scale="dynamic"`` still turns scaling on. Under O2/O3 floating inputs are
     cast to half on entry and floating outputs to fp32 (or ``cast_model_outputs``).
-    ``model.state_dict()`` always holds fp32 tensors: the master weights at O2.
+    ``model.state_dict()`` always holds fp32 tensors: the master weights at O2
+    (``state_dict(keep_vars=True)`` returns the module's own tensors, as in torch).
 
     Args:
         models (nn.Module or list[nn.Module]): the model(s), already on their device.

@@ -62,6 +62,9 @@ class LossScaler:
             self._scale = float(loss_scale)
         self._factor = float(scale_factor)
         self._window = int(scale_window)
+        if self._window < 1:
+            raise ValueError(f"LossScaler(scale_window={scale_window!r}): must be an int >= 1 "
+                             "(the clean steps before the scale grows; Apex's is 2000).")
         self._unskipped = 0
         # Counts the updates and loads that may have moved the scale (a cheap "unchanged"
         # test for gradients held at it; a device scale cannot be compared without a sync).
@@ -112,7 +115,7 @@ class LossScaler:
         self._dev = _DeviceScale(
             scale=torch.full((), self._scale, dtype=torch.float32, device=device),
             inv=torch.full((), 1.0 / self._scale, dtype=torch.float32, device=device),
-            tracker=torch.full((), self._unskipped, dtype=torch.int32, device=device),
+            tracker=torch.full((), self._device_count(), dtype=torch.int32, device=device),
         )
         return self._dev
 
@@ -196,6 +199,11 @@ class LossScaler:
             ) from None
         if not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"LossScaler.load_state_dict: loss_scale={scale} must be > 0.")
+        if unskipped < 0 or unskipped != float(state["unskipped"]):
+            # A count of clean steps: a negative one silently delayed the next growth, and a
+            # fractional one was truncated.
+            raise ValueError(f"LossScaler.load_state_dict: unskipped={state['unskipped']!r} "
+                             "must be an int >= 0.")
         self.set_state(scale, unskipped)
 
     def set_state(self, loss_scale: Optional[float] = None,
@@ -216,7 +224,19 @@ class LossScaler:
         if self._dev is not None:  # in place: a captured graph may hold these tensors
             self._dev.scale.fill_(self._scale)
             self._dev.inv.fill_(1.0 / self._scale)
-            self._dev.tracker.fill_(self._unskipped)
+            self._dev.tracker.fill_(self._device_count())
+
+    def _device_count(self) -> int:
+        """The clean-step count as the device's tracker holds it.
+
+        PyTorch's update kernel grows the scale only when the count *equals* the window, where
+        ``update`` grows it once the count reaches it (>=). A count put at or past the window
+        (a checkpoint saved with a longer window, a GradScaler's growth tracker) then never
+        grew on the device until an overflow, while the host grew at the next clean step.
+        Capped at window - 1, the kernel's ``count + 1 == window`` is the host's
+        ``count + 1 >= window``; the kernel itself never counts past it.
+        """
+        return min(self._unskipped, self._window - 1) if self.dynamic else self._unskipped
 
     def __repr__(self) -> str:
         kind = "dynamic" if self.dynamic else "static"

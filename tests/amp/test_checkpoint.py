@@ -317,3 +317,51 @@ def test_amp_state_dict_of_another_num_losses_loads_what_fits():
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0},
                              "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0}})
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": 0}
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_state_dict_keep_vars_returns_the_modules_own_tensors(opt_level):
+    # state_dict(keep_vars=True) asks for the module's variables (torch.jit's tracing, which
+    # legacy torch.onnx.export uses, maps them by identity to the tensors the forward uses).
+    # amp's fp32 hook used to put a detached master (requires_grad=False) or an upcast
+    # non-leaf with a grad_fn (copy.deepcopy refused it) there instead.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    kept = model.state_dict(keep_vars=True)
+    own = dict(model.named_parameters(remove_duplicate=False))
+    own.update(model.named_buffers(remove_duplicate=False))
+    assert kept.keys() == own.keys()
+    for k, v in kept.items():
+        assert v is own[k], k
+    copy.deepcopy(kept)
+    x, _ = batch()
+    _, out = torch.jit._get_trace_graph(model.eval(), (x,))
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    # The default state dict is still the fp32 checkpoint.
+    sd = model.state_dict()
+    assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
+    if opt_level == "O2":
+        for master, name in zip(amp.master_params(opt), dict(model.named_parameters())):
+            assert torch.equal(sd[name], master.detach()), name
+
+
+def test_amp_load_state_dict_names_a_gradscaler_state_dict_and_bad_counts():
+    # A run moved from autocast + torch.amp.GradScaler: its scaler's state dict is refused
+    # with what it is and how to carry the scale over (the generic "pass checkpoint['amp'],
+    # not the whole checkpoint" advice misled); the recipe given works.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.float16, verbosity=0)
+    gs = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    sd = gs.state_dict()
+    with pytest.raises(ValueError, match=r"GradScaler's state dict.*'loss_scale': sd\['scale'\]"):
+        amp.load_state_dict(sd)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": sd["scale"],
+                                          "unskipped": sd["_growth_tracker"]}})
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 0}}
+    # A negative or fractional clean-step count is refused, nothing loaded.
+    for bad in (-3, 2.5):
+        with pytest.raises(ValueError, match=r"unskipped=.* must be an int >= 0"):
+            amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": bad}})
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 0}}

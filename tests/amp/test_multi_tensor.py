@@ -118,6 +118,60 @@ def test_non_finite_sets_found_inf(dev, bad, where):
         _assert_exact(dst, src, inv_scale)
 
 
+# (The interpreter's numpy multiplies inf/NaN/near-max values, as this test means it to.)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("seed", range(6))
+def test_random_lists_match_reference(dev, seed):
+    # Seeded generative lists: fp16 and bf16 mixed, sizes at the chunk and loop-step boundaries
+    # (k * size - 1, k * size, k * size + 1), empty and tiny tensors, all sources views into
+    # one buffer per dtype and all destinations views into one fp32 buffer at odd offsets,
+    # raw 16-bit patterns (subnormals, the largest values, inf and NaN payloads), a bad value
+    # in some tail chunk, and scales 2**k for k in [-24, 24] or not a power of two.
+    on_gpu = dev.type == "cuda"
+    chunk, block = ((mt._CHUNK, mt._BLOCK) if on_gpu
+                    else (mt._INTERPRETER_CHUNK, mt._INTERPRETER_BLOCK))
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (), generator=gen))]
+
+    edges = [k * m + d for m in (block, chunk) for k in (1, 2) for d in (-1, 0, 1)]
+    sizes = [pick([0, 1, 2, 3, 7, 9, 33] + edges) for _ in range(pick([1, 3, 12, 40]))]
+    dtypes = [pick([torch.float16, torch.bfloat16]) for _ in sizes]
+    bits = torch.randint(-2**15, 2**15, (sum(sizes) + 2 * len(sizes),), generator=gen,
+                         dtype=torch.int16)
+    normal = torch.randn(bits.shape, generator=gen) * 2.0 ** pick(list(range(-12, 15)))
+    raw = bool(seed % 2)  # raw bit patterns: inf/NaN almost surely somewhere
+    srcs, offset = [], 1
+    for size, dtype in zip(sizes, dtypes):
+        buf = bits.view(dtype) if raw else normal.to(dtype)
+        srcs.append(buf[offset:offset + size])
+        offset += size + 1
+    if not raw and seed % 4 == 0:
+        last = [s for s in srcs if s.numel()][-1]
+        last[-1] = pick([float("inf"), float("-inf"), float("nan")])  # last tensor, tail chunk
+    base = torch.full((offset + 3,), -7.0, device=dev)
+    srcs = [s.to(dev) for s in srcs]
+    dsts, offset = [], 3
+    for s in srcs:
+        dsts.append(base[offset:offset + s.numel()])
+        offset += s.numel() + 1
+    inv = 2.0 ** pick(list(range(-24, 25))) if seed < 4 else 1.0 / (1 + 1000 * seed / 7)
+    inv_scale, found_inf = _scalars(dev, inv)
+    assert mt.usable(srcs, dsts), mt.unusable_reason(srcs, dsts)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    bad = any(not s.isfinite().all() for s in srcs)
+    assert found_inf.item() == float(bad)
+    assert raw == bad or seed % 4 == 0
+    for src, dst in zip(srcs, dsts):
+        _assert_exact(dst, src, inv_scale)
+    written = torch.zeros(base.shape, dtype=torch.bool, device=dev)
+    for d in dsts:
+        written[d.storage_offset():d.storage_offset() + d.numel()] = True
+    assert (base[~written] == -7.0).all()  # nothing outside the destinations
+
+
 def test_found_inf_already_set_stays_set(dev):
     srcs, dsts = _make(_CASES, dev, torch.Generator().manual_seed(3))
     inv_scale, found_inf = _scalars(dev, 1.0 / 65536, found=1.0)
@@ -212,6 +266,27 @@ def test_wrong_device_for_mode_is_refused(monkeypatch):
         assert "runs Triton on CPU tensors only" in mt.unusable_reason(*cuda)
         mixed = [srcs[0].cuda()], dsts
         assert "several devices" in mt.unusable_reason(*mixed)
+
+
+@pytest.mark.parametrize("meta", ["src", "dst"])
+def test_meta_tensor_with_cpu_tensors_is_refused(monkeypatch, meta):
+    # get_device() is -1 for CPU and meta tensors alike: a meta tensor among CPU ones passed
+    # the one-device check and the interpreter's kernel went through its null data_ptr (a
+    # segfault). Checked before any call, so that a regression fails instead of crashing.
+    if not mt.triton_available():
+        pytest.skip("requires triton")
+    monkeypatch.setattr(mt, "interpreter_enabled", lambda: True)
+    h = [torch.ones(5, dtype=torch.float16), torch.ones(5, dtype=torch.float16)]
+    f = [torch.zeros(5), torch.zeros(5)]
+    if meta == "src":
+        h[1] = h[1].to("meta")
+    else:
+        f[1] = f[1].to("meta")
+    assert "several devices (['cpu', 'meta'])" in mt.unusable_reason(h, f)
+    assert not mt.usable(h, f)
+    inv_scale, found_inf = _scalars("cpu", 1.0)
+    with pytest.raises(ValueError, match="several devices"):
+        mt.cast_unscale_check_(h, f, inv_scale, found_inf)
 
 
 @requires_cuda

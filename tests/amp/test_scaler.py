@@ -130,3 +130,32 @@ def test_a_scale_set_outside_the_bounds_is_clamped_at_the_next_update(on_device,
             s.update(flag)
         got.append((s.state_dict()["loss_scale"], s.state_dict()["unskipped"]))
     assert got == want
+
+
+@pytest.mark.parametrize("window, unskipped", [(4, 4), (4, 10), (1, 3), (1, 0)])
+def test_a_count_at_or_past_the_window_grows_on_the_device_as_on_the_host(window, unskipped):
+    # A count at or past the window (a checkpoint saved under a longer scale_window, a
+    # GradScaler's growth tracker) grows the scale at the next clean step on the host.
+    # PyTorch's device kernel grows only when the count *equals* the window: the device scale
+    # never grew again (until an overflow) and its count kept climbing.
+    got = {}
+    for on_device in (False, True):
+        s = LossScaler("dynamic", scale_window=window)
+        s.load_state_dict({"loss_scale": 1024.0, "unskipped": unskipped})
+        if on_device:
+            s.device_state(torch.device("cpu"))
+        trace = []
+        for flag in (False, False, True, False):
+            if on_device:
+                s.update_on_device(torch.tensor(float(flag)))
+            else:
+                s.update(flag)
+            trace.append((s.state_dict()["loss_scale"], s.state_dict()["unskipped"]))
+        got[on_device] = trace
+    assert got[True] == got[False]
+    assert got[False][0] == (2048.0, 0)
+
+
+def test_scale_window_below_one_is_refused():
+    with pytest.raises(ValueError, match=r"scale_window=0.*>= 1"):
+        LossScaler("dynamic", scale_window=0)
