@@ -34,7 +34,7 @@ from mixprec.amp._amp_state import attach_apex_optimizer_names
 from mixprec.amp._logging import OverflowLog, is_rank_zero, log_rank0
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, overflow_groups, register_masters
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
-from mixprec.normalization._launch import is_compiling
+from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
 __all__ = ["AmpState", "SyncParamGroupsOnLoad", "optimizer_state", "set_aside_grads"]
 
@@ -707,8 +707,15 @@ class _OptimizerState:
         if self.pending_found is not None:
             # GradScaler's protocol for fused optimizers: the kernel leaves parameters, moments
             # and step counts alone where found_inf is set. Gradients are already unscaled.
-            optimizer.grad_scale = None
-            optimizer.found_inf = self.pending_found
+            if is_compiling():
+                # Inside torch.compile(optimizer.step): Dynamo (torch 2.13) drops attributes
+                # set on an Optimizer in traced code when a graph break follows (the fused
+                # kernel call is one), so the kernel saw no flag and amp's post-step hook
+                # failed deleting it. Set them eagerly there (a graph break; the step breaks
+                # there anyway).
+                outside_the_compiler(_hand_over_flag)(optimizer, self.pending_found)
+            else:
+                _hand_over_flag(optimizer, self.pending_found)
             self._last_step_flag = self.pending_found
             self.pending_found = None
             self._flag_handed_over = True
@@ -788,8 +795,10 @@ class _OptimizerState:
         if not self.amp_state.enabled:
             return
         if self._flag_handed_over:
-            del optimizer.grad_scale
-            del optimizer.found_inf
+            if is_compiling():  # (see _pre_step: written eagerly, so taken back eagerly)
+                outside_the_compiler(_take_back_flag)(optimizer)
+            else:
+                _take_back_flag(optimizer)
             self._flag_handed_over = False
         else:
             self._last_step_flag = None
@@ -822,6 +831,17 @@ class _OptimizerState:
                 model_params = [p for p, _ in pairs]
                 masters = [m for _, m in pairs]
                 torch._foreach_copy_(model_params, masters)
+
+
+def _hand_over_flag(optimizer, found_inf: torch.Tensor) -> None:
+    """Give a fused optimizer's kernel amp's overflow flag (``GradScaler``'s attributes)."""
+    optimizer.grad_scale = None
+    optimizer.found_inf = found_inf
+
+
+def _take_back_flag(optimizer) -> None:
+    del optimizer.grad_scale
+    del optimizer.found_inf
 
 
 def _agreed_flag(flags, states, groups) -> torch.Tensor:

@@ -103,13 +103,18 @@ def check_inputs(
 def check_eps(eps, where: str) -> float:
     """``eps`` as a float: any real number (``float``, ``int``, NumPy scalars such as
     ``np.float32``, as ``torch.nn.LayerNorm`` takes), finite and non-negative; not a bool."""
-    try:
-        finite = math.isfinite(eps)
-    except (TypeError, OverflowError):  # (not a number; an int too large for a float)
-        finite = False
-    if not isinstance(eps, numbers.Real) or isinstance(eps, bool) or not finite or eps < 0:
+    value = None
+    if isinstance(eps, numbers.Real) and not isinstance(eps, bool):
+        try:
+            value = float(eps)
+        except (TypeError, OverflowError):  # (an int too large for a float)
+            value = None
+    # Comparisons, not math.isfinite: under torch.compile(dynamic=True) a module's float eps
+    # is a symbolic float, which Dynamo cannot pass to math.isfinite (fullgraph=True raised);
+    # a comparison is traced (a guard). NaN fails both.
+    if value is None or not 0.0 <= value < math.inf:
         raise ValueError(
             f"{where}: eps must be a non-negative float (a finite real number >= 0, not a "
             f"bool), got {eps!r}; pass e.g. eps=1e-5"
         )
-    return float(eps)
+    return value

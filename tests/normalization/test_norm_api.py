@@ -170,6 +170,19 @@ def test_compile_fullgraph_matches_eager():
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_compile_fullgraph_dynamic_shapes_matches_eager():
+    # dynamic=True makes the modules' float eps a symbolic input, which the eps check's
+    # math.isfinite could not trace: fullgraph=True raised (a graph break without it).
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    block = _Block()
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (3, 2):
+        x = torch.randn(rows, 5, 16)
+        torch.testing.assert_close(compiled(x), block(x), atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_compile_fullgraph_of_torch_func_matches_eager(transform):
     # Whether a torch.func transform is active is read when Dynamo traces the call (torch

@@ -764,6 +764,41 @@ def test_a_compiled_training_step_steps_eagerly(device, path):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("fused", ["mixprec", "torch"])
+def test_compiled_step_under_amp_gets_the_overflow_flag(fused):
+    """``torch.compile(opt.step)`` of a fused optimizer under amp O2 fp16, where amp hands its
+    overflow flag over as ``grad_scale`` / ``found_inf`` attributes: Dynamo dropped those
+    attributes, set in traced code, at the graph break before the kernel, and amp's post-step
+    hook failed (AttributeError) deleting them. Trains as the eager one, the overflowed step
+    skipped by the kernel."""
+    def build():
+        torch.manual_seed(0)
+        model = nn.Linear(6, 3)
+        opt = (FusedAdam(model.parameters(), lr=1e-2) if fused == "mixprec"
+               else torch.optim.Adam(model.parameters(), lr=1e-2, fused=True))
+        return amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+
+    torch._dynamo.reset()
+    (eager, eager_opt), (model, opt) = build(), build()
+    compiled_step = torch.compile(opt.step, backend="eager")
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        x = torch.randn(4, 6, generator=g)
+        for m, o, step in ((eager, eager_opt, eager_opt.step), (model, opt, compiled_step)):
+            o.zero_grad()
+            loss = m(x).float().square().mean() * (float("inf") if i == 1 else 1.0)
+            with amp.scale_loss(loss, o) as scaled:
+                scaled.backward()
+            step()
+        assert amp.step_was_skipped(opt) == amp.step_was_skipped(eager_opt) == (i == 1)
+    assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    for a, b in zip(amp.master_params(eager_opt), amp.master_params(opt)):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    for a, b in zip(eager.parameters(), model.parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    torch._dynamo.reset()
+
+
 # -- a tensor learning rate --------------------------------------------------------------------
 @pytest.fixture
 def kernel_device(device, monkeypatch):
