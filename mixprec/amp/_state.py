@@ -692,15 +692,12 @@ class _OptimizerState:
                 "inner micro-batches; run the last backward before step() with the all-reduce "
                 "on and delay_unscale=False."
             )
-        if self.overflow:
-            for p in _params_of(optimizer):
-                p.grad = None
-            return
-        if self.pending_found is not None and _prime_fused_momentum(optimizer,
-                                                                    self.pending_found):
+        if (not self.overflow and self.pending_found is not None
+                and _prime_fused_momentum(optimizer, self.pending_found)):
             # (A first momentum step that overflowed, which only the host could skip cleanly.)
             self.pending_found = None
             self.overflow = True
+        if self.overflow:
             for p in _params_of(optimizer):
                 p.grad = None
             return

@@ -44,9 +44,10 @@ def _first_device_type(args, kwargs) -> Optional[str]:
             return value.device.type
         # (Mappings too, as cast_floating and _floating_dtypes walk them: a function given
         # only a dict of tensors ran uncast under autocast.)
-        inner = value.values() if isinstance(value, Mapping) else value
-        if isinstance(value, (list, tuple, Mapping)):
-            found = _first_device_type(list(inner), {})
+        if isinstance(value, Mapping):
+            value = list(value.values())
+        if isinstance(value, (list, tuple)):
+            found = _first_device_type(value, {})
             if found is not None:
                 return found
     return None

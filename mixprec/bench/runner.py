@@ -484,11 +484,6 @@ def _halvings(start: float, end: float) -> int:
     return max(0, int(round(math.log2(start / end))))
 
 
-#: amp's dynamic loss scale never goes below this floor (``min_loss_scale``'s default, which
-#: the runner does not change): 40 halvings from the initial 2**16.
-_AMP_MIN_LOSS_SCALE = 2.0**-24
-
-
 class _AmpRecipe(_Recipe):
     def __init__(self, model, optimizer, loss_fn, opt_level, dtype, amp_module):
         self.amp = amp_module
@@ -496,16 +491,6 @@ class _AmpRecipe(_Recipe):
             model, optimizer, opt_level=opt_level, dtype=dtype, verbosity=0
         )
         super().__init__(model, optimizer, loss_fn)
-        # Skipped steps are counted from the loss scale's halvings at the end, as for
-        # GradScaler: asking amp.step_was_skipped every step would add a host sync per step.
-        self._scale0 = self._loss_scale()
-        self.steps = 0
-
-    def _loss_scale(self) -> Optional[float]:
-        try:
-            return float(self.amp.state_dict()["loss_scaler0"]["loss_scale"])
-        except Exception:  # noqa: BLE001 - the count is a nicety; never fail a run over it
-            return None
 
     def step(self, x, y):
         self.optimizer.zero_grad(set_to_none=True)
@@ -513,34 +498,19 @@ class _AmpRecipe(_Recipe):
         with self.amp.scale_loss(loss, self.optimizer) as scaled:
             scaled.backward()
         self.optimizer.step()
-        self.steps += 1
         return loss
 
-    def _overflow_count(self) -> Optional[int]:
-        """amp's own count of the skipped steps since ``initialize`` (exact, read once), or
-        None where this amp does not keep one."""
-        try:
-            from mixprec.amp._state import optimizer_state
-
-            count = optimizer_state(self.optimizer).amp_state.overflow_log.count
-        except (ImportError, AttributeError):  # (not prepared by amp): the halvings instead
-            return None
-        return count if isinstance(count, int) else None
-
     def finish(self):
-        end = self._loss_scale()  # (amp.state_dict() also collects device-side overflows)
-        count = self._overflow_count()
-        if count is not None:
-            # The halvings undercount once the scale reaches its floor (2**-24, 40 halvings
-            # from 2**16): a run that overflows at every step (an fp16 forward that gives
-            # inf) skipped all 43 steps of the default run but showed 40. amp counts the
-            # skips itself, wherever the scale lives, without a sync per step.
-            self.skipped, self.skips_known = count, True
-        elif self._scale0 is None or end is None:
-            self.skipped, self.skips_known = 0, False
-        else:
-            self.skipped = _halvings(self._scale0, end)
-            self.skips_known = self.steps < 2000 and end > _AMP_MIN_LOSS_SCALE
+        # amp's own count of the skipped steps, read once at the end (asking
+        # amp.step_was_skipped every step would add a host sync per step). Exact wherever the
+        # scale lives; the scale's halvings, counted for GradScaler, stop at amp's 2**-24
+        # floor (a run overflowing at every step showed 40 of its 43 skips). amp.state_dict()
+        # first: it collects the overflows flagged on the device.
+        from mixprec.amp._state import optimizer_state
+
+        self.amp.state_dict()
+        self.skipped = optimizer_state(self.optimizer).amp_state.overflow_log.count
+        self.skips_known = True
 
 
 def _import_amp():
