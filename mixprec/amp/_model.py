@@ -32,7 +32,7 @@ from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
 __all__ = [
     "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "agree_on_overflow", "cast_floating",
-    "cast_module_tensors", "convert_model", "is_amp_model", "master_weights", "overflow_groups",
+    "cast_module_tensors", "convert_model", "converted_part_of", "is_amp_model", "master_weights", "overflow_groups",
     "restore_model",
 ]
 
@@ -42,6 +42,23 @@ __all__ = [
 # next synced backward all-reduces the whole accumulated sum (unscaling into the masters would
 # leave each rank's local micro-batches out of the all-reduce).
 GRAD_SYNC_DEFERRED = "_mixprec_grad_sync_deferred"
+
+# Every module of a model that amp.initialize cast to half (O2/O3), with the model it went in
+# with, held weakly both ways: a later initialize of one of its parts is refused (its casts
+# would run inside the half model; initialize([outer, outer.part]) in one call handles that).
+_PART_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def converted_part_of(module: nn.Module) -> Optional[nn.Module]:
+    """The live amp model (O2/O3) that an earlier ``initialize`` converted with ``module``
+    inside it, or None."""
+    for sub in module.modules():
+        ref = _PART_OF.get(sub)
+        outer = ref() if ref is not None else None
+        if outer is not None and outer is not module and is_amp_model(outer):
+            return outer
+    return None
+
 
 # amp models whose overflow decision must agree across ranks, with the process groups to agree
 # over: a mixprec.parallel.Reducer registers its model here. (DDP needs none: its all-reduce
@@ -154,6 +171,11 @@ class AmpForwardConfig:
         renorm_master: an ``nn.Embedding``/``nn.EmbeddingBag`` with ``max_norm`` (O2): the rows
             looked up are renormalised in the fp32 master first (see
             :func:`_renorm_master_rows`).
+        encloses: another model of the same ``initialize`` call is a submodule of this one
+            (O2/O3): its forward counts itself in :data:`_ENCLOSING_FORWARDS`.
+        enclosed: this model is a submodule of another model of the same call (O2/O3): called
+            inside that model's forward it leaves its outputs half, as the enclosing model's
+            next layers need; called on its own it casts them as usual.
     """
 
     input_dtype: Optional[torch.dtype] = None
@@ -163,6 +185,8 @@ class AmpForwardConfig:
     fp32_compute: bool = False
     half_outputs_to_fp32: bool = False
     renorm_master: bool = False
+    encloses: bool = False
+    enclosed: bool = False
 
 
 # How many ``amp.disable_casts()`` blocks are open. The O1 forward enters ``torch.autocast``
@@ -172,6 +196,12 @@ class AmpForwardConfig:
 # of a model called inside the block); a plain global, which torch.compile traces and guards.
 _CASTS_DISABLED = [0]
 
+# How many forwards of O2/O3 models that enclose another model of their initialize call are
+# running (``initialize([outer, outer.sub])``). Inside one, an enclosed model is a layer of a
+# half model and keeps its outputs half; Apex cast them to fp32 there, which broke the
+# enclosing model's next layer. A plain global, as above.
+_ENCLOSING_FORWARDS = [0]
+
 
 class _AmpModule:
     """Mixin placed first in the MRO of a model's swapped class. See the module docstring."""
@@ -180,6 +210,15 @@ class _AmpModule:
 
     def forward(self, *args, **kwargs):
         cfg = self._mixprec_forward
+        if cfg.encloses:
+            _ENCLOSING_FORWARDS[0] += 1
+            try:
+                return self._mixprec_cast_forward(cfg, args, kwargs)
+            finally:
+                _ENCLOSING_FORWARDS[0] -= 1
+        return self._mixprec_cast_forward(cfg, args, kwargs)
+
+    def _mixprec_cast_forward(self, cfg: AmpForwardConfig, args, kwargs):
         original_forward = super().forward  # the user's class's forward
         if self.__dict__.get(_OWN_MASTERS, False):
             _push_written_masters(self)
@@ -195,7 +234,7 @@ class _AmpModule:
                 out = original_forward(*args, **kwargs)
         else:
             out = original_forward(*args, **kwargs)
-        if cfg.output_dtype is not None:
+        if cfg.output_dtype is not None and not (cfg.enclosed and _ENCLOSING_FORWARDS[0]):
             out = cast_floating(out, cfg.output_dtype)
         elif cfg.half_outputs_to_fp32:
             out = cast_floating(out, torch.float32, only=_HALF_TYPES)
@@ -479,6 +518,7 @@ def restore_model(module: nn.Module) -> nn.Module:
         nn.Module: the same object.
     """
     for m in module.modules():
+        _PART_OF.pop(m, None)
         if is_amp_model(m):
             m.__class__ = _original_class(type(m))
             del m._mixprec_forward
@@ -674,12 +714,15 @@ def _device_type(model: nn.Module) -> str:
     return _held_device_type(model) or "cpu"
 
 
-def convert_model(model: nn.Module, props) -> None:
+def convert_model(model: nn.Module, props, *, encloses: bool = False,
+                  enclosed: bool = False) -> None:
     """Apply an opt level's properties to ``model`` in place (casts, class swap, hooks).
 
     Args:
         model: the user's model (already on its device).
         props (Properties): the resolved opt level.
+        encloses, enclosed: another model of the same call is inside ``model``, or ``model``
+            is inside another (see :class:`AmpForwardConfig`; O2/O3 only).
     """
     device_type = _device_type(model)
     keep_bn = props.keep_batchnorm_fp32 is True
@@ -705,9 +748,13 @@ def convert_model(model: nn.Module, props) -> None:
                 # .half()-ed before initialize, the second owner of a tied weight): each of
                 # its state-dict entries must come out fp32, the master where there is one.
                 _install_state_dict_hooks(module)
+        for module in model.modules():
+            if module is not model and module not in _PART_OF:
+                _PART_OF[module] = weakref.ref(model)
         output_dtype = props.cast_model_outputs or torch.float32
         config = AmpForwardConfig(input_dtype=props.cast_model_type, output_dtype=output_dtype,
-                                  device_type=device_type, renorm_master=renorm_model)
+                                  device_type=device_type, renorm_master=renorm_model,
+                                  encloses=encloses, enclosed=enclosed)
     elif props.cast_model_type == torch.float32:
         # O0, as in Apex: an fp32 model whose floating inputs and outputs are cast to fp32
         # (e.g. float64 batches from NumPy); per-op casting only if asked for.

@@ -16,6 +16,7 @@ from mixprec.amp._logging import log_rank0
 from mixprec.amp._model import (
     cast_module_tensors,
     convert_model,
+    converted_part_of,
     is_amp_model,
     register_masters,
 )
@@ -81,6 +82,20 @@ def _check_model(model: nn.Module) -> None:
             "another opt level. An optimizer cannot be added to it by a second call: build "
             "the optimizer before amp.initialize and pass both in one call, `model, opt = "
             "amp.initialize(model, opt, ...)`."
+        )
+
+
+def _refuse_part_of_amp_model(model: nn.Module) -> None:
+    outer = converted_part_of(model)
+    if outer is not None:
+        raise ValueError(
+            f"amp.initialize(models={type(model).__name__}(...)): this model is inside a "
+            f"model that an earlier amp.initialize cast to half ({type(outer).__name__}). "
+            "Called "
+            "inside it, this model's own casts would hand fp32 outputs to half layers. To call "
+            "the part on its own as well, initialize the two together, on fresh fp32 models: "
+            "`[outer, part], opt = amp.initialize([outer, outer.part], opt, ...)`; else call "
+            "the part as it is (it is already half)."
         )
 
 
@@ -277,6 +292,7 @@ def initialize(
     )
     for i, model in enumerate(model_list):
         _check_model(model)
+        _refuse_part_of_amp_model(model)
         if any(model is other for other in model_list[:i]):
             raise ValueError(
                 f"amp.initialize(models=[...]): the same {type(model).__name__} appears twice "
@@ -328,11 +344,18 @@ def initialize(
         masters.append((opt_state, opt_state.adopt_params(props.master_weights, cast_ids)))
         opt_state.install_hooks(hookable_optimizer(opt))
         opt_state.install_skipping_step(opt)
+    # A model and its own submodule in one call (``[outer, outer.sub]``, to call the part on
+    # its own too): inside the enclosing forward the part is a half layer (no fp32 outputs).
+    inside = {id(m) for m in model_list for other in model_list
+              if other is not m and any(m is sub for sub in other.modules())}
+    encloses = {id(other) for other in model_list
+                if any(id(sub) in inside for sub in other.modules() if sub is not other)}
     for model in model_list:
         # Before convert_model's own hooks, so that a checkpoint loaded after a late
         # optimizer.add_param_group finds the new group's masters in place.
         model._register_load_state_dict_pre_hook(SyncParamGroupsOnLoad(state))
-        convert_model(model, props)
+        convert_model(model, props, encloses=id(model) in encloses,
+                      enclosed=id(model) in inside)
         for opt_state, its_masters in masters:
             register_masters(model, its_masters, opt_state.take_model_writes)
     for opt_state, _ in masters:

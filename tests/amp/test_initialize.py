@@ -304,6 +304,69 @@ def test_rejects_model_initialized_twice():
         amp.initialize(model, opt_level="O2")
 
 
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+@pytest.mark.parametrize("order", ["outer_first", "part_first"])
+def test_a_model_and_its_own_part_in_one_call(opt_level, order):
+    # initialize([outer, outer.features]) to call the part on its own too (a feature
+    # extractor, say). Apex, and amp before, cast the part's outputs to fp32 inside the half
+    # outer model at O2/O3, whose next layer then failed on the dtype. Inside the outer it is
+    # now a half layer; on its own it casts like any amp model. Training through the outer is
+    # bit-identical to initializing the outer alone.
+    ref, model = make_cnn(), make_cnn()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    kw = dict(opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    amp.initialize(ref, ref_opt, **kw)
+    models = [model, model.features] if order == "outer_first" else [model.features, model]
+    assert amp.initialize(models, opt, **kw)[0] == models
+    x, y = batch()
+    for _ in range(3):
+        torch.testing.assert_close(train_step(model, opt, x, y, amp),
+                                   train_step(ref, ref_opt, x, y, amp), rtol=0, atol=0)
+    model.eval(), ref.eval()
+    out = model(x)
+    torch.testing.assert_close(out, ref(x), rtol=0, atol=0)
+    assert out.dtype == torch.float32
+    part = model.features(x)
+    assert part.dtype == torch.float32  # called on its own: outputs cast as usual
+    with torch.autocast("cpu", torch.bfloat16, enabled=opt_level == "O1"):
+        expected = ref.features(x.to(torch.bfloat16) if opt_level in ("O2", "O3") else x)
+    torch.testing.assert_close(part, expected.float(), rtol=0, atol=0)
+    for (k, v), (k_ref, v_ref) in zip(model.state_dict().items(), ref.state_dict().items()):
+        assert k == k_ref and v.dtype == v_ref.dtype and torch.equal(v, v_ref), k
+    # An error inside the outer's forward leaves no count behind.
+    with pytest.raises(RuntimeError):
+        model(torch.randn(2, 5, 8, 8))
+    assert model.features(x).dtype == torch.float32
+
+
+def test_a_model_and_its_own_part_compile_together():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize([model, model.features], opt, opt_level="O2", dtype=torch.bfloat16,
+                   verbosity=0)
+    x, _ = batch()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+    part = torch.compile(model.features, backend="eager", fullgraph=True)
+    assert part(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_rejects_a_part_of_a_model_initialized_before(opt_level):
+    # Initialized one after the other, the part's casts would run inside the half outer.
+    model = make_cnn()
+    amp.initialize(model, opt_level=opt_level, verbosity=0)
+    with pytest.raises(ValueError, match=r"models=Sequential\(\.\.\.\)\): this model is inside "
+                                         r"a model that an earlier amp.initialize cast to half "
+                                         r"\(SmallCNN\).*amp.initialize\(\[outer, outer.part\]"):
+        amp.initialize(model.features, opt_level=opt_level, verbosity=0)
+    # restore_model gives the parts back.
+    amp.restore_model(model).float()
+    amp.initialize(model.features, opt_level=opt_level, verbosity=0)
+    assert model.features(batch()[0]).dtype == torch.float32
+
+
 def test_an_optimizer_built_after_initialize_is_told_the_order():
     # `model = amp.initialize(model)`, then an optimizer: scale_loss said to call initialize
     # with the optimizer, and that call said only "initialize each model once; build a new
