@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import threading
 import weakref
 from collections import UserDict
 from collections.abc import Mapping
@@ -51,13 +52,23 @@ _PART_OF: weakref.WeakKeyDictionary[nn.Module, weakref.ref] = weakref.WeakKeyDic
 
 def converted_part_of(module: nn.Module) -> Optional[nn.Module]:
     """The live amp model (O2/O3) that an earlier ``initialize`` converted with ``module``
-    inside it, or None."""
-    for sub in module.modules():
-        ref = _PART_OF.get(sub)
-        outer = ref() if ref is not None else None
-        if outer is not None and outer is not module and is_amp_model(outer):
-            return outer
-    return None
+    inside it, or None. (Only ``module`` itself is looked up: a model that merely shares a
+    submodule with a half one, or holds a whole amp model, is not inside it.)"""
+    ref = _PART_OF.get(module)
+    outer = ref() if ref is not None else None
+    return outer if outer is not None and is_amp_model(outer) else None
+
+
+def _mark_parts(model: nn.Module) -> None:
+    """Record ``model`` (just cast to half) as the model each of its submodules is inside:
+    the outermost one of nested amp models, the first one of models sharing a submodule."""
+    ref, inside = weakref.ref(model), {id(m) for m in model.modules()}
+    for module in model.modules():
+        if module is model:
+            continue
+        outer = converted_part_of(module)
+        if outer is None or id(outer) in inside:
+            _PART_OF[module] = ref
 
 
 # amp models whose overflow decision must agree across ranks, with the process groups to agree
@@ -196,11 +207,20 @@ class AmpForwardConfig:
 # of a model called inside the block); a plain global, which torch.compile traces and guards.
 _CASTS_DISABLED = [0]
 
-# How many forwards of O2/O3 models that enclose another model of their initialize call are
-# running (``initialize([outer, outer.sub])``). Inside one, an enclosed model is a layer of a
-# half model and keeps its outputs half; Apex cast them to fp32 there, which broke the
-# enclosing model's next layer. A plain global, as above.
-_ENCLOSING_FORWARDS = [0]
+
+class _EnclosingForwards(threading.local):
+    """How many forwards of O2/O3 models that enclose another model of their initialize call
+    are running in this thread (``initialize([outer, outer.sub])``). Inside one, an enclosed
+    model is a layer of a half model and keeps its outputs half; Apex cast them to fp32 there,
+    which broke the enclosing model's next layer. Per thread: a part called on its own in one
+    thread while the outer runs in another is not inside it (a DataParallel replica's forward
+    runs in one worker thread, its parts' included). torch.compile traces it."""
+
+    def __init__(self):
+        self.depth = 0  # (set per thread: Dynamo cannot guard a class attribute's default)
+
+
+_ENCLOSING_FORWARDS = _EnclosingForwards()
 
 
 class _AmpModule:
@@ -210,15 +230,18 @@ class _AmpModule:
 
     def forward(self, *args, **kwargs):
         cfg = self._mixprec_forward
+        # Read before this forward counts itself: a model both enclosed and enclosing
+        # ([a, a.b, a.b.c]) called on its own casts its outputs.
+        inside = cfg.enclosed and _ENCLOSING_FORWARDS.depth > 0
         if cfg.encloses:
-            _ENCLOSING_FORWARDS[0] += 1
+            _ENCLOSING_FORWARDS.depth += 1
             try:
-                return self._mixprec_cast_forward(cfg, args, kwargs)
+                return self._mixprec_cast_forward(cfg, inside, args, kwargs)
             finally:
-                _ENCLOSING_FORWARDS[0] -= 1
-        return self._mixprec_cast_forward(cfg, args, kwargs)
+                _ENCLOSING_FORWARDS.depth -= 1
+        return self._mixprec_cast_forward(cfg, inside, args, kwargs)
 
-    def _mixprec_cast_forward(self, cfg: AmpForwardConfig, args, kwargs):
+    def _mixprec_cast_forward(self, cfg: AmpForwardConfig, inside: bool, args, kwargs):
         original_forward = super().forward  # the user's class's forward
         if self.__dict__.get(_OWN_MASTERS, False):
             _push_written_masters(self)
@@ -234,7 +257,7 @@ class _AmpModule:
                 out = original_forward(*args, **kwargs)
         else:
             out = original_forward(*args, **kwargs)
-        if cfg.output_dtype is not None and not (cfg.enclosed and _ENCLOSING_FORWARDS[0]):
+        if cfg.output_dtype is not None and not inside:
             out = cast_floating(out, cfg.output_dtype)
         elif cfg.half_outputs_to_fp32:
             out = cast_floating(out, torch.float32, only=_HALF_TYPES)
@@ -327,6 +350,12 @@ class _AmpModule:
                 if module is self or _held_device_type(module) is None:
                     module._mixprec_forward = dataclasses.replace(cfg, device_type=device_type)
         return result
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        cfg = self.__dict__.get("_mixprec_forward")
+        if cfg is not None and cfg.input_dtype in _HALF_TYPES:
+            _mark_parts(self)  # (a deep copy's or unpickled model's parts, as initialize's)
 
     def __reduce_ex__(self, protocol):
         # The swapped class is made at run time, so pickle cannot find it by name: rebuild it
@@ -517,8 +546,11 @@ def restore_model(module: nn.Module) -> nn.Module:
     Returns:
         nn.Module: the same object.
     """
+    restored = {id(m) for m in module.modules()}
     for m in module.modules():
-        _PART_OF.pop(m, None)
+        ref = _PART_OF.get(m)
+        if ref is not None and id(ref()) in restored:  # (not a part of a model left as it is)
+            del _PART_OF[m]
         if is_amp_model(m):
             m.__class__ = _original_class(type(m))
             del m._mixprec_forward
@@ -748,9 +780,7 @@ def convert_model(model: nn.Module, props, *, encloses: bool = False,
                 # .half()-ed before initialize, the second owner of a tied weight): each of
                 # its state-dict entries must come out fp32, the master where there is one.
                 _install_state_dict_hooks(module)
-        for module in model.modules():
-            if module is not model and module not in _PART_OF:
-                _PART_OF[module] = weakref.ref(model)
+        _mark_parts(model)
         output_dtype = props.cast_model_outputs or torch.float32
         config = AmpForwardConfig(input_dtype=props.cast_model_type, output_dtype=output_dtype,
                                   device_type=device_type, renorm_master=renorm_model,

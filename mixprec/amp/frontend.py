@@ -351,9 +351,16 @@ def initialize(
     encloses = {id(other) for other in model_list
                 if any(id(sub) in inside for sub in other.modules() if sub is not other)}
     for model in model_list:
-        # Before convert_model's own hooks, so that a checkpoint loaded after a late
-        # optimizer.add_param_group finds the new group's masters in place.
+        # Before convert_model's own hooks (an enclosing model's reach its parts), so that a
+        # checkpoint loaded after a late optimizer.add_param_group finds the new group's
+        # masters in place.
         model._register_load_state_dict_pre_hook(SyncParamGroupsOnLoad(state))
+    # Enclosing models first: a part's own conversion comes last and sets its forward (an
+    # enclosing model's would replace it with a layer's: an embedding's max_norm, O1's
+    # BatchNorm).
+    depth = {id(m): sum(any(m is sub for sub in other.modules()) for other in model_list
+                        if other is not m) for m in model_list}
+    for model in sorted(model_list, key=lambda m: depth[id(m)]):
         convert_model(model, props, encloses=id(model) in encloses,
                       enclosed=id(model) in inside)
         for opt_state, its_masters in masters:

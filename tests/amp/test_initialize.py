@@ -4,6 +4,7 @@ import os
 import pickle
 import subprocess
 import sys
+import threading
 import warnings
 
 import pytest
@@ -365,6 +366,159 @@ def test_rejects_a_part_of_a_model_initialized_before(opt_level):
     amp.restore_model(model).float()
     amp.initialize(model.features, opt_level=opt_level, verbosity=0)
     assert model.features(batch()[0]).dtype == torch.float32
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+class _Middle(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.lin = _Inner(), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(self.inner(x))
+
+
+class _Top(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.middle, self.side, self.head = _Middle(), nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.middle(x) + self.side(x))
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_nested_and_sibling_parts_cast_when_called_alone(opt_level):
+    # [top, top.middle, top.middle.inner, top.side]: top.middle is a part and holds one. Called
+    # on its own it counted its own forward as an enclosing one and returned half outputs.
+    # Each model gives, bit for bit, what the same module initialized alone gives.
+    torch.manual_seed(0)
+    model = _Top()
+    names = ["", "middle", "middle.inner", "side"]
+    refs = {n: copy.deepcopy(model.get_submodule(n)) for n in names}
+    kw = dict(opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    amp.initialize([model.get_submodule(n) for n in names], **kw)
+    x = torch.randn(5, 6)
+    for name in names:
+        out, ref = model.get_submodule(name)(x), amp.initialize(refs[name], **kw)(x)
+        assert out.dtype == torch.float32, name
+        torch.testing.assert_close(out, ref, rtol=0, atol=0, msg=name)
+    compiled = torch.compile(model.middle, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), refs["middle"](x), rtol=0, atol=0)
+    torch.testing.assert_close(model(x), refs[""](x), rtol=0, atol=0)
+
+
+def test_a_part_called_alone_while_the_outer_runs_in_another_thread():
+    # The count of enclosing forwards is per thread: a part called on its own in one thread
+    # while its outer model's forward runs in another kept its outputs half.
+    model = make_cnn()
+    ref = copy.deepcopy(model.features)
+    amp.initialize([model, model.features], opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    amp.initialize(ref, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    entered, release = threading.Event(), threading.Event()
+
+    def wait(module, args):
+        entered.set()
+        release.wait(timeout=30)
+
+    handle = model.head.register_forward_pre_hook(wait)
+    x, _ = batch()
+    outer = threading.Thread(target=model, args=(x,))
+    outer.start()
+    try:
+        assert entered.wait(timeout=30)
+        part = model.features(x)
+    finally:
+        release.set()
+        outer.join()
+        handle.remove()
+    assert part.dtype == torch.float32
+    torch.testing.assert_close(part, ref(x), rtol=0, atol=0)
+
+
+class _Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 6, max_norm=1.0)
+        self.head = nn.Linear(6, 20)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens))
+
+
+@pytest.mark.parametrize("order", ["outer_first", "part_first"])
+def test_an_embedding_with_max_norm_as_the_part(order):
+    # The outer model's conversion gave its max_norm embedding a layer's forward (renorm the
+    # master, no casts), which replaced the part's own when the part came first in the list:
+    # called on its own it then returned half outputs.
+    torch.manual_seed(0)
+    model = _Tagger()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    kw = dict(opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    models = [model, model.embed] if order == "outer_first" else [model.embed, model]
+    amp.initialize(models, opt, **kw)
+    amp.initialize(ref, ref_opt, **kw)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        tokens, y = torch.randint(0, 20, (8,), generator=g), torch.randint(0, 20, (8,), generator=g)
+        torch.testing.assert_close(train_step(model, opt, tokens, y, amp),
+                                   train_step(ref, ref_opt, tokens, y, amp), rtol=0, atol=0)
+    out = model.embed(tokens)  # (its rows renormalised in the master, as ref.embed's)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref.embed(tokens).float(), rtol=0, atol=0)
+    assert torch.equal(model.embed.state_dict()["weight"], ref.embed.state_dict()["weight"])
+
+
+def test_the_part_refusal_spares_models_that_are_not_inside_a_half_one():
+    # Two models sharing a (frozen) module, each initialized on its own, and an O1 model
+    # around an O2 one: neither is inside a half model, and both were refused as if they were.
+    x = torch.randn(4, 6)
+    torch.manual_seed(0)
+    shared = nn.Linear(6, 6).requires_grad_(False)
+    first, second = nn.Sequential(shared, nn.Linear(6, 2)), nn.Sequential(shared, nn.Linear(6, 3))
+    ref = copy.deepcopy(second)
+    kw = dict(opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    amp.initialize(first, torch.optim.SGD(first[1].parameters(), lr=0.1), **kw)
+    with pytest.warns(UserWarning, match="already torch.bfloat16"):  # (the shared weight)
+        amp.initialize(second, torch.optim.SGD(second[1].parameters(), lr=0.1), **kw)
+    amp.initialize(ref, torch.optim.SGD(ref[1].parameters(), lr=0.1), **kw)
+    torch.testing.assert_close(second(x), ref(x), rtol=0, atol=0)
+    outer = nn.Sequential(first, nn.Linear(2, 2))
+    amp.initialize(outer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = outer[1](first(x)).float()
+    torch.testing.assert_close(outer(x), expected, rtol=0, atol=0)
+    # The shared module itself is inside a half model.
+    with pytest.raises(ValueError, match="this model is inside a model"):
+        amp.initialize(shared, **kw)
+
+
+@pytest.mark.parametrize("copy_of", ["deepcopy", "pickle"])
+def test_rejects_a_part_of_a_copy_or_of_a_model_whose_part_was_restored(copy_of):
+    # A deep copy (an EMA model) or an unpickled copy of a half model is one too; restoring
+    # a part alone leaves its outer model half.
+    model = make_cnn()
+    amp.initialize([model, model.features], opt_level="O2", verbosity=0)
+    dup = copy.deepcopy(model) if copy_of == "deepcopy" else pickle.loads(pickle.dumps(model))
+    for inner in (dup.features[0], dup.head):
+        with pytest.raises(ValueError, match=r"inside a model .* cast to half \(SmallCNN\)"):
+            amp.initialize(inner, opt_level="O2", verbosity=0)
+    amp.restore_model(model.features)
+    for inner in (model.features, model.features[0]):
+        with pytest.raises(ValueError, match=r"inside a model .* cast to half \(SmallCNN\)"):
+            amp.initialize(inner, opt_level="O2", verbosity=0)
+    amp.restore_model(model).float()
+    amp.initialize(model.features[0], opt_level="O2", verbosity=0)  # (no error)
 
 
 def test_an_optimizer_built_after_initialize_is_told_the_order():
