@@ -1,5 +1,6 @@
-"""``mixprec bench``: the seed's experiment (memory and time per 40 iterations for fp32,
-``.half()``, O1, O2, O3) as one command, next to PyTorch's native recipes.
+"""``mixprec bench``: the experiment mixprec was built around (memory and time per 40
+iterations for fp32, ``.half()``, O1, O2, O3) as one command, next to PyTorch's native
+recipes.
 
 This module is the command line; it is the only place in the package that prints.
 """
@@ -37,7 +38,7 @@ examples:
   mixprec bench                                   # small CNN, all opt levels + native recipes
   mixprec bench --model gpt --dtype bf16 --plot gpt.png --json gpt.json
   mixprec bench --model resnet50 --channels-last --opt-levels O0 O2
-  mixprec bench --frozen-bn                       # the seed's fine-tuning case (BatchNorm eval)
+  mixprec bench --frozen-bn                       # fine-tuning with BatchNorm frozen (eval mode)
 """
 
 
@@ -61,7 +62,26 @@ def _int_in(minimum: int, what: str, maximum: Optional[int] = None):
 #: and few enough that a typo (an extra zero or three) is caught before the run, not hours in.
 _MAX_STEPS = 1_000_000
 
-_positive_int = _int_in(1, "a positive integer")
+
+def _opt_level(text: str) -> str:
+    """An argparse type for --opt-levels: ``o1`` reads as ``O1``; ``01`` (a digit zero) is
+    refused with the fix."""
+    level = text.strip().upper()
+    if level in _OPT_LEVELS:
+        return level
+    if len(level) == 2 and level[0] == "0" and level[1] in "0123":
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join(_OPT_LEVELS)}); did you mean "
+            f"O{level[1]}? The prefix is the letter O, not the digit zero"
+        )
+    return text  # (argparse's choices check names the allowed levels)
+
+
+#: The largest --batch-size: beyond int64 shapes torch failed with a traceback instead of the
+#: "does not fit in memory" error (which any batch this large gets).
+_MAX_BATCH = 2**31 - 1
+
+_batch_size = _int_in(1, f"a positive integer up to {_MAX_BATCH:,}", maximum=_MAX_BATCH)
 _iters = _int_in(1, f"a positive integer up to {_MAX_STEPS:,} (default 40)", maximum=_MAX_STEPS)
 _warmup = _int_in(0, f"an integer >= 0 and up to {_MAX_STEPS:,}", maximum=_MAX_STEPS)
 _seed = _int_in(-(2**63), "an integer from -2**63 to 2**64 - 1 (torch.manual_seed's range)",
@@ -86,23 +106,26 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--opt-levels",
         nargs="+",
+        action="extend",  # (--opt-levels O0 --opt-levels O2 runs both; "store" kept the last)
+        type=_opt_level,
         choices=_OPT_LEVELS,
-        default=list(_OPT_LEVELS),
+        default=None,
         metavar="LEVEL",
-        help="amp opt levels to run, from O0 O1 O2 O3 (letter O). Default: all four",
+        help="amp opt levels to run, from O0 O1 O2 O3 (letter O; may be repeated). Default: "
+        "all four",
     )
     p.add_argument(
         "--dtype",
         choices=("fp16", "bf16"),
         default=None,
         help="half type: fp16 or bf16. Default: fp16 on CUDA (Apex's type, exercises loss "
-        "scaling), bf16 on CPU (fp16 autocast on CPU needs torch >= 2.4 and is slow)",
+        "scaling), bf16 on CPU (fp16 on CPU is slow)",
     )
     p.add_argument(
         "--iters",
         type=_iters,
         default=40,
-        help=f"timed iterations per mode, at most {_MAX_STEPS:,} (default 40, the seed's unit)",
+        help=f"timed iterations per mode, at most {_MAX_STEPS:,} (default 40)",
     )
     p.add_argument(
         "--warmup",
@@ -112,7 +135,7 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch-size",
-        type=_positive_int,
+        type=_batch_size,
         default=None,
         help="batch size (default by --size: cnn 16 small / 256 large, gpt 8, "
         "resnet50 8 small / 128 large)",
@@ -397,7 +420,7 @@ def _mode_line(row, done: int, total: int) -> str:
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdout) -> int:
     from mixprec.bench import report
     from mixprec.bench.models import build_workload
-    from mixprec.bench.runner import DTYPES, mode_label, run_modes
+    from mixprec.bench.runner import DTYPES, ModeResult, mode_label, run_modes
 
     device = _resolve_device(args.device, parser)
     on_cuda = device.type == "cuda"
@@ -418,6 +441,11 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
             f"argument --optimizer: {args.optimizer} (an AdamW) applies to --model gpt; the "
             f"image models train with SGD (leave --optimizer torch for --model {args.model})"
         )
+    # "--json=~/rows.json" comes unexpanded (the shell expands ~ only at a word's start): the
+    # check below made a directory named "~" in the working directory.
+    for name in ("json", "csv", "plot"):
+        if getattr(args, name):
+            setattr(args, name, os.path.expanduser(getattr(args, name)))
     named = {}  # each output's resolved path -> the flag that named it
     for flag, path, example in (
         ("--json", args.json, "rows.json"),
@@ -479,7 +507,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
         parser.error(str(exc))
 
     order = {m: i for i, m in enumerate(_OPT_LEVELS)}
-    modes: List[str] = sorted(dict.fromkeys(args.opt_levels), key=order.__getitem__)
+    levels = args.opt_levels or _OPT_LEVELS
+    modes: List[str] = sorted(dict.fromkeys(levels), key=order.__getitem__)
     if args.native:
         modes += list(_NATIVE_MODES)
     dtype = DTYPES[dtype_name]
@@ -529,8 +558,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
     over = (f"one pass over the {window}-batch pool" if window == len(workload.batches)
             else f"every step run, {window} of the {len(workload.batches)} batches")
     notes = []
+    not_run = modes[len(results):] if interrupted else []
     if interrupted:
-        left = [mode_label(m, dtype) for m in modes[len(results):]]
+        left = [mode_label(m, dtype) for m in not_run]
         notes.append(
             f"interrupted (Ctrl-C) during {left[0]}; did not run: {', '.join(left)}."
             if left else "interrupted (Ctrl-C) after the last mode."
@@ -578,20 +608,27 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
         "optimizer": args.optimizer,
         "torch_version": torch.__version__,
         "device_name": where,
+        # Whether every mode asked for ran: a script tells a partial result from a whole one.
+        "run_status": "interrupted" if not_run else "complete",
+        "modes_not_run": list(not_run),
     }
     title = f"mixprec bench: {workload.description} on {where}, {dtype_name}"
+    # (path, writer, whether it needs rows): with none finished, the JSON and CSV are still
+    # written, empty, so that a file of an earlier run does not pass for this one's result.
     outputs = (
-        (args.json, lambda path: report.write_json(results, path, baseline="O0", meta=meta)),
-        (args.csv, lambda path: report.write_csv(results, path, baseline="O0", meta=meta)),
-        (args.plot, lambda path: report.write_plot(results, path, title=title)),
+        (args.json, lambda path: report.write_json(results, path, baseline="O0", meta=meta),
+         False),
+        (args.csv, lambda path: report.write_csv(results, path, baseline="O0", meta=meta),
+         False),
+        (args.plot, lambda path: report.write_plot(results, path, title=title), True),
     )
     # The files before the table: a reader that stops early (| head) must not cost them.
     written = True
     wrote = []
-    for path, write in outputs:
+    for path, write, needs_rows in outputs:
         if not path:
             continue
-        if not results:
+        if not results and needs_rows:
             _err(f"mixprec bench: did not write {path}: no mode finished")
             written = False
             continue
@@ -601,9 +638,14 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
             _err(f"mixprec bench: could not write {path}: {exc}")
             written = False
         else:
-            wrote.append(f"wrote {path}")
+            wrote.append(f"wrote {path}" + ("" if results else " (no rows: no mode finished)"))
 
-    out(report.format_table(results, baseline="O0"), "")
+    missing = [  # the table shows the modes that did not run too
+        ModeResult(mode=m, label=mode_label(m, dtype), dtype="fp32" if m == "O0" else dtype_name,
+                   status=report.NOT_RUN, error="interrupted", device=str(device))
+        for m in not_run
+    ]
+    out(report.format_table(results + missing, baseline="O0"), "")
     out(*(f"note: {note}" for note in notes))
     out(*wrote)
     if interrupted:
@@ -644,9 +686,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         every mode failed, when an output file (``--json``/``--csv``/``--plot``) could not be
         written, or when stdout was closed before the table was printed (``mixprec bench |
         head -1``: the output files are written first, so they are still there). 130 when the
-        run was interrupted (Ctrl-C): the modes that finished are printed and written, a note
-        names those that did not run; a second Ctrl-C while that happens just stops. Bad
-        arguments exit with argparse's status 2.
+        run was interrupted (Ctrl-C): the modes that finished are printed and written (each
+        row's ``run_status`` is ``"interrupted"`` and ``modes_not_run`` names the rest), the
+        table shows those as ``not run`` and a note names them; a second Ctrl-C while that
+        happens just stops. Bad arguments exit with argparse's status 2.
 
     Example::
 

@@ -15,7 +15,15 @@ from typing import Dict, List, Optional, Sequence
 
 from mixprec.bench.runner import ModeResult
 
-__all__ = ["format_table", "relative_to", "rows_to_dicts", "write_csv", "write_json", "write_plot"]
+__all__ = [
+    "NOT_RUN",
+    "format_table",
+    "relative_to",
+    "rows_to_dicts",
+    "write_csv",
+    "write_json",
+    "write_plot",
+]
 
 #: Columns of the CSV file (scalars only; the JSON also has every step's loss and time). The
 #: fields are :class:`~mixprec.bench.runner.ModeResult`'s (``diverged``: the mode ran but its
@@ -44,6 +52,10 @@ CSV_FIELDS = (
     "skipped_steps",
     "error",
 )
+
+
+#: The status of a table row for a mode that did not run (the run was interrupted first).
+NOT_RUN = "not run"
 
 
 def _baseline(results: Sequence[ModeResult], baseline: str) -> Optional[ModeResult]:
@@ -135,7 +147,8 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
 
     Columns: mode, dtype, peak memory (MiB), seconds per 40 iterations (40 x median step
     time), speed-up vs the baseline, final loss, its gap to the baseline's (%), skipped steps,
-    status (``ok`` or ``FAILED: reason``).
+    status (``ok``, ``FAILED: reason``, or ``not run (reason)`` for a row whose status is
+    :data:`NOT_RUN`: a mode an interrupted run did not reach).
 
     Example::
 
@@ -154,6 +167,8 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
             status = "ok, loss not finite (diverged)"
         elif r.ok:
             status = "ok"
+        elif r.status == NOT_RUN:
+            status = NOT_RUN + (f" ({r.error})" if r.error else "")
         else:
             reason = (r.error or "unknown error").replace("|", "/").replace("\n", " ")
             status = "FAILED: " + (reason if len(reason) <= 120 else reason[:117] + "...")
@@ -202,7 +217,8 @@ def write_json(
 def write_csv(
     results: Sequence[ModeResult], path: str, baseline: str = "O0", meta: Optional[dict] = None
 ) -> None:
-    """Write one CSV line per mode with :data:`CSV_FIELDS` (plus ``meta``'s keys)."""
+    """Write one CSV line per mode with :data:`CSV_FIELDS` (plus ``meta``'s keys; a list
+    value as its items joined by spaces)."""
     _parent_dir(path)
     rows = rows_to_dicts(results, baseline, meta)
     fields = list(CSV_FIELDS) + [k for k in (meta or {}) if k not in CSV_FIELDS]
@@ -210,7 +226,15 @@ def write_csv(
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
-            writer.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in fields})
+            writer.writerow({k: _csv_cell(row.get(k)) for k in fields})
+
+
+def _csv_cell(v):
+    if v is None:
+        return ""
+    if isinstance(v, (list, tuple)):  # e.g. meta's modes_not_run: "O2 autocast", not a repr
+        return " ".join(str(x) for x in v)
+    return v
 
 
 def _import_matplotlib():

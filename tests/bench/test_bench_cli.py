@@ -72,6 +72,7 @@ def test_json_rows_are_sane(default_run):
         assert r["skipped_steps"] == 0  # bf16: static loss scale, nothing is skipped
         assert r["model"] == "cnn" and r["batch_size"] == 4 and r["device"] == "cpu"
         assert r["time_per_40_iters_s"] == pytest.approx(40 * r["time_per_iter_s"])
+        assert r["run_status"] == "complete" and r["modes_not_run"] == []
     base = rows[0]
     assert base["speedup_vs_baseline"] == 1.0 and base["loss_gap_pct"] == 0.0
 
@@ -95,6 +96,7 @@ def test_csv_has_header_and_a_line_per_mode(default_run):
         assert float(r["time_per_iter_s"]) > 0
         assert math.isfinite(float(r["final_loss"]))
         assert r["status"] == "ok"
+        assert r["run_status"] == "complete" and r["modes_not_run"] == ""
 
 
 def test_plot_is_a_png(default_run):
@@ -439,12 +441,22 @@ def test_ctrl_c_keeps_the_finished_modes_and_exits_130(monkeypatch, tmp_path):
     except KeyboardInterrupt:
         pytest.fail("KeyboardInterrupt escaped main(): the finished modes were thrown away")
     assert code == 130
-    assert [r[0] for r in _table_rows(text)] == ["O0"]
+    rows = _table_rows(text)  # the modes not reached are rows too, saying so
+    assert [(r[0], r[-1]) for r in rows] == [
+        ("O0", "ok"), ("O1", "not run (interrupted)"), ("O2", "not run (interrupted)"),
+        ("autocast", "not run (interrupted)"), (".bfloat16()", "not run (interrupted)")]
+    assert rows[1][1:-1] == ["bf16"] + ["-"] * 6
     assert "note: interrupted (Ctrl-C) during O1; did not run: O1, O2, autocast, .bfloat16()." \
         in text
-    assert [r["mode"] for r in json.loads(paths["json"].read_text())] == ["O0"]
+    # The files hold the finished rows, each saying the run is partial and what is missing.
+    (row,) = json.loads(paths["json"].read_text())
+    assert row["mode"] == "O0" and row["status"] == "ok"
+    assert row["run_status"] == "interrupted"
+    assert row["modes_not_run"] == ["O1", "O2", "autocast", "half"]
     with open(paths["csv"], newline="") as f:
-        assert [r["mode"] for r in csv.DictReader(f)] == ["O0"]
+        (line,) = csv.DictReader(f)
+    assert line["mode"] == "O0" and line["run_status"] == "interrupted"
+    assert line["modes_not_run"] == "O1 O2 autocast half"
     assert paths["png"].read_bytes()[:8] == PNG_MAGIC
 
 
@@ -600,3 +612,83 @@ def test_failed_mode_note_under_verbose_does_not_ask_for_verbose(monkeypatch, ca
     assert code == 1
     out = capsys.readouterr().out
     assert "run with -v" not in out and "failed modes: their tracebacks are" in out
+
+
+# --------------------------------------------------------------------------------------------
+# --opt-levels forms, --batch-size bound, ~ in paths
+# --------------------------------------------------------------------------------------------
+def _parsed(*argv):
+    from mixprec.bench.cli import build_parser
+
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_opt_levels_repeated_add_up_and_lower_case_reads_as_the_letter_o():
+    # "store" kept only the last --opt-levels: O0 (the baseline) was silently not run.
+    assert _parsed("--opt-levels", "O0", "--opt-levels", "O2", "O3").opt_levels == \
+        ["O0", "O2", "O3"]
+    assert _parsed("--opt-levels", "o1", "O2").opt_levels == ["O1", "O2"]
+    assert _parsed().opt_levels is None  # (all four: see the next test)
+
+
+def test_repeated_opt_levels_run_each_once_in_order():
+    code, text = _run(["bench", *FAST, "--iters", "1", "--warmup", "0", "--no-native",
+                       "--opt-levels", "O1", "--opt-levels", "O0", "o1"])
+    assert code == 0
+    assert [r[0] for r in _table_rows(text)] == ["O0", "O1"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--opt-levels", "01"],
+     "argument --opt-levels: invalid choice: '01' (choose from O0, O1, O2, O3); did you mean "
+     "O1? The prefix is the letter O, not the digit zero"),
+    (["--opt-levels", "O4"], "argument --opt-levels: invalid choice: 'O4' (choose from"),
+    (["--opt-levels"], "argument --opt-levels: expected at least one argument"),
+    # Past int64 torch raised a TypeError traceback while making the batches.
+    (["--batch-size", str(10**22)],
+     "argument --batch-size: expected a positive integer up to 2,147,483,647, got " + "1" +
+     "0" * 22),
+])
+def test_more_bad_flags_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_tilde_in_an_output_path_is_the_home_directory(monkeypatch, tmp_path):
+    # --json=~/x.json reaches the program unexpanded; it made a directory named "~" here.
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    code, text = _run(["bench", *FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O0",
+                       "--no-native", "--json=~/out/rows.json"])
+    assert code == 0
+    assert os.listdir(work) == []
+    assert [r["mode"] for r in json.loads((home / "out" / "rows.json").read_text())] == ["O0"]
+
+
+def test_ctrl_c_before_any_mode_finished_empties_the_files_of_an_earlier_run(monkeypatch,
+                                                                             tmp_path):
+    # Left as they were, an earlier whole run's rows (run_status "complete") passed for this
+    # run's result.
+    paths = {k: tmp_path / f"rows.{k}" for k in ("json", "csv")}
+    argv = ["bench", *FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O0",
+            "--no-native", "--json", str(paths["json"]), "--csv", str(paths["csv"])]
+    assert _run(argv)[0] == 0
+    assert json.loads(paths["json"].read_text())[0]["run_status"] == "complete"
+    _interrupt_at(monkeypatch, "O0")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code, text = _run([*argv, "--plot", str(tmp_path / "p.png")])
+    assert code == 130
+    assert [(r[0], r[-1]) for r in _table_rows(text)] == [("O0", "not run (interrupted)")]
+    assert json.loads(paths["json"].read_text()) == []
+    assert f"wrote {paths['json']} (no rows: no mode finished)" in text
+    with open(paths["csv"], newline="") as f:
+        reader = csv.DictReader(f)
+        assert list(reader) == [] and "run_status" in reader.fieldnames
+    assert f"did not write {tmp_path / 'p.png'}: no mode finished" in err.getvalue()
+    assert not (tmp_path / "p.png").exists()
