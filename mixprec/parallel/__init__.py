@@ -11,8 +11,9 @@ Example::
 
     >>> from mixprec import amp
     >>> from mixprec.parallel import DistributedDataParallel, convert_syncbn_model
+    >>> torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # launched by torchrun
     >>> torch.distributed.init_process_group("nccl")
-    >>> model = convert_syncbn_model(model).cuda()
+    >>> model = convert_syncbn_model(model).cuda()  # an optimizer built before stays valid
     >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
     >>> model = DistributedDataParallel(model)
 """

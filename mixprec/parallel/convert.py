@@ -71,6 +71,7 @@ def convert_syncbn_model(module: nn.Module, process_group=None,
 
         >>> model = torchvision.models.resnet50().cuda()
         >>> model = convert_syncbn_model(model)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
         >>> model = DistributedDataParallel(model)
     """

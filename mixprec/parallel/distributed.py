@@ -314,9 +314,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     Example::
 
-        >>> torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
         >>> torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        >>> model, optimizer = amp.initialize(Net().cuda(), optimizer, opt_level="O2")
+        >>> torch.distributed.init_process_group("nccl", timeout=datetime.timedelta(minutes=5))
+        >>> model = Net().cuda()
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
         >>> model = DistributedDataParallel(model)
         >>> for x, y in loader:
         ...     optimizer.zero_grad()
@@ -324,7 +326,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         ...     with amp.scale_loss(loss, optimizer) as scaled_loss:
         ...         scaled_loss.backward()
         ...     optimizer.step()
-        >>> torch.save(model.module.state_dict(), "model.pt")   # or model.state_dict()
+        >>> torch.save(model.module.state_dict(), "model.pt")   # keys without "module."
     """
 
     def __init__(

@@ -62,9 +62,11 @@ class SyncBatchNorm(_BatchNorm):
 
     Example::
 
+        >>> torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # launched by torchrun
         >>> torch.distributed.init_process_group("nccl")
         >>> model = nn.Sequential(nn.Conv2d(3, 64, 3), SyncBatchNorm(64), nn.ReLU()).cuda()
         >>> model = model.to(memory_format=torch.channels_last)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2")
         >>> model = DistributedDataParallel(model)
         >>> for x, y in loader:
