@@ -307,20 +307,20 @@ def test_rejects_model_initialized_twice():
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 @pytest.mark.parametrize("order", ["outer_first", "part_first"])
-def test_a_model_and_its_own_part_in_one_call(opt_level, order):
+def test_a_model_and_its_own_part_in_one_call(opt_level, order, device):
     # initialize([outer, outer.features]) to call the part on its own too (a feature
     # extractor, say). Apex, and amp before, cast the part's outputs to fp32 inside the half
     # outer model at O2/O3, whose next layer then failed on the dtype. Inside the outer it is
     # now a half layer; on its own it casts like any amp model. Training through the outer is
     # bit-identical to initializing the outer alone.
-    ref, model = make_cnn(), make_cnn()
+    ref, model = make_cnn(device), make_cnn(device)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     kw = dict(opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
     amp.initialize(ref, ref_opt, **kw)
     models = [model, model.features] if order == "outer_first" else [model.features, model]
     assert amp.initialize(models, opt, **kw)[0] == models
-    x, y = batch()
+    x, y = batch(device)
     for _ in range(3):
         torch.testing.assert_close(train_step(model, opt, x, y, amp),
                                    train_step(ref, ref_opt, x, y, amp), rtol=0, atol=0)
@@ -330,14 +330,14 @@ def test_a_model_and_its_own_part_in_one_call(opt_level, order):
     assert out.dtype == torch.float32
     part = model.features(x)
     assert part.dtype == torch.float32  # called on its own: outputs cast as usual
-    with torch.autocast("cpu", torch.bfloat16, enabled=opt_level == "O1"):
+    with torch.autocast(device.type, torch.bfloat16, enabled=opt_level == "O1"):
         expected = ref.features(x.to(torch.bfloat16) if opt_level in ("O2", "O3") else x)
     torch.testing.assert_close(part, expected.float(), rtol=0, atol=0)
     for (k, v), (k_ref, v_ref) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert k == k_ref and v.dtype == v_ref.dtype and torch.equal(v, v_ref), k
     # An error inside the outer's forward leaves no count behind.
     with pytest.raises(RuntimeError):
-        model(torch.randn(2, 5, 8, 8))
+        model(torch.randn(2, 5, 8, 8, device=device))
     assert model.features(x).dtype == torch.float32
 
 
