@@ -774,7 +774,11 @@ def convert_model(model: nn.Module, props, *, encloses: bool = False,
                 # batch_norm takes half input with fp32 parameters (statistics in fp32, output
                 # in the input's dtype), train and eval alike.
                 continue
-            cast_module_tensors(module, props.cast_model_type)
+            cast = cast_module_tensors(module, props.cast_model_type)
+            if cast and isinstance(module, nn.RNNBase):
+                # Its weights back into one cuDNN buffer, as model.half() leaves them (the
+                # cast gave each its own): else cuDNN copies them together at every call.
+                module.flatten_parameters()
             if _holds_half(module):
                 # Every module holding half tensors, cast here or already half (a model
                 # .half()-ed before initialize, the second owner of a tied weight): each of

@@ -347,7 +347,7 @@ class _OptimizerState:
         # Each pair's half parameter's version counter, its master's, and the half parameter's
         # TensorImpl, when amp last put the two in step (take_model_writes); None until the
         # pairs are adopted.
-        self._synced_versions: Optional[List[Tuple[int, int, int]]] = None
+        self._synced_versions: Optional[List[Tuple[int, int, int, int]]] = None
         self._writes_logged = False
 
     # -- set-up ------------------------------------------------------------------------------
@@ -609,8 +609,9 @@ class _OptimizerState:
         plain_grads = [p.grad for p in plain_params]
         if sparse_fresh or any(g.layout is not torch.strided for g in plain_grads):
             # Sparse gradients (rare; the dense case pays one layout check per gradient) are
-            # unscaled and checked through their values, a dense view.
-            for p in plain_params:
+            # unscaled and checked through their values, a dense view. Only a check needs
+            # them coalesced: unchecked, they reach the optimizer as in a plain half model.
+            for p in plain_params if check else ():
                 p.grad = _coalesced_if_fp16(p.grad)
             plain_grads = [
                 g if g.layout is torch.strided else g._values()
@@ -732,10 +733,13 @@ class _OptimizerState:
             return (*args[:first], replaced, *args[first + 1:]), kwargs
         return None
 
+    def _versions(self) -> List[Tuple[int, int, int, int]]:
+        return [(p._version, m._version, p._cdata, p.data_ptr()) for p, m in self.pairs]
+
     def record_synced(self) -> None:
         """Note the version counters of every pair: the half parameters now hold their
         masters' values (or the masters were just made from them)."""
-        self._synced_versions = [(p._version, m._version, p._cdata) for p, m in self.pairs]
+        self._synced_versions = self._versions()
 
     def take_model_writes(self) -> None:
         """Copy into its fp32 master every half parameter written in place since amp last set
@@ -751,19 +755,22 @@ class _OptimizerState:
         tensor was swapped for another (``model.to(...)`` under PyTorch's
         ``swap_module_params_on_conversion``, whose new tensor has a version counter of its
         own) was moved, not written. Writes through ``.data`` bump no counter and are not
-        seen. Not inside a CUDA-graph capture or a ``torch.compile`` trace (a captured copy
+        seen. Nor is a parameter moved into other memory in place (``set_``): an RNN's
+        ``flatten_parameters()``, which many models call in every forward, packs its weights
+        into one new cuDNN buffer with their values unchanged, and taking that would round the
+        masters to half at every step. Not inside a CUDA-graph capture or a ``torch.compile`` trace (a captured copy
         would replay at every step).
         """
         synced = self._synced_versions
         if is_compiling() or (self.pairs[0][1].is_cuda
                               and torch.cuda.is_current_stream_capturing()):
             return
-        now = [(p._version, m._version, p._cdata) for p, m in self.pairs]
+        now = self._versions()
         if now == synced:
             return
         written = [] if synced is None or len(synced) != len(now) else [
-            pair for pair, (pv, mv, pc), (sp, sm, sc) in zip(self.pairs, now, synced)
-            if pv != sp and mv == sm and pc == sc]
+            pair for pair, (pv, mv, pc, pd), (sp, sm, sc, sd) in zip(self.pairs, now, synced)
+            if pv != sp and mv == sm and pc == sc and pd == sd]
         if not written:
             self._synced_versions = now  # (moves, masters written too: nothing to take)
             return

@@ -367,6 +367,7 @@ def initialize(
             register_masters(model, its_masters, opt_state.take_model_writes)
     for opt_state, _ in masters:
         opt_state.match_plain_state_dtypes()
+        opt_state.record_synced()  # (the half parameters as the conversion left them)
     _set_latest(state, opt_list)
     if verbosity > 0:
         log_rank0(logging.INFO, "amp: opt_level %s (%s): %s", props.opt_level,

@@ -1,0 +1,254 @@
+"""amp on the building blocks of real model families: attention with masks, recurrent layers
+fed packed sequences, transposed/depthwise convolutions with GroupNorm, parametrized weights,
+sparse embeddings."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrizations
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from mixprec import amp
+from mixprec.amp._state import optimizer_state
+
+from .helpers import HALF_DTYPES
+
+_B, _T, _D = 4, 6, 8
+_LENGTHS = torch.tensor([6, 4, 3, 1])
+
+
+class _Attention(nn.Module):
+    # Masks passed in as inputs: float -inf masks, which the O2/O3 input cast brings to the
+    # scores' dtype (PyTorch's attention with its weights refuses an fp32 mask beside half
+    # scores), and bool ones.
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(_D, 2, batch_first=True)
+        self.layer = nn.TransformerEncoderLayer(_D, 2, 16, dropout=0.0, batch_first=True,
+                                                norm_first=True)
+
+    def forward(self, x, padding, causal):
+        h = self.attn(x, x, x, key_padding_mask=torch.zeros_like(causal[0]).expand(
+            len(x), -1).masked_fill(padding, float("-inf")), attn_mask=causal)[0]
+        return self.layer(h + x, src_mask=causal.isinf(), src_key_padding_mask=padding)
+
+
+class _PackedLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(_D, 6, num_layers=2, bidirectional=True, proj_size=3,
+                           batch_first=True)
+
+    def forward(self, packed):
+        return pad_packed_sequence(self.rnn(packed)[0], batch_first=True)[0]
+
+
+def _conv():
+    return nn.Sequential(
+        nn.Conv2d(_D, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.PReLU(8),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8), nn.ConvTranspose2d(8, 4, 4, stride=2, padding=1),
+        nn.Upsample(scale_factor=0.5, mode="bilinear"))
+
+
+def _parametrized():
+    return nn.Sequential(parametrizations.weight_norm(nn.Linear(_D, 8)), nn.Tanh(),
+                         parametrizations.spectral_norm(nn.Linear(8, 4)))
+
+
+def _inputs(block, step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(_B, _T, _D, generator=g)
+    if block == "attention":
+        padding = torch.arange(_T) >= _LENGTHS[:, None]
+        causal = torch.full((_T, _T), float("-inf")).triu(1)
+        return x, padding, causal
+    if block == "packed_lstm":
+        return (pack_padded_sequence(x, _LENGTHS, batch_first=True),)
+    if block == "conv":
+        return (torch.randn(_B, _D, 6, 6, generator=g),)
+    return (x,)
+
+
+_BLOCKS = {"attention": _Attention, "packed_lstm": _PackedLSTM, "conv": _conv,
+           "parametrized": _parametrized}
+
+
+def _build(block):
+    torch.manual_seed(0)
+    return _BLOCKS[block]()
+
+
+def _train(model, opt, block, steps, use_amp=True, dtype=None):
+    losses = []
+    for step in range(steps):
+        inputs = _inputs(block, step)
+        if dtype is not None:  # (a plain half model: its inputs cast by hand)
+            inputs = tuple(t.to(dtype) if block == "packed_lstm" or t.is_floating_point()
+                           else t for t in inputs)
+        opt.zero_grad()
+        loss = model(*inputs).float().pow(2).mean()
+        if use_amp:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        else:
+            loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("block", list(_BLOCKS))
+def test_o2_trains_real_blocks_like_fp32_with_fp32_checkpoints(block, dtype):
+    reference = _build(block)
+    ref_losses = _train(reference, torch.optim.SGD(reference.parameters(), lr=0.1), block, 3,
+                        use_amp=False)
+    model = _build(block)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # (A static fp16 scale: no step skipped, so every step compares with fp32's.)
+    scale = 128.0 if dtype == torch.float16 else None
+    assert amp.initialize(model, opt, opt_level="O2", dtype=dtype, loss_scale=scale,
+                          verbosity=0) == (model, opt)
+    losses = _train(model, opt, block, 3)
+    # Every layer runs in half with fp32 masters: a few roundings of 2**-8 (bf16) or 2**-11
+    # (fp16) relative per layer, through at most four layers. Measured: 1e-3 (fp16) and 7e-3
+    # (bf16) at most; the bound leaves about 3x.
+    rtol = 3e-3 if dtype == torch.float16 else 2e-2
+    torch.testing.assert_close(losses, ref_losses, rtol=rtol, atol=1e-5)
+    # The checkpoint is the fp32 masters (parametrizations' original0/original1 included) and
+    # loads strictly into the plain fp32 model.
+    masters = {id(p): m for p, m in optimizer_state(opt).pairs}
+    state = model.state_dict()
+    named = dict(model.named_parameters())
+    assert {k for k, p in named.items() if p.dtype == dtype} == {
+        k for k, p in named.items() if id(p) in masters}
+    for name, p in named.items():
+        torch.testing.assert_close(state[name], masters[id(p)].detach(), rtol=0, atol=0)
+    assert all(v.dtype == torch.float32 for v in state.values() if v.is_floating_point())
+    plain = _build(block)
+    plain.load_state_dict(state, strict=True)
+
+
+@pytest.mark.parametrize("block", list(_BLOCKS))
+def test_o3_trains_real_blocks_as_a_plain_half_model(block, dtype=torch.float16):
+    # O3 (static scale 1.0) is model.to(dtype) with its inputs and outputs cast: bit for bit.
+    model = _build(block)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O3", dtype=dtype, verbosity=0)
+    plain = _build(block).to(dtype)
+    losses = _train(model, opt, block, 2)
+    plain_losses = _train(plain, torch.optim.SGD(plain.parameters(), lr=0.1), block, 2,
+                          use_amp=False, dtype=dtype)
+    torch.testing.assert_close(losses, plain_losses, rtol=0, atol=0)
+    for (name, v), w in zip(model.state_dict().items(), plain.state_dict().values()):
+        torch.testing.assert_close(v, w.float(), rtol=0, atol=0, msg=name)
+
+
+flattened = []  # the weights' dtype at each _flatten_as_cudnn call
+
+
+def _flatten_as_cudnn(rnn):
+    """What ``flatten_parameters()`` does on a GPU, here on the CPU (where it does nothing):
+    the weights are copied into one new buffer and each parameter is ``set_()`` to a view of
+    it, so their values stay as they were and their version counters move."""
+    weights = rnn._flat_weights
+    flattened.append(weights[0].dtype)
+    with torch.no_grad():
+        buffer = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype)
+        start = 0
+        for w in weights:
+            view = buffer[start:start + w.numel()]
+            view.copy_(w.reshape(-1))
+            w.set_(view.view_as(w))
+            start += w.numel()
+
+
+class _FlatteningLSTM(nn.Module):
+    def __init__(self, flatten):
+        super().__init__()
+        self.rnn = nn.LSTM(_D, 6, batch_first=True)
+        self.head = nn.Linear(6, 1)
+        self.flatten = flatten
+
+    def forward(self, x):
+        if self.flatten:  # (the usual guard against cuDNN's non-contiguous weights warning)
+            self.rnn.flatten_parameters()
+        return self.head(self.rnn(x)[0])
+
+
+def test_o2_rnn_weights_flattened_after_the_cast_and_flattening_is_no_write(monkeypatch):
+    # model.half() re-packs an RNN's weights into one cuDNN buffer (RNNBase._apply); amp's cast
+    # gave each weight a buffer of its own, and cuDNN then copied them together at every call.
+    # And a forward that calls flatten_parameters() (set_() into a new buffer: the version
+    # counters move, the values do not) was taken as an in-place write before each step:
+    # the fp32 masters were rounded to half every step, and small updates were lost.
+    monkeypatch.setattr(nn.LSTM, "flatten_parameters", _flatten_as_cudnn)
+
+    def run(flatten):
+        torch.manual_seed(0)
+        model = _FlatteningLSTM(flatten)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        flattened.clear()
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        assert flattened == [torch.bfloat16]  # (after the cast)
+        _train(model, opt, "lstm", 4)
+        return model.state_dict()
+
+    expected = run(flatten=False)
+    got = run(flatten=True)
+    for name, v in expected.items():
+        torch.testing.assert_close(got[name], v, rtol=0, atol=0, msg=name)
+    # The masters hold fp32 values (bf16 alone could not hold these updates of 1e-3 x grad).
+    assert not torch.equal(got["rnn.weight_ih_l0"], got["rnn.weight_ih_l0"].bfloat16().float())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA (cuDNN's RNN)")
+def test_o2_cudnn_lstm_flattened_in_every_forward_keeps_fp32_masters():
+    # The same on cuDNN itself: flatten_parameters() in the forward, as under DataParallel.
+    def run(flatten):
+        torch.manual_seed(0)
+        model = _FlatteningLSTM(flatten).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        storages = {w.untyped_storage().data_ptr() for w in model.rnn._flat_weights}
+        x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(1)).cuda()
+        for _ in range(4):
+            opt.zero_grad()
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return model.state_dict(), storages
+
+    (expected, _), (got, storages) = run(flatten=False), run(flatten=True)
+    for name, v in expected.items():
+        torch.testing.assert_close(got[name], v, rtol=0, atol=0, msg=name)
+    assert not torch.equal(got["rnn.weight_ih_l0"], got["rnn.weight_ih_l0"].bfloat16().float())
+    assert len(storages) == 1  # (initialize packed the cast weights into one cuDNN buffer)
+
+
+def test_o3_sparse_embedding_trains_as_a_plain_half_model():
+    # O3 fp16 (static scale 1.0, no overflow check): the sparse gradient with duplicate
+    # indices reaches SGD as in a plain .half() model. amp coalesced it first, summing the
+    # duplicates in another order: not bit for bit with .half().
+    idx = torch.tensor([[1, 2, 2, 7], [7, 7, 3, 1]])
+
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = nn.Embedding(10, 4, sparse=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if use_amp:
+            amp.initialize(model, opt, opt_level="O3", verbosity=0)
+        else:
+            model.half()
+        for _ in range(3):
+            opt.zero_grad()
+            loss = model(idx).float().pow(2).sum()
+            if use_amp:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            opt.step()
+        return model.weight.detach()
+
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)
