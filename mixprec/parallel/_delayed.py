@@ -19,11 +19,12 @@ not use PyTorch's reducer at all:
   rank's backward reaches at least one of them: a rank whose loss never reaches the model
   skips the collectives, and the others wait for it until the process group's timeout, as
   with Apex);
-* there it agrees over the ranks which parameters hold a gradient (one small all-reduce of a
-  flag per parameter, read on the host), gives a zero gradient to those that hold none here
-  but do on another rank, and all-reduces the gradients in flat buckets of ``message_size``
-  elements per (device, dtype). A parameter without a gradient on every rank keeps
-  ``grad=None``, as with PyTorch's ``find_unused_parameters=True``.
+* there it agrees over the ranks which parameters hold a gradient produced since the last
+  all-reduce (one small all-reduce of a flag per parameter, read on the host), gives a zero
+  gradient to those that hold none here but do on another rank, and all-reduces the
+  gradients in flat buckets of ``message_size`` elements per (device, dtype). A parameter
+  without a new gradient on every rank keeps its gradient as it is (``None``, or a stale one
+  of a layer frozen since), as with PyTorch's ``find_unused_parameters=True``.
 
 Each forward's backward is all-reduced once: a second backward through the same forward (with
 ``retain_graph=True``) is not, as with PyTorch's reducer and Apex, and warns once (its
@@ -86,7 +87,7 @@ def _hook_for(ref: weakref.ReferenceType[DelayedAllReduce]):
     def hook(param):
         mode = ref()
         if mode is not None:
-            mode._gradient_arrived()
+            mode._gradient_arrived(param)
 
     return hook
 
@@ -122,6 +123,11 @@ class DelayedAllReduce:
         self._spent = False  # ... it has: gradients arriving now stay local (warned once)
         self._warned = False
         self._queued = False  # a callback waits for the end of the running backward
+        # Ids of the parameters whose gradient a backward produced since the last all-reduce:
+        # a stale gradient (a layer frozen after training, its gradient never zeroed) is not
+        # all-reduced again, as with PyTorch's reducer (with gradient_average=False it would
+        # grow by the world size at every step).
+        self._fresh = set()
         self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
         self._hook = _hook_for(weakref.ref(self))
         self._handles = {id(p): p.register_post_accumulate_grad_hook(self._hook)
@@ -143,6 +149,7 @@ class DelayedAllReduce:
                 self._handles[id(p)] = p.register_post_accumulate_grad_hook(self._hook)
         self.names, self.params = list(names), list(params)
         self._handle_list[:] = self._handles.values()
+        self._fresh &= set(self._handles)
 
     def arm(self, sync: bool) -> None:
         """Called by each forward with grad enabled: whether its backward all-reduces."""
@@ -161,7 +168,8 @@ class DelayedAllReduce:
         referenced): this one's hooks do nothing until its own forward runs again."""
         self._armed = self._spent = False
 
-    def _gradient_arrived(self) -> None:
+    def _gradient_arrived(self, param: nn.Parameter) -> None:
+        self._fresh.add(id(param))
         if not self._armed or self._queued:
             if self._spent and not self._warned:
                 self._warned = True
@@ -185,16 +193,19 @@ class DelayedAllReduce:
 
     # --------------------------------------------------------------------------------------
     def _agree_on_gradients(self) -> Tuple[List[bool], List[bool]]:
-        """Whether each parameter has a gradient, and a sparse one, on any rank (one small
-        all-reduce, read on the host: the buckets must be the same on every rank)."""
-        local = [p.grad is not None for p in self.params]
+        """Whether each parameter has a gradient produced since the last all-reduce, and a
+        sparse one, on any rank (one small all-reduce, read on the host: the buckets must be
+        the same on every rank)."""
+        fresh, self._fresh = self._fresh, set()
+        local = [p.grad is not None and id(p) in fresh for p in self.params]
         local += [p.grad is not None and p.grad.is_sparse for p in self.params]
         device = self.params[0].device if self.params else torch.device("cpu")
         agreed = any_rank(local, self.process_group, device)
         return agreed[:len(self.params)], agreed[len(self.params):]
 
     def all_reduce(self) -> None:
-        """All-reduce (average, or as configured) every gradient that exists on any rank."""
+        """All-reduce (average, or as configured) every gradient that a backward produced
+        since the last all-reduce on any rank."""
         has, sparse = self._agree_on_gradients()
         if any(sparse):  # (raised on every rank alike, before any other collective)
             names = [n for n, s in zip(self.names, sparse) if s]

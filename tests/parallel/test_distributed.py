@@ -1189,6 +1189,30 @@ def check_delay_allreduce_follows_the_module(ctx):
     _grads_match_global_batch(ctx, ddp, model, ref, 625, "unfrozen again")
 
 
+def check_delay_allreduce_leaves_stale_gradients_alone(ctx):
+    # Fine-tuning: the backbone trains, then is frozen with its gradient left in place (the
+    # new optimizer holds the head only, so nothing zeroes it). Only gradients produced since
+    # the last all-reduce are all-reduced, as with PyTorch's reducer: summed again at every
+    # step (gradient_average=False) the stale one grew by the world size each time.
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True, gradient_average=False)
+
+    def step(seed, what):
+        x, y = _global_batch(ctx, seed=seed)
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y), reduction="sum").backward()
+        F.mse_loss(ref(x), y, reduction="sum").backward()  # (the sum over the ranks)
+        _assert_same_grads(ctx, model, ref, what)
+
+    step(630, "all trained")
+    model[0].requires_grad_(False)
+    ref[0].requires_grad_(False)
+    for seed in (631, 632):
+        model[2].zero_grad()
+        ref[2].zero_grad()
+        step(seed, f"backbone frozen, step {seed}")
+
+
 def check_unused_parameters_named_with_ignored_ones_left_out(ctx):
     # Parameters set to be ignored (_set_params_and_buffers_to_ignore_for_model) are not in
     # the reducer's list: the unused `b` must be named, not the ignored `a`.
@@ -2247,6 +2271,7 @@ DELAY_CHECKS = [
     "check_delay_allreduce_two_wrappers_and_the_python_reducer_setting",
     "check_disable_and_enable_allreduce",
     "check_delay_allreduce_follows_the_module",
+    "check_delay_allreduce_leaves_stale_gradients_alone",
 ]
 CHECKS = [
     "check_grads_match_single_process",
