@@ -61,7 +61,49 @@ def _check_options(options: dict, where: Optional[str] = None) -> None:
             raise ValueError(f"{what}: betas must be a pair of numbers in [0, 1), e.g. "
                              "(0.9, 0.999).")
         for i, beta in enumerate(betas):
-            _check_hyper(f"betas[{i}]", beta, 0.0, 1.0, high_open=True, where=where)
+            if isinstance(beta, Tensor):
+                _check_tensor_beta(i, beta, where)
+            else:
+                _check_hyper(f"betas[{i}]", beta, 0.0, 1.0, high_open=True, where=where)
+
+
+def _tensor_beta_problem(beta: Tensor) -> Optional[str]:
+    """What is wrong with a tensor beta, or None: one real floating element, in [0, 1) (its
+    value checked only on the CPU: reading a GPU one would sync)."""
+    if beta.numel() != 1:
+        return "a tensor beta must hold one element: pass a 0-dim tensor such as torch.tensor(0.9)"
+    if not beta.is_floating_point():
+        return "a tensor beta must be floating point: pass e.g. torch.tensor(0.9) or a float"
+    if beta.device.type == "cpu" and not 0.0 <= beta.item() < 1.0:
+        return "a beta must be in [0.0, 1.0)"
+    return None
+
+
+def _check_tensor_beta(i: int, beta: Tensor, where: Optional[str]) -> None:
+    problem = _tensor_beta_problem(beta)
+    if problem is not None:
+        what = "FusedAdam(" if where is None else f"{where}: "
+        end = ")" if where is None else ""
+        raise ValueError(f"{what}betas[{i}]={_describe_lr(beta)}{end}: {problem}.")
+
+
+def _beta_value(beta, i: int, index: int) -> float:
+    """A group's ``betas[i]`` as the routes take it, a float: a tensor is read on the host at
+    each step, as PyTorch's fused Adam reads one (a GPU one: a sync)."""
+    if not isinstance(beta, Tensor):
+        return float(beta)
+    where = f"FusedAdam param group {index}"
+    problem = _tensor_beta_problem(beta)  # (set by hand since the checks)
+    if problem is not None:
+        raise ValueError(f"{where}: betas[{i}]={_describe_lr(beta)}: {problem}.")
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{where}: betas[{i}] is a tensor ({_describe_lr(beta)}) and this step is being "
+            "captured in a CUDA graph: FusedAdam reads tensor betas on the host, so the replays "
+            "would keep the value read at the capture (and a GPU tensor cannot be read inside "
+            "one). Pass floats, e.g. betas=(0.9, 0.999), and set group['betas'] between captures "
+            "for another value.")
+    return beta.item()
 
 
 def _describe_lr(lr) -> str:
@@ -102,6 +144,13 @@ def _check_lr(lr, where: Optional[str] = None) -> None:
         if where is None:
             raise ValueError(f"FusedAdam(lr={_describe_lr(lr)}): {problem}.")
         raise ValueError(f"{where}: lr={_describe_lr(lr)}: {problem}.")
+
+
+def _unsupported_options(where: str, group: dict) -> str:
+    return (f"{where}: amsgrad={group.get('amsgrad', False)!r}, maximize="
+            f"{group.get('maximize', False)!r}: FusedAdam supports neither (nor did Apex's). "
+            "Drop the option (set it to False), or use torch.optim.AdamW(amsgrad=..., "
+            "maximize=..., fused=True) for these parameters.")
 
 
 class _TrackedState(collections.defaultdict):
@@ -185,13 +234,15 @@ class FusedAdam(torch.optim.Optimizer):
         lr (float or Tensor): learning rate, a number >= 0 or a one-element floating tensor
             (see above). Default ``1e-3``.
         bias_correction (bool): Adam's bias correction of both moments. Default ``True``.
-        betas (Tuple[float, float]): moment decay rates, each in [0, 1). Default
-            ``(0.9, 0.999)``.
+        betas (Tuple[float, float]): moment decay rates, each in [0, 1): numbers, or
+            one-element floating tensors read on the host at each step (as PyTorch's fused
+            Adam reads them; not inside a CUDA-graph capture). Default ``(0.9, 0.999)``.
         eps (float): added to the denominator. Default ``1e-8``.
         adam_w_mode (bool): decoupled weight decay (AdamW) when True, L2 (Adam) when False.
             Default ``True``.
         weight_decay (float): Default ``0.0``.
-        amsgrad (bool): not supported (as in Apex); ``True`` raises ``ValueError``.
+        amsgrad (bool): not supported (as in Apex); ``True`` raises ``ValueError``, as does
+            a group's ``amsgrad`` or ``maximize`` set to True (at the next step if by hand).
         set_grad_none (bool): ``zero_grad()`` sets gradients to ``None`` (else zeros them).
             Default ``True``.
         capturable (bool): accepted for Apex compatibility; every step is capturable.
@@ -301,11 +352,7 @@ class FusedAdam(torch.optim.Optimizer):
             # state_dict() and then refused by load_state_dict: refused here as the
             # constructor's amsgrad=True is.)
             if param_group.get("amsgrad") or param_group.get("maximize"):
-                raise ValueError(
-                    f"{where}: amsgrad={param_group.get('amsgrad', False)!r}, maximize="
-                    f"{param_group.get('maximize', False)!r}: FusedAdam supports neither (nor "
-                    "did Apex's). Drop the option, or use torch.optim.AdamW(amsgrad=..., "
-                    "maximize=..., fused=True) for these parameters.")
+                raise ValueError(_unsupported_options(where, param_group))
         super().add_param_group(param_group)
         if hasattr(self, "_plans"):  # (torch's __init__ adds the first groups)
             self._plans.clear()
@@ -432,19 +479,21 @@ class FusedAdam(torch.optim.Optimizer):
                     "torch.optim.Adam/AdamW for complex ones (or view_as_real them).")
         states = [self._state_of(p) for p in params]
         for p, s in zip(params, states):
-            # Moments of another shape (a checkpoint of another model, a parameter resized
-            # through .data) must not reach a fused kernel: PyTorch's checks no sizes on the
-            # CPU and read and wrote past the moments (heap corruption, segfaults), where
-            # torch.optim.AdamW raises. Refused before anything of this group is written.
+            # Moments of another shape (a checkpoint of another model, a parameter resized or
+            # reshaped through .data) must not reach a fused kernel: PyTorch's checks no sizes
+            # on the CPU and read and wrote past the moments (heap corruption, segfaults), or
+            # with as many elements paired them in memory order (a transposed parameter's
+            # moments belong to other elements), where torch.optim.AdamW raises. Refused
+            # before anything of this group is written.
             for name in ("exp_avg", "exp_avg_sq"):
                 t = s.get(name)
                 if isinstance(t, Tensor) and t.shape != p.shape:
                     raise RuntimeError(
                         f"FusedAdam: a parameter of shape {tuple(p.shape)} has an {name} of "
                         f"shape {tuple(t.shape)} in its state (a checkpoint of another model "
-                        "loaded, or the parameter resized through .data since its last step). "
-                        "Load the matching checkpoint, or reset that parameter's state "
-                        "(optimizer.state[p] = {}) to start its moments afresh.")
+                        "loaded, or the parameter resized or reshaped through .data since its "
+                        "last step). Load the matching checkpoint, or reset that parameter's "
+                        "state (optimizer.state[p] = {}) to start its moments afresh.")
         copies = [self._half_copies.get(p) for p in params] if self._half_copies else [
             None] * len(params)
         kernel, fused, plain = [], [], []
@@ -473,6 +522,8 @@ class FusedAdam(torch.optim.Optimizer):
                 grads.append(g)
         if not params:
             return
+        if group.get("amsgrad") or group.get("maximize"):  # (set by hand since the checks)
+            raise ValueError(_unsupported_options(f"FusedAdam param group {index}", group))
         lr = group["lr"]
         if isinstance(lr, Tensor):
             # (Set by hand or by a scheduler since the checks: its shape and dtype, read
@@ -485,15 +536,15 @@ class FusedAdam(torch.optim.Optimizer):
                 _CAPTURED_LRS.setdefault(id(lr), lr)  # replays read it by address
         else:
             lr = float(lr)
+        beta1, beta2 = group["betas"]
+        hyper = dict(beta1=_beta_value(beta1, 0, index), beta2=_beta_value(beta2, 1, index),
+                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                     adam_w=group["adam_w_mode"], bias_correction=group["bias_correction"])
         plan = self._plan(group, params, grads)
         # The rate for each device's parameters, before anything is launched (or captured).
         lrs = {dev: _lr_on(lr, dev) for dev in plan.devices}
         states, steps, copies = plan.states, plan.steps, plan.copies
         torch._foreach_add_(steps, 1.0)
-        beta1, beta2 = group["betas"]
-        hyper = dict(beta1=float(beta1), beta2=float(beta2), eps=float(group["eps"]),
-                     weight_decay=float(group["weight_decay"]), adam_w=group["adam_w_mode"],
-                     bias_correction=group["bias_correction"])
         for idx in plan.kernel_by_device:
             dev = params[idx[0]].device
             _adam_kernel.adam_step_(
@@ -529,8 +580,8 @@ class _Plan:
     step reuses it while :meth:`holds`: the optimizer's epoch is the same (no state loaded, no
     half copies linked since), ``optimizer.state`` is the same mapping with no entry set or
     deleted since (its change counter) and no parameter's state dict emptied, and the per-step
-    facts the checks relied on still stand, read from cached flags (each fused-route
-    parameter's byte size and device, its and its gradient's layout, each plain-route
+    facts the checks relied on still stand, read from cached flags (each parameter's dtype,
+    shape and device, each fused-route parameter's and its gradient's layout, each plain-route
     gradient's being dense, each copy's device and dtype). So a state reset by hand
     (``optimizer.state[p] = {}``, ``.clear()``, ``del``) starts fresh moments, as in PyTorch's
     Adam; single state tensors replaced inside a kept dict are not noticed. The learning rate
@@ -540,7 +591,7 @@ class _Plan:
 
     __slots__ = ("epoch", "state_map", "state_changes", "params", "states", "steps", "copies",
                  "plain", "kernel_by_device", "fused_by_device", "steps_by_device", "devices",
-                 "written_by_kernel", "copied_after", "_take", "_nbytes", "_devices",
+                 "written_by_kernel", "copied_after", "_take", "_dtype_shapes", "_devices",
                  "_take_contiguous",
                  "_take_channels_last", "_take_plain", "_copy_facts")
 
@@ -566,15 +617,17 @@ class _Plan:
         self.written_by_kernel = [params[i] for i in kernel if copies[i] is not None]
         self.copied_after = [i for i in fused + plain if copies[i] is not None]
         # What the checks of both fused routes saw, re-read cheaply every step (C-level maps
-        # over the routed tensors: byte sizes and layouts).
+        # over the routed tensors: dtypes, shapes and layouts).
         routed = sorted(kernel + fused)
-        # (Bytes stand for dtype and size: a parameter converted or resized through .data
-        # since would have the kernel write its old dtype's bytes over the new storage. Read
-        # for every parameter, the plain route's too: one resized is re-planned, and the plan
-        # refuses moments of another shape before the arithmetic writes the parameter.)
+        # (Dtype and shape, read for every parameter: one converted through .data since (also
+        # to a dtype of its size, fp16 -> bf16) would have a fused kernel read its moments as
+        # its new dtype, or the kernel write its old dtype's bytes over the new storage; one
+        # reshaped or resized would be stepped against moments of another shape, element by
+        # element in memory order. Re-planned, the first takes a route of its dtype and the
+        # plan refuses the second's moments before anything is written.)
         every = list(range(len(params)))
         self._take = _picker(every)
-        self._nbytes = [params[i].nbytes for i in every]
+        self._dtype_shapes = [_DTYPE_SHAPE(params[i]) for i in every]
         self._devices = [params[i].get_device() for i in every]  # (moved through .data)
         self._take_contiguous = _picker([i for i in routed if params[i].is_contiguous()])
         self._take_channels_last = _picker([i for i in routed if not params[i].is_contiguous()])
@@ -587,7 +640,7 @@ class _Plan:
             return False
         # (A gradient always has its parameter's dtype and size: PyTorch checks assignments.)
         taken = self._take(params)
-        if (list(map(_NBYTES, taken)) != self._nbytes
+        if (list(map(_DTYPE_SHAPE, taken)) != self._dtype_shapes
                 or list(map(Tensor.get_device, taken)) != self._devices):
             return False
         take = self._take_contiguous
@@ -606,7 +659,7 @@ class _Plan:
         return True
 
 
-_NBYTES = operator.attrgetter("nbytes")
+_DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
 
 
 def _is_strided(t: Tensor) -> bool:

@@ -12,6 +12,7 @@ for amp O2 must equal the masters cast by PyTorch bit for bit.
 import collections
 import copy
 import pickle
+import re
 
 import pytest
 import torch
@@ -649,6 +650,69 @@ def test_numpy_hyperparameters_are_taken_as_torch_optim_takes_them(device):
         torch.testing.assert_close(p, r, rtol=0, atol=0)
 
 
+def test_tensor_betas_are_read_at_each_step_as_pytorch_reads_them(device, path):
+    """Tensor betas (``torch.optim.Adam`` takes them, e.g. for a momentum schedule that changes
+    them in place) were refused as "not a number": each step reads their value, as PyTorch's
+    fused Adam does, so a change in place is followed (float64 reference: PyTorch's AdamW with
+    float betas set to the same values)."""
+    gen = torch.Generator().manual_seed(21)
+    params = _params(device, gen, [(37, 29), (2050,), (3,)])
+    grads = _grads(params, gen, steps=5)
+    ours = [p.clone() for p in params]
+    betas = (torch.tensor(0.8, dtype=torch.float64), torch.tensor(0.99, dtype=torch.float64))
+    opt = FusedAdam(ours, lr=1e-2, betas=betas, weight_decay=0.1)
+    ref = [p.double() for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1,
+                                foreach=False)
+    for k, step in enumerate(grads):
+        if k == 2:  # (a schedule's change, in place)
+            betas[0].fill_(0.5)
+            betas[1].fill_(0.9)
+            ref_opt.param_groups[0]["betas"] = (0.5, 0.9)
+        for p, r, g in zip(ours, ref, step):
+            p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+    assert opt.param_groups[0]["betas"][0] is betas[0]  # (kept, not copied to a float)
+    # Its state dict carries them; PyTorch's AdamW takes them as its own.
+    torch.optim.AdamW([r.clone() for r in ref], foreach=False).load_state_dict(
+        copy.deepcopy(opt.state_dict()))
+
+
+def test_bad_tensor_betas_say_what_to_do(monkeypatch):
+    p = nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match=r"FusedAdam\(betas\[0\]=a torch.float32 tensor of "
+                                         r"shape \(2,\) on cpu\): a tensor beta must hold one"):
+        FusedAdam([p], betas=(torch.tensor([0.9, 0.9]), torch.tensor(0.999)))
+    with pytest.raises(ValueError, match=r"betas\[1\]=a torch.int64 .* must be floating point"):
+        FusedAdam([p], betas=(0.9, torch.tensor(0)))
+    with pytest.raises(ValueError, match=r"holding 1.0\): a beta must be in \[0.0, 1.0\)"):
+        FusedAdam([p], betas=(0.9, torch.tensor(1.0)))
+    opt = FusedAdam([p], betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    with pytest.raises(ValueError, match=r"FusedAdam param group 1: betas\[0\]=.*holding -0.5"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))],
+                             "betas": (torch.tensor(-0.5), 0.9)})
+    p.grad = torch.ones(2)
+    opt.step()
+    # Set by hand (or filled in place) after the checks: refused before anything changes.
+    opt.param_groups[0]["betas"][1].fill_(1.5)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"FusedAdam param group 0: betas\[1\]=.*holding 1.5"):
+        opt.step()
+    assert torch.equal(p, before) and opt.state[p]["step"].item() == 1.0
+    # Inside a CUDA-graph capture a replay would keep the value read at the capture (and a
+    # GPU tensor cannot be read there): refused with what to pass. (Simulated on the CPU.)
+    opt.param_groups[0]["betas"][1].fill_(0.999)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"betas\[0\] is a tensor .* captured in a CUDA "
+                                           r"graph.*Pass floats"):
+        opt.step()
+    assert torch.equal(p, before) and opt.state[p]["step"].item() == 1.0
+
+
 def test_a_param_groups_options_are_checked_as_the_constructors():
     a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match=r"FusedAdam param group 1: betas\[0\]=2.0: betas\[0\] "
@@ -708,6 +772,106 @@ def test_moments_of_another_shape_are_refused_before_any_write(device, path):
         opt.state[p] = {}  # the way out the error names
         opt.step()
         assert opt.state[p]["step"].item() == 1.0 and not torch.equal(p, before)
+
+
+def test_amsgrad_or_maximize_set_on_a_group_by_hand_is_refused_at_the_step(device):
+    """``group["amsgrad"] = True`` (or ``maximize``) set after construction was ignored: plain
+    Adam ran, minimizing, where ``torch.optim.AdamW`` reads the option at each step (AMSGrad
+    here changes the update: a large first gradient, then small ones). Now refused by the
+    step before it changes anything."""
+    for key in ("amsgrad", "maximize"):
+        p = nn.Parameter(torch.ones(3, device=device))
+        ref = nn.Parameter(torch.ones(3, device=device))
+        opt = FusedAdam([p], lr=0.1, weight_decay=0.0)
+        ref_opt = torch.optim.AdamW([ref], lr=0.1, weight_decay=0.0, foreach=False)
+        opt.param_groups[0][key] = True
+        ref_opt.param_groups[0][key] = True
+        for scale in (10.0, 0.1):
+            ref.grad = torch.full((3,), scale, device=device)
+            ref_opt.step()
+        unset = ref.detach().clone()
+        ref_opt.param_groups[0][key] = False
+        ref.data.fill_(1.0)
+        ref_opt.state[ref] = {}
+        for scale in (10.0, 0.1):
+            ref.grad = torch.full((3,), scale, device=device)
+            ref_opt.step()
+        assert not torch.allclose(unset, ref), key  # (the option matters to PyTorch)
+        p.grad = torch.ones(3, device=device)
+        with pytest.raises(ValueError, match=rf"FusedAdam param group 0: .*{key}=True.*"
+                                             r"supports neither.*set it to False"):
+            opt.step()
+        assert torch.equal(p, torch.ones(3, device=device)) and not opt.state[p]
+        opt.param_groups[0][key] = False  # the way out the error names
+        opt.step()
+        assert opt.state[p]["step"].item() == 1.0
+
+
+def test_a_parameter_converted_to_a_dtype_of_its_size_is_replanned(device, path):
+    """``p.data = p.data.bfloat16()`` on an fp16 parameter after some steps: its byte size is
+    the same, so the cached route stayed: PyTorch's fused kernel then got a bf16 parameter
+    with fp16 moments (its dtype error after the step counts were already raised). Now it is
+    re-planned as any converted parameter: its moments, in their dtype, step it through the
+    plain arithmetic (float64 reference: PyTorch's AdamW resumed from the same state)."""
+    gen = torch.Generator().manual_seed(22)
+    p = nn.Parameter(torch.randn(37, 29, generator=gen).half().to(device))
+    opt = FusedAdam([p], lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        p.grad = torch.randn(p.shape, generator=gen).half().to(device)
+        opt.step()
+    p.data = p.data.bfloat16()
+    state = opt.state[p]
+    ref = nn.Parameter(p.detach().double().cpu())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, foreach=False)
+    ref_opt.load_state_dict({
+        "state": {0: {"step": torch.tensor(2.0), "exp_avg": state["exp_avg"].double().cpu(),
+                      "exp_avg_sq": state["exp_avg_sq"].double().cpu()}},
+        "param_groups": ref_opt.state_dict()["param_groups"]})
+    g = torch.randn(p.shape, generator=gen)
+    p.grad, ref.grad = g.bfloat16().to(device), g.bfloat16().double()
+    opt.step()
+    ref_opt.step()
+    assert p.dtype == torch.bfloat16 and state["exp_avg"].dtype == torch.float16
+    assert state["step"].item() == 3.0
+    # (One bf16 rounding of the result; fp16 roundings of the moments.)
+    torch.testing.assert_close(p.double().cpu(), ref.detach(), rtol=2 ** -8, atol=1e-6)
+    ref_state = ref_opt.state[ref]
+    torch.testing.assert_close(state["exp_avg"].double().cpu(), ref_state["exp_avg"],
+                               rtol=2 ** -10, atol=1e-7)
+    torch.testing.assert_close(state["exp_avg_sq"].double().cpu(), ref_state["exp_avg_sq"],
+                               rtol=2 ** -10, atol=1e-7)
+
+
+@pytest.mark.parametrize("how", ["transposed", "flattened"])
+def test_a_parameter_reshaped_through_data_is_refused(device, path, how):
+    """A parameter reshaped through ``.data`` to as many elements: the cached route stayed
+    (same byte size) and the fused routes stepped it against its old moments in memory order,
+    a transposed parameter's moments belonging to other elements, with the state left of the
+    old shape. ``torch.optim.AdamW`` raises (broadcasting fails); FusedAdam now refuses as for
+    moments of another shape, before anything is written."""
+    gen = torch.Generator().manual_seed(23)
+    p = _params(device, gen, [(37, 29)])[0]
+    ref = p.detach().clone()
+    opt = FusedAdam([p], lr=1e-2)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, foreach=False)
+    for _ in range(2):
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+        ref.grad = p.grad.clone()
+        opt.step()
+        ref_opt.step()
+    for t in (p, ref):
+        t.data = t.data.t().contiguous() if how == "transposed" else t.data.reshape(-1)
+        t.grad = torch.randn(t.shape, generator=gen).to(device)
+    with pytest.raises(RuntimeError):
+        ref_opt.step()
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match=rf"shape {re.escape(str(tuple(p.shape)))} has an exp_avg of shape "
+                                           r"\(37, 29\).*reshaped through .data"):
+        opt.step()
+    assert torch.equal(p, before) and opt.state[p]["step"].item() == 2.0
+    opt.state[p] = {}  # the way out the error names
+    opt.step()
+    assert opt.state[p]["step"].item() == 1.0 and opt.state[p]["exp_avg"].shape == p.shape
 
 
 def test_deepcopy_and_pickle_give_a_working_optimizer(device, path):
