@@ -347,7 +347,7 @@ class _OptimizerState:
         # Each pair's half parameter's version counter, its master's, and the half parameter's
         # TensorImpl, when amp last put the two in step (take_model_writes); None until the
         # pairs are adopted.
-        self._synced_versions: Optional[List[Tuple[int, int, int, int]]] = None
+        self._synced_versions: Optional[List[Tuple[int, int, int]]] = None
         self._writes_logged = False
 
     # -- set-up ------------------------------------------------------------------------------
@@ -733,8 +733,8 @@ class _OptimizerState:
             return (*args[:first], replaced, *args[first + 1:]), kwargs
         return None
 
-    def _versions(self) -> List[Tuple[int, int, int, int]]:
-        return [(p._version, m._version, p._cdata, p.data_ptr()) for p, m in self.pairs]
+    def _versions(self) -> List[Tuple[int, int, int]]:
+        return [(p._version, m._version, p._cdata) for p, m in self.pairs]
 
     def record_synced(self) -> None:
         """Note the version counters of every pair: the half parameters now hold their
@@ -755,10 +755,11 @@ class _OptimizerState:
         tensor was swapped for another (``model.to(...)`` under PyTorch's
         ``swap_module_params_on_conversion``, whose new tensor has a version counter of its
         own) was moved, not written. Writes through ``.data`` bump no counter and are not
-        seen. Nor is a parameter moved into other memory in place (``set_``): an RNN's
-        ``flatten_parameters()``, which many models call in every forward, packs its weights
-        into one new cuDNN buffer with their values unchanged, and taking that would round the
-        masters to half at every step. Not inside a CUDA-graph capture or a ``torch.compile`` trace (a captured copy
+        seen. An RNN's ``flatten_parameters()``, which many models call in every forward, packs
+        its weights into one new cuDNN buffer (``set_``, values unchanged): amp's RNN class
+        takes the writes before it and records the versions after it (see
+        ``mixprec.amp._model._RNNKeepsMasters``), or the masters would be rounded to half at
+        every step. Not inside a CUDA-graph capture or a ``torch.compile`` trace (a captured copy
         would replay at every step).
         """
         synced = self._synced_versions
@@ -769,8 +770,8 @@ class _OptimizerState:
         if now == synced:
             return
         written = [] if synced is None or len(synced) != len(now) else [
-            pair for pair, (pv, mv, pc, pd), (sp, sm, sc, sd) in zip(self.pairs, now, synced)
-            if pv != sp and mv == sm and pc == sc and pd == sd]
+            pair for pair, (pv, mv, pc), (sp, sm, sc) in zip(self.pairs, now, synced)
+            if pv != sp and mv == sm and pc == sc]
         if not written:
             self._synced_versions = now  # (moves, masters written too: nothing to take)
             return

@@ -2,6 +2,9 @@
 fed packed sequences, transposed/depthwise convolutions with GroupNorm, parametrized weights,
 sparse embeddings."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -200,6 +203,66 @@ def test_o2_rnn_weights_flattened_after_the_cast_and_flattening_is_no_write(monk
         torch.testing.assert_close(got[name], v, rtol=0, atol=0, msg=name)
     # The masters hold fp32 values (bf16 alone could not hold these updates of 1e-3 x grad).
     assert not torch.equal(got["rnn.weight_ih_l0"], got["rnn.weight_ih_l0"].bfloat16().float())
+
+
+def test_o2_rnn_write_before_a_flatten_is_taken_and_flattens_are_no_writes(monkeypatch):
+    # flatten_parameters() is seen where it happens: a write made before it (PyTorch's DDP
+    # broadcasting rank 0's weights, nn.init) is taken into the masters first, and the packing
+    # itself is recorded as no write however many times a step flattens (two forwards per
+    # step here; on a GPU the caching allocator may hand the same buffer back, so neither
+    # the version counters nor the addresses alone could tell a move from a write).
+    monkeypatch.setattr(nn.LSTM, "flatten_parameters", _flatten_as_cudnn)
+    x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(3))
+
+    def run(flatten, write=False):
+        torch.manual_seed(0)
+        model = _FlatteningLSTM(flatten)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        for step in range(3):
+            if write and step == 1:
+                with torch.no_grad():
+                    model.rnn.weight_hh_l0.fill_(0.25)  # (exact in bf16)
+                for group in opt.param_groups:
+                    group["lr"] = 0.0
+            opt.zero_grad()
+            for _ in range(2):  # (accumulated: two forwards, two flattens, one step)
+                with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                    scaled.backward()
+            opt.step()
+        return model
+
+    expected, got = run(flatten=False), run(flatten=True)
+    for (name, v), w in zip(got.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(v, w, rtol=0, atol=0, msg=name)
+    written = run(flatten=True, write=True)
+    assert torch.equal(written.state_dict()["rnn.weight_hh_l0"],
+                       torch.full_like(written.state_dict()["rnn.weight_hh_l0"], 0.25))
+    assert torch.equal(written.rnn.weight_hh_l0, torch.full_like(written.rnn.weight_hh_l0, 0.25))
+
+
+def test_o2_rnn_class_survives_copies_and_restore():
+    # The RNN's swapped class (its flatten_parameters keeps the masters) pickles by its
+    # original class, as amp models do, and restore_model gives the original back; an RNN
+    # passed as the model itself gets both.
+    for make in (lambda: _FlatteningLSTM(True), lambda: nn.GRU(_D, 6, batch_first=True)):
+        torch.manual_seed(0)
+        model = make()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        rnn = model.rnn if isinstance(model, _FlatteningLSTM) else model
+        original = nn.LSTM if isinstance(model, _FlatteningLSTM) else nn.GRU
+        assert isinstance(rnn, original) and type(rnn) is not original
+        x = torch.randn(_B, _T, _D)
+        ref = model(x)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        for dup in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            out = dup(x)
+            torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, ref,
+                                       rtol=0, atol=0)
+            assert type(dup) is type(model)
+        amp.restore_model(model)
+        assert type(rnn) is original
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA (cuDNN's RNN)")
