@@ -3,9 +3,8 @@
 The model object the user passed is returned, changed in three visible, reversible ways:
 
 1. Parameters and buffers are cast (O2/O3), BatchNorm excepted when ``keep_batchnorm_fp32``.
-2. Its class is swapped for a thin subclass (the original class follows amp's mixins in
-   ``type(model).__mro__``; an RNN inside an O2 model gets one too, see
-   :class:`_RNNKeepsMasters`) whose ``forward`` casts floating inputs (O2/O3), runs the original forward (under
+2. Its class is swapped for a thin subclass (``type(model).__mro__[1]`` is the original class)
+   whose ``forward`` casts floating inputs (O2/O3), runs the original forward (under
    ``torch.autocast`` at O1) and casts floating outputs. A subclass rather than a patched
    ``model.forward`` attribute keeps ``DataParallel`` replicas, ``copy.deepcopy``, pickling and
    ``torch.compile(fullgraph=True)`` working (a ``with torch.autocast`` block in a forward is
@@ -503,76 +502,28 @@ def _fp32_forward(original_forward: Callable, device_type: str, args, kwargs):
     return cast_floating(out, in_dtype) if in_dtype is not None else out
 
 
-class _RNNKeepsMasters:
-    """Mixin placed before an ``nn.RNNBase`` class (O2): its ``flatten_parameters()``, which
-    many models call in every forward (DataParallel's replicas want it), packs the weights
-    into one new cuDNN buffer with ``set_()``, moving their version counters with their values
-    unchanged. The masters' keepers take the writes made before it (a DDP broadcast, an
-    ``nn.init``) and record the versions after it, so the move is not taken as a write (that
-    rounded the fp32 masters to half at every step)."""
-
-    def flatten_parameters(self) -> None:
-        keepers = [] if is_compiling() else _master_keepers(self)
-        for keeper in keepers:
-            keeper.take_model_writes()
-        super().flatten_parameters()
-        for keeper in keepers:
-            keeper.record_synced()
-
-    def __reduce_ex__(self, protocol):
-        # (As _AmpModule's: rebuilt from the original class, which pickle can find.)
-        getstate = getattr(self, "__getstate__", None)
-        state = getstate() if getstate is not None else dict(self.__dict__)
-        return (_rebuild_amp_module, (_original_class(type(self)), False), state)
+_SWAPPED_CLASSES: Dict[type, type] = {}
 
 
-def _master_keepers(module: nn.Module) -> list:
-    """The optimizers' amp states that keep ``module``'s parameters in step with masters."""
-    hooks = module.__dict__.get("_mixprec_state_dict")
-    keepers = []
-    for ref in hooks.take_writes.values() if hooks is not None else ():
-        take = ref()
-        keeper = getattr(take, "__self__", None)
-        if keeper is not None and all(keeper is not k for k in keepers):
-            keepers.append(keeper)
-    if keepers and keepers[0].pairs[0][1].is_cuda and torch.cuda.is_current_stream_capturing():
-        return []  # (take_model_writes does nothing inside a capture; nor may the record)
-    return keepers
-
-
-_SWAPPED_CLASSES: Dict[tuple, type] = {}
-_MIXINS = (_AmpModule, _RNNKeepsMasters)
-
-
-def _amp_class(original: type, amp_model: bool = True) -> type:
-    """The swapped class of ``original``: an amp model's (``_AmpModule`` first), or only an
-    RNN's (``amp_model=False``); an RNN class gets :class:`_RNNKeepsMasters` in both."""
+def _amp_class(original: type) -> type:
     # A class cache (types, not state): every model of one class shares one swapped class.
-    key = (original, amp_model)
-    cls = _SWAPPED_CLASSES.get(key)
+    cls = _SWAPPED_CLASSES.get(original)
     if cls is None:
-        bases = (_AmpModule,) if amp_model else ()
-        if issubclass(original, nn.RNNBase):
-            bases += (_RNNKeepsMasters,)
-        cls = type(original.__name__, (*bases, original), {
+        cls = type(original.__name__, (_AmpModule, original), {
             "__module__": original.__module__,
             "__qualname__": original.__qualname__,
             "__doc__": original.__doc__,
-            "_mixprec_swapped": True,
         })
-        _SWAPPED_CLASSES[key] = cls
+        _SWAPPED_CLASSES[original] = cls
     return cls
 
 
 def _original_class(cls: type) -> type:
-    if not cls.__dict__.get("_mixprec_swapped", False):
-        return cls
-    return next(c for c in cls.__mro__[1:] if c not in _MIXINS)
+    return cls.__mro__[2] if cls.__mro__[1] is _AmpModule else cls
 
 
-def _rebuild_amp_module(original: type, amp_model: bool = True):
-    cls = _amp_class(original, amp_model)
-    return cls.__new__(cls)
+def _rebuild_amp_module(original: type):
+    return _amp_class(original).__new__(_amp_class(original))
 
 
 def is_amp_model(module: nn.Module) -> bool:
@@ -582,7 +533,7 @@ def is_amp_model(module: nn.Module) -> bool:
 
 def _swap_class(module: nn.Module, config: AmpForwardConfig) -> None:
     if not is_amp_model(module):
-        module.__class__ = _amp_class(_original_class(type(module)))
+        module.__class__ = _amp_class(type(module))
     module._mixprec_forward = config
 
 
@@ -600,8 +551,9 @@ def restore_model(module: nn.Module) -> nn.Module:
         ref = _PART_OF.get(m)
         if ref is not None and id(ref()) in restored:  # (not a part of a model left as it is)
             del _PART_OF[m]
-        m.__class__ = _original_class(type(m))
-        m.__dict__.pop("_mixprec_forward", None)
+        if is_amp_model(m):
+            m.__class__ = _original_class(type(m))
+            del m._mixprec_forward
     return module
 
 
@@ -783,6 +735,67 @@ def _holds_half(module: nn.Module) -> bool:
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# RNN weight packing (O2)
+# ---------------------------------------------------------------------------------------------
+# torch's own nn.RNNBase.flatten_parameters.
+_TORCH_FLATTEN = nn.RNNBase.flatten_parameters
+
+
+def _packs(rnn: nn.RNNBase) -> bool:
+    """Whether torch's ``flatten_parameters()`` may move ``rnn``'s weights (CUDA only)."""
+    weights = rnn._flat_weights
+    return bool(weights) and all(isinstance(w, torch.Tensor) and w.is_cuda for w in weights)
+
+
+def _master_keepers(module: nn.Module) -> list:
+    """The optimizers' amp states that keep ``module``'s parameters in step with masters."""
+    hooks = module.__dict__.get("_mixprec_state_dict")
+    keepers = []
+    for ref in hooks.take_writes.values() if hooks is not None else ():
+        keeper = getattr(ref(), "__self__", None)
+        if keeper is not None and all(keeper is not k for k in keepers):
+            keepers.append(keeper)
+    return keepers
+
+
+def _flatten_keeping_masters(rnn: nn.RNNBase) -> None:
+    keepers = _master_keepers(rnn)
+    if keepers and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        keepers = []  # (take_model_writes does nothing inside a capture; nor may the record)
+    for keeper in keepers:
+        keeper.take_model_writes()
+    _TORCH_FLATTEN(rnn)
+    for keeper in keepers:
+        keeper.record_synced()
+
+
+def _flatten_parameters(self) -> None:
+    if "_mixprec_state_dict" not in self.__dict__ or not _packs(self):
+        return _TORCH_FLATTEN(self)
+    if is_compiling():  # (version counters cannot be traced: run eagerly, a graph break)
+        return outside_the_compiler(_flatten_keeping_masters)(self)
+    return _flatten_keeping_masters(self)
+
+
+_flatten_parameters.__doc__ = _TORCH_FLATTEN.__doc__
+
+
+def _watch_rnn_packing() -> None:
+    """Route ``nn.RNNBase.flatten_parameters`` through amp (once per process, when amp first
+    gives an RNN fp32 masters). On CUDA it packs the weights into one new cuDNN buffer
+    (``set_``), which moves their version counters with their values unchanged, and many
+    models call it in every forward (DataParallel's replicas want it). For an RNN whose
+    parameters have masters, the writes made before it (a DDP broadcast, ``nn.init``) are
+    taken into the masters first and the packing is recorded as no write after it: taken for
+    a write, it rounded the fp32 masters to half at every step. Other RNNs run torch's method
+    as it is (one dict lookup more). The method is wrapped rather than the RNN's class
+    swapped, which would break ``type(m) is nn.LSTM`` checks, parametrizations and a
+    subclass's own pickling."""
+    if nn.RNNBase.flatten_parameters is not _flatten_parameters:
+        nn.RNNBase.flatten_parameters = _flatten_parameters
+
+
 def _held_device_type(model: nn.Module) -> Optional[str]:
     """The device type of the first tensor ``model`` holds, or None when it holds none."""
     for t in itertools.chain(model.parameters(), model.buffers()):
@@ -824,8 +837,8 @@ def convert_model(model: nn.Module, props, *, encloses: bool = False,
                 continue
             cast = cast_module_tensors(module, props.cast_model_type)
             if isinstance(module, nn.RNNBase):
-                if module is not model and not isinstance(module, _MIXINS):
-                    module.__class__ = _amp_class(type(module), amp_model=False)
+                if props.master_weights:
+                    _watch_rnn_packing()
                 if cast:
                     # Its weights back into one cuDNN buffer, as model.half() leaves them
                     # (the cast gave each its own): else cuDNN copies them at every call.

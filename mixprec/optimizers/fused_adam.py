@@ -103,7 +103,11 @@ def _beta_value(beta, i: int, index: int) -> float:
             "would keep the value read at the capture (and a GPU tensor cannot be read inside "
             "one). Pass floats, e.g. betas=(0.9, 0.999), and set group['betas'] between captures "
             "for another value.")
-    return beta.item()
+    value = beta.item()
+    if not 0.0 <= value < 1.0:  # (a GPU tensor's value is read only here)
+        raise ValueError(f"{where}: betas[{i}]={_describe_lr(beta)}: a beta must be in "
+                         "[0.0, 1.0).")
+    return value
 
 
 def _describe_lr(lr) -> str:
@@ -441,8 +445,12 @@ class FusedAdam(torch.optim.Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         written: List[Tensor] = []
-        for i, group in enumerate(self.param_groups):
-            self._step_group(i, group, grad_scale, found_inf, written)
+        # Every group checked and planned before any is stepped: a refusal (an option set by
+        # hand, moments of another shape) leaves the whole optimizer as it was.
+        prepared = [self._prepare_group(i, group) for i, group in enumerate(self.param_groups)]
+        for work in prepared:
+            if work is not None:
+                self._step_group(*work, grad_scale, found_inf, written)
         self._half_copies_written = written
         return loss
 
@@ -512,8 +520,9 @@ class FusedAdam(torch.optim.Optimizer):
         self._plans[key] = plan
         return plan
 
-    def _step_group(self, index: int, group: dict, grad_scale, found_inf,
-                    written: List[Tensor]) -> None:
+    def _prepare_group(self, index: int, group: dict):
+        """A group's checks, hyperparameters and plan, before anything is written: None when
+        no parameter of it has a gradient."""
         params, grads = [], []
         for p in group["params"]:
             g = p.grad
@@ -521,7 +530,7 @@ class FusedAdam(torch.optim.Optimizer):
                 params.append(p)
                 grads.append(g)
         if not params:
-            return
+            return None
         if group.get("amsgrad") or group.get("maximize"):  # (set by hand since the checks)
             raise ValueError(_unsupported_options(f"FusedAdam param group {index}", group))
         lr = group["lr"]
@@ -543,6 +552,10 @@ class FusedAdam(torch.optim.Optimizer):
         plan = self._plan(group, params, grads)
         # The rate for each device's parameters, before anything is launched (or captured).
         lrs = {dev: _lr_on(lr, dev) for dev in plan.devices}
+        return params, grads, lrs, hyper, plan
+
+    def _step_group(self, params: List[Tensor], grads: List[Tensor], lrs: dict, hyper: dict,
+                    plan: _Plan, grad_scale, found_inf, written: List[Tensor]) -> None:
         states, steps, copies = plan.states, plan.steps, plan.copies
         torch._foreach_add_(steps, 1.0)
         for idx in plan.kernel_by_device:

@@ -12,6 +12,7 @@ from torch.nn.utils import parametrizations
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from mixprec import amp
+from mixprec.amp import _model as amp_model
 from mixprec.amp._state import optimizer_state
 
 from .helpers import HALF_DTYPES
@@ -166,6 +167,12 @@ def _flatten_as_cudnn(rnn):
             start += w.numel()
 
 
+def _pack_on_the_cpu(monkeypatch):
+    # torch's method, which amp's wrapper calls, packs on the CPU too (as cuDNN does).
+    monkeypatch.setattr(amp_model, "_TORCH_FLATTEN", _flatten_as_cudnn)
+    monkeypatch.setattr(amp_model, "_packs", lambda rnn: True)
+
+
 class _FlatteningLSTM(nn.Module):
     def __init__(self, flatten):
         super().__init__()
@@ -185,7 +192,7 @@ def test_o2_rnn_weights_flattened_after_the_cast_and_flattening_is_no_write(monk
     # And a forward that calls flatten_parameters() (set_() into a new buffer: the version
     # counters move, the values do not) was taken as an in-place write before each step:
     # the fp32 masters were rounded to half every step, and small updates were lost.
-    monkeypatch.setattr(nn.LSTM, "flatten_parameters", _flatten_as_cudnn)
+    _pack_on_the_cpu(monkeypatch)
 
     def run(flatten):
         torch.manual_seed(0)
@@ -211,7 +218,7 @@ def test_o2_rnn_write_before_a_flatten_is_taken_and_flattens_are_no_writes(monke
     # itself is recorded as no write however many times a step flattens (two forwards per
     # step here; on a GPU the caching allocator may hand the same buffer back, so neither
     # the version counters nor the addresses alone could tell a move from a write).
-    monkeypatch.setattr(nn.LSTM, "flatten_parameters", _flatten_as_cudnn)
+    _pack_on_the_cpu(monkeypatch)
     x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(3))
 
     def run(flatten, write=False):
@@ -241,28 +248,50 @@ def test_o2_rnn_write_before_a_flatten_is_taken_and_flattens_are_no_writes(monke
     assert torch.equal(written.rnn.weight_hh_l0, torch.full_like(written.rnn.weight_hh_l0, 0.25))
 
 
-def test_o2_rnn_class_survives_copies_and_restore():
-    # The RNN's swapped class (its flatten_parameters keeps the masters) pickles by its
-    # original class, as amp models do, and restore_model gives the original back; an RNN
-    # passed as the model itself gets both.
-    for make in (lambda: _FlatteningLSTM(True), lambda: nn.GRU(_D, 6, batch_first=True)):
+def test_o2_rnn_keeps_its_class_and_compiles_with_the_packing_seen(monkeypatch):
+    # amp wraps nn.RNNBase.flatten_parameters instead of swapping the RNN's class: type
+    # checks, copies and parametrizations see torch's class. Under torch.compile the wrapper
+    # runs eagerly (a graph break), so the packing is still recorded as no write.
+    _pack_on_the_cpu(monkeypatch)
+    x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(3))
+
+    def run(flatten, compiled=False):
         torch.manual_seed(0)
-        model = make()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model = _FlatteningLSTM(flatten)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-        rnn = model.rnn if isinstance(model, _FlatteningLSTM) else model
-        original = nn.LSTM if isinstance(model, _FlatteningLSTM) else nn.GRU
-        assert isinstance(rnn, original) and type(rnn) is not original
-        x = torch.randn(_B, _T, _D)
-        ref = model(x)
-        ref = ref[0] if isinstance(ref, tuple) else ref
-        for dup in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            out = dup(x)
-            torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, ref,
-                                       rtol=0, atol=0)
-            assert type(dup) is type(model)
-        amp.restore_model(model)
-        assert type(rnn) is original
+        assert type(model.rnn) is nn.LSTM
+        call = torch.compile(model, backend="eager") if compiled else model
+        for _ in range(3):
+            opt.zero_grad()
+            with amp.scale_loss(call(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return model
+
+    expected, got = run(flatten=False), run(flatten=True, compiled=True)
+    for (name, v), w in zip(got.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(v, w, rtol=0, atol=0, msg=name)
+    for dup in (copy.deepcopy(got), pickle.loads(pickle.dumps(got))):
+        torch.testing.assert_close(dup(x), got(x), rtol=0, atol=0)
+        assert type(dup.rnn) is nn.LSTM
+
+
+def test_o2_parametrized_rnn_weight_comes_off_after_initialize():
+    # A parametrization on an RNN weight (registered before initialize) can still be removed.
+    from torch.nn.utils import parametrize
+
+    torch.manual_seed(0)
+    model = _FlatteningLSTM(True)
+    parametrizations.weight_norm(model.rnn, "weight_hh_l0")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(_B, _T, _D)
+    before = model.rnn.weight_hh_l0.detach().clone()
+    parametrize.remove_parametrizations(model.rnn, "weight_hh_l0")
+    assert type(model.rnn) is nn.LSTM
+    torch.testing.assert_close(model.rnn.weight_hh_l0.detach(), before, rtol=0, atol=0)
+    assert model(x).dtype == torch.float32
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA (cuDNN's RNN)")

@@ -807,6 +807,33 @@ def test_amsgrad_or_maximize_set_on_a_group_by_hand_is_refused_at_the_step(devic
         assert opt.state[p]["step"].item() == 1.0
 
 
+def test_a_refusal_in_a_later_group_leaves_earlier_groups_unstepped(device):
+    """A refusal at the step (an option set by hand, a reshaped parameter, a bad tensor beta)
+    in the second group came after the first group was stepped: retried, the first group then
+    stepped twice. Every group is checked and planned before any is stepped."""
+    def bad_option(opt, q):
+        opt.param_groups[1]["amsgrad"] = True
+
+    def reshaped(opt, q):
+        q.data = q.data.reshape(2, 3)
+
+    def bad_beta(opt, q):
+        opt.param_groups[1]["betas"] = (torch.tensor(1.5), 0.999)
+
+    for spoil in (bad_option, reshaped, bad_beta):
+        p = nn.Parameter(torch.ones(4, device=device))
+        q = nn.Parameter(torch.ones(3, 2, device=device))
+        opt = FusedAdam([{"params": [p]}, {"params": [q]}], lr=0.1)
+        p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+        opt.step()
+        before = p.detach().clone()
+        spoil(opt, q)
+        q.grad = torch.ones_like(q)
+        with pytest.raises((ValueError, RuntimeError), match="FusedAdam"):
+            opt.step()
+        assert torch.equal(p, before) and opt.state[p]["step"].item() == 1.0, spoil.__name__
+
+
 def test_a_parameter_converted_to_a_dtype_of_its_size_is_replanned(device, path):
     """``p.data = p.data.bfloat16()`` on an fp16 parameter after some steps: its byte size is
     the same, so the cached route stayed: PyTorch's fused kernel then got a bf16 parameter
