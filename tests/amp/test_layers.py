@@ -295,13 +295,15 @@ def test_o2_parametrized_rnn_weight_comes_off_after_initialize():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA (cuDNN's RNN)")
-def test_o2_cudnn_lstm_flattened_in_every_forward_keeps_fp32_masters():
-    # The same on cuDNN itself: flatten_parameters() in the forward, as under DataParallel.
+def test_o2_cudnn_lstm_flattened_in_every_forward_keeps_fp32_masters(monkeypatch):
+    # The same on cuDNN itself (fp16: cuDNN's RNN takes no bf16), flatten_parameters() in the
+    # forward, as under DataParallel.
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     def run(flatten):
         torch.manual_seed(0)
         model = _FlatteningLSTM(flatten).cuda()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)  # fp16: cuDNN
         storages = {w.untyped_storage().data_ptr() for w in model.rnn._flat_weights}
         x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(1)).cuda()
         for _ in range(4):
@@ -314,7 +316,7 @@ def test_o2_cudnn_lstm_flattened_in_every_forward_keeps_fp32_masters():
     (expected, _), (got, storages) = run(flatten=False), run(flatten=True)
     for name, v in expected.items():
         torch.testing.assert_close(got[name], v, rtol=0, atol=0, msg=name)
-    assert not torch.equal(got["rnn.weight_ih_l0"], got["rnn.weight_ih_l0"].bfloat16().float())
+    assert not torch.equal(got["rnn.weight_ih_l0"], got["rnn.weight_ih_l0"].half().float())
     assert len(storages) == 1  # (initialize packed the cast weights into one cuDNN buffer)
 
 
