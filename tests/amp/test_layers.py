@@ -15,7 +15,7 @@ from mixprec import amp
 from mixprec.amp import _model as amp_model
 from mixprec.amp._state import optimizer_state
 
-from .helpers import HALF_DTYPES
+from .helpers import HALF_DTYPES, backward_and_step
 
 _B, _T, _D = 4, 6, 8
 _LENGTHS = torch.tensor([6, 4, 3, 1])
@@ -91,12 +91,7 @@ def _train(model, opt, block, steps, use_amp=True, dtype=None):
                            else t for t in inputs)
         opt.zero_grad()
         loss = model(*inputs).float().pow(2).mean()
-        if use_amp:
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-        else:
-            loss.backward()
-        opt.step()
+        backward_and_step(loss, opt, amp, use_amp)
         losses.append(loss.detach())
     return torch.stack(losses)
 
@@ -212,6 +207,34 @@ def test_o2_rnn_weights_flattened_after_the_cast_and_flattening_is_no_write(monk
     assert not torch.equal(got["rnn.weight_ih_l0"], got["rnn.weight_ih_l0"].bfloat16().float())
 
 
+def _o2_flattening_lstm(x, flatten, *, forwards=1, write=False, compiled=False):
+    """Three O2 bf16 steps of a _FlatteningLSTM on ``x``, ``forwards`` accumulated forwards
+    per step; with ``write``, the recurrent weight filled with 0.25 in place before the second
+    step, which then runs at lr 0."""
+    torch.manual_seed(0)
+    model = _FlatteningLSTM(flatten)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    call = torch.compile(model, backend="eager") if compiled else model
+    for step in range(3):
+        if write and step == 1:
+            with torch.no_grad():
+                model.rnn.weight_hh_l0.fill_(0.25)  # (exact in bf16)
+            for group in opt.param_groups:
+                group["lr"] = 0.0
+        opt.zero_grad()
+        for _ in range(forwards):
+            with amp.scale_loss(call(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+        opt.step()
+    return model
+
+
+def _assert_same_state(got, expected):
+    for (name, v), w in zip(got.state_dict().items(), expected.state_dict().values()):
+        torch.testing.assert_close(v, w, rtol=0, atol=0, msg=name)
+
+
 def test_o2_rnn_write_before_a_flatten_is_taken_and_flattens_are_no_writes(monkeypatch):
     # flatten_parameters() is seen where it happens: a write made before it (PyTorch's DDP
     # broadcasting rank 0's weights, nn.init) is taken into the masters first, and the packing
@@ -221,28 +244,9 @@ def test_o2_rnn_write_before_a_flatten_is_taken_and_flattens_are_no_writes(monke
     _pack_on_the_cpu(monkeypatch)
     x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(3))
 
-    def run(flatten, write=False):
-        torch.manual_seed(0)
-        model = _FlatteningLSTM(flatten)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-        for step in range(3):
-            if write and step == 1:
-                with torch.no_grad():
-                    model.rnn.weight_hh_l0.fill_(0.25)  # (exact in bf16)
-                for group in opt.param_groups:
-                    group["lr"] = 0.0
-            opt.zero_grad()
-            for _ in range(2):  # (accumulated: two forwards, two flattens, one step)
-                with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
-                    scaled.backward()
-            opt.step()
-        return model
-
-    expected, got = run(flatten=False), run(flatten=True)
-    for (name, v), w in zip(got.state_dict().items(), expected.state_dict().values()):
-        torch.testing.assert_close(v, w, rtol=0, atol=0, msg=name)
-    written = run(flatten=True, write=True)
+    expected = _o2_flattening_lstm(x, flatten=False, forwards=2)
+    _assert_same_state(_o2_flattening_lstm(x, flatten=True, forwards=2), expected)
+    written = _o2_flattening_lstm(x, flatten=True, forwards=2, write=True)
     assert torch.equal(written.state_dict()["rnn.weight_hh_l0"],
                        torch.full_like(written.state_dict()["rnn.weight_hh_l0"], 0.25))
     assert torch.equal(written.rnn.weight_hh_l0, torch.full_like(written.rnn.weight_hh_l0, 0.25))
@@ -255,23 +259,9 @@ def test_o2_rnn_keeps_its_class_and_compiles_with_the_packing_seen(monkeypatch):
     _pack_on_the_cpu(monkeypatch)
     x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(3))
 
-    def run(flatten, compiled=False):
-        torch.manual_seed(0)
-        model = _FlatteningLSTM(flatten)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-        assert type(model.rnn) is nn.LSTM
-        call = torch.compile(model, backend="eager") if compiled else model
-        for _ in range(3):
-            opt.zero_grad()
-            with amp.scale_loss(call(x).float().pow(2).mean(), opt) as scaled:
-                scaled.backward()
-            opt.step()
-        return model
-
-    expected, got = run(flatten=False), run(flatten=True, compiled=True)
-    for (name, v), w in zip(got.state_dict().items(), expected.state_dict().values()):
-        torch.testing.assert_close(v, w, rtol=0, atol=0, msg=name)
+    got = _o2_flattening_lstm(x, flatten=True, compiled=True)
+    assert type(got.rnn) is nn.LSTM
+    _assert_same_state(got, _o2_flattening_lstm(x, flatten=False))
     for dup in (copy.deepcopy(got), pickle.loads(pickle.dumps(got))):
         torch.testing.assert_close(dup(x), got(x), rtol=0, atol=0)
         assert type(dup.rnn) is nn.LSTM
@@ -336,13 +326,7 @@ def test_o3_sparse_embedding_trains_as_a_plain_half_model():
             model.half()
         for _ in range(3):
             opt.zero_grad()
-            loss = model(idx).float().pow(2).sum()
-            if use_amp:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-            else:
-                loss.backward()
-            opt.step()
+            backward_and_step(model(idx).float().pow(2).sum(), opt, amp, use_amp)
         return model.weight.detach()
 
     torch.testing.assert_close(run(True), run(False), rtol=0, atol=0)
