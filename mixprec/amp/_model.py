@@ -33,8 +33,8 @@ from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
 __all__ = [
     "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "agree_on_overflow", "cast_floating",
-    "cast_module_tensors", "convert_model", "converted_part_of", "is_amp_model", "master_weights", "overflow_groups",
-    "restore_model",
+    "cast_module_tensors", "convert_model", "converted_part_of", "is_amp_model",
+    "master_weights", "overflow_groups", "restore_model",
 ]
 
 # Set on a model by mixprec.parallel.DistributedDataParallel's forward: True when the backward
