@@ -755,12 +755,12 @@ class _OptimizerState:
         tensor was swapped for another (``model.to(...)`` under PyTorch's
         ``swap_module_params_on_conversion``, whose new tensor has a version counter of its
         own) was moved, not written. Writes through ``.data`` bump no counter and are not
-        seen. An RNN's ``flatten_parameters()``, which many models call in every forward, packs
-        its weights into one new cuDNN buffer (``set_``, values unchanged): amp's wrapper of
-        it takes the writes before it and records the versions after it (see
+        seen. An RNN's ``flatten_parameters()``, which many models call in every forward,
+        packs its weights into one new cuDNN buffer (``set_``, values unchanged): amp's
+        wrapper of it takes the writes before it and records the versions after it (see
         ``mixprec.amp._model._watch_rnn_packing``), or the masters would be rounded to half
-        at every step. Not inside a CUDA-graph capture or a ``torch.compile`` trace (a captured copy
-        would replay at every step).
+        at every step. Not inside a CUDA-graph capture or a ``torch.compile`` trace (a
+        captured copy would replay at every step).
         """
         synced = self._synced_versions
         if is_compiling() or (self.pairs[0][1].is_cuda

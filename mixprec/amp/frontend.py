@@ -91,9 +91,9 @@ def _refuse_part_of_amp_model(model: nn.Module) -> None:
         raise ValueError(
             f"amp.initialize(models={type(model).__name__}(...)): this model is inside a "
             f"model that an earlier amp.initialize cast to half ({type(outer).__name__}). "
-            "Called "
-            "inside it, this model's own casts would hand fp32 outputs to half layers. To call "
-            "the part on its own as well, initialize the two together, on fresh fp32 models: "
+            "Called inside it, this model's own casts would hand fp32 outputs to half layers. "
+            "To call the part on its own as well, initialize the two together, on fresh fp32 "
+            "models: "
             "`[outer, part], opt = amp.initialize([outer, outer.part], opt, ...)`; else call "
             "the part as it is (it is already half)."
         )
@@ -346,8 +346,10 @@ def initialize(
         opt_state.install_skipping_step(opt)
     # A model and its own submodule in one call (``[outer, outer.sub]``, to call the part on
     # its own too): inside the enclosing forward the part is a half layer (no fp32 outputs).
-    inside = {id(m) for m in model_list for other in model_list
-              if other is not m and any(m is sub for sub in other.modules())}
+    # (How many of the others each model is inside: the enclosing ones convert first.)
+    depth = {id(m): sum(any(m is sub for sub in other.modules()) for other in model_list
+                        if other is not m) for m in model_list}
+    inside = {i for i, d in depth.items() if d}
     encloses = {id(other) for other in model_list
                 if any(id(sub) in inside for sub in other.modules() if sub is not other)}
     for model in model_list:
@@ -358,8 +360,6 @@ def initialize(
     # Enclosing models first: a part's own conversion comes last and sets its forward (an
     # enclosing model's would replace it with a layer's: an embedding's max_norm, O1's
     # BatchNorm).
-    depth = {id(m): sum(any(m is sub for sub in other.modules()) for other in model_list
-                        if other is not m) for m in model_list}
     for model in sorted(model_list, key=lambda m: depth[id(m)]):
         convert_model(model, props, encloses=id(model) in encloses,
                       enclosed=id(model) in inside)

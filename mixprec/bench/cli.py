@@ -420,7 +420,7 @@ def _mode_line(row, done: int, total: int) -> str:
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdout) -> int:
     from mixprec.bench import report
     from mixprec.bench.models import build_workload
-    from mixprec.bench.runner import DTYPES, ModeResult, mode_label, run_modes
+    from mixprec.bench.runner import DTYPES, ModeResult, mode_dtype_name, mode_label, run_modes
 
     device = _resolve_device(args.device, parser)
     on_cuda = device.type == "cuda"
@@ -641,7 +641,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
             wrote.append(f"wrote {path}" + ("" if results else " (no rows: no mode finished)"))
 
     missing = [  # the table shows the modes that did not run too
-        ModeResult(mode=m, label=mode_label(m, dtype), dtype="fp32" if m == "O0" else dtype_name,
+        ModeResult(mode=m, label=mode_label(m, dtype), dtype=mode_dtype_name(m, dtype),
                    status=report.NOT_RUN, error="interrupted", device=str(device))
         for m in not_run
     ]

@@ -55,6 +55,7 @@ __all__ = [
     "DTYPES",
     "MODES",
     "ModeResult",
+    "mode_dtype_name",
     "mode_label",
     "run_mode",
     "run_modes",
@@ -148,6 +149,11 @@ class ModeResult:
 
 def _finite_or_none(v):
     return v if v is None or math.isfinite(v) else None
+
+
+def mode_dtype_name(mode: str, dtype: torch.dtype) -> str:
+    """The dtype column of ``mode`` at half type ``dtype``: fp32 for the fp32 modes."""
+    return "fp32" if mode in ("fp32", "O0") else _DTYPE_NAMES.get(dtype, str(dtype))
 
 
 def mode_label(mode: str, dtype: torch.dtype) -> str:
@@ -649,11 +655,10 @@ def run_mode(
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    dtype_name = "fp32" if mode in ("fp32", "O0") else _DTYPE_NAMES[dtype]
     result = ModeResult(
         mode=mode,
         label=mode_label(mode, dtype),
-        dtype=dtype_name,
+        dtype=mode_dtype_name(mode, dtype),
         device=str(device),
         iters=iters,
         warmup=warmup,
@@ -851,11 +856,10 @@ def run_modes(
             row = run_mode(workload, mode, dtype=dtype, progress=progress, **kwargs)
         except Exception as exc:  # noqa: BLE001 - one failing recipe must not stop the others
             logger.debug("mode %s failed", mode, exc_info=True)
-            dtype_name = "fp32" if mode in ("fp32", "O0") else _DTYPE_NAMES.get(dtype, str(dtype))
             row = ModeResult(
                 mode=mode,
                 label=mode_label(mode, dtype),
-                dtype=dtype_name,
+                dtype=mode_dtype_name(mode, dtype),
                 status="failed",
                 error=f"{type(exc).__name__}: {exc}",
                 device=str(device),

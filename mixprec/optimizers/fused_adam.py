@@ -93,9 +93,7 @@ def _beta_value(beta, i: int, index: int) -> float:
     if not isinstance(beta, Tensor):
         return float(beta)
     where = f"FusedAdam param group {index}"
-    problem = _tensor_beta_problem(beta)  # (set by hand since the checks)
-    if problem is not None:
-        raise ValueError(f"{where}: betas[{i}]={_describe_lr(beta)}: {problem}.")
+    _check_tensor_beta(i, beta, where)  # (set by hand since the checks)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             f"{where}: betas[{i}] is a tensor ({_describe_lr(beta)}) and this step is being "
