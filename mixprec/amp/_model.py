@@ -22,7 +22,7 @@ import threading
 import weakref
 from collections import UserDict
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch import nn
@@ -71,26 +71,42 @@ def _mark_parts(model: nn.Module) -> None:
             _PART_OF[module] = ref
 
 
-# amp models whose overflow decision must agree across ranks, with the process groups to agree
-# over: a mixprec.parallel.Reducer registers its model here. (DDP needs none: its all-reduce
-# runs inside the backward, so an inf on one rank reaches every rank's gradients before amp
-# checks them. A Reducer may reduce after the scale_loss block, when each rank has decided.)
-# Weak keys: a deep copy or a pickled model is not registered, and no process group is pickled.
+# Modules whose gradients' overflow decision must agree across ranks, with the process groups
+# to agree over: a mixprec.parallel.Reducer registers its module here. (DDP needs none: its
+# all-reduce runs inside the backward, so an inf on one rank reaches every rank's gradients
+# before amp checks them. A Reducer may reduce after the scale_loss block, when each rank has
+# decided.) Any module, amp model or not: a Reducer may be built before amp.initialize, or on a
+# part of an amp model or a module holding one; amp looks up the modules holding an
+# optimizer's parameters when it checks (overflow_groups). Weak keys: a deep copy or a pickled
+# model is not registered, and no process group is pickled.
 _OVERFLOW_GROUPS: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
+_overflow_registrations = 0  # (bumped at each registration: amp's cached lookups go stale)
 
 
-def agree_on_overflow(model: nn.Module, group) -> None:
-    """Make amp's inf/NaN check of ``model``'s gradients agree over ``group`` (None: all
-    ranks): every rank then skips a step that overflowed on any rank, and the loss scales stay
-    equal. Costs one all-reduce of one flag per checked backward."""
-    groups = _OVERFLOW_GROUPS.setdefault(model, [])
+def agree_on_overflow(module: nn.Module, group) -> None:
+    """Make amp's inf/NaN check of the gradients of ``module``'s parameters agree over
+    ``group`` (None: all ranks): every rank then skips a step that overflowed on any rank, and
+    the loss scales stay equal. Costs one all-reduce of one flag per checked backward."""
+    global _overflow_registrations
+    groups = _OVERFLOW_GROUPS.setdefault(module, [])
     if not any(g is group for g in groups):
         groups.append(group)
+        _overflow_registrations += 1
 
 
-def overflow_groups(model: nn.Module) -> list:
-    """The process groups ``model``'s overflow decisions must agree over (see above)."""
-    return _OVERFLOW_GROUPS.get(model, ())
+def overflow_registrations() -> int:
+    """How many (module, group) pairs :func:`agree_on_overflow` has registered so far."""
+    return _overflow_registrations
+
+
+def overflow_groups(param_ids: Set[int]) -> list:
+    """The process groups over which the overflow decision for the parameters with these
+    ``id``s must agree: those of the registered modules holding any of them (see above)."""
+    groups = []
+    for module, module_groups in list(_OVERFLOW_GROUPS.items()):
+        if any(id(p) in param_ids for p in module.parameters()):
+            groups.extend(g for g in module_groups if not any(g is h for h in groups))
+    return groups
 
 
 def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) -> Any:

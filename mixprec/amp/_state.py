@@ -32,7 +32,12 @@ import torch
 from mixprec.amp import _multi_tensor
 from mixprec.amp._amp_state import attach_apex_optimizer_names
 from mixprec.amp._logging import OverflowLog, is_rank_zero, log_rank0
-from mixprec.amp._model import GRAD_SYNC_DEFERRED, overflow_groups, register_masters
+from mixprec.amp._model import (
+    GRAD_SYNC_DEFERRED,
+    overflow_groups,
+    overflow_registrations,
+    register_masters,
+)
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
@@ -331,6 +336,10 @@ class _OptimizerState:
         # the parameter count they were found for.
         self._owners: List[weakref.ref] = []
         self._owners_for = -1
+        # The process groups its overflow decisions must agree over (overflow_groups()), and
+        # the (parameter count, registration count) they were found for.
+        self._agree_over: list = []
+        self._agree_over_for = (-1, -1)
         # Sync-free skipping (fused optimizers on one CUDA device): the overflow flag stays on
         # the device and the optimizer's fused kernel skips the update itself.
         self.pending_found: Optional[torch.Tensor] = None
@@ -505,6 +514,17 @@ class _OptimizerState:
                             if any(id(p) in ids for p in m.parameters())]
             self._owners_for = self.known_params
         return [m for m in (ref() for ref in self._owners) if m is not None]
+
+    def overflow_groups(self) -> list:
+        """The process groups over which this optimizer's overflow decisions must agree: those
+        of the modules given to a ``mixprec.parallel.Reducer`` that hold any of its parameters
+        (looked up again after a new group or a new Reducer)."""
+        key = (self.known_params, overflow_registrations())
+        if self._agree_over_for != key:
+            ids = {id(p) for p, _ in self.pairs} | {id(p) for p in self.plain}
+            self._agree_over = overflow_groups(ids)
+            self._agree_over_for = key
+        return self._agree_over
 
     def hold_scaled(self, scaler: LossScaler, scale) -> None:
         """Leave this backward's gradients scaled in place (delay_unscale, or no_sync())."""
@@ -974,10 +994,10 @@ class AmpState:
         if not scaler.dynamic:
             scaler.update(False)  # (counts the step; a static scale never skips one)
             return
-        # The process groups over which the decision must agree: those of the models (under a
-        # mixprec.parallel.Reducer; see _model.agree_on_overflow) holding these parameters.
+        # The process groups over which the decision must agree: those of the modules under a
+        # mixprec.parallel.Reducer holding these parameters (see _model.agree_on_overflow).
         groups = []
-        for group in (g for s in states for m in s.owner_models() for g in overflow_groups(m)):
+        for group in (g for s in states for g in s.overflow_groups()):
             if not any(group is h for h in groups):
                 groups.append(group)
         if groups or len(flags) > 1:

@@ -6,6 +6,7 @@ Everything here goes through ``torch.distributed``: NCCL for CUDA tensors, gloo 
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections import OrderedDict
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -79,13 +80,29 @@ def require_initialized(what: str) -> None:
         )
 
 
+def check_process_group(where: str, group) -> None:
+    """Raise a TypeError naming ``where`` when ``group`` is a number or a string: a group
+    size or a backend name where the group goes. (Anything else passes, as torch.distributed
+    takes it: a ProcessGroup, or a stand-in for one.)"""
+    if not isinstance(group, (numbers.Number, str, bytes)):
+        return
+    hint = (" (a group size? create_syncbn_process_group(group_size) returns the group)"
+            if isinstance(group, numbers.Integral) and not isinstance(group, bool) else "")
+    raise TypeError(
+        f"{where}(process_group={group!r}): expected None (all ranks) or a "
+        f"torch.distributed ProcessGroup{hint}; got a {type(group).__name__}. Pass e.g. "
+        "torch.distributed.new_group(ranks)."
+    )
+
+
 def group_world_size(group) -> int:
     """World size of ``group`` (None: the default group); RuntimeError if this rank is not in it."""
     size = dist.get_world_size(group)
     if size < 1:
         raise RuntimeError(
             f"This rank ({dist.get_rank()}) is not a member of the process group it was given. "
-            "Pass the group this rank belongs to (create_syncbn_process_group returns it)."
+            "Pass a group this rank belongs to (torch.distributed.new_group(ranks) with this "
+            "rank among the ranks, or create_syncbn_process_group's group for it)."
         )
     return size
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Optional
 
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from mixprec.parallel._comm import require_initialized
+from mixprec.parallel._comm import check_process_group, require_initialized
 from mixprec.parallel.sync_batchnorm import SyncBatchNorm
 
 __all__ = ["convert_syncbn_model", "create_syncbn_process_group"]
@@ -81,6 +82,7 @@ def convert_syncbn_model(module: nn.Module, process_group=None,
         )
     if not isinstance(channel_last, bool):
         raise TypeError(f"convert_syncbn_model(channel_last={channel_last!r}): must be a bool.")
+    check_process_group("convert_syncbn_model", process_group)
     if isinstance(module, SyncBatchNorm):
         # Apex's function rebuilt every _BatchNorm, its own SyncBatchNorm included, with the
         # arguments given: the layer stays (the same object) and takes them too, so that a
@@ -120,10 +122,16 @@ def create_syncbn_process_group(group_size: int) -> Optional[dist.ProcessGroup]:
         >>> group = create_syncbn_process_group(4)   # 8 GPUs: ranks 0-3 and 4-7
         >>> model = convert_syncbn_model(model, process_group=group)
     """
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 0:
+    try:  # (any integer type, e.g. NumPy's from a world-size computation; not a bool)
+        size = None if isinstance(group_size, bool) else operator.index(group_size)
+    except TypeError:
+        size = None
+    if size is None or size < 0:
         raise ValueError(
-            f"create_syncbn_process_group(group_size={group_size!r}): must be an int >= 0."
+            f"create_syncbn_process_group(group_size={group_size!r}): must be an int >= 0 "
+            "(ranks per group; 0 for one group of all ranks)."
         )
+    group_size = int(size)
     if group_size == 0:
         return None
     require_initialized("create_syncbn_process_group")

@@ -56,6 +56,7 @@ from mixprec.parallel._backward_end import remove_hooks
 from mixprec.parallel._comm import (
     ReduceSpec,
     broadcast_coalesced,
+    check_process_group,
     group_world_size,
     require_initialized,
 )
@@ -406,6 +407,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 UserWarning,
             )
 
+        check_process_group("DistributedDataParallel", process_group)
         group_world_size(process_group)  # this rank must belong to the group
         delay_allreduce = bool(delay_allreduce)
         buffer_kwargs = (

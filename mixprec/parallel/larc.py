@@ -59,6 +59,12 @@ class LARC:
                 f"LARC(optimizer={type(optimizer).__name__}): expected a torch.optim.Optimizer, "
                 "e.g. LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))."
             )
+        if isinstance(optimizer, torch.optim.LBFGS):
+            raise TypeError(
+                "LARC(LBFGS): LARC scales the gradients once before the inner step, and LBFGS "
+                "recomputes them through its closure inside its step, which would undo the "
+                "scaling. Wrap a first-order optimizer (SGD, Adam, ...), or use LBFGS alone."
+            )
         for name, value in (("trust_coefficient", trust_coefficient), ("eps", eps)):
             # (NumPy scalars too: Apex took any number.)
             if (not isinstance(value, numbers.Real) or isinstance(value, bool)

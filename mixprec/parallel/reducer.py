@@ -8,11 +8,12 @@ from typing import List, Optional, Union
 import torch
 from torch import nn
 
-from mixprec.amp._model import agree_on_overflow, is_amp_model, master_weights
+from mixprec.amp._model import agree_on_overflow, master_weights
 from mixprec.amp._state import set_aside_grads
 from mixprec.parallel._comm import (
     all_reduce_average_coalesced,
     broadcast_coalesced,
+    check_process_group,
     group_world_size,
     require_initialized,
 )
@@ -32,6 +33,23 @@ def _collect_tensors(items: Iterable, out: List[torch.Tensor], bad: List[str]) -
             bad.append(type(item).__name__)
 
 
+def _check_reducible(t: torch.Tensor, what: str) -> None:
+    """Raise a TypeError naming ``what`` unless ``t`` is a dense floating (or complex) tensor,
+    which an average keeps in its dtype."""
+    if t.layout != torch.strided:
+        raise TypeError(
+            f"{what} is a {t.layout} tensor (e.g. from nn.Embedding(sparse=True)); Reducer "
+            "averages dense tensors only. Build the layer with sparse=False, or reduce that "
+            "gradient yourself (torch.distributed.all_reduce takes sparse tensors over gloo)."
+        )
+    if not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(
+            f"{what} is {t.dtype}; Reducer averages floating-point tensors, and an average "
+            "of integers is not one. Pass floating tensors (e.g. t.float()), or all-reduce "
+            "integers with torch.distributed.all_reduce."
+        )
+
+
 class Reducer:
     """Average gradients (or any tensors) over all ranks, when :meth:`reduce` is called.
 
@@ -41,13 +59,15 @@ class Reducer:
     parameters that have one; given a list of tensors, :meth:`reduce` averages those in place.
     Each call makes one flat all-reduce per (device, dtype).
 
-    With an amp O2 model (``amp.initialize`` first, as for DDP) the fp32 master weights are
-    broadcast too, and :meth:`reduce` averages the masters' gradients as well as the half
-    parameters', so it may be called inside the ``amp.scale_loss`` block after backward or
-    after the block (where the gradients have moved into the masters) alike. Under dynamic
-    loss scaling amp's overflow check of a model given to a Reducer agrees over its ranks
-    (one all-reduce of one flag per checked backward): a step that overflowed on any rank is
-    skipped on all, as when the inf is averaged in before the check. Half-precision tensors
+    With an amp O2 model the fp32 master weights are broadcast too (built before
+    ``amp.initialize``, the masters are made from the broadcast weights), and :meth:`reduce`
+    averages the masters' gradients as well as the half parameters', so it may be called
+    inside the ``amp.scale_loss`` block after backward or after the block (where the gradients
+    have moved into the masters) alike. Under dynamic loss scaling amp's overflow check of the
+    module's parameters agrees over its ranks (one all-reduce of one flag per checked
+    backward), whichever of the Reducer and ``amp.initialize`` came first: a step that
+    overflowed on any rank is skipped on all, as when the inf is averaged in before the
+    check. Half-precision tensors
     are divided by the number of ranks before they are summed, so a sum of finite fp16
     gradients cannot overflow.
 
@@ -84,21 +104,24 @@ class Reducer:
                     "iterable of tensors (nested lists and generators are fine); got one "
                     f"holding {sorted(set(bad)) or 'no tensors'}."
                 )
+            for i, t in enumerate(tensors):
+                _check_reducible(t, f"Reducer(module_or_grads_list=...): tensor {i}")
             self.grads = tensors
         else:
             raise TypeError(
                 f"Reducer(module_or_grads_list={type(module_or_grads_list).__name__}): expected "
                 "an nn.Module or an iterable of tensors (e.g. [p.grad for p in params])."
             )
+        check_process_group("Reducer", process_group)
         require_initialized("Reducer")
         if self.module is not None:
             # After the scale_loss block each rank has already decided alone whether its
-            # gradients overflowed (and dropped them if so): amp's check of these models now
-            # agrees over the group, so every rank skips the same steps, keeps the same loss
-            # scale, and holds gradients for the same parameters when reduce() runs.
-            for m in self.module.modules():
-                if is_amp_model(m):
-                    agree_on_overflow(m, process_group)
+            # gradients overflowed (and dropped them if so): amp's check of this module's
+            # parameters now agrees over the group, so every rank skips the same steps, keeps
+            # the same loss scale, and holds gradients for the same parameters when reduce()
+            # runs. Registered whether or not amp has the module yet: amp.initialize may come
+            # after, or take a model holding this module, or a part of it.
+            agree_on_overflow(self.module, process_group)
             params = [p.data for p in self.module.parameters()]
             params += [m.data for m in master_weights(self.module)]
             if params:
@@ -118,6 +141,11 @@ class Reducer:
             # (and, without masters, the earlier micro-batches' gradients that a scale_loss
             # block holds aside until it exits: reduce() inside the block must average them)
             tensors += set_aside_grads(self.module.parameters())
+            for t in tensors:
+                if t.layout != torch.strided:
+                    names = [n for n, p in self.module.named_parameters()
+                             if p.grad is not None and p.grad.layout != torch.strided]
+                    _check_reducible(t, f"Reducer.reduce(): the gradient of {names or 'a master'}")
         else:
             tensors = self.grads
         if tensors:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mixprec.normalization.batch_norm import batch_norm_bias_kwargs
-from mixprec.parallel._comm import group_world_size, is_distributed
+from mixprec.parallel._comm import check_process_group, group_world_size, is_distributed
 from mixprec.parallel._sync_batchnorm_function import sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
@@ -104,6 +104,7 @@ class SyncBatchNorm(_BatchNorm):
                 "number of channels C)."
             )
         num_features = int(channels)
+        check_process_group("SyncBatchNorm", process_group)
         if not isinstance(channel_last, bool):
             raise TypeError(
                 f"SyncBatchNorm(channel_last={channel_last!r}): must be a bool. True means the "
@@ -133,13 +134,27 @@ class SyncBatchNorm(_BatchNorm):
                 f"tensor of shape {tuple(input.shape)}."
             )
         channels = input.shape[-1] if self.channel_last else input.shape[1]
-        if channels != self.num_features:
+        # (A layer with no weight, bias or running statistics normalizes any number of
+        # channels, as BatchNorm does: convert_syncbn_model must not refuse what it took.)
+        held = [t for t in (self.weight, self.bias, self.running_mean, self.running_var)
+                if t is not None]
+        if channels != self.num_features and held:
             where = "last" if self.channel_last else "second (dim 1)"
             raise ValueError(
                 f"SyncBatchNorm({self.num_features}): input of shape {tuple(input.shape)} has "
                 f"{channels} channels in its {where} dimension; expected {self.num_features}."
                 + ("" if self.channel_last else
                    " For (N, *, C) inputs construct it with channel_last=True.")
+            )
+        # The dtypes BatchNorm takes, on every path (the multi-rank one computed any pair, so a
+        # model trained there failed in eval): the parameters' own, or half with fp32 ones.
+        if held and input.dtype != held[0].dtype and not (
+                input.dtype in (torch.float16, torch.bfloat16) and held[0].dtype == torch.float32):
+            raise TypeError(
+                f"SyncBatchNorm({self.num_features}): input is {input.dtype}, the layer's "
+                f"parameters and buffers {held[0].dtype}; it takes input of their dtype, or "
+                "float16/bfloat16 input with float32 ones. Cast the input or the layer "
+                f"(e.g. layer.to({input.dtype}))."
             )
 
     def _average_factor(self) -> float:

@@ -1702,6 +1702,18 @@ def check_reducer(ctx):
         assert "['int']" in str(err), str(err)
     else:
         raise AssertionError("a non-tensor leaf did not raise TypeError")
+    # A sparse gradient (every rank alike, so every rank raises, before any collective): a
+    # clear error, not PyTorch's "reshape is not implemented for sparse tensors".
+    if ctx.device.type == "cpu":  # (CUDA sparse embedding backward: same rule, not needed)
+        emb = nn.Embedding(5, 3, sparse=True)
+        emb_reducer = Reducer(emb)
+        emb(torch.tensor([ctx.rank])).sum().backward()
+        try:
+            emb_reducer.reduce()
+        except TypeError as err:
+            assert "['weight']" in str(err) and "sparse=False" in str(err), str(err)
+        else:
+            raise AssertionError("a sparse gradient did not raise TypeError")
     # A group without global rank 0: its first member is the broadcast source.
     last = ctx.world_size - 1
     groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
@@ -1763,12 +1775,32 @@ def check_reducer_amp_overflow_on_one_rank(ctx):
     # the scale_loss block each rank had decided alone: rank 0 dropped its gradients and
     # skipped reduce()'s all-reduce while the others waited in it (a hang). The overflow check
     # of a Reducer's model now agrees over the ranks: every rank skips step 0 and halves its
-    # scale, then step 1 trains as one process would.
+    # scale, then step 1 trains as one process would. Whichever came first, the Reducer or
+    # amp.initialize, and whether the Reducer has the amp model, a part of it or a module
+    # holding it: a Reducer built before initialize (or on a part) agreed on nothing, and the
+    # rank that overflowed skipped while the other stepped on the averaged inf.
     from mixprec import amp
 
-    for opt_level, where in (("O2", "after"), ("O1", "after"), ("O2", "inside")):
+    cases = [("O2", "after", "model"), ("O1", "after", "model"), ("O2", "inside", "model"),
+             ("O2", "after", "before initialize"), ("O1", "after", "before initialize"),
+             ("O2", "inside", "before initialize"), ("O2", "after", "a part"),
+             ("O2", "after", "a holder")]
+    for opt_level, where, given in cases:
         model, opt, ref, ref_opt = _amp_sgd_pairs(ctx, 240, 240, opt_level, torch.float16)
-        reducer = Reducer(model)
+        if given == "model":
+            reducer = Reducer(model)
+        elif given == "before initialize":
+            model = _mlp(ctx.device, seed=240)
+            reducer = Reducer(model)
+            model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                        opt_level=opt_level, dtype=torch.float16, verbosity=0)
+        elif given == "a part":  # (the amp model holds the MLP; the Reducer has the MLP)
+            model = nn.Sequential(_mlp(ctx.device, seed=240))
+            model, opt = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                                        opt_level=opt_level, dtype=torch.float16, verbosity=0)
+            reducer = Reducer(model[0])
+        else:
+            reducer = Reducer(nn.ModuleList([model]))
         skipped = []
         for step in range(2):
             x, y = _global_batch(ctx, seed=250 + step)
@@ -1778,7 +1810,7 @@ def check_reducer_amp_overflow_on_one_rank(ctx):
             skipped.append(amp.step_was_skipped(opt))
             if step == 1:  # the reference: step 0 skipped everywhere, step 1 on the batch
                 _amp_step_mse(ref, ref_opt, x, y, amp)
-        what = f"{opt_level}, reduce {where} scale_loss"
+        what = f"{opt_level}, reduce {where} scale_loss, Reducer of {given}"
         assert skipped == [True, False], (what, skipped)
         scale = torch.tensor([amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]])
         _assert_same_on_all_ranks(ctx, [scale], f"loss scale ({what})")
@@ -2363,6 +2395,12 @@ def test_reducer_errors_without_process_group():
         Reducer([torch.ones(2), 3.0])
     with pytest.raises(TypeError, match="holding no tensors"):
         Reducer([])
+    # Integers cannot be averaged in their dtype: refused when given (it failed in reduce()
+    # with "result type Float can't be cast to the desired output type Long").
+    with pytest.raises(TypeError, match=r"tensor 1 is torch.int64.*floating"):
+        Reducer([torch.ones(2), torch.tensor([1, 2])])
+    with pytest.raises(TypeError, match=r"Reducer\(process_group=2\).*ProcessGroup"):
+        Reducer(nn.Linear(2, 2), process_group=2)
     with pytest.raises(RuntimeError, match="init_process_group"):
         Reducer(nn.Linear(2, 2))
 

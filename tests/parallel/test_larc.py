@@ -234,6 +234,8 @@ def test_larc_errors():
         LARC(torch.optim.SGD([p], lr=0.1), clip="yes")
     with pytest.raises(ValueError, match="trust_coefficient=nan"):
         LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=float("nan"))
+    with pytest.raises(TypeError, match=r"LARC\(LBFGS\).*closure.*first-order"):
+        LARC(torch.optim.LBFGS([p]))  # (its step recomputes the gradients LARC scaled)
     # What Apex took: any number, a truthy int or NumPy bool for clip.
     np = pytest.importorskip("numpy")
     larc = LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=np.float32(0.01),

@@ -294,7 +294,11 @@ def check_plan_follows_parameter_changes(ctx):
         changes = [("bf16 parameters", lambda layer: layer.to(torch.bfloat16),
                     OUT_TOL[torch.bfloat16]), ("strided weight", strided_weight, fp32),
                    ("strided running variance", strided_running_var, fp32)]
+        x32 = x
         for what, change, tol in changes:
+            # (bf16 input throughout the bf16 case: taken with the fp32 parameters first, then
+            # with the cast ones; an fp32 input with bf16 parameters is refused, as BatchNorm)
+            x = (x32.to(torch.bfloat16) if what == "bf16 parameters" else x32).detach()
             m = SyncBatchNorm(6).to(ctx.device)
             with path_ctx():
                 m(x.requires_grad_()).sum().backward()  # a plan for fp32, contiguous parameters
@@ -714,6 +718,45 @@ def test_syncbn_input_errors():
         SyncBatchNorm(0)
     with pytest.raises(TypeError, match="channel_last"):
         SyncBatchNorm(3, channel_last="yes")
+    # A group size where the group goes: refused at construction (it failed in the first
+    # training forward, with an AttributeError from inside torch.distributed).
+    with pytest.raises(TypeError, match=r"SyncBatchNorm\(process_group=2\).*ProcessGroup.*"
+                                        r"create_syncbn_process_group"):
+        SyncBatchNorm(3, process_group=2)
+    with pytest.raises(TypeError, match=r"convert_syncbn_model\(process_group='all'\)"):
+        convert_syncbn_model(nn.Sequential(nn.Linear(2, 2)), process_group="all")
+
+
+@pytest.mark.parametrize("input_dtype, layer_dtype", [(torch.float64, torch.float32),
+                                                      (torch.float32, torch.float64),
+                                                      (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("training", [True, False])
+def test_syncbn_refuses_the_dtype_pairs_batchnorm_refuses(input_dtype, layer_dtype, training):
+    # The multi-rank path computed any pair of dtypes, so a model trained there failed in eval
+    # (or alone) with PyTorch's "mixed dtype" error. Every path now takes what BatchNorm takes:
+    # the layer's dtype, or half input with fp32 parameters.
+    bn = SyncBatchNorm(3).to(layer_dtype).train(training)
+    with pytest.raises(TypeError, match=f"input is {input_dtype}.*{layer_dtype}"):
+        bn(torch.randn(4, 3, dtype=input_dtype))
+    assert int(bn.num_batches_tracked) == 0  # (refused before anything was counted)
+    for half in (torch.float16, torch.bfloat16):  # half input, fp32 layer: taken, as in O2
+        out = SyncBatchNorm(3).train(training)(torch.randn(4, 3).to(half))
+        assert out.dtype == half
+    ref = nn.BatchNorm1d(3).to(layer_dtype).train(training)
+    with pytest.raises(RuntimeError):  # (what PyTorch's own layer does with the same pair)
+        ref(torch.randn(4, 3, dtype=input_dtype))
+
+
+def test_parameter_free_syncbn_takes_any_channel_count():
+    # BatchNorm without weight, bias or running statistics normalizes any number of channels;
+    # converted, it raised "has 7 channels ... expected 3".
+    bn = nn.BatchNorm2d(3, affine=False, track_running_stats=False)
+    x = torch.randn(4, 7, 5, 5, dtype=torch.float64)
+    sync = convert_syncbn_model(bn)
+    assert isinstance(sync, SyncBatchNorm)
+    torch.testing.assert_close(sync(x), bn(x), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="has 7 channels"):  # with statistics it is checked
+        SyncBatchNorm(3, affine=False)(x.float())
 
 
 def test_convert_syncbn_model_keeps_parameters_mode_and_requires_grad():
@@ -805,6 +848,10 @@ def test_create_syncbn_process_group_errors(not_distributed):
     assert create_syncbn_process_group(0) is None
     with pytest.raises(ValueError, match=">= 0"):
         create_syncbn_process_group(-1)
+    with pytest.raises(ValueError, match=">= 0"):
+        create_syncbn_process_group(2.0)
+    np = pytest.importorskip("numpy")
+    assert create_syncbn_process_group(np.int64(0)) is None  # (any integer type, as Apex)
     with pytest.raises(RuntimeError, match="init_process_group"):
         create_syncbn_process_group(2)
 
