@@ -109,6 +109,17 @@ def in_functorch_or_forward_ad() -> bool:
     return getattr(torch.autograd.forward_ad, "_current_level", -1) >= 0
 
 
+_legacy_batched = getattr(getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", None)
+
+
+def is_batched_grad(grad: Tensor) -> bool:
+    """Whether ``grad`` is one of the batched gradients (no storage, no data pointer) that
+    ``torch.autograd.grad(..., is_grads_batched=True)`` hands each backward, as
+    ``torch.autograd.functional.jacobian(vectorize=True)`` does: the kernels cannot read
+    them, PyTorch's arithmetic can."""
+    return _legacy_batched is not None and _legacy_batched(grad)
+
+
 def first_derivatives_only(backward, ctx, grad: Tensor, what: str):
     """``backward(ctx, grad)`` for an autograd Function whose backward has no derivative of
     its own (Triton kernels, or arithmetic run under ``no_grad``).

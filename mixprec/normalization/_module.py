@@ -155,7 +155,9 @@ def _fused_norm_forward(
     which is also what the launch plan is kept under: a norm runs twice per transformer layer
     and its host time is part of a step's.
     """
-    out_dtype = weight.dtype if output_like_weight and weight is not None else input.dtype
+    # (getattr: a list or other non-tensor input gets the argument check's TypeError below.)
+    out_dtype = (weight.dtype if output_like_weight and weight is not None
+                 else getattr(input, "dtype", None))
     return _ops.fused_norm(input, normalized_shape, weight, bias, eps, is_rms, memory_efficient,
                            out_dtype, check=name)
 

@@ -126,10 +126,14 @@ def norm_bwd_impl(
         rstd.dtype == torch.float32
         and x_dtype in _launch.FUSED_DTYPES
         and dy.dtype in _launch.FUSED_DTYPES
+        and all(t is None or t.device == xy.device for t in (dy, weight, bias, mean, rstd))
         and _use_triton(xy, xy.shape[1], weight, bias)
     ):
+        # (The statistics as the kernels read them: a saved-tensor hook may have returned
+        # strided copies. The parameters come flat and contiguous from _flat.)
         return _launch.backward(
-            dy, xy, weight, bias, mean, rstd, is_rms, from_y, x_dtype, need_dw, need_db
+            dy, xy, weight, bias, mean.contiguous(), rstd.contiguous(), is_rms, from_y,
+            x_dtype, need_dw, need_db
         )
     return reference.norm_backward(
         dy, xy, weight, bias, mean, rstd, is_rms, from_y, x_dtype, need_dw, need_db
@@ -226,14 +230,24 @@ class _TritonPath:
         """``(dx, dweight, dbias)`` in the input's and parameters' shapes (None where not
         requested)."""
         plan = self.plan
+        # What the kernels were planned for, as saved-tensor hooks may return otherwise (e.g.
+        # torch.autograd.graph.save_on_cpu, or a hook of the user's: a copy with other
+        # strides, dtype or device); else the generic path, which takes any.
         if (
             saved.dtype is not plan.xy_dtype
             or saved.stride() != self.xy_strides
             or saved.device != plan.device
             or rstd.dtype is not torch.float32
             or mean.dtype is not torch.float32
-            or (weight is not None and weight.dtype is not plan.w_dtype)
-            or (bias is not None and bias.dtype is not plan.b_dtype)
+            or not (rstd.is_contiguous() and mean.is_contiguous())
+            or rstd.device != plan.device
+            or mean.device != plan.device
+            or (weight is not None and (weight.dtype is not plan.w_dtype
+                                        or not weight.is_contiguous()
+                                        or weight.device != plan.device))
+            or (bias is not None and (bias.dtype is not plan.b_dtype
+                                      or not bias.is_contiguous()
+                                      or bias.device != plan.device))
         ):
             return self.generic.backward(dy, saved, weight, bias, mean, rstd, need_dw, need_db)
         if dy.dtype is not self.y_dtype:  # (autograd hands y's dtype; other callers may not)
@@ -338,8 +352,17 @@ def _make_path(x: Tensor, weight, bias, n: int, eps: float, is_rms: bool, from_y
 def _backward(ctx, dy):
     saved, weight, bias, mean, rstd = ctx.saved_tensors
     need_x, need_w, need_b = ctx.needs_input_grad[:3]
-    dx, dw, db = ctx.path.backward(dy, saved, weight, bias, mean, rstd, need_w, need_b)
+    path = ctx.path
+    if path.kernels and _launch.is_batched_grad(dy):
+        path = _reference_path(path)  # (is_grads_batched=True: PyTorch's arithmetic)
+    dx, dw, db = path.backward(dy, saved, weight, bias, mean, rstd, need_w, need_b)
     return dx if need_x else None, dw if need_w else None, db if need_b else None, None
+
+
+def _reference_path(path) -> "_GenericPath":
+    """``path``'s signature on the PyTorch reference (no kernels)."""
+    g = path.generic if isinstance(path, _TritonPath) else path
+    return _GenericPath(g.shape, g.x_dtype, g.n, g.eps, g.is_rms, g.from_y, g.y_dtype, False)
 
 
 class _FusedNormFunction(torch.autograd.Function):

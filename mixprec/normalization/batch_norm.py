@@ -24,6 +24,7 @@ from torch import nn
 from mixprec.normalization._launch import (
     first_derivatives_only,
     in_functorch_or_forward_ad,
+    is_batched_grad,
     is_compiling,
 )
 from mixprec.normalization._launch import interpreter_enabled as _launch_interpreter_enabled
@@ -276,9 +277,10 @@ def _backward(ctx, grad_out):
     x, weight, row = ctx.saved_tensors
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     plan = ctx.plan
-    if not plan.reads_saved(x, ctx.x_strides, weight, row):
+    if not plan.reads_saved(x, ctx.x_strides, weight, row) or is_batched_grad(grad_out):
         # A saved-tensor hook (activation offloading, compression) handed back copies laid
-        # out or typed otherwise: PyTorch arithmetic on what came back.
+        # out or typed otherwise, or the gradients are batched (is_grads_batched=True): PyTorch
+        # arithmetic on what came back.
         grads = _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias)
     else:
         if grad_out.dtype is not x.dtype or grad_out.stride() != x.stride():

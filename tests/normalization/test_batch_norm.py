@@ -405,6 +405,27 @@ def test_saved_tensor_hooks_that_hand_back_other_copies(path, handed_back):
         torch.testing.assert_close(g.double().cpu(), r, **TOL[torch.bfloat16], msg=name)
 
 
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_batched_gradients(path):
+    # torch.autograd.grad(..., is_grads_batched=True) hands the backward batched gradients
+    # without storage: the kernels' backward failed on them ("vmap: aten::copy_(self, src)
+    # is not possible"). PyTorch's arithmetic takes them, per gradient as a plain backward.
+    device, path_ctx = _path(path)
+    gen = torch.Generator().manual_seed(12)
+    bn = FusedBatchNorm(4).to(device)
+    x = _layout(torch.randn(3, 4, 2, 2, generator=gen).to(torch.bfloat16).to(device), 4)
+    vs = torch.randn(2, 3, 4, 2, 2, generator=gen).to(torch.bfloat16).to(device)
+    xo = x.detach().requires_grad_(True)
+    with path_ctx(), _count_fused_calls() as calls:
+        y = bn(xo)
+        gx, gw = torch.autograd.grad(y, [xo, bn.weight], vs, is_grads_batched=True)
+    assert calls  # (the forward ran on the kernels)
+    for i in range(len(vs)):
+        ref = _reference_step(bn, x, vs[i], 0.1)
+        torch.testing.assert_close(gx[i].double().cpu(), ref[1], **TOL[torch.bfloat16])
+        torch.testing.assert_close(gw[i].double().cpu(), ref[2], **TOL[torch.bfloat16])
+
+
 @requires_cuda
 @pytest.mark.parametrize("dims", [2, 4])
 def test_unaligned_inputs_and_gradients(dims):

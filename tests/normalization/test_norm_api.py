@@ -66,6 +66,10 @@ def test_other_argument_errors():
         fused_rms_norm(torch.ones(2, 4, dtype=torch.long), 4)
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         fused_layer_norm([[1.0, 2.0]], 2)
+    for module in (FusedLayerNorm(2), FusedRMSNorm(2), FusedLayerNorm(2, elementwise_affine=False)):
+        # (the modules read the input's dtype first: an AttributeError about a list's dtype)
+        with pytest.raises(TypeError, match=f"{type(module).__name__}: input must be a torch"):
+            module([[1.0, 2.0]])
     with pytest.raises(TypeError, match="normalized_shape must be an int"):
         FusedLayerNorm("4")
     with pytest.raises(ValueError, match="eps must be a non-negative"):
@@ -721,6 +725,64 @@ def test_backward_takes_what_autograd_hands_back(hook, device):
     torch.testing.assert_close(gq[..., :32].double(), want[1], **tol)
     assert not gq[..., 32:].any()
     torch.testing.assert_close(gw.double(), want[2], atol=tol["atol"] * 4, rtol=tol["rtol"])
+
+
+@KERNEL_DEVICES
+@pytest.mark.parametrize("hook", ["column-major 2-D weight and bias", "strided 1-D tensors"])
+def test_backward_takes_parameters_and_statistics_handed_back_otherwise(hook, device):
+    # A saved-tensor hook may hand back the weight, bias or statistics (mean, rstd) laid out
+    # otherwise too: the kernels read them as contiguous vectors, and gave dx off by ~1 (a
+    # transposed weight) or ~2 (every other element of a buffer) without a word.
+    device, kernels_on_cpu = device_and_context(device)
+    gen = torch.Generator().manual_seed(9)
+    shape = (3, 4) if hook.startswith("column") else (8,)
+    norm = FusedLayerNorm(shape).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(shape, generator=gen) + 0.5)
+        norm.bias.copy_(torch.randn(shape, generator=gen))
+    x = torch.randn(5, *shape, generator=gen).to(device).requires_grad_(True)
+    dy = torch.randn(5, *shape, generator=gen).to(device)
+
+    def unpack(t):
+        if hook.startswith("column"):  # same values, column-major memory
+            return t.t().contiguous().t() if t.dim() == 2 and t.shape == shape else t
+        if t.dim() != 1:
+            return t
+        spread = torch.zeros(2 * t.numel(), dtype=t.dtype, device=t.device)
+        return spread[::2].copy_(t)
+
+    with kernels_on_cpu():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = norm(x)
+        gx, gw, gb = torch.autograd.grad(y, [x, norm.weight, norm.bias], dy)
+    want = float64_reference("layer", x, shape, norm.weight, norm.bias, dy)
+    tol = tolerance(torch.float32)
+    for name, got, ref in (("dx", gx, want[1]), ("dweight", gw, want[2]), ("dbias", gb, want[3])):
+        torch.testing.assert_close(got.double(), ref, **tol, msg=name)
+
+
+@KERNEL_DEVICES
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_batched_gradients(memory_efficient, device):
+    # torch.autograd.grad(..., is_grads_batched=True), and jacobian(vectorize=True) built on
+    # it, hand the backward batched gradients without storage: the kernels failed on them
+    # ("Cannot access data pointer"). A first derivative, so the norms give it, on PyTorch's
+    # arithmetic there.
+    device, kernels_on_cpu = device_and_context(device)
+    gen = torch.Generator().manual_seed(10)
+    norm = FusedRMSNorm(6, memory_efficient=memory_efficient).to(device)
+    x = torch.randn(3, 6, generator=gen).to(device).requires_grad_(True)
+    vs = torch.randn(4, 3, 6, generator=gen).to(device)
+    with kernels_on_cpu():
+        (got,) = torch.autograd.grad(norm(x), x, vs, is_grads_batched=True)
+        jac = torch.autograd.functional.jacobian(norm, x, vectorize=True)
+    for i, v in enumerate(vs):
+        want = float64_reference("rms", x, (6,), norm.weight, None, v)[1]
+        torch.testing.assert_close(got[i].double(), want, **tolerance(torch.float32))
+    x64 = x.detach().double()
+    ref_jac = torch.autograd.functional.jacobian(
+        lambda t: reference.rms_norm(t, [6], norm.weight.detach().double(), 1e-5), x64)
+    torch.testing.assert_close(jac.double(), ref_jac, **tolerance(torch.float32))
 
 
 class _FunctionalNorms(torch.nn.Module):
