@@ -80,12 +80,19 @@ def require_initialized(what: str) -> None:
         )
 
 
+def _non_member(group) -> bool:
+    """Whether ``group`` is what ``torch.distributed.new_group`` returns on a rank outside it
+    (an int sentinel)."""
+    member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    return member is not None and type(group) is type(member) and group == member
+
+
 def check_process_group(where: str, group) -> None:
     """Raise a TypeError naming ``where`` when ``group`` is a number or a string: a group
     size or a backend name where the group goes. (Anything else passes, as torch.distributed
     takes it: a ProcessGroup, or a stand-in for one.)"""
-    if not isinstance(group, (numbers.Number, str, bytes)):
-        return
+    if not isinstance(group, (numbers.Number, str, bytes)) or _non_member(group):
+        return  # (torch.distributed.new_group's answer on a rank outside it: refused where used)
     hint = (" (a group size? create_syncbn_process_group(group_size) returns the group)"
             if isinstance(group, numbers.Integral) and not isinstance(group, bool) else "")
     raise TypeError(

@@ -114,6 +114,7 @@ class Reducer:
             )
         check_process_group("Reducer", process_group)
         require_initialized("Reducer")
+        group_world_size(process_group)  # this rank must belong to the group (as for DDP)
         if self.module is not None:
             # After the scale_loss block each rank has already decided alone whether its
             # gradients overflowed (and dropped them if so): amp's check of this module's

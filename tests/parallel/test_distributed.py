@@ -1723,6 +1723,14 @@ def check_reducer(ctx):
         Reducer(solo, process_group=groups[last])  # a group of one: nothing changes
         for p, q in zip(solo.parameters(), before):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
+    else:  # a group without this rank: refused when built (its broadcast did nothing, with a
+        # warning from PyTorch only, and reduce() failed later)
+        try:
+            Reducer(solo, process_group=groups[last])
+        except RuntimeError as err:
+            assert "not a member" in str(err) and "new_group" in str(err), str(err)
+        else:
+            raise AssertionError("a Reducer over a group without this rank did not raise")
 
 
 def _amp_sgd_pairs(ctx, seed, ref_seed, opt_level, dtype):

@@ -725,6 +725,10 @@ def test_syncbn_input_errors():
         SyncBatchNorm(3, process_group=2)
     with pytest.raises(TypeError, match=r"convert_syncbn_model\(process_group='all'\)"):
         convert_syncbn_model(nn.Sequential(nn.Linear(2, 2)), process_group="all")
+    # What torch.distributed.new_group(ranks) returns on a rank outside the ranks (an int
+    # sentinel): a model built alike on every rank still constructs there.
+    outside = torch.distributed.GroupMember.NON_GROUP_MEMBER
+    assert SyncBatchNorm(3, process_group=outside).process_group == outside
 
 
 @pytest.mark.parametrize("input_dtype, layer_dtype", [(torch.float64, torch.float32),
