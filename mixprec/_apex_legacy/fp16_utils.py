@@ -115,7 +115,10 @@ def prep_param_lists(model: nn.Module, flat_master: bool = False
             raise ValueError(
                 "prep_param_lists(model, flat_master=True): the model has no parameter with "
                 "requires_grad=True, so there is nothing to flatten into a master tensor.")
-        master = nn.Parameter(_flatten_dense_tensors([p.detach().float() for p in model_params]))
+        # (clone: one contiguous fp32 parameter flattens to a view of itself, and the "copy"
+        # would share the model's memory)
+        master = nn.Parameter(
+            _flatten_dense_tensors([p.detach().float() for p in model_params]).clone())
         master.grad = master.new_zeros(master.size())
         return model_params, [master]
     master_params = [nn.Parameter(p.detach().clone().float()) for p in model_params]
@@ -151,8 +154,10 @@ def model_grads_to_master_grads(model_params: List[torch.Tensor],
         if model.grad is None:
             master.grad = None
         elif master.grad is None:  # (a copy, also of an fp32 gradient: zeroing one of the
-            # two before the master's step must not zero the other)
-            master.grad = torch.empty_like(model.grad, dtype=torch.float32).copy_(model.grad)
+            # two before the master's step must not zero the other; in the master's dtype and
+            # on its device, as Apex made it, e.g. fp64 masters or masters kept on the CPU)
+            master.grad = torch.empty_like(master, memory_format=torch.preserve_format
+                                           ).copy_(model.grad)
         else:
             master.grad.data.copy_(model.grad.data)
 
@@ -183,14 +188,18 @@ def _check_masters(fn: str, model_params, master_params, flat_master: bool) -> N
     the other ``flat_master`` value copied into the wrong tensor or failed deep in ``copy_``."""
     numel = sum(p.numel() for p in model_params)
     if flat_master:
-        if len(master_params) == 1 and master_params[0].numel() == numel:
+        if (len(master_params) == 1 and master_params[0].dim() == 1
+                and master_params[0].numel() == numel):
             return
         raise ValueError(
             f"{fn}(flat_master=True): expected master_params to be the one-tensor list "
             f"prep_param_lists(model, flat_master=True) returned, holding all {numel} elements "
-            f"of the {len(model_params)} model_params; got {len(master_params)} tensor(s) "
-            f"with {sum(m.numel() for m in master_params)} elements. Pass the flat_master "
-            "value the masters were made with.")
+            f"of the {len(model_params)} model_params in one 1-D tensor; got "
+            f"{len(master_params)} tensor(s) of shape(s) "
+            f"{[tuple(m.shape) for m in master_params[:4]]}"
+            f"{' ...' if len(master_params) > 4 else ''} with "
+            f"{sum(m.numel() for m in master_params)} elements. Pass the flat_master value the "
+            "masters were made with.")
     bad = [i for i, (p, m) in enumerate(zip(model_params, master_params))
            if p.shape != m.shape]
     if len(master_params) == len(model_params) and not bad:

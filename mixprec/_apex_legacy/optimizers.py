@@ -83,6 +83,21 @@ class FusedSGD(torch.optim.SGD):
         """Apex's default: ``set_grad_none`` from the constructor (False: zero the gradients)."""
         super().zero_grad(self.set_grad_none if set_to_none is None else set_to_none)
 
+    def __getstate__(self) -> dict:
+        # (PyTorch's keeps defaults, state and param_groups only: a deep copy, a pickle or
+        # torch.save(optimizer) lost these, and the copy's zero_grad() failed.)
+        state = super().__getstate__()
+        state.update(set_grad_none=self.set_grad_none,
+                     materialize_master_grads=self.materialize_master_grads)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """PyTorch's, with Apex's defaults for what an optimizer pickled without them (under
+        Apex, or by PyTorch's ``__getstate__``) lacks."""
+        super().__setstate__(state)
+        self.__dict__.setdefault("set_grad_none", False)
+        self.__dict__.setdefault("materialize_master_grads", True)
+
 
 class FusedAdagrad(_NotProvided):
     _use = "Use torch.optim.Adagrad(params, lr, ..., foreach=True). " + _ANY_OPTIMIZER

@@ -441,6 +441,33 @@ def test_fp16_utils_master_weights_on_random_models(clean_apex):
                 assert torch.equal(values, expect)  # each cast once to its own dtype
 
 
+def test_fp16_utils_masters_are_copies_with_their_own_gradients(clean_apex):
+    # A missing master gradient is made like the master (Apex: master.data.new(...)), not
+    # like the model's gradient in fp32: fp64 masters got "attempting to assign a gradient
+    # with dtype 'float' to a tensor with grad_dtype 'Double'". And one contiguous fp32
+    # parameter flattened to a view of itself: the flat "copy" shared the model's memory.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import model_grads_to_master_grads, prep_param_lists
+
+    model = nn.Linear(3, 2).half()
+    model_params = list(model.parameters())
+    masters = [nn.Parameter(p.detach().double()) for p in model_params]  # the user's own
+    for p in model_params:
+        p.grad = torch.randn_like(p)
+    model_grads_to_master_grads(model_params, masters)
+    for p, m in zip(model_params, masters):
+        assert m.grad.dtype == torch.float64 and torch.equal(m.grad, p.grad.double())
+    single = nn.Linear(4, 2, bias=False)
+    (param,), (flat,) = prep_param_lists(single, flat_master=True)
+    assert flat.data_ptr() != param.data_ptr()
+    with torch.no_grad():
+        flat.add_(1.0)
+    assert torch.equal(param.detach().flatten() + 1.0, flat.detach())
+
+
 def test_fp16_utils_refuse_master_lists_that_do_not_match(clean_apex):
     # Apex zipped the lists (a shorter one silently left parameters out) and failed deep in
     # copy_ or on None for the rest: each now says what was passed and what was expected.
@@ -463,8 +490,17 @@ def test_fp16_utils_refuse_master_lists_that_do_not_match(clean_apex):
                                          r"model_params\[0\] \(1, 1\).*need flat_master=True"):
         model_grads_to_master_grads(model_params, flat)
     with pytest.raises(ValueError, match="flat_master=True.*one-tensor list.*15 elements of "
-                                         "the 5 model_params; got 5 tensor"):
+                                         "the 5 model_params in one 1-D tensor; got 5 tensor"):
         model_grads_to_master_grads(model_params, masters, flat_master=True)
+    # One parameter: a list master has as many elements as the flat one would; its shape
+    # tells them apart (raw "size of tensor a (3) must match" / "exceeds dimension size" errors).
+    single = nn.Linear(3, 2, bias=False)
+    single_params, single_masters = prep_param_lists(single)
+    single.weight.grad = torch.ones_like(single.weight)
+    for fn in (model_grads_to_master_grads, master_params_to_model_params):
+        with pytest.raises(ValueError, match=r"in one 1-D tensor; got 1 tensor\(s\) of "
+                                             r"shape\(s\) \[\(2, 3\)\]"):
+            fn(single_params, single_masters, flat_master=True)
     with pytest.raises(ValueError, match="got 4 master_params for 5 model_params"):
         master_params_to_model_params(model_params, masters[:4])
     model_params[-1].grad = None  # (a parameter the backward did not reach)
@@ -539,6 +575,22 @@ def test_apexs_fused_sgd_is_pytorchs_sgd(clean_apex):
     opt = FusedSGD(ours, lr=0.1, nesterov=True, momentum=0.9, set_grad_none=True)
     opt.zero_grad()
     assert all(p.grad is None for p in ours)
+    # Copies keep Apex's attributes (PyTorch's __getstate__ dropped them, and the copy's
+    # zero_grad() raised AttributeError: 'FusedSGD' object has no attribute 'set_grad_none').
+    import copy
+    import pickle
+
+    for p in ours:
+        p.grad = torch.ones_like(p)
+    for copied in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert copied.set_grad_none is True and copied.materialize_master_grads is True
+        copied.zero_grad()
+        assert all(p.grad is None for p in copied.param_groups[0]["params"])
+    state = FusedSGD(ours, lr=0.1).__getstate__()
+    del state["set_grad_none"], state["materialize_master_grads"]  # (pickled without them)
+    bare = FusedSGD.__new__(FusedSGD)
+    bare.__setstate__(state)
+    assert bare.set_grad_none is False and bare.materialize_master_grads is True
     with pytest.raises(TypeError, match="lr is required"):
         FusedSGD(ours)
     with pytest.raises(ValueError, match="wd_after_momentum=True.*not provided"):
