@@ -71,9 +71,17 @@ class Reducer:
     are divided by the number of ranks before they are summed, so a sum of finite fp16
     gradients cannot overflow.
 
+    With Reducers over several process groups, the overflow check agrees within each group
+    (one all-reduce per group, in the order the Reducers were built): a rank's decision
+    reaches the ranks of its own groups, not those of a group it shares only through a third
+    rank (Reducers of different parts over overlapping groups {0, 1} and {1, 2}: an overflow on
+    rank 2 does not reach rank 0). Give such layouts one Reducer over a group that holds them
+    all (or the default group).
+
     Args:
         module_or_grads_list (nn.Module or iterable of Tensor): what to reduce (nested
-            lists and generators of tensors are flattened).
+            lists and generators of tensors are flattened); dense floating-point (or complex)
+            tensors, as an average is one (integer and sparse tensors are refused).
         process_group (ProcessGroup, optional, keyword-only): default: all ranks.
 
     Example::
@@ -142,13 +150,20 @@ class Reducer:
             # (and, without masters, the earlier micro-batches' gradients that a scale_loss
             # block holds aside until it exits: reduce() inside the block must average them)
             tensors += set_aside_grads(self.module.parameters())
+        else:
+            tensors = self.grads
+        if not tensors:
+            return
+        try:
+            all_reduce_average_coalesced(tensors, group=self.process_group,
+                                         world_size=group_world_size(self.process_group))
+        except RuntimeError:
+            # A sparse gradient (nn.Embedding(sparse=True)) fails in the flattening, on every
+            # rank alike (the ranks hold gradients for the same parameters): say so. Looked for
+            # only here, off the per-call path.
             for t in tensors:
                 if t.layout != torch.strided:
                     names = [n for n, p in self.module.named_parameters()
                              if p.grad is not None and p.grad.layout != torch.strided]
                     _check_reducible(t, f"Reducer.reduce(): the gradient of {names or 'a master'}")
-        else:
-            tensors = self.grads
-        if tensors:
-            all_reduce_average_coalesced(tensors, group=self.process_group,
-                                         world_size=group_world_size(self.process_group))
+            raise

@@ -134,11 +134,16 @@ class SyncBatchNorm(_BatchNorm):
                 f"tensor of shape {tuple(input.shape)}."
             )
         channels = input.shape[-1] if self.channel_last else input.shape[1]
-        # (A layer with no weight, bias or running statistics normalizes any number of
-        # channels, as BatchNorm does: convert_syncbn_model must not refuse what it took.)
-        held = [t for t in (self.weight, self.bias, self.running_mean, self.running_var)
-                if t is not None]
-        if channels != self.num_features and held:
+        # The first of the layer's weight, bias and running statistics, read from the module's
+        # dicts (nn.Module.__getattr__ costs ~1 us a name: this runs per layer and forward).
+        held = self._parameters.get("weight")
+        for name in ("bias", "running_mean", "running_var"):
+            if held is not None:
+                break
+            held = (self._parameters if name == "bias" else self._buffers).get(name)
+        # (A layer with none of them normalizes any number of channels, as BatchNorm does:
+        # convert_syncbn_model must not refuse what it took.)
+        if channels != self.num_features and held is not None:
             where = "last" if self.channel_last else "second (dim 1)"
             raise ValueError(
                 f"SyncBatchNorm({self.num_features}): input of shape {tuple(input.shape)} has "
@@ -147,14 +152,18 @@ class SyncBatchNorm(_BatchNorm):
                    " For (N, *, C) inputs construct it with channel_last=True.")
             )
         # The dtypes BatchNorm takes, on every path (the multi-rank one computed any pair, so a
-        # model trained there failed in eval): the parameters' own, or half with fp32 ones.
-        if held and input.dtype != held[0].dtype and not (
-                input.dtype in (torch.float16, torch.bfloat16) and held[0].dtype == torch.float32):
-            raise TypeError(
+        # model trained there failed in eval): the layer's own, or half with fp32 ones. A
+        # RuntimeError, as BatchNorm's for the same pairs.
+        if held is not None and input.dtype != held.dtype and not (
+                input.dtype in (torch.float16, torch.bfloat16) and held.dtype == torch.float32):
+            half = input.dtype in (torch.float16, torch.bfloat16)
+            raise RuntimeError(
                 f"SyncBatchNorm({self.num_features}): input is {input.dtype}, the layer's "
-                f"parameters and buffers {held[0].dtype}; it takes input of their dtype, or "
-                "float16/bfloat16 input with float32 ones. Cast the input or the layer "
-                f"(e.g. layer.to({input.dtype}))."
+                f"parameters and buffers {held.dtype}; it takes input of their dtype, or "
+                f"float16/bfloat16 input with float32 ones. Cast the input "
+                f"(input.to({held.dtype})) or the layer ("
+                + ("layer.float(), which takes half input" if half
+                   else f"layer.to({input.dtype})") + ")."
             )
 
     def _average_factor(self) -> float:

@@ -740,7 +740,7 @@ def test_syncbn_refuses_the_dtype_pairs_batchnorm_refuses(input_dtype, layer_dty
     # (or alone) with PyTorch's "mixed dtype" error. Every path now takes what BatchNorm takes:
     # the layer's dtype, or half input with fp32 parameters.
     bn = SyncBatchNorm(3).to(layer_dtype).train(training)
-    with pytest.raises(TypeError, match=f"input is {input_dtype}.*{layer_dtype}"):
+    with pytest.raises(RuntimeError, match=f"input is {input_dtype}.*{layer_dtype}"):
         bn(torch.randn(4, 3, dtype=input_dtype))
     assert int(bn.num_batches_tracked) == 0  # (refused before anything was counted)
     for half in (torch.float16, torch.bfloat16):  # half input, fp32 layer: taken, as in O2
