@@ -221,6 +221,20 @@ def check_fp16_input_fp32_params(ctx):
     _run_case(ctx, _uneven(ctx), dtype=torch.float16)
 
 
+def check_dtype_pairs_batchnorm_refuses(ctx):
+    # On the multi-rank path too (it computed any pair, and the trained model then failed in
+    # eval): fp64 input with fp32 parameters is refused in training, before any collective.
+    for training in (True, False):
+        bn = SyncBatchNorm(3).to(ctx.device).train(training)
+        try:
+            bn(torch.randn(4, 3, dtype=torch.float64, device=ctx.device))
+        except RuntimeError as err:
+            assert "input is torch.float64" in str(err), str(err)
+        else:
+            raise AssertionError(f"fp64 input, fp32 layer, training={training}: not refused")
+        assert int(bn.num_batches_tracked) == 0
+
+
 def check_channels_last(ctx):
     _run_case(ctx, _uneven(ctx), memory_format=torch.channels_last, label=" channels_last")
     _run_case(ctx, _uneven(ctx), dtype=torch.bfloat16, memory_format=torch.channels_last,
@@ -563,6 +577,7 @@ def check_syncbn_process_groups(ctx):
 
 GROUP_2 = [
     "check_fp32_equal_batches",
+    "check_dtype_pairs_batchnorm_refuses",
     "check_fp32_unequal_batches",
     "check_shapes_2d_3d_5d",
     "check_bf16_input_fp32_params",
