@@ -556,8 +556,11 @@ def _swap_class(module: nn.Module, config: AmpForwardConfig) -> None:
 def restore_model(module: nn.Module) -> nn.Module:
     """Undo the forward wrapping of ``amp.initialize`` on ``module`` and its children.
 
-    Dtypes are left as they are (cast back with ``module.float()`` if wanted) and the
-    state-dict hooks stay, since they only ever return fp32.
+    Dtypes are left as they are and the state-dict hooks stay: at O2 ``state_dict()`` still
+    returns the exact fp32 masters while the parameters are half. Cast back with
+    ``module.float()`` if wanted; the parameters then hold their half values upcast (not the
+    masters'), and are what ``state_dict()`` returns from then on. For the exact fp32 weights,
+    load ``module.state_dict()`` (taken before the cast) into the fp32 model.
 
     Returns:
         nn.Module: the same object.
@@ -646,6 +649,11 @@ class _Fp32StateDict:
     def save(self, module, state_dict, prefix, local_metadata):
         if self.standalone:
             self.sync(module, check_params=True)
+        # A write into the half model since the last step (nn.init, a clamp, under no_grad) is
+        # taken into its master now, as the next step would: else the checkpoint held the
+        # masters from before it.
+        for keeper in _master_keepers(module):
+            keeper.take_model_writes()
         for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             key = prefix + name
             if tensor is None or key not in state_dict:
@@ -661,7 +669,11 @@ class _Fp32StateDict:
                 # copy.deepcopy of the state dict refused.
                 continue
             master = self.masters.get(name)
-            if master is not None:
+            if master is not None and tensor.dtype not in _HALF_TYPES:
+                # The parameter is no longer half (amp.restore_model, then model.float()): it
+                # is the weight now, edited or trained as such; the master stopped with it.
+                state_dict[key] = state_dict[key].float()
+            elif master is not None:
                 state_dict[key] = master.detach()
             elif tensor.is_floating_point() and tensor.dtype != torch.float32:
                 state_dict[key] = state_dict[key].float()
@@ -681,6 +693,14 @@ class _Fp32StateDict:
                 if isinstance(value, torch.Tensor) and value.shape == master.shape:
                     master.copy_(value)
 
+    def loaded(self, module, incompatible_keys) -> None:
+        """After ``load_state_dict``, which wrote the masters and their half parameters alike:
+        record them as in step. Else a write into the half model after the load (the usual
+        fine-tuning order: load pretrained weights, then re-initialize the head) found both
+        counters moved, and the load's master won over it at the next step."""
+        for keeper in _master_keepers(module):
+            keeper.record_synced()
+
 
 def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     existing = getattr(module, "_mixprec_state_dict", None)
@@ -690,6 +710,7 @@ def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     module._mixprec_state_dict = hooks
     module._register_state_dict_hook(hooks.save)
     module._register_load_state_dict_pre_hook(hooks.load)
+    module.register_load_state_dict_post_hook(hooks.loaded)
     return hooks
 
 

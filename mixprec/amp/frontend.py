@@ -6,6 +6,7 @@ import contextlib
 import logging
 import sys
 import warnings
+from collections.abc import MutableMapping
 from typing import Iterator, List, Optional
 
 import torch
@@ -545,6 +546,14 @@ def state_dict(destination=None, *, optimizer=None) -> dict:
 
         >>> torch.save({"amp": amp.state_dict(), ...}, "checkpoint.pt")
     """
+    if destination is not None and not isinstance(destination, MutableMapping):
+        raise TypeError(
+            f"amp.state_dict(destination={type(destination).__name__}): the positional "
+            "argument is a dict to update (Apex's signature); got "
+            + ("an optimizer. Pass it by keyword: amp.state_dict(optimizer=opt)."
+               if hasattr(destination, "param_groups")
+               else "something else. Pass a dict, or nothing.")
+        )
     result = _current("state_dict", optimizer).state_dict()
     if destination is not None:
         destination.update(result)

@@ -51,6 +51,59 @@ def test_loading_into_an_amp_model_restores_masters_exactly(dtype):
         torch.testing.assert_close(p.detach(), sd[name].to(p.dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_writes_into_the_half_model_reach_the_checkpoint_and_survive_a_load(dtype):
+    # Two orders users write: (a) an in-place write into the O2 model under no_grad (a
+    # clamp, a re-initialized layer), then model.state_dict() before the next step: the
+    # checkpoint held the masters from before the write; (b) load pretrained weights, then
+    # re-initialize the head: the load had moved both version counters, so the load's
+    # master won over the write at the next step and the head came back.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    head = dict(model.named_parameters())["head.weight"]
+    with torch.no_grad():
+        head.zero_()
+    saved = model.state_dict()["head.weight"]
+    assert saved.dtype == torch.float32 and not saved.any()
+    fp32 = make_cnn(seed=5)
+    fp32.load_state_dict(model.state_dict(), strict=True)  # the checkpoint is the model
+    x = batch()[0]
+    torch.testing.assert_close(model(x).float(), fp32(x), rtol=2e-2, atol=2e-2)
+
+    model.load_state_dict(make_cnn(seed=9).state_dict())  # (b): load, then re-initialize
+    with torch.no_grad():
+        head.fill_(0.25)
+    train_step(model, opt, *batch(), amp)  # lr 0: the masters keep what was written
+    master = dict(zip((n for n, _ in model.named_parameters()), amp.master_params(opt)))
+    assert torch.equal(master["head.weight"], torch.full_like(head, 0.25, dtype=torch.float32))
+    assert torch.equal(head, torch.full_like(head, 0.25))
+
+
+def test_restored_and_upcast_model_saves_its_own_weights():
+    # amp.restore_model(model); model.float() (the README's way back to an fp32 model): the
+    # state dict kept returning the O2 masters, so edits to or training of the fp32 model
+    # never reached its checkpoint, and a reloaded checkpoint computed something else.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    exact = model.state_dict()
+    amp.restore_model(model)
+    assert exact["head.weight"].dtype == torch.float32  # (half parameters: still the masters)
+    torch.testing.assert_close(model.state_dict()["head.weight"], exact["head.weight"],
+                               rtol=0, atol=0)
+    model.float()
+    with torch.no_grad():
+        model.head.weight.fill_(0.5)
+    saved = model.state_dict()
+    assert torch.equal(saved["head.weight"], torch.full_like(saved["head.weight"], 0.5))
+    fresh = make_cnn(seed=3)
+    fresh.load_state_dict(saved)
+    model.eval(), fresh.eval()
+    x = batch()[0]
+    torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
+
+
 def test_o3_state_dict_is_upcast_fp32():
     model = make_cnn()
     amp.initialize(model, opt_level="O3", verbosity=0)
@@ -353,6 +406,12 @@ def test_amp_load_state_dict_names_a_gradscaler_state_dict_and_bad_counts():
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O1", dtype=torch.float16, verbosity=0)
+    # (The optimizer passed positionally where Apex's signature has a destination dict: a
+    # TypeError saying so, not "'SGD' object has no attribute 'update'".)
+    with pytest.raises(TypeError, match=r"destination=SGD.*amp.state_dict\(optimizer=opt\)"):
+        amp.state_dict(opt)
+    out = {"epoch": 3}
+    assert amp.state_dict(out) is out and set(out) == {"epoch", "loss_scaler0"}
     gs = torch.amp.GradScaler("cpu", init_scale=1024.0)
     sd = gs.state_dict()
     with pytest.raises(ValueError, match=r"GradScaler's state dict.*'loss_scale': sd\['scale'\]"):
