@@ -1109,6 +1109,19 @@ class AmpState:
                 f"and this run has num_losses={len(self.scalers)}: loaded {len(entries)}; "
                 + "; ".join(what) + " (as Apex did).", stacklevel=3)
         self.resolve_pending(block=True)
+        replaced = [(i, self.scalers[i].loss_scale, float(entry["loss_scale"]))
+                    for i, entry in entries.items() if not self.scalers[i].dynamic
+                    and float(entry["loss_scale"]) != self.scalers[i].loss_scale]
+        if replaced and is_rank_zero():
+            # (Apex's rule, kept: the checkpoint's scale wins. But a static scale never backs
+            # off, so a dynamic run's 65536 loaded into it overflows to NaN weights unnoticed.)
+            warnings.warn(
+                "amp.load_state_dict: the checkpoint's loss scale replaces this run's static "
+                "one (" + ", ".join(f"loss_scaler{i}: {new:g} for {old:g}"
+                                    for i, old, new in replaced)
+                + "), as in Apex; a static scale never backs off on an overflow. To keep "
+                "this run's, set checkpoint['amp']['loss_scaler<i>']['loss_scale'] before "
+                "loading, or use loss_scale='dynamic'.", stacklevel=3)
         for i, entry in entries.items():
             self.scalers[i].load_state_dict(entry)
         log_rank0(logging.DEBUG, "amp: loaded loss scalers %s", self.state_dict())

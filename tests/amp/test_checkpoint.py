@@ -104,6 +104,24 @@ def test_restored_and_upcast_model_saves_its_own_weights():
     torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
 
 
+def test_a_static_scale_replaced_by_the_checkpoints_warns():
+    # Apex's rule holds (the checkpoint's scale wins), but a dynamic run's 65536 loaded into a
+    # static scale of 128 never backs off: the first overflow made NaN weights, unannounced.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.float16, loss_scale=128.0,
+                   verbosity=0)
+    saved = {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 7}}
+    with pytest.warns(UserWarning, match=r"loss_scaler0: 65536 for 128.*never backs off"):
+        amp.load_state_dict(saved)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.load_state_dict(saved)  # (the same scale again: nothing to say)
+
+
 def test_o3_state_dict_is_upcast_fp32():
     model = make_cnn()
     amp.initialize(model, opt_level="O3", verbosity=0)
