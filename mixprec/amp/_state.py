@@ -440,7 +440,12 @@ class _OptimizerState:
         if self._skips_on_device is None:
             target = hookable_optimizer(self.optimizer_ref())
             devices = {m.device for _, m in self.pairs} | {p.device for p in self.plain}
-            fused = bool(getattr(target, "_step_supports_amp_scaling", False))
+            # (A group's own "fused" flag too: PyTorch's load_state_dict puts the
+            # checkpoint's there, e.g. None from a plain AdamW run loaded into
+            # AdamW(fused=True), whose step then refuses found_inf: the host path serves.
+            # mixprec's FusedAdam has no such flag.)
+            fused = bool(getattr(target, "_step_supports_amp_scaling", False)) and all(
+                group.get("fused", True) for group in target.param_groups)
             self._skips_on_device = (next(iter(devices)) if fused and len(devices) == 1
                                      else False)
         return self._skips_on_device or None
@@ -466,6 +471,9 @@ class _OptimizerState:
         # them to half).
         self._handles.append(hook_target.register_state_dict_pre_hook(self._sync_hook))
         self._handles.append(hook_target.register_load_state_dict_pre_hook(self._sync_hook))
+        # (A load may change the groups' "fused" flags: decide the skipping path again.)
+        self._handles.append(hook_target.register_load_state_dict_post_hook(
+            lambda optimizer: self.params_moved()))
 
     def install_skipping_step(self, optimizer) -> None:
         """Make an overflowed step skip ``optimizer.step()`` as a whole, as Apex did (see
