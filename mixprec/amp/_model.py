@@ -603,6 +603,15 @@ class _Fp32StateDict:
         self.standalone = False
         self._versions: Dict[str, int] = {}  # each standalone master's version when synced
 
+    def keepers(self) -> list:
+        """The optimizers' amp states that keep these masters (each once)."""
+        keepers = []
+        for ref in self.take_writes.values():
+            keeper = getattr(ref(), "__self__", None)
+            if keeper is not None and all(keeper is not k for k in keepers):
+                keepers.append(keeper)
+        return keepers
+
     def __getstate__(self):
         return {"masters": dict(self.masters)}
 
@@ -652,7 +661,7 @@ class _Fp32StateDict:
         # A write into the half model since the last step (nn.init, a clamp, under no_grad) is
         # taken into its master now, as the next step would: else the checkpoint held the
         # masters from before it.
-        for keeper in _master_keepers(module):
+        for keeper in self.keepers():
             keeper.take_model_writes()
         for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             key = prefix + name
@@ -687,6 +696,10 @@ class _Fp32StateDict:
                 "optimizer and its fp32 master weights. Load with assign=False (the default); "
                 "amp then writes the fp32 values into the masters exactly."
             )
+        # Writes into the half model before the load are taken first: a parameter the
+        # checkpoint does not hold (strict=False) keeps its write through the record below.
+        for keeper in self.keepers():
+            keeper.take_model_writes()
         with torch.no_grad():
             for name, master in self.masters.items():
                 value = state_dict.get(prefix + name)
@@ -698,7 +711,7 @@ class _Fp32StateDict:
         record them as in step. Else a write into the half model after the load (the usual
         fine-tuning order: load pretrained weights, then re-initialize the head) found both
         counters moved, and the load's master won over it at the next step."""
-        for keeper in _master_keepers(module):
+        for keeper in self.keepers():
             keeper.record_synced()
 
 
@@ -788,12 +801,7 @@ def _packs(rnn: nn.RNNBase) -> bool:
 def _master_keepers(module: nn.Module) -> list:
     """The optimizers' amp states that keep ``module``'s parameters in step with masters."""
     hooks = module.__dict__.get("_mixprec_state_dict")
-    keepers = []
-    for ref in hooks.take_writes.values() if hooks is not None else ():
-        keeper = getattr(ref(), "__self__", None)
-        if keeper is not None and all(keeper is not k for k in keepers):
-            keepers.append(keeper)
-    return keepers
+    return [] if hooks is None else hooks.keepers()
 
 
 def _flatten_keeping_masters(rnn: nn.RNNBase) -> None:
