@@ -602,6 +602,13 @@ class _Fp32StateDict:
         self.take_writes: Dict[str, weakref.WeakMethod] = {}
         self.standalone = False
         self._versions: Dict[str, int] = {}  # each standalone master's version when synced
+        # The module these hooks serve (weak; for the load pre-hook, which is not given it).
+        self.module_ref: Optional[weakref.ref] = None
+
+    def own_params(self, module: nn.Module) -> list:
+        """``module``'s parameters that have masters here."""
+        params = module._parameters
+        return [params[name] for name in self.masters if params.get(name) is not None]
 
     def keepers(self) -> list:
         """The optimizers' amp states that keep these masters (each once)."""
@@ -620,6 +627,7 @@ class _Fp32StateDict:
         self.take_writes = {}
         self.standalone = bool(self.masters)
         self._versions = {}
+        self.module_ref = None  # (a copy has no keepers, for which alone it is needed)
 
     def __deepcopy__(self, memo):
         masters = {}
@@ -662,7 +670,7 @@ class _Fp32StateDict:
         # taken into its master now, as the next step would: else the checkpoint held the
         # masters from before it.
         for keeper in self.keepers():
-            keeper.take_model_writes()
+            keeper.take_model_writes(only=self.own_params(module))
         for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             key = prefix + name
             if tensor is None or key not in state_dict:
@@ -698,8 +706,10 @@ class _Fp32StateDict:
             )
         # Writes into the half model before the load are taken first: a parameter the
         # checkpoint does not hold (strict=False) keeps its write through the record below.
+        module = self.module_ref() if self.module_ref is not None else None
+        only = self.own_params(module) if module is not None else None
         for keeper in self.keepers():
-            keeper.take_model_writes()
+            keeper.take_model_writes(only=only)
         with torch.no_grad():
             for name, master in self.masters.items():
                 value = state_dict.get(prefix + name)
@@ -712,7 +722,7 @@ class _Fp32StateDict:
         fine-tuning order: load pretrained weights, then re-initialize the head) found both
         counters moved, and the load's master won over it at the next step."""
         for keeper in self.keepers():
-            keeper.record_synced()
+            keeper.record_synced(only=self.own_params(module))
 
 
 def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
@@ -720,6 +730,7 @@ def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     if existing is not None:
         return existing
     hooks = _Fp32StateDict()
+    hooks.module_ref = weakref.ref(module)
     module._mixprec_state_dict = hooks
     module._register_state_dict_hook(hooks.save)
     module._register_load_state_dict_pre_hook(hooks.load)
@@ -808,11 +819,13 @@ def _flatten_keeping_masters(rnn: nn.RNNBase) -> None:
     keepers = _master_keepers(rnn)
     if keepers and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         keepers = []  # (take_model_writes does nothing inside a capture; nor may the record)
+    # (The RNN's own parameters only: the packing moves their counters alone.)
+    own = rnn.__dict__["_mixprec_state_dict"].own_params(rnn) if keepers else None
     for keeper in keepers:
-        keeper.take_model_writes()
+        keeper.take_model_writes(only=own)
     _TORCH_FLATTEN(rnn)
     for keeper in keepers:
-        keeper.record_synced()
+        keeper.record_synced(only=own)
 
 
 def _flatten_parameters(self) -> None:

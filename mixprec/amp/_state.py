@@ -336,6 +336,9 @@ class _OptimizerState:
         # the parameter count they were found for.
         self._owners: List[weakref.ref] = []
         self._owners_for = -1
+        # Each half parameter's index in pairs (by id), and the pair count it was built for.
+        self._pair_index: Dict[int, int] = {}
+        self._pair_index_for = -1
         # The process groups its overflow decisions must agree over (overflow_groups()), and
         # the (parameter count, registration count) they were found for.
         self._agree_over: list = []
@@ -764,12 +767,27 @@ class _OptimizerState:
     def _versions(self) -> List[Tuple[int, int, int]]:
         return [(p._version, m._version, p._cdata) for p, m in self.pairs]
 
-    def record_synced(self) -> None:
-        """Note the version counters of every pair: the half parameters now hold their
-        masters' values (or the masters were just made from them)."""
-        self._synced_versions = self._versions()
+    def _pair_indices(self, params) -> List[int]:
+        """The indices in ``pairs`` of those of ``params`` that have masters."""
+        if self._pair_index_for != len(self.pairs):
+            self._pair_index = {id(p): i for i, (p, _) in enumerate(self.pairs)}
+            self._pair_index_for = len(self.pairs)
+        index = self._pair_index
+        return [index[id(p)] for p in params if id(p) in index]
 
-    def take_model_writes(self) -> None:
+    def record_synced(self, only=None) -> None:
+        """Note the version counters of every pair (or of the pairs of the half parameters in
+        ``only``): the half parameters now hold their masters' values (or the masters were
+        just made from them)."""
+        synced = self._synced_versions
+        if only is None or synced is None or len(synced) != len(self.pairs):
+            self._synced_versions = self._versions()
+            return
+        for i in self._pair_indices(only):
+            p, m = self.pairs[i]
+            synced[i] = (p._version, m._version, p._cdata)
+
+    def take_model_writes(self, only=None) -> None:
         """Copy into its fp32 master every half parameter written in place since amp last set
         it, so that the write holds instead of being overwritten by the next post-step copy.
 
@@ -789,10 +807,24 @@ class _OptimizerState:
         ``mixprec.amp._model._watch_rnn_packing``), or the masters would be rounded to half
         at every step. Not inside a CUDA-graph capture or a ``torch.compile`` trace (a
         captured copy would replay at every step).
+
+        With ``only`` (half parameters, e.g. one module's), just their pairs are looked at:
+        a module's state-dict hooks call it for their own parameters, so that a whole
+        ``state_dict()`` reads each counter once, not once per module.
         """
         synced = self._synced_versions
         if is_compiling() or (self.pairs[0][1].is_cuda
                               and torch.cuda.is_current_stream_capturing()):
+            return
+        if only is not None and synced is not None and len(synced) == len(self.pairs):
+            written = []
+            for i in self._pair_indices(only):
+                (p, m), (sp, sm, sc) = self.pairs[i], synced[i]
+                if p._version != sp and m._version == sm and p._cdata == sc:
+                    written.append((p, m))
+            if written:
+                self._take(written)
+            self.record_synced(only)  # (moves, masters written too: nothing to take)
             return
         now = self._versions()
         if now == synced:
@@ -803,6 +835,12 @@ class _OptimizerState:
         if not written:
             self._synced_versions = now  # (moves, masters written too: nothing to take)
             return
+        self._take(written)
+        self.record_synced()  # (the copy moved the masters' version counters)
+
+    def _take(self, written) -> None:
+        """Copy the half parameters of the ``(param, master)`` pairs ``written`` into their
+        masters, and say so (once at INFO, then at DEBUG)."""
         with torch.no_grad():
             torch._foreach_copy_([m for _, m in written], [p for p, _ in written])
         level = logging.DEBUG if self._writes_logged else logging.INFO
@@ -815,7 +853,6 @@ class _OptimizerState:
                 "from them (at half precision). To keep full precision, write "
                 "amp.master_params(optimizer) as well, or load weights with "
                 "model.load_state_dict.", len(written), len(self.pairs))
-        self.record_synced()  # (the copy moved the masters' version counters)
 
     def _synced_closure(self, closure):
         def synced_closure():
