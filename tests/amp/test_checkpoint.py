@@ -85,6 +85,37 @@ def test_writes_into_the_half_model_reach_the_checkpoint_and_survive_a_load(dtyp
     assert torch.equal(head, torch.full_like(head, 0.25))
 
 
+def test_a_load_that_writes_only_the_half_parameter_and_a_copys_load_hold():
+    # (a) A load pre-hook of the user's renaming an old key: torch writes the half parameter,
+    # amp's hook never saw the key, so its master kept the old value; the record after the
+    # load must take that write, not mark the pair as in step. (b) A deep copy (an EMA):
+    # a write after its load_state_dict was overwritten by the loaded master.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    sd = make_cnn(seed=9).state_dict()
+    sd["head.old_weight"] = sd.pop("head.weight")
+
+    def rename(state_dict, prefix, *args):
+        if prefix + "old_weight" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "old_weight")
+
+    model.head._register_load_state_dict_pre_hook(rename)
+    model.load_state_dict(sd)
+    loaded = sd["head.old_weight"].to(torch.bfloat16).float()
+    train_step(model, opt, *batch(), amp)  # lr 0: the write holds
+    assert torch.equal(model.state_dict()["head.weight"], loaded)
+
+    copy_ = copy.deepcopy(model)
+    copy_.load_state_dict(make_cnn(seed=4).state_dict())
+    with torch.no_grad():
+        copy_.head.weight.fill_(0.75)
+    assert torch.equal(copy_.state_dict()["head.weight"],
+                       torch.full_like(loaded, 0.75))
+    copy_(batch()[0])  # (the copy's forward syncs its masters too)
+    assert torch.equal(copy_.head.weight, torch.full_like(copy_.head.weight, 0.75))
+
+
 def test_restored_and_upcast_model_saves_its_own_weights():
     # amp.restore_model(model); model.float() (the README's way back to an fp32 model): the
     # state dict kept returning the O2 masters, so edits to or training of the fp32 model
