@@ -718,9 +718,10 @@ class _Fp32StateDict:
 
     def loaded(self, module, incompatible_keys) -> None:
         """After ``load_state_dict``, which wrote the masters and their half parameters alike:
-        record them as in step (taking a half parameter written alone). Else a write into the half model after the load (the usual
-        fine-tuning order: load pretrained weights, then re-initialize the head) found both
-        counters moved, and the load's master won over it at the next step."""
+        record them as in step (taking a half parameter written alone). Else a write into the
+        half model after the load (the usual fine-tuning order: load pretrained weights, then
+        re-initialize the head) found both counters moved, and the load's master won over it
+        at the next step."""
         # (Taken, not only recorded: a load pre-hook of the user's that renames a key writes
         # the half parameter alone, and that write must reach its master.)
         for keeper in self.keepers():
