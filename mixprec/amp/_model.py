@@ -602,8 +602,6 @@ class _Fp32StateDict:
         self.take_writes: Dict[str, weakref.WeakMethod] = {}
         self.standalone = False
         self._versions: Dict[str, int] = {}  # each standalone master's version when synced
-        # The module these hooks serve (weak; for the load pre-hook, which is not given it).
-        self.module_ref: Optional[weakref.ref] = None
 
     def own_params(self, module: nn.Module) -> list:
         """``module``'s parameters that have masters here."""
@@ -627,7 +625,6 @@ class _Fp32StateDict:
         self.take_writes = {}
         self.standalone = bool(self.masters)
         self._versions = {}
-        self.module_ref = None  # (a copy has no keepers, for which alone it is needed)
 
     def __deepcopy__(self, memo):
         masters = {}
@@ -704,12 +701,6 @@ class _Fp32StateDict:
                 "optimizer and its fp32 master weights. Load with assign=False (the default); "
                 "amp then writes the fp32 values into the masters exactly."
             )
-        # Writes into the half model before the load are taken first: a parameter the
-        # checkpoint does not hold (strict=False) keeps its write through the record below.
-        module = self.module_ref() if self.module_ref is not None else None
-        only = self.own_params(module) if module is not None else None
-        for keeper in self.keepers():
-            keeper.take_model_writes(only=only)
         with torch.no_grad():
             for name, master in self.masters.items():
                 value = state_dict.get(prefix + name)
@@ -722,8 +713,10 @@ class _Fp32StateDict:
         half model after the load (the usual fine-tuning order: load pretrained weights, then
         re-initialize the head) found both counters moved, and the load's master won over it
         at the next step."""
-        # (Taken, not only recorded: a load pre-hook of the user's that renames a key writes
-        # the half parameter alone, and that write must reach its master.)
+        # (Taken, not only recorded: a write to the half parameter alone, before the load to
+        # a parameter a strict=False load leaves alone, or by a load pre-hook of the user's
+        # that renames a key, must reach its master; a parameter loaded has its master
+        # written too, and the load wins.)
         for keeper in self.keepers():
             keeper.take_model_writes(only=self.own_params(module))
         if self.standalone:  # (a copy's masters, kept by sync(): the load wrote both sides)
@@ -735,7 +728,6 @@ def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     if existing is not None:
         return existing
     hooks = _Fp32StateDict()
-    hooks.module_ref = weakref.ref(module)
     module._mixprec_state_dict = hooks
     module._register_state_dict_hook(hooks.save)
     module._register_load_state_dict_pre_hook(hooks.load)
@@ -814,18 +806,13 @@ def _packs(rnn: nn.RNNBase) -> bool:
     return bool(weights) and all(isinstance(w, torch.Tensor) and w.is_cuda for w in weights)
 
 
-def _master_keepers(module: nn.Module) -> list:
-    """The optimizers' amp states that keep ``module``'s parameters in step with masters."""
-    hooks = module.__dict__.get("_mixprec_state_dict")
-    return [] if hooks is None else hooks.keepers()
-
-
 def _flatten_keeping_masters(rnn: nn.RNNBase) -> None:
-    keepers = _master_keepers(rnn)
+    hooks = rnn.__dict__["_mixprec_state_dict"]
+    keepers = hooks.keepers()
     if keepers and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         keepers = []  # (take_model_writes does nothing inside a capture; nor may the record)
     # (The RNN's own parameters only: the packing moves their counters alone.)
-    own = rnn.__dict__["_mixprec_state_dict"].own_params(rnn) if keepers else None
+    own = hooks.own_params(rnn) if keepers else None
     for keeper in keepers:
         keeper.take_model_writes(only=own)
     _TORCH_FLATTEN(rnn)

@@ -454,7 +454,8 @@ class _OptimizerState:
         return self._skips_on_device or None
 
     def params_moved(self) -> None:
-        """Some masters moved to another device (with their model): look it up again."""
+        """Some masters moved to another device (with their model), or an optimizer load put
+        other "fused" flags in its groups: look the skipping path up again."""
         self._skips_on_device = None
 
     def step_was_skipped(self) -> bool:
