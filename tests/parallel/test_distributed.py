@@ -2256,6 +2256,24 @@ def check_join_divides_uneven_steps_as_asked(ctx):
         torch.testing.assert_close(grads[1], torch.full_like(grads[1], 1.0))
 
 
+def check_first_step_inside_join_with_an_empty_rank(ctx):
+    # A fresh wrapper whose very first step runs inside join() while the other ranks have no
+    # batch at all: the first-step watch stays off there (its all-reduce would meet no
+    # partner: gloo timed out). Each of rank 0's steps is its own gradient (x = 1) divided
+    # by the ranks still active (1) or by the initial world size, as join() is asked.
+    for divide_by_initial, expected in ((False, 1.0), (True, 1.0 / ctx.world_size)):
+        ddp = DistributedDataParallel(_Scale().to(ctx.device))
+        grads = []
+        with ddp.join(divide_by_initial_world_size=divide_by_initial):
+            for _ in range(2 if ctx.rank == 0 else 0):
+                ddp.module.zero_grad()
+                ddp(torch.ones(3, device=ctx.device)).backward()
+                grads.append(ddp.module.weight.grad.clone())
+        for i, g in enumerate(grads):
+            torch.testing.assert_close(g, torch.full_like(g, expected), rtol=0, atol=0,
+                                       msg=labelled(f"divide_by_initial={divide_by_initial} "
+                                                    f"step {i}"))
+
 def check_dead_peer_raises_quickly(ctx):
     # Last check of the CPU group: the last rank leaves; the others' next collective must raise
     # (gloo notices the closed connection) instead of hanging.
@@ -2285,6 +2303,7 @@ FIRST_STEP_CHECKS = [
     "check_first_step_rule_edges",
     "check_amp_o2_first_step_leaves_an_unused_head_out",
     "check_replaced_layer_refused_by_the_reducer",
+    "check_first_step_inside_join_with_an_empty_rank",
 ]
 # The delay mode's checks, and those that run both modes. They also run on a machine with one
 # GPU: two processes share it over gloo (the delay mode's callbacks then run on autograd's

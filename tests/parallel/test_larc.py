@@ -224,6 +224,29 @@ def test_larc_closure():
     assert not torch.equal(p.detach(), torch.ones(3))
 
 
+def test_larc_closure_runs_with_grad_enabled_inside_no_grad():
+    # torch.optim's own step(closure) runs the closure with gradients on, so a loop that
+    # steps inside torch.no_grad() works; LARC's must too (it raised "element 0 of tensors
+    # does not require grad"). Reference: the same LARC step outside no_grad, bit for bit.
+    def closure_for(t, opt):
+        def closure():
+            opt.zero_grad()
+            loss = (t * 2).sum()
+            loss.backward()
+            return loss
+        return closure
+
+    p, ref = (torch.nn.Parameter(torch.ones(3, dtype=torch.float64)) for _ in range(2))
+    larc, ref_larc = (LARC(torch.optim.SGD([t], lr=0.1), trust_coefficient=0.02)
+                      for t in (p, ref))
+    with torch.no_grad():
+        loss = larc.step(closure_for(p, larc))
+    ref_larc.step(closure_for(ref, ref_larc))
+    assert loss.item() == pytest.approx(6.0)
+    assert not torch.equal(p.detach(), torch.ones(3, dtype=torch.float64))
+    torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=0)
+
+
 def test_larc_errors():
     p = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):

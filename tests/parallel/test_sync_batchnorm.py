@@ -568,6 +568,44 @@ def check_empty_global_batch(ctx):
             assert torch.equal(m.running_var.cpu(), torch.ones(3)), what
 
 
+def check_batch_size_changes_between_steps(ctx):
+    # Each rank's batch size changes from step to step (an epoch's last, smaller batch; a
+    # sampler with uneven shards): every step merges that step's counts, on every path (the
+    # fused path caches its count tensors). Reference: float64 over the global batch.
+    steps = [[4, 3], [2, 5], [4, 3], [1, 6]]
+    channels = 3
+    for path, path_ctx in _paths(ctx):
+        g = torch.Generator().manual_seed(7)
+        m = SyncBatchNorm(channels).to(ctx.device)
+        with torch.no_grad():
+            m.weight.copy_(torch.rand(channels, generator=g) + 0.5)
+            m.bias.copy_(torch.randn(channels, generator=g))
+        weight, bias = m.weight.detach().clone().cpu(), m.bias.detach().clone().cpu()
+        ref_rm = torch.zeros(channels, dtype=torch.float64)
+        ref_rv = torch.ones(channels, dtype=torch.float64)
+        for step, sizes in enumerate(steps):
+            sizes = sizes[:ctx.world_size]
+            shape = (sum(sizes), channels, 4, 5)
+            x = (torch.randn(shape, generator=g, dtype=torch.float64) * (1 + step) + step).float()
+            dy = torch.randn(shape, generator=g, dtype=torch.float64).float()
+            start = sum(sizes[:ctx.rank])
+            mine = slice(start, start + sizes[ctx.rank])
+            xl = x[mine].to(ctx.device).requires_grad_()
+            m.weight.grad = m.bias.grad = None
+            with path_ctx():
+                y = m(xl)
+                y.backward(dy[mine].to(ctx.device))
+            ry, rdx, rdw, _, ref_rm, ref_rv = _reference(
+                x, weight, bias, dy, ref_rm, ref_rv, 0.1, m.eps, 1)
+            what = f"[{path} step {step} sizes {sizes}]"
+            _close(y.detach(), ry[mine], OUT_TOL[torch.float32], f"{what} output")
+            _close(xl.grad, rdx[mine], OUT_TOL[torch.float32], f"{what} input grad")
+            _close(_sum_over_ranks(m.weight.grad), rdw, dict(rtol=1e-4, atol=1e-4),
+                   f"{what} weight grad")
+            _close(m.running_mean, ref_rm, STAT_TOL, f"{what} running_mean")
+            _close(m.running_var, ref_rv, STAT_TOL, f"{what} running_var")
+
+
 def check_syncbn_process_groups(ctx):
     group = create_syncbn_process_group(2)
     members = [r for r in range(ctx.world_size) if r // 2 == ctx.rank // 2]
@@ -601,6 +639,7 @@ GROUP_2 = [
     "check_residual_z_and_fuse_relu",
     "check_empty_rank",
     "check_empty_global_batch",
+    "check_batch_size_changes_between_steps",
 ]
 GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups"]
 
@@ -776,6 +815,43 @@ def test_parameter_free_syncbn_takes_any_channel_count():
     torch.testing.assert_close(sync(x), bn(x), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="has 7 channels"):  # with statistics it is checked
         SyncBatchNorm(3, affine=False)(x.float())
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_eval_without_running_stats_normalizes_by_the_batch(not_distributed, affine):
+    # track_running_stats=False: eval mode normalizes by the batch's own statistics, as
+    # BatchNorm does (it raised from F.batch_norm). Reference: nn.BatchNorm2d, bit for bit.
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4, affine=affine, track_running_stats=False).eval()
+    sync = SyncBatchNorm(4, affine=affine, track_running_stats=False).eval()
+    if affine:
+        with torch.no_grad():
+            sync.weight.copy_(torch.rand(4) + 0.5)
+            sync.bias.copy_(torch.randn(4))
+            bn.load_state_dict(sync.state_dict())
+    x = torch.randn(6, 4, 5, 5) * 3 + 1
+    torch.testing.assert_close(sync(x), bn(x), rtol=0, atol=0)
+
+
+def test_convert_syncbn_model_keeps_the_batch_count(not_distributed):
+    # A trained BatchNorm's num_batches_tracked goes over with it: with momentum=None (a
+    # cumulative average) the converted layer goes on averaging where BatchNorm stopped, and
+    # its checkpoint keeps the count. Reference: the BatchNorm training on (one process:
+    # SyncBatchNorm is BatchNorm, bit for bit).
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4, momentum=None)
+    for _ in range(3):
+        bn(torch.randn(6, 4, 3, 3) * 2 + 1)
+    ref = copy.deepcopy(bn)
+    tracked = bn.num_batches_tracked
+    sync = convert_syncbn_model(bn)
+    assert isinstance(sync, SyncBatchNorm) and sync.num_batches_tracked is tracked
+    x = torch.randn(6, 4, 3, 3)
+    sync(x)
+    ref(x)
+    assert sync.state_dict()["num_batches_tracked"].item() == 4
+    torch.testing.assert_close(sync.running_mean, ref.running_mean, rtol=0, atol=0)
+    torch.testing.assert_close(sync.running_var, ref.running_var, rtol=0, atol=0)
 
 
 def test_convert_syncbn_model_keeps_parameters_mode_and_requires_grad():
