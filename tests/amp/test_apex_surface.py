@@ -205,6 +205,29 @@ def test_add_param_group_gets_masters_at_o2():
     torch.testing.assert_close(model.state_dict()["head.weight"], group[0].detach(), rtol=0, atol=0)
 
 
+def test_a_write_before_a_late_param_group_reaches_the_master():
+    # An in-place write to the half model (a re-initialised layer) made before amp picks up a
+    # later add_param_group holds, as it does without the new group: adopting the group
+    # recorded every pair as in step, and the write was lost (the next step copied the old
+    # master back). lr 0: only the write can move the weights; 0.5 is exact in fp16.
+    model = nn.Linear(4, 4)
+    extra = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    opt.add_param_group({"params": [extra], "lr": 0.0})
+    loss = model(torch.randn(2, 4)).float().sum() + extra.sum()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not amp.step_was_skipped(opt)
+    expected = torch.full((4, 4), 0.5)
+    torch.testing.assert_close(model.state_dict()["weight"], expected, rtol=0, atol=0)
+    torch.testing.assert_close(model.weight.float(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(next(iter(amp.master_params(opt))), expected, rtol=0, atol=0)
+
+
 # -- clipping on master params ------------------------------------------------------------------
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 def test_clip_grad_norm_on_master_params(opt_level):
