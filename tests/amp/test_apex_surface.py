@@ -870,3 +870,74 @@ def test_activation_checkpointing_matches_plain_forward(opt_level, dtype, device
     # The recomputation runs under the same autocast state, so the results are identical.
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- stale gradients, model.zero_grad, LARC reading the masters (found by mutation testing) ------
+def test_o3_cast_drops_a_gradient_left_from_before_initialize():
+    # A backward on the fp32 model before initialize (a warm-up, a sanity check) leaves fp32
+    # gradients, stale and of the wrong dtype once the model is half: the first amp backward
+    # gives exactly its loss's gradient, not a sum. Reference: float64 (fp16 backward: 1e-2).
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    x = torch.randn(8, 4)
+    model(x).sum().backward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O3", verbosity=0)
+    w = model.weight.detach().double().requires_grad_(True)
+    (x.double() @ w.T + model.bias.detach().double()).pow(2).mean().backward()
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    assert model.weight.grad.dtype == torch.float16
+    torch.testing.assert_close(model.weight.grad.double(), w.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_o2_model_zero_grad_clears_the_masters_gradients():
+    # model.zero_grad() between a backward and the step (a discarded micro-batch, a GAN's
+    # netD.zero_grad()) drops what the masters' gradients hold, as for an fp32 model.
+    # Reference: the fp32 run (fp16 backward: gradients 1e-2 / 1e-3, weights 1e-3).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    torch.manual_seed(1)
+    x1, x2, y = torch.randn(4, 3, 8, 8), torch.randn(4, 3, 8, 8), torch.randn(4, 2)
+    for x in (x1, x2):
+        model.zero_grad()
+        ref.zero_grad()
+        with amp.scale_loss((model(x) - y).pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        (ref(x) - y).pow(2).mean().backward()
+    for master, p in zip(amp.master_params(opt), ref.parameters()):
+        assert master.grad is not None
+        torch.testing.assert_close(master.grad, p.grad, rtol=1e-2, atol=1e-3)
+    opt.step()
+    ref_opt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=1e-3)
+
+
+def test_o2_larc_trust_ratio_sees_a_write_into_the_half_model():
+    # LARC reads the masters (their norm, the trust ratio) before its inner optimizer's step
+    # hooks run: a write into the half model since amp last set it (nn.init, a DDP broadcast)
+    # reaches the masters first. Reference: the fp32 LARC run; x4 is exact in fp16.
+    from mixprec.parallel import LARC
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    ref = copy.deepcopy(model)
+    opt = LARC(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = LARC(torch.optim.SGD(ref.parameters(), lr=0.1))
+    amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    for m in (model, ref):
+        with torch.no_grad():
+            m.weight.mul_(4.0)
+    with amp.scale_loss((model(x) - y).pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    (ref(x) - y).pow(2).mean().backward()
+    ref_opt.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-3, atol=1e-4)

@@ -503,3 +503,76 @@ def test_amp_load_state_dict_names_a_gradscaler_state_dict_and_bad_counts():
         with pytest.raises(ValueError, match=r"unskipped=.* must be an int >= 0"):
             amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": bad}})
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 0}}
+
+
+# -- moves, tied weights and EMA writes in deep copies (found by mutation testing) ---------------
+def _conv_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * 6 * 6, 2))
+
+
+def test_a_swapped_parameter_is_a_move_not_a_write():
+    # model.to(memory_format=...) under swap_module_params_on_conversion gives the conv weight
+    # a new tensor with a version counter of its own: a move, not a write. state_dict(), whose
+    # hooks take writes for their own parameters, still returns the exact fp32 weights (the
+    # write test rounded the master to half).
+    model = _conv_net()
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    old = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(memory_format=torch.channels_last)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(old)
+    sd = model.state_dict()
+    for k, v in ref.items():
+        torch.testing.assert_close(sd[k], v, rtol=0, atol=0)
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4, bias=False)
+        self.b = torch.nn.Linear(4, 4, bias=False)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def test_a_deep_copy_keeps_a_tied_weight_one_master():
+    # As in fp32, the two state-dict keys of a tied weight in a deep copy (an EMA model) are
+    # one tensor: a write through one key is seen through the other. Reference: the fp32
+    # model copied and written the same way (fp16 forward: 2e-3).
+    torch.manual_seed(0)
+    model = _Tied()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    ema = copy.deepcopy(model)
+    ema.state_dict()["a.weight"].mul_(0.5)
+    ref.state_dict()["a.weight"].mul_(0.5)
+    for k in ("a.weight", "b.weight"):
+        torch.testing.assert_close(ema.state_dict()[k], ref.state_dict()[k], rtol=0, atol=0)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(ema(x), ref(x), rtol=2e-3, atol=2e-3)
+
+
+def test_a_deep_copys_forward_runs_the_masters_written_through_its_state_dict():
+    # timm's ModelEmaV2: each step writes ema.state_dict()'s tensors in place, then evaluates
+    # ema(x) with no state_dict() call between: the forward runs the written fp32 values cast
+    # to half. Reference: an fp32 copy written the same way (fp16 forward: 1e-2).
+    model = _conv_net()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    ema = copy.deepcopy(model).eval()
+    sd, ref_sd = ema.state_dict(), ref.state_dict()
+    for k in sd:
+        sd[k].mul_(-0.5)
+        ref_sd[k].mul_(-0.5)
+    x = torch.randn(2, 3, 8, 8)
+    torch.testing.assert_close(ema(x), ref(x), rtol=1e-2, atol=1e-2)
