@@ -158,8 +158,9 @@ def _error_alias(g: Optional[Tensor]) -> Optional[Tensor]:
 
 
 def interpreter_enabled() -> bool:
-    """Whether Triton runs kernels on CPU tensors (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """Whether Triton runs kernels on CPU tensors (``TRITON_INTERPRET=1``; the values Triton
+    3.6 reads as true: 1, true, on, yes, y, in any case)."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes", "y")
 
 
 _KERNELS = None

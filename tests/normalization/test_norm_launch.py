@@ -1,11 +1,14 @@
 """Host-side launch logic that needs no GPU: configs, occupancy arithmetic, program counts."""
 
+import importlib
+import importlib.util
 import types
 
 import pytest
 import torch
 
 from mixprec.normalization import _launch
+from tests._triton import interpreter_skip_reason
 
 
 @pytest.mark.parametrize("n", [1, 45, 123, 1023, 1024, 4096, 8192, 15129, 65536])
@@ -230,3 +233,53 @@ def test_functional_launchers_reject_what_their_plans_cannot_take():
     with pytest.raises(ValueError, match="pipeline_stages=2 needs a compiled GPU kernel"):
         _launch.backward(x[:0], x[:0], None, None, x[:0, 0], x[:0, 0], False, False,
                          torch.float32, False, False, config=cfg)
+
+
+# -- TRITON_INTERPRET values, unit column strides (mutation testing) ------------------------------
+@pytest.mark.parametrize("value,enabled", [
+    ("1", True), ("true", True), ("True", True), ("ON", True), ("yes", True), ("y", True),
+    ("Y", True), ("0", False), ("false", False), ("off", False), ("t", False), ("2", False),
+    ("", False),
+])
+def test_interpreter_enabled_follows_the_environment(monkeypatch, value, enabled):
+    # mixprec's routing reads the variable as Triton does (3.6's knob, where installed).
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert _launch.interpreter_enabled() is enabled
+    if importlib.util.find_spec("triton") is not None:
+        knobs = getattr(importlib.import_module("triton"), "knobs", None)
+        if knobs is not None:
+            assert knobs.runtime.interpret is enabled
+
+
+def test_interpreter_disabled_without_the_variable(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert _launch.interpreter_enabled() is False
+
+
+_needs_kernels = pytest.mark.skipif(
+    not torch.cuda.is_available() and interpreter_skip_reason() is not None,
+    reason="needs CUDA or Triton's CPU interpreter (TRITON_INTERPRET=1, Triton >= 3.6)")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@_needs_kernels
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_forward_rejects_a_non_unit_column_stride(is_rms):
+    x = torch.randn(4, 32, device=DEVICE)[:, ::2]  # (4, 16) with column stride 2
+    with pytest.raises(ValueError, match=r"unit column stride, got strides \(32, 2\)"):
+        _launch.forward(x, None, None, 1e-5, is_rms, torch.float32)
+    # The same rows made contiguous are taken, and match the reference.
+    y, _, _ = _launch.forward(x.contiguous(), None, None, 1e-5, is_rms, torch.float32)
+    f = torch.nn.functional
+    want = f.rms_norm(x, (16,), eps=1e-5) if is_rms else f.layer_norm(x, (16,), eps=1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+@_needs_kernels
+def test_backward_rejects_a_non_unit_column_stride():
+    x = torch.randn(4, 16, device=DEVICE)
+    dy = torch.randn(4, 32, device=DEVICE)[:, ::2]
+    _, mean, rstd = _launch.forward(x, None, None, 1e-5, False, torch.float32)
+    with pytest.raises(ValueError, match="the fused backward needs unit column strides"):
+        _launch.backward(dy, x, None, None, mean, rstd, False, False, torch.float32, False, False)
