@@ -15,6 +15,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from mixprec import amp
 from mixprec.normalization import FusedBatchNorm, batch_norm, convert_fused_batchnorm
@@ -534,3 +535,100 @@ def test_bias_false_on_a_pytorch_without_it_is_a_clear_error(monkeypatch):
         assert cls(4, bias=True).bias is not None
     with pytest.raises(TypeError, match=r"FusedBatchNorm\(bias='no'\): must be a bool"):
         FusedBatchNorm(4, bias="no")
+
+
+# -- BatchNorm modes, copies, subclasses left alone (mutation testing) ----------------------------
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _pair(dtype, **kwargs):
+    torch.manual_seed(0)
+    ours = FusedBatchNorm(6, **kwargs)
+    theirs = torch.nn.BatchNorm2d(6, **kwargs)
+    if ours.weight is not None:
+        with torch.no_grad():
+            ours.weight.uniform_(0.5, 1.5)
+            ours.bias.uniform_(-0.5, 0.5)
+    theirs.load_state_dict(ours.state_dict())
+    return ours.to(dtype), theirs.double()
+
+
+def _x(dtype):
+    torch.manual_seed(1)
+    x = (torch.randn(4, 6, 5, 3) * 2 + 1).to(dtype)
+    return x.contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eval_without_running_statistics_uses_the_batch(dtype):
+    # track_running_stats=False: no buffers, so eval normalizes with the batch statistics too
+    # (torch's bn_training rule).
+    ours, theirs = _pair(dtype, track_running_stats=False)
+    ours.eval()
+    theirs.eval()
+    x = _x(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours(x).double(), theirs(x.double()), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_track_running_stats_switched_off_leaves_the_buffers(dtype):
+    # A built layer whose track_running_stats is set to False (a common way to train on batch
+    # statistics alone): training must neither read nor update the running statistics.
+    ours, theirs = _pair(dtype)
+    with torch.no_grad():
+        for m in (ours, theirs):
+            m.running_mean.fill_(0.25)
+            m.running_var.fill_(2.0)
+    for m in (ours, theirs):
+        m.track_running_stats = False
+    x = _x(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours(x).double(), theirs(x.double()), rtol=tol, atol=tol)
+    torch.testing.assert_close(ours.running_mean.double(), theirs.running_mean)
+    torch.testing.assert_close(ours.running_var.double(), theirs.running_var)
+    assert torch.all(ours.running_mean == 0.25) and torch.all(ours.running_var == 2.0)
+
+
+@requires_interpreter
+def test_copies_of_a_layer_that_ran_the_kernels():
+    # The layer keeps launch plans per input signature; copies (deepcopy, pickle, torch.save)
+    # start without them and give the same results.
+    bn = FusedBatchNorm(6).to(torch.bfloat16)
+    x = _x(torch.bfloat16)
+    with emulated_fused_path(triton=True):
+        bn(x)
+        assert bn._cache  # (the kernels' plan is kept)
+        buffer = io.BytesIO()
+        torch.save(bn, buffer)
+        buffer.seek(0)
+        copies = [copy.deepcopy(bn), pickle.loads(pickle.dumps(bn)),
+                  torch.load(buffer, weights_only=False)]
+        for c in copies:
+            assert c._cache == {}
+        bn.eval()
+        want = bn(x)
+        for c in copies:
+            c.eval()
+            torch.testing.assert_close(c(x), want, rtol=0, atol=0)
+
+
+class ScaledBatchNorm(nn.BatchNorm2d):
+    """A user's BatchNorm2d subclass with its own forward."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def test_subclasses_are_left_alone_and_plain_layers_converted():
+    model = nn.Sequential(nn.BatchNorm2d(3), ScaledBatchNorm(3), SyncBatchNorm(3),
+                          nn.BatchNorm1d(3))
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 4, 4)
+    want = model[1](x)
+    converted = convert_fused_batchnorm(model)
+    assert converted is model
+    assert [type(m) for m in model] == [FusedBatchNorm, ScaledBatchNorm, SyncBatchNorm,
+                                        FusedBatchNorm]
+    # The subclass keeps its own forward (the doubled output), as it had before.
+    torch.testing.assert_close(model[1](x), want)

@@ -913,3 +913,169 @@ def test_unpickles_apex_instance_state(cls):
     out = loaded(x)
     assert out.dtype == built(x).dtype
     torch.testing.assert_close(out, built(x), rtol=0, atol=0)
+
+
+# -- argument checks, dtype rules, defaults, weight-only gradients (mutation testing) -------------
+@pytest.mark.parametrize("make", [
+    lambda s: FusedLayerNorm(s),
+    lambda s: FusedRMSNorm(s),
+    lambda s: fused_layer_norm(torch.randn(2, 1), s),
+    lambda s: fused_rms_norm(torch.randn(2, 1), s),
+], ids=["FusedLayerNorm", "FusedRMSNorm", "fused_layer_norm", "fused_rms_norm"])
+def test_bool_normalized_shape_is_a_type_error(make):
+    # True is an int to Python; as a size it is a mistake (torch.nn.LayerNorm(True) makes a
+    # norm over one element silently). mixprec refuses it, alone or inside a tuple.
+    with pytest.raises(TypeError, match="normalized_shape must be an int or a tuple of ints, got a bool"):
+        make(True)
+    with pytest.raises(TypeError, match=r"normalized_shape must hold ints, got \(True, 1\)"):
+        make((True, 1))
+
+
+@pytest.mark.parametrize("make", [
+    lambda s: FusedLayerNorm(s),
+    lambda s: MixedFusedLayerNorm(s),
+    lambda s: fused_rms_norm(torch.randn(2, 3), s),
+], ids=["FusedLayerNorm", "MixedFusedLayerNorm", "fused_rms_norm"])
+@pytest.mark.parametrize("shape", [(), [], torch.Size([])])
+def test_empty_normalized_shape_is_a_value_error(make, shape):
+    # No dims to normalize over (torch.nn.functional.layer_norm also refuses one).
+    with pytest.raises(ValueError, match=r"normalized_shape must be one or more non-negative sizes, got \(\)"):
+        make(shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool, torch.complex64])
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_unsupported_parameter_dtype_is_a_type_error(which, dtype):
+    # An integer or complex weight/bias is refused by name, not silently cast to float.
+    x = torch.randn(2, 4)
+    p = torch.ones(4, dtype=dtype)
+    kwargs = {"weight": torch.ones(4), "bias": torch.zeros(4)}
+    kwargs[which] = p
+    with pytest.raises(TypeError, match=f"fused_layer_norm: {which} dtype {dtype} is not supported"):
+        fused_layer_norm(x, 4, **kwargs)
+    if which == "weight":
+        with pytest.raises(TypeError, match=f"fused_rms_norm: weight dtype {dtype} is not supported"):
+            fused_rms_norm(x, 4, p)
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_parameter_on_another_device_is_a_value_error(which):
+    # (The meta device stands for any other device on a CPU-only machine.)
+    x = torch.randn(2, 4)
+    kwargs = {"weight": torch.ones(4), "bias": torch.zeros(4)}
+    kwargs[which] = torch.ones(4, device="meta")
+    with pytest.raises(ValueError, match=f"fused_layer_norm: {which} is on meta but the input is on cpu"):
+        fused_layer_norm(x, 4, **kwargs)
+    module = FusedLayerNorm(4)
+    setattr(module, which, torch.nn.Parameter(torch.ones(4, device="meta")))
+    with pytest.raises(ValueError, match=f"FusedLayerNorm: {which} is on meta but the input is on cpu"):
+        module(x)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("p_dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_fused_layer_norm_output_takes_the_input_dtype_not_the_parameters(x_dtype, p_dtype):
+    # "Returns: same shape as x, dtype of x" (only the Mixed variants follow the weight).
+    torch.manual_seed(0)
+    x = torch.randn(4, 16, dtype=x_dtype)
+    w = torch.rand(16, dtype=p_dtype) + 0.5
+    b = torch.randn(16, dtype=p_dtype)
+    y = fused_layer_norm(x, 16, w, b)
+    assert y.dtype == x_dtype
+    want = torch.nn.functional.layer_norm(x.double(), (16,), w.double(), b.double(), 1e-5)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[x_dtype]
+    torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
+
+
+def test_mixed_rms_norm_default_eps_is_1e_5():
+    # Documented default (as FusedRMSNorm's): eps=1e-5. On a small-variance input (mean square
+    # ~1e-6) eps dominates, so another default gives visibly other values.
+    norm = MixedFusedRMSNorm(8)
+    assert norm.eps == 1e-5
+    torch.manual_seed(0)
+    x = torch.randn(3, 8, dtype=torch.float64) * 1e-3
+    want = torch.nn.functional.rms_norm(x, (8,), eps=1e-5)
+    torch.testing.assert_close(norm(x.float()).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [FusedRMSNorm, MixedFusedRMSNorm])
+def test_a_bias_put_on_an_rms_norm_is_ignored_and_gets_no_gradient(cls):
+    # RMSNorm has no bias: one set on the module by hand (a converted model, an Apex object)
+    # takes no part in the forward, so it must not get a gradient either.
+    torch.manual_seed(0)
+    norm = cls(4)
+    x = torch.randn(3, 4, requires_grad=True)
+    want = norm(x)
+    norm.bias = torch.nn.Parameter(torch.full((4,), 0.5))
+    y = norm(x)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    y.sum().backward()
+    assert norm.bias.grad is None
+
+
+_ROUTES = [
+    pytest.param("pytorch", id="pytorch-path"),
+    pytest.param("kernels", id="kernels-interpreter", marks=pytest.mark.skipif(
+        torch.cuda.is_available() or requires_interpreter.args[0],
+        reason="Triton's CPU interpreter (TRITON_INTERPRET=1, Triton >= 3.6) without CUDA")),
+]
+
+
+@pytest.mark.parametrize("route", _ROUTES)
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("kind", ["module", "function"])
+def test_weight_gradient_when_the_input_does_not_require_grad(kind, memory_efficient, route):
+    # A norm applied to data (or a detached activation): only the weight requires grad, and
+    # RMSNorm has no bias to carry the autograd decision. The weight's gradient must match
+    # torch.nn.functional.rms_norm's, computed in float64.
+    torch.manual_seed(0)
+    x = torch.randn(5, 8)
+    w0 = torch.rand(8) + 0.5
+    ctx = _ops.triton_on_cpu() if route == "kernels" else contextlib.nullcontext()
+    with ctx:
+        y, w = _run(kind, x, w0, memory_efficient)
+    assert y.requires_grad
+    dy = torch.randn(5, 8)
+    (y * dy).sum().backward()
+    assert w.grad is not None
+    w64 = w0.double().requires_grad_()
+    (torch.nn.functional.rms_norm(x.double(), (8,), w64, 1e-5) * dy.double()).sum().backward()
+    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+
+
+def _run(kind, x, w0, memory_efficient):
+    if kind == "module":
+        norm = FusedRMSNorm(8, memory_efficient=memory_efficient)
+        with torch.no_grad():
+            norm.weight.copy_(w0)
+        y = norm(x)
+        w = norm.weight
+    else:
+        w = w0.clone().requires_grad_()
+        y = fused_rms_norm(x, 8, w, memory_efficient=memory_efficient)
+    return y, w
+
+
+def test_layer_norm_weight_only_requires_grad():
+    # FusedLayerNorm with a frozen bias: the weight alone requires grad.
+    torch.manual_seed(0)
+    norm = FusedLayerNorm(8)
+    norm.bias.requires_grad_(False)
+    x = torch.randn(4, 8)
+    norm(x).pow(2).sum().backward()
+    ref = torch.nn.LayerNorm(8).double()
+    ref.bias.requires_grad_(False)
+    ref(x.double()).pow(2).sum().backward()
+    assert norm.weight.grad is not None
+    torch.testing.assert_close(norm.weight.grad.double(), ref.weight.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_module_rechecks_a_weight_whose_dtype_changed():
+    # The module validates its arguments once per input signature; a weight replaced by one of
+    # an unsupported dtype (same shape) is a new signature and must be refused, not computed.
+    norm = FusedLayerNorm(4)
+    x = torch.randn(2, 4)
+    norm(x)
+    norm.weight = torch.nn.Parameter(torch.ones(4, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(TypeError, match="FusedLayerNorm: weight dtype torch.int64 is not supported"):
+        norm(x)

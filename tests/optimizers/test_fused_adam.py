@@ -1605,3 +1605,144 @@ def test_cuda_tensor_lr_steps_with_no_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert opt.param_groups[0]["lr"].item() == pytest.approx(1e-2 * 0.5**3)
+
+
+# -- lr 0, weight-decay modes and step dtypes across torch checkpoints (mutation testing) ---------
+_TORCH_TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture(params=["torch_fused", "plain"])
+def cpu_route(request, monkeypatch):
+    """FusedAdam's CPU routes other than the Triton kernel: PyTorch's fused Adam kernel
+    (where this PyTorch runs it on CPU) and the plain-PyTorch arithmetic."""
+    monkeypatch.setattr(fused_adam, "_kernel_device_ok", lambda device: False)
+    if request.param == "torch_fused":
+        if not fused_adam._torch_fused_ok(torch.device("cpu")):
+            pytest.skip("this PyTorch has no fused Adam kernel for CPU tensors")
+    else:
+        monkeypatch.setattr(fused_adam, "_torch_fused_ok", lambda device: False)
+    return request.param
+
+
+def _two_params(n=2):
+    torch.manual_seed(0)
+    return [torch.randn(7, 3) for _ in range(n)]
+
+
+def _run_steps(opt, params, grads):
+    for g in grads:
+        for p, gp in zip(params, g):
+            p.grad = gp.to(p.dtype).clone()
+        opt.step()
+
+
+def test_zero_learning_rate_is_accepted_as_by_torch_optim(cpu_route):
+    # lr=0 (a warm-up schedule's first value) is a valid rate, as torch.optim.AdamW takes it:
+    # the parameters stay, the moments and step counts advance.
+    init = _two_params()
+    ours = [p.clone() for p in init]
+    ref = [p.double().clone() for p in init]
+    opt = FusedAdam(ours, lr=0.0, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW(ref, lr=0.0, weight_decay=0.1)
+    grads = [[torch.randn(7, 3) for _ in init] for _ in range(3)]
+    _run_steps(opt, ours, grads)
+    _run_steps(torch_opt, ref, grads)
+    for p, r, p0 in zip(ours, ref, init):
+        torch.testing.assert_close(p, p0, rtol=0, atol=0)
+        torch.testing.assert_close(opt.state[p]["exp_avg"].double(), torch_opt.state[r]["exp_avg"], **_TORCH_TOL)
+        assert float(opt.state[p]["step"]) == 3
+    # A group of rate 0 added later, and a checkpoint holding one, are taken too.
+    extra = torch.randn(4)
+    opt.add_param_group({"params": [extra], "lr": 0.0})
+    opt.load_state_dict(opt.state_dict())
+    assert opt.param_groups[1]["lr"] == 0.0
+
+
+def _grads_for(params, n):
+    torch.manual_seed(1)
+    return [[torch.randn_like(p) for p in params] for _ in range(n)]
+
+
+@pytest.mark.parametrize("adam_w", [True, False])
+def test_checkpoint_continues_in_torch_adam_with_the_same_update(cpu_route, adam_w):
+    # state_dict() states decoupled_weight_decay = adam_w_mode, so torch.optim.Adam (whose own
+    # default is L2 decay) loads a FusedAdam checkpoint as the same update.
+    init = _two_params()
+    ours = [p.clone() for p in init]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1, adam_w_mode=adam_w)
+    grads = _grads_for(init, 4)
+    _run_steps(opt, ours, grads[:2])
+    # (A deep copy: the live state dict shares the step tensors, which both would advance.)
+    saved = copy.deepcopy(opt.state_dict())
+    assert all(g["decoupled_weight_decay"] is adam_w for g in saved["param_groups"])
+    ref = [p.detach().double().clone() for p in ours]
+    torch_opt = torch.optim.Adam(ref, lr=1e-2, weight_decay=0.1)
+    torch_opt.load_state_dict(saved)
+    _run_steps(opt, ours, grads[2:])
+    _run_steps(torch_opt, ref, grads[2:])
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.double(), r, **_TORCH_TOL)
+
+
+@pytest.mark.parametrize("decoupled", [False, True])
+def test_torch_adam_checkpoint_keeps_its_weight_decay_mode(cpu_route, decoupled):
+    # A torch.optim.Adam checkpoint (decoupled_weight_decay in each group) loaded into a
+    # FusedAdam built with the other mode continues with the checkpoint's mode.
+    init = _two_params()
+    ref = [p.double().clone() for p in init]
+    torch_opt = torch.optim.Adam(ref, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=decoupled)
+    grads = _grads_for(init, 4)
+    _run_steps(torch_opt, ref, grads[:2])
+    ours = [r.detach().float().clone() for r in ref]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1, adam_w_mode=not decoupled)
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert opt.param_groups[0]["adam_w_mode"] is decoupled
+    _run_steps(opt, ours, grads[2:])
+    _run_steps(torch_opt, ref, grads[2:])
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.double(), r, **_TORCH_TOL)
+
+
+def test_a_checkpoint_with_float64_step_counts_continues_as_torch_adamw(cpu_route):
+    # torch.optim.AdamW keeps its step counts in the default dtype (float64 when that is the
+    # default): FusedAdam takes them as fp32 on the parameter's device, as its own, and
+    # continues the same update.
+    init = _two_params()
+    ref = [p.double().clone() for p in init]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        torch_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+        grads = _grads_for(init, 4)
+        _run_steps(torch_opt, ref, grads[:2])
+    finally:
+        torch.set_default_dtype(previous)
+    saved = copy.deepcopy(torch_opt.state_dict())
+    assert saved["state"][0]["step"].dtype == torch.float64
+    ours = [r.detach().float().clone() for r in ref]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
+    opt.load_state_dict(saved)
+    for p in ours:
+        step = opt.state[p]["step"]
+        assert step.dtype == torch.float32 and step.device == p.device and float(step) == 2
+    _run_steps(opt, ours, grads[2:])
+    _run_steps(torch_opt, ref, grads[2:])
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.double(), r, **_TORCH_TOL)
+        assert opt.state[p]["step"].dtype == torch.float32
+
+
+def test_an_instance_state_without_mixprecs_attributes_zero_grads_to_none():
+    # An optimizer pickled with PyTorch's instance state only (defaults, state, param_groups:
+    # what torch.optim.Optimizer.__getstate__ gives, e.g. Apex's FusedAdam saved whole) is
+    # restored with Apex's default set_grad_none=True: zero_grad() sets gradients to None.
+    p = torch.nn.Parameter(torch.randn(3))
+    built = FusedAdam([p], lr=1e-3)
+    torch_state = torch.optim.Optimizer.__getstate__(built)
+    assert "set_grad_none" not in torch_state
+    restored = FusedAdam.__new__(FusedAdam)
+    restored.__setstate__(dict(torch_state))
+    assert restored.set_grad_none is True and restored.capturable is False
+    p.grad = torch.ones(3)
+    restored.zero_grad()
+    assert p.grad is None
