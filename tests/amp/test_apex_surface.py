@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mixprec import amp
+from tests._autograd import FailingBackward
 
 from .helpers import (
     HALF_DTYPES,
@@ -941,3 +942,164 @@ def test_o2_larc_trust_ratio_sees_a_write_into_the_half_model():
     ref_opt.step()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-3, atol=1e-4)
+
+
+# -- failed micro-batches, parts after restore, half losses, sparse overflow, LARC inner (mutation testing)
+def _o2_mlp_run(fail_last: bool):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale=512.0, verbosity=0)
+    with amp.scale_loss(nn.functional.cross_entropy(model(x[:4]).float(), y[:4]), opt) as s:
+        s.backward()
+    if fail_last:
+        hidden = FailingBackward.apply(model[1](model[0](x[4:].half())))
+        loss = nn.functional.cross_entropy(model[2](hidden).float(), y[4:])
+        try:
+            with amp.scale_loss(loss, opt) as s:
+                s.backward()  # the last layer's gradients are written, then the backward fails
+        except RuntimeError as e:
+            assert "simulated" in str(e)
+        else:
+            raise AssertionError("the backward did not fail")
+    opt.step()
+    return [m.detach().clone() for m in amp.master_params(opt)]
+
+
+def test_o2_step_after_a_failed_last_micro_batch_steps_the_earlier_gradients():
+    # Accumulation whose last micro-batch's backward raised (caught, fairseq-style, to skip
+    # it), then step(): the step uses the earlier micro-batches' gradients, as in fp32 torch;
+    # the failed backward's partial half gradients are dropped, not an error. Reference: the
+    # same run without the failed micro-batch, whose masters must come out exactly equal.
+    expected = _o2_mlp_run(fail_last=False)
+    got = _o2_mlp_run(fail_last=True)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+def test_restored_o2_model_reinitialized_at_o1_does_not_hold_its_parts():
+    # restore_model undoes an O2 initialize, and the model, cast back with .float() and
+    # initialized again at O1, casts nothing to half: a part of it initialized on its own
+    # is accepted, as a part of any O1 model is (only parts of half models are refused).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                   verbosity=0)
+    amp.restore_model(model)
+    model.float()
+    amp.initialize(model, opt_level="O1", verbosity=0)
+    part = model[2]
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    amp.initialize(part, opt, opt_level="O2", verbosity=0)
+    assert part.weight.dtype == torch.float16
+    torch.manual_seed(1)
+    fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))  # the same check, fresh
+    amp.initialize(fresh, opt_level="O1", verbosity=0)
+    amp.initialize(fresh[2], torch.optim.SGD(fresh[2].parameters(), lr=0.1), opt_level="O2",
+                   verbosity=0)
+    assert fresh[2].weight.dtype == torch.float16
+
+
+def test_scale_loss_yields_an_fp32_scaled_loss_for_a_half_loss():
+    # As Apex (``loss.float() * loss_scale``): a loss computed in half (a model's half output,
+    # cast_model_outputs=torch.float16) is scaled in fp32, so the yielded tensor is fp32 and
+    # exact (an fp16 loss of 2.0 times the 2**16 starting scale is 131072, past fp16's
+    # largest finite value); at a static scale of 1.0 it is the loss upcast, whose gradient
+    # reaches the model unchanged.
+    for loss_scale, scale in (("dynamic", 2.0**16), (1.0, 1.0)):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O3", loss_scale=loss_scale,
+                       cast_model_outputs=torch.float16, verbosity=0)
+        with torch.no_grad():
+            model.weight.zero_()
+            model.bias.fill_(2.0)
+        loss = model(torch.randn(3, 4)).mean()  # fp16, exactly 2.0
+        assert loss.dtype == torch.float16
+        with amp.scale_loss(loss, opt) as s:
+            assert s.dtype == torch.float32
+            torch.testing.assert_close(s, torch.tensor(2.0 * scale), rtol=0, atol=0)
+            s.backward()
+        if scale == 1.0:
+            torch.testing.assert_close(model.bias.grad, torch.ones(1, dtype=torch.float16),
+                                       rtol=0, atol=0)
+
+
+def _o3_embedding_overflow(sparse):
+    torch.manual_seed(0)
+    emb = nn.Embedding(4, 2, sparse=sparse)
+    opt = torch.optim.SGD(emb.parameters(), lr=1e-6)
+    amp.initialize(emb, opt, opt_level="O3", loss_scale="dynamic", verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}})
+    before = emb.weight.detach().clone()
+    idx = torch.ones(100, dtype=torch.long)  # one row, looked up 100 times
+    with amp.scale_loss(emb(idx).float().sum() * 1000.0, opt) as s:
+        s.backward()  # the row's gradient: 100 * 1000, past fp16's largest finite value
+    opt.step()
+    return amp.step_was_skipped(opt), torch.equal(emb.weight, before), amp.state_dict()
+
+
+def test_o3_sparse_embedding_gradient_whose_sum_overflows_skips_like_a_dense_one():
+    # The overflow check of a sparse fp16 gradient sees its duplicate indices summed, as the
+    # optimizer will use them (and as a dense embedding's gradient holds them): a row whose
+    # summed gradient is inf in fp16 skips the step and halves the scale, as the dense
+    # embedding does. Reference: the same run with sparse=False.
+    dense = _o3_embedding_overflow(sparse=False)
+    assert dense == (True, True, {"loss_scaler0": {"loss_scale": 0.5, "unskipped": 0}})
+    assert _o3_embedding_overflow(sparse=True) == dense
+
+
+def test_o2_larc_inner_optimizer_is_the_same_amp_optimizer():
+    # amp.initialize(model, LARC(SGD)): the inner optimizer (larc.optim, the one LR schedulers
+    # are given) stands for the same amp optimizer: step_was_skipped and scale_loss accept it,
+    # and a backward through it reaches the masters as through the wrapper. Reference: the
+    # float64 gradients of the same loss (tolerance for the fp16 forward).
+    from mixprec.parallel import LARC
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    ref = copy.deepcopy(model).double()
+    larc = LARC(torch.optim.SGD(model.parameters(), lr=0.1))
+    model, larc = amp.initialize(model, larc, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(3, 4)
+    with amp.scale_loss(model(x).float().sum() * float("inf"), larc) as s:
+        s.backward()
+    assert amp.step_was_skipped(larc.optim) is False  # (static scale: never skipped)
+    larc.optim.zero_grad()
+    for m in amp.master_params(larc):
+        m.grad = None
+    with amp.scale_loss(model(x).float().sum(), larc.optim) as s:
+        s.backward()
+    ref(x.double()).sum().backward()
+    for m, r in zip(amp.master_params(larc), ref.parameters()):
+        torch.testing.assert_close(m.grad.double(), r.grad, rtol=1e-3, atol=1e-3)
+
+
+def test_accumulation_under_ddp_gradient_as_bucket_view_sums_the_micro_batches(tmp_path):
+    # Two micro-batches without delay_unscale under torch DDP(gradient_as_bucket_view=True)
+    # (world size 1, gloo, CPU), O1 with dynamic scaling: the first micro-batch's unscaled
+    # gradients, set aside during the second backward, live in DDP's bucket, which that
+    # backward writes again. The result must be the sum of both (float64 reference).
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        ref = copy.deepcopy(model).double()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O1", patch_torch_functions=False,
+                                    verbosity=0)
+        ddp = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
+        x = torch.randn(8, 4)
+        for xb in (x[:4], x[4:]):
+            with amp.scale_loss(ddp(xb).float().pow(2).sum(), opt) as s:
+                s.backward()
+            ref(xb.double()).pow(2).sum().backward()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.double(), r.grad, rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()

@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+from torch import nn
 
 from mixprec import amp
 
@@ -576,3 +577,103 @@ def test_a_deep_copys_forward_runs_the_masters_written_through_its_state_dict():
         ref_sd[k].mul_(-0.5)
     x = torch.randn(2, 3, 8, 8)
     torch.testing.assert_close(ema(x), ref(x), rtol=1e-2, atol=1e-2)
+
+
+# -- writes after a renorm or a load, a late group loaded first (mutation testing) ----------------
+class _EmbedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, max_norm=1.0)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, idx):
+        return self.head(self.emb(idx))
+
+
+def test_o2_second_write_after_a_max_norm_forward_reaches_the_masters():
+    # Two in-place writes into the half model with a forward of an Embedding(max_norm=...)
+    # between them (whose renorm takes the first write into the masters): the later write
+    # is the weight, in the checkpoint and after a step, as in fp32 torch.
+    torch.manual_seed(0)
+    model = _EmbedHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    idx = torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        nn.init.constant_(model.head.weight, 0.5)
+    model(idx)
+    with torch.no_grad():
+        nn.init.constant_(model.head.weight, 0.25)
+    expected = torch.full((2, 4), 0.25)
+    torch.testing.assert_close(model.state_dict()["head.weight"], expected, rtol=0, atol=0)
+    with amp.scale_loss(model(idx).float().sum(), opt) as s:
+        s.backward()
+    opt.step()  # lr=0: the weight stays what was written
+    torch.testing.assert_close(model.state_dict()["head.weight"], expected, rtol=0, atol=0)
+    torch.testing.assert_close(model.head.weight.float(), expected, rtol=0, atol=0)
+
+
+def _o2_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    return model
+
+
+def test_o2_copys_write_after_a_load_holds_when_the_copy_was_used_before():
+    # A deep copy of an O2 model (an EMA) that was already used (a forward, a state_dict()),
+    # then loaded, then written in place (a re-initialized head, as in fine-tuning): the
+    # write is the weight, in its state_dict() and its forward, as in fp32 torch.
+    model = _o2_mlp()
+    copy_ = copy.deepcopy(model)
+    x = torch.randn(3, 4)
+    copy_(x)
+    copy_.state_dict()
+    torch.manual_seed(5)
+    copy_.load_state_dict(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).state_dict())
+    with torch.no_grad():
+        copy_[2].weight.fill_(0.75)
+    expected = torch.full((2, 8), 0.75)
+    torch.testing.assert_close(copy_.state_dict()["2.weight"], expected, rtol=0, atol=0)
+    copy_(x)
+    torch.testing.assert_close(copy_[2].weight.float(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(copy_.state_dict()["2.weight"], expected, rtol=0, atol=0)
+
+
+def _two_stage(seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    return model, opt
+
+
+def test_o2_load_right_after_add_param_group_restores_the_late_groups_moments_exactly():
+    # Resume of a run that unfroze a layer (add_param_group after initialize): the resumed
+    # run adds the same group, then loads the checkpoint before any scale_loss. The late
+    # group's Adam moments were fp32 (kept for its fp32 masters) and must come back exactly,
+    # not rounded through the half parameters that the group held until amp adopted it.
+    model, opt = _two_stage()
+    x = torch.randn(5, 4)
+    opt.add_param_group({"params": list(model[2].parameters())})
+    for _ in range(2):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+    saved_opt = copy.deepcopy(opt.state_dict())
+    saved_model = copy.deepcopy(model.state_dict())
+    saved_masters = [m.detach().clone() for m in amp.master_params(opt)]
+    saved_moments = [
+        {k: v.clone() for k, v in opt.state[m].items()} for m in amp.master_params(opt)]
+
+    model2, opt2 = _two_stage(seed=1)
+    opt2.add_param_group({"params": list(model2[2].parameters())})
+    opt2.load_state_dict(saved_opt)  # (the optimizer first: the model's load syncs too)
+    model2.load_state_dict(saved_model)
+    for m, m_ref, moments in zip(amp.master_params(opt2), saved_masters, saved_moments):
+        torch.testing.assert_close(m.detach(), m_ref, rtol=0, atol=0)
+        for k, v in moments.items():
+            assert opt2.state[m][k].dtype == v.dtype, k
+            torch.testing.assert_close(opt2.state[m][k], v, rtol=0, atol=0)
