@@ -370,6 +370,10 @@ class _OptimizerState:
         them in ``param_groups`` (and in the optimizer's per-parameter state).
         """
         optimizer = self.optimizer_ref()
+        if self.pairs:
+            # A later group: writes to the half model since amp last set it go into the
+            # masters first, as adopting ends by recording every pair as in step.
+            self.take_model_writes()
         masters = {}
         known = {id(p) for p, _ in self.pairs} | {id(m) for _, m in self.pairs}
         known |= {id(p) for p in self.plain}
@@ -430,10 +434,6 @@ class _OptimizerState:
         optimizer = self.optimizer_ref()
         count = sum(len(g["params"]) for g in optimizer.param_groups)
         if count != self.known_params:
-            if self.pairs:
-                # Writes to the half model since amp last set it go into the masters first:
-                # adopting ends by recording every pair as in step with its master.
-                self.take_model_writes()
             masters = self.adopt_params(self.amp_state.properties.master_weights, set())
             for model in self.amp_state.models:
                 register_masters(model, masters, self.take_model_writes)
