@@ -28,6 +28,18 @@ def make_cnn(device="cpu", seed=0, **kw):
     return SmallCNN(**kw).to(device)
 
 
+def make_mlp(seed=0):
+    """``Linear(4, 8), ReLU, Linear(8, 2)`` in fp32, seeded: no BatchNorm."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def make_conv_net(seed=0):
+    """``Conv2d(3, 4, 3)`` for 8x8 inputs, then a linear head, in fp32, seeded: no BatchNorm."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+
+
 def batch(device="cpu", n=16, seed=1, size=8, classes=4):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 3, size, size, generator=g)

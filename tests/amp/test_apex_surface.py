@@ -19,6 +19,8 @@ from .helpers import (
     backward_and_step,
     batch,
     make_cnn,
+    make_conv_net,
+    make_mlp,
     train_step,
 )
 
@@ -165,8 +167,7 @@ def test_optimizer_wrapper_without_optimizer_init(opt_level):
     # masters after the pull-back too, and training equals the same loop run by hand on fp32
     # weights through the same wrapper (O2's masters at a static scale of 1, bf16 forward).
     def run(use_amp):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        model = make_mlp()
         opt = _SlowFastWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
         if use_amp:
             model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
@@ -896,8 +897,7 @@ def test_o2_model_zero_grad_clears_the_masters_gradients():
     # model.zero_grad() between a backward and the step (a discarded micro-batch, a GAN's
     # netD.zero_grad()) drops what the masters' gradients hold, as for an fp32 model.
     # Reference: the fp32 run (fp16 backward: gradients 1e-2 / 1e-3, weights 1e-3).
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 6 * 6, 2))
+    model = make_conv_net()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -944,7 +944,7 @@ def test_o2_larc_trust_ratio_sees_a_write_into_the_half_model():
         torch.testing.assert_close(model.state_dict()[k], v, rtol=1e-3, atol=1e-4)
 
 
-# -- failed micro-batches, parts after restore, half losses, sparse overflow, LARC inner (mutation testing)
+# -- failed micro-batches, restored parts, half losses, sparse overflow, LARC (mutation testing) --
 def _o2_mlp_run(fail_last: bool):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
@@ -982,8 +982,7 @@ def test_restored_o2_model_reinitialized_at_o1_does_not_hold_its_parts():
     # restore_model undoes an O2 initialize, and the model, cast back with .float() and
     # initialized again at O1, casts nothing to half: a part of it initialized on its own
     # is accepted, as a part of any O1 model is (only parts of half models are refused).
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = make_mlp()
     amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
                    verbosity=0)
     amp.restore_model(model)
@@ -993,8 +992,7 @@ def test_restored_o2_model_reinitialized_at_o1_does_not_hold_its_parts():
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
     amp.initialize(part, opt, opt_level="O2", verbosity=0)
     assert part.weight.dtype == torch.float16
-    torch.manual_seed(1)
-    fresh = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))  # the same check, fresh
+    fresh = make_mlp(seed=1)  # the same check, fresh
     amp.initialize(fresh, opt_level="O1", verbosity=0)
     amp.initialize(fresh[2], torch.optim.SGD(fresh[2].parameters(), lr=0.1), opt_level="O2",
                    verbosity=0)

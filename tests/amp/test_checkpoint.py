@@ -9,7 +9,15 @@ from torch import nn
 
 from mixprec import amp
 
-from .helpers import HALF_DTYPES, OPT_LEVELS, batch, make_cnn, train_step
+from .helpers import (
+    HALF_DTYPES,
+    OPT_LEVELS,
+    batch,
+    make_cnn,
+    make_conv_net,
+    make_mlp,
+    train_step,
+)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -507,18 +515,12 @@ def test_amp_load_state_dict_names_a_gradscaler_state_dict_and_bad_counts():
 
 
 # -- moves, tied weights and EMA writes in deep copies (found by mutation testing) ---------------
-def _conv_net():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(),
-                               torch.nn.Linear(4 * 6 * 6, 2))
-
-
 def test_a_swapped_parameter_is_a_move_not_a_write():
     # model.to(memory_format=...) under swap_module_params_on_conversion gives the conv weight
     # a new tensor with a version counter of its own: a move, not a write. state_dict(), whose
     # hooks take writes for their own parameters, still returns the exact fp32 weights (the
     # write test rounded the master to half).
-    model = _conv_net()
+    model = make_conv_net()
     ref = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
@@ -566,7 +568,7 @@ def test_a_deep_copys_forward_runs_the_masters_written_through_its_state_dict():
     # timm's ModelEmaV2: each step writes ema.state_dict()'s tensors in place, then evaluates
     # ema(x) with no state_dict() call between: the forward runs the written fp32 values cast
     # to half. Reference: an fp32 copy written the same way (fp16 forward: 1e-2).
-    model = _conv_net()
+    model = make_conv_net()
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
@@ -614,8 +616,7 @@ def test_o2_second_write_after_a_max_norm_forward_reaches_the_masters():
 
 
 def _o2_mlp():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = make_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
     return model
@@ -630,8 +631,7 @@ def test_o2_copys_write_after_a_load_holds_when_the_copy_was_used_before():
     x = torch.randn(3, 4)
     copy_(x)
     copy_.state_dict()
-    torch.manual_seed(5)
-    copy_.load_state_dict(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).state_dict())
+    copy_.load_state_dict(make_mlp(seed=5).state_dict())
     with torch.no_grad():
         copy_[2].weight.fill_(0.75)
     expected = torch.full((2, 8), 0.75)
@@ -642,8 +642,7 @@ def test_o2_copys_write_after_a_load_holds_when_the_copy_was_used_before():
 
 
 def _two_stage(seed=0):
-    torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model = make_mlp(seed)
     opt = torch.optim.Adam(model[0].parameters(), lr=1e-2)
     amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
     return model, opt

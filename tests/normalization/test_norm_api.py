@@ -1013,47 +1013,36 @@ def test_a_bias_put_on_an_rms_norm_is_ignored_and_gets_no_gradient(cls):
     assert norm.bias.grad is None
 
 
-_ROUTES = [
-    pytest.param("pytorch", id="pytorch-path"),
-    pytest.param("kernels", id="kernels-interpreter", marks=pytest.mark.skipif(
-        torch.cuda.is_available() or requires_interpreter.args[0],
-        reason="Triton's CPU interpreter (TRITON_INTERPRET=1, Triton >= 3.6) without CUDA")),
-]
-
-
-@pytest.mark.parametrize("route", _ROUTES)
+@KERNEL_DEVICES
 @pytest.mark.parametrize("memory_efficient", [False, True])
 @pytest.mark.parametrize("kind", ["module", "function"])
-def test_weight_gradient_when_the_input_does_not_require_grad(kind, memory_efficient, route):
+def test_weight_gradient_when_the_input_does_not_require_grad(kind, memory_efficient, device):
     # A norm applied to data (or a detached activation): only the weight requires grad, and
     # RMSNorm has no bias to carry the autograd decision. The weight's gradient must match
     # torch.nn.functional.rms_norm's, computed in float64.
+    device, context = device_and_context(device)
     torch.manual_seed(0)
     x = torch.randn(5, 8)
     w0 = torch.rand(8) + 0.5
-    ctx = _ops.triton_on_cpu() if route == "kernels" else contextlib.nullcontext()
-    with ctx:
-        y, w = _run(kind, x, w0, memory_efficient)
+    with context():
+        y, w = _rms_norm_of_data(kind, x.to(device), w0.to(device), memory_efficient)
     assert y.requires_grad
     dy = torch.randn(5, 8)
-    (y * dy).sum().backward()
+    (y * dy.to(device)).sum().backward()
     assert w.grad is not None
     w64 = w0.double().requires_grad_()
     (torch.nn.functional.rms_norm(x.double(), (8,), w64, 1e-5) * dy.double()).sum().backward()
-    torch.testing.assert_close(w.grad.double(), w64.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad.double().cpu(), w64.grad, rtol=1e-5, atol=1e-5)
 
 
-def _run(kind, x, w0, memory_efficient):
+def _rms_norm_of_data(kind, x, w0, memory_efficient):
     if kind == "module":
-        norm = FusedRMSNorm(8, memory_efficient=memory_efficient)
+        norm = FusedRMSNorm(8, memory_efficient=memory_efficient).to(x.device)
         with torch.no_grad():
             norm.weight.copy_(w0)
-        y = norm(x)
-        w = norm.weight
-    else:
-        w = w0.clone().requires_grad_()
-        y = fused_rms_norm(x, 8, w, memory_efficient=memory_efficient)
-    return y, w
+        return norm(x), norm.weight
+    w = w0.clone().requires_grad_()
+    return fused_rms_norm(x, 8, w, memory_efficient=memory_efficient), w
 
 
 def test_layer_norm_weight_only_requires_grad():

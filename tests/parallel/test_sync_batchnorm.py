@@ -83,7 +83,8 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
               label=""):
     """Train ``steps`` steps of a SyncBatchNorm on per-rank slices of one global batch.
 
-    ``sizes[i]`` is the batch of ``members[i]`` (default: every rank, in order).
+    ``sizes[i]`` is the batch of ``members[i]`` (default: every rank, in order); a list of
+    such lists gives each step its own sizes (an epoch's last, smaller batch), one per step.
     ``compile_backend``: run the layer as ``torch.compile(layer, backend=...)`` (one path:
     the compiled one). ``input_grad=False``: the input does not require grad (only the
     parameters get gradients, and backward has no collective). ``relu_inplace``: a
@@ -93,6 +94,9 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
     """
     members = list(range(ctx.world_size)) if members is None else members
     me = members.index(ctx.rank)
+    per_step = isinstance(sizes[0], list)
+    if per_step:
+        steps = len(sizes)
     g = torch.Generator().manual_seed(1234)
     weight = torch.rand(channels, generator=g) + 0.5
     bias = torch.randn(channels, generator=g)
@@ -116,7 +120,8 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
         ref_rm = torch.zeros(channels, dtype=torch.float64) if track else None
         ref_rv = torch.ones(channels, dtype=torch.float64) if track else None
         for step in range(steps):
-            shape = (sum(sizes), channels, *spatial)
+            sizes_now = sizes[step] if per_step else sizes
+            shape = (sum(sizes_now), channels, *spatial)
             x = (torch.randn(shape, generator=g, dtype=torch.float64) * (1.5 + step) + 0.7)
             dy = torch.randn(shape, generator=g, dtype=torch.float64)
             x, dy = x.to(dtype), dy.to(dtype)  # the reference sees the same rounded values
@@ -124,9 +129,9 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
             if channel_last:  # Apex's flag: the tensor itself is (N, *, C)
                 x, dy = x.movedim(1, -1).contiguous(), dy.movedim(1, -1).contiguous()
                 channel_dim = x.dim() - 1
-            start = sum(sizes[:me])
-            xl = x[start:start + sizes[me]].to(ctx.device)
-            dyl = dy[start:start + sizes[me]].to(ctx.device)
+            start = sum(sizes_now[:me])
+            xl = x[start:start + sizes_now[me]].to(ctx.device)
+            dyl = dy[start:start + sizes_now[me]].to(ctx.device)
             if memory_format is not None:
                 xl = xl.contiguous(memory_format=memory_format)
                 # grad_contiguous: the gradient arrives in another layout than x's
@@ -143,10 +148,10 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
                 if relu_inplace:
                     y.relu_()  # on the layer's own output: it must not be a view
                 y.backward(dyl)
-            what = f"[{path}{label} step {step} sizes {sizes} {dtype}]"
+            what = f"[{path}{label} step {step} sizes {sizes_now} {dtype}]"
             assert y.dtype == dtype, f"{what} output dtype {y.dtype}"
             assert y.shape == xl.shape
-            if memory_format is not None and sizes[me] > 0:
+            if memory_format is not None and sizes_now[me] > 0:
                 assert y.is_contiguous(memory_format=memory_format), f"{what} output layout"
             ref_args = (x, weight if affine else None, bias if affine else None)
             ref_rest = (ref_rm, ref_rv, momentum if momentum is not None else 1.0 / (step + 1),
@@ -155,7 +160,7 @@ def _run_case(ctx, sizes, *, channels=3, spatial=(4, 5), dtype=torch.float32,
                 before_relu = _reference(*ref_args, dy, *ref_rest)[0]
                 dy = dy.double() * (before_relu > 0)
             ry, rdx, rdw, rdb, ref_rm, ref_rv = _reference(*ref_args, dy, *ref_rest)
-            sl = slice(start, start + sizes[me])
+            sl = slice(start, start + sizes_now[me])
             if relu_inplace:
                 ry = ry.clamp_min(0)
             if not input_grad:
@@ -571,39 +576,9 @@ def check_empty_global_batch(ctx):
 def check_batch_size_changes_between_steps(ctx):
     # Each rank's batch size changes from step to step (an epoch's last, smaller batch; a
     # sampler with uneven shards): every step merges that step's counts, on every path (the
-    # fused path caches its count tensors). Reference: float64 over the global batch.
+    # fused path caches its count tensors).
     steps = [[4, 3], [2, 5], [4, 3], [1, 6]]
-    channels = 3
-    for path, path_ctx in _paths(ctx):
-        g = torch.Generator().manual_seed(7)
-        m = SyncBatchNorm(channels).to(ctx.device)
-        with torch.no_grad():
-            m.weight.copy_(torch.rand(channels, generator=g) + 0.5)
-            m.bias.copy_(torch.randn(channels, generator=g))
-        weight, bias = m.weight.detach().clone().cpu(), m.bias.detach().clone().cpu()
-        ref_rm = torch.zeros(channels, dtype=torch.float64)
-        ref_rv = torch.ones(channels, dtype=torch.float64)
-        for step, sizes in enumerate(steps):
-            sizes = sizes[:ctx.world_size]
-            shape = (sum(sizes), channels, 4, 5)
-            x = (torch.randn(shape, generator=g, dtype=torch.float64) * (1 + step) + step).float()
-            dy = torch.randn(shape, generator=g, dtype=torch.float64).float()
-            start = sum(sizes[:ctx.rank])
-            mine = slice(start, start + sizes[ctx.rank])
-            xl = x[mine].to(ctx.device).requires_grad_()
-            m.weight.grad = m.bias.grad = None
-            with path_ctx():
-                y = m(xl)
-                y.backward(dy[mine].to(ctx.device))
-            ry, rdx, rdw, _, ref_rm, ref_rv = _reference(
-                x, weight, bias, dy, ref_rm, ref_rv, 0.1, m.eps, 1)
-            what = f"[{path} step {step} sizes {sizes}]"
-            _close(y.detach(), ry[mine], OUT_TOL[torch.float32], f"{what} output")
-            _close(xl.grad, rdx[mine], OUT_TOL[torch.float32], f"{what} input grad")
-            _close(_sum_over_ranks(m.weight.grad), rdw, dict(rtol=1e-4, atol=1e-4),
-                   f"{what} weight grad")
-            _close(m.running_mean, ref_rm, STAT_TOL, f"{what} running_mean")
-            _close(m.running_var, ref_rv, STAT_TOL, f"{what} running_var")
+    _run_case(ctx, [sizes[:ctx.world_size] for sizes in steps], label=" sizes per step")
 
 
 def check_syncbn_process_groups(ctx):
