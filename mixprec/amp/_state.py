@@ -479,9 +479,28 @@ class _OptimizerState:
         # them to half).
         self._handles.append(hook_target.register_state_dict_pre_hook(self._sync_hook))
         self._handles.append(hook_target.register_load_state_dict_pre_hook(self._sync_hook))
-        # (A load may change the groups' "fused" flags: decide the skipping path again.)
-        self._handles.append(hook_target.register_load_state_dict_post_hook(
-            lambda optimizer: self.params_moved()))
+        self._handles.append(hook_target.register_load_state_dict_post_hook(self._loaded))
+
+    def _loaded(self, optimizer) -> None:
+        # A load may change the groups' "fused" flags: decide the skipping path again. And a
+        # load between an overflowed backward and its step is a rollback (see forget_overflow).
+        self.params_moved()
+        self.forget_overflow()
+
+    def forget_overflow(self) -> None:
+        """A checkpoint reloaded (the optimizer's or amp's state) after an overflowed backward
+        and before its step: a rollback. The overflow belonged to the abandoned run's
+        gradients, which are dropped now, as the skipped step would have dropped them, and the
+        next step runs (Apex skipped it). A device-side flag is read (one sync, on a load)."""
+        pending = self.pending_found
+        if pending is not None and not bool(pending.item()):
+            pending = None  # (clean gradients on their way to the step: they stay)
+        if not self.overflow and pending is None:
+            return
+        for p in _params_of(self.optimizer_ref()):
+            p.grad = None
+        self.overflow = False
+        self.pending_found = None
 
     def install_skipping_step(self, optimizer) -> None:
         """Make an overflowed step skip ``optimizer.step()`` as a whole, as Apex did (see
@@ -1174,4 +1193,8 @@ class AmpState:
                 "loading, or use loss_scale='dynamic'.", stacklevel=3)
         for i, entry in entries.items():
             self.scalers[i].load_state_dict(entry)
+        for ref in self._optimizer_states:
+            opt_state = ref()
+            if opt_state is not None and opt_state.optimizer_ref() is not None:
+                opt_state.forget_overflow()
         log_rank0(logging.DEBUG, "amp: loaded loss scalers %s", self.state_dict())

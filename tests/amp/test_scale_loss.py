@@ -203,6 +203,75 @@ def test_overflow_skips_step_and_backs_off(opt_level, device):
     assert any(not torch.equal(after[k], v) for k, v in before.items())
 
 
+@pytest.mark.parametrize("reload", ["model+optimizer+amp", "model+optimizer"])
+@pytest.mark.parametrize("fused", [False, True], ids=["host-skip", "device-skip"])
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_a_rollback_after_an_overflow_does_not_skip_the_next_step(opt_level, fused, reload,
+                                                                  device):
+    # Loops that reload their last checkpoint after a bad step (a loss spike, NaN) without
+    # stepping: the overflow belonged to the gradients of the abandoned run. The first step
+    # after the reload runs, exactly as the same step from the checkpoint in a fresh run; it
+    # was skipped (as in Apex), losing a step. fused=True keeps the overflow flag on the
+    # device (torch's fused AdamW takes found_inf); False reads it on the host.
+    def build():
+        model = make_cnn(device)
+        # (eps 1e-4: the default 1e-8 is 0 in fp16, and unfused AdamW on O3's fp16 model
+        # then divides by zero at its first step.)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, fused=fused)
+        return amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic",
+                              verbosity=0)
+
+    x, y = batch(device)
+    model, opt = build()
+    train_step(model, opt, x, y, amp)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                          "amp": amp.state_dict(optimizer=opt)})
+    ref_model, ref_opt = build()
+    ref_model.load_state_dict(ckpt["model"])
+    ref_opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
+    amp.load_state_dict(ckpt["amp"], optimizer=ref_opt)
+    train_step(ref_model, ref_opt, x, y, amp)
+
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as s:
+        (s * float("inf")).backward()
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
+    if reload == "model+optimizer+amp":
+        amp.load_state_dict(ckpt["amp"], optimizer=opt)
+    train_step(model, opt, x, y, amp)
+    assert not amp.step_was_skipped(opt)
+    got, want = model.state_dict(), ref_model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:  # (a skipped step would leave AdamW's 1e-3 move undone)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["host-skip", "device-skip"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_load_between_a_clean_backward_and_its_step_keeps_the_gradients(opt_level, fused,
+                                                                          device):
+    # Only an overflow is forgotten on a load: clean gradients waiting for their step stay.
+    def run(load):
+        model = make_cnn(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic", verbosity=0)
+        x, y = batch(device)
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()
+        if load:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            amp.load_state_dict(amp.state_dict(optimizer=opt), optimizer=opt)
+        opt.step()
+        assert not amp.step_was_skipped(opt)
+        return model.state_dict()
+
+    got, want = run(load=True), run(load=False)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
 def test_overflow_messages_are_rate_limited(caplog):
     import logging
     model = make_cnn()
