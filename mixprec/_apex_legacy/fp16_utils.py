@@ -66,9 +66,24 @@ def network_to_half(network: nn.Module) -> nn.Module:
     return nn.Sequential(tofp16(), BN_convert_float(network.half()))
 
 
+def _check_dtype(where: str, dtype) -> None:
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"{where}(dtype={dtype!r}): dtype must be a torch.dtype, as in Apex; pass "
+            "torch.half (fp16), torch.bfloat16 or torch.float, not a string or a type name."
+        )
+    if not dtype.is_floating_point:
+        raise ValueError(
+            f"{where}(dtype={dtype}): the floating parameters and buffers would become "
+            f"{dtype}, losing their values; pass a floating dtype such as torch.half, "
+            "torch.bfloat16 or torch.float."
+        )
+
+
 def convert_module(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast ``module``'s own floating parameters and buffers (and their gradients) to
-    ``dtype``, in place."""
+    ``dtype``, a floating ``torch.dtype``, in place."""
+    _check_dtype("convert_module", dtype)
     for param in module.parameters(recurse=False):
         if param is not None and param.is_floating_point():
             param.data = param.data.to(dtype)
@@ -83,7 +98,8 @@ def convert_network(network: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Cast every module of ``network`` to ``dtype`` except affine BatchNorm layers; returns
     it. RNN layers re-pack their weights for cuDNN (``flatten_parameters``, as Apex did: the
     cast leaves them in separate tensors, which cuDNN would re-pack, with a warning, at every
-    forward)."""
+    forward). ``dtype`` is a floating ``torch.dtype``."""
+    _check_dtype("convert_network", dtype)
     for module in network.modules():
         if isinstance(module, _BatchNorm) and module.affine:
             continue

@@ -372,6 +372,14 @@ def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
     lstm.flatten_parameters = lambda: calls.append(lstm.weight_ih_l0.dtype)
     legacy.convert_network(nn.Sequential(lstm), torch.float16)
     assert calls == [torch.float16]
+    # A dtype that is not a floating torch.dtype is refused before anything is cast.
+    net = nn.Linear(2, 2)
+    for convert in (legacy.convert_network, legacy.convert_module):
+        with pytest.raises(TypeError, match=r"\(dtype='half'\).*torch\.half"):
+            convert(net, "half")
+        with pytest.raises(ValueError, match=r"torch\.int8.*floating dtype"):
+            convert(net, torch.int8)
+    assert net.weight.dtype == torch.float32
     # clip_grad_norm is PyTorch's clip_grad_norm_ itself (its keyword arguments too).
     p = nn.Parameter(torch.ones(2))
     p.grad = torch.tensor([float("inf"), 1.0])
