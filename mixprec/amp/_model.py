@@ -378,6 +378,10 @@ class _AmpModule:
         # from the original class instead (which pickle can find).
         # The state is what the user's class says it is (its own __getstate__ may leave out
         # what cannot be pickled); object.__getstate__ exists from Python 3.11 on.
+        for module in self.modules():  # (a copy's masters are found by name)
+            hooks = module.__dict__.get("_mixprec_state_dict")
+            if hooks is not None:
+                hooks.follow_renames(module)
         getstate = getattr(self, "__getstate__", None)
         state = getstate() if getstate is not None else dict(self.__dict__)
         if isinstance(state, dict) and master_weights(self):
@@ -456,6 +460,7 @@ def _masters_follow_their_parameters(model: nn.Module) -> None:
         hooks = module.__dict__.get("_mixprec_state_dict")
         if hooks is None:
             continue
+        hooks.follow_renames(module)
         for name, master in hooks.masters.items():
             param = module._parameters.get(name)
             if param is None or master.device == param.device:
@@ -602,6 +607,38 @@ class _Fp32StateDict:
         self.take_writes: Dict[str, weakref.WeakMethod] = {}
         self.standalone = False
         self._versions: Dict[str, int] = {}  # each standalone master's version when synced
+        # The module whose hooks these are (weak; a load pre-hook is not given it). Not
+        # copied: a copy's masters have no optimizer to find renames through.
+        self.module: Optional[weakref.ref] = None
+
+    def follow_renames(self, module: nn.Module) -> None:
+        """Re-key the masters of parameters renamed on ``module`` since they were registered:
+        torch's pruning (``torch.nn.utils.prune``) moves ``weight``, the same Parameter
+        object, to ``weight_orig``, and ``prune.remove`` moves it back with the pruned values
+        written through ``.data`` (which no version counter sees). The new name is found
+        through the optimizers' (half, master) pairs, by identity, and the elements where the
+        half parameter no longer equals its master rounded to half are taken into the master
+        (the others keep their fp32 value). Without this, checkpoints held the half value
+        upcast under the new key (loading one rounded the master to half), and after
+        ``prune.remove`` the next step or state dict brought the pruned weights back."""
+        params = module._parameters
+        missing = [name for name in self.masters if name not in params]
+        if not missing:
+            return
+        for keeper in self.keepers():
+            half_of = {id(master): half for half, master in keeper.pairs}
+            for name in missing:
+                half = half_of.get(id(self.masters.get(name)))
+                new = next((n for n, p in params.items() if p is half), None)
+                if half is not None and new is not None and new not in self.masters:
+                    master = self.masters.pop(name)
+                    self.masters[new] = master
+                    with torch.no_grad():
+                        changed = half != master.to(half.dtype)
+                        master.copy_(torch.where(changed, half.to(master.dtype), master))
+                    taker = self.take_writes.pop(name, None)
+                    if taker is not None:
+                        self.take_writes[new] = taker
 
     def own_params(self, module: nn.Module) -> list:
         """``module``'s parameters that have masters here."""
@@ -623,6 +660,7 @@ class _Fp32StateDict:
     def __setstate__(self, state):
         self.masters = dict(state["masters"])
         self.take_writes = {}
+        self.module = None
         self.standalone = bool(self.masters)
         self._versions = {}
 
@@ -661,6 +699,7 @@ class _Fp32StateDict:
                 self._versions[name] = master._version
 
     def save(self, module, state_dict, prefix, local_metadata):
+        self.follow_renames(module)
         if self.standalone:
             self.sync(module, check_params=True)
         # A write into the half model since the last step (nn.init, a clamp, under no_grad) is
@@ -701,6 +740,9 @@ class _Fp32StateDict:
                 "optimizer and its fp32 master weights. Load with assign=False (the default); "
                 "amp then writes the fp32 values into the masters exactly."
             )
+        module = self.module() if self.module is not None else None
+        if module is not None:  # (a load pre-hook is not given its module)
+            self.follow_renames(module)
         with torch.no_grad():
             for name, master in self.masters.items():
                 value = state_dict.get(prefix + name)
@@ -728,6 +770,7 @@ def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     if existing is not None:
         return existing
     hooks = _Fp32StateDict()
+    hooks.module = weakref.ref(module)
     module._mixprec_state_dict = hooks
     module._register_state_dict_hook(hooks.save)
     module._register_load_state_dict_pre_hook(hooks.load)

@@ -676,3 +676,62 @@ def test_o2_load_right_after_add_param_group_restores_the_late_groups_moments_ex
         for k, v in moments.items():
             assert opt2.state[m][k].dtype == v.dtype, k
             torch.testing.assert_close(opt2.state[m][k], v, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_pruning_after_initialize_keeps_the_fp32_masters(dtype):
+    # torch.nn.utils.prune moves a pruned `weight` (the same Parameter) to `weight_orig`, and
+    # prune.remove moves it back with the pruned values written through .data. The master
+    # follows the parameter: checkpoints hold it exactly under the new key, a resume restores
+    # it, and after prune.remove the pruned entries stay zero. (Before, checkpoints held the
+    # half value upcast, and prune.remove's zeros were overwritten by the masters.)
+    from torch.nn.utils import prune
+
+    def pruned_model(amount):
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+        prune.l1_unstructured(model[0], "weight", amount=amount)
+        return model, opt
+
+    def step(model, opt, x, y):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(3))
+    y = torch.arange(32) % 2
+    model, opt = pruned_model(amount=0.5)
+    for _ in range(3):
+        step(model, opt, x, y)
+    master = next(amp.master_params(opt))  # model[0].weight's
+    sd = model.state_dict()
+    assert "0.weight_orig" in sd and "0.weight" not in sd
+    torch.testing.assert_close(sd["0.weight_orig"], master.detach(), rtol=0, atol=0)
+    assert not torch.equal(master, master.to(dtype).float())  # (more than half's precision)
+    plain = make_mlp(seed=1)
+    prune.identity(plain[0], "weight")
+    plain.load_state_dict(sd, strict=True)
+    torch.testing.assert_close(plain[0].weight_orig, master.detach(), rtol=0, atol=0)
+
+    resumed, resumed_opt = pruned_model(amount=0.0)
+    resumed.load_state_dict(copy.deepcopy(sd))
+    torch.testing.assert_close(next(amp.master_params(resumed_opt)), master, rtol=0, atol=0)
+
+    mask = model[0].weight_mask.clone()
+    kept = master.detach().clone()
+    prune.remove(model[0], "weight")
+    weight = model.state_dict()["0.weight"]
+    assert torch.equal(weight, kept * mask)  # zeros where pruned, the fp32 master elsewhere
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    grad = master.grad.clone()
+    opt.step()  # SGD from the pruned entries' zeros: exactly -lr * grad there
+    pruned = mask == 0
+    torch.testing.assert_close(master[pruned], -0.1 * grad[pruned], rtol=0, atol=0)
+    torch.testing.assert_close(model[0].weight[pruned], master[pruned].to(dtype), rtol=0,
+                               atol=0)
