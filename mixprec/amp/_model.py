@@ -378,10 +378,7 @@ class _AmpModule:
         # from the original class instead (which pickle can find).
         # The state is what the user's class says it is (its own __getstate__ may leave out
         # what cannot be pickled); object.__getstate__ exists from Python 3.11 on.
-        for module in self.modules():  # (a copy's masters are found by name)
-            hooks = module.__dict__.get("_mixprec_state_dict")
-            if hooks is not None:
-                hooks.follow_renames(module)
+        follow_renames_in(self)  # (a copy's masters are found by name)
         getstate = getattr(self, "__getstate__", None)
         state = getstate() if getstate is not None else dict(self.__dict__)
         if isinstance(state, dict) and master_weights(self):
@@ -791,10 +788,39 @@ def master_weights(model: nn.Module) -> List[torch.Tensor]:
     return out
 
 
+# Parameters registered on any module since amp registered its first masters (torch's global
+# registration hook): a step that sees the count moved looks for renamed parameters
+# (follow_renames_in). prune.remove renames back without any state-dict call in between.
+_parameter_registrations = 0
+_counting_registrations = False
+
+
+def _count_registration(module, name, param) -> None:
+    global _parameter_registrations
+    _parameter_registrations += 1
+
+
+def parameter_registrations() -> int:
+    """How many parameters modules have registered since amp started counting."""
+    return _parameter_registrations
+
+
+def follow_renames_in(model: nn.Module) -> None:
+    """:meth:`_Fp32StateDict.follow_renames` for every module of ``model``."""
+    for module in model.modules():
+        hooks = module.__dict__.get("_mixprec_state_dict")
+        if hooks is not None:
+            hooks.follow_renames(module)
+
+
 def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor],
                      take_writes: Optional[Callable[[], None]] = None) -> None:
     """Tell ``model``'s state-dict hooks which fp32 master stands for which parameter, and
     which optimizer's ``take_model_writes`` (a bound method, held weakly) keeps them."""
+    global _counting_registrations
+    if masters and not _counting_registrations:
+        nn.modules.module.register_module_parameter_registration_hook(_count_registration)
+        _counting_registrations = True
     for module in model.modules():
         hooks = getattr(module, "_mixprec_state_dict", None)
         if hooks is None:

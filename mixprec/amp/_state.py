@@ -34,8 +34,10 @@ from mixprec.amp._amp_state import attach_apex_optimizer_names
 from mixprec.amp._logging import OverflowLog, is_rank_zero, log_rank0
 from mixprec.amp._model import (
     GRAD_SYNC_DEFERRED,
+    follow_renames_in,
     overflow_groups,
     overflow_registrations,
+    parameter_registrations,
     register_masters,
 )
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
@@ -361,6 +363,7 @@ class _OptimizerState:
         # pairs are adopted.
         self._synced_versions: Optional[List[Tuple[int, int, int]]] = None
         self._writes_logged = False
+        self._registrations_seen = -1  # (parameter_registrations() when renames were looked for)
 
     # -- set-up ------------------------------------------------------------------------------
     def adopt_params(self, make_masters: bool, cast_param_ids) -> Dict[torch.Tensor, torch.Tensor]:
@@ -840,6 +843,12 @@ class _OptimizerState:
         if is_compiling() or (self.pairs[0][1].is_cuda
                               and torch.cuda.is_current_stream_capturing()):
             return
+        if self._registrations_seen != parameter_registrations():
+            # A parameter registered somewhere since: perhaps one of ours renamed (prune, and
+            # prune.remove, whose .data write only a rename check finds).
+            self._registrations_seen = parameter_registrations()
+            for model in self.amp_state.models:
+                follow_renames_in(model)
         if only is not None and synced is not None and len(synced) == len(self.pairs):
             written = []
             for i in self._pair_indices(only):

@@ -678,13 +678,15 @@ def test_o2_load_right_after_add_param_group_restores_the_late_groups_moments_ex
             torch.testing.assert_close(opt2.state[m][k], v, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("save_after_remove", [True, False])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
-def test_o2_pruning_after_initialize_keeps_the_fp32_masters(dtype):
+def test_o2_pruning_after_initialize_keeps_the_fp32_masters(dtype, save_after_remove):
     # torch.nn.utils.prune moves a pruned `weight` (the same Parameter) to `weight_orig`, and
     # prune.remove moves it back with the pruned values written through .data. The master
     # follows the parameter: checkpoints hold it exactly under the new key, a resume restores
-    # it, and after prune.remove the pruned entries stay zero. (Before, checkpoints held the
-    # half value upcast, and prune.remove's zeros were overwritten by the masters.)
+    # it, and after prune.remove the pruned entries stay zero, whether a state dict or the
+    # next step is first to look. (Before, checkpoints held the half value upcast, and
+    # prune.remove's zeros were overwritten by the masters.)
     from torch.nn.utils import prune
 
     def pruned_model(amount):
@@ -723,8 +725,9 @@ def test_o2_pruning_after_initialize_keeps_the_fp32_masters(dtype):
     mask = model[0].weight_mask.clone()
     kept = master.detach().clone()
     prune.remove(model[0], "weight")
-    weight = model.state_dict()["0.weight"]
-    assert torch.equal(weight, kept * mask)  # zeros where pruned, the fp32 master elsewhere
+    if save_after_remove:
+        weight = model.state_dict()["0.weight"]
+        assert torch.equal(weight, kept * mask)  # zeros where pruned, the fp32 master elsewhere
     opt.zero_grad()
     loss = nn.functional.cross_entropy(model(x), y)
     with amp.scale_loss(loss, opt) as scaled:
@@ -735,3 +738,6 @@ def test_o2_pruning_after_initialize_keeps_the_fp32_masters(dtype):
     torch.testing.assert_close(master[pruned], -0.1 * grad[pruned], rtol=0, atol=0)
     torch.testing.assert_close(model[0].weight[pruned], master[pruned].to(dtype), rtol=0,
                                atol=0)
+    torch.testing.assert_close(master[~pruned], torch.add(kept, grad, alpha=-0.1)[~pruned],
+                               rtol=1e-6, atol=1e-7)  # (the fp32 values went on)
+    torch.testing.assert_close(model.state_dict()["0.weight"], master.detach(), rtol=0, atol=0)
