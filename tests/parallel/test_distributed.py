@@ -625,6 +625,52 @@ def check_delay_allreduce_after_a_backward_that_raised(ctx):
         _grads_match_global_batch(ctx, ddp, model, ref, 511 + step, f"after the failure {step}")
 
 
+class _CheckpointThenFailing(nn.Module):
+    """A reentrant checkpoint whose nested backward brings the first gradients (the callback
+    queued there is deferred to a hook on the node after it), and, when ``fail`` is set, a
+    branch whose backward raises after the checkpoint's and before that node runs: the
+    deferred callback then stays unrun, held by the graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.block = nn.Linear(8, 4)
+        self.fail = False
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        side = FailingBackward.apply(h) if self.fail else h  # (made first: its backward runs
+        out = checkpoint(self.block, h, use_reentrant=True)  # after the checkpoint's)
+        return out + 0 * side.sum()
+
+
+def check_delay_allreduce_after_a_backward_that_raised_past_a_checkpoint(ctx):
+    # A step whose backward raises (an OOM caught to skip the batch) after a checkpoint's
+    # nested backward: its callback, deferred to the outer backward, never runs, and the
+    # graph that holds it is still referenced (the failed step's loss, kept for logging) when
+    # the next steps run. Those must still all-reduce.
+    torch.manual_seed(0)
+    model = _CheckpointThenFailing().to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    x, y = _global_batch(ctx, seed=515)
+    model.fail = True
+    failed = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    try:
+        failed.backward()
+    except RuntimeError as err:
+        assert "simulated" in str(err), err
+    else:
+        raise AssertionError("the backward did not raise")
+    model.fail = False
+    for step in range(2):
+        _grads_match_global_batch(ctx, ddp, model, ref, 516 + step,
+                                  f"after the failure, its loss kept, step {step}")
+    del failed
+
+
 class _EmbedOnRank0(nn.Module):
     def __init__(self):
         super().__init__()
@@ -2321,6 +2367,7 @@ DELAY_CHECKS = [
     "check_delay_allreduce_amp_o2_with_checkpointing",
     "check_gradient_penalty_through_autograd_grad",
     "check_delay_allreduce_after_a_backward_that_raised",
+    "check_delay_allreduce_after_a_backward_that_raised_past_a_checkpoint",
     "check_delay_allreduce_refuses_sparse_gradients_on_every_rank",
     "check_amp_two_losses_under_the_reducers_bucket_views",
     "check_delay_allreduce_amp_o2_apex_switch_timing",

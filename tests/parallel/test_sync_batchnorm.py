@@ -581,11 +581,49 @@ def check_batch_size_changes_between_steps(ctx):
     _run_case(ctx, [sizes[:ctx.world_size] for sizes in steps], label=" sizes per step")
 
 
+def check_cpu_merge_in_fp64_keeps_the_variance_of_offset_inputs(ctx):
+    # The CPU path merges the ranks' [mean, var, count] rows in fp64 (module docstring of
+    # _sync_batchnorm_function). Inputs far from zero (raw, un-normalized features): here the
+    # whole variance is the spread of the ranks' means around 1e6, where fp32's spacing is
+    # 0.0625; merged in fp32 the global mean rounds by 0.02 and the unbiased variance comes out
+    # 0.2% high (2 ranks). (The CUDA merge kernel works in fp32: the CPU path only.)
+    if ctx.is_cuda:
+        return
+    sizes = [2 if r % 2 == 0 else 4 for r in range(ctx.world_size)]
+    values = [1e6 + (r % 2) for r in range(ctx.world_size)]  # exact in fp32; each rank's var 0
+    x = torch.cat([torch.full((n, 1), v, dtype=torch.float64) for n, v in zip(sizes, values)])
+    rm, rv = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    F.batch_norm(x, rm, rv, training=True, momentum=1.0)  # rv: the unbiased global variance
+    m = SyncBatchNorm(1, momentum=1.0).to(ctx.device)
+    start = sum(sizes[:ctx.rank])
+    m(x[start:start + sizes[ctx.rank]].float().to(ctx.device))
+    _close(m.running_var, rv, STAT_TOL, "[cpu-reference] running_var of inputs offset by 1e6")
+    _close(m.running_mean, rm, STAT_TOL, "[cpu-reference] running_mean of inputs offset by 1e6")
+
+
 def check_syncbn_process_groups(ctx):
     group = create_syncbn_process_group(2)
     members = [r for r in range(ctx.world_size) if r // 2 == ctx.rank // 2]
     sizes = [2, 5] if ctx.rank < 2 else [4, 1]
     _run_case(ctx, sizes, group=group, members=members, label=" group of 2")
+
+
+def check_syncbn_group_size_must_divide_the_world_size(ctx):
+    # A group size that does not divide the world size (3 of 4 ranks) is refused with the
+    # documented rule, on every rank, before any group is made (new_group is collective:
+    # groups made by some ranks and not others leave them unmatched). Without the check the
+    # ranks made the group [0, 1, 2] and then failed inside torch.distributed on rank 4.
+    sizes = [s for s in range(2, ctx.world_size) if ctx.world_size % s]
+    for size in sizes:
+        try:
+            create_syncbn_process_group(size)
+        except ValueError as err:
+            assert "must divide it" in str(err), str(err)
+        else:
+            raise AssertionError(f"create_syncbn_process_group({size}) of {ctx.world_size} "
+                                 "ranks was taken")
+    # The ranks still agree afterwards: a group of 2 works as before.
+    check_syncbn_process_groups(ctx)
 
 
 GROUP_2 = [
@@ -615,8 +653,10 @@ GROUP_2 = [
     "check_empty_rank",
     "check_empty_global_batch",
     "check_batch_size_changes_between_steps",
+    "check_cpu_merge_in_fp64_keeps_the_variance_of_offset_inputs",
 ]
-GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups"]
+GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups",
+           "check_syncbn_group_size_must_divide_the_world_size"]
 
 
 @pytest.fixture(scope="module")
