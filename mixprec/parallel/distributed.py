@@ -989,6 +989,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 " (Apex's rule, leaving out the parameters without a gradient in the first "
                 "step, does not apply to a model with sparse gradients or to a first step run "
                 "inside join().)")
+            + " If the previous backward raised instead (an out-of-memory error caught to "
+            "skip the batch), it stopped before reaching them, and the reducer cannot finish "
+            "that step (PyTorch's cannot either): construct the wrapper with "
+            "delay_allreduce=True, whose all-reduce starts only after the backward, so a "
+            "backward that raised on every rank leaves nothing half done."
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -625,6 +625,49 @@ def check_delay_allreduce_after_a_backward_that_raised(ctx):
         _grads_match_global_batch(ctx, ddp, model, ref, 511 + step, f"after the failure {step}")
 
 
+class _FailingMiddle(nn.Module):
+    """Two linear layers; with ``fail`` set, the backward raises between them (after the
+    second's gradients arrived)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+        self.fail = False
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(FailingBackward.apply(h) if self.fail else h)
+
+
+def check_reducer_after_a_backward_that_raised_says_what_to_do(ctx):
+    # PyTorch's reducer cannot finish a step whose backward raised after some gradients
+    # arrived: the next forward names the parameters the backward had not reached, and the
+    # message says how to skip such batches (the delay mode, checked above, goes on).
+    torch.manual_seed(0)
+    model = _FailingMiddle().to(ctx.device)
+    ddp = DistributedDataParallel(model)
+    x, _ = _global_batch(ctx, seed=514)
+    ddp(_mine(ctx, x)).sum().backward()  # (a first step: every parameter gets a gradient)
+    model.fail = True
+    try:
+        ddp(_mine(ctx, x)).sum().backward()  # b's gradients arrive, then it raises
+    except RuntimeError as err:
+        assert "simulated" in str(err), err
+    else:
+        raise AssertionError("the backward did not raise")
+    model.fail = False
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        text = str(err)
+    else:
+        raise AssertionError("the forward after a failed backward did not raise")
+    for needle in ("a.weight", "a.bias", "previous backward raised", "delay_allreduce=True"):
+        assert needle in text, f"{needle!r} missing from: {text}"
+    assert "b.weight" not in text, text
+
+
 class _CheckpointThenFailing(nn.Module):
     """A reentrant checkpoint whose nested backward brings the first gradients (the callback
     queued there is deferred to a hook on the node after it), and, when ``fail`` is set, a
@@ -2405,6 +2448,7 @@ CHECKS = [
     "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
     "check_larc_under_amp_o2_and_ddp",
     "check_unused_parameters_named_in_error",
+    "check_reducer_after_a_backward_that_raised_says_what_to_do",
     "check_unused_parameters_named_as_the_reducer_was_built",
     "check_apex_flat_dist_call",
     "check_amp_half_refuses_a_model_already_inside_torch_ddp",
