@@ -976,13 +976,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 unused.append(names[i] if i < len(names) else f"#{i}")
         which = (f"these parameters got no gradient: {', '.join(unused)}" if unused
                  else "some parameters got no gradient")
+        if self.find_unused_parameters:
+            # (Set already, so unused parameters are not it: a backward that raised, below.)
+            advice = "find_unused_parameters=True is set, so the likely cause is the next one."
+        else:
+            advice = ("Either make every parameter contribute to the loss in every step, "
+                      "freeze the unused ones (requires_grad_(False)) before wrapping, or "
+                      "pass find_unused_parameters=True (or delay_allreduce=True) to "
+                      "DistributedDataParallel.")
         return (
             f"DistributedDataParallel: in the previous backward pass on rank "
             f"{dist.get_rank()}, {which}, so their gradients were never all-reduced (and that "
-            "step may have used unreduced gradients). Either make every parameter contribute "
-            "to the loss in every step, freeze the unused ones (requires_grad_(False)) before "
-            "wrapping, or pass find_unused_parameters=True (or delay_allreduce=True) to "
-            "DistributedDataParallel." + (
+            "step may have used unreduced gradients). " + advice + (
                 " (Parameters without a gradient on every rank in the first step are left "
                 "out, as in Apex; these had one then.)"
                 if getattr(self, "_left_out_names", None) is not None else

@@ -666,6 +666,23 @@ def check_reducer_after_a_backward_that_raised_says_what_to_do(ctx):
     for needle in ("a.weight", "a.bias", "previous backward raised", "delay_allreduce=True"):
         assert needle in text, f"{needle!r} missing from: {text}"
     assert "b.weight" not in text, text
+    # With find_unused_parameters=True set, it is not offered as the fix.
+    model.fail = True
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    try:
+        ddp(_mine(ctx, x)).sum().backward()
+    except RuntimeError as err:
+        assert "simulated" in str(err), err
+    model.fail = False
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        text = str(err)
+    else:
+        raise AssertionError("the forward after a failed backward did not raise")
+    assert "find_unused_parameters=True is set" in text, text
+    assert "pass find_unused_parameters=True" not in text, text
+    assert "previous backward raised" in text, text
 
 
 class _CheckpointThenFailing(nn.Module):
