@@ -640,18 +640,12 @@ class _FailingMiddle(nn.Module):
         return self.b(FailingBackward.apply(h) if self.fail else h)
 
 
-def check_reducer_after_a_backward_that_raised_says_what_to_do(ctx):
-    # PyTorch's reducer cannot finish a step whose backward raised after some gradients
-    # arrived: the next forward names the parameters the backward had not reached, and the
-    # message says how to skip such batches (the delay mode, checked above, goes on).
-    torch.manual_seed(0)
-    model = _FailingMiddle().to(ctx.device)
-    ddp = DistributedDataParallel(model)
-    x, _ = _global_batch(ctx, seed=514)
-    ddp(_mine(ctx, x)).sum().backward()  # (a first step: every parameter gets a gradient)
+def _error_after_a_failed_backward(ctx, ddp, model, x) -> str:
+    """Run a backward of ``ddp`` that raises after the gradients of ``model.b`` arrived, then
+    a forward: the text of the error that forward raises."""
     model.fail = True
     try:
-        ddp(_mine(ctx, x)).sum().backward()  # b's gradients arrive, then it raises
+        ddp(_mine(ctx, x)).sum().backward()
     except RuntimeError as err:
         assert "simulated" in str(err), err
     else:
@@ -660,26 +654,26 @@ def check_reducer_after_a_backward_that_raised_says_what_to_do(ctx):
     try:
         ddp(_mine(ctx, x))
     except RuntimeError as err:
-        text = str(err)
-    else:
-        raise AssertionError("the forward after a failed backward did not raise")
+        return str(err)
+    raise AssertionError("the forward after a failed backward did not raise")
+
+
+def check_reducer_after_a_backward_that_raised_says_what_to_do(ctx):
+    # PyTorch's reducer cannot finish a step whose backward raised after some gradients
+    # arrived: the next forward names the parameters the backward had not reached, and the
+    # message says how to skip such batches (the delay mode, checked above, goes on). With
+    # find_unused_parameters=True already set, that is not offered as the fix.
+    torch.manual_seed(0)
+    model = _FailingMiddle().to(ctx.device)
+    x, _ = _global_batch(ctx, seed=514)
+    ddp = DistributedDataParallel(model)
+    ddp(_mine(ctx, x)).sum().backward()  # (a first step: every parameter gets a gradient)
+    text = _error_after_a_failed_backward(ctx, ddp, model, x)
     for needle in ("a.weight", "a.bias", "previous backward raised", "delay_allreduce=True"):
         assert needle in text, f"{needle!r} missing from: {text}"
     assert "b.weight" not in text, text
-    # With find_unused_parameters=True set, it is not offered as the fix.
-    model.fail = True
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
-    try:
-        ddp(_mine(ctx, x)).sum().backward()
-    except RuntimeError as err:
-        assert "simulated" in str(err), err
-    model.fail = False
-    try:
-        ddp(_mine(ctx, x))
-    except RuntimeError as err:
-        text = str(err)
-    else:
-        raise AssertionError("the forward after a failed backward did not raise")
+    text = _error_after_a_failed_backward(ctx, ddp, model, x)
     assert "find_unused_parameters=True is set" in text, text
     assert "pass find_unused_parameters=True" not in text, text
     assert "previous backward raised" in text, text
