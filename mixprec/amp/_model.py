@@ -604,38 +604,75 @@ class _Fp32StateDict:
         self.take_writes: Dict[str, weakref.WeakMethod] = {}
         self.standalone = False
         self._versions: Dict[str, int] = {}  # each standalone master's version when synced
-        # The module whose hooks these are (weak; a load pre-hook is not given it). Not
-        # copied: a copy's masters have no optimizer to find renames through.
+        # The module whose hooks these are (weak; a load pre-hook is not given it), and every
+        # optimizer amp state that kept a master here (weak). Not copied: a copy's masters
+        # have no optimizer to find renames through.
         self.module: Optional[weakref.ref] = None
+        self._keeper_refs: List[weakref.ref] = []
 
-    def follow_renames(self, module: nn.Module) -> None:
-        """Re-key the masters of parameters renamed on ``module`` since they were registered:
-        torch's pruning (``torch.nn.utils.prune``) moves ``weight``, the same Parameter
-        object, to ``weight_orig``, and ``prune.remove`` moves it back with the pruned values
-        written through ``.data`` (which no version counter sees). The new name is found
-        through the optimizers' (half, master) pairs, by identity, and the elements where the
-        half parameter no longer equals its master rounded to half are taken into the master
-        (the others keep their fp32 value). Without this, checkpoints held the half value
-        upcast under the new key (loading one rounded the master to half), and after
-        ``prune.remove`` the next step or state dict brought the pruned weights back."""
+    def follow_renames(self, module: nn.Module, state_dict=None, prefix: str = "") -> None:
+        """Move the masters of parameters renamed or moved since they were registered, found
+        through the optimizers' (half, master) pairs by identity:
+
+        * renamed on ``module``: torch's pruning (``torch.nn.utils.prune``) moves ``weight``,
+          the same Parameter object, to ``weight_orig``, and ``prune.remove`` moves it back
+          with the pruned values written through ``.data`` (which no version counter sees);
+        * moved into a submodule: ``torch.nn.utils.parametrize.register_parametrization``
+          moves ``weight`` to ``parametrizations.weight.original`` (that submodule gets these
+          hooks too), and ``remove_parametrizations`` moves it back.
+
+        Where the half parameter no longer equals its master rounded to half, those elements
+        are taken into the master (the others keep their fp32 value). Without this,
+        checkpoints held the half value (upcast, or as it was in a new submodule) and a load
+        rounded the master to half; after ``prune.remove`` the next step or state dict
+        brought the pruned weights back. With ``state_dict`` (a save, which runs after the
+        submodules saved theirs), the moved master's entry there is written too.
+        """
         params = module._parameters
         missing = [name for name in self.masters if name not in params]
-        if not missing:
+        orphans = [name for name, p in params.items()
+                   if p is not None and p.dtype in _HALF_TYPES and name not in self.masters]
+        if not (missing or orphans):
             return
         for keeper in self.keepers():
+            master_of = {id(half): master for half, master in keeper.pairs}
+            for name in orphans:  # (renamed here, or moved back from a submodule)
+                master = master_of.get(id(params[name]))
+                if master is None or name in self.masters:
+                    continue
+                for stale in [n for n in missing if self.masters.get(n) is master]:
+                    del self.masters[stale]
+                    self.take_writes.pop(stale, None)
+                self._adopt(name, master, params[name], keeper)
             half_of = {id(master): half for half, master in keeper.pairs}
-            for name in missing:
-                half = half_of.get(id(self.masters.get(name)))
-                new = next((n for n, p in params.items() if p is half), None)
-                if half is not None and new is not None and new not in self.masters:
-                    master = self.masters.pop(name)
-                    self.masters[new] = master
-                    with torch.no_grad():
-                        changed = half != master.to(half.dtype)
-                        master.copy_(torch.where(changed, half.to(master.dtype), master))
-                    taker = self.take_writes.pop(name, None)
-                    if taker is not None:
-                        self.take_writes[new] = taker
+            for name in [n for n in missing if n in self.masters]:  # (moved to a submodule)
+                master = self.masters[name]
+                half = half_of.get(id(master))
+                found = None if half is None else _find_parameter(module, half)
+                if found is None or found[1] is module:
+                    continue
+                path, owner, new = found
+                target = _install_state_dict_hooks(owner)
+                if new in target.masters:
+                    continue
+                del self.masters[name]
+                self.take_writes.pop(name, None)
+                target._adopt(new, master, half, keeper)
+                key = prefix + path + new
+                if (state_dict is not None and key in state_dict
+                        and state_dict[key] is not half):  # (keep_vars: the variable stays)
+                    state_dict[key] = master.detach()
+
+    def _adopt(self, name: str, master: torch.Tensor, half: torch.Tensor, keeper) -> None:
+        """Hold ``master`` for the parameter ``name``, ``half``, kept by ``keeper``; take in
+        the elements where the half parameter differs from it (see :meth:`follow_renames`)."""
+        with torch.no_grad():
+            changed = half != master.to(half.dtype)
+            master.copy_(torch.where(changed, half.to(master.dtype), master))
+        self.masters[name] = master
+        self.take_writes[name] = weakref.WeakMethod(keeper.take_model_writes)
+        if all(ref() is not keeper for ref in self._keeper_refs):
+            self._keeper_refs.append(weakref.ref(keeper))
 
     def own_params(self, module: nn.Module) -> list:
         """``module``'s parameters that have masters here."""
@@ -643,10 +680,11 @@ class _Fp32StateDict:
         return [params[name] for name in self.masters if params.get(name) is not None]
 
     def keepers(self) -> list:
-        """The optimizers' amp states that keep these masters (each once)."""
+        """The optimizers' amp states that keep these masters (each once), and those that
+        kept masters here that moved away (a parameter may come back)."""
         keepers = []
-        for ref in self.take_writes.values():
-            keeper = getattr(ref(), "__self__", None)
+        found = [getattr(ref(), "__self__", None) for ref in self.take_writes.values()]
+        for keeper in found + [ref() for ref in self._keeper_refs]:
             if keeper is not None and all(keeper is not k for k in keepers):
                 keepers.append(keeper)
         return keepers
@@ -658,6 +696,7 @@ class _Fp32StateDict:
         self.masters = dict(state["masters"])
         self.take_writes = {}
         self.module = None
+        self._keeper_refs = []
         self.standalone = bool(self.masters)
         self._versions = {}
 
@@ -696,7 +735,7 @@ class _Fp32StateDict:
                 self._versions[name] = master._version
 
     def save(self, module, state_dict, prefix, local_metadata):
-        self.follow_renames(module)
+        self.follow_renames(module, state_dict, prefix)
         if self.standalone:
             self.sync(module, check_params=True)
         # A write into the half model since the last step (nn.init, a clamp, under no_grad) is
@@ -760,6 +799,19 @@ class _Fp32StateDict:
             keeper.take_model_writes(only=self.own_params(module))
         if self.standalone:  # (a copy's masters, kept by sync(): the load wrote both sides)
             self._versions = {name: master._version for name, master in self.masters.items()}
+
+
+def _find_parameter(module: nn.Module, param: torch.Tensor):
+    """Where ``param`` is registered in ``module``: ``(path prefix, owner, name)`` with the
+    path of the owning submodule ("" for ``module`` itself, else ending in "."), or None."""
+    for name, p in module._parameters.items():
+        if p is param:
+            return "", module, name
+    for path, sub in module.named_modules():
+        for name, p in sub._parameters.items():
+            if p is param and sub is not module:
+                return path + ".", sub, name
+    return None
 
 
 def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
@@ -830,6 +882,9 @@ def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor]
                 hooks.masters[name] = masters[param]
                 if take_writes is not None:
                     hooks.take_writes[name] = weakref.WeakMethod(take_writes)
+                    keeper = getattr(take_writes, "__self__", None)
+                    if keeper is not None and all(r() is not keeper for r in hooks._keeper_refs):
+                        hooks._keeper_refs.append(weakref.ref(keeper))
 
 
 # ---------------------------------------------------------------------------------------------

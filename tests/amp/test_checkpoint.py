@@ -741,3 +741,56 @@ def test_o2_pruning_after_initialize_keeps_the_fp32_masters(dtype, save_after_re
     torch.testing.assert_close(master[~pruned], torch.add(kept, grad, alpha=-0.1)[~pruned],
                                rtol=1e-6, atol=1e-7)  # (the fp32 values went on)
     torch.testing.assert_close(model.state_dict()["0.weight"], master.detach(), rtol=0, atol=0)
+
+
+class _Doubled(nn.Module):
+    """A parametrization: the weight the layer uses is twice the stored one."""
+
+    def forward(self, w):
+        return 2 * w
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_parametrization_after_initialize_keeps_the_fp32_masters(dtype):
+    # torch.nn.utils.parametrize moves `weight` (the same Parameter) into a new submodule,
+    # `parametrizations.weight.original`, and remove_parametrizations moves it back. The
+    # master follows it there and back: checkpoints hold it exactly (the new submodule saved
+    # the half tensor as it was, not even upcast), and a resume restores it exactly.
+    from torch.nn.utils import parametrize
+
+    def parametrized_model():
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+        parametrize.register_parametrization(model[0], "weight", _Doubled())
+        return model, opt
+
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(3))
+    y = torch.arange(32) % 2
+    model, opt = parametrized_model()
+    for _ in range(3):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    master = next(amp.master_params(opt))  # model[0]'s stored weight's
+    key = "0.parametrizations.weight.original"
+    sd = model.state_dict()
+    assert "0.weight" not in sd and sd[key].dtype == torch.float32
+    torch.testing.assert_close(sd[key], master.detach(), rtol=0, atol=0)
+    assert not torch.equal(master, master.to(dtype).float())  # (more than half's precision)
+    plain = make_mlp(seed=1)
+    parametrize.register_parametrization(plain[0], "weight", _Doubled())
+    plain.load_state_dict(sd, strict=True)
+    torch.testing.assert_close(plain[0].weight, 2 * master.detach(), rtol=0, atol=0)
+
+    fresh, fresh_opt = parametrized_model()  # (no step since the move: the save moves it)
+    torch.testing.assert_close(fresh.state_dict()[key], next(amp.master_params(fresh_opt)),
+                               rtol=0, atol=0)
+    resumed, resumed_opt = parametrized_model()
+    resumed.load_state_dict(copy.deepcopy(sd))  # (nor here: the load moves it)
+    torch.testing.assert_close(next(amp.master_params(resumed_opt)), master, rtol=0, atol=0)
+
+    parametrize.remove_parametrizations(model[0], "weight", leave_parametrized=False)
+    torch.testing.assert_close(model.state_dict()["0.weight"], master.detach(), rtol=0, atol=0)
