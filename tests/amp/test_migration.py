@@ -603,3 +603,173 @@ def test_apexs_fused_sgd_is_pytorchs_sgd(clean_apex):
         FusedSGD(ours)
     with pytest.raises(ValueError, match="wd_after_momentum=True.*not provided"):
         FusedSGD(ours, lr=0.1, weight_decay=1e-4, wd_after_momentum=True)
+
+
+def test_to_python_float_returns_a_python_number_for_any_one_element_tensor(clean_apex):
+    # Apex's to_python_float is t.item() for every tensor: a 1-D or 2-D one-element tensor
+    # (a reduced loss kept as shape (1,), a metric of shape (1, 1)) gives a float, not a tensor.
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import to_python_float
+
+    for t in (torch.tensor(2.5), torch.tensor([2.5]), torch.tensor([[2.5]], dtype=torch.half)):
+        value = to_python_float(t)
+        assert type(value) is float and value == 2.5, (t, value)
+    assert to_python_float([3.0, 4.0]) == 3.0  # (a sequence: its first item)
+
+
+def test_network_to_half_keeps_only_affine_batchnorm_in_fp32(clean_apex):
+    # Apex's BN_convert_float casts back the BatchNorm layers with affine=True only; a
+    # non-affine one (running statistics, no weights) stays half like the rest of the network.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import network_to_half
+
+    net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), nn.BatchNorm1d(2, affine=False))
+    network_to_half(net)
+    assert net[0].weight.dtype == torch.float16
+    assert net[1].weight.dtype == net[1].running_mean.dtype == torch.float32
+    assert net[2].running_mean.dtype == net[2].running_var.dtype == torch.float16
+
+
+def test_convert_module_casts_existing_gradients_too(clean_apex):
+    # A parameter converted after a backward keeps a gradient of its own dtype (a gradient of
+    # another dtype makes the next backward's accumulation or the optimizer step fail).
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import convert_module, convert_network
+
+    for convert in (convert_module, convert_network):
+        lin = nn.Linear(3, 2)
+        lin(torch.randn(4, 3)).sum().backward()
+        ref = lin.weight.grad.clone()
+        convert(lin, torch.float16)
+        assert lin.weight.dtype == lin.weight.grad.dtype == torch.float16
+        assert lin.bias.grad.dtype == torch.float16
+        torch.testing.assert_close(lin.weight.grad, ref.half(), rtol=0, atol=0)
+
+
+def test_fp16_model_leaves_integer_inputs_alone(clean_apex):
+    # FP16Model casts floating inputs to fp16; token ids (int64) must stay integers, or an
+    # embedding (a language model) fails on half indices.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import FP16Model
+
+    torch.manual_seed(0)
+    emb = nn.Embedding(5, 3)
+    ref = emb.weight.detach().clone()
+    model = FP16Model(emb)
+    tokens = torch.tensor([[0, 4, 2]])
+    out = model(tokens)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out[0], ref[[0, 4, 2]].half(), rtol=0, atol=0)
+
+
+def test_flat_master_comes_with_a_zero_gradient(clean_apex):
+    # Apex's prep_param_lists(flat_master=True) gives the flat master a zero gradient of its
+    # size (scripts accumulate into master.grad, or clip it, before the first copy).
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import prep_param_lists
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)).half()
+    _, (flat,) = prep_param_lists(model, flat_master=True)
+    assert flat.grad is not None and flat.grad.shape == flat.shape == (11,)
+    assert flat.grad.dtype == torch.float32 and not flat.grad.any()
+
+
+def test_list_masters_of_fp32_parameters_are_copies(clean_apex):
+    # One master per parameter, also for the fp32 ones (a BatchNorm after network_to_half):
+    # a master sharing the parameter's memory would change the model at the master's step,
+    # before master_params_to_model_params.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import network_to_half, prep_param_lists
+
+    net = network_to_half(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
+    model_params, masters = prep_param_lists(net)
+    assert [p.dtype for p in model_params] == [torch.float16] * 2 + [torch.float32] * 2
+    for p, m in zip(model_params, masters):
+        assert m.data_ptr() != p.data_ptr()
+        before = p.detach().clone()
+        with torch.no_grad():
+            m.add_(1.0)
+        assert torch.equal(p.detach(), before)
+
+
+def test_a_parameter_without_gradient_clears_its_masters_stale_gradient(clean_apex):
+    # A parameter the backward did not reach this step: its master's gradient becomes None
+    # (the optimizer then skips it), not the previous step's gradient applied again.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import model_grads_to_master_grads, prep_param_lists
+
+    model = nn.Linear(3, 2).half()
+    model_params, masters = prep_param_lists(model)
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    model_grads_to_master_grads(model_params, masters)
+    assert all(m.grad is not None for m in masters)
+    model_params[1].grad = None  # the next backward did not reach the bias
+    model_grads_to_master_grads(model_params, masters)
+    assert masters[0].grad is not None and masters[1].grad is None
+
+
+def test_fused_sgd_zero_grad_follows_its_set_to_none_argument(clean_apex):
+    # set_grad_none is only the default: zero_grad(set_to_none=...) as PyTorch's decides.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.optimizers import FusedSGD
+
+    p = nn.Parameter(torch.ones(2))
+    for default, set_to_none in ((False, True), (True, False)):
+        opt = FusedSGD([p], lr=0.1, set_grad_none=default)
+        p.grad = torch.ones_like(p)
+        opt.zero_grad(set_to_none=set_to_none)
+        if set_to_none:
+            assert p.grad is None
+        else:
+            assert p.grad is not None and not p.grad.any()
+
+
+def test_alias_metadata_answers_other_spellings_of_apex(clean_apex):
+    # importlib.metadata passes the name as asked; distribution names compare normalised.
+    import importlib.metadata
+
+    mixprec.install_apex_alias()
+    version = importlib.metadata.version("apex")
+    assert version.startswith("0.1+mixprec.")
+    assert importlib.metadata.version("Apex") == importlib.metadata.version("APEX") == version
+
+
+def test_alias_drops_every_half_imported_apex_amp_submodule(clean_apex, tmp_path, monkeypatch):
+    # Apex's own apex.amp.wrap (no mixprec module of that name) imported before the failing
+    # line of its apex.amp: it must not stay in sys.modules under mixprec's apex.amp.
+    package = _fake_apex(tmp_path, "optimizers")
+    (package / "amp").mkdir()
+    (package / "amp" / "wrap.py").write_text("WHO = 'apex.amp.wrap itself'\n")
+    (package / "amp" / "__init__.py").write_text(
+        "from . import wrap\nfrom torch._six import string_classes\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match="apex.amp fails to import"):
+        mixprec.install_apex_alias()
+    import apex
+
+    assert apex.amp is amp
+    assert "apex.amp.wrap" not in sys.modules

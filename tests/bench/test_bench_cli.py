@@ -692,3 +692,111 @@ def test_ctrl_c_before_any_mode_finished_empties_the_files_of_an_earlier_run(mon
         assert list(reader) == [] and "run_status" in reader.fieldnames
     assert f"did not write {tmp_path / 'p.png'}: no mode finished" in err.getvalue()
     assert not (tmp_path / "p.png").exists()
+
+
+def test_a_device_type_the_benchmark_does_not_run_on_is_an_argparse_error(capsys):
+    # torch knows "meta" (and mps, xpu, ...), the benchmark runs on cpu and cuda only.
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--device", "meta", "--no-progress"])
+    assert exc.value.code == 2
+    assert "argument --device: 'meta' is not supported by the benchmark; use cpu, cuda" in \
+        capsys.readouterr().err
+
+
+def test_output_check_keeps_an_existing_file_when_the_run_stops_early(capsys, monkeypatch,
+                                                                     tmp_path):
+    # The writability check opens an existing output for appending and leaves it as it was:
+    # an argument error found after it (here --plot's extension) must not delete the file.
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "rows.json"
+    path.write_text('[{"mode": "O0"}]\n')  # an earlier run's result
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *FAST, "--json", str(path), "--plot", "p.txt"])
+    assert exc.value.code == 2
+    assert "argument --plot" in capsys.readouterr().err
+    assert path.read_text() == '[{"mode": "O0"}]\n'
+    assert sorted(os.listdir(tmp_path)) == ["rows.json"]
+
+
+def test_memory_error_while_making_the_batches_names_the_option(monkeypatch, capsys):
+    # Python's own MemoryError (an empty message) is "does not fit in memory" too, not an
+    # empty "mixprec bench: error:" line.
+    from mixprec.bench import models
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(models, "_image_batches", no_memory)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *FAST[:4], "--batch-size", "100000000", "--no-progress"])
+    assert exc.value.code == 2
+    assert "argument --batch-size: the synthetic data for --model cnn at --batch-size " \
+        "100000000 does not fit in memory on cpu (MemoryError); use a smaller --batch-size" \
+        in capsys.readouterr().err
+
+
+def test_a_failed_o0_row_notes_that_no_ratios_are_available(monkeypatch):
+    from mixprec import amp
+
+    real = amp.initialize
+
+    def flaky_initialize(*args, **kwargs):
+        if kwargs.get("opt_level") == "O0":
+            raise RuntimeError("O0 broken (forced by the test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(amp, "initialize", flaky_initialize)
+    code, text = _run(["bench", *FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O0",
+                       "O1", "--no-native"])
+    assert code == 0
+    rows = {r[0]: r for r in _table_rows(text)}
+    assert rows["O0"][-1].startswith("FAILED: RuntimeError: O0 broken")
+    assert rows["O1"][-1] == "ok" and rows["O1"][4] == "-" and rows["O1"][6] == "-"
+    assert "note: no successful O0 row: speed-up and loss gap are not available." in text
+
+
+def test_ctrl_c_after_the_last_mode_keeps_a_complete_result(monkeypatch, tmp_path):
+    # Every mode asked for ran: the rows say "complete" (run_status tells a partial result
+    # from a whole one), though the exit status is still Ctrl-C's.
+    import mixprec.bench.runner as runner
+
+    real = runner.run_modes
+
+    def run_modes(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt  # Ctrl-C once the last mode had finished
+
+    monkeypatch.setattr(runner, "run_modes", run_modes)
+    path = tmp_path / "rows.json"
+    code, text = _run(["bench", *FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O0",
+                       "--no-native", "--json", str(path)])
+    assert code == 130
+    assert "note: interrupted (Ctrl-C) after the last mode." in text
+    (row,) = json.loads(path.read_text())
+    assert row["status"] == "ok"
+    assert row["run_status"] == "complete" and row["modes_not_run"] == []
+
+
+def test_stderr_line_per_mode_gives_its_time_per_40_iterations(tmp_path):
+    path = tmp_path / "rows.json"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["bench", *FAST, "--opt-levels", "O0", "--no-native", "--json", str(path)])
+    assert code == 0
+    (row,) = json.loads(path.read_text())
+    (line,) = [ln for ln in err.getvalue().splitlines() if ln.startswith("mixprec bench: [")]
+    # The same number as the table's "s / 40 it" column: 40 x the median step time.
+    assert line == f"mixprec bench: [1/1] O0: ok, {40 * row['time_per_iter_s']:.3f} s / 40 it"
+
+
+def test_stderr_line_of_a_diverged_mode_says_so():
+    from mixprec.bench.cli import _mode_line
+    from mixprec.bench.runner import ModeResult
+
+    def row(loss):
+        return ModeResult(mode="O3", label="O3", dtype="fp16", time_per_iter_s=0.01,
+                          final_loss=loss)
+
+    assert _mode_line(row(1.0), 1, 2) == "mixprec bench: [1/2] O3: ok, 0.400 s / 40 it"
+    assert _mode_line(row(float("nan")), 2, 2) == \
+        "mixprec bench: [2/2] O3: ok, 0.400 s / 40 it, loss not finite (diverged)"

@@ -166,3 +166,82 @@ def test_gpt_workload_with_mixprec_optimizer():
     assert opt.defaults["adam_w_mode"] and opt.defaults["weight_decay"] == 0.1
     for a, b in zip(ours.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_config_refuses_sizes_that_are_not_ints():
+    with pytest.raises(ValueError, match=r"GPTConfig\(d_model=64.0\): must be an int >= 1"):
+        GPTConfig(d_model=64.0, n_heads=4)
+
+
+def test_gpt_small_config_is_the_documented_one():
+    cfg = gpt_config("small")
+    assert (cfg.vocab_size, cfg.seq_len, cfg.d_model, cfg.n_layers, cfg.n_heads,
+            cfg.mlp_ratio) == (512, 64, 64, 2, 4, 4)
+    wl = build_workload("gpt", batch_size=1, num_batches=1)
+    assert "GPT(d_model=64, layers=2, heads=4, seq=64, vocab=512" in wl.description
+
+
+def test_gpt_initialisation_is_normal_0_02_with_zero_biases():
+    torch.manual_seed(0)
+    model = GPT(gpt_config("small"))
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(not m.bias.any() for m in linears if m.bias is not None)
+    w = model.tok_emb.weight.detach()  # 32768 samples: the std is known to about 1e-4
+    assert abs(w.std().item() - 0.02) < 1e-3 and abs(w.mean().item()) < 1e-3
+
+
+def test_gpt_blocks_are_pre_ln_residual_blocks():
+    # x + attn(ln1(x)), then + mlp(ln2(.)): the residual stream itself is not normalised.
+    torch.manual_seed(0)
+    block = GPT(gpt_config("small")).eval().blocks[0]
+    x = torch.randn(2, 8, 64)
+    with torch.no_grad():
+        h = x + block.attn(block.ln1(x))
+        expected = h + block.mlp(block.ln2(h))
+        torch.testing.assert_close(block(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_classification_loss_of_a_half_output_is_computed_in_fp32():
+    # Every recipe's loss must be the same quantity: a bf16 output (pure .bfloat16(), O3) gets
+    # an fp32 log-softmax, not a bf16 one.
+    wl = build_workload("cnn", batch_size=4, num_batches=1)
+    _, y = wl.batches[0]
+    torch.manual_seed(0)
+    out = torch.randn(4, 10).bfloat16()
+    loss = wl.loss_fn(out, y)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(out.float(), y),
+                               rtol=0, atol=0)
+
+
+def test_image_batches_are_learnable_from_their_class_means():
+    # Each class has its own mean image plus noise: class means taken from one batch tell the
+    # labels of the next (nearest mean), far above chance (0.1).
+    wl = build_workload("cnn", batch_size=256, num_batches=2)
+    (x0, y0), (x1, y1) = wl.batches
+    means = torch.stack([x0[y0 == c].mean(0) for c in range(10)]).flatten(1)
+    predicted = torch.cdist(x1.flatten(1), means).argmin(1)
+    assert (predicted == y1).float().mean().item() > 0.9
+
+
+def test_build_workload_refuses_a_batch_size_that_is_not_an_int():
+    with pytest.raises(ValueError, match=r"build_workload\(batch_size=2.5\): must be an int"):
+        build_workload("cnn", batch_size=2.5)
+
+
+def test_workload_seed_picks_the_data():
+    a = build_workload("cnn", batch_size=4, seed=0)
+    b = build_workload("cnn", batch_size=4, seed=1)
+    assert not torch.equal(a.batches[0][0], b.batches[0][0])
+    g0 = build_workload("gpt", batch_size=1, num_batches=1, seed=0)
+    g1 = build_workload("gpt", batch_size=1, num_batches=1, seed=1)
+    assert not torch.equal(g0.batches[0][0], g1.batches[0][0])
+
+
+def test_gpt_adamw_is_fused_by_default_on_cuda_only():
+    wl = build_workload("gpt", batch_size=1, num_batches=1)
+    params = [nn.Parameter(torch.zeros(2))]
+    assert not wl.build_optimizer(params, torch.device("cpu")).defaults.get("fused")
+    assert wl.build_optimizer(params, torch.device("cuda")).defaults["fused"] is True
+    off = build_workload("gpt", batch_size=1, num_batches=1, fused_adamw=False)
+    assert not off.build_optimizer(params, torch.device("cuda")).defaults.get("fused")

@@ -151,3 +151,41 @@ def test_small_losses_and_times_print_enough_digits_to_check_the_ratios():
     o0 = [c.strip() for c in format_table(rows).splitlines()[2].strip("|").split("|")]
     assert f"{float(o0[3]) / time:.2f}x" == speedup
     assert f"{100 * (loss - float(o0[5])) / float(o0[5]):+.2f}%" == gap
+
+
+def test_a_mode_that_added_no_memory_has_a_zero_memory_ratio():
+    # (On CPU a mode can show no RSS growth: its ratio is 0.0, not missing.)
+    rows = [_row("O0", 0.2, 100.0, 2.0), _row("O2", 0.1, 0.0, 2.0)]
+    assert relative_to(rows)[1]["memory_vs_baseline"] == 0.0
+    assert rows_to_dicts(rows)[1]["memory_vs_baseline"] == 0.0
+
+
+def test_a_plot_path_without_an_extension_is_a_png(tmp_path):
+    from mixprec.bench.report import plot_format, write_plot
+
+    assert plot_format("bench") == "png"
+    path = tmp_path / "bench"
+    write_plot([_row("O0", 0.1, 100.0, 1.0, losses=[2.0, 1.0])], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_labels_a_run_ending_in_a_non_finite_loss_as_diverged():
+    from mixprec.bench.report import _figure
+
+    ok = _row("O0", 0.1, 100.0, 1.0, losses=[2.0, 1.5, 1.0])
+    bad = _row("O3", 0.05, 50.0, float("nan"), losses=[2.0, 5e3, float("nan")])
+    ax = _figure([ok, bad], title="").axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["O0", "O3 (fp16) (diverged)"]
+    low, high = ax.get_ylim()  # scaled to the run that did not diverge (1.0 to 2.0)
+    assert low == pytest.approx(0.95) and high == pytest.approx(2.05)
+
+
+def test_plot_bars_are_seconds_per_40_iterations_and_peak_memory():
+    from mixprec.bench.report import _figure
+
+    rows = [_row("O0", 0.1, 100.0, 1.0, losses=[1.0]), _row("O2", 0.05, 60.0, 1.0, losses=[1.0]),
+            ModeResult(mode="O3", label="O3", dtype="fp16", status="failed", error="x")]
+    fig = _figure(rows, title="")
+    ax_time, ax_mem = fig.axes[1], fig.axes[2]
+    assert [b.get_height() for b in ax_time.patches] == pytest.approx([4.0, 2.0, 0.0])
+    assert [b.get_height() for b in ax_mem.patches] == pytest.approx([100.0, 60.0, 0.0])

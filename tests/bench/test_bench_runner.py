@@ -209,3 +209,107 @@ def test_cpu_peak_memory_sees_a_short_peak_without_sampling_fast():
     if probe._hwm:
         assert probe.peak_mb >= 60
     assert probe.peak_mb >= 0
+
+
+def test_step_statistics_from_a_fake_clock(cnn, monkeypatch):
+    # A clock that each step's loss advances by a known amount: the statistics are checked
+    # exactly, with no real timing involved.
+    import types
+
+    import mixprec.bench.runner as runner
+
+    clock = [0.0]
+    durations = iter([100.0, 1.0, 2.0, 4.0, 9.0])  # one warm-up step, then four timed ones
+    loss_fn = cnn.loss_fn
+
+    def timed_loss(out, y):
+        clock[0] += next(durations)
+        return loss_fn(out, y)
+
+    monkeypatch.setattr(runner, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    r = run_mode(dataclasses.replace(cnn, loss_fn=timed_loss), "fp32", iters=4, warmup=1)
+    assert r.ok, r.error
+    assert r.step_times_s == [1.0, 2.0, 4.0, 9.0]
+    assert r.time_per_iter_s == 3.0  # the median, not the mean
+    assert r.time_per_iter_mean_s == 4.0
+    assert (r.time_per_iter_min_s, r.time_per_iter_max_s) == (1.0, 9.0)
+    assert r.time_per_iter_iqr_s == pytest.approx(5.25 - 1.75)  # quantiles, "inclusive"
+    assert r.total_time_s == 16.0  # the timed steps only: not the warm-up's 100 s
+
+
+def test_final_loss_is_the_mean_over_the_last_pass_of_the_batch_pool():
+    wl = build_workload("cnn", batch_size=4, num_batches=3)
+    r = run_mode(wl, "fp32", iters=4, warmup=2)  # 6 steps over a pool of 3 batches
+    assert len(r.losses) == 6
+    assert r.final_loss == pytest.approx(sum(r.losses[-3:]) / 3, rel=1e-12)
+    short = run_mode(wl, "fp32", iters=1, warmup=1)  # fewer steps than batches: every step
+    assert short.final_loss == pytest.approx(sum(short.losses) / 2, rel=1e-12)
+
+
+def test_skipped_steps_are_unknown_once_the_grad_scalers_scale_underflowed(cnn, monkeypatch):
+    # A run that overflows at every step halves GradScaler's scale down to 0, after which its
+    # skips no longer show as halvings: the row says None (unknown), not 0 skipped steps.
+    import mixprec.bench.runner as runner
+
+    monkeypatch.setattr(runner, "_grad_scaler",
+                        lambda device_type: torch.amp.GradScaler(device_type,
+                                                                 init_scale=2.0**-145))
+    r = run_mode(_overflowing(cnn, factor=float("inf")), "autocast", dtype=torch.float16,
+                 iters=6, warmup=0)
+    assert r.ok, r.error
+    assert r.skipped_steps is None
+
+
+def test_losses_match_a_plain_training_loop_over_the_batch_pool(cnn):
+    # The seed's model, then the pool's batches in order from the first step (warm-up
+    # included): the fp32 mode is exactly this loop.
+    r = run_mode(cnn, "fp32", iters=3, warmup=1, seed=5)
+    torch.manual_seed(5)
+    model = cnn.build_model()
+    opt = cnn.build_optimizer(model.parameters(), torch.device("cpu"))
+    ref = []
+    for i in range(4):
+        x, y = cnn.batches[i % len(cnn.batches)]
+        opt.zero_grad(set_to_none=True)
+        loss = cnn.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    assert r.losses == pytest.approx(ref, rel=1e-5)
+
+
+def test_an_infinite_final_loss_is_diverged_too():
+    from mixprec.bench.runner import ModeResult
+
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        r = ModeResult(mode="half", label=".half()", dtype="fp16", final_loss=bad)
+        d = r.to_dict()
+        assert r.diverged and d["diverged"] and d["final_loss"] is None, bad
+    assert not ModeResult(mode="O0", label="O0", dtype="fp32", final_loss=1.0).diverged
+
+
+def test_run_modes_refuses_one_mode_name_given_as_a_string(cnn):
+    # "fp32" would otherwise be read as the modes "f", "p", "3", "2".
+    with pytest.raises(TypeError, match=r"not one string; pass e.g. modes=\['fp32'\]"):
+        run_modes(cnn, "fp32")
+
+
+def test_skipped_steps_with_the_scale_on_the_device_count_the_last_step_too():
+    # A fused AdamW has amp keep its dynamic scale on the device (CPU tensors here): each
+    # step's overflow flag reaches the host later, the last one only when the count is read.
+    wl = build_workload("gpt", batch_size=1, num_batches=1, fused_adamw=True)
+    r = run_mode(_overflowing(wl, factor=float("inf")), "O1", dtype=torch.float16, iters=3,
+                 warmup=1)
+    assert r.ok, r.error
+    assert r.skipped_steps == 4  # every step overflowed
+
+
+def test_cpu_peak_memory_is_the_growth_over_the_start():
+    from mixprec.bench.runner import _CpuPeakMemory
+
+    probe = _CpuPeakMemory()
+    with probe:
+        pass  # nothing allocated
+    # The growth the mode caused, not the process's whole resident memory (torch alone is
+    # some hundreds of MiB).
+    assert 0 <= probe.peak_mb < 32
