@@ -118,7 +118,7 @@ class _ApexLossScaler:
                 f"amp._amp_state.loss_scalers[i]._scale_seq_len = {value!r}: expected an int "
                 ">= 1 (clean steps before a dynamic scale doubles; Apex's default is 2000)."
             )
-        self._scaler._window = value
+        self._scaler.set_window(value)
 
     @property
     def _min_loss_scale(self) -> float:

@@ -226,6 +226,16 @@ class LossScaler:
             self._dev.inv.fill_(1.0 / self._scale)
             self._dev.tracker.fill_(self._device_count())
 
+    def set_window(self, window: int) -> None:
+        """Set the clean steps before growth (Apex's ``_scale_seq_len``) now. A count already
+        at or past a shorter window grows the scale at the next clean step, on the host as
+        on the device (whose tracker is capped again, see :meth:`_device_count`: left past
+        the window, the kernel never grew the scale again)."""
+        self._pull()
+        self._window = int(window)
+        if self._dev is not None:
+            self._dev.tracker.fill_(self._device_count())
+
     def _device_count(self) -> int:
         """The clean-step count as the device's tracker holds it.
 

@@ -129,6 +129,26 @@ def test_scale_seq_len_sets_the_growth_window(where):
     assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**12, 2.0**12]
 
 
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_a_window_shortened_below_the_clean_steps_grows_the_scale_next(where):
+    # Five clean steps, then the window set to 3: the count is past it, and the next clean
+    # step grows the scale, then every third, wherever the scale lives. On the device (a
+    # fused optimizer) the kernel grows only when its count reaches the window exactly, and
+    # the count was left at 5: the scale never grew again.
+    model, opt, state = _setup(where)
+    scaler = state.loss_scalers[0]
+    x, y = batch()
+    for _ in range(5):
+        _scaled_step(model, opt, x, y)
+    start = scaler.loss_scale()
+    scaler._scale_seq_len = 3
+    scales = []
+    for _ in range(4):
+        _scaled_step(model, opt, x, y)
+        scales.append(scaler.loss_scale() / start)
+    assert scales == [2.0, 2.0, 2.0, 4.0]
+
+
 def test_loss_scalers_of_several_losses_are_separate():
     # GAN-style `num_losses=2` scripts set each loss's scale by index.
     model, opt, state = _setup("host", num_losses=2)
