@@ -319,3 +319,107 @@ def test_apex_module_path_serves_the_same_object(clean_apex):
     assert _amp_state is amp._amp_state is apex.amp._amp_state
     model, opt, _ = _setup("host")
     assert list(master_params(opt)) == list(amp.master_params(opt))
+
+
+def test_unskipped_refuses_a_bool():
+    # `_unskipped = True` is a bool, not a count of clean steps (Python's bool is an int).
+    _, _, state = _setup("host")
+    scaler = state.loss_scalers[0]
+    with pytest.raises(ValueError, match="expected an int >= 0"):
+        scaler._unskipped = True
+    assert scaler._unskipped == 0
+    scaler._unskipped = 7
+    assert scaler._unskipped == 7
+
+
+def test_unskipped_can_be_reset_to_zero():
+    # `amp._amp_state.loss_scalers[0]._unskipped = 0` (restart the growth count, as Apex
+    # scripts did after changing the scale by hand).
+    model, opt, state = _setup("host")
+    x, y = batch()
+    for _ in range(2):
+        _scaled_step(model, opt, x, y)
+    scaler = state.loss_scalers[0]
+    assert scaler._unskipped == 2
+    scaler._unskipped = 0
+    assert scaler._unskipped == 0
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**16, "unskipped": 0}
+
+
+def test_max_loss_scale_below_the_minimum_is_refused():
+    _, _, state = _setup("host", min_loss_scale=2.0**4)
+    scaler = state.loss_scalers[0]
+    with pytest.raises(ValueError, match="below the minimum"):
+        scaler._max_loss_scale = 2.0**3
+    assert (scaler._min_loss_scale, scaler._max_loss_scale) == (2.0**4, 2.0**24)
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_max_loss_scale_set_through_amp_state_caps_the_scale(where):
+    # `_max_loss_scale` lowered below the current scale: read back as set (the minimum left
+    # as it was), and the next update brings the scale down to it.
+    model, opt, state = _setup(where)
+    scaler = state.loss_scalers[0]
+    scaler._max_loss_scale = 2.0**10
+    assert (scaler._min_loss_scale, scaler._max_loss_scale) == (2.0**-24, 2.0**10)
+    x, y = batch()
+    _scaled_step(model, opt, x, y)
+    assert scaler.loss_scale() == 2.0**10
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_setting_loss_scale_keeps_the_clean_step_count(where):
+    # As in Apex, where `_loss_scale` was a plain attribute: writing it leaves `_unskipped`
+    # alone, so the scale still grows after `_scale_seq_len` clean steps in a row.
+    model, opt, state = _setup(where)
+    scaler = state.loss_scalers[0]
+    scaler._scale_seq_len = 3
+    x, y = batch()
+    for _ in range(2):
+        _scaled_step(model, opt, x, y)
+    scaler._loss_scale = 2.0**12
+    assert scaler._unskipped == 2
+    _scaled_step(model, opt, x, y)  # the third clean step: growth
+    assert scaler.loss_scale() == 2.0**13 and scaler._unskipped == 0
+
+
+def test_initialize_disabled_opt_properties_are_apex_defaults():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, enabled=False, verbosity=0)
+    props = amp._amp_state.opt_properties
+    assert props.options == {"enabled": False, "opt_level": None, "cast_model_type": None,
+                             "patch_torch_functions": False, "keep_batchnorm_fp32": None,
+                             "master_weights": False, "loss_scale": 1.0}
+    assert props.loss_scale == 1.0  # a static scale of 1: nothing is scaled
+
+
+@pytest.mark.parametrize("opt_level,patch,keep_bn,loss_scale", [
+    ("O1", True, None, "dynamic"),
+    ("O2", False, True, "dynamic"),
+    ("O3", False, False, 1.0),
+])
+def test_opt_properties_options_match_the_opt_level(opt_level, patch, keep_bn, loss_scale):
+    _, _, state = _setup("host", opt_level)
+    props = state.opt_properties
+    assert props.patch_torch_functions is patch
+    assert props.keep_batchnorm_fp32 is keep_bn
+    assert props.loss_scale == loss_scale
+    assert props.options["patch_torch_functions"] is patch
+
+
+def test_apex_lazy_init_names_are_no_ops():
+    # Both of Apex's lazy-init entry points exist on an initialized optimizer and change
+    # nothing (mixprec made the masters in initialize).
+    model, opt, _ = _setup("host")
+    before = [m.detach().clone() for m in amp.master_params(opt)]
+    assert opt._amp_lazy_init() is None
+    assert opt._lazy_init_maybe_master_weights() is None
+    for b, m in zip(before, amp.master_params(opt)):
+        assert torch.equal(b, m)
+
+
+@pytest.mark.parametrize("verbosity", [0, 1])
+def test_verbosity_reads_initialize_s(verbosity):
+    _, _, state = _setup("host", verbosity=verbosity)
+    assert state.verbosity == verbosity

@@ -1101,3 +1101,75 @@ def test_accumulation_under_ddp_gradient_as_bucket_view_sums_the_micro_batches(t
             torch.testing.assert_close(p.grad.double(), r.grad, rtol=1e-5, atol=1e-5)
     finally:
         dist.destroy_process_group()
+
+
+def test_registered_function_finds_a_tensor_after_a_list_without_one():
+    # The device comes from the first tensor among the arguments, even when a list or tuple
+    # holding no tensor (sizes, indices) comes before it.
+    probe = amp.half_function(lambda sizes, x: x.dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert probe([2, 3], torch.randn(2)) == torch.bfloat16
+        assert probe((), torch.randn(2)) == torch.bfloat16
+    assert probe([2, 3], torch.randn(2)) == torch.float32
+
+
+def test_promote_function_without_floating_arguments_runs_under_autocast():
+    # No floating tensor to promote (integer indices only): the function runs as it is,
+    # with autocast still on inside it, as an unregistered function would.
+    weight = torch.randn(4, 3)
+
+    @amp.promote_function
+    def lookup(idx):
+        return idx.dtype, torch.mm(weight[idx], weight.t()).dtype
+
+    idx = torch.tensor([0, 2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert lookup(idx) == (torch.int64, torch.bfloat16)
+    assert lookup(idx) == (torch.int64, torch.float32)
+
+
+def test_promote_function_promotes_keyword_arguments():
+    a = torch.randn(2)
+    b = torch.randn(2, dtype=torch.bfloat16)
+    promoted = amp.promote_function(_probe)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert promoted(x=b, y=a) == (torch.float32, torch.float32)
+        assert promoted(b, y=a) == (torch.float32, torch.float32)
+    assert promoted(x=b, y=a) == (torch.bfloat16, torch.float32)  # outside autocast: as is
+
+
+def test_promote_function_takes_the_widest_dtype_wherever_it_stands():
+    # The widest floating dtype among all the arguments, not the first argument's.
+    a = torch.randn(2)
+    b = torch.randn(2, dtype=torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert amp.promote_function(_probe)(b, a) == (torch.float32, torch.float32)
+        assert amp.promote_function(_probe)(a, b) == (torch.float32, torch.float32)
+
+
+def test_registering_a_non_function_is_refused():
+    ns = type("NS", (), {})()
+    ns.table = {"a": 1}
+    with pytest.raises(TypeError, match="'table' is a dict, not a function"):
+        amp.register_half_function(ns, "table")
+    assert ns.table == {"a": 1}  # left as it was
+
+
+def test_disable_casts_inside_the_users_own_autocast_block():
+    # disable_casts turns off the user's own torch.autocast too (the CPU one here), and the
+    # autocast block casts again after it.
+    a = torch.randn(3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.mm(a, a).dtype == torch.bfloat16
+        with amp.disable_casts():
+            assert torch.mm(a, a).dtype == torch.float32
+        assert torch.mm(a, a).dtype == torch.bfloat16
+
+
+def test_register_function_with_a_non_string_name_is_refused_clearly():
+    # Passing the function itself instead of its name: Apex's API takes the name as a string.
+    ns = type("NS", (), {})()
+    ns.half_fn = _probe
+    with pytest.raises(AttributeError, match="function's name as a string"):
+        amp.register_half_function(ns, _probe)
+    assert ns.half_fn is _probe

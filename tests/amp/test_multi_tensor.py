@@ -379,3 +379,30 @@ def test_cuda_eager_call_between_capture_and_replay():
         assert found_inf.item() == 0.0
         for src, dst in zip(srcs, dsts):
             _assert_exact(dst, src, inv_scale)
+
+
+def test_same_addresses_with_another_dtype_are_decoded_by_their_dtype(dev):
+    # The same memory read first as fp16, then as bf16 (same addresses and sizes): the second
+    # call must decode bf16, not reuse the first call's table.
+    gen = torch.Generator().manual_seed(3)
+    src = (torch.randn(300, generator=gen)).to(device=dev, dtype=torch.float16)
+    dst = torch.empty(300, dtype=torch.float32, device=dev)
+    for view in (src, src.view(torch.bfloat16)):
+        inv, found = _scalars(dev, 1.0 / 4)
+        mt.cast_unscale_check_([view], [dst], inv, found)
+        finite = view.float().isfinite().all()
+        assert float(found) == (0.0 if finite else 1.0)
+        _assert_exact(dst, view, inv)
+
+
+def test_same_addresses_with_other_sizes_cover_every_element(dev):
+    # Views starting at the same addresses with more elements than before (a gradient bucket
+    # reused for larger tensors): the second call must cover all of them.
+    gen = torch.Generator().manual_seed(4)
+    src = torch.randn(3000, generator=gen).to(device=dev, dtype=torch.bfloat16)
+    dst = torch.full((3000,), -7.0, dtype=torch.float32, device=dev)
+    inv, found = _scalars(dev, 1.0 / 8)
+    for n in (1000, 3000):
+        mt.cast_unscale_check_([src[:n]], [dst[:n]], inv, found)
+        _assert_exact(dst[:n], src[:n], inv)
+    assert float(found) == 0.0

@@ -80,3 +80,35 @@ def test_nonsensical_combinations(kwargs, match):
 def test_override_applies():
     p = resolve_properties("O2", master_weights=False, loss_scale=8.0)
     assert p.master_weights is False and p.loss_scale == 8.0 and p.model_is_half
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_bool_loss_scale_is_refused(value):
+    # True/False are ints to Python, but not a loss scale (True is not "dynamic").
+    with pytest.raises(TypeError, match="loss_scale"):
+        resolve_properties("O1", loss_scale=value)
+
+
+@pytest.mark.parametrize("opt_level,kw,dynamic", [
+    ("O1", {}, True),
+    ("O2", {}, True),
+    ("O0", {}, False),
+    ("O1", {"loss_scale": 128.0}, False),  # a static scale other than 1.0
+    ("O2", {"loss_scale": "512"}, False),
+])
+def test_dynamic_loss_scale_property(opt_level, kw, dynamic):
+    assert resolve_properties(opt_level, **kw).dynamic_loss_scale is dynamic
+
+
+@pytest.mark.parametrize("bad", [torch.int8, torch.float64])
+def test_cast_model_outputs_must_be_a_float_type_amp_knows(bad):
+    with pytest.raises(ValueError, match=r"cast_model_outputs=.*allowed values are None"):
+        resolve_properties("O2", cast_model_outputs=bad)
+
+
+def test_master_weights_strings():
+    # Apex's argparse strings: "False" turns the masters off (a non-empty string is truthy).
+    assert resolve_properties("O2", master_weights="False").master_weights is False
+    assert resolve_properties("O2", master_weights="True").master_weights is True
+    with pytest.raises(TypeError, match="master_weights"):
+        resolve_properties("O2", master_weights="no")

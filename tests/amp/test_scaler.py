@@ -159,3 +159,112 @@ def test_a_count_at_or_past_the_window_grows_on_the_device_as_on_the_host(window
 def test_scale_window_below_one_is_refused():
     with pytest.raises(ValueError, match=r"scale_window=0.*>= 1"):
         LossScaler("dynamic", scale_window=0)
+
+
+def test_default_floor_is_far_below_one():
+    # With no min_loss_scale the floor is 2**-24: a run whose gradients keep overflowing
+    # backs the scale off below 1.0 (skipping steps) instead of sticking at 1.0.
+    s = LossScaler("dynamic", init_scale=2.0)
+    for _ in range(4):
+        assert s.update(True) is True
+    assert s.loss_scale == 2.0**-3
+    for _ in range(40):
+        s.update(True)
+    assert s.loss_scale == 2.0**-24
+
+
+def test_min_equal_to_max_pins_a_dynamic_scale():
+    # min_loss_scale == max_loss_scale is allowed: the scale cannot move, but overflowed
+    # steps are still detected and skipped.
+    s = LossScaler("dynamic", scale_window=1, min_loss_scale=2.0**10, max_loss_scale=2.0**10)
+    assert s.loss_scale == 2.0**10
+    assert s.update(True) is True and s.loss_scale == 2.0**10
+    assert s.update(False) is False and s.loss_scale == 2.0**10
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_scale_factor_other_than_two(on_device):
+    # Back-off divides by scale_factor and growth multiplies by it, on the device as on the host.
+    s = LossScaler("dynamic", scale_factor=4.0, scale_window=2)
+    if on_device:
+        s.device_state(torch.device("cpu"))
+    got = []
+    for flag in (True, True, False, False):
+        if on_device:
+            s.update_on_device(torch.tensor(float(flag)))
+        else:
+            s.update(flag)
+        got.append(s.loss_scale)
+    assert got == [2.0**14, 2.0**12, 2.0**12, 2.0**14]
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -2.0])
+def test_load_state_dict_refuses_a_non_finite_scale(bad):
+    s = LossScaler("dynamic")
+    with pytest.raises(ValueError, match="must be > 0"):
+        s.load_state_dict({"loss_scale": bad, "unskipped": 0})
+    assert s.state_dict() == {"loss_scale": 2.0**16, "unskipped": 0}  # unchanged
+
+
+def test_unscale_with_a_static_scale_below_one():
+    # A static scale under 1.0 (allowed: any finite scale > 0) is unscaled too.
+    s = LossScaler(0.25)
+    g = [torch.randn(7), torch.randn(3, 2)]
+    ref = [t * 4 for t in g]  # exact: a power of two
+    assert unscale_grads_(g, s, check=False) is None
+    for t, r in zip(g, ref):
+        torch.testing.assert_close(t, r, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("window, unskipped", [(4, 4), (4, 10)])
+def test_set_state_with_a_count_past_the_window_grows_on_the_device_as_on_the_host(window,
+                                                                                  unskipped):
+    # set_state while the scale is on the device (Apex's `_unskipped` written by hand): a count
+    # at or past the window grows at the next clean step, as on the host.
+    got = {}
+    for on_device in (False, True):
+        s = LossScaler("dynamic", scale_window=window)
+        if on_device:
+            s.device_state(torch.device("cpu"))
+        s.set_state(loss_scale=1024.0, unskipped=unskipped)
+        trace = []
+        for flag in (False, False):
+            if on_device:
+                s.update_on_device(torch.tensor(float(flag)))
+            else:
+                s.update(flag)
+            trace.append((s.state_dict()["loss_scale"], s.state_dict()["unskipped"]))
+        got[on_device] = trace
+    assert got[True] == got[False] == [(2048.0, 0), (2048.0, 1)]
+
+
+def test_host_update_brings_a_device_scale_back_to_the_host():
+    # update() on a scaler whose scale lives on the device (device_state) applies the step
+    # to the current scale and leaves it on the host.
+    s = LossScaler("dynamic", scale_window=2)
+    s.device_state(torch.device("cpu"))
+    s.update_on_device(torch.zeros(()))  # one clean step on the device
+    assert s.update(True) is True
+    assert s.on_device is None
+    assert s.state_dict() == {"loss_scale": 2.0**15, "unskipped": 0}
+    s.update(False)
+    s.update(False)
+    assert s.state_dict() == {"loss_scale": 2.0**16, "unskipped": 0}
+
+
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_set_state_of_one_value_keeps_the_other(on_device):
+    # set_state(loss_scale=...) keeps the clean-step count counted so far (on the device: the
+    # tracker's, not the host's stale copy), and set_state(unskipped=...) the scale.
+    s = LossScaler("dynamic", scale_window=4)
+    if on_device:
+        s.device_state(torch.device("cpu"))
+    for _ in range(2):
+        s.update_on_device(torch.zeros(())) if on_device else s.update(False)
+    s.set_state(loss_scale=2.0**20)
+    assert s.state_dict() == {"loss_scale": 2.0**20, "unskipped": 2}
+    s.update_on_device(torch.ones(())) if on_device else s.update(True)
+    s.set_state(unskipped=3)
+    assert s.state_dict() == {"loss_scale": 2.0**19, "unskipped": 3}
+    s.update_on_device(torch.zeros(())) if on_device else s.update(False)  # the 4th: growth
+    assert s.state_dict() == {"loss_scale": 2.0**20, "unskipped": 0}
