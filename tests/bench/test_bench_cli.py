@@ -728,7 +728,8 @@ def test_memory_error_while_making_the_batches_names_the_option(monkeypatch, cap
 
     monkeypatch.setattr(models, "_image_batches", no_memory)
     with pytest.raises(SystemExit) as exc:
-        main(["bench", *FAST[:4], "--batch-size", "100000000", "--no-progress"])
+        main(["bench", *FAST[:4], "--device", "cpu", "--batch-size", "100000000",
+              "--no-progress"])
     assert exc.value.code == 2
     assert "argument --batch-size: the synthetic data for --model cnn at --batch-size " \
         "100000000 does not fit in memory on cpu (MemoryError); use a smaller --batch-size" \
