@@ -648,8 +648,8 @@ class _Fp32StateDict:
             for name in [n for n in missing if n in self.masters]:  # (moved to a submodule)
                 master = self.masters[name]
                 half = half_of.get(id(master))
-                found = None if half is None else _find_parameter(module, half)
-                if found is None or found[1] is module:
+                found = None if half is None else _find_in_submodules(module, half)
+                if found is None:
                     continue
                 path, owner, new = found
                 target = _install_state_dict_hooks(owner)
@@ -801,15 +801,14 @@ class _Fp32StateDict:
             self._versions = {name: master._version for name, master in self.masters.items()}
 
 
-def _find_parameter(module: nn.Module, param: torch.Tensor):
-    """Where ``param`` is registered in ``module``: ``(path prefix, owner, name)`` with the
-    path of the owning submodule ("" for ``module`` itself, else ending in "."), or None."""
-    for name, p in module._parameters.items():
-        if p is param:
-            return "", module, name
+def _find_in_submodules(module: nn.Module, param: torch.Tensor):
+    """Where ``param`` is registered below ``module`` (not on it): ``(path, owner, name)``,
+    the path of the owning submodule ending in ".", or None."""
     for path, sub in module.named_modules():
+        if sub is module:
+            continue
         for name, p in sub._parameters.items():
-            if p is param and sub is not module:
+            if p is param:
                 return path + ".", sub, name
     return None
 
