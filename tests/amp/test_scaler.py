@@ -4,6 +4,19 @@ import torch
 from mixprec.amp.scaler import LossScaler, unscale_grads_
 
 
+def _trace(s, flags, on_device):
+    """Update ``s`` with each overflow flag of ``flags`` (on its device scale with
+    ``on_device``); the (scale, clean-step count) after each."""
+    trace = []
+    for flag in flags:
+        if on_device:
+            s.update_on_device(torch.tensor(float(flag)))
+        else:
+            s.update(flag)
+        trace.append((s.state_dict()["loss_scale"], s.state_dict()["unskipped"]))
+    return trace
+
+
 def test_dynamic_backoff_and_growth():
     s = LossScaler("dynamic", scale_window=3)
     assert s.loss_scale == 2.0**16
@@ -122,14 +135,7 @@ def test_a_scale_set_outside_the_bounds_is_clamped_at_the_next_update(on_device,
     s.load_state_dict({"loss_scale": loaded, "unskipped": 0})
     if on_device:
         s.device_state(torch.device("cpu"))
-    got = []
-    for flag in flags:
-        if on_device:
-            s.update_on_device(torch.tensor(float(flag)))
-        else:
-            s.update(flag)
-        got.append((s.state_dict()["loss_scale"], s.state_dict()["unskipped"]))
-    assert got == want
+    assert _trace(s, flags, on_device) == want
 
 
 @pytest.mark.parametrize("window, unskipped", [(4, 4), (4, 10), (1, 3), (1, 0)])
@@ -144,14 +150,7 @@ def test_a_count_at_or_past_the_window_grows_on_the_device_as_on_the_host(window
         s.load_state_dict({"loss_scale": 1024.0, "unskipped": unskipped})
         if on_device:
             s.device_state(torch.device("cpu"))
-        trace = []
-        for flag in (False, False, True, False):
-            if on_device:
-                s.update_on_device(torch.tensor(float(flag)))
-            else:
-                s.update(flag)
-            trace.append((s.state_dict()["loss_scale"], s.state_dict()["unskipped"]))
-        got[on_device] = trace
+        got[on_device] = _trace(s, (False, False, True, False), on_device)
     assert got[True] == got[False]
     assert got[False][0] == (2048.0, 0)
 
@@ -188,13 +187,7 @@ def test_scale_factor_other_than_two(on_device):
     s = LossScaler("dynamic", scale_factor=4.0, scale_window=2)
     if on_device:
         s.device_state(torch.device("cpu"))
-    got = []
-    for flag in (True, True, False, False):
-        if on_device:
-            s.update_on_device(torch.tensor(float(flag)))
-        else:
-            s.update(flag)
-        got.append(s.loss_scale)
+    got = [scale for scale, _ in _trace(s, (True, True, False, False), on_device)]
     assert got == [2.0**14, 2.0**12, 2.0**12, 2.0**14]
 
 
@@ -227,14 +220,7 @@ def test_set_state_with_a_count_past_the_window_grows_on_the_device_as_on_the_ho
         if on_device:
             s.device_state(torch.device("cpu"))
         s.set_state(loss_scale=1024.0, unskipped=unskipped)
-        trace = []
-        for flag in (False, False):
-            if on_device:
-                s.update_on_device(torch.tensor(float(flag)))
-            else:
-                s.update(flag)
-            trace.append((s.state_dict()["loss_scale"], s.state_dict()["unskipped"]))
-        got[on_device] = trace
+        got[on_device] = _trace(s, (False, False), on_device)
     assert got[True] == got[False] == [(2048.0, 0), (2048.0, 1)]
 
 
