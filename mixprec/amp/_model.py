@@ -671,6 +671,10 @@ class _Fp32StateDict:
             master.copy_(torch.where(changed, half.to(master.dtype), master))
         self.masters[name] = master
         self.take_writes[name] = weakref.WeakMethod(keeper.take_model_writes)
+        self.remember(keeper)
+
+    def remember(self, keeper) -> None:
+        """Count ``keeper`` (an optimizer's amp state) among :meth:`keepers`, for good."""
         if all(ref() is not keeper for ref in self._keeper_refs):
             self._keeper_refs.append(weakref.ref(keeper))
 
@@ -680,14 +684,9 @@ class _Fp32StateDict:
         return [params[name] for name in self.masters if params.get(name) is not None]
 
     def keepers(self) -> list:
-        """The optimizers' amp states that keep these masters (each once), and those that
-        kept masters here that moved away (a parameter may come back)."""
-        keepers = []
-        found = [getattr(ref(), "__self__", None) for ref in self.take_writes.values()]
-        for keeper in found + [ref() for ref in self._keeper_refs]:
-            if keeper is not None and all(keeper is not k for k in keepers):
-                keepers.append(keeper)
-        return keepers
+        """The optimizers' amp states that keep these masters, each once, and those whose
+        masters here moved away (a parameter may come back): every one remembered."""
+        return [keeper for keeper in (ref() for ref in self._keeper_refs) if keeper is not None]
 
     def __getstate__(self):
         return {"masters": dict(self.masters)}
@@ -881,9 +880,7 @@ def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor]
                 hooks.masters[name] = masters[param]
                 if take_writes is not None:
                     hooks.take_writes[name] = weakref.WeakMethod(take_writes)
-                    keeper = getattr(take_writes, "__self__", None)
-                    if keeper is not None and all(r() is not keeper for r in hooks._keeper_refs):
-                        hooks._keeper_refs.append(weakref.ref(keeper))
+                    hooks.remember(take_writes.__self__)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1026,10 +1026,13 @@ class AmpState:
         """Give every parameter group added since ``initialize`` its masters now."""
         if not self.enabled:
             return
-        for ref in self._optimizer_states:
-            opt_state = ref()
-            if opt_state is not None and opt_state.optimizer_ref() is not None:
-                opt_state.sync_param_groups()
+        for opt_state in self.optimizer_states():
+            opt_state.sync_param_groups()
+
+    def optimizer_states(self) -> list:
+        """The amp states of this call's optimizers that are still alive."""
+        states = (ref() for ref in self._optimizer_states)
+        return [s for s in states if s is not None and s.optimizer_ref() is not None]
 
     def add_optimizer(self, optimizer) -> _OptimizerState:
         state = _OptimizerState(self, optimizer)
@@ -1202,8 +1205,6 @@ class AmpState:
                 "loading, or use loss_scale='dynamic'.", stacklevel=3)
         for i, entry in entries.items():
             self.scalers[i].load_state_dict(entry)
-        for ref in self._optimizer_states:
-            opt_state = ref()
-            if opt_state is not None and opt_state.optimizer_ref() is not None:
-                opt_state.forget_overflow()
+        for opt_state in self.optimizer_states():
+            opt_state.forget_overflow()
         log_rank0(logging.DEBUG, "amp: loaded loss scalers %s", self.state_dict())
