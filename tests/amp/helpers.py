@@ -23,6 +23,19 @@ class SmallCNN(nn.Module):
         return self.head(self.features(x))
 
 
+class EmbeddingHead(nn.Module):
+    """``Embedding(vocab, dim, max_norm=1.0)`` then ``Linear(dim, out)``: an embedding whose
+    forward renormalises the rows it looks up, in place."""
+
+    def __init__(self, vocab, dim, out):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, max_norm=1.0)
+        self.head = nn.Linear(dim, out)
+
+    def forward(self, idx):
+        return self.head(self.embed(idx))
+
+
 def make_cnn(device="cpu", seed=0, **kw):
     torch.manual_seed(seed)
     return SmallCNN(**kw).to(device)

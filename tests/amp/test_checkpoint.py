@@ -12,6 +12,7 @@ from mixprec import amp
 from .helpers import (
     HALF_DTYPES,
     OPT_LEVELS,
+    EmbeddingHead,
     batch,
     make_cnn,
     make_conv_net,
@@ -582,22 +583,12 @@ def test_a_deep_copys_forward_runs_the_masters_written_through_its_state_dict():
 
 
 # -- writes after a renorm or a load, a late group loaded first (mutation testing) ----------------
-class _EmbedHead(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.emb = nn.Embedding(10, 4, max_norm=1.0)
-        self.head = nn.Linear(4, 2)
-
-    def forward(self, idx):
-        return self.head(self.emb(idx))
-
-
 def test_o2_second_write_after_a_max_norm_forward_reaches_the_masters():
     # Two in-place writes into the half model with a forward of an Embedding(max_norm=...)
     # between them (whose renorm takes the first write into the masters): the later write
     # is the weight, in the checkpoint and after a step, as in fp32 torch.
     torch.manual_seed(0)
-    model = _EmbedHead()
+    model = EmbeddingHead(10, 4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
     idx = torch.tensor([1, 2, 3])

@@ -14,7 +14,15 @@ from torch import nn
 from mixprec import amp
 from mixprec.amp._state import optimizer_state
 
-from .helpers import HALF_DTYPES, OPT_LEVELS, backward_and_step, batch, make_cnn, train_step
+from .helpers import (
+    HALF_DTYPES,
+    OPT_LEVELS,
+    EmbeddingHead,
+    backward_and_step,
+    batch,
+    make_cnn,
+    train_step,
+)
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -447,23 +455,13 @@ def test_a_part_called_alone_while_the_outer_runs_in_another_thread():
     torch.testing.assert_close(part, ref(x), rtol=0, atol=0)
 
 
-class _Tagger(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(20, 6, max_norm=1.0)
-        self.head = nn.Linear(6, 20)
-
-    def forward(self, tokens):
-        return self.head(self.embed(tokens))
-
-
 @pytest.mark.parametrize("order", ["outer_first", "part_first"])
 def test_an_embedding_with_max_norm_as_the_part(order):
     # The outer model's conversion gave its max_norm embedding a layer's forward (renorm the
     # master, no casts), which replaced the part's own when the part came first in the list:
     # called on its own it then returned half outputs.
     torch.manual_seed(0)
-    model = _Tagger()
+    model = EmbeddingHead(20, 6, 20)
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)

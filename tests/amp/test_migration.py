@@ -186,17 +186,24 @@ def test_alias_replaces_a_broken_or_partial_apex_submodule(clean_apex, tmp_path,
     assert DistributedDataParallel is mixprec.parallel.DistributedDataParallel
 
 
-def test_alias_drops_what_a_failed_apex_amp_left_behind(clean_apex, tmp_path, monkeypatch):
-    # Apex's amp imports its submodules (handle, scaler) before the one that fails on a newer
-    # PyTorch: those half-imported modules must not stand for apex.amp.handle afterwards.
+def _alias_over_an_apex_amp_failing_after(submodule, source, tmp_path, monkeypatch):
+    """Install the alias over a fake Apex whose apex.amp imports ``submodule`` (with
+    ``source``) and then fails, as Apex's did on a newer PyTorch; it warns."""
     package = _fake_apex(tmp_path, "optimizers")
     (package / "amp").mkdir()
-    (package / "amp" / "handle.py").write_text("def scale_loss(*a, **k): pass\n")
+    (package / "amp" / f"{submodule}.py").write_text(source)
     (package / "amp" / "__init__.py").write_text(
-        "from . import handle\nfrom torch._six import string_classes\n")
+        f"from . import {submodule}\nfrom torch._six import string_classes\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.warns(UserWarning, match="apex.amp fails to import"):
         mixprec.install_apex_alias()
+
+
+def test_alias_drops_what_a_failed_apex_amp_left_behind(clean_apex, tmp_path, monkeypatch):
+    # Apex's amp imports its submodules (handle, scaler) before the one that fails on a newer
+    # PyTorch: those half-imported modules must not stand for apex.amp.handle afterwards.
+    _alias_over_an_apex_amp_failing_after("handle", "def scale_loss(*a, **k): pass\n",
+                                          tmp_path, monkeypatch)
     from apex.amp.handle import scale_loss
 
     assert scale_loss is amp.scale_loss
@@ -761,14 +768,8 @@ def test_alias_metadata_answers_other_spellings_of_apex(clean_apex):
 def test_alias_drops_every_half_imported_apex_amp_submodule(clean_apex, tmp_path, monkeypatch):
     # Apex's own apex.amp.wrap (no mixprec module of that name) imported before the failing
     # line of its apex.amp: it must not stay in sys.modules under mixprec's apex.amp.
-    package = _fake_apex(tmp_path, "optimizers")
-    (package / "amp").mkdir()
-    (package / "amp" / "wrap.py").write_text("WHO = 'apex.amp.wrap itself'\n")
-    (package / "amp" / "__init__.py").write_text(
-        "from . import wrap\nfrom torch._six import string_classes\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.warns(UserWarning, match="apex.amp fails to import"):
-        mixprec.install_apex_alias()
+    _alias_over_an_apex_amp_failing_after("wrap", "WHO = 'apex.amp.wrap itself'\n",
+                                          tmp_path, monkeypatch)
     import apex
 
     assert apex.amp is amp
