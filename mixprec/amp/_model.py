@@ -372,6 +372,11 @@ class _AmpModule:
         cfg = self.__dict__.get("_mixprec_forward")
         if cfg is not None and cfg.input_dtype in _HALF_TYPES:
             _mark_parts(self)  # (a deep copy's or unpickled model's parts, as initialize's)
+        if self.__dict__.get(_OWN_MASTERS, False):
+            # (An optimizer copied along steps these masters; see _state._COPY_MASTERS.)
+            from mixprec.amp._state import register_copied_masters
+
+            register_copied_masters(self)
 
     def __reduce_ex__(self, protocol):
         # The swapped class is made at run time, so pickle cannot find it by name: rebuild it

@@ -28,6 +28,8 @@ import weakref
 from typing import Dict, List, Optional, Tuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from mixprec.amp import _multi_tensor
 from mixprec.amp._amp_state import attach_apex_optimizer_names
@@ -56,6 +58,68 @@ def optimizer_state(optimizer) -> Optional[_OptimizerState]:
         return _OPTIMIZER_STATES.get(optimizer)
     except TypeError:  # not weak-referenceable, so it cannot have been registered
         return None
+
+
+# The fp32 masters of deep-copied or unpickled O2 models (standalone, see
+# mixprec.amp._model._Fp32StateDict), each with the module and name of its half parameter. An
+# optimizer copied along with its model (``copy.deepcopy((model, optimizer))``, one pickle of
+# both) is a plain optimizer over these masters, and nothing moves the copy's half gradients
+# into them (amp.scale_loss refuses a copy): a plain training loop on the pair would silently
+# train only the parameters without masters (BatchNorm). A global step pre-hook, installed with
+# the first such copy, refuses that step instead.
+_COPY_MASTERS = WeakIdKeyDictionary()
+_copies_registered = 0
+_COPY_LINKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (key, links)
+_copy_hook_installed = False
+
+
+def register_copied_masters(model: torch.nn.Module) -> None:
+    """Note the standalone masters of ``model`` (a deep copy or an unpickled amp model) for
+    :func:`_refuse_copied_step`."""
+    global _copies_registered, _copy_hook_installed
+    for module in model.modules():
+        hooks = module.__dict__.get("_mixprec_state_dict")
+        if hooks is None or not hooks.standalone:
+            continue
+        ref = weakref.ref(module)
+        for name, master in hooks.masters.items():
+            _COPY_MASTERS[master] = (ref, name)
+    _copies_registered += 1
+    if not _copy_hook_installed:
+        register_optimizer_step_pre_hook(_refuse_copied_step)
+        _copy_hook_installed = True
+
+
+def _refuse_copied_step(optimizer, args, kwargs) -> None:
+    """Every optimizer's step pre-hook (once a copy exists): refuse a step of an optimizer
+    that amp does not manage over a copy's masters whose half parameters have gradients and
+    they none (see _COPY_MASTERS)."""
+    if is_compiling() or not _COPY_MASTERS or optimizer_state(optimizer) is not None:
+        return None
+    groups = optimizer.param_groups
+    key = (_copies_registered, len(groups), sum(len(g["params"]) for g in groups))
+    cached = _COPY_LINKS.get(optimizer)
+    if cached is None or cached[0] != key:
+        links = [(p, *_COPY_MASTERS[p]) for g in groups for p in g["params"]
+                 if p in _COPY_MASTERS]
+        cached = _COPY_LINKS[optimizer] = (key, links)
+    for master, module_ref, name in cached[1]:
+        module = module_ref()
+        half = module._parameters.get(name) if module is not None else None
+        if half is not None and half.grad is not None and master.grad is None:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): this optimizer steps the fp32 master "
+                f"weights of a copy of a model prepared by amp.initialize (copy.deepcopy, or "
+                f"one pickle / torch.save of the model and optimizer together), and the "
+                f"gradients of the copy's backward are on its half parameters "
+                f"({type(module).__name__}.{name}), which only an optimizer that went through "
+                f"amp.initialize moves into the masters: this step would leave every "
+                f"master-weighted parameter of the copy unchanged. A copy of a prepared "
+                f"optimizer is a plain optimizer. To duplicate a run, build a new model and "
+                f"optimizer, amp.initialize them, and load the state dicts (model, optimizer, "
+                f"amp.state_dict())."
+            )
+    return None
 
 
 def set_aside_grads(params) -> List[torch.Tensor]:

@@ -1,4 +1,5 @@
 import copy
+import io
 
 import pytest
 import torch
@@ -62,6 +63,69 @@ def test_scale_loss_with_a_copy_of_a_prepared_optimizer_says_how_to_duplicate():
     with pytest.raises(RuntimeError, match=r"copy\.deepcopy.*amp\.initialize them.*state dicts"):
         with amp.scale_loss(loss, opt2):
             pass
+
+
+def _copied_pair(how, model, opt):
+    """A copy of the amp pair (model, optimizer) made the way ``how`` says, as (model, opt)."""
+    if how == "deepcopy":
+        return copy.deepcopy((model, opt))
+    if how == "deepcopy optimizer first":
+        return tuple(reversed(copy.deepcopy((opt, model))))
+    buf = io.BytesIO()
+    torch.save({"model": model, "optimizer": opt}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    return loaded["model"], loaded["optimizer"]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "deepcopy optimizer first", "torch.save"])
+def test_a_plain_loop_on_a_copied_o2_pair_is_refused_not_silent(how):
+    # The copied optimizer steps the copy's fp32 masters, and the copy's backward writes its
+    # half parameters' gradients, which nothing moves into the masters: before, the step
+    # trained the BatchNorm parameters alone (the ones without masters) and left the rest.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y, amp)
+    model2, opt2 = _copied_pair(how, model, opt)
+    opt2.zero_grad()
+    nn.functional.cross_entropy(model2(x), y).backward()
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\): .*master weights of a copy of a "
+                       r"model prepared by amp\.initialize.*\(Conv2d\.weight\).*amp\.initialize "
+                       r"them, and load the state dicts"):
+        opt2.step()
+    for k, v in model2.state_dict().items():  # (refused before anything moved)
+        assert torch.equal(v, before[k]), k
+    # The original pair trains on as before, beside the copy.
+    w = model.features[0].weight.detach().clone()
+    train_step(model, opt, x, y, amp)
+    assert not torch.equal(model.features[0].weight, w)
+
+
+def test_optimizers_over_a_copys_half_parameters_or_filled_masters_step():
+    # Not refused: a new plain optimizer over the copy's half parameters (its parameters()),
+    # and the copied optimizer once its masters have gradients (moved there by the user).
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = batch()
+    model2, opt2 = copy.deepcopy((model, opt))
+    half_opt = torch.optim.SGD(model2.parameters(), lr=0.1)
+    nn.functional.cross_entropy(model2(x), y).backward()
+    w = model2.features[0].weight.detach().clone()
+    half_opt.step()
+    assert not torch.equal(model2.features[0].weight, w)
+    start = {k: v.clone() for k, v in model2.state_dict().items()}
+    for group in opt2.param_groups:
+        for m in group["params"]:
+            m.grad = torch.ones_like(m)
+    opt2.step()
+    after = model2.state_dict()
+    for name, _ in model2.named_parameters():
+        torch.testing.assert_close(after[name], start[name] - 0.1, rtol=0, atol=1e-6,
+                                   msg=name)
 
 
 @pytest.mark.parametrize("loss,exc,match", [
