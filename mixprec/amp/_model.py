@@ -3,7 +3,7 @@
 The model object the user passed is returned, changed in three visible, reversible ways:
 
 1. Parameters and buffers are cast (O2/O3), BatchNorm excepted when ``keep_batchnorm_fp32``.
-2. Its class is swapped for a thin subclass (``type(model).__mro__[1]`` is the original class)
+2. Its class is swapped for a thin subclass (``type(model).__mro__[2]`` is the original class)
    whose ``forward`` casts floating inputs (O2/O3), runs the original forward (under
    ``torch.autocast`` at O1) and casts floating outputs. A subclass rather than a patched
    ``model.forward`` attribute keeps ``DataParallel`` replicas, ``copy.deepcopy``, pickling and
@@ -244,6 +244,18 @@ class _AmpModule:
 
     _mixprec_forward: AmpForwardConfig
 
+    def __prepare_scriptable__(self):
+        # (torch.jit.script calls this first: without it, TorchScript failed on the
+        # annotation above with an internal type name.)
+        raise RuntimeError(
+            f"torch.jit.script of a model prepared by amp.initialize "
+            f"({_original_class(type(self)).__name__}): TorchScript cannot compile amp's "
+            "forward (its input and output casts, O1's autocast). torch.jit.trace and "
+            "torch.export work on it as it is; or script a copy without amp's forward, "
+            "`torch.jit.script(amp.restore_model(copy.deepcopy(model)))`, whose parameters "
+            "keep their dtypes (at O2 the caller casts inputs to the half type)."
+        )
+
     def forward(self, *args, **kwargs):
         cfg = self._mixprec_forward
         # Read before this forward counts itself: a model both enclosed and enclosing
@@ -287,6 +299,11 @@ class _AmpModule:
         zeroes through the model (PyTorch's DCGAN example: ``netD.zero_grad()``).
         """
         super().zero_grad(set_to_none)
+        # (Its optimizers keep gradient tensors after their steps, or not: see
+        # _OptimizerState.keep_master_grads.)
+        from mixprec.amp._state import model_zeroed_grads
+
+        model_zeroed_grads(self, set_to_none)
         for master in master_weights(self):
             if master.grad is None:
                 continue
@@ -879,7 +896,11 @@ def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor]
     for module in model.modules():
         hooks = getattr(module, "_mixprec_state_dict", None)
         if hooks is None:
-            continue
+            if not any(p is not None and p in masters for p in module._parameters.values()):
+                continue
+            # A module put into the model after initialize (a new task head), whose
+            # parameters an add_param_group gave masters: its checkpoints hold them too.
+            hooks = _install_state_dict_hooks(module)
         for name, param in module._parameters.items():
             if param is not None and param in masters:
                 hooks.masters[name] = masters[param]

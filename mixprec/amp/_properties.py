@@ -254,6 +254,14 @@ def _check_combination(p: Properties, passed=frozenset()) -> None:
             'cast_model_type leaves the parameters fp32. For an fp32 model use opt_level="O0" '
             'or "O1"; to keep O2 with fp32 parameters anyway, pass master_weights=False too.'
         )
+    if (p.keep_batchnorm_fp32 is False and p.cast_model_type == torch.float32
+            and "keep_batchnorm_fp32" not in passed):
+        raise ValueError(
+            f"{where}: cast_model_type=torch.float32 leaves the model fp32, and "
+            f"{p.opt_level} is a model in half precision, BatchNorm included (its "
+            'keep_batchnorm_fp32=False). For fp32 training use opt_level="O0"; for a half '
+            "model drop cast_model_type (or pass torch.float16 / torch.bfloat16)."
+        )
     if p.keep_batchnorm_fp32 is False and p.cast_model_type == torch.float32:
         raise ValueError(
             f"{where}: keep_batchnorm_fp32=False would cast BatchNorm to half in an fp32 "

@@ -122,6 +122,14 @@ def _refuse_copied_step(optimizer, args, kwargs) -> None:
     return None
 
 
+def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
+    """An amp model's ``zero_grad(set_to_none)`` ran: its optimizers keep gradient tensors
+    after their steps from now on, or not (see ``_OptimizerState.keep_master_grads``)."""
+    for state in list(_OPTIMIZER_STATES.values()):
+        if any(m is model for m in state.owner_models()):
+            state.keep_master_grads = not set_to_none
+
+
 def set_aside_grads(params) -> List[torch.Tensor]:
     """The gradients of ``params`` that a ``scale_loss`` block holds aside, in their order.
 
@@ -179,14 +187,15 @@ def _ensure_hook_tables(optimizer: torch.optim.Optimizer) -> bool:
     return not getattr(type(optimizer).step, "hooked", False)
 
 
-class _InstanceStep:
-    """``optimizer.step`` as amp sets it on the object (see :func:`_amp_step`): bound to the
-    optimizer weakly, so the optimizer holds no reference to itself (freed on ``del``, not at
-    the next garbage collection), and re-bound to the copy by ``copy.deepcopy``. It carries
-    ``__func__`` as a bound method does, which PyTorch's LR schedulers wrap."""
+class _InstanceMethod:
+    """``optimizer.step`` or ``optimizer.zero_grad`` as amp sets it on the object (see
+    :func:`_amp_step`, :func:`_amp_zero_grad`): bound to the optimizer weakly, so the optimizer
+    holds no reference to itself (freed on ``del``, not at the next garbage collection), and
+    re-bound to the copy by ``copy.deepcopy``. It carries ``__func__`` as a bound method does,
+    which PyTorch's LR schedulers wrap."""
 
-    def __init__(self, optimizer, marks=()):
-        self.__func__ = _amp_step
+    def __init__(self, func, optimizer, marks=()):
+        self.__func__ = func
         self._ref = weakref.ref(optimizer)
         for name, value in marks:  # (an LR scheduler's mark on the step it wrapped)
             setattr(self, name, value)
@@ -196,7 +205,7 @@ class _InstanceStep:
         return self._ref()
 
     def __call__(self, *args, **kwargs):
-        return _amp_step(self._ref(), *args, **kwargs)
+        return self.__func__(self._ref(), *args, **kwargs)
 
     def _marks(self) -> tuple:
         return tuple((k, v) for k, v in self.__dict__.items() if k not in ("__func__", "_ref"))
@@ -204,31 +213,59 @@ class _InstanceStep:
     def __deepcopy__(self, memo):
         import copy
 
-        return _InstanceStep(copy.deepcopy(self._ref(), memo), self._marks())
+        return _InstanceMethod(self.__func__, copy.deepcopy(self._ref(), memo), self._marks())
 
     def __reduce__(self):
-        return (_InstanceStep, (self._ref(), self._marks()))
+        return (_InstanceMethod, (self.__func__, self._ref(), self._marks()))
 
 
-def _install_amp_step(optimizer, run_hooks: bool) -> None:
-    """Put amp's ``step`` on ``optimizer`` itself (see :func:`_amp_step`), over whatever
-    ``step`` it has now: its class's, or an instance-level one (an LR scheduler's wrapper)."""
-    current = optimizer.__dict__.get("step")
-    if isinstance(current, _InstanceStep):
-        optimizer._mixprec_step_runs_hooks = (
-            run_hooks or optimizer.__dict__.get("_mixprec_step_runs_hooks", False))
-        return
+def _install_instance_method(optimizer, name: str, func) -> bool:
+    """Put ``func`` on ``optimizer`` itself as its method ``name``, over whatever it has now:
+    its class's, or an instance-level one (an LR scheduler's wrapper of ``step``), which is
+    kept in ``_mixprec_<name>_below`` for ``func`` to call. False if it is there already."""
+    current = optimizer.__dict__.get(name)
+    if isinstance(current, _InstanceMethod) and current.__func__ is func:
+        return False
     if current is None:
-        below = None  # the class's step
+        below = None  # the class's
     elif getattr(current, "__self__", None) is optimizer:
         below = (current.__func__, True)  # (kept unbound: no reference to the optimizer)
     else:
         below = (current, False)
-    optimizer._mixprec_step_below = below
-    optimizer._mixprec_step_runs_hooks = run_hooks
+    setattr(optimizer, f"_mixprec_{name}_below", below)
     marks = [(k, v) for k, v in getattr(current, "__dict__", {}).items()
              if k == "_wrapped_by_lr_sched"]
-    optimizer.step = _InstanceStep(optimizer, marks)
+    setattr(optimizer, name, _InstanceMethod(func, optimizer, marks))
+    return True
+
+
+def _call_below(this, name: str, args, kwargs):
+    """The ``name`` method that amp's instance-level one replaced (see above)."""
+    below = this.__dict__.get(f"_mixprec_{name}_below")
+    if below is None:
+        return getattr(type(this), name)(this, *args, **kwargs)
+    if below[1]:
+        return below[0](this, *args, **kwargs)
+    return below[0](*args, **kwargs)
+
+
+def _install_amp_step(optimizer, run_hooks: bool) -> None:
+    """Put amp's ``step`` on ``optimizer`` itself (see :func:`_amp_step`)."""
+    if _install_instance_method(optimizer, "step", _amp_step):
+        optimizer._mixprec_step_runs_hooks = run_hooks
+    else:
+        optimizer._mixprec_step_runs_hooks = (
+            run_hooks or optimizer.__dict__.get("_mixprec_step_runs_hooks", False))
+
+
+def _amp_zero_grad(this, *args, **kwargs):
+    """amp's ``zero_grad`` on an optimizer: the optimizer's own, then what it cannot reach
+    (see :meth:`_OptimizerState.grads_zeroed`)."""
+    out = _call_below(this, "zero_grad", args, kwargs)
+    state = optimizer_state(this)
+    if state is not None and state.amp_state.enabled:
+        state.grads_zeroed(bool(kwargs.get("set_to_none", args[0] if args else True)))
+    return out
 
 
 def _amp_step(this, *args, **kwargs):
@@ -258,13 +295,7 @@ def _amp_step(this, *args, **kwargs):
             result = hook(this, args, kwargs)
             if result is not None:
                 args, kwargs = result
-    below = this.__dict__.get("_mixprec_step_below")
-    if below is None:
-        out = type(this).step(this, *args, **kwargs)
-    elif below[1]:
-        out = below[0](this, *args, **kwargs)
-    else:
-        out = below[0](*args, **kwargs)
+    out = _call_below(this, "step", args, kwargs)
     if runs_hooks:
         for hook in list(this._optimizer_step_post_hooks.values()):
             hook(this, args, kwargs)
@@ -391,6 +422,11 @@ class _OptimizerState:
         self.plain: List[torch.Tensor] = []
         self.known_params = 0
         self.grads_scaled = False
+        # The last zero_grad (the optimizer's, or an amp model's) kept gradient tensors
+        # (set_to_none=False): the masters' gradients then stay after a step, to be zeroed in
+        # place, so that a parameter without a gradient in a later backward is stepped with
+        # a zero one (momentum, weight decay), as in fp32 training.
+        self.keep_master_grads = False
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
         self.held_scaler: Optional[LossScaler] = None
@@ -564,21 +600,51 @@ class _OptimizerState:
             pending = None  # (clean gradients on their way to the step: they stay)
         if not self.overflow and pending is None:
             return
-        for p in _params_of(self.optimizer_ref()):
-            p.grad = None
+        self._drop_grads(self.optimizer_ref())
         self.overflow = False
         self.pending_found = None
 
     def install_skipping_step(self, optimizer) -> None:
         """Make an overflowed step skip ``optimizer.step()`` as a whole, as Apex did (see
-        :func:`_amp_step`), on this object only."""
+        :func:`_amp_step`), on this object only; and give it (and the optimizer whose hooks
+        amp uses, a wrapper's inner one) amp's ``zero_grad`` (see :meth:`grads_zeroed`)."""
         _install_amp_step(optimizer, run_hooks=False)
+        for target in {id(o): o for o in (optimizer, hookable_optimizer(optimizer))}.values():
+            _install_instance_method(target, "zero_grad", _amp_zero_grad)
+
+    def grads_zeroed(self, set_to_none: bool) -> None:
+        """After ``optimizer.zero_grad()``, which reaches the parameters in its groups (the
+        fp32 masters at O2), what it cannot reach:
+
+        * the half parameters' gradients, which a backward inside ``scale_loss(...,
+          delay_unscale=True)`` or DDP's ``no_sync()`` holds there, scaled, for the next
+          backward to add onto (leftover micro-batches at the end of an epoch): dropped, or
+          the next step's gradients included them, as Apex's O2 ``zero_grad`` zeroed them;
+        * with ``set_to_none=False``, the masters' gradients are kept after each step from
+          now on (see ``keep_master_grads``).
+        """
+        if self.grads_scaled:  # (else a backward's half gradients are already moved)
+            for p, _ in self.pairs:
+                p.grad = None
+            self.grads_scaled = False  # (the optimizer zeroed its own parameters' too)
+        self.keep_master_grads = not set_to_none
+
+    def _drop_grads(self, optimizer) -> None:
+        """The gradients of a step that is skipped: set to None, or zeroed in place while
+        ``keep_master_grads`` (as they are after GradScaler skips a step, then zero_grad)."""
+        for p in _params_of(optimizer):
+            if p.grad is None:
+                continue
+            if self.keep_master_grads and p.grad.layout is torch.strided:
+                with torch.no_grad():
+                    p.grad.zero_()
+            else:
+                p.grad = None
 
     def skip_step(self) -> None:
         """The step after an overflow, skipped: what the step hooks do for it, without it."""
         optimizer = self.optimizer_ref()
-        for p in _params_of(optimizer):
-            p.grad = None
+        self._drop_grads(optimizer)
         self._last_step_flag = None
         self.last_step_skipped = True
         self.overflow = False
@@ -981,10 +1047,12 @@ class _OptimizerState:
             self.copy_masters_to_model([(p, m) for p, m in self.pairs if id(m) not in done])
         if self.pairs:
             self.record_synced()
+        if self.pairs and not self.keep_master_grads:
             # The step consumed the masters' gradients: free them, as Apex did. A loop that
             # zeroes through a wrapper (``DataParallel(model).zero_grad()``, torch DDP's, a
             # ``p.grad = None`` pass over ``model.parameters()``) reaches only the half
-            # parameters, and the masters' gradients would pile up across steps.
+            # parameters, and the masters' gradients would pile up across steps. (Kept after
+            # a zero_grad(set_to_none=False), which zeroes them: see keep_master_grads.)
             for _, master in self.pairs:
                 if master.grad is not None:
                     master.grad = None
@@ -1198,7 +1266,12 @@ class AmpState:
                 self.overflow_log.overflow(loss_id, scale)
 
     def state_dict(self) -> Dict[str, dict]:
-        """Apex's format: ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}``."""
+        """Apex's format: ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}``;
+        ``{}`` with amp disabled (``enabled=False``), which scales nothing: a scale of 1.0 saved
+        there would replace an fp16 run's dynamic scale on a resume (fp16 gradients underflow
+        at 1.0, and the scale takes 16 growth windows, 32000 steps, to come back)."""
+        if not self.enabled:
+            return {}
         self.resolve_pending(block=True)
         return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
 
@@ -1232,6 +1305,15 @@ class AmpState:
                 "only 'loss_scaler0', 'loss_scaler1', ... Pass checkpoint['amp'] (what "
                 "amp.state_dict() returned), not the whole checkpoint."
             )
+        if not self.enabled:  # (every amp call is a no-op: nothing to load into)
+            return
+        if not state_dict:
+            if is_rank_zero():
+                warnings.warn(
+                    "amp.load_state_dict: the checkpoint holds no loss scale (it was saved by "
+                    "a run with amp disabled, enabled=False); this run's loss scaler(s) keep "
+                    "their initial scale.", stacklevel=3)
+            return
         entries = {}
         for i in range(len(self.scalers)):
             entry = state_dict.get(f"loss_scaler{i}")

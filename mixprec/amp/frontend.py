@@ -256,6 +256,20 @@ def initialize(
             hookable_optimizer(opt)  # raises TypeError for non-optimizers
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"amp.initialize(num_losses={num_losses!r}): must be an int >= 1.")
+    if not isinstance(verbosity, int):
+        raise TypeError(
+            f"amp.initialize(verbosity={verbosity!r}): must be an int, 0 to silence amp's "
+            "log messages or 1 (the default) for them.")
+    for name, value in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
+        if value is None and name == "min_loss_scale":
+            continue
+        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+                or not value > 0 or (name == "min_loss_scale" and value == float("inf"))):
+            raise ValueError(
+                f"amp.initialize({name}={value!r}): must be a positive number (the dynamic "
+                f"loss scale's {'floor' if name == 'min_loss_scale' else 'ceiling'})"
+                + (", or None for the default floor, 2**-24." if name == "min_loss_scale"
+                   else "; the default is 2.**24."))
 
     def result():
         if optimizers is None:

@@ -269,6 +269,41 @@ def test_resume_after_add_param_group_is_bit_for_bit():
         torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
 
 
+def _run_with_new_head(steps, checkpoint=None):
+    """O2 transfer-learning shape: a new head put into the model after initialize (cast to
+    the model's half type), its parameters given to the optimizer with add_param_group."""
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    torch.manual_seed(5)
+    model.head = nn.Linear(model.head.in_features, 4).half()
+    opt.add_param_group({"params": list(model.head.parameters()), "lr": 1e-2})
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        amp.load_state_dict(checkpoint["amp"])
+    start = 0 if checkpoint is None else checkpoint["step"]
+    losses = [train_step(model, opt, *batch(seed=100 + start + i), amp) for i in range(steps)]
+    return model, opt, losses
+
+
+def test_a_head_put_in_after_initialize_saves_its_masters_and_resumes_bit_for_bit():
+    # Its masters came with add_param_group, but the new module had no state-dict hooks:
+    # the checkpoint held its half values, and a resume rounded its masters to half.
+    model, _, full = _run_with_new_head(6)
+    m1, o1, first = _run_with_new_head(3)
+    sd = m1.state_dict()
+    head_masters = o1.param_groups[1]["params"]
+    assert sd["head.weight"].dtype == torch.float32
+    torch.testing.assert_close(sd["head.weight"], head_masters[0], rtol=0, atol=0)
+    torch.testing.assert_close(sd["head.bias"], head_masters[1], rtol=0, atol=0)
+    ckpt = {"model": sd, "optimizer": o1.state_dict(), "amp": amp.state_dict(), "step": 3}
+    m2, _, second = _run_with_new_head(3, checkpoint=ckpt)
+    torch.testing.assert_close(torch.stack(first + second), torch.stack(full), rtol=0, atol=0)
+    for (k, v), v2 in zip(model.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
+
+
 def test_already_half_model_saves_and_loads_fp32_masters():
     model = make_cnn().half()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -434,6 +469,27 @@ def test_a_pickled_o2_model_keeps_its_fp32_masters():
     loaded = torch.load(buf, weights_only=False)
     for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=k)
+
+
+def test_a_disabled_runs_amp_state_is_empty_and_keeps_a_resumed_runs_scale():
+    # A run with amp off (a --fp16 flag not given) scales nothing: its amp.state_dict() used
+    # to be a made-up static 1.0, which a resume with fp16 and dynamic scaling loaded silently
+    # (fp16 gradients underflow at 1.0; 32000 steps to grow back to 65536).
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", enabled=False, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    saved = amp.state_dict()
+    assert saved == {}
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}})  # (a no-op)
+    assert amp.state_dict() == {}
+    model2 = make_cnn()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    amp.initialize(model2, opt2, opt_level="O2", verbosity=0)
+    with pytest.warns(UserWarning, match=r"no loss scale \(it was saved by a run with amp "
+                      r"disabled, enabled=False\).*keep their initial scale"):
+        amp.load_state_dict(saved)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 0}}
 
 
 def test_amp_state_dict_of_another_num_losses_loads_what_fits():

@@ -21,6 +21,7 @@ from .helpers import (
     backward_and_step,
     batch,
     make_cnn,
+    make_mlp,
     train_step,
 )
 
@@ -737,6 +738,32 @@ def test_rejects_bad_num_losses():
         amp.initialize(make_cnn(), opt_level="O1", num_losses=0)
 
 
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(verbosity="loud"), TypeError, r"verbosity='loud'\): must be an int, 0 to silence"),
+    (dict(min_loss_scale=-1.0), ValueError,
+     r"min_loss_scale=-1.0\): must be a positive number .*floor.*or None"),
+    (dict(min_loss_scale=float("nan")), ValueError, r"min_loss_scale=nan\): must be a positive"),
+    (dict(min_loss_scale=float("inf")), ValueError, r"min_loss_scale=inf\): must be a positive"),
+    (dict(max_loss_scale=0), ValueError, r"max_loss_scale=0\): must be a positive .*ceiling"),
+    (dict(max_loss_scale="65536"), ValueError, r"max_loss_scale='65536'\): must be a positive"),
+])
+def test_rejects_bad_verbosity_and_scale_bounds(kwargs, exc, match):
+    # (Before: a comparison's raw TypeError at the first log message, and a negative floor
+    # accepted.) Checked before anything changes, enabled or not.
+    model = make_cnn()
+    with pytest.raises(exc, match=match):
+        amp.initialize(model, opt_level="O2", **kwargs)
+    assert model.features[0].weight.dtype == torch.float32
+
+
+def test_accepts_scale_bounds_as_ints_and_an_infinite_ceiling():
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", min_loss_scale=1, max_loss_scale=float("inf"),
+                   verbosity=0)
+    train_step(model, opt, *batch(), amp)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 def test_bf16_on_gpu_without_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
@@ -1064,3 +1091,24 @@ def test_a_tensorless_batchnorm_follows_its_model_across_moves():
     model.to_empty(device="cpu")
     assert model[1]._mixprec_forward.device_type == "cpu"
     assert model._mixprec_forward.device_type == "cpu"
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_torch_jit_script_says_what_works_and_the_restored_copy_scripts(opt_level):
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    with pytest.raises(RuntimeError, match=r"torch\.jit\.script of a model prepared by amp\."
+                       r"initialize \(Sequential\).*torch\.jit\.trace and torch\.export work"):
+        torch.jit.script(model)
+    x = torch.randn(3, 4)
+    scripted = torch.jit.script(amp.restore_model(copy.deepcopy(model)))
+    want = model(x)
+    if opt_level == "O2":  # (the caller casts the inputs; the outputs stay half)
+        torch.testing.assert_close(scripted(x.bfloat16()).float(), want, rtol=0, atol=0)
+    else:  # (an fp32 model without autocast: fp32 compute, near O1's bf16)
+        torch.testing.assert_close(scripted(x), want, rtol=2e-2, atol=2e-2)
+    traced = torch.jit.trace(model, (x,))  # (as it is)
+    torch.testing.assert_close(traced(x), want, rtol=0, atol=0)
+    # The original keeps amp's forward (at O2 an fp32 input would fail without it).
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)

@@ -68,6 +68,10 @@ def test_keep_batchnorm_fp32_strings_and_o1():
     (dict(opt_level="O2", patch_torch_functions=True), "patch_torch_functions=True"),
     (dict(opt_level="O1", master_weights=True), "master_weights=True"),
     (dict(opt_level="O0", keep_batchnorm_fp32=False), "keep_batchnorm_fp32=False"),
+    # (O3's own keep_batchnorm_fp32=False, not passed: the message blames what was)
+    (dict(opt_level="O3", cast_model_type=torch.float32),
+     r"cast_model_type=torch.float32 leaves the model fp32, and O3 is a model in half "
+     r'.*use opt_level="O0"'),
     (dict(opt_level="O1", cast_model_type=torch.int8), "cast_model_type"),
     (dict(opt_level="O1", dtype=torch.float32), "dtype"),
 ])

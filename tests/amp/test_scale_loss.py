@@ -933,3 +933,85 @@ def test_fused_sgd_whose_first_step_overflows_trains_as_unfused(opt_level, dampe
     for p, q in zip(fused, plain):
         torch.testing.assert_close(p, q)
     assert all(torch.isfinite(s["momentum_buffer"]).all() for s in opt.state.values())
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_optimizer_zero_grad_drops_gradients_held_by_delay_unscale(opt_level, set_to_none):
+    # Leftover micro-batches at the end of an epoch (a backward held with delay_unscale), then
+    # the next epoch's optimizer.zero_grad(): the next step's gradients are its own batch's.
+    # At O2 the held gradients sit on the half parameters, which the optimizer (holding the
+    # masters) cannot see; they were added into the next backward's.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, loss_scale=512.0, dtype=torch.bfloat16,
+                   verbosity=0)
+    x, y = batch()
+    x2, y2 = batch(seed=2)
+    ref = _ref_grads(make_cnn(), x2, y2)
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt, delay_unscale=True) as s:
+        s.backward()
+    opt.zero_grad(set_to_none=set_to_none)
+    with amp.scale_loss(nn.functional.cross_entropy(model(x2), y2), opt) as s:
+        s.backward()
+    got = [p.grad for group in opt.param_groups for p in group["params"]]
+    err = (torch.cat([g.double().flatten() for g in got])
+           - torch.cat([r.flatten() for r in ref])).norm() / torch.cat(
+               [r.flatten() for r in ref]).norm()
+    assert err < 5e-2, err  # (bf16 forward and backward, O3's BatchNorm too; was ~1)
+
+
+class _TwoHeads(nn.Module):
+    """Head ``b`` is used only when asked: a multi-task or mixture-of-experts shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x, use_b: bool):
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+@pytest.mark.parametrize("zero_through", ["optimizer", "model"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_zero_grad_keeping_tensors_steps_unused_parameters_as_fp32_does(opt_level, zero_through):
+    # zero_grad(set_to_none=False) keeps gradient tensors: a parameter with no gradient in a
+    # later backward is stepped with a zero one, so momentum and weight decay go on moving it.
+    # At O2 the masters' gradients were freed after each step, and head b stopped at the
+    # last step that used it. One overflowed step in between (dynamic scale): after
+    # GradScaler skips a step, its zero_grad(set_to_none=False) zeroes the gradients kept.
+    torch.manual_seed(0)
+    base = _TwoHeads()
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), i < 2)
+            for i in range(6)]
+
+    def run(use_amp):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        if use_amp:
+            amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                           loss_scale="dynamic", verbosity=0)
+        else:
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        for i, (x, y, use_b) in enumerate(data):
+            (opt if zero_through == "optimizer" else model).zero_grad(set_to_none=False)
+            if use_amp:
+                loss = nn.functional.mse_loss(model(x, use_b), y)
+                with amp.scale_loss(loss * (float("inf") if i == 3 else 1.0), opt) as s:
+                    s.backward()
+                opt.step()
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x, use_b)
+                loss = nn.functional.mse_loss(out.float(), y)
+                scaler.scale(loss * (float("inf") if i == 3 else 1.0)).backward()
+                scaler.step(opt)
+                scaler.update()
+        return {k: v.float() for k, v in model.state_dict().items()}
+
+    want, got = run(False), run(True)
+    assert not torch.equal(want["b.weight"], base.b.weight)  # (b moved after its last use)
+    for k in want:  # (bf16 compute; before, head b at O2 stood where step 2 left it)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
