@@ -21,6 +21,7 @@ overflowed step on the device instead, and the dynamic loss scale then lives on 
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import re
 import warnings
@@ -122,12 +123,26 @@ def _refuse_copied_step(optimizer, args, kwargs) -> None:
     return None
 
 
+def mastered_elsewhere():
+    """``(half parameter, optimizer)`` for every fp32 master an optimizer alive now keeps."""
+    for state in list(_OPTIMIZER_STATES.values()):
+        optimizer = state.optimizer_ref()
+        if optimizer is not None and state.amp_state.enabled:
+            for half, _ in state.pairs:
+                yield half, optimizer
+
+
 def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
     """An amp model's ``zero_grad(set_to_none)`` ran: its optimizers keep gradient tensors
     after their steps from now on, or not (see ``_OptimizerState.keep_master_grads``)."""
     for state in list(_OPTIMIZER_STATES.values()):
         if any(m is model for m in state.owner_models()):
-            state.keep_master_grads = not set_to_none
+            state.keeps_grads(not set_to_none)
+            # A window held by delay_unscale is dropped whole: what its first backward set
+            # aside (the gradients before it) is not added back at the next unscale.
+            state.grads_scaled = False
+            state._stash = []
+            state._set_aside = False
 
 
 def set_aside_grads(params) -> List[torch.Tensor]:
@@ -194,9 +209,16 @@ class _InstanceMethod:
     re-bound to the copy by ``copy.deepcopy``. It carries ``__func__`` as a bound method does,
     which PyTorch's LR schedulers wrap."""
 
-    def __init__(self, func, optimizer, marks=()):
+    def __init__(self, func, optimizer, marks=(), signature=None, own=False):
         self.__func__ = func
         self._ref = weakref.ref(optimizer)
+        # The replaced method's signature, for code that inspects it (accelerate's
+        # AcceleratedOptimizer passes set_to_none only where zero_grad's signature has it).
+        self.__signature__ = signature
+        if own:
+            # A copy of the method alone (copy.deepcopy(opt.zero_grad), a pickled
+            # functools.partial of it): nothing else holds its copied optimizer.
+            self._own = optimizer
         for name, value in marks:  # (an LR scheduler's mark on the step it wrapped)
             setattr(self, name, value)
 
@@ -208,15 +230,18 @@ class _InstanceMethod:
         return self.__func__(self._ref(), *args, **kwargs)
 
     def _marks(self) -> tuple:
-        return tuple((k, v) for k, v in self.__dict__.items() if k not in ("__func__", "_ref"))
+        return tuple((k, v) for k, v in self.__dict__.items()
+                     if k not in ("__func__", "_ref", "__signature__", "_own"))
 
     def __deepcopy__(self, memo):
         import copy
 
-        return _InstanceMethod(self.__func__, copy.deepcopy(self._ref(), memo), self._marks())
+        return _InstanceMethod(self.__func__, copy.deepcopy(self._ref(), memo), self._marks(),
+                               self.__signature__, own=True)
 
     def __reduce__(self):
-        return (_InstanceMethod, (self.__func__, self._ref(), self._marks()))
+        return (_InstanceMethod, (self.__func__, self._ref(), self._marks(), self.__signature__,
+                                  True))
 
 
 def _install_instance_method(optimizer, name: str, func) -> bool:
@@ -235,7 +260,11 @@ def _install_instance_method(optimizer, name: str, func) -> bool:
     setattr(optimizer, f"_mixprec_{name}_below", below)
     marks = [(k, v) for k, v in getattr(current, "__dict__", {}).items()
              if k == "_wrapped_by_lr_sched"]
-    setattr(optimizer, name, _InstanceMethod(func, optimizer, marks))
+    try:
+        signature = inspect.signature(getattr(optimizer, name))
+    except (TypeError, ValueError):
+        signature = None
+    setattr(optimizer, name, _InstanceMethod(func, optimizer, marks, signature))
     return True
 
 
@@ -264,8 +293,31 @@ def _amp_zero_grad(this, *args, **kwargs):
     out = _call_below(this, "zero_grad", args, kwargs)
     state = optimizer_state(this)
     if state is not None and state.amp_state.enabled:
-        state.grads_zeroed(bool(kwargs.get("set_to_none", args[0] if args else True)))
+        set_to_none = kwargs.get("set_to_none", args[0] if args else None)
+        state.grads_zeroed(_default_set_to_none(this) if set_to_none is None
+                           else bool(set_to_none))
     return out
+
+
+_SET_TO_NONE_DEFAULTS: Dict[type, bool] = {}
+
+
+def _default_set_to_none(optimizer) -> bool:
+    """What ``optimizer.zero_grad()`` without an argument does: Apex's and mixprec's
+    ``FusedAdam(set_grad_none=...)`` choose per object; otherwise the default of the class's
+    ``set_to_none`` (True for PyTorch's optimizers)."""
+    own = getattr(optimizer, "set_grad_none", None)
+    if isinstance(own, bool):
+        return own
+    cls = type(optimizer)
+    if cls not in _SET_TO_NONE_DEFAULTS:
+        try:
+            param = inspect.signature(cls.zero_grad).parameters.get("set_to_none")
+        except (TypeError, ValueError):
+            param = None
+        default = param.default if param is not None else True
+        _SET_TO_NONE_DEFAULTS[cls] = default if isinstance(default, bool) else True
+    return _SET_TO_NONE_DEFAULTS[cls]
 
 
 def _amp_step(this, *args, **kwargs):
@@ -423,10 +475,17 @@ class _OptimizerState:
         self.known_params = 0
         self.grads_scaled = False
         # The last zero_grad (the optimizer's, or an amp model's) kept gradient tensors
-        # (set_to_none=False): the masters' gradients then stay after a step, to be zeroed in
-        # place, so that a parameter without a gradient in a later backward is stepped with
-        # a zero one (momentum, weight decay), as in fp32 training.
+        # (set_to_none=False): a master that had a gradient since then and has none at a
+        # step is given a zero one (momentum, weight decay go on moving it), as fp32
+        # training's kept gradient tensors are. (Its gradients are still freed after each
+        # step, so zeroing through a wrapper cannot let them pile up.)
         self.keep_master_grads = False
+        self._had_grads: Dict[int, torch.Tensor] = {}  # (masters given a gradient meanwhile)
+        self._held_marks: Dict[int, tuple] = {}  # (see hold_scaled)
+        # (param, grad, grad version) of this optimizer's directly stepped parameters whose
+        # gradients a backward inside another optimizer's scale_loss wrote, still scaled by
+        # that loss's scale, and not touched since (see note_foreign_backward).
+        self.foreign_scaled: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
         self.held_scaler: Optional[LossScaler] = None
@@ -627,15 +686,60 @@ class _OptimizerState:
             for p, _ in self.pairs:
                 p.grad = None
             self.grads_scaled = False  # (the optimizer zeroed its own parameters' too)
-        self.keep_master_grads = not set_to_none
+        self._stash = []  # (what a held backward set aside goes too)
+        self._set_aside = False
+        self.keeps_grads(not set_to_none)
+        self.foreign_scaled = []
+
+    def keeps_grads(self, keep: bool) -> None:
+        """A zero_grad kept gradient tensors (``set_to_none=False``), or not."""
+        self.keep_master_grads = keep
+        if not keep:
+            self._had_grads = {}
+
+    def grad_marks(self) -> Dict[int, Tuple[torch.Tensor, int]]:
+        """Each directly stepped parameter's gradient object and version now."""
+        return {id(p): (p.grad, p.grad._version) for p in self.plain if p.grad is not None}
+
+    def note_foreign_backward(self, before: Dict[int, Tuple[torch.Tensor, int]]) -> None:
+        """A backward inside a ``scale_loss`` not given this optimizer ran: remember the
+        gradients it wrote here (changed since ``before``), which hold values scaled by that
+        loss's scale, for :meth:`_pre_step` to refuse a step on them."""
+        for p in self.plain:
+            g = p.grad
+            if g is None:
+                continue
+            old = before.get(id(p))
+            if old is None or old[0] is not g or old[1] != g._version:
+                self.foreign_scaled.append((p, g, g._version))
+
+    def _refuse_foreign_scaled(self, optimizer) -> None:
+        stale = [p for p, g, v in self.foreign_scaled if p.grad is g and g._version == v]
+        self.foreign_scaled = []
+        if stale:
+            raise RuntimeError(
+                f"{type(optimizer).__name__}.step(): {len(stale)} gradient(s) of this "
+                "optimizer's parameters came from a backward inside amp.scale_loss(loss, "
+                "<other optimizers>) and still hold that loss's scale (they were never "
+                "unscaled for this optimizer), so this step would apply them multiplied by "
+                "it. Pass this optimizer to that scale_loss too (a list: "
+                "amp.scale_loss(loss, [opt_a, opt_b])), or zero its gradients before the "
+                "backward meant for it."
+            )
 
     def _drop_grads(self, optimizer) -> None:
-        """The gradients of a step that is skipped: set to None, or zeroed in place while
-        ``keep_master_grads`` (as they are after GradScaler skips a step, then zero_grad)."""
+        """The gradients of a step that is skipped: set to None; those of the parameters it
+        steps directly zeroed in place while ``keep_master_grads`` (as they are after
+        GradScaler skips a step, then zero_grad; masters get theirs back at the next step)."""
+        masters = {id(m) for _, m in self.pairs}
         for p in _params_of(optimizer):
             if p.grad is None:
                 continue
-            if self.keep_master_grads and p.grad.layout is torch.strided:
+            if id(p) in masters:
+                if self.keep_master_grads:
+                    self._had_grads[id(p)] = p
+                p.grad = None
+            elif self.keep_master_grads and p.grad.layout is torch.strided:
                 with torch.no_grad():
                     p.grad.zero_()
             else:
@@ -697,6 +801,11 @@ class _OptimizerState:
     def hold_scaled(self, scaler: LossScaler, scale) -> None:
         """Leave this backward's gradients scaled in place (delay_unscale, or no_sync())."""
         self.grads_scaled = True
+        if self._stash:
+            # What each parameter set aside has now, to see at the next backward whether the
+            # caller dropped the window meanwhile (p.grad = None, a zero_ in place).
+            self._held_marks = {id(p): (p.grad, None if p.grad is None else p.grad._version)
+                                for p, _ in self._stash}
         self.held_scaler, self.held_changes = scaler, scaler.changes
         # (A device scale is updated in place when another optimizer's gradients unscale.)
         self.held_scale = scale.clone() if torch.is_tensor(scale) else scale
@@ -721,6 +830,14 @@ class _OptimizerState:
         """Before a backward at ``scale`` (``scaler``'s: a float, or a 0-dim device tensor)."""
         self.sync_param_groups()
         if self.grads_scaled:
+            if self._stash:
+                # A gradient dropped since the held backward (the caller discarding a window
+                # of leftover micro-batches through p.grad = None or a zero_ in place): what
+                # was set aside before the window goes with it, as in fp32 training.
+                marks = self._held_marks
+                self._stash = [(p, g) for p, g in self._stash
+                               if id(p) in marks and p.grad is marks[id(p)][0]
+                               and (p.grad is None or p.grad._version == marks[id(p)][1])]
             self._rescale_held(scaler, scale)
             return
         # A half parameter's gradient left from a backward outside this optimizer's scale_loss
@@ -881,6 +998,8 @@ class _OptimizerState:
                 "inner micro-batches; run the last backward before step() with the all-reduce "
                 "on and delay_unscale=False."
             )
+        if self.foreign_scaled:
+            self._refuse_foreign_scaled(optimizer)
         if (not self.overflow and self.pending_found is not None
                 and _prime_fused_momentum(optimizer, self.pending_found)):
             # (A first momentum step that overflowed, which only the host could skip cleanly.)
@@ -907,6 +1026,10 @@ class _OptimizerState:
             self._flag_handed_over = True
         if self.pairs:
             self.take_model_writes()
+        if self.keep_master_grads and self._had_grads:
+            for master in self._had_grads.values():
+                if master.grad is None:
+                    master.grad = torch.zeros_like(master)
         for p, _ in self.pairs:
             if p.grad is not None:
                 raise RuntimeError(
@@ -1047,12 +1170,12 @@ class _OptimizerState:
             self.copy_masters_to_model([(p, m) for p, m in self.pairs if id(m) not in done])
         if self.pairs:
             self.record_synced()
-        if self.pairs and not self.keep_master_grads:
+            if self.keep_master_grads:
+                self._had_grads.update((id(m), m) for _, m in self.pairs if m.grad is not None)
             # The step consumed the masters' gradients: free them, as Apex did. A loop that
             # zeroes through a wrapper (``DataParallel(model).zero_grad()``, torch DDP's, a
             # ``p.grad = None`` pass over ``model.parameters()``) reaches only the half
-            # parameters, and the masters' gradients would pile up across steps. (Kept after
-            # a zero_grad(set_to_none=False), which zeroes them: see keep_master_grads.)
+            # parameters, and the masters' gradients would pile up across steps.
             for _, master in self.pairs:
                 if master.grad is not None:
                     master.grad = None

@@ -26,6 +26,7 @@ from mixprec.amp._state import (
     AmpState,
     SyncParamGroupsOnLoad,
     hookable_optimizer,
+    mastered_elsewhere,
     optimizer_state,
     refuse_inner_optimizer,
 )
@@ -316,15 +317,6 @@ def initialize(
     _check_half_supported(model_list, props)
     if props.model_is_half:
         _refuse_if_inside_ddp(model_list)
-    _warn_if_already_half(model_list, props)
-    if props.model_is_half and props.keep_batchnorm_fp32 is True:
-        # BatchNorm stays fp32: cast back now a model .half()-ed by the user, so that its
-        # parameters are stepped as they are (no masters), before the optimizers are set up.
-        for model in model_list:
-            for module in model.modules():
-                if isinstance(module, _BatchNorm):
-                    cast_module_tensors(module, torch.float32)
-
     # Which parameters the conversion will cast to half (their fp32 values become masters).
     cast_ids = set()
     if props.model_is_half:
@@ -347,6 +339,17 @@ def initialize(
                     "with the models (cast to half with them at O2/O3), or be added after "
                     "initialize with optimizer.add_param_group (stepped in fp32 as it is)."
                 )
+
+    if props.master_weights:
+        _refuse_shared_masters(opt_list, model_list, cast_ids)
+    _warn_if_already_half(model_list, props)
+    if props.model_is_half and props.keep_batchnorm_fp32 is True:
+        # BatchNorm stays fp32: cast back now a model .half()-ed by the user, so that its
+        # parameters are stepped as they are (no masters), before the optimizers are set up.
+        for model in model_list:
+            for module in model.modules():
+                if isinstance(module, _BatchNorm):
+                    cast_module_tensors(module, torch.float32)
 
     if props.master_weights:
         for opt in opt_list:  # (before any optimizer is changed)
@@ -494,6 +497,12 @@ def scale_loss(
     scale = scaler.device_state(device).scale if device is not None else scaler.loss_scale
     for s in states:
         s.before_backward(scaler, scale)
+    # The call's other optimizers, whose parameters this backward may reach too (a loss
+    # through two models given one optimizer here): what it writes there stays scaled.
+    others = []
+    if scaler.dynamic or scaler.loss_scale != 1.0:
+        others = [(o, o.grad_marks()) for o in amp_state.optimizer_states()
+                  if o.plain and all(o is not s for s in states)]
     try:
         if device is not None:
             yield loss.float() * scale
@@ -505,6 +514,8 @@ def scale_loss(
         for s in states:
             s.abandon_backward()
         raise
+    for other, marks in others:
+        other.note_foreign_backward(marks)
 
     # Per optimizer: one whose model ran this forward inside DDP's no_sync() keeps its
     # gradients scaled for the synced backward to all-reduce; the others unscale as usual.
@@ -586,6 +597,30 @@ def load_state_dict(state_dict: dict, *, optimizer=None) -> None:
     _current("load_state_dict", optimizer).load_state_dict(state_dict)
 
 
+def _refuse_shared_masters(opt_list, model_list, cast_ids) -> None:
+    """Refuse a parameter that would get fp32 masters in two optimizers (two in this call, or
+    one here and one of an earlier ``initialize``): each would step its own master and write
+    the half parameter from it, and the other would take that write in at half precision, so
+    the two masters drift apart and checkpoints hold either."""
+    holder = {id(half): opt for half, opt in mastered_elsewhere()}
+    for opt in opt_list:
+        for p in {id(p): p for g in opt.param_groups for p in g["params"]}.values():
+            if id(p) not in cast_ids:  # (no master: BatchNorm kept fp32, a non-float)
+                continue
+            other = holder.setdefault(id(p), opt)
+            if other is opt:
+                continue
+            name = next((f"'{n}'" for m in model_list for n, q in m.named_parameters()
+                         if q is p), f"of shape {tuple(p.shape)}")
+            raise ValueError(
+                f"amp.initialize: the parameter {name} is in two optimizers "
+                f"({type(other).__name__} and {type(opt).__name__}). With master weights "
+                "(O2) each optimizer would keep an fp32 master of its own and the two would "
+                "drift apart. Put each parameter in one optimizer (a parameter group gives it "
+                "its own hyper-parameters), or use opt_level=\"O1\"."
+            )
+
+
 def master_params(optimizer) -> Iterator[torch.Tensor]:
     """The parameters ``optimizer`` steps: fp32 masters at O2, the model's otherwise.
 
@@ -595,8 +630,12 @@ def master_params(optimizer) -> Iterator[torch.Tensor]:
 
         >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
     """
-    for group in optimizer.param_groups:
-        yield from group["params"]
+    state = optimizer_state(optimizer)
+    if state is not None and state.amp_state.enabled:
+        # (A group added since initialize gets its masters now, not at the next scale_loss:
+        # a list taken here for clipping would hold its half parameters.)
+        state.sync_param_groups()
+    return (p for group in optimizer.param_groups for p in group["params"])
 
 
 def step_was_skipped(optimizer) -> bool:

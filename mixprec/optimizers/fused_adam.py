@@ -403,7 +403,8 @@ class FusedAdam(torch.optim.Optimizer):
             if "adam_w_mode" not in group and "decoupled_weight_decay" in group:
                 group["adam_w_mode"] = bool(group["decoupled_weight_decay"])
             for key, value in self.defaults.items():
-                group.setdefault(key, value)
+                if key != "differentiable":  # (put in the defaults by torch's __setstate__)
+                    group.setdefault(key, value)
             # Apex's FusedAdam counted steps per group (group["step"], an int) and kept only
             # the moments per parameter: each parameter with moments takes the group's count.
             group_step = group.pop("step", None)

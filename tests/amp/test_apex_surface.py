@@ -250,6 +250,27 @@ def test_clip_grad_norm_on_master_params(opt_level):
     assert clipped <= 0.1 * 1.01
 
 
+def test_master_params_right_after_add_param_group_are_the_new_masters():
+    # A clip list taken once after add_param_group (before any scale_loss) held the new
+    # group's half parameters at O2, whose gradients amp moves away: the head went unclipped.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.features.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, dtype=torch.float16,
+                   verbosity=0)
+    opt.add_param_group({"params": list(model.head.parameters())})
+    clip_list = list(amp.master_params(opt))
+    assert [p.dtype for p in clip_list] == [torch.float32] * len(clip_list)
+    assert len(clip_list) == len(list(model.parameters()))
+    x, y = batch()
+    ref = copy.deepcopy(make_cnn())
+    nn.functional.cross_entropy(ref(x), y).backward()
+    ref_norm = nn.utils.clip_grad_norm_(ref.parameters(), max_norm=1e9)
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as s:
+        s.backward()
+    norm = nn.utils.clip_grad_norm_(clip_list, max_norm=1e9)
+    torch.testing.assert_close(norm.float(), ref_norm, rtol=2e-2, atol=0)  # (fp16 compute)
+
+
 # -- user functions and disable_casts -----------------------------------------------------------
 def _probe(x, y):
     return x.dtype, y.dtype

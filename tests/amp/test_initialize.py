@@ -546,6 +546,52 @@ def test_rejects_optimizer_with_foreign_params():
         amp.initialize(model, opt, opt_level="O2")
 
 
+def _shared_layer_models():
+    shared = nn.Linear(4, 4)
+    a, b = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 3))
+    return a, b, torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("calls", ["one call", "two calls"])
+def test_o2_refuses_a_parameter_in_two_optimizers(calls):
+    # Each optimizer would keep an fp32 master of its own: each step wrote the half weight from
+    # its master, the other took that write in at half precision, and the masters drifted.
+    a, b, oa, ob = _shared_layer_models()
+    match = (r"the parameter '0\.weight' is in two optimizers \(SGD and SGD\).*fp32 master of "
+             r"its own.*Put each parameter in one optimizer.*O1")
+    if calls == "one call":
+        with pytest.raises(ValueError, match=match):
+            amp.initialize([a, b], [oa, ob], opt_level="O2", verbosity=0)
+        assert a[0].weight.dtype == torch.float32  # (refused before anything changed)
+        assert oa.param_groups[0]["params"][0] is a[0].weight
+    else:
+        amp.initialize(a, oa, opt_level="O2", verbosity=0)
+        with pytest.raises(ValueError, match=match):
+            amp.initialize(b, ob, opt_level="O2", verbosity=0)
+        assert b[1].weight.dtype == torch.float32
+
+
+def test_o1_keeps_a_parameter_in_two_optimizers():
+    # (No masters at O1: both optimizers step the one fp32 parameter, as in fp32 training.)
+    a, b, oa, ob = _shared_layer_models()
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    ref_b[0] = ref_a[0]
+    ref_oa = torch.optim.SGD(ref_a.parameters(), lr=0.1)
+    ref_ob = torch.optim.SGD(ref_b.parameters(), lr=0.1)
+    amp.initialize([a, b], [oa, ob], opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(5, 4)
+    with amp.scale_loss(a(x).sum() + b(x).sum(), [oa, ob]) as s:
+        s.backward()
+    oa.step()
+    ob.step()
+    (ref_a(x).sum() + ref_b(x).sum()).backward()
+    ref_oa.step()
+    ref_ob.step()
+    assert a[0].weight.dtype == torch.float32
+    torch.testing.assert_close(a[0].weight, ref_a[0].weight, rtol=0, atol=2e-2)  # (bf16)
+    assert not torch.equal(a[0].weight, _shared_layer_models()[0][0].weight)
+
+
 def test_bare_parameter_added_after_initialize_steps_in_fp32():
     # The error's second remedy for a bare nn.Parameter (a learnable loss weight): added with
     # add_param_group after initialize it stays fp32 and is stepped as it is, at O2 too.

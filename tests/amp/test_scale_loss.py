@@ -1015,3 +1015,152 @@ def test_zero_grad_keeping_tensors_steps_unused_parameters_as_fp32_does(opt_leve
     assert not torch.equal(want["b.weight"], base.b.weight)  # (b moved after its last use)
     for k in want:  # (bf16 compute; before, head b at O2 stood where step 2 left it)
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
+
+
+def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
+    # FusedAdam(set_grad_none=False).zero_grad() keeps gradient tensors by default: amp read
+    # a zero_grad() without an argument as set_to_none=True and freed the masters' gradients.
+    from mixprec.optimizers import FusedAdam
+
+    torch.manual_seed(0)
+    base = _TwoHeads()
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), i < 2)
+            for i in range(5)]
+
+    def run(use_amp):
+        model = copy.deepcopy(base)
+        opt = FusedAdam(model.parameters(), lr=1e-2, set_grad_none=False)
+        if use_amp:
+            amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        for x, y, use_b in data:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x, use_b).float(), y)
+            if use_amp:
+                with amp.scale_loss(loss, opt) as s:
+                    s.backward()
+            else:
+                loss.backward()
+            opt.step()
+        return {k: v.float() for k, v in model.state_dict().items()}
+
+    want, got = run(False), run(True)
+    for k in want:  # (bf16 compute; with the gradients freed, head b was 2e-2 off)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-3, msg=k)
+
+
+@pytest.mark.parametrize("then", ["step", "zero_grad", "grad=None", "own scale_loss"])
+def test_a_step_on_gradients_another_optimizers_scale_loss_left_scaled_is_refused(then):
+    # A loss through two models, given to scale_loss with one of their optimizers: the other
+    # one's gradients hold the loss scale (512 here). At O2 the step was refused (its half
+    # gradients never reached the masters); at O1 it stepped them, 65536 times too large.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    amp.initialize([a, b], [oa, ob], opt_level="O1", dtype=torch.bfloat16, loss_scale=512.0,
+                   verbosity=0)
+    x = torch.randn(8, 4)
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), ob) as s:
+        s.backward()
+    ob.step()
+    if then == "step":
+        with pytest.raises(RuntimeError, match=r"SGD\.step\(\): 2 gradient\(s\) of this "
+                           r"optimizer's parameters came from a backward inside "
+                           r"amp\.scale_loss.*Pass this optimizer to that scale_loss too"):
+            oa.step()
+        oa.step()  # (refused once: the next step is the caller's)
+        return
+    if then == "zero_grad":
+        oa.zero_grad()
+    elif then == "grad=None":
+        for p in a.parameters():
+            p.grad = None
+    if then != "own scale_loss":
+        want = [p.detach().clone() for p in a.parameters()]
+        oa.step()  # (nothing to step: no gradients)
+        for p, w in zip(a.parameters(), want):
+            assert torch.equal(p, w)
+        return
+    # Its own backward adds onto them (the caller's accumulation): not refused.
+    with amp.scale_loss(a(x).float().pow(2).mean(), oa) as s:
+        s.backward()
+    oa.step()
+
+
+def test_amps_zero_grad_keeps_the_signature_and_copies():
+    # Code that inspects zero_grad's signature (accelerate's AcceleratedOptimizer passes
+    # set_to_none only where it is a parameter) saw (*args, **kwargs); a copy of the bound
+    # method alone held its copied optimizer weakly and failed when called.
+    import inspect
+    import pickle
+    from functools import partial
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    want = inspect.signature(opt.zero_grad)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert "set_to_none" in want.parameters
+    assert inspect.signature(opt.zero_grad) == want
+    assert inspect.signature(opt.step) == inspect.signature(torch.optim.SGD([nn.Parameter(
+        torch.ones(1))]).step)
+    copied = copy.deepcopy(opt.zero_grad)
+    copied()
+    again = pickle.loads(pickle.dumps(partial(opt.zero_grad, set_to_none=False)))
+    again()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_one_zero_grad_keeping_tensors_then_zeroing_through_a_wrapper_trains_the_same(opt_level):
+    # After one optimizer.zero_grad(set_to_none=False), a loop zeroing through a wrapper of
+    # the model (DataParallel's zero_grad reaches the half parameters only): the masters'
+    # gradients were kept after every step and each backward added into them.
+    model = make_cnn()
+    ref = copy.deepcopy(model).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    opt.zero_grad(set_to_none=False)
+    wrapped = nn.DataParallel(model)  # (on the CPU it calls the module)
+    for i in range(8):
+        x, y = batch(seed=10 + i)
+        wrapped.zero_grad()
+        ref_opt.zero_grad()
+        with amp.scale_loss(nn.functional.cross_entropy(wrapped(x), y), opt) as s:
+            s.backward()
+        opt.step()
+        nn.functional.cross_entropy(ref(x.double()), y).backward()
+        ref_opt.step()
+    for (k, v), w in zip(model.state_dict().items(), ref.state_dict().values()):
+        if v.is_floating_point():  # (bf16 compute: 1e-3 off; piled-up gradients: 8e-2)
+            torch.testing.assert_close(v.double(), w, rtol=0, atol=1e-2, msg=k)
+
+
+@pytest.mark.parametrize("drop", ["model.zero_grad", "p.grad = None"])
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_a_held_window_dropped_through_the_model_drops_what_it_set_aside(opt_level, drop):
+    # Step, then a leftover delay_unscale backward (which sets aside the gradients before
+    # it), then the window dropped another way than the optimizer's zero_grad: the gradients
+    # set aside came back at the next unscale, added to the next batch's.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, loss_scale=512.0, dtype=torch.bfloat16,
+                   verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y, amp)  # (leaves the step's gradients at O0/O1/O3)
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt, delay_unscale=True) as s:
+        s.backward()
+    if drop == "model.zero_grad":
+        model.zero_grad()
+    else:
+        for p in model.parameters():
+            p.grad = None
+    x2, y2 = batch(seed=2)
+    ref = make_cnn()
+    ref.load_state_dict(model.state_dict())  # (the fp32 weights: masters at O2)
+    ref.double()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x2), y2), opt) as s:
+        s.backward()
+    nn.functional.cross_entropy(ref(x2.double()), y2).backward()
+    got = torch.cat([p.grad.double().flatten() for p in amp.master_params(opt)])
+    want = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    assert (got - want).norm() / want.norm() < 5e-2  # (bf16; with them added back: ~1)

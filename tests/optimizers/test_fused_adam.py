@@ -1746,3 +1746,19 @@ def test_an_instance_state_without_mixprecs_attributes_zero_grads_to_none():
     p.grad = torch.ones(3)
     restored.zero_grad()
     assert p.grad is None
+
+
+def test_a_resumed_state_dict_equals_the_uninterrupted_ones():
+    # torch's load_state_dict puts "differentiable" into the defaults (its __setstate__), and
+    # filling the groups' missing options from them gave every resumed group that key too.
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, 3)), nn.Parameter(torch.randn(3))]
+    opt = FusedAdam(params, lr=1e-2, weight_decay=0.1)
+    grads = _grads_for(params, 2)
+    _run_steps(opt, params, grads)
+    resumed = FusedAdam([nn.Parameter(p.detach().clone()) for p in params], lr=1e-2,
+                        weight_decay=0.1)
+    resumed.load_state_dict(copy.deepcopy(opt.state_dict()))
+    saved, again = opt.state_dict(), resumed.state_dict()
+    assert saved["param_groups"] == again["param_groups"]
+    assert saved["state"].keys() == again["state"].keys()
