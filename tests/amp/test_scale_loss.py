@@ -1112,15 +1112,17 @@ def test_amps_zero_grad_keeps_the_signature_and_copies():
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_one_zero_grad_keeping_tensors_then_zeroing_through_a_wrapper_trains_the_same(opt_level):
     # After one optimizer.zero_grad(set_to_none=False), a loop zeroing through a wrapper of
-    # the model (DataParallel's zero_grad reaches the half parameters only): the masters'
-    # gradients were kept after every step and each backward added into them.
+    # the model (DataParallel's or torch DDP's zero_grad, nn.Module's, reaches the half
+    # parameters only): the masters' gradients were kept after every step and each backward
+    # added into them.
     model = make_cnn()
     ref = copy.deepcopy(model).double()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
     opt.zero_grad(set_to_none=False)
-    wrapped = nn.DataParallel(model)  # (on the CPU it calls the module)
+    # (A container stands for the wrapper: nn.DataParallel would scatter to a GPU if any.)
+    wrapped = nn.Sequential(model)
     for i in range(8):
         x, y = batch(seed=10 + i)
         wrapped.zero_grad()
