@@ -137,12 +137,9 @@ def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
     after their steps from now on, or not (see ``_OptimizerState.keep_master_grads``)."""
     for state in list(_OPTIMIZER_STATES.values()):
         if any(m is model for m in state.owner_models()):
+            # (A window held by delay_unscale that this drops: what its first backward set
+            # aside goes at the next backward, its gradients having changed: before_backward.)
             state.keeps_grads(not set_to_none)
-            # A window held by delay_unscale is dropped whole: what its first backward set
-            # aside (the gradients before it) is not added back at the next unscale.
-            state.grads_scaled = False
-            state._stash = []
-            state._set_aside = False
 
 
 def set_aside_grads(params) -> List[torch.Tensor]:
@@ -682,12 +679,25 @@ class _OptimizerState:
         * with ``set_to_none=False``, the masters' gradients are kept after each step from
           now on (see ``keep_master_grads``).
         """
-        if self.grads_scaled:  # (else a backward's half gradients are already moved)
+        if self.grads_scaled and set_to_none:  # (else the half gradients are moved already)
             for p, _ in self.pairs:
                 p.grad = None
-            self.grads_scaled = False  # (the optimizer zeroed its own parameters' too)
-        self._stash = []  # (what a held backward set aside goes too)
-        self._set_aside = False
+            self.grads_scaled = False  # (the optimizer cleared its own parameters' too)
+            self._stash = []  # (what a held backward set aside goes too)
+            self._set_aside = False
+        elif self.grads_scaled:
+            # Zeroed in place, as the optimizer zeroed its own: still tensors, which torch's
+            # DDP with find_unused_parameters=True needs for a parameter used in the dropped
+            # no_sync() window. (The next backward adds onto zeros; what the window set aside
+            # is dropped there, its parameters' gradients having changed: before_backward.)
+            with torch.no_grad():
+                for p, _ in self.pairs:
+                    if p.grad is None:
+                        continue
+                    if p.grad.layout is torch.strided:
+                        p.grad.zero_()
+                    else:
+                        p.grad = None
         self.keeps_grads(not set_to_none)
         self.foreign_scaled = []
 
@@ -703,14 +713,13 @@ class _OptimizerState:
 
     def note_foreign_backward(self, before: Dict[int, Tuple[torch.Tensor, int]]) -> None:
         """A backward inside a ``scale_loss`` not given this optimizer ran: remember the
-        gradients it wrote here (changed since ``before``), which hold values scaled by that
+        gradients it created here (None in ``before``), which hold values scaled by that
         loss's scale, for :meth:`_pre_step` to refuse a step on them."""
+        # Only gradients the block created: one changed in place may be another's own,
+        # unscaled, averaged by a Reducer.reduce() inside this block (Apex's two-loss loop).
         for p in self.plain:
             g = p.grad
-            if g is None:
-                continue
-            old = before.get(id(p))
-            if old is None or old[0] is not g or old[1] != g._version:
+            if g is not None and id(p) not in before:
                 self.foreign_scaled.append((p, g, g._version))
 
     def _refuse_foreign_scaled(self, optimizer) -> None:

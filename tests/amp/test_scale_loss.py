@@ -1166,3 +1166,30 @@ def test_a_held_window_dropped_through_the_model_drops_what_it_set_aside(opt_lev
     got = torch.cat([p.grad.double().flatten() for p in amp.master_params(opt)])
     want = torch.cat([p.grad.flatten() for p in ref.parameters()])
     assert (got - want).norm() / want.norm() < 5e-2  # (bf16; with them added back: ~1)
+
+
+def test_another_blocks_in_place_average_of_unscaled_gradients_is_not_refused():
+    # Apex's two-loss loop with a Reducer.reduce() inside each block: the second block's
+    # reduce averages the first optimizer's gradients (unscaled already) in place. Not
+    # gradients that block's backward wrote scaled: oa.step() runs, on the right values.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    ref_a = copy.deepcopy(a)
+    amp.initialize([a, b], [oa, ob], opt_level="O1", dtype=torch.bfloat16, loss_scale=512.0,
+                   patch_torch_functions=False, verbosity=0)
+    x = torch.randn(8, 4)
+    with amp.scale_loss(a(x).pow(2).mean(), oa, loss_id=0) as s:
+        s.backward()
+    with amp.scale_loss(b(x).pow(2).mean(), ob) as s:
+        s.backward()
+        for p in a.parameters():  # (a one-rank "average")
+            p.grad.mul_(1.0)
+    oa.step()
+    ob.step()
+    ref_a(x).pow(2).mean().backward()
+    with torch.no_grad():
+        for p in ref_a.parameters():
+            p -= 0.1 * p.grad
+    for p, r in zip(a.parameters(), ref_a.parameters()):
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-6)

@@ -2098,6 +2098,49 @@ def _accumulation_step(ctx, ddp, opt, ref, ref_opt, seed, delay_unscale, zero_gr
     ref_opt.step()
 
 
+class _Branchy(nn.Module):
+    """A trunk, and a branch ``c`` used only when asked (a window's micro-batch, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.c = nn.Linear(8, 4)
+
+    def forward(self, x, use_c=False):
+        return self.a(x) + self.c(x) if use_c else self.a(x)
+
+
+def check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters(ctx):
+    # A no_sync() window (delay_unscale=True) that used branch c, dropped at an epoch's end
+    # with zero_grad(set_to_none=False) (the optimizer's, then the model's), then a synced
+    # step without c: PyTorch's reducer, which saw c used in the window, needs its gradient
+    # to be a tensor ("Encountered gradient which is undefined"). The step's gradients are
+    # the synced batch's alone. Reference: one process on the global batch.
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    base = _Branchy().to(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(copy.deepcopy(base), copy.deepcopy(base),
+                                                loss_scale=64.0)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    for step, drop in enumerate((opt.zero_grad, model.zero_grad)):
+        x, y = _global_batch(ctx, seed=300 + step)
+        with ddp.no_sync():
+            loss = F.mse_loss(ddp(_mine(ctx, x), use_c=True).float(), _mine(ctx, y))
+            with amp.scale_loss(loss, opt, delay_unscale=True) as s:
+                s.backward()
+        drop(set_to_none=False)
+        ref_opt.zero_grad(set_to_none=False)
+        loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()
+        opt.step()
+        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
+            s.backward()
+        ref_opt.step()
+    _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
 def check_amp_o2_masters_broadcast_from_rank0(ctx):
     # Every rank initialises its own weights (no common seed, as in the README's example): the
     # fp32 masters, which live in the optimizer and make the checkpoint, come from rank 0 too.
@@ -2451,6 +2494,7 @@ CHECKS = [
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
+    "check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters",
     "check_amp_o2_masters_broadcast_from_rank0",
     "check_amp_o2_rank_dependent_init_under_either_ddp",
     "check_amp_accumulation_with_no_sync_needs_no_delay_unscale",
