@@ -587,6 +587,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
                 "those are Triton kernels, which run on CUDA only; use --device cuda to time "
                 "them."
             )
+    unsteady = report.unsteady_timing_note(results)
+    if unsteady:
+        notes.append(unsteady)
     if results and not any(r.mode == "O0" and r.ok for r in results):
         notes.append("no successful O0 row: speed-up and loss gap are not available.")
     if any(not r.ok for r in results):

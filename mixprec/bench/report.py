@@ -19,6 +19,7 @@ __all__ = [
     "NOT_RUN",
     "format_table",
     "relative_to",
+    "unsteady_timing_note",
     "rows_to_dicts",
     "write_csv",
     "write_json",
@@ -185,6 +186,28 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+#: A mode whose timed steps' interquartile range exceeds this fraction of their median is
+#: called unsteady in :func:`unsteady_timing_note`.
+UNSTEADY_IQR = 0.25
+
+
+def unsteady_timing_note(results: Sequence[ModeResult]) -> Optional[str]:
+    """A note naming the modes whose step times varied widely (interquartile range above
+    :data:`UNSTEADY_IQR` of the median: a busy machine, or steps too short to time), whose
+    speed-ups are then not to be trusted; None when every mode's timing was steady."""
+    unsteady = [r.label for r in results
+                if r.ok and r.time_per_iter_s and r.time_per_iter_iqr_s is not None
+                and r.time_per_iter_iqr_s > UNSTEADY_IQR * r.time_per_iter_s]
+    if not unsteady:
+        return None
+    return (
+        f"unsteady timing: the step times of {', '.join(unsteady)} varied by more than "
+        f"{UNSTEADY_IQR:.0%} of their median (interquartile range; the JSON has the spread), "
+        "so the speed-ups involving them are not reliable: the machine was busy, or the steps "
+        "are too short to time. Re-run on an idle machine, or with more --iters."
+    )
 
 
 def _gap(pct) -> str:

@@ -4,7 +4,13 @@ import json
 
 import pytest
 
-from mixprec.bench.report import format_table, relative_to, rows_to_dicts, write_json
+from mixprec.bench.report import (
+    format_table,
+    relative_to,
+    rows_to_dicts,
+    unsteady_timing_note,
+    write_json,
+)
 from mixprec.bench.runner import ModeResult
 
 
@@ -189,3 +195,19 @@ def test_plot_bars_are_seconds_per_40_iterations_and_peak_memory():
     ax_time, ax_mem = fig.axes[1], fig.axes[2]
     assert [b.get_height() for b in ax_time.patches] == pytest.approx([4.0, 2.0, 0.0])
     assert [b.get_height() for b in ax_mem.patches] == pytest.approx([100.0, 60.0, 0.0])
+
+
+def test_unsteady_timing_note_names_the_modes_with_a_wide_spread():
+    # On a busy CPU the same run gave O2 7.56x, then 0.55x: the note says which rows' times
+    # are not to be trusted (the interquartile range over a quarter of the median).
+    rows = [
+        _row("O0", 0.2, 10.0, 1.0, time_per_iter_iqr_s=0.01),
+        _row("O1", 0.2, 10.0, 1.0, time_per_iter_iqr_s=0.05),  # (exactly a quarter: steady)
+        _row("O2", 0.1, 10.0, 1.0, time_per_iter_iqr_s=0.2),
+        _row("O3", 0.1, 10.0, 1.0),  # (no spread recorded)
+        ModeResult(mode="autocast", label="autocast", dtype="fp16", status="failed", error="x"),
+    ]
+    note = unsteady_timing_note(rows)
+    assert note.startswith("unsteady timing: the step times of O2 varied by more than 25% ")
+    assert "not reliable" in note and "--iters" in note
+    assert unsteady_timing_note(rows[:2] + rows[3:]) is None
