@@ -480,8 +480,8 @@ class _OptimizerState:
         self._had_grads: Dict[int, torch.Tensor] = {}  # (masters given a gradient meanwhile)
         self._held_marks: Dict[int, tuple] = {}  # (see hold_scaled)
         # (param, grad, grad version) of this optimizer's directly stepped parameters whose
-        # gradients a backward inside another optimizer's scale_loss wrote, still scaled by
-        # that loss's scale, and not touched since (see note_foreign_backward).
+        # gradients a backward inside another optimizer's scale_loss created, still scaled by
+        # that loss's scale (see note_foreign_backward).
         self.foreign_scaled: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
@@ -675,9 +675,10 @@ class _OptimizerState:
         * the half parameters' gradients, which a backward inside ``scale_loss(...,
           delay_unscale=True)`` or DDP's ``no_sync()`` holds there, scaled, for the next
           backward to add onto (leftover micro-batches at the end of an epoch): dropped, or
-          the next step's gradients included them, as Apex's O2 ``zero_grad`` zeroed them;
-        * with ``set_to_none=False``, the masters' gradients are kept after each step from
-          now on (see ``keep_master_grads``).
+          the next step's gradients included them, as Apex's O2 ``zero_grad`` zeroed them
+          (with ``set_to_none=False`` zeroed in place, as the optimizer zeroes its own);
+        * with ``set_to_none=False``, a master that had a gradient since gets a zero one at a
+          later step where its parameter got none (see ``keep_master_grads``).
         """
         if self.grads_scaled and set_to_none:  # (else the half gradients are moved already)
             for p, _ in self.pairs:

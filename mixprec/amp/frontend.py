@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 import sys
 import warnings
 from collections.abc import MutableMapping
@@ -264,7 +265,7 @@ def initialize(
     for name, value in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
         if value is None and name == "min_loss_scale":
             continue
-        if (not isinstance(value, (int, float)) or isinstance(value, bool)
+        if (not isinstance(value, numbers.Real) or isinstance(value, bool)
                 or not value > 0 or (name == "min_loss_scale" and value == float("inf"))):
             raise ValueError(
                 f"amp.initialize({name}={value!r}): must be a positive number (the dynamic "
