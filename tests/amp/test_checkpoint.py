@@ -245,6 +245,12 @@ def _run_with_late_group(steps, checkpoint=None):
     opt = torch.optim.Adam(model.head.parameters(), lr=1e-2)
     amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
     opt.add_param_group({"params": list(model.features.parameters()), "lr": 1e-3})
+    return _resume_and_train(model, opt, steps, checkpoint)
+
+
+def _resume_and_train(model, opt, steps, checkpoint):
+    """Load ``checkpoint`` (model, optimizer, amp, step) if any, then train ``steps`` steps on
+    the batches of those step numbers: ``(model, opt, losses)``."""
     if checkpoint is not None:
         model.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["optimizer"])
@@ -278,13 +284,7 @@ def _run_with_new_head(steps, checkpoint=None):
     torch.manual_seed(5)
     model.head = nn.Linear(model.head.in_features, 4).half()
     opt.add_param_group({"params": list(model.head.parameters()), "lr": 1e-2})
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
-        amp.load_state_dict(checkpoint["amp"])
-    start = 0 if checkpoint is None else checkpoint["step"]
-    losses = [train_step(model, opt, *batch(seed=100 + start + i), amp) for i in range(steps)]
-    return model, opt, losses
+    return _resume_and_train(model, opt, steps, checkpoint)
 
 
 def test_a_head_put_in_after_initialize_saves_its_masters_and_resumes_bit_for_bit():

@@ -9,7 +9,7 @@ from mixprec import amp
 from tests._autograd import FailingBackward
 from tests._triton import interpreter_skip_reason
 
-from .helpers import HALF_DTYPES, OPT_LEVELS, batch, make_cnn, train_step
+from .helpers import HALF_DTYPES, OPT_LEVELS, backward_and_step, batch, make_cnn, train_step
 
 
 def _micro_batch_reference(model, x, y):
@@ -1035,13 +1035,8 @@ def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
             amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
         for x, y, use_b in data:
             opt.zero_grad()
-            loss = nn.functional.mse_loss(model(x, use_b).float(), y)
-            if use_amp:
-                with amp.scale_loss(loss, opt) as s:
-                    s.backward()
-            else:
-                loss.backward()
-            opt.step()
+            backward_and_step(nn.functional.mse_loss(model(x, use_b).float(), y), opt, amp,
+                              use_amp)
         return {k: v.float() for k, v in model.state_dict().items()}
 
     want, got = run(False), run(True)
