@@ -538,6 +538,8 @@ class _OptimizerState:
         known |= {id(p) for p in self.plain}
         if make_masters:
             refuse_inner_optimizer(optimizer, cast_param_ids, known)
+            if self.pairs:  # (a later group: initialize checked the first ones)
+                self._refuse_mastered_elsewhere(optimizer, known)
         for group in optimizer.param_groups:
             params = group["params"]
             for i, p in enumerate(params):
@@ -568,6 +570,23 @@ class _OptimizerState:
             # the post-step copy then skips the masters it wrote.
             link(list(masters.items()))
         return masters
+
+    def _refuse_mastered_elsewhere(self, optimizer, known) -> None:
+        """A group added with ``add_param_group`` holding a half parameter that another
+        optimizer keeps an fp32 master of: refused before anything changes (two masters
+        would drift apart; see frontend._refuse_shared_masters)."""
+        elsewhere = {id(h): o for h, o in mastered_elsewhere() if o is not optimizer}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                other = elsewhere.get(id(p)) if id(p) not in known else None
+                if other is not None:
+                    raise ValueError(
+                        f"{type(optimizer).__name__}.add_param_group: a parameter of shape "
+                        f"{tuple(p.shape)} in the new group already has an fp32 master in "
+                        f"another optimizer ({type(other).__name__}); with two, each would "
+                        "step its own and they would drift apart. Put each parameter in one "
+                        "optimizer (a parameter group gives it its own hyper-parameters)."
+                    )
 
     def match_plain_state_dtypes(self) -> None:
         """Cast the floating state an optimizer already holds for a parameter it steps directly

@@ -571,6 +571,19 @@ def test_o2_refuses_a_parameter_in_two_optimizers(calls):
         assert b[1].weight.dtype == torch.float32
 
 
+def test_o2_refuses_a_late_group_holding_another_optimizers_mastered_parameter():
+    a, b, oa, ob = _shared_layer_models()
+    ob = torch.optim.SGD(b[1].parameters(), lr=0.1)  # (b's own layer only)
+    amp.initialize([a, b], [oa, ob], opt_level="O2", verbosity=0)
+    ob.add_param_group({"params": [b[0].weight]})
+    with pytest.raises(ValueError, match=r"add_param_group: a parameter of shape \(4, 4\) in "
+                       r"the new group already has an fp32 master in another optimizer "
+                       r"\(SGD\).*Put each parameter in one optimizer"):
+        amp.master_params(ob)
+    assert [p.dtype for p in ob.param_groups[0]["params"]] == [torch.float32] * 2
+    assert ob.param_groups[1]["params"][0] is b[0].weight  # (nothing changed)
+
+
 def test_o1_keeps_a_parameter_in_two_optimizers():
     # (No masters at O1: both optimizers step the one fp32 parameter, as in fp32 training.)
     a, b, oa, ob = _shared_layer_models()
