@@ -300,7 +300,7 @@ class _AmpModule:
         """
         super().zero_grad(set_to_none)
         # (Its optimizers keep gradient tensors after their steps, or not: see
-        # _OptimizerState.keep_master_grads.)
+        # _OptimizerState.grad_tensors_kept.)
         from mixprec.amp._state import model_zeroed_grads
 
         model_zeroed_grads(self, set_to_none)

@@ -26,7 +26,7 @@ import logging
 import re
 import warnings
 import weakref
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -133,8 +133,8 @@ def mastered_elsewhere():
 
 
 def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
-    """An amp model's ``zero_grad(set_to_none)`` ran: its optimizers keep gradient tensors
-    after their steps from now on, or not (see ``_OptimizerState.keep_master_grads``)."""
+    """An amp model's ``zero_grad(set_to_none)`` ran: its optimizers now treat gradients as
+    kept tensors, or not (see ``_OptimizerState.grad_tensors_kept``)."""
     for state in list(_OPTIMIZER_STATES.values()):
         if any(m is model for m in state.owner_models()):
             # (A window held by delay_unscale that this drops: what its first backward set
@@ -476,7 +476,7 @@ class _OptimizerState:
         # step is given a zero one (momentum, weight decay go on moving it), as fp32
         # training's kept gradient tensors are. (Its gradients are still freed after each
         # step, so zeroing through a wrapper cannot let them pile up.)
-        self.keep_master_grads = False
+        self.grad_tensors_kept = False
         self._had_grads: Dict[int, torch.Tensor] = {}  # (masters given a gradient meanwhile)
         self._held_marks: Dict[int, tuple] = {}  # (see hold_scaled)
         # (param, grad, grad version) of this optimizer's directly stepped parameters whose
@@ -697,7 +697,7 @@ class _OptimizerState:
           the next step's gradients included them, as Apex's O2 ``zero_grad`` zeroed them
           (with ``set_to_none=False`` zeroed in place, as the optimizer zeroes its own);
         * with ``set_to_none=False``, a master that had a gradient since gets a zero one at a
-          later step where its parameter got none (see ``keep_master_grads``).
+          later step where its parameter got none (see ``grad_tensors_kept``).
         """
         if self.grads_scaled and set_to_none:  # (else the half gradients are moved already)
             for p, _ in self.pairs:
@@ -723,18 +723,18 @@ class _OptimizerState:
 
     def keeps_grads(self, keep: bool) -> None:
         """A zero_grad kept gradient tensors (``set_to_none=False``), or not."""
-        self.keep_master_grads = keep
+        self.grad_tensors_kept = keep
         if not keep:
             self._had_grads = {}
 
-    def grad_marks(self) -> Dict[int, Tuple[torch.Tensor, int]]:
-        """Each directly stepped parameter's gradient object and version now."""
-        return {id(p): (p.grad, p.grad._version) for p in self.plain if p.grad is not None}
+    def params_with_grads(self) -> Set[int]:
+        """The ``id``s of the directly stepped parameters that have a gradient now."""
+        return {id(p) for p in self.plain if p.grad is not None}
 
-    def note_foreign_backward(self, before: Dict[int, Tuple[torch.Tensor, int]]) -> None:
+    def note_foreign_backward(self, before: Set[int]) -> None:
         """A backward inside a ``scale_loss`` not given this optimizer ran: remember the
-        gradients it created here (None in ``before``), which hold values scaled by that
-        loss's scale, for :meth:`_pre_step` to refuse a step on them."""
+        gradients it created here (on parameters not in ``before``), which hold values scaled
+        by that loss's scale, for :meth:`_pre_step` to refuse a step on them."""
         # Only gradients the block created: one changed in place may be another's own,
         # unscaled, averaged by a Reducer.reduce() inside this block (Apex's two-loss loop).
         for p in self.plain:
@@ -758,17 +758,17 @@ class _OptimizerState:
 
     def _drop_grads(self, optimizer) -> None:
         """The gradients of a step that is skipped: set to None; those of the parameters it
-        steps directly zeroed in place while ``keep_master_grads`` (as they are after
+        steps directly zeroed in place while ``grad_tensors_kept`` (as they are after
         GradScaler skips a step, then zero_grad; masters get theirs back at the next step)."""
         masters = {id(m) for _, m in self.pairs}
         for p in _params_of(optimizer):
             if p.grad is None:
                 continue
             if id(p) in masters:
-                if self.keep_master_grads:
+                if self.grad_tensors_kept:
                     self._had_grads[id(p)] = p
                 p.grad = None
-            elif self.keep_master_grads and p.grad.layout is torch.strided:
+            elif self.grad_tensors_kept and p.grad.layout is torch.strided:
                 with torch.no_grad():
                     p.grad.zero_()
             else:
@@ -1055,7 +1055,7 @@ class _OptimizerState:
             self._flag_handed_over = True
         if self.pairs:
             self.take_model_writes()
-        if self.keep_master_grads and self._had_grads:
+        if self.grad_tensors_kept and self._had_grads:
             for master in self._had_grads.values():
                 if master.grad is None:
                     master.grad = torch.zeros_like(master)
@@ -1199,7 +1199,7 @@ class _OptimizerState:
             self.copy_masters_to_model([(p, m) for p, m in self.pairs if id(m) not in done])
         if self.pairs:
             self.record_synced()
-            if self.keep_master_grads:
+            if self.grad_tensors_kept:
                 self._had_grads.update((id(m), m) for _, m in self.pairs if m.grad is not None)
             # The step consumed the masters' gradients: free them, as Apex did. A loop that
             # zeroes through a wrapper (``DataParallel(model).zero_grad()``, torch DDP's, a

@@ -502,7 +502,7 @@ def scale_loss(
     # through two models given one optimizer here): what it writes there stays scaled.
     others = []
     if scaler.dynamic or scaler.loss_scale != 1.0:
-        others = [(o, o.grad_marks()) for o in amp_state.optimizer_states()
+        others = [(o, o.params_with_grads()) for o in amp_state.optimizer_states()
                   if o.plain and all(o is not s for s in states)]
     try:
         if device is not None:
