@@ -1318,6 +1318,13 @@ class AmpState:
         states = (ref() for ref in self._optimizer_states)
         return [s for s in states if s is not None and s.optimizer_ref() is not None]
 
+    def other_optimizer_states(self, states) -> list:
+        """The live states of this call's optimizers that are not in ``states`` (built only
+        when there can be one: the common one-optimizer ``scale_loss`` pays one compare)."""
+        if len(self._optimizer_states) <= len(states):
+            return []
+        return [o for o in self.optimizer_states() if all(o is not s for s in states)]
+
     def add_optimizer(self, optimizer) -> _OptimizerState:
         state = _OptimizerState(self, optimizer)
         self._optimizer_states.append(weakref.ref(state))

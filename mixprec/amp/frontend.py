@@ -502,8 +502,8 @@ def scale_loss(
     # through two models given one optimizer here): what it writes there stays scaled.
     others = []
     if scaler.dynamic or scaler.loss_scale != 1.0:
-        others = [(o, o.params_with_grads()) for o in amp_state.optimizer_states()
-                  if o.plain and all(o is not s for s in states)]
+        others = [(o, o.params_with_grads()) for o in amp_state.other_optimizer_states(states)
+                  if o.plain]
     try:
         if device is not None:
             yield loss.float() * scale
