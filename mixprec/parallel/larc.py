@@ -24,7 +24,9 @@ class LARC:
     and the inner step runs with ``weight_decay=0`` (weight decay is folded in above and the
     groups' values are restored afterwards). A parameter whose weight or gradient norm is zero
     is left alone (no scaling, no weight decay), as in Apex. All of it happens on the device,
-    without a host synchronisation.
+    without a host synchronisation. A sparse gradient (``nn.Embedding(..., sparse=True)``)
+    is scaled by the norm of its summed rows; its group needs ``weight_decay=0`` (LARC would
+    add the decay into it, making it dense).
 
     The wrapper shares the inner optimizer's ``param_groups`` list and ``state`` (the same
     objects), so ``amp.initialize(model, LARC(optimizer), opt_level="O2")`` swapping fp32
@@ -122,6 +124,10 @@ class LARC:
     # -- the step -----------------------------------------------------------------------------
     @torch.no_grad()
     def _scale_gradients(self) -> None:
+        # What each gradient's norm is taken over, all checked before any gradient changes.
+        values = {id(p): self._grad_values(p, p.grad, float(group.get("weight_decay", 0.0)))
+                  for group in self.optim.param_groups for p in group["params"]
+                  if p.grad is not None}
         for group in self.optim.param_groups:
             weight_decay = float(group.get("weight_decay", 0.0))
             lr = group["lr"]
@@ -132,7 +138,7 @@ class LARC:
                 # Norms in fp32 at least (half weights under O3 would lose the ratio).
                 acc = torch.float64 if p.dtype == torch.float64 else torch.float32
                 p_norm = torch.linalg.vector_norm(p, dtype=acc)
-                g_norm = torch.linalg.vector_norm(g, dtype=acc)
+                g_norm = torch.linalg.vector_norm(values[id(p)], dtype=acc)
                 local_lr = self.trust_coefficient * p_norm / (
                     g_norm + p_norm * weight_decay + self.eps
                 )
@@ -146,6 +152,26 @@ class LARC:
                                         torch.full_like(local_lr, weight_decay))
                     g.add_(p * decay.to(p.dtype))
                 g.mul_(scale.to(g.dtype))
+
+    @staticmethod
+    def _grad_values(p: torch.Tensor, g: torch.Tensor, weight_decay: float) -> torch.Tensor:
+        """What the gradient's norm is taken over: a sparse gradient's (``nn.Embedding(...,
+        sparse=True)``) coalesced values, which its trust ratio then scales in place."""
+        if g.layout is torch.strided:
+            return g
+        if g.layout is not torch.sparse_coo:
+            raise TypeError(
+                f"LARC: a gradient of layout {g.layout} (parameter of shape {tuple(p.shape)}) "
+                "is not supported; LARC takes dense gradients and sparse COO ones "
+                "(nn.Embedding(..., sparse=True)).")
+        if weight_decay != 0:
+            raise ValueError(
+                f"LARC: the parameter of shape {tuple(p.shape)} has a sparse gradient and its "
+                f"group has weight_decay={weight_decay}, but LARC adds weight decay into the "
+                "gradient, which would make it dense. Put the sparse parameters in a group "
+                "with weight_decay=0 (torch's optimizers refuse weight decay on sparse "
+                "gradients too).")
+        return g.coalesce().values()
 
     def step(self, closure: Optional[Callable[[], torch.Tensor]] = None):
         """Scale every gradient by its trust ratio, then step the inner optimizer.

@@ -247,6 +247,40 @@ def test_larc_closure_runs_with_grad_enabled_inside_no_grad():
     torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("clip", [True, False])
+def test_larc_sparse_gradient_matches_the_dense_reference(clip):
+    # nn.Embedding(sparse=True): an uncoalesced COO gradient (index 2 twice), whose norm is
+    # that of the summed rows, as for the same gradient dense.
+    weight = torch.randn(10, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    emb = torch.nn.Embedding(10, 4, sparse=True, dtype=torch.float64)
+    with torch.no_grad():
+        emb.weight.copy_(weight)
+    idx = torch.tensor([1, 2, 2, 7])
+    (emb(idx) * torch.arange(1.0, 5.0, dtype=torch.float64)).sum().backward()
+    assert emb.weight.grad.is_sparse and not emb.weight.grad.is_coalesced()
+    dense_grad = emb.weight.grad.to_dense()
+    expected = _expected([weight], [dense_grad], lr=0.1, wd=0.0, trust=0.02, clip=clip,
+                         eps=1e-8)[0]
+    LARC(torch.optim.SGD(emb.parameters(), lr=0.1), clip=clip).step()
+    torch.testing.assert_close(emb.weight.detach(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_larc_sparse_gradient_with_weight_decay_is_refused_before_any_change():
+    # (A dense parameter listed first keeps its gradient too.)
+    dense = torch.nn.Parameter(torch.ones(3))
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    (emb(torch.tensor([3])).sum() + dense.sum()).backward()
+    before = [emb.weight.detach().clone(), dense.detach().clone()]
+    grads = [emb.weight.grad.to_dense(), dense.grad.clone()]
+    larc = LARC(torch.optim.SGD([dense, emb.weight], lr=0.1, weight_decay=1e-4))
+    with pytest.raises(ValueError, match=r"shape \(10, 4\) has a sparse gradient.*"
+                                         r"weight_decay=0\.0001.*group with weight_decay=0"):
+        larc.step()
+    assert torch.equal(emb.weight.detach(), before[0]) and torch.equal(dense.detach(), before[1])
+    assert torch.equal(emb.weight.grad.to_dense(), grads[0])
+    assert torch.equal(dense.grad, grads[1])
+
+
 def test_larc_errors():
     p = torch.nn.Parameter(torch.ones(2))
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
