@@ -477,7 +477,9 @@ class _OptimizerState:
         # training's kept gradient tensors are. (Its gradients are still freed after each
         # step, so zeroing through a wrapper cannot let them pile up.)
         self.grad_tensors_kept = False
-        self._had_grads: Dict[int, torch.Tensor] = {}  # (masters given a gradient meanwhile)
+        # (The masters given a gradient meanwhile: id -> (master, the gradient's sparse and
+        # dense dims when it was a sparse one, else None).)
+        self._had_grads: Dict[int, Tuple[torch.Tensor, Optional[Tuple[int, int]]]] = {}
         self._held_marks: Dict[int, tuple] = {}  # (see hold_scaled)
         # (param, grad, grad version) of this optimizer's directly stepped parameters whose
         # gradients a backward inside another optimizer's scale_loss created, still scaled by
@@ -650,7 +652,15 @@ class _OptimizerState:
         if _ensure_hook_tables(hook_target):
             _install_amp_step(hook_target, run_hooks=True)
         self._handles.append(hook_target.register_step_pre_hook(self._pre_step))
-        self._handles.append(hook_target.register_step_post_hook(self._post_step))
+        post = hook_target.register_step_post_hook(self._post_step)
+        self._handles.append(post)
+        # First among the post-hooks, those registered before initialize too: an EMA or a
+        # logger run there sees the half model with this step's update (torch runs the
+        # global post-hooks after these). (The pre-hook stays last: a pre-hook that writes
+        # the weights, e.g. a clamp, runs before amp takes the model's writes in.)
+        hooks = getattr(hook_target, "_optimizer_step_post_hooks", None)
+        if isinstance(hooks, collections.OrderedDict) and post.id in hooks:
+            hooks.move_to_end(post.id, last=False)
         # A group added after initialize gets its masters before the optimizer's state is
         # saved or loaded, not only at the next scale_loss: a resume loads the checkpoint's
         # fp32 moments into fp32 masters (loaded into the half parameters, torch would cast
@@ -766,7 +776,7 @@ class _OptimizerState:
                 continue
             if id(p) in masters:
                 if self.grad_tensors_kept:
-                    self._had_grads[id(p)] = p
+                    self._had_grads[id(p)] = _grad_record(p)
                 p.grad = None
             elif self.grad_tensors_kept and p.grad.layout is torch.strided:
                 with torch.no_grad():
@@ -1056,9 +1066,7 @@ class _OptimizerState:
         if self.pairs:
             self.take_model_writes()
         if self.grad_tensors_kept and self._had_grads:
-            for master in self._had_grads.values():
-                if master.grad is None:
-                    master.grad = torch.zeros_like(master)
+            self._zero_grads_for_unused_masters()
         for p, _ in self.pairs:
             if p.grad is not None:
                 raise RuntimeError(
@@ -1072,6 +1080,32 @@ class _OptimizerState:
             first = 1 if args and args[0] is optimizer else 0
             return (*args[:first], replaced, *args[first + 1:]), kwargs
         return None
+
+    def _zero_grads_for_unused_masters(self) -> None:
+        """Give a zero gradient to each master that had one since a ``zero_grad`` keeping
+        gradient tensors and got none at this step (its parameter unused), as fp32's kept,
+        zeroed tensor would be: a sparse one where its gradients were sparse (SparseAdam takes
+        no dense gradient). A parameter frozen since (``requires_grad_(False)``, the usual
+        ``p.grad = None`` beside it) is left out from then on: fp32's optimizer skips it once
+        its gradient is gone, and at O2 its half gradient is already None, so the freeze is
+        what can be seen."""
+        had = self._had_grads
+        for p, master in self.pairs:
+            record = had.get(id(master))
+            if record is None or master.grad is not None:
+                continue
+            if not p.requires_grad:
+                del had[id(master)]
+                continue
+            dims = record[1]
+            if dims is None:
+                master.grad = torch.zeros_like(master)
+            else:
+                sparse_dim, dense_dim = dims
+                master.grad = torch.sparse_coo_tensor(
+                    torch.empty((sparse_dim, 0), dtype=torch.long, device=master.device),
+                    master.new_empty((0, *master.shape[sparse_dim:])), master.shape,
+                    check_invariants=False, is_coalesced=True)
 
     def _versions(self) -> List[Tuple[int, int, int]]:
         return [(p._version, m._version, p._cdata) for p, m in self.pairs]
@@ -1200,7 +1234,8 @@ class _OptimizerState:
         if self.pairs:
             self.record_synced()
             if self.grad_tensors_kept:
-                self._had_grads.update((id(m), m) for _, m in self.pairs if m.grad is not None)
+                self._had_grads.update((id(m), _grad_record(m)) for _, m in self.pairs
+                                       if m.grad is not None)
             # The step consumed the masters' gradients: free them, as Apex did. A loop that
             # zeroes through a wrapper (``DataParallel(model).zero_grad()``, torch DDP's, a
             # ``p.grad = None`` pass over ``model.parameters()``) reaches only the half
@@ -1218,6 +1253,13 @@ class _OptimizerState:
                 model_params = [p for p, _ in pairs]
                 masters = [m for _, m in pairs]
                 torch._foreach_copy_(model_params, masters)
+
+
+def _grad_record(master: torch.Tensor) -> Tuple[torch.Tensor, Optional[Tuple[int, int]]]:
+    """``master`` and, where its gradient is sparse, that gradient's sparse and dense dims
+    (what a zero gradient like it needs; see ``_OptimizerState._had_grads``)."""
+    g = master.grad
+    return master, ((g.sparse_dim(), g.dense_dim()) if g is not None and g.is_sparse else None)
 
 
 def _hand_over_flag(optimizer, found_inf: torch.Tensor) -> None:

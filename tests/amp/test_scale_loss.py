@@ -991,6 +991,109 @@ def test_zero_grad_keeping_tensors_steps_unused_parameters_as_fp32_does(opt_leve
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_layer_frozen_mid_run_with_kept_gradient_tensors_stops_as_in_fp32(opt_level):
+    # zero_grad(set_to_none=False), then a head frozen at step 3 the usual way
+    # (requires_grad_(False) and grad = None): fp32's optimizer skips it from then on. At O2
+    # its master went on getting a zero gradient, and momentum and weight decay moved it.
+    torch.manual_seed(0)
+    base = _TwoHeads()
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(6)]
+
+    def run(use_amp):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        if use_amp:
+            amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+        frozen = None
+        for i, (x, y) in enumerate(data):
+            if i == 3:
+                for p in model.b.parameters():
+                    p.requires_grad_(False)
+                    p.grad = None
+                frozen = {k: v.float().clone() for k, v in model.b.state_dict().items()}
+            opt.zero_grad(set_to_none=False)
+            loss = nn.functional.mse_loss(model(x, True), y)
+            backward_and_step(loss, opt, amp, use_amp)
+        return frozen, {k: v.float() for k, v in model.state_dict().items()}
+
+    (frozen_want, want), (frozen_got, got) = run(False), run(True)
+    for k in frozen_want:
+        assert torch.equal(want[f"b.{k}"], frozen_want[k])  # (fp32: b stood still once frozen)
+        assert torch.equal(got[f"b.{k}"], frozen_got[k]), f"b.{k} moved after it was frozen"
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
+
+
+def test_kept_gradient_tensors_of_a_sparse_embedding_stay_sparse_at_o2():
+    # nn.Embedding(sparse=True) with SparseAdam, unused at every other step, under
+    # zero_grad(set_to_none=False): fp32's zeroed gradient stays a sparse tensor. At O2 the
+    # master got a dense zero one and SparseAdam raised "does not support dense gradients".
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.e = nn.Embedding(20, 8, sparse=True)
+            self.lin = nn.Linear(8, 3)
+
+        def forward(self, ids, feats, use_e):
+            return self.lin(self.e(ids).mean(1) if use_e else feats)
+
+    torch.manual_seed(0)
+    base = Net()
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randint(0, 20, (6, 4), generator=g), torch.randn(6, 8, generator=g),
+             torch.randint(0, 3, (6,), generator=g)) for _ in range(6)]
+
+    def run(use_amp):
+        model = copy.deepcopy(base)
+        opts = [torch.optim.SparseAdam(list(model.e.parameters()), lr=1e-2),
+                torch.optim.SGD(model.lin.parameters(), lr=0.1)]
+        if use_amp:
+            amp.initialize(model, opts, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        for i, (ids, feats, y) in enumerate(data):
+            for o in opts:
+                o.zero_grad(set_to_none=False)
+            loss = nn.functional.cross_entropy(model(ids, feats, i % 2 == 0), y)
+            if use_amp:
+                with amp.scale_loss(loss, opts) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            for o in opts:
+                o.step()
+        return {k: v.float() for k, v in model.state_dict().items()}, opts[0]
+
+    (want, _), (got, sparse_opt) = run(False), run(True)
+    master = sparse_opt.param_groups[0]["params"][0]
+    assert master.dtype == torch.float32 and master.grad is None  # (freed after the step)
+    for k in want:  # (bf16 compute)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=3e-2, msg=k)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_step_post_hook_registered_before_initialize_sees_the_updated_model(opt_level):
+    # An EMA or a logger in a step post-hook: at O2 amp's own post-hook (which writes the
+    # stepped masters into the half model) ran after the hooks registered before
+    # initialize, so they saw the weights of the step before.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = []
+    opt.register_step_post_hook(
+        lambda *_: seen.append([p.detach().clone() for p in model.parameters()]))
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    after = []
+    for seed in range(3):
+        x, y = batch(seed=seed)
+        train_step(model, opt, x, y, amp)
+        after.append([p.detach().clone() for p in model.parameters()])
+    assert len(seen) == 3
+    for step, (hook_view, then) in enumerate(zip(seen, after)):
+        for i, (a, b) in enumerate(zip(hook_view, then)):
+            assert torch.equal(a, b), f"step {step}: parameter {i} differs in the hook"
+    assert not torch.equal(after[0][0], after[2][0])
+
+
 def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
     # FusedAdam(set_grad_none=False).zero_grad() keeps gradient tensors by default: amp read
     # a zero_grad() without an argument as set_to_none=True and freed the masters' gradients.
