@@ -631,6 +631,11 @@ class _Fp32StateDict:
         # have no optimizer to find renames through.
         self.module: Optional[weakref.ref] = None
         self._keeper_refs: List[weakref.ref] = []
+        # Per master, the id of the half parameter it was registered for (not copied): a name
+        # that now holds another parameter (replaced, or tied after initialize) is found. An
+        # id, not a weak reference: torch.utils.swap_tensors (swap_module_params_on_conversion)
+        # refuses a tensor with weak references; the optimizer holds the half alive.
+        self._halves: Dict[str, int] = {}
 
     def follow_renames(self, module: nn.Module, state_dict=None, prefix: str = "") -> None:
         """Move the masters of parameters renamed or moved since they were registered, found
@@ -651,6 +656,15 @@ class _Fp32StateDict:
         submodules saved theirs), the moved master's entry there is written too.
         """
         params = module._parameters
+        for name, half in list(self._halves.items()):
+            param = params.get(name)
+            if param is not None and half != id(param) and name in self.masters:
+                # Replaced since (``layer.weight = nn.Parameter(...)``, or a weight tied after
+                # initialize, as ``tie_weights()`` does): the old master no longer stands for
+                # it. Dropped, the name is looked up below as any unmastered half parameter:
+                # it takes the new parameter's own master if an optimizer keeps one (a tied
+                # weight's), else it is saved as it is.
+                self._forget(name)
         missing = [name for name in self.masters if name not in params]
         orphans = [name for name, p in params.items()
                    if p is not None and p.dtype in _HALF_TYPES and name not in self.masters]
@@ -663,8 +677,7 @@ class _Fp32StateDict:
                 if master is None or name in self.masters:
                     continue
                 for stale in [n for n in missing if self.masters.get(n) is master]:
-                    del self.masters[stale]
-                    self.take_writes.pop(stale, None)
+                    self._forget(stale)
                 self._adopt(name, master, params[name], keeper)
             half_of = {id(master): half for half, master in keeper.pairs}
             for name in [n for n in missing if n in self.masters]:  # (moved to a submodule)
@@ -677,8 +690,7 @@ class _Fp32StateDict:
                 target = _install_state_dict_hooks(owner)
                 if new in target.masters:
                     continue
-                del self.masters[name]
-                self.take_writes.pop(name, None)
+                self._forget(name)
                 target._adopt(new, master, half, keeper)
                 key = prefix + path + new
                 if (state_dict is not None and key in state_dict
@@ -692,8 +704,15 @@ class _Fp32StateDict:
             changed = half != master.to(half.dtype)
             master.copy_(torch.where(changed, half.to(master.dtype), master))
         self.masters[name] = master
+        self._halves[name] = id(half)
         self.take_writes[name] = weakref.WeakMethod(keeper.take_model_writes)
         self.remember(keeper)
+
+    def _forget(self, name: str) -> None:
+        """Hold no master for the parameter ``name`` any more."""
+        del self.masters[name]
+        self.take_writes.pop(name, None)
+        self._halves.pop(name, None)
 
     def remember(self, keeper) -> None:
         """Count ``keeper`` (an optimizer's amp state) among :meth:`keepers`, for good."""
@@ -718,6 +737,7 @@ class _Fp32StateDict:
         self.take_writes = {}
         self.module = None
         self._keeper_refs = []
+        self._halves = {}
         self.standalone = bool(self.masters)
         self._versions = {}
 
@@ -904,6 +924,7 @@ def register_masters(model: nn.Module, masters: Dict[torch.Tensor, torch.Tensor]
         for name, param in module._parameters.items():
             if param is not None and param in masters:
                 hooks.masters[name] = masters[param]
+                hooks._halves[name] = id(param)
                 if take_writes is not None:
                     hooks.take_writes[name] = weakref.WeakMethod(take_writes)
                     hooks.remember(take_writes.__self__)

@@ -366,6 +366,83 @@ def test_tied_weights_save_the_master_under_both_names():
     torch.testing.assert_close(plain.wte.weight.detach(), master.detach(), rtol=0, atol=0)
 
 
+class _UntiedLM(torch.nn.Module):
+    """Tied only when asked, after amp.initialize (as Hugging Face's ``tie_weights()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(16, 8)
+        self.lm_head = torch.nn.Linear(8, 16, bias=False)
+
+    def tie(self):
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(torch.tanh(self.wte(idx)))
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_weights_tied_after_initialize_save_and_load_the_tied_master(dtype):
+    # Before, lm_head.weight's entry was the master of the Linear weight the tie replaced
+    # (its initial values, never trained): a checkpoint of a tied model disagreed with itself.
+    torch.manual_seed(0)
+    model = _UntiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    model.tie()
+    idx = torch.randint(0, 16, (4, 6))
+    for _ in range(3):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    master = next(m for m in amp.master_params(opt) if m.shape == (16, 8))
+    torch.testing.assert_close(model.wte.weight.float(), master.detach().to(dtype).float(),
+                               rtol=0, atol=0)  # (the tied weight's master is emb's)
+    sd = model.state_dict()
+    for key in ("wte.weight", "lm_head.weight"):
+        torch.testing.assert_close(sd[key], master.detach(), rtol=0, atol=0, msg=key)
+    plain = _UntiedLM()
+    plain.tie()
+    plain.load_state_dict(sd)
+    torch.testing.assert_close(plain.wte.weight.detach(), master.detach(), rtol=0, atol=0)
+
+    # Loading a tied fp32 checkpoint writes the tied weight's master exactly.
+    other = _UntiedLM()
+    other.tie()
+    model.load_state_dict(other.state_dict())
+    torch.testing.assert_close(master.detach(), other.wte.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(model.lm_head.weight, other.wte.weight.detach().to(dtype),
+                               rtol=0, atol=0)
+
+
+def test_a_parameter_replaced_after_initialize_is_saved_as_it_is_until_an_optimizer_masters_it():
+    # Before, the replaced parameter's old master went on standing for it in state_dict().
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    model[1].weight = torch.nn.Parameter(torch.full((2, 4), 0.5, dtype=torch.bfloat16))
+    sd = model.state_dict()
+    assert sd["1.weight"].dtype == torch.float32
+    torch.testing.assert_close(sd["1.weight"], torch.full((2, 4), 0.5), rtol=0, atol=0)
+    model.load_state_dict({**sd, "1.weight": torch.full((2, 4), 0.25)})
+    torch.testing.assert_close(model[1].weight, torch.full((2, 4), 0.25, dtype=torch.bfloat16),
+                               rtol=0, atol=0)
+
+    # Given to the optimizer, it gets a master of its own, which the checkpoint then holds.
+    opt.add_param_group({"params": [model[1].weight]})
+    x = torch.randn(3, 4)
+    opt.zero_grad()
+    with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    master = list(amp.master_params(opt))[-1]
+    assert master.shape == (2, 4) and master.dtype == torch.float32
+    assert not torch.equal(master.detach(), torch.full((2, 4), 0.25))  # (it was stepped)
+    torch.testing.assert_close(model.state_dict()["1.weight"], master.detach(), rtol=0, atol=0)
+
+
 def test_load_with_assign_is_refused_clearly():
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
