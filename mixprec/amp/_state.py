@@ -418,14 +418,15 @@ def _params_of(optimizer) -> List[torch.Tensor]:
 _FUSED_CAST_ON_CPU = False
 
 
-def _fused_cast_ok(half_grads: List[torch.Tensor]) -> bool:
-    """Whether the fused cast + unscale + check may take these half gradients.
+def _fused_cast_ok(half_grads: List[torch.Tensor], fresh: List[torch.Tensor]) -> bool:
+    """Whether the fused cast + unscale + check may take these half gradients into ``fresh``.
 
-    The kernel walks each tensor as its ``numel()`` elements from ``data_ptr()``, and the fp32
-    gradients are ``empty_like`` copies with the same strides, so any dense layout works
-    (contiguous or channels-last, which is what autograd's gradient layout contract gives);
-    anything else, several devices, or no Triton (or one older than 3.6, which this kernel was
-    not verified with) takes the PyTorch passes.
+    The kernel walks each tensor as its ``numel()`` elements from ``data_ptr()``, so each fp32
+    gradient (laid out as its master) must have its half gradient's strides; any dense layout
+    works (contiguous or channels-last, which is what autograd's gradient layout contract
+    gives). Anything else (a model moved to channels-last after ``initialize``, its masters
+    not), several devices, or no Triton (or one older than 3.6, which this kernel was not
+    verified with) takes the PyTorch passes.
     """
     device = half_grads[0].device
     if device.type == "cuda":
@@ -441,7 +442,28 @@ def _fused_cast_ok(half_grads: List[torch.Tensor]) -> bool:
         if not (g.is_contiguous() or (g.dim() == 4 and g.is_contiguous(
                 memory_format=torch.channels_last))):
             return False
-    return True
+    return all(g.stride() == f.stride() for g, f in zip(half_grads, fresh))
+
+
+def _state_cast(key, value, dtype: torch.dtype, scalars: bool):
+    """An optimizer's state entry ``key`` with its floating tensors cast to ``dtype``, inside
+    lists, tuples and dicts too (LBFGS keeps its history in lists), as
+    ``Optimizer.load_state_dict`` casts them. ``step`` counts stay as they are, and 0-dim
+    tensors too unless ``scalars`` (NAdam's ``mu_product`` follows a half parameter, as in
+    ``load_state_dict``). Returns ``value`` itself when nothing changes."""
+    if torch.is_tensor(value):
+        if (key != "step" and value.is_floating_point() and value.dtype != dtype
+                and (scalars or value.dim() > 0)):
+            return value.to(dtype)
+        return value
+    if isinstance(value, dict):
+        return {k: _state_cast(k, v, dtype, scalars) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        cast = [_state_cast(key, v, dtype, scalars) for v in value]
+        if all(c is v for c, v in zip(cast, value)):
+            return value
+        return type(value)(cast)
+    return value
 
 
 def _coalesced_if_fp16(g: torch.Tensor) -> torch.Tensor:
@@ -554,8 +576,7 @@ class _OptimizerState:
                     params[i] = master
                     if p in optimizer.state:
                         optimizer.state[master] = {
-                            k: (v.float() if torch.is_tensor(v) and v.is_floating_point()
-                                and v.dim() > 0 else v)
+                            k: _state_cast(k, v, torch.float32, scalars=False)
                             for k, v in optimizer.state.pop(p).items()
                         }
                     self.pairs.append((p, master))
@@ -605,9 +626,7 @@ class _OptimizerState:
             if not values:
                 continue
             for key, v in values.items():
-                if (key != "step" and torch.is_tensor(v) and v.is_floating_point()
-                        and v.dtype != p.dtype):
-                    values[key] = v.to(p.dtype)
+                values[key] = _state_cast(key, v, p.dtype, scalars=True)
 
     def sync_param_groups(self) -> None:
         """Pick up ``optimizer.add_param_group`` calls made after ``initialize``."""
@@ -948,7 +967,10 @@ class _OptimizerState:
                 "graph kept), or compute the higher-order term with torch.autograd.grad on the "
                 "model's parameters before scale_loss exits."
             )
-        fresh = [torch.empty_like(g, dtype=torch.float32) for g in half_grads]
+        # Laid out as the masters, as autograd lays out a parameter's gradient: the model
+        # moved to channels-last after initialize gave a contiguous master a channels-last
+        # gradient, which fused optimizers (pairing elements by memory offset) misread.
+        fresh = [torch.empty_like(master) for master in targets]
         plain_params = [p for p in self.plain if p.grad is not None]
         plain_grads = [p.grad for p in plain_params]
         if sparse_fresh or any(g.layout is not torch.strided for g in plain_grads):
@@ -962,7 +984,7 @@ class _OptimizerState:
                 for g in [p.grad for p in plain_params] + sparse_fresh
             ]
         found = {}
-        if fresh and (check or scaler.loss_scale != 1.0) and _fused_cast_ok(half_grads):
+        if fresh and (check or scaler.loss_scale != 1.0) and _fused_cast_ok(half_grads, fresh):
             # One Triton pass casts, unscales and checks (6 bytes per element instead of 14).
             device = half_grads[0].device
             found[device] = torch.zeros((), dtype=torch.float32, device=device)

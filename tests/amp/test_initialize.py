@@ -1055,6 +1055,47 @@ def test_optimizer_state_made_before_initialize_follows_a_half_parameter(opt_lev
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+def test_o3_casts_optimizer_state_kept_in_lists_as_load_state_dict_does():
+    # LBFGS keeps its history in lists (old_dirs, old_stps, ro, al). Only top-level state
+    # tensors were cast: a warm-started LBFGS failed at its first O3 step ("dot : expected both
+    # vectors to have same dtype"). Reference: a .bfloat16() model whose LBFGS loaded the same
+    # state (Optimizer.load_state_dict casts inside the lists), stepped the same way.
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+    model = nn.Linear(8, 4)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+
+    def closure_of(net, optimizer, scaled_backward):
+        def closure():
+            optimizer.zero_grad()
+            loss = (net(x.to(next(net.parameters()).dtype)).float() - y).square().mean()
+            scaled_backward(loss, optimizer)
+            return loss
+        return closure
+
+    def plain_backward(loss, _optimizer):
+        loss.backward()
+
+    def amp_backward(loss, optimizer):
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+
+    for _ in range(2):  # (fp32 steps before: the history lists fill)
+        opt.step(closure_of(model, opt, plain_backward))
+    ref = copy.deepcopy(model).bfloat16()
+    ref_opt = torch.optim.LBFGS(ref.parameters(), lr=0.5, max_iter=3)
+    ref_opt.load_state_dict(opt.state_dict())
+    amp.initialize(model, opt, opt_level="O3", dtype=torch.bfloat16, loss_scale=1.0,
+                   verbosity=0)
+    state = opt.state[next(model.parameters())]
+    assert state["old_dirs"] and all(t.dtype == torch.bfloat16 for t in state["old_dirs"])
+    for _ in range(2):
+        opt.step(closure_of(model, opt, amp_backward))
+        ref_opt.step(closure_of(ref, ref_opt, plain_backward))
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 class _ShardedLike(torch.optim.Optimizer):
     """Shaped like ZeroRedundancyOptimizer: steps an inner optimizer (``.optim``) that holds
     the parameters in param_groups of its own."""
