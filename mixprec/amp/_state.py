@@ -422,11 +422,13 @@ def _fused_cast_ok(half_grads: List[torch.Tensor], fresh: List[torch.Tensor]) ->
     """Whether the fused cast + unscale + check may take these half gradients into ``fresh``.
 
     The kernel walks each tensor as its ``numel()`` elements from ``data_ptr()``, so each fp32
-    gradient (laid out as its master) must have its half gradient's strides; any dense layout
-    works (contiguous or channels-last, which is what autograd's gradient layout contract
-    gives). Anything else (a model moved to channels-last after ``initialize``, its masters
-    not), several devices, or no Triton (or one older than 3.6, which this kernel was not
-    verified with) takes the PyTorch passes.
+    gradient must have its half gradient's strides. The fp32 ones are ``empty_like`` the
+    masters, always dense (contiguous, channels-last, any dense order), so equal strides make
+    the half one dense too (strides of size-1 dimensions aside, which address nothing);
+    autograd lays out a gradient as its parameter, and the masters were cloned from the
+    parameters, so they agree. Other strides (a model moved to
+    channels-last after ``initialize``, its masters not), several devices, or no Triton (or
+    one older than 3.6, which this kernel was not verified with) take the PyTorch passes.
     """
     device = half_grads[0].device
     if device.type == "cuda":
@@ -436,13 +438,14 @@ def _fused_cast_ok(half_grads: List[torch.Tensor], fresh: List[torch.Tensor]) ->
         return False
     if not _multi_tensor.verified_triton():  # (False without a usable Triton too)
         return False
-    for g in half_grads:
-        if g.device != device or g.dtype not in (torch.float16, torch.bfloat16):
+    index, halves = half_grads[0].get_device(), (torch.float16, torch.bfloat16)
+    for g, f in zip(half_grads, fresh):  # (get_device: an int, cheaper than a device object)
+        if g.get_device() != index or g.dtype not in halves:
             return False
-        if not (g.is_contiguous() or (g.dim() == 4 and g.is_contiguous(
-                memory_format=torch.channels_last))):
+        if g.stride() != f.stride() and any(  # (a size-1 dimension's stride is free)
+                n > 1 and a != b for n, a, b in zip(g.shape, g.stride(), f.stride())):
             return False
-    return all(g.stride() == f.stride() for g, f in zip(half_grads, fresh))
+    return True
 
 
 def _state_cast(key, value, dtype: torch.dtype, scalars: bool):

@@ -1322,3 +1322,24 @@ def test_a_model_moved_to_channels_last_after_initialize_trains_as_one_moved_bef
     after = _conv_run(device, make_opt, "after", monkeypatch, fused_cast)
     for key, value in before.items():
         torch.testing.assert_close(after[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.skipif(interpreter_skip_reason() is not None,
+                    reason=str(interpreter_skip_reason()))
+def test_the_fused_cast_takes_only_gradients_laid_out_as_their_masters(monkeypatch):
+    # The kernel walks both tensors in memory order: strides must agree, but for size-1
+    # dimensions (which address nothing: a depthwise conv's weight, (C, 1, k, k)).
+    from mixprec.amp import _state
+
+    monkeypatch.setattr(_state, "_FUSED_CAST_ON_CPU", True)
+    ok = _state._fused_cast_ok
+    half = torch.empty(8, 4, 3, 3, dtype=torch.bfloat16)
+    last = half.to(memory_format=torch.channels_last)
+    assert ok([half], [torch.empty(8, 4, 3, 3)])
+    assert ok([last], [torch.empty_like(last, dtype=torch.float32)])
+    assert not ok([last], [torch.empty(8, 4, 3, 3)])
+    assert not ok([half], [torch.empty_like(last, dtype=torch.float32)])
+    depthwise = torch.empty(8, 1, 3, 3, dtype=torch.bfloat16)
+    assert ok([depthwise], [torch.empty_strided((8, 1, 3, 3), (9, 1, 3, 1))])
+    assert not ok([half.transpose(2, 3)], [torch.empty(8, 4, 3, 3)])
+    assert not ok([half, half.float()], [torch.empty(8, 4, 3, 3)] * 2)  # (not half)
