@@ -7,6 +7,9 @@ O1 runs the model under ``torch.autocast``, which knows PyTorch's own ops. A use
 * float: they are cast to fp32;
 * promote: they are cast to the widest floating dtype among them.
 
+Arguments are tensors, or lists, tuples and mappings of them (see ``_cast_args``); other
+objects, dataclass instances and a method's ``self`` among them, are passed as they are.
+
 A rule acts only while autocast is on for the arguments' device (inside an O1 model's
 forward, or the user's own ``torch.autocast`` block); elsewhere the function runs untouched,
 so the same code serves every opt level. ``register_*_function(module, name)`` replaces
@@ -66,6 +69,31 @@ def _floating_dtypes(value, out):
     return out
 
 
+def _cast_args(value, dtype: torch.dtype):
+    """The arguments of a function with a rule, their floating tensors cast to ``dtype``.
+
+    Tensors, and those inside lists, tuples, namedtuples and mappings (as Apex cast them,
+    mappings too), the ones :func:`_first_device_type` and :func:`_floating_dtypes` look at.
+    A container is copied only when something in it is cast: one the function fills in (an
+    output list, a dict of results) is the caller's own object, as outside O1. Dataclass
+    instances and other objects are passed as they are: a method's ``self`` (a dataclass KV
+    cache) was copied, and the method's writes to it lost.
+    """
+    if isinstance(value, torch.Tensor):
+        return cast_floating(value, dtype)
+    if isinstance(value, Mapping):
+        items = {k: _cast_args(v, dtype) for k, v in value.items()}
+        if all(items[k] is v for k, v in value.items()):
+            return value
+        return items if type(value) is dict else _model._rebuild_mapping(value, items)
+    if isinstance(value, (list, tuple)):
+        cast = [_cast_args(v, dtype) for v in value]
+        if all(c is v for c, v in zip(cast, value)):
+            return value
+        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
+    return value
+
+
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     # A device type autocast does not know (meta tensors: shape inference, a model built on
     # the meta device) has no autocast to be on: torch.is_autocast_enabled("meta") raises, so
@@ -107,7 +135,7 @@ def _wrap(fn: Callable, rule: str) -> Callable:
                 return fn(*args, **kwargs)
             target = functools.reduce(torch.promote_types, dtypes)
         with torch.autocast(device_type, enabled=False):
-            return fn(*cast_floating(args, target), **cast_floating(kwargs, target))
+            return fn(*_cast_args(args, target), **_cast_args(kwargs, target))
 
     wrapper._mixprec_cast_rule = rule
     return wrapper

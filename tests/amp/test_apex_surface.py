@@ -1134,6 +1134,41 @@ def test_registered_function_finds_a_tensor_after_a_list_without_one():
     assert probe([2, 3], torch.randn(2)) == torch.float32
 
 
+@dataclasses.dataclass
+class _KVCache:
+    k: torch.Tensor
+
+    @amp.half_function
+    def append(self, x):
+        self.k = torch.cat([self.k, x.float()])
+        return x.dtype
+
+
+def test_a_function_with_a_rule_writes_into_its_callers_objects():
+    # Arguments were cast as the model's inputs are, dataclasses entered and every container
+    # copied: a half_function method of a dataclass (a KV cache) got a copy as self and its
+    # write was lost, and an output list or dict the function filled stayed empty, only under
+    # autocast. Now a dataclass (self among them) is passed as it is, as Apex passed any object
+    # that was not a tensor, list or tuple, and a container is copied only to cast something in it.
+    cache = _KVCache(torch.zeros(1, 4))
+    sink, store = [], {}
+
+    @amp.half_function
+    def collect(x, out: list, results: dict, pair=None):
+        out.append(x)
+        results["last"] = x
+        return [t.dtype for t in pair] if pair is not None else None
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert cache.append(torch.randn(2, 4)) == torch.bfloat16
+        assert collect(torch.randn(2), sink, store) is None
+        mixed = [torch.randn(2), torch.randn(2, dtype=torch.bfloat16)]
+        assert collect(torch.randn(2), sink, store, pair=mixed) == [torch.bfloat16] * 2
+    assert cache.k.shape == (3, 4) and cache.k.dtype == torch.float32
+    assert [t.dtype for t in sink] == [torch.bfloat16] * 2 and store["last"] is sink[-1]
+    assert mixed[0].dtype == torch.float32  # (the list with something to cast was a copy)
+
+
 def test_promote_function_without_floating_arguments_runs_under_autocast():
     # No floating tensor to promote (integer indices only): the function runs as it is,
     # with autocast still on inside it, as an unregistered function would.
