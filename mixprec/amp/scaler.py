@@ -198,7 +198,11 @@ class LossScaler:
                 f"int}}, got {state!r}."
             ) from None
         if not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"LossScaler.load_state_dict: loss_scale={scale} must be > 0.")
+            raise ValueError(
+                f"LossScaler.load_state_dict: loss_scale={scale} must be a finite number > 0 "
+                "(a checkpoint's scale is the one its run last used; a non-finite one means the "
+                "saved state is corrupt: load an earlier checkpoint, or leave the amp state out "
+                "to start from the initial scale).")
         if unskipped < 0 or unskipped != float(state["unskipped"]):
             # A count of clean steps: a negative one silently delayed the next growth, and a
             # fractional one was truncated.

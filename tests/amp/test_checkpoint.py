@@ -588,7 +588,7 @@ def test_amp_state_dict_of_another_num_losses_loads_what_fits():
     # Refused, and nothing loaded: a whole checkpoint, or one bad entry.
     with pytest.raises(ValueError, match=r"unexpected key\(s\) \['model'\].*checkpoint\['amp'\]"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}, "model": {}})
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0},
                              "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0}})
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": 0}

@@ -194,7 +194,7 @@ def test_scale_factor_other_than_two(on_device):
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), -2.0])
 def test_load_state_dict_refuses_a_non_finite_scale(bad):
     s = LossScaler("dynamic")
-    with pytest.raises(ValueError, match="must be > 0"):
+    with pytest.raises(ValueError, match="must be a finite number > 0"):
         s.load_state_dict({"loss_scale": bad, "unskipped": 0})
     assert s.state_dict() == {"loss_scale": 2.0**16, "unskipped": 0}  # unchanged
 
