@@ -600,18 +600,22 @@ class _OptimizerState:
     def _refuse_mastered_elsewhere(self, optimizer, known) -> None:
         """A group added with ``add_param_group`` holding a half parameter that another
         optimizer keeps an fp32 master of: refused before anything changes (two masters
-        would drift apart; see frontend._refuse_shared_masters)."""
+        would drift apart; see frontend._refuse_shared_masters), and taken back out of
+        ``param_groups``, as ``add_param_group`` itself refuses a bad group. Left there, it
+        refused every later step, and the optimizer could not be used again."""
         elsewhere = {id(h): o for h, o in mastered_elsewhere() if o is not optimizer}
-        for group in optimizer.param_groups:
+        for index, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 other = elsewhere.get(id(p)) if id(p) not in known else None
                 if other is not None:
+                    del optimizer.param_groups[index]
                     raise ValueError(
                         f"{type(optimizer).__name__}.add_param_group: a parameter of shape "
                         f"{tuple(p.shape)} in the new group already has an fp32 master in "
                         f"another optimizer ({type(other).__name__}); with two, each would "
-                        "step its own and they would drift apart. Put each parameter in one "
-                        "optimizer (a parameter group gives it its own hyper-parameters)."
+                        "step its own and they would drift apart. The group was taken back "
+                        "out of param_groups. Put each parameter in one optimizer (a "
+                        "parameter group gives it its own hyper-parameters)."
                     )
 
     def match_plain_state_dtypes(self) -> None:

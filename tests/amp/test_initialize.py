@@ -574,14 +574,24 @@ def test_o2_refuses_a_parameter_in_two_optimizers(calls):
 def test_o2_refuses_a_late_group_holding_another_optimizers_mastered_parameter():
     a, b, oa, ob = _shared_layer_models()
     ob = torch.optim.SGD(b[1].parameters(), lr=0.1)  # (b's own layer only)
-    amp.initialize([a, b], [oa, ob], opt_level="O2", verbosity=0)
+    amp.initialize([a, b], [oa, ob], opt_level="O2", loss_scale=1.0, verbosity=0)
     ob.add_param_group({"params": [b[0].weight]})
     with pytest.raises(ValueError, match=r"add_param_group: a parameter of shape \(4, 4\) in "
                        r"the new group already has an fp32 master in another optimizer "
-                       r"\(SGD\).*Put each parameter in one optimizer"):
+                       r"\(SGD\).*taken back out of param_groups.*Put each parameter in "
+                       r"one optimizer"):
         amp.master_params(ob)
+    # Taken back out, as add_param_group refuses a bad group: before, it stayed, and every
+    # later step was refused. The optimizer trains on as it did before the call.
+    assert len(ob.param_groups) == 1
     assert [p.dtype for p in ob.param_groups[0]["params"]] == [torch.float32] * 2
-    assert ob.param_groups[1]["params"][0] is b[0].weight  # (nothing changed)
+    before = [p.detach().clone() for p in amp.master_params(ob)]
+    loss = (a(torch.randn(3, 4)).float().sum() + b(torch.randn(3, 4)).float().sum())
+    with amp.scale_loss(loss, [oa, ob]) as scaled:
+        scaled.backward()
+    oa.step()
+    ob.step()
+    assert all(not torch.equal(p, q) for p, q in zip(amp.master_params(ob), before))
 
 
 def test_o1_keeps_a_parameter_in_two_optimizers():
