@@ -571,6 +571,36 @@ def test_o2_refuses_a_parameter_in_two_optimizers(calls):
         assert b[1].weight.dtype == torch.float32
 
 
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_lazy_layers_that_have_not_seen_an_input_are_refused_clearly(opt_level):
+    # The lazy hook gives a layer its plain class at its first forward, dropping the class amp
+    # gives it: a lazy root model failed at its first forward at every level ("object has no
+    # attribute '_mixprec_cast_forward'"), as did a lazy BatchNorm kept fp32 at O1; O2's
+    # masters cannot be made from parameters without a shape. Refused before anything changes.
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"lazy layers that have not seen an input yet \(0\)"
+                       r".*Run one forward pass on a dummy batch before amp.initialize"):
+        amp.initialize(model, opt_level=opt_level, verbosity=0)
+    bn = nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())
+    with pytest.raises(ValueError, match=r"\(1\)"):
+        amp.initialize(bn, opt_level=opt_level, verbosity=0)
+    with pytest.raises(ValueError, match=r"\(LazyLinear\)"):
+        amp.initialize(nn.LazyLinear(4), opt_level=opt_level, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model[2].parameters())  # (nothing changed)
+
+    # Materialized by a forward first, they go through, as any layer.
+    x = torch.randn(3, 5)
+    model(x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    bn(torch.randn(2, 3, 5, 5))
+    amp.initialize(bn, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    assert bn(torch.randn(2, 3, 5, 5)).shape == (2, 4, 5, 5)
+
+
 def test_o2_refuses_a_late_group_holding_another_optimizers_mastered_parameter():
     a, b, oa, ob = _shared_layer_models()
     ob = torch.optim.SGD(b[1].parameters(), lr=0.1)  # (b's own layer only)
