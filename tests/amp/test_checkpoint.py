@@ -344,18 +344,23 @@ class _TiedLM(torch.nn.Module):
         return self.lm_head(torch.tanh(self.lin(self.wte(idx))))
 
 
-def test_tied_weights_save_the_master_under_both_names():
-    torch.manual_seed(0)
-    model = _TiedLM()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+def _train_lm(model, opt, steps=3):
+    """A few steps of next-token-like training of ``_TiedLM`` / ``_UntiedLM`` (vocab 16)."""
     idx = torch.randint(0, 16, (4, 6))
-    for _ in range(3):
+    for _ in range(steps):
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
         opt.step()
+
+
+def test_tied_weights_save_the_master_under_both_names():
+    torch.manual_seed(0)
+    model = _TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    _train_lm(model, opt)
     sd = model.state_dict()
     master = next(m for m in amp.master_params(opt) if m.shape == (16, 8))
     for key in ("wte.weight", "lm_head.weight"):
@@ -390,13 +395,7 @@ def test_weights_tied_after_initialize_save_and_load_the_tied_master(dtype):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
     model.tie()
-    idx = torch.randint(0, 16, (4, 6))
-    for _ in range(3):
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
+    _train_lm(model, opt)
     master = next(m for m in amp.master_params(opt) if m.shape == (16, 8))
     torch.testing.assert_close(model.wte.weight.float(), master.detach().to(dtype).float(),
                                rtol=0, atol=0)  # (the tied weight's master is emb's)
