@@ -311,12 +311,20 @@ def convert_fused_batchnorm(module: nn.Module) -> nn.Module:
     """Turn every ``BatchNorm1d/2d/3d`` in ``module`` into a :class:`FusedBatchNorm`, in place:
     the same module objects (their parameters, buffers, hooks, mode and attributes stay, and a
     layer registered under several names stays one layer), only their class changes. Returns
-    ``module``. Subclasses of those layers (SyncBatchNorm, user-defined ones, and the classes
-    ``amp.initialize`` gives BatchNorm at O1 with ``keep_batchnorm_fp32``: convert before
-    ``amp.initialize``, as for ``convert_syncbn_model``) are left alone."""
+    ``module``. Subclasses of those layers (SyncBatchNorm, user-defined ones) are left alone.
+    A plain layer that ``amp.initialize`` already prepared (O1's fp32 BatchNorm with
+    ``keep_batchnorm_fp32``, a BatchNorm passed as the model) is converted too and keeps amp's
+    forward."""
+    from mixprec.amp._model import _amp_class, _original_class, is_amp_model
+
     plain = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
     for layer in module.modules():
         if type(layer) in plain:
             layer.__class__ = FusedBatchNorm
-            layer._cache = {}
+        elif is_amp_model(layer) and _original_class(type(layer)) in plain:
+            # (Before, left alone without a word: the conversion did nothing after initialize.)
+            layer.__class__ = _amp_class(FusedBatchNorm)
+        else:
+            continue
+        layer._cache = {}
     return module
