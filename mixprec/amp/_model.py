@@ -32,8 +32,8 @@ from mixprec.amp._properties import _HALF_TYPES
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
 __all__ = [
-    "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "agree_on_overflow", "cast_floating",
-    "cast_module_tensors", "convert_model", "converted_part_of", "is_amp_model",
+    "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "agree_on_overflow", "carry_amp_forward",
+    "cast_floating", "cast_module_tensors", "convert_model", "converted_part_of", "is_amp_model",
     "master_weights", "overflow_groups", "restore_model",
 ]
 
@@ -575,6 +575,17 @@ def _swap_class(module: nn.Module, config: AmpForwardConfig) -> None:
     if not is_amp_model(module):
         module.__class__ = _amp_class(type(module))
     module._mixprec_forward = config
+
+
+def carry_amp_forward(old: nn.Module, new: nn.Module) -> None:
+    """Give ``new``, built to replace ``old`` after ``amp.initialize`` (``convert_syncbn_model``
+    on a prepared model), what amp gave ``old``: its class's amp forward and configuration,
+    and the model it is a part of. Nothing when ``old`` is not amp's."""
+    if is_amp_model(old) and not is_amp_model(new):
+        _swap_class(new, old._mixprec_forward)
+    ref = _PART_OF.get(old)
+    if ref is not None:
+        _PART_OF[new] = ref
 
 
 def restore_model(module: nn.Module) -> nn.Module:

@@ -11,6 +11,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from mixprec.amp._model import carry_amp_forward
 from mixprec.parallel._comm import check_process_group, require_initialized
 from mixprec.parallel.sync_batchnorm import SyncBatchNorm
 
@@ -54,8 +55,9 @@ def convert_syncbn_model(module: nn.Module, process_group=None,
     ``process_group`` and ``channel_last``, as Apex's rebuilt ones did. The new layers take
     over the old ones' parameters and running-statistics buffers (the same objects), train/eval
     mode and ``requires_grad``, and a BatchNorm subclass's submodules (converted too; its own
-    ``forward`` is not kept, as in Apex). Call it before ``amp.initialize`` and before wrapping
-    the model in ``DistributedDataParallel``.
+    ``forward`` is not kept, as in Apex). Call it before wrapping the model in
+    ``DistributedDataParallel``; before ``amp.initialize`` as Apex asked, or after it (a layer
+    amp prepared, O1's fp32 BatchNorm, passes amp's forward on to its SyncBatchNorm).
 
     Args:
         module (nn.Module): the model (or a single BatchNorm layer).
@@ -91,6 +93,9 @@ def convert_syncbn_model(module: nn.Module, process_group=None,
         module.channel_last = channel_last
     elif isinstance(module, _BatchNorm):
         sync = _convert_one(module, process_group, channel_last)
+        # (A layer amp.initialize prepared, e.g. O1's fp32 BatchNorm: the new one keeps amp's
+        # forward. Before, it lost it without a word.)
+        carry_amp_forward(module, sync)
         # A subclass's submodules (e.g. an activation) come along, converted, as in Apex and
         # torch's convert_sync_batchnorm: the model keeps their parameters and state_dict keys.
         for name, child in module.named_children():

@@ -977,3 +977,38 @@ def test_second_derivative_is_a_clear_error(loss):
     (gx,) = torch.autograd.grad(out, x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice"):
         gx.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_convert_syncbn_model_after_initialize_keeps_amp_fp32_batchnorm(not_distributed, dtype):
+    # At O1 with keep_batchnorm_fp32, amp gives each BatchNorm its fp32 forward. Converted
+    # afterwards, the new SyncBatchNorm lost it without a word (it ran as autocast left it:
+    # half input, on CUDA a half computation). Reference: the model converted before
+    # initialize (one process: bit for bit).
+    from mixprec import amp
+    from mixprec.amp._model import converted_part_of, is_amp_model
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+
+    before = amp.initialize(convert_syncbn_model(build()), opt_level="O1",
+                            keep_batchnorm_fp32=True, dtype=dtype, verbosity=0)
+    after = amp.initialize(build(), opt_level="O1", keep_batchnorm_fp32=True, dtype=dtype,
+                           verbosity=0)
+    after = convert_syncbn_model(after)
+    assert isinstance(after[1], SyncBatchNorm) and is_amp_model(after[1])
+    x = torch.randn(2, 3, 6, 6)
+    want, got = before(x), after(x)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(after[1].weight.grad, before[1].weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(after[1].running_mean, before[1].running_mean, rtol=0, atol=0)
+
+    # At O2 the new layer is a part of the model, as the old one was: initialize refuses it.
+    model = amp.initialize(build(), opt_level="O2", dtype=dtype, verbosity=0)
+    model = convert_syncbn_model(model)
+    assert converted_part_of(model[1]) is model
+    with pytest.raises(ValueError, match="part"):
+        amp.initialize(model[1], opt_level="O2", dtype=dtype, verbosity=0)
