@@ -917,3 +917,23 @@ def test_o2_parametrization_after_initialize_keeps_the_fp32_masters(dtype):
 
     parametrize.remove_parametrizations(model[0], "weight", leave_parametrized=False)
     torch.testing.assert_close(model.state_dict()["0.weight"], master.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("level", ["O2", "O3"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_functional_call_takes_the_models_own_tensors(level, dtype):
+    # What the README says for torch.func.functional_call: the model's own parameters and
+    # buffers give its forward, as do state-dict entries cast to the parameters' dtypes.
+    model = make_cnn("cpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=level, dtype=dtype, verbosity=0)
+    model.eval()
+    x, _ = batch("cpu")
+    want = model(x)
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    got = torch.func.functional_call(model, own, (x,))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    dtypes = {k: v.dtype for k, v in own.items()}
+    cast = {k: v.to(dtypes[k]) for k, v in model.state_dict().items()}
+    torch.testing.assert_close(torch.func.functional_call(model, cast, (x,)), want, rtol=0,
+                               atol=0)
