@@ -159,7 +159,7 @@ def _fused_norm_forward(
     out_dtype = (weight.dtype if output_like_weight and weight is not None
                  else getattr(input, "dtype", None))
     return _ops.fused_norm(input, normalized_shape, weight, bias, eps, is_rms, memory_efficient,
-                           out_dtype, check=name)
+                           out_dtype, check=name, output_like_weight=output_like_weight)
 
 
 torch.fx.wrap("_fused_norm_forward")

@@ -21,6 +21,7 @@ import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from mixprec.normalization import _checks, _launch, reference
@@ -528,12 +529,15 @@ def fused_norm(
     memory_efficient: bool,
     out_dtype: torch.dtype,
     check: Optional[str] = None,
+    output_like_weight: bool = False,
 ) -> Tensor:
     """Normalize ``x`` over its trailing ``normalized_shape``.
 
     With ``check`` (the caller's name for messages), the arguments are validated whenever
     their signature (shapes, strides, dtypes, devices, eps) has not been seen before; without
-    it the caller has validated them.
+    it the caller has validated them. ``output_like_weight``: ``out_dtype`` is the weight's
+    dtype (the Mixed norms), else the input's; only ``torch.jit.trace`` needs to know which
+    (see :func:`_jit_traced_norm`).
     """
     if is_rms:
         bias = None
@@ -547,7 +551,8 @@ def fused_norm(
         # not installed (TorchScript serving, libtorch), as Apex's modules traced. (No
         # argument checks: on traced shapes they would only add TracerWarnings; PyTorch's
         # ops check.)
-        return _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
+        return _jit_traced_norm(x, normalized_shape, weight, bias, eps, is_rms,
+                                output_like_weight)
     if not isinstance(x, Tensor) or (_HAS_CUSTOM_OP and _launch.is_compiling()):
         if check is not None:
             _checks.check_inputs(check, x, tuple(normalized_shape), weight, bias, eps)
@@ -593,6 +598,28 @@ def _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype) -
     if is_rms:
         return reference.rms_norm(x, list(normalized_shape), weight, eps, out_dtype)
     return reference.layer_norm(x, list(normalized_shape), weight, bias, eps, out_dtype)
+
+
+def _jit_traced_norm(x, normalized_shape, weight, bias, eps, is_rms, output_like_weight):
+    """Under ``torch.jit.trace``: PyTorch's own norm op, with every dtype taken from the
+    tensors when the trace runs. A trace records ``.to(dtype)`` with the dtype of the tracing
+    inputs, so the reference's casts fixed the output dtype: a model traced in fp32 and served
+    with ``.bfloat16()`` gave fp32 out of its norms, and its next layer failed. ``type_as`` is
+    recorded as an op on its argument. The computation is in the parameters' dtype (fp32 for
+    the Mixed norms and for fp32 parameters, as eagerly), the result in the input's, or in
+    the weight's with ``output_like_weight``."""
+    shape = list(normalized_shape)
+    param = weight if weight is not None else bias
+    if param is None:
+        return (F.rms_norm(x, shape, None, eps) if is_rms
+                else F.layer_norm(x, shape, None, None, eps))
+    # (A tensor of x's dtype that is not x: type_as returns x itself where the dtypes agree,
+    # and the trace would then take the cast input for x.)
+    like = None if output_like_weight else x.new_empty(())
+    xp = x.type_as(param)
+    y = F.rms_norm(xp, shape, weight, eps) if is_rms else F.layer_norm(xp, shape, weight, bias,
+                                                                        eps)
+    return y if like is None else y.type_as(like)
 
 
 def _traced_norm(x, normalized_shape, weight, bias, eps, is_rms, memory_efficient,

@@ -64,7 +64,7 @@ def _norm(where: str, x: Tensor, normalized_shape: _Shape, weight: Optional[Tens
                          "(its output takes the weight's dtype)")
     out_dtype = weight.dtype if output_like_weight else x.dtype
     return _ops.fused_norm(x, shape, weight, bias, float(eps), is_rms, bool(memory_efficient),
-                           out_dtype)
+                           out_dtype, output_like_weight=output_like_weight)
 
 
 # One call_function node under torch.fx (the functions below call it through this module).

@@ -1,6 +1,7 @@
 """The API around the kernels: errors, repr, state dicts, TorchScript, torch.compile, autocast."""
 
 import contextlib
+import copy
 import subprocess
 import sys
 import warnings
@@ -881,6 +882,38 @@ def test_jit_trace_records_pytorchs_own_ops(cls, device, tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "torch.Size([2, 16])"
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm,
+                                 MixedFusedRMSNorm])
+def test_jit_trace_takes_dtypes_when_it_runs(cls):
+    # A trace recorded the reference's .to(dtype) casts with the tracing input's dtype: a
+    # model traced in fp32 and served with .bfloat16() got fp32 out of its norms (its next
+    # Linear failed), and the other way round. Reference: the module's own forward on the
+    # same input and parameters (the result's dtype exactly, values to bf16's rounding).
+    torch.manual_seed(0)
+    norm = cls(16)
+    with torch.no_grad():
+        norm.weight.normal_()
+        if getattr(norm, "bias", None) is not None:
+            norm.bias.normal_()
+    x = torch.randn(3, 5, 16)
+
+    def trace(dtype):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            return torch.jit.trace(copy.deepcopy(norm).to(dtype), x.to(dtype))
+
+    # Traced in fp32, then: bf16 inputs to the fp32 parameters (the Mixed norms' use), and the
+    # whole trace cast to bf16; traced in bf16, then cast to fp32. (.to(dtype) of a module
+    # converts it in place.)
+    cases = [(trace(torch.float32), norm, x.bfloat16()),
+             (trace(torch.float32).bfloat16(), copy.deepcopy(norm).bfloat16(), x.bfloat16()),
+             (trace(torch.bfloat16).float(), norm, x)]
+    for module, eager, inp in cases:
+        want, got = eager(inp), module(inp)
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("cls", [FusedLayerNorm, MixedFusedLayerNorm, FusedRMSNorm,
