@@ -166,12 +166,27 @@ def _flat(p: Optional[Tensor]) -> Optional[Tensor]:
 def _forward(x, weight, bias, n, eps, is_rms, out_dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Eager forward into an output allocated in ``x``'s shape: ``(y, x2d, mean, rstd)``."""
     x2d = _rows(x, n)
+    weight, bias = _flat(weight), _flat(bias)
+    if not _use_triton(x2d, n, weight, bias):
+        y2d, mean, rstd = reference.norm_forward(x2d, weight, bias, eps, is_rms, out_dtype)
+        return _as_shape(y2d, x.shape), x2d, mean, rstd
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     _, mean, rstd = norm_fwd_impl(
-        x2d, _flat(weight), _flat(bias), eps, is_rms, out_dtype,
-        out=y if x2d is x else y.view(-1, n),
+        x2d, weight, bias, eps, is_rms, out_dtype, out=y if x2d is x else y.view(-1, n),
     )
     return y, x2d, mean, rstd
+
+
+def _as_shape(y2d: Tensor, shape) -> Tensor:
+    """``y2d`` (fresh, made here) in ``shape``, on its own memory and not a view: a view made
+    inside an autograd Function may not be written in place afterwards, and a copy into an
+    output of that shape took as long as PyTorch's whole LayerNorm on a CPU."""
+    if y2d.shape == shape:
+        return y2d
+    if not y2d.is_contiguous():
+        y2d = y2d.contiguous()
+    return torch.empty(0, dtype=y2d.dtype, device=y2d.device).set_(
+        y2d.untyped_storage(), y2d.storage_offset(), shape, _contiguous_strides(shape))
 
 
 def _row_stride(x: Tensor, n: int) -> Optional[int]:
