@@ -12,7 +12,9 @@ import contextlib
 import difflib
 import logging
 import os
+import signal
 import sys
+import threading
 from typing import List, Optional, Sequence
 
 import torch
@@ -69,6 +71,11 @@ def _opt_level(text: str) -> str:
     level = text.strip().upper()
     if level in _OPT_LEVELS:
         return level
+    if "," in level:
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r}; separate the levels with spaces, e.g. --opt-levels "
+            f"{' '.join(part.strip() for part in text.split(',') if part.strip())}"
+        )
     if len(level) == 2 and level[0] == "0" and level[1] in "0123":
         raise argparse.ArgumentTypeError(
             f"invalid choice: {text!r} (choose from {', '.join(_OPT_LEVELS)}); did you mean "
@@ -88,9 +95,24 @@ _seed = _int_in(-(2**63), "an integer from -2**63 to 2**64 - 1 (torch.manual_see
                 maximum=2**64 - 1)
 
 
+_DTYPE_NAMES = {"fp16": "fp16", "float16": "fp16", "half": "fp16",
+                "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def _dtype_name(text: str) -> str:
+    """An argparse type for --dtype: torch's names (float16, bfloat16, half) and any case
+    read as fp16 / bf16; anything else goes to argparse's choices check, which names them."""
+    return _DTYPE_NAMES.get(text.strip().lower(), text)
+
+
+def _lower(text: str) -> str:
+    return text.strip().lower()
+
+
 def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
+        type=_lower,
         choices=("cnn", "gpt", "resnet50"),
         default="cnn",
         help="cnn: small CNN with BatchNorm (default); gpt: built-in GPT-style model; "
@@ -116,6 +138,7 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--dtype",
+        type=_dtype_name,
         choices=("fp16", "bf16"),
         default=None,
         help="half type: fp16 or bf16. Default: fp16 on CUDA (Apex's type, exercises loss "
@@ -293,6 +316,13 @@ def _unwritable(path: Optional[str], example: str) -> Optional[str]:
         )
     if os.path.isdir(path):
         return "it is a directory"
+    stream = _standard_stream_of(path)
+    if stream is not None:
+        return (
+            f"it is where the standard {stream} goes, so the file would be mixed with the "
+            f"{'table' if stream == 'output' else 'progress lines'}; give a file name, e.g. "
+            f"{example}"
+        )
     parent = os.path.dirname(os.path.abspath(path))
     missing = []
     while not os.path.exists(parent):
@@ -316,6 +346,25 @@ def _unwritable(path: Optional[str], example: str) -> Optional[str]:
                 os.remove(path)
             for directory in reversed(made):
                 os.rmdir(directory)
+    return None
+
+
+def _standard_stream_of(path: str) -> Optional[str]:
+    """"output" or "error" when ``path`` is the file that stdout or stderr writes to
+    (``/dev/stdout``, ``/proc/self/fd/1``, or the file they were redirected to), else None.
+    The null device is none of them: writing it twice loses nothing."""
+    try:
+        target = os.stat(path)
+    except OSError:
+        return None
+    if os.path.exists(os.devnull) and os.path.samestat(target, os.stat(os.devnull)):
+        return None
+    for name, stream in (("output", sys.stdout), ("error", sys.stderr)):
+        try:
+            if os.path.samestat(target, os.fstat(stream.fileno())):
+                return name
+        except (AttributeError, OSError, ValueError):  # closed, or in memory (tests)
+            continue
     return None
 
 
@@ -343,20 +392,26 @@ class _Stdout:
     def __call__(self, *lines: str) -> None:
         if self.broken:
             return
+        if sys.stdout is None:  # (started with stdout closed: >&-)
+            self.broken = True
+            return
         try:
             for line in lines:
                 print(line)
             sys.stdout.flush()  # (here, so that a closed pipe shows here)
-        except BrokenPipeError:
+        except OSError:  # a closed pipe, a full disk (ENOSPC), a terminal gone (EIO)
             self.broken = True
             _to_devnull(sys.stdout)
 
 
 def _err(message: str) -> None:
-    """One line on stderr; a closed stderr is not an error of the benchmark."""
+    """One line on stderr; a stderr that cannot be written (closed, a full disk) is not an
+    error of the benchmark."""
+    if sys.stderr is None:  # (started with stderr closed; print would write to stdout)
+        return
     try:
         print(message, file=sys.stderr, flush=True)
-    except BrokenPipeError:
+    except OSError:
         _to_devnull(sys.stderr)
 
 
@@ -533,7 +588,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
         if log_modes:
             _err(_mode_line(row, len(results), len(modes)))
 
-    interrupted = False
+    interrupted, stopped_by = False, "Ctrl-C"
     try:
         run_modes(
             workload,
@@ -548,8 +603,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
             progress=step,
             on_result=finished,
         )
-    except KeyboardInterrupt:  # Ctrl-C: keep what finished
+    except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP: keep what finished
         interrupted = True
+        stopped_by = _signal_name(exc)
     finally:
         if bar is not None:
             bar.close()
@@ -562,8 +618,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
     if interrupted:
         left = [mode_label(m, dtype) for m in not_run]
         notes.append(
-            f"interrupted (Ctrl-C) during {left[0]}; did not run: {', '.join(left)}."
-            if left else "interrupted (Ctrl-C) after the last mode."
+            f"interrupted ({stopped_by}) during {left[0]}; did not run: {', '.join(left)}."
+            if left else f"interrupted ({stopped_by}) after the last mode."
         )
     notes.append(
         "s / 40 it = 40 x the median step time; final loss = mean over the last "
@@ -591,7 +647,12 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
     if unsteady:
         notes.append(unsteady)
     if results and not any(r.mode == "O0" and r.ok for r in results):
-        notes.append("no successful O0 row: speed-up and loss gap are not available.")
+        notes.append(
+            "no successful O0 row: speed-up and loss gap are not available."
+            if "O0" in modes else
+            "speed-up and loss gap are against O0, which was not asked for (add O0 to "
+            "--opt-levels for them)."
+        )
     if any(not r.ok for r in results):
         notes.append(
             "failed modes: their tracebacks are in the log above (-v)."
@@ -652,8 +713,51 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
     out(*(f"note: {note}" for note in notes))
     out(*wrote)
     if interrupted:
-        return 130  # 128 + SIGINT, as a shell reports a command stopped by Ctrl-C
+        # 128 + the signal's number, as a shell reports a command stopped by it (130: Ctrl-C)
+        return 128 + _signal_number(stopped_by)
     return 0 if any(r.ok for r in results) and written and not out.broken else 1
+
+
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (``timeout``, ``kill``, a CI job cancelled, a terminal closed),
+    raised in the main thread as Ctrl-C raises KeyboardInterrupt: the run stops the same way,
+    keeping and writing what finished, so that an earlier run's files do not pass for its."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _signal_name(exc: BaseException) -> str:
+    return signal.Signals(exc.signum).name if isinstance(exc, _Stopped) else "Ctrl-C"
+
+
+def _signal_number(name: str) -> int:
+    return int(signal.SIGINT) if name == "Ctrl-C" else int(signal.Signals[name])
+
+
+@contextlib.contextmanager
+def _stop_on_termination():
+    """SIGTERM and SIGHUP raise :class:`_Stopped` while the CLI runs (main thread only: a
+    handler cannot be set from another), the handlers before are put back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {}
+
+    def stop(signum, frame):
+        raise _Stopped(signum)
+
+    for name in ("SIGTERM", "SIGHUP"):
+        number = getattr(signal, name, None)
+        if number is not None and signal.getsignal(number) is not signal.SIG_IGN:
+            # (an ignored SIGHUP, as under nohup, stays ignored)
+            previous[number] = signal.signal(number, stop)
+    try:
+        yield
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def _reject_unknown(parser: argparse.ArgumentParser, extra: List[str]) -> None:
@@ -704,8 +808,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if extra:  # the subcommand's error: its usage, and the closest option
         _reject_unknown(args.subparser, extra)
     try:
-        with _VerboseLogging(args.verbose):
+        with _stop_on_termination(), _VerboseLogging(args.verbose):
             return _bench(args, args.subparser, _Stdout())
-    except KeyboardInterrupt:  # before the modes ran, or a second Ctrl-C after them
-        _err("mixprec bench: interrupted")
-        return 130
+    except KeyboardInterrupt as exc:  # before the modes ran, or a second Ctrl-C after them
+        name = _signal_name(exc)
+        _err("mixprec bench: interrupted" + ("" if name == "Ctrl-C" else f" ({name})"))
+        return 128 + _signal_number(name)

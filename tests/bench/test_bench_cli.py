@@ -801,3 +801,101 @@ def test_stderr_line_of_a_diverged_mode_says_so():
     assert _mode_line(row(1.0), 1, 2) == "mixprec bench: [1/2] O3: ok, 0.400 s / 40 it"
     assert _mode_line(row(float("nan")), 2, 2) == \
         "mixprec bench: [2/2] O3: ok, 0.400 s / 40 it, loss not finite (diverged)"
+
+
+def _cli(args, **popen):
+    """``python -m mixprec bench`` in a child process: (returncode, stderr text)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    popen.setdefault("stdout", subprocess.DEVNULL)
+    popen.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.run([sys.executable, "-m", "mixprec", "bench", *args], env=env,
+                          timeout=120, **popen)
+    return proc.returncode, (proc.stderr or b"").decode()
+
+
+ONE_MODE = [*FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O0", "--no-native"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_a_full_disk_under_stdout_or_stderr_does_not_lose_the_files(stream, tmp_path):
+    # A write that fails with ENOSPC (or EIO: a terminal gone) was only caught for a closed
+    # pipe: the run died with a traceback and wrote no file. stdout failing exits 1 (the
+    # table was lost); stderr failing loses only progress lines: 0.
+    path = tmp_path / "rows.json"
+    with open("/dev/full", "wb") as full:
+        code, err = _cli([*ONE_MODE, "--json", str(path)], **{stream: full})
+    assert code == (1 if stream == "stdout" else 0), err
+    assert "Traceback" not in err
+    assert [r["mode"] for r in json.loads(path.read_text())] == ["O0"]
+
+
+def test_started_with_stdout_closed_still_writes_the_files(tmp_path):
+    # `mixprec bench ... >&-`: sys.stdout is None in the process; the run failed at its first
+    # print with AttributeError and wrote nothing.
+    path = tmp_path / "rows.json"
+    code, err = _cli([*ONE_MODE, "--json", str(path)], stdout=None,
+                     preexec_fn=lambda: os.close(1))
+    assert code == 1 and "Traceback" not in err, err
+    assert [r["mode"] for r in json.loads(path.read_text())] == ["O0"]
+
+
+def test_an_output_path_that_is_stdout_is_refused(tmp_path):
+    # `--json /dev/stdout` passed the "not '-'" check: the file, opened for writing, truncated
+    # what stdout had written and the JSON came out mixed with the table.
+    with open(tmp_path / "out.txt", "wb") as out:
+        code, err = _cli([*ONE_MODE, "--json", "/dev/stdout"], stdout=out)
+    assert code == 2
+    assert "argument --json: cannot write '/dev/stdout': it is where the standard output goes" \
+        in err
+    assert (tmp_path / "out.txt").read_bytes() == b""
+
+
+def test_sigterm_stops_the_run_as_ctrl_c_does(monkeypatch, tmp_path):
+    # `timeout`, `kill`, a cancelled CI job: the run stopped with no file written, so an
+    # earlier run's JSON passed for this one's. Now the finished modes are printed and
+    # written, and the exit status is 128 + 15.
+    import signal
+
+    import mixprec.bench.runner as runner
+
+    real = runner.run_mode
+
+    def run_mode(workload, m, **kwargs):
+        if m == "O1":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(workload, m, **kwargs)
+
+    monkeypatch.setattr(runner, "run_mode", run_mode)
+    path = tmp_path / "rows.json"
+    path.write_text('["an earlier run"]')
+    before = signal.getsignal(signal.SIGTERM)
+    code, text = _run(["bench", *FAST, "--opt-levels", "O0", "O1", "--no-native",
+                       "--json", str(path)])
+    assert code == 128 + signal.SIGTERM
+    assert "note: interrupted (SIGTERM) during O1; did not run: O1." in text
+    (row,) = json.loads(path.read_text())
+    assert row["mode"] == "O0" and row["run_status"] == "interrupted"
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler before is put back
+
+
+def test_argument_spellings_users_reach_for(capsys):
+    # torch's dtype names and capitals are read as the short names; a comma-separated list
+    # of levels gets the fix, not a bare "invalid choice".
+    args = _parsed("--dtype", "BFloat16", "--model", "CNN")
+    assert (args.dtype, args.model) == ("bf16", "cnn")
+    assert _parsed("--dtype", "float16").dtype == "fp16"
+    with pytest.raises(SystemExit):
+        _parsed("--opt-levels", "O1,O2")
+    assert "separate the levels with spaces, e.g. --opt-levels O1 O2" in capsys.readouterr().err
+
+
+def test_no_o0_asked_for_is_not_reported_as_a_failed_o0():
+    code, text = _run(["bench", *FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O1",
+                       "--no-native"])
+    assert code == 0
+    assert "no successful O0 row" not in text
+    assert "note: speed-up and loss gap are against O0, which was not asked for" in text
