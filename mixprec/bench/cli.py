@@ -415,8 +415,9 @@ def _err(message: str) -> None:
         _to_devnull(sys.stderr)
 
 
-def _progress(total: int, enabled: bool):
-    """A tqdm bar and its per-step callback, or (None, None)."""
+def _progress(total: int, enabled: bool, label=lambda mode: mode):
+    """A tqdm bar and its per-step callback, or (None, None). ``label(mode)``: the mode's name
+    as the table shows it (``.bfloat16()``, not the runner's ``half``)."""
     if not enabled:
         return None, None
     try:
@@ -431,7 +432,7 @@ def _progress(total: int, enabled: bool):
 
     def step(mode: str, i: int) -> None:
         if i == 0:
-            bar.set_description(mode)
+            bar.set_description(label(mode))
         bar.update(1)
 
     return bar, step
@@ -578,7 +579,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
         + (", BatchNorm frozen (eval)" if args.frozen_bn else ""),
         "",
     )
-    bar, step = _progress(len(modes) * (warmup + args.iters), not args.no_progress)
+    bar, step = _progress(len(modes) * (warmup + args.iters), not args.no_progress,
+                          lambda mode: mode_label(mode, dtype))
     # Without a bar on the screen (a log file, --no-progress), a line per finished mode.
     log_modes = bar is None or bar.disable
     results = []

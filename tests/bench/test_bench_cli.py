@@ -341,15 +341,19 @@ def test_progress_bar_callback_counts_steps(monkeypatch):
     from mixprec.bench.cli import _progress
 
     monkeypatch.setattr(sys, "stderr", _Terminal())  # the bar shows on terminals only
-    bar, step = _progress(5, enabled=True)
+    bar, step = _progress(5, enabled=True, label={"O1": "O1", "half": ".bfloat16()"}.get)
     try:
         assert not bar.disable
-        for i in range(5):
+        for i in range(3):
             step("O1", i)
+        assert "O1" in sys.stderr.getvalue()  # the mode labels the bar
+        for i in range(2):
+            step("half", i)
         assert bar.total == 5 and bar.n == 5
     finally:
         bar.close()
-    assert "O1" in sys.stderr.getvalue()  # the mode labels the bar
+    # As the table names it (the runner's name for the pure-half recipe is "half").
+    assert ".bfloat16()" in sys.stderr.getvalue()
     monkeypatch.setattr(sys, "stderr", io.StringIO())  # a log file: no bar
     bar, _ = _progress(5, enabled=True)
     assert bar.disable
