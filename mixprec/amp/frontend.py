@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from mixprec.amp._logging import log_rank0
+from mixprec.amp._logging import is_rank_zero, log_rank0
 from mixprec.amp._model import (
     cast_module_tensors,
     convert_model,
@@ -159,7 +159,7 @@ def _warn_if_already_half(models: List[nn.Module], props) -> None:
         return
     halves = [p for m in models for p in m.parameters()
               if p.dtype in (torch.float16, torch.bfloat16)]
-    if halves:
+    if halves and is_rank_zero():  # (once per job: initialize runs on every rank)
         warnings.warn(
             f"amp.initialize: {len(halves)} parameter(s) of the model are already "
             f"{halves[0].dtype} (e.g. model.half() before initialize). amp casts the model "

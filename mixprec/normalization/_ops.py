@@ -64,6 +64,10 @@ def _use_triton(x: Tensor, n: int, *params: Optional[Tensor]) -> bool:
             global _warned_long_rows
             if not _warned_long_rows:
                 _warned_long_rows = True
+                from mixprec.amp._logging import is_rank_zero  # (amp imports this package)
+
+                if not is_rank_zero():
+                    return False
                 warnings.warn(
                     f"mixprec.normalization: rows of {n} elements exceed the fused kernels' "
                     f"limit of {_launch.MAX_FUSED_N}; running the PyTorch reference path "

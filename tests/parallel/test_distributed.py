@@ -2476,6 +2476,25 @@ DELAY_CHECKS = [
     "check_delay_allreduce_follows_the_module",
     "check_delay_allreduce_leaves_stale_gradients_alone",
 ]
+def check_amp_and_norm_warnings_come_from_rank_zero(ctx):
+    # Every rank builds the model and calls initialize: a warning there came once per rank
+    # (a model .half()-ed before initialize at O2; a Megatron keyword dropped by a Mixed
+    # norm). Rank 0 warns; the others say nothing.
+    from mixprec import amp
+    from mixprec.normalization import MixedFusedLayerNorm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _mlp(ctx.device).half()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        MixedFusedLayerNorm(8, sequence_parallel_enabled=False)
+    text = " ".join(str(w.message) for w in caught)
+    assert ("already torch.float16" in text) == (ctx.rank == 0), (ctx.rank, text)
+    assert ("ignoring the keyword argument(s) sequence_parallel_enabled" in text) == \
+        (ctx.rank == 0), (ctx.rank, text)
+
+
 CHECKS = [
     "check_grads_match_single_process",
     "check_compiled_grads_match_single_process",
@@ -2487,6 +2506,7 @@ CHECKS = [
     "check_message_size_sets_bucket_bytes",
     "check_unused_parameters_found",
     "check_arguments_validated_and_warned",
+    "check_amp_and_norm_warnings_come_from_rank_zero",
     "check_reducer",
     "check_reducer_with_amp_o2",
     "check_reducer_amp_overflow_on_one_rank",
