@@ -24,8 +24,10 @@ def log_rank0(level: int, msg: str, *args) -> None:
 class OverflowLog:
     """Reports skipped steps without flooding the log.
 
-    The first overflow is logged, then one line per ``every`` further overflows carrying the
-    running count: a diverging fp16 run skips thousands of steps and used to print each one.
+    The overflows numbered 1, 2, 4, ... below ``every`` are logged, then one line per
+    ``every``, each carrying the running count and the scale: a diverging fp16 run skips
+    thousands of steps and used to print each one, while the burst of a run's first steps
+    (the scale falling from 65536 to what the model needs) shows where the scale went.
     """
 
     def __init__(self, verbosity: int, every: int = 100):
@@ -37,7 +39,8 @@ class OverflowLog:
         self.count += 1
         if self.verbosity <= 0:
             return
-        if self.count == 1 or self.count % self.every == 0:
+        count = self.count
+        if (count < self.every and count & (count - 1) == 0) or count % self.every == 0:
             log_rank0(
                 logging.INFO,
                 "Gradient overflow (loss_id %d): skipping step, loss scale reduced to %g "

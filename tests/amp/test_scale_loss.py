@@ -336,7 +336,7 @@ def test_a_load_between_a_clean_backward_and_its_step_keeps_the_gradients(opt_le
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
 
 
-def test_overflow_messages_are_rate_limited(caplog):
+def test_overflow_messages_are_rate_limited(caplog, monkeypatch):
     import logging
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -347,7 +347,21 @@ def test_overflow_messages_are_rate_limited(caplog):
             with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as s:
                 (s * float("inf")).backward()
             opt.step()
-    assert caplog.text.count("Gradient overflow") == 1
+    # The 1st, 2nd and 4th overflows (then 8th, ..., 64th, and every 100th), with the scale
+    # as it is then: one line only showed the first halving, 32768, as the scale went to 2048.
+    messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
+    assert [("reduced to 32768" in m, "reduced to 16384" in m, "reduced to 4096" in m)
+            for m in messages] == [(True, False, False), (False, True, False),
+                                   (False, False, True)], messages
+    import mixprec.amp._logging as amp_logging
+
+    counts = []  # (the running count is the message's third argument)
+    monkeypatch.setattr(amp_logging, "log_rank0",
+                        lambda level, msg, *args: counts.append(args[2]))
+    log = amp_logging.OverflowLog(verbosity=1)
+    for _ in range(450):
+        log.overflow(0, 1.0)
+    assert counts == [1, 2, 4, 8, 16, 32, 64, 100, 200, 300, 400]
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
