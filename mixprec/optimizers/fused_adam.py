@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import math
 import numbers
@@ -298,6 +299,9 @@ class FusedAdam(torch.optim.Optimizer):
                 "in the optimizer. Build FusedAdam on the fp32 model and call amp.initialize("
                 "model, optimizer, opt_level='O2'): the masters then live in the optimizer and "
                 "FusedAdam writes the half model in the same pass.")
+        for name, flag in (("bias_correction", bias_correction), ("adam_w_mode", adam_w_mode)):
+            if not isinstance(flag, (bool, int)):  # ("False" was true: any string is)
+                raise TypeError(f"FusedAdam({name}={flag!r}): expected True or False.")
         _check_lr(lr)
         _check_options(dict(eps=eps, weight_decay=weight_decay, betas=betas))
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas),
@@ -397,6 +401,15 @@ class FusedAdam(torch.optim.Optimizer):
                     f"{where}: the checkpoint's optimizer used amsgrad={group.get('amsgrad')}, "
                     f"maximize={group.get('maximize')}; FusedAdam supports neither. Keep that "
                     "checkpoint's optimizer (torch.optim.Adam/AdamW).")
+        for key, entry in state_dict.get("state", {}).items():
+            if isinstance(entry, dict) and entry and not {"exp_avg", "exp_avg_sq"} <= set(entry):
+                raise ValueError(
+                    f"FusedAdam.load_state_dict: the checkpoint's state of parameter {key} "
+                    f"holds {', '.join(map(repr, entry))}, not Adam's 'exp_avg' and "
+                    "'exp_avg_sq': it was saved by another optimizer (SGD's momentum_buffer, "
+                    "Adagrad's sum, ...). Load the checkpoint of a FusedAdam or "
+                    "torch.optim.Adam/AdamW, or leave the optimizer's state out to start "
+                    "afresh.")
         super().load_state_dict(state_dict)
         self._epoch += 1
         for group in self.param_groups:
@@ -486,6 +499,17 @@ class FusedAdam(torch.optim.Optimizer):
                     "torch.optim.Adam/AdamW for complex ones (or view_as_real them).")
         states = [self._state_of(p) for p in params]
         for p, s in zip(params, states):
+            missing = [k for k in ("exp_avg", "exp_avg_sq", "step") if k not in s]
+            if missing or not isinstance(s["step"], Tensor):
+                problem = (f"has no {', '.join(missing)} in its state (it holds "
+                           f"{', '.join(map(repr, s)) or 'nothing'})" if missing else
+                           f"has a step count of type {type(s['step']).__name__} in its state "
+                           "(a tensor is kept there, as torch.optim.Adam keeps it)")
+                raise RuntimeError(
+                    f"FusedAdam: a parameter of shape {tuple(p.shape)} {problem}. Put "
+                    "back what was changed (e.g. state['step'] = torch.tensor(0.0)), or "
+                    "reset that parameter's state (optimizer.state[p] = {}) to start its "
+                    "moments afresh.")
             # Moments of another shape (a checkpoint of another model, a parameter resized or
             # reshaped through .data) must not reach a fused kernel: PyTorch's checks no sizes
             # on the CPU and read and wrote past the moments (heap corruption, segfaults), or
@@ -596,7 +620,8 @@ class _Plan:
     shape and device, each fused-route parameter's and its gradient's layout, each plain-route
     gradient's being dense, each copy's device and dtype). So a state reset by hand
     (``optimizer.state[p] = {}``, ``.clear()``, ``del``) starts fresh moments, as in PyTorch's
-    Adam; single state tensors replaced inside a kept dict are not noticed. The learning rate
+    Adam, and a moment or step count replaced inside a kept dict (by identity) is checked as
+    at the first step. The learning rate
     is no part of it: each step takes the group's ``lr`` as it is then (a float, a tensor
     changed in place, or a new tensor or float put in the group).
     """
@@ -605,7 +630,7 @@ class _Plan:
                  "plain", "kernel_by_device", "fused_by_device", "steps_by_device", "devices",
                  "written_by_kernel", "copied_after", "_take", "_dtype_shapes", "_devices",
                  "_take_contiguous",
-                 "_take_channels_last", "_take_plain", "_copy_facts")
+                 "_take_channels_last", "_take_plain", "_copy_facts", "_state_tensors")
 
     def __init__(self, epoch, state_map, states, copies, kernel, fused, plain, params):
         self.epoch = epoch
@@ -646,9 +671,20 @@ class _Plan:
         # (The plain route's gradients: checked to stay dense, as a sparse one is refused.)
         self._take_plain = _picker(plain)
         self._copy_facts = [(c, c.dtype, c.get_device()) for c in copies if c is not None]
+        # Each state's moments and step count, the objects the checks saw: one replaced by
+        # hand inside a kept state dict (a moment cast to bf16 or offloaded, a step count
+        # reset) was handed to the fused kernels unchecked (heap corruption, segfaults, or
+        # the old step count stepped while the new one stayed).
+        self._state_tensors = list(itertools.chain.from_iterable(map(_STATE_TENSORS, states)))
 
     def holds(self, params: List[Tensor], grads: List[Tensor]) -> bool:
         if not all(map(len, self.states)):  # (a state dict emptied in place: .clear())
+            return False
+        try:
+            now = itertools.chain.from_iterable(map(_STATE_TENSORS, self.states))
+            if not all(map(operator.is_, now, self._state_tensors)):
+                return False
+        except KeyError:  # (one deleted by hand: the checks say what is missing)
             return False
         # (A gradient always has its parameter's dtype and size: PyTorch checks assignments.)
         taken = self._take(params)
@@ -672,6 +708,7 @@ class _Plan:
 
 
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+_STATE_TENSORS = operator.itemgetter("exp_avg", "exp_avg_sq", "step")
 
 
 def _is_strided(t: Tensor) -> bool:

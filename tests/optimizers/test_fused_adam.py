@@ -467,6 +467,92 @@ def test_a_reset_state_starts_the_moments_afresh(device, path, reset):
     assert sorted(saved) == [0, 1] and saved[0]["step"].item() == 2.0
 
 
+@pytest.mark.parametrize("change", ["strided moment", "step count reset", "bf16 moment"])
+def test_a_state_tensor_replaced_in_a_kept_state_is_stepped_as_it_now_is(device, path, change):
+    """One moment or step count replaced by hand inside a kept state dict after the first
+    step (a moment re-laid out or cast to save memory, a step count reset): the cached plan
+    handed the new tensor to the fused kernels unchecked (non-finite weights, a process
+    aborted by heap corruption), or stepped the old step count while the new one, read by the
+    plain route, stayed 0 (NaN weights). Reference: torch.optim.AdamW (float64) given the
+    same change; a bf16 moment, which AdamW refuses, must train finite and near it."""
+    gen = torch.Generator().manual_seed(13)
+    params = _params(device, gen, [(37, 29), (5,)])
+    ref = [p.double() for p in params]
+
+    def between(opt, i):
+        if i != 0:
+            return
+        for p in opt.param_groups[0]["params"]:
+            state = opt.state[p]
+            if change == "strided moment":
+                spread = torch.zeros(2 * p.numel(), dtype=p.dtype, device=p.device)
+                state["exp_avg"] = spread[::2].view(p.shape).copy_(state["exp_avg"])
+            elif change == "step count reset":
+                state["step"] = torch.zeros_like(state["step"])
+            elif p.dtype is torch.float32:  # (the float64 reference keeps its moment)
+                state["exp_avg"] = state["exp_avg"].bfloat16()
+
+    opt, ref_opt = _train_pair(params, ref, gen, 4, between)
+    tol = _TOL if change != "bf16 moment" else dict(rtol=1e-2, atol=1e-3)
+    for p, r in zip(params, ref):
+        assert p.isfinite().all()
+        torch.testing.assert_close(p, r.float(), **tol)
+    if change == "step count reset":
+        assert [opt.state[p]["step"].item() for p in params] == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("bad", ["moment of another size", "step count a float", "no moment"])
+def test_a_state_tensor_replaced_badly_is_refused_before_anything_is_written(device, path, bad):
+    """A moment of another size put in after the first step read and wrote past the moments
+    (a segfault on the Triton kernel, heap corruption on PyTorch's fused CPU kernel): refused
+    as at the first step, with what to do; so are a step count that is not a tensor and a
+    moment deleted (a bare KeyError before)."""
+    gen = torch.Generator().manual_seed(14)
+    params = _params(device, gen, [(2050,), (5,)])
+    opt = FusedAdam(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
+    opt.step()
+    state = opt.state[params[0]]
+    if bad == "moment of another size":
+        state["exp_avg_sq"] = state["exp_avg_sq"][:16].clone()
+        message = r"has an exp_avg_sq of shape \(16,\)"
+    elif bad == "step count a float":
+        state["step"] = 0.0
+        message = "has a step count of type float"
+    else:
+        del state["exp_avg"]
+        message = "has no exp_avg in its state"
+    before = [p.clone() for p in params]
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p, b, rtol=0, atol=0)
+
+
+def test_another_optimizers_checkpoint_is_refused_before_anything_is_loaded():
+    # An SGD or Adagrad checkpoint loaded silently and the next step failed with a bare
+    # KeyError: 'exp_avg'.
+    params = [nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(3))]
+    for cls, kw, held in ((torch.optim.SGD, dict(lr=0.1, momentum=0.9), "'momentum_buffer'"),
+                          (torch.optim.Adagrad, dict(lr=0.1), "'sum'")):
+        other = cls(params, **kw)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        other.step()
+        opt = FusedAdam(params, lr=1e-2)
+        with pytest.raises(ValueError, match=f"parameter 0 holds .*{held}.*saved by another"):
+            opt.load_state_dict(other.state_dict())
+        assert not opt.state and opt.param_groups[0]["lr"] == 1e-2
+
+
+@pytest.mark.parametrize("name", ["bias_correction", "adam_w_mode"])
+def test_a_flag_given_as_a_string_is_refused(name):
+    # "False" was read as True, as any non-empty string is.
+    with pytest.raises(TypeError, match=rf"FusedAdam\({name}='False'\): expected True or False"):
+        FusedAdam([nn.Parameter(torch.zeros(2))], **{name: "False"})
+
+
 @pytest.mark.parametrize("reset", ["new_dict", "clear", "del"])
 def test_one_parameters_reset_state_starts_its_moments_afresh(device, path, reset):
     """One parameter's state reset by hand (``state[p] = {}``, ``state[p].clear()``, ``del
