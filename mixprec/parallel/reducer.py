@@ -12,6 +12,7 @@ from mixprec.amp._model import agree_on_overflow, master_weights
 from mixprec.amp._state import set_aside_grads
 from mixprec.parallel._comm import (
     all_reduce_average_coalesced,
+    any_rank,
     broadcast_coalesced,
     check_process_group,
     group_world_size,
@@ -78,11 +79,23 @@ class Reducer:
     rank 2 does not reach rank 0). Give such layouts one Reducer over a group that holds them
     all (or the default group).
 
+    Every rank must hold gradients for the same parameters when :meth:`reduce` runs (as in
+    Apex): the gradients are averaged as one flat buffer, so a parameter used on some ranks
+    only (a branch taken by some batches) makes the buffers differ, and the all-reduce fails
+    (gloo aborts the process, NCCL may hang) or, where the sizes happen to match, averages one
+    parameter's gradient with another's. For such models pass ``find_unused_parameters=True``.
+
     Args:
         module_or_grads_list (nn.Module or iterable of Tensor): what to reduce (nested
             lists and generators of tensors are flattened); dense floating-point (or complex)
             tensors, as an average is one (integer and sparse tensors are refused).
         process_group (ProcessGroup, optional, keyword-only): default: all ranks.
+        find_unused_parameters (bool, keyword-only): with a module, :meth:`reduce` first
+            agrees over the ranks which parameters have a gradient (one all-reduce of one flag
+            per parameter, read on the host: a sync); a parameter with a gradient on some
+            ranks gets a zero one on the others, so its average is the sum over the ranks that
+            used it divided by all of them, as in ``DistributedDataParallel``; one with a
+            gradient on no rank keeps ``None``. Default False (Apex's Reducer).
 
     Example::
 
@@ -96,8 +109,17 @@ class Reducer:
     """
 
     def __init__(self, module_or_grads_list: Union[nn.Module, Iterable[torch.Tensor]], *,
-                 process_group=None):
+                 process_group=None, find_unused_parameters: bool = False):
         self.process_group = process_group
+        if not isinstance(find_unused_parameters, bool):
+            raise TypeError(f"Reducer(find_unused_parameters={find_unused_parameters!r}): "
+                            "expected True or False.")
+        if find_unused_parameters and not isinstance(module_or_grads_list, nn.Module):
+            raise ValueError(
+                "Reducer(..., find_unused_parameters=True) needs a module (its parameters' "
+                "gradients are what may be missing); a list of tensors is averaged as given. "
+                "Pass the model, or drop the flag.")
+        self.find_unused_parameters = find_unused_parameters
         self.module: Optional[nn.Module] = None
         self.grads: List[torch.Tensor] = []
         if isinstance(module_or_grads_list, nn.Module):
@@ -140,9 +162,12 @@ class Reducer:
         """Replace the gradients (or the tensors) by their average over the ranks, in place.
 
         Every rank must call it at the same point; with a module, every rank's parameters must
-        have gradients for the same set of parameters.
+        have gradients for the same set of parameters (or the Reducer was built with
+        ``find_unused_parameters=True``).
         """
         if self.module is not None:
+            if self.find_unused_parameters:
+                self._fill_missing_gradients()
             # (Averaging a gradient that is already the same on every rank leaves it as it is,
             # so half and master gradients can both be reduced whatever amp has moved where.)
             tensors = [p.grad for p in self.module.parameters() if p.grad is not None]
@@ -167,3 +192,18 @@ class Reducer:
                              if p.grad is not None and p.grad.layout != torch.strided]
                     _check_reducible(t, f"Reducer.reduce(): the gradient of {names or 'a master'}")
             raise
+
+    def _fill_missing_gradients(self) -> None:
+        """``find_unused_parameters``: a zero gradient for each parameter (and O2 master)
+        that has none here but has one on another rank."""
+        slots = [p for p in self.module.parameters() if p.requires_grad]
+        slots += master_weights(self.module)
+        if not slots:
+            return
+        held = [s.grad is not None for s in slots]
+        device = slots[0].device
+        anywhere = any_rank(held, self.process_group,
+                            device if device.type == "cuda" else torch.device("cpu"))
+        for slot, here, somewhere in zip(slots, held, anywhere):
+            if somewhere and not here:
+                slot.grad = torch.zeros_like(slot)

@@ -2476,6 +2476,51 @@ DELAY_CHECKS = [
     "check_delay_allreduce_follows_the_module",
     "check_delay_allreduce_leaves_stale_gradients_alone",
 ]
+class _Branches(nn.Module):
+    """A trunk and three heads: ``b`` used on rank 0, ``c`` on the last rank, ``d`` never
+    (``b`` and ``c`` have as many elements: mismatched they averaged one into the other)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x, heads):
+        h = self.a(x)
+        return sum(getattr(self, name)(h).sum() for name in heads) + h.sum()
+
+
+def check_reducer_find_unused_parameters(ctx):
+    # A parameter used on some ranks only: Reducer(find_unused_parameters=True) gives it a
+    # zero gradient where it has none, so it averages as DDP does; one used nowhere keeps
+    # None. Reference: the sum over the ranks' batches in one process, over the world size.
+    torch.manual_seed(0)
+    model = _Branches().to(ctx.device)
+    ref = copy.deepcopy(model)
+    reducer = Reducer(model, find_unused_parameters=True)
+
+    def heads(rank):
+        return ["b"] if rank == 0 else (["c"] if rank == ctx.world_size - 1 else [])
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(3, 4, generator=g).to(ctx.device) for _ in range(ctx.world_size)]
+    model(xs[ctx.rank], heads(ctx.rank)).backward()
+    reducer.reduce()
+    for rank in range(ctx.world_size):
+        (ref(xs[rank], heads(rank)) / ctx.world_size).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if name.startswith("d."):
+            assert p.grad is None and q.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                       msg=labelled(f"rank {ctx.rank}: {name}"))
+    try:
+        Reducer([torch.zeros(2, device=ctx.device)], find_unused_parameters=True)
+    except ValueError as err:
+        assert "needs a module" in str(err), str(err)
+    else:
+        raise AssertionError("find_unused_parameters with a list of tensors did not raise")
+
+
 def check_amp_and_norm_warnings_come_from_rank_zero(ctx):
     # Every rank builds the model and calls initialize: a warning there came once per rank
     # (a model .half()-ed before initialize at O2; a Megatron keyword dropped by a Mixed
@@ -2508,6 +2553,7 @@ CHECKS = [
     "check_arguments_validated_and_warned",
     "check_amp_and_norm_warnings_come_from_rank_zero",
     "check_reducer",
+    "check_reducer_find_unused_parameters",
     "check_reducer_with_amp_o2",
     "check_reducer_amp_overflow_on_one_rank",
     "check_reducer_inside_an_accumulating_scale_loss_block",
