@@ -157,13 +157,16 @@ class SyncBatchNorm(_BatchNorm):
         if held is not None and input.dtype != held.dtype and not (
                 input.dtype in (torch.float16, torch.bfloat16) and held.dtype == torch.float32):
             half = input.dtype in (torch.float16, torch.bfloat16)
+            if not input.is_floating_point():  # (no layer of an integer dtype normalizes)
+                layer = ""
+            else:
+                layer = " or the layer (" + ("layer.float(), which takes half input" if half
+                                             else f"layer.to({input.dtype})") + ")"
             raise RuntimeError(
                 f"SyncBatchNorm({self.num_features}): input is {input.dtype}, the layer's "
                 f"parameters and buffers {held.dtype}; it takes input of their dtype, or "
                 f"float16/bfloat16 input with float32 ones. Cast the input "
-                f"(input.to({held.dtype})) or the layer ("
-                + ("layer.float(), which takes half input" if half
-                   else f"layer.to({input.dtype})") + ")."
+                f"(input.to({held.dtype})){layer}."
             )
 
     def _average_factor(self) -> float:

@@ -820,6 +820,16 @@ def test_syncbn_refuses_the_dtype_pairs_batchnorm_refuses(input_dtype, layer_dty
         ref(torch.randn(4, 3, dtype=input_dtype))
 
 
+def test_integer_input_is_told_to_cast_the_input_only():
+    # The advice for an integer batch was "or the layer (layer.to(torch.int64))": BatchNorm
+    # parameters cannot be integers.
+    with pytest.raises(RuntimeError) as err:
+        SyncBatchNorm(4)(torch.ones(3, 4, dtype=torch.long))
+    message = str(err.value)
+    assert "Cast the input (input.to(torch.float32))." in message and "layer" not in \
+        message.split("Cast the input")[1], message
+
+
 def test_parameter_free_syncbn_takes_any_channel_count():
     # BatchNorm without weight, bias or running statistics normalizes any number of channels;
     # converted, it raised "has 7 channels ... expected 3".
