@@ -77,3 +77,32 @@ def train_step(model, optimizer, x, y, amp):
         scaled.backward()
     optimizer.step()
     return loss.detach()
+
+
+def check_conversion_after_initialize(convert, layer_type, dtype):
+    """A Conv-BatchNorm-ReLU converted by ``convert`` (``convert_fused_batchnorm``,
+    ``convert_syncbn_model``) after ``amp.initialize`` at O1 with ``keep_batchnorm_fp32``
+    against the same model converted before it: the new layer is a ``layer_type`` that keeps
+    amp's fp32 forward, and outputs, gradients and running statistics agree bit for bit (one
+    process). Returns the model converted after."""
+    from mixprec import amp
+    from mixprec.amp._model import is_amp_model
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+
+    kwargs = dict(opt_level="O1", keep_batchnorm_fp32=True, dtype=dtype, verbosity=0)
+    before = amp.initialize(convert(build()), **kwargs)
+    after = convert(amp.initialize(build(), **kwargs))
+    assert isinstance(after[1], layer_type) and is_amp_model(after[1]), type(after[1]).__mro__
+    x = torch.randn(2, 3, 6, 6)
+    want, got = before(x), after(x)
+    want.sum().backward()
+    got.sum().backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for name in ("weight", "running_mean", "running_var"):
+        ours, ref = getattr(after[1], name), getattr(before[1], name)
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(after[1].weight.grad, before[1].weight.grad, rtol=0, atol=0)
+    return after

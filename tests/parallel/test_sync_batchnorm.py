@@ -996,29 +996,15 @@ def test_convert_syncbn_model_after_initialize_keeps_amp_fp32_batchnorm(not_dist
     # half input, on CUDA a half computation). Reference: the model converted before
     # initialize (one process: bit for bit).
     from mixprec import amp
-    from mixprec.amp._model import converted_part_of, is_amp_model
+    from mixprec.amp._model import converted_part_of
+    from tests.amp.helpers import check_conversion_after_initialize, make_cnn
 
-    def build():
-        torch.manual_seed(0)
-        return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
-
-    before = amp.initialize(convert_syncbn_model(build()), opt_level="O1",
-                            keep_batchnorm_fp32=True, dtype=dtype, verbosity=0)
-    after = amp.initialize(build(), opt_level="O1", keep_batchnorm_fp32=True, dtype=dtype,
-                           verbosity=0)
-    after = convert_syncbn_model(after)
-    assert isinstance(after[1], SyncBatchNorm) and is_amp_model(after[1])
-    x = torch.randn(2, 3, 6, 6)
-    want, got = before(x), after(x)
-    want.sum().backward()
-    got.sum().backward()
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
-    torch.testing.assert_close(after[1].weight.grad, before[1].weight.grad, rtol=0, atol=0)
-    torch.testing.assert_close(after[1].running_mean, before[1].running_mean, rtol=0, atol=0)
+    check_conversion_after_initialize(convert_syncbn_model, SyncBatchNorm, dtype)
 
     # At O2 the new layer is a part of the model, as the old one was: initialize refuses it.
-    model = amp.initialize(build(), opt_level="O2", dtype=dtype, verbosity=0)
+    model = amp.initialize(make_cnn(), opt_level="O2", dtype=dtype, verbosity=0)
     model = convert_syncbn_model(model)
-    assert converted_part_of(model[1]) is model
+    layer = next(m for m in model.modules() if isinstance(m, SyncBatchNorm))
+    assert converted_part_of(layer) is model
     with pytest.raises(ValueError, match="part"):
-        amp.initialize(model[1], opt_level="O2", dtype=dtype, verbosity=0)
+        amp.initialize(layer, opt_level="O2", dtype=dtype, verbosity=0)
