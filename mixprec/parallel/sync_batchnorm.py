@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import numbers
 import operator
 from typing import Optional
 
@@ -115,6 +116,17 @@ class SyncBatchNorm(_BatchNorm):
                 f"SyncBatchNorm(fuse_relu={fuse_relu!r}): must be a bool. True applies a ReLU "
                 "to the output (after adding forward's z, if given)."
             )
+        # (A string failed at the first forward with a bare TypeError; a negative eps gave NaN
+        # for channels of small variance without a word.)
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+            raise ValueError(f"SyncBatchNorm(eps={eps!r}): must be a number >= 0 (added to the "
+                             "variance; BatchNorm's default is 1e-5).")
+        if momentum is not None and (isinstance(momentum, bool)
+                                     or not isinstance(momentum, numbers.Real)
+                                     or not 0 <= momentum <= 1):
+            raise ValueError(f"SyncBatchNorm(momentum={momentum!r}): must be a number in [0, 1] "
+                             "(the running statistics' update factor, default 0.1), or None "
+                             "for a cumulative average.")
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
                          device=device, dtype=dtype,
                          **batch_norm_bias_kwargs(type(self).__name__, bias))
@@ -227,6 +239,17 @@ class SyncBatchNorm(_BatchNorm):
         if cache:
             state["_count_cache"] = {k: v for k, v in cache.items() if k[0] != "plan"}
         return state
+
+    def __reduce_ex__(self, protocol):
+        if self.__dict__.get("process_group") is not None:
+            # (PyTorch's own message named only the ProcessGroup type, not the layer or a way.)
+            raise TypeError(
+                f"SyncBatchNorm({self.num_features}, process_group=<custom>) cannot be pickled "
+                "(torch.save of the whole model, a multiprocessing queue): a process group is "
+                "this process's handle on its ranks' communicator, not data. Save "
+                "model.state_dict() instead; or set layer.process_group = None before saving "
+                "and give the loaded layer its group again (copy.deepcopy keeps the group).")
+        return super().__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
         # A process group is a handle on the ranks' communicator, not data, and cannot be

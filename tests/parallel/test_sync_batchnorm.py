@@ -376,6 +376,18 @@ def check_copies_and_pickles_after_use(ctx):
         for other in outs[1:]:
             torch.testing.assert_close(other, outs[0], rtol=0, atol=0,
                                        msg=labelled(f"[{path}] copy after use"))
+    # A layer with its own group: a deep copy keeps the group; pickling is refused with what
+    # to do (PyTorch's message named only the ProcessGroup type).
+    grouped = SyncBatchNorm(5, process_group=dist.new_group(list(range(ctx.world_size))))
+    assert copy.deepcopy(grouped).process_group is grouped.process_group
+    try:
+        pickle.dumps(grouped)
+    except TypeError as err:
+        assert "cannot be pickled" in str(err) and "state_dict()" in str(err), str(err)
+    else:
+        raise AssertionError("a SyncBatchNorm with a process group pickled")
+    grouped.process_group = None
+    assert pickle.loads(pickle.dumps(grouped)).process_group is None
 
 
 def check_under_torch_compile(ctx):
@@ -818,6 +830,19 @@ def test_syncbn_refuses_the_dtype_pairs_batchnorm_refuses(input_dtype, layer_dty
     ref = nn.BatchNorm1d(3).to(layer_dtype).train(training)
     with pytest.raises(RuntimeError):  # (what PyTorch's own layer does with the same pair)
         ref(torch.randn(4, 3, dtype=input_dtype))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(momentum="0.1"), r"momentum='0.1'\): must be a number in \[0, 1\]"),
+    (dict(momentum=1.5), r"momentum=1.5\): must be a number in \[0, 1\]"),
+    (dict(eps=-1.0), r"eps=-1.0\): must be a number >= 0"),
+    (dict(eps="1e-5"), r"eps='1e-5'\): must be a number >= 0"),
+])
+def test_bad_eps_and_momentum_are_refused_at_construction(kwargs, message):
+    # A string failed at the first forward with a bare TypeError; a negative eps was taken.
+    with pytest.raises(ValueError, match=message):
+        SyncBatchNorm(4, **kwargs)
+    SyncBatchNorm(4, momentum=None, eps=0.0)  # a cumulative average; eps 0 as BatchNorm takes
 
 
 def test_integer_input_is_told_to_cast_the_input_only():
