@@ -92,6 +92,10 @@ def _beta_value(beta, i: int, index: int) -> float:
     """A group's ``betas[i]`` as the routes take it, a float: a tensor is read on the host at
     each step, as PyTorch's fused Adam reads one (a GPU one: a sync)."""
     if not isinstance(beta, Tensor):
+        if type(beta) is float and 0.0 <= beta < 1.0:
+            return beta
+        _check_hyper(f"betas[{i}]", beta, 0.0, 1.0, high_open=True,
+                     where=f"FusedAdam param group {index}")  # (set by hand since the checks)
         return float(beta)
     where = f"FusedAdam param group {index}"
     _check_tensor_beta(i, beta, where)  # (set by hand since the checks)
@@ -566,11 +570,19 @@ class FusedAdam(torch.optim.Optimizer):
                                  f"{problem}.")
             if lr.is_cuda and torch.cuda.is_current_stream_capturing():
                 _CAPTURED_LRS.setdefault(id(lr), lr)  # replays read it by address
-        else:
+        elif not (type(lr) is float and lr >= 0.0):  # (the usual float: one comparison)
+            _check_lr(lr, f"FusedAdam param group {index}")  # (set by hand since the checks)
             lr = float(lr)
         beta1, beta2 = group["betas"]
+        eps, weight_decay = group["eps"], group["weight_decay"]
+        if not (type(eps) is float and eps >= 0.0 and type(weight_decay) is float
+                and weight_decay >= 0.0):
+            # (Set by hand since the constructor's checks: a negative eps gave -inf weights,
+            # a string a bare "could not convert" error.) Ints and NumPy numbers pass too.
+            _check_options(dict(eps=eps, weight_decay=weight_decay),
+                           f"FusedAdam param group {index}")
         hyper = dict(beta1=_beta_value(beta1, 0, index), beta2=_beta_value(beta2, 1, index),
-                     eps=float(group["eps"]), weight_decay=float(group["weight_decay"]),
+                     eps=float(eps), weight_decay=float(weight_decay),
                      adam_w=group["adam_w_mode"], bias_correction=group["bias_correction"])
         plan = self._plan(group, params, grads)
         # The rate for each device's parameters, before anything is launched (or captured).

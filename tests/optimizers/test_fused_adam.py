@@ -546,6 +546,30 @@ def test_another_optimizers_checkpoint_is_refused_before_anything_is_loaded():
         assert not opt.state and opt.param_groups[0]["lr"] == 1e-2
 
 
+@pytest.mark.parametrize("key, value, message", [
+    ("lr", -1.0, r"lr=-1.0: lr must be a number >= 0"),
+    ("lr", "abc", r"lr='abc': lr must be a number >= 0 or a one-element floating tensor"),
+    ("eps", -1.0, r"eps=-1.0: eps must be a number >= 0"),
+    ("weight_decay", -5.0, r"weight_decay=-5.0: weight_decay must be a number >= 0"),
+    ("betas", (0.9, 1.5), r"betas\[1\]=1.5: betas\[1\] must be a number in \[0.0, 1.0\)"),
+])
+def test_hyperparameters_set_by_hand_are_checked_at_the_step(key, value, message):
+    # Set in a group after the constructor's checks: lr=-1 stepped the wrong way, eps=-1 gave
+    # -inf weights, betas[1]=1.5 and weight_decay=-5 NaN, "abc" a bare "could not convert".
+    p = nn.Parameter(torch.randn(4))
+    opt = FusedAdam([p], lr=1e-2)
+    opt.param_groups[0][key] = value
+    p.grad = torch.ones(4)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="FusedAdam param group 0: " + message):
+        opt.step()
+    torch.testing.assert_close(p.detach(), before, rtol=0, atol=0)
+    opt.param_groups[0][key] = {"lr": 1, "eps": 0, "weight_decay": 0,
+                                "betas": (0.5, 0.25)}[key]  # ints and 0 are fine
+    opt.step()
+    assert p.isfinite().all()
+
+
 @pytest.mark.parametrize("name", ["bias_correction", "adam_w_mode"])
 def test_a_flag_given_as_a_string_is_refused(name):
     # "False" was read as True, as any non-empty string is.
