@@ -166,6 +166,30 @@ def set_aside_grads(params) -> List[torch.Tensor]:
     return out
 
 
+def set_aside_params(params) -> List[bool]:
+    """For each of ``params``, whether a ``scale_loss`` block holds a gradient of it aside
+    (see :func:`set_aside_grads`)."""
+    aside = {id(p) for state in list(_OPTIMIZER_STATES.values())
+             for p, g in state._stash if g is not None}
+    return [id(p) in aside for p in params]
+
+
+def set_aside_zeros(params) -> None:
+    """Hold a zero gradient aside for each of ``params`` (none held yet), in the state of the
+    optimizer that steps it and set its gradients aside in this block: a Reducer over ranks
+    that held different parameters' earlier gradients aside needs the same ones on every
+    rank (added back at the block's exit, a zero changes nothing)."""
+    wanted = {id(p): p for p in params}
+    for state in list(_OPTIMIZER_STATES.values()):
+        if not state._set_aside:
+            continue
+        for p in state.plain:
+            if id(p) in wanted:
+                state._stash.append((p, torch.zeros_like(wanted.pop(id(p)))))
+    # (One no state set aside for: its earlier gradients were not held aside anywhere here;
+    # left, and reduce() averages what the ranks hold as before.)
+
+
 def hookable_optimizer(optimizer) -> torch.optim.Optimizer:
     """The ``torch.optim.Optimizer`` whose step hooks amp uses (a wrapper's ``.optim``)."""
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from mixprec.amp._model import agree_on_overflow, master_weights
-from mixprec.amp._state import set_aside_grads
+from mixprec.amp._state import set_aside_grads, set_aside_params, set_aside_zeros
 from mixprec.parallel._comm import (
     all_reduce_average_coalesced,
     any_rank,
@@ -196,14 +196,21 @@ class Reducer:
     def _fill_missing_gradients(self) -> None:
         """``find_unused_parameters``: a zero gradient for each parameter (and O2 master)
         that has none here but has one on another rank."""
-        slots = [p for p in self.module.parameters() if p.requires_grad]
-        slots += master_weights(self.module)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        slots = params + master_weights(self.module)
         if not slots:
             return
         held = [s.grad is not None for s in slots]
+        # (and the earlier micro-batches' gradients a scale_loss block holds aside, which
+        # reduce() averages too: without delay_unscale, at a loss scale other than 1)
+        aside = set_aside_params(params)
         device = slots[0].device
-        anywhere = any_rank(held, self.process_group,
+        anywhere = any_rank(held + aside, self.process_group,
                             device if device.type == "cuda" else torch.device("cpu"))
         for slot, here, somewhere in zip(slots, held, anywhere):
             if somewhere and not here:
                 slot.grad = torch.zeros_like(slot)
+        missing = [p for p, here, somewhere in zip(params, aside, anywhere[len(slots):])
+                   if somewhere and not here]
+        if missing:
+            set_aside_zeros(missing)

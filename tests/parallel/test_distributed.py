@@ -2520,6 +2520,35 @@ def check_reducer_find_unused_parameters(ctx):
     else:
         raise AssertionError("find_unused_parameters with a list of tensors did not raise")
 
+    # amp O1 at a loss scale other than 1, two micro-batches without delay_unscale, reduce()
+    # inside the second block: the first micro-batch's gradients wait aside, and the ranks
+    # held different heads' aside (gloo aborted on the sizes, or with equal sizes one head's
+    # gradient was averaged into the other's). Reference: the same float64 sum as above, the
+    # second micro-batch through the trunk only; bf16 autocast's rounding as the tolerance.
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = _Branches().to(ctx.device)
+    ref = copy.deepcopy(model).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reducer = Reducer(model, find_unused_parameters=True)
+    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16,
+                                loss_scale=128.0, verbosity=0)
+    for micro, chosen in enumerate((heads(ctx.rank), [])):
+        with amp.scale_loss(model(xs[ctx.rank], chosen), opt) as scaled:
+            scaled.backward()
+            if micro == 1:
+                reducer.reduce()
+    for rank in range(ctx.world_size):
+        for chosen in (heads(rank), []):
+            (ref(xs[rank].double(), chosen) / ctx.world_size).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if name.startswith("d."):
+            assert p.grad is None and q.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad.double(), q.grad, rtol=3e-2, atol=3e-2,
+                                       msg=labelled(f"rank {ctx.rank}, O1 accumulated: {name}"))
+
 
 def check_amp_and_norm_warnings_come_from_rank_zero(ctx):
     # Every rank builds the model and calls initialize: a warning there came once per rank
