@@ -150,11 +150,7 @@ def set_aside_grads(params) -> List[torch.Tensor]:
     (``_OptimizerState._stash``) and are added back when the block exits. Code that averages
     gradients inside such a block (``mixprec.parallel.Reducer``) must average these too.
     """
-    aside = {}
-    for state in list(_OPTIMIZER_STATES.values()):  # (an optimizer and its hook target
-        for p, g in state._stash:                   # share one state: setdefault)
-            if g is not None:
-                aside.setdefault(id(p), g)
+    aside = _set_aside_by_id()
     if not aside:
         return []
     out, seen = [], set()
@@ -166,11 +162,20 @@ def set_aside_grads(params) -> List[torch.Tensor]:
     return out
 
 
+def _set_aside_by_id() -> Dict[int, torch.Tensor]:
+    """The gradients ``scale_loss`` blocks hold aside, by their parameter's ``id``."""
+    aside = {}
+    for state in list(_OPTIMIZER_STATES.values()):  # (an optimizer and its hook target
+        for p, g in state._stash:                   # share one state: setdefault)
+            if g is not None:
+                aside.setdefault(id(p), g)
+    return aside
+
+
 def set_aside_params(params) -> List[bool]:
     """For each of ``params``, whether a ``scale_loss`` block holds a gradient of it aside
     (see :func:`set_aside_grads`)."""
-    aside = {id(p) for state in list(_OPTIMIZER_STATES.values())
-             for p, g in state._stash if g is not None}
+    aside = _set_aside_by_id()
     return [id(p) in aside for p in params]
 
 

@@ -590,7 +590,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
         if log_modes:
             _err(_mode_line(row, len(results), len(modes)))
 
-    interrupted, stopped_by = False, "Ctrl-C"
+    interrupted, stopped_by = False, signal.SIGINT
     try:
         run_modes(
             workload,
@@ -607,7 +607,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
         )
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP: keep what finished
         interrupted = True
-        stopped_by = _signal_name(exc)
+        stopped_by = _stop_signal(exc)
     finally:
         if bar is not None:
             bar.close()
@@ -620,8 +620,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
     if interrupted:
         left = [mode_label(m, dtype) for m in not_run]
         notes.append(
-            f"interrupted ({stopped_by}) during {left[0]}; did not run: {', '.join(left)}."
-            if left else f"interrupted ({stopped_by}) after the last mode."
+            f"interrupted ({_stop_label(stopped_by)}) during {left[0]}; did not run: "
+            f"{', '.join(left)}." if left
+            else f"interrupted ({_stop_label(stopped_by)}) after the last mode."
         )
     notes.append(
         "s / 40 it = 40 x the median step time; final loss = mean over the last "
@@ -716,7 +717,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
     out(*wrote)
     if interrupted:
         # 128 + the signal's number, as a shell reports a command stopped by it (130: Ctrl-C)
-        return 128 + _signal_number(stopped_by)
+        return 128 + int(stopped_by)
     return 0 if any(r.ok for r in results) and written and not out.broken else 1
 
 
@@ -730,12 +731,13 @@ class _Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
-def _signal_name(exc: BaseException) -> str:
-    return signal.Signals(exc.signum).name if isinstance(exc, _Stopped) else "Ctrl-C"
+def _stop_signal(exc: BaseException) -> signal.Signals:
+    """The signal that stopped the run: SIGTERM or SIGHUP, else Ctrl-C's SIGINT."""
+    return signal.Signals(exc.signum) if isinstance(exc, _Stopped) else signal.SIGINT
 
 
-def _signal_number(name: str) -> int:
-    return int(signal.SIGINT) if name == "Ctrl-C" else int(signal.Signals[name])
+def _stop_label(sig: signal.Signals) -> str:
+    return "Ctrl-C" if sig == signal.SIGINT else sig.name
 
 
 @contextlib.contextmanager
@@ -813,6 +815,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with _stop_on_termination(), _VerboseLogging(args.verbose):
             return _bench(args, args.subparser, _Stdout())
     except KeyboardInterrupt as exc:  # before the modes ran, or a second Ctrl-C after them
-        name = _signal_name(exc)
-        _err("mixprec bench: interrupted" + ("" if name == "Ctrl-C" else f" ({name})"))
-        return 128 + _signal_number(name)
+        sig = _stop_signal(exc)
+        _err("mixprec bench: interrupted"
+             + ("" if sig == signal.SIGINT else f" ({_stop_label(sig)})"))
+        return 128 + int(sig)

@@ -6,22 +6,17 @@ from typing import Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
+from mixprec.amp._logging import is_rank_zero
 from mixprec.normalization import _checks, _ops, reference
 
 __all__ = []
-
-
-def _is_rank_zero() -> bool:
-    from mixprec.amp._logging import is_rank_zero  # (here: amp imports this package)
-
-    return is_rank_zero()
 
 
 def _require_affine(name: str, elementwise_affine, ignored: dict) -> None:
     """The Mixed variants are always affine; Apex's callers may still say so explicitly.
     Other keywords (``ignored``), which Apex's Mixed classes took and dropped (Megatron/NeMo
     callers pass ``sequence_parallel_enabled``), are dropped with a warning."""
-    if ignored and _is_rank_zero():  # (once per job: every rank builds the model)
+    if ignored and is_rank_zero():  # (once per job: every rank builds the model)
         warnings.warn(
             f"{name}: ignoring the keyword argument(s) {', '.join(sorted(ignored))}, which it "
             "does not use (Apex's class dropped them too).", stacklevel=3)

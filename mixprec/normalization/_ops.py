@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from mixprec.amp._logging import is_rank_zero
 from mixprec.normalization import _checks, _launch, reference
 
 __all__ = []
@@ -64,8 +65,6 @@ def _use_triton(x: Tensor, n: int, *params: Optional[Tensor]) -> bool:
             global _warned_long_rows
             if not _warned_long_rows:
                 _warned_long_rows = True
-                from mixprec.amp._logging import is_rank_zero  # (amp imports this package)
-
                 if not is_rank_zero():
                     return False
                 warnings.warn(
@@ -93,19 +92,11 @@ def norm_fwd_impl(
     eps: float,
     is_rms: bool,
     out_dtype: torch.dtype,
-    out: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    """Forward on ``x [M, N]``: ``(y, mean, rstd)``; see ``reference.norm_forward``.
-
-    ``out``, when given, is a ``[M, N]`` view (unit column stride) that receives ``y`` and is
-    returned as ``y``.
-    """
+    """Forward on ``x [M, N]``: ``(y, mean, rstd)``; see ``reference.norm_forward``."""
     if _use_triton(x, x.shape[1], weight, bias):
-        return _launch.forward(x, weight, bias, eps, is_rms, out_dtype, out=out)
+        return _launch.forward(x, weight, bias, eps, is_rms, out_dtype)
     y, mean, rstd = reference.norm_forward(x, weight, bias, eps, is_rms, out_dtype)
-    if out is not None:
-        out.copy_(y)
-        return out, mean, rstd
     # The fake implementation promises a contiguous y; row-strided inputs must not change that.
     return y.contiguous(), mean, rstd
 
@@ -167,15 +158,17 @@ def _flat(p: Optional[Tensor]) -> Optional[Tensor]:
     return p.reshape(-1).contiguous()
 
 
-def _forward(x, weight, bias, n, eps, is_rms, out_dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Eager forward into an output allocated in ``x``'s shape: ``(y, x2d, mean, rstd)``."""
+def _forward(x, weight, bias, n, eps, is_rms, out_dtype,
+             kernels: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Eager forward into an output allocated in ``x``'s shape: ``(y, x2d, mean, rstd)``; on
+    the Triton kernels where the path chose them (``kernels``), else the PyTorch reference."""
     x2d = _rows(x, n)
     weight, bias = _flat(weight), _flat(bias)
-    if not _use_triton(x2d, n, weight, bias):
+    if not kernels:
         y2d, mean, rstd = reference.norm_forward(x2d, weight, bias, eps, is_rms, out_dtype)
         return _as_shape(y2d, x.shape), x2d, mean, rstd
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    _, mean, rstd = norm_fwd_impl(
+    _, mean, rstd = _launch.forward(
         x2d, weight, bias, eps, is_rms, out_dtype, out=y if x2d is x else y.view(-1, n),
     )
     return y, x2d, mean, rstd
@@ -308,7 +301,7 @@ class _GenericPath:
 
     def forward(self, x, weight, bias):
         y, x2d, mean, rstd = _forward(x, weight, bias, self.n, self.eps, self.is_rms,
-                                      self.y_dtype)
+                                      self.y_dtype, self.kernels)
         # memory_efficient keeps y (which the next layer keeps anyway) instead of x. A copy
         # made by _rows is kept rather than remade in backward. (On the reference, with grad,
         # x is always rows here, through which a second derivative reaches the input: one that

@@ -204,9 +204,7 @@ class Reducer:
         # (and the earlier micro-batches' gradients a scale_loss block holds aside, which
         # reduce() averages too: without delay_unscale, at a loss scale other than 1)
         aside = set_aside_params(params)
-        device = slots[0].device
-        anywhere = any_rank(held + aside, self.process_group,
-                            device if device.type == "cuda" else torch.device("cpu"))
+        anywhere = any_rank(held + aside, self.process_group, slots[0].device)
         for slot, here, somewhere in zip(slots, held, anywhere):
             if somewhere and not here:
                 slot.grad = torch.zeros_like(slot)

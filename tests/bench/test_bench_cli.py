@@ -28,6 +28,16 @@ def _run(argv):
     return code, out.getvalue()
 
 
+def _child_env():
+    """The environment of a ``python -m mixprec`` child: this checkout first on its path, one
+    OpenMP thread (the suite runs on two cores)."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
 def _table_rows(text):
     """The markdown table's data rows, as lists of cells."""
     lines = [ln for ln in text.splitlines() if ln.startswith("| ")]
@@ -362,9 +372,7 @@ def test_progress_bar_callback_counts_steps(monkeypatch):
 
 
 def test_python_dash_m_help():
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env = _child_env()
     proc = subprocess.run(
         [sys.executable, "-m", "mixprec", "bench", "--help"],
         capture_output=True,
@@ -466,10 +474,7 @@ def test_ctrl_c_keeps_the_finished_modes_and_exits_130(monkeypatch, tmp_path):
 
 def test_closed_stdout_still_writes_the_files_and_exits_1_quietly(tmp_path):
     # `mixprec bench --json x.json | head -1`: the reader is gone before the table is printed.
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
+    env = _child_env()
     path = tmp_path / "rows.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "mixprec", "bench", *FAST, "--iters", "1", "--warmup", "0",
@@ -809,10 +814,7 @@ def test_stderr_line_of_a_diverged_mode_says_so():
 
 def _cli(args, **popen):
     """``python -m mixprec bench`` in a child process: (returncode, stderr text)."""
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
+    env = _child_env()
     popen.setdefault("stdout", subprocess.DEVNULL)
     popen.setdefault("stderr", subprocess.PIPE)
     proc = subprocess.run([sys.executable, "-m", "mixprec", "bench", *args], env=env,
