@@ -15,8 +15,10 @@ The model object the user passed is returned, changed in three visible, reversib
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
+import functools
 import itertools
 import threading
 import weakref
@@ -257,7 +259,14 @@ class _AmpModule:
         )
 
     def forward(self, *args, **kwargs):
-        cfg = self._mixprec_forward
+        cfg = self.__dict__.get("_mixprec_forward")
+        if cfg is None or self.__dict__.get(_IN_INSTANCE_FORWARD, False):
+            # An instance of the swapped class that amp did not prepare (nn.Sequential's
+            # slicing builds ``self.__class__(...)``; a registry an ``__init_subclass__`` filled
+            # when amp made the class): the user's class's forward, as it is. Or this forward
+            # reached again from a forward set on the instance, which wrapped it (a deep copy
+            # re-binds such a wrapper to the class's forward): amp's casts ran outside.
+            return super().forward(*args, **kwargs)
         # Read before this forward counts itself: a model both enclosed and enclosing
         # ([a, a.b, a.b.c]) called on its own casts its outputs.
         inside = cfg.enclosed and _ENCLOSING_FORWARDS.depth > 0
@@ -270,7 +279,11 @@ class _AmpModule:
         return self._mixprec_cast_forward(cfg, inside, args, kwargs)
 
     def _mixprec_cast_forward(self, cfg: AmpForwardConfig, inside: bool, args, kwargs):
-        original_forward = super().forward  # the user's class's forward
+        original_forward = self.__dict__.get(_INSTANCE_FORWARD)
+        if original_forward is None:
+            original_forward = super().forward  # the user's class's forward
+        else:  # (a forward set on the instance before initialize: see _swap_class)
+            original_forward = functools.partial(_run_instance_forward, self, original_forward)
         if self.__dict__.get(_OWN_MASTERS, False):
             _push_written_masters(self)
         if cfg.renorm_master:
@@ -413,6 +426,21 @@ class _AmpModule:
 # Set on a deep-copied or unpickled amp model whose modules hold masters of their own (see
 # _Fp32StateDict.sync).
 _OWN_MASTERS = "_mixprec_own_masters"
+# A forward set on the instance before initialize (``model.forward = functools.partial(
+# model.forward, ...)``, a library's output wrapper), which hid the class's forward that amp
+# wraps: amp moves it here and calls it inside its casts (see _swap_class); and the flag that
+# it is running.
+_INSTANCE_FORWARD = "_mixprec_instance_forward"
+_IN_INSTANCE_FORWARD = "_mixprec_in_instance_forward"
+
+
+def _run_instance_forward(module: nn.Module, forward: Callable, *args, **kwargs):
+    already = module.__dict__.get(_IN_INSTANCE_FORWARD, False)
+    module.__dict__[_IN_INSTANCE_FORWARD] = True
+    try:
+        return forward(*args, **kwargs)
+    finally:
+        module.__dict__[_IN_INSTANCE_FORWARD] = already
 
 
 def _push_written_masters(model: nn.Module) -> None:
@@ -574,6 +602,12 @@ def is_amp_model(module: nn.Module) -> bool:
 def _swap_class(module: nn.Module, config: AmpForwardConfig) -> None:
     if not is_amp_model(module):
         module.__class__ = _amp_class(type(module))
+        own = module.__dict__.pop("forward", None)
+        if own is not None:
+            # A forward set on the instance hides the class's, amp's: nn.Module's __call__
+            # would run it and none of amp's casts (O1 silently fp32, O2/O3 a dtype error).
+            # amp runs it inside its casts instead, as Apex's patched instance forward did.
+            module.__dict__[_INSTANCE_FORWARD] = own
     module._mixprec_forward = config
 
 
@@ -586,6 +620,22 @@ def carry_amp_forward(old: nn.Module, new: nn.Module) -> None:
     ref = _PART_OF.get(old)
     if ref is not None:
         _PART_OF[new] = ref
+    hooks = old.__dict__.get("_mixprec_state_dict")
+    if hooks is not None and new.__dict__.get("_mixprec_state_dict") is None:
+        # Its fp32 checkpoints: the masters of the parameters it took over (the same objects),
+        # and upcasts of its other half tensors (O3), as the old module's hooks gave them.
+        carried = _install_state_dict_hooks(new)
+        params = new._parameters
+        for name, master in hooks.masters.items():
+            param = params.get(name)
+            if param is None or hooks._halves.get(name, id(param)) != id(param):
+                continue
+            carried.masters[name] = master
+            carried._halves[name] = id(param)
+            if name in hooks.take_writes:
+                carried.take_writes[name] = hooks.take_writes[name]
+        carried._keeper_refs = list(hooks._keeper_refs)
+        carried.standalone = hooks.standalone
 
 
 def restore_model(module: nn.Module) -> nn.Module:
@@ -607,7 +657,11 @@ def restore_model(module: nn.Module) -> nn.Module:
             del _PART_OF[m]
         if is_amp_model(m):
             m.__class__ = _original_class(type(m))
-            del m._mixprec_forward
+            m.__dict__.pop("_mixprec_forward", None)
+            m.__dict__.pop(_IN_INSTANCE_FORWARD, None)
+            own = m.__dict__.pop(_INSTANCE_FORWARD, None)
+            if own is not None:
+                m.__dict__["forward"] = own
     return module
 
 
@@ -647,6 +701,8 @@ class _Fp32StateDict:
         # id, not a weak reference: torch.utils.swap_tensors (swap_module_params_on_conversion)
         # refuses a tensor with weak references; the optimizer holds the half alive.
         self._halves: Dict[str, int] = {}
+        # (The state dict and prefix of a load whose keys load() missed; see loaded().)
+        self._pending_load = None
 
     def follow_renames(self, module: nn.Module, state_dict=None, prefix: str = "") -> None:
         """Move the masters of parameters renamed or moved since they were registered, found
@@ -745,6 +801,7 @@ class _Fp32StateDict:
 
     def __setstate__(self, state):
         self.masters = dict(state["masters"])
+        self._pending_load = None
         self.take_writes = {}
         self.module = None
         self._keeper_refs = []
@@ -810,6 +867,15 @@ class _Fp32StateDict:
                 # copy.deepcopy of the state dict refused.
                 continue
             master = self.masters.get(name)
+            if master is not None and not _is_alias(state_dict[key], tensor):
+                # The module's own _save_to_state_dict wrote something else under the name: a
+                # view of the parameter (a transposed layout) is saved as the same view of
+                # the master; anything else is kept as written (in fp32).
+                master = _same_view_of(master, state_dict[key], tensor)
+                if master is not None and tensor.dtype in _HALF_TYPES:
+                    state_dict[key] = master.detach()
+                    continue
+                master = None
             if master is not None and tensor.dtype not in _HALF_TYPES:
                 # The parameter is no longer half (amp.restore_model, then model.float()): it
                 # is the weight now, edited or trained as such; the master stopped with it.
@@ -831,11 +897,16 @@ class _Fp32StateDict:
         module = self.module() if self.module is not None else None
         if module is not None:  # (a load pre-hook is not given its module)
             self.follow_renames(module)
+        self._pending_load = None
         with torch.no_grad():
             for name, master in self.masters.items():
                 value = state_dict.get(prefix + name)
                 if isinstance(value, torch.Tensor) and value.shape == master.shape:
                     master.copy_(value)
+                elif value is None:
+                    # Perhaps a load pre-hook registered after these renames the key on its
+                    # way (old checkpoints' names): looked up again once every pre-hook ran.
+                    self._pending_load = (state_dict, prefix)
 
     def loaded(self, module, incompatible_keys) -> None:
         """After ``load_state_dict``, which wrote the masters and their half parameters alike:
@@ -847,6 +918,26 @@ class _Fp32StateDict:
         # a parameter a strict=False load leaves alone, or by a load pre-hook of the user's
         # that renames a key, must reach its master; a parameter loaded has its master
         # written too, and the load wins.)
+        # A master must now hold what the module loaded into its parameter. It does where the
+        # load wrote both from the entry under the parameter's name (load()). Else: the value
+        # reached the parameter under another key (a load pre-hook registered after amp's
+        # renamed it: taken from there, in full precision), or the module's own
+        # _load_from_state_dict loaded something other than that entry (a transposed layout:
+        # taken from the parameter, at half precision). (One comparison per parameter.)
+        pending, self._pending_load = self._pending_load, None
+        with torch.no_grad():
+            for name, master in self.masters.items():
+                param = module._parameters.get(name)
+                if (param is None or param.dtype not in _HALF_TYPES
+                        or param.shape != master.shape
+                        or torch.equal(param, master.to(param.dtype))):
+                    continue
+                value = None if pending is None else pending[0].get(pending[1] + name)
+                if (isinstance(value, torch.Tensor) and value.shape == master.shape
+                        and torch.equal(param, value.to(device=param.device, dtype=param.dtype))):
+                    master.copy_(value)
+                else:
+                    master.copy_(param)
         for keeper in self.keepers():
             keeper.take_model_writes(only=self.own_params(module))
         if self.standalone:  # (a copy's masters, kept by sync(): the load wrote both sides)
@@ -865,6 +956,27 @@ def _find_in_submodules(module: nn.Module, param: torch.Tensor):
     return None
 
 
+def _is_alias(entry, tensor: torch.Tensor) -> bool:
+    """Whether a state-dict ``entry`` is ``tensor``'s data as nn.Module saves it (detached)."""
+    return (isinstance(entry, torch.Tensor) and entry.dtype == tensor.dtype
+            and entry.shape == tensor.shape and entry.device == tensor.device
+            and entry.data_ptr() == tensor.data_ptr() and entry.stride() == tensor.stride())
+
+
+def _same_view_of(master: torch.Tensor, entry, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+    """``master``'s view that ``entry`` is of ``tensor`` (a transpose, a slice), or None where
+    ``entry`` is not a view of ``tensor``'s memory or the two are laid out differently."""
+    if (not isinstance(entry, torch.Tensor) or entry.dtype != tensor.dtype
+            or entry.device != tensor.device or master.stride() != tensor.stride()
+            or master.shape != tensor.shape or tensor.numel() == 0
+            or entry.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()):
+        return None
+    offset = entry.storage_offset() - tensor.storage_offset()
+    if offset < 0:
+        return None
+    return master.as_strided(entry.shape, entry.stride(), master.storage_offset() + offset)
+
+
 def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     existing = getattr(module, "_mixprec_state_dict", None)
     if existing is not None:
@@ -872,7 +984,11 @@ def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     hooks = _Fp32StateDict()
     hooks.module = weakref.ref(module)
     module._mixprec_state_dict = hooks
-    module._register_state_dict_hook(hooks.save)
+    saving = module._register_state_dict_hook(hooks.save)
+    # First among the module's state-dict hooks: one registered before (renaming keys for an
+    # old checkpoint layout) sees the fp32 masters, not the half tensors under their names.
+    if isinstance(module._state_dict_hooks, collections.OrderedDict):
+        module._state_dict_hooks.move_to_end(saving.id, last=False)
     module._register_load_state_dict_pre_hook(hooks.load)
     module.register_load_state_dict_post_hook(hooks.loaded)
     return hooks
@@ -898,14 +1014,30 @@ _parameter_registrations = 0
 _counting_registrations = False
 
 
+# (registration count, id of the parameter registered) of the latest registrations: ids, not
+# references (swap_tensors refuses a tensor with weak references; a reused id costs one
+# comparison, see registered_since).
+_recent_registrations: collections.deque[tuple] = collections.deque(maxlen=4096)
+
+
 def _count_registration(module, name, param) -> None:
     global _parameter_registrations
     _parameter_registrations += 1
+    if param is not None:
+        _recent_registrations.append((_parameter_registrations, id(param)))
 
 
 def parameter_registrations() -> int:
     """How many parameters modules have registered since amp started counting."""
     return _parameter_registrations
+
+
+def registered_since(count: int) -> Optional[Set[int]]:
+    """The ids of the parameters registered after registration number ``count``; None when
+    that is not known any more (too many since, or ``count`` is from before the counting)."""
+    if count < 0 or _parameter_registrations - count > len(_recent_registrations):
+        return None
+    return {pid for n, pid in _recent_registrations if n > count}
 
 
 def follow_renames_in(model: nn.Module) -> None:

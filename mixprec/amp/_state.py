@@ -42,6 +42,7 @@ from mixprec.amp._model import (
     overflow_registrations,
     parameter_registrations,
     register_masters,
+    registered_since,
 )
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
@@ -373,7 +374,13 @@ def _amp_step(this, *args, **kwargs):
             result = hook(this, args, kwargs)
             if result is not None:
                 args, kwargs = result
-    out = _call_below(this, "step", args, kwargs)
+    if state is not None:
+        state.stepping += 1
+    try:
+        out = _call_below(this, "step", args, kwargs)
+    finally:
+        if state is not None:
+            state.stepping -= 1
     if runs_hooks:
         for hook in list(this._optimizer_step_post_hooks.values()):
             hook(this, args, kwargs)
@@ -405,6 +412,45 @@ def refuse_inner_optimizer(optimizer, cast_param_ids, known=frozenset()) -> None
                     "parameters, per-op casting), or O2 with master_weights=False, or an "
                     "optimizer that steps its own param_groups."
                 )
+
+
+def guard_inner_optimizers(optimizer, state: _OptimizerState) -> None:
+    """Make an inner optimizer over the masters raise when it is stepped other than from
+    ``optimizer.step()`` (SAM's ``base_optimizer``, stepped by its ``second_step()``).
+
+    Under master weights ``optimizer``'s groups hold the fp32 masters; an optimizer that keeps
+    another one over the same groups (SAM's ``base_optimizer``, Lookahead's) may step it from
+    its own ``step()``, around which amp's hooks run (Lookahead: fine), or directly: then the
+    masters are updated and the half model that runs the forward never is, silently (and a
+    perturbation written into the masters, SAM's ``first_step()``, never reaches the forward
+    either). A wrapper whose hooks amp uses (LARC's ``.optim``) is not guarded."""
+    hooked = hookable_optimizer(optimizer)
+    masters = {id(m) for _, m in state.pairs}
+    for name, inner in list(vars(optimizer).items()):
+        if (not isinstance(inner, torch.optim.Optimizer) or inner is optimizer
+                or inner is hooked or not hasattr(inner, "_optimizer_step_pre_hooks")):
+            continue
+        if not any(id(p) in masters for g in inner.param_groups for p in g["params"]):
+            continue
+        outer_name, inner_name = type(optimizer).__name__, type(inner).__name__
+
+        def refuse_direct_step(_inner, _args, _kwargs, name=name, outer_name=outer_name,
+                               inner_name=inner_name):
+            if state.stepping or not state.amp_state.enabled:
+                return None
+            raise RuntimeError(
+                f"{outer_name}.{name} ({inner_name}) was stepped directly, not from "
+                f"{outer_name}.step(), on an optimizer that amp gave fp32 master weights "
+                "(master_weights=True: O2). amp copies the stepped masters into the half model "
+                f"around {outer_name}.step() only: stepped this way (SAM's first_step() / "
+                "second_step()) the model that runs the forward would never change, nor see a "
+                f"perturbation written into the masters. Call {outer_name}.step(closure) "
+                "(amp puts the masters into the half model before each evaluation of the "
+                "closure; closures need a static loss scale: bf16's default, or "
+                "loss_scale=<number>), or use opt_level='O1'."
+            )
+
+        state._handles.append(inner.register_step_pre_hook(refuse_direct_step))
 
 
 def _prime_fused_momentum(optimizer, found_inf: torch.Tensor) -> bool:
@@ -570,6 +616,10 @@ class _OptimizerState:
         # every plain parameter missing from _stash had none).
         self._set_aside = False
         self._handles = []
+        # How many calls of the optimizer's step() are running (see guard_inner_optimizers).
+        self.stepping = 0
+        # Inside an amp.scale_loss block of this optimizer (nested blocks are refused).
+        self.scale_loss_open = False
         # Each pair's half parameter's version counter, its master's, and the half parameter's
         # TensorImpl, when amp last put the two in step (take_model_writes); None until the
         # pairs are adopted.
@@ -1219,10 +1269,14 @@ class _OptimizerState:
             return
         if self._registrations_seen != parameter_registrations():
             # A parameter registered somewhere since: perhaps one of ours renamed (prune, and
-            # prune.remove, whose .data write only a rename check finds).
+            # prune.remove, whose .data write only a rename check finds), or registered again
+            # after a write through .data (prune.remove at once after prune: by now back
+            # under its name, so no rename shows).
+            since = registered_since(self._registrations_seen)
             self._registrations_seen = parameter_registrations()
             for model in self.amp_state.models:
                 follow_renames_in(model)
+            self._take_data_writes(since)
         if only is not None and synced is not None and len(synced) == len(self.pairs):
             written = []
             for i in self._pair_indices(only):
@@ -1244,6 +1298,24 @@ class _OptimizerState:
             return
         self._take(written)
         self.record_synced()  # (the copy moved the masters' version counters)
+
+    def _take_data_writes(self, since: Optional[Set[int]]) -> None:
+        """For the half parameters registered again since the last look (``since``, their
+        ids; None: any), and not written in place since amp set them (those are taken whole),
+        take into the master the elements where the half parameter no longer equals the
+        master rounded to half: a write through ``.data``, which no version counter sees
+        (``prune.remove``); the other elements keep their fp32 values. No host sync."""
+        synced = self._synced_versions
+        if synced is None or len(synced) != len(self.pairs):
+            return
+        with torch.no_grad():
+            for i, ((p, m), (sp, _, sc)) in enumerate(zip(self.pairs, synced)):
+                if ((since is not None and id(p) not in since) or p._version != sp
+                        or p._cdata != sc or p.shape != m.shape
+                        or p.dtype not in (torch.float16, torch.bfloat16)):
+                    continue
+                m.copy_(torch.where(p != m.to(p.dtype), p.to(m.dtype), m))
+                synced[i] = (p._version, m._version, p._cdata)
 
     def _take(self, written) -> None:
         """Copy the half parameters of the ``(param, master)`` pairs ``written`` into their

@@ -27,6 +27,7 @@ from mixprec.amp._properties import describe_opt_level, resolve_properties
 from mixprec.amp._state import (
     AmpState,
     SyncParamGroupsOnLoad,
+    guard_inner_optimizers,
     hookable_optimizer,
     mastered_elsewhere,
     optimizer_state,
@@ -378,6 +379,8 @@ def initialize(
         masters.append((opt_state, opt_state.adopt_params(props.master_weights, cast_ids)))
         opt_state.install_hooks(hookable_optimizer(opt))
         opt_state.install_skipping_step(opt)
+        if props.master_weights:
+            guard_inner_optimizers(opt, opt_state)
     # A model and its own submodule in one call (``[outer, outer.sub]``, to call the part on
     # its own too): inside the enclosing forward the part is a half layer (no fp32 outputs).
     # (How many of the others each model is inside: the enclosing ones convert first.)
@@ -511,42 +514,56 @@ def scale_loss(
     amp_state.resolve_pending()
     # The dynamic scale stays on the device where it can: no host sync, capturable.
     scale = scaler.device_state(device).scale if device is not None else scaler.loss_scale
+    if any(s.scale_loss_open for s in states):
+        raise RuntimeError(
+            "amp.scale_loss: a scale_loss block of this optimizer is already open (nested "
+            "blocks). Each block scales one loss for the backward inside it and unscales its "
+            "gradients on exit: nested over one optimizer, a backward inside would be unscaled "
+            "by both (or by the wrong loss's scale). Sum the losses inside one block, or close "
+            "each block (its backward done) before the next one opens."
+        )
     for s in states:
-        s.before_backward(scaler, scale)
-    # The call's other optimizers, whose parameters this backward may reach too (a loss
-    # through two models given one optimizer here): what it writes there stays scaled.
-    others = []
-    if scaler.dynamic or scaler.loss_scale != 1.0:
-        others = [(o, o.params_with_grads()) for o in amp_state.other_optimizer_states(states)
-                  if o.plain]
+        s.scale_loss_open = True
     try:
-        if device is not None:
-            yield loss.float() * scale
-        else:
-            yield loss.float() if scale == 1.0 else loss.float() * scale
-    except BaseException:
-        # The block raised (a caller skipping an out-of-memory backward goes on training):
-        # the gradients of earlier backwards, set aside for this one, are given back.
         for s in states:
-            s.abandon_backward()
-        raise
-    for other, marks in others:
-        other.note_foreign_backward(marks)
+            s.before_backward(scaler, scale)
+        # The call's other optimizers, whose parameters this backward may reach too (a loss
+        # through two models given one optimizer here): what it writes there stays scaled.
+        others = []
+        if scaler.dynamic or scaler.loss_scale != 1.0:
+            others = [(o, o.params_with_grads()) for o in amp_state.other_optimizer_states(states)
+                      if o.plain]
+        try:
+            if device is not None:
+                yield loss.float() * scale
+            else:
+                yield loss.float() if scale == 1.0 else loss.float() * scale
+        except BaseException:
+            # The block raised (a caller skipping an out-of-memory backward goes on training):
+            # the gradients of earlier backwards, set aside for this one, are given back.
+            for s in states:
+                s.abandon_backward()
+            raise
+        for other, marks in others:
+            other.note_foreign_backward(marks)
 
-    # Per optimizer: one whose model ran this forward inside DDP's no_sync() keeps its
-    # gradients scaled for the synced backward to all-reduce; the others unscale as usual.
-    unscale = []
-    for s in states:
-        if delay_unscale or s.grad_sync_deferred():
-            s.hold_scaled(scaler, scale)
-        else:
-            unscale.append(s)
-    if not unscale:
-        return
-    flags = []
-    for s in unscale:
-        flags.extend(s.unscale(scaler))
-    amp_state.record_overflow(unscale, loss_id, flags)
+        # Per optimizer: one whose model ran this forward inside DDP's no_sync() keeps its
+        # gradients scaled for the synced backward to all-reduce; the others unscale as usual.
+        unscale = []
+        for s in states:
+            if delay_unscale or s.grad_sync_deferred():
+                s.hold_scaled(scaler, scale)
+            else:
+                unscale.append(s)
+        if not unscale:
+            return
+        flags = []
+        for s in unscale:
+            flags.extend(s.unscale(scaler))
+        amp_state.record_overflow(unscale, loss_id, flags)
+    finally:
+        for s in states:
+            s.scale_loss_open = False
 
 
 def _set_latest(state: AmpState, opt_list) -> None:

@@ -299,7 +299,22 @@ def unscale_grads_(
             if flag is None:
                 flag = torch.zeros((), dtype=torch.float32, device=device)
                 found_by_device[device] = flag
-        if check and (dtype != torch.bfloat16 or device.type == "cpu"):
+        if any(g.requires_grad for g in group):
+            # backward(create_graph=True) (O1, O3): the gradients carry a graph, which a
+            # second derivative through them (a gradient penalty, a Hessian-vector product)
+            # follows. The fused kernel below is not recorded by autograd: the graph would
+            # still give the scaled gradient's derivative, loss-scale times too large. A
+            # recorded multiply per tensor instead (a rare path), the check on the values.
+            if check:
+                with torch.no_grad():
+                    norms = torch._foreach_norm([g.detach() for g in group], float("inf"))
+                    torch.maximum(flag, (~torch.stack(norms).isfinite()).any().float(),
+                                  out=flag)
+            if scaler.loss_scale != 1.0 or check:
+                inv_kept = inv.clone()  # (autograd keeps it: the scaler's own changes later)
+                for g in group:
+                    g.mul_(inv_kept)
+        elif check and (dtype != torch.bfloat16 or device.type == "cpu"):
             # Sets `flag` to 1 where it sees an inf/NaN, never back to 0: one flag per device
             # serves every dtype group.
             torch._amp_foreach_non_finite_check_and_unscale_(group, flag, inv)

@@ -190,6 +190,102 @@ def test_optimizer_wrapper_without_optimizer_init(opt_level):
         assert not torch.equal(a, b) or opt_level == "O1"
 
 
+class _SAM(torch.optim.Optimizer):
+    """Shaped like the widely used SAM (sharpness-aware minimization): its own groups, shared
+    with a base optimizer built over them, stepped by ``second_step()`` (or by
+    ``step(closure)``, which runs first_step, the closure, second_step)."""
+
+    def __init__(self, params, base, rho=0.05, **kw):  # noqa: D107
+        super().__init__(params, dict(rho=rho, **kw))
+        self.base_optimizer = base(self.param_groups, **kw)
+        self.param_groups = self.base_optimizer.param_groups
+
+    @torch.no_grad()
+    def first_step(self):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.stack([g.norm() for g in grads]).norm()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["old_p"] = p.detach().clone()
+                    p.add_(p.grad * group["rho"] / (norm + 1e-12))
+        self.zero_grad()
+
+    @torch.no_grad()
+    def second_step(self):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.copy_(self.state[p]["old_p"])
+        self.base_optimizer.step()
+        self.zero_grad()
+
+    @torch.no_grad()
+    def step(self, closure):
+        self.first_step()
+        with torch.enable_grad():
+            closure()
+        self.second_step()
+
+
+def _sam_run(opt_level, by_closure, steps=4):
+    """Weights after ``steps`` SAM steps; ``opt_level=None``: the float64 reference."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+    if opt_level is None:
+        model = model.double()
+    opt = _SAM(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.5)
+    if opt_level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                    verbosity=0)
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    if opt_level is None:
+        x, y = x.double(), y.double()
+
+    def backward():
+        loss = nn.functional.mse_loss(model(x).to(y.dtype), y)
+        if opt_level is None:
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+
+    for _ in range(steps):
+        backward()
+        if by_closure:
+            opt.step(backward)
+        else:
+            opt.first_step()
+            backward()
+            opt.second_step()
+    return {k: v.double() for k, v in model.state_dict().items()}, model
+
+
+@pytest.mark.parametrize("opt_level,by_closure", [("O1", False), ("O1", True), ("O2", True)])
+def test_sam_trains_like_float64(opt_level, by_closure):
+    # SAM's gradient is taken at weights perturbed by first_step: at O2 the closure's forward
+    # runs the half model made from the (perturbed) masters, and second_step's update reaches
+    # the half model through amp's hooks around SAM.step().
+    want, _ = _sam_run(None, by_closure)
+    got, model = _sam_run(opt_level, by_closure)
+    plain_sgd, _ = _sam_run(None, by_closure=False, steps=0)  # (the start)
+    for k in want:
+        moved = (want[k] - plain_sgd[k]).norm()
+        assert (got[k] - want[k]).norm() <= 0.02 * moved + 1e-3, k  # (bf16 forward/backward)
+    if opt_level == "O2":
+        assert torch.equal(model[0].weight, model.state_dict()["0.weight"].to(torch.bfloat16))
+
+
+def test_o2_sam_stepped_by_second_step_is_refused():
+    # SAM's first_step()/second_step() step its base optimizer, not SAM: at O2 the masters
+    # moved and the half model never did (nor saw the perturbation), silently. Refused at the
+    # base optimizer's step, saying what works instead.
+    with pytest.raises(RuntimeError, match=r"(?s)_SAM\.base_optimizer \(SGD\) was stepped "
+                       r"directly.*_SAM\.step\(closure\).*opt_level='O1'"):
+        _sam_run("O2", by_closure=False, steps=1)
+
+
 def test_add_param_group_gets_masters_at_o2():
     model = make_cnn()
     frozen = list(model.head.parameters())
@@ -826,6 +922,48 @@ def test_backward_with_create_graph(opt_level):
     second = torch.autograd.grad(penalty, model.head.weight)[0]
     assert torch.isfinite(second).all() and second.abs().sum() > 0
     model.zero_grad()  # (breaks the parameter <-> gradient cycle create_graph makes)
+
+
+def _penalty_second_derivative(model, x, y, backward):
+    """d(sum of the squared parameter gradients)/d(first layer's weight), the gradients taken
+    with create_graph=True by ``backward(loss)``."""
+    backward(nn.functional.mse_loss(model(x).float(), y))
+    penalty = sum(p.grad.float().pow(2).sum() for p in model.parameters())
+    second = torch.autograd.grad(penalty, model[0].weight)[0]
+    model.zero_grad()
+    return second
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("opt_level,loss_scale", [
+    ("O1", None), ("O1", 1024.0), ("O3", "dynamic")])
+@pytest.mark.parametrize("fused", [False, True])
+def test_create_graph_second_derivative_is_unscaled(opt_level, loss_scale, fused):
+    # The gradients' graph gives the unscaled gradient's derivative: the unscale is recorded
+    # by autograd (the fused unscale-and-check kernel of dynamic scaling was not: a gradient
+    # penalty's second derivative came out 65536x too large).
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    want = _penalty_second_derivative(
+        make().double(), x.double(), y.double(), lambda loss: loss.backward(create_graph=True))
+    model = make()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused)
+    kw = {} if loss_scale is None else {"loss_scale": loss_scale}
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.float16,
+                                verbosity=0, **kw)
+
+    def scaled_backward(loss):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward(create_graph=True)
+
+    got = _penalty_second_derivative(model, x, y, scaled_backward)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == (1024.0 if loss_scale == 1024.0 else 65536.0)
+    # fp16 forward: within 2% of the float64 derivative (the bug was a factor of the scale)
+    assert (got.double() - want).norm() <= 0.02 * want.norm()
 
 
 @pytest.mark.parametrize("call", ["step()", "step(None)", "step(closure=None)"])

@@ -96,9 +96,10 @@ def test_writes_into_the_half_model_reach_the_checkpoint_and_survive_a_load(dtyp
 
 
 def test_a_load_that_writes_only_the_half_parameter_and_a_copys_load_hold():
-    # (a) A load pre-hook of the user's renaming an old key: torch writes the half parameter,
-    # amp's hook never saw the key, so its master kept the old value; the record after the
-    # load must take that write, not mark the pair as in step. (b) A deep copy (an EMA):
+    # (a) A load pre-hook of the user's renaming an old key, registered after amp's: torch
+    # writes the half parameter, amp's hook never saw the key, so its master kept the old
+    # value; the load must reach the master, not mark the pair as in step (in full precision:
+    # amp looks the key up again once every pre-hook ran). (b) A deep copy (an EMA):
     # a write after its load_state_dict was overwritten by the loaded master.
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -112,7 +113,7 @@ def test_a_load_that_writes_only_the_half_parameter_and_a_copys_load_hold():
 
     model.head._register_load_state_dict_pre_hook(rename)
     model.load_state_dict(sd)
-    loaded = sd["head.old_weight"].to(torch.bfloat16).float()
+    loaded = sd["head.old_weight"]
     train_step(model, opt, *batch(), amp)  # lr 0: the write holds
     assert torch.equal(model.state_dict()["head.weight"], loaded)
 
@@ -864,6 +865,141 @@ def test_o2_pruning_after_initialize_keeps_the_fp32_masters(dtype, save_after_re
     torch.testing.assert_close(master[~pruned], torch.add(kept, grad, alpha=-0.1)[~pruned],
                                rtol=1e-6, atol=1e-7)  # (the fp32 values went on)
     torch.testing.assert_close(model.state_dict()["0.weight"], master.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("look", ["state_dict", "step"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_prune_then_remove_at_once_keeps_the_zeros(dtype, look):
+    # PyTorch's pruning tutorial makes pruning permanent with prune.remove right after
+    # pruning: nothing looked in between, the parameter was back under its name, and the
+    # zeros prune.remove wrote through .data never reached the masters (the next step brought
+    # the pruned weights back). Now a parameter registered again is compared with its master.
+    from torch.nn.utils import prune
+
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    masters = dict(zip((id(p) for p in model.parameters()), amp.master_params(opt)))
+    master = masters[id(model[0].weight)]
+    kept = master.detach().clone()
+    prune.global_unstructured([(model[0], "weight"), (model[2], "weight")],
+                              pruning_method=prune.L1Unstructured, amount=0.5)
+    pruned = model[0].weight_mask == 0
+    for layer in (model[0], model[2]):
+        prune.remove(layer, "weight")
+    assert pruned.any()
+    if look == "state_dict":
+        weight = model.state_dict()["0.weight"]
+        assert torch.equal(weight, torch.where(pruned, torch.zeros_like(kept), kept))
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(3))
+    opt.zero_grad()
+    loss = nn.functional.cross_entropy(model(x), torch.arange(32) % 2)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    grad = master.grad.clone()
+    opt.step()  # SGD from the pruned entries' zeros: exactly -lr * grad there
+    torch.testing.assert_close(master[pruned], -0.1 * grad[pruned], rtol=0, atol=0)
+    torch.testing.assert_close(master[~pruned], torch.add(kept, grad, alpha=-0.1)[~pruned],
+                               rtol=1e-6, atol=1e-7)  # (the fp32 values went on)
+
+
+def _rename_on_save(module, state_dict, prefix, local_metadata):
+    if prefix + "weight" in state_dict:
+        state_dict[prefix + "w"] = state_dict.pop(prefix + "weight")
+
+
+def _rename_on_load(state_dict, prefix, *args):
+    if prefix + "w" in state_dict:
+        state_dict[prefix + "weight"] = state_dict.pop(prefix + "w")
+
+
+@pytest.mark.parametrize("hooks", ["before initialize", "after initialize"])
+def test_o2_user_state_dict_hooks_that_rename_keys_see_the_masters(hooks):
+    # A layer saving its weight under an old checkpoint's name: a save hook registered
+    # before initialize ran before amp's and saved the half tensor; a load pre-hook
+    # registered after ran after amp's, which missed the key, and the master was set from the
+    # half parameter (rounded). Both exact now, as in fp32.
+    torch.manual_seed(0)
+    ckpt = {"w": torch.randn(4, 4), "bias": torch.randn(4)}
+    layer = nn.Linear(4, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+
+    def register():
+        layer._register_state_dict_hook(_rename_on_save)
+        layer._register_load_state_dict_pre_hook(_rename_on_load)
+
+    if hooks == "before initialize":
+        register()
+    amp.initialize(layer, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    if hooks == "after initialize":
+        register()
+    layer.load_state_dict(copy.deepcopy(ckpt))
+    weight_master = next(m for m in amp.master_params(opt) if m.dim() == 2)
+    assert torch.equal(weight_master, ckpt["w"])
+    saved = layer.state_dict()
+    assert set(saved) == {"w", "bias"}
+    assert saved["w"].dtype == torch.float32 and torch.equal(saved["w"], ckpt["w"])
+
+
+class _SavesTransposed(nn.Module):
+    """Checkpoints hold the weight transposed (a framework's layout); loads undo it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return x @ self.weight
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = (self.weight if keep_vars else self.weight.detach()).t()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if prefix + "weight" in state_dict:
+            state_dict[prefix + "weight"] = state_dict[prefix + "weight"].t()
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class _LoadsScaled(nn.Linear):
+    """Its checkpoints store half the weight; loading doubles it in place after the load."""
+
+    def _load_from_state_dict(self, *args):
+        super()._load_from_state_dict(*args)
+        with torch.no_grad():
+            self.weight.mul_(2)
+
+
+def test_o2_a_modules_own_checkpoint_layout_is_kept():
+    # amp's save hook put the plain master under the weight's name over what the module's
+    # own _save_to_state_dict wrote there (its transposed layout): reloaded, the weights came
+    # out transposed. The same view of the master is saved now. And a module that changes
+    # its parameter while loading (after amp wrote the master) keeps the change.
+    torch.manual_seed(0)
+    model = nn.Sequential(_SavesTransposed())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    master = next(amp.master_params(opt))
+    saved = copy.deepcopy(model.state_dict())
+    assert torch.equal(saved["0.weight"], master.t())
+    plain = nn.Sequential(_SavesTransposed())
+    plain.load_state_dict(copy.deepcopy(saved))
+    assert torch.equal(plain[0].weight, master)
+    resumed = nn.Sequential(_SavesTransposed())
+    resumed_opt = torch.optim.SGD(resumed.parameters(), lr=0.1)
+    amp.initialize(resumed, resumed_opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    resumed.load_state_dict(saved)
+    assert torch.equal(next(amp.master_params(resumed_opt)), master)
+
+    layer = _LoadsScaled(4, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    amp.initialize(layer, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    value = torch.randn(4, 4)
+    layer.load_state_dict({"weight": value, "bias": torch.zeros(4)})
+    weight_master = next(m for m in amp.master_params(opt) if m.dim() == 2)
+    want = (2 * value).bfloat16()  # (the module's write: taken at half precision)
+    assert torch.equal(layer.weight, want) and torch.equal(weight_master, want.float())
+    opt.step()  # (no gradients: the step keeps the half model as the master says)
+    assert torch.equal(layer.weight, want)
 
 
 class _Doubled(nn.Module):

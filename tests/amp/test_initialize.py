@@ -163,6 +163,57 @@ def test_restore_model_undoes_the_swap():
     assert type(model) is cls and not amp.is_amp_model(model)
 
 
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 2)
+        self.hidden_dtype = None
+
+    def forward(self, x, scale=1.0):
+        h = self.fc1(x)
+        self.hidden_dtype = h.dtype
+        return self.fc2(torch.relu(h)) * scale
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_forward_set_on_the_instance_before_initialize_runs_inside_amps_casts(opt_level):
+    # model.forward = functools.partial(model.forward, ...) (or a library's output wrapper)
+    # before initialize hid the class's forward that amp wraps: O1 ran silently in fp32, O2/O3
+    # failed on a dtype mismatch. amp now runs the instance's forward inside its casts.
+    import functools
+
+    model = _Scaled()
+    model.forward = functools.partial(model.forward, scale=2.0)
+    reference = _Scaled()
+    amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    amp.initialize(reference, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 4)
+    out = model(x)
+    assert model.hidden_dtype == torch.bfloat16
+    torch.testing.assert_close(out, reference(x, scale=2.0), rtol=0, atol=0)
+    # Copies re-bind the wrapper to their own (amp's) forward: still one set of casts.
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        torch.testing.assert_close(clone(x), out, rtol=0, atol=0)
+        assert clone.hidden_dtype == torch.bfloat16
+    amp.restore_model(model)
+    assert type(model) is _Scaled and isinstance(model.__dict__["forward"], functools.partial)
+
+
+def test_new_instances_of_an_amp_class_run_the_users_forward():
+    # nn.Sequential's slicing builds self.__class__(...): amp's class, which amp did not
+    # prepare; calling it failed (AttributeError '_mixprec_forward') at every opt level. It is
+    # a plain part of the model now, as a slice of a .bfloat16() model is.
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    features = model[:-1]
+    assert isinstance(features, nn.Sequential)
+    x = torch.randn(3, 4)
+    want = torch.relu(model[0](x.bfloat16()))
+    torch.testing.assert_close(features(x.bfloat16()), want, rtol=0, atol=0)
+    assert len(type(model)()) == 0 and torch.equal(type(model)()(x), x)
+
+
 # -- bad input ---------------------------------------------------------------------------------
 def test_rejects_data_parallel_wrapped_model():
     model = nn.DataParallel(make_cnn())

@@ -151,6 +151,35 @@ def test_bad_loss_id():
             pass
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_nested_blocks_over_one_optimizer_are_refused(opt_level):
+    # Two open blocks over one optimizer (two loss_ids, one joint backward) unscaled the
+    # gradients by both scales or the wrong one: 240x off at O2, near zero at O1, silently.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, num_losses=2, verbosity=0)
+    x, y = batch()
+    out = model(x)
+    with pytest.raises(RuntimeError, match="already open.*Sum the losses inside one block"):
+        with amp.scale_loss(nn.functional.cross_entropy(out, y), opt, loss_id=0) as first:
+            with amp.scale_loss(out.float().pow(2).mean(), opt, loss_id=1) as second:
+                torch.autograd.backward([first, second])
+    assert all(p.grad is None for p in amp.master_params(opt))
+    # The refusal left nothing open: the next step's block runs, and agrees with a run that
+    # never tried (one block, the two losses summed).
+    reference = make_cnn()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reference, ref_opt = amp.initialize(reference, ref_opt, opt_level=opt_level, num_losses=2,
+                                        verbosity=0)
+    for m, o in ((model, opt), (reference, ref_opt)):
+        out = m(x)
+        loss = nn.functional.cross_entropy(out, y) + out.float().pow(2).mean()
+        with amp.scale_loss(loss, o) as scaled:
+            scaled.backward()
+    for a, b in zip(amp.master_params(opt), amp.master_params(ref_opt)):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
 def test_closure_step_under_dynamic_scaling():
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

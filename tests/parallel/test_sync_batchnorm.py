@@ -1033,3 +1033,44 @@ def test_convert_syncbn_model_after_initialize_keeps_amp_fp32_batchnorm(not_dist
     assert converted_part_of(layer) is model
     with pytest.raises(ValueError, match="part"):
         amp.initialize(layer, opt_level="O2", dtype=dtype, verbosity=0)
+
+
+@pytest.mark.parametrize("opt_level,keep_bn", [("O3", None), ("O2", False)])
+def test_convert_syncbn_model_after_initialize_keeps_fp32_checkpoints(not_distributed,
+                                                                       opt_level, keep_bn):
+    # With BatchNorm in half (O3; O2 with keep_batchnorm_fp32=False) the new SyncBatchNorm
+    # layers saved half tensors (at O2 the half copy, not the fp32 master) and a load wrote
+    # the masters rounded to half: amp's state-dict hooks were not carried over. Reference:
+    # the model converted before initialize, after the same step.
+    from mixprec import amp
+
+    def run(after):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if not after:
+            model = convert_syncbn_model(model)
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, keep_batchnorm_fp32=keep_bn,
+                                    dtype=torch.float16, loss_scale=1.0, verbosity=0)
+        if after:
+            model = convert_syncbn_model(model)
+        assert isinstance(model[1], SyncBatchNorm)
+        x = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        return model, opt
+
+    (want_model, _), (model, opt) = run(after=False), run(after=True)
+    want, got = want_model.state_dict(), model.state_dict()
+    for key in want:
+        assert got[key].dtype == want[key].dtype, key
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+    assert got["1.weight"].dtype == torch.float32
+    if opt_level == "O2":
+        masters = dict(zip((id(p) for p in model.parameters()), amp.master_params(opt)))
+        assert torch.equal(got["1.bias"], masters[id(model[1].bias)])
+        # A load writes the exact fp32 values into the masters (not rounded to half).
+        loaded = {k: v + 1e-4 if v.is_floating_point() else v for k, v in got.items()}
+        model.load_state_dict(loaded)
+        assert torch.equal(masters[id(model[1].bias)], loaded["1.bias"])
