@@ -927,7 +927,7 @@ def test_backward_with_create_graph(opt_level):
 def _penalty_second_derivative(model, x, y, backward):
     """d(sum of the squared parameter gradients)/d(first layer's weight), the gradients taken
     with create_graph=True by ``backward(loss)``."""
-    backward(nn.functional.mse_loss(model(x).float(), y))
+    backward(nn.functional.mse_loss(model(x).to(y.dtype), y))
     penalty = sum(p.grad.float().pow(2).sum() for p in model.parameters())
     second = torch.autograd.grad(penalty, model[0].weight)[0]
     model.zero_grad()
