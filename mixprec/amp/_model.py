@@ -867,11 +867,14 @@ class _Fp32StateDict:
                 # copy.deepcopy of the state dict refused.
                 continue
             master = self.masters.get(name)
-            if master is not None and not _is_alias(state_dict[key], tensor):
+            entry = state_dict[key]
+            if (master is not None and not _is_alias(entry, tensor)
+                    and not _same_values(entry, tensor)):
                 # The module's own _save_to_state_dict wrote something else under the name: a
                 # view of the parameter (a transposed layout) is saved as the same view of
-                # the master; anything else is kept as written (in fp32).
-                master = _same_view_of(master, state_dict[key], tensor)
+                # the master; anything else is kept as written (in fp32). (A copy of the
+                # parameter's values is the parameter: its master.)
+                master = _same_view_of(master, entry, tensor)
                 if master is not None and tensor.dtype in _HALF_TYPES:
                     state_dict[key] = master.detach()
                     continue
@@ -957,22 +960,45 @@ def _find_in_submodules(module: nn.Module, param: torch.Tensor):
 
 
 def _is_alias(entry, tensor: torch.Tensor) -> bool:
-    """Whether a state-dict ``entry`` is ``tensor``'s data as nn.Module saves it (detached)."""
+    """Whether a state-dict ``entry`` is ``tensor``'s data as nn.Module saves it (detached).
+    A tensor whose memory cannot be read (a fake tensor) counts as one."""
+    if not (isinstance(entry, torch.Tensor) and entry.dtype == tensor.dtype
+            and entry.shape == tensor.shape and entry.device == tensor.device
+            and entry.stride() == tensor.stride()):
+        return False
+    try:
+        return entry.data_ptr() == tensor.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
+def _same_values(entry, tensor: torch.Tensor) -> bool:
+    """Whether ``entry`` is a copy of ``tensor``: same dtype, shape, device and values."""
     return (isinstance(entry, torch.Tensor) and entry.dtype == tensor.dtype
             and entry.shape == tensor.shape and entry.device == tensor.device
-            and entry.data_ptr() == tensor.data_ptr() and entry.stride() == tensor.stride())
+            and torch.equal(entry, tensor))
+
+
+def _span(t: torch.Tensor) -> int:
+    """How many elements of its storage ``t`` reaches from its offset on."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
 
 
 def _same_view_of(master: torch.Tensor, entry, tensor: torch.Tensor) -> Optional[torch.Tensor]:
     """``master``'s view that ``entry`` is of ``tensor`` (a transpose, a slice), or None where
-    ``entry`` is not a view of ``tensor``'s memory or the two are laid out differently."""
+    ``entry`` is not a view inside ``tensor``'s memory or the two are laid out differently."""
     if (not isinstance(entry, torch.Tensor) or entry.dtype != tensor.dtype
             or entry.device != tensor.device or master.stride() != tensor.stride()
-            or master.shape != tensor.shape or tensor.numel() == 0
-            or entry.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()):
+            or master.shape != tensor.shape or tensor.numel() == 0 or entry.numel() == 0
+            or any(s < 0 for s in entry.stride())):
+        return None
+    try:
+        if entry.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+            return None
+    except (RuntimeError, NotImplementedError):
         return None
     offset = entry.storage_offset() - tensor.storage_offset()
-    if offset < 0:
+    if offset < 0 or offset + _span(entry) > _span(tensor):
         return None
     return master.as_strided(entry.shape, entry.stride(), master.storage_offset() + offset)
 

@@ -310,7 +310,7 @@ def unscale_grads_(
                     norms = torch._foreach_norm([g.detach() for g in group], float("inf"))
                     torch.maximum(flag, (~torch.stack(norms).isfinite()).any().float(),
                                   out=flag)
-            if scaler.loss_scale != 1.0 or check:
+            if check or scaler.loss_scale != 1.0:
                 inv_kept = inv.clone()  # (autograd keeps it: the scaler's own changes later)
                 for g in group:
                     g.mul_(inv_kept)

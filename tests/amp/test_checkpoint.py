@@ -960,6 +960,14 @@ class _SavesTransposed(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, *args)
 
 
+class _SavesCopies(nn.Linear):
+    """Saves copies of its tensors, not the detached aliases nn.Module saves."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for name, param in self._parameters.items():
+            destination[prefix + name] = param.detach().clone()
+
+
 class _LoadsScaled(nn.Linear):
     """Its checkpoints store half the weight; loading doubles it in place after the load."""
 
@@ -989,6 +997,13 @@ def test_o2_a_modules_own_checkpoint_layout_is_kept():
     amp.initialize(resumed, resumed_opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     resumed.load_state_dict(saved)
     assert torch.equal(next(amp.master_params(resumed_opt)), master)
+
+    copies = _SavesCopies(4, 4)
+    opt = torch.optim.SGD(copies.parameters(), lr=0.1)
+    amp.initialize(copies, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    saved = copies.state_dict()
+    for (name, value), master in zip(saved.items(), amp.master_params(opt)):
+        assert torch.equal(value, master), name  # (a copy of the parameter: its master)
 
     layer = _LoadsScaled(4, 4)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
