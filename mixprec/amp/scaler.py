@@ -267,6 +267,11 @@ class _DeviceScale(NamedTuple):
 def _group_by_device_and_dtype(tensors: Sequence[torch.Tensor]):
     groups: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = defaultdict(list)
     for t in tensors:
+        if t.is_complex():
+            # (A complex parameter's gradient, e.g. a spectral layer's: PyTorch's unscale
+            # kernels take real tensors only, GradScaler's too. Its real view is the same
+            # memory, two reals per element.)
+            t = torch.view_as_real(t)
         groups[(t.device, t.dtype)].append(t)
     return groups
 

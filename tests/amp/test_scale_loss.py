@@ -180,6 +180,51 @@ def test_nested_blocks_over_one_optimizer_are_refused(opt_level):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
 
+class _Spectral(nn.Module):
+    """A complex weight (as a Fourier layer's) beside a real linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        spectrum = torch.fft.fft(x.float(), dim=-1) * self.w
+        return self.fc(x) + torch.fft.ifft(spectrum, dim=-1).real.to(x.dtype)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_complex_parameters_under_dynamic_scaling(opt_level):
+    # PyTorch's unscale-and-check kernel takes real tensors only: a complex parameter's
+    # gradient failed with NotImplementedError (GradScaler fails the same way). Unscaled as
+    # its real view now, and its inf/NaN found.
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    reference = _Spectral()
+    reference(x).pow(2).mean().backward()
+    model = _Spectral()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.float16,
+                                verbosity=0)
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0  # (no overflow)
+    assert model.w.grad.dtype == torch.cfloat
+    torch.testing.assert_close(model.w.grad, reference.w.grad, rtol=2e-2, atol=2e-3)
+    opt.step()
+    torch.testing.assert_close(model.w, reference.w - 0.1 * reference.w.grad, rtol=2e-3,
+                               atol=2e-4)
+
+    before = model.w.detach().clone()
+    opt.zero_grad()
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+        model.w.grad[0] = complex(float("inf"), 0.0)  # an overflow in the complex gradient
+    opt.step()  # skipped
+    assert torch.equal(model.w.detach(), before)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
+
+
 def test_closure_step_under_dynamic_scaling():
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
