@@ -1422,18 +1422,20 @@ def _agreed_flag(flags, states, groups) -> torch.Tensor:
 
 
 class SyncParamGroupsOnLoad:
-    """A model's load-state-dict pre-hook: adopt late ``add_param_group`` calls first.
+    """A model's load-state-dict and state-dict pre-hook: adopt late ``add_param_group``
+    calls first.
 
     Registered on each model by ``initialize`` before the fp32 state-dict hooks, so that a
     checkpoint loaded into the model reaches the masters of a group added after
-    ``initialize``. Holds its ``AmpState`` weakly; a pickled or deep-copied model's copy
-    holds none (the optimizers stay with the original).
+    ``initialize``, and one saved from it holds them (a new task head's entries fp32 before
+    any step). Holds its ``AmpState`` weakly; a pickled or deep-copied model's copy holds
+    none (the optimizers stay with the original).
     """
 
     def __init__(self, amp_state: AmpState):
         self._amp_state = weakref.ref(amp_state)
 
-    def __call__(self, state_dict, prefix, *args):
+    def __call__(self, *args, **kwargs):
         amp_state = self._amp_state() if self._amp_state is not None else None
         if amp_state is not None:
             amp_state.sync_param_groups()

@@ -394,6 +394,9 @@ def initialize(
         # checkpoint loaded after a late optimizer.add_param_group finds the new group's
         # masters in place.
         model._register_load_state_dict_pre_hook(SyncParamGroupsOnLoad(state))
+        register = getattr(model, "register_state_dict_pre_hook", None)
+        if props.master_weights and register is not None:
+            register(SyncParamGroupsOnLoad(state))  # (a state dict taken before a step too)
     # Enclosing models first: a part's own conversion comes last and sets its forward (an
     # enclosing model's would replace it with a layer's: an embedding's max_norm, O1's
     # BatchNorm).

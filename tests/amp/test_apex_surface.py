@@ -303,6 +303,23 @@ def test_add_param_group_gets_masters_at_o2():
     torch.testing.assert_close(model.state_dict()["head.weight"], group[0].detach(), rtol=0, atol=0)
 
 
+def test_a_new_head_added_after_initialize_saves_fp32_before_any_step():
+    # A module put into an O2 model after initialize and given to the optimizer with
+    # add_param_group: its checkpoint entries were half until the next step (or an
+    # optimizer.state_dict()) made its masters. The model's own state_dict makes them now.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    model.add_module("head", nn.Linear(4, 2).half())
+    opt.add_param_group({"params": list(model.head.parameters())})
+    saved = model.state_dict()
+    assert {k: v.dtype for k, v in saved.items()} == dict.fromkeys(saved, torch.float32)
+    masters = opt.param_groups[1]["params"]
+    assert all(m.dtype == torch.float32 for m in masters)
+    assert torch.equal(saved["head.weight"], masters[0])
+    assert torch.equal(saved["head.weight"], model.head.weight.float())
+
+
 def test_a_write_before_a_late_param_group_reaches_the_master():
     # An in-place write to the half model (a re-initialised layer) made before amp picks up a
     # later add_param_group holds, as it does without the new group: adopting the group
