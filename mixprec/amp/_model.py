@@ -595,12 +595,14 @@ def _rebuild_amp_module(original: type):
 
 
 def is_amp_model(module: nn.Module) -> bool:
-    """True when ``module`` went through ``amp.initialize`` (its class was swapped)."""
-    return isinstance(module, _AmpModule)
+    """True when ``module`` went through ``amp.initialize`` (its class was swapped and amp
+    set its forward; a new object of the swapped class, such as a slice ``model[:-1]`` of an
+    amp ``nn.Sequential``, did not)."""
+    return isinstance(module, _AmpModule) and "_mixprec_forward" in module.__dict__
 
 
 def _swap_class(module: nn.Module, config: AmpForwardConfig) -> None:
-    if not is_amp_model(module):
+    if not isinstance(module, _AmpModule):
         module.__class__ = _amp_class(type(module))
         own = module.__dict__.pop("forward", None)
         if own is not None:
@@ -655,7 +657,7 @@ def restore_model(module: nn.Module) -> nn.Module:
         ref = _PART_OF.get(m)
         if ref is not None and id(ref()) in restored:  # (not a part of a model left as it is)
             del _PART_OF[m]
-        if is_amp_model(m):
+        if isinstance(m, _AmpModule):
             m.__class__ = _original_class(type(m))
             m.__dict__.pop("_mixprec_forward", None)
             m.__dict__.pop(_IN_INSTANCE_FORWARD, None)

@@ -499,9 +499,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             always_fp32=self.allreduce_always_fp32,
             prof=self.prof,
         )
-        plain_average = (self.gradient_average and not self.allreduce_always_fp32
-                         and not self.prof
-                         and self.gradient_predivide_factor in (1.0, float(world_size)))
+        averages = (self.gradient_average and not self.allreduce_always_fp32
+                    and self.gradient_predivide_factor in (1.0, float(world_size)))
+        if averages and self.prof:
+            # prof's hook (a label per bucket in profiler traces) keeps the default path's
+            # arithmetic, each gradient divided by the world size before the sum: summed
+            # first, two fp16 gradients of 40000 averaged to inf.
+            self._hook_state = dataclasses.replace(
+                self._hook_state, predivide=float(world_size), postdivide=1.0)
+        plain_average = averages and not self.prof
         if self._no_reducer:
             self._divides_in_hook = False
             # The plain average divides before the sum, as PyTorch's reducer does above.

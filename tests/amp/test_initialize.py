@@ -207,11 +207,12 @@ def test_new_instances_of_an_amp_class_run_the_users_forward():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     features = model[:-1]
-    assert isinstance(features, nn.Sequential)
+    assert isinstance(features, nn.Sequential) and not amp.is_amp_model(features)
     x = torch.randn(3, 4)
     want = torch.relu(model[0](x.bfloat16()))
     torch.testing.assert_close(features(x.bfloat16()), want, rtol=0, atol=0)
     assert len(type(model)()) == 0 and torch.equal(type(model)()(x), x)
+    assert type(amp.restore_model(features)) is nn.Sequential
 
 
 # -- bad input ---------------------------------------------------------------------------------

@@ -1773,6 +1773,13 @@ def check_arguments_validated_and_warned(ctx):
     x, y = _global_batch(ctx)
     F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
     assert "gradient_predivide_factor=1.0" in repr(ddp)
+    # Not the arithmetic either: each fp16 gradient divided before the sum, as without prof
+    # (summed first, gradients of 40000 on every rank averaged to inf).
+    for kwargs in ({}, {"prof": True}):
+        layer = nn.Linear(3, 1, bias=False).to(ctx.device).half()
+        ddp = DistributedDataParallel(layer, **kwargs)
+        ddp(torch.full((1, 3), 40000.0, dtype=torch.float16, device=ctx.device)).sum().backward()
+        assert torch.equal(layer.weight.grad, torch.full_like(layer.weight, 40000.0)), kwargs
 
 
 def check_reducer(ctx):
