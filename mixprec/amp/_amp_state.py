@@ -32,7 +32,7 @@ __all__ = ["_amp_state", "attach_apex_optimizer_names", "master_params"]
 def _latest():
     from mixprec.amp import frontend
 
-    state = frontend._latest
+    state = frontend.latest_state()
     if state is None:
         raise _before_initialize()
     return state

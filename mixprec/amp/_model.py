@@ -570,19 +570,22 @@ def _fp32_forward(original_forward: Callable, device_type: str, args, kwargs):
     return cast_floating(out, in_dtype) if in_dtype is not None else out
 
 
-_SWAPPED_CLASSES: Dict[type, type] = {}
+# (Original class -> its swapped class, both held weakly: a class defined per trial, or
+# torch.fx's class per GraphModule, goes when its last model does.)
+_SWAPPED_CLASSES: weakref.WeakKeyDictionary[type, weakref.ref] = weakref.WeakKeyDictionary()
 
 
 def _amp_class(original: type) -> type:
     # A class cache (types, not state): every model of one class shares one swapped class.
-    cls = _SWAPPED_CLASSES.get(original)
+    ref = _SWAPPED_CLASSES.get(original)
+    cls = ref() if ref is not None else None
     if cls is None:
         cls = type(original.__name__, (_AmpModule, original), {
             "__module__": original.__module__,
             "__qualname__": original.__qualname__,
             "__doc__": original.__doc__,
         })
-        _SWAPPED_CLASSES[original] = cls
+        _SWAPPED_CLASSES[original] = weakref.ref(cls)
     return cls
 
 
@@ -793,6 +796,20 @@ class _Fp32StateDict:
         params = module._parameters
         return [params[name] for name in self.masters if params.get(name) is not None]
 
+    def orphaned(self) -> bool:
+        """Masters every optimizer keeping them let go of (deleted after training; a model
+        restored and prepared again), not a copy's own: nothing keeps them in step with the
+        model any more."""
+        return not self.standalone and bool(self._keeper_refs) and not self.keepers()
+
+    def forget_all(self) -> None:
+        """Hold no masters (a new ``initialize`` of the model registers its own)."""
+        self.masters.clear()
+        self.take_writes.clear()
+        self._halves.clear()
+        self._keeper_refs = []
+        self._versions = {}
+
     def keepers(self) -> list:
         """The optimizers' amp states that keep these masters, each once, and those whose
         masters here moved away (a parameter may come back): every one remembered."""
@@ -846,6 +863,10 @@ class _Fp32StateDict:
                 self._versions[name] = master._version
 
     def save(self, module, state_dict, prefix, local_metadata):
+        if self.orphaned():
+            # (The optimizer is gone: the masters keep their fp32 values and, as a copy's do,
+            # follow the half parameters written since, e.g. a head re-initialized.)
+            self.standalone = True
         self.follow_renames(module, state_dict, prefix)
         if self.standalone:
             self.sync(module, check_params=True)
@@ -900,6 +921,8 @@ class _Fp32StateDict:
                 "amp then writes the fp32 values into the masters exactly."
             )
         module = self.module() if self.module is not None else None
+        if self.orphaned():
+            self.standalone = True  # (see save)
         if module is not None:  # (a load pre-hook is not given its module)
             self.follow_renames(module)
         self._pending_load = None
@@ -1235,7 +1258,12 @@ def convert_model(model: nn.Module, props, *, encloses: bool = False,
                 # Every module holding half tensors, cast here or already half (a model
                 # .half()-ed before initialize, the second owner of a tied weight): each of
                 # its state-dict entries must come out fp32, the master where there is one.
-                _install_state_dict_hooks(module)
+                hooks = _install_state_dict_hooks(module)
+                if hooks.orphaned() or hooks.standalone:
+                    # Masters of an earlier initialize whose optimizer is gone (the model
+                    # restored and prepared again): this call registers its own, or none (O3).
+                    hooks.forget_all()
+                    hooks.standalone = False
         _mark_parts(model)
         output_dtype = props.cast_model_outputs or torch.float32
         config = AmpForwardConfig(input_dtype=props.cast_model_type, output_dtype=output_dtype,

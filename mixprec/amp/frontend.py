@@ -7,6 +7,7 @@ import logging
 import numbers
 import sys
 import warnings
+import weakref
 from collections.abc import MutableMapping
 from typing import Iterator, List, Optional
 
@@ -46,6 +47,8 @@ __all__ = [
 # The one documented default: module-level amp.state_dict()/load_state_dict() act on the most
 # recent initialize. Everything else reaches its state through the optimizer it is given.
 _latest: Optional[AmpState] = None
+# The initialize calls given optimizers, oldest first, held weakly (see latest_state).
+_calls: List[weakref.ref] = []
 
 
 def _as_list(value, what: str, kind, kind_name: str):
@@ -573,8 +576,24 @@ def _set_latest(state: AmpState, opt_list) -> None:
     # An initialize without optimizers (a frozen teacher, an EMA copy, inference) has loss
     # scalers that no scale_loss can use: it does not displace the training call's state.
     global _latest
+    if opt_list:
+        _calls[:] = [ref for ref in _calls if ref() is not None]
+        _calls.append(weakref.ref(state))
     if opt_list or _latest is None:
         _latest = state
+
+
+def latest_state() -> Optional[AmpState]:
+    """The state module-level calls act on: the most recent ``initialize`` given optimizers
+    whose optimizers are still alive (a later call whose optimizers are all gone, a trial or
+    an LR finder run meanwhile, does not displace a live one); else the most recent one."""
+    if _latest is None or _latest.optimizer_states():
+        return _latest
+    for ref in reversed(_calls):
+        state = ref()
+        if state is not None and state.optimizer_states():
+            return state
+    return _latest
 
 
 def _current(what: str, optimizer=None) -> AmpState:
@@ -586,9 +605,10 @@ def _current(what: str, optimizer=None) -> AmpState:
                 "through amp.initialize. Pass one that initialize returned."
             )
         return state.amp_state
-    if _latest is None:
+    state = latest_state()
+    if state is None:
         raise RuntimeError(f"amp.{what}() was called before amp.initialize().")
-    return _latest
+    return state
 
 
 def state_dict(destination=None, *, optimizer=None) -> dict:

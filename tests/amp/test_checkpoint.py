@@ -903,6 +903,42 @@ def test_o2_prune_then_remove_at_once_keeps_the_zeros(dtype, look):
                                rtol=1e-6, atol=1e-7)  # (the fp32 values went on)
 
 
+def test_o2_state_dict_after_the_optimizer_is_gone_follows_the_model():
+    # The optimizer deleted after training (its state freed): model.state_dict() went on
+    # serving the masters as the optimizer last left them, whatever was written into the
+    # model since (a re-initialized head, plain SGD steps). The masters now keep their fp32
+    # values and follow the half parameters written since, as a copy's do. And a model
+    # restored and prepared again at O3 saves its own weights, not the earlier run's masters.
+    import gc
+
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(2))
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    masters = [m.detach().clone() for m in amp.master_params(opt)]
+    del opt, scaled
+    gc.collect()
+    with torch.no_grad():
+        nn.init.ones_(model[2].bias)
+    saved = model.state_dict()
+    assert torch.equal(saved["2.bias"], torch.ones(2))
+    for key, master in zip(["0.weight", "0.bias", "2.weight"], masters):
+        assert torch.equal(saved[key], master), key  # (untouched: still the exact fp32 values)
+
+    amp.restore_model(model).float()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O3", dtype=torch.bfloat16, verbosity=0)
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    saved = model.state_dict()
+    for name, param in model.named_parameters():
+        assert torch.equal(saved[name], param.float()), name
+
+
 def _rename_on_save(module, state_dict, prefix, local_metadata):
     if prefix + "weight" in state_dict:
         state_dict[prefix + "w"] = state_dict.pop(prefix + "weight")

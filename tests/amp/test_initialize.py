@@ -956,6 +956,48 @@ def test_latest_state_does_not_keep_models_alive():
     assert amp.state_dict()  # the scalers themselves are still there
 
 
+def test_module_level_state_dict_skips_a_later_call_whose_optimizers_are_gone():
+    # A trial (an LR finder) initialized after the real run and then freed: amp.state_dict()
+    # and amp.load_state_dict() acted on its dead scalers, so a resume silently left the live
+    # run's scale alone. They act on the most recent call with live optimizers now.
+    import gc
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 3}})
+    trial = make_cnn(seed=1)
+    trial_opt = torch.optim.SGD(trial.parameters(), lr=0.1)
+    amp.initialize(trial, trial_opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0  # (the trial's, alive)
+    del trial, trial_opt
+    gc.collect()
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 3}}
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 5}})
+    assert amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"] == 128.0
+
+
+def test_a_model_class_is_not_kept_alive_by_amp():
+    # amp's swapped class for each model class was cached for good: a class defined per trial
+    # (a notebook cell run again, a factory; torch.fx's class per GraphModule) stayed alive.
+    import gc
+    import weakref
+
+    def trial():
+        class Net(nn.Sequential):
+            pass
+
+        model = Net(nn.Linear(4, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        model(torch.randn(2, 4))
+        return weakref.ref(Net), weakref.ref(type(model))
+
+    refs = [trial() for _ in range(3)]
+    gc.collect()
+    assert all(original() is None and swapped() is None for original, swapped in refs)
+
+
 def test_optimizer_state_from_before_initialize_moves_to_the_masters():
     # An optimizer that already stepped (or loaded a state dict) before initialize: its
     # per-parameter state (SGD momentum here) follows the parameters to their fp32 masters,
