@@ -583,6 +583,15 @@ def _set_latest(state: AmpState, opt_list) -> None:
         _latest = state
 
 
+def states_holding(module: nn.Module) -> List[AmpState]:
+    """The live ``initialize`` calls (given optimizers) that prepared ``module`` or a module
+    inside it, oldest first."""
+    inside = {id(m) for m in module.modules()}
+    states = [ref() for ref in _calls]
+    return [s for s in states
+            if s is not None and any(id(m) in inside for m in s.models)]
+
+
 def latest_state() -> Optional[AmpState]:
     """The state module-level calls act on: the most recent ``initialize`` given optimizers
     whose optimizers are still alive (a later call whose optimizers are all gone, a trial or

@@ -610,6 +610,29 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             )
         return super().join_hook(**kwargs)
 
+    def _sync_final_model(self, is_last_joiner):
+        """At the end of ``join()``: PyTorch's broadcast of the module's state from the last
+        rank to join, then amp O2's fp32 masters and amp's loss scales from the same rank
+        (else every rank took the broadcast half weights into its masters as a write: rounded
+        to half, an update smaller than half's resolution lost at each join)."""
+        super()._sync_final_model(is_last_joiner)
+        masters = master_weights(self.module)
+        if masters:
+            broadcast_coalesced(masters, src=self._authoritative_rank, group=self.process_group)
+        # And amp's loss scales: an overflow on a rank still training halved its scale while
+        # the ranks that had joined never saw it; with scales that differ, the ranks' scaled
+        # gradients would be averaged and each unscaled by its own scale.
+        from mixprec.amp.frontend import states_holding
+
+        states = states_holding(self.module)
+        if states:
+            scalers = [[s.state_dict() for s in states]]
+            src = dist.get_global_rank(self.process_group, self._authoritative_rank)
+            dist.broadcast_object_list(scalers, src=src, group=self.process_group)
+            for state, saved in zip(states, scalers[0]):
+                if saved:
+                    state.load_state_dict(saved)
+
     def register_comm_hook(self, state, hook) -> None:
         """PyTorch's ``register_comm_hook``; refused in the delay mode, whose all-reduce runs
         after backward outside PyTorch's reducer."""

@@ -2406,6 +2406,40 @@ def check_join_divides_uneven_steps_as_asked(ctx):
         torch.testing.assert_close(grads[1], torch.full_like(grads[1], 1.0))
 
 
+def check_join_under_amp_keeps_fp32_masters_and_one_loss_scale(ctx):
+    # Leaving join(): PyTorch broadcasts the half model from the last rank to join, which amp
+    # took into every rank's masters as a write (rounded to half: small updates were lost
+    # at each join); and an overflow on a rank still training halved its loss scale alone,
+    # so the ranks then averaged gradients scaled differently. The masters and the scales
+    # come from the last rank to join now.
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    ddp = DistributedDataParallel(model)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    last = ctx.world_size - 1
+    with ddp.join():
+        for i in range(1 + 2 * ctx.rank):  # the last rank's second batch overflows
+            x = torch.randn(4, 8, generator=gen)
+            if ctx.rank == last and i == 1:
+                x[0, 0] = float("inf")
+            opt.zero_grad()
+            with amp.scale_loss(ddp(x.to(ctx.device)).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+    masters = torch.cat([m.detach().flatten() for m in amp.master_params(opt)])
+    parts = _gather(ctx, masters)
+    assert all(torch.equal(p, parts[last]) for p in parts), "masters differ between ranks"
+    assert not torch.equal(masters, masters.half().float()), "masters rounded to half"
+    scale = torch.tensor([amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]],
+                         device=ctx.device)
+    scales = [p.item() for p in _gather(ctx, scale)]
+    assert scales == [32768.0] * ctx.world_size, f"loss scales differ: {scales}"
+
+
 def check_first_step_inside_join_with_an_empty_rank(ctx):
     # A fresh wrapper whose very first step runs inside join() while the other ranks have no
     # batch at all: the first-step watch stays off there (its all-reduce would meet no
@@ -2598,6 +2632,7 @@ CHECKS = [
     "check_amp_o2_accumulation_with_no_sync",
     "check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters",
     "check_amp_o2_masters_broadcast_from_rank0",
+    "check_join_under_amp_keeps_fp32_masters_and_one_loss_scale",
     "check_amp_o2_rank_dependent_init_under_either_ddp",
     "check_amp_accumulation_with_no_sync_needs_no_delay_unscale",
     "check_no_sync_deferral_follows_the_models_that_ran",
