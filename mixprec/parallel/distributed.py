@@ -50,6 +50,7 @@ from torch.utils._pytree import tree_leaves
 
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
+from mixprec.amp.frontend import states_holding
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 from mixprec.parallel import _structure
 from mixprec.parallel._backward_end import remove_hooks
@@ -622,8 +623,6 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # And amp's loss scales: an overflow on a rank still training halved its scale while
         # the ranks that had joined never saw it; with scales that differ, the ranks' scaled
         # gradients would be averaged and each unscaled by its own scale.
-        from mixprec.amp.frontend import states_holding
-
         states = states_holding(self.module)
         if states:
             scalers = [[s.state_dict() for s in states]]
