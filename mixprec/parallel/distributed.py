@@ -577,6 +577,21 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                  if t is not None and name not in self.parameters_to_ignore]
         self.device = state[0].device if state else torch.device("cpu")
         self.device_type = self.device.type
+        # PyTorch's constructor checks that the ranks hold the same shapes; without it a
+        # mismatched model took part of rank 0's values, silently. (Every rank raises.)
+        shapes = [(t.dtype, tuple(t.shape)) for t in state]
+        gathered = [None] * group_world_size(self.process_group)
+        dist.all_gather_object(gathered, shapes, group=self.process_group)
+        differ = [rank for rank, theirs in enumerate(gathered) if theirs != gathered[0]]
+        if differ:
+            names = [name for name, t in [*module.named_parameters(), *module.named_buffers()]
+                     if t is not None and name not in self.parameters_to_ignore]
+            mine = dict(zip(names, shapes))
+            raise RuntimeError(
+                f"DistributedDataParallel: the module's parameters and buffers differ in "
+                f"dtype or shape between ranks (ranks {differ} against rank 0 of the group); "
+                f"this rank holds {mine}. Build the same model on every rank."
+            )
         if state:
             broadcast_coalesced(state, src=0, group=process_group)
 

@@ -2440,6 +2440,23 @@ def check_join_under_amp_keeps_fp32_masters_and_one_loss_scale(ctx):
     assert scales == [32768.0] * ctx.world_size, f"loss scales differ: {scales}"
 
 
+def check_module_without_trainable_parameters_checks_shapes(ctx):
+    # A module with nothing to train is passed through (PyTorch's constructor is not run):
+    # its broadcast of rank 0's state took, silently, part of rank 0's values into another
+    # rank's differently shaped tensors. Every rank now refuses it, as PyTorch's check does.
+    layer = nn.Linear(4, 4 + ctx.rank).to(ctx.device).requires_grad_(False)
+    try:
+        DistributedDataParallel(layer)
+    except RuntimeError as err:
+        assert "differ in dtype or shape between ranks" in str(err), str(err)
+    else:
+        raise AssertionError("differently shaped models on the ranks were accepted")
+    torch.manual_seed(ctx.rank)
+    same = nn.Linear(4, 4).to(ctx.device).requires_grad_(False)
+    DistributedDataParallel(same)  # (the same shapes: rank 0's values, as before)
+    assert all(torch.equal(p, _gather(ctx, same.weight)[0]) for p in _gather(ctx, same.weight))
+
+
 def check_first_step_inside_join_with_an_empty_rank(ctx):
     # A fresh wrapper whose very first step runs inside join() while the other ranks have no
     # batch at all: the first-step watch stays off there (its all-reduce would meet no
@@ -2633,6 +2650,7 @@ CHECKS = [
     "check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters",
     "check_amp_o2_masters_broadcast_from_rank0",
     "check_join_under_amp_keeps_fp32_masters_and_one_loss_scale",
+    "check_module_without_trainable_parameters_checks_shapes",
     "check_amp_o2_rank_dependent_init_under_either_ddp",
     "check_amp_accumulation_with_no_sync_needs_no_delay_unscale",
     "check_no_sync_deferral_follows_the_models_that_ran",
