@@ -103,7 +103,10 @@ def _check_model(model: nn.Module) -> None:
             "through amp.initialize. Initialize each model once; build a new model to try "
             "another opt level. An optimizer cannot be added to it by a second call: build "
             "the optimizer before amp.initialize and pass both in one call, `model, opt = "
-            "amp.initialize(model, opt, ...)`."
+            "amp.initialize(model, opt, ...)`. For a second training phase (layers "
+            "unfrozen, another learning rate), give the optimizer the new parameters with "
+            "opt.add_param_group(...) or change its groups' settings; for a new optimizer, "
+            "build a new model, load model.state_dict() into it, and initialize both."
         )
 
 
