@@ -96,6 +96,29 @@ _TORCH_DDP_PARAMS = frozenset(
 _UNFINISHED_REDUCTION = "Expected to have finished reduction in the prior iteration"
 
 
+def _refuse_other_arguments(kwargs) -> None:
+    """A TypeError for keyword arguments the constructor does not take, saying which are
+    PyTorch's DDP's (a script moving from ``torch.nn.parallel.DistributedDataParallel``)."""
+    names = sorted(kwargs)
+    torch_names = [n for n in names if n in _TORCH_DDP_PARAMS]
+    if not torch_names:
+        raise TypeError(
+            f"DistributedDataParallel got unexpected keyword argument(s) {names}; it takes "
+            "Apex's arguments (message_size, delay_allreduce, gradient_average, "
+            "gradient_predivide_factor, allreduce_always_fp32, ...) plus process_group and "
+            "find_unused_parameters."
+        )
+    raise TypeError(
+        f"DistributedDataParallel({', '.join(n + '=...' for n in torch_names)}): "
+        f"{torch_names} are arguments of torch.nn.parallel.DistributedDataParallel; "
+        "mixprec's takes Apex's (message_size, delay_allreduce, gradient_predivide_factor, "
+        "...) plus process_group and find_unused_parameters. device_ids / output_device are "
+        "not needed: the module's own device is used (call torch.cuda.set_device(local_rank) "
+        "and move the module there first). For PyTorch's other options use "
+        "torch.nn.parallel.DistributedDataParallel itself, which works with amp too."
+    )
+
+
 def _apex_allreduce_hook(state, bucket):
     """All-reduce one gradient bucket with Apex's semantics (see the module docstring).
 
@@ -349,7 +372,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         *,
         process_group: Optional[dist.ProcessGroup] = None,
         find_unused_parameters: bool = False,
+        **torch_kwargs,
     ):
+        if torch_kwargs:
+            _refuse_other_arguments(torch_kwargs)
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"DistributedDataParallel(module={type(module).__name__}): expected a "

@@ -1762,6 +1762,18 @@ def check_arguments_validated_and_warned(ctx):
             assert list(kwargs)[0] in str(err), str(err)
         else:
             raise AssertionError(f"{kwargs} did not raise {error.__name__}")
+    # PyTorch's DDP's arguments (a script moving over from it) are named as such.
+    torch_ddp = "are arguments of torch.nn.parallel.DistributedDataParallel"
+    for kwargs, words in (({"device_ids": [0]}, f"['device_ids'] {torch_ddp}"),
+                          ({"static_graph": True, "bucket_cap_mb": 5},
+                           f"['bucket_cap_mb', 'static_graph'] {torch_ddp}"),
+                          ({"no_such_option": 1}, "unexpected keyword argument")):
+        try:
+            DistributedDataParallel(_mlp(ctx.device), **kwargs)
+        except TypeError as err:
+            assert words in str(err), str(err)
+        else:
+            raise AssertionError(f"{kwargs} did not raise TypeError")
     try:
         DistributedDataParallel(lambda x: x)
     except TypeError as err:
