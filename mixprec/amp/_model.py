@@ -772,9 +772,7 @@ class _Fp32StateDict:
     def _adopt(self, name: str, master: torch.Tensor, half: torch.Tensor, keeper) -> None:
         """Hold ``master`` for the parameter ``name``, ``half``, kept by ``keeper``; take in
         the elements where the half parameter differs from it (see :meth:`follow_renames`)."""
-        with torch.no_grad():
-            changed = half != master.to(half.dtype)
-            master.copy_(torch.where(changed, half.to(master.dtype), master))
+        take_changed_elements(half, master)
         self.masters[name] = master
         self._halves[name] = id(half)
         self.take_writes[name] = weakref.WeakMethod(keeper.take_model_writes)
@@ -970,6 +968,14 @@ class _Fp32StateDict:
             keeper.take_model_writes(only=self.own_params(module))
         if self.standalone:  # (a copy's masters, kept by sync(): the load wrote both sides)
             self._versions = {name: master._version for name, master in self.masters.items()}
+
+
+def take_changed_elements(half: torch.Tensor, master: torch.Tensor) -> None:
+    """Copy into ``master`` the elements where ``half`` no longer equals it rounded to half
+    (a write through ``.data``, which no version counter sees); the others keep their fp32
+    values. No host sync."""
+    with torch.no_grad():
+        master.copy_(torch.where(half != master.to(half.dtype), half.to(master.dtype), master))
 
 
 def _find_in_submodules(module: nn.Module, param: torch.Tensor):

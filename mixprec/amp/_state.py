@@ -43,6 +43,7 @@ from mixprec.amp._model import (
     parameter_registrations,
     register_masters,
     registered_since,
+    take_changed_elements,
 )
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
@@ -1308,14 +1309,13 @@ class _OptimizerState:
         synced = self._synced_versions
         if synced is None or len(synced) != len(self.pairs):
             return
-        with torch.no_grad():
-            for i, ((p, m), (sp, _, sc)) in enumerate(zip(self.pairs, synced)):
-                if ((since is not None and id(p) not in since) or p._version != sp
-                        or p._cdata != sc or p.shape != m.shape
-                        or p.dtype not in (torch.float16, torch.bfloat16)):
-                    continue
-                m.copy_(torch.where(p != m.to(p.dtype), p.to(m.dtype), m))
-                synced[i] = (p._version, m._version, p._cdata)
+        for i, ((p, m), (sp, _, sc)) in enumerate(zip(self.pairs, synced)):
+            if ((since is not None and id(p) not in since) or p._version != sp
+                    or p._cdata != sc or p.shape != m.shape
+                    or p.dtype not in (torch.float16, torch.bfloat16)):
+                continue
+            take_changed_elements(p, m)
+            synced[i] = (p._version, m._version, p._cdata)
 
     def _take(self, written) -> None:
         """Copy the half parameters of the ``(param, master)`` pairs ``written`` into their

@@ -312,9 +312,7 @@ def unscale_grads_(
             # recorded multiply per tensor instead (a rare path), the check on the values.
             if check:
                 with torch.no_grad():
-                    norms = torch._foreach_norm([g.detach() for g in group], float("inf"))
-                    torch.maximum(flag, (~torch.stack(norms).isfinite()).any().float(),
-                                  out=flag)
+                    _flag_non_finite([g.detach() for g in group], flag)
             if check or scaler.loss_scale != 1.0:
                 inv_kept = inv.clone()  # (autograd keeps it: the scaler's own changes later)
                 for g in group:
@@ -326,12 +324,18 @@ def unscale_grads_(
         elif check:
             # PyTorch's fused CUDA kernel has no bf16 variant (bf16 gradients reach here only at
             # O3 with dynamic scaling): an inf-norm per tensor flags inf/NaN, then multiply.
-            norms = torch._foreach_norm(group, float("inf"))
-            torch.maximum(flag, (~torch.stack(norms).isfinite()).any().float(), out=flag)
+            _flag_non_finite(group, flag)
             torch._foreach_mul_(group, inv)
         elif scaler.loss_scale != 1.0:
             torch._foreach_mul_(group, inv)
     return list(found_by_device.values()) if check else None
+
+
+def _flag_non_finite(tensors: List[torch.Tensor], flag: torch.Tensor) -> None:
+    """Set ``flag`` to 1 where any of ``tensors`` holds an inf/NaN (an inf-norm per tensor),
+    never back to 0. No host sync."""
+    norms = torch._foreach_norm(tensors, float("inf"))
+    torch.maximum(flag, (~torch.stack(norms).isfinite()).any().float(), out=flag)
 
 
 def any_flag_set(flags: Sequence[torch.Tensor]) -> bool:

@@ -599,8 +599,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         self.forward_sync_buffers = False
         self._no_reducer = True
         # Rank 0's state, except what the model sets to be ignored (as PyTorch broadcasts).
-        state = [t for name, t in [*module.named_parameters(), *module.named_buffers()]
+        named = [(name, t) for name, t in [*module.named_parameters(), *module.named_buffers()]
                  if t is not None and name not in self.parameters_to_ignore]
+        state = [t for _, t in named]
         self.device = state[0].device if state else torch.device("cpu")
         self.device_type = self.device.type
         # PyTorch's constructor checks that the ranks hold the same shapes; without it a
@@ -610,9 +611,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         dist.all_gather_object(gathered, shapes, group=self.process_group)
         differ = [rank for rank, theirs in enumerate(gathered) if theirs != gathered[0]]
         if differ:
-            names = [name for name, t in [*module.named_parameters(), *module.named_buffers()]
-                     if t is not None and name not in self.parameters_to_ignore]
-            mine = dict(zip(names, shapes))
+            mine = {name: shape for (name, _), shape in zip(named, shapes)}
             raise RuntimeError(
                 f"DistributedDataParallel: the module's parameters and buffers differ in "
                 f"dtype or shape between ranks (ranks {differ} against rank 0 of the group); "
