@@ -554,6 +554,35 @@ def _coalesced_if_fp16(g: torch.Tensor) -> torch.Tensor:
     return g
 
 
+class ForeignBackwardWatch:
+    """Which of an optimizer's directly stepped parameters a backward accumulates into while
+    the watch is open (a post-accumulate-grad hook on each): the backward inside another
+    optimizer's ``scale_loss`` block, whose values there stay scaled by that loss's scale.
+
+    Hooks, not gradient version counters: a gradient changed in place during the block may be
+    that optimizer's own, unscaled, averaged by a ``Reducer.reduce()`` inside the block
+    (Apex's two-loss loop), while a backward adding onto a gradient already there (the
+    optimizer's own loss backpropagated first) changes it in place as well.
+    """
+
+    def __init__(self, state: "_OptimizerState", skip: Set[int]):
+        self.state = state
+        self.hit: Dict[int, torch.Tensor] = {}
+        self.handles = [p.register_post_accumulate_grad_hook(self._accumulated)
+                        for p in state.plain if p.requires_grad and id(p) not in skip]
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self.hit[id(param)] = param
+
+    def close(self) -> None:
+        """Stop watching; mark what the backward wrote (see ``note_foreign_backward``)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        self.state.note_foreign_backward(self.hit.values())
+        self.hit = {}
+
+
 class _OptimizerState:
     """Per-optimizer amp bookkeeping.
 
@@ -586,6 +615,9 @@ class _OptimizerState:
         # gradients a backward inside another optimizer's scale_loss created, still scaled by
         # that loss's scale (see note_foreign_backward).
         self.foreign_scaled: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
+        # Those of them whose gradients this optimizer's own backward in progress set aside
+        # or adds onto (by id): marked again once it is unscaled (see before_backward).
+        self._foreign_carry: Dict[int, torch.Tensor] = {}
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
         self.held_scaler: Optional[LossScaler] = None
@@ -836,6 +868,7 @@ class _OptimizerState:
                         p.grad = None
         self.keeps_grads(not set_to_none)
         self.foreign_scaled = []
+        self._foreign_carry = {}
 
     def keeps_grads(self, keep: bool) -> None:
         """A zero_grad kept gradient tensors (``set_to_none=False``), or not."""
@@ -843,23 +876,27 @@ class _OptimizerState:
         if not keep:
             self._had_grads = {}
 
-    def params_with_grads(self) -> Set[int]:
-        """The ``id``s of the directly stepped parameters that have a gradient now."""
-        return {id(p) for p in self.plain if p.grad is not None}
+    def watch_foreign_backward(self, skip: Set[int]) -> "ForeignBackwardWatch":
+        """Watch which of the directly stepped parameters (but those in ``skip``, ids of the
+        block's own optimizers' parameters) a backward inside another optimizer's
+        ``scale_loss`` block accumulates into; :meth:`ForeignBackwardWatch.close` after it."""
+        return ForeignBackwardWatch(self, skip)
 
-    def note_foreign_backward(self, before: Set[int]) -> None:
-        """A backward inside a ``scale_loss`` not given this optimizer ran: remember the
-        gradients it created here (on parameters not in ``before``), which hold values scaled
-        by that loss's scale, for :meth:`_pre_step` to refuse a step on them."""
-        # Only gradients the block created: one changed in place may be another's own,
-        # unscaled, averaged by a Reducer.reduce() inside this block (Apex's two-loss loop).
-        for p in self.plain:
+    def note_foreign_backward(self, params) -> None:
+        """A backward inside a ``scale_loss`` not given this optimizer accumulated into
+        ``params``' gradients (onto what they held, or new), which now hold values scaled by
+        that loss's scale: remember them for :meth:`_pre_step` to refuse a step on them."""
+        for p in params:
             g = p.grad
-            if g is not None and id(p) not in before:
+            if g is not None:
                 self.foreign_scaled.append((p, g, g._version))
 
+    def _live_foreign(self) -> List[torch.Tensor]:
+        """The parameters whose gradients still hold a foreign scale (untouched since)."""
+        return [p for p, g, v in self.foreign_scaled if p.grad is g and g._version == v]
+
     def _refuse_foreign_scaled(self, optimizer) -> None:
-        stale = [p for p, g, v in self.foreign_scaled if p.grad is g and g._version == v]
+        stale = self._live_foreign()
         self.foreign_scaled = []
         if stale:
             raise RuntimeError(
@@ -869,7 +906,10 @@ class _OptimizerState:
                 "unscaled for this optimizer), so this step would apply them multiplied by "
                 "it. Pass this optimizer to that scale_loss too (a list: "
                 "amp.scale_loss(loss, [opt_a, opt_b])), or zero its gradients before the "
-                "backward meant for it."
+                "backward meant for it. Optimizers of separate amp.initialize calls cannot "
+                "share a scale_loss block (each call has its own loss scalers): a loss whose "
+                "backward runs through models of two calls needs them in one call, "
+                "amp.initialize([model_a, model_b], [opt_a, opt_b], ...)."
             )
 
     def _drop_grads(self, optimizer) -> None:
@@ -974,15 +1014,24 @@ class _OptimizerState:
     def before_backward(self, scaler: LossScaler, scale) -> None:
         """Before a backward at ``scale`` (``scaler``'s: a float, or a 0-dim device tensor)."""
         self.sync_param_groups()
+        if self.foreign_scaled:
+            # Gradients another optimizer's block left scaled, which this backward sets
+            # aside (or rescales, or adds onto): still wrong after it, so marked again then.
+            self._foreign_carry.update((id(p), p) for p in self._live_foreign())
+            self.foreign_scaled = []
         if self.grads_scaled:
             if self._stash:
                 # A gradient dropped since the held backward (the caller discarding a window
                 # of leftover micro-batches through p.grad = None or a zero_ in place): what
                 # was set aside before the window goes with it, as in fp32 training.
                 marks = self._held_marks
-                self._stash = [(p, g) for p, g in self._stash
-                               if id(p) in marks and p.grad is marks[id(p)][0]
-                               and (p.grad is None or p.grad._version == marks[id(p)][1])]
+                kept = [(p, g) for p, g in self._stash
+                        if id(p) in marks and p.grad is marks[id(p)][0]
+                        and (p.grad is None or p.grad._version == marks[id(p)][1])]
+                for p, _ in self._stash:
+                    if all(p is not q for q, _ in kept):
+                        self._foreign_carry.pop(id(p), None)
+                self._stash = kept
             self._rescale_held(scaler, scale)
             return
         # A half parameter's gradient left from a backward outside this optimizer's scale_loss
@@ -1024,9 +1073,19 @@ class _OptimizerState:
                 p.grad = stashed.get(id(p))
         self._stash = []
         self._set_aside = False
+        self._remark_foreign()
 
-    def unscale(self, scaler: LossScaler) -> List[torch.Tensor]:
-        """Move this backward's gradients, unscaled, to where the optimizer reads them."""
+    def _remark_foreign(self) -> None:
+        """Mark again the gradients carried through this optimizer's own backward."""
+        if self._foreign_carry:
+            self.note_foreign_backward(self._foreign_carry.values())
+            self._foreign_carry = {}
+
+    def unscale(self, scaler: LossScaler, skip: Set[int] = frozenset()) -> List[torch.Tensor]:
+        """Move this backward's gradients, unscaled, to where the optimizer reads them.
+
+        ``skip``: ids of directly stepped parameters another optimizer of the same block
+        unscaled already (a layer shared by two models, each with its optimizer)."""
         check = scaler.dynamic
         # Master-weighted params: half grad -> fp32, unscaled, added into the master's grad.
         # The cast happens before the unscale so small gradients do not underflow in half.
@@ -1058,7 +1117,7 @@ class _OptimizerState:
         # moved to channels-last after initialize gave a contiguous master a channels-last
         # gradient, which fused optimizers (pairing elements by memory offset) misread.
         fresh = [torch.empty_like(master) for master in targets]
-        plain_params = [p for p in self.plain if p.grad is not None]
+        plain_params = [p for p in self.plain if p.grad is not None and id(p) not in skip]
         plain_grads = [p.grad for p in plain_params]
         if sparse_fresh or any(g.layout is not torch.strided for g in plain_grads):
             # Sparse gradients (rare; the dense case pays one layout check per gradient) are
@@ -1107,6 +1166,7 @@ class _OptimizerState:
         self._set_aside = False
         self.grads_scaled = False
         self.held_scaler = self.held_scale = None
+        self._remark_foreign()
         return flags
 
     def discard_grads(self) -> None:

@@ -495,7 +495,10 @@ def scale_loss(
     if any(s.amp_state is not amp_state for s in states):
         raise ValueError(
             "amp.scale_loss: the optimizers come from different amp.initialize calls, which "
-            "have separate loss scalers. Call scale_loss once per initialize call."
+            "have separate loss scalers, so no one scale can be unscaled for all of them. A "
+            "loss whose backward runs through the models of both calls needs them in one "
+            "call: amp.initialize([model_a, model_b], [opt_a, opt_b], ...). Separate losses "
+            "of separate calls go through one scale_loss block each."
         )
     if not amp_state.enabled:  # (Apex's no-op: the loss goes through as it is)
         yield loss
@@ -536,12 +539,15 @@ def scale_loss(
     try:
         for s in states:
             s.before_backward(scaler, scale)
-        # The call's other optimizers, whose parameters this backward may reach too (a loss
-        # through two models given one optimizer here): what it writes there stays scaled.
-        others = []
+        # Other optimizers (this call's, or another call's), whose parameters this backward
+        # may reach too (a loss through two models given one optimizer here): what it
+        # writes there stays scaled, and their step() is refused on it.
+        watches = []
         if scaler.dynamic or scaler.loss_scale != 1.0:
-            others = [(o, o.params_with_grads()) for o in amp_state.other_optimizer_states(states)
-                      if o.plain]
+            others = _other_optimizer_states(amp_state, states)
+            if others:
+                own = {id(p) for s in states for p in s.plain}
+                watches = [o.watch_foreign_backward(own) for o in others]
         try:
             if device is not None:
                 yield loss.float() * scale
@@ -553,8 +559,9 @@ def scale_loss(
             for s in states:
                 s.abandon_backward()
             raise
-        for other, marks in others:
-            other.note_foreign_backward(marks)
+        finally:
+            for watch in watches:
+                watch.close()
 
         # Per optimizer: one whose model ran this forward inside DDP's no_sync() keeps its
         # gradients scaled for the synced backward to all-reduce; the others unscale as usual.
@@ -566,13 +573,28 @@ def scale_loss(
                 unscale.append(s)
         if not unscale:
             return
-        flags = []
+        flags, done = [], set()
         for s in unscale:
-            flags.extend(s.unscale(scaler))
+            # (A parameter two of them hold, a layer shared by two models: unscaled once.)
+            flags.extend(s.unscale(scaler, skip=done))
+            if len(unscale) > 1:
+                done.update(id(p) for p in s.plain)
         amp_state.record_overflow(unscale, loss_id, flags)
     finally:
         for s in states:
             s.scale_loss_open = False
+
+
+def _other_optimizer_states(amp_state: AmpState, states) -> list:
+    """The live optimizer states, with directly stepped parameters, of ``amp_state``'s call
+    and of the other live (enabled) calls, that are not in ``states``."""
+    others = amp_state.other_optimizer_states(states)
+    if len(_calls) > 1:
+        for ref in _calls:
+            call = ref()
+            if call is not None and call is not amp_state and call.enabled:
+                others.extend(call.optimizer_states())
+    return [o for o in others if o.plain]
 
 
 def _set_latest(state: AmpState, opt_list) -> None:

@@ -1241,10 +1241,102 @@ def test_a_step_on_gradients_another_optimizers_scale_loss_left_scaled_is_refuse
         for p, w in zip(a.parameters(), want):
             assert torch.equal(p, w)
         return
-    # Its own backward adds onto them (the caller's accumulation): not refused.
+    # Its own backward adds onto them (the caller's accumulation): the sum still holds the
+    # other loss's scaled share (it stepped 512 x that share before), so refused too.
+    with amp.scale_loss(a(x).float().pow(2).mean(), oa) as s:
+        s.backward()
+    with pytest.raises(RuntimeError, match=r"came from a backward inside amp\.scale_loss"):
+        oa.step()
+
+
+def _two_linear(opt_level, *, calls=1, loss_scale=512.0):
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    kw = dict(opt_level=opt_level, dtype=torch.bfloat16, loss_scale=loss_scale, verbosity=0)
+    if calls == 1:
+        amp.initialize([a, b], [oa, ob], **kw)
+    else:
+        amp.initialize(a, oa, **kw)
+        amp.initialize(b, ob, **kw)
+    return a, b, oa, ob
+
+
+@pytest.mark.parametrize("calls", [1, 2], ids=["one-call", "two-calls"])
+def test_another_blocks_backward_onto_gradients_already_there_is_refused(calls):
+    # O1: a's own loss backpropagated first (its gradients there, unscaled), then a loss
+    # through a and b given only b's optimizer: it adds 512 x its share onto a's gradients.
+    # Only gradients the block created were marked: oa.step() ran on g_a + 512 g_b.
+    a, b, oa, ob = _two_linear("O1", calls=calls)
+    x = torch.randn(8, 4)
+    h = a(x)
+    with amp.scale_loss(h.float().pow(2).mean(), oa) as s:
+        s.backward(retain_graph=True)
+    with amp.scale_loss(b(h).float().pow(2).mean(), ob) as s:
+        s.backward()
+    ob.step()
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\): 2 gradient\(s\) .*one call"):
+        oa.step()
+
+
+def test_a_loss_through_models_of_two_calls_leaves_the_other_calls_gradients_refused():
+    # Two initialize calls (no hidden global state), one loss through both models: the
+    # backward inside b's block wrote a's gradients at b's call's scale. Only optimizers of
+    # the same call were watched: oa.step() stepped them 512 times too large. Both ways of
+    # "one block per call" (the old refusal's advice) leave the scale in too.
+    a, b, oa, ob = _two_linear("O1", calls=2)
+    x = torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"different amp\.initialize calls.*in one call"):
+        with amp.scale_loss(b(a(x)).float().pow(2).mean(), [oa, ob]):
+            pass
+    loss = b(a(x)).float().pow(2).mean()
+    with amp.scale_loss(loss, ob) as s:
+        s.backward(retain_graph=True)
+    with amp.scale_loss(loss, oa) as s:  # (sets a's gradients aside, adds them back)
+        s.backward()
+    with pytest.raises(RuntimeError, match=r"still hold that loss's scale"):
+        oa.step()
+    # Zeroed, a's own block steps on its own gradient alone (float64 reference).
+    ref = copy.deepcopy(a).double()
+    oa.zero_grad()
     with amp.scale_loss(a(x).float().pow(2).mean(), oa) as s:
         s.backward()
     oa.step()
+    ref(x.double()).pow(2).mean().backward()
+    with torch.no_grad():
+        for p, r in zip(a.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.double(), r - 0.1 * r.grad, rtol=0, atol=5e-3)
+
+
+def test_a_layer_shared_by_two_optimizers_is_unscaled_once_in_one_block():
+    # O1 (no masters: both optimizers hold the one fp32 parameter): scale_loss(loss, [oa, ob])
+    # unscaled the shared layer's gradient once per optimizer, 1/512 of its value. One block
+    # per optimizer is not refused (the shared layer is the block's own optimizer's).
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    a, b = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 2))
+    ref = copy.deepcopy(nn.ModuleList([a, b])).double()
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    amp.initialize([a, b], [oa, ob], opt_level="O1", dtype=torch.bfloat16, loss_scale=512.0,
+                   verbosity=0)
+    x = torch.randn(8, 4)
+    (ref[0](x.double()).pow(2).mean() + ref[1](x.double()).pow(2).mean()).backward()
+    for blocks in ("one", "per optimizer"):
+        oa.zero_grad()
+        ob.zero_grad()
+        if blocks == "one":
+            with amp.scale_loss(a(x).float().pow(2).mean() + b(x).float().pow(2).mean(),
+                                [oa, ob]) as s:
+                s.backward()
+        else:
+            for model, opt in ((a, oa), (b, ob)):
+                with amp.scale_loss(model(x).float().pow(2).mean(), opt) as s:
+                    s.backward()
+        # (bf16 compute: 1e-2 relative; unscaled twice: 1/512)
+        torch.testing.assert_close(shared.weight.grad.double(), ref[0][0].weight.grad,
+                                   rtol=2e-2, atol=1e-3, msg=blocks)
+    oa.step()
+    ob.step()
 
 
 def test_amps_zero_grad_keeps_the_signature_and_copies():
