@@ -565,7 +565,7 @@ class ForeignBackwardWatch:
     optimizer's own loss backpropagated first) changes it in place as well.
     """
 
-    def __init__(self, state: "_OptimizerState", skip: Set[int]):
+    def __init__(self, state: _OptimizerState, skip: Set[int]):
         self.state = state
         self.hit: Dict[int, torch.Tensor] = {}
         self.handles = [p.register_post_accumulate_grad_hook(self._accumulated)
@@ -876,7 +876,7 @@ class _OptimizerState:
         if not keep:
             self._had_grads = {}
 
-    def watch_foreign_backward(self, skip: Set[int]) -> "ForeignBackwardWatch":
+    def watch_foreign_backward(self, skip: Set[int]) -> ForeignBackwardWatch:
         """Watch which of the directly stepped parameters (but those in ``skip``, ids of the
         block's own optimizers' parameters) a backward inside another optimizer's
         ``scale_loss`` block accumulates into; :meth:`ForeignBackwardWatch.close` after it."""
