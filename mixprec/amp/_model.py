@@ -655,6 +655,9 @@ def restore_model(module: nn.Module) -> nn.Module:
     Returns:
         nn.Module: the same object.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"amp.restore_model(module={type(module).__name__}): expected the "
+                        "torch.nn.Module amp.initialize returned.")
     restored = {id(m) for m in module.modules()}
     for m in module.modules():
         ref = _PART_OF.get(m)

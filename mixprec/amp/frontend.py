@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from mixprec._checks import check_flag
 from mixprec.amp._logging import is_rank_zero, log_rank0
 from mixprec.amp._model import (
     cast_module_tensors,
@@ -272,6 +273,13 @@ def initialize(
         ...             "amp": amp.state_dict()}, "checkpoint.pt")
     """
     model_list, single_model = _as_list(models, "models", nn.Module, "torch.nn.Module")
+    if isinstance(optimizers, str):
+        hint = (f" It looks like an opt level: pass it by name, amp.initialize(model, optimizer, "
+                f"opt_level={optimizers!r})." if optimizers.strip().upper() in
+                ("O0", "O1", "O2", "O3", "00", "01", "02", "03") else "")
+        raise TypeError(f"amp.initialize(optimizers={optimizers!r}): expected a "
+                        f"torch.optim.Optimizer, a list of them, or None.{hint}")
+    enabled = check_flag("amp.initialize", "enabled", enabled, strings=True)
     if optimizers is None:
         opt_list, single_opt = [], True
     else:
@@ -280,10 +288,10 @@ def initialize(
             hookable_optimizer(opt)  # raises TypeError for non-optimizers
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"amp.initialize(num_losses={num_losses!r}): must be an int >= 1.")
-    if not isinstance(verbosity, int):
-        raise TypeError(
-            f"amp.initialize(verbosity={verbosity!r}): must be an int, 0 to silence amp's "
-            "log messages or 1 (the default) for them.")
+    if not isinstance(verbosity, int) or isinstance(verbosity, bool) or verbosity < 0:
+        raise (ValueError if isinstance(verbosity, int) and verbosity < 0 else TypeError)(
+            f"amp.initialize(verbosity={verbosity!r}): must be an int >= 0, 0 to silence "
+            "amp's log messages or 1 (the default) for them.")
     for name, value in (("min_loss_scale", min_loss_scale), ("max_loss_scale", max_loss_scale)):
         if value is None and name == "min_loss_scale":
             continue
@@ -294,6 +302,10 @@ def initialize(
                 f"loss scale's {'floor' if name == 'min_loss_scale' else 'ceiling'})"
                 + (", or None for the default floor, 2**-24." if name == "min_loss_scale"
                    else "; the default is 2.**24."))
+    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
+        raise ValueError(
+            f"amp.initialize(min_loss_scale={min_loss_scale!r}, max_loss_scale="
+            f"{max_loss_scale!r}): min_loss_scale must not exceed max_loss_scale.")
 
     def result():
         if optimizers is None:
@@ -475,9 +487,23 @@ def scale_loss(
         >>> optimizer.step()
     """
     del model, delay_overflow_check
+    delay_unscale = check_flag("amp.scale_loss", "delay_unscale", delay_unscale)
     opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    states = [optimizer_state(opt) for opt in opt_list]
-    if not opt_list or any(s is None for s in states):
+    if not opt_list:
+        raise ValueError(
+            f"amp.scale_loss(loss, optimizers={optimizers!r}): no optimizer given. Pass the "
+            "optimizer (or a list of the optimizers) that amp.initialize returned.")
+    for opt in opt_list:
+        if not (isinstance(opt, torch.optim.Optimizer)
+                or isinstance(getattr(opt, "optim", None), torch.optim.Optimizer)):
+            raise TypeError(
+                f"amp.scale_loss(loss, optimizers=...): got {type(opt).__name__}; expected "
+                "the torch.optim.Optimizer (or a list of them) that amp.initialize returned, "
+                "as the second argument: amp.scale_loss(loss, optimizer).")
+    # (A wrapper made after initialize, LARC(optimizer): its inner optimizer's state.)
+    states = [optimizer_state(opt) or optimizer_state(getattr(opt, "optim", None))
+              for opt in opt_list]
+    if any(s is None for s in states):
         raise RuntimeError(
             "amp.scale_loss was given an optimizer that did not go through amp.initialize. "
             "Call `model, optimizer = amp.initialize(model, optimizer, opt_level=...)` first "
@@ -720,6 +746,10 @@ def master_params(optimizer) -> Iterator[torch.Tensor]:
 
         >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm=1.0)
     """
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise TypeError(
+            f"amp.master_params(optimizer={type(optimizer).__name__}): expected an optimizer "
+            "(a torch.optim.Optimizer, as amp.initialize returned it).")
     state = optimizer_state(optimizer)
     if state is not None and state.amp_state.enabled:
         # (A group added since initialize gets its masters now, not at the next scale_loss:

@@ -107,6 +107,11 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
 
 
 def _wrap(fn: Callable, rule: str) -> Callable:
+    if not callable(fn):
+        raise TypeError(
+            f"amp.{rule}_function({fn!r}): expected a function to decorate, got "
+            f"{type(fn).__name__}. Use it as @amp.{rule}_function above a def, or "
+            f"amp.register_{rule}_function(module, 'name') for a function of a module.")
     existing = getattr(fn, "_mixprec_cast_rule", None)
     if existing == rule:
         # The same registration again (a model builder run once per trial, a re-run notebook
@@ -164,6 +169,11 @@ def promote_function(fn: Callable) -> Callable:
 
 
 def _register(module, name: str, rule: str) -> None:
+    if module is None or isinstance(module, str):
+        raise TypeError(
+            f"amp.register_{rule}_function({module!r}, {name!r}): the first argument is the "
+            f"module object holding the function, not {type(module).__name__}, e.g. "
+            f"amp.register_{rule}_function(torch, 'bmm') after `import torch`.")
     if not isinstance(name, str) or not hasattr(module, name):
         raise AttributeError(
             f"amp.register_{rule}_function({getattr(module, '__name__', module)!r}, {name!r}): "

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections import defaultdict
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 __all__ = ["LossScaler", "unscale_grads_"]
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_scale(name: str, value, alternative: str = "") -> None:
+    """A loss scale argument: a finite number > 0."""
+    if not _is_number(value) or not 0 < value < math.inf:
+        raise ValueError(f"LossScaler({name}={value!r}): must be a finite number > 0"
+                         + (f", {alternative}." if alternative else "."))
 
 
 class LossScaler:
@@ -49,22 +61,36 @@ class LossScaler:
         max_loss_scale: float = 2.0**24,
     ):
         self.dynamic = loss_scale == "dynamic"
+        if not self.dynamic:
+            _check_scale("loss_scale", loss_scale, 'or "dynamic"')
+        _check_scale("init_scale", init_scale)
+        if not _is_number(scale_factor) or not 1 < scale_factor < math.inf:
+            raise ValueError(
+                f"LossScaler(scale_factor={scale_factor!r}): must be a finite number > 1 (the "
+                "scale is multiplied by it after scale_window clean steps and divided by it on "
+                "an overflow; Apex's is 2.0).")
+        if (not isinstance(scale_window, int) or isinstance(scale_window, bool)
+                or scale_window < 1):
+            raise ValueError(f"LossScaler(scale_window={scale_window!r}): must be an int >= 1 "
+                             "(the clean steps before the scale grows; Apex's is 2000).")
+        if min_loss_scale is not None:
+            _check_scale("min_loss_scale", min_loss_scale, "or None (2**-24)")
+        if not _is_number(max_loss_scale) or not max_loss_scale > 0:
+            raise ValueError(f"LossScaler(max_loss_scale={max_loss_scale!r}): must be a "
+                             "number > 0 (the dynamic scale's ceiling; the default is 2.**24).")
         self._min = float(min_loss_scale) if min_loss_scale is not None else 2.0**-24
         self._max = float(max_loss_scale)
         if self._min > self._max:
             raise ValueError(
-                f"amp.initialize(min_loss_scale={min_loss_scale}, max_loss_scale="
-                f"{max_loss_scale}): min_loss_scale must not exceed max_loss_scale."
+                f"LossScaler(min_loss_scale={min_loss_scale!r}, max_loss_scale="
+                f"{max_loss_scale!r}): min_loss_scale must not exceed max_loss_scale."
             )
         if self.dynamic:
             self._scale = min(max(float(init_scale), self._min), self._max)
         else:
             self._scale = float(loss_scale)
         self._factor = float(scale_factor)
-        self._window = int(scale_window)
-        if self._window < 1:
-            raise ValueError(f"LossScaler(scale_window={scale_window!r}): must be an int >= 1 "
-                             "(the clean steps before the scale grows; Apex's is 2000).")
+        self._window = scale_window
         self._unskipped = 0
         # Counts the updates and loads that may have moved the scale (a cheap "unchanged"
         # test for gradients held at it; a device scale cannot be compared without a sync).

@@ -110,11 +110,23 @@ class _FusedNorm(nn.Module):
 
     def forward(self, input: Tensor) -> Tensor:
         if torch.jit.is_scripting():
-            # TorchScript cannot call the Triton launcher; run the plain-PyTorch math.
+            # TorchScript cannot call the Triton launcher; run the plain-PyTorch math, after
+            # the checks the eager path makes (the math would normalize over other dims, or
+            # truncate an integer input, without a word).
+            shape = list(self.normalized_shape)
+            k = len(shape)
+            if input.dim() < k or list(input.shape[input.dim() - k:]) != shape:
+                raise ValueError(
+                    "input of shape " + str(list(input.shape)) + " does not end with "
+                    "normalized_shape " + str(shape) + "; pass the input's last dims as "
+                    "normalized_shape or reshape the input")
+            if not input.is_floating_point():
+                # (TorchScript's str() of a dtype is its number: not named.)
+                raise TypeError("the input must be floating point: float32, float16, "
+                                "bfloat16 or float64")
             out_dtype = input.dtype
             if self._output_like_weight and self.weight is not None:
                 out_dtype = self.weight.dtype
-            shape = list(self.normalized_shape)
             if self._is_rms:
                 return reference.rms_norm(input, shape, self.weight, self.eps, out_dtype)
             return reference.layer_norm(input, shape, self.weight, self.bias, self.eps, out_dtype)

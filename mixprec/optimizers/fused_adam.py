@@ -14,6 +14,7 @@ from typing import Dict, List, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from mixprec._checks import check_flag
 from mixprec.amp import _multi_tensor
 from mixprec.normalization._launch import outside_the_compiler
 from mixprec.optimizers import _adam_kernel
@@ -283,6 +284,11 @@ class FusedAdam(torch.optim.Optimizer):
                  set_grad_none: bool = True, capturable: bool = False,
                  master_weights: bool = False, *, max_grad_norm: float = 0.0,
                  eps_inside_sqrt: bool = False):
+        for name, flag in (("bias_correction", bias_correction), ("adam_w_mode", adam_w_mode),
+                           ("amsgrad", amsgrad), ("set_grad_none", set_grad_none),
+                           ("capturable", capturable), ("master_weights", master_weights),
+                           ("eps_inside_sqrt", eps_inside_sqrt)):
+            check_flag("FusedAdam", name, flag)  # ("False" was true: any string is)
         if max_grad_norm or eps_inside_sqrt:
             given = (f"max_grad_norm={max_grad_norm!r}" if max_grad_norm
                      else f"eps_inside_sqrt={eps_inside_sqrt!r}")
@@ -303,9 +309,6 @@ class FusedAdam(torch.optim.Optimizer):
                 "in the optimizer. Build FusedAdam on the fp32 model and call amp.initialize("
                 "model, optimizer, opt_level='O2'): the masters then live in the optimizer and "
                 "FusedAdam writes the half model in the same pass.")
-        for name, flag in (("bias_correction", bias_correction), ("adam_w_mode", adam_w_mode)):
-            if not isinstance(flag, (bool, int)):  # ("False" was true: any string is)
-                raise TypeError(f"FusedAdam({name}={flag!r}): expected True or False.")
         _check_lr(lr)
         _check_options(dict(eps=eps, weight_decay=weight_decay, betas=betas))
         defaults = dict(lr=lr, bias_correction=bool(bias_correction), betas=tuple(betas),
@@ -499,8 +502,11 @@ class FusedAdam(torch.optim.Optimizer):
             if p.is_complex() or not p.is_floating_point():
                 raise TypeError(
                     f"FusedAdam: a parameter of shape {tuple(p.shape)} is {p.dtype}; FusedAdam "
-                    "steps real floating-point parameters (fp32, fp16, bf16, fp64). Use "
-                    "torch.optim.Adam/AdamW for complex ones (or view_as_real them).")
+                    "steps real floating-point parameters (fp32, fp16, bf16, fp64)"
+                    + (". Use torch.optim.Adam/AdamW for complex ones (or view_as_real them)."
+                       if p.is_complex() else "; integer tensors are not trained by "
+                       "gradient: register them as buffers, or leave them out of the "
+                       "optimizer."))
         states = [self._state_of(p) for p in params]
         for p, s in zip(params, states):
             missing = [k for k in ("exp_avg", "exp_avg_sq", "step") if k not in s]

@@ -36,6 +36,7 @@ all-reduces the whole accumulated gradient.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import re
 import warnings
@@ -48,6 +49,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._pytree import tree_leaves
 
+from mixprec._checks import check_flag
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
 from mixprec.amp.frontend import states_holding
@@ -56,6 +58,8 @@ from mixprec.parallel import _structure
 from mixprec.parallel._backward_end import remove_hooks
 from mixprec.parallel._comm import (
     ReduceSpec,
+    all_gather_rows,
+    backend_of,
     broadcast_coalesced,
     check_process_group,
     group_world_size,
@@ -251,6 +255,29 @@ def _compile_friendly_bucket_cap(ddp: nn.parallel.DistributedDataParallel) -> No
         ddp.bucket_bytes_cap = first
 
 
+def _check_same_structure(named, group) -> None:
+    """Every rank of ``group`` holds ``named`` tensors of the same names, dtypes and shapes as
+    rank 0 (one all-gather of a digest of them); else every rank raises, naming the ranks
+    that differ and what this one holds."""
+    layout = [(name, str(t.dtype), tuple(t.shape)) for name, t in named]
+    digest = int.from_bytes(hashlib.sha1(repr(layout).encode()).digest()[:7], "little")
+    device = torch.device("cpu")
+    if backend_of(group) != "gloo" and named:
+        device = named[0][1].device
+        if device.type == "cpu" and backend_of(group) == "nccl":
+            return  # (PyTorch's constructor refuses CPU tensors on NCCL with its own error)
+    row = torch.tensor([digest], dtype=torch.int64, device=device)
+    gathered = all_gather_rows(row, group, group_world_size(group))[:, 0].tolist()
+    differ = [rank for rank, theirs in enumerate(gathered) if theirs != gathered[0]]
+    if differ:
+        mine = {name: (dtype, shape) for name, dtype, shape in layout}
+        raise RuntimeError(
+            f"DistributedDataParallel: the module's parameters and buffers differ in name, "
+            f"dtype or shape between ranks (ranks {differ} against rank 0 of the group); "
+            f"this rank holds {mine}. Build the same model on every rank."
+        )
+
+
 def _dominant_itemsize(module: nn.Module) -> int:
     # Bytes per element of the dtype holding most of the trainable parameters (2 at amp O2).
     by_size = {}
@@ -381,6 +408,15 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 f"DistributedDataParallel(module={type(module).__name__}): expected a "
                 "torch.nn.Module."
             )
+        where = "DistributedDataParallel"  # (a string "False" was true: any string is)
+        delay_allreduce = check_flag(where, "delay_allreduce", delay_allreduce)
+        retain_allreduce_buffers = check_flag(where, "retain_allreduce_buffers",
+                                              retain_allreduce_buffers)
+        allreduce_always_fp32 = check_flag(where, "allreduce_always_fp32", allreduce_always_fp32)
+        gradient_average = check_flag(where, "gradient_average", gradient_average)
+        prof = check_flag(where, "prof", prof)
+        find_unused_parameters = check_flag(where, "find_unused_parameters",
+                                            find_unused_parameters)
         require_initialized("DistributedDataParallel")
         if (not isinstance(message_size, (int, float)) or isinstance(message_size, bool)
                 or message_size < 1):
@@ -444,6 +480,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         reducer_names = _reducer_param_names(module, ignored)
         pass_through = not reducer_names
+        if not pass_through:
+            # Before PyTorch's own check, which on gloo leaves the ranks that match waiting
+            # for the process group's timeout (30 minutes) while the others raise.
+            _check_same_structure(
+                [(name, t) for name, t in [*module.named_parameters(), *module.named_buffers()]
+                 if t is not None and name not in ignored], process_group)
         if pass_through:
             # Nothing to all-reduce (a frozen perceptual-loss network, which Apex scripts wrap
             # too): PyTorch's constructor refuses it; Apex broadcast it and passed it through.
@@ -604,19 +646,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         state = [t for _, t in named]
         self.device = state[0].device if state else torch.device("cpu")
         self.device_type = self.device.type
-        # PyTorch's constructor checks that the ranks hold the same shapes; without it a
-        # mismatched model took part of rank 0's values, silently. (Every rank raises.)
-        shapes = [(t.dtype, tuple(t.shape)) for t in state]
-        gathered = [None] * group_world_size(self.process_group)
-        dist.all_gather_object(gathered, shapes, group=self.process_group)
-        differ = [rank for rank, theirs in enumerate(gathered) if theirs != gathered[0]]
-        if differ:
-            mine = {name: shape for (name, _), shape in zip(named, shapes)}
-            raise RuntimeError(
-                f"DistributedDataParallel: the module's parameters and buffers differ in "
-                f"dtype or shape between ranks (ranks {differ} against rank 0 of the group); "
-                f"this rank holds {mine}. Build the same model on every rank."
-            )
+        # (PyTorch's constructor would check the shapes: without a check a mismatched model
+        # took part of rank 0's values, silently.)
+        _check_same_structure(named, self.process_group)
         if state:
             broadcast_coalesced(state, src=0, group=process_group)
 

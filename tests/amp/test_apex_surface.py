@@ -408,6 +408,15 @@ def test_register_functions_and_decorators():
         assert amp.promote_function(_probe)(b, b) == (torch.bfloat16, torch.bfloat16)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         amp.register_half_function(ns, "nope")
+    # The module as a string, and a decorator given no function: refused naming them (before,
+    # "the module has no attribute", and a wrapper that failed only when called).
+    with pytest.raises(TypeError, match=r"register_half_function\('torch', 'mm'\): the first "
+                                        r"argument is the module object .*not str"):
+        amp.register_half_function("torch", "mm")
+    for bad in (5, None, "x"):
+        with pytest.raises(TypeError, match=rf"amp\.float_function\({bad!r}\): expected a "
+                                            r"function to decorate, got"):
+            amp.float_function(bad)
     with pytest.raises(ValueError, match="already has the amp casting rule 'half'; it cannot "
                                          "also take 'float'"):
         amp.register_float_function(ns, "half_fn")

@@ -122,6 +122,31 @@ def test_enabled_false_is_noop():
         assert scaled is per_sample
 
 
+@pytest.mark.parametrize("enabled,expected", [("False", torch.float32), ("True", torch.float16),
+                                              (0, torch.float32)])
+def test_enabled_takes_apexs_strings_as_its_properties_do(enabled, expected):
+    # A config or argparse string: "False" was truthy and turned amp on (the weights half),
+    # while keep_batchnorm_fp32="False" in the same call read as False.
+    model = make_cnn()
+    amp.initialize(model, opt_level="O2", enabled=enabled, verbosity=0)
+    assert model.features[0].weight.dtype == expected
+
+
+@pytest.mark.parametrize("enabled", ["false", "no", None, 2])
+def test_enabled_other_values_are_refused(enabled):
+    model = make_cnn()
+    with pytest.raises(TypeError, match=rf"amp\.initialize\(enabled={enabled!r}\): expected "
+                       r'True or False \(or the strings "True"/"False"\)'):
+        amp.initialize(model, opt_level="O2", enabled=enabled, verbosity=0)
+    assert model.features[0].weight.dtype == torch.float32
+
+
+def test_an_opt_level_passed_as_the_optimizer_is_named():
+    with pytest.raises(TypeError, match=r"optimizers='O2'\).*It looks like an opt level: pass "
+                       r"it by name, amp\.initialize\(model, optimizer, opt_level='O2'\)"):
+        amp.initialize(make_cnn(), "O2")
+
+
 def test_initialize_twice_for_other_models_is_independent():
     a, b = make_cnn(), make_cnn()
     oa = torch.optim.SGD(a.parameters(), lr=0.1)
@@ -890,7 +915,10 @@ def test_rejects_bad_num_losses():
 
 
 @pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(verbosity="loud"), TypeError, r"verbosity='loud'\): must be an int, 0 to silence"),
+    (dict(verbosity="loud"), TypeError, r"verbosity='loud'\): must be an int >= 0, 0 to"),
+    (dict(verbosity=-1), ValueError, r"verbosity=-1\): must be an int >= 0"),
+    (dict(min_loss_scale=2.0**10, max_loss_scale=2.0**8), ValueError,
+     r"min_loss_scale=1024.0, max_loss_scale=256.0\): min_loss_scale must not exceed"),
     (dict(min_loss_scale=-1.0), ValueError,
      r"min_loss_scale=-1.0\): must be a positive number .*floor.*or None"),
     (dict(min_loss_scale=float("nan")), ValueError, r"min_loss_scale=nan\): must be a positive"),

@@ -52,6 +52,28 @@ def test_scale_loss_before_initialize():
             pass
 
 
+@pytest.mark.parametrize("optimizers,exc,match", [
+    ([], ValueError, r"optimizers=\[\]\): no optimizer given"),
+    (None, TypeError, r"got NoneType; expected the torch\.optim\.Optimizer"),
+    ("sgd", TypeError, r"got str; expected the torch\.optim\.Optimizer"),
+])
+def test_scale_loss_names_what_it_was_given_instead_of_an_optimizer(optimizers, exc, match):
+    model = make_cnn()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O1",
+                   dtype=torch.bfloat16, verbosity=0)
+    with pytest.raises(exc, match=match):
+        with amp.scale_loss(model(batch()[0]).sum(), optimizers):
+            pass
+
+
+def test_master_params_and_restore_model_name_a_wrong_argument():
+    with pytest.raises(TypeError, match=r"amp\.master_params\(optimizer=str\): expected an "
+                                        r"optimizer"):
+        amp.master_params("x")
+    with pytest.raises(TypeError, match=r"amp\.restore_model\(module=NoneType\): expected"):
+        amp.restore_model(None)
+
+
 def test_scale_loss_with_a_copy_of_a_prepared_optimizer_says_how_to_duplicate():
     # copy.deepcopy / pickling of (model, optimizer) gives a plain optimizer: the error says
     # so, and how to duplicate a run instead.

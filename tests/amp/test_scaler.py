@@ -42,6 +42,29 @@ def test_bounds():
         LossScaler("dynamic", min_loss_scale=4.0, max_loss_scale=2.0)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(scale_factor=0.5), r"scale_factor=0\.5\): must be a finite number > 1"),
+    (dict(scale_factor=0), r"scale_factor=0\): must be a finite number > 1"),
+    (dict(loss_scale=-1.0), r'loss_scale=-1\.0\): must be a finite number > 0, or "dynamic"'),
+    (dict(loss_scale=float("nan")), r"loss_scale=nan\): must be a finite number > 0"),
+    (dict(loss_scale="Dynamic"), r"loss_scale='Dynamic'\): must be a finite number > 0"),
+    (dict(init_scale=0), r"init_scale=0\): must be a finite number > 0"),
+    (dict(init_scale=float("nan")), r"init_scale=nan\): must be a finite number > 0"),
+    (dict(scale_window=1.5), r"scale_window=1\.5\): must be an int >= 1"),
+    (dict(scale_window="x"), r"scale_window='x'\): must be an int >= 1"),
+    (dict(min_loss_scale=-1), r"min_loss_scale=-1\): must be a finite number > 0"),
+    (dict(max_loss_scale=0), r"max_loss_scale=0\): must be a number > 0"),
+    (dict(min_loss_scale=8.0, max_loss_scale=2.0),
+     r"LossScaler\(min_loss_scale=8\.0, max_loss_scale=2\.0\): min_loss_scale must not"),
+])
+def test_bad_arguments_are_refused_naming_them(kwargs, match):
+    # The public LossScaler took them all: a factor of 0.5 shrank the scale on clean steps, 0
+    # divided by zero at the first overflow, init_scale=0 became 2**-24 silently, 1.5 clean
+    # steps were truncated to 1, and a bad bound was reported as amp.initialize's.
+    with pytest.raises(ValueError, match=match):
+        LossScaler(**kwargs)
+
+
 def test_static_never_skips():
     s = LossScaler(128.0)
     assert s.update(True) is False and s.loss_scale == 128.0

@@ -190,6 +190,21 @@ def test_convert_keeps_the_objects_and_the_state_dict():
     assert convert_fused_batchnorm(single) is single and type(single) is FusedBatchNorm
 
 
+def test_convert_refuses_a_lazy_batchnorm_before_its_first_forward_and_a_non_module():
+    # A LazyBatchNorm2d is not a BatchNorm2d until its first forward: it was skipped without
+    # a word (convert_syncbn_model refuses it so). After one forward it converts.
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.LazyBatchNorm2d())
+    with pytest.raises(ValueError, match=r"the layer '1' \(LazyBatchNorm2d\) has not seen an "
+                                         r"input yet.*Run one forward pass"):
+        convert_fused_batchnorm(model)
+    model(torch.randn(2, 3, 6, 6))
+    convert_fused_batchnorm(model)
+    assert type(model[1]) is FusedBatchNorm
+    with pytest.raises(TypeError, match=r"convert_fused_batchnorm\(module=NoneType\): expected "
+                                        r"a torch\.nn\.Module"):
+        convert_fused_batchnorm(None)
+
+
 def test_scripts_and_traces_like_batchnorm():
     torch.manual_seed(0)
     ours, ref = FusedBatchNorm(4), torch.nn.BatchNorm2d(4)

@@ -143,6 +143,23 @@ def test_torchscript_falls_back_to_the_reference(cls):
     torch.testing.assert_close(y_scripted, y, **tolerance(y.dtype))
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_torchscript_checks_the_input_as_eager_does(cls):
+    # The scripted path normalized over the input's own last dims (a (2, 7) input under
+    # normalized_shape 8), truncated integer inputs and normalized a 0-dim one, silently.
+    scripted = torch.jit.script(cls(8, elementwise_affine=False))
+    for x, match in ((torch.randn(2, 7), r"input of shape \[2, 7\] does not end with "
+                      r"normalized_shape \[8\]"),
+                     (torch.randn(()), r"does not end with normalized_shape"),
+                     (torch.ones(2, 8, dtype=torch.int64), r"TypeError: the input must be "
+                      r"floating point")):
+        with pytest.raises(torch.jit.Error, match=match):
+            scripted(x)
+    two = torch.jit.script(cls((4, 8), elementwise_affine=False))
+    with pytest.raises(torch.jit.Error, match=r"does not end with normalized_shape \[4, 8\]"):
+        two(torch.randn(3, 8))
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -570,11 +570,21 @@ def test_hyperparameters_set_by_hand_are_checked_at_the_step(key, value, message
     assert p.isfinite().all()
 
 
-@pytest.mark.parametrize("name", ["bias_correction", "adam_w_mode"])
+@pytest.mark.parametrize("name", ["bias_correction", "adam_w_mode", "set_grad_none",
+                                  "capturable", "amsgrad", "master_weights"])
 def test_a_flag_given_as_a_string_is_refused(name):
-    # "False" was read as True, as any non-empty string is.
+    # "False" was read as True, as any non-empty string is (set_grad_none, capturable); the
+    # refusals of amsgrad=True / master_weights=True named True for a string.
     with pytest.raises(TypeError, match=rf"FusedAdam\({name}='False'\): expected True or False"):
         FusedAdam([nn.Parameter(torch.zeros(2))], **{name: "False"})
+
+
+def test_an_integer_parameter_is_refused_with_advice_for_integers():
+    p = nn.Parameter(torch.zeros(2, dtype=torch.int64), requires_grad=False)
+    p.grad = torch.zeros(2, dtype=torch.int64)
+    with pytest.raises(TypeError, match=r"is torch\.int64; .*integer tensors are not trained "
+                       r"by gradient: register them as buffers"):
+        FusedAdam([p]).step()
 
 
 @pytest.mark.parametrize("reset", ["new_dict", "clear", "del"])

@@ -2455,14 +2455,19 @@ def check_join_under_amp_keeps_fp32_masters_and_one_loss_scale(ctx):
 def check_module_without_trainable_parameters_checks_shapes(ctx):
     # A module with nothing to train is passed through (PyTorch's constructor is not run):
     # its broadcast of rank 0's state took, silently, part of rank 0's values into another
-    # rank's differently shaped tensors. Every rank now refuses it, as PyTorch's check does.
-    layer = nn.Linear(4, 4 + ctx.rank).to(ctx.device).requires_grad_(False)
-    try:
-        DistributedDataParallel(layer)
-    except RuntimeError as err:
-        assert "differ in dtype or shape between ranks" in str(err), str(err)
-    else:
-        raise AssertionError("differently shaped models on the ranks were accepted")
+    # rank's differently shaped tensors. Every rank now refuses it. A trainable one went to
+    # PyTorch's own check, which on gloo raised on the mismatched rank only and left rank 0
+    # waiting for the process group's timeout (here the test's; 30 minutes by default).
+    for trainable, kwargs in ((False, {}), (True, {}), (True, {"delay_allreduce": True})):
+        layer = nn.Linear(4, 4 + ctx.rank).to(ctx.device).requires_grad_(trainable)
+        try:
+            DistributedDataParallel(layer, **kwargs)
+        except RuntimeError as err:
+            assert "differ in name, dtype or shape between ranks (ranks [1]" in str(err), \
+                str(err)
+        else:
+            raise AssertionError(f"differently shaped models on the ranks were accepted "
+                                 f"(trainable={trainable}, {kwargs})")
     torch.manual_seed(ctx.rank)
     same = nn.Linear(4, 4).to(ctx.device).requires_grad_(False)
     DistributedDataParallel(same)  # (the same shapes: rank 0's values, as before)
@@ -2724,6 +2729,15 @@ def test_ddp_requires_init_process_group():
         pytest.skip("a process group is already initialized in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedDataParallel(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("name", ["delay_allreduce", "gradient_average", "prof",
+                                  "allreduce_always_fp32", "find_unused_parameters"])
+def test_ddp_flag_given_as_a_string_is_refused(name):
+    # (gradient_average="no" stayed True; checked before the process group is looked for.)
+    with pytest.raises(TypeError, match=rf"DistributedDataParallel\({name}='no'\): expected "
+                                        r"True or False, got str"):
+        DistributedDataParallel(nn.Linear(2, 2), **{name: "no"})
 
 
 def test_reducer_errors_without_process_group():

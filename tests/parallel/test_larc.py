@@ -156,6 +156,38 @@ def test_larc_under_amp_o2_matches_reference_on_the_masters(dtype):
     torch.testing.assert_close(grads[1], b.grad, **tol)
 
 
+def test_larc_made_after_initialize_trains_as_one_made_before():
+    # LARC(optimizer) of the optimizer initialize returned: scale_loss(loss, larc) was refused
+    # as "an optimizer that did not go through amp.initialize" (Apex's too). Now its inner
+    # optimizer's state is used: the same masters, bit for bit, as LARC passed to initialize.
+    from mixprec import amp
+
+    def run(order):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(16, 8)
+        sgd = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1, momentum=0.9)
+        kw = dict(opt_level="O2", dtype=torch.bfloat16, loss_scale=128.0, verbosity=0)
+        if order == "before":
+            larc = LARC(sgd, trust_coefficient=0.02)
+            model, larc = amp.initialize(model, larc, **kw)
+        else:
+            model, sgd = amp.initialize(model, sgd, **kw)
+            larc = LARC(sgd, trust_coefficient=0.02)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            larc.zero_grad()
+            x = torch.randn(4, 16, generator=g)
+            with amp.scale_loss(model(x).float().pow(2).mean(), larc) as scaled:
+                scaled.backward()
+            larc.step()
+        return [m.detach().clone() for m in amp.master_params(larc)]
+
+    before, after = run("before"), run("after")
+    assert all(m.dtype == torch.float32 for m in after)
+    for b, a in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def _cpu_half_matmul() -> bool:
     try:
         torch.ones(2, 2, dtype=torch.float16) @ torch.ones(2, 2, dtype=torch.float16)
