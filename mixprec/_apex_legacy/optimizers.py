@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import required as _torch_required
 
 import mixprec.optimizers as _mixprec_optimizers
 from mixprec._apex_legacy import NotProvided
@@ -65,8 +66,18 @@ class FusedSGD(torch.optim.SGD):
                  nesterov=False, wd_after_momentum=False, materialize_master_grads=True,
                  set_grad_none=False):
         if lr is _REQUIRED:
-            raise TypeError("apex.optimizers.FusedSGD: lr is required (as in Apex), e.g. "
-                            "FusedSGD(model.parameters(), lr=0.1, momentum=0.9).")
+            # Apex's lr=required: satisfied where every parameter group carries its own lr
+            # (a group added later without one is refused by add_param_group, as there).
+            params = list(params) if not isinstance(params, torch.Tensor) else [params]
+            if not params or not all(isinstance(g, dict) and "lr" in g for g in params):
+                raise TypeError(
+                    "apex.optimizers.FusedSGD: lr is required (as in Apex): pass it, e.g. "
+                    "FusedSGD(model.parameters(), lr=0.1, momentum=0.9), or give every "
+                    "parameter group its own, FusedSGD([{'params': ..., 'lr': 0.1}, ...]).")
+            lr = params[0]["lr"]
+            required = True
+        else:
+            required = False
         if wd_after_momentum:
             raise ValueError(
                 f"apex.optimizers.FusedSGD(wd_after_momentum={wd_after_momentum!r}): adding the "
@@ -76,6 +87,8 @@ class FusedSGD(torch.optim.SGD):
                 "torch.optim.Optimizer.")
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening,
                          weight_decay=weight_decay, nesterov=nesterov)
+        if required:
+            self.defaults["lr"] = _torch_required
         self.set_grad_none = bool(set_grad_none)
         self.materialize_master_grads = materialize_master_grads
 

@@ -111,36 +111,42 @@ def overflow_groups(param_ids: Set[int]) -> list:
     return groups
 
 
-def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) -> Any:
+def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None,
+                  custom: bool = False) -> Any:
     """Cast every floating-point tensor inside ``value`` to ``dtype`` (with ``only``, just the
     tensors of those dtypes).
 
     Walks lists, tuples, namedtuples, mappings (``dict``, ``OrderedDict``, ``defaultdict``,
-    ``UserDict`` such as a tokenizer's batch) and dataclass instances; integer/bool tensors and
-    other objects are returned untouched; containers are rebuilt, never modified in place.
-    Objects of other classes are not entered, nor is their ``to`` method called (Apex called
-    ``value.to(dtype)``, which casts a typical batch class's integer labels too): a model that
-    takes such an object gets it as it is, and casts what it needs itself.
+    ``UserDict`` such as a tokenizer's batch) and dataclass instances; integer/bool tensors are
+    returned untouched; containers are rebuilt, never modified in place. With ``custom`` (a
+    model's inputs), an object of another class that has a ``to`` method (not a module) is
+    given to it, ``value.to(dtype)``: Apex's contract for custom batch classes, whose docs
+    tell their authors to write a ``to`` that takes a dtype and casts what should be cast.
+    Other objects (and, without ``custom``, every object: outputs) are returned as they are.
     """
     if isinstance(value, torch.Tensor):
         if not value.is_floating_point() or value.dtype == dtype:
             return value
         return value if only is not None and value.dtype not in only else value.to(dtype)
     if type(value) is dict:  # the common case, kept cheap: this runs on every forward
-        return {k: cast_floating(v, dtype, only) for k, v in value.items()}
+        return {k: cast_floating(v, dtype, only, custom) for k, v in value.items()}
     if isinstance(value, Mapping):
-        return _rebuild_mapping(value,
-                                {k: cast_floating(v, dtype, only) for k, v in value.items()})
+        return _rebuild_mapping(
+            value, {k: cast_floating(v, dtype, only, custom) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(cast_floating(v, dtype, only) for v in value))
+        return type(value)(*(cast_floating(v, dtype, only, custom) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype, only) for v in value)
+        return type(value)(cast_floating(v, dtype, only, custom) for v in value)
+    if (custom and only is None and not isinstance(value, (type, str, bytes, nn.Module))
+            and callable(getattr(value, "to", None))):
+        return value.to(dtype)  # (a dataclass with its own ``to`` too: it says what to cast)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _rebuild_dataclass(value, dtype, only)
+        return _rebuild_dataclass(value, dtype, only, custom)
     return value
 
 
-def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple]) -> Any:
+def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple],
+                       custom: bool) -> Any:
     """A copy of the dataclass instance ``value`` with its fields' tensors cast.
 
     A shallow copy with each field set (``object.__setattr__``: frozen ones too), not
@@ -154,10 +160,11 @@ def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple]) ->
         out = copy.copy(value)
         for f in fields:
             if hasattr(value, f.name):
-                object.__setattr__(out, f.name, cast_floating(getattr(value, f.name), dtype, only))
+                object.__setattr__(out, f.name,
+                                   cast_floating(getattr(value, f.name), dtype, only, custom))
         return out
     except Exception:  # an instance that cannot be copied: rebuild it through __init__
-        changes = {f.name: cast_floating(getattr(value, f.name), dtype, only)
+        changes = {f.name: cast_floating(getattr(value, f.name), dtype, only, custom)
                    for f in fields if f.init}
         return dataclasses.replace(value, **changes)
 
@@ -232,13 +239,24 @@ class _EnclosingForwards(threading.local):
     model is a layer of a half model and keeps its outputs half; Apex cast them to fp32 there,
     which broke the enclosing model's next layer. Per thread: a part called on its own in one
     thread while the outer runs in another is not inside it (a DataParallel replica's forward
-    runs in one worker thread, its parts' included). torch.compile traces it."""
+    runs in one worker thread, its parts' included)."""
 
     def __init__(self):
         self.depth = 0  # (set per thread: Dynamo cannot guard a class attribute's default)
 
 
+class _TracedEnclosingForwards:
+    """The same count, process-wide, which is what a forward traced by ``torch.compile``
+    reads: the Dynamo of PyTorch 2.4 and 2.5 cannot read a ``threading.local``'s attributes
+    (nor mutate them). Eager forwards count in both (a part compiled on its own, called inside
+    an eager outer forward, reads the outer's count); traced ones in this one only."""
+
+    def __init__(self):
+        self.depth = 0
+
+
 _ENCLOSING_FORWARDS = _EnclosingForwards()
+_TRACED_ENCLOSING_FORWARDS = _TracedEnclosingForwards()
 
 
 class _AmpModule:
@@ -269,13 +287,19 @@ class _AmpModule:
             return super().forward(*args, **kwargs)
         # Read before this forward counts itself: a model both enclosed and enclosing
         # ([a, a.b, a.b.c]) called on its own casts its outputs.
-        inside = cfg.enclosed and _ENCLOSING_FORWARDS.depth > 0
+        traced = is_compiling()
+        counts = _TRACED_ENCLOSING_FORWARDS if traced else _ENCLOSING_FORWARDS
+        inside = cfg.enclosed and counts.depth > 0
         if cfg.encloses:
-            _ENCLOSING_FORWARDS.depth += 1
+            _TRACED_ENCLOSING_FORWARDS.depth += 1
+            if not traced:
+                _ENCLOSING_FORWARDS.depth += 1
             try:
                 return self._mixprec_cast_forward(cfg, inside, args, kwargs)
             finally:
-                _ENCLOSING_FORWARDS.depth -= 1
+                _TRACED_ENCLOSING_FORWARDS.depth -= 1
+                if not traced:
+                    _ENCLOSING_FORWARDS.depth -= 1
         return self._mixprec_cast_forward(cfg, inside, args, kwargs)
 
     def _mixprec_cast_forward(self, cfg: AmpForwardConfig, inside: bool, args, kwargs):
@@ -291,8 +315,8 @@ class _AmpModule:
         if cfg.fp32_compute:
             return _fp32_forward(original_forward, cfg.device_type, args, kwargs)
         if cfg.input_dtype is not None:
-            args = cast_floating(args, cfg.input_dtype)
-            kwargs = cast_floating(kwargs, cfg.input_dtype)
+            args = cast_floating(args, cfg.input_dtype, custom=True)
+            kwargs = cast_floating(kwargs, cfg.input_dtype, custom=True)
         if cfg.autocast_dtype is not None and not _CASTS_DISABLED[0]:
             with torch.autocast(cfg.device_type, dtype=cfg.autocast_dtype):
                 out = original_forward(*args, **kwargs)

@@ -150,7 +150,16 @@ def _parse_loss_scale(value) -> Union[float, str, None]:
 def _check_dtype(name: str, value, allowed) -> None:
     if value is not None and value not in allowed:
         names = ", ".join(_DTYPE_NAMES[d] for d in allowed)
-        raise ValueError(f"amp.initialize({name}={value!r}): allowed values are None, {names}.")
+        hint = ""
+        if name == "cast_model_type" and value is False:
+            # (Apex's own tests' "leave the model's dtypes alone, master weights for the
+            # parameters already half".)
+            hint = (" False (leave the model's dtypes as they are) is not supported: for fp32 "
+                    'parameters with per-op casting use opt_level="O1"; for a model you made '
+                    'half yourself use opt_level="O2" (its half parameters get fp32 masters) '
+                    'or "O3".')
+        raise ValueError(
+            f"amp.initialize({name}={value!r}): allowed values are None, {names}.{hint}")
 
 
 def resolve_properties(

@@ -500,9 +500,10 @@ def scale_loss(
                 f"amp.scale_loss(loss, optimizers=...): got {type(opt).__name__}; expected "
                 "the torch.optim.Optimizer (or a list of them) that amp.initialize returned, "
                 "as the second argument: amp.scale_loss(loss, optimizer).")
+    states = [optimizer_state(opt) for opt in opt_list]
     # (A wrapper made after initialize, LARC(optimizer): its inner optimizer's state.)
-    states = [optimizer_state(opt) or optimizer_state(getattr(opt, "optim", None))
-              for opt in opt_list]
+    states = [optimizer_state(getattr(opt, "optim", None)) if s is None else s
+              for opt, s in zip(opt_list, states)]
     if any(s is None for s in states):
         raise RuntimeError(
             "amp.scale_loss was given an optimizer that did not go through amp.initialize. "

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from mixprec import amp
+from mixprec.amp._model import cast_floating
 from tests._autograd import FailingBackward
 
 from .helpers import (
@@ -644,13 +645,14 @@ class _TokenBatch(collections.UserDict):
 
 
 class _CustomBatch:
-    """A user's batch class with a ``to`` method that casts every tensor, labels included."""
+    """A user's batch class with a ``to`` method as Apex's docs ask for one: it takes a dtype
+    and casts what should be cast (the image, not the integer labels)."""
 
     def __init__(self, image, label):
         self.image, self.label = image, label
 
-    def to(self, what):
-        return _CustomBatch(self.image.to(what), self.label.to(what))
+    def to(self, dtype):
+        return _CustomBatch(self.image.to(dtype), self.label)
 
 
 class _Store(collections.abc.MutableMapping):
@@ -675,7 +677,7 @@ class _Store(collections.abc.MutableMapping):
         return len(self.data)
 
 
-def test_o2_casts_mappings_and_leaves_other_objects_alone():
+def test_o2_casts_mappings_and_custom_batches_through_their_to():
     seen = {}
 
     class Spy(nn.Module):
@@ -704,8 +706,16 @@ def test_o2_casts_mappings_and_leaves_other_objects_alone():
     assert tokens["scale"].dtype == torch.float32  # the caller's batch is left alone
     assert type(seen["store"]) is _Store and seen["store"]["x"].dtype == torch.bfloat16
     assert store["x"].dtype == torch.float32  # (a shallow copy would have cast it in place)
-    # Other objects pass as they are: their .to() would cast the labels too.
-    assert seen["batch"] is batch and batch.label.dtype == torch.int64
+    # A custom batch class is cast by its own .to(dtype), Apex's contract (it was passed as
+    # it was, and an Apex script following the docs failed on the fp32 image at O2); an
+    # object without `to`, and a module given as an input, pass as they are.
+    got = seen["batch"]
+    assert type(got) is _CustomBatch and got is not batch
+    assert got.image.dtype == torch.bfloat16 and got.label.dtype == torch.int64
+    assert batch.image.dtype == torch.float32
+    other, layer = object(), nn.Linear(2, 2)
+    assert cast_floating((other, layer), torch.bfloat16, custom=True) == (other, layer)
+    assert layer.weight.dtype == torch.float32
 
 
 # -- sparse gradients -----------------------------------------------------------------------------

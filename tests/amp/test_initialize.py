@@ -436,6 +436,10 @@ def test_a_model_and_its_own_part_compile_together():
     amp.initialize([model, model.features], opt, opt_level="O2", dtype=torch.bfloat16,
                    verbosity=0)
     x, _ = batch()
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 5):
+        pytest.skip("PyTorch 2.4's Dynamo leaves a part that is a built-in container "
+                    "(nn.Sequential) as one module call run outside the trace, where the "
+                    "enclosing forward's count is not seen (2.5 traces into it)")
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
     part = torch.compile(model.features, backend="eager", fullgraph=True)

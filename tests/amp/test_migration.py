@@ -608,6 +608,22 @@ def test_apexs_fused_sgd_is_pytorchs_sgd(clean_apex):
     assert bare.set_grad_none is False and bare.materialize_master_grads is True
     with pytest.raises(TypeError, match="lr is required"):
         FusedSGD(ours)
+    # Apex's lr=required is met by an lr in every group (Apex's own FusedSGD test builds it
+    # so): it was refused. A group added later without one is refused, as in Apex.
+    groups = FusedSGD([{"params": ours[:1], "lr": 0.25}, {"params": ours[1:], "lr": 0.5}],
+                      momentum=0.125)
+    ref_groups = torch.optim.SGD([{"params": ref[:1], "lr": 0.25},
+                                  {"params": ref[1:], "lr": 0.5}], momentum=0.125)
+    for p, q in zip(ours, ref):
+        p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    groups.step()
+    ref_groups.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="required optimization parameter lr"):
+        groups.add_param_group({"params": [nn.Parameter(torch.ones(2))]})
+    with pytest.raises(TypeError, match="lr is required.*give every parameter group its own"):
+        FusedSGD([{"params": ours[:1], "lr": 0.25}, {"params": ours[1:]}])
     with pytest.raises(ValueError, match="wd_after_momentum=True.*not provided"):
         FusedSGD(ours, lr=0.1, weight_decay=1e-4, wd_after_momentum=True)
 

@@ -110,6 +110,14 @@ def test_cast_model_outputs_must_be_a_float_type_amp_knows(bad):
         resolve_properties("O2", cast_model_outputs=bad)
 
 
+def test_cast_model_type_false_says_what_to_use_instead():
+    # (Apex's unit tests pass False for "leave the model's dtypes as they are".)
+    with pytest.raises(ValueError, match=r"cast_model_type=False\): allowed values are None, "
+                       r".*False \(leave the model's dtypes as they are\) is not supported: .*"
+                       r'opt_level="O1".*opt_level="O2"'):
+        resolve_properties("O2", cast_model_type=False)
+
+
 def test_master_weights_strings():
     # Apex's argparse strings: "False" turns the masters off (a non-empty string is truthy).
     assert resolve_properties("O2", master_weights="False").master_weights is False
