@@ -410,7 +410,13 @@ def initialize(
     for model in model_list:
         # Before convert_model's own hooks (an enclosing model's reach its parts), so that a
         # checkpoint loaded after a late optimizer.add_param_group finds the new group's
-        # masters in place.
+        # masters in place. (Those of an earlier call on a model restored since go: each
+        # restore_model + initialize cycle added one.)
+        for table in (model._load_state_dict_pre_hooks,
+                      getattr(model, "_state_dict_pre_hooks", {})):
+            for key, hook in list(table.items()):
+                if isinstance(getattr(hook, "hook", hook), SyncParamGroupsOnLoad):
+                    del table[key]
         model._register_load_state_dict_pre_hook(SyncParamGroupsOnLoad(state))
         register = getattr(model, "register_state_dict_pre_hook", None)
         if props.master_weights and register is not None:

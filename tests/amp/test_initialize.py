@@ -225,6 +225,27 @@ def test_forward_set_on_the_instance_before_initialize_runs_inside_amps_casts(op
     assert type(model) is _Scaled and isinstance(model.__dict__["forward"], functools.partial)
 
 
+def test_restore_and_initialize_again_keeps_one_set_of_hooks():
+    # Each restore_model + initialize cycle (trials over one model) added a state-dict
+    # pre-hook and a load pre-hook; the checkpoint still holds the newest call's masters.
+    from mixprec.amp._state import SyncParamGroupsOnLoad
+
+    def ours(table):
+        return sum(isinstance(getattr(h, "hook", h), SyncParamGroupsOnLoad)
+                   for h in table.values())
+
+    model = make_cnn()
+    for trial in range(3):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        train_step(model, opt, *batch(seed=trial), amp)
+        assert (ours(model._load_state_dict_pre_hooks), ours(model._state_dict_pre_hooks)) \
+            == (1, 1)
+        state = model.state_dict()  # (the newest call's masters)
+        assert torch.equal(state["features.0.weight"], next(amp.master_params(opt)))
+        amp.restore_model(model).float()
+
+
 def test_new_instances_of_an_amp_class_run_the_users_forward():
     # nn.Sequential's slicing builds self.__class__(...): amp's class, which amp did not
     # prepare; calling it failed (AttributeError '_mixprec_forward') at every opt level. It is
