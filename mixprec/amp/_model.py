@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import itertools
 import threading
+import warnings
 import weakref
 from collections import UserDict
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._properties import _HALF_TYPES
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
@@ -139,10 +141,37 @@ def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None,
         return type(value)(cast_floating(v, dtype, only, custom) for v in value)
     if (custom and only is None and not isinstance(value, (type, str, bytes, nn.Module))
             and callable(getattr(value, "to", None))):
-        return value.to(dtype)  # (a dataclass with its own ``to`` too: it says what to cast)
+        # (A dataclass with its own ``to`` too: it says what to cast.)
+        return _cast_by_own_to(value, dtype)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _rebuild_dataclass(value, dtype, only, custom)
     return value
+
+
+# The classes whose ``to`` did not take a dtype, told about once each.
+_TO_REFUSED_DTYPE: Set[type] = set()
+
+
+def _cast_by_own_to(value: Any, dtype: torch.dtype) -> Any:
+    """``value.to(dtype)``; an object whose ``to`` takes only a device (a graph library's
+    batch, ``to(device)``) raises there: it is passed as it is, as before Apex's contract was
+    followed, with a warning once per class."""
+    try:
+        return value.to(dtype)
+    except (TypeError, ValueError, RuntimeError, AttributeError) as err:
+        cls = type(value)
+        reason = (str(err).splitlines() or [""])[0]
+        if cls not in _TO_REFUSED_DTYPE:
+            _TO_REFUSED_DTYPE.add(cls)
+            if is_rank_zero():
+                warnings.warn(
+                    f"amp: an input of class {cls.__qualname__} has a `to` method that did not "
+                    f"take a dtype ({type(err).__name__}: {reason}); it is passed to the model as "
+                    "it is. amp gives a custom batch class's floating tensors the model's "
+                    "dtype through its to(dtype), as Apex did: give the class a `to` that "
+                    "accepts a torch.dtype (and leaves integer tensors alone), or cast inside "
+                    "the model.", UserWarning, stacklevel=2)
+        return value
 
 
 def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple],
@@ -700,6 +729,21 @@ def restore_model(module: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 # fp32 state dicts
 # ---------------------------------------------------------------------------------------------
+def reshaped_parameter_error(name: str, master: torch.Tensor,
+                             param: torch.Tensor) -> RuntimeError:
+    """The error for a half parameter whose shape changed after ``initialize`` (its ``.data``
+    replaced: transformers' ``resize_token_embeddings`` does so), which its fp32 master and
+    the optimizer's state for it cannot follow."""
+    return RuntimeError(
+        f"amp: the parameter {name!r} changed shape from {tuple(master.shape)} to "
+        f"{tuple(param.shape)} after amp.initialize (its .data was replaced, as "
+        "transformers' resize_token_embeddings() does), but its fp32 master weight and the "
+        "optimizer's state for it keep the old shape: a checkpoint would hold the old weight "
+        "and a step cannot run. Change the model's shapes before amp.initialize (resize the "
+        "embeddings right after loading the model and tokenizer, then build the optimizer "
+        "and initialize both).")
+
+
 class _Fp32StateDict:
     """Module state-dict hooks: save fp32, and load fp32 values into the masters exactly.
 
@@ -916,6 +960,9 @@ class _Fp32StateDict:
                 continue
             master = self.masters.get(name)
             entry = state_dict[key]
+            if (master is not None and master.shape != tensor.shape
+                    and tensor.dtype in _HALF_TYPES):
+                raise reshaped_parameter_error(key, master, tensor)
             if (master is not None and not _is_alias(entry, tensor)
                     and not _same_values(entry, tensor)):
                 # The module's own _save_to_state_dict wrote something else under the name: a

@@ -43,6 +43,7 @@ from mixprec.amp._model import (
     parameter_registrations,
     register_masters,
     registered_since,
+    reshaped_parameter_error,
     take_changed_elements,
 )
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
@@ -516,8 +517,8 @@ def _fused_cast_ok(half_grads: List[torch.Tensor], fresh: List[torch.Tensor]) ->
         return False
     index, halves = half_grads[0].get_device(), (torch.float16, torch.bfloat16)
     for g, f in zip(half_grads, fresh):  # (get_device: an int, cheaper than a device object)
-        if g.get_device() != index or g.dtype not in halves:
-            return False
+        if g.get_device() != index or g.dtype not in halves or g.shape != f.shape:
+            return False  # (a shape changed after initialize: the PyTorch pass raises)
         if g.stride() != f.stride() and any(  # (a size-1 dimension's stride is free)
                 n > 1 and a != b for n, a, b in zip(g.shape, g.stride(), f.stride())):
             return False
@@ -1139,7 +1140,11 @@ class _OptimizerState:
             flags = unscale_grads_(plain_grads, scaler, check, found=found)
         else:
             if fresh:
-                torch._foreach_copy_(fresh, half_grads)  # one multi-tensor cast where supported
+                try:  # (one multi-tensor cast where supported)
+                    torch._foreach_copy_(fresh, half_grads)
+                except RuntimeError:
+                    self._refuse_reshaped()
+                    raise
             flags = unscale_grads_(fresh + plain_grads, scaler, check)
         flags = flags or []
         del half_grads
@@ -1168,6 +1173,15 @@ class _OptimizerState:
         self.held_scaler = self.held_scale = None
         self._remark_foreign()
         return flags
+
+    def _refuse_reshaped(self) -> None:
+        """Raise the clear error for a half parameter whose shape changed after
+        ``initialize``, if there is one (the error path only: named through the models)."""
+        names = {id(p): name for model in self.amp_state.models
+                 for name, p in model.named_parameters(remove_duplicate=False)}
+        for p, master in self.pairs:
+            if p.shape != master.shape:
+                raise reshaped_parameter_error(names.get(id(p), "?"), master, p)
 
     def discard_grads(self) -> None:
         """An overflow: the next step will be skipped, and frees the gradients. Until then

@@ -4,6 +4,7 @@ import collections
 import collections.abc
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -716,6 +717,39 @@ def test_o2_casts_mappings_and_custom_batches_through_their_to():
     other, layer = object(), nn.Linear(2, 2)
     assert cast_floating((other, layer), torch.bfloat16, custom=True) == (other, layer)
     assert layer.weight.dtype == torch.float32
+
+
+def test_an_input_whose_to_takes_only_a_device_passes_as_it_is_with_one_warning():
+    # A graph library's batch: to(device) only. Given a dtype it raises; it goes to the model
+    # as it is (the model casts), with a warning naming the class once.
+    class DeviceOnly:
+        def __init__(self, x):
+            self.x = x
+
+        def to(self, device):
+            return DeviceOnly(self.x.to(device=torch.device(device)))
+
+    seen = []
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, data):
+            seen.append(data)
+            return self.lin(data.x.to(self.lin.weight.dtype))
+
+    model = Model()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    data = DeviceOnly(torch.randn(3, 2))
+    with pytest.warns(UserWarning, match=r"class .*DeviceOnly has a `to` method that did not "
+                                         r"take a dtype .*passed to the model as it is"):
+        model(data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert model(data).dtype == torch.float32  # (once per class)
+    assert seen == [data, data]
 
 
 # -- sparse gradients -----------------------------------------------------------------------------

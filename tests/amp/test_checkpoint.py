@@ -1124,3 +1124,24 @@ def test_functional_call_takes_the_models_own_tensors(level, dtype):
     cast = {k: v.to(dtypes[k]) for k, v in model.state_dict().items()}
     torch.testing.assert_close(torch.func.functional_call(model, cast, (x,)), want, rtol=0,
                                atol=0)
+
+
+def test_a_parameter_resized_through_data_after_initialize_is_refused_naming_it():
+    # transformers' resize_token_embeddings() after initialize at O2 replaces the embedding's
+    # .data (the same Parameter, more rows): the master kept the old shape, state_dict()
+    # silently saved the old weight (a checkpoint that loads into no model of the new size),
+    # and the next step failed in a multi-tensor copy without a name.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    old = model[0].weight
+    with torch.no_grad():
+        old.data = torch.cat([old.data, torch.zeros(2, 4, dtype=old.dtype)])
+    match = (r"amp: the parameter '0\.weight' changed shape from \(10, 4\) to \(12, 4\) after "
+             r"amp\.initialize.*resize_token_embeddings.*before amp\.initialize")
+    with pytest.raises(RuntimeError, match=match):
+        model.state_dict()
+    with pytest.raises(RuntimeError, match=match):
+        with amp.scale_loss(model(torch.tensor([[1, 11]])).float().sum(), opt) as scaled:
+            scaled.backward()
