@@ -8,7 +8,7 @@ __all__ = ["check_flag"]
 def check_flag(where: str, name: str, value, *, strings: bool = False) -> bool:
     """``value`` as a bool, or a ``TypeError`` naming it.
 
-    Accepted: ``True``/``False`` (and the ints 0/1); with ``strings``, also the strings
+    Accepted: ``True``/``False`` (NumPy's too, and the ints 0/1); with ``strings``, also the strings
     ``"True"``/``"False"`` that argparse hands over (Apex accepted them for its properties).
     Any other value raises: Python's truthiness would take the string ``"False"`` for True,
     and a flag read from a config file would silently mean its opposite.
@@ -21,6 +21,8 @@ def check_flag(where: str, name: str, value, *, strings: bool = False) -> bool:
     """
     if isinstance(value, bool):
         return value
+    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
+        return bool(value)  # (a flag read from an array or a NumPy-backed config)
     if isinstance(value, int) and value in (0, 1):
         return bool(value)
     if strings and isinstance(value, str) and value in ("True", "False"):

@@ -7,6 +7,7 @@ import sys
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -123,7 +124,8 @@ def test_enabled_false_is_noop():
 
 
 @pytest.mark.parametrize("enabled,expected", [("False", torch.float32), ("True", torch.float16),
-                                              (0, torch.float32)])
+                                              (0, torch.float32),
+                                              (np.bool_(False), torch.float32)])
 def test_enabled_takes_apexs_strings_as_its_properties_do(enabled, expected):
     # A config or argparse string: "False" was truthy and turned amp on (the weights half),
     # while keep_batchnorm_fp32="False" in the same call read as False.
