@@ -168,9 +168,10 @@ def _fused_norm_forward(
     which is also what the launch plan is kept under: a norm runs twice per transformer layer
     and its host time is part of a step's.
     """
-    # (getattr: a list or other non-tensor input gets the argument check's TypeError below.)
+    # (A list or other non-tensor input gets the argument check's TypeError below. isinstance,
+    # not getattr(input, "dtype"): the Dynamo of PyTorch 2.4 cannot trace that on a tensor.)
     out_dtype = (weight.dtype if output_like_weight and weight is not None
-                 else getattr(input, "dtype", None))
+                 else input.dtype if isinstance(input, Tensor) else None)
     return _ops.fused_norm(input, normalized_shape, weight, bias, eps, is_rms, memory_efficient,
                            out_dtype, check=name, output_like_weight=output_like_weight)
 
