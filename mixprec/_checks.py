@@ -6,31 +6,26 @@ __all__ = ["check_flag"]
 
 
 def check_flag(where: str, name: str, value, *, strings: bool = False) -> bool:
-    """``value`` as a bool, or a ``TypeError`` naming it.
+    """``value`` as a bool; a string is refused with a ``TypeError`` naming it.
 
-    Accepted: ``True``/``False`` (NumPy's too, and the ints 0/1); with ``strings``, also the strings
-    ``"True"``/``"False"`` that argparse hands over (Apex accepted them for its properties).
-    Any other value raises: Python's truthiness would take the string ``"False"`` for True,
-    and a flag read from a config file would silently mean its opposite.
+    Python's truthiness takes any non-empty string for True, ``"False"`` too, so a flag read
+    from a config file or the command line would silently mean its opposite. With
+    ``strings``, the strings ``"True"``/``"False"`` that argparse hands over are read as such
+    (Apex accepted them for its properties). Anything else goes through ``bool()`` as before
+    (``None``, NumPy's bools and ints, a one-element tensor).
 
     Args:
         where (str): the call, for the message (``"amp.initialize"``).
         name (str): the argument's name.
         value: what was passed.
-        strings (bool): accept ``"True"``/``"False"`` too. Default False.
+        strings (bool): read ``"True"``/``"False"``. Default False.
     """
-    if isinstance(value, bool):
-        return value
-    if type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"):
-        return bool(value)  # (a flag read from an array or a NumPy-backed config)
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if strings and isinstance(value, str) and value in ("True", "False"):
-        return value == "True"
-    allowed = 'True or False (or the strings "True"/"False")' if strings else "True or False"
-    hint = ""
-    if isinstance(value, str):
-        hint = (" A string is not a flag (any non-empty one is true, \"False\" too): parse it "
-                "first, e.g. value.lower() in ('1', 'true', 'yes').")
-    raise TypeError(f"{where}({name}={value!r}): expected {allowed}, got "
-                    f"{type(value).__name__}.{hint}")
+    if isinstance(value, (str, bytes)):
+        if strings and value in ("True", "False"):
+            return value == "True"
+        allowed = 'True or False (or the strings "True"/"False")' if strings else "True or False"
+        raise TypeError(
+            f"{where}({name}={value!r}): expected {allowed}, got {type(value).__name__}. A "
+            "string is not a flag (any non-empty one is true, \"False\" too): parse it first, "
+            "e.g. value.lower() in ('1', 'true', 'yes').")
+    return bool(value)

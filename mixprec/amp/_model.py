@@ -21,7 +21,6 @@ import dataclasses
 import functools
 import itertools
 import threading
-import warnings
 import weakref
 from collections import UserDict
 from collections.abc import Mapping
@@ -31,7 +30,6 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._properties import _HALF_TYPES
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
@@ -113,69 +111,38 @@ def overflow_groups(param_ids: Set[int]) -> list:
     return groups
 
 
-def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None,
-                  custom: bool = False) -> Any:
+def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) -> Any:
     """Cast every floating-point tensor inside ``value`` to ``dtype`` (with ``only``, just the
     tensors of those dtypes).
 
     Walks lists, tuples, namedtuples, mappings (``dict``, ``OrderedDict``, ``defaultdict``,
-    ``UserDict`` such as a tokenizer's batch) and dataclass instances; integer/bool tensors are
-    returned untouched; containers are rebuilt, never modified in place. With ``custom`` (a
-    model's inputs), an object of another class that has a ``to`` method (not a module) is
-    given to it, ``value.to(dtype)``: Apex's contract for custom batch classes, whose docs
-    tell their authors to write a ``to`` that takes a dtype and casts what should be cast.
-    Other objects (and, without ``custom``, every object: outputs) are returned as they are.
+    ``UserDict`` such as a tokenizer's batch) and dataclass instances; integer/bool tensors and
+    other objects are returned untouched; containers are rebuilt, never modified in place.
+    Objects of other classes are not entered, nor is their ``to`` method called (Apex called
+    ``value.to(dtype)``, its contract for custom batch classes; but objects whose ``to``
+    forwards its argument to every tensor, flex attention's ``BlockMask``, graph and tensordict
+    batches, would have their integer indices cast, silently): a model that takes such an
+    object gets it as it is, and casts what it needs itself.
     """
     if isinstance(value, torch.Tensor):
         if not value.is_floating_point() or value.dtype == dtype:
             return value
         return value if only is not None and value.dtype not in only else value.to(dtype)
     if type(value) is dict:  # the common case, kept cheap: this runs on every forward
-        return {k: cast_floating(v, dtype, only, custom) for k, v in value.items()}
+        return {k: cast_floating(v, dtype, only) for k, v in value.items()}
     if isinstance(value, Mapping):
-        return _rebuild_mapping(
-            value, {k: cast_floating(v, dtype, only, custom) for k, v in value.items()})
+        return _rebuild_mapping(value,
+                                {k: cast_floating(v, dtype, only) for k, v in value.items()})
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(cast_floating(v, dtype, only, custom) for v in value))
+        return type(value)(*(cast_floating(v, dtype, only) for v in value))
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype, only, custom) for v in value)
-    if (custom and only is None and not isinstance(value, (type, str, bytes, nn.Module))
-            and callable(getattr(value, "to", None))):
-        # (A dataclass with its own ``to`` too: it says what to cast.)
-        return _cast_by_own_to(value, dtype)
+        return type(value)(cast_floating(v, dtype, only) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _rebuild_dataclass(value, dtype, only, custom)
+        return _rebuild_dataclass(value, dtype, only)
     return value
 
 
-# The classes whose ``to`` did not take a dtype, told about once each.
-_TO_REFUSED_DTYPE: Set[type] = set()
-
-
-def _cast_by_own_to(value: Any, dtype: torch.dtype) -> Any:
-    """``value.to(dtype)``; an object whose ``to`` takes only a device (a graph library's
-    batch, ``to(device)``) raises there: it is passed as it is, as before Apex's contract was
-    followed, with a warning once per class."""
-    try:
-        return value.to(dtype)
-    except (TypeError, ValueError, RuntimeError, AttributeError) as err:
-        cls = type(value)
-        reason = (str(err).splitlines() or [""])[0]
-        if cls not in _TO_REFUSED_DTYPE:
-            _TO_REFUSED_DTYPE.add(cls)
-            if is_rank_zero():
-                warnings.warn(
-                    f"amp: an input of class {cls.__qualname__} has a `to` method that did not "
-                    f"take a dtype ({type(err).__name__}: {reason}); it is passed to the model as "
-                    "it is. amp gives a custom batch class's floating tensors the model's "
-                    "dtype through its to(dtype), as Apex did: give the class a `to` that "
-                    "accepts a torch.dtype (and leaves integer tensors alone), or cast inside "
-                    "the model.", UserWarning, stacklevel=2)
-        return value
-
-
-def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple],
-                       custom: bool) -> Any:
+def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple]) -> Any:
     """A copy of the dataclass instance ``value`` with its fields' tensors cast.
 
     A shallow copy with each field set (``object.__setattr__``: frozen ones too), not
@@ -189,11 +156,10 @@ def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple],
         out = copy.copy(value)
         for f in fields:
             if hasattr(value, f.name):
-                object.__setattr__(out, f.name,
-                                   cast_floating(getattr(value, f.name), dtype, only, custom))
+                object.__setattr__(out, f.name, cast_floating(getattr(value, f.name), dtype, only))
         return out
     except Exception:  # an instance that cannot be copied: rebuild it through __init__
-        changes = {f.name: cast_floating(getattr(value, f.name), dtype, only, custom)
+        changes = {f.name: cast_floating(getattr(value, f.name), dtype, only)
                    for f in fields if f.init}
         return dataclasses.replace(value, **changes)
 
@@ -344,8 +310,8 @@ class _AmpModule:
         if cfg.fp32_compute:
             return _fp32_forward(original_forward, cfg.device_type, args, kwargs)
         if cfg.input_dtype is not None:
-            args = cast_floating(args, cfg.input_dtype, custom=True)
-            kwargs = cast_floating(kwargs, cfg.input_dtype, custom=True)
+            args = cast_floating(args, cfg.input_dtype)
+            kwargs = cast_floating(kwargs, cfg.input_dtype)
         if cfg.autocast_dtype is not None and not _CASTS_DISABLED[0]:
             with torch.autocast(cfg.device_type, dtype=cfg.autocast_dtype):
                 out = original_forward(*args, **kwargs)

@@ -567,6 +567,7 @@ class ForeignBackwardWatch:
     """
 
     def __init__(self, state: _OptimizerState, skip: Set[int]):
+        state.sync_param_groups()  # (a group added since: its parameters are watched too)
         self.state = state
         self.hit: Dict[int, torch.Tensor] = {}
         self.handles = [p.register_post_accumulate_grad_hook(self._accumulated)
@@ -612,13 +613,12 @@ class _OptimizerState:
         # dense dims when it was a sparse one, else None).)
         self._had_grads: Dict[int, Tuple[torch.Tensor, Optional[Tuple[int, int]]]] = {}
         self._held_marks: Dict[int, tuple] = {}  # (see hold_scaled)
-        # (param, grad, grad version) of this optimizer's directly stepped parameters whose
-        # gradients a backward inside another optimizer's scale_loss created, still scaled by
-        # that loss's scale (see note_foreign_backward).
-        self.foreign_scaled: List[Tuple[torch.Tensor, torch.Tensor, int]] = []
-        # Those of them whose gradients this optimizer's own backward in progress set aside
-        # or adds onto (by id): marked again once it is unscaled (see before_backward).
-        self._foreign_carry: Dict[int, torch.Tensor] = {}
+        # id(param) -> (param, its gradient (weakly), the gradient's version) for this
+        # optimizer's directly stepped parameters whose gradients a backward inside another
+        # optimizer's scale_loss wrote, still scaled by that loss's scale (see
+        # note_foreign_backward). One entry per parameter; a gradient dropped since is not
+        # kept alive by it.
+        self.foreign_scaled: Dict[int, Tuple[torch.Tensor, weakref.ref, int]] = {}
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
         self.held_scaler: Optional[LossScaler] = None
@@ -868,8 +868,7 @@ class _OptimizerState:
                     else:
                         p.grad = None
         self.keeps_grads(not set_to_none)
-        self.foreign_scaled = []
-        self._foreign_carry = {}
+        self.foreign_scaled = {}
 
     def keeps_grads(self, keep: bool) -> None:
         """A zero_grad kept gradient tensors (``set_to_none=False``), or not."""
@@ -890,15 +889,16 @@ class _OptimizerState:
         for p in params:
             g = p.grad
             if g is not None:
-                self.foreign_scaled.append((p, g, g._version))
+                self.foreign_scaled[id(p)] = (p, weakref.ref(g), g._version)
 
     def _live_foreign(self) -> List[torch.Tensor]:
         """The parameters whose gradients still hold a foreign scale (untouched since)."""
-        return [p for p, g, v in self.foreign_scaled if p.grad is g and g._version == v]
+        return [p for p, ref, v in self.foreign_scaled.values()
+                if p.grad is not None and p.grad is ref() and p.grad._version == v]
 
     def _refuse_foreign_scaled(self, optimizer) -> None:
         stale = self._live_foreign()
-        self.foreign_scaled = []
+        self.foreign_scaled = {}
         if stale:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step(): {len(stale)} gradient(s) of this "
@@ -1015,24 +1015,15 @@ class _OptimizerState:
     def before_backward(self, scaler: LossScaler, scale) -> None:
         """Before a backward at ``scale`` (``scaler``'s: a float, or a 0-dim device tensor)."""
         self.sync_param_groups()
-        if self.foreign_scaled:
-            # Gradients another optimizer's block left scaled, which this backward sets
-            # aside (or rescales, or adds onto): still wrong after it, so marked again then.
-            self._foreign_carry.update((id(p), p) for p in self._live_foreign())
-            self.foreign_scaled = []
         if self.grads_scaled:
             if self._stash:
                 # A gradient dropped since the held backward (the caller discarding a window
                 # of leftover micro-batches through p.grad = None or a zero_ in place): what
                 # was set aside before the window goes with it, as in fp32 training.
                 marks = self._held_marks
-                kept = [(p, g) for p, g in self._stash
-                        if id(p) in marks and p.grad is marks[id(p)][0]
-                        and (p.grad is None or p.grad._version == marks[id(p)][1])]
-                for p, _ in self._stash:
-                    if all(p is not q for q, _ in kept):
-                        self._foreign_carry.pop(id(p), None)
-                self._stash = kept
+                self._stash = [(p, g) for p, g in self._stash
+                               if id(p) in marks and p.grad is marks[id(p)][0]
+                               and (p.grad is None or p.grad._version == marks[id(p)][1])]
             self._rescale_held(scaler, scale)
             return
         # A half parameter's gradient left from a backward outside this optimizer's scale_loss
@@ -1074,13 +1065,6 @@ class _OptimizerState:
                 p.grad = stashed.get(id(p))
         self._stash = []
         self._set_aside = False
-        self._remark_foreign()
-
-    def _remark_foreign(self) -> None:
-        """Mark again the gradients carried through this optimizer's own backward."""
-        if self._foreign_carry:
-            self.note_foreign_backward(self._foreign_carry.values())
-            self._foreign_carry = {}
 
     def unscale(self, scaler: LossScaler, skip: Set[int] = frozenset()) -> List[torch.Tensor]:
         """Move this backward's gradients, unscaled, to where the optimizer reads them.
@@ -1171,7 +1155,6 @@ class _OptimizerState:
         self._set_aside = False
         self.grads_scaled = False
         self.held_scaler = self.held_scale = None
-        self._remark_foreign()
         return flags
 
     def _refuse_reshaped(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
 from collections import defaultdict
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -12,15 +11,24 @@ import torch
 __all__ = ["LossScaler", "unscale_grads_"]
 
 
-def _is_number(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _as_number(value) -> Optional[float]:
+    """``value`` as a float (a Python or NumPy number, a string holding one, a one-element
+    tensor), or None for a bool or anything ``float()`` refuses."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return None
 
 
-def _check_scale(name: str, value, alternative: str = "") -> None:
+def _check_scale(name: str, value, alternative: str = "") -> float:
     """A loss scale argument: a finite number > 0."""
-    if not _is_number(value) or not 0 < value < math.inf:
+    number = _as_number(value)
+    if number is None or not 0 < number < math.inf:
         raise ValueError(f"LossScaler({name}={value!r}): must be a finite number > 0"
                          + (f", {alternative}." if alternative else "."))
+    return number
 
 
 class LossScaler:
@@ -60,37 +68,39 @@ class LossScaler:
         min_loss_scale: Optional[float] = None,
         max_loss_scale: float = 2.0**24,
     ):
-        self.dynamic = loss_scale == "dynamic"
+        self.dynamic = isinstance(loss_scale, str) and loss_scale == "dynamic"
         if not self.dynamic:
-            _check_scale("loss_scale", loss_scale, 'or "dynamic"')
-        _check_scale("init_scale", init_scale)
-        if not _is_number(scale_factor) or not 1 < scale_factor < math.inf:
+            loss_scale = _check_scale("loss_scale", loss_scale, 'or "dynamic"')
+        init_scale = _check_scale("init_scale", init_scale)
+        factor = _as_number(scale_factor)
+        if factor is None or not 1 < factor < math.inf:
             raise ValueError(
                 f"LossScaler(scale_factor={scale_factor!r}): must be a finite number > 1 (the "
                 "scale is multiplied by it after scale_window clean steps and divided by it on "
                 "an overflow; Apex's is 2.0).")
-        if (not isinstance(scale_window, int) or isinstance(scale_window, bool)
-                or scale_window < 1):
-            raise ValueError(f"LossScaler(scale_window={scale_window!r}): must be an int >= 1 "
-                             "(the clean steps before the scale grows; Apex's is 2000).")
+        window = _as_number(scale_window)
+        if window is None or not window.is_integer() or window < 1:
+            raise ValueError(f"LossScaler(scale_window={scale_window!r}): must be a whole number "
+                             ">= 1 (the clean steps before the scale grows; Apex's is 2000).")
         if min_loss_scale is not None:
-            _check_scale("min_loss_scale", min_loss_scale, "or None (2**-24)")
-        if not _is_number(max_loss_scale) or not max_loss_scale > 0:
+            min_loss_scale = _check_scale("min_loss_scale", min_loss_scale, "or None (2**-24)")
+        ceiling = _as_number(max_loss_scale)
+        if ceiling is None or not ceiling > 0:
             raise ValueError(f"LossScaler(max_loss_scale={max_loss_scale!r}): must be a "
                              "number > 0 (the dynamic scale's ceiling; the default is 2.**24).")
-        self._min = float(min_loss_scale) if min_loss_scale is not None else 2.0**-24
-        self._max = float(max_loss_scale)
+        self._min = min_loss_scale if min_loss_scale is not None else 2.0**-24
+        self._max = ceiling
         if self._min > self._max:
             raise ValueError(
                 f"LossScaler(min_loss_scale={min_loss_scale!r}, max_loss_scale="
                 f"{max_loss_scale!r}): min_loss_scale must not exceed max_loss_scale."
             )
         if self.dynamic:
-            self._scale = min(max(float(init_scale), self._min), self._max)
+            self._scale = min(max(init_scale, self._min), self._max)
         else:
-            self._scale = float(loss_scale)
-        self._factor = float(scale_factor)
-        self._window = scale_window
+            self._scale = loss_scale
+        self._factor = factor
+        self._window = int(window)
         self._unskipped = 0
         # Counts the updates and loads that may have moved the scale (a cheap "unchanged"
         # test for gradients held at it; a device scale cannot be compared without a sync).

@@ -50,8 +50,8 @@ def test_bounds():
     (dict(loss_scale="Dynamic"), r"loss_scale='Dynamic'\): must be a finite number > 0"),
     (dict(init_scale=0), r"init_scale=0\): must be a finite number > 0"),
     (dict(init_scale=float("nan")), r"init_scale=nan\): must be a finite number > 0"),
-    (dict(scale_window=1.5), r"scale_window=1\.5\): must be an int >= 1"),
-    (dict(scale_window="x"), r"scale_window='x'\): must be an int >= 1"),
+    (dict(scale_window=1.5), r"scale_window=1\.5\): must be a whole number >= 1"),
+    (dict(scale_window="x"), r"scale_window='x'\): must be a whole number >= 1"),
     (dict(min_loss_scale=-1), r"min_loss_scale=-1\): must be a finite number > 0"),
     (dict(max_loss_scale=0), r"max_loss_scale=0\): must be a number > 0"),
     (dict(min_loss_scale=8.0, max_loss_scale=2.0),
@@ -63,6 +63,16 @@ def test_bad_arguments_are_refused_naming_them(kwargs, match):
     # steps were truncated to 1, and a bad bound was reported as amp.initialize's.
     with pytest.raises(ValueError, match=match):
         LossScaler(**kwargs)
+
+
+def test_numbers_of_other_types_are_taken():
+    # (NumPy numbers, one-element tensors, a whole float, argparse's strings: as before.)
+    import numpy as np
+
+    s = LossScaler(init_scale=torch.tensor(1024.0), scale_window=np.int64(3), scale_factor="2")
+    assert (s.loss_scale, s._window, s._factor) == (1024.0, 3, 2.0)
+    assert LossScaler(np.float32(128.0)).loss_scale == 128.0
+    assert LossScaler("dynamic", scale_window=2000.0)._window == 2000
 
 
 def test_static_never_skips():
