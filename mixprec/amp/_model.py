@@ -648,18 +648,7 @@ def carry_amp_forward(old: nn.Module, new: nn.Module) -> None:
     if hooks is not None and new.__dict__.get("_mixprec_state_dict") is None:
         # Its fp32 checkpoints: the masters of the parameters it took over (the same objects),
         # and upcasts of its other half tensors (O3), as the old module's hooks gave them.
-        carried = _install_state_dict_hooks(new)
-        params = new._parameters
-        for name, master in hooks.masters.items():
-            param = params.get(name)
-            if param is None or hooks._halves.get(name, id(param)) != id(param):
-                continue
-            carried.masters[name] = master
-            carried._halves[name] = id(param)
-            if name in hooks.take_writes:
-                carried.take_writes[name] = hooks.take_writes[name]
-        carried._keeper_refs = list(hooks._keeper_refs)
-        carried.standalone = hooks.standalone
+        hooks.carry_to(_install_state_dict_hooks(new), new._parameters)
 
 
 def restore_model(module: nn.Module) -> nn.Module:
@@ -896,6 +885,20 @@ class _Fp32StateDict:
                 elif check_params and not torch.equal(param, master.to(param.dtype)):
                     master.copy_(param)
                 self._versions[name] = master._version
+
+    def carry_to(self, other: _Fp32StateDict, params: Dict[str, torch.Tensor]) -> None:
+        """Give ``other`` (the hooks of a module built to replace this one's, holding the
+        same parameter objects as ``params``) the masters of the parameters it took over."""
+        for name, master in self.masters.items():
+            param = params.get(name)
+            if param is None or self._halves.get(name, id(param)) != id(param):
+                continue
+            other.masters[name] = master
+            other._halves[name] = id(param)
+            if name in self.take_writes:
+                other.take_writes[name] = self.take_writes[name]
+        other._keeper_refs = list(self._keeper_refs)
+        other.standalone = self.standalone
 
     def save(self, module, state_dict, prefix, local_metadata):
         if self.orphaned():
