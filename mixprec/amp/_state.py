@@ -654,6 +654,7 @@ class _OptimizerState:
         self.stepping = 0
         # Inside an amp.scale_loss block of this optimizer (nested blocks are refused).
         self.scale_loss_open = False
+        self.reached = True  # (see unscale)
         # Each pair's half parameter's version counter, its master's, and the half parameter's
         # TensorImpl, when amp last put the two in step (take_model_writes); None until the
         # pairs are adopted.
@@ -1131,6 +1132,8 @@ class _OptimizerState:
                     raise
             flags = unscale_grads_(fresh + plain_grads, scaler, check)
         flags = flags or []
+        # (Whether this backward gave any of the optimizer's parameters a gradient.)
+        self.reached = bool(half_grads or sparse_fresh or plain_params)
         del half_grads
         accumulate_into, accumulate = [], []
         for master, g in zip(targets, fresh):
@@ -1529,6 +1532,8 @@ class AmpState:
             for _ in range(num_losses)
         ]
         self.overflow_log = OverflowLog(verbosity)
+        # A backward that reached none of its block's optimizers' parameters was warned about.
+        self.warned_unreached = False
         # Overflow flags and new scales of device-scaled steps, copied to the host without
         # waiting, for the overflow log: (loss_id, host [flag, scale], event or None).
         self._pending: List[Tuple[int, torch.Tensor, Optional[torch.cuda.Event]]] = []

@@ -19,6 +19,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from mixprec._checks import check_flag
 from mixprec.amp._logging import is_rank_zero, log_rank0
 from mixprec.amp._model import (
+    agree_on_overflow,
     cast_module_tensors,
     convert_model,
     converted_part_of,
@@ -64,6 +65,54 @@ def _as_list(value, what: str, kind, kind_name: str):
                 f"{kind_name} or a list of them."
             )
     return items, single
+
+
+def _sharded_modules(model: nn.Module) -> list:
+    """The modules inside ``model`` that PyTorch's FSDP shards: ``FullyShardedDataParallel``
+    (FSDP1) instances and modules given to ``fully_shard`` (FSDP2), outermost first."""
+    if not torch.distributed.is_available():
+        return []
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover (a build without FSDP)
+        return []
+    fsdp2 = getattr(torch.distributed.fsdp, "FSDPModule", None)
+    if fsdp2 is None:  # (PyTorch 2.4/2.5: not exported there yet)
+        try:
+            from torch.distributed._composable.fsdp import FSDPModule as fsdp2
+        except ImportError:  # pragma: no cover
+            fsdp2 = None
+    kinds = (FullyShardedDataParallel,) + ((fsdp2,) if fsdp2 is not None else ())
+    return [m for m in model.modules() if isinstance(m, kinds)]
+
+
+def _check_sharded(model: nn.Module, props) -> None:
+    """A model sharded by FSDP before ``initialize``: O1 works (fp32 parameters, autocast in
+    the forward; the ranks agree on each overflow, made so here for FSDP1); a half model
+    with fp32 masters cannot be made of FSDP's sharded parameters (FSDP gathers its own dtype,
+    keeps one flat parameter per wrapped module, and checkpoints those)."""
+    sharded = _sharded_modules(model)
+    if not sharded:
+        return
+    if props.cast_model_type is not None and props.cast_model_type != torch.float32:
+        raise ValueError(
+            f'amp.initialize(models={type(model).__name__}(...), opt_level="{props.opt_level}"): '
+            f"the model is sharded by FSDP ({type(sharded[0]).__name__}), whose parameters "
+            "are shards (or flat parameters) that FSDP gathers in its own dtype: amp cannot "
+            "make a half model with fp32 master weights of them (the forward fails on mixed "
+            "dtypes, or checkpoints come out half). Use FSDP's own mixed precision, O2's recipe "
+            "with sharded fp32 masters: fully_shard(..., mp_policy=MixedPrecisionPolicy("
+            "param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) for FSDP2, or "
+            "FullyShardedDataParallel(..., mixed_precision=MixedPrecision(...)) with "
+            "ShardedGradScaler for fp16; or amp's opt_level=\"O1\" on the sharded model "
+            "(shard first, build the optimizer, then amp.initialize).")
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    for m in sharded:
+        if isinstance(m, FullyShardedDataParallel):
+            # FSDP1 reduces the still-scaled gradients in its backward and each rank checks
+            # only its shard: a skip must be every rank's (FSDP2's DTensor unscale agrees).
+            agree_on_overflow(m, m.process_group)
 
 
 def _check_model(model: nn.Module) -> None:
@@ -343,6 +392,7 @@ def initialize(
     )
     for i, model in enumerate(model_list):
         _check_model(model)
+        _check_sharded(model, props)
         _refuse_part_of_amp_model(model)
         if any(model is other for other in model_list[:i]):
             raise ValueError(
@@ -613,6 +663,17 @@ def scale_loss(
             if len(unscale) > 1:
                 done.update(id(p) for p in s.plain)
         amp_state.record_overflow(unscale, loss_id, flags)
+        if not any(s.reached for s in unscale) and not amp_state.warned_unreached:
+            amp_state.warned_unreached = True
+            if is_rank_zero():
+                warnings.warn(
+                    "amp.scale_loss: the backward gave none of the optimizer's parameters a "
+                    "gradient, so its step changes nothing. If the model was given new "
+                    "parameter objects after amp.initialize (sharded by FSDP's fully_shard or "
+                    "FullyShardedDataParallel, parameters replaced), the optimizer still "
+                    "holds the old ones: shard first, build the optimizer on the sharded "
+                    "model, then amp.initialize it (opt_level='O1'). (Warned once.)",
+                    UserWarning, stacklevel=3)
     finally:
         for s in states:
             s.scale_loss_open = False

@@ -1,5 +1,6 @@
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -1379,6 +1380,27 @@ def test_the_foreign_gradient_marks_stay_one_per_parameter():
         ob.step()
     assert len(state.foreign_scaled) == 2
     assert all(ref() is None or ref() is p.grad for p, ref, _ in state.foreign_scaled.values())
+
+
+def test_a_backward_reaching_none_of_the_optimizers_parameters_warns_once():
+    # A model whose parameters were replaced after initialize (FSDP's fully_shard or
+    # FullyShardedDataParallel applied afterwards gives it new parameter objects): the
+    # optimizer holds the old ones, and every step changed nothing, silently.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
+                   verbosity=0)
+    model.weight = nn.Parameter(model.weight.detach().clone())
+    model.bias = nn.Parameter(model.bias.detach().clone())
+    with pytest.warns(UserWarning, match=r"the backward gave none of the optimizer's parameters "
+                                         r"a gradient.*shard first.*\(Warned once\.\)"):
+        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
 
 
 def test_a_layer_shared_by_two_optimizers_is_unscaled_once_in_one_block():

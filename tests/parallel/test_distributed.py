@@ -2492,6 +2492,67 @@ def check_first_step_inside_join_with_an_empty_rank(ctx):
                                        msg=labelled(f"divide_by_initial={divide_by_initial} "
                                                     f"step {i}"))
 
+def check_fsdp1_sharded_model_at_o1_skips_an_overflow_on_every_rank(ctx):
+    # FSDP1 shards the gradients (reduced still scaled in its backward), so each rank checks
+    # only its shard: an inf in rank 0's shard skipped the step there while rank 1 stepped,
+    # and the loss scales parted (helper's measure: 0.27 of the weights' travel off, against
+    # 0.024 for ShardedGradScaler). Sharded before initialize, the ranks now agree.
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = FullyShardedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(),
+                                                   nn.Linear(16, 4)),
+                                     use_orig_params=False, device_id=torch.device("cpu"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    g = torch.Generator().manual_seed(ctx.rank)
+    skipped = []
+    for step in range(3):
+        opt.zero_grad()
+        x = torch.randn(4, 8, generator=g)
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+            if step == 1 and ctx.rank == 0:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")  # (rank 0's shard)
+        opt.step()
+        skipped.append(amp.step_was_skipped(opt))
+    assert skipped == [False, True, False], labelled(f"skipped {skipped}")
+    scale = torch.tensor([amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]])
+    scales = [t.item() for t in _gather(ctx, scale)]
+    assert scales == [32768.0] * ctx.world_size, f"loss scales differ: {scales}"
+
+
+def check_half_model_of_an_fsdp_sharded_model_is_refused(ctx):
+    # O2/O3 of FSDP's shards: the forward failed on mixed dtypes (FSDP gathers its own
+    # dtype), or trained with half checkpoints. Refused, naming FSDP's own mixed precision.
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from mixprec import amp
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # (PyTorch 2.4/2.5)
+        from torch.distributed._composable.fsdp import fully_shard
+    for shard in ("fully_shard", "FullyShardedDataParallel"):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        if shard == "fully_shard":
+            fully_shard(model)
+        else:
+            model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for level in ("O2", "O3"):
+            try:
+                amp.initialize(model, opt, opt_level=level, dtype=torch.bfloat16, verbosity=0)
+            except ValueError as err:
+                assert "the model is sharded by FSDP" in str(err), str(err)
+                assert "MixedPrecisionPolicy" in str(err), str(err)
+            else:
+                raise AssertionError(f"{level} of a {shard} model was accepted")
+
+
 def check_dead_peer_raises_quickly(ctx):
     # Last check of the CPU group: the last rank leaves; the others' next collective must raise
     # (gloo notices the closed connection) instead of hanging.
@@ -2683,7 +2744,9 @@ CHECKS = [
     "check_unfrozen_after_wrapping_is_refused",
     "check_join_divides_uneven_steps_as_asked",
 ]
-CPU_ONLY = ["check_dead_peer_raises_quickly"]
+CPU_ONLY = ["check_fsdp1_sharded_model_at_o1_skips_an_overflow_on_every_rank",
+            "check_half_model_of_an_fsdp_sharded_model_is_refused",
+            "check_dead_peer_raises_quickly"]  # (last: it ends the workers)
 
 
 @pytest.fixture(scope="module")
