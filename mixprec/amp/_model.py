@@ -692,11 +692,12 @@ def reshaped_parameter_error(name: str, master: torch.Tensor,
     return RuntimeError(
         f"amp: the parameter {name!r} changed shape from {tuple(master.shape)} to "
         f"{tuple(param.shape)} after amp.initialize (its .data was replaced, as "
-        "transformers' resize_token_embeddings() does), but its fp32 master weight and the "
-        "optimizer's state for it keep the old shape: a checkpoint would hold the old weight "
-        "and a step cannot run. Change the model's shapes before amp.initialize (resize the "
-        "embeddings right after loading the model and tokenizer, then build the optimizer "
-        "and initialize both).")
+        "transformers' resize_token_embeddings() does, or FSDP flattening the model wrapped "
+        "after amp.initialize), but its fp32 master weight and the optimizer's state for it "
+        "keep the old shape: a checkpoint would hold the old weight and a step cannot run. "
+        "Change the model's shapes before amp.initialize (resize the embeddings right after "
+        "loading the model and tokenizer, then build the optimizer and initialize both; "
+        "for FSDP see the README: shard first, then amp.initialize at O1).")
 
 
 class _Fp32StateDict:
