@@ -36,6 +36,7 @@ from mixprec.amp._state import (
     optimizer_state,
     refuse_inner_optimizer,
 )
+from mixprec.amp.scaler import check_scale_order
 
 __all__ = [
     "initialize",
@@ -351,10 +352,7 @@ def initialize(
                 f"loss scale's {'floor' if name == 'min_loss_scale' else 'ceiling'})"
                 + (", or None for the default floor, 2**-24." if name == "min_loss_scale"
                    else "; the default is 2.**24."))
-    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
-        raise ValueError(
-            f"amp.initialize(min_loss_scale={min_loss_scale!r}, max_loss_scale="
-            f"{max_loss_scale!r}): min_loss_scale must not exceed max_loss_scale.")
+    check_scale_order("amp.initialize", min_loss_scale, max_loss_scale)
 
     def result():
         if optimizers is None:

@@ -8,7 +8,7 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["LossScaler", "unscale_grads_"]
+__all__ = ["LossScaler", "check_scale_order", "unscale_grads_"]
 
 
 def _as_number(value) -> Optional[float]:
@@ -29,6 +29,16 @@ def _check_scale(name: str, value, alternative: str = "") -> float:
         raise ValueError(f"LossScaler({name}={value!r}): must be a finite number > 0"
                          + (f", {alternative}." if alternative else "."))
     return number
+
+
+def check_scale_order(where: str, min_loss_scale, max_loss_scale, shown=None) -> None:
+    """A floor above the ceiling: a ValueError naming ``where`` (``shown``: the ceiling as
+    passed, when ``max_loss_scale`` is its parsed value)."""
+    if min_loss_scale is not None and min_loss_scale > max_loss_scale:
+        shown = max_loss_scale if shown is None else shown
+        raise ValueError(
+            f"{where}(min_loss_scale={min_loss_scale!r}, max_loss_scale={shown!r}): "
+            "min_loss_scale must not exceed max_loss_scale.")
 
 
 class LossScaler:
@@ -88,13 +98,9 @@ class LossScaler:
         if ceiling is None or not ceiling > 0:
             raise ValueError(f"LossScaler(max_loss_scale={max_loss_scale!r}): must be a "
                              "number > 0 (the dynamic scale's ceiling; the default is 2.**24).")
+        check_scale_order("LossScaler", min_loss_scale, ceiling, max_loss_scale)
         self._min = min_loss_scale if min_loss_scale is not None else 2.0**-24
         self._max = ceiling
-        if self._min > self._max:
-            raise ValueError(
-                f"LossScaler(min_loss_scale={min_loss_scale!r}, max_loss_scale="
-                f"{max_loss_scale!r}): min_loss_scale must not exceed max_loss_scale."
-            )
         if self.dynamic:
             self._scale = min(max(init_scale, self._min), self._max)
         else:

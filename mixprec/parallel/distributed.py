@@ -480,16 +480,18 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         ignored = frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         reducer_names = _reducer_param_names(module, ignored)
         pass_through = not reducer_names
-        if not pass_through:
-            # Before PyTorch's own check, which on gloo leaves the ranks that match waiting
-            # for the process group's timeout (30 minutes) while the others raise.
-            _check_same_structure(
-                [(name, t) for name, t in [*module.named_parameters(), *module.named_buffers()]
-                 if t is not None and name not in ignored], process_group)
+        # The module's state but what it sets to be ignored (what PyTorch checks and
+        # broadcasts), the same on every rank: checked before PyTorch's own check, which on
+        # gloo leaves the ranks that match waiting for the process group's timeout (30
+        # minutes) while the others raise; a module passed through has no check of PyTorch's
+        # (its broadcast took part of rank 0's values into a mismatched model, silently).
+        named = [(name, t) for name, t in [*module.named_parameters(), *module.named_buffers()]
+                 if t is not None and name not in ignored]
+        _check_same_structure(named, process_group)
         if pass_through:
             # Nothing to all-reduce (a frozen perceptual-loss network, which Apex scripts wrap
             # too): PyTorch's constructor refuses it; Apex broadcast it and passed it through.
-            self._pass_through(module, process_group, buffer_kwargs, ignored)
+            self._pass_through(module, process_group, buffer_kwargs, ignored, named)
         else:
             # PyTorch's constructor checks the parameters' shapes across the ranks and
             # broadcasts the module's state from rank 0; in the delay mode its reducer is then
@@ -620,7 +622,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             return
         self._guard_left_out()
 
-    def _pass_through(self, module: nn.Module, process_group, buffer_kwargs, ignored) -> None:
+    def _pass_through(self, module: nn.Module, process_group, buffer_kwargs, ignored,
+                      named) -> None:
         """Set up without PyTorch's constructor, for a module without trainable parameters:
         its state broadcast from rank 0, its forward run as it is (the delay mode's path, with
         nothing to all-reduce), and the attributes PyTorch's methods read."""
@@ -640,15 +643,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 setattr(self, name, value)
         self.forward_sync_buffers = False
         self._no_reducer = True
-        # Rank 0's state, except what the model sets to be ignored (as PyTorch broadcasts).
-        named = [(name, t) for name, t in [*module.named_parameters(), *module.named_buffers()]
-                 if t is not None and name not in self.parameters_to_ignore]
+        # Rank 0's state (``named``: what PyTorch would broadcast, checked by the caller).
         state = [t for _, t in named]
         self.device = state[0].device if state else torch.device("cpu")
         self.device_type = self.device.type
-        # (PyTorch's constructor would check the shapes: without a check a mismatched model
-        # took part of rank 0's values, silently.)
-        _check_same_structure(named, self.process_group)
         if state:
             broadcast_coalesced(state, src=0, group=process_group)
 
