@@ -19,8 +19,10 @@ import collections
 import copy
 import dataclasses
 import functools
+import inspect
 import itertools
 import threading
+import types
 import weakref
 from collections import UserDict
 from collections.abc import Mapping
@@ -31,7 +33,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mixprec.amp._properties import _HALF_TYPES
-from mixprec.normalization._launch import is_compiling, outside_the_compiler
+from mixprec.normalization._launch import is_compiling, is_exporting, outside_the_compiler
 
 __all__ = [
     "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "agree_on_overflow", "carry_amp_forward",
@@ -272,6 +274,8 @@ class _AmpModule:
         )
 
     def forward(self, *args, **kwargs):
+        if type(args) is not tuple:  # (torch.fx's tracing hands the *args over as one Proxy)
+            raise _fx_trace_error(self)
         cfg = self.__dict__.get("_mixprec_forward")
         if cfg is None or self.__dict__.get(_IN_INSTANCE_FORWARD, False):
             # An instance of the swapped class that amp did not prepare (nn.Sequential's
@@ -399,6 +403,8 @@ class _AmpModule:
                         "new model; amp.restore_model(model) first removes amp's casts if you "
                         "mean to convert this one anyway."
                     )
+        elif cfg is not None and cfg.autocast_dtype is not None and not cfg.fp32_compute:
+            _refuse_casting_an_o1_model(self, fn, cfg.autocast_dtype)
         result = super()._apply(fn, *args, **kwargs)
         if has_masters:
             _masters_follow_their_parameters(self)
@@ -453,6 +459,39 @@ _INSTANCE_FORWARD = "_mixprec_instance_forward"
 _IN_INSTANCE_FORWARD = "_mixprec_in_instance_forward"
 
 
+def _refuse_casting_an_o1_model(model: nn.Module, fn, autocast_dtype: torch.dtype) -> None:
+    """An O1 model's fp32 tensors converted to another dtype (``model.half()``,
+    ``.bfloat16()``, ``.to(dtype)``) would leave O1: an fp16 model ``.half()``-ed trained as
+    pure half (half checkpoints, no master weights), one ``.bfloat16()``-ed failed deep inside
+    its BatchNorm. Refused before anything changes, naming what to do instead."""
+    device = next((t.device for t in itertools.chain(model.parameters(), model.buffers())
+                   if t.dtype == torch.float32), None)
+    if device is None:
+        return
+    new = fn(torch.empty(0, device=device))
+    if not isinstance(new, torch.Tensor) or new.dtype not in _HALF_TYPES:
+        return  # (.double(), a float64 reference copy, runs as such: autocast skips float64)
+    raise RuntimeError(
+        f"{type(model).__name__}: converting a model prepared by amp.initialize at O1 from "
+        f"torch.float32 to {new.dtype} (model.half(), .to(dtype), ...). O1 keeps the "
+        f"parameters in fp32 and runs the forward's ops in {autocast_dtype} under "
+        "torch.autocast; a converted model would train without fp32 weights (or fail in its "
+        "BatchNorm). For a half model with fp32 master weights, pass opt_level='O2' to "
+        "amp.initialize of the model as it was before; amp.restore_model(model) first removes "
+        "amp's forward if you mean to convert this one anyway.")
+
+
+def _fx_trace_error(model: nn.Module) -> RuntimeError:
+    return RuntimeError(
+        f"torch.fx.symbolic_trace of a model prepared by amp.initialize "
+        f"({_original_class(type(model)).__name__}): fx's graph would leave out amp's input and "
+        "output casts and O1's autocast, so it is refused. torch.jit.trace and torch.export "
+        "work on it as it is; for fx (torchvision's create_feature_extractor, fx "
+        "quantization) trace a copy without amp's forward, "
+        "`torch.fx.symbolic_trace(amp.restore_model(copy.deepcopy(model)))`, whose parameters "
+        "keep their dtypes (at O2 the caller casts inputs to the half type).")
+
+
 def _run_instance_forward(module: nn.Module, forward: Callable, *args, **kwargs):
     already = module.__dict__.get(_IN_INSTANCE_FORWARD, False)
     module.__dict__[_IN_INSTANCE_FORWARD] = True
@@ -462,13 +501,31 @@ def _run_instance_forward(module: nn.Module, forward: Callable, *args, **kwargs)
         module.__dict__[_IN_INSTANCE_FORWARD] = already
 
 
+# Whether _push_written_masters is running behind outside_the_compiler (see there).
+_PUSH_TRACED = [False]
+
+
 def _push_written_masters(model: nn.Module) -> None:
     """Before a copy's forward: masters written since (through ``state_dict()``'s tensors, as
     an EMA of the state dict does) go into the half parameters the forward uses."""
+    if is_exporting():
+        # torch.export: the parameters are fake tensors there, and a non-strict export traces
+        # the disabled call below as plain Python, which came back here without end. The
+        # program takes the half parameters as the copy's last forward or state_dict() left
+        # them (README).
+        return None
     if is_compiling():
+        if _PUSH_TRACED[0]:
+            # Back here still tracing: the disabled call was traced as plain Python (a
+            # non-strict export on a PyTorch before 2.7, which has no export flag).
+            return None
         # Version counters cannot be traced: a compiled forward runs this eagerly (a graph
         # break).
-        return outside_the_compiler(_push_written_masters)(model)
+        _PUSH_TRACED[0] = True
+        try:
+            return outside_the_compiler(_push_written_masters)(model)
+        finally:
+            _PUSH_TRACED[0] = False
     if getattr(model, "_is_replica", False):  # (a DataParallel replica's are broadcast copies)
         return None
     for module in model.modules():
@@ -603,9 +660,28 @@ def _amp_class(original: type) -> type:
             "__module__": original.__module__,
             "__qualname__": original.__qualname__,
             "__doc__": original.__doc__,
+            "forward": _forward_showing_the_signature_of(original.forward),
         })
         _SWAPPED_CLASSES[original] = weakref.ref(cls)
     return cls
+
+
+def _forward_showing_the_signature_of(user_forward: Callable) -> Callable:
+    """amp's forward (the same code, no extra call) showing ``user_forward``'s signature to
+    ``inspect.signature``: tools bind arguments by the forward's parameter names
+    (``torch.export``'s ``dynamic_shapes={"x": ...}``, transformers' Trainer choosing the
+    dataset columns the model takes), which ``(*args, **kwargs)`` refused or emptied."""
+    amp_forward = _AmpModule.forward
+    forward = types.FunctionType(amp_forward.__code__, amp_forward.__globals__,
+                                 amp_forward.__name__, amp_forward.__defaults__,
+                                 amp_forward.__closure__)
+    forward.__qualname__ = amp_forward.__qualname__
+    forward.__doc__ = getattr(user_forward, "__doc__", None)
+    try:
+        forward.__signature__ = inspect.signature(user_forward)
+    except (TypeError, ValueError):  # (a forward inspect cannot read: amp's own shows)
+        pass
+    return forward
 
 
 def _original_class(cls: type) -> type:
@@ -878,7 +954,11 @@ class _Fp32StateDict:
         with torch.no_grad():
             for name, master in self.masters.items():
                 param = module._parameters.get(name)
-                if param is None:
+                if param is None or param.dtype not in _HALF_TYPES:
+                    # (No longer half: amp.restore_model, then .float(). The parameter is the
+                    # weight now and the master stopped with it (see save): upcast into it,
+                    # the fp32 values of a state dict taken before the cast, which holds the
+                    # master itself, were rounded to half.)
                     continue
                 synced = self._versions.get(name)
                 if synced is not None and master._version != synced:
@@ -902,6 +982,8 @@ class _Fp32StateDict:
         other.standalone = self.standalone
 
     def save(self, module, state_dict, prefix, local_metadata):
+        if self.module is None:  # (a copy's: its load pre-hook is not given the module)
+            self.module = weakref.ref(module)
         if self.orphaned():
             # (The optimizer is gone: the masters keep their fp32 values and, as a copy's do,
             # follow the half parameters written since, e.g. a head re-initialized.)
@@ -968,8 +1050,12 @@ class _Fp32StateDict:
         if module is not None:  # (a load pre-hook is not given its module)
             self.follow_renames(module)
         self._pending_load = None
+        params = module._parameters if module is not None else {}
         with torch.no_grad():
             for name, master in self.masters.items():
+                param = params.get(name)
+                if self.standalone and param is not None and param.dtype not in _HALF_TYPES:
+                    continue  # (the master stopped with its parameter: see sync)
                 value = state_dict.get(prefix + name)
                 if isinstance(value, torch.Tensor) and value.shape == master.shape:
                     master.copy_(value)

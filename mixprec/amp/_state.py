@@ -363,6 +363,8 @@ def _amp_step(this, *args, **kwargs):
             and closure is None):
         state.skip_step()
         return None
+    if state is not None:
+        state.keep_pre_hook_last()
     if (state is not None and state.pairs and state.amp_state.enabled
             and not isinstance(this, torch.optim.Optimizer)):
         # A wrapper such as LARC reads the masters (its trust ratio, its weight decay) before
@@ -650,6 +652,10 @@ class _OptimizerState:
         # every plain parameter missing from _stash had none).
         self._set_aside = False
         self._handles = []
+        # amp's step pre-hook: the optimizer's hook table and the hook's key (see
+        # keep_pre_hook_last).
+        self._pre_hooks = None
+        self._pre_hook_id = None
         # How many calls of the optimizer's step() are running (see guard_inner_optimizers).
         self.stepping = 0
         # Inside an amp.scale_loss block of this optimizer (nested blocks are refused).
@@ -677,6 +683,8 @@ class _OptimizerState:
         masters = {}
         known = {id(p) for p, _ in self.pairs} | {id(m) for _, m in self.pairs}
         known |= {id(p) for p in self.plain}
+        if self.pairs:  # (a later group)
+            self._refuse_regrouped(optimizer)
         if make_masters:
             refuse_inner_optimizer(optimizer, cast_param_ids, known)
             if self.pairs:  # (a later group: initialize checked the first ones)
@@ -710,6 +718,30 @@ class _OptimizerState:
             # the post-step copy then skips the masters it wrote.
             link(list(masters.items()))
         return masters
+
+    def _refuse_regrouped(self, optimizer) -> None:
+        """A group added with ``add_param_group`` holding a half parameter whose fp32 master
+        is already in one of this optimizer's groups: PyTorch's own check ("some parameters
+        appear in more than one parameter group") compared it with the masters and let it
+        in, where the half parameter would never be stepped and the group's settings (a new
+        lr for an unfreezing phase) silently did nothing. Refused as PyTorch refuses it, and
+        taken back out of ``param_groups``."""
+        halves = {id(p) for p, _m in self.pairs}
+        for index, group in enumerate(optimizer.param_groups):
+            repeated = [p for p in group["params"] if id(p) in halves]
+            if repeated:
+                del optimizer.param_groups[index]
+                raise ValueError(
+                    f"optimizer.add_param_group(...) after amp.initialize: {len(repeated)} of "
+                    f"the new group's {len(group['params'])} parameters (shapes "
+                    f"{[tuple(p.shape) for p in repeated[:3]]}"
+                    f"{', ...' if len(repeated) > 3 else ''}) are already in another of the "
+                    "optimizer's groups, there as their fp32 master weights "
+                    "(amp.master_params(optimizer)): as PyTorch does, a parameter may be in "
+                    "one group only. The group was taken back out. To change the settings of "
+                    "parameters already there, set them in their group "
+                    "(optimizer.param_groups[i]['lr'] = ...), or put them in groups of "
+                    "their own before amp.initialize.")
 
     def _refuse_mastered_elsewhere(self, optimizer, known) -> None:
         """A group added with ``add_param_group`` holding a half parameter that another
@@ -791,13 +823,16 @@ class _OptimizerState:
     def install_hooks(self, hook_target: torch.optim.Optimizer) -> None:
         if _ensure_hook_tables(hook_target):
             _install_amp_step(hook_target, run_hooks=True)
-        self._handles.append(hook_target.register_step_pre_hook(self._pre_step))
+        pre = hook_target.register_step_pre_hook(self._pre_step)
+        self._handles.append(pre)
+        pre_hooks = getattr(hook_target, "_optimizer_step_pre_hooks", None)
+        if isinstance(pre_hooks, collections.OrderedDict):
+            self._pre_hooks, self._pre_hook_id = pre_hooks, pre.id
         post = hook_target.register_step_post_hook(self._post_step)
         self._handles.append(post)
         # First among the post-hooks, those registered before initialize too: an EMA or a
         # logger run there sees the half model with this step's update (torch runs the
-        # global post-hooks after these). (The pre-hook stays last: a pre-hook that writes
-        # the weights, e.g. a clamp, runs before amp takes the model's writes in.)
+        # global post-hooks after these). (The pre-hook stays last, see keep_pre_hook_last.)
         hooks = getattr(hook_target, "_optimizer_step_post_hooks", None)
         if isinstance(hooks, collections.OrderedDict) and post.id in hooks:
             hooks.move_to_end(post.id, last=False)
@@ -808,6 +843,15 @@ class _OptimizerState:
         self._handles.append(hook_target.register_state_dict_pre_hook(self._sync_hook))
         self._handles.append(hook_target.register_load_state_dict_pre_hook(self._sync_hook))
         self._handles.append(hook_target.register_load_state_dict_post_hook(self._loaded))
+
+    def keep_pre_hook_last(self) -> None:
+        """Move amp's step pre-hook behind the optimizer's others, those registered after
+        initialize too (called as each step begins): a pre-hook that writes the weights (a
+        clamp, a projection) must run before amp takes the model's writes into the masters;
+        run after it, the write was overwritten by the masters when the step ended."""
+        hooks, key = self._pre_hooks, self._pre_hook_id
+        if hooks and key in hooks and next(reversed(hooks)) != key:
+            hooks.move_to_end(key)
 
     def _loaded(self, optimizer) -> None:
         # A load may change the groups' "fused" flags: decide the skipping path again. And a

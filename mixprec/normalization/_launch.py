@@ -67,6 +67,14 @@ def is_compiling() -> bool:
     return torch._dynamo.is_compiling()
 
 
+def is_exporting() -> bool:
+    """Whether ``torch.export`` is tracing this call (strict or not). A non-strict export
+    runs Python as it is, on fake parameters, so ``torch.compiler.disable`` does not take a
+    call out of its trace. False on a PyTorch without the flag."""
+    check = getattr(torch.compiler, "is_exporting", None)
+    return check is not None and check()
+
+
 # outside_the_compiler's wrappers, one per function.
 _OUTSIDE_THE_COMPILER: Dict[object, object] = {}
 

@@ -303,6 +303,25 @@ def test_add_param_group_gets_masters_at_o2():
     torch.testing.assert_close(model.state_dict()["head.weight"], group[0].detach(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_add_param_group_repeating_a_parameter_is_refused_at_every_level(opt_level):
+    # PyTorch refuses a parameter in two groups; at O2 its check compared the half parameter
+    # with the fp32 masters in the first group and let it in: the group's lr silently did
+    # nothing (the half parameter is never stepped). Refused there too, group taken out.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    with pytest.raises(ValueError, match=r"more than one parameter group|2 of the new "
+                                         r"group's 2 parameters .*already in another"):
+        opt.add_param_group({"params": list(model.head.parameters()), "lr": 0.01})
+        train_step(model, opt, *batch(), amp)  # (at O2 found where the group is adopted)
+    assert len(opt.param_groups) == 1
+    before = model.state_dict()["head.weight"].clone()
+    train_step(model, opt, *batch(), amp)  # (the optimizer is usable again)
+    assert not torch.equal(model.state_dict()["head.weight"], before)
+    assert len(opt.state_dict()["param_groups"]) == 1
+
+
 def test_a_new_head_added_after_initialize_saves_fp32_before_any_step():
     # A module put into an O2 model after initialize and given to the optimizer with
     # add_param_group: its checkpoint entries were half until the next step (or an

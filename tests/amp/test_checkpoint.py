@@ -151,6 +151,46 @@ def test_restored_and_upcast_model_saves_its_own_weights():
     torch.testing.assert_close(fresh(x), model(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("source", ["deepcopy", "pickle", "optimizer_gone"])
+def test_a_state_dict_taken_before_restore_and_upcast_keeps_its_fp32_values(source):
+    # restore_model's own advice: "load module.state_dict() (taken before the cast) into the
+    # fp32 model". On a copy (an EMA, a snapshot), or once the optimizer is gone, its masters
+    # are kept by the model itself, and the next state_dict() after .float() took the upcast
+    # half values into them: the dict taken before, which holds them, was rounded to half.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y, amp)
+    exact = {k: v.clone() for k, v in model.state_dict().items()}
+    if source == "deepcopy":
+        snap = copy.deepcopy(model)
+    elif source == "pickle":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        snap = torch.load(buf, weights_only=False)
+    else:
+        snap = model
+        del opt
+    taken = snap.state_dict()
+    amp.restore_model(snap)
+    snap.float()
+    after = snap.state_dict()
+    for k, v in exact.items():
+        assert torch.equal(taken[k], v), k  # (the fp32 masters, untouched)
+    # The upcast model saves its own (half-valued) weights, which the masters are not.
+    assert torch.equal(after["head.weight"], snap.head.weight.detach())
+    assert not torch.equal(after["head.weight"], exact["head.weight"])
+    # Loading the exact values back gives the fp32 model the masters, and leaves the dict.
+    snap.load_state_dict(taken)
+    assert torch.equal(snap.head.weight.detach(), exact["head.weight"])
+    other = make_cnn(seed=4).state_dict()
+    snap.load_state_dict(other)
+    assert torch.equal(snap.head.weight.detach(), other["head.weight"])
+    assert torch.equal(taken["head.weight"], exact["head.weight"])
+
+
 def test_a_static_scale_replaced_by_the_checkpoints_warns():
     # Apex's rule holds (the checkpoint's scale wins), but a dynamic run's 65536 loaded into a
     # static scale of 128 never backs off: the first overflow made NaN weights, unannounced.

@@ -1383,6 +1383,123 @@ def test_a_tensorless_batchnorm_follows_its_model_across_moves():
     assert model._mixprec_forward.device_type == "cpu"
 
 
+class _NamedInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 3), nn.Linear(2, 3)
+
+    def forward(self, x, extra=None, *, scale=1.0):
+        out = self.a(x)
+        return out if extra is None else out + scale * self.b(extra)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_the_forward_shows_the_models_signature(opt_level):
+    # Tools bind arguments by the forward's parameter names (torch.export's dynamic_shapes,
+    # transformers' Trainer picking the dataset columns the model takes); amp's forward
+    # showed (*args, **kwargs).
+    import inspect
+
+    model = _NamedInputs()
+    want = inspect.signature(model.forward)
+    amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    assert inspect.signature(model.forward) == want
+    assert list(inspect.signature(model.forward).parameters) == ["x", "extra", "scale"]
+    x, e = torch.randn(2, 4), torch.randn(2, 2)
+    plain = amp.restore_model(copy.deepcopy(model))
+    cast = torch.bfloat16 if opt_level == "O2" else torch.float32
+    got = model(x, extra=e, scale=2.0)
+    assert got.dtype == torch.float32
+    tol = {} if opt_level == "O2" else {"rtol": 2e-2, "atol": 2e-2}  # (O1: bf16 ops vs fp32)
+    torch.testing.assert_close(got, plain(x.to(cast), extra=e.to(cast), scale=2.0).float(),
+                               **({"rtol": 0, "atol": 0} if not tol else tol))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("source", ["model", "deepcopy", "torch.load"])
+def test_torch_export_of_an_o2_model_and_of_its_copies(source, strict):
+    # A copy (an EMA, a model saved whole with torch.save) keeps its own masters: exporting it
+    # recursed without end (non-strict) or met a disabled function (strict), from the push of
+    # written masters in its forward. dynamic_shapes go by the forward's parameter names.
+    if strict and source != "model" and not hasattr(torch.compiler, "is_exporting"):
+        pytest.skip("strict export of a copy needs torch.compiler.is_exporting (PyTorch 2.7): "
+                    "before, Dynamo refuses the disabled master push in the copy's forward")
+    model = _NamedInputs()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 4)
+    with amp.scale_loss(nn.functional.mse_loss(model(x), torch.zeros(3, 3)), opt) as loss:
+        loss.backward()
+    opt.step()
+    if source == "deepcopy":
+        model = copy.deepcopy(model)
+    elif source == "torch.load":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        model = torch.load(buf, weights_only=False)
+    batch_dim = torch.export.Dim("batch", max=64)
+    program = torch.export.export(model, (x,), dynamic_shapes={"x": {0: batch_dim}},
+                                  strict=strict)
+    exported = program.module()
+    for rows in (3, 7):
+        xr = torch.randn(rows, 4)
+        out = exported(xr)
+        assert out.dtype == torch.float32  # (amp's casts are in the program)
+        torch.testing.assert_close(out, model(xr), rtol=0, atol=0)
+
+
+def test_a_compiled_copy_runs_on_the_masters_written_into_its_state_dict():
+    # An EMA copy (timm's ModelEmaV2 writes its state dict in place) under torch.compile: the
+    # push of written masters into the half parameters runs eagerly (a graph break), and
+    # must still run (the guard against export's re-entry must not stop it).
+    model = _NamedInputs()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                   dtype=torch.bfloat16, verbosity=0)
+    ema = copy.deepcopy(model)
+    compiled = torch.compile(ema, backend="eager")
+    x = torch.randn(3, 4)
+    compiled(x)
+    with torch.no_grad():
+        for v in ema.state_dict().values():
+            v.mul_(0.5)
+    got = compiled(x)
+    assert torch.equal(ema.a.weight, (model.a.weight.float() * 0.5).bfloat16())
+    torch.testing.assert_close(got, ema(x), rtol=0, atol=0)
+    torch.testing.assert_close(got, model(x) * 0.5, rtol=0, atol=0)
+
+
+def test_fx_symbolic_trace_says_what_works_and_the_restored_copy_traces():
+    model = make_mlp()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    with pytest.raises(RuntimeError, match=r"torch\.fx\.symbolic_trace of a model prepared by "
+                                           r"amp\.initialize \(Sequential\).*restore_model"):
+        torch.fx.symbolic_trace(model)
+    traced = torch.fx.symbolic_trace(amp.restore_model(copy.deepcopy(model)))
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(traced(x.bfloat16()).float(), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("convert", ["half", "bfloat16", "to"])
+def test_o1_conversion_to_half_is_refused(convert):
+    # An fp16 O1 model .half()-ed trained as pure half with half checkpoints; .bfloat16()-ed
+    # it failed inside BatchNorm at the next forward. Refused before anything changes.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.float16, verbosity=0)
+    calls = {"half": lambda m: m.half(), "bfloat16": lambda m: m.bfloat16(),
+             "to": lambda m: m.to(torch.float16)}
+    with pytest.raises(RuntimeError, match=r"at O1 from torch\.float32 to torch\.(float16|"
+                                           r"bfloat16).*opt_level='O2'"):
+        calls[convert](model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    model.float()  # (no change: passes)
+    model.to("cpu")
+    train_step(model, opt, *batch(), amp)
+    amp.restore_model(model).half()  # (the way round the message names)
+    assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_torch_jit_script_says_what_works_and_the_restored_copy_scripts(opt_level):
     model = make_mlp()

@@ -1205,6 +1205,41 @@ def test_a_step_post_hook_registered_before_initialize_sees_the_updated_model(op
     assert not torch.equal(after[0][0], after[2][0])
 
 
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2"])
+def test_a_weight_writing_step_pre_hook_registered_after_initialize_holds(opt_level):
+    # A clamp or projection of the weights in a step pre-hook registered after initialize
+    # ran after amp's own pre-hook (which takes the half model's writes into the masters), so
+    # at O2 the step's end wrote the masters back over it: the constraint silently never
+    # held. Checked against the same loop in fp32 (bf16 compute: tolerance of its rounding).
+    def run(level):
+        model = make_cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if level is not None:
+            amp.initialize(model, opt, opt_level=level, dtype=torch.bfloat16, verbosity=0)
+
+        def clamp(*_):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.clamp_(-0.05, 0.05)
+
+        opt.register_step_pre_hook(clamp)
+        for seed in range(4):
+            x, y = batch(seed=seed)
+            if level is not None:
+                train_step(model, opt, x, y, amp)
+            else:
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+        return model.state_dict()
+
+    want, got = run(None), run(opt_level)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
+    # (Without the clamp the weights travel far past 0.05 + one step: the check can fail.)
+    assert max(v.abs().max().item() for k, v in got.items() if "weight" in k) < 0.2
+
+
 def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
     # FusedAdam(set_grad_none=False).zero_grad() keeps gradient tensors by default: amp read
     # a zero_grad() without an argument as set_to_none=True and freed the masters' gradients.
