@@ -70,9 +70,11 @@ def is_compiling() -> bool:
 def is_exporting() -> bool:
     """Whether ``torch.export`` is tracing this call (strict or not). A non-strict export
     runs Python as it is, on fake parameters, so ``torch.compiler.disable`` does not take a
-    call out of its trace. False on a PyTorch without the flag."""
-    check = getattr(torch.compiler, "is_exporting", None)
-    return check is not None and check()
+    call out of its trace. False on a PyTorch without the flag (before 2.7).
+
+    The flag is read, not ``torch.compiler.is_exporting()`` called: Dynamo of PyTorch 2.7 to
+    2.11 folds that call to True in every trace, ``torch.compile``'s too."""
+    return bool(getattr(torch.compiler, "_is_exporting_flag", False))
 
 
 # outside_the_compiler's wrappers, one per function.

@@ -1784,13 +1784,13 @@ def _grads_for(params, n):
     return [[torch.randn_like(p) for p in params] for _ in range(n)]
 
 
-# torch.optim.Adam's decoupled_weight_decay arrived in PyTorch 2.6: before it, Adam ignores
+# torch.optim.Adam's decoupled_weight_decay arrived in PyTorch 2.7: before it, Adam ignores
 # the key in a loaded group (a FusedAdam adam_w_mode checkpoint continues there as L2 decay;
 # load it into torch.optim.AdamW on those releases).
 _TORCH_ADAM_DECOUPLES = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters
 _needs_decoupled_adam = pytest.mark.skipif(
     not _TORCH_ADAM_DECOUPLES, reason="torch.optim.Adam has no decoupled_weight_decay before "
-    "PyTorch 2.6 (a FusedAdam adam_w_mode checkpoint goes to torch.optim.AdamW there)")
+    "PyTorch 2.7 (a FusedAdam adam_w_mode checkpoint goes to torch.optim.AdamW there)")
 
 
 @_needs_decoupled_adam

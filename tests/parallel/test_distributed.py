@@ -2772,9 +2772,9 @@ CHECKS = [
     "check_unfrozen_after_wrapping_is_refused",
     "check_join_divides_uneven_steps_as_asked",
 ]
-# FSDP2 (fully_shard) runs on the CPU from PyTorch 2.6 ("FSDP requires CUDA for streams"
-# before): its training check is left out there.
-_FSDP2_ON_CPU = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 6)
+# FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
+# before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
+_FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
 CPU_ONLY = ["check_fsdp1_sharded_model_at_o1_skips_an_overflow_on_every_rank",
             *(["check_fsdp2_sharded_model_at_o1_skips_an_overflow_on_every_rank"]
               if _FSDP2_ON_CPU else []),
