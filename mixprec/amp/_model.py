@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 import torch
 from torch import nn
+from torch.fx import Proxy as _FxProxy
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mixprec.amp._properties import _HALF_TYPES
@@ -274,7 +275,9 @@ class _AmpModule:
         )
 
     def forward(self, *args, **kwargs):
-        if type(args) is not tuple:  # (torch.fx's tracing hands the *args over as one Proxy)
+        if type(args) is not tuple or (args and isinstance(args[0], _FxProxy)):
+            # torch.fx's symbolic tracing: of this model (fx hands the *args over as one
+            # Proxy), or of a module it is inside (its input is a Proxy).
             raise _fx_trace_error(self)
         cfg = self.__dict__.get("_mixprec_forward")
         if cfg is None or self.__dict__.get(_IN_INSTANCE_FORWARD, False):

@@ -1475,6 +1475,9 @@ def test_fx_symbolic_trace_says_what_works_and_the_restored_copy_traces():
     with pytest.raises(RuntimeError, match=r"torch\.fx\.symbolic_trace of a model prepared by "
                                            r"amp\.initialize \(Sequential\).*restore_model"):
         torch.fx.symbolic_trace(model)
+    outer = nn.Sequential(nn.Identity(), model)  # (amp's model inside a traced one)
+    with pytest.raises(RuntimeError, match=r"torch\.fx\.symbolic_trace of a model prepared"):
+        torch.fx.symbolic_trace(outer)
     traced = torch.fx.symbolic_trace(amp.restore_model(copy.deepcopy(model)))
     x = torch.randn(3, 4)
     torch.testing.assert_close(traced(x.bfloat16()).float(), model(x), rtol=0, atol=0)
