@@ -57,12 +57,27 @@ __all__ = [
 
 
 def __getattr__(name):
-    if name in ("init", "AmpHandle", "NoOpHandle"):
+    # Apex's first API (2018): amp.init(enabled=False) and its NoOpHandle only (see there).
+    if name in ("init", "NoOpHandle"):
+        from mixprec._apex_legacy import amp_handle
+
+        return getattr(amp_handle, name)
+    if name == "AmpHandle":
         raise AttributeError(
-            f"mixprec.amp.{name}: Apex's first amp API (2018: amp_handle = amp.init(), then "
+            "mixprec.amp.AmpHandle: Apex's first amp API (2018: amp_handle = amp.init(), then "
             "amp_handle.scale_loss and amp_handle.wrap_optimizer) is not provided; Apex itself "
             "replaced it with amp.initialize. Use `model, optimizer = amp.initialize(model, "
             "optimizer, opt_level=\"O1\")` and `with amp.scale_loss(loss, optimizer) as "
             "scaled_loss: scaled_loss.backward()`."
         )
+    if name == "_initialize":
+        # (catalyst and other multi-GPU scripts re-applied amp's input casts by hand to a
+        # DataParallel replica through apex.amp._initialize.applier: Apex issue 503.)
+        raise AttributeError(
+            "mixprec.amp._initialize: Apex's internal module is not provided. Its use in "
+            "DataParallel workarounds (re-applying amp's input casts to a model's replicas "
+            "with _initialize.applier) is not needed: a model returned by amp.initialize runs "
+            "under torch.nn.DataParallel as it is (amp's casts live in the model's class and "
+            "travel with the replicas). Wrap the model itself, DataParallel(model), and drop "
+            "the patched forward.")
     raise AttributeError(f"module 'mixprec.amp' has no attribute {name!r}")

@@ -29,6 +29,7 @@ here, so that this module can stand for ``apex.normalization.fused_layer_norm`` 
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional, Sequence, Union
 
 import torch
@@ -133,9 +134,27 @@ def _apex_function(name: str, fn, signature: str):
     def apply(*args, **kwargs):
         return fn(*args, **kwargs)
 
+    def forward(ctx, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    def backward(ctx, *grad_outputs):
+        raise RuntimeError(f"{name}.backward is not called directly: {name}.apply(...) records "
+                           "mixprec's own autograd node, whose backward autograd runs.")
+
     apply.__doc__ = f"``{name}.apply({signature})``: :func:`{fn.__name__}`."
+    # Apex's forward(ctx, <apply's arguments>), eps required: Megatron-LM's layer probes
+    # inspect.getfullargspec(FusedLayerNormAffineFunction.forward).args for "memory_efficient"
+    # in every forward before calling apply.
+    params = [inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    for param in inspect.signature(fn).parameters.values():
+        params.append(param.replace(default=inspect.Parameter.empty)
+                      if param.name == "eps" else param)
+    forward.__signature__ = inspect.Signature(params)
+    forward.__doc__ = (f"Apex's signature, ``forward(ctx, {signature})``; computes "
+                       f":func:`{fn.__name__}` (``ctx`` unused). Call ``{name}.apply``.")
     return type(name, (_ApexFunction,), {
-        "apply": staticmethod(apply), "__module__": __name__,
+        "apply": staticmethod(apply), "forward": staticmethod(forward),
+        "backward": staticmethod(backward), "__module__": __name__,
         "__doc__": f"Apex's ``{name}``: ``apply({signature})`` computes :func:`{fn.__name__}`."})
 
 

@@ -529,9 +529,57 @@ def test_fp16_utils_refuse_master_lists_that_do_not_match(clean_apex):
 
 
 def test_apexs_first_amp_api_says_what_replaced_it():
-    with pytest.raises(AttributeError, match=r"amp.init.*replaced it with amp.initialize"):
+    with pytest.raises(AttributeError, match=r"amp.init.*replaced it with amp.initialize.*"
+                                             r"allow_banned=True.*delete the call"):
         amp.init(enabled=True)
+    with pytest.raises(AttributeError, match=r"amp.init.*replaced it with amp.initialize"):
+        amp.init(allow_banned=True)
+    with pytest.raises(AttributeError, match=r"AmpHandle.*replaced it with amp.initialize"):
+        amp.AmpHandle  # noqa: B018
+    with pytest.raises(AttributeError, match=r"amp._initialize.*runs under "
+                                             r"torch\.nn\.DataParallel as it is"):
+        amp._initialize  # noqa: B018
+    with pytest.raises(TypeError, match=r"amp\.init\(enabled='False'\)"):
+        amp.init(enabled="False")
     assert not hasattr(amp, "no_such_name")
+
+
+def test_apexs_first_amp_api_disabled_is_a_no_op(clean_apex):
+    # maskrcnn-benchmark and its forks call `amp.init(enabled=<fp16 in config>)` in every run,
+    # fp32 by default: Apex returned a handle that does nothing, mixprec refused the call, so
+    # the default fp32 evaluation died on its first lines.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex import amp as apex_amp
+
+    handle = apex_amp.init(enabled=False, verbose=False)
+    assert isinstance(handle, apex_amp.NoOpHandle) and not handle.is_active()
+    assert not handle.has_cache and not handle.verbose
+    torch.manual_seed(0)
+    model, ref = nn.Linear(3, 2), nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    opt = handle.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(4, 3)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        with handle.scale_loss(loss, opt) as scaled:
+            assert scaled is loss
+            scaled.backward()
+        opt.step()
+        ref_opt.zero_grad()
+        ref(x).pow(2).mean().backward()
+        ref_opt.step()
+    with opt.scale_loss(model(x).sum()) as scaled:  # (the wrapper's own form)
+        scaled.backward()
+    with handle._disable_casts():
+        pass
+    assert opt.param_groups[0]["lr"] == 0.1  # (the optimizer's attributes through it)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
 
 
 def test_apexs_other_optimizers_import_and_name_their_replacement(clean_apex):

@@ -115,6 +115,40 @@ def test_bad_input_errors():
         F.fused_layer_norm(torch.tensor(1.0), 8)
 
 
+def test_function_classes_show_apexs_forward_signature():
+    # Megatron-LM's layer norm probes
+    # inspect.getfullargspec(FusedLayerNormAffineFunction.forward).args for
+    # "memory_efficient" in every forward, then calls apply: the classes had no forward
+    # (AttributeError on the first forward of every such model).
+    import inspect
+
+    want = {
+        "FusedLayerNormFunction": ["ctx", "input", "normalized_shape", "eps",
+                                   "memory_efficient"],
+        "FusedLayerNormAffineFunction": ["ctx", "input", "weight", "bias", "normalized_shape",
+                                         "eps", "memory_efficient"],
+        "FusedLayerNormAffineMixedDtypesFunction": ["ctx", "input", "weight", "bias",
+                                                    "normalized_shape", "eps",
+                                                    "memory_efficient"],
+        "FusedRMSNormFunction": ["ctx", "input", "normalized_shape", "eps", "memory_efficient"],
+        "FusedRMSNormAffineFunction": ["ctx", "input", "weight", "normalized_shape", "eps",
+                                       "memory_efficient"],
+        "FusedRMSNormAffineMixedDtypesFunction": ["ctx", "input", "weight", "normalized_shape",
+                                                  "eps", "memory_efficient"],
+    }
+    for name, args in want.items():
+        spec = inspect.getfullargspec(getattr(F, name).forward)
+        assert spec.args == args, name
+        assert spec.defaults == (False,), name  # (eps required, as in Apex's forward)
+    x, w, b = torch.randn(3, 8), torch.randn(8), torch.randn(8)
+    torch.testing.assert_close(F.FusedLayerNormAffineFunction.forward(None, x, w, b, (8,), 1e-6),
+                               F.FusedLayerNormAffineFunction.apply(x, w, b, (8,), 1e-6),
+                               rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match=r"FusedRMSNormFunction\.backward is not called "
+                                           r"directly.*apply"):
+        F.FusedRMSNormFunction.backward(None, x)
+
+
 def test_alias_layout_is_apex_s(clean_apex):
     mixprec.install_apex_alias()
     import apex.normalization
