@@ -275,18 +275,23 @@ class _AmpModule:
         )
 
     def forward(self, *args, **kwargs):
-        if type(args) is not tuple or (args and isinstance(args[0], _FxProxy)):
-            # torch.fx's symbolic tracing: of this model (fx hands the *args over as one
-            # Proxy), or of a module it is inside (its input is a Proxy).
-            raise _fx_trace_error(self)
-        cfg = self.__dict__.get("_mixprec_forward")
-        if cfg is None or self.__dict__.get(_IN_INSTANCE_FORWARD, False):
+        # The instance's amp attributes are read with getattr, not self.__dict__.get: Dynamo
+        # (PyTorch 2.13) guards neither a value read from a module's __dict__ nor a key
+        # missing there, so a second model of the same class compiled in the process ran the
+        # first's graph (a deep copy without its master push, another instance forward).
+        # _swap_class puts every one of them in the instance dict: a plain attribute lookup.
+        cfg = getattr(self, "_mixprec_forward", None)
+        if cfg is None or getattr(self, _IN_INSTANCE_FORWARD, False):
             # An instance of the swapped class that amp did not prepare (nn.Sequential's
             # slicing builds ``self.__class__(...)``; a registry an ``__init_subclass__`` filled
             # when amp made the class): the user's class's forward, as it is. Or this forward
             # reached again from a forward set on the instance, which wrapped it (a deep copy
             # re-binds such a wrapper to the class's forward): amp's casts ran outside.
             return super().forward(*args, **kwargs)
+        if type(args) is not tuple or _holds_fx_proxy(args, kwargs):
+            # torch.fx's symbolic tracing: of this model (fx hands the *args over as one
+            # Proxy), or of a module it is inside (an input is a Proxy).
+            raise _fx_trace_error(self)
         # Read before this forward counts itself: a model both enclosed and enclosing
         # ([a, a.b, a.b.c]) called on its own casts its outputs.
         traced = is_compiling()
@@ -305,12 +310,12 @@ class _AmpModule:
         return self._mixprec_cast_forward(cfg, inside, args, kwargs)
 
     def _mixprec_cast_forward(self, cfg: AmpForwardConfig, inside: bool, args, kwargs):
-        original_forward = self.__dict__.get(_INSTANCE_FORWARD)
+        original_forward = getattr(self, _INSTANCE_FORWARD, None)
         if original_forward is None:
             original_forward = super().forward  # the user's class's forward
         else:  # (a forward set on the instance before initialize: see _swap_class)
             original_forward = functools.partial(_run_instance_forward, self, original_forward)
-        if self.__dict__.get(_OWN_MASTERS, False):
+        if getattr(self, _OWN_MASTERS, False):
             _push_written_masters(self)
         if cfg.renorm_master:
             _renorm_master_rows(self, args[0] if args else kwargs.get("input"))
@@ -482,6 +487,12 @@ def _refuse_casting_an_o1_model(model: nn.Module, fn, autocast_dtype: torch.dtyp
         "BatchNorm). For a half model with fp32 master weights, pass opt_level='O2' to "
         "amp.initialize of the model as it was before; amp.restore_model(model) first removes "
         "amp's forward if you mean to convert this one anyway.")
+
+
+def _holds_fx_proxy(args: tuple, kwargs: dict) -> bool:
+    """Whether a positional or keyword input is a torch.fx Proxy (a symbolic trace)."""
+    return (any(isinstance(a, _FxProxy) for a in args)
+            or any(isinstance(v, _FxProxy) for v in kwargs.values()))
 
 
 def _fx_trace_error(model: nn.Module) -> RuntimeError:
@@ -663,15 +674,15 @@ def _amp_class(original: type) -> type:
             "__module__": original.__module__,
             "__qualname__": original.__qualname__,
             "__doc__": original.__doc__,
-            "forward": _forward_showing_the_signature_of(original.forward),
+            "forward": _forward_showing_the_signature_of(original),
         })
         _SWAPPED_CLASSES[original] = weakref.ref(cls)
     return cls
 
 
-def _forward_showing_the_signature_of(user_forward: Callable) -> Callable:
-    """amp's forward (the same code, no extra call) showing ``user_forward``'s signature to
-    ``inspect.signature``: tools bind arguments by the forward's parameter names
+def _forward_showing_the_signature_of(original: type) -> Callable:
+    """amp's forward (the same code, no extra call) showing the signature of ``original``'s
+    forward to ``inspect.signature``: tools bind arguments by the forward's parameter names
     (``torch.export``'s ``dynamic_shapes={"x": ...}``, transformers' Trainer choosing the
     dataset columns the model takes), which ``(*args, **kwargs)`` refused or emptied."""
     amp_forward = _AmpModule.forward
@@ -679,11 +690,15 @@ def _forward_showing_the_signature_of(user_forward: Callable) -> Callable:
                                  amp_forward.__name__, amp_forward.__defaults__,
                                  amp_forward.__closure__)
     forward.__qualname__ = amp_forward.__qualname__
+    user_forward = inspect.getattr_static(original, "forward", None)
     forward.__doc__ = getattr(user_forward, "__doc__", None)
-    try:
-        forward.__signature__ = inspect.signature(user_forward)
-    except (TypeError, ValueError):  # (a forward inspect cannot read: amp's own shows)
-        pass
+    if isinstance(user_forward, types.FunctionType):  # (a method: its self is bound alike)
+        # (A staticmethod, a callable object, a C function: amp's own signature shows; theirs
+        # would be bound one argument short.)
+        try:
+            forward.__signature__ = inspect.signature(user_forward)
+        except (TypeError, ValueError):  # (one inspect cannot read)
+            pass
     return forward
 
 
@@ -711,6 +726,10 @@ def _swap_class(module: nn.Module, config: AmpForwardConfig) -> None:
             # would run it and none of amp's casts (O1 silently fp32, O2/O3 a dtype error).
             # amp runs it inside its casts instead, as Apex's patched instance forward did.
             module.__dict__[_INSTANCE_FORWARD] = own
+    # (Every attribute amp's forward reads, in the instance dict: see _AmpModule.forward.)
+    module.__dict__.setdefault(_INSTANCE_FORWARD, None)
+    module.__dict__.setdefault(_IN_INSTANCE_FORWARD, False)
+    module.__dict__.setdefault(_OWN_MASTERS, False)
     module._mixprec_forward = config
 
 
@@ -754,6 +773,7 @@ def restore_model(module: nn.Module) -> nn.Module:
             m.__class__ = _original_class(type(m))
             m.__dict__.pop("_mixprec_forward", None)
             m.__dict__.pop(_IN_INSTANCE_FORWARD, None)
+            m.__dict__.pop(_OWN_MASTERS, None)
             own = m.__dict__.pop(_INSTANCE_FORWARD, None)
             if own is not None:
                 m.__dict__["forward"] = own

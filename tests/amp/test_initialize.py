@@ -1,4 +1,5 @@
 import copy
+import functools
 import io
 import os
 import pickle
@@ -1456,9 +1457,13 @@ def test_a_compiled_copy_runs_on_the_masters_written_into_its_state_dict():
     model = _NamedInputs()
     amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
                    dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 4)
+    # The model compiled first, the usual order: Dynamo (2.13) guarded no value read from a
+    # module's __dict__, so the copy's compiled forward reused the model's graph, which has
+    # no push (the EMA's writes never reached its outputs).
+    torch.compile(model, backend="eager")(x)
     ema = copy.deepcopy(model)
     compiled = torch.compile(ema, backend="eager")
-    x = torch.randn(3, 4)
     compiled(x)
     with torch.no_grad():
         for v in ema.state_dict().values():
@@ -1467,6 +1472,37 @@ def test_a_compiled_copy_runs_on_the_masters_written_into_its_state_dict():
     assert torch.equal(ema.a.weight, (model.a.weight.float() * 0.5).bfloat16())
     torch.testing.assert_close(got, ema(x), rtol=0, atol=0)
     torch.testing.assert_close(got, model(x) * 0.5, rtol=0, atol=0)
+
+
+def test_a_compiled_model_with_an_instance_forward_runs_its_own_graph():
+    # Two models of one class, one with a forward set on the instance before initialize:
+    # compiled after the other, it ran the other's graph (the class's forward).
+    class Net(nn.Linear):
+        def forward(self, x, scale=1.0):
+            return super().forward(x) * scale
+
+    x = torch.randn(3, 4)
+    plain = amp.initialize(Net(4, 2), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    scaled = Net(4, 2)
+    scaled.forward = functools.partial(scaled.forward, scale=2.0)
+    amp.initialize(scaled, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    torch.compile(plain, backend="eager")(x)
+    got = torch.compile(scaled, backend="eager")(x)
+    torch.testing.assert_close(got, scaled(x), rtol=0, atol=0)
+    torch.testing.assert_close(got, amp.restore_model(copy.deepcopy(scaled))(x.bfloat16())
+                               .float(), rtol=0, atol=0)
+
+
+def test_a_staticmethod_forward_keeps_amps_signature_and_exports():
+    class Static(nn.Module):
+        @staticmethod
+        def forward(x):
+            return x * 2
+
+    model = amp.initialize(Static(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3)
+    program = torch.export.export(model, (x,))
+    torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=0)
 
 
 def test_fx_symbolic_trace_says_what_works_and_the_restored_copy_traces():
@@ -1478,6 +1514,24 @@ def test_fx_symbolic_trace_says_what_works_and_the_restored_copy_traces():
     outer = nn.Sequential(nn.Identity(), model)  # (amp's model inside a traced one)
     with pytest.raises(RuntimeError, match=r"torch\.fx\.symbolic_trace of a model prepared"):
         torch.fx.symbolic_trace(outer)
+
+    class ByKeyword(nn.Module):  # (the input by keyword, HF-style)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(input=x)
+
+    with pytest.raises(RuntimeError, match=r"torch\.fx\.symbolic_trace of a model prepared"):
+        torch.fx.symbolic_trace(ByKeyword(model))
+    # A slice of an amp Sequential is no amp model (a plain part of the half model): traced
+    # inside another module as any module is.
+    part = nn.Sequential(nn.Identity(), model[:2])
+    half_x = torch.randn(3, 4).bfloat16()
+    traced_part = torch.fx.symbolic_trace(part)(half_x)
+    assert traced_part.dtype == torch.bfloat16  # (no amp casts: the part's own dtype)
+    torch.testing.assert_close(traced_part, part(half_x), rtol=0, atol=0)
     traced = torch.fx.symbolic_trace(amp.restore_model(copy.deepcopy(model)))
     x = torch.randn(3, 4)
     torch.testing.assert_close(traced(x.bfloat16()).float(), model(x), rtol=0, atol=0)
