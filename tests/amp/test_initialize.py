@@ -1501,7 +1501,7 @@ def test_a_staticmethod_forward_keeps_amps_signature_and_exports():
 
     model = amp.initialize(Static(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     x = torch.randn(3)
-    program = torch.export.export(model, (x,))
+    program = torch.export.export(model, (x,), strict=False)
     torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=0)
 
 
