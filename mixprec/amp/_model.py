@@ -31,6 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Set
 import torch
 from torch import nn
 from torch.fx import Proxy as _FxProxy
+from torch.fx import _symbolic_trace as _fx_symbolic_trace
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from mixprec.amp._properties import _HALF_TYPES
@@ -288,7 +289,8 @@ class _AmpModule:
             # reached again from a forward set on the instance, which wrapped it (a deep copy
             # re-binds such a wrapper to the class's forward): amp's casts ran outside.
             return super().forward(*args, **kwargs)
-        if type(args) is not tuple or _holds_fx_proxy(args, kwargs):
+        if type(args) is not tuple or (getattr(_fx_symbolic_trace, "_is_fx_tracing_flag", True)
+                                       and _holds_fx_proxy(args, kwargs)):
             # torch.fx's symbolic tracing: of this model (fx hands the *args over as one
             # Proxy), or of a module it is inside (an input is a Proxy).
             raise _fx_trace_error(self)
@@ -490,7 +492,8 @@ def _refuse_casting_an_o1_model(model: nn.Module, fn, autocast_dtype: torch.dtyp
 
 
 def _holds_fx_proxy(args: tuple, kwargs: dict) -> bool:
-    """Whether a positional or keyword input is a torch.fx Proxy (a symbolic trace)."""
+    """Whether a positional or keyword input is a torch.fx Proxy (a symbolic trace). Asked
+    only while fx traces (its flag, one read): the scan costs a microsecond per forward."""
     return (any(isinstance(a, _FxProxy) for a in args)
             or any(isinstance(v, _FxProxy) for v in kwargs.values()))
 
