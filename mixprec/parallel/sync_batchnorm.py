@@ -208,7 +208,7 @@ class SyncBatchNorm(_BatchNorm):
                     "shape."
                 )
             out = out + z
-        if self.__dict__.get("fuse_relu", False):  # (absent from modules pickled earlier)
+        if self.fuse_relu:  # (set by __init__ and __setstate__)
             out = F.relu(out)
         return out
 
@@ -229,6 +229,17 @@ class SyncBatchNorm(_BatchNorm):
         return sync_batch_norm(input, self.weight, self.bias, running_mean, running_var,
                                self.eps, factor, self.process_group, world_size,
                                self.channel_last, self._count_cache)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        # A layer pickled before these attributes existed, or by Apex's Python SyncBatchNorm
+        # (served under its module path by the Apex alias), which had none of them: each in
+        # the instance dict, so that the forward reads it plainly (Dynamo does not guard a
+        # key missing from a module's __dict__: a layer compiled after such a one ran its
+        # graph, without its fused ReLU).
+        self.__dict__.setdefault("channel_last", False)
+        self.__dict__.setdefault("fuse_relu", False)
+        self.__dict__.setdefault("_count_cache", {})
 
     def __getstate__(self):
         # Launch plans hold compiled kernels (not picklable, and tied to this process's GPU):
@@ -267,7 +278,7 @@ class SyncBatchNorm(_BatchNorm):
         text = super().extra_repr()
         if self.channel_last:
             text += ", channel_last=True"
-        if self.__dict__.get("fuse_relu", False):
+        if self.fuse_relu:
             text += ", fuse_relu=True"
         if self.process_group is not None:
             text += ", process_group=<custom>"

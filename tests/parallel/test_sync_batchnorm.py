@@ -781,6 +781,31 @@ def test_single_process_residual_z_and_fuse_relu(not_distributed, fuse_relu):
         SyncBatchNorm(4, fuse_relu=1)
 
 
+def test_a_layer_pickled_without_the_newer_attributes_runs_and_compiles(not_distributed):
+    # A layer pickled by Apex's Python SyncBatchNorm (loaded through the alias) or by an
+    # earlier mixprec has no channel_last / fuse_relu / _count_cache: its eager forward failed
+    # (AttributeError), and compiled first it lent its graph, without the ReLU, to a
+    # fuse_relu=True layer compiled after it (Dynamo guards no key missing from __dict__).
+    import io
+
+    torch.manual_seed(0)
+    old = SyncBatchNorm(4)
+    for key in ("channel_last", "fuse_relu", "_count_cache"):
+        del old.__dict__[key]
+    buf = io.BytesIO()
+    torch.save(old, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(6, 4, 3, 3)
+    bn = nn.BatchNorm2d(4)
+    torch.testing.assert_close(loaded(x), bn(x))
+    torch.compile(loaded, backend="eager")(x)
+    fused = SyncBatchNorm(4, fuse_relu=True)
+    got = torch.compile(fused, backend="eager")(x)
+    torch.testing.assert_close(got, F.relu(nn.BatchNorm2d(4)(x)))
+    assert got.min() >= 0
+
+
 def test_syncbn_is_a_batchnorm_for_amp():
     from torch.nn.modules.batchnorm import _BatchNorm
 
