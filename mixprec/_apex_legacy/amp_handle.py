@@ -39,7 +39,10 @@ class _NoOpOptimizer:
         return self._optimizer.step(closure) if closure is not None else self._optimizer.step()
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["_optimizer"], name)
+        optimizer = self.__dict__.get("_optimizer")
+        if optimizer is None:  # (copy and pickle ask before the instance is filled)
+            raise AttributeError(name)
+        return getattr(optimizer, name)
 
     def __setattr__(self, name, value):
         setattr(self._optimizer, name, value)

@@ -261,7 +261,14 @@ _TRACED_ENCLOSING_FORWARDS = _TracedEnclosingForwards()
 class _AmpModule:
     """Mixin placed first in the MRO of a model's swapped class. See the module docstring."""
 
-    _mixprec_forward: AmpForwardConfig
+    # Class-level defaults of what amp's forward reads from the instance (see forward): an
+    # instance without them (not prepared by amp, or pickled by an earlier mixprec) reads
+    # these, never its class's own __getattr__ (a wrapper forwarding unknown names to an
+    # inner module would answer with the inner one's).
+    _mixprec_forward: Optional[AmpForwardConfig] = None
+    _mixprec_instance_forward = None
+    _mixprec_in_instance_forward = False
+    _mixprec_own_masters = False
 
     def __prepare_scriptable__(self):
         # (torch.jit.script calls this first: without it, TorchScript failed on the
@@ -289,10 +296,12 @@ class _AmpModule:
             # reached again from a forward set on the instance, which wrapped it (a deep copy
             # re-binds such a wrapper to the class's forward): amp's casts ran outside.
             return super().forward(*args, **kwargs)
-        if type(args) is not tuple or (getattr(_fx_symbolic_trace, "_is_fx_tracing_flag", True)
-                                       and _holds_fx_proxy(args, kwargs)):
-            # torch.fx's symbolic tracing: of this model (fx hands the *args over as one
-            # Proxy), or of a module it is inside (an input is a Proxy).
+        if (type(args) is not tuple or (args and isinstance(args[0], _FxProxy))
+                or (getattr(_fx_symbolic_trace, "_is_fx_tracing_flag", True)
+                    and _holds_fx_proxy(args, kwargs))):
+            # torch.fx: a symbolic trace of this model (fx hands the *args over as one
+            # Proxy) or of a module it is inside (an input is a Proxy: every input is looked
+            # at while fx traces), or a Proxy made by hand (fx's retracing pattern).
             raise _fx_trace_error(self)
         # Read before this forward counts itself: a model both enclosed and enclosing
         # ([a, a.b, a.b.c]) called on its own casts its outputs.
@@ -694,14 +703,17 @@ def _forward_showing_the_signature_of(original: type) -> Callable:
                                  amp_forward.__closure__)
     forward.__qualname__ = amp_forward.__qualname__
     user_forward = inspect.getattr_static(original, "forward", None)
-    forward.__doc__ = getattr(user_forward, "__doc__", None)
-    if isinstance(user_forward, types.FunctionType):  # (a method: its self is bound alike)
-        # (A staticmethod, a callable object, a C function: amp's own signature shows; theirs
-        # would be bound one argument short.)
+    if isinstance(user_forward, types.FunctionType):
+        forward.__doc__ = user_forward.__doc__
+    if isinstance(user_forward, (types.FunctionType, functools.partialmethod)):
+        # (A method, whose self is bound alike. A staticmethod, a callable object, a C
+        # function: amp's own signature shows; theirs would be bound one argument short.)
         try:
-            forward.__signature__ = inspect.signature(user_forward)
+            signature = inspect.signature(original.forward)
         except (TypeError, ValueError):  # (one inspect cannot read)
-            pass
+            signature = None
+        if signature is not None:
+            forward.__signature__ = signature
     return forward
 
 

@@ -1505,12 +1505,70 @@ def test_a_staticmethod_forward_keeps_amps_signature_and_exports():
     torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=0)
 
 
+def test_a_module_answering_unknown_names_keeps_amps_forward():
+    # A wrapper whose __getattr__ forwards unknown names to an inner module (PEFT-, FSDP1-,
+    # checkpoint-wrapper style): amp's per-instance reads fell through to it for an instance
+    # whose dict lacks them (pickled by an earlier mixprec, or not prepared by amp), and ran
+    # the inner module's instance forward in place of the wrapper's.
+    class Wrapper(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 2
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                if name == "inner":
+                    raise
+                return getattr(self.inner, name)
+
+    inner = nn.Linear(4, 2)
+    inner.forward = functools.partial(inner.forward)  # (an instance forward)
+    model = Wrapper(inner)
+    amp.initialize([model, model.inner], opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 4)
+    want = model(x)
+    torch.testing.assert_close(want, model.inner(x) * 2, rtol=0, atol=0)
+    for key in ("_mixprec_instance_forward", "_mixprec_in_instance_forward",
+                "_mixprec_own_masters"):
+        del model.__dict__[key]  # (as in a model pickled before these keys)
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    unprepared = copy.copy(model)  # (an instance of the swapped class amp did not prepare)
+    del unprepared.__dict__["_mixprec_forward"]
+    torch.testing.assert_close(unprepared(x.bfloat16()).float(), want, rtol=0, atol=0)
+
+
+def test_a_partialmethod_forward_shows_its_signature():
+    import inspect
+
+    class Net(nn.Linear):
+        def _forward(self, x, mask=None, *, k=2):
+            return super().forward(x) * k
+
+        forward = functools.partialmethod(_forward, k=3)
+
+    want = inspect.signature(Net(4, 2).forward)
+    model = amp.initialize(Net(4, 2), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert inspect.signature(model.forward) == want
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), amp.restore_model(copy.deepcopy(model))(
+        x.bfloat16()).float(), rtol=0, atol=0)
+
+
 def test_fx_symbolic_trace_says_what_works_and_the_restored_copy_traces():
     model = make_mlp()
     amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     with pytest.raises(RuntimeError, match=r"torch\.fx\.symbolic_trace of a model prepared by "
                                            r"amp\.initialize \(Sequential\).*restore_model"):
         torch.fx.symbolic_trace(model)
+    graph = torch.fx.Graph()  # (a Proxy made by hand: fx's retracing pattern)
+    tracer = torch.fx.proxy.GraphAppendingTracer(graph)
+    with pytest.raises(RuntimeError, match=r"torch\.fx\.symbolic_trace of a model prepared"):
+        model(torch.fx.Proxy(graph.placeholder("x"), tracer))
     outer = nn.Sequential(nn.Identity(), model)  # (amp's model inside a traced one)
     with pytest.raises(RuntimeError, match=r"torch\.fx\.symbolic_trace of a model prepared"):
         torch.fx.symbolic_trace(outer)

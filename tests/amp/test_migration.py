@@ -1,5 +1,6 @@
 """The way over from Apex and torch.amp: the alias, and the documented example scripts."""
 
+import copy
 import re
 import runpy
 import sys
@@ -578,6 +579,7 @@ def test_apexs_first_amp_api_disabled_is_a_no_op(clean_apex):
     with handle._disable_casts():
         pass
     assert opt.param_groups[0]["lr"] == 0.1  # (the optimizer's attributes through it)
+    assert copy.deepcopy(opt).param_groups[0]["lr"] == 0.1  # (copies: Apex's recursed)
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a, b)
 
