@@ -1,5 +1,7 @@
 """Small models and training steps shared by the amp tests."""
 
+import io
+
 import torch
 from torch import nn
 
@@ -106,3 +108,12 @@ def check_conversion_after_initialize(convert, layer_type, dtype):
         torch.testing.assert_close(ours, ref, rtol=0, atol=0, msg=name)
     torch.testing.assert_close(after[1].weight.grad, before[1].weight.grad, rtol=0, atol=0)
     return after
+
+
+def saved_whole(model):
+    """``model`` through ``torch.save`` of the whole object and ``torch.load`` back (a model
+    saved whole, as scripts ship a trained model)."""
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

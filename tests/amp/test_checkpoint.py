@@ -1,6 +1,7 @@
 """Checkpoints are true fp32 models, and resuming continues bit for bit."""
 
 import copy
+import gc
 import io
 
 import pytest
@@ -17,6 +18,7 @@ from .helpers import (
     make_cnn,
     make_conv_net,
     make_mlp,
+    saved_whole,
     train_step,
 )
 
@@ -166,13 +168,11 @@ def test_a_state_dict_taken_before_restore_and_upcast_keeps_its_fp32_values(sour
     if source == "deepcopy":
         snap = copy.deepcopy(model)
     elif source == "pickle":
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        snap = torch.load(buf, weights_only=False)
+        snap = saved_whole(model)
     else:
         snap = model
         del opt
+        gc.collect()  # (the optimizer may sit in a reference cycle)
     taken = snap.state_dict()
     amp.restore_model(snap)
     snap.float()
@@ -580,10 +580,7 @@ def test_a_pickled_o2_model_keeps_its_fp32_masters():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     train_step(model, opt, *batch(), amp)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = saved_whole(model)
     for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=k)
 

@@ -1,6 +1,5 @@
 import copy
 import functools
-import io
 import os
 import pickle
 import re
@@ -25,6 +24,7 @@ from .helpers import (
     batch,
     make_cnn,
     make_mlp,
+    saved_whole,
     train_step,
 )
 
@@ -175,10 +175,7 @@ def test_deepcopy_and_pickle(opt_level):
     ref = model(x)
     clone = copy.deepcopy(model)
     torch.testing.assert_close(clone(x), ref, rtol=0, atol=0)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = saved_whole(model)
     torch.testing.assert_close(loaded(x), ref, rtol=0, atol=0)
     assert pickle.loads(pickle.dumps(model)).state_dict().keys() == model.state_dict().keys()
 
@@ -1435,10 +1432,7 @@ def test_torch_export_of_an_o2_model_and_of_its_copies(source, strict):
     if source == "deepcopy":
         model = copy.deepcopy(model)
     elif source == "torch.load":
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        model = torch.load(buf, weights_only=False)
+        model = saved_whole(model)
     batch_dim = torch.export.Dim("batch", max=64)
     program = torch.export.export(model, (x,), dynamic_shapes={"x": {0: batch_dim}},
                                   strict=strict)
