@@ -284,10 +284,11 @@ class _AmpModule:
 
     def forward(self, *args, **kwargs):
         # The instance's amp attributes are read with getattr, not self.__dict__.get: Dynamo
-        # (PyTorch 2.13) guards neither a value read from a module's __dict__ nor a key
-        # missing there, so a second model of the same class compiled in the process ran the
+        # (PyTorch 2.10 to 2.13 at least) does not guard a key missing from a module's
+        # __dict__, so a second model of the same class compiled in the process ran the
         # first's graph (a deep copy without its master push, another instance forward).
-        # _swap_class puts every one of them in the instance dict: a plain attribute lookup.
+        # _swap_class puts every one of them in the instance dict, and the class holds
+        # defaults: a plain attribute lookup either way.
         cfg = getattr(self, "_mixprec_forward", None)
         if cfg is None or getattr(self, _IN_INSTANCE_FORWARD, False):
             # An instance of the swapped class that amp did not prepare (nn.Sequential's
@@ -479,7 +480,7 @@ _IN_INSTANCE_FORWARD = "_mixprec_in_instance_forward"
 
 
 def _refuse_casting_an_o1_model(model: nn.Module, fn, autocast_dtype: torch.dtype) -> None:
-    """An O1 model's fp32 tensors converted to another dtype (``model.half()``,
+    """An O1 model's fp32 tensors converted to a half type (``model.half()``,
     ``.bfloat16()``, ``.to(dtype)``) would leave O1: an fp16 model ``.half()``-ed trained as
     pure half (half checkpoints, no master weights), one ``.bfloat16()``-ed failed deep inside
     its BatchNorm. Refused before anything changes, naming what to do instead."""
