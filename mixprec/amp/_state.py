@@ -361,7 +361,12 @@ def _amp_step(this, *args, **kwargs):
     closure = kwargs.get("closure", args[0] if args else None)
     if (state is not None and state.overflow and state.amp_state.enabled
             and closure is None):
-        state.skip_step()
+        if is_compiling():
+            # (Traced, the attributes it sets on the optimizer and the state failed inside
+            # Dynamo of PyTorch 2.10 when the first compiled step overflowed: run eagerly.)
+            outside_the_compiler(_OptimizerState.skip_step)(state)
+        else:
+            state.skip_step()
         return None
     if state is not None:
         state.keep_pre_hook_last()

@@ -1240,6 +1240,44 @@ def test_a_weight_writing_step_pre_hook_registered_after_initialize_holds(opt_le
     assert max(v.abs().max().item() for k, v in got.items() if "weight" in k) < 0.2
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_compiled_training_step_whose_first_step_overflows_is_skipped(opt_level):
+    # The whole step under torch.compile with a dynamic scale, the first step overflowing
+    # (fp16's usual start): the skip branch, traced, failed inside Dynamo of PyTorch 2.10
+    # (setattr on the optimizer). Checked against the same steps run eagerly.
+    def run(compiled):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                       loss_scale="dynamic", verbosity=0)
+
+        def step(x, y):
+            loss = ((model(x).float() - y) ** 2).mean()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss.detach()
+
+        step = torch.compile(step, backend="eager") if compiled else step
+        g = torch.Generator().manual_seed(1)
+        skipped = []
+        for i in range(3):
+            x = torch.randn(8, 16, generator=g)
+            if i == 0:
+                x[0, 0] = float("inf")
+            step(x, torch.randn(8, 4, generator=g))
+            skipped.append(amp.step_was_skipped(opt))
+        return skipped, amp.state_dict(), model.state_dict()
+
+    want, got = run(False), run(True)
+    assert got[0] == want[0] == [True, False, False]
+    assert got[1] == want[1]
+    for k in want[2]:
+        torch.testing.assert_close(got[2][k], want[2][k], rtol=0, atol=1e-6, msg=k)
+
+
 def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
     # FusedAdam(set_grad_none=False).zero_grad() keeps gradient tensors by default: amp read
     # a zero_grad() without an argument as set_to_none=True and freed the masters' gradients.
