@@ -283,14 +283,14 @@ class _AmpModule:
         )
 
     def forward(self, *args, **kwargs):
-        # The instance's amp attributes are read with getattr, not self.__dict__.get: Dynamo
+        # The instance's amp attributes are read as attributes, not self.__dict__.get: Dynamo
         # (PyTorch 2.10 to 2.13 at least) does not guard a key missing from a module's
         # __dict__, so a second model of the same class compiled in the process ran the
         # first's graph (a deep copy without its master push, another instance forward).
         # _swap_class puts every one of them in the instance dict, and the class holds
         # defaults: a plain attribute lookup either way.
-        cfg = getattr(self, "_mixprec_forward", None)
-        if cfg is None or getattr(self, _IN_INSTANCE_FORWARD, False):
+        cfg = self._mixprec_forward
+        if cfg is None or self._mixprec_in_instance_forward:
             # An instance of the swapped class that amp did not prepare (nn.Sequential's
             # slicing builds ``self.__class__(...)``; a registry an ``__init_subclass__`` filled
             # when amp made the class): the user's class's forward, as it is. Or this forward
@@ -322,12 +322,12 @@ class _AmpModule:
         return self._mixprec_cast_forward(cfg, inside, args, kwargs)
 
     def _mixprec_cast_forward(self, cfg: AmpForwardConfig, inside: bool, args, kwargs):
-        original_forward = getattr(self, _INSTANCE_FORWARD, None)
+        original_forward = self._mixprec_instance_forward
         if original_forward is None:
             original_forward = super().forward  # the user's class's forward
         else:  # (a forward set on the instance before initialize: see _swap_class)
             original_forward = functools.partial(_run_instance_forward, self, original_forward)
-        if getattr(self, _OWN_MASTERS, False):
+        if self._mixprec_own_masters:
             _push_written_masters(self)
         if cfg.renorm_master:
             _renorm_master_rows(self, args[0] if args else kwargs.get("input"))
@@ -392,30 +392,26 @@ class _AmpModule:
         if has_masters:
             _refuse_a_move_masters_cannot_follow(self, fn)
         cfg = self.__dict__.get("_mixprec_forward")
-        if cfg is not None and cfg.input_dtype is not None and not cfg.fp32_compute:
-            held = {}
-            for t in list(self.parameters()) + list(self.buffers()):
-                if t.is_floating_point():
-                    held.setdefault(t.dtype, t.device)
-            for dtype, device in held.items():
-                new = fn(torch.empty(0, dtype=dtype, device=device))
-                if not isinstance(new, torch.Tensor) or new.dtype == dtype:
-                    continue
+        checked = cfg is not None and not cfg.fp32_compute and (
+            cfg.input_dtype is not None or cfg.autocast_dtype is not None)  # (O0-O3's roots)
+        conversions = _dtype_conversions(self, fn) if checked else {}
+        if conversions and cfg.input_dtype is not None:
+            for dtype, new_dtype in conversions.items():
                 if dtype == torch.float32 and cfg.input_dtype != torch.float32:
                     # (A half model's fp32 tensors are the BatchNorm layers amp keeps fp32,
                     # which their optimizer steps without masters.)
                     raise RuntimeError(
                         f"{type(self).__name__}: converting a model prepared by amp.initialize "
-                        f"from torch.float32 to {new.dtype} (model.half(), .to(dtype), ...). "
+                        f"from torch.float32 to {new_dtype} (model.half(), .to(dtype), ...). "
                         f"The model is already {cfg.input_dtype} except the BatchNorm layers "
                         "amp keeps in fp32 (keep_batchnorm_fp32=True), which the optimizer "
                         "steps in fp32: this would cast them too. Drop the call; for BatchNorm "
                         "in half, pass keep_batchnorm_fp32=False to amp.initialize."
                     )
-                if new.dtype != cfg.input_dtype:
+                if new_dtype != cfg.input_dtype:
                     raise RuntimeError(
                         f"{type(self).__name__}: converting a model prepared by amp.initialize "
-                        f"from {dtype} to {new.dtype} (model.float(), .half(), .to(dtype), "
+                        f"from {dtype} to {new_dtype} (model.float(), .half(), .to(dtype), "
                         f"...). Its forward casts floating inputs to {cfg.input_dtype}, so the "
                         "converted model could not run. For the weights in fp32, load "
                         "model.state_dict() (the fp32 master weights at O2) into a new model; "
@@ -423,8 +419,9 @@ class _AmpModule:
                         "new model; amp.restore_model(model) first removes amp's casts if you "
                         "mean to convert this one anyway."
                     )
-        elif cfg is not None and cfg.autocast_dtype is not None and not cfg.fp32_compute:
-            _refuse_casting_an_o1_model(self, fn, cfg.autocast_dtype)
+        elif (conversions and cfg.autocast_dtype is not None
+              and conversions.get(torch.float32) in _HALF_TYPES):
+            raise _o1_cast_error(self, conversions[torch.float32], cfg.autocast_dtype)
         result = super()._apply(fn, *args, **kwargs)
         if has_masters:
             _masters_follow_their_parameters(self)
@@ -479,21 +476,32 @@ _INSTANCE_FORWARD = "_mixprec_instance_forward"
 _IN_INSTANCE_FORWARD = "_mixprec_in_instance_forward"
 
 
-def _refuse_casting_an_o1_model(model: nn.Module, fn, autocast_dtype: torch.dtype) -> None:
+def _dtype_conversions(model: nn.Module, fn) -> Dict[torch.dtype, torch.dtype]:
+    """What the ``_apply`` function ``fn`` (``model.half()``, ``.to(dtype)``, a device move)
+    would make of each floating dtype ``model`` holds: ``{held dtype: new dtype}`` for those it
+    changes, each tried on an empty tensor on a device holding it."""
+    held = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if t.is_floating_point():
+            held.setdefault(t.dtype, t.device)
+    conversions = {}
+    for dtype, device in held.items():
+        new = fn(torch.empty(0, dtype=dtype, device=device))
+        if isinstance(new, torch.Tensor) and new.dtype != dtype:
+            conversions[dtype] = new.dtype
+    return conversions
+
+
+def _o1_cast_error(model: nn.Module, new_dtype: torch.dtype,
+                   autocast_dtype: torch.dtype) -> RuntimeError:
     """An O1 model's fp32 tensors converted to a half type (``model.half()``,
     ``.bfloat16()``, ``.to(dtype)``) would leave O1: an fp16 model ``.half()``-ed trained as
     pure half (half checkpoints, no master weights), one ``.bfloat16()``-ed failed deep inside
-    its BatchNorm. Refused before anything changes, naming what to do instead."""
-    device = next((t.device for t in itertools.chain(model.parameters(), model.buffers())
-                   if t.dtype == torch.float32), None)
-    if device is None:
-        return
-    new = fn(torch.empty(0, device=device))
-    if not isinstance(new, torch.Tensor) or new.dtype not in _HALF_TYPES:
-        return  # (.double(), a float64 reference copy, runs as such: autocast skips float64)
-    raise RuntimeError(
+    its BatchNorm. Refused before anything changes (``.double()``, a float64 reference copy,
+    runs as such: autocast skips float64)."""
+    return RuntimeError(
         f"{type(model).__name__}: converting a model prepared by amp.initialize at O1 from "
-        f"torch.float32 to {new.dtype} (model.half(), .to(dtype), ...). O1 keeps the "
+        f"torch.float32 to {new_dtype} (model.half(), .to(dtype), ...). O1 keeps the "
         f"parameters in fp32 and runs the forward's ops in {autocast_dtype} under "
         "torch.autocast; a converted model would train without fp32 weights (or fail in its "
         "BatchNorm). For a half model with fp32 master weights, pass opt_level='O2' to "
