@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 
-__all__ = ["NoOpHandle", "init"]
+__all__ = ["NoOpHandle", "init", "refusal"]
 
 
-def _refusal() -> AttributeError:
+def refusal(name: str) -> AttributeError:
+    """The error for ``mixprec.amp.<name>`` of Apex's first API (``init()``, ``AmpHandle``)."""
     return AttributeError(
-        "mixprec.amp.init(): Apex's first amp API (2018: amp_handle = amp.init(), then "
+        f"mixprec.amp.{name}: Apex's first amp API (2018: amp_handle = amp.init(), then "
         "amp_handle.scale_loss and amp_handle.wrap_optimizer) is not provided, except "
         "amp.init(enabled=False), which returns a handle that does nothing, as Apex's did; "
         "Apex itself replaced it with amp.initialize. Use `model, optimizer = "
@@ -94,4 +95,4 @@ def init(enabled=True, loss_scale="dynamic", enable_caching=True, verbose=False,
 
     if not check_flag("amp.init", "enabled", enabled):
         return NoOpHandle()
-    raise _refusal()
+    raise refusal("init()")

@@ -63,13 +63,9 @@ def __getattr__(name):
 
         return getattr(amp_handle, name)
     if name == "AmpHandle":
-        raise AttributeError(
-            "mixprec.amp.AmpHandle: Apex's first amp API (2018: amp_handle = amp.init(), then "
-            "amp_handle.scale_loss and amp_handle.wrap_optimizer) is not provided; Apex itself "
-            "replaced it with amp.initialize. Use `model, optimizer = amp.initialize(model, "
-            "optimizer, opt_level=\"O1\")` and `with amp.scale_loss(loss, optimizer) as "
-            "scaled_loss: scaled_loss.backward()`."
-        )
+        from mixprec._apex_legacy.amp_handle import refusal
+
+        raise refusal(name)
     if name == "_initialize":
         # (catalyst and other multi-GPU scripts re-applied amp's input casts by hand to a
         # DataParallel replica through apex.amp._initialize.applier: Apex issue 503.)
