@@ -8,6 +8,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
+from mixprec.normalization._launch import is_compiling, outside_the_compiler
+
 __all__ = ["LossScaler", "check_scale_order", "unscale_grads_"]
 
 
@@ -183,8 +185,19 @@ class LossScaler:
         torch.reciprocal(dev.scale, out=dev.inv)
 
     def inv_scale(self, device: torch.device) -> torch.Tensor:
+        """``1 / loss_scale`` as a 0-dim fp32 tensor on ``device`` (cached until the scale
+        moves; the device-held one while the scale lives there)."""
         if self._dev is not None and self._dev.inv.device == device:
             return self._dev.inv
+        if is_compiling():
+            # Traced, the cache test below reads the Python float scale, which Dynamo guards
+            # by its value: a compiled training step recompiled for every new dynamic scale
+            # until its recompile limit, then ran that frame eagerly. Looked up eagerly, the
+            # tensor enters the graph as an input (a graph break).
+            return outside_the_compiler(LossScaler._inv_scale_on_host)(self, device)
+        return self._inv_scale_on_host(device)
+
+    def _inv_scale_on_host(self, device: torch.device) -> torch.Tensor:
         cached = self._inv_scale_cache.get(device)
         if cached is None or cached[0] != self._scale:
             # Reciprocal in fp64 before rounding to fp32: 1/scale is exact for powers of two
