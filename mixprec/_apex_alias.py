@@ -48,7 +48,10 @@ def install_apex_alias() -> Tuple[str, ...]:
     ``apex.parallel.optimized_sync_batchnorm``, ``apex.parallel.distributed``,
     ``apex.amp.handle``, ``apex.amp.frontend``, ``apex.amp._amp_state`` (a view of the
     latest ``initialize`` for scripts that set ``_loss_scale`` or read ``_unskipped``; see
-    docs/migrating.md), ``apex.optimizers.fused_adam``. Apex's legacy ``apex.fp16_utils``
+    docs/migrating.md), ``apex.optimizers.fused_adam``. ``from apex.amp.scaler import
+    LossScaler`` gives Apex's interface of that class (``loss_scale()``, ``unscale``,
+    ``update_scale``), for scripts that built their own fp16 optimizer on it, and
+    ``from apex.amp import __version__`` Apex's version module. Apex's legacy ``apex.fp16_utils``
     (``to_python_float``, ``network_to_half``, the hand-made master-weight helpers) and an
     ``apex.multi_tensor_apply`` whose ``multi_tensor_applier.available`` is False are served
     too, so the import block of Apex's ImageNet example and its copies runs.
@@ -225,7 +228,11 @@ def _serve(apex: types.ModuleType, names) -> Tuple[str, ...]:
 # Apex's own submodule paths that scripts import from, and the mixprec module holding the same
 # names (SwAV/DINO-style code: `from apex.parallel.LARC import LARC`).
 _APEX_ONLY_SUBMODULES = {
-    "amp": {"amp": "mixprec.amp", "frontend": "mixprec.amp", "handle": "mixprec.amp"},
+    # (`apex.amp.scaler`: Apex's LossScaler, whose interface differs from mixprec's; Apex's
+    # amp kept its version in the submodule `apex.amp.__version__`.)
+    "amp": {"amp": "mixprec.amp", "frontend": "mixprec.amp", "handle": "mixprec.amp",
+            "scaler": "mixprec._apex_legacy.amp_scaler",
+            "__version__": "mixprec._apex_legacy.amp_version"},
     "parallel": {"LARC": "mixprec.parallel.larc",
                  "optimized_sync_batchnorm": "mixprec.parallel.sync_batchnorm"},
     # (BERT-era scripts: `from apex.fp16_utils.fp16_optimizer import FP16_Optimizer` inside a

@@ -395,6 +395,115 @@ def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
         legacy.clip_grad_norm([p], 1.0, error_if_nonfinite=True)
 
 
+def test_apex_amp_version_module_imports(clean_apex):
+    # torchcule's import block: `from apex.amp import __version__` inside a try whose except
+    # says "install apex" (the script stopped there).
+    mixprec.install_apex_alias()
+    from apex.amp import __version__
+
+    assert __version__.__version__ == "0.1.0" and __version__.VERSION == (0, 1, 0)
+
+
+def _apex_scaler_step(scaler, model, masters, x, accumulate=False):
+    """One step of a hand-made fp16 master-weight stepper as Apex-era GPT trainers wrote it
+    around apex.amp.scaler.LossScaler; returns should_skip."""
+    import torch
+
+    if not accumulate:
+        scaler.clear_overflow_state()
+    (model(x).float().pow(2).mean() * scaler.loss_scale()).backward()
+    halves = [p.grad for p in model.parameters()]
+    if accumulate:
+        stashed = [m.grad for m in masters]
+        scaler.unscale_with_stashed(halves, stashed, stashed)
+    else:
+        for m in masters:
+            m.grad = torch.empty_like(m)
+        scaler.unscale(halves, [m.grad for m in masters], scaler.loss_scale())
+    model.zero_grad(set_to_none=True)
+    return scaler.update_scale() if accumulate else None
+
+
+def test_apex_amp_scaler_loss_scaler_has_apexs_interface(clean_apex):
+    # `from apex.amp.scaler import LossScaler` (custom fp16 optimizer wrappers of GPT trainers)
+    # gave mixprec's class, whose loss_scale is a property: `loss_scale()` failed, and
+    # `_loss_scale`, `unscale`, `update_scale`, `clear_overflow_state` were missing.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).half()
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    scaler = LossScaler("dynamic", min_loss_scale=1.0)
+    assert scaler.loss_scale() == scaler._loss_scale == 2.0**16 and scaler.dynamic
+    assert not scaler.has_fused_kernel
+    x1, x2 = torch.randn(3, 4).half(), torch.randn(3, 4).half()
+
+    # Two micro-batches: unscale into fresh masters' grads, then onto them with the stash.
+    _apex_scaler_step(scaler, model, masters, x1)
+    first = [m.grad.clone() for m in masters]
+    (model(x1).float().pow(2).mean() * 2.0**16).backward()
+    want_first = [p.grad.float() * 2.0**-16 for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    for got, want in zip(first, want_first):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    (model(x2).float().pow(2).mean() * 2.0**16).backward()
+    want_sum = [w + p.grad.float() * 2.0**-16 for w, p in zip(want_first, model.parameters())]
+    model.zero_grad(set_to_none=True)
+    assert _apex_scaler_step(scaler, model, masters, x2, accumulate=True) is False
+    for m, want in zip(masters, want_sum):
+        torch.testing.assert_close(m.grad, want, rtol=0, atol=0)
+    assert scaler._unskipped == 1 and scaler._has_overflow is False
+
+    # An inf in the last gradient: skipped, the scale halves, the clean count restarts, and
+    # later unscales of the same step do nothing (Apex's order).
+    scaler.clear_overflow_state()
+    grads = [torch.ones(3).half(), torch.tensor([1.0, float("inf")]).half()]
+    outs = [torch.zeros(3), torch.zeros(2)]
+    scaler.unscale(grads, outs, None)
+    assert scaler._has_overflow is True
+    untouched = torch.full((3,), 7.0)
+    scaler.unscale([torch.ones(3).half()], [untouched], None)
+    assert bool((untouched == 7).all())
+    assert scaler.update_scale() is True
+    assert scaler._loss_scale == 2.0**15 and scaler._unskipped == 0
+    # Growth after _scale_seq_len clean steps (set by hand, as scripts did), bounded above;
+    # back-off bounded below by min_loss_scale.
+    scaler._scale_seq_len, scaler._max_loss_scale = 2, 2.0**15
+    for _ in range(2):
+        scaler.clear_overflow_state()
+        assert scaler.update_scale() is False
+    assert scaler._loss_scale == 2.0**15
+    scaler._loss_scale = 1.5
+    scaler._has_overflow = True  # (an all-reduced flag written back, as multi-rank code did)
+    assert scaler.update_scale() is True and scaler._loss_scale == 1.0
+
+    # In place on the masters' own gradients, a scale override; a static scale never moves
+    # and never looks for inf/NaN (Apex's static path).
+    g = torch.full((2,), 8.0)
+    scaler.clear_overflow_state()
+    scaler.unscale([g], [g], None, models_are_masters=True, scale_override=4.0)
+    assert g.tolist() == [2.0, 2.0]
+    static = LossScaler(128.0)
+    h = torch.tensor([256.0, float("inf")])
+    static.unscale([h], [h], None, models_are_masters=True)
+    assert h[0].item() == 2.0 and static.update_scale() is False
+    assert static.loss_scale() == 128.0 and static._unskipped == 1
+    out = torch.zeros(1)
+    static.unscale_with_stashed([torch.tensor([8.0]).half()], [torch.tensor([1.0])], [out],
+                                scale_override=(4.0, 0.5, 2.0))
+    assert out.tolist() == [8.0 * 2.0 / 4.0 + 1.0 * 2.0 / 0.5]
+
+    # Bad input: what was passed and what is allowed.
+    with pytest.raises(ValueError, match=r"loss_scale='dyanmic'.*dynamic"):
+        LossScaler("dyanmic")
+    with pytest.raises(ValueError, match=r"model_grads=2, master_grads=1"):
+        scaler.unscale([g, g], [g], None)
+
+
 def test_fp16_utils_master_weights_on_random_models(clean_apex):
     # Seeded random models (nested, BatchNorm affine or not, RNNs, frozen and fp64 parameters)
     # through Apex's hand-made master-weight loop, flat and not, with PyTorch's
