@@ -24,6 +24,7 @@ import collections
 import inspect
 import logging
 import re
+import threading
 import warnings
 import weakref
 from typing import Dict, List, Optional, Set, Tuple
@@ -562,6 +563,19 @@ def _coalesced_if_fp16(g: torch.Tensor) -> torch.Tensor:
     return g
 
 
+class BlockBackwards:
+    """A tensor hook on a ``scale_loss`` block's scaled loss, noting the autograd graph tasks
+    (and the threads) of the backwards through it."""
+
+    def __init__(self):
+        self.tasks: Set[int] = set()
+        self.threads: Set[int] = set()
+
+    def __call__(self, grad):
+        self.tasks.add(torch._C._current_graph_task_id())
+        self.threads.add(threading.get_ident())
+
+
 class ForeignBackwardWatch:
     """Which of an optimizer's directly stepped parameters a backward accumulates into while
     the watch is open (a post-accumulate-grad hook on each): the backward inside another
@@ -571,17 +585,31 @@ class ForeignBackwardWatch:
     that optimizer's own, unscaled, averaged by a ``Reducer.reduce()`` inside the block
     (Apex's two-loss loop), while a backward adding onto a gradient already there (the
     optimizer's own loss backpropagated first) changes it in place as well.
+
+    ``block``: the backwards through the block's scaled loss (:class:`BlockBackwards`, the
+    loss's tensor hook). Their accumulations count; so do those of another autograd graph task
+    run on one of their threads while this optimizer has no ``scale_loss`` block open (the
+    inner backward of a reentrant activation checkpoint). Another thread's backward at the same
+    moment (an independent training job with its own ``initialize``, inside its own block) is
+    no concern of this block. None: every accumulation counts (under ``torch.compile``, where
+    the tensor hook is not set).
     """
 
-    def __init__(self, state: _OptimizerState, skip: Set[int]):
+    def __init__(self, state: _OptimizerState, skip: Set[int],
+                 block: Optional[BlockBackwards]):
         state.sync_param_groups()  # (a group added since: its parameters are watched too)
         self.state = state
+        self.block = block
         self.hit: Dict[int, torch.Tensor] = {}
         self.handles = [p.register_post_accumulate_grad_hook(self._accumulated)
                         for p in state.plain if p.requires_grad and id(p) not in skip]
 
     def _accumulated(self, param: torch.Tensor) -> None:
-        self.hit[id(param)] = param
+        block = self.block
+        if (block is None or torch._C._current_graph_task_id() in block.tasks
+                or (not self.state.scale_loss_open
+                    and threading.get_ident() in block.threads)):
+            self.hit[id(param)] = param
 
     def close(self) -> None:
         """Stop watching; mark what the backward wrote (see ``note_foreign_backward``)."""
@@ -926,11 +954,13 @@ class _OptimizerState:
         if not keep:
             self._had_grads = {}
 
-    def watch_foreign_backward(self, skip: Set[int]) -> ForeignBackwardWatch:
+    def watch_foreign_backward(self, skip: Set[int],
+                               block: Optional[BlockBackwards] = None) -> ForeignBackwardWatch:
         """Watch which of the directly stepped parameters (but those in ``skip``, ids of the
         block's own optimizers' parameters) a backward inside another optimizer's
-        ``scale_loss`` block accumulates into; :meth:`ForeignBackwardWatch.close` after it."""
-        return ForeignBackwardWatch(self, skip)
+        ``scale_loss`` block accumulates into (``block``: see :class:`ForeignBackwardWatch`);
+        :meth:`ForeignBackwardWatch.close` after it."""
+        return ForeignBackwardWatch(self, skip, block)
 
     def note_foreign_backward(self, params) -> None:
         """A backward inside a ``scale_loss`` not given this optimizer accumulated into

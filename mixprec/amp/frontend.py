@@ -29,6 +29,7 @@ from mixprec.amp._model import (
 from mixprec.amp._properties import describe_opt_level, resolve_properties
 from mixprec.amp._state import (
     AmpState,
+    BlockBackwards,
     SyncParamGroupsOnLoad,
     guard_inner_optimizers,
     hookable_optimizer,
@@ -37,6 +38,7 @@ from mixprec.amp._state import (
     refuse_inner_optimizer,
 )
 from mixprec.amp.scaler import check_scale_order
+from mixprec.normalization._launch import is_compiling
 
 __all__ = [
     "initialize",
@@ -623,17 +625,22 @@ def scale_loss(
         # Other optimizers (this call's, or another call's), whose parameters this backward
         # may reach too (a loss through two models given one optimizer here): what it
         # writes there stays scaled, and their step() is refused on it.
-        watches = []
+        watches, block, block_hook = [], None, None
+        if device is not None:
+            scaled = loss.float() * scale
+        else:
+            scaled = loss.float() if scale == 1.0 else loss.float() * scale
         if scaler.dynamic or scaler.loss_scale != 1.0:
             others = _other_optimizer_states(amp_state, states)
             if others:
                 own = {id(p) for s in states for p in s.plain}
-                watches = [o.watch_foreign_backward(own) for o in others]
+                if scaled.requires_grad and not is_compiling():
+                    # (Which backwards are this block's: those through its scaled loss.)
+                    block = BlockBackwards()
+                    block_hook = scaled.register_hook(block)
+                watches = [o.watch_foreign_backward(own, block) for o in others]
         try:
-            if device is not None:
-                yield loss.float() * scale
-            else:
-                yield loss.float() if scale == 1.0 else loss.float() * scale
+            yield scaled
         except BaseException:
             # The block raised (a caller skipping an out-of-memory backward goes on training):
             # the gradients of earlier backwards, set aside for this one, are given back.
@@ -641,6 +648,8 @@ def scale_loss(
                 s.abandon_backward()
             raise
         finally:
+            if block_hook is not None:
+                block_hook.remove()
             for watch in watches:
                 watch.close()
 

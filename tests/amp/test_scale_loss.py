@@ -1416,6 +1416,80 @@ def test_another_blocks_backward_onto_gradients_already_there_is_refused(calls):
         oa.step()
 
 
+@pytest.mark.parametrize("b_in_a_block", [True, False], ids=["b-block", "b-plain-backward"])
+def test_another_threads_backward_during_a_block_is_not_taken_for_a_foreign_one(b_in_a_block):
+    # Two independent jobs (an initialize call each) trained in two threads: while a's block
+    # was open, b's own backward in the other thread was recorded as a backward inside a's
+    # block, and b's step was refused ("came from a backward inside amp.scale_loss(loss,
+    # <other optimizers>)"). Events order the threads: a's block opens, b's backward runs,
+    # a's block closes, b steps.
+    import threading
+
+    def run(threaded):
+        a, b, oa, ob = _two_linear("O1", calls=2)
+        xa, xb = torch.randn(8, 4), torch.randn(8, 4)
+        opened, b_backward, a_closed = threading.Event(), threading.Event(), threading.Event()
+        errors = []
+
+        def job_a():
+            try:
+                with amp.scale_loss(a(xa).float().pow(2).mean(), oa) as s:
+                    opened.set()
+                    b_backward.wait(timeout=60)
+                    s.backward()
+                oa.step()
+            finally:
+                a_closed.set()
+
+        def job_b():
+            opened.wait(timeout=60)
+            try:
+                loss = b(xb).float().pow(2).mean()
+                if b_in_a_block:
+                    with amp.scale_loss(loss, ob) as s:
+                        s.backward()
+                else:  # (a static scale: a plain backward is allowed)
+                    loss.backward()
+                b_backward.set()
+                a_closed.wait(timeout=60)
+                ob.step()
+            except RuntimeError as e:
+                errors.append(e)
+            finally:
+                b_backward.set()
+
+        if threaded:
+            threads = [threading.Thread(target=job_a), threading.Thread(target=job_b)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=60)
+        else:
+            opened.set()
+            a_closed.set()
+            job_b()
+            job_a()
+        assert not errors, errors
+        return [p.detach().clone() for p in (*a.parameters(), *b.parameters())]
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_loss_through_a_checkpointed_model_of_another_call_is_still_refused(reentrant):
+    # (The backward's attribution to its block follows a reentrant checkpoint's inner
+    # backward, a graph task of its own, on the block's thread.)
+    from torch.utils.checkpoint import checkpoint
+
+    a, b, oa, ob = _two_linear("O1", calls=2)
+    h = checkpoint(a, torch.randn(8, 4, requires_grad=True), use_reentrant=reentrant)
+    with amp.scale_loss(b(h).float().pow(2).mean(), ob) as s:
+        s.backward()
+    with pytest.raises(RuntimeError, match=r"still hold that loss's scale"):
+        oa.step()
+
+
 def test_a_loss_through_models_of_two_calls_leaves_the_other_calls_gradients_refused():
     # Two initialize calls (no hidden global state), one loss through both models: the
     # backward inside b's block wrote a's gradients at b's call's scale. Only optimizers of
