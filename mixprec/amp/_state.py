@@ -57,6 +57,15 @@ _OPTIMIZER_STATES: weakref.WeakKeyDictionary[object, _OptimizerState] = (
 )
 
 
+def _live_states() -> List[_OptimizerState]:
+    """The states of the live optimizers, as a list taken at once: WeakKeyDictionary's own
+    ``values()`` is a generator, which another thread's ``initialize`` (an insertion) made
+    fail with "dictionary changed size during iteration" (a ``zero_grad`` of an unrelated
+    model). A copy of the underlying dict is one step under the GIL."""
+    return [state for ref, state in list(_OPTIMIZER_STATES.data.items())
+            if ref() is not None]
+
+
 def optimizer_state(optimizer) -> Optional[_OptimizerState]:
     """The amp state of ``optimizer``, or None if it never went through ``amp.initialize``."""
     try:
@@ -129,7 +138,7 @@ def _refuse_copied_step(optimizer, args, kwargs) -> None:
 
 def mastered_elsewhere():
     """``(half parameter, optimizer)`` for every fp32 master an optimizer alive now keeps."""
-    for state in list(_OPTIMIZER_STATES.values()):
+    for state in _live_states():
         optimizer = state.optimizer_ref()
         if optimizer is not None and state.amp_state.enabled:
             for half, _ in state.pairs:
@@ -139,7 +148,7 @@ def mastered_elsewhere():
 def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
     """An amp model's ``zero_grad(set_to_none)`` ran: its optimizers now treat gradients as
     kept tensors, or not (see ``_OptimizerState.grad_tensors_kept``)."""
-    for state in list(_OPTIMIZER_STATES.values()):
+    for state in _live_states():
         if any(m is model for m in state.owner_models()):
             # (A window held by delay_unscale that this drops: what its first backward set
             # aside goes at the next backward, its gradients having changed: before_backward.)
@@ -169,7 +178,7 @@ def set_aside_grads(params) -> List[torch.Tensor]:
 def _set_aside_by_id() -> Dict[int, torch.Tensor]:
     """The gradients ``scale_loss`` blocks hold aside, by their parameter's ``id``."""
     aside = {}
-    for state in list(_OPTIMIZER_STATES.values()):  # (an optimizer and its hook target
+    for state in _live_states():  # (an optimizer and its hook target
         for p, g in state._stash:                   # share one state: setdefault)
             if g is not None:
                 aside.setdefault(id(p), g)
@@ -189,7 +198,7 @@ def set_aside_zeros(params) -> None:
     that held different parameters' earlier gradients aside needs the same ones on every
     rank (added back at the block's exit, a zero changes nothing)."""
     wanted = {id(p): p for p in params}
-    for state in list(_OPTIMIZER_STATES.values()):
+    for state in _live_states():
         if not state._set_aside:
             continue
         for p in state.plain:

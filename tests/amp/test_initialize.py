@@ -1628,3 +1628,48 @@ def test_torch_jit_script_says_what_works_and_the_restored_copy_scripts(opt_leve
     torch.testing.assert_close(traced(x), want, rtol=0, atol=0)
     # The original keeps amp's forward (at O2 an fp32 input would fail without it).
     torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+
+
+def test_initialize_in_one_thread_does_not_break_zero_grad_in_another():
+    # amp's registry of optimizer states was walked through WeakKeyDictionary.values(), a
+    # generator: an initialize in another thread (a new trial) made a model.zero_grad() in a
+    # training thread fail with "dictionary changed size during iteration".
+    import sys
+    import threading
+
+    def make(level, seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        return amp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), opt_level=level,
+                              dtype=torch.bfloat16, verbosity=0)
+
+    live = [make("O1", i) for i in range(100)]  # (other jobs alive in the process)
+    model, _ = make("O2", 0)
+    errors, done = [], threading.Event()
+
+    def zeroing():
+        try:
+            while not done.is_set():
+                model.zero_grad()
+        except RuntimeError as e:
+            errors.append(e)
+
+    def initializing():
+        try:
+            for i in range(150):
+                live.append(make(("O1", "O2")[i % 2], i))
+        finally:
+            done.set()
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=zeroing), threading.Thread(target=initializing)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, errors
+    assert len(live) == 250
