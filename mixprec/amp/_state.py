@@ -283,6 +283,13 @@ class _InstanceMethod:
                                   True))
 
 
+def _InstanceStep(optimizer, marks=()) -> _InstanceMethod:  # noqa: N802  (a pickled name)
+    """amp's ``step`` on an optimizer as pickled before ``_InstanceMethod`` had this name (a
+    whole pickle of a LARC, which keeps its instance attributes): the same method, owning its
+    optimizer as an unpickled ``_InstanceMethod`` does."""
+    return _InstanceMethod(_amp_step, optimizer, marks, None, True)
+
+
 def _install_instance_method(optimizer, name: str, func) -> bool:
     """Put ``func`` on ``optimizer`` itself as its method ``name``, over whatever it has now:
     its class's, or an instance-level one (an LR scheduler's wrapper of ``step``), which is

@@ -156,6 +156,49 @@ def test_larc_under_amp_o2_matches_reference_on_the_masters(dtype):
     torch.testing.assert_close(grads[1], b.grad, **tol)
 
 
+def test_a_whole_pickle_of_an_amp_larc_from_an_older_mixprec_loads():
+    # LARC keeps its instance attributes when pickled whole, amp's step among them; mixprec
+    # before 629fb1b pickled that step as `_state._InstanceStep(optimizer, marks)`, a name
+    # later renamed: such a checkpoint failed to load (AttributeError on the name). Written
+    # here in that format. It loads with its state as saved (a plain optimizer, as every
+    # unpickled amp optimizer is).
+    import io
+    import pickle
+
+    from torch import nn
+
+    from mixprec import amp
+    from mixprec.amp import _state
+
+    class _OldStep:
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def __reduce__(self):
+            return (_state._InstanceStep, (self.optimizer, ()))
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    larc = LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    model, larc = amp.initialize(model, larc, opt_level="O2", dtype=torch.bfloat16,
+                                 verbosity=0)
+    with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), larc) as scaled:
+        scaled.backward()
+    larc.step()
+    larc.__dict__["step"] = _OldStep(larc)
+    buffer = io.BytesIO()
+    torch.save({"model": model, "optimizer": larc}, buffer)
+    assert b"_InstanceStep" in buffer.getvalue()
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)["optimizer"]
+    want, got = larc.state_dict(), loaded.state_dict()
+    assert pickle.dumps(got["param_groups"]) == pickle.dumps(want["param_groups"])
+    for key in want["state"]:
+        torch.testing.assert_close(got["state"][key]["momentum_buffer"],
+                                   want["state"][key]["momentum_buffer"], rtol=0, atol=0)
+    assert loaded.__dict__["step"].__self__ is loaded
+
+
 def test_larc_made_after_initialize_trains_as_one_made_before():
     # LARC(optimizer) of the optimizer initialize returned: scale_loss(loss, larc) was refused
     # as "an optimizer that did not go through amp.initialize" (Apex's too). Now its inner
