@@ -21,6 +21,7 @@ overflowed step on the device instead, and the dynamic loss scale then lives on 
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import logging
 import re
@@ -649,6 +650,10 @@ class _OptimizerState:
 
     def __init__(self, amp_state: AmpState, optimizer):
         self.amp_state = amp_state
+        # Held while the half parameters and their recorded versions disagree by amp's own
+        # doing (a post-step copy before its record), and by take_model_writes, which may run
+        # in another thread (a state_dict() there).
+        self._sync_lock = threading.RLock()
         self.optimizer_ref = weakref.ref(optimizer)
         self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.plain: List[torch.Tensor] = []
@@ -1419,10 +1424,14 @@ class _OptimizerState:
         a module's state-dict hooks call it for their own parameters, so that a whole
         ``state_dict()`` reads each counter once, not once per module.
         """
-        synced = self._synced_versions
         if is_compiling() or (self.pairs[0][1].is_cuda
                               and torch.cuda.is_current_stream_capturing()):
             return
+        with self._sync_lock:
+            self._take_model_writes(only)
+
+    def _take_model_writes(self, only) -> None:
+        synced = self._synced_versions
         if self._registrations_seen != parameter_registrations():
             # A parameter registered somewhere since: perhaps one of ours renamed (prune, and
             # prune.remove, whose .data write only a rename check finds), or registered again
@@ -1511,13 +1520,19 @@ class _OptimizerState:
             self.overflow = False
             return
         written = getattr(optimizer, "_half_copies_written", None)
-        if not written:
-            self.copy_masters_to_model()
-        elif len(written) < len(self.pairs):  # the optimizer wrote some half copies itself
-            done = set(map(id, written))
-            self.copy_masters_to_model([(p, m) for p, m in self.pairs if id(m) not in done])
+        # (The copy and its record at once: a state_dict() in another thread between them, an
+        # async checkpointer, took the copy for a write into the half model and rounded the
+        # masters to half.)
+        with contextlib.nullcontext() if is_compiling() else self._sync_lock:
+            if not written:
+                self.copy_masters_to_model()
+            elif len(written) < len(self.pairs):  # the optimizer wrote some half copies itself
+                done = set(map(id, written))
+                self.copy_masters_to_model([(p, m) for p, m in self.pairs
+                                            if id(m) not in done])
+            if self.pairs:
+                self.record_synced()
         if self.pairs:
-            self.record_synced()
             if self.grad_tensors_kept:
                 self._had_grads.update((id(m), _grad_record(m)) for _, m in self.pairs
                                        if m.grad is not None)

@@ -1182,3 +1182,53 @@ def test_a_parameter_resized_through_data_after_initialize_is_refused_naming_it(
     with pytest.raises(RuntimeError, match=match):
         with amp.scale_loss(model(torch.tensor([[1, 11]])).float().sum(), opt) as scaled:
             scaled.backward()
+
+
+def test_state_dict_in_another_thread_while_training_leaves_the_masters_alone():
+    # An async checkpointer / metrics thread calling model.state_dict() while the training
+    # thread steps (O2): between amp's post-step copy into the half model and its record of
+    # the versions, the reader's save hook took the copy for a write into the half model and
+    # copied half values into the fp32 masters (the run drifted from the same run alone).
+    # Readers are started right before the copy and inside that window; the training thread
+    # waits for each at most 0.5 s (they now wait for the step's record).
+    import threading
+
+    from mixprec.amp import _state
+
+    def run(reader):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                    verbosity=0)
+        state, readers = _state.optimizer_state(opt), []
+        copy_masters = state.copy_masters_to_model
+
+        def read_once():
+            readers.append(threading.Thread(target=model.state_dict))
+            readers[-1].start()
+            readers[-1].join(timeout=0.5)
+
+        def copy_then_read(*args):
+            first = reader and not readers
+            if first:
+                read_once()  # (between the optimizer's step and amp's copy: records versions)
+            copy_masters(*args)
+            if first:
+                read_once()  # (between the copy and its record: took the copy for a write)
+
+        state.copy_masters_to_model = copy_then_read
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            opt.zero_grad()
+            with amp.scale_loss((model(x).float() - y).pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        for thread in readers:
+            thread.join(timeout=60)
+        return model.state_dict()
+
+    want, got = run(False), run(True)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
