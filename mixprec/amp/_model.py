@@ -1007,12 +1007,19 @@ class _Fp32StateDict:
                     # the fp32 values of a state dict taken before the cast, which holds the
                     # master itself, were rounded to half.)
                     continue
+                # (The master's version read first, and the master left alone if it moved
+                # while compared: another thread updating an EMA copy in place while this
+                # one takes its state_dict() had the stale half parameter copied over it.)
+                version = master._version
                 synced = self._versions.get(name)
-                if synced is not None and master._version != synced:
+                if synced is not None and version != synced:
                     param.copy_(master)
                 elif check_params and not torch.equal(param, master.to(param.dtype)):
+                    if master._version != version:
+                        continue  # (written meanwhile: the next sync copies it over)
                     master.copy_(param)
-                self._versions[name] = master._version
+                    version = master._version
+                self._versions[name] = version
 
     def carry_to(self, other: _Fp32StateDict, params: Dict[str, torch.Tensor]) -> None:
         """Give ``other`` (the hooks of a module built to replace this one's, holding the

@@ -1232,3 +1232,38 @@ def test_state_dict_in_another_thread_while_training_leaves_the_masters_alone():
     want, got = run(False), run(True)
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
+def test_an_ema_copys_state_dict_taken_during_an_update_leaves_the_update_alone(monkeypatch):
+    # An O2 model's deep copy used as an EMA, updated in place through its state_dict()
+    # tensors (the README's way) in one thread while another thread takes its state_dict()
+    # (a checkpointer): the copy's save hook compares its half weights with the masters, and
+    # a master written while it compared (here: inside torch.equal, deterministically) had
+    # the stale half weight copied over the fp32 update.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              opt_level="O2", dtype=torch.float16, verbosity=0)
+    ema = copy.deepcopy(model)
+    entries = ema.state_dict()
+    ema.state_dict()  # (synced: the next read compares values)
+    target = entries["0.weight"]
+    update = torch.randn_like(target) * 1e-3
+    equal, calls = torch.equal, []
+
+    def equal_while_written(a, b):
+        if not calls:
+            calls.append(1)
+            with torch.no_grad():
+                target.add_(update)  # (the other thread's in-place update lands now)
+            return False
+        return equal(a, b)
+
+    want = target + update
+    monkeypatch.setattr(torch, "equal", equal_while_written)
+    ema.state_dict()
+    monkeypatch.setattr(torch, "equal", equal)
+    assert calls
+    got = ema.state_dict()
+    torch.testing.assert_close(got["0.weight"], want, rtol=0, atol=0)
+    assert torch.equal(ema[0].weight, want.half())
