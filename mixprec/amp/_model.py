@@ -26,7 +26,7 @@ import types
 import weakref
 from collections import UserDict
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -290,7 +290,7 @@ class _AmpModule:
         # _swap_class puts every one of them in the instance dict, and the class holds
         # defaults: a plain attribute lookup either way.
         cfg = self._mixprec_forward
-        if cfg is None or self._mixprec_in_instance_forward:
+        if cfg is None or (self._mixprec_in_instance_forward and _in_instance_forward(self)):
             # An instance of the swapped class that amp did not prepare (nn.Sequential's
             # slicing builds ``self.__class__(...)``; a registry an ``__init_subclass__`` filled
             # when amp made the class): the user's class's forward, as it is. Or this forward
@@ -471,7 +471,7 @@ _OWN_MASTERS = "_mixprec_own_masters"
 # A forward set on the instance before initialize (``model.forward = functools.partial(
 # model.forward, ...)``, a library's output wrapper), which hid the class's forward that amp
 # wraps: amp moves it here and calls it inside its casts (see _swap_class); and the flag that
-# it is running.
+# it has run (which thread is inside it: _IN_INSTANCE_FORWARDS).
 _INSTANCE_FORWARD = "_mixprec_instance_forward"
 _IN_INSTANCE_FORWARD = "_mixprec_in_instance_forward"
 
@@ -527,13 +527,36 @@ def _fx_trace_error(model: nn.Module) -> RuntimeError:
         "keep their dtypes (at O2 the caller casts inputs to the half type).")
 
 
+# (id(module), thread) -> how deep that thread is in the module's instance forward. Per thread:
+# a flag on the module made another thread's concurrent call (an inference server) skip amp's
+# casts and the instance forward. Under torch.compile one key stands for every thread (Dynamo
+# cannot trace threading.get_ident).
+_IN_INSTANCE_FORWARDS: Dict[Tuple[int, int], int] = {}
+
+
+def _instance_forward_key(module: nn.Module) -> Tuple[int, int]:
+    return (id(module), 0 if is_compiling() else threading.get_ident())
+
+
+def _in_instance_forward(module: nn.Module) -> bool:
+    """Whether this thread is inside ``module``'s instance forward (see forward)."""
+    return _instance_forward_key(module) in _IN_INSTANCE_FORWARDS
+
+
 def _run_instance_forward(module: nn.Module, forward: Callable, *args, **kwargs):
-    already = module.__dict__.get(_IN_INSTANCE_FORWARD, False)
+    key = _instance_forward_key(module)
+    depth = _IN_INSTANCE_FORWARDS.get(key, 0)
+    _IN_INSTANCE_FORWARDS[key] = depth + 1
+    # (Set once and left set: some thread has been inside, so amp's forward looks the thread
+    # up from now on. A copy made meanwhile looks itself up, and is not inside.)
     module.__dict__[_IN_INSTANCE_FORWARD] = True
     try:
         return forward(*args, **kwargs)
     finally:
-        module.__dict__[_IN_INSTANCE_FORWARD] = already
+        if depth:
+            _IN_INSTANCE_FORWARDS[key] = depth
+        else:
+            del _IN_INSTANCE_FORWARDS[key]
 
 
 # Whether _push_written_masters is running behind outside_the_compiler (see there).

@@ -1673,3 +1673,55 @@ def test_initialize_in_one_thread_does_not_break_zero_grad_in_another():
         sys.setswitchinterval(interval)
     assert not errors, errors
     assert len(live) == 250
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_model_with_an_instance_forward_called_from_two_threads_at_once(opt_level):
+    # A forward set on the instance before initialize (functools.partial) runs inside amp's
+    # casts; the mark that it was running was one per model, so another thread calling the
+    # model meanwhile (an inference server) skipped amp and the partial: O1 gave a result
+    # without its scale, O2 failed on the dtypes. Thread a is held inside the forward while
+    # thread b calls.
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x, scale=1.0, gate=None):
+            if gate is not None:
+                gate[0].set()
+                gate[1].wait(timeout=60)
+            return self.fc(x) * scale
+
+    torch.manual_seed(0)
+    model = Net()
+    model.forward = functools.partial(model.forward, scale=2.0)
+    model = amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x)
+    entered, release, got = threading.Event(), threading.Event(), []
+
+    def a():
+        with torch.no_grad():
+            got.append(("a", model(x, gate=(entered, release))))
+
+    def b():
+        entered.wait(timeout=60)
+        try:
+            with torch.no_grad():
+                got.append(("b", model(x)))
+        except RuntimeError as e:
+            got.append(("b", e))
+        finally:
+            release.set()
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(name for name, _ in got) == ["a", "b"]
+    for name, out in got:
+        assert isinstance(out, torch.Tensor), (name, out)
+        torch.testing.assert_close(out, want, rtol=0, atol=0, msg=name)
