@@ -23,6 +23,7 @@ import inspect
 import itertools
 import threading
 import types
+import warnings
 import weakref
 from collections import UserDict
 from collections.abc import Mapping
@@ -34,6 +35,7 @@ from torch.fx import Proxy as _FxProxy
 from torch.fx import _symbolic_trace as _fx_symbolic_trace
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._properties import _HALF_TYPES
 from mixprec.normalization._launch import is_compiling, is_exporting, outside_the_compiler
 
@@ -438,6 +440,21 @@ class _AmpModule:
                 if module is self or _held_device_type(module) is None:
                     module._mixprec_forward = dataclasses.replace(cfg, device_type=device_type)
         return result
+
+    def share_memory(self):
+        # (Hogwild with torch.multiprocessing: the fp32 masters stay in this process's
+        # optimizer, so what other processes write into the shared half parameters never
+        # reaches them, and this process's next step writes the masters back over it.)
+        if master_weights(self) and is_rank_zero():
+            warnings.warn(
+                f"{type(self).__name__}.share_memory(): the model's parameters are half, with "
+                "fp32 master weights held by this process's optimizer (amp O2), which shared "
+                "memory does not share. Updates other processes write into the shared half "
+                "parameters (Hogwild training) never reach the masters: model.state_dict() "
+                "leaves them out, and this process's next optimizer step overwrites them. Use "
+                "opt_level='O1' (fp32 parameters, shared as in plain PyTorch) for Hogwild; "
+                "sharing for inference alone is fine.", UserWarning, stacklevel=2)
+        return super().share_memory()
 
     def __setstate__(self, state):
         super().__setstate__(state)

@@ -1725,3 +1725,26 @@ def test_a_model_with_an_instance_forward_called_from_two_threads_at_once(opt_le
     for name, out in got:
         assert isinstance(out, torch.Tensor), (name, out)
         torch.testing.assert_close(out, want, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("opt_level,with_optimizer,warns", [
+    ("O2", True, True), ("O1", True, False), ("O3", True, False), ("O2", False, False)])
+def test_share_memory_of_a_model_with_masters_warns(opt_level, with_optimizer, warns):
+    # Hogwild (torch.multiprocessing) of an O2 model: the half parameters are shared, the
+    # fp32 masters (this process's optimizer) are not, so the other processes' updates never
+    # reached them and this process's next step overwrote them, silently.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    kw = dict(opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    if with_optimizer:
+        model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), **kw)
+    else:
+        model = amp.initialize(model, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert model.share_memory() is model
+    assert model.weight.is_shared()
+    messages = [str(w.message) for w in caught if "share_memory" in str(w.message)]
+    assert len(messages) == (1 if warns else 0), messages
+    if warns:
+        assert "fp32 master weights" in messages[0] and "opt_level='O1'" in messages[0]
