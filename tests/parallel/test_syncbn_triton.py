@@ -202,6 +202,30 @@ def test_backward_elemt_matches_float64(device, dtype, m, c, affine):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_backward_elemt_large_mean_does_not_cancel_the_gradient(device):
+    # A channel at mean 100, spread 0.01-0.1 (fp32): the input's mean was folded into a
+    # per-channel constant (dx = dy*k + x*a + b), so x*a cancelled against mean*a and the
+    # gradient kept 7e-5 of its scale as error; with (x - mean) taken first it is fp32's
+    # rounding of the result (same statistics and sums as the reference, in float64).
+    g = torch.Generator().manual_seed(0)
+    m, c = 8, 3
+    x = (100 + torch.tensor([0.01, 0.05, 0.1], dtype=torch.float64)
+         * torch.randn(m, c, generator=g, dtype=torch.float64)).float()
+    dy = torch.randn(m, c, generator=g).float()
+    xd, dyd = x.double(), dy.double()
+    mean, invstd = xd.mean(0), (xd.var(0, unbiased=False) + 1e-5).rsqrt()
+    sums = torch.cat([dyd.sum(0), (dyd * (xd - mean)).sum(0)])
+    out = _syncbn_triton.backward_elemt(dy.to(device), x.to(device),
+                                        _row(mean.to(device), invstd.to(device), m), None,
+                                        sums.float().to(device))
+    md, isd = mean.float().double(), invstd.float().double()  # (what the kernel is given)
+    sd = sums.float().double()
+    ref = (dyd - sd[:c] / m - (xd - md) * isd * isd * sd[c:] / m) * isd
+    scale = float((dyd.abs().max(0).values * isd).max())
+    assert float((out.cpu().double() - ref).abs().max()) < 1e-6 * scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_usable_rejects_what_the_kernels_do_not_take(device):
     x = torch.randn(8, 4, device=device)
     assert _syncbn_triton.usable(x)
