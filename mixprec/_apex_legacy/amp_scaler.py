@@ -65,7 +65,9 @@ class LossScaler:
     ``loss * scaler.loss_scale()``; ``unscale(model_grads, master_grads, None)`` (and/or
     ``unscale_with_stashed`` for gradients accumulated onto earlier ones); then
     ``should_skip = scaler.update_scale()``, which backs the scale off on an overflow and
-    grows it after ``scale_window`` clean steps. The attributes Apex scripts read or set
+    grows it after ``scale_window`` clean steps (by ``scale_factor``: the Apex versions whose
+    ``update_scale`` this follows halved and doubled by 2 whatever was passed, which is the
+    default here). The attributes Apex scripts read or set
     (``_loss_scale``, ``_unskipped``, ``_has_overflow``, ``_scale_seq_len``,
     ``_min_loss_scale``, ``_max_loss_scale``, ``dynamic``) are plain attributes here too.
     ``has_fused_kernel`` is False (Apex's ``amp_C`` kernels are not shipped), so scripts take
@@ -187,7 +189,9 @@ class LossScaler:
                                  "stashed and master gradient (or none of the first two).")
         if not triples:
             return
-        fresh = [g.to(m.dtype) for g, _, m in triples]
+        # (Copies: the model's gradients are read, never written, as in Apex; .to() alone
+        # returns the tensor itself when it has the master's dtype already.)
+        fresh = [g.to(m.dtype, copy=True) for g, _, m in triples]
         if self.dynamic:
             by_device: Dict[torch.device, List[torch.Tensor]] = {}
             for g in fresh:

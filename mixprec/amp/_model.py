@@ -488,7 +488,7 @@ _OWN_MASTERS = "_mixprec_own_masters"
 # A forward set on the instance before initialize (``model.forward = functools.partial(
 # model.forward, ...)``, a library's output wrapper), which hid the class's forward that amp
 # wraps: amp moves it here and calls it inside its casts (see _swap_class); and the flag that
-# it has run (which thread is inside it: _IN_INSTANCE_FORWARDS).
+# how many calls are inside it (which threads: _IN_INSTANCE_FORWARDS).
 _INSTANCE_FORWARD = "_mixprec_instance_forward"
 _IN_INSTANCE_FORWARD = "_mixprec_in_instance_forward"
 
@@ -544,36 +544,47 @@ def _fx_trace_error(model: nn.Module) -> RuntimeError:
         "keep their dtypes (at O2 the caller casts inputs to the half type).")
 
 
-# (id(module), thread) -> how deep that thread is in the module's instance forward. Per thread:
-# a flag on the module made another thread's concurrent call (an inference server) skip amp's
-# casts and the instance forward. Under torch.compile one key stands for every thread (Dynamo
-# cannot trace threading.get_ident).
+# (id(module), thread) -> how deep that thread is in the module's instance forward: a flag on
+# the module alone made another thread's concurrent call (an inference server) skip amp's casts
+# and the instance forward. The flag (the module's _IN_INSTANCE_FORWARD) counts the calls
+# inside, so that amp's forward looks the thread up only while there are some. Under
+# torch.compile the flag alone is set and restored, as the trace is one thread (an id()
+# lookup there would tie each graph to one module object, and Dynamo cannot trace
+# threading.get_ident).
 _IN_INSTANCE_FORWARDS: Dict[Tuple[int, int], int] = {}
-
-
-def _instance_forward_key(module: nn.Module) -> Tuple[int, int]:
-    return (id(module), 0 if is_compiling() else threading.get_ident())
+_IN_INSTANCE_FORWARDS_LOCK = threading.Lock()
 
 
 def _in_instance_forward(module: nn.Module) -> bool:
-    """Whether this thread is inside ``module``'s instance forward (see forward)."""
-    return _instance_forward_key(module) in _IN_INSTANCE_FORWARDS
+    """Whether this thread is inside ``module``'s instance forward (amp's forward asks only
+    while some call is: see _run_instance_forward)."""
+    return is_compiling() or (id(module), threading.get_ident()) in _IN_INSTANCE_FORWARDS
 
 
 def _run_instance_forward(module: nn.Module, forward: Callable, *args, **kwargs):
-    key = _instance_forward_key(module)
-    depth = _IN_INSTANCE_FORWARDS.get(key, 0)
-    _IN_INSTANCE_FORWARDS[key] = depth + 1
-    # (Set once and left set: some thread has been inside, so amp's forward looks the thread
-    # up from now on. A copy made meanwhile looks itself up, and is not inside.)
-    module.__dict__[_IN_INSTANCE_FORWARD] = True
+    if is_compiling():
+        already = module.__dict__.get(_IN_INSTANCE_FORWARD, False)
+        module.__dict__[_IN_INSTANCE_FORWARD] = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            module.__dict__[_IN_INSTANCE_FORWARD] = already
+    key = (id(module), threading.get_ident())
+    with _IN_INSTANCE_FORWARDS_LOCK:
+        depth = _IN_INSTANCE_FORWARDS.get(key, 0)
+        _IN_INSTANCE_FORWARDS[key] = depth + 1
+        module.__dict__[_IN_INSTANCE_FORWARD] = (
+            int(module.__dict__.get(_IN_INSTANCE_FORWARD, False)) + 1)
     try:
         return forward(*args, **kwargs)
     finally:
-        if depth:
-            _IN_INSTANCE_FORWARDS[key] = depth
-        else:
-            del _IN_INSTANCE_FORWARDS[key]
+        with _IN_INSTANCE_FORWARDS_LOCK:
+            if depth:
+                _IN_INSTANCE_FORWARDS[key] = depth
+            else:
+                del _IN_INSTANCE_FORWARDS[key]
+            inside = int(module.__dict__.get(_IN_INSTANCE_FORWARD, False)) - 1
+            module.__dict__[_IN_INSTANCE_FORWARD] = inside if inside > 0 else False
 
 
 # Whether _push_written_masters is running behind outside_the_compiler (see there).

@@ -1748,3 +1748,37 @@ def test_share_memory_of_a_model_with_masters_warns(opt_level, with_optimizer, w
     assert len(messages) == (1 if warns else 0), messages
     if warns:
         assert "fp32 master weights" in messages[0] and "opt_level='O1'" in messages[0]
+
+
+def test_compiled_models_with_instance_forwards_share_their_graph():
+    # Four blocks of one class, each with a forward set on the instance, compiled one by one
+    # (eager backend): the instance forward's per-thread bookkeeping, traced, keyed on id()
+    # and tied each graph to one block (a recompile per block, up to Dynamo's limit, after
+    # which amp models ran eagerly). Outputs checked against eager.
+    from torch._dynamo.utils import counters
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x, scale=1.0):
+            return self.fc(x) * scale
+
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(4):
+        block = Block()
+        block.forward = functools.partial(block.forward, scale=2.0)
+        blocks.append(amp.initialize(block, opt_level="O1", dtype=torch.bfloat16,
+                                     verbosity=0))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        want = [b(x) for b in blocks]
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        got = [torch.compile(b, backend="eager")(x) for b in blocks for _ in range(2)]
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    for i, out in enumerate(got):
+        torch.testing.assert_close(out, want[i // 2], rtol=0, atol=0)

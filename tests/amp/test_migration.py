@@ -496,6 +496,11 @@ def test_apex_amp_scaler_loss_scaler_has_apexs_interface(clean_apex):
     static.unscale_with_stashed([torch.tensor([8.0]).half()], [torch.tensor([1.0])], [out],
                                 scale_override=(4.0, 0.5, 2.0))
     assert out.tolist() == [8.0 * 2.0 / 4.0 + 1.0 * 2.0 / 0.5]
+    # The model's gradients are only read, also when they have the masters' dtype already.
+    model_grad, stash, out = torch.tensor([8.0]), torch.tensor([1.0]), torch.zeros(1)
+    static.unscale_with_stashed([model_grad], [stash], [out])
+    assert model_grad.tolist() == [8.0] and stash.tolist() == [1.0]
+    assert out.tolist() == [8.0 / 128.0 + 1.0]
 
     # Bad input: what was passed and what is allowed.
     with pytest.raises(ValueError, match=r"loss_scale='dyanmic'.*dynamic"):
