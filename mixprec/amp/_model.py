@@ -391,7 +391,10 @@ class _AmpModule:
                 "convert the model before amp.initialize, turn the flag off, or use "
                 "torch.__future__.set_swap_module_params_on_conversion(True), which keeps the "
                 "objects.")
-        if has_masters:
+        # (A copy's own masters, which no optimizer holds, are replaced along with its
+        # parameters where a move cannot keep the tensor objects: see _copy_masters_follow.)
+        copy_masters = _standalone_masters(self) if has_masters else None
+        if has_masters and copy_masters is None:
             _refuse_a_move_masters_cannot_follow(self, fn)
         cfg = self.__dict__.get("_mixprec_forward")
         checked = cfg is not None and not cfg.fp32_compute and (
@@ -425,6 +428,8 @@ class _AmpModule:
               and conversions.get(torch.float32) in _HALF_TYPES):
             raise _o1_cast_error(self, conversions[torch.float32], cfg.autocast_dtype)
         result = super()._apply(fn, *args, **kwargs)
+        if copy_masters:
+            _copy_masters_follow(self, fn, copy_masters)
         if has_masters:
             _masters_follow_their_parameters(self)
         # A device move after initialize (initialize on CPU, then model.cuda()): autocast and
@@ -435,7 +440,10 @@ class _AmpModule:
         if device_type is not None:
             for module in self.modules():
                 cfg = module.__dict__.get("_mixprec_forward")
-                if cfg is None or cfg.device_type == device_type:
+                if cfg is None or cfg.device_type == device_type or device_type == "meta":
+                    # (Meta: a skeleton, such as torch.func ensembling's base for
+                    # functional_call with real tensors; autocast has no meta device type,
+                    # so the forward keeps the one it had.)
                     continue
                 if module is self or _held_device_type(module) is None:
                     module._mixprec_forward = dataclasses.replace(cfg, device_type=device_type)
@@ -684,6 +692,42 @@ def _masters_follow_their_parameters(model: nn.Module) -> None:
             moved = getattr(getattr(take, "__self__", None), "params_moved", None)
             if moved is not None:
                 moved()
+
+
+def _standalone_masters(model: nn.Module) -> Optional[list]:
+    """``[(module, hooks, name, master, half parameter)]`` when every master of ``model`` is a
+    copy's own (a deep-copied or unpickled O2 model: no optimizer holds them), else None."""
+    found = []
+    for module in model.modules():
+        hooks = module.__dict__.get("_mixprec_state_dict")
+        if hooks is None or not hooks.masters:
+            continue
+        if not hooks.standalone:
+            return None
+        found.extend((module, hooks, name, master, module._parameters.get(name))
+                     for name, master in hooks.masters.items())
+    return found
+
+
+def _copy_masters_follow(model: nn.Module, fn, before: list) -> None:
+    """After a move of a copy (see :func:`_standalone_masters`) that gave its parameters new
+    tensor objects (to or from the meta device: ``copy.deepcopy(model).to("meta")``, the base
+    of torch.func's model ensembling; ``to_empty``), give its masters the same conversion:
+    they are the copy's own, and would otherwise be dropped as masters of replaced
+    parameters, the copy saving its half values from then on."""
+    from mixprec.amp._state import register_copied_masters
+
+    for module, hooks, name, master, old in before:
+        new = module._parameters.get(name)
+        if new is None or new is old or new.device == master.device:
+            continue
+        moved = fn(master)
+        if not isinstance(moved, torch.Tensor):
+            continue
+        hooks.masters[name] = moved.detach()
+        hooks._halves[name] = id(new)
+        hooks._versions.pop(name, None)
+    register_copied_masters(model)
 
 
 def _refuse_a_move_masters_cannot_follow(model: nn.Module, fn) -> None:
@@ -1052,6 +1096,8 @@ class _Fp32StateDict:
         with torch.no_grad():
             for name, master in self.masters.items():
                 param = module._parameters.get(name)
+                if param is not None and param.is_meta:
+                    continue  # (a skeleton on the meta device: no values to bring in step)
                 if param is None or param.dtype not in _HALF_TYPES:
                     # (No longer half: amp.restore_model, then .float(). The parameter is the
                     # weight now and the master stopped with it (see save): upcast into it,

@@ -1267,3 +1267,49 @@ def test_an_ema_copys_state_dict_taken_during_an_update_leaves_the_update_alone(
     got = ema.state_dict()
     torch.testing.assert_close(got["0.weight"], want, rtol=0, atol=0)
     assert torch.equal(ema[0].weight, want.half())
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_torch_func_model_ensembling_with_a_meta_copy_as_base(opt_level):
+    # PyTorch's ensembling recipe: stack_module_state(models), a deep copy moved to meta as
+    # the base, vmap over functional_call. O1 failed in autocast ("unsupported autocast
+    # device_type 'meta'": the forward followed its tensors to meta); O2 refused the copy's
+    # move with advice about optimizers it does not have. References: the same recipe over
+    # plain models under torch.autocast (O1), over plain bf16 models (O2), bit for bit.
+    from torch.func import functional_call, stack_module_state, vmap
+
+    def make(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def ensemble(models, base, x):
+        params, buffers = stack_module_state(models)
+        return vmap(lambda p, b, xx: functional_call(base, (p, b), (xx,)),
+                    in_dims=(0, 0, None))(params, buffers, x)
+
+    x = torch.randn(5, 8)
+    models = []
+    for seed in range(3):
+        model = make(seed)
+        model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                  opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+        models.append(model)
+    base = copy.deepcopy(models[0]).to("meta")
+    got = ensemble(models, base, x)
+    plain = [make(seed) for seed in range(3)]
+    if opt_level == "O1":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = ensemble(plain, copy.deepcopy(plain[0]).to("meta"), x).float()
+    else:
+        plain = [m.bfloat16() for m in plain]
+        want = ensemble(plain, copy.deepcopy(plain[0]).to("meta"), x.bfloat16()).float()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # The copy's masters went to meta with it, and come back with to_empty and a load.
+    entries = base.state_dict()
+    assert all(v.device.type == "meta" and v.dtype == torch.float32 for v in entries.values())
+    base.to_empty(device="cpu")
+    base.load_state_dict(models[0].state_dict())
+    for k, v in models[0].state_dict().items():
+        torch.testing.assert_close(base.state_dict()[k], v, rtol=0, atol=0, msg=k)
+    torch.testing.assert_close(base(x), models[0](x), rtol=0, atol=0)
