@@ -1189,12 +1189,18 @@ class _Fp32StateDict:
 
     def load(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         if local_metadata.get("assign_to_params_buffers", False):
+            if self.masters:
+                raise RuntimeError(
+                    "load_state_dict(..., assign=True) on a model prepared by amp.initialize: "
+                    "assigning replaces the half parameter objects, which cuts them off from "
+                    "the optimizer and its fp32 master weights. Load with assign=False (the "
+                    "default); amp then writes the fp32 values into the masters exactly.")
             raise RuntimeError(
-                "load_state_dict(..., assign=True) on a model prepared by amp.initialize: "
-                "assigning replaces the half parameter objects, which cuts them off from the "
-                "optimizer and its fp32 master weights. Load with assign=False (the default); "
-                "amp then writes the fp32 values into the masters exactly."
-            )
+                "load_state_dict(..., assign=True) on a model prepared by amp.initialize with "
+                "half parameters (O3, or O2 without an optimizer): assigning would put the "
+                "checkpoint's tensors (fp32) in place of the half parameters, which amp's "
+                "input casts and any optimizer holding them expect. Load with assign=False "
+                "(the default): the values are cast into the half parameters.")
         module = self.module() if self.module is not None else None
         if self.orphaned():
             self.standalone = True  # (see save)

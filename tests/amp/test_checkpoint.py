@@ -487,8 +487,15 @@ def test_load_with_assign_is_refused_clearly():
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O2", verbosity=0)
-    with pytest.raises(RuntimeError, match=r"assign=True.*Load with assign=False"):
+    with pytest.raises(RuntimeError, match=r"assign=True.*master weights.*assign=False"):
         model.load_state_dict(make_cnn(seed=3).state_dict(), assign=True)
+    # Without masters (O3 here, no optimizer) the message spoke of an optimizer and masters
+    # the model does not have.
+    model = amp.initialize(make_cnn(), opt_level="O3", dtype=torch.bfloat16, verbosity=0)
+    with pytest.raises(RuntimeError, match=r"assign=True.*half parameters \(O3.*") as caught:
+        model.load_state_dict(make_cnn(seed=3).state_dict(), assign=True)
+    assert "master" not in str(caught.value)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
