@@ -165,16 +165,25 @@ def test_migrating_private_state_example():
     model, optimizer = make()
     for p in amp.master_params(optimizer):
         p.data.add_(0.5)
-    checkpoint = {"optimizer": optimizer.state_dict(),
+    checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                   "master params": [p.detach().clone() for p in amp.master_params(optimizer)]}
-    _, optimizer = make()  # the most recent initialize: the one amp._amp_state shows
+    model, optimizer = make()  # the most recent initialize: the one amp._amp_state shows
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
-    ns = {"amp": amp, "optimizer": optimizer, "scheduler": scheduler, "global_step": 0,
-          "checkpoint": checkpoint}
+    ns = {"amp": amp, "model": model, "optimizer": optimizer, "scheduler": scheduler,
+          "global_step": 0, "checkpoint": checkpoint}
     exec(_block("docs/migrating.md", "_lazy_init_maybe_master_weights()"), ns)
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**20, "unskipped": 0}
     assert scheduler.last_epoch == 0  # no step taken yet: _unskipped is 0
     assert ns["global_step"] == 1  # and none overflowed
+    for param, saved in zip(amp.master_params(optimizer), checkpoint["master params"]):
+        assert torch.equal(param, saved)
+    # The restored masters hold through the first step (lr 0: the step changes nothing;
+    # without the model's load the step replaced them by the model's values).
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    with amp.scale_loss(model(torch.randn(2, 16)).float().pow(2).mean(), optimizer) as scaled:
+        scaled.backward()
+    optimizer.step()
     for param, saved in zip(amp.master_params(optimizer), checkpoint["master params"]):
         assert torch.equal(param, saved)
 

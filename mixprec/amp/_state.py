@@ -1473,9 +1473,12 @@ class _OptimizerState:
         synced = self._synced_versions
         if synced is None or len(synced) != len(self.pairs):
             return
-        for i, ((p, m), (sp, _, sc)) in enumerate(zip(self.pairs, synced)):
+        for i, ((p, m), (sp, sm, sc)) in enumerate(zip(self.pairs, synced)):
+            # (A master written since, in place, wins, as in take_model_writes: a resume that
+            # copies saved masters in under no_grad right after initialize had them replaced
+            # by the half model's values at the first step.)
             if ((since is not None and id(p) not in since) or p._version != sp
-                    or p._cdata != sc or p.shape != m.shape
+                    or m._version != sm or p._cdata != sc or p.shape != m.shape
                     or p.dtype not in (torch.float16, torch.bfloat16)):
                 continue
             take_changed_elements(p, m)

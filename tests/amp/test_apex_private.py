@@ -193,8 +193,13 @@ def test_initialize_disabled_has_apex_state_too():
 
 
 def test_state_follows_the_most_recent_initialize_with_optimizers():
-    _, _, state = _setup("host", "O1", loss_scale=8.0)
-    _, _, _ = _setup("host", "O2", loss_scale=64.0)
+    # (Both calls' optimizers kept alive: a call whose optimizers are gone does not count, so
+    # with theirs freed the view would show any earlier test's call still awaiting the
+    # garbage collector.)
+    first = _setup("host", "O1", loss_scale=8.0)
+    second = _setup("host", "O2", loss_scale=64.0)
+    state = first[2]
+    assert second[1] is not None
     assert state.loss_scalers[0].loss_scale() == 64.0
     assert state.opt_properties.opt_level == "O2"
 

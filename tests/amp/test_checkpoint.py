@@ -1320,3 +1320,23 @@ def test_torch_func_model_ensembling_with_a_meta_copy_as_base(opt_level):
     for k, v in models[0].state_dict().items():
         torch.testing.assert_close(base.state_dict()[k], v, rtol=0, atol=0, msg=k)
     torch.testing.assert_close(base(x), models[0](x), rtol=0, atol=0)
+
+
+def test_masters_written_in_place_right_after_initialize_hold_through_the_first_step():
+    # A resume that copies saved masters in under no_grad right after initialize (Apex-era
+    # scripts restore "master params" so): the first step's look for .data writes into the
+    # half model compared the two and took the half values into the masters.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    saved = [p.detach().clone() + 1 for p in amp.master_params(opt)]
+    with torch.no_grad():
+        for master, value in zip(amp.master_params(opt), saved):
+            master.copy_(value)
+    with amp.scale_loss(model(torch.randn(4, 8)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    for master, value in zip(amp.master_params(opt), saved):
+        torch.testing.assert_close(master, value, rtol=0, atol=0)
+    torch.testing.assert_close(model.state_dict()["0.weight"], saved[0], rtol=0, atol=0)
