@@ -62,9 +62,10 @@ def install_apex_alias() -> Tuple[str, ...]:
     ship such an Apex), so there ``apex.amp``, ``apex.parallel`` and ``apex.fp16_utils``
     become mixprec's while
     ``FusedLAMB``, ``FusedLayerNorm`` and the rest stay Apex's own. An older Apex whose
-    ``apex.amp`` still works is left as it is, with a warning; an ``apex.amp`` that fails to
-    import (an old Apex on a newer PyTorch) is replaced by mixprec's, with a warning, and so is
-    an ``apex.parallel`` without ``DistributedDataParallel``.
+    ``apex.amp`` still works is left as it is (with a warning when the alias then serves
+    nothing at all; it still fills in a submodule that Apex lacks); an ``apex.amp`` that fails
+    to import (an old Apex on a newer PyTorch) is replaced by mixprec's, with a warning, and so
+    is an ``apex.parallel`` without ``DistributedDataParallel``.
 
     Call it once, before the script imports ``apex`` (for example in a launcher or
     ``sitecustomize.py``). Calling it again is harmless and returns the same names.
