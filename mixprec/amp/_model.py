@@ -466,6 +466,10 @@ class _AmpModule:
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        if self.__dict__.get(_IN_INSTANCE_FORWARD):
+            # (Copied or pickled while a call was inside the instance forward: no call of
+            # the copy's is.)
+            self.__dict__[_IN_INSTANCE_FORWARD] = False
         cfg = self.__dict__.get("_mixprec_forward")
         if cfg is not None and cfg.input_dtype in _HALF_TYPES:
             _mark_parts(self)  # (a deep copy's or unpickled model's parts, as initialize's)
@@ -554,25 +558,34 @@ def _fx_trace_error(model: nn.Module) -> RuntimeError:
 
 # (id(module), thread) -> how deep that thread is in the module's instance forward: a flag on
 # the module alone made another thread's concurrent call (an inference server) skip amp's casts
-# and the instance forward. The flag (the module's _IN_INSTANCE_FORWARD) counts the calls
-# inside, so that amp's forward looks the thread up only while there are some. Under
-# torch.compile the flag alone is set and restored, as the trace is one thread (an id()
-# lookup there would tie each graph to one module object, and Dynamo cannot trace
-# threading.get_ident).
+# and the instance forward. The flag (the module's _IN_INSTANCE_FORWARD) counts the eager calls
+# inside, so that amp's forward looks the thread up only while there are some. A
+# torch.compile trace (one thread) marks its own call with _TRACED_INSIDE instead and asks
+# only for that: an id() lookup there would tie each graph to one module object, Dynamo cannot
+# trace threading.get_ident, and an eager call inside at trace time, or a count a copy carried
+# over, is no call of the trace's.
 _IN_INSTANCE_FORWARDS: Dict[Tuple[int, int], int] = {}
 _IN_INSTANCE_FORWARDS_LOCK = threading.Lock()
+_TRACED_INSIDE = "traced"
+
+
+def _calls_inside(flag) -> int:
+    """The eager calls the module's flag counts (a trace's mark, or False, is none)."""
+    return flag if type(flag) is int else int(flag is True)
 
 
 def _in_instance_forward(module: nn.Module) -> bool:
-    """Whether this thread is inside ``module``'s instance forward (amp's forward asks only
-    while some call is: see _run_instance_forward)."""
-    return is_compiling() or (id(module), threading.get_ident()) in _IN_INSTANCE_FORWARDS
+    """Whether this call comes from inside ``module``'s instance forward (amp's forward asks
+    only while the module's flag is set: see _run_instance_forward)."""
+    if is_compiling():
+        return module.__dict__.get(_IN_INSTANCE_FORWARD) == _TRACED_INSIDE
+    return (id(module), threading.get_ident()) in _IN_INSTANCE_FORWARDS
 
 
 def _run_instance_forward(module: nn.Module, forward: Callable, *args, **kwargs):
     if is_compiling():
         already = module.__dict__.get(_IN_INSTANCE_FORWARD, False)
-        module.__dict__[_IN_INSTANCE_FORWARD] = True
+        module.__dict__[_IN_INSTANCE_FORWARD] = _TRACED_INSIDE
         try:
             return forward(*args, **kwargs)
         finally:
@@ -582,7 +595,7 @@ def _run_instance_forward(module: nn.Module, forward: Callable, *args, **kwargs)
         depth = _IN_INSTANCE_FORWARDS.get(key, 0)
         _IN_INSTANCE_FORWARDS[key] = depth + 1
         module.__dict__[_IN_INSTANCE_FORWARD] = (
-            int(module.__dict__.get(_IN_INSTANCE_FORWARD, False)) + 1)
+            _calls_inside(module.__dict__.get(_IN_INSTANCE_FORWARD, False)) + 1)
     try:
         return forward(*args, **kwargs)
     finally:
@@ -591,7 +604,7 @@ def _run_instance_forward(module: nn.Module, forward: Callable, *args, **kwargs)
                 _IN_INSTANCE_FORWARDS[key] = depth
             else:
                 del _IN_INSTANCE_FORWARDS[key]
-            inside = int(module.__dict__.get(_IN_INSTANCE_FORWARD, False)) - 1
+            inside = _calls_inside(module.__dict__.get(_IN_INSTANCE_FORWARD, False)) - 1
             module.__dict__[_IN_INSTANCE_FORWARD] = inside if inside > 0 else False
 
 
@@ -1189,6 +1202,14 @@ class _Fp32StateDict:
 
     def load(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
         if local_metadata.get("assign_to_params_buffers", False):
+            if self.masters and self.standalone:
+                raise RuntimeError(
+                    "load_state_dict(..., assign=True) on a copy of a model prepared by "
+                    "amp.initialize (O2: half parameters, with fp32 masters of its own): "
+                    "assigning would put the checkpoint's fp32 tensors in place of the half "
+                    "parameters, which amp's input casts expect. Load with assign=False (the "
+                    "default); for a copy on the meta device, model.to_empty(device=...) "
+                    "first.")
             if self.masters:
                 raise RuntimeError(
                     "load_state_dict(..., assign=True) on a model prepared by amp.initialize: "
@@ -1241,10 +1262,10 @@ class _Fp32StateDict:
         with torch.no_grad():
             for name, master in self.masters.items():
                 param = module._parameters.get(name)
-                if (param is None or param.dtype not in _HALF_TYPES
+                if (param is None or param.dtype not in _HALF_TYPES or param.is_meta
                         or param.shape != master.shape
                         or torch.equal(param, master.to(param.dtype))):
-                    continue
+                    continue  # (meta: a skeleton, nothing was loaded into it)
                 value = None if pending is None else pending[0].get(pending[1] + name)
                 if (isinstance(value, torch.Tensor) and value.shape == master.shape
                         and torch.equal(param, value.to(device=param.device, dtype=param.dtype))):

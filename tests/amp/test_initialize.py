@@ -1782,3 +1782,54 @@ def test_compiled_models_with_instance_forwards_share_their_graph():
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     for i, out in enumerate(got):
         torch.testing.assert_close(out, want[i // 2], rtol=0, atol=0)
+
+
+class _GatedNet(nn.Module):
+    """``fc(x) * scale``; given ``gate`` (two events), it says it is inside and waits."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, scale=1.0, gate=None):
+        if gate is not None:
+            gate[0].set()
+            gate[1].wait(timeout=60)
+        return self.fc(x) * scale
+
+
+def test_a_copy_or_compiled_call_made_while_a_thread_is_inside_the_instance_forward():
+    # The instance forward's flag counts the eager calls inside: a deep copy taken while one
+    # was (an EMA, a checkpoint thread's torch.save) carried the count, and compiled, the
+    # copy skipped amp's casts and the instance forward; so did a compiled call of the model
+    # itself made meanwhile (O1: 1.7 and 0.9 off; O2: dtype errors).
+    torch.manual_seed(0)
+    model = _GatedNet()
+    model.forward = functools.partial(model.forward, scale=2.0)
+    model = amp.initialize(model, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = model(x)
+    entered, release, got = threading.Event(), threading.Event(), {}
+
+    def inside():
+        with torch.no_grad():
+            model(x, gate=(entered, release))
+
+    thread = threading.Thread(target=inside)
+    thread.start()
+    try:
+        assert entered.wait(timeout=60)
+        copies = {"deepcopy": copy.deepcopy(model), "pickle": pickle.loads(pickle.dumps(model))}
+        torch._dynamo.reset()
+        with torch.no_grad():
+            got["compiled during"] = torch.compile(model, backend="eager")(x)
+    finally:
+        release.set()
+        thread.join(timeout=60)
+    with torch.no_grad():
+        for name, c in copies.items():
+            got[name] = torch.compile(c, backend="eager")(x)
+    torch._dynamo.reset()
+    for name, out in got.items():
+        torch.testing.assert_close(out, want, rtol=0, atol=0, msg=name)
