@@ -1675,6 +1675,20 @@ def test_initialize_in_one_thread_does_not_break_zero_grad_in_another():
     assert len(live) == 250
 
 
+class _GatedNet(nn.Module):
+    """``fc(x) * scale``; given ``gate`` (two events), it says it is inside and waits."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x, scale=1.0, gate=None):
+        if gate is not None:
+            gate[0].set()
+            gate[1].wait(timeout=60)
+        return self.fc(x) * scale
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_a_model_with_an_instance_forward_called_from_two_threads_at_once(opt_level):
     # A forward set on the instance before initialize (functools.partial) runs inside amp's
@@ -1682,19 +1696,8 @@ def test_a_model_with_an_instance_forward_called_from_two_threads_at_once(opt_le
     # model meanwhile (an inference server) skipped amp and the partial: O1 gave a result
     # without its scale, O2 failed on the dtypes. Thread a is held inside the forward while
     # thread b calls.
-    class Net(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 4)
-
-        def forward(self, x, scale=1.0, gate=None):
-            if gate is not None:
-                gate[0].set()
-                gate[1].wait(timeout=60)
-            return self.fc(x) * scale
-
     torch.manual_seed(0)
-    model = Net()
+    model = _GatedNet()
     model.forward = functools.partial(model.forward, scale=2.0)
     model = amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
     x = torch.randn(3, 8)
@@ -1782,20 +1785,6 @@ def test_compiled_models_with_instance_forwards_share_their_graph():
     assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     for i, out in enumerate(got):
         torch.testing.assert_close(out, want[i // 2], rtol=0, atol=0)
-
-
-class _GatedNet(nn.Module):
-    """``fc(x) * scale``; given ``gate`` (two events), it says it is inside and waits."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(8, 4)
-
-    def forward(self, x, scale=1.0, gate=None):
-        if gate is not None:
-            gate[0].set()
-            gate[1].wait(timeout=60)
-        return self.fc(x) * scale
 
 
 def test_a_copy_or_compiled_call_made_while_a_thread_is_inside_the_instance_forward():

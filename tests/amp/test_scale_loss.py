@@ -1,4 +1,5 @@
 import copy
+import functools
 import io
 import warnings
 
@@ -1240,27 +1241,33 @@ def test_a_weight_writing_step_pre_hook_registered_after_initialize_holds(opt_le
     assert max(v.abs().max().item() for k, v in got.items() if "weight" in k) < 0.2
 
 
+def _mlp_training_step(opt_level, make_optimizer, compiled):
+    """A seeded bf16 MLP with a dynamic scale, its optimizer (``make_optimizer(params,
+    lr=1e-2)``) and a whole training step, ``torch.compile``d (eager backend) if asked."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = make_optimizer(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                   loss_scale="dynamic", verbosity=0)
+
+    def step(x, y):
+        loss = ((model(x).float() - y) ** 2).mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.detach()
+
+    return model, opt, (torch.compile(step, backend="eager") if compiled else step)
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_a_compiled_training_step_whose_first_step_overflows_is_skipped(opt_level):
     # The whole step under torch.compile with a dynamic scale, the first step overflowing
     # (fp16's usual start): the skip branch, traced, failed inside Dynamo of PyTorch 2.10
     # (setattr on the optimizer). Checked against the same steps run eagerly.
     def run(compiled):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
-                       loss_scale="dynamic", verbosity=0)
-
-        def step(x, y):
-            loss = ((model(x).float() - y) ** 2).mean()
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
-        step = torch.compile(step, backend="eager") if compiled else step
+        model, opt, step = _mlp_training_step(opt_level, torch.optim.AdamW, compiled)
         g = torch.Generator().manual_seed(1)
         skipped = []
         for i in range(3):
@@ -1287,21 +1294,8 @@ def test_a_compiled_training_step_does_not_recompile_as_the_dynamic_scale_moves(
     from torch._dynamo.utils import counters
 
     def run(compiled):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
-                       loss_scale="dynamic", verbosity=0)
-
-        def step(x, y):
-            loss = ((model(x).float() - y) ** 2).mean()
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss.detach()
-
-        step = torch.compile(step, backend="eager") if compiled else step
+        model, opt, step = _mlp_training_step(
+            "O2", functools.partial(torch.optim.SGD, momentum=0.9), compiled)
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
                    for _ in range(12)]
