@@ -620,16 +620,17 @@ def scale_loss(
     for s in states:
         s.scale_loss_open = True
     try:
+        # (Made before any gradient is set aside: its failure leaves nothing to give back.)
+        if device is not None:
+            scaled = loss.float() * scale
+        else:
+            scaled = loss.float() if scale == 1.0 else loss.float() * scale
         for s in states:
             s.before_backward(scaler, scale)
         # Other optimizers (this call's, or another call's), whose parameters this backward
         # may reach too (a loss through two models given one optimizer here): what it
         # writes there stays scaled, and their step() is refused on it.
         watches, block, block_hook = [], None, None
-        if device is not None:
-            scaled = loss.float() * scale
-        else:
-            scaled = loss.float() if scale == 1.0 else loss.float() * scale
         if scaler.dynamic or scaler.loss_scale != 1.0:
             others = _other_optimizer_states(amp_state, states)
             if others:
