@@ -499,8 +499,8 @@ class _AmpModule:
 _OWN_MASTERS = "_mixprec_own_masters"
 # A forward set on the instance before initialize (``model.forward = functools.partial(
 # model.forward, ...)``, a library's output wrapper), which hid the class's forward that amp
-# wraps: amp moves it here and calls it inside its casts (see _swap_class); and the flag that
-# how many calls are inside it (which threads: _IN_INSTANCE_FORWARDS).
+# wraps: amp moves it here and calls it inside its casts (see _swap_class); and a flag counting
+# the calls inside it (which threads: _IN_INSTANCE_FORWARDS).
 _INSTANCE_FORWARD = "_mixprec_instance_forward"
 _IN_INSTANCE_FORWARD = "_mixprec_in_instance_forward"
 

@@ -179,8 +179,8 @@ def set_aside_grads(params) -> List[torch.Tensor]:
 def _set_aside_by_id() -> Dict[int, torch.Tensor]:
     """The gradients ``scale_loss`` blocks hold aside, by their parameter's ``id``."""
     aside = {}
-    for state in _live_states():  # (an optimizer and its hook target
-        for p, g in state._stash:                   # share one state: setdefault)
+    for state in _live_states():  # (an optimizer and its hook target share one state:
+        for p, g in state._stash:     # setdefault)
             if g is not None:
                 aside.setdefault(id(p), g)
     return aside
