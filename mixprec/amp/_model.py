@@ -578,18 +578,20 @@ def _in_instance_forward(module: nn.Module) -> bool:
     """Whether this call comes from inside ``module``'s instance forward (amp's forward asks
     only while the module's flag is set: see _run_instance_forward)."""
     if is_compiling():
-        return module.__dict__.get(_IN_INSTANCE_FORWARD) == _TRACED_INSIDE
+        return getattr(module, _IN_INSTANCE_FORWARD, False) == _TRACED_INSIDE
     return (id(module), threading.get_ident()) in _IN_INSTANCE_FORWARDS
 
 
 def _run_instance_forward(module: nn.Module, forward: Callable, *args, **kwargs):
     if is_compiling():
-        already = module.__dict__.get(_IN_INSTANCE_FORWARD, False)
-        module.__dict__[_IN_INSTANCE_FORWARD] = _TRACED_INSIDE
+        # (Attribute access, not the instance dict: Dynamo before 2.7 cannot trace a store
+        # into a module's __dict__, which broke fullgraph=True.)
+        already = getattr(module, _IN_INSTANCE_FORWARD, False)
+        setattr(module, _IN_INSTANCE_FORWARD, _TRACED_INSIDE)
         try:
             return forward(*args, **kwargs)
         finally:
-            module.__dict__[_IN_INSTANCE_FORWARD] = already
+            setattr(module, _IN_INSTANCE_FORWARD, already)
     key = (id(module), threading.get_ident())
     with _IN_INSTANCE_FORWARDS_LOCK:
         depth = _IN_INSTANCE_FORWARDS.get(key, 0)

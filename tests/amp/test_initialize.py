@@ -1781,11 +1781,12 @@ def test_compiled_models_with_instance_forwards_share_their_graph():
     torch._dynamo.reset()
     counters.clear()
     with torch.no_grad():
-        got = [torch.compile(b, backend="eager")(x) for b in blocks for _ in range(2)]
+        got = [torch.compile(b, backend="eager", fullgraph=True)(x)
+               for b in blocks for _ in range(2)]
     if tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 10):
-        # (Dynamo before 2.10 breaks the graph at the instance forward's mark in the module's
-        # __dict__ and compiles a frame per module, with or without this bookkeeping: 9
-        # graphs on 2.4-2.6, 4 on 2.9, as at 90f2c87.)
+        # (Dynamo before 2.10 compiles a graph per module object here, with or without this
+        # bookkeeping. Before 2.7 it could not trace the mark's store into the module's
+        # __dict__ either: fullgraph=True raised, and each call broke its graph there.)
         assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     for i, out in enumerate(got):
         torch.testing.assert_close(out, want[i // 2], rtol=0, atol=0)
