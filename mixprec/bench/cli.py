@@ -239,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
         ('gpt', 5)
     """
     parser = argparse.ArgumentParser(prog="mixprec", description="mixprec command line tools.")
+    parser.add_argument("--version", action="version", version=f"mixprec {_mixprec_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     bench = sub.add_parser(
@@ -415,6 +416,12 @@ def _err(message: str) -> None:
         _to_devnull(sys.stderr)
 
 
+def _mixprec_version() -> str:
+    import mixprec
+
+    return mixprec.__version__
+
+
 def _progress(total: int, enabled: bool, label=lambda mode: mode):
     """A tqdm bar and its per-step callback, or (None, None). ``label(mode)``: the mode's name
     as the table shows it (``.bfloat16()``, not the runner's ``half``)."""
@@ -423,7 +430,8 @@ def _progress(total: int, enabled: bool, label=lambda mode: mode):
     try:
         from tqdm.auto import tqdm
     except ImportError:
-        _err("(no progress bar: install tqdm, e.g. pip install 'mixprec[bench]')")
+        if sys.stderr.isatty():  # (tqdm would show no bar elsewhere either)
+            _err("(no progress bar: install tqdm, e.g. pip install 'mixprec[bench]')")
         return None, None
     # disable=None: no bar when stderr is not a terminal (logs, CI), so they stay clean.
     bar = tqdm(

@@ -247,6 +247,18 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def _torchvision_requirement() -> str:
+    """The pip requirement of the torchvision release made with this torch (torch 2.N pairs
+    with torchvision 0.(N+15)), with the CPU or CUDA index left to the user's pip setup."""
+    try:
+        major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return "pip install torchvision"
+    if major != 2:
+        return "pip install torchvision"
+    return f"pip install 'torchvision==0.{minor + 15}.*'"
+
+
 def resnet50(num_classes: int = 1000) -> nn.Module:
     """torchvision's ResNet-50, randomly initialised.
 
@@ -258,8 +270,9 @@ def resnet50(num_classes: int = 1000) -> nn.Module:
     except ImportError:
         raise RuntimeError(
             "--model resnet50 needs torchvision, which is not installed; install the "
-            "torchvision build matching your torch (pip install torchvision) or pick "
-            "--model cnn / --model gpt."
+            f"torchvision release matching your torch {torch.__version__} "
+            f"({_torchvision_requirement()}: a plain `pip install torchvision` may replace "
+            "torch with its newest build) or pick --model cnn / --model gpt."
         ) from None
     return torchvision.models.resnet50(weights=None, num_classes=num_classes)
 

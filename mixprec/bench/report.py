@@ -206,7 +206,8 @@ def unsteady_timing_note(results: Sequence[ModeResult]) -> Optional[str]:
         f"unsteady timing: the step times of {', '.join(unsteady)} varied by more than "
         f"{UNSTEADY_IQR:.0%} of their median (interquartile range; the JSON has the spread), "
         "so the speed-ups involving them are not reliable: the machine was busy, or the steps "
-        "are too short to time. Re-run on an idle machine, or with more --iters."
+        "are too short to time. Re-run on an idle machine, or with more --iters (on a busy "
+        "CPU, OMP_NUM_THREADS=1 keeps PyTorch's threads from waiting on each other)."
     )
 
 

@@ -240,7 +240,32 @@ def test_resnet50_without_torchvision_is_a_clear_error(monkeypatch, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--model", "resnet50", *FAST])
     assert exc.value.code == 2
-    assert "needs torchvision" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "needs torchvision" in err
+    # The release made with this torch (a bare `pip install torchvision` pulled the newest
+    # torch, multi-GB CUDA build included, over a pinned one).
+    minor = int(torch.__version__.split(".")[1])
+    assert f"torchvision==0.{minor + 15}.*" in err
+
+
+@pytest.mark.parametrize("version,want", [
+    ("2.4.1+cu121", "torchvision==0.19.*"), ("2.13.0+cpu", "torchvision==0.28.*"),
+    ("2.6.0", "torchvision==0.21.*"), ("3.0.0", "pip install torchvision"),
+    ("weird", "pip install torchvision")])
+def test_torchvision_requirement_follows_torch(monkeypatch, version, want):
+    from mixprec.bench import models
+
+    monkeypatch.setattr(torch, "__version__", version)
+    assert want in models._torchvision_requirement()
+
+
+def test_version_flag(capsys):
+    import mixprec
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"mixprec {mixprec.__version__}"
 
 
 def test_batch_too_large_for_memory_names_the_option(monkeypatch, capsys):
