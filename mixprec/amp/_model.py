@@ -1404,7 +1404,9 @@ def registered_since(count: int) -> Optional[Set[int]]:
     that is not known any more (too many since, or ``count`` is from before the counting)."""
     if count < 0 or _parameter_registrations - count > len(_recent_registrations):
         return None
-    return {pid for n, pid in _recent_registrations if n > count}
+    # (A tuple taken in one step: another thread building a model appends meanwhile, and a
+    # walk of the deque itself failed with "deque mutated during iteration".)
+    return {pid for n, pid in tuple(_recent_registrations) if n > count}
 
 
 def follow_renames_in(model: nn.Module) -> None:

@@ -62,8 +62,10 @@ def _live_states() -> List[_OptimizerState]:
     """The states of the live optimizers, as a list taken at once: WeakKeyDictionary's own
     ``values()`` is a generator, which another thread's ``initialize`` (an insertion) made
     fail with "dictionary changed size during iteration" (a ``zero_grad`` of an unrelated
-    model). A copy of the underlying dict is one step under the GIL."""
-    return [state for ref, state in list(_OPTIMIZER_STATES.data.items())
+    model). ``dict.copy`` of the underlying dict is one step under the GIL and allocates
+    nothing while it walks it (``list(d.items())`` makes a tuple per entry, at which the
+    garbage collector can run a dead optimizer's removal callback in mid-walk)."""
+    return [state for ref, state in _OPTIMIZER_STATES.data.copy().items()
             if ref() is not None]
 
 

@@ -1630,49 +1630,68 @@ def test_torch_jit_script_says_what_works_and_the_restored_copy_scripts(opt_leve
     torch.testing.assert_close(model(x), want, rtol=0, atol=0)
 
 
-def test_initialize_in_one_thread_does_not_break_zero_grad_in_another():
-    # amp's registry of optimizer states was walked through WeakKeyDictionary.values(), a
-    # generator: an initialize in another thread (a new trial) made a model.zero_grad() in a
-    # training thread fail with "dictionary changed size during iteration".
+def test_initialize_in_other_threads_does_not_break_training_in_one():
+    # Trials initialized in two threads (a hyper-parameter search) while a third trains: amp's
+    # registry of optimizer states was walked through WeakKeyDictionary.values(), a generator
+    # (an insertion from another thread: "dictionary changed size during iteration" in
+    # model.zero_grad()), then through list(d.items()), during which the garbage collector
+    # ran a dead optimizer's removal callback (the same error, in initialize); the deque of
+    # recent parameter registrations was walked while another thread built a model ("deque
+    # mutated during iteration" in optimizer.step()).
+    import gc
     import sys
     import threading
 
     def make(level, seed):
         torch.manual_seed(seed)
-        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        m = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
         return amp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), opt_level=level,
                               dtype=torch.bfloat16, verbosity=0)
 
-    live = [make("O1", i) for i in range(100)]  # (other jobs alive in the process)
-    model, _ = make("O2", 0)
+    live = [make("O1", 1000 + i) for i in range(150)]  # (other jobs alive in the process)
+    model, opt = make("O2", 0)
+    x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
     errors, done = [], threading.Event()
 
-    def zeroing():
+    def training():
         try:
             while not done.is_set():
                 model.zero_grad()
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                opt.step()
         except RuntimeError as e:
             errors.append(e)
 
-    def initializing():
+    def initializing(offset):
         try:
-            for i in range(150):
-                live.append(make(("O1", "O2")[i % 2], i))
-        finally:
-            done.set()
+            for i in range(250):
+                m, o = make(("O1", "O2", "O3")[i % 3], offset + i)
+                m.zero_grad()
+                del m, o
+                if i % 50 == 0:
+                    gc.collect()
+        except RuntimeError as e:
+            errors.append(e)
 
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
-        threads = [threading.Thread(target=zeroing), threading.Thread(target=initializing)]
-        for t in threads:
+        trainer = threading.Thread(target=training)
+        trainer.start()
+        trials = [threading.Thread(target=initializing, args=(k * 1000,)) for k in (1, 2)]
+        for t in trials:
             t.start()
-        for t in threads:
+        for t in trials:
             t.join(timeout=120)
     finally:
+        done.set()
+        trainer.join(timeout=60)
         sys.setswitchinterval(interval)
     assert not errors, errors
-    assert len(live) == 250
+    assert len(live) == 150
 
 
 class _GatedNet(nn.Module):
