@@ -509,6 +509,86 @@ def test_apex_amp_scaler_loss_scaler_has_apexs_interface(clean_apex):
         scaler.unscale([g, g], [g], None)
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_hand_made_master_weight_stepper_on_apexs_loss_scaler_trains_as_amp_o2(
+        clean_apex, accumulate):
+    # The pattern of Apex-era GPT trainers' own fp16 optimizer wrappers: masters kept by hand,
+    # the loss scaled by loss_scale(), unscale() into fresh master gradients and
+    # unscale_with_stashed() onto the kept ones, update_scale() deciding the skip. Checked
+    # against amp O2 (bf16 on the CPU, a dynamic scale, two steps poisoned with an inf): the
+    # same skips and bit-identical masters.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    def batch(i, poison):
+        g = torch.Generator().manual_seed(i)
+        x, y = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+        if poison:
+            x[0, 0] = float("inf")
+        return x, y
+
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 3))
+
+    def poisoned(step, micro):
+        return step in (2, 5) and micro == accumulate - 1
+
+    model = make()
+    masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    half = model.to(torch.bfloat16)
+    params = list(half.parameters())
+    opt = torch.optim.SGD(masters, lr=0.1, momentum=0.9)
+    scaler = LossScaler("dynamic", init_scale=2.0**8, scale_window=3, min_loss_scale=1.0)
+    skipped = []
+    for step in range(8):
+        scaler.clear_overflow_state()
+        for m in masters:
+            m.grad = None
+        for micro in range(accumulate):
+            x, y = batch(step * accumulate + micro, poisoned(step, micro))
+            loss = ((half(x.bfloat16()).float() - y) ** 2).mean()
+            (loss * scaler.loss_scale()).backward()
+            grads = [p.grad for p in params]
+            if masters[0].grad is None:
+                for m in masters:
+                    m.grad = torch.empty_like(m)
+                scaler.unscale(grads, [m.grad for m in masters], scaler.loss_scale())
+            else:
+                kept = [m.grad for m in masters]
+                scaler.unscale_with_stashed(grads, kept, kept)
+            for p in params:
+                p.grad = None
+        skipped.append(scaler.update_scale())
+        if not skipped[-1]:
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+
+    ref = make()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", dtype=torch.bfloat16,
+                                  loss_scale="dynamic", verbosity=0)
+    amp._amp_state.loss_scalers[0]._loss_scale = 2.0**8
+    amp._amp_state.loss_scalers[0]._scale_seq_len = 3
+    ref_skipped = []
+    for step in range(8):
+        ref_opt.zero_grad()
+        for micro in range(accumulate):
+            x, y = batch(step * accumulate + micro, poisoned(step, micro))
+            with amp.scale_loss(((ref(x).float() - y) ** 2).mean(), ref_opt) as scaled:
+                scaled.backward()
+        ref_opt.step()
+        ref_skipped.append(amp.step_was_skipped(ref_opt))
+    assert skipped == ref_skipped and skipped.count(True) == 2
+    for got, want in zip(masters, amp.master_params(ref_opt)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_fp16_utils_master_weights_on_random_models(clean_apex):
     # Seeded random models (nested, BatchNorm affine or not, RNNs, frozen and fp64 parameters)
     # through Apex's hand-made master-weight loop, flat and not, with PyTorch's
