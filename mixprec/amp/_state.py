@@ -156,6 +156,8 @@ def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
             # (A window held by delay_unscale that this drops: what its first backward set
             # aside goes at the next backward, its gradients having changed: before_backward.)
             state.keeps_grads(not set_to_none)
+            if state.grads_scaled and not set_to_none:
+                state._held_zeroed = True
 
 
 def set_aside_grads(params) -> List[torch.Tensor]:
@@ -661,6 +663,9 @@ class _OptimizerState:
         self.plain: List[torch.Tensor] = []
         self.known_params = 0
         self.grads_scaled = False
+        # A held window (grads_scaled) zeroed in place since by a zero_grad(set_to_none=False),
+        # the optimizer's or the model's: dropped, as the zero_grad meant (see _pre_step).
+        self._held_zeroed = False
         # The last zero_grad (the optimizer's, or an amp model's) kept gradient tensors
         # (set_to_none=False): a master that had a gradient since then and has none at a
         # step is given a zero one (momentum, weight decay go on moving it), as fp32
@@ -968,6 +973,7 @@ class _OptimizerState:
                         p.grad.zero_()
                     else:
                         p.grad = None
+            self._held_zeroed = True
         self.keeps_grads(not set_to_none)
         self.foreign_scaled = {}
 
@@ -1090,6 +1096,7 @@ class _OptimizerState:
     def hold_scaled(self, scaler: LossScaler, scale) -> None:
         """Leave this backward's gradients scaled in place (delay_unscale, or no_sync())."""
         self.grads_scaled = True
+        self._held_zeroed = False
         if self._stash:
             # What each parameter set aside has now, to see at the next backward whether the
             # caller dropped the window meanwhile (p.grad = None, a zero_ in place).
@@ -1262,6 +1269,11 @@ class _OptimizerState:
         self.held_scaler = self.held_scale = None
         return flags
 
+    def _held_grads_gone(self) -> bool:
+        """Whether every gradient a held window kept scaled is gone (``p.grad = None``)."""
+        return (all(p.grad is None for p, _ in self.pairs)
+                and all(p.grad is None for p in self.plain))
+
     def _refuse_reshaped(self) -> None:
         """Raise the clear error for a half parameter whose shape changed after
         ``initialize``, if there is one (the error path only: named through the models)."""
@@ -1300,6 +1312,17 @@ class _OptimizerState:
             # updating the fp32 masters in between: each evaluation must see the half model
             # made from the masters as they are then, not as they were when step() began.
             replaced = self._synced_closure(closure)
+        if self.grads_scaled and (self._held_zeroed or self._held_grads_gone()):
+            # The held window was dropped (zero_grad, set_to_none=False included, the model's
+            # zero_grad, p.grad = None): nothing scaled is left to step on. The step runs on
+            # what the optimizer holds, as after a zero_grad in fp32 training.
+            for p, _ in self.pairs:
+                p.grad = None
+            self.grads_scaled = False
+            self._held_zeroed = False
+            self._stash = []
+            self._set_aside = False
+            self.held_scaler = self.held_scale = None
         if self.grads_scaled:
             raise RuntimeError(
                 "optimizer.step() was called right after amp.scale_loss(..., delay_unscale=True) "

@@ -1314,6 +1314,54 @@ def test_a_compiled_training_step_does_not_recompile_as_the_dynamic_scale_moves(
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("drop", ["opt", "opt-keep", "model", "model-keep", "none"])
+def test_a_dropped_delay_unscale_window_lets_the_step_run(opt_level, drop):
+    # A window held by delay_unscale=True, dropped (leftover micro-batches at the end of an
+    # epoch) as the README says it may be, then step(): only the optimizer's zero_grad()
+    # with set_to_none=True let the step run; zero_grad(set_to_none=False), the model's
+    # zero_grad and p.grad = None left it refused as "right after delay_unscale". The step
+    # now equals the same run without the window (bf16, a static scale of 128).
+    def run(window):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                    loss_scale=128.0, verbosity=0)
+        g = torch.Generator().manual_seed(1)
+        xs = [torch.randn(4, 6, generator=g) for _ in range(3)]
+        for x in xs[:2]:  # (a step, so that momentum and the masters' gradients exist)
+            with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+        opt.step()
+        with amp.scale_loss(model(xs[2]).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        if window:
+            with amp.scale_loss(model(xs[0]).float().pow(2).mean(), opt,
+                                delay_unscale=True) as scaled:
+                scaled.backward()
+        else:
+            with torch.no_grad():
+                model(xs[0])  # (BatchNorm's running statistics move alike)
+        if drop == "opt":
+            opt.zero_grad()
+        elif drop == "opt-keep":
+            opt.zero_grad(set_to_none=False)
+        elif drop == "model":
+            model.zero_grad()
+        elif drop == "model-keep":
+            model.zero_grad(set_to_none=False)
+        else:
+            for p in [*model.parameters(), *amp.master_params(opt)]:
+                p.grad = None
+        opt.step()
+        return model.state_dict()
+
+    want, got = run(False), run(True)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
 def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
     # FusedAdam(set_grad_none=False).zero_grad() keeps gradient tensors by default: amp read
     # a zero_grad() without an argument as set_to_none=True and freed the masters' gradients.
