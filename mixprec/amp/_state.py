@@ -955,11 +955,7 @@ class _OptimizerState:
           later step where its parameter got none (see ``grad_tensors_kept``).
         """
         if self.grads_scaled and set_to_none:  # (else the half gradients are moved already)
-            for p, _ in self.pairs:
-                p.grad = None
-            self.grads_scaled = False  # (the optimizer cleared its own parameters' too)
-            self._stash = []  # (what a held backward set aside goes too)
-            self._set_aside = False
+            self._drop_held_window()  # (the optimizer cleared its own parameters' too)
         elif self.grads_scaled:
             # Zeroed in place, as the optimizer zeroed its own: still tensors, which torch's
             # DDP with find_unused_parameters=True needs for a parameter used in the dropped
@@ -1269,6 +1265,17 @@ class _OptimizerState:
         self.held_scaler = self.held_scale = None
         return flags
 
+    def _drop_held_window(self) -> None:
+        """Forget a window held scaled (delay_unscale, no_sync()): the half parameters'
+        gradients go, and what its first backward set aside goes with them."""
+        for p, _ in self.pairs:
+            p.grad = None
+        self.grads_scaled = False
+        self._held_zeroed = False
+        self._stash = []
+        self._set_aside = False
+        self.held_scaler = self.held_scale = None
+
     def _held_grads_gone(self) -> bool:
         """Whether every gradient a held window kept scaled is gone (``p.grad = None``)."""
         return (all(p.grad is None for p, _ in self.pairs)
@@ -1316,13 +1323,7 @@ class _OptimizerState:
             # The held window was dropped (zero_grad, set_to_none=False included, the model's
             # zero_grad, p.grad = None): nothing scaled is left to step on. The step runs on
             # what the optimizer holds, as after a zero_grad in fp32 training.
-            for p, _ in self.pairs:
-                p.grad = None
-            self.grads_scaled = False
-            self._held_zeroed = False
-            self._stash = []
-            self._set_aside = False
-            self.held_scaler = self.held_scale = None
+            self._drop_held_window()
         if self.grads_scaled:
             raise RuntimeError(
                 "optimizer.step() was called right after amp.scale_loss(..., delay_unscale=True) "
