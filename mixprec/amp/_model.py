@@ -1361,6 +1361,33 @@ def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     return hooks
 
 
+def _upcast_unhooked_halves(module: nn.Module, state_dict, prefix: str, local_metadata):
+    """State-dict hook of an O2/O3 model's root: the half entries of modules that have no
+    hooks of their own come out fp32 too (a half head put into the model after
+    ``initialize`` that no optimizer holds): the checkpoint is an fp32 model throughout.
+    Modules with hooks handle their own entries (masters, views); entries that are the
+    module's own tensors (``keep_vars=True``) stay."""
+    for path, sub in module.named_modules(remove_duplicate=False):
+        if "_mixprec_state_dict" in sub.__dict__:
+            continue
+        base = f"{prefix}{path}." if path else prefix
+        for name, tensor in itertools.chain(sub._parameters.items(), sub._buffers.items()):
+            entry = state_dict.get(base + name) if tensor is not None else None
+            if (isinstance(entry, torch.Tensor) and entry is not tensor
+                    and entry.dtype in _HALF_TYPES):
+                state_dict[base + name] = entry.float()
+    return state_dict
+
+
+def _install_root_upcast(model: nn.Module) -> None:
+    if any(hook is _upcast_unhooked_halves for hook in model._state_dict_hooks.values()):
+        return
+    handle = model._register_state_dict_hook(_upcast_unhooked_halves)
+    # (First, as the masters' hooks: a user's hook that renames keys sees fp32 entries.)
+    if isinstance(model._state_dict_hooks, collections.OrderedDict):
+        model._state_dict_hooks.move_to_end(handle.id, last=False)
+
+
 def master_weights(model: nn.Module) -> List[torch.Tensor]:
     """The fp32 master weights standing for ``model``'s parameters (O2 with an optimizer),
     each once (a tied weight has one master), in the order of ``model.modules()``."""
@@ -1583,6 +1610,7 @@ def convert_model(model: nn.Module, props, *, encloses: bool = False,
                     hooks.forget_all()
                     hooks.standalone = False
         _mark_parts(model)
+        _install_root_upcast(model)
         output_dtype = props.cast_model_outputs or torch.float32
         config = AmpForwardConfig(input_dtype=props.cast_model_type, output_dtype=output_dtype,
                                   device_type=device_type, renorm_master=renorm_model,

@@ -346,6 +346,48 @@ def test_a_head_put_in_after_initialize_saves_its_masters_and_resumes_bit_for_bi
         torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_half_module_put_in_after_initialize_without_the_optimizer_saves_fp32(
+        opt_level, dtype):
+    # A frozen half head (or a buffer-holding module) added after initialize, which no
+    # optimizer holds, has no masters and no state-dict hooks of its own: its entries came
+    # out half, mixing dtypes in a checkpoint that is an fp32 model everywhere else.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+    torch.manual_seed(5)
+    model.extra = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).to(dtype).requires_grad_(False)
+    model.extra.register_buffer("table", torch.randn(3, dtype=dtype))
+    sd = model.state_dict()
+    assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point()), {
+        k: v.dtype for k, v in sd.items()}
+    for name, tensor in list(model.extra.named_parameters()) + list(model.extra.named_buffers()):
+        torch.testing.assert_close(sd[f"extra.{name}"], tensor.float(), rtol=0, atol=0)
+    # The rest still the masters (O2) / the upcast half weights (O3).
+    expected = (next(iter(amp.master_params(opt))) if opt_level == "O2"
+                else model.features[0].weight.float())
+    torch.testing.assert_close(sd["features.0.weight"], expected, rtol=0, atol=0)
+    # Loads strict into the fp32 architecture, and back into the amp model as it was.
+    plain = make_cnn(seed=3)
+    plain.extra = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    plain.extra.register_buffer("table", torch.zeros(3))
+    plain.load_state_dict(sd, strict=True)
+    before = {k: v.clone() for k, v in model.extra.state_dict(keep_vars=True).items()}
+    model.extra.apply(lambda m: [t.data.zero_() for t in m.parameters(recurse=False)])
+    model.load_state_dict(sd, strict=True)
+    for k, v in model.extra.state_dict(keep_vars=True).items():
+        assert v.dtype == dtype
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
+    # keep_vars=True still gives the module's own tensors.
+    kept = model.state_dict(keep_vars=True)
+    assert kept["extra.0.weight"] is model.extra[0].weight
+    assert kept["extra.table"] is model.extra.table
+    # A copy (and a whole-model pickle) keeps the rule.
+    for other in (copy.deepcopy(model), saved_whole(model)):
+        assert other.state_dict()["extra.0.weight"].dtype == torch.float32
+
+
 def test_already_half_model_saves_and_loads_fp32_masters():
     model = make_cnn().half()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
