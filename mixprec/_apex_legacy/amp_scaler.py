@@ -27,6 +27,8 @@ __all__ = ["LossScaler"]
 class _FixedScale:
     """What :func:`mixprec.amp.scaler.unscale_grads_` reads from a scaler, for one pass."""
 
+    on_device = None  # (the scale is the host's)
+
     def __init__(self, loss_scale: float):
         self.loss_scale = loss_scale
         self._inv: Dict[torch.device, torch.Tensor] = {}

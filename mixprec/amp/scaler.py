@@ -351,6 +351,8 @@ def unscale_grads_(
         list of 0-dim fp32 tensors (one per device, 1.0 where an inf/NaN was seen) when
         ``check``; else None.
     """
+    if not check and scaler.on_device is None and scaler.loss_scale == 1.0:
+        return None  # (a static scale of 1, bf16's default: nothing to multiply or look for)
     found_by_device: Dict[torch.device, torch.Tensor] = {} if found is None else found
     for (device, dtype), group in _group_by_device_and_dtype(grads).items():
         inv = scaler.inv_scale(device)
