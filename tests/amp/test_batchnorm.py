@@ -31,9 +31,40 @@ def test_fp32_batchnorm_forward_backward(opt_level, keep, dtype, mode, device):
     model.train(mode == "train")
     for bn in _bns(model):
         assert bn.weight.dtype == torch.float32 and bn.running_mean.dtype == torch.float32
+    # Each BatchNorm's output and running statistics against PyTorch's batch_norm computed in
+    # fp32 on the same input, parameters and statistics, the output rounded to its dtype (the
+    # half activations go on to the next layer).
+    seen = []
+
+    def before(mod, args):
+        seen.append({"input": args[0].detach(), "weight": mod.weight.detach().clone(),
+                     "bias": mod.bias.detach().clone(), "mean": mod.running_mean.clone(),
+                     "var": mod.running_var.clone()})
+
+    def after(mod, args, out):
+        seen[-1].update(out=out.detach(), mean_after=mod.running_mean.clone(),
+                        var_after=mod.running_var.clone())
+
+    for bn in _bns(model):
+        bn.register_forward_pre_hook(before)
+        bn.register_forward_hook(after)
     x, y = batch(device)
     loss = train_step(model, opt, x, y, amp)
     assert torch.isfinite(loss)
+    assert len(seen) == len(_bns(model))
+    ulp = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
+    for bn, rec in zip(_bns(model), seen):
+        assert rec["input"].dtype == dtype and rec["out"].dtype == dtype
+        mean, var = rec["mean"].clone(), rec["var"].clone()
+        expected = torch.nn.functional.batch_norm(
+            rec["input"].float(), mean, var, rec["weight"], rec["bias"], mode == "train",
+            bn.momentum, bn.eps)
+        # (At most one rounding apart: PyTorch's kernel for half input with fp32 parameters
+        # may order its fp32 arithmetic differently.)
+        torch.testing.assert_close(rec["out"].float(), expected.to(dtype).float(),
+                                   rtol=ulp, atol=ulp * 1e-2)
+        torch.testing.assert_close(rec["mean_after"], mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(rec["var_after"], var, rtol=1e-5, atol=1e-6)
     for bn in _bns(model):
         assert bn.weight.dtype == torch.float32
     assert all(torch.isfinite(p).all() for p in model.parameters())
