@@ -247,13 +247,25 @@ def test_larc_clip_bounds_the_rate():
     torch.testing.assert_close(p.detach(), torch.full((4,), 10.0 - 0.5 * 1e-6))
 
 
-def test_larc_float32_and_bfloat16_params():
-    for dtype in (torch.float32, torch.bfloat16):
-        p = torch.nn.Parameter(torch.randn(8, dtype=dtype))
-        p.grad = torch.randn(8, dtype=dtype)
-        before = p.detach().clone()
-        LARC(torch.optim.SGD([p], lr=0.1)).step()
-        assert p.dtype == dtype and not torch.equal(p.detach(), before)
+@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_larc_step_on_float32_and_half_params_matches_float64(dtype, clip):
+    # Half parameters (O3, a .half() model): the trust ratio from fp32 norms, the step in the
+    # parameter's dtype, against the same step computed in float64 from the same values.
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, dtype=dtype))
+    p.grad = torch.randn(64, dtype=dtype) * 3
+    p64, g64 = p.detach().double(), p.grad.double()
+    lr, tc = 0.1, 0.02
+    LARC(torch.optim.SGD([p], lr=lr), trust_coefficient=tc, clip=clip).step()
+    ratio = tc * p64.norm() / (g64.norm() + 1e-8)
+    scale = torch.clamp(ratio / lr, max=1.0) if clip else ratio
+    expected = p64 - lr * scale * g64
+    assert p.dtype == dtype
+    # One rounding of the gradient's scaling and one of the update, in the parameter's dtype
+    # (without LARC's scaling the update is ~5x larger than these bounds).
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(p.detach().double(), expected, rtol=2 * eps, atol=2 * eps)
 
 
 def test_larc_shares_the_inner_optimizer_state():
