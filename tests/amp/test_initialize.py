@@ -964,9 +964,25 @@ def test_rejects_bad_verbosity_and_scale_bounds(kwargs, exc, match):
 def test_accepts_scale_bounds_as_ints_and_an_infinite_ceiling():
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # (bf16 with a dynamic scale: its range takes scales past 2**24 without overflowing.)
     amp.initialize(model, opt, opt_level="O1", min_loss_scale=1, max_loss_scale=float("inf"),
-                   verbosity=0)
-    train_step(model, opt, *batch(), amp)
+                   dtype=torch.bfloat16, loss_scale="dynamic", verbosity=0)
+    x, _ = batch()
+
+    def step(overflow):
+        opt.zero_grad()
+        loss = model(x).float().mean()
+        with amp.scale_loss(loss * float("inf") if overflow else loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        return amp.state_dict()["loss_scaler0"]["loss_scale"]
+
+    # The floor holds: 4 -> 2 -> 1 -> 1 on overflows.
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 0}})
+    assert [step(True) for _ in range(4)] == [2.0, 1.0, 1.0, 1.0]
+    # No ceiling: past the default 2**24 after a clean window.
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**30, "unskipped": 1999}})
+    assert step(False) == 2.0**31
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
