@@ -240,7 +240,17 @@ def test_o3_state_dict_is_upcast_fp32():
     amp.initialize(model, opt_level="O3", verbosity=0)
     sd = model.state_dict()
     assert all(v.dtype == torch.float32 for v in sd.values() if v.is_floating_point())
-    make_cnn().load_state_dict(sd, strict=True)
+    # The half values themselves, upcast (O3 has no masters).
+    own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    assert own.keys() == sd.keys()
+    for key, tensor in own.items():
+        assert tensor.dtype == (torch.float16 if tensor.is_floating_point() else torch.int64)
+        torch.testing.assert_close(sd[key], tensor.float() if tensor.is_floating_point()
+                                   else tensor, rtol=0, atol=0, msg=key)
+    plain = make_cnn(seed=7)
+    plain.load_state_dict(sd, strict=True)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(value, sd[key], rtol=0, atol=0, msg=key)
 
 
 def _run(opt_level, dtype, steps, checkpoint=None):
