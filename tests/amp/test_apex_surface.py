@@ -784,14 +784,24 @@ def test_sparse_gradients_under_dynamic_scaling(opt_level, dtype):
 def test_data_parallel_around_o2_model(device):
     if device.type == "cpu" and torch.cuda.is_available():
         pytest.skip("DataParallel requires the module on GPU 0 when CUDA is visible")
-    model = make_cnn(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
-    dp = nn.DataParallel(model)
-    x, y = batch(device, n=8)
-    loss = train_step(dp, opt, x, y, amp)
-    assert torch.isfinite(loss)
-    assert dp(x).dtype == torch.float32
+    def run(wrap):
+        model = make_cnn(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        # (One device: two GPUs' replicas would each see half the batch in BatchNorm.)
+        ids = [0] if device.type == "cuda" else None
+        net = nn.DataParallel(model, device_ids=ids) if wrap else model
+        x, y = batch(device, n=8)
+        losses = torch.stack([train_step(net, opt, x, y, amp) for _ in range(3)])
+        assert net(x).dtype == torch.float32
+        return losses, [m.detach().clone() for m in amp.master_params(opt)]
+
+    # The same as the model alone (one device: DataParallel calls the module itself).
+    (losses, masters), (ref_losses, ref_masters) = run(True), run(False)
+    assert torch.isfinite(losses).all()
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=0)
+    for mine, ref in zip(masters, ref_masters):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=0)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="requires 2 GPUs")
