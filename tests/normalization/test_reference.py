@@ -1,0 +1,58 @@
+"""mixprec's plain-PyTorch norm path (``mixprec.normalization.reference``) against PyTorch's own
+``layer_norm`` / ``rms_norm`` in float64 under autograd. The Triton kernels' tests compare with
+this path's statistics-level interface (mean, rstd, a backward from the saved output), so it is
+grounded here."""
+
+import pytest
+import torch
+
+from mixprec.normalization import reference
+
+from .helpers import float64_reference, make_input, make_params
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_module_level_functions_match_torch_in_float64(kind, affine):
+    x = make_input((7, 3, 10), torch.float64, "cpu")
+    w, b = make_params((3, 10), torch.float64, "cpu", affine)
+    dy = make_input((7, 3, 10), torch.float64, "cpu", seed=4)
+    want = float64_reference(kind, x, (3, 10), w, b, dy)
+    x = x.detach().requires_grad_(True)
+    if kind == "layer":
+        y = reference.layer_norm(x, [3, 10], w, b, 1e-5)
+    else:
+        y = reference.rms_norm(x, [3, 10], w, 1e-5)
+    y.backward(dy)
+    got = (y.detach(), x.grad, w.grad if affine else None,
+           b.grad if affine and kind == "layer" else None)
+    for g, r in zip(got, want):
+        if r is None:
+            continue
+        torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("from_y", [False, True])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_statistics_interface_matches_torch_in_float64(kind, from_y):
+    # norm_forward's y, mean and rstd, and norm_backward's dx, dweight, dbias from the saved
+    # input or the saved output: what the kernels are checked against.
+    is_rms = kind == "rms"
+    m, n = 13, 24
+    x = make_input((m, n), torch.float64, "cpu")
+    dy = make_input((m, n), torch.float64, "cpu", seed=5)
+    w, b = (t.detach() for t in make_params((n,), torch.float64, "cpu", True))
+    b = None if is_rms else b
+    y, mean, rstd = reference.norm_forward(x, w, b, 1e-5, is_rms, torch.float64)
+    y_ref, dx_ref, dw_ref, db_ref = float64_reference(kind, x, (n,), w, b, dy)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    var = (x * x).mean(-1) if is_rms else x.var(-1, unbiased=False)
+    torch.testing.assert_close(rstd, (var + 1e-5).rsqrt(), rtol=1e-12, atol=1e-12)
+    if not is_rms:
+        torch.testing.assert_close(mean, x.mean(-1), rtol=1e-12, atol=1e-12)
+    dx, dw, db = reference.norm_backward(dy, y if from_y else x, w, b, mean, rstd, is_rms,
+                                         from_y, torch.float64, True, not is_rms)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dw, dw_ref, rtol=1e-10, atol=1e-10)
+    if not is_rms:
+        torch.testing.assert_close(db, db_ref, rtol=1e-10, atol=1e-10)
