@@ -447,7 +447,7 @@ def test_a_model_and_its_own_part_in_one_call(opt_level, order, device, monkeypa
     for (k, v), (k_ref, v_ref) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert k == k_ref and v.dtype == v_ref.dtype and torch.equal(v, v_ref), k
     # An error inside the outer's forward leaves no count behind.
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="channels"):
         model(torch.randn(2, 5, 8, 8, device=device))
     assert model.features(x).dtype == torch.float32
 
