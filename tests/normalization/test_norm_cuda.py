@@ -18,7 +18,7 @@ from mixprec.normalization import (
     reference,
 )
 
-from .helpers import make_input, make_params, requires_cuda, run_and_compare
+from .helpers import make_input, make_params, requires_cuda, run_and_compare, tolerance
 
 pytestmark = requires_cuda
 
@@ -160,5 +160,7 @@ def test_backward_loop_variants(kind, prefetch, stages):
                                True, config=cfg)
         want = reference.norm_backward(dy, xy, w, b, mean, rstd, is_rms, from_y,
                                        torch.bfloat16, True, True)
-        for g, r in zip(got, want):
+        # dx: one bf16 rounding apart; dw, db: fp32 sums over 2000 rows of order 1 (~45).
+        torch.testing.assert_close(got[0].float(), want[0].float(), **tolerance(torch.bfloat16))
+        for g, r in zip(got[1:], want[1:]):
             torch.testing.assert_close(g.float(), r.float(), atol=0.1, rtol=2e-2)
