@@ -1867,3 +1867,12 @@ def test_a_copy_or_compiled_call_made_while_a_thread_is_inside_the_instance_forw
     torch._dynamo.reset()
     for name, out in got.items():
         torch.testing.assert_close(out, want, rtol=0, atol=0, msg=name)
+
+
+def test_initialize_refuses_a_bool_num_losses():
+    # frontend.py:341 (the bool test removed): num_losses=True is an int to isinstance and was
+    # taken as 1; the check names it as not an int >= 1.
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"num_losses=True\): must be an int >= 1"):
+        amp.initialize(model, opt, opt_level="O1", num_losses=True, verbosity=0)

@@ -406,3 +406,24 @@ def test_same_addresses_with_other_sizes_cover_every_element(dev):
         mt.cast_unscale_check_([src[:n]], [dst[:n]], inv, found)
         _assert_exact(dst[:n], src[:n], inv)
     assert float(found) == 0.0
+
+
+def test_the_host_table_cache_evicts_its_oldest_entries():
+    # _multi_tensor.py:337 (eviction removed): tensors at new addresses every step (changing
+    # shapes, a re-created optimizer) grew the cache of host tables without bound.
+    import numpy as np
+
+    from mixprec.amp import _multi_tensor as mt
+
+    saved = dict(mt._TABLES)
+    mt._TABLES.clear()
+    try:
+        keys = [("r48A-test", i) for i in range(mt._MAX_TABLES + 5)]
+        for key in keys:
+            mt.cached_table(key, lambda: np.zeros((1, 4), dtype=np.int64), torch.device("cpu"),
+                            (0, 1))
+        assert len(mt._TABLES) == mt._MAX_TABLES
+        assert list(mt._TABLES) == keys[-mt._MAX_TABLES:]  # the oldest went first
+    finally:
+        mt._TABLES.clear()
+        mt._TABLES.update(saved)

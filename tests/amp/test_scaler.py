@@ -1,6 +1,8 @@
 import pytest
 import torch
+from torch import nn
 
+from mixprec import amp
 from mixprec.amp.scaler import LossScaler, unscale_grads_
 
 
@@ -287,3 +289,99 @@ def test_set_state_of_one_value_keeps_the_other(on_device):
     assert s.state_dict() == {"loss_scale": 2.0**19, "unskipped": 3}
     s.update_on_device(torch.zeros(())) if on_device else s.update(False)  # the 4th: growth
     assert s.state_dict() == {"loss_scale": 2.0**20, "unskipped": 0}
+
+
+@pytest.mark.parametrize("kwargs", [dict(loss_scale=float("inf")), dict(init_scale=float("inf")),
+                                    dict(min_loss_scale=float("inf"), max_loss_scale=float("inf"))])
+def test_an_infinite_scale_is_refused(kwargs):
+    # scaler.py:30 (`number < math.inf` -> `<=`): a static scale of inf made every gradient inf.
+    with pytest.raises(ValueError, match=r"must be a finite number > 0"):
+        LossScaler(**kwargs)
+
+
+def test_default_ceiling_is_two_to_the_24():
+    # scaler.py:81 (default max_loss_scale 2.**24, as documented and as Apex's).
+    s = LossScaler("dynamic", init_scale=2.0**22, scale_window=1)
+    for _ in range(5):
+        s.update(False)
+    assert s.loss_scale == 2.0**24
+
+
+def test_a_scale_factor_of_one_is_refused():
+    # scaler.py:88 (`1 < factor` -> `1 <=`): a factor of 1 never backs off, so a run that
+    # overflows skips every step for ever.
+    with pytest.raises(ValueError, match=r"scale_factor=1\): must be a finite number > 1"):
+        LossScaler("dynamic", scale_factor=1)
+
+
+def test_init_scale_below_the_floor_starts_at_the_floor():
+    # scaler.py:107 (init clamped to min_loss_scale): the first step used a scale below the
+    # floor the user asked for.
+    s = LossScaler("dynamic", init_scale=1.0, min_loss_scale=2.0**10, max_loss_scale=2.0**20)
+    assert s.loss_scale == 2.0**10
+
+
+def test_load_state_dict_refuses_a_count_of_minus_one():
+    # scaler.py:261 (`unskipped < 0` -> `< -1`): the boundary of the count check.
+    s = LossScaler("dynamic")
+    with pytest.raises(ValueError, match=r"unskipped=-1 must be an int >= 0"):
+        s.load_state_dict({"loss_scale": 1024.0, "unskipped": -1})
+    assert s.state_dict() == {"loss_scale": 2.0**16, "unskipped": 0}
+
+
+class _WithOffset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        self.offset = nn.Parameter(torch.zeros(4))
+
+
+def _penalty_second(model, x, y, backward):
+    # The offset enters the loss linearly: its gradient is a constant, without a graph, while
+    # the weights' gradients carry one (one fp32 group, mixed requires_grad).
+    backward(nn.functional.mse_loss(model.net(x).float(), y) + model.offset.sum())
+    assert not model.offset.grad.requires_grad and model.net[0].weight.grad.requires_grad
+    penalty = sum(p.grad.float().pow(2).sum() for p in model.parameters())
+    second = torch.autograd.grad(penalty, model.net[0].weight)[0]
+    model.zero_grad()
+    return second
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_unscale_is_recorded_when_a_group_mixes_graph_and_constant_gradients():
+    # scaler.py:364 (`any(g.requires_grad ...)` -> `all(...)`): one gradient without a graph
+    # in the (device, dtype) group sent the others through the fused kernel, which autograd
+    # does not record: the penalty's second derivative came out loss-scale times too large.
+    torch.manual_seed(1)
+    x, y = torch.randn(32, 8), torch.randn(32, 4)
+    ref = _WithOffset().double()
+    want = _penalty_second(ref, x.double(), y.double(),
+                           lambda loss: loss.backward(create_graph=True))
+    model = _WithOffset()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.float16,
+                                loss_scale="dynamic", verbosity=0)
+
+    def scaled_backward(loss):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward(create_graph=True)
+
+    got = _penalty_second(model, x, y, scaled_backward)
+    assert (got.double() - want).norm() <= 0.02 * want.norm()
+
+
+def test_a_backward_reaching_no_parameter_is_not_an_overflow():
+    # scaler.py:400 (any_flag_set([]) -> True): a backward that gives none of the optimizer's
+    # parameters a gradient (a loss not depending on the model, a frozen branch) halved the
+    # dynamic scale and skipped the step as if it had overflowed.
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", verbosity=0)
+    loss = (torch.randn(3, requires_grad=True) ** 2).sum()
+    with pytest.warns(UserWarning, match="none of the optimizer's parameters"):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    opt.step()
+    assert not amp.step_was_skipped(opt)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**16, "unskipped": 1}

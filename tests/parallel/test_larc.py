@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from mixprec.parallel import LARC
 
@@ -386,3 +387,56 @@ def test_larc_errors():
                 clip=np.bool_(False), eps=np.float64(1e-6))
     assert larc.clip is False and larc.trust_coefficient == pytest.approx(0.01)
     assert LARC(torch.optim.SGD([p], lr=0.1), clip=1).clip is True
+
+
+@pytest.mark.parametrize("kwargs", [dict(eps=0.0), dict(trust_coefficient=0)])
+def test_larc_takes_zero_eps_and_trust_coefficient(kwargs):
+    # larc.py:73 (`value < 0` -> `<= 0`): the documented range is ">= 0"; eps=0 is a common
+    # setting (no denominator guard), and was refused at the boundary by the mutant.
+    p = nn.Parameter(torch.ones(3))
+    larc = LARC(torch.optim.SGD([p], lr=0.1), **kwargs)
+    assert getattr(larc, next(iter(kwargs))) == 0.0
+
+
+def test_larc_norms_of_half_parameters_do_not_overflow():
+    # larc.py:139 (norms taken in the parameter's dtype): a half parameter (O3) whose norm
+    # passes fp16's 65504 got an inf trust ratio and an inf gradient (LARS, clip=False).
+    p = nn.Parameter(torch.full((10000,), 1000.0, dtype=torch.float16))  # ||p|| = 1e5
+    p.grad = torch.ones_like(p)  # ||g|| = 100
+    larc = LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=0.02, clip=False, eps=0.0)
+    larc._scale_gradients()
+    # local_lr = 0.02 * 1e5 / 100 = 20
+    assert torch.equal(p.grad, torch.full_like(p, 20.0))
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_larc_refuses_a_gradient_of_another_sparse_layout_by_name():
+    # larc.py:162 (the layout test removed): a CSR gradient reached coalesce() and failed there
+    # with PyTorch's own error instead of LARC's TypeError naming the layout. (`p.grad = csr`
+    # is refused by PyTorch itself, so the helper is called directly.)
+    p = nn.Parameter(torch.ones(3, 3))
+    with pytest.raises(TypeError, match=r"a gradient of layout torch.sparse_csr"):
+        LARC._grad_values(p, torch.eye(3).to_sparse_csr(), 0.0)
+
+
+def test_larc_leaves_a_group_without_weight_decay_without_one():
+    # larc.py:200 (`if value is not None` -> always): a group of an optimizer that has no
+    # weight_decay (a custom one) got weight_decay=None written in, and LARC's next step
+    # failed on float(None).
+    class PlainSGD(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, dict(lr=lr))
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+
+    p = nn.Parameter(torch.ones(3))
+    larc = LARC(PlainSGD([p], lr=0.1))
+    for _ in range(2):
+        p.grad = torch.ones(3)
+        larc.step()
+    assert "weight_decay" not in larc.param_groups[0]
