@@ -1876,3 +1876,30 @@ def test_initialize_refuses_a_bool_num_losses():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"num_losses=True\): must be an int >= 1"):
         amp.initialize(model, opt, opt_level="O1", num_losses=True, verbosity=0)
+
+
+def test_scale_bounds_out_of_order_are_named_as_initializes_before_any_change():
+    # frontend.py:357 (check_scale_order("amp.initialize", ...) deleted): the order was then
+    # refused only by LossScaler, late: the message named a class the user never called, and a
+    # model .half()-ed by the user had its BatchNorm cast back to fp32 before the error.
+    model = make_cnn().half()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ValueError, match=r"^amp\.initialize\(min_loss_scale=1024\.0, "
+                                             r"max_loss_scale=256\.0\): min_loss_scale must"):
+            amp.initialize(model, opt_level="O2", min_loss_scale=2.0**10,
+                           max_loss_scale=2.0**8, verbosity=0)
+    assert model.features[1].weight.dtype == torch.float16
+
+
+def test_an_already_half_model_gets_its_batchnorm_back_in_fp32_at_o2():
+    # (O2's keep_batchnorm_fp32: a model .half()-ed before initialize has its BatchNorm cast
+    # back to fp32, parameters and running statistics.)
+    model = make_cnn().half()
+    with pytest.warns(UserWarning, match="already torch.float16"):
+        amp.initialize(model, opt_level="O2", verbosity=0)
+    bn = model.features[1]
+    assert isinstance(bn, nn.BatchNorm2d)
+    for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var):
+        assert t.dtype == torch.float32
+    assert model.features[0].weight.dtype == torch.float16

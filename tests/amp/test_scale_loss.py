@@ -1849,3 +1849,20 @@ def test_the_fused_cast_takes_only_gradients_laid_out_as_their_masters(monkeypat
     assert ok([depthwise], [torch.empty_strided((8, 1, 3, 3), (9, 1, 3, 1))])
     assert not ok([half.transpose(2, 3)], [torch.empty(8, 4, 3, 3)])
     assert not ok([half, half.float()], [torch.empty(8, 4, 3, 3)] * 2)  # (not half)
+
+
+@pytest.mark.parametrize("shape", [(0,), (2,), (1, 0)])
+def test_a_loss_of_other_than_one_element_is_refused_on_entry(shape):
+    # frontend.py:497 (`loss.numel() != 1` -> `> 1`): an empty loss (a reduction over an empty
+    # dimension) went through, scaled, and failed later in backward with torch's "grad can be
+    # implicitly created only for scalar outputs" instead of amp's "must be a scalar".
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x, _ = batch()
+    loss = model(x).float().sum() * torch.ones(shape)
+    with pytest.raises(ValueError, match=r"amp\.scale_loss\(loss=\.\.\.\): got a tensor of "
+                                         r"shape .*; the loss must be a scalar"):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    assert all(p.grad is None for p in model.parameters())
