@@ -1870,8 +1870,8 @@ def test_a_copy_or_compiled_call_made_while_a_thread_is_inside_the_instance_forw
 
 
 def test_initialize_refuses_a_bool_num_losses():
-    # frontend.py:341 (the bool test removed): num_losses=True is an int to isinstance and was
-    # taken as 1; the check names it as not an int >= 1.
+    # (a mutation of frontend.py: the bool test removed): num_losses=True is an int to isinstance
+    # and was taken as 1; the check names it as not an int >= 1.
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"num_losses=True\): must be an int >= 1"):
@@ -1879,8 +1879,8 @@ def test_initialize_refuses_a_bool_num_losses():
 
 
 def test_scale_bounds_out_of_order_are_named_as_initializes_before_any_change():
-    # frontend.py:357 (check_scale_order("amp.initialize", ...) deleted): the order was then
-    # refused only by LossScaler, late: the message named a class the user never called, and a
+    # (a mutation of frontend.py: check_scale_order("amp.initialize", ...) deleted): the order was
+    # then refused only by LossScaler, late: the message named a class the user never called, and a
     # model .half()-ed by the user had its BatchNorm cast back to fp32 before the error.
     model = make_cnn().half()
     with warnings.catch_warnings():

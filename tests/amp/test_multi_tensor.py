@@ -409,8 +409,8 @@ def test_same_addresses_with_other_sizes_cover_every_element(dev):
 
 
 def test_the_host_table_cache_evicts_its_oldest_entries():
-    # _multi_tensor.py:337 (eviction removed): tensors at new addresses every step (changing
-    # shapes, a re-created optimizer) grew the cache of host tables without bound.
+    # (a mutation of _multi_tensor.py: eviction removed): tensors at new addresses every step
+    # (changing shapes, a re-created optimizer) grew the cache of host tables without bound.
     import numpy as np
 
     from mixprec.amp import _multi_tensor as mt

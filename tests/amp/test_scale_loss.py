@@ -1853,8 +1853,8 @@ def test_the_fused_cast_takes_only_gradients_laid_out_as_their_masters(monkeypat
 
 @pytest.mark.parametrize("shape", [(0,), (2,), (1, 0)])
 def test_a_loss_of_other_than_one_element_is_refused_on_entry(shape):
-    # frontend.py:497 (`loss.numel() != 1` -> `> 1`): an empty loss (a reduction over an empty
-    # dimension) went through, scaled, and failed later in backward with torch's "grad can be
+    # (a mutation of frontend.py: `loss.numel() != 1` -> `> 1`): an empty loss (a reduction over an
+    # empty dimension) went through, scaled, and failed later in backward with torch's "grad can be
     # implicitly created only for scalar outputs" instead of amp's "must be a scalar".
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -294,13 +294,14 @@ def test_set_state_of_one_value_keeps_the_other(on_device):
 @pytest.mark.parametrize("kwargs", [dict(loss_scale=float("inf")), dict(init_scale=float("inf")),
                                     dict(min_loss_scale=float("inf"), max_loss_scale=float("inf"))])
 def test_an_infinite_scale_is_refused(kwargs):
-    # scaler.py:30 (`number < math.inf` -> `<=`): a static scale of inf made every gradient inf.
+    # (a mutation of scaler.py: `number < math.inf` -> `<=`): a static scale of inf made every
+    # gradient inf.
     with pytest.raises(ValueError, match=r"must be a finite number > 0"):
         LossScaler(**kwargs)
 
 
 def test_default_ceiling_is_two_to_the_24():
-    # scaler.py:81 (default max_loss_scale 2.**24, as documented and as Apex's).
+    # (a mutation of scaler.py: default max_loss_scale 2.**24, as documented and as Apex's).
     s = LossScaler("dynamic", init_scale=2.0**22, scale_window=1)
     for _ in range(5):
         s.update(False)
@@ -308,21 +309,21 @@ def test_default_ceiling_is_two_to_the_24():
 
 
 def test_a_scale_factor_of_one_is_refused():
-    # scaler.py:88 (`1 < factor` -> `1 <=`): a factor of 1 never backs off, so a run that
-    # overflows skips every step for ever.
+    # (a mutation of scaler.py: `1 < factor` -> `1 <=`): a factor of 1 never backs off, so a run
+    # that overflows skips every step for ever.
     with pytest.raises(ValueError, match=r"scale_factor=1\): must be a finite number > 1"):
         LossScaler("dynamic", scale_factor=1)
 
 
 def test_init_scale_below_the_floor_starts_at_the_floor():
-    # scaler.py:107 (init clamped to min_loss_scale): the first step used a scale below the
-    # floor the user asked for.
+    # (a mutation of scaler.py: init clamped to min_loss_scale): the first step used a scale below
+    # the floor the user asked for.
     s = LossScaler("dynamic", init_scale=1.0, min_loss_scale=2.0**10, max_loss_scale=2.0**20)
     assert s.loss_scale == 2.0**10
 
 
 def test_load_state_dict_refuses_a_count_of_minus_one():
-    # scaler.py:261 (`unskipped < 0` -> `< -1`): the boundary of the count check.
+    # (a mutation of scaler.py: `unskipped < 0` -> `< -1`): the boundary of the count check.
     s = LossScaler("dynamic")
     with pytest.raises(ValueError, match=r"unskipped=-1 must be an int >= 0"):
         s.load_state_dict({"loss_scale": 1024.0, "unskipped": -1})
@@ -350,8 +351,8 @@ def _penalty_second(model, x, y, backward):
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_create_graph_unscale_is_recorded_when_a_group_mixes_graph_and_constant_gradients():
-    # scaler.py:364 (`any(g.requires_grad ...)` -> `all(...)`): one gradient without a graph
-    # in the (device, dtype) group sent the others through the fused kernel, which autograd
+    # (a mutation of scaler.py: `any(g.requires_grad ...)` -> `all(...)`): one gradient without a
+    # graph in the (device, dtype) group sent the others through the fused kernel, which autograd
     # does not record: the penalty's second derivative came out loss-scale times too large.
     torch.manual_seed(1)
     x, y = torch.randn(32, 8), torch.randn(32, 4)
@@ -372,9 +373,9 @@ def test_create_graph_unscale_is_recorded_when_a_group_mixes_graph_and_constant_
 
 
 def test_a_backward_reaching_no_parameter_is_not_an_overflow():
-    # scaler.py:400 (any_flag_set([]) -> True): a backward that gives none of the optimizer's
-    # parameters a gradient (a loss not depending on the model, a frozen branch) halved the
-    # dynamic scale and skipped the step as if it had overflowed.
+    # (a mutation of scaler.py: any_flag_set([]) -> True): a backward that gives none of the
+    # optimizer's parameters a gradient (a loss not depending on the model, a frozen branch) halved
+    # the dynamic scale and skipped the step as if it had overflowed.
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", verbosity=0)

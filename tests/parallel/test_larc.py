@@ -391,16 +391,16 @@ def test_larc_errors():
 
 @pytest.mark.parametrize("kwargs", [dict(eps=0.0), dict(trust_coefficient=0)])
 def test_larc_takes_zero_eps_and_trust_coefficient(kwargs):
-    # larc.py:73 (`value < 0` -> `<= 0`): the documented range is ">= 0"; eps=0 is a common
-    # setting (no denominator guard), and was refused at the boundary by the mutant.
+    # (a mutation of larc.py: `value < 0` -> `<= 0`): the documented range is ">= 0"; eps=0 is a
+    # common setting (no denominator guard), and was refused at the boundary by the mutant.
     p = nn.Parameter(torch.ones(3))
     larc = LARC(torch.optim.SGD([p], lr=0.1), **kwargs)
     assert getattr(larc, next(iter(kwargs))) == 0.0
 
 
 def test_larc_norms_of_half_parameters_do_not_overflow():
-    # larc.py:139 (norms taken in the parameter's dtype): a half parameter (O3) whose norm
-    # passes fp16's 65504 got an inf trust ratio and an inf gradient (LARS, clip=False).
+    # (a mutation of larc.py: norms taken in the parameter's dtype): a half parameter (O3) whose
+    # norm passes fp16's 65504 got an inf trust ratio and an inf gradient (LARS, clip=False).
     p = nn.Parameter(torch.full((10000,), 1000.0, dtype=torch.float16))  # ||p|| = 1e5
     p.grad = torch.ones_like(p)  # ||g|| = 100
     larc = LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=0.02, clip=False, eps=0.0)
@@ -411,8 +411,8 @@ def test_larc_norms_of_half_parameters_do_not_overflow():
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 def test_larc_refuses_a_gradient_of_another_sparse_layout_by_name():
-    # larc.py:162 (the layout test removed): a CSR gradient reached coalesce() and failed there
-    # with PyTorch's own error instead of LARC's TypeError naming the layout. (`p.grad = csr`
+    # (a mutation of larc.py: the layout test removed): a CSR gradient reached coalesce() and failed
+    # there with PyTorch's own error instead of LARC's TypeError naming the layout. (`p.grad = csr`
     # is refused by PyTorch itself, so the helper is called directly.)
     p = nn.Parameter(torch.ones(3, 3))
     with pytest.raises(TypeError, match=r"a gradient of layout torch.sparse_csr"):
@@ -420,9 +420,9 @@ def test_larc_refuses_a_gradient_of_another_sparse_layout_by_name():
 
 
 def test_larc_leaves_a_group_without_weight_decay_without_one():
-    # larc.py:200 (`if value is not None` -> always): a group of an optimizer that has no
-    # weight_decay (a custom one) got weight_decay=None written in, and LARC's next step
-    # failed on float(None).
+    # (a mutation of larc.py: `if value is not None` -> always): a group of an optimizer that has no
+    # weight_decay (a custom one) got weight_decay=None written in, and LARC's next step failed on
+    # float(None).
     class PlainSGD(torch.optim.Optimizer):
         def __init__(self, params, lr):
             super().__init__(params, dict(lr=lr))
