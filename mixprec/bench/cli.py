@@ -19,6 +19,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from mixprec import __version__
+
 __all__ = ["build_parser", "main"]
 
 _OPT_LEVELS = ("O0", "O1", "O2", "O3")
@@ -239,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         ('gpt', 5)
     """
     parser = argparse.ArgumentParser(prog="mixprec", description="mixprec command line tools.")
-    parser.add_argument("--version", action="version", version=f"mixprec {_mixprec_version()}")
+    parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     bench = sub.add_parser(
@@ -414,12 +416,6 @@ def _err(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
     except OSError:
         _to_devnull(sys.stderr)
-
-
-def _mixprec_version() -> str:
-    import mixprec
-
-    return mixprec.__version__
 
 
 def _progress(total: int, enabled: bool, label=lambda mode: mode):
