@@ -1344,6 +1344,15 @@ def _same_view_of(master: torch.Tensor, entry, tensor: torch.Tensor) -> Optional
     return master.as_strided(entry.shape, entry.stride(), master.storage_offset() + offset)
 
 
+def _register_state_dict_hook_first(module: nn.Module, hook: Callable) -> None:
+    """``hook`` first among ``module``'s state-dict hooks: one registered before (renaming keys
+    for an old checkpoint layout) sees amp's fp32 entries, not the half tensors under their
+    names."""
+    handle = module._register_state_dict_hook(hook)
+    if isinstance(module._state_dict_hooks, collections.OrderedDict):
+        module._state_dict_hooks.move_to_end(handle.id, last=False)
+
+
 def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     existing = getattr(module, "_mixprec_state_dict", None)
     if existing is not None:
@@ -1351,11 +1360,7 @@ def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
     hooks = _Fp32StateDict()
     hooks.module = weakref.ref(module)
     module._mixprec_state_dict = hooks
-    saving = module._register_state_dict_hook(hooks.save)
-    # First among the module's state-dict hooks: one registered before (renaming keys for an
-    # old checkpoint layout) sees the fp32 masters, not the half tensors under their names.
-    if isinstance(module._state_dict_hooks, collections.OrderedDict):
-        module._state_dict_hooks.move_to_end(saving.id, last=False)
+    _register_state_dict_hook_first(module, hooks.save)
     module._register_load_state_dict_pre_hook(hooks.load)
     module.register_load_state_dict_post_hook(hooks.loaded)
     return hooks
@@ -1382,10 +1387,7 @@ def _upcast_unhooked_halves(module: nn.Module, state_dict, prefix: str, local_me
 def _install_root_upcast(model: nn.Module) -> None:
     if any(hook is _upcast_unhooked_halves for hook in model._state_dict_hooks.values()):
         return
-    handle = model._register_state_dict_hook(_upcast_unhooked_halves)
-    # (First, as the masters' hooks: a user's hook that renames keys sees fp32 entries.)
-    if isinstance(model._state_dict_hooks, collections.OrderedDict):
-        model._state_dict_hooks.move_to_end(handle.id, last=False)
+    _register_state_dict_hook_first(model, _upcast_unhooked_halves)
 
 
 def master_weights(model: nn.Module) -> List[torch.Tensor]:
