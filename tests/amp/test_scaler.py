@@ -340,8 +340,10 @@ class _WithOffset(nn.Module):
 
 def _penalty_second(model, x, y, backward):
     # The offset enters the loss linearly: its gradient is a constant, without a graph, while
-    # the weights' gradients carry one (one fp32 group, mixed requires_grad).
-    backward(nn.functional.mse_loss(model.net(x).float(), y) + model.offset.sum())
+    # the weights' gradients carry one (one fp32 group, mixed requires_grad). The output is cast
+    # to the target's dtype: O1's half output to fp32, the float64 reference's left as it is
+    # (torch < 2.13 cannot take a create_graph backward through a float64 -> fp32 -> float64 chain).
+    backward(nn.functional.mse_loss(model.net(x).to(y.dtype), y) + model.offset.sum())
     assert not model.offset.grad.requires_grad and model.net[0].weight.grad.requires_grad
     penalty = sum(p.grad.float().pow(2).sum() for p in model.parameters())
     second = torch.autograd.grad(penalty, model.net[0].weight)[0]
