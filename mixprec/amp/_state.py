@@ -843,8 +843,15 @@ class _OptimizerState:
                 values[key] = _state_cast(key, v, p.dtype, scalars=True)
 
     def sync_param_groups(self) -> None:
-        """Pick up ``optimizer.add_param_group`` calls made after ``initialize``."""
+        """Pick up ``optimizer.add_param_group`` calls made after ``initialize``.
+
+        An optimizer freed since it was listed as alive (one left in a reference cycle, which
+        the garbage collector can free at any allocation, such as inside another optimizer's
+        ``scale_loss``) has no groups left to pick up: nothing to do.
+        """
         optimizer = self.optimizer_ref()
+        if optimizer is None:
+            return
         count = sum(len(g["params"]) for g in optimizer.param_groups)
         if count != self.known_params:
             masters = self.adopt_params(self.amp_state.properties.master_weights, set())
@@ -930,7 +937,9 @@ class _OptimizerState:
             pending = None  # (clean gradients on their way to the step: they stay)
         if not self.overflow and pending is None:
             return
-        self._drop_grads(self.optimizer_ref())
+        optimizer = self.optimizer_ref()
+        if optimizer is not None:  # (freed since it was listed: see sync_param_groups)
+            self._drop_grads(optimizer)
         self.overflow = False
         self.pending_found = None
 

@@ -1428,6 +1428,61 @@ def test_a_step_on_gradients_another_optimizers_scale_loss_left_scaled_is_refuse
     oa.step()
 
 
+class _FreedAfterLooks:
+    """An optimizer's weak reference that the garbage collector clears after ``looks`` looks:
+    an optimizer left in a reference cycle, listed as alive, then freed by a collection at
+    some allocation further on (torch 2.4's timing met it inside scale_loss)."""
+
+    def __init__(self, obj, looks: int):
+        self.obj, self.looks = obj, looks
+
+    def __call__(self):
+        if self.looks == 0:
+            self.obj = None
+        self.looks -= 1
+        return self.obj
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_another_optimizer_freed_inside_a_scale_loss_block_is_passed_over(opt_level):
+    # (mixprec/amp/_state.py: the foreign-backward watch synced the other optimizer's groups
+    # through its weak reference, dead by then: AttributeError on None.param_groups.) Freed
+    # after any number of looks, the block and the step go on as without that optimizer.
+    def run(looks):
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+        oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+        models, opts = ([a], [oa]) if looks is None else ([a, b], [oa, ob])
+        amp.initialize(models, opts, opt_level=opt_level, loss_scale="dynamic", verbosity=0)
+        if looks is not None:
+            amp._state.optimizer_state(ob).optimizer_ref = _FreedAfterLooks(ob, looks)
+        with amp.scale_loss(a(torch.randn(8, 4)).float().pow(2).mean(), oa) as s:
+            s.backward()
+        oa.step()
+        return [p.detach().float().clone() for p in a.parameters()]
+
+    want = run(None)
+    for looks in range(6):
+        for got, w in zip(run(looks), want):
+            assert torch.equal(got, w), looks
+
+
+def test_amp_load_state_dict_passes_over_an_optimizer_freed_meanwhile():
+    # (mixprec/amp/_state.py: forget_overflow dropped the gradients of an overflowed optimizer
+    # through its weak reference, dead by then.) Freed after any number of looks, the load
+    # restores the scale all the same, and the live optimizer's overflow is forgotten.
+    for looks in range(4):
+        a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+        oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+        amp.initialize([a, b], [oa, ob], opt_level="O1", loss_scale="dynamic", verbosity=0)
+        amp_a, amp_b = amp._state.optimizer_state(oa), amp._state.optimizer_state(ob)
+        amp_a.overflow = amp_b.overflow = True  # (overflowed backwards, no step taken yet)
+        amp_b.optimizer_ref = _FreedAfterLooks(ob, looks)
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}})
+        assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}}
+        assert not amp_a.overflow, looks
+
+
 def _two_linear(opt_level, *, calls=1, loss_scale=512.0):
     torch.manual_seed(0)
     a, b = nn.Linear(4, 4), nn.Linear(4, 2)
