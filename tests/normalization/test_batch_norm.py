@@ -218,23 +218,37 @@ def test_scripts_and_traces_like_batchnorm():
 
 
 
+def _trace_noting_tracer_warnings(net, x):
+    """``torch.jit.trace`` of ``net``, and the TracerWarnings it gave (their texts, sorted)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always", torch.jit.TracerWarning)
+        traced = torch.jit.trace(net, x, check_trace=False)
+    return traced, sorted(str(w.message) for w in seen
+                          if issubclass(w.category, torch.jit.TracerWarning))
+
+
 @pytest.mark.parametrize("path", PATHS[:2])
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_jit_trace_records_pytorchs_batch_norm(path, mode):
     # torch.jit.trace sees traced sizes (tensors) and can save no Python autograd Function:
     # the trace records PyTorch's batch norm (it used to launch the kernels with tensor sizes
-    # and fail), saves, loads and matches; the channel check adds no TracerWarning (in
-    # training PyTorch's own batch-size check in F.batch_norm gives one, as for BatchNorm2d).
+    # and fail), saves, loads and matches; the channel check adds no TracerWarning: the trace
+    # gives those of BatchNorm2d's (none in eval; in training, PyTorch's own batch-size check
+    # in F.batch_norm gives one, for both).
     device, path_ctx = _path(path)
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), FusedBatchNorm(4)).bfloat16()
     getattr(net, mode)()
     ref = copy.deepcopy(net)
+    plain = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4)).bfloat16()
+    getattr(plain, mode)()
     x = torch.randn(2, 3, 5, 5).bfloat16().contiguous(memory_format=torch.channels_last)
-    with path_ctx(), _count_fused_calls() as calls, warnings.catch_warnings():
-        warnings.simplefilter("error" if mode == "eval" else "ignore", torch.jit.TracerWarning)
-        traced = torch.jit.trace(net, x, check_trace=False)
+    with path_ctx(), _count_fused_calls() as calls:
+        traced, warned = _trace_noting_tracer_warnings(net, x)
     assert not calls
+    _, plain_warned = _trace_noting_tracer_warnings(plain, x)
+    assert warned == plain_warned
+    assert bool(warned) == (mode == "train")
     buf = io.BytesIO()
     torch.jit.save(traced, buf)
     buf.seek(0)
