@@ -18,6 +18,13 @@ if not torch.cuda.is_available():
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+# Under pytest-xdist (-n N) each worker's CPU ops would use every core: N x cores threads
+# thrash (at -n 16 on the 16-core GPU host, tests/amp's CPU cases took 371 s, the CPU parity
+# test alone 234 s). Each worker takes its share, unless OMP_NUM_THREADS says otherwise.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
+
 
 @pytest.fixture(params=DEVICES)
 def device(request):
