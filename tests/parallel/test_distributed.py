@@ -2733,6 +2733,138 @@ def check_amp_and_norm_warnings_come_from_rank_zero(ctx):
         (ctx.rank == 0), (ctx.rank, text)
 
 
+class _O2Branches(nn.Module):
+    """A Linear trunk (half at O2, with fp32 masters) and two BatchNorm heads (kept fp32 at
+    O2: amp's plain parameters, whose earlier gradients a scale_loss block sets aside):
+    ``nb`` used on rank 0 in the first micro-batch only, ``nd`` never."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.nb = nn.BatchNorm1d(4)
+        self.nd = nn.BatchNorm1d(4)
+
+    def forward(self, x, heads):
+        h = self.a(x)
+        out = h.float().sum()
+        for name in heads:
+            out = out + (getattr(self, name)(h).float() ** 2).sum()
+        return out
+
+
+def check_reducer_find_unused_at_o2_with_fp32_layers_set_aside(ctx):
+    # Reducer(find_unused_parameters=True) on an amp O2 model that has both fp32 masters
+    # (the Linear) and plain fp32 parameters (BatchNorm), two micro-batches at a loss scale
+    # other than 1 without delay_unscale, reduce() inside the second block: the BatchNorm
+    # head used on rank 0 only has its first micro-batch gradient set aside there, and needs
+    # a zero one set aside on the other rank; the head used nowhere keeps None.
+    # Reference: float64 copy, sum over the ranks' micro-batches divided by the world size;
+    # bf16 rounding of the trunk as the tolerance.
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = _O2Branches().to(ctx.device)
+    ref = copy.deepcopy(model).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reducer = Reducer(model, find_unused_parameters=True)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale=128.0, verbosity=0)
+
+    def heads(rank, micro):
+        return ["nb"] if (rank == 0 and micro == 0) else []
+
+    g = torch.Generator().manual_seed(7)
+    xs = [torch.randn(3, 4, generator=g).to(ctx.device) for _ in range(ctx.world_size)]
+    for micro in range(2):
+        with amp.scale_loss(model(xs[ctx.rank].bfloat16(), heads(ctx.rank, micro)), opt) as s:
+            s.backward()
+            if micro == 1:
+                reducer.reduce()
+    for rank in range(ctx.world_size):
+        for micro in range(2):
+            (ref(xs[rank].double(), heads(rank, micro)) / ctx.world_size).backward()
+    # The gradients the optimizer steps with: the Linear's masters, the BatchNorms' own.
+    masters = dict(zip([id(p) for p in model.a.parameters()], amp.master_params(opt)))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        grad = masters[id(p)].grad if id(p) in masters else p.grad
+        if name.startswith("nd."):
+            assert grad is None and q.grad is None, (name, grad)
+        else:
+            assert grad is not None, name
+            torch.testing.assert_close(grad.double(), q.grad, rtol=3e-2, atol=3e-2,
+                                       msg=labelled(f"rank {ctx.rank}: {name}"))
+
+
+def check_prof_keeps_the_arithmetic_asked_for(ctx):
+    # prof=True only labels the all-reduces in profiler traces: with gradient_average=False
+    # the gradients are summed, and with allreduce_always_fp32 or a predivide factor they
+    # are averaged as without prof. Rank r's gradient is exactly (r + 1): the sum over the
+    # ranks is W(W+1)/2, the average (W+1)/2; exact in fp32. Both modes (the reducer's hook,
+    # and delay_allreduce).
+    world = ctx.world_size
+    total = world * (world + 1) / 2
+    cases = [(dict(gradient_average=False), total),
+             (dict(gradient_predivide_factor=float(world) * 2), total / world),
+             (dict(allreduce_always_fp32=True), total / world)]
+    for kwargs, expected in cases:
+        for delay in (False, True):
+            model = _Scale().to(ctx.device)
+            ddp = DistributedDataParallel(model, prof=True, delay_allreduce=delay, **kwargs)
+            x = torch.full((3,), ctx.rank + 1.0, device=ctx.device)
+            ddp(x).backward()
+            torch.testing.assert_close(
+                model.weight.grad, torch.full((3,), expected, device=ctx.device), rtol=0, atol=0,
+                msg=labelled(f"prof=True, {kwargs}, delay_allreduce={delay}"))
+
+
+def check_half_gradients_predivided_and_summed_in_half(ctx):
+    # Apex's arithmetic for fp16 gradients without allreduce_always_fp32: divide by the
+    # predivide factor in fp16, all-reduce the fp16 bucket, divide by world/factor in fp16.
+    # (The existing overflow check cannot tell this from an fp32 sum copied back: 81920
+    # copied into fp16 is inf too.) With a factor that is not a power of two each step
+    # rounds in fp16: the result must be, bit for bit, the same fp16 operations done here on
+    # every rank's gradient; an fp32 reduction rounds once and differs in some elements.
+    world, factor = ctx.world_size, 3.0
+    g = torch.Generator().manual_seed(21)
+    grads = [(torch.randn(256, generator=g) * 10).half() for _ in range(world)]
+    # (fp16 ops; on 2 ranks one addition, so the order of the sum does not matter)
+    expected = sum(x / factor for x in grads) / (world / factor)
+    for delay in (False, True):
+        model = _Scale(256, dtype=torch.float16).to(ctx.device)
+        ddp = DistributedDataParallel(model, delay_allreduce=delay,
+                                      gradient_predivide_factor=factor)
+        ddp(grads[ctx.rank].to(ctx.device)).backward()
+        grad = model.weight.grad
+        assert grad.dtype == torch.float16, grad.dtype
+        torch.testing.assert_close(grad.cpu(), expected, rtol=0, atol=0,
+                                   msg=labelled(f"delay_allreduce={delay}"))
+
+
+def check_delay_allreduce_steps_warn_nothing(ctx):
+    # The late-gradient warning is for a second backward through a forward already
+    # all-reduced. Plain training steps (forward, backward, step) with delay_allreduce=True,
+    # whose models' several parameters each bring a gradient, warn nothing on any rank, and
+    # their gradients are the global batch's.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    g = torch.Generator().manual_seed(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x = torch.randn(2 * ctx.world_size, 8, generator=g).to(ctx.device)
+            model.zero_grad()
+            ref.zero_grad()
+            ddp(x[2 * ctx.rank:2 * ctx.rank + 2]).square().mean().backward()
+            ref(x).square().mean().backward()
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
+                                           msg=labelled(f"step {step}: {name}"))
+    texts = [str(w.message) for w in caught if "DistributedDataParallel" in str(w.message)]
+    assert not texts, texts
+
+
 CHECKS = [
     "check_grads_match_single_process",
     "check_compiled_grads_match_single_process",
@@ -2771,6 +2903,10 @@ CHECKS = [
     "check_unused_parameters_named_with_ignored_ones_left_out",
     "check_unfrozen_after_wrapping_is_refused",
     "check_join_divides_uneven_steps_as_asked",
+    "check_delay_allreduce_steps_warn_nothing",
+    "check_half_gradients_predivided_and_summed_in_half",
+    "check_prof_keeps_the_arithmetic_asked_for",
+    "check_reducer_find_unused_at_o2_with_fp32_layers_set_aside",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.

@@ -638,6 +638,29 @@ def check_syncbn_group_size_must_divide_the_world_size(ctx):
     check_syncbn_process_groups(ctx)
 
 
+def check_syncbn_eval_without_running_stats_normalizes_by_the_local_batch(ctx):
+    # Documented: in eval mode with track_running_stats=False each rank normalizes by its own
+    # batch (as torch.nn.SyncBatchNorm), never communicating, so one rank may evaluate alone.
+    # Ranks hold batches of different means and scales: the global statistics would differ
+    # from each rank's own. Reference: nn.BatchNorm2d(track_running_stats=False) in eval on
+    # this rank's batch, and a rank-0-only evaluation that must not wait for rank 1.
+    torch.manual_seed(0)
+    layer = SyncBatchNorm(3, track_running_stats=False).to(ctx.device)
+    ref = nn.BatchNorm2d(3, track_running_stats=False).to(ctx.device)
+    with torch.no_grad():
+        layer.weight.uniform_(0.5, 1.5)
+        layer.bias.uniform_(-0.5, 0.5)
+        ref.load_state_dict(layer.state_dict())
+    layer.eval()
+    ref.eval()
+    g = torch.Generator().manual_seed(11 + ctx.rank)
+    x = (torch.randn(4, 3, 2, 2, generator=g) * (1 + 3 * ctx.rank) + 5 * ctx.rank).to(ctx.device)
+    torch.testing.assert_close(layer(x), ref(x), rtol=1e-5, atol=1e-5,
+                               msg=labelled(f"rank {ctx.rank}"))
+    if ctx.rank == 0:  # (alone: a collective here would wait for the group's timeout)
+        torch.testing.assert_close(layer(x[:2]), ref(x[:2]), rtol=1e-5, atol=1e-5)
+
+
 GROUP_2 = [
     "check_fp32_equal_batches",
     "check_dtype_pairs_batchnorm_refuses",
@@ -666,6 +689,7 @@ GROUP_2 = [
     "check_empty_global_batch",
     "check_batch_size_changes_between_steps",
     "check_cpu_merge_in_fp64_keeps_the_variance_of_offset_inputs",
+    "check_syncbn_eval_without_running_stats_normalizes_by_the_local_batch",
 ]
 GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups",
            "check_syncbn_group_size_must_divide_the_world_size"]
@@ -1099,3 +1123,84 @@ def test_convert_syncbn_model_after_initialize_keeps_fp32_checkpoints(not_distri
         loaded = {k: v + 1e-4 if v.is_floating_point() else v for k, v in got.items()}
         model.load_state_dict(loaded)
         assert torch.equal(masters[id(model[1].bias)], loaded["1.bias"])
+
+
+def test_convert_syncbn_model_keeps_the_qconfig():
+    # As torch.nn.SyncBatchNorm.convert_sync_batchnorm does: a layer prepared for quantization
+    # (its qconfig set, e.g. by torch.ao.quantization.propagate_qconfig_) keeps it, so that a
+    # quantization-aware-training flow still finds it on the converted layer.
+    qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    model[1].qconfig = qconfig
+    plain = nn.BatchNorm2d(4)  # (no qconfig: none appears)
+    converted = convert_syncbn_model(nn.Sequential(model, plain))
+    assert type(converted[0][1]).__name__ == "SyncBatchNorm"
+    assert converted[0][1].qconfig is qconfig
+    assert not hasattr(converted[1], "qconfig")
+
+
+@pytest.mark.parametrize("flag", [1, None, "False"])
+def test_convert_syncbn_model_refuses_a_non_bool_channel_last(flag):
+    # Checked by convert_syncbn_model itself, whatever the model holds: an existing
+    # SyncBatchNorm takes the flag as given (no constructor to check it), and a model without
+    # BatchNorm converts nothing; 1 / None / "False" there set the layout silently.
+    for model in (nn.Sequential(SyncBatchNorm(4)), nn.Sequential(nn.Linear(2, 2)),
+                  nn.Sequential(nn.BatchNorm2d(4))):
+        with pytest.raises(TypeError, match=r"convert_syncbn_model\(channel_last="):
+            convert_syncbn_model(model, channel_last=flag)
+    layer = SyncBatchNorm(4)
+    with pytest.raises(TypeError):
+        convert_syncbn_model(layer, channel_last=flag)
+    assert layer.channel_last is False
+
+
+def test_syncbn_momentum_zero_keeps_the_running_statistics(not_distributed):
+    # momentum=0 is a valid BatchNorm setting (running statistics frozen while the batch
+    # statistics still normalize): accepted, and the layer matches nn.BatchNorm1d exactly.
+    torch.manual_seed(0)
+    x = torch.randn(6, 3) * 2 + 1
+    layer, ref = SyncBatchNorm(3, momentum=0.0), nn.BatchNorm1d(3, momentum=0.0)
+    out, expected = layer(x), ref(x)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.running_mean, torch.zeros(3), rtol=0, atol=0)
+    torch.testing.assert_close(layer.running_var, torch.ones(3), rtol=0, atol=0)
+
+
+def test_syncbn_eval_forward_does_not_count_a_batch(not_distributed):
+    # As nn.BatchNorm: num_batches_tracked counts training batches only. An evaluation pass
+    # must not advance it (with momentum=None it sets the next training step's average
+    # weight 1/num_batches_tracked).
+    torch.manual_seed(0)
+    x = torch.randn(6, 3)
+    for momentum in (0.1, None):
+        layer, ref = SyncBatchNorm(3, momentum=momentum), nn.BatchNorm1d(3, momentum=momentum)
+        for net in (layer, ref):
+            net(x)
+            net.eval()
+            net(x)
+            net.train()
+            net(x * 2 + 1)
+        assert int(layer.num_batches_tracked) == int(ref.num_batches_tracked) == 2, (
+            momentum, int(layer.num_batches_tracked))
+        torch.testing.assert_close(layer.running_mean, ref.running_mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(layer.running_var, ref.running_var, rtol=1e-6, atol=1e-6)
+
+
+def test_syncbn_tracking_turned_off_after_construction_is_batchnorm(not_distributed):
+    # nn.BatchNorm lets track_running_stats be switched off on a built layer (its buffers
+    # stay): training then normalizes by the batch and leaves the running statistics alone,
+    # and eval still normalizes by them. SyncBatchNorm (single process: plain batch norm)
+    # must do the same, output and buffers.
+    torch.manual_seed(0)
+    x = torch.randn(6, 3) * 3 + 2
+    layer, ref = SyncBatchNorm(3), nn.BatchNorm1d(3)
+    for net in (layer, ref):
+        net(x)  # (running statistics away from their initial values)
+        net.track_running_stats = False
+    for training in (True, False):
+        layer.train(training)
+        ref.train(training)
+        torch.testing.assert_close(layer(x * 0.5), ref(x * 0.5), rtol=1e-6, atol=1e-6,
+                                   msg=labelled(f"training={training}"))
+        torch.testing.assert_close(layer.running_mean, ref.running_mean, rtol=0, atol=0)
+        torch.testing.assert_close(layer.running_var, ref.running_var, rtol=0, atol=0)
