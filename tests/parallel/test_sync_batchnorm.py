@@ -1134,7 +1134,7 @@ def test_convert_syncbn_model_keeps_the_qconfig():
     model[1].qconfig = qconfig
     plain = nn.BatchNorm2d(4)  # (no qconfig: none appears)
     converted = convert_syncbn_model(nn.Sequential(model, plain))
-    assert type(converted[0][1]).__name__ == "SyncBatchNorm"
+    assert isinstance(converted[0][1], SyncBatchNorm)
     assert converted[0][1].qconfig is qconfig
     assert not hasattr(converted[1], "qconfig")
 
@@ -1149,14 +1149,15 @@ def test_convert_syncbn_model_refuses_a_non_bool_channel_last(flag):
         with pytest.raises(TypeError, match=r"convert_syncbn_model\(channel_last="):
             convert_syncbn_model(model, channel_last=flag)
     layer = SyncBatchNorm(4)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"convert_syncbn_model\(channel_last="):
         convert_syncbn_model(layer, channel_last=flag)
     assert layer.channel_last is False
 
 
 def test_syncbn_momentum_zero_keeps_the_running_statistics(not_distributed):
     # momentum=0 is a valid BatchNorm setting (running statistics frozen while the batch
-    # statistics still normalize): accepted, and the layer matches nn.BatchNorm1d exactly.
+    # statistics still normalize): accepted, and the layer matches nn.BatchNorm1d (to 1e-6; the
+    # running statistics exactly).
     torch.manual_seed(0)
     x = torch.randn(6, 3) * 2 + 1
     layer, ref = SyncBatchNorm(3, momentum=0.0), nn.BatchNorm1d(3, momentum=0.0)
