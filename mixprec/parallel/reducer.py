@@ -91,8 +91,8 @@ class Reducer:
             tensors, as an average is one (integer and sparse tensors are refused).
         process_group (ProcessGroup, optional, keyword-only): default: all ranks.
         find_unused_parameters (bool, keyword-only): with a module, :meth:`reduce` first
-            agrees over the ranks which parameters have a gradient (one all-reduce of one flag
-            per parameter, read on the host: a sync); a parameter with a gradient on some
+            agrees over the ranks which parameters (frozen ones included) have a gradient (one
+            all-reduce of one flag per parameter, read on the host: a sync); a parameter with a gradient on some
             ranks gets a zero one on the others, so its average is the sum over the ranks that
             used it divided by all of them, as in ``DistributedDataParallel``; one with a
             gradient on no rank keeps ``None``. Default False (Apex's Reducer).
@@ -195,8 +195,10 @@ class Reducer:
 
     def _fill_missing_gradients(self) -> None:
         """``find_unused_parameters``: a zero gradient for each parameter (and O2 master)
-        that has none here but has one on another rank."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        that has none here but has one on another rank. Frozen parameters count too: reduce()
+        averages every gradient present, and one left on a frozen parameter on some ranks only
+        (set before it was frozen, not zeroed since) would make the ranks' buffers differ."""
+        params = list(self.module.parameters())
         slots = params + master_weights(self.module)
         if not slots:
             return

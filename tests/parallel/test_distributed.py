@@ -2733,6 +2733,35 @@ def check_amp_and_norm_warnings_come_from_rank_zero(ctx):
         (ctx.rank == 0), (ctx.rank, text)
 
 
+def check_reducer_find_unused_parameters_counts_a_frozen_parameters_leftover_gradient(ctx):
+    # (r49A's R12: the agreement skipped parameters without requires_grad, while reduce()
+    # averages every gradient present.) A parameter frozen after a backward on rank 0 only,
+    # its gradient not zeroed since: rank 0's buffer held one gradient more, and gloo
+    # aborted. It gets a zero one on the other rank, and every rank ends with the average.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(ctx.device)
+    reducer = Reducer(model, find_unused_parameters=True)
+    x = torch.full((3, 4), float(ctx.rank + 1), device=ctx.device)
+    if ctx.rank == 0:
+        model(x).sum().backward()
+        leftover = model[1].weight.grad.clone()
+    model[1].requires_grad_(False)
+    for p in model[0].parameters():
+        p.grad = None
+    model[0](x).sum().backward()
+    reducer.reduce()
+    want = leftover / ctx.world_size if ctx.rank == 0 else torch.zeros(2, 4, device=ctx.device)
+    dist.broadcast(want, src=0)  # (rank 0's leftover, averaged over the ranks)
+    torch.testing.assert_close(model[1].weight.grad, want, rtol=1e-6, atol=1e-6,
+                               msg=labelled(f"rank {ctx.rank}: frozen weight"))
+    # (the trainable layer: the average of the ranks' gradients, rank r's input being r + 1)
+    mean_input = (ctx.world_size + 1) / 2
+    torch.testing.assert_close(model[0].bias.grad, torch.full((4,), 3.0, device=ctx.device),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(model[0].weight.grad,
+                               torch.full((4, 4), 3.0 * mean_input, device=ctx.device),
+                               rtol=1e-6, atol=1e-6, msg=labelled(f"rank {ctx.rank}"))
+
 class _O2Branches(nn.Module):
     """A Linear trunk (half at O2, with fp32 masters) and two BatchNorm heads (kept fp32 at
     O2: amp's plain parameters, whose earlier gradients a scale_loss block sets aside):
@@ -2907,6 +2936,7 @@ CHECKS = [
     "check_half_gradients_predivided_and_summed_in_half",
     "check_prof_keeps_the_arithmetic_asked_for",
     "check_reducer_find_unused_at_o2_with_fp32_layers_set_aside",
+    "check_reducer_find_unused_parameters_counts_a_frozen_parameters_leftover_gradient",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
