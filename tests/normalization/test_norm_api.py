@@ -1118,3 +1118,135 @@ def test_module_rechecks_a_weight_whose_dtype_changed():
     norm.weight = torch.nn.Parameter(torch.ones(4, dtype=torch.int64), requires_grad=False)
     with pytest.raises(TypeError, match="FusedLayerNorm: weight dtype torch.int64 is not supported"):
         norm(x)
+
+
+# Tests from the r49B mutation run over mixprec/normalization: each fails on the mutant named.
+# --- _checks.normalize_shape: negative sizes (mutant C03: `d < 0` -> `d < -1`) --------------
+@pytest.mark.parametrize("make", [
+    lambda: FusedLayerNorm((4, -1), elementwise_affine=False),
+    lambda: FusedRMSNorm(-1, elementwise_affine=False),
+    lambda: FusedLayerNorm(-1),
+    lambda: fused_layer_norm(torch.randn(2, 4), -1),
+], ids=["ln-no-affine", "rms-no-affine", "ln-affine", "functional"])
+def test_negative_normalized_shape_is_a_value_error(make):
+    with pytest.raises(ValueError, match="non-negative sizes"):
+        make()
+
+
+# --- _checks.check_inputs: bias checked when weight is None (mutant C18: continue -> break) --
+@pytest.mark.parametrize("call", [
+    lambda x: fused_layer_norm(x, 4, None, torch.zeros(3)),
+    lambda x: apex_functional.fused_layer_norm_affine(x, None, torch.zeros(3), 4),
+], ids=["fused_layer_norm", "apex-affine"])
+def test_bias_shape_is_checked_without_a_weight(call):
+    with pytest.raises(ValueError, match="bias has shape"):
+        call(torch.randn(2, 4))
+
+
+def test_bias_dtype_is_checked_without_a_weight():
+    with pytest.raises(TypeError, match="bias dtype torch.int64"):
+        fused_layer_norm(torch.randn(2, 4), 4, None, torch.zeros(4, dtype=torch.long))
+
+
+def test_bias_only_layer_norm_matches_pytorch():
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    y = fused_layer_norm(x, 4, None, b)
+    want = torch.nn.functional.layer_norm(x, (4,), None, b, 1e-5)
+    torch.testing.assert_close(y, want, atol=1e-10, rtol=1e-10)
+
+
+# --- memory_efficient reaches the op from every entry point (mutants L03, L08, A05, A07, ...) --
+def _saved_ptrs(fn, x):
+    saved = []
+
+    def pack(t):
+        saved.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x)
+    return y, saved
+
+
+_ME_WEIGHT = torch.ones(16)
+_ME_BIAS = torch.zeros(16)
+
+MEMORY_EFFICIENT_CALLS = {
+    "fused_layer_norm": lambda me: lambda x: fused_layer_norm(x, 16, memory_efficient=me),
+    "fused_rms_norm": lambda me: lambda x: fused_rms_norm(x, 16, memory_efficient=me),
+    "MixedFusedLayerNorm": lambda me: MixedFusedLayerNorm(16, memory_efficient=me),
+    "MixedFusedRMSNorm": lambda me: MixedFusedRMSNorm(16, memory_efficient=me),
+    "apex.fused_layer_norm": lambda me: lambda x: apex_functional.fused_layer_norm(
+        x, 16, 1e-6, me),
+    "apex.fused_layer_norm_affine": lambda me: lambda x: apex_functional.fused_layer_norm_affine(
+        x, _ME_WEIGHT, _ME_BIAS, 16, 1e-6, me),
+    "apex.mixed_dtype_fused_layer_norm_affine":
+        lambda me: lambda x: apex_functional.mixed_dtype_fused_layer_norm_affine(
+            x, _ME_WEIGHT, _ME_BIAS, 16, 1e-6, me),
+    "apex.fused_rms_norm_affine": lambda me: lambda x: apex_functional.fused_rms_norm_affine(
+        x, _ME_WEIGHT, 16, 1e-6, me),
+}
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("name", list(MEMORY_EFFICIENT_CALLS))
+def test_memory_efficient_saves_the_output_from_every_entry_point(name, memory_efficient):
+    fn = MEMORY_EFFICIENT_CALLS[name](memory_efficient)
+    x = torch.randn(8, 16, requires_grad=True)
+    y, saved = _saved_ptrs(fn, x)
+    assert (y.data_ptr() in saved) == memory_efficient
+    assert (x.data_ptr() in saved) != memory_efficient
+    y.sum().backward()
+
+
+# --- _module: flags stored as bools (mutant M05: bool(elementwise_affine) dropped) -----------
+def test_truthy_flags_are_stored_as_bools():
+    norm = FusedLayerNorm(8, elementwise_affine=1, memory_efficient=1)
+    assert norm.elementwise_affine is True and norm.memory_efficient is True
+    assert repr(norm) == (
+        "FusedLayerNorm((8,), eps=1e-05, elementwise_affine=True, memory_efficient=True)")
+
+
+# --- _module.extra_repr: "bias=False" only for an affine LayerNorm without bias (mutant M13) ---
+def test_extra_repr_of_non_affine_and_bias_free_norms():
+    assert repr(FusedLayerNorm(8, elementwise_affine=False)) == (
+        "FusedLayerNorm((8,), eps=1e-05, elementwise_affine=False, memory_efficient=False)")
+    assert repr(FusedLayerNorm(8, bias=False)) == (
+        "FusedLayerNorm((8,), eps=1e-05, elementwise_affine=True, memory_efficient=False, "
+        "bias=False)")
+    assert repr(FusedRMSNorm(8)) == (
+        "FusedRMSNorm((8,), eps=1e-05, elementwise_affine=True, memory_efficient=False)")
+
+
+# --- _ops._use_triton: the testing hook takes rows up to MAX_FUSED_N inclusive (mutant O03) ----
+def test_triton_on_cpu_path_choice_at_the_row_limit(monkeypatch):
+    from mixprec.normalization import _launch
+
+    # (Path choice only: no kernel runs, so the interpreter is not needed.)
+    monkeypatch.setattr(_launch, "triton_available", lambda: True)
+    monkeypatch.setattr(_launch, "interpreter_enabled", lambda: True)
+    limit = _launch.MAX_FUSED_N
+    x = torch.empty(1, limit + 1)
+    with _ops.triton_on_cpu():
+        assert _ops._use_triton(x[:, :limit], limit)
+        assert not _ops._use_triton(x, limit + 1)
+        assert not _ops._use_triton(x[:, :limit].double(), limit)
+        assert not _ops._use_triton(x[:, :8], 8, torch.ones(8, dtype=torch.float64))
+    assert not _ops._use_triton(x[:, :8], 8)  # (hook off: CPU takes the PyTorch path)
+
+
+# --- _ops.norm_bwd_impl: an expanded incoming gradient reaches the kernels as rows (mutant O06) --
+@requires_interpreter
+def test_fused_norm_bwd_op_takes_an_expanded_gradient_on_the_kernels():
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    dy = torch.ones(1, 1).expand(4, 8)  # the gradient of y.sum(): column stride 0
+    with _ops.triton_on_cpu():
+        y, mean, rstd = torch.ops.mixprec.fused_norm_fwd(x, None, None, 1e-5, False, False,
+                                                         torch.float32)
+        dx, _, _ = torch.ops.mixprec.fused_norm_bwd(dy, x, None, None, mean, rstd, False, False,
+                                                    torch.float32, False, False)
+    xd = x.double().requires_grad_(True)
+    torch.nn.functional.layer_norm(xd, (8,), eps=1e-5).sum().backward()
+    torch.testing.assert_close(dx.double(), xd.grad, atol=1e-5, rtol=1e-5)
