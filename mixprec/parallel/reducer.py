@@ -92,10 +92,11 @@ class Reducer:
         process_group (ProcessGroup, optional, keyword-only): default: all ranks.
         find_unused_parameters (bool, keyword-only): with a module, :meth:`reduce` first
             agrees over the ranks which parameters (frozen ones included) have a gradient (one
-            all-reduce of one flag per parameter, read on the host: a sync); a parameter with a gradient on some
-            ranks gets a zero one on the others, so its average is the sum over the ranks that
-            used it divided by all of them, as in ``DistributedDataParallel``; one with a
-            gradient on no rank keeps ``None``. Default False (Apex's Reducer).
+            all-reduce of one flag per parameter, read on the host: a sync); a parameter with
+            a gradient on some ranks gets a zero one on the others, so its average is the sum
+            over the ranks that used it divided by all of them, as in
+            ``DistributedDataParallel``; one with a gradient on no rank keeps ``None``.
+            Default False (Apex's Reducer).
 
     Example::
 
