@@ -2653,6 +2653,22 @@ class _Branches(nn.Module):
         return sum(getattr(self, name)(h).sum() for name in heads) + h.sum()
 
 
+def _reducer_under_amp(ctx, make_model, opt_level):
+    """A seeded model on the rank's device, its float64 copy (the reference), and the model
+    with an SGD optimizer through ``Reducer(find_unused_parameters=True)`` and amp at
+    ``opt_level`` (bf16, a static scale of 128: earlier micro-batches' gradients wait aside)."""
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = make_model().to(ctx.device)
+    ref = copy.deepcopy(model).double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reducer = Reducer(model, find_unused_parameters=True)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                loss_scale=128.0, verbosity=0)
+    return model, ref, opt, reducer
+
+
 def check_reducer_find_unused_parameters(ctx):
     # A parameter used on some ranks only: Reducer(find_unused_parameters=True) gives it a
     # zero gradient where it has none, so it averages as DDP does; one used nowhere keeps
@@ -2691,13 +2707,7 @@ def check_reducer_find_unused_parameters(ctx):
     # second micro-batch through the trunk only; bf16 autocast's rounding as the tolerance.
     from mixprec import amp
 
-    torch.manual_seed(0)
-    model = _Branches().to(ctx.device)
-    ref = copy.deepcopy(model).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    reducer = Reducer(model, find_unused_parameters=True)
-    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16,
-                                loss_scale=128.0, verbosity=0)
+    model, ref, opt, reducer = _reducer_under_amp(ctx, _Branches, "O1")
     for micro, chosen in enumerate((heads(ctx.rank), [])):
         with amp.scale_loss(model(xs[ctx.rank], chosen), opt) as scaled:
             scaled.backward()
@@ -2712,25 +2722,6 @@ def check_reducer_find_unused_parameters(ctx):
         else:
             torch.testing.assert_close(p.grad.double(), q.grad, rtol=3e-2, atol=3e-2,
                                        msg=labelled(f"rank {ctx.rank}, O1 accumulated: {name}"))
-
-
-def check_amp_and_norm_warnings_come_from_rank_zero(ctx):
-    # Every rank builds the model and calls initialize: a warning there came once per rank
-    # (a model .half()-ed before initialize at O2; a Megatron keyword dropped by a Mixed
-    # norm). Rank 0 warns; the others say nothing.
-    from mixprec import amp
-    from mixprec.normalization import MixedFusedLayerNorm
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        model = _mlp(ctx.device).half()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        amp.initialize(model, opt, opt_level="O2", verbosity=0)
-        MixedFusedLayerNorm(8, sequence_parallel_enabled=False)
-    text = " ".join(str(w.message) for w in caught)
-    assert ("already torch.float16" in text) == (ctx.rank == 0), (ctx.rank, text)
-    assert ("ignoring the keyword argument(s) sequence_parallel_enabled" in text) == \
-        (ctx.rank == 0), (ctx.rank, text)
 
 
 def check_reducer_find_unused_parameters_counts_a_frozen_parameters_leftover_gradient(ctx):
@@ -2791,13 +2782,7 @@ def check_reducer_find_unused_at_o2_with_fp32_layers_set_aside(ctx):
     # bf16 rounding of the trunk as the tolerance.
     from mixprec import amp
 
-    torch.manual_seed(0)
-    model = _O2Branches().to(ctx.device)
-    ref = copy.deepcopy(model).double()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    reducer = Reducer(model, find_unused_parameters=True)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
-                                loss_scale=128.0, verbosity=0)
+    model, ref, opt, reducer = _reducer_under_amp(ctx, _O2Branches, "O2")
 
     def heads(rank, micro):
         return ["nb"] if (rank == 0 and micro == 0) else []
@@ -2822,6 +2807,25 @@ def check_reducer_find_unused_at_o2_with_fp32_layers_set_aside(ctx):
             assert grad is not None, name
             torch.testing.assert_close(grad.double(), q.grad, rtol=3e-2, atol=3e-2,
                                        msg=labelled(f"rank {ctx.rank}: {name}"))
+
+
+def check_amp_and_norm_warnings_come_from_rank_zero(ctx):
+    # Every rank builds the model and calls initialize: a warning there came once per rank
+    # (a model .half()-ed before initialize at O2; a Megatron keyword dropped by a Mixed
+    # norm). Rank 0 warns; the others say nothing.
+    from mixprec import amp
+    from mixprec.normalization import MixedFusedLayerNorm
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _mlp(ctx.device).half()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        MixedFusedLayerNorm(8, sequence_parallel_enabled=False)
+    text = " ".join(str(w.message) for w in caught)
+    assert ("already torch.float16" in text) == (ctx.rank == 0), (ctx.rank, text)
+    assert ("ignoring the keyword argument(s) sequence_parallel_enabled" in text) == \
+        (ctx.rank == 0), (ctx.rank, text)
 
 
 def check_prof_keeps_the_arithmetic_asked_for(ctx):
