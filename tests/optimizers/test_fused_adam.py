@@ -1894,3 +1894,345 @@ def test_a_resumed_state_dict_equals_the_uninterrupted_ones():
     saved, again = opt.state_dict(), resumed.state_dict()
     assert saved["param_groups"] == again["param_groups"]
     assert saved["state"].keys() == again["state"].keys()
+
+
+# -- mutation run r50C: what the checks above let through ---------------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(eps=True), r"FusedAdam\(eps=True\): eps must be a number"),
+    (dict(weight_decay=True), r"FusedAdam\(weight_decay=True\): weight_decay must be a number"),
+    (dict(lr=True), r"FusedAdam\(lr=True\): lr must be a number >= 0 or"),
+    (dict(lr=float("nan")), r"FusedAdam\(lr=nan\): lr must be a number >= 0"),
+    (dict(lr=torch.tensor([])), r"shape \(0,\) on cpu\): a tensor lr must hold one element"),
+])
+def test_bool_nan_and_empty_hyperparameters_are_refused(kwargs, message):
+    """``True`` is a ``numbers.Real`` (it was taken as 1.0), NaN fails ``lr < 0`` (NaN
+    weights), and an empty tensor lr reached ``.item()`` (a bare RuntimeError)."""
+    with pytest.raises(ValueError, match=message):
+        FusedAdam([nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_a_nan_learning_rate_set_by_hand_is_refused_at_the_step():
+    p = nn.Parameter(torch.ones(2))
+    opt = FusedAdam([p], lr=1e-2)
+    opt.param_groups[0]["lr"] = float("nan")
+    p.grad = torch.ones(2)
+    with pytest.raises(ValueError, match=r"FusedAdam param group 0: lr=nan: lr must be"):
+        opt.step()
+    assert torch.equal(p.detach(), torch.ones(2))
+
+
+def test_betas_of_another_length_are_refused_up_front():
+    """Three betas were taken by the constructor, ``add_param_group`` and
+    ``load_state_dict``, and failed only at the step ("too many values to unpack")."""
+    p = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError,
+                       match=r"FusedAdam\(betas=\(0.9, 0.99, 0.999\)\): betas must be a pair"):
+        FusedAdam(p, betas=(0.9, 0.99, 0.999))
+    opt = FusedAdam(p)
+    with pytest.raises(ValueError, match=r"param group 1: betas=\[0.9, 0.99, 0.999\]: .*pair"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(1))],
+                             "betas": [0.9, 0.99, 0.999]})
+    bad = copy.deepcopy(opt.state_dict())
+    bad["param_groups"][0]["betas"] = (0.9, 0.99, 0.999)
+    with pytest.raises(ValueError, match=r"load_state_dict: param group 0: betas=.*pair"):
+        opt.load_state_dict(bad)
+    assert len(opt.param_groups) == 1 and opt.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+def test_a_zero_tensor_learning_rate_is_accepted_as_by_torch_optim():
+    """A tensor rate of 0 (a warm-up schedule's first value), as ``torch.optim.AdamW`` takes
+    it: the parameters stay, the step counts advance, a checkpoint of it loads."""
+    p = nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p], lr=torch.tensor(0.0), weight_decay=0.1)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert torch.equal(p.detach(), torch.ones(3)) and opt.state[p]["step"].item() == 1.0
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(1))], "lr": torch.tensor(0.0)})
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt.param_groups[1]["lr"].item() == 0.0
+
+
+def test_flags_and_betas_are_stored_as_bools_and_a_tuple():
+    """An int flag and a list of betas are stored as booleans and a tuple, which
+    ``state_dict()`` saves (with PyTorch's Adam options stated)."""
+    opt = FusedAdam([nn.Parameter(torch.zeros(2))], bias_correction=1, adam_w_mode=0,
+                    betas=[0.8, 0.99])
+    group = opt.param_groups[0]
+    assert group["bias_correction"] is True and group["adam_w_mode"] is False
+    assert group["betas"] == (0.8, 0.99) and isinstance(group["betas"], tuple)
+    saved = opt.state_dict()["param_groups"][0]
+    assert saved["decoupled_weight_decay"] is False and saved["bias_correction"] is True
+    assert saved["amsgrad"] is False and saved["maximize"] is False
+
+
+def _step_with_random_grads(opt, masters, gen):
+    for m in masters:
+        m.grad = torch.randn(m.shape, generator=gen).to(m.device)
+    opt.step()
+
+
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_half_copies_linked_after_steps_and_relinked_are_written(device, path, half):
+    """Copies linked after the optimizer stepped (``amp.initialize`` of an optimizer that
+    already stepped, or a second one with a new half model): the plan cached at the earlier
+    steps knew no copies (or the old ones), so the step wrote none while reporting them
+    written."""
+    gen = torch.Generator().manual_seed(31)
+    masters = _params(device, gen, [(37, 29), (5,)])
+    opt = FusedAdam(masters, lr=1e-2, weight_decay=0.1)
+    _step_with_random_grads(opt, masters, gen)
+    for _ in range(2):  # linked after a step; then relinked to a new half model
+        copies = [torch.zeros(m.shape, dtype=half, device=device) for m in masters]
+        opt._link_half_copies(list(zip(copies, masters)))
+        _step_with_random_grads(opt, masters, gen)
+        for m, c in zip(masters, copies):
+            assert torch.equal(c, m.to(half))
+        assert {id(m) for m in opt._half_copies_written} == {id(m) for m in masters}
+
+
+def test_unlinked_half_copies_are_no_longer_written(device, path):
+    """``amp.restore_model`` links no pairs: the step stops writing the copies and reports
+    none written."""
+    gen = torch.Generator().manual_seed(32)
+    masters = _params(device, gen, [(37, 29), (5,)])
+    copies = [m.to(torch.bfloat16) for m in masters]
+    opt = FusedAdam(masters, lr=1e-2)
+    opt._link_half_copies(list(zip(copies, masters)))
+    _step_with_random_grads(opt, masters, gen)
+    assert len(opt._half_copies_written) == 2
+    opt._link_half_copies([])
+    for c in copies:
+        c.fill_(7.0)
+    _step_with_random_grads(opt, masters, gen)
+    assert all(torch.equal(c, torch.full_like(c, 7.0)) for c in copies)
+    assert opt._half_copies_written == [] and not opt._half_copies
+
+
+def test_half_copies_stay_linked_through_load_state_dict(device, path):
+    """A resume under amp O2 (``optimizer.load_state_dict``, through ``__setstate__``) keeps
+    the step writing the half model (else amp's own copy pass silently took over again)."""
+    gen = torch.Generator().manual_seed(42)
+    masters = _params(device, gen, [(37, 29), (5,)])
+    copies = [m.to(torch.bfloat16) for m in masters]
+    opt = FusedAdam(masters, lr=1e-2)
+    opt._link_half_copies(list(zip(copies, masters)))
+    _step_with_random_grads(opt, masters, gen)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _step_with_random_grads(opt, masters, gen)
+    assert {id(m) for m in opt._half_copies_written} == {id(m) for m in masters}
+    for m, c in zip(masters, copies):
+        assert torch.equal(c, m.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("other", [torch.bfloat16, torch.float32])
+def test_a_half_copy_converted_through_data_is_written_in_its_new_dtype(device, path, other):
+    """A model parameter re-cast after the copies were linked (its ``.data`` swapped, as
+    ``module.to(dtype)`` does) is re-checked and holds the master rounded to its new dtype:
+    with the cached plan the kernel wrote 2-byte values into an fp32 copy's storage."""
+    gen = torch.Generator().manual_seed(40)
+    masters = _params(device, gen, [(37, 29), (2050,)])
+    copies = [m.to(torch.float16) for m in masters]
+    opt = FusedAdam(masters, lr=1e-2, weight_decay=0.1)
+    opt._link_half_copies(list(zip(copies, masters)))
+    _step_with_random_grads(opt, masters, gen)
+    for c in copies:
+        c.data = c.data.to(other)
+    _step_with_random_grads(opt, masters, gen)
+    for m, c in zip(masters, copies):
+        assert c.dtype == other and torch.equal(c, m.to(other))
+
+
+def test_an_adamax_checkpoint_is_refused_before_anything_is_loaded():
+    """Adamax saves ``exp_avg`` and ``exp_inf``: both of Adam's moments are required, before
+    anything is loaded (else the next step failed with the state already replaced)."""
+    params = [nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(3))]
+    other = torch.optim.Adamax(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    other.step()
+    opt = FusedAdam(params, lr=1e-2)
+    with pytest.raises(ValueError, match=r"parameter 0 holds .*'exp_inf'.*saved by another"):
+        opt.load_state_dict(other.state_dict())
+    assert not opt.state and opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_a_checkpoint_with_an_empty_state_entry_loads():
+    """``optimizer.state`` is a defaultdict: reading ``state[p]`` of a parameter that never
+    had a gradient leaves an empty entry, which ``state_dict()`` saves. It loads (as into
+    ``torch.optim.AdamW``) and that parameter starts fresh moments."""
+    gen = torch.Generator().manual_seed(33)
+    a = nn.Parameter(torch.randn(4, generator=gen))
+    b = nn.Parameter(torch.randn(3, generator=gen))
+    opt = FusedAdam([a, b], lr=1e-2)
+    a.grad = torch.randn(4, generator=gen)
+    opt.step()
+    assert opt.state[b] == {}  # (the read leaves the empty entry)
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["state"][1] == {}
+    fresh = FusedAdam([a, b], lr=1.0)
+    fresh.load_state_dict(saved)
+    assert fresh.param_groups[0]["lr"] == 1e-2 and fresh.state[a]["step"].item() == 1.0
+    b.grad = torch.randn(3, generator=gen)
+    fresh.step()
+    assert fresh.state[b]["step"].item() == 1.0 and fresh.state[a]["step"].item() == 2.0
+
+
+def test_an_old_pytorch_checkpoint_with_integer_step_counts_continues_as_torch_adamw():
+    """PyTorch before 1.12 saved Adam's step count as an int: loaded, it becomes an fp32
+    tensor on the parameter's device, and the next update is ``torch.optim.AdamW``'s resumed
+    from the same state (float64 reference)."""
+    gen = torch.Generator().manual_seed(34)
+    w, g = (torch.randn(7, 3, generator=gen, dtype=torch.float64) for _ in range(2))
+    m = torch.randn(7, 3, generator=gen, dtype=torch.float64) * 0.1
+    v = torch.rand(7, 3, generator=gen, dtype=torch.float64) * 0.01
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01,
+             "amsgrad": False, "params": [0]}
+    p = nn.Parameter(w.float())
+    opt = FusedAdam([p], lr=1.0)
+    opt.load_state_dict({"state": {0: {"step": 4, "exp_avg": m.float(),
+                                       "exp_avg_sq": v.float()}},
+                         "param_groups": [dict(group)]})
+    step = opt.state[p]["step"]
+    assert torch.is_tensor(step) and step.dtype == torch.float32 and step.item() == 4.0
+    ref = nn.Parameter(w.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1.0, foreach=False)
+    ref_opt.load_state_dict({"state": {0: {"step": torch.tensor(4.0), "exp_avg": m.clone(),
+                                           "exp_avg_sq": v.clone()}},
+                             "param_groups": [dict(group)]})
+    p.grad, ref.grad = g.float(), g.clone()
+    opt.step()
+    ref_opt.step()
+    torch.testing.assert_close(p.detach(), ref.detach().float(), **_TOL)
+    assert opt.state[p]["step"].item() == 5.0
+
+
+def test_a_parameters_own_step_count_wins_over_a_groups():
+    """Apex's per-group ``step`` goes only to parameters without their own count."""
+    p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    opt = FusedAdam([p, q], lr=1e-2)
+    z3, z2 = torch.zeros(3), torch.zeros(2)
+    opt.load_state_dict({
+        "state": {0: {"step": torch.tensor(7.0), "exp_avg": z3, "exp_avg_sq": z3.clone()},
+                  1: {"exp_avg": z2, "exp_avg_sq": z2.clone()}},
+        "param_groups": [{"lr": 1e-2, "bias_correction": True, "betas": (0.9, 0.999),
+                          "eps": 1e-8, "weight_decay": 0.0, "step": 3, "params": [0, 1]}]})
+    assert opt.state[p]["step"].item() == 7.0 and opt.state[q]["step"].item() == 3.0
+    assert "step" not in opt.param_groups[0]
+
+
+@pytest.mark.parametrize("reset", ["pop", "update", "popitem"])
+def test_a_state_reset_through_any_dict_method_starts_the_moments_afresh(device, path, reset):
+    """``state.pop(p)``, ``state.update({p: {}})`` and ``state.popitem()`` are resets as
+    ``del`` and ``state[p] = {}`` are (the cached plan kept stepping the old moments)."""
+    gen = torch.Generator().manual_seed(35)
+    params = _params(device, gen, [(37, 29)])
+    ref = [p.double() for p in params]
+
+    def between(opt, i):
+        if i == 1:
+            p = opt.param_groups[0]["params"][0]
+            if reset == "pop":
+                opt.state.pop(p)
+            elif reset == "update":
+                opt.state.update({p: {}})
+            else:
+                opt.state.popitem()
+
+    opt, _ = _train_pair(params, ref, gen, 4, between)
+    torch.testing.assert_close(params[0], ref[0].float(), **_TOL)
+    assert opt.state[params[0]]["step"].item() == 2.0
+
+
+@pytest.mark.parametrize("shape", [(), (2, 3, 4, 5)], ids=["0-dim", "channels_last"])
+def test_a_group_of_one_parameter_keeps_its_plan(device, path, shape):
+    """A parameter alone in its group (a 0-dim logit scale, one conv weight): its plan is
+    built once and reused, and the steps match AdamW's. (An ``itemgetter`` of one index
+    returns the item itself, not a tuple: a 0-dim parameter failed its second step.)"""
+    gen = torch.Generator().manual_seed(36)
+    params = _params(device, gen, [shape], memory_format=torch.channels_last)
+    ref = [p.double() for p in params]
+    plans = []
+
+    def between(opt, i):
+        if isinstance(opt, FusedAdam):
+            plans.append(list(opt._plans.values()))
+
+    _train_pair(params, ref, gen, 4, between)
+    assert all(len(ps) == 1 and ps[0] is plans[0][0] for ps in plans)
+    torch.testing.assert_close(params[0], ref[0].float(), **_TOL)
+
+
+def test_a_channels_last_parameters_gradient_of_another_layout_is_rerouted(device, path):
+    """A channels-last parameter whose gradient comes contiguous (NCHW) at a later step: the
+    route planned for matching layouts is not kept (PyTorch's fused kernels walk every tensor
+    in the parameter's memory order)."""
+    gen = torch.Generator().manual_seed(37)
+    ours = _params(device, gen, [(3, 4, 5, 6)], memory_format=torch.channels_last)
+    ref = [p.double() for p in ours]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    for k in range(4):
+        g = torch.randn(3, 4, 5, 6, generator=gen).to(device)
+        ours[0].grad = g.clone() if k == 2 else g.contiguous(memory_format=torch.channels_last)
+        ref[0].grad = g.double()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(ours[0], ref[0].float(), **_TOL)
+    assert ours[0].is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_grad_scale_below_one_divides_the_gradients(device, path):
+    """``GradScaler``'s scale falls below 1 after enough overflows: the gradients are divided
+    by it as by 1024 (a scale rounded to 0 gave inf/NaN weights)."""
+    gen = torch.Generator().manual_seed(38)
+    params = _params(device, gen)
+    grads = _grads(params, gen, steps=3)
+    plain = [p.clone() for p in params]
+    _run(lambda ps: FusedAdam(ps, lr=1e-2), plain, grads)
+    scaled = [p.clone() for p in params]
+    opt = FusedAdam(scaled, lr=1e-2)
+    opt.grad_scale = torch.full((), 0.25, device=device)
+    _run(lambda ps: opt, scaled, [[g * 0.25 for g in step] for step in grads])
+    for a, b in zip(scaled, plain):
+        torch.testing.assert_close(a, b, rtol=2e-7, atol=2e-7)
+
+
+def test_a_float32_tensor_lr_steps_float64_parameters_in_float64(device):
+    """fp64 parameters are computed in fp64 with a tensor lr too (the plain route, where
+    ``bias_correction=False`` sends them): ``lr * weight_decay`` is not rounded to fp32."""
+    gen = torch.Generator().manual_seed(39)
+    p = nn.Parameter(torch.randn(257, generator=gen, dtype=torch.float64).to(device))
+    expected = p.detach().clone()
+    lr_t = torch.tensor(1e-2, device=device)  # float32
+    lr, b1, b2, eps, wd = lr_t.item(), 0.9, 0.999, 1e-8, 0.05
+    opt = FusedAdam([p], lr=lr_t, betas=(b1, b2), eps=eps, weight_decay=wd,
+                    bias_correction=False)
+    m, v = torch.zeros_like(expected), torch.zeros_like(expected)
+    for _ in range(3):
+        g = torch.randn(257, generator=gen, dtype=torch.float64).to(device)
+        p.grad = g.clone()
+        opt.step()
+        expected = expected - lr * wd * expected
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        expected = expected - lr * m / (v.sqrt() + eps)
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_cpu_parameters_do_not_take_the_interpreted_kernel_unless_asked(monkeypatch):
+    """With ``TRITON_INTERPRET=1`` in the environment (to debug some other kernel), CPU
+    parameters still take PyTorch's kernels, not the Triton kernel under the interpreter:
+    only tests ask for that (``_KERNEL_ON_CPU``)."""
+    from mixprec.amp import _multi_tensor
+    monkeypatch.setattr(_multi_tensor, "interpreter_enabled", lambda: True)
+    monkeypatch.setattr(_multi_tensor, "verified_triton", lambda: True)
+    calls = []
+    monkeypatch.setattr(fused_adam._adam_kernel, "adam_step_", lambda *a, **k: calls.append(a))
+    assert fused_adam._KERNEL_ON_CPU is False
+    p = nn.Parameter(torch.ones(5))
+    opt = FusedAdam([p], lr=1e-2)
+    p.grad = torch.ones(5)
+    opt.step()
+    assert not calls and opt.state[p]["step"].item() == 1.0
+    assert not torch.equal(p.detach(), torch.ones(5))
