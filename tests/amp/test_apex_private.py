@@ -4,6 +4,7 @@ loss scalers and opt properties), ``optimizer._amp_stash`` and
 
 import copy
 import math
+import pickle
 
 import pytest
 import torch
@@ -190,6 +191,15 @@ def test_initialize_disabled_has_apex_state_too():
     assert amp._amp_state.loss_scalers[0].loss_scale() == 1.0
     opt._lazy_init_maybe_master_weights()
     assert opt._amp_stash.lazy_init_called is True
+
+
+# A pickled _amp_stash (inside a wrapper pickled whole) keeps lazy_init_called.
+def test_a_pickled_amp_stash_keeps_lazy_init_called():
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    opt._amp_stash.lazy_init_called = False
+    assert pickle.loads(pickle.dumps(opt._amp_stash)).lazy_init_called is False
 
 
 def test_state_follows_the_most_recent_initialize_with_optimizers():

@@ -454,6 +454,20 @@ def test_register_functions_and_decorators():
         assert ns.half_fn(a, b) == (torch.bfloat16, torch.bfloat16)
 
 
+# A function with a casting rule casts the tensors inside a namedtuple argument and rebuilds
+# it from its fields.
+def test_a_function_with_a_rule_casts_tensors_inside_a_namedtuple():
+    Pair = collections.namedtuple("Pair", "x y")
+
+    @amp.float_function
+    def dtypes(pair):
+        return pair.x.dtype, pair.y.dtype, type(pair)
+
+    arg = Pair(torch.randn(2).bfloat16(), torch.randn(2).bfloat16())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert dtypes(arg) == (torch.float32, torch.float32, Pair)
+
+
 def test_registered_function_inside_o1_model():
     ns = type("NS", (), {})()
     ns.matmul = torch.matmul

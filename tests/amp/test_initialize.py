@@ -1359,6 +1359,53 @@ def test_o2_refuses_zero_redundancy_optimizer():
         dist.destroy_process_group()
 
 
+# A group added after initialize to an optimizer that steps an inner optimizer of its own
+# (ZeroRedundancyOptimizer's add_param_group adds it to its local optimizer too) is refused
+# for half parameters too, not only for those initialize cast.
+def test_o2_refuses_a_late_half_group_that_an_inner_optimizer_of_its_own_steps():
+    class Sharded(torch.optim.Optimizer):
+        """Steps an inner SGD holding its own copy of each group added after construction."""
+
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+            self.optim = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+
+        def add_param_group(self, group):
+            super().add_param_group(group)
+            if hasattr(self, "optim"):
+                self.optim.add_param_group({"params": list(self.param_groups[-1]["params"])})
+
+        def step(self, closure=None):
+            return self.optim.step(closure)
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = Sharded(model.parameters())
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    head = nn.Linear(4, 2).bfloat16()
+    opt.add_param_group({"params": list(head.parameters())})
+    x = torch.randn(3, 4).bfloat16()
+    with pytest.raises(ValueError, match=r"Sharded steps an inner SGD \(its `\.optim`\)"):
+        with amp.scale_loss(head(model(x).bfloat16()).float().sum(), opt) as s:
+            s.backward()
+
+
+# O3 casts optimizer state kept in nested dicts (a third-party optimizer's) to the
+# parameter's dtype, as Optimizer.load_state_dict casts it.
+def test_o3_casts_optimizer_state_kept_in_dicts_as_load_state_dict_does():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight]["extra"] = {"sums": torch.ones(2, 3), "count": 3}
+    ref = copy.deepcopy(model).bfloat16()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt.load_state_dict(opt.state_dict())
+    amp.initialize(model, opt, opt_level="O3", dtype=torch.bfloat16, verbosity=0)
+    got, want = opt.state[model.weight]["extra"], ref_opt.state[ref.weight]["extra"]
+    assert got["sums"].dtype == want["sums"].dtype == torch.bfloat16
+    assert got["count"] == want["count"] == 3
+
+
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_o1_autocast_follows_a_device_move_after_initialize(target):
     # initialize on one device, then move (`model.cuda()` after initialize, which the README

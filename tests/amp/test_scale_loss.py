@@ -1921,3 +1921,386 @@ def test_a_loss_of_other_than_one_element_is_refused_on_entry(shape):
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+# -- mutation run r50B over mixprec/amp/_state.py: what the tests above let through --------
+
+def _bf16(model, opt, opt_level, **kw):
+    kw.setdefault("loss_scale", 128.0)
+    return amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0,
+                          **kw)
+
+
+# zero_grad(set_to_none=False) over a held delay_unscale window zeroes the half gradients in
+# place, as fp32 training zeroes every gradient tensor.
+def test_zero_grad_keeping_tensors_over_a_held_window_zeroes_the_half_gradients_in_place():
+    # fp32 training's zero_grad(set_to_none=False) leaves every gradient a zero tensor (the same
+    # object); at O2 the half gradients a delay_unscale window holds must be zeroed likewise
+    # (torch DDP with find_unused_parameters=True needs them to be tensors).
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = _bf16(model, opt, "O2")
+    with amp.scale_loss(model(torch.randn(2, 4).bfloat16()).float().sum(), opt,
+                        delay_unscale=True) as scaled:
+        scaled.backward()
+    held = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in held)
+    opt.zero_grad(set_to_none=False)
+    for p, g in zip(model.parameters(), held):
+        assert p.grad is g  # zeroed in place, not replaced or dropped
+        assert torch.count_nonzero(p.grad) == 0
+
+
+# A sparse gradient set aside by one block is added onto the dense gradient of the next
+# block's backward.
+def test_a_sparse_gradient_set_aside_is_added_onto_a_dense_one_of_the_next_backward():
+    # O1 (no masters) at a static scale 512: the first backward's gradient of an embedding
+    # weight is sparse (F.embedding(sparse=True)); the second backward uses the weight densely.
+    # At the second block's exit the sum must be the fp32 reference's.
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4)
+    ref = copy.deepcopy(emb)
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    emb, opt = amp.initialize(emb, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale=512.0,
+                              patch_torch_functions=False, verbosity=0)
+    idx = torch.tensor([1, 3, 3])
+
+    def losses(m):
+        return (nn.functional.embedding(idx, m.weight, sparse=True).pow(2).sum(),
+                (m.weight * torch.arange(4.0)).sum())
+
+    for loss in losses(emb):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    for loss in losses(ref):
+        loss.backward()
+    torch.testing.assert_close(emb.weight.grad.to_dense(), ref.weight.grad.to_dense(),
+                               rtol=1e-6, atol=1e-6)
+
+
+# The foreign-backward watch does not count an optimizer's own backward, run in a block
+# nested inside another optimizer's open block.
+def test_a_block_nested_inside_another_optimizers_block_steps_its_own_gradients():
+    # Two models of one initialize (O1, static scale 512): B's block opened inside A's, after
+    # A's backward. B's own backward is B's, not a foreign one: both steps run, and the
+    # gradients are the fp32 reference's.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 3), nn.Linear(4, 2)
+    ref_a, ref_b = copy.deepcopy(a), copy.deepcopy(b)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    amp.initialize([a, b], [oa, ob], opt_level="O1", dtype=torch.bfloat16, loss_scale=512.0,
+                   patch_torch_functions=False, verbosity=0)
+    x = torch.randn(5, 4)
+    with amp.scale_loss(a(x).pow(2).mean(), oa) as sa:
+        sa.backward()
+        with amp.scale_loss(b(x).pow(2).mean(), ob) as sb:
+            sb.backward()
+    ref_a(x).pow(2).mean().backward()
+    ref_b(x).pow(2).mean().backward()
+    for m, r in ((a, ref_a), (b, ref_b)):
+        for p, q in zip(m.parameters(), r.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    ob.step()  # (refused under the mutant: "still hold that loss's scale")
+    oa.step()
+
+
+# One loss over several optimizers whose scale lives on the device: their overflow flags
+# combine as a maximum (a sum of 2 left step counts at -1).
+def test_a_loss_overflowing_in_two_fused_optimizers_leaves_their_step_counts_alone():
+    # GradScaler's protocol: the fused kernel adds 1 to the step count and subtracts found_inf.
+    # Both optimizers overflow in one backward: found_inf must be 1, not 2, or the skipped
+    # step leaves step = -1 and the next one divides by 1 - beta**0 = 0.
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
+    oa = torch.optim.AdamW(a.parameters(), lr=0.1, fused=True)
+    ob = torch.optim.AdamW(b.parameters(), lr=0.1, fused=True)
+    [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level="O2", dtype=torch.bfloat16,
+                                      loss_scale="dynamic", verbosity=0)
+    x = torch.randn(5, 4).bfloat16()
+    with amp.scale_loss((a(x).float().sum() + b(x).float().sum()) * float("inf"),
+                        [oa, ob]) as s:
+        s.backward()
+    oa.step()
+    ob.step()
+    assert amp.step_was_skipped(oa) and amp.step_was_skipped(ob)
+    for opt in (oa, ob):
+        assert all(float(st["step"]) == 0 for st in opt.state.values()), opt.state
+    with amp.scale_loss((a(x).float().sum() + b(x).float().sum()), [oa, ob]) as s:
+        s.backward()
+    oa.step()
+    ob.step()
+    for opt in (oa, ob):
+        assert all(float(st["step"]) == 1 for st in opt.state.values())
+    assert all(torch.isfinite(p).all() for p in [*a.parameters(), *b.parameters()])
+
+
+# A step right after delay_unscale=True is refused without master weights too (O1, O3), not
+# only at O2: the gradients still hold the scale.
+@pytest.mark.parametrize("opt_level", ["O1", "O3"])
+def test_step_after_delay_unscale_is_an_error_without_master_weights(opt_level):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = _bf16(model, opt, opt_level)
+    x = torch.randn(3, 4).to(model.weight.dtype)
+    with amp.scale_loss(model(x).float().sum(), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="delay_unscale=True"):
+        opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+
+
+# A failed backward's partial (scaled) gradients are taken off the parameters that had none
+# before the block, as the set-aside ones are given back.
+@pytest.mark.parametrize("opt_level", ["O1", "O3"])
+def test_a_failed_first_backward_leaves_no_scaled_gradient_behind(opt_level):
+    # The first micro-batch's backward fails after the head received its (scaled) gradient;
+    # the caller skips it. The next micro-batch's gradients alone must reach the step: the
+    # fp32 reference's, not 512 times the failed head gradient added.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ref = copy.deepcopy(model).to(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                loss_scale=512.0, verbosity=0,
+                                patch_torch_functions=False if opt_level == "O1" else None)
+    dtype = model[0].weight.dtype
+    g = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    with pytest.raises(RuntimeError, match="simulated"):
+        with amp.scale_loss(model[1](FailingBackward.apply(model[0](x1.to(dtype))))
+                            .float().sum(), opt) as scaled:
+            scaled.backward()  # the head's gradients are written, then it fails
+    with amp.scale_loss(model(x2.to(dtype)).float().sum(), opt) as scaled:
+        scaled.backward()
+    ref(x2.double()).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.double(), r.grad,
+                                   rtol=2e-2 if opt_level == "O3" else 1e-5, atol=1e-2)
+
+
+# A gradient scaled by another optimizer's block and zeroed in place since (the model's
+# zero_grad(set_to_none=False)) no longer counts as foreign: the step runs.
+def test_gradients_of_another_blocks_backward_zeroed_in_place_through_the_model_step():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level="O1", dtype=torch.bfloat16,
+                                      loss_scale=512.0, verbosity=0)
+    x = torch.randn(8, 4)
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), ob) as s:
+        s.backward()  # a's gradients: scaled by 512, never unscaled for oa
+    ob.step()
+    a.zero_grad(set_to_none=False)  # zeroed in place: nothing scaled is left
+    want = [p.detach().clone() for p in a.parameters()]
+    oa.step()
+    for p, w in zip(a.parameters(), want):
+        assert torch.equal(p, w)
+
+
+# A reload after an overflowed backward (a rollback) forgets the overflow and its non-finite
+# gradients.
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_rollback_in_a_loop_that_zeroes_after_the_step_trains_on_from_the_checkpoint(
+        opt_level):
+    # A loop of forward, backward, step, zero_grad (zeroing after the step), that reloads its
+    # checkpoint after an overflowed backward: the next step is the checkpoint's next step,
+    # not skipped again on the abandoned run's inf gradients.
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                              loss_scale="dynamic", verbosity=0)
+
+    def step(model, opt, x, scale=1.0):
+        with amp.scale_loss(model(x.to(model[0].weight.dtype)).float().pow(2).mean() * scale,
+                            opt) as s:
+            s.backward()
+        opt.step()
+        opt.zero_grad()
+
+    x = torch.randn(6, 4)
+    model, opt = build()
+    step(model, opt, x)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    ref_model, ref_opt = build()
+    ref_model.load_state_dict(ckpt["model"])
+    ref_opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
+    step(ref_model, ref_opt, x)
+
+    with amp.scale_loss(model(x.to(model[0].weight.dtype)).float().pow(2).mean()
+                        * float("inf"), opt) as s:
+        s.backward()  # a loss spike: the loop rolls back instead of stepping
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(copy.deepcopy(ckpt["optimizer"]))
+    step(model, opt, x)
+    assert not amp.step_was_skipped(opt)
+    got, want = model.state_dict(), ref_model.state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
+
+
+# An optimizer class whose zero_grad() takes no set_to_none drops the gradients, as torch's
+# default does: an unused master gets no zero gradient for momentum to move it with.
+def test_an_optimizer_whose_zero_grad_takes_no_argument_sets_to_none_as_torch_does():
+    class OldSGD(torch.optim.SGD):
+        def zero_grad(self):  # (an older signature: drops the gradients)
+            super().zero_grad(set_to_none=True)
+
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = OldSGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale=1.0, verbosity=0)
+    x = torch.randn(3, 8)
+    after_first = None
+    for both in (True, False):  # b unused at the second step
+        opt.zero_grad()
+        with amp.scale_loss(model(x, both).float().pow(2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+        if after_first is None:
+            after_first = [p.detach().clone() for p in model.b.parameters()]
+    # As fp32 SGD after zero_grad(set_to_none=True): a parameter without a gradient is
+    # skipped, its momentum does not move it.
+    for p, q in zip(model.b.parameters(), after_first):
+        assert torch.equal(p, q)
+
+
+# The device-side overflow flags of two backwards before one step combine as a maximum.
+@pytest.mark.parametrize("clean_first", [False, True])
+def test_an_overflow_in_either_micro_batch_skips_a_fused_step(clean_first):
+    # Accumulation over two scale_loss blocks (no delay_unscale) with the scale on the device
+    # (fused AdamW, one device): one overflowed micro-batch skips the step, whichever it was,
+    # as on the host; the parameters stay finite and unchanged.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(5, 4).bfloat16()
+    for bad in ((False, True) if clean_first else (True, False)):
+        loss = model(x).float().pow(2).mean() * (float("inf") if bad else 1.0)
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+
+
+# A step skipped for an overflow while zero_grad keeps gradient tensors: a master unused at
+# a later step gets a zero gradient, as fp32's kept tensor (weight decay goes on moving it).
+def test_kept_gradient_tensors_through_a_skipped_first_step_step_unused_masters_as_fp32():
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x = torch.randn(3, 8)
+    opt.zero_grad(set_to_none=False)
+    with amp.scale_loss(model(x, True).float().pow(2).mean() * float("inf"), opt) as s:
+        s.backward()  # the first step overflows (as fp16's first steps at 2**16 do)
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    masters = dict(zip((id(p) for p in model.parameters()), amp.master_params(opt)))
+    b_masters = [masters[id(p)] for p in model.b.parameters()]
+    before = [m.detach().clone() for m in b_masters]
+    opt.zero_grad(set_to_none=False)
+    with amp.scale_loss(model(x, False).float().pow(2).mean(), opt) as s:
+        s.backward()  # b unused
+    opt.step()
+    # fp32 with kept tensors: b's gradient is a zero tensor, and weight decay moves it.
+    for m, b in zip(b_masters, before):
+        torch.testing.assert_close(m.detach(), b * (1 - 0.1 * 0.5), rtol=1e-6, atol=0)
+
+
+# A delay_unscale window opened again after one dropped by zero_grad(set_to_none=False):
+# a step right after it is refused (it would run on nothing, dropping the new window).
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_step_right_after_a_window_opened_again_after_a_dropped_one_is_an_error(opt_level):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = _bf16(model, opt, opt_level,
+                       patch_torch_functions=False if opt_level == "O1" else None)
+    x = torch.randn(3, 4).to(model.weight.dtype)
+    for _ in range(2):
+        with amp.scale_loss(model(x).float().sum(), opt, delay_unscale=True) as scaled:
+            scaled.backward()
+        if _ == 0:
+            opt.zero_grad(set_to_none=False)  # the first window dropped
+    with pytest.raises(RuntimeError, match="delay_unscale=True"):
+        opt.step()
+
+
+# A skipped step records what the LR scheduler's wrapper of step() records: a scheduler
+# stepped after an overflowed first step does not warn it came before optimizer.step().
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_a_scheduler_stepped_after_an_overflowed_first_step_does_not_warn(scheduler_first):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if scheduler_first:
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    if not scheduler_first:
+        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    with amp.scale_loss(model(torch.randn(3, 4).bfloat16()).float().sum() * float("inf"),
+                        opt) as s:
+        s.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.step()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], \
+        [str(w.message) for w in caught]
+
+
+# zero_grad(set_to_none=True) forgets which masters had gradients under an earlier
+# zero_grad(set_to_none=False): a master unused since keeps no gradient, as in fp32.
+def test_switching_zero_grad_modes_does_not_revive_an_unused_masters_gradient():
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale=1.0, verbosity=0)
+    x = torch.randn(3, 8)
+    after = None
+    for set_to_none, both in ((False, True), (True, False), (False, False)):
+        opt.zero_grad(set_to_none=set_to_none)
+        with amp.scale_loss(model(x, both).float().pow(2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+        if after is None:
+            after = [p.detach().clone() for p in model.b.parameters()]
+    # fp32: b's gradient is None from the set_to_none=True zero_grad on, and stays None through
+    # the later zero_grad(set_to_none=False): SGD never moves b again.
+    for p, q in zip(model.b.parameters(), after):
+        assert torch.equal(p, q)
+
+
+# An overflowed step reached through a step bound before initialize copies nothing into the
+# half model (a write made to it since the last step stays).
+def test_an_overflowed_step_through_a_bound_step_keeps_a_write_to_the_half_model():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = opt.step  # (bound before initialize: the class's step, amp's hooks around it)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    x = torch.randn(3, 4).bfloat16()
+    with amp.scale_loss(model(x).float().sum() * float("inf"), opt) as s:
+        s.backward()
+    with torch.no_grad():
+        model.weight.fill_(0.5)  # (nn.init, a re-initialised layer: amp takes such writes)
+    step()
+    assert amp.step_was_skipped(opt)
+    assert torch.all(model.weight == 0.5)  # (the skipped step wrote nothing into the model)
