@@ -1442,3 +1442,103 @@ def test_register_function_with_a_non_string_name_is_refused_clearly():
     with pytest.raises(AttributeError, match="function's name as a string"):
         amp.register_half_function(ns, _probe)
     assert ns.half_fn is _probe
+
+
+# -- mutation run r50A over mixprec/amp/_model.py: what the tests above let through --------
+
+_Pair = collections.namedtuple("_Pair", "half double")
+
+
+
+class _MixedOutputs(nn.Module):
+    """Returns a linear layer's output (half under O1's autocast) next to a float64 tensor, in
+    every container amp's output cast walks."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h, d = self.lin(x), x.double().sum(1)
+        return {"tuple": (h, d), "list": [h, d], "namedtuple": _Pair(h, d),
+                "ordered": collections.OrderedDict(half=h, double=d)}
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_o1_output_cast_leaves_float64_alone_in_every_container(dtype):
+    # O1 casts only autocast's half results to fp32 (half_outputs_to_fp32): a float64 output
+    # stays float64 wherever it sits, not only at the top of a dict. (Mutants CF11, CF12,
+    # CF13: the recursion into namedtuples / lists and tuples / other mappings forgot `only`.)
+    model = amp.initialize(_MixedOutputs(), opt_level="O1", dtype=dtype, verbosity=0)
+    out = model(torch.randn(2, 4))
+    assert type(out["namedtuple"]) is _Pair and type(out["ordered"]) is collections.OrderedDict
+    for key in ("tuple", "list", "namedtuple"):
+        assert (out[key][0].dtype, out[key][1].dtype) == (torch.float32, torch.float64), key
+    assert (out["ordered"]["half"].dtype, out["ordered"]["double"].dtype) == (
+        torch.float32, torch.float64)
+
+
+
+@dataclasses.dataclass
+class _NotCopyable:
+    """A batch dataclass that refuses to be copied or pickled (its ``__reduce_ex__`` raises),
+    with a field set outside ``__init__``."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    note: str = dataclasses.field(init=False, default="default")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("_NotCopyable cannot be copied")
+
+
+
+def test_o2_casts_a_dataclass_that_cannot_be_copied_through_its_init():
+    # copy.copy fails, so cast_floating rebuilds the instance through __init__
+    # (dataclasses.replace with the init fields only). (Mutants DC04: the fallback is not
+    # taken, the TypeError escapes; DC05: init=False fields passed to replace, ValueError.)
+    seen = {}
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, d):
+            seen["d"] = d
+            return self.lin(d.x)
+
+    model = amp.initialize(Spy(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    data = _NotCopyable(torch.randn(3, 2), torch.arange(3))
+    out = model(data)
+    got = seen["d"]
+    assert type(got) is _NotCopyable and got is not data
+    assert got.x.dtype == torch.bfloat16 and got.ids.dtype == torch.int64
+    torch.testing.assert_close(got.x, data.x.bfloat16(), rtol=0, atol=0)
+    assert data.x.dtype == torch.float32  # the caller's object is left alone
+    assert out.dtype == torch.float32
+
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0])
+@pytest.mark.parametrize("by_keyword", [False, True])
+def test_o2_embedding_max_norm_renormalises_the_master_as_fp32_does(by_keyword, norm_type):
+    # The looked-up rows of an O2 embedding's fp32 master are renormalised exactly as an fp32
+    # nn.Embedding(max_norm, norm_type) renormalises its weight in place, whether the indices
+    # come positionally or as `input=` (nn.Embedding.forward's parameter name), and with the
+    # layer's norm_type. (Mutants M03: keyword indices ignored; RN04: norm_type taken as 2.)
+    torch.manual_seed(0)
+    ref = nn.Embedding(20, 6, max_norm=1.0, norm_type=norm_type)
+    model = copy.deepcopy(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    idx = torch.tensor([[1, 4, 7], [4, 9, 12]])
+    out = model(input=idx) if by_keyword else model(idx)
+    want = ref(input=idx) if by_keyword else ref(idx)
+    master = next(iter(amp.master_params(opt)))
+    assert ref.weight[1].norm(p=norm_type) < 1.0 + 1e-6  # (the reference renormalised)
+    torch.testing.assert_close(master, ref.weight.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(model.state_dict()["weight"], ref.weight.detach(), rtol=0, atol=0)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)  # (bf16 rows)

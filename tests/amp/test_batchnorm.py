@@ -5,6 +5,8 @@ mismatch under Apex O2, and keep_batchnorm_fp32 raised under O1.
 """
 
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -156,3 +158,102 @@ def test_seed_finetuning_with_frozen_batchnorm(opt_level, dtype, device):
         torch.testing.assert_close(bn.running_mean, mean, rtol=0, atol=0)
         torch.testing.assert_close(bn.running_var, var, rtol=0, atol=0)
         torch.testing.assert_close(bn.weight, w, rtol=0, atol=0)
+
+
+# -- mutation run r50A over mixprec/amp/_model.py: what the tests above let through --------
+
+def test_o2_half_conversion_of_a_non_affine_fp32_batchnorm_is_refused():
+    # A BatchNorm with affine=False holds fp32 running statistics (buffers) and no
+    # parameters: model.half() after O2 in fp16 would cast those statistics too, and must be
+    # refused before anything changes, as for an affine one. (Mutant DTC02: only parameters
+    # were looked at, so the buffers were cast silently.)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, affine=False), nn.ReLU())
+    amp.initialize(model, opt_level="O2", dtype=torch.float16, verbosity=0)
+    assert model[1].running_mean.dtype == torch.float32
+    with pytest.raises(RuntimeError, match=r"from torch\.float32 to torch\.float16"):
+        model.half()
+    assert model[1].running_mean.dtype == model[1].running_var.dtype == torch.float32
+    assert model[0].weight.dtype == torch.float16
+
+
+
+class _ProjectedBatchNorm(nn.BatchNorm1d):
+    """A BatchNorm subclass whose forward also runs an op autocast would cast (a matmul)."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.proj = nn.Parameter(torch.randn(n, n))
+
+    def forward(self, x):
+        return super().forward(x) @ self.proj
+
+
+
+class _LinearThenBatchNorm(nn.Module):
+    def __init__(self, by_keyword):
+        super().__init__()
+        self.lin, self.bn, self.by_keyword = nn.Linear(16, 16), _ProjectedBatchNorm(16), by_keyword
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.bn(x=h) if self.by_keyword else self.bn(h)
+
+
+
+@pytest.mark.parametrize("by_keyword", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_o1_keep_batchnorm_fp32_runs_the_whole_layer_in_fp32(dtype, by_keyword):
+    # O1 with keep_batchnorm_fp32: a BatchNorm layer's forward runs in fp32 with autocast off
+    # (its half input, positional or keyword, cast up; its output cast back to the input's
+    # dtype), so every op of a BatchNorm subclass runs in fp32, not only batch_norm.
+    # Reference: the same layer run by hand in fp32 on the upcast input. (Mutants FP02:
+    # autocast left on inside the layer, the matmul ran in a half type; FP04: a keyword input
+    # left half, the fp32 matmul met a half operand.)
+    torch.manual_seed(0)
+    model = _LinearThenBatchNorm(by_keyword)
+    ref = copy.deepcopy(model)
+    amp.initialize(model, opt_level="O1", keep_batchnorm_fp32=True, dtype=dtype, verbosity=0)
+    x = torch.randn(8, 16)
+    out = model(x)
+    with torch.autocast("cpu", dtype=dtype):
+        h = ref.lin(x)
+    assert h.dtype == dtype
+    want = ref.bn(h.float()).to(dtype).float()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+
+def test_o1_fp32_batchnorm_leaves_a_positional_float64_input_alone():
+    # The fp32 BatchNorm forward of O1 casts only half inputs up: a float64 model's BatchNorm
+    # called positionally (nn.Sequential) keeps its float64 input, as by keyword. Reference:
+    # the plain float64 model. (Mutant FP05: positional inputs cast to fp32 whatever their
+    # dtype.)
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)).double()
+    model = copy.deepcopy(plain)
+    amp.initialize(model, opt_level="O1", keep_batchnorm_fp32=True, verbosity=0)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    out = model(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, plain(x))
+
+
+
+class _MyBatchNorm(nn.BatchNorm2d):
+    """A user's BatchNorm subclass (frozen-statistics and group variants are written so)."""
+
+
+
+def test_o2_keeps_batchnorm_subclasses_in_fp32():
+    # keep_batchnorm_fp32 (O2's default) applies to every _BatchNorm, a subclass and
+    # nn.SyncBatchNorm included, not only to the three nn.BatchNormNd classes.
+    # (Mutant CV04: an exact type check cast the subclass to half.)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), _MyBatchNorm(4), nn.SyncBatchNorm(4), nn.ReLU())
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert model[0].weight.dtype == torch.bfloat16
+    for bn in (model[1], model[2]):
+        assert {t.dtype for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var)} == {
+            torch.float32}, type(bn).__name__

@@ -3,6 +3,7 @@
 import copy
 import gc
 import io
+import pickle
 import warnings
 
 import pytest
@@ -1399,3 +1400,187 @@ def test_masters_written_in_place_right_after_initialize_hold_through_the_first_
     for master, value in zip(amp.master_params(opt), saved):
         torch.testing.assert_close(master, value, rtol=0, atol=0)
     torch.testing.assert_close(model.state_dict()["0.weight"], saved[0], rtol=0, atol=0)
+
+
+# -- mutation run r50A over mixprec/amp/_model.py: what the tests above let through --------
+
+def _o2_step(model, opt, seed=2):
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(seed))
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+
+@pytest.mark.parametrize("source", ["optimizer_gone", "deepcopy"])
+def test_o2_prepared_again_with_standalone_masters_takes_writes_into_the_half_model(source):
+    # Masters that no optimizer keeps (the optimizer deleted, then a state_dict(); or a deep
+    # copy's own) are "standalone". A model restored and prepared again at O2 must drop that
+    # state with the old masters: left standalone, each state_dict() "synced" the new
+    # optimizer's masters into the half parameters, so a write into the half model after a
+    # step (a head re-initialized) was overwritten by the master and lost from the
+    # checkpoint and the model. (Mutants CV06: standalone hooks kept as they were; CV07: the
+    # old masters dropped but the standalone flag kept.)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    _o2_step(model, opt)
+    if source == "deepcopy":
+        model = copy.deepcopy(model)
+    else:
+        del opt
+        gc.collect()
+        model.state_dict()  # (the orphaned masters become standalone here)
+    amp.restore_model(model).float()
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    _o2_step(model, opt, seed=3)
+    model.state_dict()
+    _o2_step(model, opt, seed=4)
+    with torch.no_grad():
+        nn.init.ones_(model[2].bias)
+    saved = model.state_dict()
+    assert torch.equal(model[2].bias, torch.ones(2, dtype=torch.bfloat16))
+    assert torch.equal(saved["2.bias"], torch.ones(2))
+    masters = list(amp.master_params(opt))
+    for key, master in zip(["0.weight", "0.bias", "2.weight"], masters):
+        assert torch.equal(saved[key], master), key  # (the new optimizer's exact masters)
+
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save"])
+def test_o2_copy_made_right_after_pruning_keeps_the_fp32_masters(how):
+    # torch.nn.utils.prune moves `weight` to `weight_orig`; a copy taken at once (no step or
+    # state_dict() in between to notice the rename) must carry the fp32 master under the new
+    # name: its checkpoint holds the exact fp32 value. (Mutant R01: pickling/deep-copying did
+    # not look for renames first, so the copy's master stayed under `weight` and its
+    # checkpoint held the half value upcast.)
+    from torch.nn.utils import prune
+
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    master = next(iter(amp.master_params(opt))).detach().clone()  # model[0].weight's
+    assert not torch.equal(master, master.bfloat16().float())  # (more than half's precision)
+    prune.identity(model[0], "weight")
+    # (copy.deepcopy of a pruned module fails in PyTorch itself: its `weight` is a non-leaf.)
+    if how == "pickle":
+        clone = pickle.loads(pickle.dumps(model))
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        clone = torch.load(buf, weights_only=False)
+    saved = clone.state_dict()
+    assert "0.weight_orig" in saved and "0.weight" not in saved
+    torch.testing.assert_close(saved["0.weight_orig"], master, rtol=0, atol=0)
+
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_o2_half_tensors_put_on_the_root_after_initialize_save_fp32(inside):
+    # A half buffer or parameter registered on the model itself after initialize (the root,
+    # which held no tensor of its own, so no hooks of its own) comes out fp32 in the
+    # checkpoint like any other half entry, also when the model sits inside another module.
+    # (Mutant UH03: the root's own entries were looked up under "<prefix>.<name>", a key that
+    # does not exist, and stayed half.)
+    model = make_mlp()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    model.register_buffer("scale", torch.full((3,), 1.1, dtype=torch.bfloat16))
+    model.temperature = nn.Parameter(torch.full((2,), 0.3, dtype=torch.bfloat16))
+    holder = nn.ModuleDict({"net": model}) if inside else model
+    prefix = "net." if inside else ""
+    saved = holder.state_dict()
+    for name in ("scale", "temperature"):
+        entry = saved[prefix + name]
+        assert entry.dtype == torch.float32, name
+        assert torch.equal(entry, getattr(model, name).detach().float()), name
+    assert all(v.dtype == torch.float32 for v in saved.values() if v.is_floating_point())
+
+
+
+def test_o2_half_module_put_in_after_initialize_under_two_names_saves_fp32_under_both():
+    # A half module added after initialize (no optimizer, no hooks of its own) and shared
+    # under two names (weight sharing by module) has its entries under both names in the
+    # state dict: both come out fp32. (Mutant UH04: the walk skipped the second name of a
+    # shared module, whose entries stayed half.)
+    model = make_mlp()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    torch.manual_seed(1)
+    head = nn.Linear(2, 3).bfloat16()
+    model.add_module("head_a", head)
+    model.add_module("head_b", head)
+    saved = model.state_dict()
+    for key in ("head_a.weight", "head_a.bias", "head_b.weight", "head_b.bias"):
+        assert saved[key].dtype == torch.float32, key
+    assert torch.equal(saved["head_b.weight"], head.weight.detach().float())
+
+
+
+def test_o2_write_into_the_state_dict_after_a_load_holds_once_the_optimizer_is_gone():
+    # state_dict() entries of an O2 model are its fp32 masters (detached aliases), and a write
+    # into them (an EMA kept in a state dict) is the model's new weight. With the optimizer
+    # gone, a load_state_dict() must make the masters standalone at once, so that such a
+    # write after the load wins over the half parameter at the next state_dict(). (Mutant
+    # LD05: the load left them as they were; the next state_dict() found the half parameter
+    # different from its master and copied it over the write.)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    _o2_step(model, opt)
+    sd = model.state_dict()
+    del opt
+    gc.collect()
+    model.load_state_dict(copy.deepcopy(sd))
+    with torch.no_grad():
+        sd["0.bias"].add_(1.0)
+    want = sd["0.bias"].clone()
+    saved = model.state_dict()
+    torch.testing.assert_close(saved["0.bias"], want, rtol=0, atol=0)
+    torch.testing.assert_close(model[0].bias, want.bfloat16(), rtol=0, atol=0)
+
+
+
+def test_a_copys_batchnorm_converted_to_syncbn_runs_the_masters_written_into_its_state_dict():
+    # A deep copy of an O2 model owns its fp32 masters ("standalone": a write into its
+    # state_dict() entries, as an EMA does, reaches the half parameters at its next forward).
+    # convert_syncbn_model on the copy builds new layers that take over the old layers'
+    # masters, and must take over that standalone state too. (Mutant CT01: the new layers'
+    # masters were no longer standalone, so the written master never reached the half
+    # weight the forward uses.)
+    from mixprec.parallel import convert_syncbn_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, keep_batchnorm_fp32=False,
+                   verbosity=0)
+    clone = convert_syncbn_model(copy.deepcopy(model))
+    assert clone[1].weight.dtype == torch.bfloat16
+    state = clone.state_dict()
+    with torch.no_grad():
+        state["1.weight"].fill_(2.0)
+    clone.eval()
+    clone(torch.randn(2, 3, 6, 6))
+    assert torch.equal(clone[1].weight, torch.full((4,), 2.0, dtype=torch.bfloat16))
+    assert torch.equal(clone.state_dict()["1.weight"], torch.full((4,), 2.0))
+
+
+
+def test_syncbn_conversion_after_a_parameter_was_replaced_saves_the_new_parameter():
+    # A BatchNorm weight replaced after initialize (`bn.weight = nn.Parameter(...)`) no longer
+    # has the old fp32 master standing for it; convert_syncbn_model must not hand the old
+    # master to the new layer, whose checkpoint then holds the new weight. (Mutant CT02:
+    # the old master was carried over for whatever parameter held its name.)
+    from mixprec.parallel import convert_syncbn_model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, keep_batchnorm_fp32=False,
+                   verbosity=0)
+    model[1].weight = nn.Parameter(torch.full((4,), 3.0, dtype=torch.bfloat16))
+    model = convert_syncbn_model(model)
+    assert torch.equal(model.state_dict()["1.weight"], torch.full((4,), 3.0))

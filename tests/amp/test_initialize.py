@@ -1950,3 +1950,39 @@ def test_an_already_half_model_gets_its_batchnorm_back_in_fp32_at_o2():
     for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var):
         assert t.dtype == torch.float32
     assert model.features[0].weight.dtype == torch.float16
+
+
+# -- mutation run r50A over mixprec/amp/_model.py: what the tests above let through --------
+
+@pytest.mark.parametrize("convert", ["double", "bfloat16"])
+def test_o0_makes_a_model_of_another_dtype_fp32(convert):
+    # O0 is Apex's fp32 baseline: cast_model_type=torch.float32 casts the model's floating
+    # parameters and buffers to fp32 (as the forward casts floating inputs to fp32). A model
+    # built in float64 or in bf16 runs as the same model in fp32. (Mutant CV10: the model was
+    # left as it was, and the fp32 inputs met float64 / bf16 weights.)
+    model = getattr(make_mlp(), convert)()
+    ref = copy.deepcopy(model).float()
+    amp.initialize(model, opt_level="O0", verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    out = model(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref(x.float()), rtol=0, atol=0)
+
+
+
+def test_a_part_taken_out_of_a_model_later_restored_can_be_prepared_on_its_own():
+    # initialize refuses a part of a live O2 model (its casts would run inside the half
+    # model). Once that model is restored (amp.restore_model) it is no amp model any more,
+    # and a layer taken out of it before may be prepared on its own. (Mutant CP01: the
+    # lookup answered the restored model, and initialize refused the layer.)
+    torch.manual_seed(0)
+    outer = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    amp.initialize(outer, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    part = outer[2]
+    outer[2] = nn.Identity()
+    amp.restore_model(outer)
+    part.float()
+    amp.initialize(part, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    out = part(torch.randn(3, 4))
+    assert part.weight.dtype == torch.bfloat16 and out.dtype == torch.float32
