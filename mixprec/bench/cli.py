@@ -122,6 +122,7 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--size",
+        type=_lower,
         choices=("small", "large"),
         default=None,
         help="model and input sizes: small (CPU smoke test) or large (GPT d_model 1024, 12 "
@@ -184,6 +185,7 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--norm",
+        type=_lower,
         choices=("torch", "mixprec"),
         default="torch",
         help="norm layers: PyTorch's (default) or mixprec's: FusedLayerNorm for gpt, "
@@ -191,6 +193,7 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--optimizer",
+        type=_lower,
         choices=("torch", "mixprec"),
         default="torch",
         help="the gpt's AdamW: PyTorch's (default) or mixprec's FusedAdam (the same update in "
@@ -334,6 +337,8 @@ def _unwritable(path: Optional[str], example: str) -> Optional[str]:
     if not os.path.isdir(parent):
         return f"{parent} is not a directory"
     existed = os.path.lexists(path)
+    # (A dangling symbolic link exists while its target does not: the open creates the target.)
+    dangling = existed and not os.path.exists(path)
     made = []
     try:
         for directory in reversed(missing):
@@ -347,6 +352,8 @@ def _unwritable(path: Optional[str], example: str) -> Optional[str]:
         with contextlib.suppress(OSError):
             if not existed and os.path.lexists(path):
                 os.remove(path)
+            elif dangling and os.path.exists(path):
+                os.remove(os.path.realpath(path))
             for directory in reversed(made):
                 os.rmdir(directory)
     return None

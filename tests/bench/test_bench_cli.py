@@ -7,6 +7,7 @@ import io
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 
@@ -930,3 +931,221 @@ def test_no_o0_asked_for_is_not_reported_as_a_failed_o0():
     assert code == 0
     assert "no successful O0 row" not in text
     assert "note: speed-up and loss gap are against O0, which was not asked for" in text
+
+
+# -- mutation run r50D over mixprec/bench/cli.py: what the tests above let through ----------
+
+# C02: `value > maximum` -> `>=`;  C03: the seed's lower end -(2**63) refused
+def test_the_ends_of_each_numeric_range_are_accepted():
+    args = _parsed("--iters", "1000000", "--warmup", "1000000", "--batch-size",
+                   str(2**31 - 1), "--seed", str(2**64 - 1))
+    assert (args.iters, args.warmup, args.batch_size, args.seed) == (
+        10**6, 10**6, 2**31 - 1, 2**64 - 1)
+    assert _parsed("--seed", str(-(2**63))).seed == -(2**63)
+    assert (_parsed("--iters", "1").iters, _parsed("--warmup", "0").warmup) == (1, 0)
+
+
+# C05: `level[1] in "0123"` -> "012" (only 00..02 got the "letter O" hint)
+@pytest.mark.parametrize("digit", "0123")
+def test_every_digit_zero_level_gets_the_letter_o_hint(digit, capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parsed("--opt-levels", f"0{digit}")
+    assert exc.value.code == 2
+    assert f"did you mean O{digit}? The prefix is the letter O" in capsys.readouterr().err
+
+
+# C08: `_int_in(1, ...)` -> `_int_in(0, ...)` for --batch-size (a batch of 0 accepted)
+def test_a_zero_batch_size_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parsed("--batch-size", "0")
+    assert exc.value.code == 2
+    assert "argument --batch-size: expected a positive integer" in capsys.readouterr().err
+
+
+# C10: "half" dropped from the --dtype spellings (torch.half's name)
+def test_dtype_half_reads_as_fp16():
+    assert [_parsed("--dtype", name).dtype for name in ("half", "HALF", "fp16", "bfloat16")] == \
+        ["fp16", "fp16", "fp16", "bf16"]
+
+
+
+def test_named_choices_take_any_case():
+    # --model and --dtype took "GPT" and "BF16"; --size, --norm and --optimizer refused
+    # "Large", "MixPrec" (one rule for every flag that names a choice).
+    args = _parsed("--model", "GPT", "--size", "Large", "--norm", "MixPrec", "--optimizer",
+                   " TORCH ")
+    assert (args.model, args.size, args.norm, args.optimizer) == ("gpt", "large", "mixprec",
+                                                                  "torch")
+
+# C12: --iters default 40 -> 4;  C15: --seed default 0 -> 1
+def test_defaults():
+    args = _parsed()
+    assert (args.model, args.size, args.opt_levels, args.dtype, args.iters, args.warmup,
+            args.batch_size, args.seed, args.device) == (
+        "cnn", None, None, None, 40, None, None, 0, None)
+    assert (args.native, args.norm, args.optimizer, args.channels_last, args.frozen_bn) == (
+        True, "torch", "torch", False, False)
+
+
+# C31: `not path.strip()` -> `not path` (a path of blanks accepted)
+def test_an_output_path_of_blanks_is_an_argparse_error(capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *ONE_MODE, "--json", "  "])
+    assert exc.value.code == 2
+    assert "argument --json: expected a file path, got '  '" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []
+
+
+# C32: realpath -> abspath (two outputs naming one file through a symlink)
+def test_two_outputs_that_are_one_file_through_a_link_are_refused(capsys, tmp_path):
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *ONE_MODE, "--json", str(tmp_path / "real" / "rows.out"),
+              "--csv", str(tmp_path / "link" / "rows.out")])
+    assert exc.value.code == 2
+    assert "arguments --json and --csv: both name" in capsys.readouterr().err
+
+
+# C21: the os.devnull exception dropped (`--json /dev/null` refused when stdout is /dev/null)
+# C22: stderr dropped from the streams checked (`--json /dev/stderr` accepted)
+def test_output_paths_that_are_the_null_device_or_stderr(monkeypatch, tmp_path):
+    from mixprec.bench.cli import _unwritable
+
+    with open(os.devnull, "w") as null:
+        monkeypatch.setattr(sys, "stdout", null)  # `mixprec bench --json /dev/null >/dev/null`
+        assert _unwritable(os.devnull, "rows.json") is None
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        monkeypatch.setattr(sys, "stderr", f)  # `2>log.txt --json log.txt`
+        problem = _unwritable(str(log), "rows.json")
+    assert problem and problem.startswith("it is where the standard error goes")
+    assert "progress lines" in problem
+
+
+# C29: the CPU's default warm-up 3 -> 2;  C42: the note's window left out the warm-up steps
+def test_default_cpu_warm_up_and_the_final_loss_window(tmp_path):
+    path = tmp_path / "rows.json"
+    argv = ["bench", *FAST, "--opt-levels", "O0", "--no-native", "--json", str(path)]
+    argv.remove("--warmup")
+    argv.remove("1")
+    code, text = _run(argv)
+    assert code == 0
+    assert "3 warm-up + 2 timed iterations per mode" in text
+    # 5 steps over the 4-batch pool: the mean of the last 4, as the runner computes it.
+    assert "final loss = mean over the last 4 steps (one pass over the 4-batch pool)." in text
+    (row,) = json.loads(path.read_text())
+    assert row["final_loss"] == pytest.approx(sum(row["losses"][-4:]) / 4)
+    code, text = _run(["bench", *FAST, "--opt-levels", "O0", "--no-native"])  # 1 + 2 steps
+    assert "mean over the last 3 steps (every step run, 3 of the 4 batches)." in text
+
+
+# C36: " or --size small" suggested for the small size instead of the large one
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_batch_too_large_suggests_the_small_size_only_at_the_large_one(size, monkeypatch,
+                                                                          capsys):
+    from mixprec.bench import models
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(models, "_image_batches", no_memory)
+    with pytest.raises(SystemExit):
+        main(["bench", "--device", "cpu", "--size", size, "--no-progress"])
+    err = capsys.readouterr().err
+    assert "use a smaller --batch-size" in err
+    assert ("use a smaller --batch-size or --size small" in err) == (size == "large")
+
+
+# C75: `splitlines()[-1]` -> `[0]` (the allocator's first line instead of its message)
+def test_batch_too_large_quotes_the_last_line_of_the_error(monkeypatch, capsys):
+    from mixprec.bench import models
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("Exception raised from alloc_cpu at alloc_cpu.cpp:127\n"
+                           "DefaultCPUAllocator: can't allocate memory: you tried to allocate "
+                           "3 bytes.")
+
+    monkeypatch.setattr(models, "_image_batches", no_memory)
+    with pytest.raises(SystemExit):
+        main(["bench", *ONE_MODE])
+    err = capsys.readouterr().err
+    assert "(DefaultCPUAllocator: can't allocate memory" in err and "alloc_cpu.cpp" not in err
+
+
+# C47: meta channels_last always False (the test also covers the header's ", channels_last" and
+# meta frozen_bn, whose mutants were not run)
+def test_channels_last_and_frozen_bn_are_in_the_header_and_the_files(tmp_path):
+    path = tmp_path / "rows.csv"
+    code, text = _run(["bench", *ONE_MODE, "--channels-last", "--frozen-bn", "--csv", str(path)])
+    assert code == 0
+    assert ", channels_last, BatchNorm frozen (eval)" in text.splitlines()[1]
+    with open(path, newline="") as f:
+        (row,) = csv.DictReader(f)
+    assert (row["channels_last"], row["frozen_bn"]) == ("True", "True")
+    code, text = _run(["bench", *ONE_MODE])
+    assert "channels_last" not in text.splitlines()[1]
+
+
+# C54: an ignored SIGHUP (nohup) got the stop handler during the run
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="needs SIGHUP")
+def test_an_ignored_sighup_stays_ignored_during_the_run(monkeypatch):
+    import mixprec.bench.runner as runner
+
+    seen = []
+    real = runner.run_mode
+
+    def run_mode(*args, **kwargs):
+        seen.append((signal.getsignal(signal.SIGHUP), signal.getsignal(signal.SIGTERM)))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run_mode", run_mode)
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        code, _ = _run(["bench", *ONE_MODE])
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert code == 0
+    ((hup, term),) = seen
+    assert hup is signal.SIG_IGN and callable(term)  # (SIGTERM still stops the run)
+
+
+# C58: an interrupt before any mode ran exited 1 instead of 128 + the signal
+@pytest.mark.parametrize("exc, code, said", [
+    (KeyboardInterrupt(), 130, "mixprec bench: interrupted\n"),
+    ("SIGTERM", 128 + 15, "mixprec bench: interrupted (SIGTERM)\n"),
+])
+def test_interrupted_before_the_modes_exits_with_the_signals_status(exc, code, said,
+                                                                   monkeypatch, capsys):
+    from mixprec.bench import cli, models
+
+    if exc == "SIGTERM":
+        exc = cli._Stopped(signal.SIGTERM)
+
+    def stop(*args, **kwargs):
+        raise exc
+
+    monkeypatch.setattr(models, "build_workload", stop)
+    assert main(["bench", *ONE_MODE]) == code
+    assert capsys.readouterr().err.endswith(said)
+
+
+# C64: the CPU note named FusedBatchNorm for --model gpt;  C65: FusedAdam left out of it
+def test_cpu_note_names_the_mixprec_layers_that_ran_pytorch_code():
+    pytest.importorskip("mixprec.normalization").FusedLayerNorm  # noqa: B018
+    code, text = _run(["bench", "--model", "gpt", *ONE_MODE, "--norm", "mixprec",
+                       "--optimizer", "mixprec"])
+    assert code == 0
+    assert "note: FusedLayerNorm and FusedAdam ran PyTorch code here, not mixprec's fused " \
+        "kernels" in text
+
+
+# The check of an output path leaves nothing behind for a dangling symbolic link (it created
+# the link's target, which stayed when a later argument was refused).
+def test_output_check_leaves_nothing_behind_for_a_dangling_link(capsys, tmp_path):
+    os.symlink(tmp_path / "target.json", tmp_path / "rows.json")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", *ONE_MODE, "--json", str(tmp_path / "rows.json"), "--plot", "p.txt"])
+    assert exc.value.code == 2 and "argument --plot" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["rows.json"]  # (not target.json too)

@@ -211,3 +211,100 @@ def test_unsteady_timing_note_names_the_modes_with_a_wide_spread():
     assert note.startswith("unsteady timing: the step times of O2 varied by more than 25% ")
     assert "not reliable" in note and "--iters" in note
     assert unsteady_timing_note(rows[:2] + rows[3:]) is None
+
+
+# -- mutation run r50D over mixprec/bench/report.py: what the tests above let through -------
+
+def _cells(line):
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+# R04: `base.peak_memory_mb` -> `... is not None` (ZeroDivisionError when O0 added no memory)
+def test_a_baseline_that_added_no_memory_gives_no_memory_ratio():
+    # On CPU, O0's RSS growth can be 0.0: the other rows have no ratio, not a crash.
+    rows = [_row("O0", 0.2, 0.0, 2.0), _row("O2", 0.1, 5.0, 2.0)]
+    assert [r["memory_vs_baseline"] for r in relative_to(rows)] == [None, None]
+    assert "| O2 | fp16 | 5.0 |" in format_table(rows)
+
+
+# R06: `r.final_loss is not None` -> `r.final_loss` (a zero final loss had no gap)
+def test_a_zero_final_loss_is_a_minus_100_percent_gap():
+    rows = [_row("O0", 0.2, 10.0, 2.0), _row("O2", 0.1, 10.0, 0.0)]
+    assert relative_to(rows)[1]["loss_gap_pct"] == -100.0
+    assert _cells(format_table(rows).splitlines()[-1])[5:7] == ["0.0000", "-100.00%"]
+
+
+# R10: `d["baseline"] = baseline` dropped from the JSON rows
+def test_json_rows_name_their_baseline(tmp_path):
+    path = tmp_path / "rows.json"
+    write_json([_row("O0", 0.2, 10.0, 2.0), _row("O1", 0.1, 10.0, 2.0)], str(path))
+    assert [d["baseline"] for d in json.loads(path.read_text())] == ["O0", "O0"]
+    assert rows_to_dicts([_row("O1", 0.1, 1.0, 1.0)], baseline="O1")[0]["baseline"] == "O1"
+
+
+# R13: `not math.isfinite(v)` -> `math.isnan(v)` (an infinite gap written as Infinity)
+def test_an_infinite_final_loss_writes_strict_json(tmp_path):
+    rows = [_row("O0", 0.2, 10.0, 2.0), _row("O3", 0.1, 10.0, float("inf"))]
+    path = tmp_path / "rows.json"
+    write_json(rows, str(path))
+    text = path.read_text()
+    assert "Infinity" not in text and "NaN" not in text
+    o3 = json.loads(text)[1]
+    assert o3["diverged"] is True and o3["final_loss"] is None and o3["loss_gap_pct"] is None
+
+
+# R16: `if v != 0:` removed from _fmt_digits (log10(0): the table crashed on a zero value)
+def test_a_zero_final_loss_prints_in_the_table():
+    line = format_table([_row("O0", 0.2, 10.0, 0.0)]).splitlines()[-1]
+    assert _cells(line)[5] == "0.0000"
+
+
+# R21: `len(reason) <= 120` -> `< 120` (a reason of exactly 120 characters was cut)
+def test_a_failure_reason_of_120_characters_is_printed_whole():
+    reason = "E" * 120
+    row = ModeResult(mode="O2", label="O2", dtype="fp16", status="failed", error=reason)
+    assert _cells(format_table([row]).splitlines()[-1])[-1] == "FAILED: " + reason
+    row.error = "E" * 121
+    assert _cells(format_table([row]).splitlines()[-1])[-1] == "FAILED: " + "E" * 117 + "..."
+
+
+# R27: the delimiter row got one cell too many (not a markdown table any more)
+def test_table_delimiter_row_has_a_cell_per_column():
+    header, rule, row = format_table([_row("O0", 0.2, 10.0, 2.0)]).splitlines()
+    assert rule.count("---") == len(_cells(header)) == len(_cells(row)) == 9
+    assert rule == "|" + "---|" * 9
+
+
+# R29: `f.write("\n")` dropped: the JSON file has no final newline
+def test_json_file_ends_with_a_newline(tmp_path):
+    path = tmp_path / "rows.json"
+    write_json([_row("O0", 0.2, 10.0, 2.0)], str(path))
+    assert path.read_text().endswith("]\n")
+
+
+# R34: `.lower()` dropped from plot_format (bench.PNG refused)
+def test_plot_extension_in_capitals_is_accepted():
+    from mixprec.bench.report import plot_format
+
+    assert plot_format("bench.PNG") == "png" and plot_format("b.Svg") == "svg"
+
+
+# R35: "pdf" dropped from PLOT_FORMATS (--help names .pdf)
+def test_plot_formats_named_in_help_are_written(tmp_path):
+    from mixprec.bench.report import plot_format, write_plot
+
+    assert [plot_format(f"b.{e}") for e in ("png", "svg", "pdf", "jpg", "jpeg")] == \
+        ["png", "svg", "pdf", "jpg", "jpeg"]
+    path = tmp_path / "b.pdf"
+    write_plot([_row("O0", 0.1, 100.0, 1.0, losses=[2.0, 1.0])], str(path))
+    assert path.read_bytes()[:5] == b"%PDF-"
+
+
+# R37: `r.losses[-1:]` -> `r.losses` (a run that recovered from an inf step called diverged)
+def test_plot_calls_diverged_only_a_run_whose_last_loss_is_not_finite():
+    from mixprec.bench.report import _figure
+
+    ok = _row("O0", 0.1, 100.0, 1.0, losses=[2.0, 1.5, 1.0])
+    spike = _row("O1", 0.1, 100.0, 1.0, losses=[2.0, float("inf"), 1.0])
+    ax = _figure([ok, spike], title="").axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["O0", "O1 (fp16)"]
