@@ -1449,7 +1449,6 @@ def test_register_function_with_a_non_string_name_is_refused_clearly():
 _Pair = collections.namedtuple("_Pair", "half double")
 
 
-
 class _MixedOutputs(nn.Module):
     """Returns a linear layer's output (half under O1's autocast) next to a float64 tensor, in
     every container amp's output cast walks."""
@@ -1462,7 +1461,6 @@ class _MixedOutputs(nn.Module):
         h, d = self.lin(x), x.double().sum(1)
         return {"tuple": (h, d), "list": [h, d], "namedtuple": _Pair(h, d),
                 "ordered": collections.OrderedDict(half=h, double=d)}
-
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -1479,7 +1477,6 @@ def test_o1_output_cast_leaves_float64_alone_in_every_container(dtype):
         torch.float32, torch.float64)
 
 
-
 @dataclasses.dataclass
 class _NotCopyable:
     """A batch dataclass that refuses to be copied or pickled (its ``__reduce_ex__`` raises),
@@ -1491,7 +1488,6 @@ class _NotCopyable:
 
     def __reduce_ex__(self, protocol):
         raise TypeError("_NotCopyable cannot be copied")
-
 
 
 def test_o2_casts_a_dataclass_that_cannot_be_copied_through_its_init():
@@ -1518,7 +1514,6 @@ def test_o2_casts_a_dataclass_that_cannot_be_copied_through_its_init():
     torch.testing.assert_close(got.x, data.x.bfloat16(), rtol=0, atol=0)
     assert data.x.dtype == torch.float32  # the caller's object is left alone
     assert out.dtype == torch.float32
-
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0])

@@ -177,7 +177,6 @@ def test_o2_half_conversion_of_a_non_affine_fp32_batchnorm_is_refused():
     assert model[0].weight.dtype == torch.float16
 
 
-
 class _ProjectedBatchNorm(nn.BatchNorm1d):
     """A BatchNorm subclass whose forward also runs an op autocast would cast (a matmul)."""
 
@@ -189,7 +188,6 @@ class _ProjectedBatchNorm(nn.BatchNorm1d):
         return super().forward(x) @ self.proj
 
 
-
 class _LinearThenBatchNorm(nn.Module):
     def __init__(self, by_keyword):
         super().__init__()
@@ -198,7 +196,6 @@ class _LinearThenBatchNorm(nn.Module):
     def forward(self, x):
         h = self.lin(x)
         return self.bn(x=h) if self.by_keyword else self.bn(h)
-
 
 
 @pytest.mark.parametrize("by_keyword", [False, True])
@@ -224,7 +221,6 @@ def test_o1_keep_batchnorm_fp32_runs_the_whole_layer_in_fp32(dtype, by_keyword):
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
 
-
 def test_o1_fp32_batchnorm_leaves_a_positional_float64_input_alone():
     # The fp32 BatchNorm forward of O1 casts only half inputs up: a float64 model's BatchNorm
     # called positionally (nn.Sequential) keeps its float64 input, as by keyword. Reference:
@@ -240,10 +236,8 @@ def test_o1_fp32_batchnorm_leaves_a_positional_float64_input_alone():
     torch.testing.assert_close(out, plain(x))
 
 
-
 class _MyBatchNorm(nn.BatchNorm2d):
     """A user's BatchNorm subclass (frozen-statistics and group variants are written so)."""
-
 
 
 def test_o2_keeps_batchnorm_subclasses_in_fp32():

@@ -1412,7 +1412,6 @@ def _o2_step(model, opt, seed=2):
     opt.zero_grad()
 
 
-
 @pytest.mark.parametrize("source", ["optimizer_gone", "deepcopy"])
 def test_o2_prepared_again_with_standalone_masters_takes_writes_into_the_half_model(source):
     # Masters that no optimizer keeps (the optimizer deleted, then a state_dict(); or a deep
@@ -1449,7 +1448,6 @@ def test_o2_prepared_again_with_standalone_masters_takes_writes_into_the_half_mo
         assert torch.equal(saved[key], master), key  # (the new optimizer's exact masters)
 
 
-
 @pytest.mark.parametrize("how", ["pickle", "torch.save"])
 def test_o2_copy_made_right_after_pruning_keeps_the_fp32_masters(how):
     # torch.nn.utils.prune moves `weight` to `weight_orig`; a copy taken at once (no step or
@@ -1478,7 +1476,6 @@ def test_o2_copy_made_right_after_pruning_keeps_the_fp32_masters(how):
     torch.testing.assert_close(saved["0.weight_orig"], master, rtol=0, atol=0)
 
 
-
 @pytest.mark.parametrize("inside", [False, True])
 def test_o2_half_tensors_put_on_the_root_after_initialize_save_fp32(inside):
     # A half buffer or parameter registered on the model itself after initialize (the root,
@@ -1500,7 +1497,6 @@ def test_o2_half_tensors_put_on_the_root_after_initialize_save_fp32(inside):
     assert all(v.dtype == torch.float32 for v in saved.values() if v.is_floating_point())
 
 
-
 def test_o2_half_module_put_in_after_initialize_under_two_names_saves_fp32_under_both():
     # A half module added after initialize (no optimizer, no hooks of its own) and shared
     # under two names (weight sharing by module) has its entries under both names in the
@@ -1516,7 +1512,6 @@ def test_o2_half_module_put_in_after_initialize_under_two_names_saves_fp32_under
     for key in ("head_a.weight", "head_a.bias", "head_b.weight", "head_b.bias"):
         assert saved[key].dtype == torch.float32, key
     assert torch.equal(saved["head_b.weight"], head.weight.detach().float())
-
 
 
 def test_o2_write_into_the_state_dict_after_a_load_holds_once_the_optimizer_is_gone():
@@ -1542,6 +1537,14 @@ def test_o2_write_into_the_state_dict_after_a_load_holds_once_the_optimizer_is_g
     torch.testing.assert_close(model[0].bias, want.bfloat16(), rtol=0, atol=0)
 
 
+def _o2_conv_net_with_half_batchnorm():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, keep_batchnorm_fp32=False,
+                   verbosity=0)
+    return model, opt
+
 
 def test_a_copys_batchnorm_converted_to_syncbn_runs_the_masters_written_into_its_state_dict():
     # A deep copy of an O2 model owns its fp32 masters ("standalone": a write into its
@@ -1552,11 +1555,7 @@ def test_a_copys_batchnorm_converted_to_syncbn_runs_the_masters_written_into_its
     # weight the forward uses.)
     from mixprec.parallel import convert_syncbn_model
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, keep_batchnorm_fp32=False,
-                   verbosity=0)
+    model, opt = _o2_conv_net_with_half_batchnorm()
     clone = convert_syncbn_model(copy.deepcopy(model))
     assert clone[1].weight.dtype == torch.bfloat16
     state = clone.state_dict()
@@ -1568,7 +1567,6 @@ def test_a_copys_batchnorm_converted_to_syncbn_runs_the_masters_written_into_its
     assert torch.equal(clone.state_dict()["1.weight"], torch.full((4,), 2.0))
 
 
-
 def test_syncbn_conversion_after_a_parameter_was_replaced_saves_the_new_parameter():
     # A BatchNorm weight replaced after initialize (`bn.weight = nn.Parameter(...)`) no longer
     # has the old fp32 master standing for it; convert_syncbn_model must not hand the old
@@ -1576,11 +1574,7 @@ def test_syncbn_conversion_after_a_parameter_was_replaced_saves_the_new_paramete
     # the old master was carried over for whatever parameter held its name.)
     from mixprec.parallel import convert_syncbn_model
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, keep_batchnorm_fp32=False,
-                   verbosity=0)
+    model, opt = _o2_conv_net_with_half_batchnorm()
     model[1].weight = nn.Parameter(torch.full((4,), 3.0, dtype=torch.bfloat16))
     model = convert_syncbn_model(model)
     assert torch.equal(model.state_dict()["1.weight"], torch.full((4,), 3.0))

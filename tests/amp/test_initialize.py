@@ -1970,7 +1970,6 @@ def test_o0_makes_a_model_of_another_dtype_fp32(convert):
     torch.testing.assert_close(out, ref(x.float()), rtol=0, atol=0)
 
 
-
 def test_a_part_taken_out_of_a_model_later_restored_can_be_prepared_on_its_own():
     # initialize refuses a part of a live O2 model (its casts would run inside the half
     # model). Once that model is restored (amp.restore_model) it is no amp model any more,

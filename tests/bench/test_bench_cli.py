@@ -968,7 +968,6 @@ def test_dtype_half_reads_as_fp16():
         ["fp16", "fp16", "fp16", "bf16"]
 
 
-
 def test_named_choices_take_any_case():
     # --model and --dtype took "GPT" and "BF16"; --size, --norm and --optimizer refused
     # "Large", "MixPrec" (one rule for every flag that names a choice).
