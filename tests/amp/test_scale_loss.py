@@ -249,11 +249,17 @@ def test_complex_parameters_under_dynamic_scaling(opt_level):
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 32768.0
 
 
-def test_closure_step_under_dynamic_scaling():
+@pytest.mark.parametrize("after_overflow", [False, True])
+def test_closure_step_under_dynamic_scaling(after_overflow):
+    # Refused, also right after an overflowed backward (whose skip must not swallow the
+    # closure silently: the closure is never evaluated and nothing says why).
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O1", verbosity=0)
-    with pytest.raises(RuntimeError, match="closure"):
+    if after_overflow:
+        with amp.scale_loss(model(batch()[0]).float().sum() * float("inf"), opt) as s:
+            s.backward()
+    with pytest.raises(RuntimeError, match=r"step\(closure\) was called .* dynamic loss"):
         opt.step(lambda: model(batch()[0]).sum())
 
 
