@@ -1073,6 +1073,16 @@ def test_a_model_class_is_not_kept_alive_by_amp():
     assert all(original() is None and swapped() is None for original, swapped in refs)
 
 
+def test_o2_masters_of_frozen_parameters_stay_frozen():
+    # A layer frozen before initialize (requires_grad=False) but left in the optimizer: its
+    # fp32 master does not require a gradient either, as the parameter it stands for.
+    model = make_mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert [m.requires_grad for m in amp.master_params(opt)] == [False, False, True, True]
+    assert [p.requires_grad for p in model.parameters()] == [False, False, True, True]
+
 def test_optimizer_state_from_before_initialize_moves_to_the_masters():
     # An optimizer that already stepped (or loaded a state dict) before initialize: its
     # per-parameter state (SGD momentum here) follows the parameters to their fp32 masters,
