@@ -704,6 +704,41 @@ def test_o2_casts_dataclass_fields_set_outside_init():
     assert out.note is not None and out.note.dtype == out.scaled.dtype == torch.float32
 
 
+@dataclasses.dataclass
+class _NotCopyable:
+    """A batch dataclass that refuses to be copied or pickled (its ``__reduce_ex__`` raises),
+    with a field set outside ``__init__``."""
+
+    x: torch.Tensor
+    ids: torch.Tensor
+    note: str = dataclasses.field(init=False, default="default")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("_NotCopyable cannot be copied")
+
+
+def test_o2_casts_a_dataclass_that_cannot_be_copied_through_its_init():
+    # copy.copy fails, so cast_floating rebuilds the instance through __init__
+    # (dataclasses.replace with the init fields only). (Mutants DC04: the fallback is not
+    # taken, the TypeError escapes; DC05: init=False fields passed to replace, ValueError.)
+    seen = {}
+
+    class Spy(Echo):
+        def forward(self, d):
+            seen["d"] = d
+            return self.lin(d.x)
+
+    model = amp.initialize(Spy(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    data = _NotCopyable(torch.randn(3, 2), torch.arange(3))
+    out = model(data)
+    got = seen["d"]
+    assert type(got) is _NotCopyable and got is not data
+    assert got.x.dtype == torch.bfloat16 and got.ids.dtype == torch.int64
+    torch.testing.assert_close(got.x, data.x.bfloat16(), rtol=0, atol=0)
+    assert data.x.dtype == torch.float32  # the caller's object is left alone
+    assert out.dtype == torch.float32
+
+
 class _TokenBatch(collections.UserDict):
     """A tokenizer's batch (a ``UserDict`` with attributes of its own, like Hugging Face's)."""
 
@@ -1506,45 +1541,6 @@ def test_o1_output_cast_leaves_float64_alone_in_every_container(dtype):
         assert (out[key][0].dtype, out[key][1].dtype) == (torch.float32, torch.float64), key
     assert (out["ordered"]["half"].dtype, out["ordered"]["double"].dtype) == (
         torch.float32, torch.float64)
-
-
-@dataclasses.dataclass
-class _NotCopyable:
-    """A batch dataclass that refuses to be copied or pickled (its ``__reduce_ex__`` raises),
-    with a field set outside ``__init__``."""
-
-    x: torch.Tensor
-    ids: torch.Tensor
-    note: str = dataclasses.field(init=False, default="default")
-
-    def __reduce_ex__(self, protocol):
-        raise TypeError("_NotCopyable cannot be copied")
-
-
-def test_o2_casts_a_dataclass_that_cannot_be_copied_through_its_init():
-    # copy.copy fails, so cast_floating rebuilds the instance through __init__
-    # (dataclasses.replace with the init fields only). (Mutants DC04: the fallback is not
-    # taken, the TypeError escapes; DC05: init=False fields passed to replace, ValueError.)
-    seen = {}
-
-    class Spy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 2)
-
-        def forward(self, d):
-            seen["d"] = d
-            return self.lin(d.x)
-
-    model = amp.initialize(Spy(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-    data = _NotCopyable(torch.randn(3, 2), torch.arange(3))
-    out = model(data)
-    got = seen["d"]
-    assert type(got) is _NotCopyable and got is not data
-    assert got.x.dtype == torch.bfloat16 and got.ids.dtype == torch.int64
-    torch.testing.assert_close(got.x, data.x.bfloat16(), rtol=0, atol=0)
-    assert data.x.dtype == torch.float32  # the caller's object is left alone
-    assert out.dtype == torch.float32
 
 
 @pytest.mark.parametrize("norm_type", [2.0, 1.0])

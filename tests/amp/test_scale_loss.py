@@ -942,17 +942,23 @@ def test_a_failed_backward_gives_back_the_earlier_gradients(opt_level):
     assert _master_grads_error(opt, ref) < 3e-2
 
 
-@pytest.mark.parametrize("fused", [False, True])  # fused: the scale lives on the device
-def test_one_overflowing_optimizer_skips_every_optimizer_of_its_loss(fused):
-    # One loss over two optimizers (two models): an inf/NaN in one optimizer's gradients skips
-    # both steps, as in Apex, and halves the scale once. The other's finite gradients must not
-    # be stepped (the decision is the maximum of the per-optimizer flags).
+def _two_models_one_loss(fused):
+    """Two linear models at O2 (bf16, dynamic scale), each with its AdamW, for one loss."""
     torch.manual_seed(0)
     a, b = nn.Linear(4, 3), nn.Linear(4, 3)
     oa = torch.optim.AdamW(a.parameters(), lr=0.1, fused=fused)
     ob = torch.optim.AdamW(b.parameters(), lr=0.1, fused=fused)
     [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level="O2", dtype=torch.bfloat16,
                                       loss_scale="dynamic", verbosity=0)
+    return a, b, oa, ob
+
+
+@pytest.mark.parametrize("fused", [False, True])  # fused: the scale lives on the device
+def test_one_overflowing_optimizer_skips_every_optimizer_of_its_loss(fused):
+    # One loss over two optimizers (two models): an inf/NaN in one optimizer's gradients skips
+    # both steps, as in Apex, and halves the scale once. The other's finite gradients must not
+    # be stepped (the decision is the maximum of the per-optimizer flags).
+    a, b, oa, ob = _two_models_one_loss(fused)
     before = [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
     x = torch.randn(5, 4)
     loss = a(x.bfloat16()).float().pow(2).mean() + b(x.bfloat16()).float().mean() * float("inf")
@@ -2020,12 +2026,7 @@ def test_a_loss_overflowing_in_two_fused_optimizers_leaves_their_step_counts_alo
     # GradScaler's protocol: the fused kernel adds 1 to the step count and subtracts found_inf.
     # Both optimizers overflow in one backward: found_inf must be 1, not 2, or the skipped
     # step leaves step = -1 and the next one divides by 1 - beta**0 = 0.
-    torch.manual_seed(0)
-    a, b = nn.Linear(4, 3), nn.Linear(4, 3)
-    oa = torch.optim.AdamW(a.parameters(), lr=0.1, fused=True)
-    ob = torch.optim.AdamW(b.parameters(), lr=0.1, fused=True)
-    [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level="O2", dtype=torch.bfloat16,
-                                      loss_scale="dynamic", verbosity=0)
+    a, b, oa, ob = _two_models_one_loss(fused=True)
     x = torch.randn(5, 4).bfloat16()
     with amp.scale_loss((a(x).float().sum() + b(x).float().sum()) * float("inf"),
                         [oa, ob]) as s:
@@ -2155,28 +2156,41 @@ def test_a_rollback_in_a_loop_that_zeroes_after_the_step_trains_on_from_the_chec
 
 # An optimizer class whose zero_grad() takes no set_to_none drops the gradients, as torch's
 # default does: an unused master gets no zero gradient for momentum to move it with.
+def _head_b_at_o2(optimizer_class, steps, **options):
+    """``_TwoHeads`` at O2 (bf16, scale 1) stepped by ``optimizer_class(params, lr=0.1,
+    **options)``; ``steps`` holds ``(zero_grad, use_b)`` per step, ``zero_grad(opt)`` run
+    first. Returns head b's parameters after the first step, and the parameters themselves."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    opt = optimizer_class(model.parameters(), lr=0.1, **options)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale=1.0, verbosity=0)
+    x = torch.randn(3, 8)
+    after_first = None
+    for zero_grad, use_b in steps:
+        zero_grad(opt)
+        with amp.scale_loss(model(x, use_b).float().pow(2).mean(), opt) as s:
+            s.backward()
+        opt.step()
+        if after_first is None:
+            after_first = [p.detach().clone() for p in model.b.parameters()]
+    return after_first, list(model.b.parameters())
+
+
 def test_an_optimizer_whose_zero_grad_takes_no_argument_sets_to_none_as_torch_does():
     class OldSGD(torch.optim.SGD):
         def zero_grad(self):  # (an older signature: drops the gradients)
             super().zero_grad(set_to_none=True)
 
-    torch.manual_seed(0)
-    model = _TwoHeads()
-    opt = OldSGD(model.parameters(), lr=0.1, momentum=0.9)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
-                                loss_scale=1.0, verbosity=0)
-    x = torch.randn(3, 8)
-    after_first = None
-    for both in (True, False):  # b unused at the second step
+    def zero_grad(opt):
         opt.zero_grad()
-        with amp.scale_loss(model(x, both).float().pow(2).mean(), opt) as s:
-            s.backward()
-        opt.step()
-        if after_first is None:
-            after_first = [p.detach().clone() for p in model.b.parameters()]
+
+    # b unused at the second step.
+    after_first, b = _head_b_at_o2(OldSGD, [(zero_grad, True), (zero_grad, False)],
+                                   momentum=0.9)
     # As fp32 SGD after zero_grad(set_to_none=True): a parameter without a gradient is
     # skipped, its momentum does not move it.
-    for p, q in zip(model.b.parameters(), after_first):
+    for p, q in zip(b, after_first):
         assert torch.equal(p, q)
 
 
@@ -2276,23 +2290,16 @@ def test_a_scheduler_stepped_after_an_overflowed_first_step_does_not_warn(schedu
 # zero_grad(set_to_none=True) forgets which masters had gradients under an earlier
 # zero_grad(set_to_none=False): a master unused since keeps no gradient, as in fp32.
 def test_switching_zero_grad_modes_does_not_revive_an_unused_masters_gradient():
-    torch.manual_seed(0)
-    model = _TwoHeads()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.5)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
-                                loss_scale=1.0, verbosity=0)
-    x = torch.randn(3, 8)
-    after = None
-    for set_to_none, both in ((False, True), (True, False), (False, False)):
-        opt.zero_grad(set_to_none=set_to_none)
-        with amp.scale_loss(model(x, both).float().pow(2).mean(), opt) as s:
-            s.backward()
-        opt.step()
-        if after is None:
-            after = [p.detach().clone() for p in model.b.parameters()]
+    def zero_grad(set_to_none):
+        return lambda opt: opt.zero_grad(set_to_none=set_to_none)
+
+    after_first, b = _head_b_at_o2(
+        torch.optim.SGD,
+        [(zero_grad(False), True), (zero_grad(True), False), (zero_grad(False), False)],
+        weight_decay=0.5)
     # fp32: b's gradient is None from the set_to_none=True zero_grad on, and stays None through
     # the later zero_grad(set_to_none=False): SGD never moves b again.
-    for p, q in zip(model.b.parameters(), after):
+    for p, q in zip(b, after_first):
         assert torch.equal(p, q)
 
 

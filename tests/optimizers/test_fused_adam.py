@@ -1977,6 +1977,16 @@ def _step_with_random_grads(opt, masters, gen):
     opt.step()
 
 
+
+def _stepped_with_linked_bf16_copies(device, gen):
+    """Two masters, their bf16 copies linked as amp O2 links them, and one step taken."""
+    masters = _params(device, gen, [(37, 29), (5,)])
+    copies = [m.to(torch.bfloat16) for m in masters]
+    opt = FusedAdam(masters, lr=1e-2)
+    opt._link_half_copies(list(zip(copies, masters)))
+    _step_with_random_grads(opt, masters, gen)
+    return masters, copies, opt
+
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
 def test_half_copies_linked_after_steps_and_relinked_are_written(device, path, half):
     """Copies linked after the optimizer stepped (``amp.initialize`` of an optimizer that
@@ -2000,11 +2010,7 @@ def test_unlinked_half_copies_are_no_longer_written(device, path):
     """``amp.restore_model`` links no pairs: the step stops writing the copies and reports
     none written."""
     gen = torch.Generator().manual_seed(32)
-    masters = _params(device, gen, [(37, 29), (5,)])
-    copies = [m.to(torch.bfloat16) for m in masters]
-    opt = FusedAdam(masters, lr=1e-2)
-    opt._link_half_copies(list(zip(copies, masters)))
-    _step_with_random_grads(opt, masters, gen)
+    masters, copies, opt = _stepped_with_linked_bf16_copies(device, gen)
     assert len(opt._half_copies_written) == 2
     opt._link_half_copies([])
     for c in copies:
@@ -2018,11 +2024,7 @@ def test_half_copies_stay_linked_through_load_state_dict(device, path):
     """A resume under amp O2 (``optimizer.load_state_dict``, through ``__setstate__``) keeps
     the step writing the half model (else amp's own copy pass silently took over again)."""
     gen = torch.Generator().manual_seed(42)
-    masters = _params(device, gen, [(37, 29), (5,)])
-    copies = [m.to(torch.bfloat16) for m in masters]
-    opt = FusedAdam(masters, lr=1e-2)
-    opt._link_half_copies(list(zip(copies, masters)))
-    _step_with_random_grads(opt, masters, gen)
+    masters, copies, opt = _stepped_with_linked_bf16_copies(device, gen)
     opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     _step_with_random_grads(opt, masters, gen)
     assert {id(m) for m in opt._half_copies_written} == {id(m) for m in masters}
