@@ -76,7 +76,9 @@ def relative_to(results: Sequence[ModeResult], baseline: str = "O0") -> List[Dic
     Returns:
         list of dicts with ``speedup_vs_baseline`` (baseline time / row time),
         ``memory_vs_baseline`` (row memory / baseline memory) and ``loss_gap_pct``
-        (100 * (row loss - baseline loss) / baseline loss); None where either side is missing.
+        (100 * (row loss - baseline loss) / abs(baseline loss): positive when the row ends higher,
+        whatever the baseline's sign); None where either side is missing or the baseline's
+        time, memory or loss is zero.
     """
     base = _baseline(results, baseline)
     out = []

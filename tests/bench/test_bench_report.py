@@ -36,6 +36,14 @@ def test_relative_to_baseline():
     assert rel[1]["loss_gap_pct"] == pytest.approx(1.0)
 
 
+def test_loss_gap_is_positive_for_a_higher_loss_whatever_the_baselines_sign():
+    # A loss can be negative (a log-likelihood objective): the gap divides by its magnitude,
+    # so a row ending higher than the baseline still reads as a positive (worse) gap.
+    rows = [_row("O0", 0.2, 100.0, -2.0), _row("O2", 0.1, 60.0, -1.98), _row("O3", 0.1, 60.0, -2.02)]
+    gaps = [r["loss_gap_pct"] for r in relative_to(rows)]
+    assert gaps == [0.0, pytest.approx(1.0), pytest.approx(-1.0)]
+
+
 def test_no_baseline_gives_none():
     failed_o0 = ModeResult(mode="O0", label="O0", dtype="fp32", status="failed", error="x")
     rows = [failed_o0, _row("O1", 0.1, 1.0, 1.0)]
