@@ -976,6 +976,16 @@ def test_named_choices_take_any_case():
     assert (args.model, args.size, args.norm, args.optimizer) == ("gpt", "large", "mixprec",
                                                                   "torch")
 
+
+def test_device_takes_any_case(tmp_path):
+    # "--device CPU" was refused as an invalid device: torch's device names are lower case.
+    path = tmp_path / "rows.json"
+    code, _ = _run(["bench", *FAST[:6], "--device", " CPU ", "--no-progress", "--opt-levels",
+                    "O0", "--no-native", "--iters", "1", "--warmup", "0", "--json", str(path)])
+    assert code == 0
+    assert [r["device"] for r in json.loads(path.read_text())] == ["cpu"]
+
+
 # C12: --iters default 40 -> 4;  C15: --seed default 0 -> 1
 def test_defaults():
     args = _parsed()
