@@ -220,7 +220,10 @@ class LossScaler:
             self._unskipped = 0
         else:
             self._unskipped += 1
-        if self.dynamic and self._unskipped == self._scale_seq_len:
+        # (">=": a window shortened below the clean steps counted, by a script writing
+        # _scale_seq_len, grows at the next clean step, as mixprec.amp's scaler does; Apex's
+        # "==" never grew again until an overflow reset the count.)
+        if self.dynamic and self._unskipped >= self._scale_seq_len:
             self._loss_scale = min(self._max_loss_scale, self._loss_scale * self._scale_factor)
             self._unskipped = 0
         return overflow

@@ -1034,3 +1034,533 @@ def test_alias_drops_every_half_imported_apex_amp_submodule(clean_apex, tmp_path
 
     assert apex.amp is amp
     assert "apex.amp.wrap" not in sys.modules
+
+
+def test_alias_reports_a_broken_apex_whatever_it_raises(clean_apex, tmp_path, monkeypatch):
+    """A broken Apex build often fails with something other than an ImportError (a compiled
+    extension that raises OSError on a missing libcudart, a RuntimeError from a CUDA check at
+    import time): install_apex_alias still says what happened and what to do, as documented
+    (RuntimeError carrying the error), rather than letting the raw error out of the launcher.
+    (A04)"""
+    _fake_apex(tmp_path, init="raise OSError('libcudart.so.11.0: cannot open shared object')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"fails to import \(OSError: libcudart.*uninstall"):
+        mixprec.install_apex_alias()
+
+
+def test_alias_replaces_an_apex_amp_failing_with_any_error(clean_apex, tmp_path, monkeypatch):
+    """An old apex.amp on a newer PyTorch fails in more ways than a missing module (an
+    attribute PyTorch removed, read at import time): whatever it raises, mixprec's amp serves
+    as apex.amp, with a warning naming the error, as docs/migrating.md promises. (A23)"""
+    package = _fake_apex(tmp_path, "optimizers", "parallel")
+    (package / "amp").mkdir()
+    (package / "amp" / "__init__.py").write_text(
+        "import torch\nstring_classes = torch.no_such_attribute_removed_by_pytorch\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match=r"apex\.amp fails to import \(AttributeError.*"
+                                         r"mixprec\.amp serves"):
+        served = mixprec.install_apex_alias()
+    assert "apex.amp" in served
+    from apex import amp as apex_amp
+
+    assert apex_amp is amp
+
+
+def test_alias_installed_again_after_a_purge_keeps_one_metadata_finder(clean_apex):
+    """A launcher and a sitecustomize.py may both install the alias, with the apex modules
+    dropped from sys.modules in between (test harnesses, reloaders): importlib.metadata must
+    still see one stand-in distribution, not one per install. (A07)"""
+    import importlib.metadata
+
+    mixprec.install_apex_alias()
+    for name in [n for n in sys.modules if n == "apex" or n.startswith("apex.")]:
+        del sys.modules[name]
+    mixprec.install_apex_alias()
+    finders = [f for f in sys.meta_path if type(f).__name__ == "_AliasDistributionFinder"]
+    assert len(finders) == 1
+    found = [d for d in importlib.metadata.distributions(name="apex")]
+    assert len(found) == 1, found
+
+
+def test_alias_stand_in_is_a_package_that_does_not_have_apex_contrib(clean_apex):
+    """Libraries probe Apex's optional parts with importlib.util.find_spec("apex.contrib...")
+    and take their fallback on None: under the stand-in (a package, as Apex is) such a probe
+    answers None rather than raising "'apex' is not a package". (A09, A10)"""
+    import importlib.util
+
+    mixprec.install_apex_alias()
+    assert importlib.util.find_spec("apex.contrib") is None
+    assert importlib.util.find_spec("apex").submodule_search_locations is not None
+    with pytest.raises(ModuleNotFoundError, match="apex.contrib"):
+        __import__("apex.contrib")
+
+
+def test_alias_serves_every_submodule_beside_an_apex_that_is_a_plain_module(
+        clean_apex, tmp_path, monkeypatch):
+    """An importable `apex` that is a single module, not a package (another project's apex.py
+    on the path), has no submodules: the alias serves every one of them beside it, so
+    `from apex.optimizers import FusedSGD` and `from apex import amp` work. (A27)"""
+    (tmp_path / "apex.py").write_text("WHO = 'apex.py itself'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    served = mixprec.install_apex_alias()
+    assert served == ("apex.amp", "apex.optimizers", "apex.parallel", "apex.normalization",
+                      "apex.normalization.fused_layer_norm", "apex.fp16_utils",
+                      "apex.multi_tensor_apply")
+    import apex
+    from apex.optimizers import FusedSGD
+
+    assert apex.WHO == "apex.py itself" and apex.amp is amp
+    assert FusedSGD is sys.modules["apex.optimizers"].FusedSGD
+
+
+def test_alias_stand_in_is_listed_among_installed_distributions(clean_apex):
+    """Tools that list what is installed (importlib.metadata.distributions(), which
+    packages_distributions() and environment reports walk) see the stand-in Apex with the
+    version that importlib.metadata.version("apex") reports. (A14)"""
+    import importlib.metadata
+
+    mixprec.install_apex_alias()
+    versions = [d.version for d in importlib.metadata.distributions()
+                if d.metadata["Name"] == "apex"]
+    assert versions == [f"0.1+mixprec.{mixprec.__version__}"]
+
+
+def test_every_apex_optimizer_module_path_imports_its_stand_in(clean_apex):
+    """docs/migrating.md: Apex's optimizer names import from their own module paths too
+    (`from apex.optimizers.fused_novograd import FusedNovoGrad`, ...), and each stand-in,
+    built, raises NotImplementedError naming its replacement; FusedSGD is PyTorch's SGD.
+    (A39, O12)"""
+    import importlib
+
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    import apex.optimizers
+
+    paths = {"fused_sgd": "FusedSGD", "fused_lamb": "FusedLAMB",
+             "fused_mixed_precision_lamb": "FusedMixedPrecisionLamb", "fused_lans": "FusedLANS",
+             "fused_novograd": "FusedNovoGrad", "fused_adagrad": "FusedAdagrad",
+             "fp16_optimizer": "FP16_Optimizer", "fused_adam": "FusedAdam"}
+    params = [nn.Parameter(torch.ones(2))]
+    for path, name in paths.items():
+        module = importlib.import_module(f"apex.optimizers.{path}")
+        cls = getattr(module, name)
+        assert cls is getattr(apex.optimizers, name), path
+        if name in ("FusedSGD", "FusedAdam"):
+            continue
+        with pytest.raises(NotImplementedError, match=rf"apex\.optimizers\.{name} \(of "
+                                                      r"Apex's optimizers.*is not provided"):
+            cls(params, lr=1e-3)
+    with pytest.raises(NotImplementedError, match=r"torch\.optim\.Adagrad"):
+        apex.optimizers.FusedAdagrad(params, lr=1e-3)
+
+
+def test_apex_optimizers_star_import_gives_every_name(clean_apex):
+    """`from apex.optimizers import *` (Apex-era trainers) gives FusedAdam, FusedSGD and the
+    stand-ins. (O10)"""
+    mixprec.install_apex_alias()
+    namespace = {}
+    exec("from apex.optimizers import *", namespace)  # noqa: S102
+    for name in ("FusedAdam", "FusedSGD", "FusedLAMB", "FusedNovoGrad", "FusedAdagrad",
+                 "FusedLANS", "FusedMixedPrecisionLamb", "FP16_Optimizer"):
+        assert name in namespace, name
+
+
+def test_fused_sgd_nesterov_steps_as_pytorchs(clean_apex):
+    """FusedSGD(nesterov=True) is PyTorch's Nesterov SGD, bit for bit (ImageNet recipes pass
+    it). (O04)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.optimizers import FusedSGD
+
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4))]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedSGD(ours, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
+    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
+    for _ in range(3):
+        for p, q in zip(ours, ref):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_noop_handle_wrapped_optimizer_steps_with_a_closure(clean_apex):
+    """The optimizer returned by NoOpHandle.wrap_optimizer is the optimizer: step(closure)
+    runs the closure and returns its loss (LBFGS-style loops, and scripts that log the value
+    step returns), and attribute writes reach the optimizer. (H03, H04, H05)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex import amp as apex_amp
+
+    torch.manual_seed(0)
+    model, ref = nn.Linear(3, 1), nn.Linear(3, 1)
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 3)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = apex_amp.init(enabled=False).wrap_optimizer(inner)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def closure_for(m, o):
+        def closure():
+            o.zero_grad()
+            loss = m(x).pow(2).mean()
+            loss.backward()
+            return loss
+        return closure
+
+    got = opt.step(closure_for(model, opt))
+    want = ref_opt.step(closure_for(ref, ref_opt))
+    assert got is not None and torch.equal(got, want)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    opt.custom_counter = 3
+    assert inner.custom_counter == 3
+
+
+def test_noop_handle_wrapped_optimizer_scale_loss_yields_the_loss_itself(clean_apex):
+    """The wrapped optimizer's own scale_loss (Apex's `with optimizer.scale_loss(loss) as
+    scaled`) yields the loss as it is, so gradients are those of the plain loss. (H10)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex import amp as apex_amp
+
+    model = nn.Linear(3, 1)
+    opt = apex_amp.init(enabled=False).wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1))
+    loss = model(torch.ones(2, 3)).sum()
+    with opt.scale_loss(loss) as scaled:
+        assert scaled is loss
+
+
+def test_apex_loss_scaler_starts_at_init_scale_and_grows_after_scale_window(clean_apex):
+    """The constructor's init_scale is the first dynamic scale, and scale_window clean steps
+    (not one more or fewer) grow it by scale_factor, as Apex's constructor arguments say.
+    (S01, S02)"""
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=2.0**8, scale_window=3)
+    assert scaler.loss_scale() == 2.0**8 and scaler._scale_seq_len == 3
+    scales = []
+    for _ in range(6):
+        scaler.clear_overflow_state()
+        assert scaler.update_scale() is False
+        scales.append(scaler.loss_scale())
+    assert scales == [2.0**8, 2.0**8, 2.0**9, 2.0**9, 2.0**9, 2.0**10]
+
+
+def test_apex_loss_scaler_forgets_an_unread_overflow_when_cleared(clean_apex):
+    """clear_overflow_state() starts a step afresh: an inf seen by an abandoned step (unscaled,
+    then the step dropped before update_scale) must not skip the next, clean step. (S05, S06)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=2.0**4)
+    scaler.clear_overflow_state()
+    scaler.unscale([torch.tensor([float("inf")])], [torch.zeros(1)], None)
+    scaler.clear_overflow_state()  # the step is abandoned
+    out = torch.zeros(1)
+    scaler.unscale([torch.tensor([32.0])], [out], None)
+    assert scaler._has_overflow is False
+    assert scaler.update_scale() is False and scaler.loss_scale() == 2.0**4
+    assert out.tolist() == [2.0]
+    # Writing the flag (an all-reduced value written back) also replaces unread checks.
+    scaler.clear_overflow_state()
+    scaler.unscale([torch.tensor([float("nan")])], [torch.zeros(1)], None)
+    scaler._has_overflow = False
+    assert scaler._has_overflow is False and scaler.update_scale() is False
+
+
+def test_apex_loss_scaler_stashed_unscale_does_nothing_after_an_overflow(clean_apex):
+    """Once a step has overflowed, unscale_with_stashed leaves the masters' gradients alone,
+    like unscale (Apex's order): later micro-batches of a skipped step do not pile onto the
+    kept gradients. (S34)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=2.0)
+    scaler.clear_overflow_state()
+    scaler.unscale([torch.tensor([float("inf")])], [torch.zeros(1)], None)
+    assert scaler._has_overflow is True
+    kept = torch.full((1,), 3.0)
+    scaler.unscale_with_stashed([torch.tensor([4.0])], [kept], [kept])
+    assert kept.tolist() == [3.0]
+    assert scaler.update_scale() is True
+
+
+def test_apex_loss_scaler_at_scale_one_still_finds_overflows_in_place(clean_apex):
+    """A dynamic scale backed off to 1 (min_loss_scale=1.0) keeps looking for inf/NaN, also
+    when it unscales the masters' own gradients in place: only a static scale of 1 may skip
+    the pass. (S09)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=1.0, min_loss_scale=1.0)
+    scaler.clear_overflow_state()
+    g = torch.tensor([1.0, float("inf")])
+    scaler.unscale([g], [g], None, models_are_masters=True)
+    assert scaler._has_overflow is True
+    assert scaler.update_scale() is True and scaler.loss_scale() == 1.0
+
+
+def test_apex_loss_scaler_static_scale_never_overflows(clean_apex):
+    """A static scale neither looks for inf/NaN nor moves, as in Apex: _has_overflow stays
+    False after unscaling an inf (Apex-era scripts branch on it), and an overflow written into
+    it by hand does not make update_scale skip or back off. (S12, S16, S21)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    static = LossScaler(4.0)
+    static.clear_overflow_state()
+    static.unscale([torch.tensor([float("inf")])], [torch.zeros(1)], None)
+    assert static._has_overflow is False
+    out = torch.zeros(1)
+    static.unscale_with_stashed([torch.tensor([float("inf")])], [torch.zeros(1)], [out])
+    assert static._has_overflow is False and out.tolist() == [float("inf")]
+    static._has_overflow = True
+    assert static.update_scale() is False and static.loss_scale() == 4.0
+
+
+def test_apex_loss_scaler_moves_by_its_scale_factor(clean_apex):
+    """scale_factor sets both the back-off and the growth of the dynamic scale. (S28, S29)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=2.0**10, scale_factor=4.0, scale_window=1)
+    scaler.clear_overflow_state()
+    scaler.unscale([torch.tensor([float("inf")])], [torch.zeros(1)], None)
+    assert scaler.update_scale() is True and scaler.loss_scale() == 2.0**8
+    scaler.clear_overflow_state()
+    assert scaler.update_scale() is False and scaler.loss_scale() == 2.0**10
+
+
+def test_apex_loss_scaler_refuses_scales_that_are_not_positive(clean_apex):
+    """A scale of 0 (a _loss_scale or scale_override set wrong) would fill the masters with
+    inf or NaN: unscale and unscale_with_stashed refuse it, naming the value. (S07, S19)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic")
+    g, m = torch.ones(2), torch.zeros(2)
+    with pytest.raises(ValueError, match=r"scale to unscale by is 0\.0; it must be > 0"):
+        scaler.unscale([g], [m], None, scale_override=0.0)
+    scaler._loss_scale = 0.0
+    with pytest.raises(ValueError, match=r"scale to unscale by is 0\.0"):
+        scaler.unscale([g], [m], None)
+    with pytest.raises(ValueError, match=r"scale_override=\(1\.0, 0\.0, 1\.0\).*must be > 0"):
+        scaler.unscale_with_stashed([g], [g], [m], scale_override=(1.0, 0.0, 1.0))
+    assert m.tolist() == [0.0, 0.0]
+
+
+def test_apex_loss_scaler_says_which_gradient_is_missing(clean_apex):
+    """None entries: a parameter without a gradient in every list is skipped (its master is
+    left alone); a master gradient missing where the model's is present, or one of the model
+    and stashed gradients missing, is refused with a ValueError saying what to pass, not an
+    error from deep inside a foreach kernel. (S10, S13, S14)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler(2.0)
+    kept = torch.full((1,), 5.0)
+    out = torch.zeros(1)
+    scaler.unscale_with_stashed([None, torch.tensor([4.0])], [None, torch.tensor([1.0])],
+                                [kept, out])
+    assert kept.tolist() == [5.0] and out.tolist() == [3.0]
+    with pytest.raises(ValueError, match="master gradient is None.*allocate it first"):
+        scaler.unscale([torch.ones(1)], [None], None)
+    for model_grad, stashed in ((torch.ones(1), None), (None, torch.ones(1))):
+        with pytest.raises(ValueError, match="each entry needs its model, stashed and master"):
+            scaler.unscale_with_stashed([model_grad], [stashed], [torch.zeros(1)])
+
+
+def test_apex_loss_scaler_unscales_a_step_without_gradients(clean_apex):
+    """A micro-batch that reached no parameter (all gradients None, or empty lists from a
+    frozen model part) unscales nothing and raises nothing, in both unscale forms; the step
+    then counts as clean. (S20)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic")
+    kept = torch.full((2,), 3.0)
+    scaler.clear_overflow_state()
+    scaler.unscale([None], [kept], None)
+    scaler.unscale_with_stashed([None], [None], [kept])
+    scaler.unscale_with_stashed([], [], [])
+    assert kept.tolist() == [3.0, 3.0]
+    assert scaler.update_scale() is False
+
+
+def test_convert_network_leaves_integer_parameters_and_buffers_alone(clean_apex):
+    """convert_network / convert_module cast only floating tensors, as module.half() does: a
+    BatchNorm's num_batches_tracked stays int64 (a half counter stops at 2048) and integer
+    parameters or buffers (position ids, index tables) keep their values. (F08, F09)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import convert_module, convert_network
+
+    def make():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2, affine=False))
+        net[0].register_buffer("ids", torch.arange(3000))
+        net[0].table = nn.Parameter(torch.arange(3000), requires_grad=False)
+        return net
+
+    ref = make().half()
+    for convert, net in ((convert_network, make()), (convert_module, make()[0])):
+        convert(net, torch.float16)
+        got = dict(net.named_parameters()) | dict(net.named_buffers())
+        for name, t in got.items():
+            want = (dict(ref.named_parameters()) | dict(ref.named_buffers()))[
+                name if convert is convert_network else f"0.{name}"]
+            assert t.dtype == want.dtype and torch.equal(t, want), name
+
+
+def test_model_grads_into_existing_master_grads_are_copies(clean_apex):
+    """Where the masters already have gradients (zero_grad(set_to_none=False), Apex's era's
+    default), model_grads_to_master_grads copies into them: the master gradient stays the same
+    tensor (scripts hold it, e.g. for clipping) and, for an fp32 parameter, does not become the
+    model's gradient, which zeroing the model's gradients before the master step would wipe.
+    (F21)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import model_grads_to_master_grads, network_to_half, prep_param_lists
+
+    net = network_to_half(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)))
+    model_params, masters = prep_param_lists(net)
+    for m in masters:
+        m.grad = torch.zeros_like(m)
+    held = [m.grad for m in masters]
+    for p in model_params:
+        p.grad = torch.full_like(p, 0.5)
+    model_grads_to_master_grads(model_params, masters)
+    net.zero_grad(set_to_none=False)
+    for m, h in zip(masters, held):
+        assert m.grad is h and bool((m.grad == 0.5).all()), m.grad
+
+
+def test_master_params_to_model_params_writes_into_the_models_tensors(clean_apex):
+    """The masters' values are copied into the model's existing storage (cuDNN's flattened RNN
+    weights and any view of a parameter see them), flat or not. (F22)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import master_params_to_model_params, prep_param_lists
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2)).half()
+    view = model[0].weight.detach()[0]  # a view of the model's storage
+    for flat in (False, True):
+        model_params, masters = prep_param_lists(model, flat_master=flat)
+        ptrs = [p.data_ptr() for p in model_params]
+        with torch.no_grad():
+            for m in masters:
+                m.add_(1.0)
+        master_params_to_model_params(model_params, masters, flat_master=flat)
+        assert [p.data_ptr() for p in model_params] == ptrs
+        assert torch.equal(view, model[0].weight.detach()[0])
+
+
+def test_fp16_utils_master_helpers_take_generators(clean_apex):
+    """The helpers take any iterables of parameters, as Apex's did (a generator such as
+    model.parameters() was zipped directly): a generator is neither refused nor consumed
+    before the copy. (F27, F28)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import (
+        master_params_to_model_params,
+        model_grads_to_master_grads,
+        prep_param_lists,
+    )
+
+    model = nn.Linear(3, 2).half()
+    model_params, masters = prep_param_lists(model)
+    for p in model_params:
+        p.grad = torch.full_like(p, 0.25)
+    model_grads_to_master_grads(model.parameters(), iter(masters))
+    for m in masters:
+        assert m.grad is not None and bool((m.grad == 0.25).all())
+    with torch.no_grad():
+        for m in masters:
+            m.fill_(2.0)
+    master_params_to_model_params(model.parameters(), iter(masters))
+    assert all(bool((p == 2.0).all()) for p in model.parameters())
+
+
+def test_fp16_utils_hint_flat_masters_for_a_two_parameter_model(clean_apex):
+    """Flat masters passed without flat_master=True are recognised for any model of several
+    parameters (a single Linear with its bias), and the error says to pass flat_master=True.
+    (F26)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import model_grads_to_master_grads, prep_param_lists
+
+    model_params, flat = prep_param_lists(nn.Linear(3, 2), flat_master=True)
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match="need flat_master=True here too"):
+        model_grads_to_master_grads(model_params, flat)
+
+
+def test_multi_tensor_applier_keeps_apexs_chunk_size(clean_apex):
+    """Apex-era code reads the chunk size off the applier (multi_tensor_applier.chunk_size,
+    2048 * 32 in Apex) when it builds its own launches. (M03)"""
+    mixprec.install_apex_alias()
+    from apex.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
+
+    assert multi_tensor_applier.chunk_size == 2048 * 32
+    assert MultiTensorApply(1024).chunk_size == 1024
+
+
+def test_apex_loss_scaler_window_shortened_below_the_clean_steps_grows_next(clean_apex):
+    """A script that shortens _scale_seq_len below the clean steps already counted gets a
+    scale that grows at the next clean step, then every window, as mixprec.amp's own scaler
+    (test_apex_private); with Apex's exact-count test it never grew again until an
+    overflow."""
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=4.0)
+    for _ in range(5):
+        scaler.clear_overflow_state()
+        scaler.update_scale()
+    scaler._scale_seq_len = 3
+    scales = []
+    for _ in range(4):
+        scaler.clear_overflow_state()
+        assert scaler.update_scale() is False
+        scales.append(scaler.loss_scale())
+    assert scales == [8.0, 8.0, 8.0, 16.0]
