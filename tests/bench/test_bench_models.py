@@ -1,7 +1,10 @@
 """The benchmark's models: shapes, causality, the norm hook, the large GPT's size."""
 
+import math
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mixprec.bench.models import GPT, GPTConfig, SmallCNN, build_workload, gpt_config
@@ -245,3 +248,172 @@ def test_gpt_adamw_is_fused_by_default_on_cuda_only():
     assert wl.build_optimizer(params, torch.device("cuda")).defaults["fused"] is True
     off = build_workload("gpt", batch_size=1, num_batches=1, fused_adamw=False)
     assert not off.build_optimizer(params, torch.device("cuda")).defaults.get("fused")
+
+
+def test_small_cnn_rejects_a_zero_width():
+    """SmallCNN needs at least one channel and one class: width=0 is an error naming both
+    arguments, not a model with empty layers. (M01)"""
+    with pytest.raises(ValueError, match=r"SmallCNN\(num_classes=10, width=0\): both must be >= 1"):
+        SmallCNN(width=0)
+
+
+def test_small_cnn_matches_its_documented_architecture():
+    """SmallCNN is conv(3->w)-BN-ReLU, conv(w->2w, stride 2)-BN-ReLU, conv(2w->2w, stride
+    2)-BN-ReLU, global average pooling, linear; bias-free convs (BatchNorm follows). Checked
+    against the same computation written with torch.nn.functional, in eval mode. (M02, M03,
+    M04, M05)"""
+    torch.manual_seed(0)
+    model = SmallCNN(width=4).eval()
+    convs = [m for m in model.features if isinstance(m, nn.Conv2d)]
+    bns = [m for m in model.features if isinstance(m, nn.BatchNorm2d)]
+    assert [tuple(c.weight.shape) for c in convs] == [(4, 3, 3, 3), (8, 4, 3, 3), (8, 8, 3, 3)]
+    assert all(c.bias is None for c in convs)
+    assert model.classifier.in_features == 8
+    for bn in bns:  # non-trivial statistics, so BatchNorm's place in the graph matters
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+    x = torch.randn(2, 3, 16, 16)
+    h = x
+    for conv, bn, stride in zip(convs, bns, (1, 2, 2)):
+        h = F.conv2d(h, conv.weight, None, stride=stride, padding=1)
+        h = F.relu(F.batch_norm(h, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                                training=False, eps=bn.eps))
+    assert h.shape == (2, 8, 4, 4)
+    expected = F.linear(h.mean((2, 3)), model.classifier.weight, model.classifier.bias)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_gpt_config_rejects_an_unknown_size():
+    """gpt_config knows "small" and "large" only: any other size is an error listing them,
+    not silently the large model. (M10)"""
+    with pytest.raises(ValueError, match=r"gpt_config\(size='huge'\): size must be one of"):
+        gpt_config("huge")
+
+
+def test_gpt_forward_matches_a_float64_reference():
+    """The GPT is token + learned position embeddings, pre-LN blocks of causal multi-head
+    attention (heads are contiguous d_model/n_heads slices, softmax(q k^T / sqrt(d_head))) and
+    a GELU MLP, then the final LayerNorm and the bias-free head: checked against that
+    computation written out in float64. (M11, M13, M14, M15, M39)"""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=2, n_heads=4)
+    model = GPT(cfg).eval()
+    for p in model.parameters():  # LayerNorm's ones/zeros and zero biases would hide mistakes
+        p.data.add_(0.05 * torch.randn_like(p))
+    tokens = torch.randint(0, 32, (2, 8))
+    d, nh, t = 16, 4, 8
+    dh = d // nh
+
+    def w(p):
+        return None if p is None else p.detach().double()
+
+    def ln(mod, h):
+        return F.layer_norm(h, (d,), w(mod.weight), w(mod.bias), mod.eps)
+
+    def attention(blk, h):
+        q, k, v = F.linear(h, w(blk.attn.qkv.weight), w(blk.attn.qkv.bias)).split(d, dim=-1)
+        q, k, v = (z.reshape(2, t, nh, dh).permute(0, 2, 1, 3) for z in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(dh)
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        y = (scores.softmax(-1) @ v).permute(0, 2, 1, 3).reshape(2, t, d)
+        return F.linear(y, w(blk.attn.proj.weight), w(blk.attn.proj.bias))
+
+    def mlp(blk, h):
+        fc1, fc2 = blk.mlp[0], blk.mlp[2]
+        return F.linear(F.gelu(F.linear(h, w(fc1.weight), w(fc1.bias))), w(fc2.weight),
+                        w(fc2.bias))
+
+    x = w(model.tok_emb.weight)[tokens] + w(model.pos_emb.weight)[:t]
+    for blk in model.blocks:
+        x = x + attention(blk, ln(blk.ln1, x))
+        x = x + mlp(blk, ln(blk.ln2, x))
+    expected = F.linear(ln(model.ln_f, x), w(model.head.weight))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"config": {"d_model": 64}}, r"GPT\(config=dict\): expected a GPTConfig"),
+        ({"norm_cls": 3}, r"GPT\(norm_cls=3\): expected a callable taking the width"),
+    ],
+)
+def test_gpt_argument_type_errors(kwargs, match):
+    """GPT refuses a config that is not a GPTConfig and a norm_cls that is not callable with
+    a TypeError naming the argument. (M20, M21)"""
+    with pytest.raises(TypeError, match=match):
+        GPT(**kwargs)
+
+
+def test_lm_loss_of_a_half_output_is_computed_in_fp32():
+    """The GPT's loss, like the classifier's, is an fp32 cross-entropy over all tokens
+    whatever the logits' dtype, so every recipe's loss is the same quantity. (M23)"""
+    wl = build_workload("gpt", batch_size=2, num_batches=1)
+    _, y = wl.batches[0]
+    torch.manual_seed(0)
+    out = torch.randn(2, 64, 512).bfloat16()
+    loss = wl.loss_fn(out, y)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, F.cross_entropy(out.float().reshape(-1, 512), y.reshape(-1)),
+                               rtol=0, atol=0)
+
+
+def test_gpt_token_batches_cover_the_whole_vocabulary():
+    """The synthetic token batches are uniform over [0, vocab_size): 2080 draws from the
+    small GPT's 512 tokens hit nearly all of them (about 503 expected) and none outside. (M25)"""
+    wl = build_workload("gpt")
+    tokens = torch.cat([torch.cat([x.flatten(), y[:, -1:].flatten()]) for x, y in wl.batches])
+    assert tokens.min() >= 0 and tokens.max() < 512
+    assert len(torch.unique(tokens)) > 460
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"num_batches": 0}, r"build_workload\(num_batches=0\): must be >= 1"),
+        ({"name": "cnn", "optimizer": "mixprec"}, "train with SGD"),
+    ],
+)
+def test_more_build_workload_errors(kwargs, match):
+    """An empty batch pool is refused up front (the runner cycles it), and so is mixprec's
+    AdamW for the SGD-trained CNN. (M26, M27)"""
+    with pytest.raises(ValueError, match=match):
+        build_workload(**kwargs)
+
+
+def test_workload_sizes_are_the_documented_ones():
+    """The documented sizes: small CNN width 16 at 16x16, batch 16; large CNN width 64 at
+    64x64, batch 256; GPT batch 8 at either size (seq 64 small, 1024 large). (M28, M29, M30)"""
+    small = build_workload("cnn", num_batches=1)
+    assert small.batches[0][0].shape == (16, 3, 16, 16) and small.batch_size == 16
+    assert small.description.startswith("SmallCNN(width=16) on 16x16 images, batch 16")
+    large = build_workload("cnn", size="large", num_batches=1)
+    assert large.batches[0][0].shape == (256, 3, 64, 64)
+    assert large.description.startswith("SmallCNN(width=64) on 64x64 images, batch 256")
+    assert build_workload("gpt", num_batches=1).batches[0][0].shape == (8, 64)
+    assert build_workload("gpt", size="large", num_batches=1).batches[0][0].shape == (8, 1024)
+
+
+def test_gpt_workload_builds_its_norm_layers_with_norm_cls():
+    """build_workload(norm_cls=...) is how the benchmark swaps the GPT's LayerNorm (e.g. for
+    mixprec's FusedLayerNorm): every norm of the built model is of that class and the
+    description names it. (M31)"""
+    class MyNorm(nn.LayerNorm):
+        pass
+
+    wl = build_workload("gpt", batch_size=1, num_batches=1, norm_cls=MyNorm)
+    model = wl.build_model()
+    norms = [m for m in model.modules() if isinstance(m, nn.LayerNorm)]
+    assert len(norms) == 5 and all(type(m) is MyNorm for m in norms)
+    assert "norm=MyNorm" in wl.description
+
+
+def test_cnn_workload_trains_with_sgd_momentum():
+    """The CNN workload's optimizer is SGD, lr 0.05, momentum 0.9: the benchmark's loss
+    curves and final-loss gaps are comparable across releases only with a fixed recipe. (M38)"""
+    wl = build_workload("cnn", batch_size=4, num_batches=1)
+    opt = wl.build_optimizer([nn.Parameter(torch.zeros(2))], torch.device("cpu"))
+    assert type(opt) is torch.optim.SGD
+    assert (opt.defaults["lr"], opt.defaults["momentum"]) == (0.05, 0.9)

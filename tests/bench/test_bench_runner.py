@@ -1,14 +1,25 @@
 """The runner: same start for every mode, frozen BatchNorm, skipped-step counts, errors."""
 
 import dataclasses
+import json
 import math
+import sys
+import threading
 
 import pytest
 import torch
 from torch import nn
 
+import mixprec.bench.runner as runner_module
 from mixprec.bench.models import build_workload
-from mixprec.bench.runner import MODES, mode_label, run_mode, run_modes
+from mixprec.bench.runner import (
+    MODES,
+    ModeResult,
+    _CpuPeakMemory,
+    mode_label,
+    run_mode,
+    run_modes,
+)
 
 FAST = {"iters": 2, "warmup": 1}
 
@@ -313,3 +324,379 @@ def test_cpu_peak_memory_is_the_growth_over_the_start():
     # The growth the mode caused, not the process's whole resident memory (torch alone is
     # some hundreds of MiB).
     assert 0 <= probe.peak_mb < 32
+
+
+def test_a_failed_row_is_never_diverged():
+    """A failed mode has no loss to judge: reports must show it as failed, not also as
+    diverged, whatever its final_loss field holds. (R05)"""
+    r = ModeResult(mode="O2", label="O2", dtype="bf16", status="failed",
+                   error="RuntimeError: x", final_loss=float("nan"))
+    assert not r.diverged
+    assert r.to_dict()["diverged"] is False
+
+
+def test_to_dict_is_strict_json_with_nonfinite_losses_as_null():
+    """to_dict is "JSON-ready": every non-finite loss (NaN, +-inf) of a diverged run becomes
+    None, so json.dumps(allow_nan=False) (strict JSON readers) accepts the row. (R06)"""
+    r = ModeResult(mode="half", label=".half()", dtype="fp16",
+                   losses=[2.5, float("nan"), float("inf"), float("-inf")], final_loss=float("nan"))
+    d = r.to_dict()
+    assert d["losses"] == [2.5, None, None, None]
+    assert d["final_loss"] is None and d["diverged"] is True
+    json.dumps(d, allow_nan=False)  # raises ValueError on a NaN/inf left in the row
+
+
+def test_cpu_peak_memory_is_reported_in_mib():
+    """peak_mb is MiB: a touched 64 MiB block held inside the probe (and seen by one explicit
+    sample, as the runner samples after every step) reads as about 64, on the kernel's
+    high-water mark and on the sampling fallback alike. (R09)"""
+    probe = _CpuPeakMemory()
+    with probe:
+        x = torch.ones(64 * 2**20 // 4)
+        probe.sample()
+        del x
+    assert 60 <= probe.peak_mb < 1024  # in KiB it would read about 65536
+
+
+def test_cpu_peak_memory_sampling_fallback_sees_a_held_block_and_stops(monkeypatch):
+    """Where the kernel's peak cannot be reset (non-Linux, a /proc refusing clear_refs) the
+    probe samples the RSS: a block alive at a sample counts, and leaving the probe stops the
+    sampler thread (the run must not hang or leak a thread per mode). (R19)"""
+    monkeypatch.setattr(runner_module, "_reset_hwm", lambda: False)
+    probe = _CpuPeakMemory()
+    if probe._read is None:
+        pytest.skip("no RSS reader on this system")
+    done = threading.Event()
+
+    def measure():  # in a thread of its own: a sampler that never stops fails, not hangs
+        with probe:
+            x = torch.ones(64 * 2**20 // 4)
+            probe.sample()
+            del x
+        done.set()
+
+    worker = threading.Thread(target=measure, daemon=True)
+    worker.start()
+    worker.join(timeout=30)
+    assert done.is_set(), "leaving the probe did not stop (or failed)"
+    assert probe._thread is not None and not probe._thread.is_alive()
+    assert 60 <= probe.peak_mb < 1024
+
+
+def _kernel_resets_the_peak_rss():
+    """Independently of the runner: does writing "5" to clear_refs reset VmHWM here?"""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        fields = {}
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("VmHWM", "VmRSS"):
+                    fields[key] = int(rest.split()[0])
+    except (OSError, ValueError):
+        return False
+    return fields["VmHWM"] <= fields["VmRSS"] + 1024  # kB
+
+
+def test_cpu_peak_memory_uses_the_kernels_peak_where_it_can_be_reset():
+    """On Linux with a resettable VmHWM the peak is exact: a 64 MiB block allocated and freed
+    between samples is still counted (the documented "exact, nothing runs beside the timed
+    steps" measurement, not the 10 ms sampler). (R12)"""
+    if not _kernel_resets_the_peak_rss():
+        pytest.skip("this kernel does not reset VmHWM through /proc/self/clear_refs")
+    probe = _CpuPeakMemory()
+    with probe:
+        x = torch.ones(64 * 2**20 // 4)
+        del x
+    assert probe._hwm and probe._thread is None
+    assert probe.peak_mb >= 60
+
+
+def test_the_peak_rss_reset_is_trusted_only_when_it_took_effect(monkeypatch):
+    """An old kernel accepts the "5" written to clear_refs and ignores it: VmHWM then still
+    holds a peak from before the mode, far above the current RSS, and the probe must not
+    trust it (it falls back to sampling). (R13)"""
+    if not _kernel_resets_the_peak_rss():
+        pytest.skip("this kernel does not reset VmHWM through /proc/self/clear_refs")
+    assert runner_module._reset_hwm() is True
+    monkeypatch.setattr(runner_module, "_read_hwm_bytes", lambda: 2**50)  # reset ignored
+    assert runner_module._reset_hwm() is False
+
+
+def test_the_runner_trains_a_model_built_in_eval_mode(cnn):
+    """run_mode trains the model whatever mode build_model left it in: a model handed back in
+    eval mode is switched to train mode (its BatchNorm updates the running statistics at every
+    step). (R55)"""
+    build = cnn.build_model
+    wl, built = _capturing(dataclasses.replace(cnn, build_model=lambda: build().eval()))
+    assert run_mode(wl, "fp32", **FAST).ok
+    model = built[-1]
+    bn = next(m for m in model.modules() if isinstance(m, nn.BatchNorm2d))
+    assert model.training and bn.training and int(bn.num_batches_tracked) == 3
+
+
+def test_peak_memory_of_a_mode_counts_what_its_steps_allocate(cnn):
+    """A mode's peak_memory_mb is the memory its steps added, in MiB: a step that keeps a
+    64 MiB block shows as at least 60 MiB (the tiny CNN itself adds a few MiB; the first run
+    in a process also pays its one-time costs, over 100 MiB, hence the warm-up run). (R79, R09)"""
+    kept = []
+    loss_fn = cnn.loss_fn
+
+    def hoarding_loss(out, y):
+        if not kept:
+            kept.append(torch.ones(64 * 2**20 // 4))
+        return loss_fn(out, y)
+
+    run_mode(cnn, "fp32", **FAST)  # the process's one-time costs (thread pools, lazy code)
+    r = run_mode(dataclasses.replace(cnn, loss_fn=hoarding_loss), "fp32", **FAST)
+    assert r.ok, r.error
+    assert 60 <= r.peak_memory_mb < 1024  # MiB: in KiB the block alone would read 65536
+
+
+def _seeing_inputs(workload):
+    """The workload with every model it builds recording whether its input is NHWC."""
+    seen = []
+    build = workload.build_model
+
+    def build_model():
+        model = build()
+        model.register_forward_pre_hook(
+            lambda mod, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last))
+        )
+        return model
+
+    return dataclasses.replace(workload, build_model=build_model), seen
+
+
+def test_channels_last_converts_the_image_model_and_its_batches(cnn):
+    """channels_last=True trains the image model in NHWC: every conv weight and every batch
+    it sees is channels_last, and the losses are those of the NCHW run (to float
+    rounding). (R31, R32, M34)"""
+    wl, seen = _seeing_inputs(cnn)
+    wl, built = _capturing(wl)
+    nhwc = run_mode(wl, "fp32", channels_last=True, **FAST)
+    assert nhwc.ok, nhwc.error
+    assert seen == [True] * 3
+    convs = [m for m in built[-1].modules() if isinstance(m, nn.Conv2d)]
+    assert convs and all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
+    nchw = run_mode(cnn, "fp32", **FAST)
+    assert nhwc.losses == pytest.approx(nchw.losses, rel=1e-4)
+
+
+def test_channels_last_leaves_a_token_model_alone():
+    """channels_last applies to image workloads only: the GPT's 2-D token batches pass
+    through unchanged and it trains exactly as without the flag. (R30)"""
+    gpt = build_workload("gpt", batch_size=1, num_batches=1)
+    flagged = run_mode(gpt, "fp32", channels_last=True, iters=1, warmup=0)
+    assert flagged.ok, flagged.error
+    plain = run_mode(gpt, "fp32", iters=1, warmup=0)
+    assert flagged.losses == plain.losses
+
+
+def test_pure_half_gpt_keeps_its_tokens_integers():
+    """The "half" recipe casts floating-point inputs only: the GPT's token ids stay integer
+    indices into the embedding (casting them would fail or corrupt them). (R34)"""
+    gpt = build_workload("gpt", batch_size=1, num_batches=1)
+    r = run_mode(gpt, "half", iters=1, warmup=1)
+    assert r.ok, r.error
+    assert r.dtype == "bf16" and all(math.isfinite(v) for v in r.losses)
+
+
+def test_pure_half_is_a_plain_loop_on_the_half_model(cnn):
+    """The "half" mode is model.to(dtype), inputs cast to dtype, no loss scaling, fresh
+    gradients every step: the same losses as that loop written out. (R51, R33)"""
+    r = run_mode(cnn, "half", dtype=torch.bfloat16, iters=2, warmup=1, seed=4)
+    assert r.ok, r.error
+    torch.manual_seed(4)
+    model = cnn.build_model().to(torch.bfloat16)
+    opt = cnn.build_optimizer(model.parameters(), torch.device("cpu"))
+    ref = []
+    for i in range(3):
+        x, y = cnn.batches[i % len(cnn.batches)]
+        opt.zero_grad(set_to_none=True)
+        loss = cnn.loss_fn(model(x.to(torch.bfloat16)), y)
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    assert r.losses == pytest.approx(ref, rel=1e-5)
+
+
+def test_autocast_fp16_is_torch_autocast_with_a_grad_scaler(cnn):
+    """The fp16 "autocast" mode is PyTorch's recipe: torch.autocast at float16 plus a
+    default GradScaler, fresh gradients every step: the same losses as that loop. (R38)"""
+    r = run_mode(cnn, "autocast", dtype=torch.float16, iters=2, warmup=1, seed=3)
+    assert r.ok, r.error
+    torch.manual_seed(3)
+    model = cnn.build_model()
+    opt = cnn.build_optimizer(model.parameters(), torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu")
+    ref = []
+    for i in range(3):
+        x, y = cnn.batches[i % len(cnn.batches)]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = cnn.loss_fn(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        ref.append(loss.item())
+    assert r.losses == pytest.approx(ref, rel=1e-5)
+
+
+def test_bf16_autocast_has_no_loss_scaler(cnn):
+    """bf16 has fp32's exponent range, so the bf16 "autocast" row uses no GradScaler: it is
+    labelled plain "autocast" and never skips a step, even on non-finite gradients that a
+    scaler would skip. (R37)"""
+    r = run_mode(_overflowing(cnn, factor=float("inf")), "autocast", dtype=torch.bfloat16,
+                 **FAST)
+    assert r.ok, r.error
+    assert r.label == "autocast" and r.skipped_steps == 0
+
+
+def test_o0_matches_plain_fp32_at_every_step(cnn):
+    """O0 is fp32 training through amp with a loss scale of 1: every step's loss, not only
+    the first, is bitwise the plain fp32 mode's (amp must also clear the gradients between
+    steps). (R53)"""
+    fp32, o0 = run_modes(cnn, ["fp32", "O0"], iters=3, warmup=1, process_warmup=False)
+    assert fp32.ok and o0.ok
+    assert o0.losses == fp32.losses
+
+
+def test_frozen_bn_freezes_mixprecs_fused_batchnorm_too():
+    """frozen_bn puts every BatchNorm layer in eval mode, the BatchNorm base class included,
+    so a workload built with fused_batchnorm=True (mixprec's FusedBatchNorm) keeps its running
+    statistics too. (R54)"""
+    wl, built = _capturing(build_workload("cnn", batch_size=4, num_batches=1,
+                                          fused_batchnorm=True))
+    r = run_mode(wl, "fp32", frozen_bn=True, **FAST)
+    assert r.ok, r.error
+    bns = [m for m in built[-1].modules()
+           if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    assert bns and all(not bn.training for bn in bns)
+    assert all(int(bn.num_batches_tracked) == 0 for bn in bns)
+
+
+def test_cudnn_benchmark_is_set_while_the_mode_runs_and_restored_after(cnn):
+    """cudnn_benchmark sets torch.backends.cudnn.benchmark for the mode's steps only: the
+    user's global setting is back afterwards. (R61, R62)"""
+    seen = []
+    loss_fn = cnn.loss_fn
+
+    def spying_loss(out, y):
+        seen.append(torch.backends.cudnn.benchmark)
+        return loss_fn(out, y)
+
+    wl = dataclasses.replace(cnn, loss_fn=spying_loss)
+    previous = torch.backends.cudnn.benchmark
+    try:
+        for flag in (True, False):
+            torch.backends.cudnn.benchmark = not flag
+            seen.clear()
+            assert run_mode(wl, "fp32", cudnn_benchmark=flag, **FAST).ok
+            assert seen == [flag] * 3
+            assert torch.backends.cudnn.benchmark is (not flag)
+    finally:
+        torch.backends.cudnn.benchmark = previous
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"iters": True}, TypeError, r"run_mode\(iters=True\): iters must be an int >= 1, not bool"),
+        ({"warmup": False}, TypeError, r"run_mode\(warmup=False\): warmup must be an int >= 0"),
+        ({"dtype": torch.float64}, ValueError,
+         r"run_mode\(dtype=torch.float64\): dtype must be torch.float16 or torch.bfloat16"),
+    ],
+)
+def test_run_mode_refuses_bools_and_other_float_dtypes(cnn, kwargs, error, match):
+    """iters/warmup are counts (True is not 1 step) and the half type is float16 or bfloat16
+    only (float64 is no mixed-precision dtype). (R64, R90)"""
+    with pytest.raises(error, match=match):
+        run_mode(cnn, "O1", **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def test_run_modes_refuses_cuda_without_cuda_before_running(cnn, monkeypatch):
+    """device='cuda' on a machine without CUDA is an argument error raised before anything
+    runs, not a table of failed rows. (R70)"""
+    def must_not_run(*args, **kw):
+        raise AssertionError("ran before the arguments were checked")
+
+    monkeypatch.setattr(runner_module, "warm_up_process", must_not_run)
+    monkeypatch.setattr(runner_module, "run_mode", must_not_run)
+    with pytest.raises(ValueError, match=r"run_modes\(device='cuda'\): CUDA is not available"):
+        run_modes(cnn, ["O1"], device="cuda")
+
+
+def test_run_modes_warms_up_the_process_once_at_the_half_dtype(cnn, monkeypatch):
+    """By default run_modes first runs one process warm-up (fp32 and autocast at the run's
+    half dtype, on the run's device) before the first mode; process_warmup=False skips
+    it. (R71, R72)"""
+    calls = []
+
+    def warm_up(workload, device="cpu", dtype=None):
+        calls.append(("warm-up", str(device), dtype))
+
+    def fake_run_mode(workload, mode, **kwargs):
+        calls.append(mode)
+        return ModeResult(mode=mode, label=mode, dtype="fp16")
+
+    monkeypatch.setattr(runner_module, "warm_up_process", warm_up)
+    monkeypatch.setattr(runner_module, "run_mode", fake_run_mode)
+    run_modes(cnn, ["fp32", "O1"], dtype=torch.float16)
+    assert calls == [("warm-up", "cpu", torch.float16), "fp32", "O1"]
+    calls.clear()
+    run_modes(cnn, ["fp32"], dtype=torch.float16, process_warmup=False)
+    assert calls == ["fp32"]
+
+
+def test_a_failed_mode_is_a_complete_failed_row_reported_like_the_others(cnn, monkeypatch):
+    """A mode that raises becomes a row with status "failed", "Type: message", its label,
+    dtype, device and the run's iters/warmup, no measurements, and on_result sees it as it
+    sees the ok rows; the rows record the timed steps, not warm-up + timed. (R73, R74, R75,
+    R88, R89)"""
+    real = runner_module._build_recipe
+
+    def build_recipe(workload, mode, *args):
+        if mode == "O2":
+            raise RuntimeError("no half here (forced by the test)")
+        return real(workload, mode, *args)
+
+    monkeypatch.setattr(runner_module, "_build_recipe", build_recipe)
+    seen = []
+    rows = run_modes(cnn, ["O2", "fp32"], dtype=torch.float16, on_result=seen.append,
+                     process_warmup=False, iters=2, warmup=1)
+    assert seen == rows
+    failed, ok = rows
+    assert (failed.status, failed.error) == ("failed", "RuntimeError: no half here (forced "
+                                                       "by the test)")
+    assert (failed.label, failed.dtype, failed.device) == ("O2", "fp16", "cpu")
+    assert (failed.iters, failed.warmup) == (2, 1)
+    assert failed.time_per_iter_s is None and failed.losses == [] and not failed.diverged
+    assert ok.ok and (ok.iters, ok.warmup) == (2, 1)
+
+
+def test_progress_is_called_after_every_step_with_its_index(cnn):
+    """progress(mode, step) runs after each step, warm-up included, with the 0-based step
+    index: a progress bar of warmup + iters steps per mode ends full. (R77)"""
+    calls = []
+    r = run_mode(cnn, "O1", progress=lambda mode, i: calls.append((mode, i)), **FAST)
+    assert r.ok, r.error
+    assert calls == [("O1", 0), ("O1", 1), ("O1", 2)]
+
+
+def test_grad_scaler_skips_are_unknown_once_growth_may_have_happened():
+    """GradScaler doubles its scale after 2000 unskipped steps in a row, after which halvings
+    no longer count the skipped steps (one skip, then 2000 good steps, reads 0 halvings): a
+    shorter run is exact, a run past 2000 steps reports the count as unknown. (R41)"""
+    from mixprec.bench.runner import _AutocastRecipe
+
+    for steps, known in ((1999, True), (2001, False), (10_000, False)):
+        recipe = _AutocastRecipe(nn.Linear(1, 1), None, None, torch.float16, "cpu")
+        recipe.scaler = type("Scaler", (), {"get_scale": lambda self: 2.0**16})()
+        recipe.steps = steps
+        recipe.finish()
+        assert recipe.skips_known is known and recipe.skipped == 0, steps
