@@ -121,7 +121,7 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"GPTConfig({name}={value!r}): must be an int >= 1.")
         if self.d_model % self.n_heads:
             raise ValueError(
@@ -343,6 +343,11 @@ def _token_batches(n: int, batch_size: int, cfg: GPTConfig, gen: torch.Generator
     return batches
 
 
+def _is_count(value) -> bool:
+    """An int >= 1 (a bool is no count: True would read as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def build_workload(
     name: str = "cnn",
     *,
@@ -392,10 +397,10 @@ def build_workload(
         raise ValueError(f"build_workload(name={name!r}): name must be one of {MODEL_NAMES}.")
     if size not in SIZES:
         raise ValueError(f"build_workload(size={size!r}): size must be one of {SIZES}.")
-    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+    if batch_size is not None and not _is_count(batch_size):
         raise ValueError(f"build_workload(batch_size={batch_size!r}): must be an int >= 1.")
-    if num_batches < 1:
-        raise ValueError(f"build_workload(num_batches={num_batches}): must be >= 1.")
+    if not _is_count(num_batches):
+        raise ValueError(f"build_workload(num_batches={num_batches!r}): must be an int >= 1.")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"build_workload(optimizer={optimizer!r}): optimizer must be one of "
                          f"{OPTIMIZERS}.")

@@ -578,6 +578,15 @@ def _cudnn_benchmark(enabled: bool):
         torch.backends.cudnn.benchmark = prev
 
 
+def _indexed(device) -> torch.device:
+    """``device`` as a torch.device; plain ``"cuda"`` as the current CUDA device
+    (``cuda:0``), so every row of a run names its device the same way."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _check_args(fn: str, dtype, iters, warmup) -> None:
     """Raise for arguments no mode can run with; ``fn`` names the caller in the message."""
     if not isinstance(dtype, torch.dtype):
@@ -652,9 +661,7 @@ def run_mode(
     if mode not in MODES:
         raise ValueError(f"run_mode(mode={mode!r}): mode must be one of {MODES}.")
     _check_args("run_mode", dtype, iters, warmup)
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     result = ModeResult(
         mode=mode,
         label=mode_label(mode, dtype),
@@ -862,7 +869,7 @@ def run_modes(
                 dtype=mode_dtype_name(mode, dtype),
                 status="failed",
                 error=f"{type(exc).__name__}: {exc}",
-                device=str(device),
+                device=str(_indexed(device)),
                 iters=kwargs.get("iters", _RUN_MODE_DEFAULTS["iters"]),
                 warmup=kwargs.get("warmup", _RUN_MODE_DEFAULTS["warmup"]),
             )

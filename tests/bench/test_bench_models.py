@@ -171,9 +171,13 @@ def test_gpt_workload_with_mixprec_optimizer():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_gpt_config_refuses_sizes_that_are_not_ints():
-    with pytest.raises(ValueError, match=r"GPTConfig\(d_model=64.0\): must be an int >= 1"):
-        GPTConfig(d_model=64.0, n_heads=4)
+@pytest.mark.parametrize("kwargs", [{"d_model": 64.0, "n_heads": 4}, {"n_layers": True}])
+def test_gpt_config_refuses_sizes_that_are_not_ints(kwargs):
+    # A bool is no size: n_layers=True would build one layer (as build_workload and run_mode
+    # refuse True for their counts).
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=rf"GPTConfig\({name}={value!r}\): must be an int >= 1"):
+        GPTConfig(**kwargs)
 
 
 def test_gpt_small_config_is_the_documented_one():
@@ -227,9 +231,13 @@ def test_image_batches_are_learnable_from_their_class_means():
     assert (predicted == y1).float().mean().item() > 0.9
 
 
-def test_build_workload_refuses_a_batch_size_that_is_not_an_int():
-    with pytest.raises(ValueError, match=r"build_workload\(batch_size=2.5\): must be an int"):
-        build_workload("cnn", batch_size=2.5)
+@pytest.mark.parametrize("kwargs", [{"batch_size": 2.5}, {"batch_size": True},
+                                    {"num_batches": 2.5}, {"num_batches": True}])
+def test_build_workload_refuses_counts_that_are_not_ints(kwargs):
+    # (num_batches=2.5 failed later, with a TypeError from range(); True read as 1.)
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=rf"build_workload\({name}={value!r}\): must be an int >= 1"):
+        build_workload("cnn", **kwargs)
 
 
 def test_workload_seed_picks_the_data():
@@ -372,7 +380,7 @@ def test_gpt_token_batches_cover_the_whole_vocabulary():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"num_batches": 0}, r"build_workload\(num_batches=0\): must be >= 1"),
+        ({"num_batches": 0}, r"build_workload\(num_batches=0\): must be an int >= 1"),
         ({"name": "cnn", "optimizer": "mixprec"}, "train with SGD"),
     ],
 )

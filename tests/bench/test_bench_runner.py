@@ -700,3 +700,19 @@ def test_grad_scaler_skips_are_unknown_once_growth_may_have_happened():
         recipe.steps = steps
         recipe.finish()
         assert recipe.skips_known is known and recipe.skipped == 0, steps
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+def test_a_failed_row_names_the_cuda_device_as_the_ok_rows_do(cnn, monkeypatch):
+    # device="cuda": the ok rows say "cuda:0" (the current device); a failed row said "cuda".
+    real = runner_module._build_recipe
+
+    def build_recipe(workload, mode, *args):
+        if mode == "O2":
+            raise RuntimeError("forced by the test")
+        return real(workload, mode, *args)
+
+    monkeypatch.setattr(runner_module, "_build_recipe", build_recipe)
+    rows = run_modes(cnn, ["O2", "fp32"], device="cuda", process_warmup=False, **FAST)
+    assert [r.status for r in rows] == ["failed", "ok"]
+    assert rows[0].device == rows[1].device == f"cuda:{torch.cuda.current_device()}"
