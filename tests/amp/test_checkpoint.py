@@ -749,6 +749,23 @@ def test_amp_load_state_dict_names_a_gradscaler_state_dict_and_bad_counts():
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 0}}
 
 
+def test_module_level_state_dict_before_any_initialize_says_so(monkeypatch):
+    """A script that saves or restores amp's state before calling amp.initialize (the resume
+    code placed above the set-up) gets a RuntimeError saying so, for both calls, not an
+    AttributeError from inside amp. The module's record of calls is emptied for the test, as
+    in a fresh process. (F82)"""
+    from mixprec.amp import frontend
+
+    monkeypatch.setattr(frontend, "_latest", None)
+    monkeypatch.setattr(frontend, "_calls", [])
+    with pytest.raises(RuntimeError, match=r"^amp\.state_dict\(\) was called before "
+                                           r"amp\.initialize\(\)\.$"):
+        amp.state_dict()
+    with pytest.raises(RuntimeError, match=r"^amp\.load_state_dict\(\) was called before "
+                                           r"amp\.initialize\(\)\.$"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 0}})
+
+
 # -- moves, tied weights and EMA writes in deep copies (found by mutation testing) ---------------
 def test_a_swapped_parameter_is_a_move_not_a_write():
     # model.to(memory_format=...) under swap_module_params_on_conversion gives the conv weight

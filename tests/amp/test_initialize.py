@@ -125,6 +125,36 @@ def test_enabled_false_is_noop():
         assert scaled is per_sample
 
 
+def test_master_params_of_a_disabled_call_are_the_params_after_a_new_group():
+    """With amp disabled (enabled=False) master_params is the optimizer's own parameters, the
+    groups added after initialize included, in their fp32 as they are: clipping code written
+    for amp runs unchanged in the disabled run. (F92)"""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", enabled=False)
+    opt.add_param_group({"params": list(model[1].parameters())})
+    got = list(amp.master_params(opt))
+    want = list(model.parameters())
+    assert len(got) == len(want) and all(p is q for p, q in zip(got, want))
+    assert all(p.dtype == torch.float32 for p in got)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_enabled_false_passes_a_loss_of_any_dtype_through_as_it_is(dtype):
+    """Disabled amp (enabled=False, a flag to compare runs with and without it) hands the very
+    loss object to the block, whatever its dtype: a bf16, fp16 or float64 loss is not copied
+    to fp32, so the disabled run is the plain run. (F50)"""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", enabled=False)
+    loss = model(torch.randn(3, 4)).square().mean().to(dtype)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled is loss and scaled.dtype == dtype
+        scaled.backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32
+               for p in model.parameters())
+
+
 @pytest.mark.parametrize("enabled,expected", [("False", torch.float32), ("True", torch.float16),
                                               (0, torch.float32),
                                               (np.bool_(False), torch.float32)])
@@ -269,6 +299,58 @@ def test_rejects_data_parallel_wrapped_model():
         amp.initialize(model, opt_level="O1")
 
 
+def test_the_already_half_warning_points_at_the_callers_line():
+    """The warning about a model made half before initialize names the user's own call
+    (the file and line of amp.initialize in their script), not a line inside mixprec, so that
+    the user can find which initialize it is about. (F18)"""
+    model = make_cnn().half()
+    with pytest.warns(UserWarning, match="already torch.float16") as record:
+        amp.initialize(model, opt_level="O2", verbosity=0)
+    ours = [w for w in record if "already torch.float16" in str(w.message)]
+    assert len(ours) == 1
+    assert ours[0].filename == __file__, ours[0].filename
+
+
+def test_rejects_a_model_inside_a_non_torch_distributed_data_parallel():
+    """A model already inside a data-parallel wrapper that is not torch's DDP class but carries
+    its name (Apex's apex.parallel.DistributedDataParallel, which migrating scripts still wrap
+    with before initialize) is refused as torch's is: amp's casts must run on the bare model
+    before the wrapper takes its parameters. (F06)"""
+
+    class DistributedDataParallel(nn.Module):  # (Apex's wrapper: a plain nn.Module)
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args):
+            return self.module(*args)
+
+    model = make_mlp()
+    wrapped = DistributedDataParallel(model)
+    with pytest.raises(ValueError, match=r"models=DistributedDataParallel\(\.\.\.\)\): the "
+                                         r"model is already wrapped for data parallelism"):
+        amp.initialize(wrapped, opt_level="O1", verbosity=0)
+    assert not amp.is_amp_model(model)
+
+
+def test_tuples_of_models_and_optimizers_come_back_as_the_same_tuples():
+    """amp.initialize takes tuples as it takes lists (``models, opts = amp.initialize((m1, m2),
+    (o1, o2))`` is common in ported scripts) and returns each in the shape it was given: the
+    very tuple objects, holding the same, prepared, models and optimizers. (F01)"""
+    from mixprec.amp._state import optimizer_state
+
+    m1, m2 = make_mlp(), make_mlp(seed=1)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    models, opts = (m1, m2), (o1, o2)
+    got_models, got_opts = amp.initialize(models, opts, opt_level="O2", dtype=torch.bfloat16,
+                                          verbosity=0)
+    assert got_models is models and got_opts is opts
+    assert amp.is_amp_model(m1) and amp.is_amp_model(m2)
+    assert optimizer_state(o1) is not None and optimizer_state(o2) is not None
+    assert m1[0].weight.dtype == torch.bfloat16 and m2[0].weight.dtype == torch.bfloat16
+
+
 def test_rejects_same_optimizer_twice():
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -285,6 +367,26 @@ def test_rejects_the_same_optimizer_or_model_twice_in_one_call():
     with pytest.raises(ValueError, match="same SmallCNN appears twice"):
         amp.initialize([model, model], opt_level="O1")
     assert optimizer_state(opt) is None and not amp.is_amp_model(model)  # nothing half-done
+
+
+def test_fp32_batchnorm_parameters_may_sit_in_two_optimizers_at_o2():
+    """Only parameters that get fp32 masters must be in one optimizer: O2 keeps BatchNorm in
+    fp32 without masters, so its parameters in a second optimizer (a separate schedule for the
+    normalization layers) are stepped in place as in plain PyTorch and accepted, while a cast
+    weight in two optimizers is still refused. (F88)"""
+    model = make_cnn()
+    bn = model.features[1]
+    opt_all = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_bn = torch.optim.SGD(bn.parameters(), lr=0.01)
+    amp.initialize(model, [opt_all, opt_bn], opt_level="O2", verbosity=0)
+    assert bn.weight.dtype == torch.float32
+    assert model.features[0].weight.dtype == torch.float16
+    other = make_cnn(seed=1)
+    with pytest.raises(ValueError, match=r"the parameter 'features\.0\.weight' is in two "
+                                         r"optimizers \(SGD and SGD\)"):
+        amp.initialize(other, [torch.optim.SGD(other.parameters(), lr=0.1),
+                               torch.optim.SGD(other.features[0].parameters(), lr=0.1)],
+                       opt_level="O2", verbosity=0)
 
 
 def test_no_warning_for_a_half_model_where_no_masters_are_made():
@@ -1031,6 +1133,27 @@ def test_latest_state_does_not_keep_models_alive():
     assert amp.state_dict()  # the scalers themselves are still there
 
 
+def test_states_holding_finds_a_call_by_any_one_of_its_models():
+    """DistributedDataParallel's join() broadcasts the loss scales of every initialize call
+    that prepared its module: a call given several models (a GAN's generator and
+    discriminator, one of them wrapped) is found through any one of them, and one that did not
+    prepare the module is not. (F78)"""
+    from mixprec.amp._state import optimizer_state
+    from mixprec.amp.frontend import states_holding
+
+    gen, disc, other = make_mlp(), make_mlp(seed=1), make_mlp(seed=2)
+    opt = torch.optim.SGD(list(gen.parameters()) + list(disc.parameters()), lr=0.1)
+    amp.initialize([gen, disc], opt, opt_level="O1", verbosity=0)
+    opt_other = torch.optim.SGD(other.parameters(), lr=0.1)
+    amp.initialize(other, opt_other, opt_level="O1", verbosity=0)
+    state = optimizer_state(opt).amp_state
+    assert states_holding(gen) == [state]
+    assert states_holding(disc) == [state]
+    assert states_holding(nn.Sequential(gen)) == [state]  # (a wrapper module around the model)
+    assert states_holding(other) == [optimizer_state(opt_other).amp_state]
+    assert states_holding(make_mlp(seed=3)) == []
+
+
 def test_module_level_state_dict_skips_a_later_call_whose_optimizers_are_gone():
     # A trial (an LR finder) initialized after the real run and then freed: amp.state_dict()
     # and amp.load_state_dict() acted on its dead scalers, so a resume silently left the live
@@ -1050,6 +1173,32 @@ def test_module_level_state_dict_skips_a_later_call_whose_optimizers_are_gone():
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 3}}
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 5}})
     assert amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"] == 128.0
+
+
+def test_module_level_state_dict_takes_the_newest_live_call_when_the_latest_is_gone():
+    """Two runs alive (a model and its fine-tuned copy, say) and a trial initialized after
+    both and then freed: amp.state_dict() and amp.load_state_dict() act on the newest call
+    whose optimizers are alive, the second run, not on the first. (F80)"""
+    import gc
+
+    kw = dict(opt_level="O2", dtype=torch.float16, verbosity=0)
+    first, second = make_cnn(), make_cnn(seed=1)
+    opt1 = torch.optim.SGD(first.parameters(), lr=0.1)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.1)
+    amp.initialize(first, opt1, loss_scale=128.0, **kw)
+    amp.initialize(second, opt2, loss_scale=256.0, **kw)
+    trial = make_cnn(seed=2)
+    trial_opt = torch.optim.SGD(trial.parameters(), lr=0.1)
+    amp.initialize(trial, trial_opt, loss_scale=512.0, **kw)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 512.0  # (the trial's, alive)
+    del trial, trial_opt
+    gc.collect()
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 256.0
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 256.0, "unskipped": 7}})
+    assert amp.state_dict(optimizer=opt2)["loss_scaler0"] == {"loss_scale": 256.0,
+                                                              "unskipped": 7}
+    assert amp.state_dict(optimizer=opt1)["loss_scaler0"] == {"loss_scale": 128.0,
+                                                              "unskipped": 0}
 
 
 def test_a_model_class_is_not_kept_alive_by_amp():

@@ -289,6 +289,165 @@ def test_meta_tensor_with_cpu_tensors_is_refused(monkeypatch, meta):
         mt.cast_unscale_check_(h, f, inv_scale, found_inf)
 
 
+def test_same_sources_into_other_destinations(dev):
+    """The same gradients cast into a second set of fp32 buffers (a new optimizer's masters
+    over the same model) land in the new buffers; the first ones keep what the first call
+    wrote. (M51)"""
+    srcs, first = _make(_CASES[:4], dev, torch.Generator().manual_seed(9))
+    second = [torch.full_like(d, -7.0) for d in first]
+    inv_scale, found_inf = _scalars(dev, 1.0 / 8)
+    mt.cast_unscale_check_(srcs, first, inv_scale, found_inf)
+    kept = [d.clone() for d in first]
+    inv_scale.fill_(1.0 / 3)
+    mt.cast_unscale_check_(srcs, second, inv_scale, found_inf)
+    for src, dst in zip(srcs, second):
+        _assert_exact(dst, src, inv_scale)
+    for dst, old in zip(first, kept):
+        torch.testing.assert_close(dst, old, rtol=0, atol=0)
+    assert found_inf.item() == 0.0
+
+
+def test_tables_used_by_a_captured_graph_are_never_evicted():
+    """A table uploaded in a CUDA graph capture is read by every replay, for good: eviction
+    passes it over, however many newer tables come, while the other tables still go oldest
+    first. (M44)"""
+    import numpy as np
+
+    saved, saved_graph = dict(mt._TABLES), set(mt._GRAPH_KEYS)
+    mt._TABLES.clear()
+    try:
+        cpu = torch.device("cpu")
+
+        def build():
+            return np.zeros((1, 4), dtype=np.int64)
+
+        captured = ("graph-test", "captured")
+        mt.cached_table(captured, build, cpu, (0, 1))
+        mt._GRAPH_KEYS.add(captured)
+        keys = [("graph-test", i) for i in range(mt._MAX_TABLES + 5)]
+        for key in keys:
+            mt.cached_table(key, build, cpu, (0, 1))
+        assert list(mt._TABLES) == [captured] + keys[-mt._MAX_TABLES:]
+    finally:
+        mt._TABLES.clear()
+        mt._TABLES.update(saved)
+        mt._GRAPH_KEYS.clear()
+        mt._GRAPH_KEYS.update(saved_graph)
+
+
+def test_the_table_flags_addresses_not_16_byte_aligned():
+    """The table records whether every address column is 16-byte aligned: only then may the
+    compiled kernel use 16-byte vector loads and stores (a 4- or 8-byte aligned view read as
+    vectors faults or reads the wrong bytes on the GPU). Columns not named as pointers are
+    not checked. (M42, M43)"""
+    import numpy as np
+
+    saved = dict(mt._TABLES)
+    try:
+        cpu = torch.device("cpu")
+        for offset, aligned in ((0, True), (4, False), (8, False), (2, False), (32, True)):
+            rows = np.array([[4096, 8192 + offset, 5, 0], [4096 + 64, 8192, 5, 0]], dtype=np.int64)
+            table = mt.cached_table(("align-test", offset), lambda rows=rows: rows, cpu, (0, 1))
+            assert table.aligned is aligned, offset
+            assert table.n_chunks == 2 and torch.equal(table.host, torch.from_numpy(rows))
+        rows = np.array([[4096, 8192, 3, 1]], dtype=np.int64)  # (odd count: not an address)
+        assert mt.cached_table(("align-test", "count"), lambda: rows, cpu, (0, 1)).aligned
+    finally:
+        mt._TABLES.clear()
+        mt._TABLES.update(saved)
+
+
+def test_chunk_rows_matches_a_plain_loop():
+    """chunk_rows splits each tensor into chunks of at most ``chunk`` elements in order, and
+    an empty tensor gets no chunk (a zero-count row would be a launched program with nothing
+    to do, and the kernels' tables are sized by it). Reference: a plain loop. (M35, M36)"""
+    pytest.importorskip("numpy")
+    numels = [0, 1, 7, 8, 9, 16, 0, 17, 24, 3]
+    chunk = 8
+    want = [(i, s, min(chunk, n - s)) for i, n in enumerate(numels) for s in range(0, n, chunk)]
+    owner, start, count = mt.chunk_rows(numels, chunk)
+    got = list(zip(owner.tolist(), start.tolist(), count.tolist()))
+    assert got == want
+
+
+@pytest.mark.parametrize("version,verified", [(None, False), ((3, 5), False), ((3, 6), True),
+                                              ((3, 7), True), ((4, 0), True)])
+def test_verified_triton_from_3_6_on(monkeypatch, version, verified):
+    """The fused cast is taken from Triton 3.6 on (the release CI pins and the kernel was
+    verified with), and not without a usable Triton (no version). (M27, M28)"""
+    monkeypatch.setattr(mt, "triton_version", lambda: version)
+    assert mt.verified_triton() is verified
+
+
+def test_meta_tensors_alone_are_refused_under_the_interpreter(monkeypatch):
+    """The interpreter runs on CPU tensors only: lists all on the meta device (no memory behind
+    their data_ptr) are refused, as are a meta scalar beside CPU lists, before any launch
+    could write through a null pointer. (M26, M31)"""
+    if not mt.triton_available():
+        pytest.skip("requires triton")
+    monkeypatch.setattr(mt, "interpreter_enabled", lambda: True)
+    h = [torch.empty(5, dtype=torch.float16, device="meta")]
+    f = [torch.empty(5, device="meta")]
+    assert "runs Triton on CPU tensors only, got meta tensors" in mt.unusable_reason(h, f)
+    assert not mt.usable(h, f)
+    srcs, dsts = [torch.ones(5, dtype=torch.float16)], [torch.zeros(5)]
+    found_inf = torch.zeros(())
+    with pytest.raises(ValueError, match=r"inv_scale must be a 0-dim float32 tensor on cpu, "
+                                         r"got torch.float32 of shape \(\) on meta"):
+        mt.cast_unscale_check_(srcs, dsts, torch.ones((), device="meta"), found_inf)
+    assert found_inf.item() == 0.0 and (dsts[0] == 0).all()
+
+
+def test_missing_triton_or_numpy_is_the_reason(monkeypatch):
+    """Without Triton (or without NumPy, which builds the pointer table) the lists are not
+    usable and the reason says which is missing, so callers take PyTorch's passes instead of
+    failing at the launch. (M21, M25)"""
+    srcs, dsts = [torch.zeros(3, dtype=torch.float16)], [torch.zeros(3)]
+    monkeypatch.setattr(mt, "interpreter_enabled", lambda: True)
+    monkeypatch.setattr(mt, "triton_available", lambda: False)
+    assert mt.unusable_reason(srcs, dsts) == "Triton is not installed (or failed to import)"
+    assert not mt.usable(srcs, dsts)
+    monkeypatch.setattr(mt, "triton_available", lambda: True)
+    monkeypatch.setattr(mt, "_numpy_available", lambda: False)
+    assert mt.unusable_reason(srcs, dsts) == (
+        "NumPy is not installed (the pointer table is built with it)")
+    assert not mt.usable(srcs, dsts)
+
+
+def test_fewer_srcs_than_dsts_and_float64_dsts_are_refused(dev):
+    """The lists pair up one to one (a dst without its src would keep stale values) and every
+    dst is fp32 (the kernel writes 4-byte values: a float64 dst would receive garbage): both
+    are refused with their reason, and cast_unscale_check_ raises on them. (M15, M20)"""
+    import re
+
+    h = torch.zeros(8, dtype=torch.float16, device=dev)
+    f = torch.zeros(8, dtype=torch.float32, device=dev)
+    inv_scale, found_inf = _scalars(dev, 1.0)
+    cases = [([h], [f, f.clone()], "got 1 srcs and 2 dsts; pass lists of the same length"),
+             ([h], [f.double()], "dsts[0] is torch.float64; dsts must be torch.float32")]
+    for srcs, dsts, reason in cases:
+        assert not mt.usable(srcs, dsts)
+        assert mt.unusable_reason(srcs, dsts) == reason
+        with pytest.raises(ValueError, match=re.escape(f"cast_unscale_check_: {reason}")):
+            mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+
+
+def test_the_reason_names_the_first_offending_pair():
+    """unusable_reason names the first offending tensor by its index (documented: "srcs[3] is
+    not contiguous ..."), so that a log line points at the right gradient: here the second
+    pair is the bad one. (M17, M18, M19)"""
+    if not mt.triton_available():
+        pytest.skip("requires triton")
+    h = torch.zeros(4, 6, dtype=torch.float16)
+    f = torch.zeros(4, 6, dtype=torch.float32)
+    assert mt.unusable_reason([h, f], [f, f]).startswith(
+        "srcs[1] is torch.float32; srcs must be torch.float16 or torch.bfloat16")
+    assert mt.unusable_reason([h, h], [f, h]).startswith(
+        "dsts[1] is torch.float16; dsts must be torch.float32")
+    assert mt.unusable_reason([h, h], [f, f[:3]]).startswith(
+        "srcs[1] has 24 elements and dsts[1] 18; each pair must have the same number")
+
+
 @requires_cuda
 def test_cuda_large_tensor():
     # Past 2**31 bytes of fp32 output: addresses must not wrap in 32-bit arithmetic.

@@ -54,6 +54,17 @@ def test_scale_loss_before_initialize():
             pass
 
 
+def test_step_was_skipped_of_a_plain_optimizer_says_it_did_not_go_through_initialize():
+    """amp.step_was_skipped asked about an optimizer that amp.initialize never saw (one built
+    after initialize, or a copy) raises a RuntimeError that says so, rather than answering or
+    failing inside amp. (F94)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"^amp\.step_was_skipped: this optimizer did not go "
+                                           r"through amp\.initialize\.$"):
+        amp.step_was_skipped(opt)
+
+
 @pytest.mark.parametrize("optimizers,exc,match", [
     ([], ValueError, r"optimizers=\[\]\): no optimizer given"),
     (None, TypeError, r"got NoneType; expected the torch\.optim\.Optimizer"),
@@ -173,6 +184,27 @@ def test_bad_loss_id():
     with pytest.raises(ValueError, match=r"num_losses=2.*\[0, 1\]"):
         with amp.scale_loss(model(batch()[0]).sum(), opt, loss_id=2):
             pass
+
+
+def test_a_tuple_of_optimizers_is_taken_as_a_list():
+    """scale_loss takes a tuple of optimizers as it takes a list (``amp.scale_loss(loss,
+    (opt_enc, opt_dec))``): one loss, every optimizer's gradients unscaled once. At a static
+    power-of-two scale with fp32 compute the unscaled gradients equal a plain fp32 backward's
+    bit for bit. (F44)"""
+    from .helpers import make_mlp
+
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    amp.initialize(model, [opt_a, opt_b], opt_level="O1", loss_scale=512.0,
+                   dtype=torch.bfloat16, patch_torch_functions=False, verbosity=0)
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    with amp.scale_loss(model(x).square().mean(), (opt_a, opt_b)) as scaled:
+        scaled.backward()
+    ref(x).square().mean().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
@@ -641,6 +673,36 @@ def test_overflows_of_device_scaled_steps_are_logged(monkeypatch, caplog):
         _dynamic_run("O2", True, monkeypatch, overflow_steps=(1,), steps=3)
     messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
     assert len(messages) == 1 and "reduced to 32768" in messages[0]
+
+
+def test_a_device_scaled_overflow_is_logged_when_the_next_block_opens(caplog):
+    """With the scale on the device (a fused optimizer) an overflow's flag reaches the host
+    later; the overflow message is logged by the next scale_loss, during training, not only
+    when a checkpoint is taken (a run that never calls amp.state_dict still reports each
+    skipped step). (F55)"""
+    import logging
+
+    model = make_cnn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    amp.initialize(model, opt, opt_level="O2", loss_scale="dynamic", verbosity=1)
+    x, y = batch()
+
+    def overflow_messages():
+        return [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
+
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        loss = nn.functional.cross_entropy(model(x), y) * float("inf")
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert amp.step_was_skipped(opt)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            messages = overflow_messages()
+            scaled.backward()
+        opt.step()
+    assert len(messages) == 1 and "reduced to 32768" in messages[0], messages
 
 
 def test_load_state_dict_updates_a_device_scale_in_place():
@@ -1629,6 +1691,26 @@ def test_a_loss_through_models_of_two_calls_leaves_the_other_calls_gradients_ref
             torch.testing.assert_close(p.double(), r - 0.1 * r.grad, rtol=0, atol=5e-3)
 
 
+def test_two_calls_alone_still_watch_each_others_gradients(monkeypatch):
+    """The cross-call watch holds whatever else is alive: with exactly the two initialize calls
+    of this test registered (no calls left over from other tests, as in a fresh training
+    process), a loss through both models inside b's block still marks a's gradients as
+    scaled, and oa.step() is refused rather than stepping them 512 times too large. (F73)"""
+    from mixprec.amp import frontend
+
+    monkeypatch.setattr(frontend, "_calls", [])
+    monkeypatch.setattr(frontend, "_latest", None)
+    a, b, oa, ob = _two_linear("O1", calls=2)
+    assert len(frontend._calls) == 2
+    x = torch.randn(8, 4)
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), ob) as s:
+        s.backward()
+    w = a.weight.detach().clone()
+    with pytest.raises(RuntimeError, match=r"still hold that loss's scale.*in one call"):
+        oa.step()
+    assert torch.equal(a.weight, w)
+
+
 @pytest.mark.parametrize("calls", [1, 2], ids=["one-call", "two-calls"])
 def test_a_gan_loop_zeroing_through_data_is_not_refused(calls):
     # Scripts of Apex's day zero gradients with p.grad.data.zero_(), which no version counter
@@ -1702,6 +1784,30 @@ def test_a_backward_reaching_none_of_the_optimizers_parameters_warns_once():
         warnings.simplefilter("error")
         with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
             scaled.backward()
+
+
+def test_a_backward_reaching_one_of_two_optimizers_does_not_warn():
+    """The "gave none of the optimizer's parameters a gradient" warning is for a backward that
+    reached no optimizer of the block: a GAN-style block over [opt_g, opt_d] whose loss only
+    reaches the generator is normal and stays silent, and opt_g's gradients are unscaled.
+    (F69)"""
+    from .helpers import make_mlp
+
+    gen, disc = make_mlp(), make_mlp(seed=1)
+    ref = copy.deepcopy(gen)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O1", loss_scale=512.0,
+                   dtype=torch.bfloat16, patch_torch_functions=False, verbosity=0)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp.scale_loss(gen(x).square().mean(), [opt_g, opt_d]) as scaled:
+            scaled.backward()
+    ref(x).square().mean().backward()
+    for p, r in zip(gen.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=0)
+    assert all(p.grad is None for p in disc.parameters())
 
 
 def test_a_layer_shared_by_two_optimizers_is_unscaled_once_in_one_block():
@@ -1936,6 +2042,44 @@ def test_a_loss_of_other_than_one_element_is_refused_on_entry(shape):
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward()
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_delay_unscale_given_as_a_string_is_refused():
+    """delay_unscale read from a config file as the string "False" would be truthy and keep the
+    gradients scaled for a step; scale_loss refuses any string with a TypeError naming the
+    argument, before the backward, and the gradients are left untouched. (F43)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y)
+    with pytest.raises(TypeError, match=r"amp\.scale_loss\(delay_unscale='False'\): expected "
+                                        r"True or False, got str"):
+        with amp.scale_loss(loss, opt, delay_unscale="False") as scaled:
+            scaled.backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_a_one_element_loss_of_any_shape_trains_as_its_scalar(shape):
+    """A loss with one element but a shape, (1,) or (1, 1) (a loss gathered from one replica,
+    or kept with keepdim=True, as Apex accepted), goes through scale_loss as the 0-dim loss of
+    the same value does: the same scaled value and bit-identical gradients. (F41)"""
+    x, y = batch(n=8)
+    grads = []
+    for view in ((), shape):
+        model = make_cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, loss_scale=128.0,
+                       verbosity=0)
+        loss = nn.functional.cross_entropy(model(x), y).reshape(view)
+        with amp.scale_loss(loss, opt) as scaled:
+            assert scaled.shape == loss.shape
+            torch.testing.assert_close(scaled, loss.float() * 128.0, rtol=0, atol=0)
+            scaled.backward()
+        grads.append([p.grad.clone() for p in amp.master_params(opt)])
+    for want, got in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 # -- mutation run r50B over mixprec/amp/_state.py: what the tests above let through --------
