@@ -703,7 +703,7 @@ def test_grad_scaler_skips_are_unknown_once_growth_may_have_happened():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
-def test_a_failed_row_names_the_cuda_device_as_the_ok_rows_do(cnn, monkeypatch):
+def test_a_failed_row_names_the_cuda_device_as_the_ok_rows_do(monkeypatch):
     # device="cuda": the ok rows say "cuda:0" (the current device); a failed row said "cuda".
     real = runner_module._build_recipe
 
@@ -713,6 +713,7 @@ def test_a_failed_row_names_the_cuda_device_as_the_ok_rows_do(cnn, monkeypatch):
         return real(workload, mode, *args)
 
     monkeypatch.setattr(runner_module, "_build_recipe", build_recipe)
-    rows = run_modes(cnn, ["O2", "fp32"], device="cuda", process_warmup=False, **FAST)
+    workload = build_workload("cnn", device="cuda", batch_size=4, num_batches=2)
+    rows = run_modes(workload, ["O2", "fp32"], device="cuda", process_warmup=False, **FAST)
     assert [r.status for r in rows] == ["failed", "ok"]
     assert rows[0].device == rows[1].device == f"cuda:{torch.cuda.current_device()}"
