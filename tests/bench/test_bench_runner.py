@@ -653,19 +653,24 @@ def test_run_modes_warms_up_the_process_once_at_the_half_dtype(cnn, monkeypatch)
     assert calls == ["fp32"]
 
 
+def _o2_fails(monkeypatch, message):
+    """Make building the O2 recipe raise RuntimeError(message); the other modes run."""
+    real = runner_module._build_recipe
+
+    def build_recipe(workload, mode, *args):
+        if mode == "O2":
+            raise RuntimeError(message)
+        return real(workload, mode, *args)
+
+    monkeypatch.setattr(runner_module, "_build_recipe", build_recipe)
+
+
 def test_a_failed_mode_is_a_complete_failed_row_reported_like_the_others(cnn, monkeypatch):
     """A mode that raises becomes a row with status "failed", "Type: message", its label,
     dtype, device and the run's iters/warmup, no measurements, and on_result sees it as it
     sees the ok rows; the rows record the timed steps, not warm-up + timed. (R73, R74, R75,
     R88, R89)"""
-    real = runner_module._build_recipe
-
-    def build_recipe(workload, mode, *args):
-        if mode == "O2":
-            raise RuntimeError("no half here (forced by the test)")
-        return real(workload, mode, *args)
-
-    monkeypatch.setattr(runner_module, "_build_recipe", build_recipe)
+    _o2_fails(monkeypatch, "no half here (forced by the test)")
     seen = []
     rows = run_modes(cnn, ["O2", "fp32"], dtype=torch.float16, on_result=seen.append,
                      process_warmup=False, iters=2, warmup=1)
@@ -677,6 +682,16 @@ def test_a_failed_mode_is_a_complete_failed_row_reported_like_the_others(cnn, mo
     assert (failed.iters, failed.warmup) == (2, 1)
     assert failed.time_per_iter_s is None and failed.losses == [] and not failed.diverged
     assert ok.ok and (ok.iters, ok.warmup) == (2, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+def test_a_failed_row_names_the_cuda_device_as_the_ok_rows_do(monkeypatch):
+    # device="cuda": the ok rows say "cuda:0" (the current device); a failed row said "cuda".
+    _o2_fails(monkeypatch, "forced by the test")
+    workload = build_workload("cnn", device="cuda", batch_size=4, num_batches=2)
+    rows = run_modes(workload, ["O2", "fp32"], device="cuda", process_warmup=False, **FAST)
+    assert [r.status for r in rows] == ["failed", "ok"]
+    assert rows[0].device == rows[1].device == f"cuda:{torch.cuda.current_device()}"
 
 
 def test_progress_is_called_after_every_step_with_its_index(cnn):
@@ -700,20 +715,3 @@ def test_grad_scaler_skips_are_unknown_once_growth_may_have_happened():
         recipe.steps = steps
         recipe.finish()
         assert recipe.skips_known is known and recipe.skipped == 0, steps
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
-def test_a_failed_row_names_the_cuda_device_as_the_ok_rows_do(monkeypatch):
-    # device="cuda": the ok rows say "cuda:0" (the current device); a failed row said "cuda".
-    real = runner_module._build_recipe
-
-    def build_recipe(workload, mode, *args):
-        if mode == "O2":
-            raise RuntimeError("forced by the test")
-        return real(workload, mode, *args)
-
-    monkeypatch.setattr(runner_module, "_build_recipe", build_recipe)
-    workload = build_workload("cnn", device="cuda", batch_size=4, num_batches=2)
-    rows = run_modes(workload, ["O2", "fp32"], device="cuda", process_warmup=False, **FAST)
-    assert [r.status for r in rows] == ["failed", "ok"]
-    assert rows[0].device == rows[1].device == f"cuda:{torch.cuda.current_device()}"
