@@ -167,3 +167,63 @@ def test_alias_layout_is_apex_s(clean_apex):
     # mixprec's own functions (torch.nn.functional's argument order) are not in Apex's
     # namespace, where those names have Apex's signatures.
     assert not hasattr(apex.normalization, "fused_rms_norm")
+
+
+def test_each_function_class_applies_its_own_function():
+    """Each Apex autograd-function name computes its own function, with its output dtype
+    (the input's, or the weight's for the MixedDtypes classes), and apply passes keyword
+    arguments on: Megatron-style layers call FusedLayerNormAffineFunction.apply and its
+    siblings directly and rely on the output dtype matching the module they replace. A bf16
+    input with an fp32 weight tells the mixed and plain forms apart (the plain forms keep the
+    input's dtype, as documented, whatever the weight's). (A22, A23, A25, A4, A10)"""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 8, generator=gen).bfloat16()
+    w = torch.randn(8, generator=gen) + 2.0
+    b = torch.randn(8, generator=gen)
+    cases = {
+        "FusedLayerNormFunction": ((x, 8, 1e-6), F.fused_layer_norm, torch.bfloat16),
+        "FusedLayerNormAffineFunction": ((x, w, b, 8, 1e-6), F.fused_layer_norm_affine,
+                                         torch.bfloat16),
+        "FusedLayerNormAffineMixedDtypesFunction": (
+            (x, w, b, 8, 1e-6), F.mixed_dtype_fused_layer_norm_affine, torch.float32),
+        "FusedRMSNormFunction": ((x, 8, 1e-6), F.fused_rms_norm, torch.bfloat16),
+        "FusedRMSNormAffineFunction": ((x, w, 8, 1e-6), F.fused_rms_norm_affine, torch.bfloat16),
+        "FusedRMSNormAffineMixedDtypesFunction": (
+            (x, w, 8, 1e-6), F.mixed_dtype_fused_rms_norm_affine, torch.float32),
+    }
+    for name, (args, fn, out_dtype) in cases.items():
+        got = getattr(F, name).apply(*args)
+        assert got.dtype == out_dtype, name
+        torch.testing.assert_close(got, fn(*args), rtol=0, atol=0, msg=name)
+    # Keywords reach the function: memory_efficient=True keeps the output for backward.
+    saved = []
+    xg = x.float().requires_grad_()
+
+    def pack(t):
+        saved.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = F.FusedLayerNormAffineFunction.apply(xg, w, b, 8, 1e-6, memory_efficient=True)
+    assert y.data_ptr() in saved and xg.data_ptr() not in saved
+
+
+def test_jit_trace_of_a_mixed_dtype_functional_keeps_the_weight_dtype():
+    """A traced model keeps the mixed-dtype forms' dtype rule: the output takes the weight's
+    dtype (fp32 here) even for a bf16 input, as eagerly; a served trace whose norm output
+    turned bf16 would feed its next fp32 layer the wrong dtype. (A7)"""
+    w = torch.randn(8) + 2.0
+    b = torch.randn(8)
+
+    def fn(x):
+        return (F.mixed_dtype_fused_layer_norm_affine(x, w, b, 8),
+                F.mixed_dtype_fused_rms_norm_affine(x, w, 8))
+
+    x = torch.randn(3, 8).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(fn, x)
+    got_ln, got_rms = traced(x)
+    assert got_ln.dtype == torch.float32 and got_rms.dtype == torch.float32
+    torch.testing.assert_close(got_ln.double(), _ln(x, (8,), w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_rms.double(), _rms(x, (8,), w), rtol=1e-5, atol=1e-5)
