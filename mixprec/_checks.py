@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["check_flag"]
+__all__ = ["check_flag", "first_forward_pending"]
 
 
 def check_flag(where: str, name: str, value, *, strings: bool = False) -> bool:
@@ -29,3 +29,14 @@ def check_flag(where: str, name: str, value, *, strings: bool = False) -> bool:
             "string is not a flag (any non-empty one is true, \"False\" too): parse it first, "
             "e.g. value.lower() in ('1', 'true', 'yes').")
     return bool(value)
+
+
+def first_forward_pending(module) -> bool:
+    """Whether ``module`` is a lazy layer (``nn.LazyLinear``, ``nn.LazyBatchNorm2d``, ...)
+    that has not run its first forward yet: its parameters without a shape, or given one by
+    ``load_state_dict`` while its first-forward hook still waits. That hook turns the layer
+    into its plain class (``Linear``, ``BatchNorm2d``), undoing a class set on it before."""
+    from torch.nn.modules.lazy import LazyModuleMixin
+
+    return isinstance(module, LazyModuleMixin) and (
+        module.has_uninitialized_params() or hasattr(module, "_initialize_hook"))

@@ -14,9 +14,8 @@ from typing import Iterator, List, Optional
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.lazy import LazyModuleMixin
 
-from mixprec._checks import check_flag
+from mixprec._checks import check_flag, first_forward_pending
 from mixprec.amp._logging import is_rank_zero, log_rank0
 from mixprec.amp._model import (
     agree_on_overflow,
@@ -137,16 +136,19 @@ def _check_model(model: nn.Module) -> None:
             "amp.initialize(model, opt, ...); model = torch.compile(model)`."
         )
     lazy = [name or type(model).__name__ for name, m in model.named_modules()
-            if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()]
+            if first_forward_pending(m)]
     if lazy:
         # The lazy hook turns the layer into its plain class at its first forward, dropping
         # the class amp gives it (an amp root model, O1's fp32 BatchNorm): that forward
-        # failed with "object has no attribute '_mixprec_cast_forward'"; O2's masters cannot
-        # be made from parameters without a shape.
+        # failed with "object has no attribute '_mixprec_cast_forward'", also where
+        # load_state_dict had given the layer its shapes; O2's masters cannot be made from
+        # parameters without a shape.
         raise ValueError(
             f"amp.initialize(models={type(model).__name__}(...)): lazy layers that have not "
-            f"seen an input yet ({', '.join(lazy[:5])}{', ...' if len(lazy) > 5 else ''}), so "
-            "their shapes are unknown. Run one forward pass on a dummy batch before "
+            f"seen an input yet ({', '.join(lazy[:5])}{', ...' if len(lazy) > 5 else ''}): "
+            "their first forward turns them into their plain classes (LazyLinear into "
+            "Linear), which undoes amp's preparation, and a layer without a shape has "
+            "nothing to cast. Run one forward pass on a dummy batch before "
             "amp.initialize (and before building the optimizer, as PyTorch asks), or give "
             "the layers their sizes (nn.Linear, nn.BatchNorm2d)."
         )

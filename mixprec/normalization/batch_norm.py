@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.nn.modules.lazy import LazyModuleMixin
 
+from mixprec._checks import first_forward_pending
 from mixprec.normalization._launch import (
     first_derivatives_only,
     in_functorch_or_forward_ad,
@@ -322,15 +322,17 @@ def convert_fused_batchnorm(module: nn.Module) -> nn.Module:
     if not isinstance(module, nn.Module):
         raise TypeError(f"convert_fused_batchnorm(module={type(module).__name__}): expected a "
                         "torch.nn.Module.")
+    # (Also one whose shapes came from load_state_dict: still lazy until its first forward,
+    # where it became a plain BatchNorm, silently unconverted.)
     lazy = [name for name, layer in module.named_modules()
-            if isinstance(layer, LazyModuleMixin) and isinstance(layer, _BatchNorm)
-            and layer.has_uninitialized_params()]
+            if isinstance(layer, _BatchNorm) and first_forward_pending(layer)]
     if lazy:
         raise ValueError(
             f"convert_fused_batchnorm: the layer {lazy[0] or 'passed'!r} "
-            f"({type(module.get_submodule(lazy[0])).__name__}) has not seen an input yet, so it is not a BatchNorm1d/2d/3d (it becomes one at "
-            "its first forward) and would be left unconverted. Run one forward pass (e.g. on "
-            "a dummy batch) before converting, or use BatchNorm with num_features.")
+            f"({type(module.get_submodule(lazy[0])).__name__}) has not seen an input yet, so "
+            "it is not a BatchNorm1d/2d/3d (it becomes one at its first forward, its "
+            "parameters loaded or not) and would be left unconverted. Run one forward pass "
+            "(e.g. on a dummy batch) before converting, or use BatchNorm with num_features.")
     plain = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
     for layer in module.modules():
         if type(layer) in plain:

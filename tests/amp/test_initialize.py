@@ -792,6 +792,15 @@ def test_lazy_layers_that_have_not_seen_an_input_are_refused_clearly(opt_level):
     with pytest.raises(ValueError, match=r"\(LazyLinear\)"):
         amp.initialize(nn.LazyLinear(4), opt_level=opt_level, verbosity=0)
     assert all(p.dtype == torch.float32 for p in model[2].parameters())  # (nothing changed)
+    # Shapes from load_state_dict do not run the first forward: the layer is still lazy, and
+    # O1's fp32 BatchNorm failed at that forward with the error above.
+    loaded = nn.Sequential(nn.Linear(3, 4), nn.LazyBatchNorm1d())
+    loaded.load_state_dict(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).state_dict())
+    with pytest.raises(ValueError, match=r"lazy layers that have not seen an input yet \(1\)"):
+        amp.initialize(loaded, opt_level=opt_level, keep_batchnorm_fp32=opt_level != "O0" or None,
+                       verbosity=0)
+    loaded(torch.randn(2, 3))  # the first forward: a BatchNorm1d now
+    amp.initialize(loaded, opt_level=opt_level, verbosity=0)
 
     # Materialized by a forward first, they go through, as any layer.
     x = torch.randn(3, 5)

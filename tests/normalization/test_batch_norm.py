@@ -200,6 +200,12 @@ def test_convert_refuses_a_lazy_batchnorm_before_its_first_forward_and_a_non_mod
     model(torch.randn(2, 3, 6, 6))
     convert_fused_batchnorm(model)
     assert type(model[1]) is FusedBatchNorm
+    # Shapes from load_state_dict: still lazy until its first forward, which made it a plain
+    # BatchNorm2d, silently unconverted.
+    loaded = torch.nn.Sequential(torch.nn.LazyBatchNorm2d())
+    loaded.load_state_dict(torch.nn.Sequential(torch.nn.BatchNorm2d(4)).state_dict())
+    with pytest.raises(ValueError, match=r"the layer '0' \(LazyBatchNorm2d\) has not seen an"):
+        convert_fused_batchnorm(loaded)
     with pytest.raises(TypeError, match=r"convert_fused_batchnorm\(module=NoneType\): expected "
                                         r"a torch\.nn\.Module"):
         convert_fused_batchnorm(None)
