@@ -162,6 +162,61 @@ def test_kernels_where_pytorch_has_no_cudnn_path(case, expected):
         torch.testing.assert_close(y.float(), want, **TOL[dtype])
 
 
+@requires_interpreter
+def test_where_pytorch_would_use_cudnn_it_is_pytorchs_batch_norm(monkeypatch):
+    # The kernels only serve calls PyTorch would not give to cuDNN: when PyTorch's backend
+    # query names cuDNN, the layer runs PyTorch's batch norm.
+    monkeypatch.setattr(batch_norm, "_select_backend", lambda *args: "_BatchNormBackend.Cudnn")
+    bn = FusedBatchNorm(6).to(torch.bfloat16)
+    x = _x(torch.bfloat16)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        y = bn(x)
+    assert not calls
+    want = F.batch_norm(x.double(), None, None, bn.weight.double(), bn.bias.double(), True,
+                        0.0, bn.eps)
+    torch.testing.assert_close(y.double(), want, **TOL[torch.bfloat16])
+
+
+@requires_interpreter
+def test_no_running_statistics_fp16_with_fp32_parameters_takes_the_kernels():
+    # Without running statistics PyTorch is asked about cuDNN all the same (training takes the
+    # statistics or not alike): an fp16 batch with fp32 parameters where PyTorch has no cuDNN
+    # (CPU here) takes the kernels and matches float64 batch norm.
+    bn = FusedBatchNorm(6, track_running_stats=False)
+    x = _x(torch.float16)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        y = bn(x)
+    want = F.batch_norm(x.double(), None, None, bn.weight.double(), bn.bias.double(), True,
+                        0.0, bn.eps)
+    torch.testing.assert_close(y.double(), want, **TOL[torch.float16])
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize(
+    "dims,x_dtype,w_dtype,expected",
+    [(4, torch.float32, torch.float32, True), (3, torch.float16, torch.float32, True),
+     (2, torch.float16, torch.float32, False), (4, torch.float16, torch.float16, False),
+     (4, torch.bfloat16, torch.float32, False), (4, torch.float32, torch.bfloat16, False)],
+)
+def test_cudnn_rule_on_a_pytorch_without_the_backend_query(monkeypatch, dims, x_dtype, w_dtype,
+                                                            expected):
+    # On a PyTorch without torch._C._select_batch_norm_backend (or with another signature of
+    # it) the layer judges by the documented rule of torch 2.4-2.13: cuDNN never for bf16, for
+    # fp16 input only with fp32 parameters, and only for inputs of 3 or more dims. Layers rely
+    # on it to leave cuDNN's cases to PyTorch and to take the others.
+    x = torch.zeros((4, 3, 2, 2, 2)[:dims], dtype=x_dtype)
+    w = torch.ones(3, dtype=w_dtype)
+    monkeypatch.setattr(batch_norm, "_select_backend", None)
+    assert batch_norm._pytorch_uses_cudnn(x, w, w.clone(), None, None, 1e-5) is expected
+
+    def other_release(*args):
+        raise TypeError("incompatible function arguments")
+
+    monkeypatch.setattr(batch_norm, "_select_backend", other_release)
+    assert batch_norm._pytorch_uses_cudnn(x, w, w.clone(), w, w, 1e-5) is expected
+    assert batch_norm._pytorch_uses_cudnn(x, w, None, None, None, 1e-5) is False
+
+
 def test_convert_keeps_the_objects_and_the_state_dict():
     shared = torch.nn.BatchNorm2d(4)
     model = torch.nn.Sequential(
@@ -340,6 +395,13 @@ def test_bad_input_is_a_clear_error():
         bn(torch.randn(1, 4, 1, 1).to(torch.bfloat16))
 
 
+def test_a_channel_mismatch_without_affine_parameters_is_a_clear_error():
+    # Running statistics fix the channel count even without weight and bias: the layer names
+    # the wrong dim, as for affine layers (not PyTorch's message about running_mean's size).
+    with pytest.raises(ValueError, match=r"FusedBatchNorm\(4\): the input has 3 channels in dim 1"):
+        FusedBatchNorm(4, affine=False)(torch.randn(2, 3, 5))
+
+
 def test_under_torch_compile_it_is_pytorchs_batch_norm():
     # Dynamo traces torch's batch norm (the compiler makes its own kernels); same results.
     torch.manual_seed(0)
@@ -349,6 +411,21 @@ def test_under_torch_compile_it_is_pytorchs_batch_norm():
     x = torch.randn(3, 4, 5, 5).contiguous(memory_format=torch.channels_last)
     torch.testing.assert_close(layer(x), eager(x))
     torch.testing.assert_close(compiled_bn.running_var, eager.running_var)
+
+
+@requires_interpreter
+def test_under_torch_compile_half_channels_last_is_pytorchs_batch_norm():
+    # Dynamo must not trace into the kernels' Python launcher: a compiled bf16 channels-last
+    # layer, which eagerly takes the kernels, compiles in one graph to PyTorch's batch norm.
+    ours, theirs = _pair(torch.bfloat16)
+    x = _x(torch.bfloat16)
+    torch._dynamo.reset()
+    with emulated_fused_path(triton=True):
+        layer = torch.compile(ours, backend="aot_eager", fullgraph=True)
+        y = layer(x)
+    torch.testing.assert_close(y.double(), theirs(x.double()), **TOL[torch.bfloat16])
+    torch.testing.assert_close(ours.running_var.double(), theirs.running_var,
+                               **TOL[torch.bfloat16])
 
 
 def _reference_step(bn, x, dy, momentum):
@@ -406,6 +483,18 @@ def test_half_parameters_and_changing_signatures(path, dtype):
     assert bn.running_var.dtype == dtype and int(bn.num_batches_tracked) == 4
 
 
+@requires_interpreter
+def test_a_layer_fed_ever_changing_shapes_keeps_a_bounded_cache():
+    # Plans are kept per input signature; a layer fed many shapes (variable-length batches)
+    # must not keep one per shape for ever: at most 16 are kept.
+    bn = FusedBatchNorm(2).to(torch.bfloat16)
+    with emulated_fused_path(triton=True):
+        for n in range(2, 22):
+            bn(torch.randn(n, 2).to(torch.bfloat16))
+            assert len(bn._cache) <= 16
+    assert len(bn._cache) >= 1
+
+
 @pytest.mark.parametrize("path", PATHS[1:])
 @pytest.mark.parametrize("handed_back", ["NCHW copy", "fp32 copy", "row at an odd address"])
 def test_saved_tensor_hooks_that_hand_back_other_copies(path, handed_back):
@@ -439,6 +528,20 @@ def test_saved_tensor_hooks_that_hand_back_other_copies(path, handed_back):
                        ("weight grad", bn.weight.grad, ref[2]),
                        ("bias grad", bn.bias.grad, ref[3])):
         torch.testing.assert_close(g.double().cpu(), r, **TOL[torch.bfloat16], msg=name)
+
+
+@requires_interpreter
+def test_a_gradient_in_another_layout_than_the_input():
+    # The output gradient may arrive in another memory layout than the input (a consumer that
+    # made an NCHW copy of the output): the backward reads it as laid out and matches float64
+    # batch norm.
+    gen = torch.Generator().manual_seed(6)
+    bn = FusedBatchNorm(6).to(torch.bfloat16)
+    x = _layout(torch.randn(4, 6, 3, 5, generator=gen).to(torch.bfloat16), 4)
+    dy = torch.randn(4, 6, 3, 5, generator=gen).to(torch.bfloat16).contiguous()
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        _check_step(bn, x, dy, torch.bfloat16, "NCHW gradient")
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("path", PATHS[1:])
@@ -502,6 +605,20 @@ def test_a_parameter_replaced_by_a_strided_one_is_not_read_with_the_old_plan(pat
         bn.weight = torch.nn.Parameter(
             (torch.rand(12, generator=gen) + 0.5).to(device)[::2])
         _check_step(bn, x, dy, torch.bfloat16, "strided weight")
+    assert len(calls) == 1
+
+
+@requires_interpreter
+def test_one_layer_fed_channels_last_then_nchw_batches_of_one_shape():
+    # The kernels read dense channels-last memory: after a channels-last batch, an NCHW batch
+    # of the same shape and dtype takes PyTorch's batch norm and gives the same results.
+    gen = torch.Generator().manual_seed(4)
+    bn = FusedBatchNorm(6).to(torch.bfloat16)
+    x = torch.randn(4, 6, 3, 5, generator=gen).to(torch.bfloat16)
+    dy = torch.randn(4, 6, 3, 5, generator=gen).to(torch.bfloat16)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        _check_step(bn, _layout(x, 4), _layout(dy, 4), torch.bfloat16, "channels_last")
+        _check_step(bn, x.contiguous(), dy.contiguous(), torch.bfloat16, "NCHW")
     assert len(calls) == 1
 
 
@@ -625,6 +742,22 @@ def test_track_running_stats_switched_off_leaves_the_buffers(dtype):
     assert torch.all(ours.running_mean == 0.25) and torch.all(ours.running_var == 2.0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eval_with_tracking_switched_off_uses_the_kept_buffers(dtype):
+    # A layer built with running statistics and then set to track_running_stats=False still
+    # normalizes with those buffers in eval, as torch's BatchNorm (a way to freeze statistics).
+    ours, theirs = _pair(dtype)
+    with torch.no_grad():
+        for m in (ours, theirs):
+            m.running_mean.fill_(0.25)
+            m.running_var.fill_(2.0)
+            m.track_running_stats = False
+            m.eval()
+    x = _x(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ours(x).double(), theirs(x.double()), rtol=tol, atol=tol)
+
+
 @requires_interpreter
 def test_copies_of_a_layer_that_ran_the_kernels():
     # The layer keeps launch plans per input signature; copies (deepcopy, pickle, torch.save)
@@ -685,3 +818,23 @@ def test_convert_after_initialize_converts_amp_fp32_batchnorm(dtype):
     convert_fused_batchnorm(root)  # a BatchNorm passed as the model: amp's class too
     assert isinstance(root, FusedBatchNorm) and is_amp_model(root)
     assert root(torch.randn(2, 3, 4, 4)).dtype == torch.float32
+
+
+@requires_interpreter
+def test_eval_after_kernel_training_uses_the_running_statistics():
+    # Evaluation normalizes with the running statistics (never the batch), on the path where
+    # training ran the kernels too, and leaves the statistics and the batch counter as they are.
+    ours, theirs = _pair(torch.bfloat16)
+    x = _x(torch.bfloat16)
+    with emulated_fused_path(triton=True):
+        ours(x)
+        theirs(x.double())
+        ours.eval()
+        theirs.eval()
+        x2 = (x.float() * 3 + 2).to(torch.bfloat16)
+        mean_before = ours.running_mean.clone()
+        with _count_fused_calls() as calls:
+            y = ours(x2)
+    torch.testing.assert_close(y.double(), theirs(x2.double()), **TOL[torch.bfloat16])
+    assert torch.equal(ours.running_mean, mean_before) and int(ours.num_batches_tracked) == 1
+    assert not calls

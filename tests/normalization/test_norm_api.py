@@ -526,6 +526,17 @@ def test_torch_layer_norm_arguments():
         FusedLayerNorm(8, eps=None)
 
 
+@pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
+def test_the_ignored_keyword_warning_points_at_the_callers_line(cls):
+    # Megatron/NeMo users find the keyword to drop from the warning's location: it names the
+    # line that built the layer, not mixprec's own code.
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cls(8, 1e-5, sequence_parallel_enabled=False)
+    ours = [w for w in seen if "ignoring the keyword" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__, [(w.filename, w.lineno) for w in ours]
+
+
 def _signature_inputs(device):
     """Inputs of one module call after another, each differing from the one before in what
     the cached checks and launch plans are kept under (shape, strides, alignment, dtype)."""
