@@ -1048,14 +1048,19 @@ def test_fused_layer_norm_output_takes_the_input_dtype_not_the_parameters(x_dtyp
     torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
 
 
-def test_mixed_rms_norm_default_eps_is_1e_5():
-    # Documented default (as FusedRMSNorm's): eps=1e-5. On a small-variance input (mean square
-    # ~1e-6) eps dominates, so another default gives visibly other values.
-    norm = MixedFusedRMSNorm(8)
+@pytest.mark.parametrize("cls", [MixedFusedRMSNorm, MixedFusedLayerNorm])
+def test_mixed_norm_default_eps_is_1e_5(cls):
+    # Documented default (as FusedRMSNorm's, FusedLayerNorm's and torch.nn.LayerNorm's):
+    # eps=1e-5; models built without an explicit eps rely on it. On a small-variance input
+    # (mean square ~1e-6) eps dominates, so another default gives visibly other values.
+    # (L18 for the LayerNorm)
+    norm = cls(8)
     assert norm.eps == 1e-5
     torch.manual_seed(0)
     x = torch.randn(3, 8, dtype=torch.float64) * 1e-3
-    want = torch.nn.functional.rms_norm(x, (8,), eps=1e-5)
+    reference = (torch.nn.functional.rms_norm if cls is MixedFusedRMSNorm
+                 else torch.nn.functional.layer_norm)
+    want = reference(x, (8,), eps=1e-5)
     torch.testing.assert_close(norm(x.float()).double(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -1261,19 +1266,6 @@ def test_fused_norm_bwd_op_takes_an_expanded_gradient_on_the_kernels():
     xd = x.double().requires_grad_(True)
     torch.nn.functional.layer_norm(xd, (8,), eps=1e-5).sum().backward()
     torch.testing.assert_close(dx.double(), xd.grad, atol=1e-5, rtol=1e-5)
-
-
-def test_mixed_layer_norm_default_eps_is_1e_5():
-    """MixedFusedLayerNorm's documented default eps is 1e-5 (as FusedLayerNorm's and
-    torch.nn.LayerNorm's): models built without an explicit eps rely on it. On a
-    small-variance input (variance ~1e-6) eps dominates, so another default gives visibly
-    other values. (L18)"""
-    norm = MixedFusedLayerNorm(8)
-    assert norm.eps == 1e-5
-    torch.manual_seed(0)
-    x = torch.randn(3, 8, dtype=torch.float64) * 1e-3
-    want = torch.nn.functional.layer_norm(x, (8,), eps=1e-5)
-    torch.testing.assert_close(norm(x.float()).double(), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
