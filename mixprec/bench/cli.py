@@ -265,7 +265,7 @@ def _resolve_device(text: Optional[str], parser) -> torch.device:
     if text is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        device = torch.device(text.strip().lower())  # (any case, as the named choices)
+        device = torch.device(_lower(text))  # (any case, as the named choices)
     except (RuntimeError, ValueError):
         parser.error(f"argument --device: invalid device {text!r}; use cpu, cuda or cuda:N")
     if device.type not in ("cpu", "cuda"):

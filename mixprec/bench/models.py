@@ -91,6 +91,11 @@ class SmallCNN(nn.Module):
 # --------------------------------------------------------------------------------------------
 # GPT-style decoder: pre-LN blocks, causal scaled_dot_product_attention, GELU MLP.
 # --------------------------------------------------------------------------------------------
+def _is_count(value) -> bool:
+    """An int >= 1 (a bool is no count: True would read as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Shape of a :class:`GPT`.
@@ -121,7 +126,7 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_count(value):
                 raise ValueError(f"GPTConfig({name}={value!r}): must be an int >= 1.")
         if self.d_model % self.n_heads:
             raise ValueError(
@@ -341,11 +346,6 @@ def _token_batches(n: int, batch_size: int, cfg: GPTConfig, gen: torch.Generator
         seq = torch.randint(0, cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=gen)
         batches.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
     return batches
-
-
-def _is_count(value) -> bool:
-    """An int >= 1 (a bool is no count: True would read as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def build_workload(
