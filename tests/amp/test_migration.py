@@ -1,9 +1,12 @@
 """The way over from Apex and torch.amp: the alias, and the documented example scripts."""
 
 import copy
+import json
 import re
 import runpy
+import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -97,6 +100,52 @@ def test_alias_serves_apex_submodule_paths_as_the_same_objects(clean_apex):
     for name, module in list(sys.modules.items()):
         if name.startswith("apex.") and getattr(module, "__file__", None) is not None:
             assert module.__name__.startswith("mixprec."), name
+
+
+# The renamed imports docs/migrating.md says fail under the mixprec name (Apex's own paths
+# exist under the apex name only).
+_RENAMED_IMPORTS_THAT_FAIL = (
+    "from mixprec.parallel.LARC import LARC",
+    "from mixprec.parallel.optimized_sync_batchnorm import SyncBatchNorm",
+    "from mixprec.normalization.fused_layer_norm import FusedLayerNorm",
+    "from mixprec.amp.handle import scale_loss",
+    "from mixprec.amp import __version__",
+    "from mixprec.fp16_utils import *",
+    "from mixprec.multi_tensor_apply import multi_tensor_applier",
+    "from mixprec.optimizers import FusedSGD",
+)
+
+
+def test_renamed_apex_only_imports_fail_as_the_migration_guide_says():
+    # A user who renames apex to mixprec in every import reads in the guide which lines then
+    # fail, and that `from mixprec.amp import __version__` imports once the alias is installed
+    # (apex.amp is mixprec.amp); a fresh interpreter checks both, with and without the alias.
+    guide = " ".join((EXAMPLES.parent / "migrating.md").read_text().split())
+    for line in _RENAMED_IMPORTS_THAT_FAIL:
+        assert f"`{line}`" in guide, line
+    script = textwrap.dedent("""
+        import json, sys
+        lines = json.loads(sys.argv[1])
+        def outcome():
+            result = {}
+            for line in lines:
+                try:
+                    exec(line, {})
+                    result[line] = "ok"
+                except ImportError as error:
+                    result[line] = type(error).__name__
+            return result
+        before = outcome()
+        import mixprec
+        mixprec.install_apex_alias()
+        print(json.dumps([before, outcome()]))
+    """)
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(_RENAMED_IMPORTS_THAT_FAIL)],
+                          capture_output=True, text=True, timeout=120, check=True)
+    before, after = json.loads(done.stdout.splitlines()[-1])
+    assert all(before[line] != "ok" for line in _RENAMED_IMPORTS_THAT_FAIL), before
+    version = "from mixprec.amp import __version__"
+    assert after == {**before, version: "ok"}, after
 
 
 def _fake_apex(root, *submodules, init=""):
