@@ -26,6 +26,21 @@ if _XDIST_WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
 
 
+@pytest.fixture(autouse=True)
+def _no_initialize_calls_from_other_tests():
+    """Each test starts as a fresh process does: no live ``amp.initialize`` calls. Module-level
+    ``amp.state_dict()`` and the checks across calls (one call's gradients seen in another's
+    ``scale_loss``) then see only the test's own calls, whatever ran before it on this worker
+    and in whatever order pytest-xdist hands the tests out. (Not through ``monkeypatch``: a
+    test that calls ``monkeypatch.undo()`` midway would bring the other tests' calls back.)"""
+    from mixprec.amp import frontend
+
+    saved = frontend._calls, frontend._latest
+    frontend._calls, frontend._latest = [], None
+    yield
+    frontend._calls, frontend._latest = saved
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return torch.device(request.param)
