@@ -105,6 +105,7 @@ def _refuse_other_arguments(kwargs) -> None:
     PyTorch's DDP's (a script moving from ``torch.nn.parallel.DistributedDataParallel``)."""
     names = sorted(kwargs)
     torch_names = [n for n in names if n in _TORCH_DDP_PARAMS]
+    others = [n for n in names if n not in _TORCH_DDP_PARAMS]
     if not torch_names:
         raise TypeError(
             f"DistributedDataParallel got unexpected keyword argument(s) {names}; it takes "
@@ -120,6 +121,7 @@ def _refuse_other_arguments(kwargs) -> None:
         "not needed: the module's own device is used (call torch.cuda.set_device(local_rank) "
         "and move the module there first). For PyTorch's other options use "
         "torch.nn.parallel.DistributedDataParallel itself, which works with amp too."
+        + (f" Unknown to both: {others}." if others else "")
     )
 
 
