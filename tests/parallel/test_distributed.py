@@ -2898,6 +2898,686 @@ def check_delay_allreduce_steps_warn_nothing(ctx):
     assert not texts, texts
 
 
+def check_arguments_refused_where_a_bool_or_nan_would_slip_through(ctx):
+    """message_size, gradient_predivide_factor and num_allreduce_streams are numbers: a bool
+    (True is 1 to Python), a NaN factor (every gradient NaN) or a fractional stream count is
+    refused with a ValueError naming the argument, as 0 is. (D15, D16, D17, D18)"""
+    for kwargs in ({"message_size": True}, {"gradient_predivide_factor": float("nan")},
+                   {"gradient_predivide_factor": True}, {"num_allreduce_streams": 1.5}):
+        try:
+            DistributedDataParallel(_mlp(ctx.device), **kwargs)
+        except ValueError as err:
+            assert f"DistributedDataParallel({list(kwargs)[0]}=" in str(err), str(err)
+        else:
+            raise AssertionError(f"{kwargs} did not raise ValueError")
+
+
+def check_default_construction_warns_nothing(ctx):
+    """Wrapping with the defaults (num_allreduce_streams=1, retain_allreduce_buffers=False)
+    warns nothing on any rank: the "ignoring Apex argument(s)" warning is for arguments the
+    script set. (D19, D20)"""
+    for delay in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DistributedDataParallel(_mlp(ctx.device), delay_allreduce=delay)
+        texts = [str(w.message) for w in caught if "DistributedDataParallel" in str(w.message)]
+        assert not texts, (delay, texts)
+
+
+def check_constructor_warnings_point_at_the_callers_line(ctx):
+    """Rank 0's warnings about Apex arguments are attributed to the line that constructs the
+    wrapper (the script's), so that ``-W error::FutureWarning:train`` style filters and the
+    printed location point at the user's code, not at mixprec. (D04)"""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        DistributedDataParallel(_mlp(ctx.device), shared_param=True)  # (this line)
+    ours = [w for w in caught if "shared_param" in str(w.message)]
+    if ctx.rank == 0:
+        assert len(ours) == 1 and ours[0].filename == __file__, [
+            (w.filename, w.lineno) for w in ours]
+    else:
+        assert not ours
+
+
+def check_apex_internals_override_warned_through_a_base_class(ctx):
+    """A project's subclass of DistributedDataParallel that overrides Apex's
+    allreduce_bucket, further subclassed (a common layering: a base DDP with the override
+    and a per-experiment subclass), still warns on rank 0 that the override does nothing,
+    naming it. (D05)"""
+    class _SubgroupDDP(DistributedDataParallel):
+        def allreduce_bucket(self, bucket):
+            raise AssertionError("never called")
+
+    class _ExperimentDDP(_SubgroupDDP):
+        pass
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _ExperimentDDP(_mlp(ctx.device))
+    text = " ".join(str(w.message) for w in caught)
+    assert ("_ExperimentDDP overrides allreduce_bucket" in text) == (ctx.rank == 0), text
+
+
+class _TiedHeads(nn.Module):
+    """A language-model-style module: an embedding whose weight the output layer shares
+    (tied weights), and a second head ``b`` used while ``use_b`` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 8, bias=False)
+        self.out = nn.Linear(8, 8, bias=False)
+        self.out.weight = self.emb.weight
+        self.b = nn.Linear(8, 4)
+        self.use_b = False
+
+    def forward(self, x):
+        h = self.out(torch.tanh(self.emb(x)))
+        return h.sum() + (self.b(h).sum() if self.use_b else 0)
+
+
+def check_unused_parameters_named_with_tied_weights(ctx):
+    """With tied weights (the output layer sharing the embedding's weight), the parameter
+    the reducer waits for is named by its own name: PyTorch's reducer counts a shared
+    parameter once, and the error's indices must be read in that list. (D06)"""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_TiedHeads().to(ctx.device))
+    text = _unused_parameters_error(ctx, ddp, lambda: None)
+    assert "got no gradient: b.weight, b.bias" in text, text
+    assert "emb.weight" not in text and "out.weight" not in text, text
+
+
+def check_structure_check_compares_dtypes_and_names(ctx):
+    """Every rank must hold the module's tensors in the same dtypes and under the same names
+    as rank 0: a rank whose copy was cast (a stray .double()) or whose buffer is registered
+    under another name is refused on every rank, naming the ranks, before any broadcast (a
+    module passed through took rank 0's bytes into another dtype or another buffer). (D08,
+    D09)"""
+    dtype = torch.float64 if ctx.rank == 1 else torch.float32
+    layer = nn.Linear(4, 4).to(ctx.device, dtype).requires_grad_(False)
+    renamed = nn.Linear(4, 4).to(ctx.device).requires_grad_(False)
+    renamed.register_buffer("scale" if ctx.rank == 0 else "shift", torch.ones(4, device=ctx.device))
+    for module in (layer, renamed):
+        try:
+            DistributedDataParallel(module)
+        except RuntimeError as err:
+            assert "differ in name, dtype or shape between ranks (ranks [1]" in str(err), \
+                str(err)
+        else:
+            raise AssertionError("modules differing between the ranks were accepted")
+
+
+class _MostlyHalf(nn.Module):
+    """A bf16 trunk (most trainable elements) with a small fp32 layer (as amp O2 keeps
+    norms in fp32), and a large frozen fp32 layer."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.trunk = nn.Linear(32, 32).to(device, torch.bfloat16)
+        self.norm = nn.Linear(4, 4).to(device)
+        self.frozen = nn.Linear(64, 64).to(device).requires_grad_(False)
+
+    def forward(self, x):
+        return self.trunk(x)
+
+
+def check_message_size_counts_elements_of_the_trainable_majority_dtype(ctx):
+    """message_size counts elements of the dtype that holds most of the trainable parameters
+    (bf16 at amp O2, 2 bytes), whatever a few fp32 norms or frozen fp32 layers hold: the
+    reducer's cap is message_size * 2 bytes here. (D10, D11)"""
+    ddp = DistributedDataParallel(_MostlyHalf(ctx.device), message_size=1000)
+    assert abs(_reducer_bucket_cap(ddp) - 2000) <= 1, _reducer_bucket_cap(ddp)
+
+
+def check_gradients_are_views_of_the_reducers_buckets(ctx):
+    """In the reducer's mode the gradients live in the reducer's flat buckets (Apex's
+    buckets, no copy in or out, no second copy of the gradients in memory): after a
+    backward, parameters of one bucket share one storage. (D22)"""
+    model = _mlp(ctx.device)
+    ddp = DistributedDataParallel(model)  # (the default message_size: one bucket)
+    x, y = _global_batch(ctx)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == 1, storages
+
+
+def check_join_refusal_names_the_options_that_use_the_hook(ctx):
+    """join(divide_by_initial_world_size=False) is refused with the options that route the
+    all-reduce through mixprec's hook, and only those, so the user knows which to drop.
+    (D34)"""
+    ddp = DistributedDataParallel(_Scale().to(ctx.device), gradient_predivide_factor=4.0)
+    try:
+        ddp.join(divide_by_initial_world_size=False)
+    except ValueError as err:
+        text = str(err)
+    else:
+        raise AssertionError("join(divide_by_initial_world_size=False) was taken")
+    assert "with gradient_predivide_factor=4:" in text, text
+    for other in ("prof=True", "allreduce_always_fp32=True", "gradient_average=False"):
+        assert other not in text, (other, text)
+
+
+def check_join_under_amp_takes_the_last_joiners_masters(ctx):
+    """Leaving join(), every rank's fp32 masters are those of the last rank to join (the one
+    that trained longest, whose half model PyTorch broadcasts), not rank 0's: rank 0's would
+    not match the broadcast model and lose the last rank's updates. (D35)"""
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    ddp = DistributedDataParallel(model)
+    gen = torch.Generator().manual_seed(ctx.rank)
+    last = ctx.world_size - 1
+    with ddp.join():
+        for _ in range(1 + 2 * ctx.rank):
+            opt.zero_grad()
+            x = torch.randn(4, 8, generator=gen).to(ctx.device)
+            with amp.scale_loss(ddp(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        mine = torch.cat([m.detach().flatten() for m in amp.master_params(opt)])
+    lasts = _gather(ctx, mine)[last]
+    after = torch.cat([m.detach().flatten() for m in amp.master_params(opt)])
+    torch.testing.assert_close(after, lasts, rtol=0, atol=0)
+
+
+class _RaisesInForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if x.shape[-1] != 8:
+            raise RuntimeError("input has the wrong number of features")
+        return self.a(x)
+
+
+def check_module_errors_reach_the_caller_unchanged(ctx):
+    """A RuntimeError raised by the wrapped module's own forward (a shape check, an OOM)
+    reaches the caller as it is: only PyTorch's unfinished-reduction error is rewritten into
+    the unused-parameters message. (D40)"""
+    ddp = DistributedDataParallel(_RaisesInForward().to(ctx.device))
+    try:
+        ddp(torch.ones(2, 5, device=ctx.device))
+    except RuntimeError as err:
+        assert str(err) == "input has the wrong number of features", str(err)
+    else:
+        raise AssertionError("the module's error did not propagate")
+
+
+class _RootParams(nn.Module):
+    """Parameters on the root module itself: ``w`` used, ``v`` never."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+        self.v = nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return (self.w * x).sum()
+
+
+def check_first_step_leaves_out_a_root_parameter(ctx):
+    """A parameter of the root module that no rank uses in the first step is left out as one
+    of a submodule is: the following steps train (the rebuilt reducer does not wait for it)
+    and it keeps grad=None. (D47)"""
+    model = _RootParams().to(ctx.device)
+    ddp = DistributedDataParallel(model)
+    x = torch.full((3,), float(ctx.rank + 1), device=ctx.device)
+    mean = (ctx.world_size + 1) / 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (rank 0's left-out warning)
+        for step in range(3):
+            model.zero_grad()
+            ddp(x).backward()
+            torch.testing.assert_close(model.w.grad, torch.full_like(model.w, mean),
+                                       rtol=0, atol=0, msg=labelled(f"step {step}"))
+            assert model.v.grad is None, step
+
+
+def check_first_step_rebuild_keeps_message_size_and_names(ctx):
+    """After the first step leaves a layer out, the rebuilt reducer keeps the buckets of
+    message_size elements (not the compiler's 1 MiB), and a parameter it later waits for is
+    named by the rebuilt reducer's list (the left-out layer comes first in the module).
+    (D48, D49)"""
+    class _SpareFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.spare = nn.Linear(8, 8)  # (never used)
+            self.a = nn.Linear(8, 4)
+            self.b = nn.Linear(8, 4)  # used while use_b is set
+            self.use_b = False
+
+        def forward(self, x):
+            return self.a(x) + self.b(x) if self.use_b else self.a(x)
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_SpareFirst().to(ctx.device), message_size=1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (rank 0's left-out warning)
+        text = _unused_parameters_error(ctx, ddp, lambda: None)
+    assert abs(_reducer_bucket_cap(ddp) - 4000) <= 1, _reducer_bucket_cap(ddp)
+    assert "got no gradient: b.weight, b.bias," in text, text
+    assert "a.weight" not in text and "spare" not in text, text
+
+
+def check_enable_allreduce_after_a_synced_forward(ctx):
+    """enable_allreduce() between a forward run with the all-reduce on and its backward is
+    allowed (nothing is pending: that backward all-reduces anyway), and the step's gradients
+    are the global batch's. (D51)"""
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    x, y = _global_batch(ctx, seed=700)
+    loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    ddp.enable_allreduce()
+    loss.backward()
+    F.mse_loss(ref(x), y).backward()
+    _assert_same_grads(ctx, model, ref)
+
+
+def check_zero_grad_passes_set_to_none(ctx):
+    """ddp.zero_grad(set_to_none=False) keeps the gradient tensors, zeroed in place (as
+    Module.zero_grad does), for scripts that hold references to them. (D53)"""
+    model = _mlp(ctx.device)
+    ddp = DistributedDataParallel(model)
+    x, y = _global_batch(ctx)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    ddp.zero_grad(set_to_none=False)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and not p.grad.any(), name
+    ddp.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def check_delay_allreduce_buckets_fill_to_message_size(ctx):
+    """In the delay mode a bucket takes gradients up to exactly message_size elements: the
+    MLP's 128/16/64/4-element gradients with message_size=80 go as 128, 16+64 and 4 (after
+    the one all-reduce of the per-parameter flags). (L01, L05)"""
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=80, delay_allreduce=True)
+    with _counting_all_reduces() as calls:
+        _grads_match_global_batch(ctx, ddp, model, ref, 710, "message_size=80")
+    assert calls == [8, 128, 80, 4], calls
+
+
+def check_delay_allreduce_follow_keeps_each_ranks_buffers(ctx):
+    """The delay mode follows a layer added after wrapping with rank 0's values for the new
+    layer only: the buffers of modules it already had stay each rank's own (broadcast at
+    construction only, as Apex did), e.g. BatchNorm running statistics. (D44)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)).to(ctx.device)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    x, y = _global_batch(ctx, seed=720)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()  # (each rank's own statistics)
+    before = model[1].running_mean.clone()
+    model.append(nn.Linear(4, 4).to(ctx.device))
+    ddp(_mine(ctx, x))  # (the forward that follows the new layer, in train mode)
+    local = copy.deepcopy(model[1])
+    local.running_mean.copy_(before)
+    # What this rank's statistics must be: its own, updated by this forward's batch.
+    with torch.no_grad():
+        local(model[0](_mine(ctx, x)))
+    torch.testing.assert_close(model[1].running_mean, local.running_mean, rtol=0, atol=0)
+    others = _gather(ctx, model[1].running_mean)
+    assert not torch.equal(others[0], others[-1]), "the ranks' statistics should differ"
+
+
+def check_apex_flat_dist_call_keeps_each_dtype(ctx):
+    """flat_dist_call flattens per (device, dtype), as Apex's helper did: an int64 counter
+    broadcast together with fp32 tensors arrives exact (flattened with them it went through
+    a float and 2**40 + 1 came out 2**40). (D01)"""
+    from mixprec.parallel.distributed import flat_dist_call
+
+    big = 2 ** 40 + 1
+    step = torch.tensor([big if ctx.rank == 0 else 0], dtype=torch.int64, device=ctx.device)
+    weights = torch.full((3,), float(ctx.rank), device=ctx.device)
+    flat_dist_call([weights, step], dist.broadcast, (0,))
+    assert step.dtype == torch.int64 and int(step) == big, step
+    assert torch.equal(weights, torch.zeros_like(weights)), weights
+
+
+def check_pytorch_arguments_named_beside_unknown_ones(ctx):
+    """A PyTorch DDP argument given together with a misspelt one is still named as
+    PyTorch's (the script moving over from torch's DDP learns what to drop), and the misspelt
+    one is named too, so one try shows both. (D02)"""
+    try:
+        DistributedDataParallel(_mlp(ctx.device), device_ids=[0], no_such_option=1)
+    except TypeError as err:
+        assert "['device_ids'] are arguments of torch.nn.parallel.DistributedDataParallel" in (
+            str(err)), str(err)
+        assert str(err).endswith(" Unknown to both: ['no_such_option']."), str(err)
+    else:
+        raise AssertionError("unknown keyword arguments were accepted")
+
+
+def check_long_name_lists_shortened_exactly(ctx):
+    """Messages list at most eight parameter names, then how many more: eight names are
+    listed in full, ten as eight and "and 2 more". (D03)"""
+    for layers, tail in ((4, "3.weight, 3.bias were frozen"),
+                         (5, "3.weight, 3.bias and 2 more were frozen")):
+        model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(layers)), nn.Linear(4, 1))
+        model.to(ctx.device)
+        for layer in model[:layers]:
+            layer.requires_grad_(False)
+        ddp = DistributedDataParallel(model)
+        model.requires_grad_(True)
+        try:
+            ddp(torch.ones(2, 4, device=ctx.device))
+        except RuntimeError as err:
+            text = str(err)
+        else:
+            raise AssertionError("parameters unfrozen after wrapping were taken")
+        assert text.startswith("DistributedDataParallel: 0.weight, 0.bias, 1.weight") and (
+            tail in text), text
+
+
+def check_delay_allreduce_reduces_what_a_layer_accumulated_before_its_freeze(ctx):
+    """Gradient accumulation in the delay mode where a layer is frozen and another unfrozen
+    between the micro-batches (a fine-tuning schedule switching at a micro-batch boundary):
+    the frozen layer's gradient accumulated under no_sync() is still all-reduced by the
+    synced backward, as is the newly unfrozen one's; both match one process on the global
+    micro-batches. (D07)"""
+    torch.manual_seed(0)
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    for net in (model, ref):
+        net[0].requires_grad_(False)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    x, y = _global_batch(ctx, seed=730)
+    with ddp.no_sync():
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    F.mse_loss(ref(x), y).backward()
+    for net in (model, ref):
+        net[2].requires_grad_(False)
+        net[0].requires_grad_(True)
+    x, y = _global_batch(ctx, seed=731)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    F.mse_loss(ref(x), y).backward()
+    _assert_same_grads(ctx, model, ref, "frozen and unfrozen between micro-batches")
+
+
+def check_first_step_rule_off_for_a_sparse_embedding_bag(ctx):
+    """A model with a sparse EmbeddingBag keeps PyTorch's rule, as one with a sparse
+    Embedding does (a zero gradient for an unused sparse layer would have to be sparse): an
+    unused layer is not left out, and the next forward names it, saying why. (D31)"""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"bag": nn.EmbeddingBag(10, 4, mode="sum", sparse=True),
+                           "b": nn.Linear(4, 4)})
+    model.forward = lambda x: model["bag"](x.view(1, -1)).sum()
+    ddp = DistributedDataParallel(model.to(ctx.device))
+    idx = torch.arange(4, device=ctx.device)
+    ddp(idx).backward()
+    try:
+        ddp(idx)
+    except RuntimeError as err:
+        assert "b.weight" in str(err) and "does not apply to a model with sparse" in str(err), \
+            str(err)
+    else:
+        raise AssertionError("expected the unused-parameter error")
+
+
+def check_reducer_takes_a_layer_added_under_ignored_names(ctx):
+    """In the reducer's mode a layer added after wrapping under names set to be ignored
+    (_set_params_and_buffers_to_ignore_for_model) is the user's own business, as in the
+    delay mode: not refused, and its gradients stay this rank's own while the others are
+    the global batch's. (D46)"""
+    torch.manual_seed(0)
+    model = _IgnoredFirst().to(ctx.device)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["extra.weight", "extra.bias"])
+    ddp = DistributedDataParallel(model)
+    torch.manual_seed(600 + ctx.rank)
+    model.extra = nn.Linear(16, 16).to(ctx.device)
+    local = copy.deepcopy(model)
+    x, y = _global_batch(ctx, seed=740)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    F.mse_loss(local(_mine(ctx, x)), _mine(ctx, y)).backward()
+    torch.testing.assert_close(model.extra.weight.grad, local.extra.weight.grad, **_tol(ctx))
+    _assert_same_on_all_ranks(ctx, [model.b.weight.grad], "b.weight.grad")
+
+
+def check_reducer_averages_complex_tensors(ctx):
+    # Documented: Reducer averages dense floating-point or complex tensors (a complex model's
+    # gradients). Reference: the mean over the ranks of the values each rank holds (exact:
+    # halves, quarters, eighths).
+    # (R04)
+    ws = ctx.world_size
+    z = torch.full((3,), complex(ctx.rank + 1, -2.0 * (ctx.rank + 1)), dtype=torch.complex64,
+                   device=ctx.device)
+    Reducer([z]).reduce()
+    mean = (ws + 1) / 2
+    torch.testing.assert_close(z, torch.full_like(z, complex(mean, -2.0 * mean)), rtol=0, atol=0,
+                               msg=labelled(f"rank {ctx.rank}"))
+
+
+def check_reducer_over_a_group_averages_over_that_group(ctx):
+    # Reducer(process_group=g) averages over g's ranks: the sum over them divided by g's size,
+    # not the world's. Groups of one rank (every world size) and, from 4 ranks, pairs.
+    # Reference: the mean of the values the group's members hold.
+    # (R13)
+    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    t = torch.full((3,), ctx.rank + 1.0, device=ctx.device)
+    Reducer([t], process_group=singles[ctx.rank]).reduce()
+    torch.testing.assert_close(t, torch.full_like(t, ctx.rank + 1.0), rtol=0, atol=0,
+                               msg=labelled(f"rank {ctx.rank}, a group of one: tensors"))
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2).to(ctx.device)
+    reducer = Reducer(model, process_group=singles[ctx.rank])
+    model(torch.full((1, 3), ctx.rank + 1.0, device=ctx.device)).sum().backward()
+    want = torch.full((2, 3), ctx.rank + 1.0, device=ctx.device)  # d(sum(Wx + b))/dW = x
+    reducer.reduce()
+    torch.testing.assert_close(model.weight.grad, want, rtol=0, atol=0,
+                               msg=labelled(f"rank {ctx.rank}, a group of one: a module"))
+    if ctx.world_size >= 4 and ctx.world_size % 2 == 0:
+        pairs = [dist.new_group([r, r + 1]) for r in range(0, ctx.world_size, 2)]
+        t = torch.full((3,), ctx.rank + 1.0, device=ctx.device)
+        Reducer([t], process_group=pairs[ctx.rank // 2]).reduce()
+        first = ctx.rank - ctx.rank % 2  # the pair's ranks hold first + 1 and first + 2
+        torch.testing.assert_close(t, torch.full_like(t, first + 1.5), rtol=0, atol=0,
+                                   msg=labelled(f"rank {ctx.rank}, a pair"))
+
+
+class _SparseAndDense(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.emb = nn.Embedding(5, 3, sparse=True)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx)).sum()
+
+
+def check_reducer_sparse_error_names_the_sparse_parameters_only(ctx):
+    # reduce() on a model with a sparse embedding among dense layers: the error names the
+    # parameters whose gradients are sparse (what the user must change), not every parameter
+    # with a gradient. (CPU: the sparse embedding backward; the same on every rank, so every
+    # rank raises before any collective.)
+    # (R14)
+    if ctx.device.type != "cpu":
+        return
+    torch.manual_seed(0)
+    model = _SparseAndDense()
+    reducer = Reducer(model)
+    model(torch.tensor([ctx.rank])).backward()
+    try:
+        reducer.reduce()
+    except TypeError as err:
+        assert "['emb.weight']" in str(err) and "fc." not in str(err), str(err)
+    else:
+        raise AssertionError("a sparse gradient among dense ones did not raise TypeError")
+
+
+def check_reducer_find_unused_at_o2_after_the_scale_loss_block(ctx):
+    # Reducer(find_unused_parameters=True) at O2 with reduce() AFTER the scale_loss block
+    # (the documented alternative to inside it): the gradients are then the fp32 masters'. The
+    # head used on rank 0 only has a master gradient there and none on the last rank, and the
+    # other way round for its twin (same size: mismatched, one was averaged into the other);
+    # each needs a zero one where it has none; the head used nowhere keeps None. Reference:
+    # the float64 model, the sum over the ranks' batches divided by the world size; bf16
+    # rounding of the forward as the tolerance.
+    # (R16)
+    from mixprec import amp
+
+    model, ref, opt, reducer = _reducer_under_amp(ctx, _Branches, "O2")
+
+    def heads(rank):
+        return ["b"] if rank == 0 else (["c"] if rank == ctx.world_size - 1 else [])
+
+    g = torch.Generator().manual_seed(9)
+    xs = [torch.randn(3, 4, generator=g).to(ctx.device) for _ in range(ctx.world_size)]
+    with amp.scale_loss(model(xs[ctx.rank].bfloat16(), heads(ctx.rank)).float(), opt) as s:
+        s.backward()
+    reducer.reduce()
+    for rank in range(ctx.world_size):
+        (ref(xs[rank].double(), heads(rank)) / ctx.world_size).backward()
+    masters = dict(zip([id(p) for p in model.parameters()], amp.master_params(opt)))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        grad = masters[id(p)].grad
+        if name.startswith("d."):
+            assert grad is None and q.grad is None, (name, grad)
+        else:
+            assert grad is not None, name
+            torch.testing.assert_close(grad.double(), q.grad, rtol=3e-2, atol=3e-2,
+                                       msg=labelled(f"rank {ctx.rank}: {name}"))
+
+
+class _Abandoned(Exception):
+    """Raised inside a scale_loss block after reduce() (a later guard failing)."""
+
+
+def check_reducer_find_unused_then_a_failed_scale_loss_block_gives_the_averages_back(ctx):
+    # amp O1 at a loss scale other than 1, two micro-batches without delay_unscale: the first
+    # micro-batch's gradients wait aside during the second block, and
+    # Reducer(find_unused_parameters=True).reduce() inside it averages them in place (a zero
+    # set aside where a rank had none). When the block then raises, amp gives back what was
+    # set aside: every rank's parameters hold the averaged first micro-batch, each parameter
+    # exactly once (a zero entry beside a real one must not replace it); the head used
+    # nowhere keeps None. Reference: the float64 sum over the ranks' first micro-batches
+    # divided by the world size; bf16 autocast's rounding as the tolerance.
+    # (R17)
+    from mixprec import amp
+
+    model, ref, opt, reducer = _reducer_under_amp(ctx, _Branches, "O1")
+
+    def heads(rank):
+        return ["b"] if rank == 0 else (["c"] if rank == ctx.world_size - 1 else [])
+
+    g = torch.Generator().manual_seed(13)
+    xs = [torch.randn(3, 4, generator=g).to(ctx.device) for _ in range(ctx.world_size)]
+    with amp.scale_loss(model(xs[ctx.rank], heads(ctx.rank)), opt) as scaled:
+        scaled.backward()
+    try:
+        with amp.scale_loss(model(xs[ctx.rank], []), opt) as scaled:
+            scaled.backward()
+            reducer.reduce()
+            raise _Abandoned()
+    except _Abandoned:
+        pass
+    for rank in range(ctx.world_size):
+        (ref(xs[rank].double(), heads(rank)) / ctx.world_size).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if name.startswith("d."):
+            assert p.grad is None and q.grad is None, name
+        else:
+            assert p.grad is not None, name
+            torch.testing.assert_close(p.grad.double(), q.grad, rtol=3e-2, atol=3e-2,
+                                       msg=labelled(f"rank {ctx.rank}: {name}"))
+
+
+def check_predivide_factor_below_one(ctx):
+    # gradient_predivide_factor takes any number > 0: a factor below 1 multiplies before the
+    # sum (Apex divided by it whatever it was) and the average still comes out, the division
+    # after the sum being by world_size / factor. Rank-dependent gradients; the values are
+    # exact in fp32 for 2, 4 and 8 ranks.
+    # (C01)
+    ws = ctx.world_size
+    x = torch.tensor([1.0, 2.0, 3.0], device=ctx.device) * (ctx.rank + 1)
+    total = torch.tensor([1.0, 2.0, 3.0], device=ctx.device) * (ws * (ws + 1) // 2)
+    for (factor, average, expected), delay in itertools.product(
+            [(0.5, True, total / ws), (0.5, False, total * 2), (0.25, True, total / ws)],
+            (False, True)):
+        model = _Scale().to(ctx.device)
+        ddp = DistributedDataParallel(model, gradient_predivide_factor=factor,
+                                      gradient_average=average, delay_allreduce=delay)
+        ddp(x).backward()
+        torch.testing.assert_close(
+            model.weight.grad, expected, rtol=0, atol=0,
+            msg=labelled(f"predivide={factor} average={average} delay={delay}"))
+
+
+def check_allreduce_always_fp32_keeps_float64_gradients(ctx):
+    # allreduce_always_fp32 sums HALF gradients in fp32 (its documented meaning): a float64
+    # model's gradients are summed in float64, not rounded to fp32 on the way. Reference: the
+    # float64 single-process global batch, to float64 precision (fp32 rounding is ~1e-8
+    # relative: far outside the bound).
+    # (C02)
+    for delay in (False, True):
+        model = _mlp(ctx.device).double()
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, allreduce_always_fp32=True, delay_allreduce=delay)
+        x, y = _global_batch(ctx, seed=97)
+        x, y = x.double(), y.double()
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert p.grad.dtype == torch.float64, (name, p.grad.dtype)
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14,
+                                       msg=labelled(f"delay={delay} {name}"))
+
+
+class _FrozenWithCounter(nn.Module):
+    """No trainable parameters (DDP passes it through, broadcasting its state from rank 0):
+    fp32 parameters and buffer, and an int64 counter past fp32's exact integers (2**24)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.fc = nn.Linear(2, 2).requires_grad_(False)
+        self.register_buffer("scale", torch.full((2,), 1.0 + rank))
+        self.register_buffer("step", torch.tensor([2 ** 40 + 1 + rank]))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def check_state_of_every_dtype_broadcast_exactly(ctx):
+    # Wrapping broadcasts rank 0's state, each tensor exactly in its own dtype: an int64
+    # counter (a step count, a seed) beside fp32 tensors must not pass through fp32 on the
+    # way (2**40 + 1 is not an fp32 value). Reference: rank 0's values, bit for bit.
+    # (C08)
+    model = _FrozenWithCounter(ctx.rank).to(ctx.device)
+    DistributedDataParallel(model)
+    assert model.step.dtype == torch.int64
+    assert model.step.tolist() == [2 ** 40 + 1], (ctx.rank, model.step.tolist())
+    torch.testing.assert_close(model.scale, torch.ones(2, device=ctx.device), rtol=0, atol=0)
+
+
+def check_change_noticed_by_its_registration_alone(ctx):
+    # The wrapper notices a change to its module through PyTorch's registration hooks (see
+    # mixprec.parallel._structure): both kinds count alone. A layer built BEFORE the last
+    # forward and only afterwards put in the model (its parameters' registrations came
+    # earlier; only the submodule's registration moves the counter), and a parameter replaced
+    # on a layer that stays (only the parameter's registration moves it): each is refused at
+    # the next forward with its names, as a layer built after the forward is.
+    # (S01 S02)
+    x, _ = _global_batch(ctx)
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    spare = nn.Linear(16, 4).to(ctx.device)  # (built before the forward below)
+    _grads_match_global_batch(ctx, ddp, model, ref, 630, "before the change")
+    model[2] = spare
+    _expect_changed(ctx, ddp, x, "2.weight, 2.bias are new parameter objects")
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    _grads_match_global_batch(ctx, ddp, model, ref, 631, "before the change")
+    model[2].weight = nn.Parameter(model[2].weight.detach().clone())
+    _expect_changed(ctx, ddp, x, "2.weight")
+
+
 CHECKS = [
     "check_grads_match_single_process",
     "check_compiled_grads_match_single_process",
@@ -2941,6 +3621,38 @@ CHECKS = [
     "check_prof_keeps_the_arithmetic_asked_for",
     "check_reducer_find_unused_at_o2_with_fp32_layers_set_aside",
     "check_reducer_find_unused_parameters_counts_a_frozen_parameters_leftover_gradient",
+    "check_first_step_rule_off_for_a_sparse_embedding_bag",
+    "check_reducer_takes_a_layer_added_under_ignored_names",
+    "check_delay_allreduce_reduces_what_a_layer_accumulated_before_its_freeze",
+    "check_apex_flat_dist_call_keeps_each_dtype",
+    "check_pytorch_arguments_named_beside_unknown_ones",
+    "check_long_name_lists_shortened_exactly",
+    "check_arguments_refused_where_a_bool_or_nan_would_slip_through",
+    "check_default_construction_warns_nothing",
+    "check_constructor_warnings_point_at_the_callers_line",
+    "check_apex_internals_override_warned_through_a_base_class",
+    "check_unused_parameters_named_with_tied_weights",
+    "check_structure_check_compares_dtypes_and_names",
+    "check_message_size_counts_elements_of_the_trainable_majority_dtype",
+    "check_gradients_are_views_of_the_reducers_buckets",
+    "check_join_refusal_names_the_options_that_use_the_hook",
+    "check_join_under_amp_takes_the_last_joiners_masters",
+    "check_module_errors_reach_the_caller_unchanged",
+    "check_first_step_leaves_out_a_root_parameter",
+    "check_first_step_rebuild_keeps_message_size_and_names",
+    "check_enable_allreduce_after_a_synced_forward",
+    "check_zero_grad_passes_set_to_none",
+    "check_delay_allreduce_buckets_fill_to_message_size",
+    "check_delay_allreduce_follow_keeps_each_ranks_buffers",
+    "check_reducer_averages_complex_tensors",
+    "check_reducer_over_a_group_averages_over_that_group",
+    "check_reducer_sparse_error_names_the_sparse_parameters_only",
+    "check_reducer_find_unused_at_o2_after_the_scale_loss_block",
+    "check_reducer_find_unused_then_a_failed_scale_loss_block_gives_the_averages_back",
+    "check_predivide_factor_below_one",
+    "check_allreduce_always_fp32_keeps_float64_gradients",
+    "check_state_of_every_dtype_broadcast_exactly",
+    "check_change_noticed_by_its_registration_alone",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
@@ -3041,3 +3753,41 @@ def test_rank_that_never_joins_raises_within_timeout():
     text = str(info.value).lower()
     assert "time" in text and "1/2" in text, text
     assert not dist.is_initialized()
+
+
+def test_reducer_refuses_a_string_among_the_tensors():
+    # A str is iterable (its characters are one-character strings, iterable again): the list
+    # check must name it as a bad leaf, not recurse into it until Python's recursion limit.
+    # Checked before the process group is looked for. (R01)
+    with pytest.raises(TypeError, match=r"holding \['str'\]"):
+        Reducer([torch.ones(2), ["weight"]])
+
+
+@pytest.mark.parametrize("flag", ["no", 1, None])
+def test_reducer_refuses_a_non_bool_find_unused_parameters(flag):
+    # find_unused_parameters="no" would have switched the agreement on (any non-empty string
+    # is truthy): refused with the value named, before the process group is looked for. (R05)
+    with pytest.raises(TypeError, match=rf"Reducer\(find_unused_parameters={flag!r}\): "
+                                        r"expected True or False"):
+        Reducer(nn.Linear(2, 2), find_unused_parameters=flag)
+
+
+def test_reducer_refuses_a_single_tensor():
+    # A tensor is iterable (over its rows), but Reducer(t) is a mistake for Reducer([t]) or
+    # for the module: refused with the type named and the list form shown, before the process
+    # group is looked for. (R06)
+    with pytest.raises(TypeError, match=r"Reducer\(module_or_grads_list=Tensor\).*"
+                                        r"\[p\.grad for p in params\]"):
+        Reducer(torch.ones(3, 2))
+
+
+@pytest.mark.parametrize("group", [True, b"gloo", -100.0])
+def test_a_bool_bytes_or_float_process_group_is_refused(group):
+    # Where the process group goes, a number or a backend name (str or bytes) is a mistake:
+    # refused when built, naming the value. The group-size hint is for integers only (True
+    # is no group size), and torch's non-member sentinel is taken only as the int it is.
+    # Checked before the process group is looked for.
+    # (C03 C04 C05)
+    with pytest.raises(TypeError, match=r"Reducer\(process_group=.*ProcessGroup") as info:
+        Reducer(nn.Linear(2, 2), process_group=group)
+    assert "group size" not in str(info.value), str(info.value)

@@ -440,3 +440,59 @@ def test_larc_leaves_a_group_without_weight_decay_without_one():
         p.grad = torch.ones(3)
         larc.step()
     assert "weight_decay" not in larc.param_groups[0]
+
+
+def test_larc_zero_grad_passes_set_to_none_on():
+    # LARC.zero_grad takes the inner optimizer's arguments: set_to_none=False zeroes the
+    # gradients in place (code that holds the gradient tensors, e.g. gradient buffers of a
+    # CUDA graph, relies on it); the default sets them to None. Reference: SGD's own
+    # zero_grad. (L01)
+    p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    larc, ref = LARC(torch.optim.SGD([p], lr=0.1)), torch.optim.SGD([q], lr=0.1)
+    p.grad, q.grad = torch.ones(3), torch.ones(3)
+    held = p.grad
+    larc.zero_grad(set_to_none=False)
+    ref.zero_grad(set_to_none=False)
+    assert p.grad is held and torch.equal(p.grad, q.grad) and torch.equal(p.grad, torch.zeros(3))
+    larc.zero_grad()
+    assert p.grad is None
+
+
+def test_larc_assigning_param_groups_or_state_reaches_the_inner_optimizer():
+    # The wrapper shares the inner optimizer's param_groups and state: assigning them through
+    # the wrapper (as code written for a torch.optim.Optimizer does, e.g. to restore a
+    # snapshot) replaces the inner optimizer's, so LARC and its inner step see the same.
+    # (L02 L03)
+    p = nn.Parameter(torch.ones(3))
+    inner = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    larc = LARC(inner)
+    groups = [dict(inner.param_groups[0], lr=0.5)]
+    larc.param_groups = groups
+    assert inner.param_groups is groups and larc.param_groups is groups
+    state = {p: {"momentum_buffer": torch.full((3,), 2.0)}}
+    larc.state = state
+    assert inner.state is state and larc.state is state
+
+
+def test_larc_refuses_a_tensor_clip():
+    # clip must be a bool (or what Apex took: an int, a NumPy bool); a tensor flag (from a
+    # config computed with torch) is refused with the argument named. (L07)
+    p = nn.Parameter(torch.ones(2))
+    with pytest.raises(TypeError, match=r"LARC\(clip=tensor\(True\)\): must be a bool"):
+        LARC(torch.optim.SGD([p], lr=0.1), clip=torch.tensor(True))
+
+
+def test_larc_state_dict_is_the_inner_optimizers():
+    # LARC has no state of its own: its state dict is the inner optimizer's, key for key, so a
+    # checkpoint saved through LARC loads into the bare optimizer and the other way round.
+    # (L12)
+    p = nn.Parameter(torch.ones(3))
+    inner = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    larc = LARC(inner)
+    p.grad = torch.ones(3)
+    larc.step()
+    saved, want = larc.state_dict(), inner.state_dict()
+    assert saved.keys() == want.keys(), (saved.keys(), want.keys())
+    assert saved["param_groups"] == want["param_groups"]
+    torch.testing.assert_close(saved["state"][0]["momentum_buffer"],
+                               want["state"][0]["momentum_buffer"], rtol=0, atol=0)

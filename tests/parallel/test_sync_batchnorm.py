@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
 import pickle
 
 import pytest
@@ -661,6 +662,23 @@ def check_syncbn_eval_without_running_stats_normalizes_by_the_local_batch(ctx):
         torch.testing.assert_close(layer(x[:2]), ref(x[:2]), rtol=1e-5, atol=1e-5)
 
 
+def check_a_layer_pickled_without_the_count_cache_trains_over_the_ranks(ctx):
+    # A layer pickled by an earlier mixprec or by Apex's Python SyncBatchNorm has no
+    # _count_cache: loaded, its multi-rank training forward must run (the per-module scratch
+    # is made again), computing what a fresh layer computes. Reference: a fresh layer with the
+    # same parameters, on the same per-rank batches.
+    # (B06)
+    torch.manual_seed(0)
+    old = SyncBatchNorm(4).to(ctx.device)
+    del old.__dict__["_count_cache"]
+    loaded = pickle.loads(pickle.dumps(old))
+    fresh = SyncBatchNorm(4).to(ctx.device)
+    g = torch.Generator().manual_seed(3 + ctx.rank)
+    x = (torch.randn(3 + ctx.rank, 4, 2, 2, generator=g) * (1 + ctx.rank)).to(ctx.device)
+    torch.testing.assert_close(loaded(x), fresh(x), rtol=0, atol=0, msg=labelled("output"))
+    torch.testing.assert_close(loaded.running_var, fresh.running_var, rtol=0, atol=0)
+
+
 GROUP_2 = [
     "check_fp32_equal_batches",
     "check_dtype_pairs_batchnorm_refuses",
@@ -690,6 +708,7 @@ GROUP_2 = [
     "check_batch_size_changes_between_steps",
     "check_cpu_merge_in_fp64_keeps_the_variance_of_offset_inputs",
     "check_syncbn_eval_without_running_stats_normalizes_by_the_local_batch",
+    "check_a_layer_pickled_without_the_count_cache_trains_over_the_ranks",
 ]
 GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups",
            "check_syncbn_group_size_must_divide_the_world_size"]
@@ -1205,3 +1224,120 @@ def test_syncbn_tracking_turned_off_after_construction_is_batchnorm(not_distribu
                                    msg=labelled(f"training={training}"))
         torch.testing.assert_close(layer.running_mean, ref.running_mean, rtol=0, atol=0)
         torch.testing.assert_close(layer.running_var, ref.running_var, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_convert_syncbn_model_keeps_eps_momentum_and_tracking(not_distributed, track):
+    # The converted layer takes the BatchNorm's settings, not the defaults: a large eps (over
+    # a small-variance batch it changes the output), the momentum, track_running_stats.
+    # Reference: the BatchNorm itself (one process: SyncBatchNorm is BatchNorm, bit for bit).
+    # (V02 V03)
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(4, eps=0.1, momentum=0.3, track_running_stats=track)
+    ref = copy.deepcopy(bn)
+    sync = convert_syncbn_model(bn)
+    assert (sync.eps, sync.momentum, sync.track_running_stats) == (0.1, 0.3, track)
+    x = torch.randn(6, 4, 3, 3) * 0.1
+    torch.testing.assert_close(sync(x), ref(x), rtol=0, atol=0)
+    if track:
+        torch.testing.assert_close(sync.running_var, ref.running_var, rtol=0, atol=0)
+
+
+def test_convert_syncbn_model_subclass_submodules_take_the_arguments():
+    # A BatchNorm subclass's own submodules are converted with the group and the flag given
+    # (as the rest of the model is): a BatchNorm inside it syncs over the same group. (V08)
+    group = object()  # (stands in for a ProcessGroup: nothing communicates here)
+    model = convert_syncbn_model(nn.Sequential(_BatchNormAct(4)), process_group=group,
+                                 channel_last=True)
+    inner = model[0].extra[0]
+    assert isinstance(inner, SyncBatchNorm)
+    assert inner.process_group is group and inner.channel_last is True
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(momentum=True), r"momentum=True\): must be a number in \[0, 1\]"),
+    (dict(eps=True), r"eps=True\): must be a number >= 0"),
+])
+def test_bool_eps_and_momentum_are_refused_at_construction(kwargs, message):
+    # A bool is a number to Python (True == 1) but never a meant eps or momentum (a flag
+    # passed in the wrong position): refused, as the other non-numbers are. (B02 B03)
+    with pytest.raises(ValueError, match=message):
+        SyncBatchNorm(4, **kwargs)
+
+
+def test_syncbn_without_bias_is_batchnorm_without_bias(not_distributed):
+    # SyncBatchNorm(bias=False): a learnable weight and no bias, as nn.BatchNorm2d(bias=False):
+    # the same parameters and state-dict keys, the same output (one process: bit for bit).
+    # (B04)
+    if "bias" not in inspect.signature(nn.BatchNorm2d).parameters:
+        pytest.skip("this PyTorch's BatchNorm has no bias argument")
+    torch.manual_seed(0)
+    ref = nn.BatchNorm2d(4, bias=False)
+    sync = SyncBatchNorm(4, bias=False)
+    assert sync.bias is None and sync.weight is not None
+    assert set(sync.state_dict()) == set(ref.state_dict())
+    x = torch.randn(5, 4, 3, 3) * 2 + 1
+    torch.testing.assert_close(sync(x), ref(x), rtol=0, atol=0)
+
+
+def test_syncbn_tracking_turned_off_counts_no_batches(not_distributed):
+    # As nn.BatchNorm: with track_running_stats switched off on a built layer, training
+    # batches are not counted (the counter sets momentum=None's average weight once tracking
+    # is switched back on, and is saved in checkpoints). Reference: nn.BatchNorm1d. (B05)
+    torch.manual_seed(0)
+    x = torch.randn(6, 3)
+    for momentum in (0.1, None):
+        layer, ref = SyncBatchNorm(3, momentum=momentum), nn.BatchNorm1d(3, momentum=momentum)
+        for net in (layer, ref):
+            net(x)
+            net.track_running_stats = False
+            net(x * 2)
+            net.track_running_stats = True
+            net(x + 1)
+        assert int(layer.num_batches_tracked) == int(ref.num_batches_tracked) == 2, momentum
+        torch.testing.assert_close(layer.running_mean, ref.running_mean, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(layer.running_var, ref.running_var, rtol=1e-6, atol=1e-6)
+
+
+def test_syncbn_custom_group_shows_in_repr():
+    # A layer with its own process group says so in its repr (printing a model shows which
+    # layers sync over a subgroup); the default group adds nothing. (B13)
+    group = object()  # (stands in for a ProcessGroup)
+    assert "process_group=<custom>" in repr(SyncBatchNorm(3, process_group=group))
+    assert "process_group" not in repr(SyncBatchNorm(3))
+
+
+def test_syncbn_fewer_channels_than_num_features_is_refused():
+    # An input with fewer channels than the layer has is refused by the layer's own check,
+    # naming the channel counts (as one with more channels is), in training and eval. (B14)
+    for training in (True, False):
+        layer = SyncBatchNorm(3).train(training)
+        with pytest.raises(ValueError, match=r"has 2 channels .* expected 3"):
+            layer(torch.randn(4, 2, 5))
+        with pytest.raises(ValueError, match=r"has 2 channels in its last dimension; expected 3"):
+            SyncBatchNorm(3, channel_last=True).train(training)(torch.randn(4, 5, 2))
+
+
+class _SelfHooked(SyncBatchNorm):
+    """A layer that registers one of its own methods as a forward hook."""
+
+    def __init__(self, num_features):
+        super().__init__(num_features)
+        self.calls = 0
+        self.register_forward_hook(self._count)
+
+    def _count(self, module, args, output):
+        self.calls += 1
+
+
+def test_syncbn_deepcopy_keeps_references_to_itself():
+    # A layer whose state refers back to the layer (a bound method of its own as a hook, as
+    # subclasses register): deep-copied (an EMA model, a frozen teacher), the copy's
+    # references are to the copy, and the copy runs. Reference: the original's behaviour.
+    # (B15)
+    layer = _SelfHooked(3)
+    twin = copy.deepcopy(layer)
+    x = torch.randn(4, 3)
+    twin(x)
+    assert twin.calls == 1 and layer.calls == 0
+    torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
