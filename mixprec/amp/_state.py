@@ -10,7 +10,7 @@ after ``initialize`` its masters before the state is saved or loaded), and nothi
 step pre-hook makes a step with overflowed gradients a no-op by setting the gradients to
 ``None`` (every ``torch.optim`` optimizer skips such parameters, so neither the parameters nor
 the moment estimates move); the post-hook copies the fp32 master weights into the half model
-(O2). :meth:`_OptimizerState.remove_hooks` undoes it. Before a step the pre-hook also takes into
+(O2); the hooks last as long as the optimizer. Before a step the pre-hook also takes into
 the masters any half parameter written in place since amp last set it (version counters; see
 :meth:`_OptimizerState.take_model_writes`): PyTorch's DDP broadcasting rank 0's weights, say.
 Fused optimizers (which take ``found_inf`` in their kernel, as ``GradScaler`` uses them) skip an
@@ -1061,16 +1061,6 @@ class _OptimizerState:
     def _sync_hook(self, optimizer, *state_dict):
         if self.amp_state.enabled:
             self.sync_param_groups()
-
-    def remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        optimizer = self.optimizer_ref()
-        link = None if optimizer is None else getattr(
-            hookable_optimizer(optimizer), "_link_half_copies", None)
-        if link is not None:
-            link([])
 
     # -- scale_loss ----------------------------------------------------------------------------
     def grad_sync_deferred(self) -> bool:

@@ -345,7 +345,9 @@ class FusedAdam(torch.optim.Optimizer):
     # -- amp's protocol --------------------------------------------------------------------
     def _link_half_copies(self, pairs) -> None:
         """amp O2: from now on write ``half`` whenever ``master`` is updated, for each
-        ``(half, master)`` in ``pairs``; an empty ``pairs`` ends it (``amp.restore_model``)."""
+        ``(half, master)`` in ``pairs``; an empty ``pairs`` ends it. (amp links an O2
+        optimizer's masters at ``initialize``, for the optimizer's life: ``amp.restore_model``
+        unwraps the forward only, and amp's own post-step copy into the half model goes on too.)"""
         pairs = list(pairs)
         if not pairs:
             self._half_copies.clear()
