@@ -967,6 +967,30 @@ def test_an_overflowed_step_skips_the_whole_step(make, scheduler_first, recwarn)
         [str(w.message) for w in recwarn]
 
 
+def test_a_step_replaced_on_the_instance_before_initialize_still_runs():
+    """A ``step`` that user code put on the optimizer object before ``amp.initialize`` (a
+    plain function wrapping the bound one: logging, a step counter, a clipping pass) keeps
+    running at every step amp lets through, and the update still happens, because amp's own
+    step sits above whatever the object had and calls it (C11)."""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    original, calls = opt.step, []
+
+    def counted_step(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    opt.step = counted_step
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = batch()
+    for _ in range(2):
+        before = [m.detach().clone() for m in amp.master_params(opt)]
+        train_step(model, opt, x, y, amp)
+        assert not amp.step_was_skipped(opt)
+        assert not all(torch.equal(b, m) for b, m in zip(before, amp.master_params(opt)))
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize("make", ["sgd", "wrapper", "larc"])
 def test_amps_step_keeps_no_reference_to_its_optimizer(make):
     # amp's step on the optimizer object must not hold the optimizer: a sweep that drops its

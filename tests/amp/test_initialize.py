@@ -918,6 +918,25 @@ def test_o2_in_place_write_to_the_half_model_holds(optimizer, steps_before, capl
         caplog.text)
 
 
+def test_o2_in_place_writes_are_logged_at_info_once(caplog):
+    """The note that half parameters written in place were taken into their masters is
+    logged at INFO the first time only, later ones at DEBUG: a loop that writes the half
+    model at every step (a clamp or projection under no_grad) is not flooded with it (C55)."""
+    import logging
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=1)
+    x, y = batch()
+    with caplog.at_level(logging.DEBUG, logger="mixprec.amp"):
+        for _ in range(3):
+            with torch.no_grad():
+                model.head.weight.clamp_(-0.1, 0.1)
+            train_step(model, opt, x, y, amp)
+    notes = [r for r in caplog.records if "were written in place" in r.getMessage()]
+    assert [r.levelno for r in notes] == [logging.INFO, logging.DEBUG, logging.DEBUG]
+
+
 @pytest.mark.skipif(not hasattr(torch.__future__, "set_swap_module_params_on_conversion"),
                     reason="PyTorch without swap_module_params_on_conversion")
 def test_o2_conversion_that_swaps_tensors_is_no_write():
@@ -1049,6 +1068,26 @@ def test_rejects_non_modules(bad, exc):
 def test_rejects_non_optimizer():
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         amp.initialize(make_cnn(), object(), opt_level="O1")
+
+
+def test_rejects_a_wrapper_without_param_groups():
+    """An object holding an optimizer as ``.optim`` but without ``param_groups`` of its own
+    is not an optimizer amp can manage (it could neither see nor replace the parameters it
+    steps): ``initialize`` refuses it with its TypeError naming the type, before anything of
+    the model changes (C07)."""
+    class Holder:
+        def __init__(self, optim):
+            self.optim = optim
+
+        def step(self):
+            self.optim.step()
+
+    model = make_cnn()
+    holder = Holder(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"amp\.initialize\(optimizers=\.\.\.\): got Holder; "
+                                        r"expected a torch\.optim\.Optimizer"):
+        amp.initialize(model, holder, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_rejects_bad_num_losses():

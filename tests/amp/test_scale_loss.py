@@ -163,6 +163,32 @@ def test_optimizers_over_a_copys_half_parameters_or_filled_masters_step():
                                    msg=name)
 
 
+def test_a_plain_optimizer_given_a_copys_masters_later_is_refused_too():
+    """A plain optimizer that already stepped and is given a copy's fp32 masters afterwards
+    (``add_param_group`` of the copied optimizer's parameters) is refused at its next step
+    as one built over them is: the half gradients of the copy's backward never reach those
+    masters, so the step would silently leave the copy's weights unchanged (C02)."""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = batch()
+    model2, opt2 = copy.deepcopy((model, opt))
+    extra = nn.Parameter(torch.zeros(3))
+    plain = torch.optim.SGD([extra], lr=0.1)
+    extra.grad = torch.ones(3)
+    plain.step()  # (a step before the masters join: nothing of a copy in it yet)
+    torch.testing.assert_close(extra.detach(), torch.full((3,), -0.1))
+    plain.add_param_group({"params": [m for g in opt2.param_groups for m in g["params"]]})
+    plain.zero_grad()
+    nn.functional.cross_entropy(model2(x), y).backward()
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\): .*master weights of a copy of a "
+                                           r"model prepared by amp\.initialize"):
+        plain.step()
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 @pytest.mark.parametrize("loss,exc,match", [
     (torch.ones(3), ValueError, r"shape \(3,\).*scalar"),
     (torch.tensor(3), ValueError, "floating point"),
@@ -901,6 +927,40 @@ def test_held_gradients_follow_another_loss_ids_scale(fused):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_held_sparse_gradients_follow_another_loss_ids_scale(opt_level):
+    """Sparse gradients (``nn.Embedding(sparse=True)``) held scaled by ``delay_unscale`` are
+    brought to another loss_id's scale before its backward adds onto them, as dense ones are:
+    the accumulated gradient equals the one unscaled loss by loss (C45)."""
+    from mixprec.amp._state import optimizer_state
+
+    def run(delay):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, num_losses=2,
+                       loss_scale="dynamic", verbosity=0)
+        state = optimizer_state(opt).amp_state
+        state.scalers[0].load_state_dict({"loss_scale": 1024.0, "unskipped": 0})
+        state.scalers[1].load_state_dict({"loss_scale": 128.0, "unskipped": 0})
+        idx = torch.tensor([[1, 2, 3], [3, 4, 5]])
+        for micro in range(2):
+            last = micro == 1
+            out = model(idx).float()
+            with amp.scale_loss(out.square().mean(), opt, loss_id=0,
+                                delay_unscale=delay and not last) as s:
+                s.backward(retain_graph=True)
+            with amp.scale_loss(out.sum(), opt, loss_id=1,
+                                delay_unscale=delay and not last) as s:
+                s.backward()
+        grads = [p.grad for group in opt.param_groups for p in group["params"]]
+        assert grads[0].is_sparse
+        return [g.to_dense() if g.is_sparse else g.clone() for g in grads]
+
+    for got, want in zip(run(True), run(False)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
+
+
 def test_model_zero_grad_keeps_zeroed_master_gradients_without_set_to_none():
     # zero_grad(set_to_none=False) zeroes the masters' gradients in place, also gradients that
     # are views (a flat gradient buffer), as nn.Module.zero_grad does for parameters.
@@ -1119,6 +1179,31 @@ def test_fused_sgd_whose_first_step_overflows_trains_as_unfused(opt_level, dampe
     for p, q in zip(fused, plain):
         torch.testing.assert_close(p, q)
     assert all(torch.isfinite(s["momentum_buffer"]).all() for s in opt.state.values())
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_fused_sgd_without_momentum_keeps_no_momentum_buffers(opt_level):
+    """A fused SGD without momentum under amp's on-device overflow skipping keeps the state
+    PyTorch's SGD keeps without momentum, none, and trains as the unfused one: a checkpoint
+    of it holds no momentum buffers, and no memory goes to them (C20)."""
+    def run(fused):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0, fused=fused)
+        amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+        for i, factor in enumerate([1e6, 1.0, 1.0]):  # the first step overflows
+            opt.zero_grad()
+            with amp.scale_loss(nn.functional.cross_entropy(model(x), y) * factor, opt) as s:
+                s.backward()
+            opt.step()
+            assert amp.step_was_skipped(opt) == (i == 0)
+        return [p.detach().float() for p in model.parameters()], opt
+
+    (plain, plain_opt), (fused, opt) = run(False), run(True)
+    for p, q in zip(fused, plain):
+        torch.testing.assert_close(p, q)
+    assert opt.state_dict()["state"] == plain_opt.state_dict()["state"] == {}
 
 
 class _TwoHeads(nn.Module):
@@ -1463,6 +1548,41 @@ def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
 
     want, got = run(False), run(True)
     for k in want:  # (bf16 compute; with the gradients freed, head b was 2e-2 off)
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-3, msg=k)
+
+
+class _NoneDefaultSGD(torch.optim.SGD):
+    """An SGD whose ``zero_grad`` takes ``set_to_none=None`` for "the default", freeing the
+    gradients as PyTorch's default does (third-party optimizers type it ``Optional[bool]``)."""
+
+    def zero_grad(self, set_to_none=None):
+        super().zero_grad(set_to_none=set_to_none is not False)
+
+
+def test_a_zero_grad_whose_set_to_none_default_is_not_a_bool_frees_the_gradients():
+    """A ``zero_grad()`` without an argument on an optimizer whose ``set_to_none`` default is
+    not a bool (``None`` meaning "the default") is read as PyTorch's default, freeing the
+    gradients: a head unused at a step is then not moved by momentum or weight decay, as in
+    the same loop without amp (C14)."""
+    torch.manual_seed(0)
+    base = _TwoHeads()
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), i < 2)
+            for i in range(5)]
+
+    def run(use_amp):
+        model = copy.deepcopy(base)
+        opt = _NoneDefaultSGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        if use_amp:
+            amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        for x, y, use_b in data:
+            opt.zero_grad()
+            backward_and_step(nn.functional.mse_loss(model(x, use_b).float(), y), opt, amp,
+                              use_amp)
+        return {k: v.float() for k, v in model.state_dict().items()}
+
+    want, got = run(False), run(True)
+    for k in want:  # (bf16 compute)
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-3, msg=k)
 
 
@@ -2027,6 +2147,23 @@ def test_the_fused_cast_takes_only_gradients_laid_out_as_their_masters(monkeypat
     assert not ok([half, half.float()], [torch.empty(8, 4, 3, 3)] * 2)  # (not half)
 
 
+@pytest.mark.skipif(interpreter_skip_reason() is not None,
+                    reason=str(interpreter_skip_reason()))
+def test_the_fused_cast_takes_only_gradients_of_their_masters_shape(monkeypatch):
+    """The fused cast walks each fp32 gradient for its half gradient's element count: a half
+    gradient whose shape differs from its master's (a parameter replaced by one of another
+    shape after initialize) goes to the PyTorch pass, which raises amp's error naming the
+    parameter, even where the strides agree (one more row: the kernel would write past the
+    master's gradient) (C22)."""
+    from mixprec.amp import _state
+
+    monkeypatch.setattr(_state, "_FUSED_CAST_ON_CPU", True)
+    ok = _state._fused_cast_ok
+    assert ok([torch.empty(8, 4, 3, 3, dtype=torch.bfloat16)], [torch.empty(8, 4, 3, 3)])
+    assert not ok([torch.empty(9, 4, 3, 3, dtype=torch.bfloat16)], [torch.empty(8, 4, 3, 3)])
+    assert not ok([torch.empty(8, 4, 3, 3, dtype=torch.float16)], [torch.empty(8, 4, 3, 2)])
+
+
 @pytest.mark.parametrize("shape", [(0,), (2,), (1, 0)])
 def test_a_loss_of_other_than_one_element_is_refused_on_entry(shape):
     # (a mutation of frontend.py: `loss.numel() != 1` -> `> 1`): an empty loss (a reduction over an
@@ -2236,6 +2373,31 @@ def test_a_failed_first_backward_leaves_no_scaled_gradient_behind(opt_level):
                                    rtol=2e-2 if opt_level == "O3" else 1e-5, atol=1e-2)
 
 
+def test_a_block_that_fails_before_its_backward_keeps_a_held_window_at_o2():
+    """At O2, gradients held scaled by ``delay_unscale=True`` (an earlier micro-batch of the
+    window) stay on the half model when a later block raises before its backward (a caller
+    skipping a bad micro-batch): the window's last backward then brings them to the masters
+    with its own, as the fp32 reference sums them (C47)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    ref = copy.deepcopy(model).to(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale=512.0, verbosity=0)
+    g = torch.Generator().manual_seed(1)
+    x1, x2, x3 = (torch.randn(3, 4, generator=g) for _ in range(3))
+    with amp.scale_loss(model(x1.bfloat16()).float().sum(), opt, delay_unscale=True) as s:
+        s.backward()
+    with pytest.raises(ValueError, match="bad micro-batch"):
+        with amp.scale_loss(model(x2.bfloat16()).float().sum(), opt) as s:
+            raise ValueError("bad micro-batch")
+    with amp.scale_loss(model(x3.bfloat16()).float().sum(), opt) as s:
+        s.backward()
+    (ref(x1.double()).sum() + ref(x3.double()).sum()).backward()
+    for m, r in zip(amp.master_params(opt), ref.parameters()):
+        torch.testing.assert_close(m.grad.double(), r.grad, rtol=2e-2, atol=1e-2)
+
+
 # A gradient scaled by another optimizer's block and zeroed in place since (the model's
 # zero_grad(set_to_none=False)) no longer counts as foreign: the step runs.
 def test_gradients_of_another_blocks_backward_zeroed_in_place_through_the_model_step():
@@ -2429,6 +2591,37 @@ def test_a_scheduler_stepped_after_an_overflowed_first_step_does_not_warn(schedu
         sched.step()
     assert not [w for w in caught if "lr_scheduler" in str(w.message)], \
         [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("scheduler_first", [True, False])
+def test_a_scheduler_on_larcs_inner_optimizer_after_an_overflowed_first_step_does_not_warn(
+        scheduler_first):
+    """An LR scheduler built on a wrapper's inner optimizer (LARC's ``.optim``) and stepped
+    after an overflowed first step does not warn that it came before ``optimizer.step()``:
+    amp's skipped step counts as the inner optimizer's step too, as it does for a plain
+    optimizer, so users following the skipped-step recipe see no spurious warning (C38)."""
+    from mixprec.parallel import LARC
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = LARC(torch.optim.SGD(model.parameters(), lr=0.1))
+    if scheduler_first:
+        sched = torch.optim.lr_scheduler.StepLR(opt.optim, 1, 0.5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                loss_scale="dynamic", verbosity=0)
+    if not scheduler_first:
+        sched = torch.optim.lr_scheduler.StepLR(opt.optim, 1, 0.5)
+    with amp.scale_loss(model(torch.randn(3, 4).bfloat16()).float().sum() * float("inf"),
+                        opt) as s:
+        s.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched.step()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], \
+        [str(w.message) for w in caught]
+    assert opt.optim.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
 # zero_grad(set_to_none=True) forgets which masters had gradients under an earlier
