@@ -1152,6 +1152,23 @@ def test_overflowed_step_is_skipped_through_a_step_bound_before_initialize():
         assert unchanged is inf
 
 
+def _sgd_after_an_overflowed_first_step(fused, opt_level, device, **sgd_options):
+    """The parameters (fp32) and the SGD after three amp steps whose first overflows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused, **sgd_options)
+    amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    x = torch.randn(8, 16, device=device)
+    y = torch.randint(0, 4, (8,), device=device)
+    for i, factor in enumerate([1e6, 1.0, 1.0]):  # the first step overflows
+        opt.zero_grad()
+        with amp.scale_loss(nn.functional.cross_entropy(model(x), y) * factor, opt) as s:
+            s.backward()
+        opt.step()
+        assert amp.step_was_skipped(opt) == (i == 0)
+    return [p.detach().float() for p in model.parameters()], opt
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dampening", [0.0, 0.1])  # 0: zero buffers, no sync; else host read
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
@@ -1159,23 +1176,9 @@ def test_fused_sgd_whose_first_step_overflows_trains_as_unfused(opt_level, dampe
     # fp16's first steps overflow at the 2**16 starting scale. PyTorch's fused SGD makes a
     # first momentum buffer with empty_like and its kernel, told found_inf, leaves it
     # unwritten: the uninitialised memory stayed in the state and the next step used it.
-    def run(fused):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=dampening,
-                              nesterov=False, fused=fused)
-        amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
-        x = torch.randn(8, 16, device=device)
-        y = torch.randint(0, 4, (8,), device=device)
-        for i, factor in enumerate([1e6, 1.0, 1.0]):  # the first step overflows
-            opt.zero_grad()
-            with amp.scale_loss(nn.functional.cross_entropy(model(x), y) * factor, opt) as s:
-                s.backward()
-            opt.step()
-            assert amp.step_was_skipped(opt) == (i == 0)
-        return [p.detach().float() for p in model.parameters()], opt
-
-    (plain, _), (fused, opt) = run(False), run(True)
+    options = dict(momentum=0.9, dampening=dampening, nesterov=False)
+    plain, _ = _sgd_after_an_overflowed_first_step(False, opt_level, device, **options)
+    fused, opt = _sgd_after_an_overflowed_first_step(True, opt_level, device, **options)
     for p, q in zip(fused, plain):
         torch.testing.assert_close(p, q)
     assert all(torch.isfinite(s["momentum_buffer"]).all() for s in opt.state.values())
@@ -1186,21 +1189,8 @@ def test_fused_sgd_without_momentum_keeps_no_momentum_buffers(opt_level):
     """A fused SGD without momentum under amp's on-device overflow skipping keeps the state
     PyTorch's SGD keeps without momentum, none, and trains as the unfused one: a checkpoint
     of it holds no momentum buffers, and no memory goes to them (C20)."""
-    def run(fused):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.0, fused=fused)
-        amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
-        x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
-        for i, factor in enumerate([1e6, 1.0, 1.0]):  # the first step overflows
-            opt.zero_grad()
-            with amp.scale_loss(nn.functional.cross_entropy(model(x), y) * factor, opt) as s:
-                s.backward()
-            opt.step()
-            assert amp.step_was_skipped(opt) == (i == 0)
-        return [p.detach().float() for p in model.parameters()], opt
-
-    (plain, plain_opt), (fused, opt) = run(False), run(True)
+    plain, plain_opt = _sgd_after_an_overflowed_first_step(False, opt_level, "cpu", momentum=0.0)
+    fused, opt = _sgd_after_an_overflowed_first_step(True, opt_level, "cpu", momentum=0.0)
     for p, q in zip(fused, plain):
         torch.testing.assert_close(p, q)
     assert opt.state_dict()["state"] == plain_opt.state_dict()["state"] == {}

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import datetime
+import functools
 import itertools
 import pickle
 import time
@@ -2653,6 +2654,23 @@ class _Branches(nn.Module):
         return sum(getattr(self, name)(h).sum() for name in heads) + h.sum()
 
 
+def _heads_of_the_end_ranks(ctx, rank):
+    """_Branches' heads a rank uses: ``b`` on rank 0 only, ``c`` on the last rank only."""
+    return ["b"] if rank == 0 else (["c"] if rank == ctx.world_size - 1 else [])
+
+
+def _assert_branch_grads(ctx, model, grads, ref, what, rtol, atol):
+    """``grads`` (one per parameter of the _Branches ``model``) equal the gradients of its
+    reference ``ref`` within the tolerances; head ``d``, used nowhere, has None."""
+    for (name, _), grad, q in zip(model.named_parameters(), grads, ref.parameters()):
+        if name.startswith("d."):
+            assert grad is None and q.grad is None, (name, grad)
+        else:
+            assert grad is not None, name
+            torch.testing.assert_close(grad.to(q.grad.dtype), q.grad, rtol=rtol, atol=atol,
+                                       msg=labelled(f"rank {ctx.rank}{what}: {name}"))
+
+
 def _reducer_under_amp(ctx, make_model, opt_level):
     """A seeded model on the rank's device, its float64 copy (the reference), and the model
     with an SGD optimizer through ``Reducer(find_unused_parameters=True)`` and amp at
@@ -2677,22 +2695,14 @@ def check_reducer_find_unused_parameters(ctx):
     model = _Branches().to(ctx.device)
     ref = copy.deepcopy(model)
     reducer = Reducer(model, find_unused_parameters=True)
-
-    def heads(rank):
-        return ["b"] if rank == 0 else (["c"] if rank == ctx.world_size - 1 else [])
-
+    heads = functools.partial(_heads_of_the_end_ranks, ctx)
     g = torch.Generator().manual_seed(5)
     xs = [torch.randn(3, 4, generator=g).to(ctx.device) for _ in range(ctx.world_size)]
     model(xs[ctx.rank], heads(ctx.rank)).backward()
     reducer.reduce()
     for rank in range(ctx.world_size):
         (ref(xs[rank], heads(rank)) / ctx.world_size).backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if name.startswith("d."):
-            assert p.grad is None and q.grad is None, name
-        else:
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6,
-                                       msg=labelled(f"rank {ctx.rank}: {name}"))
+    _assert_branch_grads(ctx, model, [p.grad for p in model.parameters()], ref, "", 1e-5, 1e-6)
     try:
         Reducer([torch.zeros(2, device=ctx.device)], find_unused_parameters=True)
     except ValueError as err:
@@ -2716,12 +2726,8 @@ def check_reducer_find_unused_parameters(ctx):
     for rank in range(ctx.world_size):
         for chosen in (heads(rank), []):
             (ref(xs[rank].double(), chosen) / ctx.world_size).backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if name.startswith("d."):
-            assert p.grad is None and q.grad is None, name
-        else:
-            torch.testing.assert_close(p.grad.double(), q.grad, rtol=3e-2, atol=3e-2,
-                                       msg=labelled(f"rank {ctx.rank}, O1 accumulated: {name}"))
+    _assert_branch_grads(ctx, model, [p.grad for p in model.parameters()], ref,
+                         ", O1 accumulated", 3e-2, 3e-2)
 
 
 def check_reducer_find_unused_parameters_counts_a_frozen_parameters_leftover_gradient(ctx):
@@ -3422,10 +3428,7 @@ def check_reducer_find_unused_at_o2_after_the_scale_loss_block(ctx):
     from mixprec import amp
 
     model, ref, opt, reducer = _reducer_under_amp(ctx, _Branches, "O2")
-
-    def heads(rank):
-        return ["b"] if rank == 0 else (["c"] if rank == ctx.world_size - 1 else [])
-
+    heads = functools.partial(_heads_of_the_end_ranks, ctx)
     g = torch.Generator().manual_seed(9)
     xs = [torch.randn(3, 4, generator=g).to(ctx.device) for _ in range(ctx.world_size)]
     with amp.scale_loss(model(xs[ctx.rank].bfloat16(), heads(ctx.rank)).float(), opt) as s:
@@ -3434,14 +3437,8 @@ def check_reducer_find_unused_at_o2_after_the_scale_loss_block(ctx):
     for rank in range(ctx.world_size):
         (ref(xs[rank].double(), heads(rank)) / ctx.world_size).backward()
     masters = dict(zip([id(p) for p in model.parameters()], amp.master_params(opt)))
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        grad = masters[id(p)].grad
-        if name.startswith("d."):
-            assert grad is None and q.grad is None, (name, grad)
-        else:
-            assert grad is not None, name
-            torch.testing.assert_close(grad.double(), q.grad, rtol=3e-2, atol=3e-2,
-                                       msg=labelled(f"rank {ctx.rank}: {name}"))
+    _assert_branch_grads(ctx, model, [masters[id(p)].grad for p in model.parameters()], ref,
+                         ", masters", 3e-2, 3e-2)
 
 
 class _Abandoned(Exception):
@@ -3461,10 +3458,7 @@ def check_reducer_find_unused_then_a_failed_scale_loss_block_gives_the_averages_
     from mixprec import amp
 
     model, ref, opt, reducer = _reducer_under_amp(ctx, _Branches, "O1")
-
-    def heads(rank):
-        return ["b"] if rank == 0 else (["c"] if rank == ctx.world_size - 1 else [])
-
+    heads = functools.partial(_heads_of_the_end_ranks, ctx)
     g = torch.Generator().manual_seed(13)
     xs = [torch.randn(3, 4, generator=g).to(ctx.device) for _ in range(ctx.world_size)]
     with amp.scale_loss(model(xs[ctx.rank], heads(ctx.rank)), opt) as scaled:
@@ -3478,13 +3472,8 @@ def check_reducer_find_unused_then_a_failed_scale_loss_block_gives_the_averages_
         pass
     for rank in range(ctx.world_size):
         (ref(xs[rank].double(), heads(rank)) / ctx.world_size).backward()
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        if name.startswith("d."):
-            assert p.grad is None and q.grad is None, name
-        else:
-            assert p.grad is not None, name
-            torch.testing.assert_close(p.grad.double(), q.grad, rtol=3e-2, atol=3e-2,
-                                       msg=labelled(f"rank {ctx.rank}: {name}"))
+    _assert_branch_grads(ctx, model, [p.grad for p in model.parameters()], ref,
+                         ", the block abandoned", 3e-2, 3e-2)
 
 
 def check_predivide_factor_below_one(ctx):
