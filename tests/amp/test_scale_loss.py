@@ -1514,11 +1514,10 @@ def test_a_dropped_delay_unscale_window_lets_the_step_run(opt_level, drop):
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0, msg=k)
 
 
-def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
-    # FusedAdam(set_grad_none=False).zero_grad() keeps gradient tensors by default: amp read
-    # a zero_grad() without an argument as set_to_none=True and freed the masters' gradients.
-    from mixprec.optimizers import FusedAdam
-
+def _two_heads_trained_with_and_without_amp(make_optimizer):
+    """The _TwoHeads model's state (fp32) after five steps of ``make_optimizer``'s optimizer
+    with ``opt.zero_grad()`` between them, head ``b`` used in the first two only: the plain
+    fp32 loop's, then amp O2's (bf16)."""
     torch.manual_seed(0)
     base = _TwoHeads()
     g = torch.Generator().manual_seed(3)
@@ -1527,7 +1526,7 @@ def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
 
     def run(use_amp):
         model = copy.deepcopy(base)
-        opt = FusedAdam(model.parameters(), lr=1e-2, set_grad_none=False)
+        opt = make_optimizer(model.parameters())
         if use_amp:
             amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
         for x, y, use_b in data:
@@ -1536,7 +1535,16 @@ def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
                               use_amp)
         return {k: v.float() for k, v in model.state_dict().items()}
 
-    want, got = run(False), run(True)
+    return run(False), run(True)
+
+
+def test_fused_adam_set_grad_none_false_keeps_stepping_unused_parameters():
+    # FusedAdam(set_grad_none=False).zero_grad() keeps gradient tensors by default: amp read
+    # a zero_grad() without an argument as set_to_none=True and freed the masters' gradients.
+    from mixprec.optimizers import FusedAdam
+
+    want, got = _two_heads_trained_with_and_without_amp(
+        lambda params: FusedAdam(params, lr=1e-2, set_grad_none=False))
     for k in want:  # (bf16 compute; with the gradients freed, head b was 2e-2 off)
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-3, msg=k)
 
@@ -1554,24 +1562,8 @@ def test_a_zero_grad_whose_set_to_none_default_is_not_a_bool_frees_the_gradients
     not a bool (``None`` meaning "the default") is read as PyTorch's default, freeing the
     gradients: a head unused at a step is then not moved by momentum or weight decay, as in
     the same loop without amp (C14)."""
-    torch.manual_seed(0)
-    base = _TwoHeads()
-    g = torch.Generator().manual_seed(3)
-    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), i < 2)
-            for i in range(5)]
-
-    def run(use_amp):
-        model = copy.deepcopy(base)
-        opt = _NoneDefaultSGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
-        if use_amp:
-            amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-        for x, y, use_b in data:
-            opt.zero_grad()
-            backward_and_step(nn.functional.mse_loss(model(x, use_b).float(), y), opt, amp,
-                              use_amp)
-        return {k: v.float() for k, v in model.state_dict().items()}
-
-    want, got = run(False), run(True)
+    want, got = _two_heads_trained_with_and_without_amp(
+        lambda params: _NoneDefaultSGD(params, lr=0.1, momentum=0.9, weight_decay=0.1))
     for k in want:  # (bf16 compute)
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=5e-3, msg=k)
 
@@ -2559,48 +2551,28 @@ def test_step_right_after_a_window_opened_again_after_a_dropped_one_is_an_error(
 
 
 # A skipped step records what the LR scheduler's wrapper of step() records: a scheduler
-# stepped after an overflowed first step does not warn it came before optimizer.step().
+# stepped after an overflowed first step does not warn it came before optimizer.step(). The
+# same for a scheduler built on a wrapper's inner optimizer (LARC's .optim): amp's skipped
+# step counts as the inner optimizer's step too (r53C's C38).
+@pytest.mark.parametrize("larc", [False, True])
 @pytest.mark.parametrize("scheduler_first", [True, False])
-def test_a_scheduler_stepped_after_an_overflowed_first_step_does_not_warn(scheduler_first):
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    if scheduler_first:
-        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
-                                loss_scale="dynamic", verbosity=0)
-    if not scheduler_first:
-        sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
-    with amp.scale_loss(model(torch.randn(3, 4).bfloat16()).float().sum() * float("inf"),
-                        opt) as s:
-        s.backward()
-    opt.step()
-    assert amp.step_was_skipped(opt)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sched.step()
-    assert not [w for w in caught if "lr_scheduler" in str(w.message)], \
-        [str(w.message) for w in caught]
-
-
-@pytest.mark.parametrize("scheduler_first", [True, False])
-def test_a_scheduler_on_larcs_inner_optimizer_after_an_overflowed_first_step_does_not_warn(
-        scheduler_first):
-    """An LR scheduler built on a wrapper's inner optimizer (LARC's ``.optim``) and stepped
-    after an overflowed first step does not warn that it came before ``optimizer.step()``:
-    amp's skipped step counts as the inner optimizer's step too, as it does for a plain
-    optimizer, so users following the skipped-step recipe see no spurious warning (C38)."""
+def test_a_scheduler_stepped_after_an_overflowed_first_step_does_not_warn(scheduler_first,
+                                                                          larc):
     from mixprec.parallel import LARC
 
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
-    opt = LARC(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if larc:
+        opt = LARC(opt)
+    inner = opt.optim if larc else opt
     if scheduler_first:
-        sched = torch.optim.lr_scheduler.StepLR(opt.optim, 1, 0.5)
+        sched = torch.optim.lr_scheduler.StepLR(inner, 1, 0.5)
     model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
                                 loss_scale="dynamic", verbosity=0)
+    inner = opt.optim if larc else opt
     if not scheduler_first:
-        sched = torch.optim.lr_scheduler.StepLR(opt.optim, 1, 0.5)
+        sched = torch.optim.lr_scheduler.StepLR(inner, 1, 0.5)
     with amp.scale_loss(model(torch.randn(3, 4).bfloat16()).float().sum() * float("inf"),
                         opt) as s:
         s.backward()
@@ -2611,7 +2583,7 @@ def test_a_scheduler_on_larcs_inner_optimizer_after_an_overflowed_first_step_doe
         sched.step()
     assert not [w for w in caught if "lr_scheduler" in str(w.message)], \
         [str(w.message) for w in caught]
-    assert opt.optim.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert inner.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
 # zero_grad(set_to_none=True) forgets which masters had gradients under an earlier
