@@ -2104,11 +2104,12 @@ def check_amp_o2_accumulation_with_no_sync(ctx):
     _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
-def _accumulation_step(ctx, ddp, opt, ref, ref_opt, seed, delay_unscale, zero_grad=None):
+def _accumulation_step(ctx, ddp, opt, ref, ref_opt, seed, delay_unscale, zero_grad=None,
+                       synced=False):
     """One optimizer step over three micro-batches, each in scale_loss: ``ref`` in one process
     on the global micro-batches, ``ddp`` on this rank's shares with the first two inside
-    ``no_sync()`` (and ``delay_unscale`` there, if asked). ``zero_grad``: default
-    ``opt.zero_grad``."""
+    ``no_sync()`` (unless ``synced``: every one all-reduced) (and ``delay_unscale`` there, if
+    asked). ``zero_grad``: default ``opt.zero_grad``."""
     from mixprec import amp
 
     (zero_grad or opt.zero_grad)()
@@ -2119,7 +2120,7 @@ def _accumulation_step(ctx, ddp, opt, ref, ref_opt, seed, delay_unscale, zero_gr
         delay = delay_unscale and not last
         with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt, delay_unscale=delay) as s:
             s.backward()
-        with contextlib.nullcontext() if last else ddp.no_sync():
+        with contextlib.nullcontext() if last or synced else ddp.no_sync():
             loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
             with amp.scale_loss(loss, opt, delay_unscale=delay) as s:
                 s.backward()
@@ -2255,6 +2256,37 @@ def check_amp_accumulation_with_no_sync_needs_no_delay_unscale(ctx):
         _assert_same_on_all_ranks(ctx, masters, f"{opt_level} {loss_scale} weight")
         for m, r in zip(masters, amp.master_params(ref_opt)):
             torch.testing.assert_close(m, r, rtol=0, atol=2e-2 if opt_level == "O1" else 2e-3)
+
+
+def check_amp_o1_accumulates_all_reduced_micro_batches(ctx):
+    # Accumulation with every micro-batch all-reduced (no no_sync()) and delay_unscale=False:
+    # at O1 (fp32 parameters) and a loss scale other than 1, the gradients of the earlier
+    # micro-batches are set aside while the next backward runs. They are views of the
+    # reducer's buckets (mixprec's DDP; PyTorch's with gradient_as_bucket_view=True), which
+    # that backward writes, so they are set aside as copies (r53C's C46). Reference: one
+    # process on the global micro-batches.
+    from mixprec import amp
+
+    wrappers = {"mixprec": lambda m: DistributedDataParallel(m, message_size=64),
+                "torch": lambda m: nn.parallel.DistributedDataParallel(
+                    m, gradient_as_bucket_view=True)}
+    for name, wrap in wrappers.items():
+        model = _mlp(ctx.device)
+        model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), "O1",
+                                                    loss_scale=64.0)
+        ddp = wrap(model)
+        start = torch.cat([w.detach().flatten() for w in amp.master_params(opt)])
+        for step in range(2):
+            _accumulation_step(ctx, ddp, opt, ref, ref_opt, 170 + 3 * step,
+                               delay_unscale=False, synced=True)
+        weights = list(amp.master_params(opt))
+        _assert_same_on_all_ranks(ctx, weights, f"{name} DDP weight")
+        # The updates agree within bf16 autocast's rounding (0.24% of their size here; with
+        # the views set aside as they are, the next backward overwrote them: 103%).
+        update = torch.cat([w.detach().flatten() for w in weights]) - start
+        want = torch.cat([r.detach().flatten() for r in amp.master_params(ref_opt)]) - start
+        error = ((update - want).norm() / want.norm()).item()
+        assert error < 0.02, f"{name} DDP: updates {error:.1%} apart"
 
 
 def check_no_sync_deferral_follows_the_models_that_ran(ctx):
@@ -3536,6 +3568,7 @@ CHECKS = [
     "check_module_without_trainable_parameters_checks_shapes",
     "check_amp_o2_rank_dependent_init_under_either_ddp",
     "check_amp_accumulation_with_no_sync_needs_no_delay_unscale",
+    "check_amp_o1_accumulates_all_reduced_micro_batches",
     "check_no_sync_deferral_follows_the_models_that_ran",
     "check_amp_o2_ddp_syncbn_compiled",
     "check_amp_o2_fp16_dynamic_scale_on_device_under_ddp",
