@@ -133,6 +133,26 @@ def test_o2_masters_grads_do_not_pile_up_when_zeroed_through_a_wrapper(zeroing, 
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_o2_model_zero_grad_without_set_to_none_zeroes_the_masters_grads():
+    """``model.zero_grad(set_to_none=False)`` on an O2 model zeroes the gradients of the fp32
+    masters as well as those of the half parameters, as ``nn.Module.zero_grad`` does for a
+    plain model: loops that zero through the model between a backward and the step (gradient
+    clipping experiments, a discarded micro-batch) expect the step to see no gradient. (M30)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = batch()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+        scaled.backward()
+    masters = list(amp.master_params(opt))
+    assert any(m.grad is not None and m.grad.abs().sum() > 0 for m in masters)
+    model.zero_grad(set_to_none=False)
+    for m in masters:
+        assert m.grad is None or (m.grad == 0).all()
+    for p in model.parameters():
+        assert p.grad is None or (p.grad == 0).all()
+
+
 class _SlowFastWrapper(torch.optim.Optimizer):
     """Lookahead/torchcontrib-SWA-shaped: an Optimizer subclass that never calls
     Optimizer.__init__, shares its inner optimizer's param_groups and, after the inner step,
@@ -662,6 +682,46 @@ def test_o2_casts_nested_inputs_only_floating():
     assert extra["mask"].dtype == torch.bool and extra["w"][0].dtype == torch.bfloat16
     assert extra["w"][1] == "s"
     assert data[0].image.dtype == torch.float32  # the caller's objects are not modified
+
+
+def test_o2_output_cast_keeps_tuples_and_lists_as_they_were():
+    """A model returning ``(logits, aux)`` gets a tuple back after amp's output cast, and a
+    list stays a list: callers unpack, index and ``isinstance``-check these (torchvision's
+    Inception returns a namedtuple, detection heads return lists, many losses take tuples), and
+    a tuple turned into a list breaks hashing and ``==`` comparisons. Floating members come out
+    fp32, the others as they were. (M02)"""
+
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return (h, torch.arange(2)), [h * 2, "tag"]
+
+    model = TwoHeads()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    pair, rest = model(torch.randn(3, 2))
+    assert type(pair) is tuple and type(rest) is list
+    assert pair[0].dtype == rest[0].dtype == torch.float32
+    assert pair[1].dtype == torch.int64 and rest[1] == "tag"
+    torch.testing.assert_close(rest[0], (pair[0].bfloat16() * 2).float(), rtol=0, atol=0)
+    # Inputs too: a tuple handed to the forward arrives as a tuple of half tensors.
+    seen = {}
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, pair):
+            seen["pair"] = pair
+            return self.lin(pair[0])
+
+    spy = amp.initialize(Spy(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    spy((torch.randn(3, 2), torch.arange(3)))
+    assert type(seen["pair"]) is tuple and seen["pair"][0].dtype == torch.bfloat16
 
 
 @dataclasses.dataclass

@@ -251,3 +251,21 @@ def test_o2_keeps_batchnorm_subclasses_in_fp32():
     for bn in (model[1], model[2]):
         assert {t.dtype for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var)} == {
             torch.float32}, type(bn).__name__
+
+
+def test_a_syncbn_layer_converted_in_an_o2_model_is_still_inside_it():
+    """``convert_syncbn_model`` on an O2 model builds new SyncBatchNorm layers; each is a
+    part of the half model as the layer it replaced was, so ``amp.initialize`` of it alone is
+    refused with the "inside a model" error (its own casts would run inside the half model's
+    forward), exactly as for the layer before conversion. (M33)"""
+    from mixprec.parallel import SyncBatchNorm, convert_syncbn_model
+
+    model = make_cnn()
+    amp.initialize(model, opt_level="O2", verbosity=0)
+    with pytest.raises(ValueError, match="inside a model"):
+        amp.initialize(model.features[1], opt_level="O2", verbosity=0)
+    model = convert_syncbn_model(model)
+    bn = model.features[1]
+    assert isinstance(bn, SyncBatchNorm) and bn.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="inside a model"):
+        amp.initialize(bn, opt_level="O2", verbosity=0)

@@ -65,6 +65,27 @@ def test_loading_into_an_amp_model_restores_masters_exactly(dtype):
         torch.testing.assert_close(p.detach(), sd[name].to(p.dtype), rtol=0, atol=0)
 
 
+def test_o2_load_of_a_wrong_shape_entry_leaves_the_masters_alone():
+    """A checkpoint entry whose shape does not match its parameter (another architecture, a
+    resized head) is refused by ``load_state_dict`` with torch's "size mismatch" error, and
+    the fp32 masters keep their exact values: users catch the error and go on training or
+    load what fits, so a failed load must not touch the masters (a one-element entry
+    broadcast into a master, then replaced by the unchanged half parameter, left the master
+    rounded to half precision, in every later checkpoint too). (M27)"""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    bad = dict(before)
+    bad["0.bias"] = torch.full((1,), 7.0)  # broadcastable to the bias, but the wrong shape
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        model.load_state_dict(bad)
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    for master, ref in zip(amp.master_params(opt), before.values()):
+        torch.testing.assert_close(master.detach(), ref, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_writes_into_the_half_model_reach_the_checkpoint_and_survive_a_load(dtype):
     # Two orders users write: (a) an in-place write into the O2 model under no_grad (a

@@ -1329,3 +1329,115 @@ def test_syncbn_deepcopy_keeps_references_to_itself():
     twin(x)
     assert twin.calls == 1 and layer.calls == 0
     torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# the autograd function itself, one process (fn.LOCAL: no collectives)
+# ------------------------------------------------------------------------------------------------
+_LOCAL_PATHS = {"cpu-reference": contextlib.nullcontext, "cpu-emulated-fused": emulated_fused_path}
+
+
+def _local_case(x, dy, weight, bias, running_mean, running_var, eps, momentum, *,
+                channel_last=False, cache=None, path_ctx=contextlib.nullcontext):
+    """``fn.sync_batch_norm`` on one process: (output, input gradient)."""
+    xr = x.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+    with path_ctx():
+        y = fn.sync_batch_norm(xr, weight, bias, running_mean, running_var, eps, momentum,
+                               fn.LOCAL, 1, channel_last=channel_last, cache=cache)
+        y.backward(dy)
+    return y.detach(), xr.grad
+
+
+@pytest.mark.parametrize("path", sorted(_LOCAL_PATHS))
+def test_sync_batch_norm_keeps_the_layout_of_a_3d_input_with_channels_innermost(
+        not_distributed, path):
+    """A 3-D ``(N, C, L)`` input whose memory is ``(N, L, C)`` (a transposed sequence batch)
+    gives an output with the input's strides, as documented ("same shape, dtype and layout")
+    and as for 4-D/5-D channels-last inputs: code after the layer relies on the layout (a
+    following ``.view``, kernels picked by layout). Values: float64 BatchNorm, 1e-5. (M03)"""
+    torch.manual_seed(0)
+    x = torch.randn(5, 7, 3).transpose(1, 2)  # (N, C, L), channels innermost in memory
+    dy = torch.randn(5, 7, 3).transpose(1, 2)
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    y, dx = _local_case(x, dy, w, b, None, None, 1e-5, 0.1, path_ctx=_LOCAL_PATHS[path])
+    assert y.stride() == x.stride(), f"[{path}] output strides {y.stride()}, input {x.stride()}"
+    ry, rdx = _reference(x, w, b, dy, None, None, 0.1, 1e-5, 1)[:2]
+    _close(y, ry, OUT_TOL[torch.float32], f"[{path}] output")
+    _close(dx, rdx, OUT_TOL[torch.float32], f"[{path}] input grad")
+
+
+@pytest.mark.skipif(not _INTERPRETER, reason="needs Triton's interpreter (tests/_triton.py)")
+def test_contiguous_channel_last_input_takes_the_triton_kernels(not_distributed, monkeypatch):
+    """A contiguous ``(N, H, W, C)`` input with ``channel_last=True`` (Apex's flag) is dense
+    channels-last memory and takes mixprec's four Triton passes, as the module docstring
+    states (the fast path users of Apex's flag expect), and they compute BatchNorm: float64
+    reference, 1e-5. (M04)"""
+    from mixprec.parallel import _syncbn_triton
+
+    calls = []
+    names = ("stats", "normalize", "grad_sums", "grad_input")
+
+    def counting(name, method):
+        def counted(*args, **kwargs):
+            calls.append(name)
+            return method(*args, **kwargs)
+        return counted
+
+    for name in names:
+        monkeypatch.setattr(_syncbn_triton.Plan, name,
+                            counting(name, getattr(_syncbn_triton.Plan, name)))
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 5, 6)  # (N, H, W, C), contiguous
+    dy = torch.randn(4, 3, 5, 6)
+    w, b = torch.rand(6) + 0.5, torch.randn(6)
+    rm, rv = torch.zeros(6), torch.ones(6)
+    y, dx = _local_case(x, dy, w, b, rm, rv, 1e-5, 0.1, channel_last=True,
+                        path_ctx=functools.partial(emulated_fused_path, triton=True))
+    assert sorted(calls) == sorted(names), calls
+    ry, rdx, _, _, rrm, rrv = _reference(x, w, b, dy, torch.zeros(6), torch.ones(6), 0.1, 1e-5,
+                                         3)
+    _close(y, ry, OUT_TOL[torch.float32], "output")
+    _close(dx, rdx, OUT_TOL[torch.float32], "input grad")
+    _close(rm, rrm, STAT_TOL, "running_mean")
+    _close(rv, rrv, STAT_TOL, "running_var")
+
+
+@pytest.mark.parametrize("first", [torch.channels_last, torch.contiguous_format])
+def test_a_layer_cache_tells_layouts_of_one_shape_apart(not_distributed, first):
+    """A layer's cache (``SyncBatchNorm._count_cache``) keeps one layout per input geometry:
+    inputs of one shape in two memory formats (a model switched to channels_last between
+    steps, a data loader handing either) each get their own, so each output has its input's
+    layout and BatchNorm's values (float64 reference, 1e-5). Fused path, where the layout
+    decides the kernels' views. (M06)"""
+    torch.manual_seed(0)
+    w, b = torch.rand(4) + 0.5, torch.randn(4)
+    cache = {}
+    formats = [first, ({torch.channels_last, torch.contiguous_format} - {first}).pop()]
+    for fmt in formats:
+        x = torch.randn(3, 4, 2, 5).contiguous(memory_format=fmt)
+        dy = torch.randn(3, 4, 2, 5)
+        y, dx = _local_case(x, dy, w, b, None, None, 1e-5, 0.1, cache=cache,
+                            path_ctx=emulated_fused_path)
+        assert y.is_contiguous(memory_format=fmt), f"{fmt}: output strides {y.stride()}"
+        ry, rdx = _reference(x, w, b, dy, None, None, 0.1, 1e-5, 1)[:2]
+        _close(y, ry, OUT_TOL[torch.float32], f"{fmt} output")
+        _close(dx, rdx, OUT_TOL[torch.float32], f"{fmt} input grad")
+
+
+def test_fused_path_updates_a_strided_running_variance(not_distributed):
+    """Running statistics that are strided views (a buffer sliced out of a larger one, a
+    checkpoint loaded into a view) are updated in place on the fused path, where the kernels
+    get contiguous copies: both the mean and the variance are written back, and nothing else
+    in the base buffer changes. Reference: float64 BatchNorm's running statistics, 1e-4. (M10)"""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 4, 4) * 2 + 1
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    rm = torch.zeros(3)
+    base = torch.ones(6)
+    rv = base[::2]
+    _local_case(x, torch.randn_like(x), w, b, rm, rv, 1e-5, 0.1, path_ctx=emulated_fused_path)
+    rrm, rrv = _reference(x, w, b, torch.zeros_like(x), torch.zeros(3), torch.ones(3), 0.1, 1e-5,
+                          1)[4:]
+    _close(rm, rrm, STAT_TOL, "running_mean")
+    _close(rv, rrv, STAT_TOL, "running_var")
+    assert torch.equal(base[1::2], torch.ones(3)), base
