@@ -2501,16 +2501,33 @@ def check_module_without_trainable_parameters_checks_shapes(ctx):
     # rank's differently shaped tensors. Every rank now refuses it. A trainable one went to
     # PyTorch's own check, which on gloo raised on the mismatched rank only and left rank 0
     # waiting for the process group's timeout (here the test's; 30 minutes by default).
-    for trainable, kwargs in ((False, {}), (True, {}), (True, {"delay_allreduce": True})):
-        layer = nn.Linear(4, 4 + ctx.rank).to(ctx.device).requires_grad_(trainable)
+    # Dtypes and names count as shapes do: a rank whose copy was cast (a stray .double()) or
+    # whose buffer is registered under another name took rank 0's bytes into another dtype or
+    # another buffer (r53A's D08, D09).
+    def shaped(trainable):
+        return nn.Linear(4, 4 + ctx.rank).to(ctx.device).requires_grad_(trainable)
+
+    def cast():
+        dtype = torch.float64 if ctx.rank == 1 else torch.float32
+        return nn.Linear(4, 4).to(ctx.device, dtype).requires_grad_(False)
+
+    def renamed():
+        layer = nn.Linear(4, 4).to(ctx.device).requires_grad_(False)
+        layer.register_buffer("scale" if ctx.rank == 0 else "shift",
+                              torch.ones(4, device=ctx.device))
+        return layer
+
+    cases = [("shape, frozen", shaped(False), {}), ("shape", shaped(True), {}),
+             ("shape, delay_allreduce", shaped(True), {"delay_allreduce": True}),
+             ("dtype", cast(), {}), ("buffer name", renamed(), {})]
+    for what, layer, kwargs in cases:
         try:
             DistributedDataParallel(layer, **kwargs)
         except RuntimeError as err:
             assert "differ in name, dtype or shape between ranks (ranks [1]" in str(err), \
                 str(err)
         else:
-            raise AssertionError(f"differently shaped models on the ranks were accepted "
-                                 f"(trainable={trainable}, {kwargs})")
+            raise AssertionError(f"models differing between the ranks were accepted ({what})")
     torch.manual_seed(ctx.rank)
     same = nn.Linear(4, 4).to(ctx.device).requires_grad_(False)
     DistributedDataParallel(same)  # (the same shapes: rank 0's values, as before)
@@ -3032,26 +3049,6 @@ def check_unused_parameters_named_with_tied_weights(ctx):
     text = _unused_parameters_error(ctx, ddp, lambda: None)
     assert "got no gradient: b.weight, b.bias" in text, text
     assert "emb.weight" not in text and "out.weight" not in text, text
-
-
-def check_structure_check_compares_dtypes_and_names(ctx):
-    """Every rank must hold the module's tensors in the same dtypes and under the same names
-    as rank 0: a rank whose copy was cast (a stray .double()) or whose buffer is registered
-    under another name is refused on every rank, naming the ranks, before any broadcast (a
-    module passed through took rank 0's bytes into another dtype or another buffer). (D08,
-    D09)"""
-    dtype = torch.float64 if ctx.rank == 1 else torch.float32
-    layer = nn.Linear(4, 4).to(ctx.device, dtype).requires_grad_(False)
-    renamed = nn.Linear(4, 4).to(ctx.device).requires_grad_(False)
-    renamed.register_buffer("scale" if ctx.rank == 0 else "shift", torch.ones(4, device=ctx.device))
-    for module in (layer, renamed):
-        try:
-            DistributedDataParallel(module)
-        except RuntimeError as err:
-            assert "differ in name, dtype or shape between ranks (ranks [1]" in str(err), \
-                str(err)
-        else:
-            raise AssertionError("modules differing between the ranks were accepted")
 
 
 class _MostlyHalf(nn.Module):
@@ -3596,7 +3593,6 @@ CHECKS = [
     "check_constructor_warnings_point_at_the_callers_line",
     "check_apex_internals_override_warned_through_a_base_class",
     "check_unused_parameters_named_with_tied_weights",
-    "check_structure_check_compares_dtypes_and_names",
     "check_message_size_counts_elements_of_the_trainable_majority_dtype",
     "check_gradients_are_views_of_the_reducers_buckets",
     "check_join_refusal_names_the_options_that_use_the_hook",

@@ -48,10 +48,14 @@ _INTERPRETER = interpreter_skip_reason() is None
 _CPU_ENV = {"TRITON_INTERPRET": "1"} if interpreter_skip_reason(require_env=False) is None else None
 
 
+# The CPU paths: PyTorch's, and the fused path with CPU stand-ins for its kernels.
+_CPU_PATHS = [("cpu-reference", contextlib.nullcontext), ("cpu-emulated-fused", emulated_fused_path)]
+
+
 def _paths(ctx):
     if ctx.is_cuda:
         return [("cuda-fused", contextlib.nullcontext)]
-    paths = [("cpu-reference", contextlib.nullcontext), ("cpu-emulated-fused", emulated_fused_path)]
+    paths = list(_CPU_PATHS)
     if _INTERPRETER:
         # The fused path with the Triton reductions for channels-last inputs, interpreted.
         paths.append(("cpu-emulated-fused-triton",
@@ -1334,7 +1338,7 @@ def test_syncbn_deepcopy_keeps_references_to_itself():
 # ------------------------------------------------------------------------------------------------
 # the autograd function itself, one process (fn.LOCAL: no collectives)
 # ------------------------------------------------------------------------------------------------
-_LOCAL_PATHS = {"cpu-reference": contextlib.nullcontext, "cpu-emulated-fused": emulated_fused_path}
+_LOCAL_PATHS = dict(_CPU_PATHS)
 
 
 def _local_case(x, dy, weight, bias, running_mean, running_var, eps, momentum, *,
