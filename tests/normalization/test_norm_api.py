@@ -1305,3 +1305,77 @@ def test_reset_parameters_restores_ones_and_zeros_after_deferred_init(cls):
     want = (torch.nn.functional.rms_norm(x, (2, 4), eps=1e-5) if norm._is_rms
             else torch.nn.functional.layer_norm(x, (2, 4), eps=1e-5))
     torch.testing.assert_close(norm(x.float()).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@KERNEL_DEVICES
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_kernels_take_a_weight_that_is_every_other_element(kind, device):
+    """A weight whose memory is not one contiguous vector (every other element of a buffer,
+    e.g. a parameter tied to a slice) must be read as its values, with and without grad, also
+    where the kernels run. Output and gradients against PyTorch's norms in float64 (O02)."""
+    device, context = device_and_context(device)
+    gen = torch.Generator().manual_seed(11)
+    wide = (torch.rand(64, generator=gen) + 0.5).to(device)
+    w = wide[::2].requires_grad_(True)
+    assert not w.is_contiguous()
+    b = (0.2 * torch.randn(32, generator=gen)).to(device).requires_grad_(True)
+    x = torch.randn(6, 32, generator=gen).to(device).requires_grad_(True)
+    dy = torch.randn(6, 32, generator=gen).to(device)
+    with context():
+        if kind == "layer":
+            y = fused_layer_norm(x, 32, w, b)
+            got = torch.autograd.grad(y, [x, w, b], dy)
+        else:
+            y = fused_rms_norm(x, 32, w)
+            got = torch.autograd.grad(y, [x, w], dy)
+    want = float64_reference(kind, x, (32,), w, b if kind == "layer" else None, dy)
+    tol = tolerance(torch.float32)
+    torch.testing.assert_close(y.double(), want[0], **tol, msg="output")
+    for name, g, r in zip(("dx", "dweight", "dbias"), got, want[1:]):
+        torch.testing.assert_close(g.double(), r, **tol, msg=name)
+
+
+@requires_interpreter
+def test_fused_norm_bwd_op_gives_dx_in_the_input_dtype_on_the_kernels():
+    """The backward op returns dx in x_dtype (what its fake implementation promises, so what
+    torch.compile's graph expects) also when the output's dtype differs, as for the Mixed norms
+    (bf16 input, fp32 output and parameters); the parameter gradients keep the parameters'
+    dtype. Values against PyTorch's layer norm in float64 (L12)."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(4, 8, generator=gen).bfloat16()
+    w = torch.rand(8, generator=gen) + 0.5
+    b = torch.randn(8, generator=gen)
+    dy = torch.randn(4, 8, generator=gen)
+    with _ops.triton_on_cpu():
+        y, mean, rstd = torch.ops.mixprec.fused_norm_fwd(x, w, b, 1e-5, False, False,
+                                                         torch.float32)
+        dx, dw, db = torch.ops.mixprec.fused_norm_bwd(dy, x, w, b, mean, rstd, False, False,
+                                                      torch.bfloat16, True, True)
+    assert y.dtype == torch.float32
+    assert dx.dtype == torch.bfloat16 and dw.dtype == db.dtype == torch.float32
+    want = float64_reference("layer", x, (8,), w, b, dy)
+    torch.testing.assert_close(dx.double(), want[1], **tolerance(torch.bfloat16))
+    torch.testing.assert_close(dw.double(), want[2], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(db.double(), want[3], atol=1e-4, rtol=1e-4)
+
+
+@_KERNELS_ONLY
+def test_second_derivative_through_the_kernels_on_a_row_copy_is_a_clear_error(device):
+    """memory_efficient on an input whose memory is not rows (a transposed activation) runs the
+    kernels on a row copy; their backward still has no second derivative, so asking for one
+    under create_graph=True is an error, not a result silently missing the norm's term. The
+    first derivative matches PyTorch's layer norm (O11)."""
+    device, kernels_on_cpu = device_and_context(device)
+    gen = torch.Generator().manual_seed(13)
+    base = torch.randn(16, 4, generator=gen).to(device).requires_grad_(True)
+    norm = FusedLayerNorm(16, memory_efficient=True).to(device)
+    c = torch.randn(4, 16, generator=gen).to(device)
+    with kernels_on_cpu():
+        (gx,) = torch.autograd.grad(norm(base.t()).pow(2).sum(), base, create_graph=True)
+    ref = base.detach().clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(
+        torch.nn.functional.layer_norm(ref.t(), (16,), norm.weight, norm.bias).pow(2).sum(), ref)
+    torch.testing.assert_close(gx, want, atol=1e-5, rtol=1e-5)
+    second = (gx.t() * c).sum() + (base ** 3).sum()
+    with pytest.raises(RuntimeError, match="Triton kernels.*differentiate twice"):
+        second.backward()

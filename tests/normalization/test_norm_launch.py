@@ -283,3 +283,17 @@ def test_backward_rejects_a_non_unit_column_stride():
     _, mean, rstd = _launch.forward(x, None, None, 1e-5, False, torch.float32)
     with pytest.raises(ValueError, match="the fused backward needs unit column strides"):
         _launch.backward(dy, x, None, None, mean, rstd, False, False, torch.float32, False, False)
+
+
+def test_next_power_of_2_is_the_smallest_power_holding_the_row():
+    """The kernels' tiles are this power of two wide and hold the whole row: a narrower tile
+    leaves the row's last columns unread and unwritten (rows of 2**k + 1 elements, the case an
+    off-by-one misses), a wider one wastes registers. Against a plain loop (L01)."""
+    for n in range(0, 4100):
+        want = 1
+        while want < n:
+            want *= 2
+        assert _launch.triton_next_power_of_2(n) == want, n
+    for n in (17, 65, 1025, 4097, 65537):
+        for cfg in (_launch.default_config(n), _launch.default_backward_config(n, 2, 2)):
+            assert cfg.block_n >= n, (n, cfg)

@@ -87,10 +87,14 @@ def test_kernels_on_larger_cases(kind, case_id, dtype, memory_efficient):
     _check(kind, shape, normalized_shape, dtype, True, memory_efficient)
 
 
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["save_x", "save_y"])
 @pytest.mark.parametrize("layout", ["row_strided", "transposed"])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_kernels_on_non_contiguous_input(kind, layout):
-    _check(kind, (2, 37, 45), (45,), torch.float32, True, False, layout=layout)
+def test_kernels_on_non_contiguous_input(kind, layout, memory_efficient):
+    """A row-strided slice (the q of a fused qkv projection) or a transposed activation: with
+    memory_efficient the backward reads the saved output at the output's own row stride, not
+    the input's. Against PyTorch's norms in float64."""
+    _check(kind, (2, 37, 45), (45,), torch.float32, True, memory_efficient, layout=layout)
 
 
 @pytest.mark.parametrize("memory_efficient", [False, True], ids=["save_x", "save_y"])
@@ -189,3 +193,32 @@ def test_kernels_with_expanded_gradient(kind, n):
     _, dx_ref, dw_ref, _ = float64_reference(kind, x, (n,), w, b, torch.ones(3, n))
     torch.testing.assert_close(x.grad.double(), dx_ref, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(w.grad.double(), dw_ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("n", [17, 65])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_kernels_on_rows_one_past_a_power_of_two(kind, n):
+    """Rows of 2**k + 1 elements need the next tile width up: their last column must be
+    normalized and get its gradients like the others. Output, dx, dweight and dbias against
+    PyTorch's norms in float64 (L01)."""
+    _check(kind, (5, n), (n,), torch.float32, True, False)
+
+
+def test_backward_reads_a_fp32_weight_at_fp32_with_half_gradients():
+    """Parameters are read at their own precision (the kernels compute in fp32): with bf16
+    activations and gradients but fp32 weights (master weights kept in fp32), the input
+    gradient asked for in fp32 matches the PyTorch reference's fp32 arithmetic on the same
+    inputs to fp32 accuracy, not to bf16's. Both saved-x and saved-y backwards (K25)."""
+    m, n = 21, 45
+    x = make_input((m, n), torch.bfloat16, "cpu")
+    dy = make_input((m, n), torch.bfloat16, "cpu", seed=5)
+    w, b = (t.detach() for t in make_params((n,), torch.float32, "cpu", True))
+    y, mean, rstd = _launch.forward(x, w, b, 1e-5, False, torch.bfloat16)
+    for from_y, xy in ((False, x), (True, y)):
+        got = _launch.backward(dy, xy, w, b, mean, rstd, False, from_y, torch.float32,
+                               True, True)
+        want = reference.norm_backward(dy, xy, w, b, mean, rstd, False, from_y,
+                                       torch.float32, True, True)
+        for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
+            assert g.dtype == torch.float32, name
+            torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5, msg=f"from_y={from_y} {name}")
