@@ -14,6 +14,7 @@ from mixprec.normalization import (
     FusedRMSNorm,
     MixedFusedLayerNorm,
     MixedFusedRMSNorm,
+    _launch,
     _ops,
     apex_functional,
     fused_layer_norm,
@@ -1379,3 +1380,23 @@ def test_second_derivative_through_the_kernels_on_a_row_copy_is_a_clear_error(de
     second = (gx.t() * c).sum() + (base ** 3).sum()
     with pytest.raises(RuntimeError, match="Triton kernels.*differentiate twice"):
         second.backward()
+
+
+@_KERNELS_ONLY
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_forward_kernel_writes_no_row_past_the_last(kind, device):
+    """The forward writes its output's rows and nothing after them: the output is often a view
+    of a larger buffer (out=, e.g. the rows of a preallocated activation), whose next rows
+    belong to someone else. 21 rows of 45 leave the last 16-row tile 11 rows past the end. The
+    rows written match PyTorch's norms in float64; the rest of the buffer keeps its NaNs."""
+    device, kernels_on_cpu = device_and_context(device)
+    m, n = 21, 45
+    x = make_input((m, n), torch.float32, device)
+    w, b = (None if t is None else t.detach()
+            for t in make_params((n,), torch.float32, device, True, with_bias=kind == "layer"))
+    buf = torch.full((m + 16, n), float("nan"), device=device)
+    with kernels_on_cpu():
+        _launch.forward(x, w, b, 1e-5, kind == "rms", torch.float32, out=buf[:m])
+    assert buf[m:].isnan().all(), "the forward wrote past the output's last row"
+    want = float64_reference(kind, x, (n,), w, b, torch.ones_like(x))[0]
+    torch.testing.assert_close(buf[:m].double(), want, **tolerance(torch.float32))
