@@ -130,24 +130,31 @@ def test_scale_seq_len_sets_the_growth_window(where):
     assert scales == [2.0**10, 2.0**11, 2.0**11, 2.0**12, 2.0**12]
 
 
+@pytest.mark.parametrize("clean,window,want", [(5, 3, [2.0, 2.0, 2.0, 4.0]),
+                                               (3, 4, [2.0, 2.0, 2.0, 2.0, 4.0])],
+                         ids=["shortened", "lengthened"])
 @pytest.mark.parametrize("where", OPTIMIZERS)
-def test_a_window_shortened_below_the_clean_steps_grows_the_scale_next(where):
-    # Five clean steps, then the window set to 3: the count is past it, and the next clean
-    # step grows the scale, then every third, wherever the scale lives. On the device (a
-    # fused optimizer) the kernel grows only when its count reaches the window exactly, and
-    # the count was left at 5: the scale never grew again.
+def test_a_window_set_after_clean_steps_counts_them(where, clean, window, want):
+    # Clean steps taken before _scale_seq_len is set count toward the new window, wherever the
+    # scale lives. Shortened below them (five, then 3): the next clean step grows the scale,
+    # then every third; on the device (a fused optimizer) the kernel grows only when its count
+    # reaches the window exactly, and the count was left at 5: it never grew again.
+    # Lengthened (three, then 4): the fourth clean step grows it, as Apex counted; setting the
+    # window reads the device's count first, not the host's stale one.
     model, opt, state = _setup(where)
     scaler = state.loss_scalers[0]
     x, y = batch()
-    for _ in range(5):
+    for _ in range(clean):
         _scaled_step(model, opt, x, y)
     start = scaler.loss_scale()
-    scaler._scale_seq_len = 3
+    scaler._scale_seq_len = window
+    if clean < window:
+        assert scaler._unskipped == clean
     scales = []
-    for _ in range(4):
+    for _ in range(len(want)):
         _scaled_step(model, opt, x, y)
         scales.append(scaler.loss_scale() / start)
-    assert scales == [2.0, 2.0, 2.0, 4.0]
+    assert scales == want
 
 
 def test_loss_scalers_of_several_losses_are_separate():

@@ -1648,3 +1648,38 @@ def test_o2_embedding_max_norm_renormalises_the_master_as_fp32_does(by_keyword, 
     torch.testing.assert_close(model.state_dict()["weight"], ref.weight.detach(), rtol=0, atol=0)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, want, rtol=1e-2, atol=1e-2)  # (bf16 rows)
+
+
+def test_a_function_with_a_rule_keeps_the_type_of_a_mapping_it_casts():
+    """A mapping argument whose tensors a rule casts reaches the function as a mapping of its
+    own type (an OrderedDict stays one, a defaultdict keeps its factory), as the model's own
+    inputs are cast: extension code that checks the type or relies on the factory's default
+    behaves the same under O1 as outside it. Only the copy is cast; the caller's mapping keeps
+    its tensors. (F05)"""
+    @amp.float_function
+    def look(batch):
+        default = batch["missing"] if hasattr(batch, "default_factory") else None
+        return type(batch), batch["x"].dtype, default
+
+    ordered = collections.OrderedDict(x=torch.randn(2, dtype=torch.bfloat16))
+    counts = collections.defaultdict(int, x=torch.randn(2, dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert look(ordered) == (collections.OrderedDict, torch.float32, None)
+        assert look(counts) == (collections.defaultdict, torch.float32, 0)
+    assert ordered["x"].dtype == counts["x"].dtype == torch.bfloat16
+    assert "missing" not in counts
+
+
+def test_a_function_with_a_rule_casts_only_floating_tensors():
+    """A rule casts floating tensors only: an index tensor, a bool mask and a count next to
+    them reach the function with their own dtypes (gather/index_select and masked ops refuse
+    floating indices and masks), under every rule. (F15)"""
+    def probe(x, idx, mask):
+        return x.dtype, idx.dtype, mask.dtype, x[idx].masked_fill(mask[idx], 0.0).dtype
+
+    x = torch.randn(4)
+    idx, mask = torch.tensor([0, 2]), torch.tensor([True, False, True, False])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for rule, want in ((amp.half_function, torch.bfloat16), (amp.float_function, torch.float32),
+                           (amp.promote_function, torch.float32)):
+            assert rule(probe)(x, idx, mask) == (want, torch.int64, torch.bool, want)

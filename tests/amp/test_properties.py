@@ -50,7 +50,8 @@ def test_loss_scale_forms(value, expected):
 
 
 @pytest.mark.parametrize("value,exc", [("big", ValueError), (0, ValueError), (-1.0, ValueError),
-                                       (float("inf"), ValueError), ([1], TypeError)])
+                                       (float("inf"), ValueError), ([1], TypeError),
+                                       ("nan", ValueError), (float("nan"), ValueError)])
 def test_bad_loss_scale(value, exc):
     with pytest.raises(exc, match="loss_scale"):
         resolve_properties("O1", loss_scale=value)
@@ -99,6 +100,10 @@ def test_bool_loss_scale_is_refused(value):
     ("O0", {}, False),
     ("O1", {"loss_scale": 128.0}, False),  # a static scale other than 1.0
     ("O2", {"loss_scale": "512"}, False),
+    # bf16 needs no scaling whichever argument chose it; "dynamic" asked for is still kept
+    ("O2", {"dtype": torch.bfloat16}, False),
+    ("O2", {"cast_model_type": torch.bfloat16}, False),
+    ("O2", {"cast_model_type": torch.bfloat16, "loss_scale": "dynamic"}, True),
 ])
 def test_dynamic_loss_scale_property(opt_level, kw, dynamic):
     assert resolve_properties(opt_level, **kw).dynamic_loss_scale is dynamic
@@ -124,3 +129,27 @@ def test_master_weights_strings():
     assert resolve_properties("O2", master_weights="True").master_weights is True
     with pytest.raises(TypeError, match="master_weights"):
         resolve_properties("O2", master_weights="no")
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1"])
+def test_bf16_dtype_with_an_fp32_cast_model_type_is_not_a_disagreement(opt_level):
+    """dtype picks the half type (O1's autocast dtype) and cast_model_type=torch.float32 the
+    parameters' dtype: they do not disagree, and a config passing both (fp32 parameters, bf16
+    autocast) resolves, keeping each. Only two different half types disagree. (P03)"""
+    p = resolve_properties(opt_level, dtype=torch.bfloat16, cast_model_type=torch.float32)
+    assert (p.half_dtype, p.cast_model_type) == (torch.bfloat16, torch.float32)
+    assert p.patch_torch_functions is (opt_level == "O1")
+    with pytest.raises(ValueError, match="disagree"):
+        resolve_properties("O3", dtype=torch.bfloat16, cast_model_type=torch.float16)
+
+
+@pytest.mark.parametrize("name", ["keep_batchnorm_fp32", "master_weights",
+                                  "patch_torch_functions"])
+@pytest.mark.parametrize("value", ["false", "TRUE", "1"])
+def test_only_apexs_exact_bool_strings_are_taken(name, value):
+    """The string forms taken for a bool property are exactly Apex's argparse "True" and
+    "False"; any other spelling is refused naming the accepted ones, so that a config's
+    "false" is not read by a rule the user cannot see in the docs. (P06)"""
+    with pytest.raises(TypeError, match=rf"{name}={value!r}\): expected True, False, None or "
+                                        r'the strings "True"/"False"'):
+        resolve_properties("O2", **{name: value})

@@ -2619,3 +2619,31 @@ def test_an_overflowed_step_through_a_bound_step_keeps_a_write_to_the_half_model
     step()
     assert amp.step_was_skipped(opt)
     assert torch.all(model.weight == 0.5)  # (the skipped step wrote nothing into the model)
+
+
+@pytest.mark.parametrize("fused", [False, True])  # fused: the scale lives on the device
+def test_held_gradients_follow_a_scale_loaded_inside_the_window(fused):
+    """Gradients held scaled (delay_unscale) carry the scale of their backward; a scale set
+    before the window's last micro-batch (amp.load_state_dict, or an Apex script writing
+    loss_scalers[0]._loss_scale) must rescale them to the new one, or the first micro-batch
+    counts new/old times. Reference: both micro-batches' gradients summed in float64. (S15)"""
+    torch.manual_seed(0)
+    a = nn.Linear(4, 3)
+    ref = copy.deepcopy(a).double()
+    opt = torch.optim.AdamW(a.parameters(), lr=0.1, fused=fused)
+    a, opt = amp.initialize(a, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
+                            patch_torch_functions=False, verbosity=0)
+    gen = torch.Generator().manual_seed(1)
+    x1, x2 = torch.randn(5, 4, generator=gen), torch.randn(5, 4, generator=gen)
+    with amp.scale_loss(a(x1).pow(2).mean(), opt, delay_unscale=True) as s:
+        s.backward()  # held at 2**16
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 0}})
+    loss = a(x2).pow(2).mean()
+    with amp.scale_loss(loss, opt) as s:
+        assert float(s.detach()) == pytest.approx(1024.0 * float(loss.detach()))
+        s.backward()
+    for x in (x1, x2):
+        ref(x.double()).pow(2).mean().backward()
+    got = torch.cat([p.grad.double().flatten() for p in a.parameters()])
+    want = torch.cat([r.grad.flatten() for r in ref.parameters()])
+    assert (got - want).norm() / want.norm() < 1e-5

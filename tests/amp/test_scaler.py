@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from mixprec import amp
-from mixprec.amp.scaler import LossScaler, unscale_grads_
+from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 
 
 def _trace(s, flags, on_device):
@@ -58,6 +58,12 @@ def test_bounds():
     (dict(max_loss_scale=0), r"max_loss_scale=0\): must be a number > 0"),
     (dict(min_loss_scale=8.0, max_loss_scale=2.0),
      r"LossScaler\(min_loss_scale=8\.0, max_loss_scale=2\.0\): min_loss_scale must not"),
+    # A bool is not a scale, window or bound: LossScaler(True) (a flag meant for "dynamic")
+    # became a static scale of 1.0 and scale_window=True a window of one step.
+    *[(dict([(name, flag)]), rf"LossScaler\({name}={flag}\): must be")
+      for name, flag in (("loss_scale", True), ("init_scale", True), ("scale_window", True),
+                         ("min_loss_scale", True), ("max_loss_scale", True),
+                         ("scale_factor", False))],
 ])
 def test_bad_arguments_are_refused_naming_them(kwargs, match):
     # The public LossScaler took them all: a factor of 0.5 shrank the scale on clean steps, 0
@@ -388,3 +394,65 @@ def test_a_backward_reaching_no_parameter_is_not_an_overflow():
     opt.step()
     assert not amp.step_was_skipped(opt)
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**16, "unskipped": 1}
+
+
+def test_release_device_brings_the_device_scale_and_count_back():
+    """Bringing a device-held scale back to the host keeps what the device kernels made of it
+    (a backoff, clean steps counted): the next host step (an optimizer without a fused step on
+    the same loss, a loss computed on another device) continues from there. Reference: the
+    same steps taken on the host. (S05)"""
+    want = LossScaler("dynamic", scale_window=3)
+    for flag in (True, False, False):
+        want.update(flag)
+    s = LossScaler("dynamic", scale_window=3)
+    s.device_state(torch.device("cpu"))
+    for flag in (True, False, False):
+        s.update_on_device(torch.tensor(float(flag)))
+    s.release_device()
+    assert s.on_device is None
+    assert s.state_dict() == want.state_dict() == {"loss_scale": 2.0**15, "unskipped": 2}
+    s.update(False)  # the third clean step in a row grows the scale on either side
+    want.update(False)
+    assert s.state_dict() == want.state_dict() == {"loss_scale": 2.0**16, "unskipped": 0}
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_create_graph_unscale_survives_a_device_scale_update_before_the_second_derivative():
+    """A gradient penalty computed after the step's scale update (update_on_device rewrites
+    the device-held 1/scale in place) still differentiates through the unscaled gradients: the
+    recorded multiply must hold its own copy of 1/scale, not the scaler's tensor, or autograd
+    refuses the second backward (a tensor it saved was modified in place). Reference: the
+    analytic second derivative of sum((d/dw sum(w**3))**2) = 36 w**3. (S19)"""
+    s = LossScaler("dynamic")
+    s.device_state(torch.device("cpu"))
+    w = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    g, = torch.autograd.grad((w**3).sum() * s.loss_scale, w, create_graph=True)
+    flags = unscale_grads_([g], s, check=True)
+    s.update_on_device(flags[0])
+    second, = torch.autograd.grad(g.pow(2).sum(), w)
+    torch.testing.assert_close(second, 36 * w.detach() ** 3, rtol=1e-6, atol=0)
+
+
+def test_an_overflow_in_one_dtype_group_is_not_cleared_by_a_clean_group_with_a_graph():
+    """One overflow flag per device serves every (device, dtype) group of a backward: a clean
+    group unscaled after an overflowing one (here both carrying a graph, create_graph=True,
+    fp32 and bf16 gradients on one device) must leave the flag set, or the overflowed step is
+    taken with inf gradients. (S20)"""
+    s = LossScaler("dynamic")
+    w32 = torch.ones(2, requires_grad=True)
+    w16 = torch.ones(3, dtype=torch.bfloat16, requires_grad=True)
+    g32 = w32 * torch.tensor([1.0, float("inf")])  # gradients carrying a graph
+    g16 = w16 * 2.0
+    flags = unscale_grads_([g32, g16], s, check=True)
+    assert len(flags) == 1 and float(flags[0]) == 1.0
+    flags = unscale_grads_([g16 * 1.0], s, check=True, found={torch.device("cpu"): flags[0]})
+    assert float(flags[0]) == 1.0  # a flag set by an earlier pass stays set too
+
+
+def test_any_flag_set_reads_every_devices_flag():
+    """With gradients on several devices (one flag per device) an overflow on any of them
+    skips the step: a clean first device must not hide an inf on the second. (S21)"""
+    zero, one = torch.zeros(()), torch.ones(())
+    assert any_flag_set([zero, one]) is True
+    assert any_flag_set([one, zero, zero]) is True
+    assert any_flag_set([zero, zero]) is False
