@@ -246,8 +246,10 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         try:
+            if isinstance(state["loss_scale"], bool) or isinstance(state["unskipped"], bool):
+                raise TypeError  # (a flag, not a scale or a count: as the constructor refuses)
             scale, unskipped = float(state["loss_scale"]), int(state["unskipped"])
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, RuntimeError):  # (RuntimeError: a meta tensor)
             raise ValueError(
                 f"LossScaler.load_state_dict: expected {{'loss_scale': float, 'unskipped': "
                 f"int}}, got {state!r}."

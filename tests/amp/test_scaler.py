@@ -240,6 +240,19 @@ def test_load_state_dict_refuses_a_non_finite_scale(bad):
     assert s.state_dict() == {"loss_scale": 2.0**16, "unskipped": 0}  # unchanged
 
 
+@pytest.mark.parametrize("state", [
+    {"loss_scale": True, "unskipped": 0},  # flags, refused as the constructor refuses them
+    {"loss_scale": 1024.0, "unskipped": False},
+    {"loss_scale": torch.empty((), device="meta"), "unskipped": 0},  # a tensor with no value
+    {"loss_scale": 1024.0},
+], ids=["bool-scale", "bool-count", "meta-scale", "no-count"])
+def test_load_state_dict_refuses_a_malformed_state(state):
+    s = LossScaler("dynamic")
+    with pytest.raises(ValueError, match=r"load_state_dict: expected \{'loss_scale': float, "
+                                         r"'unskipped': int\}, got"):
+        s.load_state_dict(state)
+    assert s.state_dict() == {"loss_scale": 2.0**16, "unskipped": 0}  # unchanged
+
 def test_unscale_with_a_static_scale_below_one():
     # A static scale under 1.0 (allowed: any finite scale > 0) is unscaled too.
     s = LossScaler(0.25)
