@@ -143,10 +143,10 @@ def test_a_window_set_after_clean_steps_counts_them(where, clean, window, want):
     # window reads the device's count first, not the host's stale one.
     model, opt, state = _setup(where)
     scaler = state.loss_scalers[0]
+    start = scaler.loss_scale()  # (read before the steps: a read brings the device's count)
     x, y = batch()
     for _ in range(clean):
         _scaled_step(model, opt, x, y)
-    start = scaler.loss_scale()
     scaler._scale_seq_len = window
     if clean < window:
         assert scaler._unskipped == clean
