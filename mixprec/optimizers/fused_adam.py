@@ -437,7 +437,8 @@ class FusedAdam(torch.optim.Optimizer):
                 if state and torch.is_tensor(state.get("step")):
                     state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
                 elif state and "step" in state:
-                    state["step"] = torch.tensor(float(state["step"]), device=p.device)
+                    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32,
+                                                 device=p.device)
 
     def step(self, closure=None):
         """One update of every parameter with a gradient.
@@ -545,7 +546,9 @@ class FusedAdam(torch.optim.Optimizer):
                     p, g, s["exp_avg"], s["exp_avg_sq"], s["step"], c) is None:
                 kernel.append(i)
             elif (group["bias_correction"] and _torch_fused_ok(p.device)
-                  and _same_layout(p, g, s["exp_avg"], s["exp_avg_sq"])):
+                  and _same_layout(p, g, s["exp_avg"], s["exp_avg_sq"])
+                  # (PyTorch's CUDA kernel reads a float64 step count as fp32: NaN weights.)
+                  and s["step"].dtype == torch.float32):
                 fused.append(i)
             else:
                 plain.append(i)
@@ -649,8 +652,8 @@ class _Plan:
     __slots__ = ("epoch", "state_map", "state_changes", "params", "states", "steps", "copies",
                  "plain", "kernel_by_device", "fused_by_device", "steps_by_device", "devices",
                  "written_by_kernel", "copied_after", "_take", "_dtype_shapes", "_devices",
-                 "_take_contiguous",
-                 "_take_channels_last", "_take_plain", "_copy_facts", "_state_tensors")
+                 "_take_contiguous", "_take_channels_last", "_take_plain", "_linked",
+                 "_copy_facts", "_state_tensors")
 
     def __init__(self, epoch, state_map, states, copies, kernel, fused, plain, params):
         self.epoch = epoch
@@ -690,7 +693,13 @@ class _Plan:
         self._take_channels_last = _picker([i for i in routed if not params[i].is_contiguous()])
         # (The plain route's gradients: checked to stay dense, as a sparse one is refused.)
         self._take_plain = _picker(plain)
-        self._copy_facts = [(c, c.dtype, c.get_device()) for c in copies if c is not None]
+        # The half copies' dtype, shape, device and strides: one re-laid out through .data
+        # (model.to(memory_format=torch.channels_last) after amp.initialize) was written by the
+        # kernel in the old layout's order, a silently scrambled half model.
+        self._linked = [c for c in copies if c is not None]
+        self._copy_facts = (list(map(_DTYPE_SHAPE, self._linked)),
+                            list(map(Tensor.get_device, self._linked)),
+                            list(map(Tensor.stride, self._linked)))
         # Each state's moments and step count, the objects the checks saw: one replaced by
         # hand inside a kept state dict (a moment cast to bf16 or offloaded, a step count
         # reset) was handed to the fused kernels unchecked (heap corruption, segfaults, or
@@ -721,10 +730,9 @@ class _Plan:
             return False
         if not all(map(_is_strided, self._take_plain(grads))):
             return False
-        for c, dtype, device in self._copy_facts:
-            if c.dtype is not dtype or c.get_device() != device:
-                return False
-        return True
+        copies = self._linked
+        return (list(map(_DTYPE_SHAPE, copies)), list(map(Tensor.get_device, copies)),
+                list(map(Tensor.stride, copies))) == self._copy_facts
 
 
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")

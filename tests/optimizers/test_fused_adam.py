@@ -315,28 +315,30 @@ def test_works_with_torch_grad_scaler(device, path):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
 def test_half_copies_are_the_masters_rounded_by_pytorch(device, path, half):
-    """The copies written in the step equal ``master.to(half)`` bit for bit, ties, the
-    largest values (rounding to inf) and subnormals included."""
+    """The copies written in the step equal ``master.to(half)`` bit for bit, ties (to even),
+    the largest values (rounding to inf) and subnormals included. The specials sit in a group
+    of rate 0, so every step leaves them exactly as they are and only their rounding is
+    checked (with a rate, the decay moves them off the ties); the other masters step."""
+    exact = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 1 + 5 * 2**-8, 1 + 2**-11,
+                          1 + 3 * 2**-11, -(1 + 2**-11), 2 + 3 * 2**-10, 3.4e38, -3.4e38,
+                          65519.0, 65520.0, 1e-40, 6e-8, 2**-25, -(2**-25)], device=device)
     gen = torch.Generator().manual_seed(7)
-    masters = _params(device, gen)
-    specials = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-11), 1 + 3 * 2**-11,
-                             3.4e38, -3.4e38, 65519.0, 65520.0, 1e-40, 6e-8, 2**-25, -0.0],
-                            device=device)
-    masters.append(specials)
-    copies = [m.to(half) for m in masters]
-    opt = FusedAdam(masters, lr=1e-2, weight_decay=0.1)
+    others = _params(device, gen)
+    specials = exact.clone()
+    masters = [specials, *others]
+    copies = [specials.to(half).zero_(), *(m.to(half) for m in others)]
+    opt = FusedAdam([{"params": [specials], "lr": 0.0}, {"params": others}], lr=1e-2,
+                    weight_decay=0.1)
     opt._link_half_copies(list(zip(copies, masters)))
-    for m in masters[:-1]:
-        m.grad = torch.randn_like(m)
-    masters[-1].grad = torch.zeros_like(masters[-1])
-    opt.param_groups[0]["lr"] = 1e-2
-    opt.step()
-    for m, c in zip(masters[:-1], copies[:-1]):
-        assert torch.equal(c, m.to(half))
-    # With lr 0 the specials stay as they are and only their rounding is checked.
-    opt.param_groups[0]["lr"] = 0.0
-    opt.step()
-    assert torch.equal(copies[-1], masters[-1].to(half)) and torch.equal(masters[-1], specials)
+    for _ in range(2):
+        specials.grad = torch.zeros_like(specials)
+        for m in others:
+            m.grad = torch.randn(m.shape, generator=gen).to(device)
+        opt.step()
+        for m, c in zip(others, copies[1:]):
+            assert torch.equal(c, m.to(half))
+    assert torch.equal(specials.view(torch.int32), exact.view(torch.int32))
+    assert torch.equal(copies[0].view(torch.int16), exact.to(half).view(torch.int16))
     assert {id(m) for m in opt._half_copies_written} == {id(m) for m in masters}
 
 
@@ -471,14 +473,17 @@ def test_a_reset_state_starts_the_moments_afresh(device, path, reset):
     assert sorted(saved) == [0, 1] and saved[0]["step"].item() == 2.0
 
 
-@pytest.mark.parametrize("change", ["strided moment", "step count reset", "bf16 moment"])
+@pytest.mark.parametrize("change", ["strided moment", "step count reset", "bf16 moment",
+                                    "float64 step count"])
 def test_a_state_tensor_replaced_in_a_kept_state_is_stepped_as_it_now_is(device, path, change):
     """One moment or step count replaced by hand inside a kept state dict after the first
-    step (a moment re-laid out or cast to save memory, a step count reset): the cached plan
-    handed the new tensor to the fused kernels unchecked (non-finite weights, a process
-    aborted by heap corruption), or stepped the old step count while the new one, read by the
-    plain route, stayed 0 (NaN weights). Reference: torch.optim.AdamW (float64) given the
-    same change; a bf16 moment, which AdamW refuses, must train finite and near it."""
+    step (a moment re-laid out or cast to save memory, a step count reset, a count restored
+    from an AdamW run under a float64 default dtype): the cached plan handed the new tensor
+    to the fused kernels unchecked (non-finite weights, a process aborted by heap
+    corruption), or stepped the old step count while the new one, read by the plain route,
+    stayed 0 (NaN weights); PyTorch's CUDA fused kernel read a float64 count as fp32 (NaN
+    weights). Reference: torch.optim.AdamW (float64) given the same change; a bf16 moment,
+    which AdamW refuses, must train finite and near it."""
     gen = torch.Generator().manual_seed(13)
     params = _params(device, gen, [(37, 29), (5,)])
     ref = [p.double() for p in params]
@@ -493,6 +498,8 @@ def test_a_state_tensor_replaced_in_a_kept_state_is_stepped_as_it_now_is(device,
                 state["exp_avg"] = spread[::2].view(p.shape).copy_(state["exp_avg"])
             elif change == "step count reset":
                 state["step"] = torch.zeros_like(state["step"])
+            elif change == "float64 step count":
+                state["step"] = state["step"].to(torch.float64)
             elif p.dtype is torch.float32:  # (the float64 reference keeps its moment)
                 state["exp_avg"] = state["exp_avg"].bfloat16()
 
@@ -2213,3 +2220,261 @@ def test_cpu_parameters_do_not_take_the_interpreted_kernel_unless_asked(monkeypa
     opt.step()
     assert not calls and opt.state[p]["step"].item() == 1.0
     assert not torch.equal(p.detach(), torch.ones(5))
+
+
+# -- mutation run r55B: the kernel's arithmetic, its half copies, and its routes ---------------
+
+
+@pytest.mark.parametrize("scale", [1024.0, 0.25])
+def test_l2_weight_decay_is_added_to_the_unscaled_gradient(device, path, scale):
+    """With ``adam_w_mode=False`` and a loss scale handed over (amp's dynamic scaling,
+    ``GradScaler``), the L2 term ``weight_decay * p`` joins the gradient after the gradient is
+    divided by the scale: the update is ``torch.optim.Adam``'s (float64) on the unscaled
+    gradients, so Apex-style Adam-mode users training in fp16 keep the decay they set rather
+    than one divided by the loss scale. (K02, F02)"""
+    gen = torch.Generator().manual_seed(51)
+    params = _params(device, gen, [(3,), (1023,), (37, 29), (2050,)])
+    grads = _grads(params, gen, steps=3)
+    ours = [p.clone() for p in params]
+    opt = FusedAdam(ours, lr=1e-2, adam_w_mode=False, weight_decay=0.1)
+    opt.grad_scale = torch.full((), scale, device=device)
+    _run(lambda ps: opt, ours, [[g * scale for g in step] for step in grads])
+    ref = [p.double() for p in params]
+    _run(_torch_reference(False, lr=1e-2, weight_decay=0.1), ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+def test_the_second_moment_keeps_one_minus_beta2_to_fp32_rounding(device, path):
+    """With ``beta2=0.999`` (the default) ``exp_avg_sq`` after three steps equals PyTorch's
+    float64 AdamW's to a few fp32 roundings (rtol 2e-6; every route lands within 3e-7 on the
+    CPU). ``1 - 0.999`` taken in fp32 is 1.3e-5 off relative, a bias in every second moment
+    that a checkpoint carries into ``torch.optim.AdamW`` and that the weights' tolerance
+    (rtol 1e-5, through a square root) does not show. (K03: only the compiled GPU kernel
+    computes a scalar expression in fp32; the CPU interpreter does it in float64)"""
+    if path == "torch_fused" and device.type == "cuda":
+        pytest.skip("PyTorch's CUDA fused Adam computes these in fp32 (1.3e-5 off on an H100)")
+    gen = torch.Generator().manual_seed(52)
+    params = _params(device, gen, [(3,), (1023,), (37, 29), (2050,)])
+    grads = _grads(params, gen, steps=3)
+    ours = [p.clone() for p in params]
+    hyper = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    opt = _run(lambda ps: FusedAdam(ps, **hyper), ours, grads)
+    ref = [p.double() for p in params]
+    ref_opt = _run(_torch_reference(True, **hyper), ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"].double(),
+                                   ref_opt.state[r]["exp_avg_sq"], rtol=2e-6, atol=0)
+
+
+def test_a_first_moment_decay_of_zero_matches_pytorch(device, path):
+    """``betas=(0.0, 0.99)`` (GAN training's usual setting, e.g. StyleGAN's; ``betas[0]`` may
+    be 0) steps as ``torch.optim.AdamW`` (float64) does: no first-moment bias correction
+    (``1 - 0 ** step`` is 1), and no error from ``log2(0)``. (K10, K11)"""
+    gen = torch.Generator().manual_seed(53)
+    params = _params(device, gen, [(3,), (37, 29), (2050,)])
+    grads = _grads(params, gen, steps=3)
+    hyper = dict(lr=1e-2, betas=(0.0, 0.99), weight_decay=0.1)
+    ours = [p.clone() for p in params]
+    _run(lambda ps: FusedAdam(ps, **hyper), ours, grads)
+    ref = [p.double() for p in params]
+    _run(_torch_reference(True, **hyper), ref, grads)
+    for p, r in zip(ours, ref):
+        assert p.isfinite().all()
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # (interpreter)
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_a_nan_master_gives_a_nan_half_copy(device, path, half):
+    """A master that went NaN (a diverged run, whatever its payload and sign) gives a NaN in
+    the half model, as ``master.to(half)`` does, so the failure shows in the model's outputs
+    instead of a finite weight (a NaN whose payload fills the mantissa rounded up to -0.0 in
+    bf16 when its rounding ignored NaN). (K07)"""
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, -0x00400000, 0x7F800001, 0x7FBFFFFF],
+                        dtype=torch.int32)
+    master = bits.view(torch.float32).to(device)
+    assert master.isnan().all()
+    copy_ = torch.zeros(master.shape, dtype=half, device=device)
+    opt = FusedAdam([master], lr=0.0)
+    opt._link_half_copies([(copy_, master)])
+    master.grad = torch.zeros_like(master)
+    opt.step()
+    assert master.isnan().all() and copy_.isnan().all(), copy_
+
+
+def test_a_half_copy_of_another_layout_is_written_in_its_own_layout(device, path):
+    """A half model parameter laid out otherwise than its master (a channels-last conv weight
+    whose master was made contiguous, a transposed view) holds ``master.to(half)`` element for
+    element after the step: the copy is not written in the master's memory order. (K14)"""
+    gen = torch.Generator().manual_seed(55)
+    masters = _params(device, gen, [(3, 4, 5, 6), (33, 17)])
+    copies = [masters[0].to(torch.bfloat16).contiguous(memory_format=torch.channels_last),
+              masters[1].t().to(torch.float16).contiguous().t()]
+    assert not any(c.is_contiguous() for c in copies)
+    opt = FusedAdam(masters, lr=1e-2, weight_decay=0.1)
+    opt._link_half_copies(list(zip(copies, masters)))
+    for _ in range(2):
+        for m in masters:
+            m.grad = torch.randn(m.shape, generator=gen).to(device)
+        opt.step()
+        for m, c in zip(masters, copies):
+            assert torch.equal(c, m.to(c.dtype))
+    assert {id(m) for m in opt._half_copies_written} == {id(m) for m in masters}
+
+
+def test_amp_o2_half_model_made_channels_last_after_initialize_holds_the_masters(amp_device):
+    """``model.to(memory_format=
+    torch.channels_last)`` after ``amp.initialize(..., opt_level="O2")`` (a common order: the
+    layout set just before training) re-lays out the half conv weights through ``.data`` while
+    their fp32 masters stay contiguous. The cached plan re-read only the copies' dtype and
+    device, so the kernel kept writing each master into its half weight in the master's
+    memory order: the half model trained on scrambled conv weights, silently. After the step
+    every half parameter must equal its master rounded, as at the first steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 1)).to(amp_device)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(3):
+        if i == 1:
+            model.to(memory_format=torch.channels_last)
+        x = torch.randn(2, 3, 6, 6, generator=gen).to(amp_device)
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    assert model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    for half, master in _state.optimizer_state(opt).pairs:
+        assert torch.equal(half, master.to(half.dtype)), tuple(half.shape)
+
+
+def test_channels_last_parameters_take_the_kernel_with_moments_of_their_layout(kernel_device,
+                                                                               monkeypatch):
+    """A channels-last conv weight (4-D) takes the Triton kernel, as a contiguous parameter
+    does, with its moments created channels-last (as ``torch.optim.AdamW`` creates them): at
+    O2 its half copy is then written in the same pass rather than by a second copy. (K15,
+    F04)"""
+    calls = []
+    original = fused_adam._adam_kernel.adam_step_
+
+    def spy(params, *args, **kwargs):
+        calls.append([tuple(p.shape) for p in params])
+        return original(params, *args, **kwargs)
+
+    monkeypatch.setattr(fused_adam._adam_kernel, "adam_step_", spy)
+    gen = torch.Generator().manual_seed(56)
+    params = _params(kernel_device, gen, [(3, 4, 5, 6), (7,)],
+                     memory_format=torch.channels_last)
+    assert not params[0].is_contiguous()
+    ours = [p.clone() for p in params]
+    grads = _grads(params, gen, steps=2)
+    grads = [[g.contiguous(memory_format=torch.channels_last) if g.dim() == 4 else g
+              for g in step] for step in grads]
+    opt = _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), ours, grads)
+    assert calls == [[(3, 4, 5, 6), (7,)]] * 2
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert opt.state[ours[0]][name].is_contiguous(memory_format=torch.channels_last)
+    ref = [p.double() for p in params]
+    _run(_torch_reference(True, lr=1e-2, weight_decay=0.1), ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+def test_the_first_updates_match_float64_to_a_few_fp32_roundings(device, path):
+    """The first steps' updates (``p_after - p_before``, of weights small enough that fp32
+    holds the difference to about 2e-9) equal PyTorch's float64 AdamW's to rtol 2e-6 with
+    ``betas=(0.9, 0.999)``: both bias corrections, ``1 - 0.999 ** step`` above all, are taken
+    to fp32 rounding. Computed in fp32 ``0.999 ** 1`` alone is 1.3e-5 off relative, and a
+    GPU's approximate exp2 more: a bias of the first steps' sizes (warm-up, where Adam's
+    correction matters most) that the weights' usual tolerance cannot see. (K06)"""
+    if path == "torch_fused" and device.type == "cuda":
+        pytest.skip("PyTorch's CUDA fused Adam computes these in fp32 (1.3e-5 off on an H100)")
+    gen = torch.Generator().manual_seed(58)
+    params = [p * 1e-3 for p in _params(device, gen, [(3,), (1023,), (37, 29), (2050,)])]
+    grads = _grads(params, gen, steps=3)
+    ours = [p.clone() for p in params]
+    hyper = dict(lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0)
+    opt = FusedAdam(ours, **hyper)
+    ref = [p.double() for p in params]
+    ref_opt = _torch_reference(True, **hyper)(ref)
+    for step in grads:
+        before, ref_before = [p.double() for p in ours], [r.clone() for r in ref]
+        for p, r, g in zip(ours, ref, step):
+            p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        ref_opt.step()
+        for p, b, r, rb in zip(ours, before, ref, ref_before):
+            torch.testing.assert_close(p.double() - b, r - rb, rtol=2e-6, atol=4e-9)
+
+
+def test_each_group_keeps_its_plan_across_steps(device, path):
+    """Two parameter groups stepped together each keep a routing plan from the second step on
+    (the checks and the address tables are not redone every step: a model with a no-decay
+    group, the usual split, must not pay the first step's cost at each step), and step as
+    ``torch.optim.AdamW`` (float64) with the groups' options. (The first group's plan is
+    rebuilt once, at the second step: the second group's first states, created after it was
+    planned, count as a change of the state.) (F06)"""
+    gen = torch.Generator().manual_seed(59)
+    params = _params(device, gen, [(37, 29), (5,)])
+    grads = _grads(params, gen, steps=4)
+    ours = [p.clone() for p in params]
+    groups = lambda ps: [{"params": [ps[0]], "weight_decay": 0.1},  # noqa: E731
+                         {"params": [ps[1]], "weight_decay": 0.0}]
+    opt = FusedAdam(groups(ours), lr=1e-2)
+    ref = [p.double() for p in params]
+    ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, foreach=False)
+    plans = []
+    for step in grads:
+        for p, r, g in zip(ours, ref, step):
+            p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        ref_opt.step()
+        plans.append(list(opt._plans.values()))
+    assert len(plans[1]) == 2
+    assert all(len(ps) == 2 and all(a is b for a, b in zip(ps, plans[1])) for ps in plans[1:])
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+def test_a_channels_last_parameter_made_contiguous_with_a_kept_gradient_is_rerouted(device,
+                                                                                  path):
+    """A channels-last conv weight made contiguous through ``.data`` (``model.to(
+    memory_format=torch.contiguous_format)`` between steps) while its gradient tensor is kept
+    channels-last (``zero_grad(set_to_none=False)`` keeps and accumulates into it): the route
+    planned for matching layouts is not kept, so no kernel walks the gradient in another
+    order than the weight; the update is ``torch.optim.AdamW``'s (float64). (F14)"""
+    gen = torch.Generator().manual_seed(60)
+    ours = _params(device, gen, [(3, 4, 5, 6)], memory_format=torch.channels_last)
+    ref = [p.double() for p in ours]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    for k in range(3):
+        if k == 1:
+            ours[0].data = ours[0].data.contiguous()  # (its moments stay channels-last)
+        g = torch.randn(3, 4, 5, 6, generator=gen).to(device)
+        ours[0].grad = g.contiguous(memory_format=torch.channels_last)
+        ref[0].grad = g.double()
+        opt.step()
+        ref_opt.step()
+    assert ours[0].is_contiguous()
+    torch.testing.assert_close(ours[0], ref[0].float(), **_TOL)
+
+
+def test_an_integer_step_count_loads_as_fp32_whatever_the_default_dtype():
+    """An old checkpoint's integer
+    step count (PyTorch < 1.12) loaded while ``torch.get_default_dtype()`` is float64 becomes
+    an fp32 count, as ``load_state_dict`` documents: a float64 count on a GPU sent the
+    parameter to PyTorch's fused CUDA kernel, which reads it as fp32 (NaN weights)."""
+    p = nn.Parameter(torch.ones(3))
+    opt = FusedAdam([p], lr=1e-2)
+    z = torch.zeros(3)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        opt.load_state_dict({"state": {0: {"step": 4, "exp_avg": z, "exp_avg_sq": z.clone()}},
+                             "param_groups": [{**opt.state_dict()["param_groups"][0]}]})
+    finally:
+        torch.set_default_dtype(previous)
+    step = opt.state[p]["step"]
+    assert step.dtype == torch.float32 and step.device == p.device and step.item() == 4.0
