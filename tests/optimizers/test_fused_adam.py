@@ -2163,23 +2163,32 @@ def test_a_group_of_one_parameter_keeps_its_plan(device, path, shape):
     torch.testing.assert_close(params[0], ref[0].float(), **_TOL)
 
 
-def test_a_channels_last_parameters_gradient_of_another_layout_is_rerouted(device, path):
-    """A channels-last parameter whose gradient comes contiguous (NCHW) at a later step: the
-    route planned for matching layouts is not kept (PyTorch's fused kernels walk every tensor
-    in the parameter's memory order)."""
+@pytest.mark.parametrize("changed", ["gradient", "parameter"])
+def test_a_channels_last_parameters_gradient_of_another_layout_is_rerouted(device, path,
+                                                                          changed):
+    """A channels-last parameter whose gradient comes contiguous (NCHW) at a later step, or
+    which is made contiguous through ``.data`` (``model.to(memory_format=
+    torch.contiguous_format)`` between steps) while its gradient tensor is kept channels-last
+    (``zero_grad(set_to_none=False)`` keeps and accumulates into it): the route planned for
+    matching layouts is not kept (PyTorch's fused kernels walk every tensor in the
+    parameter's memory order); the update is ``torch.optim.AdamW``'s (float64)."""
     gen = torch.Generator().manual_seed(37)
     ours = _params(device, gen, [(3, 4, 5, 6)], memory_format=torch.channels_last)
     ref = [p.double() for p in ours]
     opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
     for k in range(4):
+        if k == 1 and changed == "parameter":
+            ours[0].data = ours[0].data.contiguous()  # (its moments stay channels-last)
         g = torch.randn(3, 4, 5, 6, generator=gen).to(device)
-        ours[0].grad = g.clone() if k == 2 else g.contiguous(memory_format=torch.channels_last)
+        nchw = k == 2 and changed == "gradient"
+        ours[0].grad = g.clone() if nchw else g.contiguous(memory_format=torch.channels_last)
         ref[0].grad = g.double()
         opt.step()
         ref_opt.step()
     torch.testing.assert_close(ours[0], ref[0].float(), **_TOL)
-    assert ours[0].is_contiguous(memory_format=torch.channels_last)
+    assert ours[0].is_contiguous(memory_format=torch.channels_last if changed == "gradient"
+                                 else torch.contiguous_format)
 
 
 def test_a_float32_tensor_lr_steps_float64_parameters_in_float64(device):
@@ -2435,30 +2444,6 @@ def test_each_group_keeps_its_plan_across_steps(device, path):
     assert all(len(ps) == 2 and all(a is b for a, b in zip(ps, plans[1])) for ps in plans[1:])
     for p, r in zip(ours, ref):
         torch.testing.assert_close(p, r.float(), **_TOL)
-
-
-def test_a_channels_last_parameter_made_contiguous_with_a_kept_gradient_is_rerouted(device,
-                                                                                  path):
-    """A channels-last conv weight made contiguous through ``.data`` (``model.to(
-    memory_format=torch.contiguous_format)`` between steps) while its gradient tensor is kept
-    channels-last (``zero_grad(set_to_none=False)`` keeps and accumulates into it): the route
-    planned for matching layouts is not kept, so no kernel walks the gradient in another
-    order than the weight; the update is ``torch.optim.AdamW``'s (float64). (F14)"""
-    gen = torch.Generator().manual_seed(60)
-    ours = _params(device, gen, [(3, 4, 5, 6)], memory_format=torch.channels_last)
-    ref = [p.double() for p in ours]
-    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
-    for k in range(3):
-        if k == 1:
-            ours[0].data = ours[0].data.contiguous()  # (its moments stay channels-last)
-        g = torch.randn(3, 4, 5, 6, generator=gen).to(device)
-        ours[0].grad = g.contiguous(memory_format=torch.channels_last)
-        ref[0].grad = g.double()
-        opt.step()
-        ref_opt.step()
-    assert ours[0].is_contiguous()
-    torch.testing.assert_close(ours[0], ref[0].float(), **_TOL)
 
 
 def test_an_integer_step_count_loads_as_fp32_whatever_the_default_dtype():
