@@ -466,6 +466,12 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:
+            # GradScaler hands a fused optimizer the sum of its devices' flags: 2 where the
+            # gradients of two devices overflowed. That is one skipped step, whose one count
+            # is taken back (the sum took the counts back twice, and PyTorch's fused kernel
+            # skips only a flag of exactly 1: inf gradients stepped, NaN weights).
+            found_inf = found_inf.clamp(max=1.0)
         written: List[Tensor] = []
         # Every group checked and planned before any is stepped: a refusal (an option set by
         # hand, moments of another shape) leaves the whole optimizer as it was.

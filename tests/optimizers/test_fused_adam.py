@@ -244,8 +244,12 @@ def test_a_gradient_of_another_layout_is_rerouted(device, path):
         torch.testing.assert_close(p, r.float(), **_TOL)
 
 
-def test_found_inf_skips_the_step_on_the_device(device, path):
-    """GradScaler's protocol: with ``found_inf`` set nothing moves, the step count included."""
+@pytest.mark.parametrize("flag", [1.0, 2.0], ids=["one_device", "two_devices_summed"])
+def test_found_inf_skips_the_step_on_the_device(device, path, flag):
+    """GradScaler's protocol: with ``found_inf`` set nothing moves, the step count included.
+    GradScaler sums its devices' flags for a fused optimizer: 2 (two devices' gradients
+    overflowed) is one skip too, not two step counts taken back nor, on PyTorch's fused
+    kernel (which skips a flag of exactly 1), a step with inf gradients."""
     gen = torch.Generator().manual_seed(4)
     params = _params(device, gen)
     opt = _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), params,
@@ -253,7 +257,8 @@ def test_found_inf_skips_the_step_on_the_device(device, path):
     snapshot = [(p.clone(), {k: v.clone() for k, v in opt.state[p].items()}) for p in params]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt.found_inf = torch.ones((), device=device)
+        p.grad.view(-1)[0] = float("inf")
+    opt.found_inf = torch.full((), flag, device=device)
     opt.grad_scale = None
     opt.step()
     for p, (p0, s0) in zip(params, snapshot):
@@ -261,6 +266,8 @@ def test_found_inf_skips_the_step_on_the_device(device, path):
         for k, v in s0.items():
             assert torch.equal(opt.state[p][k], v), k
     opt.found_inf = torch.zeros((), device=device)
+    for p in params:
+        p.grad = torch.randn_like(p)
     opt.step()
     assert all(opt.state[p]["step"].item() == 3.0 for p in params)
     assert not any(torch.equal(p, p0) for p, (p0, _) in zip(params, snapshot))
