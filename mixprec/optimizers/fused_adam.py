@@ -226,7 +226,8 @@ class FusedAdam(torch.optim.Optimizer):
     Like PyTorch's fused optimizers it follows ``GradScaler``'s protocol
     (``_step_supports_amp_scaling``): an overflowed step is skipped on the device, with no host
     synchronization, under ``torch.amp.GradScaler`` and under amp's dynamic loss scaling alike,
-    and a step can be captured in a CUDA graph.
+    and a step can be captured in a CUDA graph. A flag above 1 (``GradScaler`` sums the flags
+    of the devices the parameters are on) is one skipped step.
 
     The learning rate may be a tensor, as in ``torch.optim.AdamW(fused=True)``. A float ``lr``
     is passed to the kernels at each step, so a captured step keeps the rate it was captured
