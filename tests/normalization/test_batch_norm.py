@@ -496,10 +496,13 @@ def test_a_layer_fed_ever_changing_shapes_keeps_a_bounded_cache():
 
 
 @pytest.mark.parametrize("path", PATHS[1:])
-@pytest.mark.parametrize("handed_back", ["NCHW copy", "fp32 copy", "row at an odd address"])
+@pytest.mark.parametrize("handed_back", ["NCHW copy", "fp32 copy", "row at an odd address",
+                                         "row as a strided view"])
 def test_saved_tensor_hooks_that_hand_back_other_copies(path, handed_back):
     # Activation offloading / compression hooks may return the saved input laid out or typed
-    # otherwise: the backward must read what it gets, not assume the forward's memory.
+    # otherwise, and an arena packing saved tensors may hand the statistics row back at an odd
+    # address or as a strided view of interleaved ones: the backward must read what it gets,
+    # not assume the forward's memory.
     device, path_ctx = _path(path)
     gen = torch.Generator().manual_seed(8)
     bn = FusedBatchNorm(5).to(device)
@@ -507,9 +510,14 @@ def test_saved_tensor_hooks_that_hand_back_other_copies(path, handed_back):
     dy = _layout(torch.randn(3, 5, 4, 2, generator=gen).to(torch.bfloat16).to(device), 4)
 
     def unpack(t):
-        if handed_back == "row at an odd address":  # (an arena packing saved tensors)
+        if handed_back.startswith("row"):
             if t.dim() != 1 or t.numel() != 2 * 5 + 1:
                 return t
+            if handed_back == "row as a strided view":
+                base = torch.full((2 * t.numel(),), float("nan"), dtype=t.dtype,
+                                  device=t.device)
+                base[::2].copy_(t)
+                return base[::2]
             base = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
             base[1:].copy_(t)
             return base[1:]

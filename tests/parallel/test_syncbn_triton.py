@@ -176,6 +176,73 @@ def test_forward_elemt_weighs_an_empty_rank_as_nothing(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_forward_elemt_takes_eps_back_off_the_ranks_variances(device):
+    """The ranks send ``1 / sqrt(var_r + eps)``; the merge must take eps back off each rank's
+    variance before combining them, or a large eps (BatchNorm's eps is a user setting) would be
+    counted twice in the normalization and once in running_var. Reference: BatchNorm of the
+    concatenated batch in float64 (rtol 1e-4). (R01)"""
+    eps, momentum = 0.5, 1.0
+    parts = [_input(40, 4, torch.float32, device, offset=1.0, seed=s) for s in (2, 3)]
+    rows = _rank_rows(parts, eps).to(device)
+    rm, rv = torch.zeros(4, device=device), torch.ones(4, device=device)
+    out, row = _syncbn_triton.forward_elemt(parts[0], rows, None, None, rm, rv, momentum, eps)
+    every = torch.cat([p.cpu().double() for p in parts])
+    var = every.var(0, unbiased=False)
+    torch.testing.assert_close(row[4:8].cpu().double(), (var + eps).rsqrt(), rtol=1e-4, atol=0)
+    torch.testing.assert_close(rv.cpu().double(), every.var(0, unbiased=True), rtol=1e-4,
+                               atol=0)
+    ref = (parts[0].cpu().double() - every.mean(0)) * (var + eps).rsqrt()
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_process_forward_matches_batchnorm_with_a_large_eps(device):
+    """One process (FusedBatchNorm, a single-rank SyncBatchNorm) normalizes with its own row
+    and derives the running variance from that row's invstd: eps must come back off it, so
+    running_var is the unbiased batch variance whatever eps is. Reference: float64
+    ``F.batch_norm`` (rtol 1e-4). (E01)"""
+    eps, momentum = 0.5, 0.3
+    x = _input(50, 4, torch.float32, device, offset=2.0)
+    g = torch.Generator().manual_seed(7)
+    weight, bias = (torch.rand(4, generator=g) + 0.5), torch.randn(4, generator=g)
+    rm, rv = torch.randn(4, generator=g), torch.rand(4, generator=g) + 0.5
+    ref_rm, ref_rv = rm.double(), rv.double()
+    ref = torch.nn.functional.batch_norm(x.cpu().double(), ref_rm, ref_rv, weight.double(), bias.double(),
+                       training=True, momentum=momentum, eps=eps)
+    rm, rv = rm.to(device), rv.to(device)
+    plan = _syncbn_triton.plan_for(50, 4, x.device, torch.float32, torch.float32,
+                                   torch.float32, (torch.float32, torch.float32))
+    out, row = plan.forward(x, weight.to(device), bias.to(device), rm, rv, momentum, eps)
+    torch.testing.assert_close(out.cpu().double(), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(rm.cpu().double(), ref_rm, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(rv.cpu().double(), ref_rv, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("merged", [False, True], ids=["one-process", "merged-ranks"])
+def test_running_var_of_a_constant_channel_is_not_negative(device, merged):
+    """A channel with no spread has variance 0; recovering it from fp32 invstd as
+    ``1 / invstd^2 - eps`` rounds to about -1e-12 at eps=1e-5, and running_var must not go
+    negative from that (BatchNorm's running_var is 0 here; a negative variance is not a
+    variance, and tools that take its square root or log fail). Reference: float64 BatchNorm
+    gives exactly 0; the check is 0 <= running_var <= 1e-9. (E02, R03)"""
+    x = torch.full((32, 3), 1.5, device=device)
+    rm, rv = torch.zeros(3, device=device), torch.zeros(3, device=device)
+    eps = 1e-5
+    if merged:
+        rows = torch.stack([_syncbn_triton.stats_row(x, eps)] * 2)
+        out, _ = _syncbn_triton.forward_elemt(x, rows, None, None, rm, rv, 1.0, eps)
+    else:
+        plan = _syncbn_triton.plan_for(32, 3, x.device, torch.float32, None, None,
+                                       (torch.float32, torch.float32))
+        out, _ = plan.forward(x, None, None, rm, rv, 1.0, eps)
+    assert float(rv.min()) >= 0.0, rv
+    assert float(rv.max()) <= 1e-9, rv
+    torch.testing.assert_close(rm.cpu(), torch.full((3,), 1.5), rtol=0, atol=0)
+    torch.testing.assert_close(out.cpu(), torch.zeros(32, 3), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,c", [(1, 1), (300, 64), (1000, 130), (4099, 17)])
 @pytest.mark.parametrize("affine", [True, False])
@@ -252,6 +319,15 @@ def test_usable_rejects_what_the_kernels_do_not_take(device):
                                      strided, 0.1, 1e-5)
     with pytest.raises(ValueError, match="both running statistics or neither"):
         _syncbn_triton.forward_elemt(x, rows, None, None, None, strided, 0.1, 1e-5)
+    # float64 parameters, running statistics or rows: refused, not read in another precision
+    wide = torch.ones(4, device=device, dtype=torch.float64)
+    with pytest.raises(ValueError, match="weight must be a contiguous"):
+        _syncbn_triton.forward_elemt(x, rows, wide, None, None, None, 0.1, 1e-5)
+    with pytest.raises(ValueError, match="running_mean must be a contiguous"):
+        _syncbn_triton.forward_elemt(x, rows, None, None, wide, torch.ones(4, device=device),
+                                     0.1, 1e-5)
+    with pytest.raises(ValueError, match=r"rows must be a contiguous fp32 \(world, 9\)"):
+        _syncbn_triton.forward_elemt(x, rows.double(), None, None, None, None, 0.1, 1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)
