@@ -3,6 +3,7 @@ failed rows, argparse errors and the frozen-BatchNorm case."""
 
 import contextlib
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -14,7 +15,9 @@ import sys
 import pytest
 import torch
 
-from mixprec.bench.cli import main
+from mixprec.bench.cli import _mode_line, main
+from mixprec.bench.models import build_workload
+from mixprec.bench.runner import ModeResult
 
 # Few steps on a small batch: the whole file stays within a few seconds of CPU per run.
 FAST = ["--iters", "2", "--warmup", "1", "--batch-size", "4", "--device", "cpu", "--no-progress"]
@@ -1158,3 +1161,134 @@ def test_output_check_leaves_nothing_behind_for_a_dangling_link(capsys, tmp_path
         main(["bench", *ONE_MODE, "--json", str(tmp_path / "rows.json"), "--plot", "p.txt"])
     assert exc.value.code == 2 and "argument --plot" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path)) == ["rows.json"]  # (not target.json too)
+
+
+# -- mutation run r56B over cli.py and report.py: what the tests above let through ---------
+
+
+def _seeded_first_loss(seed, frozen_bn=False):
+    """The loss the CLI's first O0 step must report for --seed ``seed`` (FAST's batch of 4):
+    the model seeded with ``seed`` on the first batch generated with ``seed``, before any
+    update, in training mode (BatchNorm in eval mode for --frozen-bn)."""
+    wl = build_workload("cnn", batch_size=4, seed=seed)
+    torch.manual_seed(seed)
+    model = wl.build_model().train()
+    if frozen_bn:
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.eval()
+    x, y = wl.batches[0]
+    with torch.no_grad():
+        return wl.loss_fn(model(x), y).item()
+
+
+def test_seed_sets_both_the_initial_weights_and_the_data(tmp_path):
+    """--seed N makes a run repeatable from N alone: it seeds the initial weights and the
+    synthetic batches, so O0's first loss is that of the model seeded with N on the first
+    batch generated with N (and not that of seed 0). (M19, M20)"""
+    path = tmp_path / "rows.json"
+    code, _ = _run(["bench", *ONE_MODE, "--seed", "7", "--json", str(path)])
+    assert code == 0
+    (row,) = json.loads(path.read_text())
+    assert row["seed"] == 7
+    want = _seeded_first_loss(7)
+    assert row["losses"][0] == pytest.approx(want, rel=1e-6, abs=0)
+    assert want != pytest.approx(_seeded_first_loss(0), rel=1e-3)
+
+
+def test_frozen_bn_trains_with_batchnorm_in_eval_mode(tmp_path):
+    """--frozen-bn is the fine-tuning case: every mode trains with its BatchNorm layers
+    normalising by their running statistics (eval mode), not just a word in the header and
+    the files; O0's first loss is that of the seeded model with BatchNorm in eval mode. (M17)"""
+    path = tmp_path / "rows.json"
+    code, _ = _run(["bench", *ONE_MODE, "--frozen-bn", "--json", str(path)])
+    assert code == 0
+    (row,) = json.loads(path.read_text())
+    want = _seeded_first_loss(0, frozen_bn=True)
+    assert row["frozen_bn"] is True
+    assert row["losses"][0] == pytest.approx(want, rel=1e-6, abs=0)
+    assert want != pytest.approx(_seeded_first_loss(0), rel=1e-3)
+
+
+def test_layout_batchnorm_and_seed_flags_reach_every_mode(monkeypatch):
+    """--channels-last, --frozen-bn and --seed are applied to every mode run (amp's and
+    PyTorch's alike), as the header and the files say they were. (M17, M18, M19)"""
+    import mixprec.bench.runner as runner
+
+    seen = []
+    real = runner.run_mode
+
+    def run_mode(workload, mode, **kwargs):
+        seen.append((mode, kwargs.get("channels_last"), kwargs.get("frozen_bn"),
+                     kwargs.get("seed")))
+        return real(workload, mode, **kwargs)
+
+    monkeypatch.setattr(runner, "run_mode", run_mode)
+    code, text = _run(["bench", *FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O0",
+                       "O2", "--channels-last", "--frozen-bn", "--seed", "3"])
+    assert code == 0, text
+    assert seen == [(m, True, True, 3) for m in ("O0", "O2", "autocast", "half")]
+
+
+def test_files_name_the_size_and_batch_size_a_default_run_used(tmp_path):
+    """Without --size and --batch-size each row records the size and the batch the run used
+    (on the CPU: small, and that size's batch), not the absent flags, so that rows of runs on
+    different machines (whose defaults differ) can be told apart. (M21, M22)"""
+    path = tmp_path / "rows.json"
+    code, _ = _run(["bench", "--iters", "1", "--warmup", "0", "--device", "cpu",
+                    "--no-progress", "--opt-levels", "O0", "--no-native", "--json", str(path)])
+    assert code == 0
+    (row,) = json.loads(path.read_text())
+    assert row["size"] == "small"
+    assert row["batch_size"] == build_workload("cnn", size="small").batch_size == 16
+
+
+def test_progress_bar_ends_at_its_total(monkeypatch):
+    """The bar counts every step of every mode, warm-up included: its total is the number of
+    times it is advanced, so it ends full instead of overrunning. (M24)"""
+    pytest.importorskip("tqdm")
+    import mixprec.bench.cli as cli
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())  # the bar shows on terminals only
+    bars = []
+    real = cli._progress
+
+    def progress(*args, **kwargs):
+        bar, step = real(*args, **kwargs)
+        bars.append(bar)
+        return bar, step
+
+    monkeypatch.setattr(cli, "_progress", progress)
+    code, _ = _run(["bench", *FAST[:-1], "--opt-levels", "O0", "O1", "--no-native"])
+    assert code == 0
+    (bar,) = bars
+    assert bar.total == bar.n == 2 * (1 + 2)  # 2 modes x (1 warm-up + 2 timed steps)
+
+
+def test_stderr_line_keeps_a_failure_reason_of_100_characters_whole():
+    """The per-mode stderr line shows a failure reason of up to 100 characters whole and cuts
+    a longer one to 97 plus "...". (M25)"""
+    reason = "RuntimeError: " + "x" * 86
+    assert len(reason) == 100
+    row = ModeResult(mode="O2", label="O2", dtype="bf16", status="failed", error=reason)
+    assert _mode_line(row, 1, 2) == f"mixprec bench: [1/2] O2: FAILED: {reason}"
+    row.error = reason + "y"
+    assert _mode_line(row, 1, 2) == f"mixprec bench: [1/2] O2: FAILED: {reason[:97]}..."
+
+
+def test_a_run_whose_modes_all_diverged_exits_0(monkeypatch):
+    """A mode that ran to the end with a non-finite loss (pure fp16 with Adam) is a result,
+    shown as diverged, not a failure: the exit status is 0 as main() documents ("at least one
+    mode ran"), so a script tells it from a crash. (M26)"""
+    import mixprec.bench.runner as runner
+
+    real = runner.run_mode
+
+    def diverging(*args, **kwargs):
+        row = real(*args, **kwargs)
+        return dataclasses.replace(row, final_loss=float("nan"))
+
+    monkeypatch.setattr(runner, "run_mode", diverging)
+    code, text = _run(["bench", *ONE_MODE])
+    assert code == 0
+    assert [r[-1] for r in _table_rows(text)] == ["ok, loss not finite (diverged)"]

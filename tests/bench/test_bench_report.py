@@ -1,5 +1,6 @@
 """The report: ratios against the baseline, the table's failed rows, CSV/JSON writers."""
 
+import csv
 import json
 
 import pytest
@@ -9,6 +10,7 @@ from mixprec.bench.report import (
     relative_to,
     rows_to_dicts,
     unsteady_timing_note,
+    write_csv,
     write_json,
 )
 from mixprec.bench.runner import ModeResult
@@ -100,10 +102,6 @@ def test_plot_with_a_diverged_run(tmp_path):
 
 
 def test_diverged_rows_say_so_in_json_and_csv(tmp_path):
-    import csv
-
-    from mixprec.bench.report import write_csv
-
     rows = [_row("O0", 0.1, 100.0, 1.0), _row("O3", 0.05, 50.0, float("nan")),
             ModeResult(mode="O2", label="O2", dtype="fp16", status="failed", error="x")]
     dicts = rows_to_dicts(rows)
@@ -316,3 +314,30 @@ def test_plot_calls_diverged_only_a_run_whose_last_loss_is_not_finite():
     spike = _row("O1", 0.1, 100.0, 1.0, losses=[2.0, float("inf"), 1.0])
     ax = _figure([ok, spike], title="").axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["O0", "O1 (fp16)"]
+
+
+# -- mutation run r56B over report.py: what the tests above let through ---------------------
+
+
+def test_csv_has_the_ratio_and_loss_gap_columns(tmp_path):
+    """The CSV carries the ratios against the baseline and the loss gap, as the JSON and the
+    table do, with the values of relative_to (a spreadsheet reads them from there). (M29)"""
+    rows = [_row("O0", 0.2, 100.0, 2.0), _row("O2", 0.1, 60.0, 2.02)]
+    path = tmp_path / "rows.csv"
+    write_csv(rows, str(path))
+    with open(path, newline="") as f:
+        o0, o2 = csv.DictReader(f)
+    for got, want in ((o0, relative_to(rows)[0]), (o2, relative_to(rows)[1])):
+        for key in ("speedup_vs_baseline", "memory_vs_baseline", "loss_gap_pct"):
+            assert float(got[key]) == pytest.approx(want[key], rel=1e-12), key
+    assert float(o2["loss_gap_pct"]) == pytest.approx(1.0)
+
+
+def test_an_unknown_skipped_step_count_is_not_printed_as_zero():
+    """skipped_steps is None when the count could not be determined (GradScaler's scale grew
+    or underflowed): the table shows "-" for it, not a 0 that claims no step was skipped.
+    (M32)"""
+    rows = [_row("O0", 0.2, 10.0, 2.0), _row("autocast", 0.2, 10.0, 2.0)]
+    rows[1].skipped_steps = None
+    lines = format_table(rows).splitlines()
+    assert [_cells(line)[7] for line in lines[2:]] == ["0", "-"]

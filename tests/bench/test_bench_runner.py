@@ -715,3 +715,36 @@ def test_grad_scaler_skips_are_unknown_once_growth_may_have_happened():
         recipe.steps = steps
         recipe.finish()
         assert recipe.skips_known is known and recipe.skipped == 0, steps
+
+
+# -- mutation run r56B over the runner: what the tests above let through -------------------
+
+
+def test_channels_last_leaves_the_workloads_own_batches_alone():
+    """channels_last converts the copies of the batches one mode trains on, not the workload's
+    list: the modes run after it (run_modes shares one workload among them) and the caller
+    still get the batches in their own layout. (M03)"""
+    wl = build_workload("cnn", batch_size=4, num_batches=2)
+    before = list(wl.batches)
+    assert run_mode(wl, "fp32", channels_last=True, iters=1, warmup=0).ok
+    assert len(wl.batches) == len(before)
+    assert all(a[0] is b[0] and a[1] is b[1] for a, b in zip(wl.batches, before))
+    assert all(x.is_contiguous() for x, _ in wl.batches)
+    seeing, seen = _seeing_inputs(wl)
+    assert run_mode(seeing, "fp32", iters=1, warmup=0).ok
+    assert seen == [False]  # the next mode, without the flag, trains on NCHW batches
+
+
+def test_grad_scaler_skips_are_unknown_after_2000_steps_of_a_real_run(cnn):
+    """Past 2000 steps GradScaler may have grown its scale, after which its halvings no longer
+    count the skipped steps: a real fp16 autocast run of 2001 steps reports its count as
+    unknown (None), not a number that may be short. The recipe counts the steps it ran,
+    warm-up included (a one-layer model keeps the 2001 steps within a few seconds). (M11)"""
+    tiny = dataclasses.replace(
+        cnn, build_model=lambda: nn.Sequential(nn.Flatten(), nn.Linear(3 * 16 * 16, 10))
+    )
+    long = run_mode(tiny, "autocast", dtype=torch.float16, iters=1, warmup=2000)
+    assert long.ok, long.error
+    assert len(long.losses) == 2001 and long.skipped_steps is None
+    short = run_mode(tiny, "autocast", dtype=torch.float16, iters=1, warmup=5)
+    assert short.ok and isinstance(short.skipped_steps, int)
