@@ -836,3 +836,107 @@ def test_eval_after_kernel_training_uses_the_running_statistics():
     torch.testing.assert_close(y.double(), theirs(x2.double()), **TOL[torch.bfloat16])
     assert torch.equal(ours.running_mean, mean_before) and int(ours.num_batches_tracked) == 1
     assert not calls
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_training_with_tracking_switched_off_keeps_the_batch_counter(path):
+    # torch's BatchNorm counts batches only while it tracks running statistics. A layer trained
+    # a while on batch statistics alone (track_running_stats set to False after building) keeps
+    # its counter, so that with momentum=None the cumulative average resumes where it stopped
+    # once tracking is switched back on. (B10)
+    device, path_ctx = _path(path)
+    ours, theirs = _pair(torch.bfloat16, momentum=None)
+    x = _x(torch.bfloat16)
+    with path_ctx():
+        for m, inp in ((ours, x), (theirs, x.double())):
+            m(inp)
+            m.track_running_stats = False
+            m(inp * 2)
+            m.track_running_stats = True
+            m(inp + 1)
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 2
+    torch.testing.assert_close(ours.running_mean.double(), theirs.running_mean,
+                               **TOL[torch.bfloat16])
+    torch.testing.assert_close(ours.running_var.double(), theirs.running_var,
+                               **TOL[torch.bfloat16])
+
+
+@requires_interpreter
+def test_a_layer_follows_its_eps_into_pytorchs_cudnn_rule(monkeypatch):
+    # PyTorch gives a call to cuDNN only for eps of at least cuDNN's minimum (1e-5), so the
+    # layer's choice between the kernels and PyTorch's batch norm depends on eps, and a layer
+    # whose eps is changed after use (fine-tuning recipes set it) must ask again, not reuse
+    # the choice made for the old eps. Here a backend query that answers by eps stands in for
+    # PyTorch's on CUDA. (B07)
+    monkeypatch.setattr(batch_norm, "_select_backend",
+                        lambda x, w, b, rm, rv, training, eps:
+                        "_BatchNormBackend.Cudnn" if eps >= 1e-5 else "_BatchNormBackend.Native")
+    bn = FusedBatchNorm(6, eps=1e-6).to(torch.bfloat16)
+    x = _x(torch.bfloat16)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        bn(x)
+        assert len(calls) == 1
+        bn.eps = 1e-3
+        y = bn(x)
+    assert len(calls) == 1  # the second call is PyTorch's
+    want = F.batch_norm(x.double(), None, None, bn.weight.double(), bn.bias.double(), True,
+                        0.0, 1e-3)
+    torch.testing.assert_close(y.double(), want, **TOL[torch.bfloat16])
+
+
+@requires_interpreter
+def test_tracking_switched_off_after_kernel_training_gives_batch_norms_gradients():
+    # A layer that trained on the kernels with running statistics, then has
+    # track_running_stats set to False (fine-tuning on batch statistics alone), is a new call
+    # signature for the kernels (no running statistics to update): its output and gradients
+    # are float64 batch norm's without running statistics, its buffers stay as they were, and
+    # the kernels still serve it. (B24)
+    ours, _ = _pair(torch.bfloat16)
+    gen = torch.Generator().manual_seed(9)
+    x = _x(torch.bfloat16)
+    x2 = _layout((torch.randn(4, 6, 5, 3, generator=gen) * 3 + 2).to(torch.bfloat16), 4)
+    dy = _layout(torch.randn(4, 6, 5, 3, generator=gen).to(torch.bfloat16), 4)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        ours(x)
+        mean, var = ours.running_mean.clone(), ours.running_var.clone()
+        ours.track_running_stats = False
+        xo = x2.detach().requires_grad_(True)
+        y = ours(xo)
+        y.backward(dy)
+    xr = x2.double().requires_grad_(True)
+    w = ours.weight.detach().double().requires_grad_(True)
+    b = ours.bias.detach().double().requires_grad_(True)
+    yr = F.batch_norm(xr, None, None, w, b, True, 0.1, ours.eps)
+    yr.backward(dy.double())
+    for name, got, want in (("output", y, yr), ("input grad", xo.grad, xr.grad),
+                            ("weight grad", ours.weight.grad, w.grad),
+                            ("bias grad", ours.bias.grad, b.grad)):
+        torch.testing.assert_close(got.double(), want.detach(), **TOL[torch.bfloat16], msg=name)
+    assert torch.equal(ours.running_mean, mean) and torch.equal(ours.running_var, var)
+    assert len(calls) == 2 and int(ours.num_batches_tracked) == 1
+
+
+@requires_interpreter
+def test_a_layer_follows_cudnn_being_switched_off_after_use(monkeypatch):
+    # With torch.backends.cudnn.enabled = False PyTorch's batch norm leaves cuDNN, so calls a
+    # layer gave to PyTorch for cuDNN's sake take the kernels from then on, in layers that
+    # already ran (and back again). Here a backend query that reads the switch stands in for
+    # PyTorch's on CUDA. (B26)
+    monkeypatch.setattr(batch_norm, "_select_backend",
+                        lambda *args: "_BatchNormBackend.Cudnn" if torch.backends.cudnn.enabled
+                        else "_BatchNormBackend.Native")
+    bn = FusedBatchNorm(6).to(torch.bfloat16)
+    x = _x(torch.bfloat16)
+    want = F.batch_norm(x.double(), None, None, bn.weight.double(), bn.bias.double(), True,
+                        0.0, bn.eps)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        with torch.backends.cudnn.flags(enabled=True):
+            bn(x)
+        assert not calls
+        with torch.backends.cudnn.flags(enabled=False):
+            y = bn(x)
+        assert len(calls) == 1
+        with torch.backends.cudnn.flags(enabled=True):
+            bn(x)
+    assert len(calls) == 1
+    torch.testing.assert_close(y.double(), want, **TOL[torch.bfloat16])
