@@ -1710,7 +1710,8 @@ class AmpState:
         return state
 
     def scaler(self, loss_id: int) -> LossScaler:
-        if not isinstance(loss_id, int) or not 0 <= loss_id < len(self.scalers):
+        if (not isinstance(loss_id, int) or isinstance(loss_id, bool)
+                or not 0 <= loss_id < len(self.scalers)):  # (True is not loss 1)
             raise ValueError(
                 f"amp.scale_loss(loss_id={loss_id!r}): amp.initialize was called with "
                 f"num_losses={len(self.scalers)}, so loss_id must be an int in "

@@ -1,5 +1,6 @@
 import copy
 import functools
+import logging
 import os
 import pickle
 import re
@@ -922,8 +923,6 @@ def test_o2_in_place_writes_are_logged_at_info_once(caplog):
     """The note that half parameters written in place were taken into their masters is
     logged at INFO the first time only, later ones at DEBUG: a loop that writes the half
     model at every step (a clamp or projection under no_grad) is not flooded with it (C55)."""
-    import logging
-
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=1)
@@ -1157,7 +1156,6 @@ def test_bf16_checked_on_every_model(monkeypatch):
 
 
 def test_initialize_logs_opt_level(caplog):
-    import logging
     with caplog.at_level(logging.INFO, logger="mixprec.amp"):
         amp.initialize(make_cnn(), opt_level="O2", verbosity=1)
     assert "opt_level O2" in caplog.text
@@ -2192,3 +2190,86 @@ def test_a_part_taken_out_of_a_model_later_restored_can_be_prepared_on_its_own()
     amp.initialize(part, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     out = part(torch.randn(3, 4))
     assert part.weight.dtype == torch.bfloat16 and out.dtype == torch.float32
+
+
+@pytest.mark.parametrize("models,match", [
+    ("model", r"amp\.initialize\(models=\.\.\.\): got str; expected a torch\.nn\.Module or a "
+              r"list of them\."),
+    ([nn.Linear(2, 2), 3], r"amp\.initialize\(models=\.\.\.\): got int; expected a "
+                           r"torch\.nn\.Module or a list of them\."),
+])
+def test_a_non_module_is_named_with_what_is_allowed(models, match):
+    """A bad ``models`` argument is refused with the type that was passed (the offending item
+    of a list) and what is allowed, a module or a list of them, so that a user who passed the
+    wrong positional argument sees which one. (M01, M02)"""
+    with pytest.raises(TypeError, match=match):
+        amp.initialize(models, opt_level="O1", verbosity=0)
+
+
+@pytest.mark.parametrize("given", ["02", " o2 ", "o1"])
+def test_an_opt_level_given_as_the_optimizer_gets_the_hint_in_any_spelling(given):
+    """An opt level passed positionally as the optimizer gets the "pass it by name" hint also
+    in the spellings users type: zero for the letter O, lower case, stray spaces. (M03, M04)"""
+    with pytest.raises(TypeError, match=r"It looks like an opt level: pass it by name, "
+                                        r"amp\.initialize\(model, optimizer, opt_level="):
+        amp.initialize(make_cnn(), given)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(verbosity=True), TypeError, r"verbosity=True\): must be an int >= 0"),
+    (dict(max_loss_scale=-1.0), ValueError, r"max_loss_scale=-1\.0\): must be a positive number "
+                                            r"\(the dynamic loss scale's ceiling\); the default "
+                                            r"is 2\.\*\*24\."),
+])
+def test_bools_and_bad_ceilings_are_refused_with_the_rule(kwargs, exc, match):
+    """``verbosity`` is an int: ``True`` (a flag put in the wrong keyword) is refused, not
+    taken as 1, as a bool ``num_losses`` is; a bad ceiling's message gives the default to go
+    back to. Nothing of the model changes. (M07, M09)"""
+    model = make_cnn()
+    with pytest.raises(exc, match=match):
+        amp.initialize(model, opt_level="O2", **kwargs)
+    assert model.features[0].weight.dtype == torch.float32
+
+
+def test_a_verbosity_above_one_is_accepted_and_logs(caplog):
+    """``verbosity`` is an int >= 0 (Apex's scripts pass 2 and more): any positive value
+    keeps amp's log messages on. (M08)"""
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        amp.initialize(make_cnn(), opt_level="O2", verbosity=2)
+    assert "opt_level O2" in caplog.text
+
+
+def test_rejects_a_foreign_parameter_in_a_later_param_group():
+    """A parameter of no given model is refused wherever the optimizer holds it, also in a
+    parameter group after the first (a learnable loss weight added as its own group), before
+    anything of the model changes: it would otherwise be stepped without a master. (M14)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.add_param_group({"params": [nn.Parameter(torch.ones(3, 3))], "lr": 0.01})
+    with pytest.raises(ValueError, match=r"SGD holds a parameter of shape \(3, 3\) that belongs "
+                                         r"to none of the models passed"):
+        amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_the_wrapped_model_error_names_the_wrapper_and_the_fix():
+    """The refusal of a model already wrapped in ``nn.DataParallel`` names the wrapper and
+    shows the order that works (initialize the bare model, then wrap the returned one), so
+    that the user can fix the script from the message alone. (M16)"""
+    with pytest.raises(ValueError, match=r"models=DataParallel\(\.\.\.\)\): the model is already "
+                                         r"wrapped.*`model, opt = amp\.initialize\(model, opt, "
+                                         r"\.\.\.\); model = DistributedDataParallel\(model\)`"):
+        amp.initialize(nn.DataParallel(make_cnn()), opt_level="O1", verbosity=0)
+
+
+def test_only_rank_zero_warns_and_logs_in_initialize(monkeypatch, caplog):
+    """``initialize`` runs on every rank of a job: the already-half warning and the opt-level
+    summary come from rank 0 alone, or an 8-rank job prints each eight times. Here the process
+    is made a non-zero rank. (M27; M25 too)"""
+    monkeypatch.setattr("mixprec.amp.frontend.is_rank_zero", lambda: False)
+    monkeypatch.setattr("mixprec.amp._logging.is_rank_zero", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+            amp.initialize(make_cnn().half(), opt_level="O2", verbosity=1)
+    assert caplog.text == ""

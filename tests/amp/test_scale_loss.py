@@ -2647,3 +2647,37 @@ def test_held_gradients_follow_a_scale_loaded_inside_the_window(fused):
     got = torch.cat([p.grad.double().flatten() for p in a.parameters()])
     want = torch.cat([r.grad.flatten() for r in ref.parameters()])
     assert (got - want).norm() / want.norm() < 1e-5
+
+
+@pytest.mark.parametrize("loss_id", [-1, 2, 1.0, True])
+def test_loss_id_outside_num_losses_is_refused_with_the_range(loss_id):
+    """``loss_id`` must be an int in ``[0, num_losses)``: a negative one (which would pick the
+    last scaler from the end), one equal to ``num_losses``, a float and a bool (True is not loss 1) are refused, before any
+    backward, with the range and how to get more. (M28, M31)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
+    with pytest.raises(ValueError, match=rf"loss_id={loss_id!r}\): amp\.initialize was called "
+                                         r"with num_losses=2, so loss_id must be an int in "
+                                         r"\[0, 1\]\. Raise num_losses"):
+        with amp.scale_loss(model(batch()[0]).sum(), opt, loss_id=loss_id):
+            pass
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_unreached_parameters_warning_is_rank_zeros(monkeypatch):
+    """The warning for a backward that reached none of the optimizer's parameters comes from
+    rank 0 alone (every rank hits the same cause). Here the process is made a non-zero rank.
+    (M26)"""
+    monkeypatch.setattr("mixprec.amp.frontend.is_rank_zero", lambda: False)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
+                   verbosity=0)
+    model.weight = nn.Parameter(model.weight.detach().clone())
+    model.bias = nn.Parameter(model.bias.detach().clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
