@@ -1867,10 +1867,14 @@ def test_the_foreign_gradient_marks_stay_one_per_parameter():
     assert all(ref() is None or ref() is p.grad for p, ref, _ in state.foreign_scaled.values())
 
 
-def test_a_backward_reaching_none_of_the_optimizers_parameters_warns_once():
+@pytest.mark.parametrize("rank_zero", [True, False], ids=["rank0", "other_rank"])
+def test_a_backward_reaching_none_of_the_optimizers_parameters_warns_once(monkeypatch,
+                                                                         rank_zero):
     # A model whose parameters were replaced after initialize (FSDP's fully_shard or
     # FullyShardedDataParallel applied afterwards gives it new parameter objects): the
-    # optimizer holds the old ones, and every step changed nothing, silently.
+    # optimizer holds the old ones, and every step changed nothing, silently. Every rank hits
+    # the same cause: rank 0 alone warns.
+    monkeypatch.setattr("mixprec.amp.frontend.is_rank_zero", lambda: rank_zero)
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1878,14 +1882,19 @@ def test_a_backward_reaching_none_of_the_optimizers_parameters_warns_once():
                    verbosity=0)
     model.weight = nn.Parameter(model.weight.detach().clone())
     model.bias = nn.Parameter(model.bias.detach().clone())
-    with pytest.warns(UserWarning, match=r"the backward gave none of the optimizer's parameters "
-                                         r"a gradient.*shard first.*\(Warned once\.\)"):
+
+    def block():
         with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
             scaled.backward()
+
+    if rank_zero:
+        with pytest.warns(UserWarning, match=r"the backward gave none of the optimizer's "
+                                             r"parameters a gradient.*shard first.*\(Warned "
+                                             r"once\.\)"):
+            block()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
-            scaled.backward()
+        block()  # (warned once on rank 0; never on another rank)
 
 
 def test_a_backward_reaching_one_of_two_optimizers_does_not_warn():
@@ -2663,21 +2672,3 @@ def test_loss_id_outside_num_losses_is_refused_with_the_range(loss_id):
         with amp.scale_loss(model(batch()[0]).sum(), opt, loss_id=loss_id):
             pass
     assert all(p.grad is None for p in model.parameters())
-
-
-def test_the_unreached_parameters_warning_is_rank_zeros(monkeypatch):
-    """The warning for a backward that reached none of the optimizer's parameters comes from
-    rank 0 alone (every rank hits the same cause). Here the process is made a non-zero rank.
-    (M26)"""
-    monkeypatch.setattr("mixprec.amp.frontend.is_rank_zero", lambda: False)
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
-                   verbosity=0)
-    model.weight = nn.Parameter(model.weight.detach().clone())
-    model.bias = nn.Parameter(model.bias.detach().clone())
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
-            scaled.backward()
