@@ -1820,7 +1820,8 @@ class AmpState:
                 f"{type(state_dict).__name__}."
             )
         unexpected = sorted(str(k) for k in state_dict
-                            if not re.fullmatch(r"loss_scaler\d+", str(k)))
+                            # (loss_scaler01 is not amp's: it would load into no scaler)
+                            if not re.fullmatch(r"loss_scaler(0|[1-9]\d*)", str(k)))
         if {"scale", "_growth_tracker"} <= set(unexpected):
             # torch.amp.GradScaler's state dict (a run migrated from autocast + GradScaler):
             # the generic advice below ("not the whole checkpoint") would mislead. Say what it

@@ -1623,15 +1623,17 @@ def test_syncbn_conversion_after_a_parameter_was_replaced_saves_the_new_paramete
     assert torch.equal(model.state_dict()["1.weight"], torch.full((4,), 3.0))
 
 
-def test_amp_load_state_dict_refuses_a_key_that_only_starts_like_a_scaler():
+@pytest.mark.parametrize("key", ["loss_scaler0_ema", "loss_scaler01"])
+def test_amp_load_state_dict_refuses_a_key_that_only_starts_like_a_scaler(key):
     """Only keys that are exactly ``loss_scaler<i>`` are amp's: ``loss_scaler0_ema`` (another
-    tool's entry) is refused as unexpected, and nothing loads. (M34)"""
+    tool's entry) and ``loss_scaler01`` (which amp never writes, and which would load into no
+    scaler) are refused as unexpected, and nothing loads. (M34)"""
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level="O1", verbosity=0)
-    with pytest.raises(ValueError, match=r"unexpected key\(s\) \['loss_scaler0_ema'\]"):
+    amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
+    with pytest.raises(ValueError, match=rf"unexpected key\(s\) \['{key}'\]"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0},
-                             "loss_scaler0_ema": {"loss_scale": 4.0, "unskipped": 0}})
+                             key: {"loss_scale": 4.0, "unskipped": 0}})
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0
 
 
