@@ -176,10 +176,13 @@ def test_enabled_other_values_are_refused(enabled):
     assert model.features[0].weight.dtype == torch.float32
 
 
-def test_an_opt_level_passed_as_the_optimizer_is_named():
-    with pytest.raises(TypeError, match=r"optimizers='O2'\).*It looks like an opt level: pass "
-                       r"it by name, amp\.initialize\(model, optimizer, opt_level='O2'\)"):
-        amp.initialize(make_cnn(), "O2")
+@pytest.mark.parametrize("given", ["O2", "02", " o2 ", "o1"])
+def test_an_opt_level_passed_as_the_optimizer_is_named(given):
+    # Also in the spellings users type: zero for the letter O, lower case, stray spaces.
+    hint = re.escape(f"It looks like an opt level: pass it by name, amp.initialize(model, "
+                     f"optimizer, opt_level={given!r})")
+    with pytest.raises(TypeError, match=re.escape(f"optimizers={given!r})") + ".*" + hint):
+        amp.initialize(make_cnn(), given)
 
 
 def test_initialize_twice_for_other_models_is_independent():
@@ -295,8 +298,13 @@ def test_new_instances_of_an_amp_class_run_the_users_forward():
 
 # -- bad input ---------------------------------------------------------------------------------
 def test_rejects_data_parallel_wrapped_model():
+    # The message names the wrapper and shows the order that works (initialize the bare
+    # model, then wrap the returned one), so the script can be fixed from it alone.
     model = nn.DataParallel(make_cnn())
-    with pytest.raises(ValueError, match="already wrapped.*amp.initialize on the bare model"):
+    with pytest.raises(ValueError, match=r"models=DataParallel\(\.\.\.\)\): the model is already "
+                                         r"wrapped.*amp.initialize on the bare model.*"
+                                         r"`model, opt = amp\.initialize\(model, opt, \.\.\.\); "
+                                         r"model = DistributedDataParallel\(model\)`"):
         amp.initialize(model, opt_level="O1")
 
 
@@ -744,12 +752,21 @@ def test_an_optimizer_built_after_initialize_is_told_the_order():
         amp.initialize(model, opt, opt_level="O2")
 
 
-def test_rejects_optimizer_with_foreign_params():
+@pytest.mark.parametrize("group", ["first", "later"])
+def test_rejects_optimizer_with_foreign_params(group):
+    # Wherever the optimizer holds it (a later group: a learnable loss weight added as its own
+    # group), before anything of the model changes: it would be stepped without a master.
     model, other = make_cnn(), nn.Linear(3, 3)
-    opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
-    with pytest.raises(ValueError, match=r"shape \(3, 3\).*belongs to none of the models"
-                                         r".*optimizer.add_param_group"):
+    if group == "first":
+        opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt.add_param_group({"params": [other.weight], "lr": 0.01})
+    with pytest.raises(ValueError, match=r"SGD holds a parameter of shape \(3, 3\) that belongs "
+                                         r"to none of the models passed.*"
+                                         r"optimizer.add_param_group"):
         amp.initialize(model, opt, opt_level="O2")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def _shared_layer_models():
@@ -1058,9 +1075,11 @@ def test_o2_load_state_dict_after_initialize_keeps_exact_masters():
     assert checked == 6
 
 
-@pytest.mark.parametrize("bad,exc", [("model", TypeError), (3, TypeError)])
-def test_rejects_non_modules(bad, exc):
-    with pytest.raises(exc, match="torch.nn.Module"):
+@pytest.mark.parametrize("bad,got", [("model", "str"), (3, "int"), ([nn.Linear(2, 2), 3], "int")])
+def test_rejects_non_modules(bad, got):
+    # The type passed (the offending item of a list) and what is allowed.
+    with pytest.raises(TypeError, match=rf"amp\.initialize\(models=\.\.\.\): got {got}; expected "
+                                        r"a torch\.nn\.Module or a list of them\."):
         amp.initialize(bad)
 
 
@@ -1105,6 +1124,12 @@ def test_rejects_bad_num_losses():
     (dict(min_loss_scale=float("inf")), ValueError, r"min_loss_scale=inf\): must be a positive"),
     (dict(max_loss_scale=0), ValueError, r"max_loss_scale=0\): must be a positive .*ceiling"),
     (dict(max_loss_scale="65536"), ValueError, r"max_loss_scale='65536'\): must be a positive"),
+    # verbosity is an int: True (a flag in the wrong keyword) is not 1, as a bool num_losses
+    (dict(verbosity=True), TypeError, r"verbosity=True\): must be an int >= 0"),
+    # a bad ceiling's message gives the default to go back to
+    (dict(max_loss_scale=-1.0), ValueError, r"max_loss_scale=-1\.0\): must be a positive number "
+                                            r"\(the dynamic loss scale's ceiling\); the default "
+                                            r"is 2\.\*\*24\."),
 ])
 def test_rejects_bad_verbosity_and_scale_bounds(kwargs, exc, match):
     # (Before: a comparison's raw TypeError at the first log message, and a negative floor
@@ -2192,74 +2217,12 @@ def test_a_part_taken_out_of_a_model_later_restored_can_be_prepared_on_its_own()
     assert part.weight.dtype == torch.bfloat16 and out.dtype == torch.float32
 
 
-@pytest.mark.parametrize("models,match", [
-    ("model", r"amp\.initialize\(models=\.\.\.\): got str; expected a torch\.nn\.Module or a "
-              r"list of them\."),
-    ([nn.Linear(2, 2), 3], r"amp\.initialize\(models=\.\.\.\): got int; expected a "
-                           r"torch\.nn\.Module or a list of them\."),
-])
-def test_a_non_module_is_named_with_what_is_allowed(models, match):
-    """A bad ``models`` argument is refused with the type that was passed (the offending item
-    of a list) and what is allowed, a module or a list of them, so that a user who passed the
-    wrong positional argument sees which one. (M01, M02)"""
-    with pytest.raises(TypeError, match=match):
-        amp.initialize(models, opt_level="O1", verbosity=0)
-
-
-@pytest.mark.parametrize("given", ["02", " o2 ", "o1"])
-def test_an_opt_level_given_as_the_optimizer_gets_the_hint_in_any_spelling(given):
-    """An opt level passed positionally as the optimizer gets the "pass it by name" hint also
-    in the spellings users type: zero for the letter O, lower case, stray spaces. (M03, M04)"""
-    with pytest.raises(TypeError, match=r"It looks like an opt level: pass it by name, "
-                                        r"amp\.initialize\(model, optimizer, opt_level="):
-        amp.initialize(make_cnn(), given)
-
-
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(verbosity=True), TypeError, r"verbosity=True\): must be an int >= 0"),
-    (dict(max_loss_scale=-1.0), ValueError, r"max_loss_scale=-1\.0\): must be a positive number "
-                                            r"\(the dynamic loss scale's ceiling\); the default "
-                                            r"is 2\.\*\*24\."),
-])
-def test_bools_and_bad_ceilings_are_refused_with_the_rule(kwargs, exc, match):
-    """``verbosity`` is an int: ``True`` (a flag put in the wrong keyword) is refused, not
-    taken as 1, as a bool ``num_losses`` is; a bad ceiling's message gives the default to go
-    back to. Nothing of the model changes. (M07, M09)"""
-    model = make_cnn()
-    with pytest.raises(exc, match=match):
-        amp.initialize(model, opt_level="O2", **kwargs)
-    assert model.features[0].weight.dtype == torch.float32
-
-
 def test_a_verbosity_above_one_is_accepted_and_logs(caplog):
     """``verbosity`` is an int >= 0 (Apex's scripts pass 2 and more): any positive value
     keeps amp's log messages on. (M08)"""
     with caplog.at_level(logging.INFO, logger="mixprec.amp"):
         amp.initialize(make_cnn(), opt_level="O2", verbosity=2)
     assert "opt_level O2" in caplog.text
-
-
-def test_rejects_a_foreign_parameter_in_a_later_param_group():
-    """A parameter of no given model is refused wherever the optimizer holds it, also in a
-    parameter group after the first (a learnable loss weight added as its own group), before
-    anything of the model changes: it would otherwise be stepped without a master. (M14)"""
-    model = make_cnn()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt.add_param_group({"params": [nn.Parameter(torch.ones(3, 3))], "lr": 0.01})
-    with pytest.raises(ValueError, match=r"SGD holds a parameter of shape \(3, 3\) that belongs "
-                                         r"to none of the models passed"):
-        amp.initialize(model, opt, opt_level="O2", verbosity=0)
-    assert all(p.dtype == torch.float32 for p in model.parameters())
-
-
-def test_the_wrapped_model_error_names_the_wrapper_and_the_fix():
-    """The refusal of a model already wrapped in ``nn.DataParallel`` names the wrapper and
-    shows the order that works (initialize the bare model, then wrap the returned one), so
-    that the user can fix the script from the message alone. (M16)"""
-    with pytest.raises(ValueError, match=r"models=DataParallel\(\.\.\.\)\): the model is already "
-                                         r"wrapped.*`model, opt = amp\.initialize\(model, opt, "
-                                         r"\.\.\.\); model = DistributedDataParallel\(model\)`"):
-        amp.initialize(nn.DataParallel(make_cnn()), opt_level="O1", verbosity=0)
 
 
 def test_only_rank_zero_warns_and_logs_in_initialize(monkeypatch, caplog):
