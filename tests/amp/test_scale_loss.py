@@ -833,8 +833,12 @@ def test_state_dict_follows_the_training_initialize_not_a_later_frozen_one():
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 4.0, "unskipped": 3}}, optimizer=opt)
     assert amp.state_dict(optimizer=opt)["loss_scaler0"] == {"loss_scale": 4.0, "unskipped": 3}
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 8.0
-    with pytest.raises(ValueError, match="did not go through amp.initialize"):
-        amp.state_dict(optimizer=torch.optim.SGD(make_cnn().parameters(), lr=0.1))
+    plain = torch.optim.Adam(make_cnn().parameters())  # (named in the message, with the way)
+    with pytest.raises(ValueError, match=r"amp\.state_dict\(optimizer=Adam\): this optimizer did "
+                                         r"not go through amp\.initialize"):
+        amp.state_dict(optimizer=plain)
+    with pytest.raises(ValueError, match=r"amp\.load_state_dict\(optimizer=Adam\)"):
+        amp.load_state_dict({}, optimizer=plain)
 
 
 def _gan_run(opt_level, dtype, steps=3, zero_grad_via="optimizer"):
