@@ -277,11 +277,11 @@ def usable(srcs: Sequence[Tensor], dsts: Sequence[Tensor]) -> bool:
 
 def _check_scalar(t, name: str, device: torch.device) -> None:
     if not isinstance(t, Tensor):
-        raise TypeError(f"cast_unscale_check_: {name} must be a 0-dim float32 tensor on "
-                        f"{device}, got {type(t).__name__}")
+        raise TypeError(f"cast_unscale_check_: {name} must be a one-element float32 tensor "
+                        f"on {device}, got {type(t).__name__}")
     if t.dtype != torch.float32 or t.numel() != 1 or t.device != device:
-        raise ValueError(f"cast_unscale_check_: {name} must be a 0-dim float32 tensor on "
-                         f"{device}, got {t.dtype} of shape {tuple(t.shape)} on {t.device}")
+        raise ValueError(f"cast_unscale_check_: {name} must be a one-element float32 tensor "
+                         f"on {device}, got {t.dtype} of shape {tuple(t.shape)} on {t.device}")
 
 
 def chunk_rows(numels: Sequence[int], chunk: int):
@@ -377,9 +377,10 @@ def cast_unscale_check_(srcs: Sequence[Tensor], dsts: Sequence[Tensor], inv_scal
     Args:
         srcs (sequence of Tensor): fp16 and/or bf16 gradients, read only.
         dsts (sequence of Tensor): fp32 tensors of the same sizes, overwritten.
-        inv_scale (Tensor): 0-dim fp32 tensor on the tensors' device, ``1 / loss_scale``;
-            read on the device.
-        found_inf (Tensor): 0-dim fp32 tensor on the device; set to 1.0 when any source
+        inv_scale (Tensor): one-element fp32 tensor (0-dim, or of shape ``(1,)`` as
+            PyTorch's unscale also takes) on the tensors' device, ``1 / loss_scale``; read on
+            the device.
+        found_inf (Tensor): one-element fp32 tensor on the device; set to 1.0 when any source
             element is inf or NaN, else left as it was.
         check (bool): validate the lists as :func:`usable` does. Default ``True``. Pass
             ``False`` only right after :func:`usable` returned True for the same lists: the
@@ -388,7 +389,7 @@ def cast_unscale_check_(srcs: Sequence[Tensor], dsts: Sequence[Tensor], inv_scal
 
     Raises:
         ValueError, TypeError: when :func:`usable` would say False (the message says why) or
-            ``inv_scale`` / ``found_inf`` are not 0-dim fp32 tensors on the device.
+            ``inv_scale`` / ``found_inf`` are not one-element fp32 tensors on the device.
 
     Example::
 

@@ -7,6 +7,8 @@ reference also checks. On CPU the kernel runs in Triton's interpreter (small ten
 interpreter is slow); on CUDA it is compiled.
 """
 
+import logging
+
 import pytest
 import torch
 
@@ -224,8 +226,11 @@ def _unusable_cases(device):
     h = torch.zeros(4, 6, dtype=torch.float16, device=device)
     f = torch.zeros(4, 6, dtype=torch.float32, device=device)
     return {
-        "non-contiguous src": ([h.t()], [f], "srcs[0] is not contiguous"),
-        "non-contiguous dst": ([h, h], [f, f.t()], "dsts[1] is not contiguous"),
+        # (the offender's own shape and strides: how a user finds which gradient it was)
+        "non-contiguous src": ([h.t()], [f], "srcs[0] is not contiguous (shape (6, 4), strides "
+                                             "(1, 6)); pass contiguous tensors"),
+        "non-contiguous dst": ([h, h], [f, f.t()], "dsts[1] is not contiguous (shape (6, 4), "
+                                                   "strides (1, 6)); pass contiguous tensors"),
         "numel mismatch": ([h], [f[:3]], "same number of elements"),
         "fp32 src": ([f], [f.clone()], "srcs must be torch.float16 or torch.bfloat16"),
         "half dst": ([h], [h.clone()], "dsts must be torch.float32"),
@@ -247,11 +252,11 @@ def test_unusable_inputs_are_refused(dev, case):
 def test_bad_scalars_are_refused(dev):
     srcs, dsts = _make(_CASES[:2], dev, torch.Generator().manual_seed(5))
     inv_scale, found_inf = _scalars(dev, 1.0)
-    with pytest.raises(ValueError, match="inv_scale must be a 0-dim float32 tensor"):
+    with pytest.raises(ValueError, match="inv_scale must be a one-element float32 tensor"):
         mt.cast_unscale_check_(srcs, dsts, inv_scale.double(), found_inf)
-    with pytest.raises(ValueError, match="found_inf must be a 0-dim float32 tensor"):
+    with pytest.raises(ValueError, match="found_inf must be a one-element float32 tensor"):
         mt.cast_unscale_check_(srcs, dsts, inv_scale, torch.zeros(2, device=dev))
-    with pytest.raises(TypeError, match="inv_scale must be a 0-dim float32 tensor"):
+    with pytest.raises(TypeError, match="inv_scale must be a one-element float32 tensor"):
         mt.cast_unscale_check_(srcs, dsts, 1.0, found_inf)
 
 
@@ -352,6 +357,12 @@ def test_the_table_flags_addresses_not_16_byte_aligned():
             assert table.n_chunks == 2 and torch.equal(table.host, torch.from_numpy(rows))
         rows = np.array([[4096, 8192, 3, 1]], dtype=np.int64)  # (odd count: not an address)
         assert mt.cached_table(("align-test", "count"), lambda: rows, cpu, (0, 1)).aligned
+        # The columns the caller names (FusedAdam's table has six): a misaligned third column
+        # clears the flag, an odd count in a column between them does not.
+        rows = np.array([[4096, 5, 8192, 0]], dtype=np.int64)
+        assert mt.cached_table(("align-test", "cols"), lambda: rows, cpu, (0, 2)).aligned
+        rows = np.array([[4096, 16, 8192 + 4, 0]], dtype=np.int64)
+        assert not mt.cached_table(("align-test", "col2"), lambda: rows, cpu, (0, 2)).aligned
     finally:
         mt._TABLES.clear()
         mt._TABLES.update(saved)
@@ -380,19 +391,24 @@ def test_verified_triton_from_3_6_on(monkeypatch, version, verified):
 
 
 def test_meta_tensors_alone_are_refused_under_the_interpreter(monkeypatch):
-    """The interpreter runs on CPU tensors only: lists all on the meta device (no memory behind
-    their data_ptr) are refused, as are a meta scalar beside CPU lists, before any launch
-    could write through a null pointer. (M26, M31)"""
+    """The interpreter runs on CPU tensors only, the compiled kernel on CUDA tensors only:
+    lists all on the meta device (no memory behind their data_ptr) are refused either way, as
+    is a meta scalar beside CPU lists, before any launch could write through a null pointer.
+    (M26, M31, A04)"""
     if not mt.triton_available():
         pytest.skip("requires triton")
-    monkeypatch.setattr(mt, "interpreter_enabled", lambda: True)
     h = [torch.empty(5, dtype=torch.float16, device="meta")]
     f = [torch.empty(5, device="meta")]
+    monkeypatch.setattr(mt, "interpreter_enabled", lambda: False)
+    assert mt.unusable_reason(h, f) == ("got meta tensors; the kernel needs CUDA tensors (CPU "
+                                        "tensors only with TRITON_INTERPRET=1, for tests)")
+    assert not mt.usable(h, f)
+    monkeypatch.setattr(mt, "interpreter_enabled", lambda: True)
     assert "runs Triton on CPU tensors only, got meta tensors" in mt.unusable_reason(h, f)
     assert not mt.usable(h, f)
     srcs, dsts = [torch.ones(5, dtype=torch.float16)], [torch.zeros(5)]
     found_inf = torch.zeros(())
-    with pytest.raises(ValueError, match=r"inv_scale must be a 0-dim float32 tensor on cpu, "
+    with pytest.raises(ValueError, match=r"inv_scale must be a one-element float32 tensor on cpu, "
                                          r"got torch.float32 of shape \(\) on meta"):
         mt.cast_unscale_check_(srcs, dsts, torch.ones((), device="meta"), found_inf)
     assert found_inf.item() == 0.0 and (dsts[0] == 0).all()
@@ -446,6 +462,78 @@ def test_the_reason_names_the_first_offending_pair():
         "dsts[1] is torch.float16; dsts must be torch.float32")
     assert mt.unusable_reason([h, h], [f, f[:3]]).startswith(
         "srcs[1] has 24 elements and dsts[1] 18; each pair must have the same number")
+
+
+def test_new_sources_into_the_same_destinations(dev):
+    """Other gradients (a second model's, or the same model's after its gradients were set to
+    None and re-allocated elsewhere) cast into the same fp32 buffers: the destinations receive
+    the new sources' values, not the first sources' (the cached table must be keyed by where
+    it reads as well as where it writes). (C01)"""
+    gen = torch.Generator().manual_seed(11)
+    first, dsts = _make(_CASES[:4], dev, gen)
+    second, _ = _make(_CASES[:4], dev, gen)
+    inv_scale, found_inf = _scalars(dev, 1.0 / 8)
+    mt.cast_unscale_check_(first, dsts, inv_scale, found_inf)
+    mt.cast_unscale_check_(second, dsts, inv_scale, found_inf)
+    for src, dst in zip(second, dsts):
+        _assert_exact(dst, src, inv_scale)
+    assert found_inf.item() == 0.0
+    assert first[2].data_ptr() != second[2].data_ptr()  # (both alive: distinct addresses)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("n", [300, 1024 + 5])  # a tail loop step; a tail chunk
+def test_the_tail_reads_nothing_past_its_source(dev, dtype, n):
+    """A source is read for its own elements only: an inf or NaN right after it in memory (the
+    next gradient in a flat buffer, or the rest of a larger storage) must neither raise
+    found_inf nor reach the destination, or a finite step would be skipped. (K01)"""
+    buf = torch.randn(n + 2, generator=torch.Generator().manual_seed(12)).to(dev, dtype)
+    buf[n] = float("inf")
+    buf[n + 1] = float("nan")
+    src = buf[:n]
+    dst = torch.full((n + 2,), -7.0, device=dev)
+    inv_scale, found_inf = _scalars(dev, 1.0 / 4)
+    mt.cast_unscale_check_([src], [dst[:n]], inv_scale, found_inf)
+    assert found_inf.item() == 0.0
+    _assert_exact(dst[:n], src, inv_scale)
+    assert (dst[n:] == -7.0).all()
+
+
+def test_one_element_scalars_of_shape_1_are_taken_as_pytorch_takes_them(dev):
+    """inv_scale and found_inf of shape (1,) (the shape older GradScalers keep their scale
+    and flag in) are accepted, as torch._amp_foreach_non_finite_check_and_unscale_ accepts
+    them, and give its results: a caller swapping the PyTorch passes for this function keeps
+    its scalars. (B02)"""
+    srcs, dsts = _make(_CASES[:3], dev, torch.Generator().manual_seed(13), scale=100.0)
+    srcs[1][2] = float("inf")
+    inv_scale = torch.full((1,), 1.0 / 16, device=dev)
+    found_inf = torch.zeros(1, device=dev)
+    mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+    want = [s.float() for s in srcs]
+    want_found = torch.zeros(1, device=dev)
+    torch._amp_foreach_non_finite_check_and_unscale_(want, want_found, inv_scale)
+    assert found_inf.shape == (1,) and torch.equal(found_inf, want_found)
+    for dst, ref in zip(dsts, want):
+        torch.testing.assert_close(dst, ref, rtol=0, atol=0)
+
+
+def test_usable_logs_why_not_at_debug_only(caplog):
+    """usable() logs its reason for refusing at DEBUG level (documented), under this module's
+    logger, once per call: a user enabling DEBUG sees why the fused path was not taken, and a
+    run at INFO (amp's verbosity=1) gets no line every step. (A07, A08)"""
+    if not mt.triton_available():
+        pytest.skip("requires triton")
+    h = torch.zeros(4, 6, dtype=torch.float16)
+    f = torch.zeros(4, 6, dtype=torch.float32)
+    reason = mt.unusable_reason([h.t()], [f])
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        assert not mt.usable([h.t()], [f])
+    assert [r for r in caplog.records if r.name == mt.__name__] == []
+    with caplog.at_level(logging.DEBUG, logger=mt.__name__):
+        assert not mt.usable([h.t()], [f])
+    records = [r for r in caplog.records if r.name == mt.__name__]
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (logging.DEBUG, f"fused cast + unscale not used: {reason}")]
 
 
 @requires_cuda

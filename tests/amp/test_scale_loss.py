@@ -1,6 +1,7 @@
 import copy
 import functools
 import io
+import logging
 import warnings
 
 import pytest
@@ -498,17 +499,27 @@ def test_a_load_between_a_clean_backward_and_its_step_keeps_the_gradients(opt_le
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
-def test_overflow_messages_are_rate_limited(caplog, monkeypatch):
-    import logging
+@pytest.mark.parametrize("verbosity", [1, 0])
+def test_overflow_messages_are_rate_limited(caplog, monkeypatch, verbosity):
+    """Overflow lines come from the ``mixprec.amp`` logger (docs/migrating.md names it for
+    handlers and filters), rate-limited; verbosity=0 silences them (Apex's meaning: nothing
+    printed) while the steps are still skipped and the scale still falls. (L03, L07)"""
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", verbosity=1)
+    amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", verbosity=verbosity)
     x, y = batch()
-    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+    with caplog.at_level(logging.DEBUG, logger="mixprec.amp"):
         for _ in range(5):
             with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as s:
                 (s * float("inf")).backward()
             opt.step()
+            assert amp.step_was_skipped(opt)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**11
+    if verbosity == 0:
+        assert [r.getMessage() for r in caplog.records if "overflow" in r.getMessage()] == []
+        return
+    assert {r.name for r in caplog.records if "Gradient overflow" in r.getMessage()} == {
+        "mixprec.amp"}
     # The 1st, 2nd and 4th overflows (then 8th, ..., 64th, and every 100th), with the scale
     # as it is then: one line only showed the first halving, 32768, as the scale went to 2048.
     messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
@@ -524,6 +535,27 @@ def test_overflow_messages_are_rate_limited(caplog, monkeypatch):
     for _ in range(450):
         log.overflow(0, 1.0)
     assert counts == [1, 2, 4, 8, 16, 32, 64, 100, 200, 300, 400]
+
+
+def test_an_overflow_line_names_its_loss(caplog):
+    """With several losses the overflow line names the loss whose scaler overflowed (its
+    loss_id) and carries that scaler's new scale and the running count: a user with one
+    diverging loss of two finds which. (L04)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", num_losses=2, dtype=torch.bfloat16,
+                   loss_scale="dynamic", verbosity=1)
+    x, y = batch()
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        out = model(x)
+        with amp.scale_loss(nn.functional.cross_entropy(out, y), opt, loss_id=0) as s:
+            s.backward(retain_graph=True)
+        with amp.scale_loss(out.float().pow(2).mean(), opt, loss_id=1) as s:
+            (s * float("inf")).backward()
+        opt.step()
+    messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
+    assert messages == ["Gradient overflow (loss_id 1): skipping step, loss scale reduced to "
+                        "32768 (1 step(s) skipped so far)."]
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
@@ -706,7 +738,6 @@ def test_a_device_scaled_overflow_is_logged_when_the_next_block_opens(caplog):
     later; the overflow message is logged by the next scale_loss, during training, not only
     when a checkpoint is taken (a run that never calls amp.state_dict still reports each
     skipped step). (F55)"""
-    import logging
 
     model = make_cnn()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
