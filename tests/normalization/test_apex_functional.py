@@ -101,8 +101,21 @@ def test_bad_input_errors():
     x = torch.randn(2, 8)
     with pytest.raises(ValueError, match=r"mixed_dtype_fused_rms_norm_affine: weight is None"):
         F.mixed_dtype_fused_rms_norm_affine(x, None, 8)
-    with pytest.raises(ValueError, match=r"fused_layer_norm_affine: weight has shape \(4,\)"):
-        F.fused_layer_norm_affine(x, torch.ones(4), None, 8)
+    # Each Apex form names itself, not a sibling (A07), and a number in the weight's place
+    # gets no argument-order hint: these forms take Apex's order already (C08).
+    for name, call in (
+            ("fused_layer_norm_affine", lambda w: F.fused_layer_norm_affine(x, w, None, 8)),
+            ("mixed_dtype_fused_layer_norm_affine",
+             lambda w: F.mixed_dtype_fused_layer_norm_affine(x, w, None, 8)),
+            ("fused_rms_norm_affine", lambda w: F.fused_rms_norm_affine(x, w, 8)),
+            ("mixed_dtype_fused_rms_norm_affine",
+             lambda w: F.mixed_dtype_fused_rms_norm_affine(x, w, 8))):
+        with pytest.raises(ValueError, match=rf"^{name}: weight has shape \(4,\) but "
+                                             r"normalized_shape is \(8,\)"):
+            call(torch.ones(4))
+        with pytest.raises(TypeError) as info:
+            call(2.0)
+        assert str(info.value) == f"{name}: weight must be a Tensor or None, got float"
     with pytest.raises(TypeError, match="is not instantiated"):
         F.FusedLayerNormAffineFunction()
     # Apex's positional eps given to mixprec's own fused_layer_norm (weight's place): the

@@ -56,6 +56,10 @@ def test_mismatch_hint_suggests_as_many_trailing_dims_as_normalized_shape_has():
         FusedLayerNorm((4, 8))(torch.randn(3, 5, 8))
     with pytest.raises(ValueError, match=r"normalized_shape \(e\.g\. \(5,\)\)"):
         fused_rms_norm(torch.randn(5), (2, 5))  # fewer dims than normalized_shape: all of them
+    with pytest.raises(ValueError, match=r"input of shape \(3, 4\) does not end with "
+                                         r"normalized_shape \(2, 3, 4\); pass the input's last "
+                                         r"dims as normalized_shape \(e\.g\. \(3, 4\)\)"):
+        FusedLayerNorm((2, 3, 4))(torch.randn(3, 4))  # (all of a 2-D input's dims, C18)
 
 
 def test_other_argument_errors():
@@ -64,8 +68,27 @@ def test_other_argument_errors():
         fused_layer_norm(x, 4, torch.ones(5))
     with pytest.raises(ValueError, match="bias has shape"):
         fused_layer_norm(x, 4, torch.ones(4), torch.zeros(3))
+    # The right number of elements in another shape (a transposed checkpoint tensor) would
+    # scale the wrong positions: refused by name, as torch.nn.functional.layer_norm does. (C16)
+    x3 = torch.randn(3, 2, 4)
+    with pytest.raises(ValueError, match=r"fused_layer_norm: weight has shape \(4, 2\) but "
+                                         r"normalized_shape is \(2, 4\); they must be equal"):
+        fused_layer_norm(x3, (2, 4), torch.ones(4, 2), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"fused_layer_norm: bias has shape \(4, 2\)"):
+        fused_layer_norm(x3, (2, 4), torch.ones(2, 4), torch.zeros(4, 2))
+    with pytest.raises(ValueError, match=r"fused_rms_norm: weight has shape \(4, 2\)"):
+        fused_rms_norm(x3, (2, 4), torch.ones(4, 2))
     with pytest.raises(TypeError, match="input dtype torch.int64"):
         fused_rms_norm(torch.ones(2, 4, dtype=torch.long), 4)
+    # float8 inputs too (the documented types are fp32, fp16, bf16, fp64), from the functions
+    # and the modules alike. (C17)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        for call, name in ((lambda t: fused_layer_norm(t, 4), "fused_layer_norm"),
+                           (lambda t: fused_rms_norm(t, 4), "fused_rms_norm"),
+                           (FusedLayerNorm(4), "FusedLayerNorm"),
+                           (MixedFusedRMSNorm(4), "MixedFusedRMSNorm")):
+            with pytest.raises(TypeError, match=rf"{name}: input dtype {dtype} is not supported"):
+                call(x.to(dtype))
     with pytest.raises(TypeError, match="must be a torch.Tensor"):
         fused_layer_norm([[1.0, 2.0]], 2)
     for module in (FusedLayerNorm(2), FusedRMSNorm(2), FusedLayerNorm(2, elementwise_affine=False)):
@@ -133,7 +156,8 @@ def test_state_dict_is_interchangeable_with_torch_layer_norm():
 @pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm,
                                  MixedFusedRMSNorm])
 def test_torchscript_falls_back_to_the_reference(cls):
-    norm = cls((4, 6))
+    # (eps=0.5, far from the default: the scripted path must use the module's own, F01/F02)
+    norm = cls((4, 6), eps=0.5)
     with torch.no_grad():
         for p in norm.parameters():
             p.uniform_(0.5, 1.5)
@@ -497,8 +521,13 @@ def test_torch_layer_norm_arguments():
     # Apex's callers pass elementwise_affine=True to the Mixed classes.
     assert MixedFusedLayerNorm(8, elementwise_affine=True).weight.shape == (8,)
     assert MixedFusedRMSNorm(8, elementwise_affine=True).weight.shape == (8,)
-    with pytest.raises(ValueError, match=r"MixedFusedLayerNorm\(elementwise_affine=False\)"):
-        MixedFusedLayerNorm(8, elementwise_affine=False)
+    # Any false value (0 or None from a config) is the same request, refused the same way
+    # rather than building an affine norm. (M09)
+    for cls in (MixedFusedLayerNorm, MixedFusedRMSNorm):
+        for flag in (False, 0, None):
+            with pytest.raises(ValueError, match=rf"{cls.__name__}\(elementwise_affine={flag!r}"
+                                                 r"\): the Mixed variants always learn a weight"):
+                cls(8, elementwise_affine=flag)
     # Megatron/NeMo pass keywords Apex's Mixed classes took and dropped: dropped, with a warning.
     for cls in (MixedFusedLayerNorm, MixedFusedRMSNorm):
         with pytest.warns(UserWarning, match=r"ignoring the keyword argument\(s\) "
@@ -511,6 +540,7 @@ def test_torch_layer_norm_arguments():
         warnings.simplefilter("error")
         mixed = MixedFusedLayerNorm(8, bias=False)
         mixed_rms = MixedFusedRMSNorm(8, bias=False)
+        assert MixedFusedRMSNorm(8, bias=0).bias is None  # (an int config's false, R06)
     assert mixed.bias is None and list(mixed.state_dict()) == ["weight"]
     assert "bias=False" in repr(mixed)
     mixed.load_state_dict(theirs.state_dict())
@@ -1034,34 +1064,45 @@ def test_parameter_on_another_device_is_a_value_error(which):
         module(x)
 
 
+@pytest.mark.parametrize("kind", ["layer", "rms"])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("p_dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_fused_layer_norm_output_takes_the_input_dtype_not_the_parameters(x_dtype, p_dtype):
+def test_fused_norm_output_takes_the_input_dtype_not_the_parameters(x_dtype, p_dtype, kind):
     # "Returns: same shape as x, dtype of x" (only the Mixed variants follow the weight).
     torch.manual_seed(0)
     x = torch.randn(4, 16, dtype=x_dtype)
     w = torch.rand(16, dtype=p_dtype) + 0.5
     b = torch.randn(16, dtype=p_dtype)
-    y = fused_layer_norm(x, 16, w, b)
+    if kind == "layer":
+        y = fused_layer_norm(x, 16, w, b)
+        want = torch.nn.functional.layer_norm(x.double(), (16,), w.double(), b.double(), 1e-5)
+    else:
+        y = fused_rms_norm(x, 16, w)
+        want = torch.nn.functional.rms_norm(x.double(), (16,), w.double(), 1e-5)
     assert y.dtype == x_dtype
-    want = torch.nn.functional.layer_norm(x.double(), (16,), w.double(), b.double(), 1e-5)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[x_dtype]
     torch.testing.assert_close(y.double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("cls", [MixedFusedRMSNorm, MixedFusedLayerNorm])
-def test_mixed_norm_default_eps_is_1e_5(cls):
+@pytest.mark.parametrize("make", [MixedFusedRMSNorm, MixedFusedLayerNorm, "fused_rms_norm",
+                                  "fused_layer_norm"])
+def test_mixed_norm_default_eps_is_1e_5(make):
     # Documented default (as FusedRMSNorm's, FusedLayerNorm's and torch.nn.LayerNorm's):
     # eps=1e-5; models built without an explicit eps rely on it. On a small-variance input
     # (mean square ~1e-6) eps dominates, so another default gives visibly other values.
-    # (L18 for the LayerNorm)
-    norm = cls(8)
-    assert norm.eps == 1e-5
+    # mixprec's own functions too (Apex's functional forms, with 1e-6, are apex_functional's).
+    # (L18 for the LayerNorm; R03, L02 for the functions)
     torch.manual_seed(0)
     x = torch.randn(3, 8, dtype=torch.float64) * 1e-3
-    reference = (torch.nn.functional.rms_norm if cls is MixedFusedRMSNorm
-                 else torch.nn.functional.layer_norm)
-    want = reference(x, (8,), eps=1e-5)
+    rms = make in (MixedFusedRMSNorm, "fused_rms_norm")
+    want = (torch.nn.functional.rms_norm if rms else torch.nn.functional.layer_norm)(
+        x, (8,), eps=1e-5)
+    if isinstance(make, str):  # (float64 in and out: exact to float64 rounding)
+        got = (fused_rms_norm if rms else fused_layer_norm)(x, 8)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        return
+    norm = make(8)
+    assert norm.eps == 1e-5
     torch.testing.assert_close(norm(x.float()).double(), want, rtol=1e-5, atol=1e-5)
 
 

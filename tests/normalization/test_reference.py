@@ -11,18 +11,21 @@ from mixprec.normalization import reference
 from .helpers import float64_reference, make_input, make_params
 
 
+@pytest.mark.parametrize("eps", [1e-5, 0.0, 0.5])
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_module_level_functions_match_torch_in_float64(kind, affine):
-    x = make_input((7, 3, 10), torch.float64, "cpu")
+def test_module_level_functions_match_torch_in_float64(kind, affine, eps):
+    # (eps 0.5 on inputs of scale 1e-2 changes every value: the eps given is the one used,
+    # which the TorchScript path relies on; F01, F02)
+    x = make_input((7, 3, 10), torch.float64, "cpu") * (1e-2 if eps == 0.5 else 1.0)
     w, b = make_params((3, 10), torch.float64, "cpu", affine)
     dy = make_input((7, 3, 10), torch.float64, "cpu", seed=4)
-    want = float64_reference(kind, x, (3, 10), w, b, dy)
+    want = float64_reference(kind, x, (3, 10), w, b, dy, eps)
     x = x.detach().requires_grad_(True)
     if kind == "layer":
-        y = reference.layer_norm(x, [3, 10], w, b, 1e-5)
+        y = reference.layer_norm(x, [3, 10], w, b, eps)
     else:
-        y = reference.rms_norm(x, [3, 10], w, 1e-5)
+        y = reference.rms_norm(x, [3, 10], w, eps)
     y.backward(dy)
     got = (y.detach(), x.grad, w.grad if affine else None,
            b.grad if affine and kind == "layer" else None)
@@ -30,6 +33,29 @@ def test_module_level_functions_match_torch_in_float64(kind, affine):
         if r is None:
             continue
         torch.testing.assert_close(g, r, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_module_level_functions_return_the_input_dtype_by_default(kind, dtype):
+    """Without out_dtype the result has the input's dtype (documented default), though the
+    statistics are computed in fp32: benchmarks and user code comparing against this path
+    expect a half input to give a half output, and given out_dtype wins. Values match
+    PyTorch's norms in float64 to the output dtype's rounding. (F08, F09)"""
+    x = make_input((4, 3, 8), dtype, "cpu")
+    w, b = (t.detach() for t in make_params((8,), torch.float32, "cpu", True))
+    if kind == "layer":
+        got = reference.layer_norm(x, [8], w, b, 1e-5)
+        wide = reference.layer_norm(x, [8], w, b, 1e-5, torch.float64)
+        want = torch.nn.functional.layer_norm(x.double(), (8,), w.double(), b.double(), 1e-5)
+    else:
+        got = reference.rms_norm(x, [8], w, 1e-5)
+        wide = reference.rms_norm(x, [8], w, 1e-5, torch.float64)
+        want = torch.nn.functional.rms_norm(x.double(), (8,), w.double(), 1e-5)
+    assert got.dtype == dtype and wide.dtype == torch.float64
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(wide, want, rtol=1e-5, atol=1e-5)  # (statistics in fp32)
 
 
 @pytest.mark.parametrize("from_y", [False, True])
