@@ -230,8 +230,8 @@ def _check_masters(fn: str, model_params, master_params, flat_master: bool) -> N
         f"{fn}: {what}. Expected the two lists prep_param_lists(model) returned, one master "
         "per model parameter in the same order" + (
             "; masters made with flat_master=True need flat_master=True here too."
-            if len(model_params) > 1 and len(master_params) == 1
-            and master_params[0].dim() == 1 and master_params[0].numel() == numel else "."))
+            if len(master_params) == 1 and master_params[0].dim() == 1
+            and master_params[0].numel() == numel else "."))
 
 
 # Apex's old name for it (every argument of PyTorch's: error_if_nonfinite, foreach).

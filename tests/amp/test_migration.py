@@ -55,6 +55,10 @@ def test_alias_answers_libraries_that_check_for_apex(clean_apex):
         assert importlib.util.find_spec(name) is not None, name
     assert importlib.metadata.version("apex") == f"0.1+mixprec.{mixprec.__version__}"
     assert importlib.metadata.metadata("apex")["Name"] == "apex"
+    # METADATA and nothing else: tools walking every distribution (plugin entry points,
+    # files()) see an empty package, not METADATA's text read as another file. (A01)
+    dist = importlib.metadata.distribution("apex")
+    assert dist.files is None and dist.requires is None and list(dist.entry_points) == []
     finders = [f for f in sys.meta_path if type(f).__name__ == "_AliasDistributionFinder"]
     assert len(finders) == 1  # once, however often the alias is installed
     with pytest.raises(importlib.metadata.PackageNotFoundError):
@@ -405,6 +409,12 @@ def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
         fp16_optimizer.FP16_Optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1))
     with pytest.raises(NotImplementedError, match="loss_scale"):
         DynamicLossScaler()
+    from apex.fp16_utils.loss_scaler import LossScaler
+
+    with pytest.raises(NotImplementedError, match=r"apex\.fp16_utils\.LossScaler \(Apex's "
+                                                  r"legacy.*loss_scale=<number> to "
+                                                  r"amp\.initialize"):
+        LossScaler(128.0)  # (a static scale: the argument that replaces it, F12)
     with pytest.raises(RuntimeError, match="amp_C"):
         MultiTensorApply(2048).check_avail()
     # Master gradients are copies, also of fp32 gradients (a BatchNorm after network_to_half):
@@ -823,6 +833,10 @@ def test_apexs_first_amp_api_disabled_is_a_no_op(clean_apex):
         pass
     assert opt.param_groups[0]["lr"] == 0.1  # (the optimizer's attributes through it)
     assert copy.deepcopy(opt).param_groups[0]["lr"] == 0.1  # (copies: Apex's recursed)
+    # Logs print the handle and the optimizer (H01, H04).
+    assert repr(handle) == "NoOpHandle()"
+    inner = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
+    assert repr(handle.wrap_optimizer(inner)) == f"NoOpHandle-wrapped {inner!r}"
     for a, b in zip(model.parameters(), ref.parameters()):
         assert torch.equal(a, b)
 
@@ -899,8 +913,13 @@ def test_apexs_fused_sgd_is_pytorchs_sgd(clean_apex):
     bare = FusedSGD.__new__(FusedSGD)
     bare.__setstate__(state)
     assert bare.set_grad_none is False and bare.materialize_master_grads is True
+    kept = FusedSGD(ours, lr=0.1, materialize_master_grads=False)  # (kept as passed, O03)
+    assert kept.materialize_master_grads is False
+    assert copy.deepcopy(kept).materialize_master_grads is False
     with pytest.raises(TypeError, match="lr is required"):
         FusedSGD(ours)
+    with pytest.raises(TypeError, match="lr is required"):
+        FusedSGD([])  # (no group to read one from: not an IndexError, O01)
     # Apex's lr=required is met by an lr in every group (Apex's own FusedSGD test builds it
     # so): it was refused. A group added later without one is refused, as in Apex.
     groups = FusedSGD([{"params": ours[:1], "lr": 0.25}, {"params": ours[1:], "lr": 0.5}],
@@ -960,9 +979,10 @@ def test_convert_module_casts_existing_gradients_too(clean_apex):
     mixprec.install_apex_alias()
     from apex.fp16_utils import convert_module, convert_network
 
-    for convert in (convert_module, convert_network):
-        lin = nn.Linear(3, 2)
-        lin(torch.randn(4, 3)).sum().backward()
+    for convert, dtype in ((convert_module, torch.float32), (convert_network, torch.float32),
+                           (convert_module, torch.float64), (convert_network, torch.float64)):
+        lin = nn.Linear(3, 2).to(dtype)  # (an fp64 model's gradients too, F13)
+        lin(torch.randn(4, 3, dtype=dtype)).sum().backward()
         ref = lin.weight.grad.clone()
         convert(lin, torch.float16)
         assert lin.weight.dtype == lin.weight.grad.dtype == torch.float16
@@ -970,7 +990,7 @@ def test_convert_module_casts_existing_gradients_too(clean_apex):
         torch.testing.assert_close(lin.weight.grad, ref.half(), rtol=0, atol=0)
 
 
-def test_fp16_model_leaves_integer_inputs_alone(clean_apex):
+def test_fp16_model_leaves_integer_and_non_tensor_inputs_alone(clean_apex):
     # FP16Model casts floating inputs to fp16; token ids (int64) must stay integers, or an
     # embedding (a language model) fails on half indices.
     import torch
@@ -987,6 +1007,24 @@ def test_fp16_model_leaves_integer_inputs_alone(clean_apex):
     out = model(tokens)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out[0], ref[[0, 4, 2]].half(), rtol=0, atol=0)
+    # Other positional arguments (a count, None for an optional mask) reach the network as
+    # they are. (F01)
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x, times, mask):
+            assert mask is None and times == 3
+            return self.lin(x) * times
+
+    net = Scaled()
+    ref = nn.Linear(3, 2)
+    ref.load_state_dict(net.lin.state_dict())
+    x = torch.randn(4, 3)
+    out = FP16Model(net)(x, 3, None)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out, ref.half()(x.half()) * 3, rtol=0, atol=0)
 
 
 def test_flat_master_comes_with_a_zero_gradient(clean_apex):
@@ -1420,6 +1458,8 @@ def test_apex_loss_scaler_refuses_scales_that_are_not_positive(clean_apex):
         scaler.unscale([g], [m], None)
     with pytest.raises(ValueError, match=r"scale_override=\(1\.0, 0\.0, 1\.0\).*must be > 0"):
         scaler.unscale_with_stashed([g], [g], [m], scale_override=(1.0, 0.0, 1.0))
+    with pytest.raises(ValueError, match=r"scale_override=\(0\.0, 1\.0, 1\.0\).*must be > 0"):
+        scaler.unscale_with_stashed([g], [g], [m], scale_override=(0.0, 1.0, 1.0))  # (S03)
     assert m.tolist() == [0.0, 0.0]
 
 
@@ -1567,17 +1607,18 @@ def test_fp16_utils_master_helpers_take_generators(clean_apex):
     assert all(bool((p == 2.0).all()) for p in model.parameters())
 
 
-def test_fp16_utils_hint_flat_masters_for_a_two_parameter_model(clean_apex):
-    """Flat masters passed without flat_master=True are recognised for any model of several
-    parameters (a single Linear with its bias), and the error says to pass flat_master=True.
-    (F26)"""
+@pytest.mark.parametrize("bias", [True, False])
+def test_fp16_utils_hint_flat_masters_for_a_two_parameter_model(clean_apex, bias):
+    """Flat masters passed without flat_master=True are recognised for any model (a single
+    Linear with its bias, or one weight alone), and the error says to pass flat_master=True.
+    (F26, F14)"""
     import torch
     from torch import nn
 
     mixprec.install_apex_alias()
     from apex.fp16_utils import model_grads_to_master_grads, prep_param_lists
 
-    model_params, flat = prep_param_lists(nn.Linear(3, 2), flat_master=True)
+    model_params, flat = prep_param_lists(nn.Linear(3, 2, bias=bias), flat_master=True)
     for p in model_params:
         p.grad = torch.ones_like(p)
     with pytest.raises(ValueError, match="need flat_master=True here too"):
@@ -1613,3 +1654,141 @@ def test_apex_loss_scaler_window_shortened_below_the_clean_steps_grows_next(clea
         assert scaler.update_scale() is False
         scales.append(scaler.loss_scale())
     assert scales == [8.0, 8.0, 8.0, 16.0]
+
+
+def test_fp16_utils_masters_are_trainable_leaf_parameters(clean_apex):
+    """prep_param_lists gives masters that are leaf nn.Parameters with requires_grad=True, flat
+    or not, as Apex's were: scripts hand them to any optimizer and build terms on them (a
+    penalty on the fp32 weights) whose backward must reach the masters. (F05, F06)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import prep_param_lists
+
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 1)).half()
+    for flat in (False, True):
+        _, masters = prep_param_lists(model, flat_master=flat)
+        for m in masters:
+            assert isinstance(m, nn.Parameter) and m.is_leaf and m.requires_grad, flat
+        grads = torch.autograd.grad(sum(m.pow(2).sum() for m in masters), masters)
+        for g, m in zip(grads, masters):
+            torch.testing.assert_close(g, 2 * m.detach(), rtol=0, atol=0)
+
+
+def test_fp16_utils_refusals_shorten_long_lists(clean_apex):
+    """The refusals of model_grads_to_master_grads show at most four entries and say how many
+    more there are (and that the master list goes on), so a user with a large model learns how
+    many parameters lack a gradient and that more masters were passed than shown. (F07, F08)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import model_grads_to_master_grads, prep_param_lists
+
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])  # 6 parameters
+    model_params, flat = prep_param_lists(model, flat_master=True)
+    _, masters = prep_param_lists(model)
+    with pytest.raises(ValueError, match=r"model_params \[0\] \(2, 2\), \[1\] \(2,\), "
+                                         r"\[2\] \(2, 2\), \[3\] \(2,\) and 2 more have no "
+                                         r"gradient"):
+        model_grads_to_master_grads(model_params, flat, flat_master=True)
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"got 6 tensor\(s\) of shape\(s\) \[\(2, 2\), "
+                                         r"\(2,\), \(2, 2\), \(2,\)\] \.\.\. with 18 elements"):
+        model_grads_to_master_grads(model_params, masters, flat_master=True)
+    with pytest.raises(ValueError, match=r"got 4 tensor\(s\) of shape\(s\) \[\(2, 2\), "
+                                         r"\(2,\), \(2, 2\), \(2,\)\] with 12 elements"):
+        model_grads_to_master_grads(model_params, masters[:4], flat_master=True)
+    with pytest.raises(ValueError, match=r"got 5 tensor\(s\) of shape\(s\) \[\(2, 2\), "
+                                         r"\(2,\), \(2, 2\), \(2,\)\] \.\.\. with 16 "
+                                         r"elements"):
+        model_grads_to_master_grads(model_params, masters[:5], flat_master=True)
+
+
+def test_apex_loss_scaler_keeps_an_overflow_seen_by_an_earlier_micro_batch(clean_apex):
+    """An inf/NaN found by any unscale of the step (unscale or unscale_with_stashed), read
+    or not, skips the step, even when later micro-batches of the same step are clean: the
+    overflow is the union of the step's checks, as Apex's sticky flag was. (S02, S05, S06)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    for first in ("unscale", "stashed"):
+        scaler = LossScaler("dynamic", init_scale=2.0**4)
+        scaler.clear_overflow_state()
+        master = torch.zeros(2)
+        bad = [torch.tensor([1.0, float("inf")])]
+        if first == "unscale":
+            scaler.unscale(bad, [master], None)
+        else:
+            scaler.unscale_with_stashed(bad, [torch.zeros(2)], [master])
+        # The flag is not read yet: the next micro-batches still run their checks.
+        scaler.unscale([torch.ones(2)], [torch.zeros(2)], None)
+        scaler.unscale_with_stashed([torch.ones(2)], [torch.zeros(2)], [torch.zeros(2)])
+        assert scaler._has_overflow is True, first
+        assert scaler.update_scale() is True and scaler.loss_scale() == 2.0**3, first
+
+
+def test_apex_loss_scaler_honours_its_bounds_from_the_constructor(clean_apex):
+    """min_loss_scale and max_loss_scale passed to the constructor bound the dynamic scale,
+    whatever their size (a floor of 2**10 kept by long fp16 runs, a ceiling below the
+    start). (S04, S07)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=2.0**11, min_loss_scale=2.0**10,
+                        max_loss_scale=2.0**12, scale_window=1)
+    assert scaler._min_loss_scale == 2.0**10 and scaler._max_loss_scale == 2.0**12
+    scales = []
+    for overflow in (True, True, False, False, False):
+        scaler.clear_overflow_state()
+        value = float("inf") if overflow else 1.0
+        scaler.unscale([torch.tensor([value])], [torch.zeros(1)], None)
+        assert scaler.update_scale() is overflow
+        scales.append(scaler.loss_scale())
+    assert scales == [2.0**10, 2.0**10, 2.0**11, 2.0**12, 2.0**12]
+
+
+def test_apex_loss_scaler_overflow_restarts_the_growth_window(clean_apex):
+    """An overflow starts the clean-step count over: after clean steps and an overflow, the
+    scale grows only after a full scale_window of new clean steps. (S11)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=2.0**8, scale_window=3)
+    scales = []
+    for overflow in (False, False, True, False, False, False):
+        scaler.clear_overflow_state()
+        value = float("nan") if overflow else 1.0
+        scaler.unscale([torch.tensor([value])], [torch.zeros(1)], None)
+        scaler.update_scale()
+        scales.append((scaler.loss_scale(), scaler._unskipped))
+    assert scales == [(2.0**8, 1), (2.0**8, 2), (2.0**7, 0), (2.0**7, 1), (2.0**7, 2),
+                      (2.0**8, 0)]
+
+
+def test_alias_drops_nested_modules_a_failed_apex_amp_left_behind(clean_apex, tmp_path,
+                                                                  monkeypatch):
+    """Apex's amp imported its subpackage apex.amp.lists (its override tables) before the line
+    that fails on a newer PyTorch: every module under apex.amp, nested ones too, is dropped
+    when mixprec's amp replaces it. (A06)"""
+    package = _fake_apex(tmp_path, "optimizers")
+    (package / "amp" / "lists").mkdir(parents=True)
+    (package / "amp" / "lists" / "__init__.py").write_text("")
+    (package / "amp" / "lists" / "torch_overrides.py").write_text("FP16_FUNCS = []\n")
+    (package / "amp" / "__init__.py").write_text(
+        "from .lists import torch_overrides\nfrom torch._six import string_classes\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match="apex.amp fails to import"):
+        mixprec.install_apex_alias()
+    import apex
+
+    assert apex.amp is amp
+    assert not [name for name in sys.modules if name.startswith("apex.amp.lists")]
