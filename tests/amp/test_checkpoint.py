@@ -1627,3 +1627,108 @@ def test_syncbn_conversion_after_a_parameter_was_replaced_saves_the_new_paramete
     model[1].weight = nn.Parameter(torch.full((4,), 3.0, dtype=torch.bfloat16))
     model = convert_syncbn_model(model)
     assert torch.equal(model.state_dict()["1.weight"], torch.full((4,), 3.0))
+
+
+class _Structured(nn.Module):
+    """The structures a checkpoint must get right together: an output layer tied to the
+    embedding, one block reached under two names, ParameterList/ParameterDict entries, a frozen
+    submodule left out of the optimizer, BatchNorm, a float buffer and an int64 counter updated
+    in forward, and a non-persistent buffer (kept out of the checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(12, 6)
+        self.block = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh())
+        self.alias = self.block
+        self.frozen = nn.Linear(6, 6).requires_grad_(False)
+        self.plist = nn.ParameterList([nn.Parameter(torch.randn(6, 6) * 0.3)])
+        self.pdict = nn.ParameterDict({"gain": nn.Parameter(torch.ones(6))})
+        self.out = nn.Linear(6, 12, bias=False)
+        self.out.weight = self.embed.weight
+        self.register_buffer("ema", torch.zeros(6))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("table", torch.linspace(0, 1, 6), persistent=False)
+
+    def forward(self, idx):
+        h = self.embed(idx).mean(1)
+        h = self.alias(self.block(h)) + self.frozen(h) + self.table
+        h = (h @ self.plist[0]) * self.pdict["gain"] + self.ema
+        if self.training:
+            self.calls += 1
+            with torch.no_grad():
+                self.ema.mul_(0.9).add_(h.detach().mean(0).to(self.ema.dtype), alpha=0.1)
+        return self.out(h)
+
+
+def _structured_run(opt_level, dtype, steps, start=0, checkpoint=None):
+    torch.manual_seed(0)
+    model = _Structured()
+    # (SGD with momentum: pure fp16 AdamW, O3's, diverges through its 1e-8 eps, see README.)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
+                          momentum=0.9, weight_decay=1e-4)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        amp.load_state_dict(checkpoint["amp"])
+    losses = []
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(100 + step)
+        idx, y = torch.randint(0, 12, (8, 3), generator=g), torch.randint(0, 12, (8,), generator=g)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(idx), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return model, opt, losses
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_resume_of_a_structured_model_is_bit_for_bit(opt_level, dtype):
+    """A run saved after 2 steps (model, optimizer, amp) and resumed into a fresh initialize
+    continues exactly as the uninterrupted run, for a model with tied weights, a block under
+    two names, parameter containers, a frozen part, BatchNorm and buffers updated in forward.
+    The checkpoint has the fp32 model's keys and dtypes (the counter int64, no non-persistent
+    buffer) and loads strictly into a plain fp32 model."""
+    full_model, _, full = _structured_run(opt_level, dtype, 4)
+    first_model, first_opt, first = _structured_run(opt_level, dtype, 2)
+    buf = io.BytesIO()
+    torch.save({"model": first_model.state_dict(), "optimizer": first_opt.state_dict(),
+                "amp": amp.state_dict()}, buf)
+    buf.seek(0)
+    checkpoint = torch.load(buf)
+    torch.manual_seed(0)
+    plain = _Structured()
+    assert {k: v.dtype for k, v in checkpoint["model"].items()} == {
+        k: v.dtype for k, v in plain.state_dict().items()}
+    assert "table" not in checkpoint["model"] and checkpoint["model"]["calls"].item() == 2
+    plain.load_state_dict(checkpoint["model"], strict=True)
+    resumed, _, second = _structured_run(opt_level, dtype, 2, start=2, checkpoint=checkpoint)
+    torch.testing.assert_close(torch.stack(first + second), torch.stack(full), rtol=0, atol=0)
+    for (k, v), v2 in zip(full_model.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_copies_of_a_structured_model_match_it(opt_level, dtype):
+    """copy.deepcopy and torch.save of the whole model (an EMA, a shipped model) of a trained
+    structured model give its outputs bit for bit and its checkpoint; the copy keeps its tie
+    (one tensor under both names), its aliased block, and its non-persistent buffer."""
+    model, _, _ = _structured_run(opt_level, dtype, 2)
+    idx = torch.randint(0, 12, (8, 3), generator=torch.Generator().manual_seed(7))
+    model.eval()
+    with torch.no_grad():
+        want = model(idx)
+    state = model.state_dict()
+    for copied in (copy.deepcopy(model), saved_whole(model)):
+        with torch.no_grad():
+            torch.testing.assert_close(copied(idx), want, rtol=0, atol=0)
+        assert copied.out.weight is copied.embed.weight and copied.alias is copied.block
+        assert copied.table.dtype == model.table.dtype and torch.equal(copied.table, model.table)
+        copied_state = copied.state_dict()
+        assert list(copied_state) == list(state)
+        for k, v in state.items():
+            torch.testing.assert_close(copied_state[k], v, rtol=0, atol=0, msg=k)
