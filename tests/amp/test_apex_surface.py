@@ -378,6 +378,28 @@ def test_add_param_group_repeating_a_parameter_is_refused_at_every_level(opt_lev
     assert len(opt.state_dict()["param_groups"]) == 1
 
 
+@pytest.mark.parametrize("bias, extra, shown", [
+    (True, True, "4 of the new group's 5 parameters (shapes [(8, 4), (8,), (2, 8)], ...)"),
+    (True, False, "4 of the new group's 4 parameters (shapes [(8, 4), (8,), (2, 8)], ...)"),
+    (False, False, "3 of the new group's 3 parameters (shapes [(8, 4), (8,), (2, 8)])"),
+])
+def test_add_param_group_refusal_counts_and_shows_the_repeated_parameters(bias, extra, shown):
+    """The O2 refusal of a late group repeating parameters already in the optimizer (as their
+    fp32 masters) counts the repeated ones against the group's size and shows the first three
+    shapes, then ', ...' only when more were repeated: a user unfreezing a backbone with a new
+    head parameter in the same group can tell which to take out. Found where the optimizer
+    adopts late groups (its state_dict()); the group is taken back out. (M02, M03, M39)"""
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2, bias=bias))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    new = list(model.parameters()) + ([nn.Parameter(torch.zeros(3))] if extra else [])
+    opt.add_param_group({"params": new, "lr": 0.01})
+    with pytest.raises(ValueError) as info:
+        opt.state_dict()
+    assert f"{shown} are already in another of the optimizer's groups" in str(info.value)
+    assert len(opt.param_groups) == 1
+
+
 def test_a_new_head_added_after_initialize_saves_fp32_before_any_step():
     # A module put into an O2 model after initialize and given to the optimizer with
     # add_param_group: its checkpoint entries were half until the next step (or an
@@ -393,6 +415,32 @@ def test_a_new_head_added_after_initialize_saves_fp32_before_any_step():
     assert all(m.dtype == torch.float32 for m in masters)
     assert torch.equal(saved["head.weight"], masters[0])
     assert torch.equal(saved["head.weight"], model.head.weight.float())
+
+
+class _AccumulatorSGD(torch.optim.SGD):
+    """SGD that makes per-parameter state as a group is added (Adagrad-style accumulators)."""
+
+    def add_param_group(self, group):
+        super().add_param_group(group)
+        for p in self.param_groups[-1]["params"]:
+            self.state[p]["sum"] = torch.full_like(p, 0.1)
+
+
+def test_optimizer_state_dict_right_after_add_param_group_saves_the_masters_fp32_state():
+    """An O2 optimizer's state_dict() taken right after add_param_group, before any scale_loss, comes
+    from the late group's fp32 masters: the state the optimizer made for the half parameters
+    is saved fp32 (as every other entry, and as a resume loads it), and the optimizer then
+    holds the masters that amp.master_params gives, as it will when it trains. (M13)"""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = _AccumulatorSGD(model[0].parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    opt.add_param_group({"params": list(model[1].parameters())})
+    saved = opt.state_dict()
+    assert sorted(saved["state"]) == [0, 1, 2, 3]
+    assert all(s["sum"].dtype == torch.float32 for s in saved["state"].values())
+    late = opt.param_groups[1]["params"]
+    assert all(p.dtype == torch.float32 for p in late)
+    assert all(p is q for p, q in zip(late, list(amp.master_params(opt))[2:]))
 
 
 def test_a_write_before_a_late_param_group_reaches_the_master():

@@ -712,7 +712,13 @@ def test_amp_state_dict_of_another_num_losses_loads_what_fits():
         amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": 2.0 ** i, "unskipped": i}
                              for i in range(3)})
     assert amp.state_dict()["loss_scaler1"] == {"loss_scale": 2.0, "unskipped": 1}
-    # Refused, and nothing loaded: a whole checkpoint, or one bad entry.
+    # Refused, and nothing loaded: what is not a dict (None from a checkpoint without an
+    # 'amp' entry, a key, a list of items) by its type (M25), a whole checkpoint, or one bad
+    # entry.
+    for bad in (None, "loss_scaler0", [("loss_scaler0", {"loss_scale": 8.0, "unskipped": 0})]):
+        with pytest.raises(ValueError, match=r"expected the dict saved by amp\.state_dict\(\) "
+                                             rf".*got {type(bad).__name__}\.$"):
+            amp.load_state_dict(bad)
     with pytest.raises(ValueError, match=r"unexpected key\(s\) \['model'\].*checkpoint\['amp'\]"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0}, "model": {}})
     # Only keys that are exactly loss_scaler<i> are amp's: another tool's entry, or a

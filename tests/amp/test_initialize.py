@@ -834,14 +834,16 @@ def test_lazy_layers_that_have_not_seen_an_input_are_refused_clearly(opt_level):
 
 
 def test_o2_refuses_a_late_group_holding_another_optimizers_mastered_parameter():
-    a, b, oa, ob = _shared_layer_models()
+    a, b, _, _ = _shared_layer_models()
+    # (another class for the optimizer keeping the master: the message names that one, M37)
+    oa = torch.optim.Adam(a.parameters(), lr=0.1)
     ob = torch.optim.SGD(b[1].parameters(), lr=0.1)  # (b's own layer only)
     amp.initialize([a, b], [oa, ob], opt_level="O2", loss_scale=1.0, verbosity=0)
     ob.add_param_group({"params": [b[0].weight]})
-    with pytest.raises(ValueError, match=r"add_param_group: a parameter of shape \(4, 4\) in "
-                       r"the new group already has an fp32 master in another optimizer "
-                       r"\(SGD\).*taken back out of param_groups.*Put each parameter in "
-                       r"one optimizer"):
+    with pytest.raises(ValueError, match=r"^SGD\.add_param_group: a parameter of shape "
+                       r"\(4, 4\) in the new group already has an fp32 master in another "
+                       r"optimizer \(Adam\).*taken back out of param_groups.*Put each "
+                       r"parameter in one optimizer"):
         amp.master_params(ob)
     # Taken back out, as add_param_group refuses a bad group: before, it stayed, and every
     # later step was refused. The optimizer trains on as it did before the call.
@@ -1533,6 +1535,29 @@ def test_o3_casts_optimizer_state_kept_in_lists_as_load_state_dict_does():
         ref_opt.step(closure_of(ref, ref_opt, plain_backward))
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_o3_casts_optimizer_state_kept_in_tuples_as_load_state_dict_does():
+    """State an optimizer keeps in tuples (a custom optimizer's pair of moments) follows a
+    parameter made half at O3 as Optimizer.load_state_dict casts it (inside tuples too), and
+    stays a tuple: left fp32, its first step mixes dtypes. Reference: a .bfloat16() copy's
+    optimizer that loaded the same state. (M06)"""
+    model = nn.Linear(8, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        opt.state[p]["moments"] = (torch.randn(p.shape, generator=g),
+                                   torch.rand(p.shape, generator=g))
+    ref = copy.deepcopy(model).bfloat16()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    amp.initialize(model, opt, opt_level="O3", dtype=torch.bfloat16, verbosity=0)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        got, want = opt.state[p]["moments"], ref_opt.state[q]["moments"]
+        assert type(got) is tuple and type(want) is tuple
+        assert [t.dtype for t in got] == [t.dtype for t in want] == [torch.bfloat16] * 2
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 class _ShardedLike(torch.optim.Optimizer):
