@@ -267,7 +267,7 @@ def norm_backward(
     db = torch.empty(0, dtype=compute, device=dy.device)
     if need_dw and weight is not None:
         dw = (dyf * x_hat).sum(dim=0).to(weight.dtype)
-    if need_db and bias is not None:
+    if need_db and bias is not None and not is_rms:  # (RMSNorm has no bias: [0], as the kernels)
         db = dyf.sum(dim=0).to(bias.dtype)
     return dx.to(x_dtype), dw, db
 
@@ -330,6 +330,6 @@ def _norm_backward_unrecorded(
     db = torch.empty(0, dtype=compute, device=dy.device)
     if need_dw and weight is not None:
         dw = dy_x_hat.sum(dim=0).to(weight.dtype)
-    if need_db and bias is not None:
+    if need_db and bias is not None and not is_rms:
         db = dy.sum(dim=0).to(bias.dtype)
     return dx.to(x_dtype), dw, db

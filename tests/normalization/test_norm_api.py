@@ -268,6 +268,34 @@ def test_custom_ops_pass_opcheck():
         (torch.randn(6, 8), x.detach(), w.detach(), b.detach(), mean, rstd, False, False,
          torch.float32, True, False),
     )
+    # float64 runs the PyTorch path in float64, statistics included, as the fake promises. (O15)
+    x64, w64 = x.detach().double().requires_grad_(True), w.detach().double().requires_grad_(True)
+    for is_rms in (False, True):
+        torch.library.opcheck(fwd, (x64, w64, None, 1e-5, is_rms, False, torch.float64))
+        _, mean, rstd = fwd(x64.detach(), w64.detach(), None, 1e-5, is_rms, False,
+                            torch.float64)
+        assert mean.dtype == rstd.dtype == torch.float64
+
+
+@KERNEL_DEVICES
+def test_rms_backward_op_gives_no_bias_gradient_on_any_path(device):
+    """An RMSNorm has no bias: mixprec::fused_norm_bwd returns an empty [0] dbias for it even
+    when a bias tensor is passed, on the PyTorch path as on the kernels, which is what its fake
+    implementation promises torch.compile (O16)."""
+    device, kernels_on_cpu = device_and_context(device)
+    x, w, b = (torch.randn(6, 8, device=device), torch.rand(8, device=device) + 0.5,
+               torch.randn(8, device=device))
+    dy = torch.randn(6, 8, device=device)
+    with kernels_on_cpu():
+        _, mean, rstd = torch.ops.mixprec.fused_norm_fwd(x, w, None, 1e-5, True, False,
+                                                         torch.float32)
+        args = (dy, x, w, b, mean, rstd, True, False, torch.float32, True, True)
+        dx, dw, db = torch.ops.mixprec.fused_norm_bwd(*args)
+    assert db.shape == (0,)
+    want = float64_reference("rms", x, (8,), w, None, dy)
+    torch.testing.assert_close(dx.double(), want[1], atol=1e-5, rtol=1e-5)
+    if hasattr(torch.library, "opcheck") and device == "cpu":
+        torch.library.opcheck(torch.ops.mixprec.fused_norm_bwd.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -727,6 +755,30 @@ def test_pytorch_path_keeps_a_row_copy_of_a_strided_input_not_its_storage(cls):
     small = cls((3, 4), dtype=torch.float64)
     wide = torch.randn(5, 3, 8, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda b: small(b[..., ::2]), (wide,))
+
+
+@requires_interpreter
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_kernels_keep_their_row_copy_of_a_strided_input_not_its_storage(cls):
+    """On the kernels, an input whose memory is not rows (every other column of a wider
+    tensor) is copied into rows for the forward, and that copy is what backward keeps: keeping
+    the input itself held its whole storage (twice the bytes here) and copied it again in
+    every backward. Results as for the same values in contiguous memory (O10)."""
+    norm = cls(32)
+    x = torch.randn(8, 64)[:, ::2].requires_grad_(True)
+    dy = torch.randn(8, 32)
+    kept = []
+    with _ops.triton_on_cpu():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t,
+                                                      lambda t: t):
+            y = norm(x)
+        (gx,) = torch.autograd.grad(y, x, dy)
+        xc = x.detach().contiguous().requires_grad_(True)
+        yc = norm(xc)
+        (gxc,) = torch.autograd.grad(yc, xc, dy)
+    assert x.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in kept}
+    torch.testing.assert_close(y, yc, rtol=0, atol=0)
+    torch.testing.assert_close(gx, gxc, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rms", [False, True], ids=["layer_norm", "rms_norm"])
@@ -1214,6 +1266,26 @@ def test_bias_only_layer_norm_matches_pytorch():
     torch.testing.assert_close(y, want, atol=1e-10, rtol=1e-10)
 
 
+@KERNEL_DEVICES
+def test_bias_gradient_when_only_the_bias_requires_grad(device):
+    """Fine-tuning only the biases (BitFit) freezes the input's producer and the weights: the
+    norm still records autograd when the bias alone requires grad, and the bias gradient is
+    PyTorch's (O22)."""
+    device, kernels_on_cpu = device_and_context(device)
+    torch.manual_seed(0)
+    x = torch.randn(5, 8, device=device)
+    w = torch.rand(8, device=device) + 0.5
+    b = torch.randn(8, device=device, requires_grad=True)
+    dy = torch.randn(5, 8, device=device)
+    with kernels_on_cpu():
+        y = fused_layer_norm(x, (8,), w, b)
+    assert y.requires_grad
+    (gb,) = torch.autograd.grad(y, b, dy)
+    want = float64_reference("layer", x, (8,), w, b, dy)
+    torch.testing.assert_close(y.double(), want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gb.double(), want[3], atol=1e-5, rtol=1e-5)
+
+
 # --- memory_efficient reaches the op from every entry point (mutants L03, L08, A05, A07, ...) --
 def _saved_ptrs(fn, x):
     saved = []
@@ -1441,3 +1513,39 @@ def test_forward_kernel_writes_no_row_past_the_last(kind, device):
     assert buf[m:].isnan().all(), "the forward wrote past the output's last row"
     want = float64_reference(kind, x, (n,), w, b, torch.ones_like(x))[0]
     torch.testing.assert_close(buf[:m].double(), want, **tolerance(torch.float32))
+
+
+def test_the_path_cache_is_bounded(monkeypatch):
+    """The per-signature path cache is bounded: a model fed ever-new shapes (variable sequence
+    lengths) must not grow host memory without limit. Past the bound it starts over, and each
+    call's result stays PyTorch's (O21)."""
+    monkeypatch.setattr(_ops, "_PATHS", {})
+    monkeypatch.setattr(_ops, "_MAX_PATHS", 3)
+    for rows in range(1, 9):
+        x = torch.randn(rows, 8)
+        torch.testing.assert_close(fused_layer_norm(x, (8,)),
+                                   torch.nn.functional.layer_norm(x, (8,)))
+        assert 1 <= len(_ops._PATHS) <= 3, rows
+
+
+@requires_interpreter
+def test_a_signature_first_seen_off_the_hook_takes_the_kernels_on_it(monkeypatch):
+    """triton_on_cpu() routes CPU calls to the kernels even for an input signature already
+    seen on the PyTorch path: the tests that use the hook compare the kernels, and a cached
+    PyTorch path would compare the reference with itself (O20)."""
+    planned = []
+    real = _launch.NormPlan.forward
+
+    def spy(self, *args):
+        planned.append(self.m)
+        return real(self, *args)
+
+    monkeypatch.setattr(_launch.NormPlan, "forward", spy)
+    x, w = torch.randn(3, 8), torch.rand(8) + 0.5
+    want = torch.nn.functional.layer_norm(x, (8,), w, eps=1e-5)
+    torch.testing.assert_close(fused_layer_norm(x, (8,), w), want)  # the PyTorch path
+    assert planned == []
+    with _ops.triton_on_cpu():
+        got = fused_layer_norm(x, (8,), w)
+    assert planned == [3]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

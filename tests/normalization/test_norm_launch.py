@@ -229,10 +229,23 @@ def test_functional_launchers_reject_what_their_plans_cannot_take():
     with pytest.raises(ValueError, match="out must be a"):
         _launch.forward(x, None, None, 1e-5, False, torch.float32,
                         out=torch.empty(4, 16, dtype=torch.bfloat16))
-    cfg = _launch.KernelConfig(1, 16, 1, pipeline_stages=2)
-    with pytest.raises(ValueError, match="pipeline_stages=2 needs a compiled GPU kernel"):
-        _launch.backward(x[:0], x[:0], None, None, x[:0, 0], x[:0, 0], False, False,
-                         torch.float32, False, False, config=cfg)
+    # An out of another shape (fewer columns, a flat buffer) would be written past or short of
+    # its rows: refused with the shape it needs, zero rows included. (L08)
+    for rows, bad in ((0, torch.empty(0, 8)), (4, torch.empty(4, 8)), (4, torch.empty(64))):
+        with pytest.raises(ValueError, match=rf"out must be a \({rows}, 16\) torch.float32 "
+                                             r"tensor, got \("):
+            _launch.forward(x[:rows], None, None, 1e-5, False, torch.float32, out=bad)
+    # Any pipeline_stages > 0 loops with a runtime bound only a compiled GPU kernel runs. (L21)
+    for stages in (1, 2, 3):
+        cfg = _launch.KernelConfig(1, 16, 1, pipeline_stages=stages)
+        with pytest.raises(ValueError, match=rf"pipeline_stages={stages} needs a compiled GPU "
+                                             r"kernel; .* Use pipeline_stages=0\."):
+            _launch.backward(x[:0], x[:0], None, None, x[:0, 0], x[:0, 0], False, False,
+                             torch.float32, False, False, config=cfg)
+    if importlib.util.find_spec("triton") is not None:  # (a plan of no rows: L14)
+        with pytest.raises(ValueError, match="NormPlan needs at least one row, got m=0"):
+            _launch.NormPlan(torch.device("cpu"), 0, 16, torch.float32, torch.float32, None,
+                             None, 1e-5, False, False)
 
 
 # -- TRITON_INTERPRET values, unit column strides (mutation testing) ------------------------------
@@ -297,3 +310,44 @@ def test_next_power_of_2_is_the_smallest_power_holding_the_row():
     for n in (17, 65, 1025, 4097, 65537):
         for cfg in (_launch.default_config(n), _launch.default_backward_config(n, 2, 2)):
             assert cfg.block_n >= n, (n, cfg)
+
+
+@_needs_kernels
+@pytest.mark.parametrize("is_rms", [False, True])
+def test_forward_takes_one_column_rows_of_any_column_stride(is_rms):
+    """A one-column row has no column stride to speak of: PyTorch gives a size-1 dim any
+    stride (a transposed row vector has strides (1, 4)), and the launcher takes it as the
+    rows it is. Against PyTorch's norms (L07)."""
+    x = torch.randn(1, 4, device=DEVICE).t()  # (4, 1), strides (1, 4)
+    assert x.stride() == (1, 4)
+    y, _, _ = _launch.forward(x, None, None, 1e-5, is_rms, torch.float32)
+    f = torch.nn.functional
+    want = f.rms_norm(x, (1,), eps=1e-5) if is_rms else f.layer_norm(x, (1,), eps=1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_row_rms_backward_gives_no_bias_gradient():
+    """RMSNorm has no bias: its backward returns an empty [0] tensor for dbias whatever bias is
+    passed, for zero rows as for any other count (the custom op's fake implementation promises
+    that shape to torch.compile). dweight of zero rows is exact zeros (no kernel runs) (L11)."""
+    x = torch.randn(0, 8)
+    w, b = torch.rand(8) + 0.5, torch.randn(8)
+    dx, dw, db = _launch.backward(x, x, w, b, x[:, 0], x[:, 0], True, False, torch.float32,
+                                  True, True)
+    assert dx.shape == (0, 8) and dx.dtype == torch.float32
+    torch.testing.assert_close(dw, torch.zeros(8), rtol=0, atol=0)
+    assert db.shape == (0,)
+
+
+def test_memory_efficient_plan_reads_the_output_dtype():
+    """With memory_efficient (from_y) the backward reads the saved output and the incoming
+    gradient, both in the output's dtype (a Mixed norm's bf16 input gives fp32 y): the plan's
+    defaults say so, so that its backward config is sized for them and the modules' fast path
+    recognises what autograd hands back (else every backward takes the generic fallback)
+    (L16, L17)."""
+    pytest.importorskip("triton")
+    cpu = torch.device("cpu")
+    for from_y, xy in ((True, torch.float32), (False, torch.bfloat16)):
+        plan = _launch.NormPlan(cpu, 4, 16, torch.bfloat16, torch.float32, torch.float32,
+                                torch.float32, 1e-5, False, from_y)
+        assert plan.xy_dtype is xy and plan.dy_dtype is torch.float32, from_y
