@@ -164,3 +164,22 @@ def test_backward_loop_variants(kind, prefetch, stages):
         torch.testing.assert_close(got[0].float(), want[0].float(), **tolerance(torch.bfloat16))
         for g, r in zip(got[1:], want[1:]):
             torch.testing.assert_close(g.float(), r.float(), atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.parametrize("which", ["weight", "bias"])
+def test_a_strided_parameter_after_a_contiguous_one_of_its_shape(which):
+    """The cached path of an input signature is keyed by whether the weight and bias are
+    contiguous: a transposed parameter of the same shape (a checkpoint's weight loaded as a
+    view) after a contiguous one must not reach the kernels as if it were rows, which would
+    scale the wrong positions. Against PyTorch's layer_norm in float64. (r59B's O17)"""
+    x = torch.randn(6, 16, 16, device="cuda")
+    params = {"weight": torch.rand(16, 16, device="cuda") + 0.5,
+              "bias": torch.randn(16, 16, device="cuda")}
+    for strided in (False, True):
+        if strided:
+            params[which] = params[which].t().contiguous().t()  # (same values, transposed)
+            assert not params[which].is_contiguous()
+        got = fused_layer_norm(x, (16, 16), params["weight"], params["bias"])
+        want = torch.nn.functional.layer_norm(x.double(), (16, 16), params["weight"].double(),
+                                              params["bias"].double(), 1e-5)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=str(strided))
