@@ -18,7 +18,7 @@ class LARC:
     decay ``wd``, before the inner optimizer's step::
 
         local_lr = trust_coefficient * ||p|| / (||g|| + wd * ||p|| + eps)
-        clip=True  (LARC):  local_lr = min(local_lr / lr, 1)
+        clip=True  (LARC):  local_lr = min(local_lr / lr, 1)   (0 stays 0, also at lr=0)
         g <- (g + wd * p) * local_lr
 
     and the inner step runs with ``weight_decay=0`` (weight decay is folded in above and the
@@ -143,7 +143,11 @@ class LARC:
                     g_norm + p_norm * weight_decay + self.eps
                 )
                 if self.clip:
-                    local_lr = torch.clamp(local_lr / lr, max=1.0)
+                    # (At lr 0, a warm-up's first step, a positive ratio clips to 1; a zero
+                    # ratio, trust_coefficient=0 or one underflowed in fp32, stays 0, its
+                    # limit at any lr > 0, not the 0/0 NaN that poisoned the momentum.)
+                    local_lr = torch.where(local_lr == 0, local_lr,
+                                           torch.clamp(local_lr / lr, max=1.0))
                 # Zero weight or zero gradient: leave the gradient exactly as it is (Apex).
                 keep = (p_norm == 0) | (g_norm == 0)
                 scale = torch.where(keep, torch.ones_like(local_lr), local_lr)

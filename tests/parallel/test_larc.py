@@ -248,6 +248,41 @@ def test_larc_clip_bounds_the_rate():
     torch.testing.assert_close(p.detach(), torch.full((4,), 10.0 - 0.5 * 1e-6))
 
 
+def test_larc_clipped_step_at_zero_learning_rate_stays_finite():
+    """A warm-up schedule starting at lr=0 (LambdaLR with a factor 0 at step 0): with
+    clip=True the rate is min(local_lr / lr, 1) = 1 there, so the inner optimizer gets the
+    finite gradient ``g + wd * p`` (its momentum buffer starts from it) and the weights do not
+    move; a NaN there would poison the momentum for good. Reference: that gradient in float64,
+    exactly; then a step at lr=0.1 as the hand formula gives, 1e-12. (L10)"""
+    gen = torch.Generator().manual_seed(5)
+    start = torch.randn(6, generator=gen, dtype=torch.float64)
+    grads = [torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(2)]
+    p = nn.Parameter(start.clone())
+    inner = torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=1e-2)
+    larc = LARC(inner, trust_coefficient=0.02)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda k: float(k))  # lr 0, then 0.1
+    p.grad = grads[0].clone()
+    larc.step()
+    buf = inner.state[p]["momentum_buffer"]
+    torch.testing.assert_close(buf, grads[0] + 1e-2 * start, rtol=0, atol=0)
+    torch.testing.assert_close(p.detach(), start, rtol=0, atol=0)
+    scheduler.step()
+    p.grad = grads[1].clone()
+    larc.step()
+    g = _larc_gradient(start, grads[1], 0.1, 1e-2, 0.02, True, 1e-8)
+    expected = start - 0.1 * (0.9 * (grads[0] + 1e-2 * start) + g)
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-12, atol=1e-12)
+    # A zero ratio (trust_coefficient=0, or one underflowed in fp32) at lr 0 gives the zero
+    # gradient it gives at any lr > 0, not 0/0: the momentum buffer starts at zero, not NaN.
+    for lr in (0.0, 0.1):
+        q = nn.Parameter(torch.ones(3))
+        q.grad = torch.ones(3)
+        zero_inner = torch.optim.SGD([q], lr=lr, momentum=0.9)
+        LARC(zero_inner, trust_coefficient=0).step()
+        assert torch.equal(zero_inner.state[q]["momentum_buffer"], torch.zeros(3)), lr
+        assert torch.equal(q.detach(), torch.ones(3)), lr
+
+
 @pytest.mark.parametrize("clip", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_larc_step_on_float32_and_half_params_matches_float64(dtype, clip):
@@ -298,18 +333,30 @@ def test_larc_shares_the_inner_optimizer_state():
     assert "trust_coefficient=0.02" in repr(larc)
 
 
-def test_larc_closure():
-    p = torch.nn.Parameter(torch.ones(3))
-    larc = LARC(torch.optim.SGD([p], lr=0.1))
+@pytest.mark.parametrize("clip", [True, False])
+def test_larc_closure(clip):
+    """``step(closure)``: the closure computes the gradients, then LARC scales them and the
+    inner optimizer steps once with them (the closure is not run again inside the inner
+    step, which would recompute unscaled gradients). Reference: the hand formula on the
+    closure's gradient, float64, 1e-12. (L02 L06)"""
+    gen = torch.Generator().manual_seed(3)
+    start = torch.randn(6, generator=gen, dtype=torch.float64) * 4
+    target = torch.randn(6, generator=gen, dtype=torch.float64)
+    p = nn.Parameter(start.clone())
+    larc = LARC(torch.optim.SGD([p], lr=0.1, weight_decay=1e-2), trust_coefficient=0.02,
+                clip=clip)
 
     def closure():
         larc.zero_grad()
-        loss = (p * 2).sum()
+        loss = (p - target).pow(2).sum()
         loss.backward()
         return loss
 
-    assert larc.step(closure).item() == pytest.approx(6.0)
-    assert not torch.equal(p.detach(), torch.ones(3))
+    loss = larc.step(closure)
+    grad = 2 * (start - target)
+    expected = _expected([start], [grad], lr=0.1, wd=1e-2, trust=0.02, clip=clip, eps=1e-8)[0]
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-12, atol=1e-12)
+    assert loss.item() == pytest.approx((start - target).pow(2).sum().item())
 
 
 def test_larc_closure_runs_with_grad_enabled_inside_no_grad():
@@ -333,6 +380,24 @@ def test_larc_closure_runs_with_grad_enabled_inside_no_grad():
     assert loss.item() == pytest.approx(6.0)
     assert not torch.equal(p.detach(), torch.ones(3, dtype=torch.float64))
     torch.testing.assert_close(p.detach(), ref.detach(), rtol=0, atol=0)
+
+
+def test_larc_restores_weight_decay_when_the_inner_step_raises():
+    """LARC zeroes the groups' weight_decay for the inner step only: if that step raises (a
+    custom optimizer's check, an interrupted step a training loop catches and retries), the
+    groups get their weight decay back, or every later step would run without it. Reference:
+    the values the groups held before. (L03)"""
+    class Failing(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("inner step failed")
+
+    p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    larc = LARC(Failing([{"params": [p], "weight_decay": 1e-2},
+                         {"params": [q], "weight_decay": 5e-4}], lr=0.1))
+    p.grad, q.grad = torch.ones(3), torch.ones(2)
+    with pytest.raises(RuntimeError, match="inner step failed"):
+        larc.step()
+    assert [g["weight_decay"] for g in larc.param_groups] == [1e-2, 5e-4]
 
 
 @pytest.mark.parametrize("clip", [True, False])
@@ -381,6 +446,22 @@ def test_larc_errors():
         LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=float("nan"))
     with pytest.raises(TypeError, match=r"LARC\(LBFGS\).*closure.*first-order"):
         LARC(torch.optim.LBFGS([p]))  # (its step recomputes the gradients LARC scaled)
+
+    class LoggedLBFGS(torch.optim.LBFGS):  # (a project's own LBFGS, L09)
+        pass
+
+    with pytest.raises(TypeError, match=r"LARC\(LBFGS\).*closure.*first-order"):
+        LARC(LoggedLBFGS([p]))
+    # Both numbers finite and >= 0 (documented): a negative eps can zero the denominator, an
+    # infinite one or an infinite trust coefficient makes every step 0 or inf. (L01, L05)
+    for name, value in (("eps", -1e-8), ("eps", float("nan")), ("eps", float("inf")),
+                        ("trust_coefficient", float("inf"))):
+        with pytest.raises(ValueError, match=rf"LARC\({name}=.*must be a finite number >= 0"):
+            LARC(torch.optim.SGD([p], lr=0.1), **{name: value})
+    # The repr shows every setting (how a run's configuration is checked). (L04)
+    assert repr(LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=0.001, clip=False,
+                     eps=1e-6)).startswith("LARC(trust_coefficient=0.001, clip=False, "
+                                           "eps=1e-06) wrapping SGD")
     # What Apex took: any number, a truthy int or NumPy bool for clip.
     np = pytest.importorskip("numpy")
     larc = LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=np.float32(0.01),

@@ -806,6 +806,30 @@ def test_single_process_channel_last_flag(not_distributed):
     assert y.shape == x.shape
     torch.testing.assert_close(y, bn(x.permute(0, 3, 1, 2)).permute(0, 2, 3, 1))
     torch.testing.assert_close(sync.running_var, bn.running_var)
+    # A 3-D (N, L, C) input (a sequence batch) normalizes over (N, L) per channel, input
+    # gradient and statistics too; L equals C here, so the wrong dimension would still run.
+    # (S18)
+    x = torch.randn(5, 3, 3) * torch.tensor([1.0, 3.0, 0.5]) + torch.tensor([0.0, 2.0, -1.0])
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layer, ref = SyncBatchNorm(3, channel_last=True), nn.BatchNorm1d(3)
+    got, want = layer(x1), ref(x2.transpose(1, 2)).transpose(1, 2)
+    dy = torch.randn(5, 3, 3)
+    got.backward(dy)
+    want.backward(dy)
+    for a, b in ((got, want), (x1.grad, x2.grad), (layer.running_mean, ref.running_mean),
+                 (layer.running_var, ref.running_var)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_syncbn_with_one_channel_is_batchnorm(not_distributed):
+    """A one-channel layer (a single feature, a grayscale stem) is a valid BatchNorm
+    (``nn.BatchNorm1d(1)``): it constructs and normalizes as BatchNorm does, output and
+    running statistics bit for bit on one process. (S36)"""
+    torch.manual_seed(0)
+    x = torch.randn(8, 1, 5) * 3 + 2
+    layer, ref = SyncBatchNorm(1), nn.BatchNorm1d(1)
+    torch.testing.assert_close(layer(x), ref(x), rtol=0, atol=0)
+    torch.testing.assert_close(layer.running_var, ref.running_var, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fuse_relu", [False, True])
@@ -826,6 +850,20 @@ def test_single_process_residual_z_and_fuse_relu(not_distributed, fuse_relu):
         sync(x, torch.randn(6, 4))
     with pytest.raises(TypeError, match="fuse_relu"):
         SyncBatchNorm(4, fuse_relu=1)
+
+
+def test_syncbn_residual_z_follows_type_promotion_as_batchnorm_plus_z(not_distributed):
+    """``forward(input, z)`` is ``bn(input) + z`` (documented): a half input with an fp32
+    residual gives what that expression gives in PyTorch, an fp32 output of the fp32 sum (an
+    in-place add would round the sum to half). Reference: nn.BatchNorm1d(input) + z, with
+    the same parameters; bit for bit on one process. (S12)"""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 4) * 2 + 1).to(torch.bfloat16)
+    z = torch.randn(6, 4) * 1e-3 + 1  # (a small change on 1: lost if the sum is bf16)
+    layer, ref = SyncBatchNorm(4), nn.BatchNorm1d(4)
+    got, want = layer(x, z), ref(x) + z
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_a_layer_pickled_without_the_newer_attributes_runs_and_compiles(not_distributed):
@@ -902,6 +940,26 @@ def test_syncbn_refuses_the_dtype_pairs_batchnorm_refuses(input_dtype, layer_dty
     ref = nn.BatchNorm1d(3).to(layer_dtype).train(training)
     with pytest.raises(RuntimeError, match="(?i)dtype|scalar type|datatype"):  # (PyTorch's own)
         ref(torch.randn(4, 3, dtype=input_dtype))
+
+
+@pytest.mark.parametrize("input_dtype, layer_dtype, affine", [
+    (torch.bfloat16, torch.float64, True), (torch.float16, torch.float64, True),
+    (torch.float64, torch.float32, False)])
+def test_syncbn_refuses_the_other_dtype_pairs_with_its_own_message(input_dtype, layer_dtype,
+                                                                     affine):
+    """Half input is taken with float32 parameters only (not float64 ones), and a layer
+    without affine parameters checks its running statistics' dtype: SyncBatchNorm refuses
+    these pairs with its own message naming both dtypes, on every path, as BatchNorm refuses
+    them (the multi-rank path would otherwise compute them and the model fail in eval).
+    Reference: nn.BatchNorm1d refuses the same pairs. (S06 S07)"""
+    layer = SyncBatchNorm(3, affine=affine).to(layer_dtype)
+    x = torch.randn(4, 3).to(input_dtype)
+    with pytest.raises(RuntimeError, match=f"input is {input_dtype}, the layer's parameters "
+                                           f"and buffers {layer_dtype}"):
+        layer(x)
+    assert int(layer.num_batches_tracked) == 0
+    with pytest.raises(RuntimeError):
+        nn.BatchNorm1d(3, affine=affine).to(layer_dtype)(x)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -1015,6 +1073,21 @@ def test_convert_syncbn_model_existing_layers_take_the_arguments():
     assert model[1].process_group is None and not model[1].channel_last
 
 
+def test_convert_syncbn_model_reaches_module_lists_and_dicts():
+    """BatchNorm layers held in ``nn.ModuleList`` / ``nn.ModuleDict`` containers (stages of
+    ResNet-like models, heads by name) are converted like those in ``nn.Sequential``, with
+    the same parameter objects, so no layer is left syncing nothing. (C07)"""
+    bns = [nn.BatchNorm2d(4), nn.BatchNorm1d(3)]
+    weights = [bn.weight for bn in bns]
+    model = nn.Module()
+    model.stages = nn.ModuleList([bns[0]])
+    model.heads = nn.ModuleDict({"a": bns[1]})
+    convert_syncbn_model(model)
+    assert isinstance(model.stages[0], SyncBatchNorm) and isinstance(model.heads["a"],
+                                                                     SyncBatchNorm)
+    assert model.stages[0].weight is weights[0] and model.heads["a"].weight is weights[1]
+
+
 class _BatchNormAct(nn.BatchNorm2d):
     """timm's BatchNormAct2d pattern: a BatchNorm subclass with submodules."""
 
@@ -1067,6 +1140,9 @@ def test_create_syncbn_process_group_errors(not_distributed):
         create_syncbn_process_group(-1)
     with pytest.raises(ValueError, match=">= 0"):
         create_syncbn_process_group(2.0)
+    for flag in (True, False):  # (not a size: True would be groups of one rank, C04)
+        with pytest.raises(ValueError, match=rf"group_size={flag}\): must be an int >= 0"):
+            create_syncbn_process_group(flag)
     np = pytest.importorskip("numpy")
     assert create_syncbn_process_group(np.int64(0)) is None  # (any integer type, as Apex)
     with pytest.raises(RuntimeError, match="init_process_group"):
@@ -1289,6 +1365,13 @@ def test_syncbn_without_bias_is_batchnorm_without_bias(not_distributed):
     assert set(sync.state_dict()) == set(ref.state_dict())
     x = torch.randn(5, 4, 3, 3) * 2 + 1
     torch.testing.assert_close(sync(x), ref(x), rtol=0, atol=0)
+    # convert_syncbn_model of one keeps its weight object and no bias (C08).
+    bn = copy.deepcopy(ref)
+    converted = convert_syncbn_model(bn)
+    assert converted.weight is bn.weight and converted.bias is None
+    assert set(converted.state_dict()) == set(ref.state_dict())
+    ref.train()
+    torch.testing.assert_close(converted(x), ref(x), rtol=0, atol=0)
 
 
 def test_syncbn_custom_group_shows_in_repr():
@@ -1333,6 +1416,34 @@ def test_syncbn_deepcopy_keeps_references_to_itself():
     twin(x)
     assert twin.calls == 1 and layer.calls == 0
     torch.testing.assert_close(twin(x), layer(x), rtol=0, atol=0)
+
+
+def test_convert_syncbn_model_keeps_a_syncbn_subclass():
+    """A model's own SyncBatchNorm subclass (a layer with extra state or hooks) is an existing
+    SyncBatchNorm: convert_syncbn_model keeps the same object, with its hooks and attributes,
+    and gives it the group and flag, as it does for SyncBatchNorm itself. (C06)"""
+    group = object()  # (stands in for a ProcessGroup: nothing communicates here)
+    layer = _SelfHooked(3)
+    model = convert_syncbn_model(nn.Sequential(layer), process_group=group)
+    assert model[0] is layer
+    assert layer.process_group is group
+    model(torch.randn(4, 3))
+    assert layer.calls == 1
+
+
+def test_syncbn_factory_arguments_place_parameters_and_buffers_as_batchnorm():
+    """``SyncBatchNorm(..., device=, dtype=)`` makes its parameters and buffers where and as
+    ``nn.BatchNorm1d`` with the same arguments does: models built on the meta device (deferred
+    initialization of large models) or directly in float64 rely on it. Reference: BatchNorm's
+    own state dict, entry by entry (device and dtype). (S04 S05)"""
+    for kwargs in (dict(device="meta"), dict(dtype=torch.float64),
+                   dict(device="meta", dtype=torch.float16)):
+        got = SyncBatchNorm(3, **kwargs).state_dict()
+        want = nn.BatchNorm1d(3, **kwargs).state_dict()
+        assert list(got) == list(want)
+        for key in want:
+            assert (got[key].device, got[key].dtype) == (want[key].device, want[key].dtype), (
+                kwargs, key, got[key].device, got[key].dtype)
 
 
 # ------------------------------------------------------------------------------------------------
