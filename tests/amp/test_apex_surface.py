@@ -772,6 +772,41 @@ def test_o2_output_cast_keeps_tuples_and_lists_as_they_were():
     assert type(seen["pair"]) is tuple and seen["pair"][0].dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_torch_return_types_and_sizes_in_outputs_keep_their_types(opt_level):
+    """A forward returning torch's structseq results (``topk``, ``max``: values and indices)
+    and a ``torch.Size`` among its outputs: amp's output cast rebuilds them as the same types,
+    casts their floating values to fp32 (the model's outputs at every level by default) and
+    leaves the integer indices and sizes as they are."""
+
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(4, 5)
+
+        def forward(self, x):
+            h = self.l(x)
+            return {"top": h.topk(2, dim=1), "max": torch.max(h, 1), "shape": h.shape,
+                    "ids": torch.arange(3), "pair": (h, x.shape[0])}
+
+    torch.manual_seed(0)
+    model = Heads()
+    reference = Heads()
+    reference.load_state_dict(model.state_dict())
+    amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 4)
+    out, want = model(x), reference(x)
+    for key in ("top", "max"):
+        assert type(out[key]) is type(want[key]), key
+        assert out[key].values.dtype == torch.float32
+        assert out[key].indices.dtype == torch.int64
+        # (bf16 weights and inputs at O2/O3: about 2**-8 relative per rounding.)
+        torch.testing.assert_close(out[key].values, want[key].values, rtol=3e-2, atol=3e-2)
+    assert type(out["shape"]) is torch.Size and out["shape"] == want["shape"]
+    assert out["ids"].dtype == torch.int64 and type(out["pair"]) is tuple
+    assert out["pair"][0].dtype == torch.float32 and out["pair"][1] == 3
+
+
 @dataclasses.dataclass
 class _Derived:
     x: torch.Tensor
@@ -1731,38 +1766,3 @@ def test_a_function_with_a_rule_casts_only_floating_tensors():
         for rule, want in ((amp.half_function, torch.bfloat16), (amp.float_function, torch.float32),
                            (amp.promote_function, torch.float32)):
             assert rule(probe)(x, idx, mask) == (want, torch.int64, torch.bool, want)
-
-
-class _StructuredOutputs(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.l = nn.Linear(4, 5)
-
-    def forward(self, x):
-        h = self.l(x)
-        return {"top": h.topk(2, dim=1), "max": torch.max(h, 1), "shape": h.shape,
-                "ids": torch.arange(3), "pair": (h, x.shape[0])}
-
-
-@pytest.mark.parametrize("opt_level", OPT_LEVELS)
-def test_torch_return_types_and_sizes_in_outputs_keep_their_types(opt_level):
-    """A forward returning torch's structseq results (``topk``, ``max``: values and indices)
-    and a ``torch.Size`` among its outputs: amp's output cast rebuilds them as the same types,
-    casts their floating values to fp32 (the model's outputs at every level by default) and
-    leaves the integer indices and sizes as they are."""
-    torch.manual_seed(0)
-    model = _StructuredOutputs()
-    reference = _StructuredOutputs()
-    reference.load_state_dict(model.state_dict())
-    amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
-    x = torch.randn(3, 4)
-    out, want = model(x), reference(x)
-    for key in ("top", "max"):
-        assert type(out[key]) is type(want[key]), key
-        assert out[key].values.dtype == torch.float32
-        assert out[key].indices.dtype == torch.int64
-        # (bf16 weights and inputs at O2/O3: about 2**-8 relative per rounding.)
-        torch.testing.assert_close(out[key].values, want[key].values, rtol=3e-2, atol=3e-2)
-    assert type(out["shape"]) is torch.Size and out["shape"] == want["shape"]
-    assert out["ids"].dtype == torch.int64 and type(out["pair"]) is tuple
-    assert out["pair"][0].dtype == torch.float32 and out["pair"][1] == 3

@@ -13,7 +13,7 @@ from torch import nn
 
 from mixprec import amp
 
-from .helpers import HALF_DTYPES, batch, make_cnn, train_step
+from .helpers import HALF_DTYPES, backward_and_step, batch, make_cnn, train_step
 
 KEEP_BN_CASES = [("O2", None), ("O3", True), ("O1", True)]
 
@@ -300,13 +300,7 @@ def test_o2_batchnorm_variants_stay_fp32_and_track_as_fp32(dtype):
         x = torch.randn(8, 6, generator=g) * 2 + 1
         for m, o, use_amp in ((model, opt, True), (reference, ref_opt, False)):
             o.zero_grad()
-            loss = m(x).float().pow(2).mean()
-            if use_amp:
-                with amp.scale_loss(loss, o) as scaled:
-                    scaled.backward()
-            else:
-                loss.backward()
-            o.step()
+            backward_and_step(m(x).float().pow(2).mean(), o, amp, use_amp)
     model.eval()
     reference.eval()
     with torch.no_grad():

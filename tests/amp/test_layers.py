@@ -82,15 +82,16 @@ def _build(block):
     return _BLOCKS[block]()
 
 
-def _train(model, opt, block, steps, use_amp=True, dtype=None):
+def _train(model, opt, block, steps, use_amp=True, dtype=None, inputs_of=None, loss_of=None):
     losses = []
     for step in range(steps):
-        inputs = _inputs(block, step)
+        inputs = (inputs_of or _inputs)(block, step)
         if dtype is not None:  # (a plain half model: its inputs cast by hand)
             inputs = tuple(t.to(dtype) if block == "packed_lstm" or t.is_floating_point()
                            else t for t in inputs)
         opt.zero_grad()
-        loss = model(*inputs).float().pow(2).mean()
+        out = model(*inputs)
+        loss = loss_of(out) if loss_of else out.float().pow(2).mean()
         backward_and_step(loss, opt, amp, use_amp)
         losses.append(loss.detach())
     return torch.stack(losses)
@@ -457,13 +458,7 @@ def _zoo_loss(out):
 
 
 def _zoo_train(model, opt, block, steps, use_amp=True):
-    losses = []
-    for step in range(steps):
-        opt.zero_grad()
-        loss = _zoo_loss(model(*_zoo_inputs(block, step)))
-        backward_and_step(loss, opt, amp, use_amp)
-        losses.append(loss.detach())
-    return torch.stack(losses)
+    return _train(model, opt, block, steps, use_amp, inputs_of=_zoo_inputs, loss_of=_zoo_loss)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
