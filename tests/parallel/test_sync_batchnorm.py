@@ -1450,6 +1450,8 @@ def test_syncbn_factory_arguments_place_parameters_and_buffers_as_batchnorm():
 # the autograd function itself, one process (fn.LOCAL: no collectives)
 # ------------------------------------------------------------------------------------------------
 _LOCAL_PATHS = dict(_CPU_PATHS)
+# The fused path with mixprec's Triton kernels for dense channels-last input (interpreted).
+_TRITON_LOCAL_PATH = functools.partial(emulated_fused_path, triton=True)
 
 
 def _local_case(x, dy, weight, bias, running_mean, running_var, eps, momentum, *,
@@ -1507,7 +1509,7 @@ def test_contiguous_channel_last_input_takes_the_triton_kernels(not_distributed,
     w, b = torch.rand(6) + 0.5, torch.randn(6)
     rm, rv = torch.zeros(6), torch.ones(6)
     y, dx = _local_case(x, dy, w, b, rm, rv, 1e-5, 0.1, channel_last=True,
-                        path_ctx=functools.partial(emulated_fused_path, triton=True))
+                        path_ctx=_TRITON_LOCAL_PATH)
     assert sorted(calls) == sorted(names), calls
     ry, rdx, _, _, rrm, rrv = _reference(x, w, b, dy, torch.zeros(6), torch.ones(6), 0.1, 1e-5,
                                          3)
@@ -1539,20 +1541,106 @@ def test_a_layer_cache_tells_layouts_of_one_shape_apart(not_distributed, first):
         _close(dx, rdx, OUT_TOL[torch.float32], f"{fmt} input grad")
 
 
-def test_fused_path_updates_a_strided_running_variance(not_distributed):
+@pytest.mark.parametrize("triton", [False, True], ids=["nchw", "channels-last-triton"])
+def test_fused_path_updates_a_strided_running_variance(not_distributed, triton):
     """Running statistics that are strided views (a buffer sliced out of a larger one, a
     checkpoint loaded into a view) are updated in place on the fused path, where the kernels
-    get contiguous copies: both the mean and the variance are written back, and nothing else
-    in the base buffer changes. Reference: float64 BatchNorm's running statistics, 1e-4. (M10)"""
+    get contiguous copies (mixprec's Triton kernels too, for a channels-last input: they write
+    per-channel vectors with unit stride): both the mean and the variance are written back,
+    and nothing else in the base buffer changes. Reference: float64 BatchNorm, running
+    statistics 1e-4, output and input gradient 1e-5. (M10, F27)"""
+    if triton and not _INTERPRETER:
+        pytest.skip("needs Triton's interpreter (tests/_triton.py)")
     torch.manual_seed(0)
     x = torch.randn(6, 3, 4, 4) * 2 + 1
+    dy = torch.randn_like(x)
+    if triton:
+        x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
     w, b = torch.rand(3) + 0.5, torch.randn(3)
     rm = torch.zeros(3)
     base = torch.ones(6)
     rv = base[::2]
-    _local_case(x, torch.randn_like(x), w, b, rm, rv, 1e-5, 0.1, path_ctx=emulated_fused_path)
-    rrm, rrv = _reference(x, w, b, torch.zeros_like(x), torch.zeros(3), torch.ones(3), 0.1, 1e-5,
-                          1)[4:]
+    y, dx = _local_case(x, dy, w, b, rm, rv, 1e-5, 0.1,
+                        path_ctx=_TRITON_LOCAL_PATH if triton else emulated_fused_path)
+    ry, rdx, _, _, rrm, rrv = _reference(x, w, b, dy, torch.zeros(3), torch.ones(3), 0.1, 1e-5,
+                                         1)
+    _close(y, ry, OUT_TOL[torch.float32], "output")
+    _close(dx, rdx, OUT_TOL[torch.float32], "input grad")
     _close(rm, rrm, STAT_TOL, "running_mean")
     _close(rv, rrv, STAT_TOL, "running_var")
     assert torch.equal(base[1::2], torch.ones(3)), base
+
+
+def test_channel_last_flag_with_a_strided_input_is_batchnorm(not_distributed):
+    """Apex's ``channel_last=True`` with an ``(N, H, W, C)`` input that is a strided view (every
+    other row of a larger batch, a crop) is not dense ``(M, C)`` memory: every path must read it
+    as it is laid out (the Triton kernels take only dense memory; the fused path needs a copy).
+    Output, input gradient and running statistics against float64 BatchNorm, 1e-5 / 1e-4.
+    (F05)"""
+    torch.manual_seed(0)
+    base = torch.randn(4, 6, 5, 3)
+    dy = torch.randn(4, 3, 5, 3)
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    paths = dict(_LOCAL_PATHS)
+    if _INTERPRETER:
+        paths["cpu-emulated-fused-triton"] = _TRITON_LOCAL_PATH
+    for path, path_ctx in sorted(paths.items()):
+        rm, rv = torch.zeros(3), torch.ones(3)
+        leaf = base.clone().requires_grad_()
+        x = leaf[:, ::2]  # (N, H, W, C), channels innermost, rows not evenly spaced
+        with path_ctx():
+            y = fn.sync_batch_norm(x, w, b, rm, rv, 1e-5, 0.1, fn.LOCAL, 1, channel_last=True)
+            y.backward(dy)
+        ry, rdx, _, _, rrm, rrv = _reference(x.detach(), w, b, dy, torch.zeros(3),
+                                             torch.ones(3), 0.1, 1e-5, 3)
+        _close(y.detach(), ry, OUT_TOL[torch.float32], f"[{path}] output")
+        _close(leaf.grad[:, ::2], rdx, OUT_TOL[torch.float32], f"[{path}] input grad")
+        assert torch.equal(leaf.grad[:, 1::2], torch.zeros(4, 3, 5, 3)), path
+        _close(rm, rrm, STAT_TOL, f"[{path}] running_mean")
+        _close(rv, rrv, STAT_TOL, f"[{path}] running_var")
+
+
+def test_a_layer_cache_fed_ever_changing_shapes_stays_bounded(not_distributed):
+    """A layer fed a new shape every step (variable-length sequences, multi-scale training)
+    keeps a bounded per-layer scratch (``SyncBatchNorm._count_cache``: layouts, plans, count
+    tensors), not one entry per shape ever seen, and every step still computes BatchNorm
+    (float64 reference, 1e-5). The bound is the 16 entries the cache starts over at. (F02)"""
+    torch.manual_seed(0)
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    cache = {}
+    for length in range(2, 42):
+        x = torch.randn(2, 3, length)
+        dy = torch.randn(2, 3, length)
+        y, dx = _local_case(x, dy, w, b, None, None, 1e-5, 0.1, cache=cache,
+                            path_ctx=emulated_fused_path)
+        assert len(cache) <= 16, (length, len(cache))
+    ry, rdx = _reference(x, w, b, dy, None, None, 0.1, 1e-5, 1)[:2]
+    _close(y, ry, OUT_TOL[torch.float32], "output")
+    _close(dx, rdx, OUT_TOL[torch.float32], "input grad")
+
+
+@pytest.mark.parametrize("path", ["cpu-reference", "cpu-emulated-fused",
+                                  "cpu-emulated-fused-triton"])
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_sync_batch_norm_uses_the_eps_it_is_given(not_distributed, path, memory_format):
+    """``eps`` is a user setting (BatchNorm(eps=1e-3) in many vision models, larger in some):
+    every path adds the eps it is given to the variance, in the normalization and in no other
+    place (the running variance is the unbiased batch variance whatever eps is). eps 0.5
+    makes any other eps show. Output, input gradient and running statistics against float64
+    BatchNorm with that eps, 1e-5 / 1e-4. (F18, F19, F20)"""
+    if path.endswith("triton") and not _INTERPRETER:
+        pytest.skip("needs Triton's interpreter (tests/_triton.py)")
+    paths = dict(_LOCAL_PATHS, **{"cpu-emulated-fused-triton": _TRITON_LOCAL_PATH})
+    torch.manual_seed(0)
+    eps = 0.5
+    x = torch.randn(5, 3, 4, 2).contiguous(memory_format=memory_format) * 0.7 + 1
+    dy = torch.randn(5, 3, 4, 2).contiguous(memory_format=memory_format)
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    y, dx = _local_case(x, dy, w, b, rm, rv, eps, 0.1, path_ctx=paths[path])
+    ry, rdx, _, _, rrm, rrv = _reference(x, w, b, dy, torch.zeros(3), torch.ones(3), 0.1, eps,
+                                         1)
+    _close(y, ry, OUT_TOL[torch.float32], f"[{path}] output")
+    _close(dx, rdx, OUT_TOL[torch.float32], f"[{path}] input grad")
+    _close(rm, rrm, STAT_TOL, f"[{path}] running_mean")
+    _close(rv, rrv, STAT_TOL, f"[{path}] running_var")
