@@ -151,6 +151,13 @@ def test_o2_model_zero_grad_without_set_to_none_zeroes_the_masters_grads():
         assert m.grad is None or (m.grad == 0).all()
     for p in model.parameters():
         assert p.grad is None or (p.grad == 0).all()
+    # A master's gradient that is part of a graph (set by hand from a computation requiring
+    # grad) is cut from it and zeroed, as nn.Module.zero_grad does a plain parameter's. (A07)
+    src = torch.ones_like(masters[0], requires_grad=True)
+    masters[0].grad = src * 2
+    model.zero_grad(set_to_none=False)
+    assert masters[0].grad.grad_fn is None and not masters[0].grad.requires_grad
+    assert torch.equal(masters[0].grad, torch.zeros_like(masters[0]))
 
 
 class _SlowFastWrapper(torch.optim.Optimizer):
@@ -880,6 +887,42 @@ def test_o2_casts_a_dataclass_that_cannot_be_copied_through_its_init():
     torch.testing.assert_close(got.x, data.x.bfloat16(), rtol=0, atol=0)
     assert data.x.dtype == torch.float32  # the caller's object is left alone
     assert out.dtype == torch.float32
+
+
+@dataclasses.dataclass
+class _LazyField:
+    """A batch dataclass whose ``init=False`` field is filled later (never here), and whose
+    ``__post_init__`` transforms an input."""
+
+    x: torch.Tensor
+    cache: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        self.x = self.x * 2
+
+
+def test_o2_casts_a_dataclass_with_an_unset_field_without_running_init_again():
+    """A dataclass batch whose ``init=False`` field was never set is cast field by field: the
+    field stays unset and ``__post_init__`` does not run a second time on values it already
+    transformed (a rebuild through ``__init__`` would double ``x`` here). (A05)"""
+    seen = {}
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, d):
+            seen["d"] = d
+            return self.lin(d.x)
+
+    model = amp.initialize(Spy(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    data = _LazyField(torch.randn(3, 2))
+    model(data)
+    got = seen["d"]
+    assert type(got) is _LazyField and got is not data
+    assert not hasattr(got, "cache")
+    torch.testing.assert_close(got.x, data.x.bfloat16(), rtol=0, atol=0)  # not doubled again
 
 
 class _TokenBatch(collections.UserDict):

@@ -576,6 +576,16 @@ def test_load_with_assign_is_refused_clearly():
         model.load_state_dict(make_cnn(seed=3).state_dict(), assign=True)
     assert "master" not in str(caught.value)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    # A deep copy of an O2 model (its own masters, no optimizer): the copy's own advice
+    # (to_empty for a copy on meta), not an optimizer it does not have; left unchanged. (A23)
+    copy_ = copy.deepcopy(_o2_mlp())
+    before = {k: v.clone() for k, v in copy_.state_dict(keep_vars=True).items()}
+    with pytest.raises(RuntimeError, match=r"assign=True.*on a copy of a model prepared by "
+                                           r"amp\.initialize.*to_empty") as caught:
+        copy_.load_state_dict(make_mlp(seed=3).state_dict(), assign=True)
+    assert "optimizer" not in str(caught.value)
+    for k, v in copy_.state_dict(keep_vars=True).items():
+        assert v.dtype == before[k].dtype and torch.equal(v, before[k]), k
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -893,6 +903,49 @@ def test_o2_second_write_after_a_max_norm_forward_reaches_the_masters():
     opt.step()  # lr=0: the weight stays what was written
     torch.testing.assert_close(model.state_dict()["head.weight"], expected, rtol=0, atol=0)
     torch.testing.assert_close(model.head.weight.float(), expected, rtol=0, atol=0)
+
+
+def test_o2_write_into_a_max_norm_embedding_before_its_forward_is_the_weight():
+    """A write into an O2 max_norm embedding's half weight (``nn.init`` under no_grad, as a
+    user re-initializing it does) followed by a forward is the weight from then on, as in fp32
+    torch: the looked-up rows come out renormalised from the written values, the other rows
+    are the written values, in the checkpoint. (A13)"""
+    torch.manual_seed(0)
+    model = EmbeddingHead(10, 4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    written = torch.arange(40, dtype=torch.float32).reshape(10, 4) / 8  # (bf16-exact)
+    with torch.no_grad():
+        model.embed.weight.copy_(written)
+    idx = torch.tensor([1, 2, 3])
+    model(idx)
+    ref = nn.Embedding(10, 4, max_norm=1.0)
+    with torch.no_grad():
+        ref.weight.copy_(written)
+    ref(idx)
+    torch.testing.assert_close(model.state_dict()["embed.weight"], ref.weight.detach(),
+                               rtol=0, atol=0)
+
+
+def test_o2_copy_moved_to_meta_and_back_saves_values_written_into_its_parameters():
+    """A copy of an O2 model (loaded once, so its masters were written) taken to the meta
+    device and back with ``to_empty``, whose half parameters are then filled in place (an EMA
+    initialised over ``parameters()``), saves those values upcast: the masters it got in the
+    moves are fresh and follow the parameters, and no record from before the moves makes the
+    empty masters win over the written parameters. (A15)"""
+    model = _o2_mlp()
+    copy_ = copy.deepcopy(model)
+    copy_.load_state_dict(model.state_dict())
+    copy_.to("meta")
+    copy_.to_empty(device="cpu")
+    src = make_mlp(seed=5)
+    with torch.no_grad():
+        for p, s in zip(copy_.parameters(), src.parameters()):
+            p.copy_(s)
+    sd = copy_.state_dict()
+    for name, p in copy_.named_parameters():
+        assert sd[name].dtype == torch.float32
+        torch.testing.assert_close(sd[name], p.detach().float(), rtol=0, atol=0, msg=name)
 
 
 def _o2_mlp():
@@ -1633,6 +1686,20 @@ def test_syncbn_conversion_after_a_parameter_was_replaced_saves_the_new_paramete
     model[1].weight = nn.Parameter(torch.full((4,), 3.0, dtype=torch.bfloat16))
     model = convert_syncbn_model(model)
     assert torch.equal(model.state_dict()["1.weight"], torch.full((4,), 3.0))
+
+
+def test_a_write_into_a_converted_syncbn_layer_reaches_the_checkpoint():
+    """After ``convert_syncbn_model`` on an O2 model (half BatchNorm with fp32 masters), a
+    write into the new layer's half weight (``nn.init`` under no_grad, re-initializing a
+    layer) is the weight in the next ``state_dict()``, as a write into any other layer is:
+    the new layer's masters stay kept by the model's optimizer. (A18)"""
+    from mixprec.parallel import convert_syncbn_model
+
+    model, opt = _o2_conv_net_with_half_batchnorm()
+    model = convert_syncbn_model(model)
+    with torch.no_grad():
+        nn.init.constant_(model[1].weight, 0.5)
+    assert torch.equal(model.state_dict()["1.weight"], torch.full((4,), 0.5))
 
 
 class _Structured(nn.Module):

@@ -670,6 +670,34 @@ def test_a_part_called_alone_while_the_outer_runs_in_another_thread():
     torch.testing.assert_close(part, ref(x), rtol=0, atol=0)
 
 
+def test_a_separate_model_called_inside_an_enclosing_forward_casts_its_outputs():
+    """Only the enclosed models of one initialize call keep their outputs half inside the
+    enclosing model's forward. Another O2 model (a frozen teacher initialized on its own)
+    called from that forward is a whole model and gives fp32 outputs, bit for bit what it
+    gives when called outside. (A06)"""
+    torch.manual_seed(0)
+    teacher = nn.Linear(6, 6)
+    amp.initialize(teacher, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    seen = {}
+
+    class Student(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = nn.Linear(6, 6), nn.Linear(6, 3)
+            self.teachers = [teacher]  # (a plain list: not a submodule)
+
+        def forward(self, x):
+            seen["teacher"] = self.teachers[0](x)
+            return self.head(self.body(x))
+
+    model = Student()
+    amp.initialize([model, model.body], opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(4, 6)
+    model(x)
+    assert seen["teacher"].dtype == torch.float32
+    torch.testing.assert_close(seen["teacher"], teacher(x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("order", ["outer_first", "part_first"])
 def test_an_embedding_with_max_norm_as_the_part(order):
     # The outer model's conversion gave its max_norm embedding a layer's forward (renorm the
@@ -735,6 +763,22 @@ def test_rejects_a_part_of_a_copy_or_of_a_model_whose_part_was_restored(copy_of)
             amp.initialize(inner, opt_level="O2", verbosity=0)
     amp.restore_model(model).float()
     amp.initialize(model.features[0], opt_level="O2", verbosity=0)  # (no error)
+
+
+@pytest.mark.parametrize("copy_of", ["deepcopy", "pickle"])
+def test_a_part_of_a_copy_of_an_o1_model_can_be_prepared(copy_of):
+    """Only a half (O2/O3) model's parts are refused by a later initialize: a copy of an O1
+    model (fp32 parameters) is no half model, so a layer of the copy may be prepared on its own,
+    and then gives what the same layer prepared alone gives. (A11)"""
+    model = make_mlp()
+    amp.initialize(model, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    dup = copy.deepcopy(model) if copy_of == "deepcopy" else pickle.loads(pickle.dumps(model))
+    ref = copy.deepcopy(amp.restore_model(copy.deepcopy(dup))[2])
+    kw = dict(opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    amp.initialize(dup[2], **kw)  # (no error)
+    amp.initialize(ref, **kw)
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(dup[2](x), ref(x), rtol=0, atol=0)
 
 
 def test_an_optimizer_built_after_initialize_is_told_the_order():
@@ -1710,6 +1754,7 @@ class _NamedInputs(nn.Module):
         self.a, self.b = nn.Linear(4, 3), nn.Linear(2, 3)
 
     def forward(self, x, extra=None, *, scale=1.0):
+        """Scores from x, plus scale times those from extra."""
         out = self.a(x)
         return out if extra is None else out + scale * self.b(extra)
 
@@ -1726,6 +1771,8 @@ def test_the_forward_shows_the_models_signature(opt_level):
     amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
     assert inspect.signature(model.forward) == want
     assert list(inspect.signature(model.forward).parameters) == ["x", "extra", "scale"]
+    # and its docstring (help(model), an IDE's tooltip, documentation built from it). (A16)
+    assert model.forward.__doc__ == "Scores from x, plus scale times those from extra."
     x, e = torch.randn(2, 4), torch.randn(2, 2)
     plain = amp.restore_model(copy.deepcopy(model))
     cast = torch.bfloat16 if opt_level == "O2" else torch.float32
@@ -1930,6 +1977,21 @@ def test_o1_conversion_to_half_is_refused(convert):
     train_step(model, opt, *batch(), amp)
     amp.restore_model(model).half()  # (the way round the message names)
     assert {p.dtype for p in model.parameters()} == {torch.float16}
+
+
+def test_o1_model_double_runs_as_a_float64_reference():
+    """``.double()`` of an O1 model is allowed (only a cast of its fp32 tensors to a half type
+    is refused): a float64 reference copy of the model runs as such, autocast leaving float64
+    ops alone, and matches the same float64 model without amp. (A09)"""
+    model = make_mlp()
+    ref = copy.deepcopy(model).double()
+    amp.initialize(model, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    model.double()
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    x = torch.randn(3, 4, dtype=torch.float64)
+    out = model(x)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
