@@ -739,6 +739,22 @@ def test_o2_casts_nested_inputs_only_floating():
     assert data[0].image.dtype == torch.float32  # the caller's objects are not modified
 
 
+def _o2_input_spy(seen, pick):
+    """An O2 (bf16) model that records the input its forward receives in ``seen["input"]``
+    and runs a Linear(2, 2) on ``pick(input)``."""
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, arg):
+            seen["input"] = arg
+            return self.lin(pick(arg))
+
+    return amp.initialize(Spy(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+
+
 def test_o2_output_cast_keeps_tuples_and_lists_as_they_were():
     """A model returning ``(logits, aux)`` gets a tuple back after amp's output cast, and a
     list stays a list: callers unpack, index and ``isinstance``-check these (torchvision's
@@ -764,19 +780,8 @@ def test_o2_output_cast_keeps_tuples_and_lists_as_they_were():
     torch.testing.assert_close(rest[0], (pair[0].bfloat16() * 2).float(), rtol=0, atol=0)
     # Inputs too: a tuple handed to the forward arrives as a tuple of half tensors.
     seen = {}
-
-    class Spy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 2)
-
-        def forward(self, pair):
-            seen["pair"] = pair
-            return self.lin(pair[0])
-
-    spy = amp.initialize(Spy(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-    spy((torch.randn(3, 2), torch.arange(3)))
-    assert type(seen["pair"]) is tuple and seen["pair"][0].dtype == torch.bfloat16
+    _o2_input_spy(seen, lambda pair: pair[0])((torch.randn(3, 2), torch.arange(3)))
+    assert type(seen["input"]) is tuple and seen["input"][0].dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
@@ -906,20 +911,9 @@ def test_o2_casts_a_dataclass_with_an_unset_field_without_running_init_again():
     field stays unset and ``__post_init__`` does not run a second time on values it already
     transformed (a rebuild through ``__init__`` would double ``x`` here). (A05)"""
     seen = {}
-
-    class Spy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 2)
-
-        def forward(self, d):
-            seen["d"] = d
-            return self.lin(d.x)
-
-    model = amp.initialize(Spy(), opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     data = _LazyField(torch.randn(3, 2))
-    model(data)
-    got = seen["d"]
+    _o2_input_spy(seen, lambda d: d.x)(data)
+    got = seen["input"]
     assert type(got) is _LazyField and got is not data
     assert not hasattr(got, "cache")
     torch.testing.assert_close(got.x, data.x.bfloat16(), rtol=0, atol=0)  # not doubled again
