@@ -1019,12 +1019,12 @@ def test_fp16_model_leaves_integer_and_non_tensor_inputs_alone(clean_apex):
             return self.lin(x) * times
 
     net = Scaled()
-    ref = nn.Linear(3, 2)
-    ref.load_state_dict(net.lin.state_dict())
+    ref_lin = nn.Linear(3, 2)
+    ref_lin.load_state_dict(net.lin.state_dict())
     x = torch.randn(4, 3)
     out = FP16Model(net)(x, 3, None)
     assert out.dtype == torch.float16
-    torch.testing.assert_close(out, ref.half()(x.half()) * 3, rtol=0, atol=0)
+    torch.testing.assert_close(out, ref_lin.half()(x.half()) * 3, rtol=0, atol=0)
 
 
 def test_flat_master_comes_with_a_zero_gradient(clean_apex):
