@@ -704,9 +704,7 @@ class _Plan:
         # (model.to(memory_format=torch.channels_last) after amp.initialize) was written by the
         # kernel in the old layout's order, a silently scrambled half model.
         self._linked = [c for c in copies if c is not None]
-        self._copy_facts = (list(map(_DTYPE_SHAPE, self._linked)),
-                            list(map(Tensor.get_device, self._linked)),
-                            list(map(Tensor.stride, self._linked)))
+        self._copy_facts = _layout_facts(self._linked)
         # Each state's moments and step count, the objects the checks saw: one replaced by
         # hand inside a kept state dict (a moment cast to bf16 or offloaded, a step count
         # reset) was handed to the fused kernels unchecked (heap corruption, segfaults, or
@@ -737,12 +735,19 @@ class _Plan:
             return False
         if not all(map(_is_strided, self._take_plain(grads))):
             return False
-        copies = self._linked
-        return (list(map(_DTYPE_SHAPE, copies)), list(map(Tensor.get_device, copies)),
-                list(map(Tensor.stride, copies))) == self._copy_facts
+        return _layout_facts(self._linked) == self._copy_facts
 
 
 _DTYPE_SHAPE = operator.attrgetter("dtype", "shape")
+
+
+def _layout_facts(tensors):
+    """What a plan relies on about the half copies it writes: dtypes and shapes, devices and
+    strides (C-level maps: checked every step)."""
+    return (list(map(_DTYPE_SHAPE, tensors)), list(map(Tensor.get_device, tensors)),
+            list(map(Tensor.stride, tensors)))
+
+
 _STATE_TENSORS = operator.itemgetter("exp_avg", "exp_avg_sq", "step")
 
 
