@@ -50,17 +50,18 @@ _CPU_ENV = {"TRITON_INTERPRET": "1"} if interpreter_skip_reason(require_env=Fals
 
 # The CPU paths: PyTorch's, and the fused path with CPU stand-ins for its kernels.
 _CPU_PATHS = [("cpu-reference", contextlib.nullcontext), ("cpu-emulated-fused", emulated_fused_path)]
+# The fused path with the Triton reductions for channels-last inputs, interpreted.
+_TRITON_CPU_PATH = functools.partial(emulated_fused_path, triton=True)
+
+
+def _cpu_paths():
+    """The CPU paths, the interpreted Triton one too where Triton's interpreter runs."""
+    return _CPU_PATHS + ([("cpu-emulated-fused-triton", _TRITON_CPU_PATH)] if _INTERPRETER
+                         else [])
 
 
 def _paths(ctx):
-    if ctx.is_cuda:
-        return [("cuda-fused", contextlib.nullcontext)]
-    paths = list(_CPU_PATHS)
-    if _INTERPRETER:
-        # The fused path with the Triton reductions for channels-last inputs, interpreted.
-        paths.append(("cpu-emulated-fused-triton",
-                      functools.partial(emulated_fused_path, triton=True)))
-    return paths
+    return [("cuda-fused", contextlib.nullcontext)] if ctx.is_cuda else _cpu_paths()
 
 
 def _close(actual, expected, tol, what):
@@ -1450,8 +1451,6 @@ def test_syncbn_factory_arguments_place_parameters_and_buffers_as_batchnorm():
 # the autograd function itself, one process (fn.LOCAL: no collectives)
 # ------------------------------------------------------------------------------------------------
 _LOCAL_PATHS = dict(_CPU_PATHS)
-# The fused path with mixprec's Triton kernels for dense channels-last input (interpreted).
-_TRITON_LOCAL_PATH = functools.partial(emulated_fused_path, triton=True)
 
 
 def _local_case(x, dy, weight, bias, running_mean, running_var, eps, momentum, *,
@@ -1509,7 +1508,7 @@ def test_contiguous_channel_last_input_takes_the_triton_kernels(not_distributed,
     w, b = torch.rand(6) + 0.5, torch.randn(6)
     rm, rv = torch.zeros(6), torch.ones(6)
     y, dx = _local_case(x, dy, w, b, rm, rv, 1e-5, 0.1, channel_last=True,
-                        path_ctx=_TRITON_LOCAL_PATH)
+                        path_ctx=_TRITON_CPU_PATH)
     assert sorted(calls) == sorted(names), calls
     ry, rdx, _, _, rrm, rrv = _reference(x, w, b, dy, torch.zeros(6), torch.ones(6), 0.1, 1e-5,
                                          3)
@@ -1561,7 +1560,7 @@ def test_fused_path_updates_a_strided_running_variance(not_distributed, triton):
     base = torch.ones(6)
     rv = base[::2]
     y, dx = _local_case(x, dy, w, b, rm, rv, 1e-5, 0.1,
-                        path_ctx=_TRITON_LOCAL_PATH if triton else emulated_fused_path)
+                        path_ctx=_TRITON_CPU_PATH if triton else emulated_fused_path)
     ry, rdx, _, _, rrm, rrv = _reference(x, w, b, dy, torch.zeros(3), torch.ones(3), 0.1, 1e-5,
                                          1)
     _close(y, ry, OUT_TOL[torch.float32], "output")
@@ -1581,10 +1580,7 @@ def test_channel_last_flag_with_a_strided_input_is_batchnorm(not_distributed):
     base = torch.randn(4, 6, 5, 3)
     dy = torch.randn(4, 3, 5, 3)
     w, b = torch.rand(3) + 0.5, torch.randn(3)
-    paths = dict(_LOCAL_PATHS)
-    if _INTERPRETER:
-        paths["cpu-emulated-fused-triton"] = _TRITON_LOCAL_PATH
-    for path, path_ctx in sorted(paths.items()):
+    for path, path_ctx in _cpu_paths():
         rm, rv = torch.zeros(3), torch.ones(3)
         leaf = base.clone().requires_grad_()
         x = leaf[:, ::2]  # (N, H, W, C), channels innermost, rows not evenly spaced
@@ -1630,7 +1626,7 @@ def test_sync_batch_norm_uses_the_eps_it_is_given(not_distributed, path, memory_
     BatchNorm with that eps, 1e-5 / 1e-4. (F18, F19, F20)"""
     if path.endswith("triton") and not _INTERPRETER:
         pytest.skip("needs Triton's interpreter (tests/_triton.py)")
-    paths = dict(_LOCAL_PATHS, **{"cpu-emulated-fused-triton": _TRITON_LOCAL_PATH})
+    paths = dict(_cpu_paths())
     torch.manual_seed(0)
     eps = 0.5
     x = torch.randn(5, 3, 4, 2).contiguous(memory_format=memory_format) * 0.7 + 1
