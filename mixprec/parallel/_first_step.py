@@ -102,6 +102,16 @@ class FirstStep:
             self._handles.extend(p.register_post_accumulate_grad_hook(_fired(ref, i))
                                  for i, p in enumerate(self.params) if p.requires_grad)
 
+    def suspend(self) -> None:
+        """Another wrapper runs the module now (the model wrapped again, this one still
+        referenced): stop watching, and forget what the hooks noted, which are the other
+        wrapper's gradients (its own first step's zeros for unused parameters among them).
+        This wrapper's next forward with grad arms the watch afresh."""
+        self.armed = False
+        self.fired = [False] * len(self.params)
+        self.accumulated = [False] * len(self.params)
+        remove_hooks(self._handles)
+
     def _finish(self) -> None:
         if defer_if_nested(self):  # (the end of a nested backward: wait for the outer one)
             return

@@ -976,7 +976,8 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _note_forward(self) -> None:
         """This wrapper runs its module now: an older wrapper of the same module (the model
         wrapped again, the old wrapper still referenced), in either mode, stops watching and
-        guarding it, and its delay mode's all-reduce is called off."""
+        guarding it, its delay mode's all-reduce is called off, and its PyTorch reducer, which
+        a forward without its backward (a dry run) left waiting, is reset."""
         ref = _ACTIVE.get(self.module)
         previous = ref() if ref is not None else None
         if previous is self:
@@ -986,9 +987,17 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if previous is not None:
             previous._active = False
             if getattr(previous, "_first_step", None) is not None:
-                previous._first_step.armed = False
+                previous._first_step.suspend()
             if getattr(previous, "_delayed", None) is not None:
                 previous._delayed.disarm()
+            reducer = getattr(previous, "reducer", None)
+            if reducer is not None:
+                # Its reducer, armed by a forward whose backward never came (a dry run), would
+                # take this wrapper's gradients too (not its bucket views: PyTorch's error).
+                # Reset as PyTorch does for a new process group; the old wrapper, run again,
+                # rebuilds its buckets from its next backward.
+                previous._has_rebuilt_buckets = False
+                reducer._reset_state()
 
     def _watch_unsynced_backward(self, out) -> None:
         """Remember whether a backward of a forward run with the all-reduce off may still come

@@ -360,6 +360,59 @@ def check_no_sync_accumulation(ctx):
         _assert_same_grads(ctx, model, ref, f"delay_allreduce={delay}")
 
 
+class _WithLabels(nn.Module):
+    """An MLP that returns its predicted classes (no gradient) beside its output."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.net = _mlp(device)
+
+    def forward(self, x):
+        out = self.net(x)
+        return out, out.argmax(dim=1)
+
+
+def check_no_sync_forward_may_return_tensors_without_grad(ctx):
+    # A forward inside no_sync() may return tensors that need no gradient beside its output
+    # (predicted classes, a mask), as outside it: accumulation then gives the single-process
+    # gradients of the whole global batch.
+    for delay in (False, True):
+        model = _WithLabels(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, message_size=64, delay_allreduce=delay)
+        for micro in range(2):
+            x, y = _global_batch(ctx, seed=740 + micro)
+            F.mse_loss(ref(x)[0], y).backward()
+            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
+                out, labels = ddp(_mine(ctx, x))
+                assert labels.dtype == torch.int64 and not labels.requires_grad
+                F.mse_loss(out, _mine(ctx, y)).backward()
+        _assert_same_grads(ctx, model, ref, f"no_sync() then synced, {delay=}")
+
+
+def check_delay_allreduce_no_sync_backward_stays_local_past_an_evaluation(ctx):
+    # In the delay mode a forward without grad (an evaluation, a logged metric) between a
+    # no_sync() micro-batch's forward and its backward leaves that backward local, as
+    # no_sync() promises; the synced micro-batch after it all-reduces the sum: the
+    # single-process gradients of both global batches.
+    model = _mlp(ctx.device)
+    ref, local = copy.deepcopy(model), copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True, message_size=64)
+    x, y = _global_batch(ctx, seed=760)
+    with ddp.no_sync():
+        loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    with torch.no_grad():
+        ddp(_mine(ctx, x))
+    loss.backward()
+    F.mse_loss(local(_mine(ctx, x)), _mine(ctx, y)).backward()
+    _assert_same_grads(ctx, model, local, "the no_sync() micro-batch")
+    F.mse_loss(ref(x), y).backward()
+    x, y = _global_batch(ctx, seed=761)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    F.mse_loss(ref(x), y).backward()
+    _assert_same_grads(ctx, model, ref, "after the synced micro-batch")
+
+
 def check_delay_allreduce(ctx):
     # Apex's delay mode: no PyTorch reducer (the gradients stay autograd's own tensors); after
     # backward, one all-reduce of a flag per parameter, then the gradients in buckets of at
@@ -573,6 +626,30 @@ def check_delay_allreduce_old_wrapper_stays_quiet(ctx):
     F.mse_loss(out, _mine(ctx, y)).backward()
     F.mse_loss(ref(x), y).backward()
     _assert_same_grads_or_none(ctx, model, ref, "an evaluation through the old wrapper")
+
+
+def check_wrapped_again_after_a_dry_run(ctx):
+    # A dry-run forward (grad enabled, no backward) through a default-mode wrapper, then the
+    # model wrapped again with the old wrapper still referenced: the new wrapper trains (the
+    # old one's PyTorch reducer, left waiting for that backward, took the new gradients and
+    # raised "not the expected DDP bucket view"), in either mode, its unused head included;
+    # and the old wrapper, run again, averages its gradients once more (PyTorch's own DDP
+    # with its defaults trains through both).
+    for delay in (False, True):
+        torch.manual_seed(0)
+        model = _MaybeHead(ctx.device)
+        ref = copy.deepcopy(model)
+        old = DistributedDataParallel(model)
+        x, _ = _global_batch(ctx, seed=534)
+        old(_mine(ctx, x))
+        new = DistributedDataParallel(model, delay_allreduce=delay)
+        model.use_head = ref.use_head = delay  # (unused in the delay mode's first step)
+        for seed in (535, 536):
+            _grads_match_global_batch(ctx, new, model, ref, seed, f"new wrapper, {delay=}")
+        model.use_head = ref.use_head = False
+        for seed in (537, 538):
+            _grads_match_global_batch(ctx, old, model, ref, seed, f"old wrapper, {delay=}")
+        _grads_match_global_batch(ctx, new, model, ref, 539, f"new wrapper again, {delay=}")
 
 
 class _MaybeHead(nn.Module):
@@ -1795,6 +1872,17 @@ def check_arguments_validated_and_warned(ctx):
     x, y = _global_batch(ctx)
     F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
     assert "gradient_predivide_factor=1.0" in repr(ddp)
+    # print(model) shows the Apex options as given (a run's logged set-up).
+    for kwargs, shown in (
+            (dict(message_size=1000, delay_allreduce=True, gradient_average=False,
+                  gradient_predivide_factor=2.0),
+             "message_size=1000, delay_allreduce=True, allreduce_always_fp32=False, "
+             "gradient_average=False, gradient_predivide_factor=2.0"),
+            (dict(allreduce_always_fp32=True),
+             "message_size=10000000, delay_allreduce=False, allreduce_always_fp32=True, "
+             "gradient_average=True, gradient_predivide_factor=1.0")):
+        text = repr(DistributedDataParallel(_mlp(ctx.device), **kwargs))
+        assert shown in text, text
     # Not the arithmetic either: each fp16 gradient divided before the sum, as without prof
     # (summed first, gradients of 40000 on every rank averaged to inf).
     for kwargs in ({}, {"prof": True}):
@@ -2428,15 +2516,23 @@ def check_join_divides_uneven_steps_as_asked(ctx):
     # every rank, before any collective, instead of silently halving the gradients.
     def run(ddp, divide_by_initial):
         grads = []
-        with ddp.join(divide_by_initial_world_size=divide_by_initial):
+        # (None: PyTorch's generic Join([ddp, ...]), as with a ZeroRedundancyOptimizer, which
+        # passes no divide_by_initial_world_size: PyTorch's default, True, holds.)
+        context = (Join([ddp]) if divide_by_initial is None
+                   else ddp.join(divide_by_initial_world_size=divide_by_initial))
+        with context:
             for _ in range(2 if ctx.rank == 0 else 1):
                 ddp.module.zero_grad()
                 ddp(torch.full((3,), float(ctx.rank + 1), device=ctx.device)).backward()
                 grads.append(ddp.module.weight.grad.clone())
         return grads
 
+    from torch.distributed.algorithms.join import Join
+
     for kwargs, divide_by_initial, last in (({}, False, 1.0), ({}, True, 0.5),
-                                            ({"prof": True}, True, 0.5)):
+                                            ({"prof": True}, True, 0.5),
+                                            ({"prof": True}, None, 0.5),
+                                            ({"gradient_predivide_factor": 4.0}, None, 0.5)):
         grads = run(DistributedDataParallel(_Scale().to(ctx.device), **kwargs), divide_by_initial)
         torch.testing.assert_close(grads[0], torch.full_like(grads[0], 1.5))
         if ctx.rank == 0:
@@ -2682,9 +2778,12 @@ DELAY_CHECKS = [
     "check_buffers_broadcast_at_construction_only",
     "check_ignored_parameters_stay_local",
     "check_no_sync_accumulation",
+    "check_no_sync_forward_may_return_tensors_without_grad",
+    "check_delay_allreduce_no_sync_backward_stays_local_past_an_evaluation",
     "check_delay_allreduce",
     "check_delay_allreduce_where_the_reducer_cannot",
     "check_delay_allreduce_old_wrapper_stays_quiet",
+    "check_wrapped_again_after_a_dry_run",
     "check_delay_allreduce_amp_o2_with_checkpointing",
     "check_gradient_penalty_through_autograd_grad",
     "check_delay_allreduce_after_a_backward_that_raised",
@@ -2913,6 +3012,22 @@ def check_prof_keeps_the_arithmetic_asked_for(ctx):
             torch.testing.assert_close(
                 model.weight.grad, torch.full((3,), expected, device=ctx.device), rtol=0, atol=0,
                 msg=labelled(f"prof=True, {kwargs}, delay_allreduce={delay}"))
+    # What prof is for: the all-reduces found in a trace. The reducer's mode runs each
+    # bucket's all-reduce in a "mixprec.ddp.allreduce_bucket" range (the MLP fits one bucket
+    # or more), the delay mode the one after backward in a "mixprec.ddp.delayed_allreduce"
+    # range; without prof neither appears. (PyTorch's legacy profiler: kineto starts in
+    # seconds.)
+    x, y = _global_batch(ctx, seed=720)
+    for delay, label in ((False, "mixprec.ddp.allreduce_bucket"),
+                         (True, "mixprec.ddp.delayed_allreduce")):
+        for prof in (False, True):
+            ddp = DistributedDataParallel(_mlp(ctx.device), prof=prof, delay_allreduce=delay)
+            F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()  # (the first step)
+            with torch.autograd.profiler.profile(use_kineto=False) as trace:
+                F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+            count = sum(1 for event in trace.function_events if event.name == label)
+            ok = count == 0 if not prof else count == 1 if delay else count >= 1
+            assert ok, (label, prof, count)
 
 
 def check_half_gradients_predivided_and_summed_in_half(ctx):
@@ -3242,6 +3357,29 @@ def check_delay_allreduce_follow_keeps_each_ranks_buffers(ctx):
     torch.testing.assert_close(model[1].running_mean, local.running_mean, rtol=0, atol=0)
     others = _gather(ctx, model[1].running_mean)
     assert not torch.equal(others[0], others[-1]), "the ranks' statistics should differ"
+
+
+def check_delay_allreduce_follow_keeps_ignored_buffers_local(ctx):
+    """In the delay mode a module added after wrapping gets rank 0's state at the next
+    forward, except buffers under names set to be ignored
+    (_set_params_and_buffers_to_ignore_for_model), which stay each rank's own as in
+    PyTorch's DDP (a per-rank statistic kept out on purpose)."""
+    torch.manual_seed(0)
+    model = _IgnoredFirst().to(ctx.device)
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["extra.running_mean"])
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    model.extra = nn.BatchNorm1d(16).to(ctx.device).eval()
+    model.extra.running_mean.fill_(ctx.rank + 1.0)
+    model.extra.running_var.fill_(ctx.rank + 1.0)
+    x, y = _global_batch(ctx, seed=750)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    torch.testing.assert_close(model.extra.running_mean,
+                               torch.full((16,), ctx.rank + 1.0, device=ctx.device),
+                               rtol=0, atol=0, msg="an ignored buffer was broadcast")
+    torch.testing.assert_close(model.extra.running_var,
+                               torch.full((16,), 1.0, device=ctx.device), rtol=0, atol=0,
+                               msg="a new module's buffer did not get rank 0's value")
 
 
 def check_apex_flat_dist_call_keeps_each_dtype(ctx):
@@ -3603,6 +3741,7 @@ CHECKS = [
     "check_zero_grad_passes_set_to_none",
     "check_delay_allreduce_buckets_fill_to_message_size",
     "check_delay_allreduce_follow_keeps_each_ranks_buffers",
+    "check_delay_allreduce_follow_keeps_ignored_buffers_local",
     "check_reducer_averages_complex_tensors",
     "check_reducer_over_a_group_averages_over_that_group",
     "check_reducer_sparse_error_names_the_sparse_parameters_only",
