@@ -68,6 +68,9 @@ def test_table_has_a_row_per_mode(default_run):
     # O0 is its own baseline.
     assert rows[0][4] == "1.00x" and rows[0][6] == "+0.00%"
     assert "speed-up vs O0" in text and "peak mem" in text and "skipped steps" in text
+    # On the CPU, peak memory is resident-memory growth, and the note says so.
+    assert "note: peak mem = growth of the process's resident memory (RSS)" in text
+    assert "max_memory_allocated" not in text
 
 
 def test_json_rows_are_sane(default_run):
@@ -87,6 +90,7 @@ def test_json_rows_are_sane(default_run):
         assert r["model"] == "cnn" and r["batch_size"] == 4 and r["device"] == "cpu"
         assert r["time_per_40_iters_s"] == pytest.approx(40 * r["time_per_iter_s"])
         assert r["run_status"] == "complete" and r["modes_not_run"] == []
+        assert r["torch_version"] == torch.__version__ and r["device_name"] == "CPU"
     base = rows[0]
     assert base["speedup_vs_baseline"] == 1.0 and base["loss_gap_pct"] == 0.0
 
@@ -232,11 +236,67 @@ def test_bad_flags_are_argparse_errors(argv, message, capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
+def _stop_at_build(monkeypatch):
+    """Replace build_workload with one that records its arguments and stops the run there
+    (as a failure to build does: an argparse error); returns the record."""
+    from mixprec.bench import models
+
+    calls = []
+
+    def stop(*args, **kwargs):
+        calls.append((args, kwargs))
+        raise RuntimeError("stopped by the test")
+
+    monkeypatch.setattr(models, "build_workload", stop)
+    return calls
+
+
+def test_default_device_is_cuda_when_available_else_cpu(monkeypatch):
+    """Without --device the benchmark runs on CUDA where there is one and on the CPU
+    elsewhere, so the bare `mixprec bench` runs on any machine."""
+    from mixprec.bench.cli import _resolve_device, build_parser
+
+    parser = build_parser()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _resolve_device(None, parser) == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert _resolve_device(None, parser) == torch.device("cuda")
+
+
+def test_a_cuda_index_past_the_visible_devices_is_an_argparse_error(monkeypatch, capsys):
+    """--device cuda:N needs N < the number of visible devices (indices start at 0): with two
+    devices cuda:1 is taken and cuda:2 refused, naming the count."""
+    from mixprec.bench.cli import _resolve_device, build_parser
+
+    parser = build_parser()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _resolve_device("cuda:1", parser) == torch.device("cuda", 1)
+    with pytest.raises(SystemExit) as exc:
+        _resolve_device("cuda:2", parser)
+    assert exc.value.code == 2
+    assert "argument --device: 'cuda:2' but only 2 CUDA device(s) are visible" in \
+        capsys.readouterr().err
+
+
 def test_cuda_device_without_cuda_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--device", "cuda"])
     assert exc.value.code == 2
     assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_channels_last_and_frozen_bn_are_taken_for_resnet50(monkeypatch, capsys):
+    """--channels-last and --frozen-bn apply to both image models: for --model resnet50 they
+    pass the flag checks (here the run then stops at the missing torchvision, the next
+    check), only the GPT refuses them."""
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # import fails as if not installed
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--model", "resnet50", *FAST, "--channels-last", "--frozen-bn"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "needs torchvision" in err
+    assert "argument --channels-last" not in err and "argument --frozen-bn" not in err
 
 
 def test_resnet50_without_torchvision_is_a_clear_error(monkeypatch, capsys):
@@ -289,6 +349,11 @@ def test_batch_too_large_for_memory_names_the_option(monkeypatch, capsys):
     assert "argument --batch-size: the synthetic data for --model cnn at --batch-size " \
         "100000000 does not fit in memory" in err
     assert "can't allocate memory" in err and "use a smaller --batch-size" in err
+    # Without --batch-size the message names the size whose default batch did not fit.
+    with pytest.raises(SystemExit):
+        main(["bench", "--device", "cpu", "--no-progress"])
+    assert "argument --batch-size: the synthetic data for --model cnn at the default batch " \
+        "size of --size small does not fit in memory on cpu" in capsys.readouterr().err
 
 
 def test_plot_without_matplotlib_is_a_clear_error_before_running(monkeypatch, capsys, tmp_path):
@@ -339,11 +404,26 @@ def test_gpt_with_mixprec_optimizer(tmp_path):
     assert {row["optimizer"] for row in data} == {"mixprec"}  # meta repeated on each row
 
 
-def test_image_model_with_mixprec_optimizer_is_an_argparse_error(capsys):
+@pytest.mark.parametrize("model", ["resnet50", "cnn"])
+def test_image_model_with_mixprec_optimizer_is_an_argparse_error(model, capsys):
+    # (The CNN, the default model, too: a usage error, not build_workload's traceback.)
     with pytest.raises(SystemExit) as exc:
-        main(["bench", "--model", "resnet50", *FAST, "--optimizer", "mixprec"])
+        main(["bench", "--model", model, *FAST, "--optimizer", "mixprec"])
     assert exc.value.code == 2
-    assert "applies to --model gpt" in capsys.readouterr().err
+    assert "argument --optimizer: mixprec (an AdamW) applies to --model gpt" in \
+        capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["gpt", "cnn"])
+def test_norm_torch_builds_pytorchs_norm_layers(model, monkeypatch):
+    """--norm torch (the default) is PyTorch's own layers: no norm factory for the GPT (so
+    nn.LayerNorm) and no FusedBatchNorm for the image models; mixprec's layers only with
+    --norm mixprec."""
+    calls = _stop_at_build(monkeypatch)
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", model, *FAST])
+    ((_, kwargs),) = calls
+    assert kwargs["norm_cls"] is None and kwargs["fused_batchnorm"] is False
 
 
 def test_image_model_with_mixprec_norm_takes_fused_batchnorm(monkeypatch):
@@ -398,6 +478,20 @@ def test_progress_bar_callback_counts_steps(monkeypatch):
     assert bar.disable
     bar.close()
     assert _progress(5, enabled=False) == (None, None)
+
+
+def test_the_install_tqdm_hint_is_shown_on_a_terminal_only(monkeypatch):
+    """Without tqdm there is no bar: a terminal is told how to get one, a log (stderr not a
+    terminal, where tqdm would show no bar either) gets nothing."""
+    from mixprec.bench.cli import _progress
+
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails as if not installed
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    assert _progress(5, enabled=True) == (None, None)
+    assert sys.stderr.getvalue() == ""
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    assert _progress(5, enabled=True) == (None, None)
+    assert "(no progress bar: install tqdm" in sys.stderr.getvalue()
 
 
 def test_python_dash_m_help():
@@ -587,6 +681,8 @@ def test_header_comes_first_and_stderr_gets_a_line_per_mode(monkeypatch):
         (["--steps", "3"], "; did you mean --iters?"),
         (["--itters=3"], "; did you mean --iters?"),
         (["--epochs", "3"], None),
+        (["--itters", "3", "--sed", "1"],
+         "; --itters: did you mean --iters?; --sed: did you mean --seed?"),
     ],
 )
 def test_unknown_flags_are_bench_errors_with_a_suggestion(argv, suggestion, capsys):
@@ -623,6 +719,12 @@ def test_large_size_on_cpu_warns_before_building(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "warning: --size large on CPU is slow" in err and "--size small" in err
     assert err.index("warning") < err.index("stopped by the test")
+    # The CPU's default size (small), implicit or asked for, runs without it.
+    for size in ([], ["--size", "small"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "--device", "cpu", "--no-progress", *size])
+        err = capsys.readouterr().err
+        assert "stopped by the test" in err and "warning" not in err
 
 
 def test_iters_has_an_upper_bound(monkeypatch, capsys):
@@ -637,6 +739,28 @@ def test_iters_has_an_upper_bound(monkeypatch, capsys):
     assert exc.value.code == 2
     assert "argument --iters: expected a positive integer up to 1,000,000" in \
         capsys.readouterr().err
+
+
+def test_verbose_logs_a_failed_modes_traceback_and_restores_the_logger(monkeypatch):
+    """-v sends mixprec's debug log to stderr for the call (a failed mode's traceback), then
+    leaves the "mixprec" logger as it found it: level and handlers."""
+    import logging
+
+    import mixprec.bench.runner as runner
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom (forced by the test)")
+
+    monkeypatch.setattr(runner, "_build_recipe", boom)
+    logger = logging.getLogger("mixprec")
+    level, handlers = logger.level, list(logger.handlers)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code, _ = _run(["bench", *ONE_MODE, "-v"])
+    assert code == 1
+    assert "DEBUG mixprec.bench.runner: mode O0 failed" in err.getvalue()
+    assert "Traceback" in err.getvalue() and "boom (forced by the test)" in err.getvalue()
+    assert logger.level == level and logger.handlers == handlers
 
 
 def test_failed_mode_note_under_verbose_does_not_ask_for_verbose(monkeypatch, capsys):
@@ -889,6 +1013,29 @@ def test_an_output_path_that_is_stdout_is_refused(tmp_path):
     assert (tmp_path / "out.txt").read_bytes() == b""
 
 
+def test_main_runs_outside_the_main_thread(tmp_path):
+    """main() called from a worker thread (a notebook's background job, a test runner's
+    thread) runs the benchmark: signal handlers can be set from the main thread only, so
+    there it sets none."""
+    import threading
+
+    path = tmp_path / "rows.json"
+    result = {}
+
+    def target():
+        try:
+            result["code"] = main(["bench", *ONE_MODE, "--json", str(path)])
+        except BaseException as exc:  # (reported below, not lost in the thread)
+            result["error"] = exc
+
+    with contextlib.redirect_stdout(io.StringIO()):
+        worker = threading.Thread(target=target)
+        worker.start()
+        worker.join(timeout=120)
+    assert result == {"code": 0}
+    assert [r["mode"] for r in json.loads(path.read_text())] == ["O0"]
+
+
 def test_sigterm_stops_the_run_as_ctrl_c_does(monkeypatch, tmp_path):
     # `timeout`, `kill`, a cancelled CI job: the run stopped with no file written, so an
     # earlier run's JSON passed for this one's. Now the finished modes are printed and
@@ -969,6 +1116,19 @@ def test_a_zero_batch_size_is_an_argparse_error(capsys):
 def test_dtype_half_reads_as_fp16():
     assert [_parsed("--dtype", name).dtype for name in ("half", "HALF", "fp16", "bfloat16")] == \
         ["fp16", "fp16", "fp16", "bf16"]
+    assert _parsed("--dtype", " bf16 ").dtype == "bf16"  # (blanks, as the named choices)
+
+
+def test_dtype_fp16_runs_fp16_on_the_cpu(tmp_path):
+    """--dtype picks the half type on the CPU too (its default there is bf16): O1 then runs
+    fp16, as the header says."""
+    path = tmp_path / "rows.json"
+    code, text = _run(["bench", *FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O1",
+                       "--no-native", "--dtype", "fp16", "--json", str(path)])
+    assert code == 0
+    assert "half type fp16" in text
+    (row,) = json.loads(path.read_text())
+    assert row["mode"] == "O1" and row["dtype"] == "fp16"
 
 
 def test_named_choices_take_any_case():

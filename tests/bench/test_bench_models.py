@@ -28,6 +28,11 @@ def test_gpt_is_causal():
     # Positions before the change see the same prefix: identical logits.
     torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
     assert not torch.allclose(a[:, 10:], b[:, 10:])
+    # A sequence shorter than seq_len (16 of 64 here) takes positions 0..t-1: the first ten
+    # tokens alone give the logits they have at the start of the longer sequence.
+    with torch.no_grad():
+        short = model(tokens[:, :10])
+    torch.testing.assert_close(short, a[:, :10], rtol=1e-5, atol=1e-6)
 
 
 def test_gpt_large_config_matches_the_benchmark():
@@ -71,6 +76,9 @@ def test_gpt_tied_weights():
     "kwargs, match",
     [
         ({"d_model": 10, "n_heads": 3}, "n_heads must divide d_model"),
+        # The hint names a head count that divides d_model (their gcd), not another miss.
+        ({"d_model": 64, "n_heads": 6}, r"n_heads must divide d_model; pick e\.g\. n_heads=2\."),
+        ({"d_model": 96, "n_heads": 64}, r"pick e\.g\. n_heads=32\."),
         ({"n_layers": 0}, "n_layers"),
     ],
 )
@@ -171,10 +179,14 @@ def test_gpt_workload_with_mixprec_optimizer():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kwargs", [{"d_model": 64.0, "n_heads": 4}, {"n_layers": True}])
-def test_gpt_config_refuses_sizes_that_are_not_ints(kwargs):
+@pytest.mark.parametrize("kwargs", [
+    {"d_model": 64.0, "n_heads": 4}, {"n_layers": True},
+    *({name: 0} for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads",
+                             "mlp_ratio"))])
+def test_gpt_config_refuses_sizes_that_are_not_ints_of_at_least_1(kwargs):
     # A bool is no size: n_layers=True would build one layer (as build_workload and run_mode
-    # refuse True for their counts).
+    # refuse True for their counts). A zero is refused for every size, the MLP ratio (an MLP
+    # of width 0) as the layer count.
     name, value = next(iter(kwargs.items()))
     with pytest.raises(ValueError, match=rf"GPTConfig\({name}={value!r}\): must be an int >= 1"):
         GPTConfig(**kwargs)
@@ -195,6 +207,23 @@ def test_gpt_initialisation_is_normal_0_02_with_zero_biases():
     assert all(not m.bias.any() for m in linears if m.bias is not None)
     w = model.tok_emb.weight.detach()  # 32768 samples: the std is known to about 1e-4
     assert abs(w.std().item() - 0.02) < 1e-3 and abs(w.mean().item()) < 1e-3
+    # Every Linear weight too (>= 4096 samples: the std to about 3e-4; PyTorch's default
+    # uniform init gives 0.04 to 0.07 here), and every LayerNorm starts as the identity.
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            w = m.weight.detach()
+            assert abs(w.std().item() - 0.02) < 2e-3 and abs(w.mean().item()) < 2e-3, name
+        if isinstance(m, nn.LayerNorm):
+            assert torch.equal(m.weight, torch.ones_like(m.weight)), name
+            assert torch.equal(m.bias, torch.zeros_like(m.bias)), name
+
+
+def test_gpt_mlp_width_is_mlp_ratio_times_d_model():
+    # The documented knob, for a ratio other than the default 4 too.
+    cfg = GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2, mlp_ratio=2)
+    fc1, _, fc2 = GPT(cfg).blocks[0].mlp
+    assert (fc1.in_features, fc1.out_features) == (16, 32)
+    assert (fc2.in_features, fc2.out_features) == (32, 16)
 
 
 def test_gpt_blocks_are_pre_ln_residual_blocks():
@@ -247,6 +276,16 @@ def test_workload_seed_picks_the_data():
     g0 = build_workload("gpt", batch_size=1, num_batches=1, seed=0)
     g1 = build_workload("gpt", batch_size=1, num_batches=1, seed=1)
     assert not torch.equal(g0.batches[0][0], g1.batches[0][0])
+    # The data has a generator of its own: building a workload neither draws from nor
+    # reseeds torch's global RNG (which seeds the weights), and the seed alone picks it.
+    for name in ("cnn", "gpt"):
+        torch.manual_seed(123)
+        before = torch.get_rng_state()
+        a = build_workload(name, batch_size=2, num_batches=1, seed=5)
+        assert torch.equal(torch.get_rng_state(), before), name
+        torch.manual_seed(456)
+        b = build_workload(name, batch_size=2, num_batches=1, seed=5)
+        assert torch.equal(a.batches[0][0], b.batches[0][0]), name
 
 
 def test_gpt_adamw_is_fused_by_default_on_cuda_only():
@@ -256,13 +295,22 @@ def test_gpt_adamw_is_fused_by_default_on_cuda_only():
     assert wl.build_optimizer(params, torch.device("cuda")).defaults["fused"] is True
     off = build_workload("gpt", batch_size=1, num_batches=1, fused_adamw=False)
     assert not off.build_optimizer(params, torch.device("cuda")).defaults.get("fused")
+    # Asked for, it is fused wherever it runs (PyTorch has a fused CPU AdamW).
+    on = build_workload("gpt", batch_size=1, num_batches=1, fused_adamw=True)
+    assert on.build_optimizer(params, torch.device("cpu")).defaults["fused"] is True
 
 
-def test_small_cnn_rejects_a_zero_width():
-    """SmallCNN needs at least one channel and one class: width=0 is an error naming both
-    arguments, not a model with empty layers. (M01)"""
+def test_small_cnn_takes_its_channels_and_classes_and_rejects_zeros():
+    """SmallCNN needs at least one channel and one class: width=0 or num_classes=0 is an
+    error naming both arguments, not a model with empty layers; in_channels and num_classes
+    are honoured (1-channel images in, 5 logits out). (M01)"""
     with pytest.raises(ValueError, match=r"SmallCNN\(num_classes=10, width=0\): both must be >= 1"):
         SmallCNN(width=0)
+    with pytest.raises(ValueError, match=r"SmallCNN\(num_classes=0, width=16\): both must be >= 1"):
+        SmallCNN(num_classes=0)
+    model = SmallCNN(num_classes=5, width=4, in_channels=1)
+    assert model.features[0].in_channels == 1
+    assert model(torch.randn(2, 1, 16, 16)).shape == (2, 5)
 
 
 def test_small_cnn_matches_its_documented_architecture():
@@ -402,6 +450,51 @@ def test_workload_sizes_are_the_documented_ones():
     assert large.description.startswith("SmallCNN(width=64) on 64x64 images, batch 256")
     assert build_workload("gpt", num_batches=1).batches[0][0].shape == (8, 64)
     assert build_workload("gpt", size="large", num_batches=1).batches[0][0].shape == (8, 1024)
+
+
+def _fake_torchvision(monkeypatch):
+    """Stand in for torchvision (not installed on the CPU CI): its resnet50 builds a small CNN
+    and records the arguments; returns that record."""
+    import sys
+    import types
+
+    calls = []
+
+    def resnet50(**kwargs):
+        calls.append(kwargs)
+        return SmallCNN(num_classes=kwargs.get("num_classes", 1000), width=2)
+
+    fake = types.ModuleType("torchvision")
+    fake.models = types.SimpleNamespace(resnet50=resnet50)
+    monkeypatch.setitem(sys.modules, "torchvision", fake)
+    return calls
+
+
+def test_resnet50_workload_sizes_and_optimizer_are_the_documented_ones(monkeypatch):
+    """The ResNet-50 workload: small is 10 classes at 64x64, batch 8; large is ImageNet's
+    1000 classes at 224x224, batch 128; a randomly initialised torchvision ResNet-50 (no
+    downloaded weights) trained with SGD lr 0.01, momentum 0.9, on images."""
+    from mixprec.bench import models
+
+    calls = _fake_torchvision(monkeypatch)
+    small = build_workload("resnet50", num_batches=1)
+    x, y = small.batches[0]
+    assert x.shape == (8, 3, 64, 64) and small.batch_size == 8 and small.image
+    assert 0 <= y.min() and y.max() < 10
+    assert small.description.startswith("ResNet-50 on 64x64 images, batch 8")
+    calls.clear()
+    small.build_model()
+    assert calls == [{"weights": None, "num_classes": 10}]
+    opt = small.build_optimizer([nn.Parameter(torch.zeros(2))], torch.device("cpu"))
+    assert type(opt) is torch.optim.SGD
+    assert (opt.defaults["lr"], opt.defaults["momentum"]) == (0.01, 0.9)
+    made = []  # the large data would take 600 MB: record what is asked for instead
+    monkeypatch.setattr(models, "_image_batches", lambda *args: made.append(args[:4]) or [])
+    large = build_workload("resnet50", size="large", num_batches=1)
+    assert made == [(1, 128, 224, 1000)] and large.batch_size == 128
+    calls.clear()
+    large.build_model()
+    assert calls == [{"weights": None, "num_classes": 1000}]
 
 
 def test_gpt_workload_builds_its_norm_layers_with_norm_cls():
