@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -132,8 +133,8 @@ def _parse_loss_scale(value) -> Union[float, str, None]:
                 f"amp.initialize(loss_scale={value!r}): a string loss_scale must be "
                 f'"dynamic" or a number such as "128.0".'
             ) from None
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        number = float(value)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)  # (NumPy's numbers too, as min/max_loss_scale take them)
     else:
         raise TypeError(
             f"amp.initialize(loss_scale={value!r}): expected a positive number, a string "

@@ -310,9 +310,17 @@ class LossScaler:
         return min(self._unskipped, self._window - 1) if self.dynamic else self._unskipped
 
     def __repr__(self) -> str:
+        """The current scale and count: read from the device while it holds them (one sync,
+        as ``loss_scale`` costs), except during CUDA graph capture, which forbids the read."""
         kind = "dynamic" if self.dynamic else "static"
-        where = "" if self._dev is None else f", on {self._dev.scale.device}"
-        return f"LossScaler({kind}{where}, loss_scale={self._scale}, unskipped={self._unskipped})"
+        if self._dev is None:
+            return f"LossScaler({kind}, loss_scale={self._scale}, unskipped={self._unskipped})"
+        device = self._dev.scale.device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return f"LossScaler({kind}, on {device}, not read during CUDA graph capture)"
+        self._pull()
+        return (f"LossScaler({kind}, on {device}, loss_scale={self._scale}, "
+                f"unskipped={self._unskipped})")
 
 
 class _DeviceScale(NamedTuple):

@@ -1803,3 +1803,15 @@ def test_a_function_with_a_rule_casts_only_floating_tensors():
         for rule, want in ((amp.half_function, torch.bfloat16), (amp.float_function, torch.float32),
                            (amp.promote_function, torch.float32)):
             assert rule(probe)(x, idx, mask) == (want, torch.int64, torch.bool, want)
+
+
+def test_master_params_of_something_not_an_optimizer_is_refused_naming_it():
+    """amp.master_params takes the optimizer: given the model or a list of parameters (the
+    argument torch's clip_grad_norm_ takes, a common slip) it is refused at the call with a
+    TypeError saying what it expects, not an AttributeError from inside amp, and not a
+    generator that fails only when the clipping iterates it."""
+    model = make_mlp()
+    for bad, name in ((model, type(model).__name__), (list(model.parameters()), "list")):
+        with pytest.raises(TypeError, match=rf"^amp\.master_params\(optimizer={name}\): expected "
+                                            r"an optimizer \(a torch\.optim\.Optimizer"):
+            amp.master_params(bad)

@@ -1805,3 +1805,20 @@ def test_copies_of_a_structured_model_match_it(opt_level, dtype):
         assert list(copied_state) == list(state)
         for k, v in state.items():
             torch.testing.assert_close(copied_state[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_module_level_load_state_dict_with_an_optimizer_loads_into_its_initialize():
+    """With several amp.initialize calls (a model and its optimizer each), a resume restores
+    each call's scalers through amp.load_state_dict(..., optimizer=opt): they go into the call
+    opt went through, as amp.state_dict(optimizer=opt) saved them, and the latest call's
+    scalers keep their own scale."""
+    model_a, model_b = make_cnn(), make_cnn()
+    opt_a = torch.optim.SGD(model_a.parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model_b.parameters(), lr=0.1)
+    amp.initialize(model_a, opt_a, opt_level="O1", verbosity=0)
+    amp.initialize(model_b, opt_b, opt_level="O1", num_losses=2, verbosity=0)
+    saved = {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}}
+    amp.load_state_dict(saved, optimizer=opt_a)
+    assert amp.state_dict(optimizer=opt_a) == saved
+    assert amp.state_dict() == amp.state_dict(optimizer=opt_b) == {
+        f"loss_scaler{i}": {"loss_scale": 2.0**16, "unskipped": 0} for i in range(2)}

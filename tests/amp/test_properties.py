@@ -15,6 +15,14 @@ def test_bad_opt_level_names_valid_levels(bad):
         assert "letter O" in msg
 
 
+@pytest.mark.parametrize("bad, meant", [("02", "O2"), ("o3", "O3"), ("00", "O0")])
+def test_a_zero_or_lower_case_prefix_is_answered_with_the_level_meant(bad, meant):
+    # The level meant, its digit kept, spelled out: the fix is a copy from the message.
+    with pytest.raises(ValueError, match=rf'opt_level={bad!r}\): unknown opt_level.*'
+                                         rf'Did you mean "{meant}"\? The prefix is the capital'):
+        resolve_properties(bad)
+
+
 def test_opt_level_must_be_str():
     with pytest.raises(TypeError, match="opt_level must be a string"):
         resolve_properties(2)
@@ -145,11 +153,77 @@ def test_bf16_dtype_with_an_fp32_cast_model_type_is_not_a_disagreement(opt_level
 
 @pytest.mark.parametrize("name", ["keep_batchnorm_fp32", "master_weights",
                                   "patch_torch_functions"])
-@pytest.mark.parametrize("value", ["false", "TRUE", "1"])
+@pytest.mark.parametrize("value", ["false", "TRUE", "1", 0, 1])
 def test_only_apexs_exact_bool_strings_are_taken(name, value):
     """The string forms taken for a bool property are exactly Apex's argparse "True" and
     "False"; any other spelling is refused naming the accepted ones, so that a config's
-    "false" is not read by a rule the user cannot see in the docs. (P06)"""
+    "false" is not read by a rule the user cannot see in the docs. Nor are the ints 0/1
+    (kept as they were, keep_batchnorm_fp32=0 slipped past the checks comparing with False).
+    (P06)"""
     with pytest.raises(TypeError, match=rf"{name}={value!r}\): expected True, False, None or "
                                         r'the strings "True"/"False"'):
         resolve_properties("O2", **{name: value})
+
+
+@pytest.mark.parametrize("value", ["Dynamic", "DYNAMIC", " dynamic"])
+def test_only_the_exact_string_dynamic_asks_for_dynamic_scaling(value):
+    """loss_scale's one word is "dynamic", as Apex spells it and as LossScaler takes it (it
+    refuses "Dynamic"): any other spelling is refused naming the accepted forms, rather than
+    amp.initialize and LossScaler disagreeing on what a config means."""
+    with pytest.raises(ValueError, match=rf'loss_scale={value!r}\): a string loss_scale must '
+                                         r'be "dynamic" or a number'):
+        resolve_properties("O1", loss_scale=value)
+
+
+def test_a_dtype_refusal_lists_exactly_the_dtypes_its_argument_takes():
+    """Each dtype argument's refusal lists the dtypes that argument takes: torch.float32 for
+    cast_model_type and cast_model_outputs (an fp32 model or fp32 outputs are valid choices),
+    only the two half types for dtype."""
+    every = r"allowed values are None, torch\.float32, torch\.float16, torch\.bfloat16\.$"
+    with pytest.raises(ValueError, match=r"cast_model_type=torch\.int8\): " + every):
+        resolve_properties("O1", cast_model_type=torch.int8)
+    with pytest.raises(ValueError, match=r"cast_model_outputs=torch\.float64\): " + every):
+        resolve_properties("O1", cast_model_outputs=torch.float64)
+    with pytest.raises(ValueError, match=r"dtype=torch\.float32\): allowed values are None, "
+                                         r"torch\.float16, torch\.bfloat16\.$"):
+        resolve_properties("O1", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("opt_level, kw", [
+    ("O0", {}),
+    ("O3", {"cast_model_type": torch.float32}),
+])
+def test_a_passed_keep_batchnorm_fp32_false_in_an_fp32_model_is_what_the_message_blames(
+        opt_level, kw):
+    """keep_batchnorm_fp32=False passed for an fp32 model is refused naming that argument and
+    the fix (O3 for a half model, or drop it); the message about cast_model_type=torch.float32
+    against O3's own half BatchNorm is for when the user did not pass keep_batchnorm_fp32."""
+    with pytest.raises(ValueError, match=r"keep_batchnorm_fp32=False would cast BatchNorm to "
+                                         r'half in an fp32 model\. Use opt_level="O3"'):
+        resolve_properties(opt_level, keep_batchnorm_fp32=False, **kw)
+
+
+@pytest.mark.parametrize("opt_level, kw", [
+    ("O2", {"patch_torch_functions": True, "dtype": torch.bfloat16}),
+    ("O3", {"patch_torch_functions": "True", "cast_model_type": torch.bfloat16}),
+    ("O1", {"cast_model_type": torch.bfloat16}),
+])
+def test_per_op_casting_with_a_bf16_model_is_refused(opt_level, kw):
+    """Per-op casting (O1's autocast) over a model cast to half is refused for bf16 as for
+    fp16: the two are different ways to train, whichever half type is chosen."""
+    with pytest.raises(ValueError, match=r"patch_torch_functions=True \(per-op casting, O1\) "
+                                         r"cannot be combined with cast_model_type="
+                                         r"torch\.bfloat16 \(a half model, O2/O3\)"):
+        resolve_properties(opt_level, **kw)
+
+
+def test_loss_scale_takes_numpy_numbers_as_the_bounds_do():
+    # A config read through NumPy (np.float32, np.int64) gives its scale as a NumPy number:
+    # taken as min_loss_scale/max_loss_scale and LossScaler take them; a tensor is refused as
+    # the bounds refuse it.
+    np = pytest.importorskip("numpy")
+    assert resolve_properties("O1", loss_scale=np.float32(128.0)).loss_scale == 128.0
+    assert resolve_properties("O1", loss_scale=np.int64(64)).loss_scale == 64.0
+    assert type(resolve_properties("O1", loss_scale=np.float32(2.0)).loss_scale) is float
+    with pytest.raises(TypeError, match=r"loss_scale=tensor\(2\.\)\): expected a positive number"):
+        resolve_properties("O1", loss_scale=torch.tensor(2.0))

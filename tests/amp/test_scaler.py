@@ -58,6 +58,12 @@ def test_bounds():
     (dict(max_loss_scale=0), r"max_loss_scale=0\): must be a number > 0"),
     (dict(min_loss_scale=8.0, max_loss_scale=2.0),
      r"LossScaler\(min_loss_scale=8\.0, max_loss_scale=2\.0\): min_loss_scale must not"),
+    # The floor's refusal names the spelling for "the default floor" (None, 2**-24), and the
+    # ceiling is shown as passed (a config's string), so the message repeats the user's call.
+    (dict(min_loss_scale=0),
+     r"^LossScaler\(min_loss_scale=0\): must be a finite number > 0, or None \(2\*\*-24\)\.$"),
+    (dict(min_loss_scale=8.0, max_loss_scale="2"),
+     r"^LossScaler\(min_loss_scale=8\.0, max_loss_scale='2'\): min_loss_scale must not exceed"),
     # A bool is not a scale, window or bound: LossScaler(True) (a flag meant for "dynamic")
     # became a static scale of 1.0 and scale_window=True a window of one step.
     *[(dict([(name, flag)]), rf"LossScaler\({name}={flag}\): must be")
@@ -118,6 +124,30 @@ def test_state_dict_roundtrip_and_errors():
         s.load_state_dict({"scale": 1.0})
     with pytest.raises(ValueError, match="> 0"):
         s.load_state_dict({"loss_scale": 0.0, "unskipped": 0})
+    # A count past this run's window (saved under a longer scale_window) is saved again as it
+    # was loaded while the host holds the scale (a save right after a resume writes the
+    # checkpoint it read); the next clean step grows the scale and resets the count.
+    s = LossScaler("dynamic", scale_window=4)
+    s.load_state_dict({"loss_scale": 1024.0, "unskipped": 10})
+    assert s.state_dict() == {"loss_scale": 1024.0, "unskipped": 10}
+    s.update(False)
+    assert s.state_dict() == {"loss_scale": 2048.0, "unskipped": 0}
+
+
+def test_repr_says_static_or_dynamic_and_shows_the_current_scale():
+    """A scaler's repr (a log line, a debugger) says whether the scale is static or dynamic
+    (a static 1.0 and a dynamic scale backed off to 1.0 differ at the next overflow) and shows
+    the current scale and count, read from the device while it holds them (it showed the
+    host's stale copy there)."""
+    assert repr(LossScaler(128.0)) == "LossScaler(static, loss_scale=128.0, unskipped=0)"
+    assert repr(LossScaler("dynamic", init_scale=1.0)) == (
+        "LossScaler(dynamic, loss_scale=1.0, unskipped=0)")
+    s = LossScaler("dynamic")
+    s.device_state(torch.device("cpu"))
+    s.update_on_device(torch.ones(()))
+    assert repr(s) == "LossScaler(dynamic, on cpu, loss_scale=32768.0, unskipped=0)"
+    s.update_on_device(torch.zeros(()))
+    assert repr(s) == "LossScaler(dynamic, on cpu, loss_scale=32768.0, unskipped=1)"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -469,3 +499,32 @@ def test_any_flag_set_reads_every_devices_flag():
     assert any_flag_set([zero, one]) is True
     assert any_flag_set([one, zero, zero]) is True
     assert any_flag_set([zero, zero]) is False
+
+
+def test_large_finite_gradients_with_a_graph_are_not_an_overflow():
+    """The inf/NaN check of gradients that carry a graph (backward(create_graph=True) for a
+    gradient penalty) flags only an inf or NaN element. Scaled fp16 gradients are large but
+    finite (here 1000 in each of 8000 elements, whose 2-norm is past fp16's range): a clean
+    step, not a skipped one with a halved scale, and unscaled exactly. Reference: the float64
+    division by the power-of-two scale."""
+    s = LossScaler("dynamic")
+    w = torch.ones(8000, dtype=torch.float16, requires_grad=True)
+    g = w * 1000.0  # a gradient carrying a graph
+    flags = unscale_grads_([g], s, check=True)
+    assert len(flags) == 1 and float(flags[0]) == 0.0
+    want = torch.full((8000,), 1000.0 / 2.0**16, dtype=torch.float64)
+    torch.testing.assert_close(g.detach().double(), want, rtol=0, atol=0)
+    g[7] = float("inf")  # (the check still sees a real overflow)
+    assert float(unscale_grads_([g], s, check=True)[0]) == 1.0
+
+
+def test_create_graph_unscale_checks_every_gradient_of_a_group():
+    """With gradients that carry a graph (create_graph=True) an inf or NaN in any gradient of
+    a (device, dtype) group is an overflow, wherever it stands in the group; gradients that are
+    all finite are not."""
+    s = LossScaler("dynamic")
+    w = torch.ones(3, requires_grad=True)
+    for bad in (float("inf"), float("nan")):
+        grads = [w * 1.0, w * 2.0, w * torch.tensor([1.0, bad, 1.0])]
+        assert float(unscale_grads_(grads, s, check=True)[0]) == 1.0, bad
+    assert float(unscale_grads_([w * 1.0, w * 2.0], s, check=True)[0]) == 0.0
