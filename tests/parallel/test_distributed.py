@@ -344,22 +344,6 @@ def check_ignored_parameters_stay_local(ctx):
                 assert not torch.allclose(p.grad, mine.grad), what
 
 
-def check_no_sync_accumulation(ctx):
-    for delay in (False, True):
-        model = _mlp(ctx.device)
-        ref = copy.deepcopy(model)
-        ddp = DistributedDataParallel(model, message_size=64, delay_allreduce=delay)
-        for micro in range(3):
-            x, y = _global_batch(ctx, seed=10 + micro)
-            F.mse_loss(ref(x), y).backward()
-            if micro < 2:
-                with ddp.no_sync():
-                    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-            else:
-                F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-        _assert_same_grads(ctx, model, ref, f"delay_allreduce={delay}")
-
-
 class _WithLabels(nn.Module):
     """An MLP that returns its predicted classes (no gradient) beside its output."""
 
@@ -372,22 +356,25 @@ class _WithLabels(nn.Module):
         return out, out.argmax(dim=1)
 
 
-def check_no_sync_forward_may_return_tensors_without_grad(ctx):
-    # A forward inside no_sync() may return tensors that need no gradient beside its output
-    # (predicted classes, a mask), as outside it: accumulation then gives the single-process
-    # gradients of the whole global batch.
-    for delay in (False, True):
-        model = _WithLabels(ctx.device)
+def check_no_sync_accumulation(ctx):
+    # Two micro-batches under no_sync(), then a synced one: the single-process gradients of
+    # the whole global batch; also for a forward that returns tensors needing no gradient
+    # beside its output (predicted classes), as it may outside no_sync().
+    for delay, labels in itertools.product((False, True), (False, True)):
+        model = _WithLabels(ctx.device) if labels else _mlp(ctx.device)
         ref = copy.deepcopy(model)
         ddp = DistributedDataParallel(model, message_size=64, delay_allreduce=delay)
-        for micro in range(2):
-            x, y = _global_batch(ctx, seed=740 + micro)
-            F.mse_loss(ref(x)[0], y).backward()
-            with ddp.no_sync() if micro == 0 else contextlib.nullcontext():
-                out, labels = ddp(_mine(ctx, x))
-                assert labels.dtype == torch.int64 and not labels.requires_grad
+        for micro in range(3):
+            x, y = _global_batch(ctx, seed=10 + micro)
+            out = ref(x)
+            F.mse_loss(out[0] if labels else out, y).backward()
+            with ddp.no_sync() if micro < 2 else contextlib.nullcontext():
+                out = ddp(_mine(ctx, x))
+                if labels:
+                    out, predicted = out
+                    assert predicted.dtype == torch.int64 and not predicted.requires_grad
                 F.mse_loss(out, _mine(ctx, y)).backward()
-        _assert_same_grads(ctx, model, ref, f"no_sync() then synced, {delay=}")
+        _assert_same_grads(ctx, model, ref, f"delay_allreduce={delay}, {labels=}")
 
 
 def check_delay_allreduce_no_sync_backward_stays_local_past_an_evaluation(ctx):
@@ -2778,7 +2765,6 @@ DELAY_CHECKS = [
     "check_buffers_broadcast_at_construction_only",
     "check_ignored_parameters_stay_local",
     "check_no_sync_accumulation",
-    "check_no_sync_forward_may_return_tensors_without_grad",
     "check_delay_allreduce_no_sync_backward_stays_local_past_an_evaluation",
     "check_delay_allreduce",
     "check_delay_allreduce_where_the_reducer_cannot",
