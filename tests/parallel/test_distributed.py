@@ -14,6 +14,8 @@ import datetime
 import functools
 import itertools
 import pickle
+import subprocess
+import sys
 import time
 import warnings
 from typing import List
@@ -1879,10 +1881,36 @@ def check_arguments_validated_and_warned(ctx):
         assert torch.equal(layer.weight.grad, torch.full_like(layer.weight, 40000.0)), kwargs
 
 
+def _reducer_broadcasts_parameters_only(ctx):
+    # Reducer(model) broadcasts rank 0's parameters (as Apex's did), not the module's
+    # buffers: a BatchNorm's running statistics stay each rank's own (users who want them
+    # equal broadcast them, or use SyncBatchNorm); a module of one parameter (a learned
+    # scale) is broadcast like any other. Reference: rank 0's values and each rank's own.
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)).to(ctx.device)
+    scale = _Scale().to(ctx.device)
+    with torch.no_grad():
+        for p in [*model.parameters(), *scale.parameters()]:
+            p.fill_(ctx.rank + 1.0)
+        model[1].running_mean.fill_(10.0 * (ctx.rank + 1))
+        model[1].running_var.fill_(ctx.rank + 2.0)
+    Reducer(model)
+    Reducer(scale)
+    for name, p in [*model.named_parameters(), *scale.named_parameters()]:
+        torch.testing.assert_close(p.detach(), torch.ones_like(p), rtol=0, atol=0,
+                                   msg=labelled(f"rank {ctx.rank}: {name}"))
+    bn = model[1]
+    torch.testing.assert_close(bn.running_mean, torch.full_like(bn.running_mean,
+                                                                10.0 * (ctx.rank + 1)),
+                               rtol=0, atol=0, msg=labelled(f"rank {ctx.rank}: running_mean"))
+    torch.testing.assert_close(bn.running_var, torch.full_like(bn.running_var, ctx.rank + 2.0),
+                               rtol=0, atol=0, msg=labelled(f"rank {ctx.rank}: running_var"))
+
+
 def check_reducer(ctx):
     model = _mlp(ctx.device, seed=200 + ctx.rank)  # different on every rank until broadcast
     reducer = Reducer(model)
     _assert_same_on_all_ranks(ctx, list(model.parameters()), "parameter after Reducer()")
+    _reducer_broadcasts_parameters_only(ctx)
     ref = copy.deepcopy(model)
     x, y = _global_batch(ctx, seed=40)
     F.mse_loss(model(_mine(ctx, x)), _mine(ctx, y)).backward()
@@ -1895,6 +1923,19 @@ def check_reducer(ctx):
     mean = (ctx.world_size + 1) / 2
     torch.testing.assert_close(tensors[0], torch.full_like(tensors[0], mean), rtol=0, atol=0)
     torch.testing.assert_close(tensors[1], torch.full_like(tensors[1], 10 * mean), rtol=0, atol=0)
+    # Any floating tensors, parameters included (replicas' weights averaged after local SGD
+    # steps): averaged in place outside autograd, leaves that still require grad.
+    w = torch.full((3,), ctx.rank + 1.0, device=ctx.device, requires_grad=True)
+    layer = nn.Linear(2, 2, bias=False).to(ctx.device)
+    with torch.no_grad():
+        layer.weight.fill_(10.0 * (ctx.rank + 1))
+    Reducer([w, *layer.parameters()]).reduce()
+    torch.testing.assert_close(w.detach(), torch.full((3,), mean, device=ctx.device),
+                               rtol=0, atol=0, msg=labelled(f"rank {ctx.rank}: w"))
+    torch.testing.assert_close(layer.weight.detach(),
+                               torch.full((2, 2), 10.0 * mean, device=ctx.device),
+                               rtol=0, atol=0, msg=labelled(f"rank {ctx.rank}: weight"))
+    assert w.is_leaf and w.requires_grad and w.grad_fn is None
     # Any iterable of tensors, nested or a generator, as Apex's Reducer took.
     a, b = (torch.full((2,), ctx.rank + 1.0, device=ctx.device) for _ in range(2))
     Reducer([[a], (t for t in [b])]).reduce()
@@ -3503,6 +3544,154 @@ def check_reducer_over_a_group_averages_over_that_group(ctx):
                                    msg=labelled(f"rank {ctx.rank}, a pair"))
 
 
+def check_reducer_find_unused_gives_zeros_in_the_parameters_dtype(ctx):
+    # find_unused_parameters on a bf16 model (no amp): the zero gradient given where a head
+    # was not used has the parameter's dtype, as a real gradient would (an fp32 zero put the
+    # head in another flat buffer: the ranks' buffers then differed, and the same-size heads
+    # b and c were averaged into each other). Reference: the float64 model, the sum over the
+    # ranks' batches divided by the world size; bf16 rounding as the tolerance.
+    torch.manual_seed(0)
+    model = _Branches().to(ctx.device, torch.bfloat16)
+    ref = copy.deepcopy(model).double()
+    reducer = Reducer(model, find_unused_parameters=True)
+    heads = functools.partial(_heads_of_the_end_ranks, ctx)
+    g = torch.Generator().manual_seed(17)
+    xs = [torch.randn(3, 4, generator=g).to(ctx.device) for _ in range(ctx.world_size)]
+    model(xs[ctx.rank].bfloat16(), heads(ctx.rank)).float().backward()
+    reducer.reduce()
+    for rank in range(ctx.world_size):
+        (ref(xs[rank].double(), heads(rank)) / ctx.world_size).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is None or p.grad.dtype == torch.bfloat16, (name, p.grad.dtype)
+    _assert_branch_grads(ctx, model, [p.grad for p in model.parameters()], ref, ", bf16",
+                         3e-2, 3e-2)
+
+
+def check_reducer_find_unused_agrees_within_its_group(ctx):
+    # With process_group=g, find_unused_parameters agrees over g's ranks only: over groups of
+    # one rank, a head used on another rank is used on no rank of this group and keeps None
+    # (a zero gradient there would make the optimizer decay or move it on this rank only).
+    # Reference: the same model's backward on this rank's batch alone, in one process.
+    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    torch.manual_seed(0)
+    model = _Branches().to(ctx.device)
+    ref = copy.deepcopy(model)
+    reducer = Reducer(model, process_group=singles[ctx.rank], find_unused_parameters=True)
+    heads = _heads_of_the_end_ranks(ctx, ctx.rank)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+    model(x, heads).backward()
+    reducer.reduce()
+    ref(x, heads).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None, (ctx.rank, name, p.grad)
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0,
+                                       msg=labelled(f"rank {ctx.rank}: {name}"))
+
+
+def check_reducer_overflow_agreement_stays_within_its_group(ctx):
+    # Documented: with Reducers over several process groups the overflow check agrees within
+    # each group. Over groups of one rank, an overflow on rank 0 skips rank 0's step only:
+    # the other ranks step and keep their loss scale. Reference: amp's own skip flag and
+    # loss scale (65536 unchanged where nothing overflowed, halved where it did).
+    from mixprec import amp
+
+    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    model, opt, _, _ = _amp_sgd_pairs(ctx, 260, 260, "O2", torch.float16)
+    reducer = Reducer(model, process_group=singles[ctx.rank])
+    x, y = _global_batch(ctx, seed=261)
+    blow_up = 1e4 if ctx.rank == 0 else 1.0
+    loss = F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y)) * blow_up
+    _reducer_amp_step(amp, reducer, opt, loss, "after")
+    assert amp.step_was_skipped(opt) == (ctx.rank == 0), (ctx.rank, amp.step_was_skipped(opt))
+    scale = amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]
+    assert scale == (2.0 ** 15 if ctx.rank == 0 else 2.0 ** 16), (ctx.rank, scale)
+
+
+def check_ddp_agrees_on_gradients_within_its_group(ctx):
+    # DistributedDataParallel(process_group=g) agrees over g's ranks only on which parameters
+    # got a gradient: over groups of one rank, a head used on another rank only is used on no
+    # rank of this group. The first step (the reducer's mode) leaves it out here and the
+    # delay mode leaves it alone: its gradient stays None (a zero one would make the
+    # optimizer decay or move it on this rank). Reference: the same model's backward on this
+    # rank's batch alone, in one process.
+    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    heads = _heads_of_the_end_ranks(ctx, ctx.rank)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
+    for delay in (False, True):
+        torch.manual_seed(0)
+        model = _Branches().to(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, process_group=singles[ctx.rank],
+                                      delay_allreduce=delay)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (the first step's left-out note)
+            ddp(x, heads).backward()
+        ref(x, heads).backward()
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            what = f"rank {ctx.rank}, delay_allreduce={delay}: {name}"
+            if q.grad is None:
+                assert p.grad is None, (what, p.grad)
+            else:
+                torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=labelled(what))
+
+
+def check_reducer_module_without_parameters_and_find_unused(ctx):
+    # A module without parameters (an activation, a pooling stage built from a config) with
+    # find_unused_parameters=True: reduce() has nothing to agree on or average and returns
+    # without a collective on any rank. Reference: an all-reduce issued right after it pairs
+    # up across the ranks and sums to W(W+1)/2.
+    reducer = Reducer(nn.ReLU(), find_unused_parameters=True)
+    reducer.reduce()
+    t = torch.tensor([ctx.rank + 1.0], device=ctx.device)
+    dist.all_reduce(t)
+    assert t.item() == ctx.world_size * (ctx.world_size + 1) / 2, t.item()
+
+
+def check_reducer_errors_while_averaging_reach_the_caller(ctx):
+    # reduce() explains a sparse gradient; any other error while averaging reaches the
+    # caller unchanged (it must not return as if the tensors were averaged). Tensors made
+    # under torch.inference_mode() cannot be written in place outside it: PyTorch's
+    # RuntimeError, raised on every rank after the all-reduce.
+    with torch.inference_mode():
+        t = torch.full((3,), ctx.rank + 1.0, device=ctx.device)
+    reducer = Reducer([t])
+    try:
+        reducer.reduce()
+    except RuntimeError as err:
+        assert "inference" in str(err).lower(), str(err)
+    else:
+        raise AssertionError("an in-place write refused by PyTorch was not reported")
+
+
+def check_reducer_averages_non_contiguous_gradients(ctx):
+    # Gradients need not be contiguous: a channels_last convolution's weight gradient is
+    # channels_last, and a list may hold transposed views. Reducer averages them in place
+    # whatever their strides. Reference: the single-process global batch (the convolution),
+    # and the exact mean over the ranks (the transposed view, through its base).
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3).to(ctx.device).to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(conv)
+    reducer = Reducer(conv)
+    g = torch.Generator().manual_seed(23)
+    x = torch.randn(2 * ctx.world_size, 3, 5, 5, generator=g).to(ctx.device)
+    x = x.to(memory_format=torch.channels_last)
+    conv(x[2 * ctx.rank:2 * ctx.rank + 2]).square().mean().backward()
+    assert not conv.weight.grad.is_contiguous()
+    reducer.reduce()
+    conv_ref_loss = sum(ref(x[2 * r:2 * r + 2]).square().mean() for r in range(ctx.world_size))
+    (conv_ref_loss / ctx.world_size).backward()
+    for name, p in conv.named_parameters():
+        torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad,
+                                   rtol=1e-5, atol=1e-6, msg=labelled(f"rank {ctx.rank}: {name}"))
+    base = torch.arange(6.0, device=ctx.device).reshape(2, 3) * (ctx.rank + 1)
+    Reducer([base.t()]).reduce()
+    mean = (ctx.world_size + 1) / 2
+    torch.testing.assert_close(base, torch.arange(6.0, device=ctx.device).reshape(2, 3) * mean,
+                               rtol=0, atol=0, msg=labelled(f"rank {ctx.rank}: a transposed view"))
+
+
 class _SparseAndDense(nn.Module):
     def __init__(self):
         super().__init__()
@@ -3736,6 +3925,13 @@ CHECKS = [
     "check_allreduce_always_fp32_keeps_float64_gradients",
     "check_state_of_every_dtype_broadcast_exactly",
     "check_change_noticed_by_its_registration_alone",
+    "check_reducer_find_unused_gives_zeros_in_the_parameters_dtype",
+    "check_reducer_find_unused_agrees_within_its_group",
+    "check_reducer_overflow_agreement_stays_within_its_group",
+    "check_ddp_agrees_on_gradients_within_its_group",
+    "check_reducer_module_without_parameters_and_find_unused",
+    "check_reducer_errors_while_averaging_reach_the_caller",
+    "check_reducer_averages_non_contiguous_gradients",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
@@ -3814,9 +4010,14 @@ def test_reducer_errors_without_process_group():
     # with "result type Float can't be cast to the desired output type Long").
     with pytest.raises(TypeError, match=r"tensor 1 is torch.int64.*floating"):
         Reducer([torch.ones(2), torch.tensor([1, 2])])
+    with pytest.raises(TypeError, match=r"tensor 1 is torch.bool.*floating"):  # (no mean)
+        Reducer([torch.ones(2), torch.tensor([True, False])])
     with pytest.raises(TypeError, match=r"Reducer\(process_group=2\).*ProcessGroup"):
         Reducer(nn.Linear(2, 2), process_group=2)
-    with pytest.raises(RuntimeError, match="init_process_group"):
+    # The error says how to start a process group, not only that it is missing.
+    with pytest.raises(RuntimeError, match=r"Reducer was used before torch.distributed."
+                                           r"init_process_group\(\)\. Launch the script with "
+                                           r"torchrun.*backend='nccl' on GPUs or 'gloo' on CPUs"):
         Reducer(nn.Linear(2, 2))
 
 
@@ -3874,3 +4075,31 @@ def test_a_bool_bytes_or_float_process_group_is_refused(group):
     with pytest.raises(TypeError, match=r"Reducer\(process_group=.*ProcessGroup") as info:
         Reducer(nn.Linear(2, 2), process_group=group)
     assert "group size" not in str(info.value), str(info.value)
+
+
+def test_structure_version_moves_at_the_first_registration_and_hooks_install_once():
+    # The wrappers' change tracking (mixprec.parallel._structure): in a fresh process, the
+    # very first registration after watch() moves the version (a wrapper built first in a
+    # script compares against it), and watch() called by every wrapper installs PyTorch's
+    # process-wide hooks once (each extra pair would run at every registration for the rest
+    # of the process). A fresh interpreter: the version starts at the process's start.
+    code = (
+        "import torch\n"
+        "from torch.nn.modules import module as m\n"
+        "from mixprec.parallel import _structure\n"
+        "before = (len(m._global_parameter_registration_hooks),\n"
+        "          len(m._global_module_registration_hooks))\n"
+        "_structure.watch()\n"
+        "seen = _structure.version()\n"
+        "torch.nn.Module().register_parameter('w', torch.nn.Parameter(torch.ones(1)))\n"
+        "assert _structure.version() != seen, ('first registration unseen', seen)\n"
+        "seen = _structure.version()\n"
+        "torch.nn.Module().add_module('child', torch.nn.Module())\n"
+        "assert _structure.version() != seen, ('submodule registration unseen', seen)\n"
+        "for _ in range(3):\n"
+        "    _structure.watch()\n"
+        "after = (len(m._global_parameter_registration_hooks),\n"
+        "         len(m._global_module_registration_hooks))\n"
+        "assert after == (before[0] + 1, before[1] + 1), (before, after)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
