@@ -81,13 +81,15 @@ class FusedBatchNorm(nn.modules.batchnorm._BatchNorm):
     r"""Batch normalization over ``(N, C, *)`` inputs, a drop-in for ``torch.nn.BatchNorm1d``,
     ``BatchNorm2d`` and ``BatchNorm3d`` (same arguments, parameters, buffers and state dict).
 
-    In training, on CUDA, a channels-last input (``torch.channels_last`` /
+    In training (and in eval mode without running statistics, which normalizes with the batch's
+    as training does), on CUDA, a channels-last input (``torch.channels_last`` /
     ``channels_last_3d`` memory format, or a contiguous ``(N, C)`` or ``(N, C, 1, 1)`` batch) in
     fp16/bf16 for which PyTorch would not use cuDNN (bf16 input or parameters; fp16 input with
     fp16 parameters) runs mixprec's Triton kernels: the per-channel statistics, the normalization
     with the running-statistics update, and the two backward passes, statistics in fp32, the
     output in the input's dtype. Every other call (fp32, fp16 with fp32 parameters, which
-    cuDNN serves well, other layouts, eval mode, CPU, ``torch.compile``, ``torch.jit.trace``) is
+    cuDNN serves well, other layouts, eval mode with running statistics, CPU,
+    ``torch.compile``, ``torch.jit.trace``) is
     ``torch.nn.functional.batch_norm``.
 
     It is a ``_BatchNorm``, so ``amp.initialize`` keeps it fp32 at O2 as any BatchNorm. It

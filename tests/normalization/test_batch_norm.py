@@ -132,6 +132,49 @@ def test_matches_batchnorm(path, dims, dtype, affine, track, momentum):
     assert bool(fused_calls) == expected, fused_calls
 
 
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_momentum_zero_keeps_the_running_statistics(path):
+    # momentum=0.0 is a momentum like any other number, not "no momentum" (None, the cumulative
+    # average): as in torch's BatchNorm, training normalizes with the batch statistics, leaves
+    # the running statistics where they are and counts the batches. Users freeze statistics
+    # this way while fine-tuning.
+    device, path_ctx = _path(path)
+    ours, theirs = _pair(torch.bfloat16, momentum=0.0)
+    with torch.no_grad():
+        for m in (ours, theirs):
+            m.running_mean.fill_(0.25)
+            m.running_var.fill_(2.0)
+    x = _x(torch.bfloat16)
+    with path_ctx(), _count_fused_calls() as calls:
+        for step in range(2):
+            y = ours(x + step)
+            torch.testing.assert_close(y.double(), theirs((x + step).double()),
+                                       **TOL[torch.bfloat16], msg=f"step {step}")
+    assert torch.all(ours.running_mean == 0.25) and torch.all(ours.running_var == 2.0)
+    assert torch.all(theirs.running_mean == 0.25) and torch.all(theirs.running_var == 2.0)
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 2
+    assert len(calls) == (2 if path == "cpu-triton" else 0)
+
+
+def test_factory_arguments_place_parameters_and_buffers_as_batchnorm_does():
+    # device= and dtype= are torch.nn's factory arguments: FusedBatchNorm makes its
+    # parameters and running statistics in that dtype on that device, as BatchNorm2d does
+    # (the meta device for deferred initialisation, a float64 or bf16 model built in place);
+    # the batch counter stays an integer.
+    ours = FusedBatchNorm(6, device="meta", dtype=torch.bfloat16)
+    theirs = torch.nn.BatchNorm2d(6, device="meta", dtype=torch.bfloat16)
+    got = {k: (v.dtype, v.device, v.shape) for k, v in ours.state_dict().items()}
+    want = {k: (v.dtype, v.device, v.shape) for k, v in theirs.state_dict().items()}
+    assert got == want and got["weight"][:2] == (torch.bfloat16, torch.device("meta"))
+    ours = FusedBatchNorm(6, dtype=torch.float64)
+    x = torch.randn(4, 6, 3, 3, dtype=torch.float64)
+    y = ours(x)
+    assert y.dtype == torch.float64 and ours.running_mean.dtype == torch.float64
+    want = F.batch_norm(x, None, None, torch.ones(6, dtype=torch.float64),
+                        torch.zeros(6, dtype=torch.float64), True, 0.1, 1e-5)
+    torch.testing.assert_close(y, want, rtol=1e-12, atol=1e-12)
+
+
 @requires_cuda
 @pytest.mark.parametrize(
     "case,expected",
@@ -217,6 +260,46 @@ def test_cudnn_rule_on_a_pytorch_without_the_backend_query(monkeypatch, dims, x_
     assert batch_norm._pytorch_uses_cudnn(x, w, None, None, None, 1e-5) is False
 
 
+def test_a_backend_query_that_refuses_with_a_runtime_error_falls_back_to_the_rule(monkeypatch):
+    # PyTorch's backend query may refuse a call with a RuntimeError (a check of its own, a
+    # release that wants other arguments). The layer then judges by the documented rule of
+    # torch 2.4-2.13, as it does for a TypeError, instead of failing the training step.
+    #
+    def refuses(*args):
+        raise RuntimeError("running_mean should contain 3 elements not 1")
+
+    monkeypatch.setattr(batch_norm, "_select_backend", refuses)
+    w = torch.ones(3)
+    x = torch.zeros(4, 3, 2, 2)
+    assert batch_norm._pytorch_uses_cudnn(x.half(), w, w.clone(), w, w, 1e-5) is True
+    assert batch_norm._pytorch_uses_cudnn(x.bfloat16(), w, w.clone(), w, w, 1e-5) is False
+    assert batch_norm._pytorch_uses_cudnn(x.half(), w.half(), w.half(), None, None,
+                                          1e-5) is False
+
+
+@requires_interpreter
+def test_pytorchs_backend_is_asked_about_a_training_call(monkeypatch):
+    # The layer asks where PyTorch would run this call, which is a training call. PyTorch's
+    # answer takes `training` into account (its cuDNN rule has other batch-size limits in
+    # evaluation), so the query must be told so. Here a query that would name cuDNN only for
+    # an evaluation call stands in for PyTorch's on CUDA.
+    asked = []
+
+    def query(x, w, b, rm, rv, training, eps):
+        asked.append(training)
+        return "_BatchNormBackend.Native" if training else "_BatchNormBackend.Cudnn"
+
+    monkeypatch.setattr(batch_norm, "_select_backend", query)
+    bn = FusedBatchNorm(6).to(torch.bfloat16)
+    x = _x(torch.bfloat16)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        y = bn(x)
+    assert asked == [True] and len(calls) == 1
+    want = F.batch_norm(x.double(), None, None, bn.weight.double(), bn.bias.double(), True,
+                        0.0, bn.eps)
+    torch.testing.assert_close(y.double(), want, **TOL[torch.bfloat16])
+
+
 def test_convert_keeps_the_objects_and_the_state_dict():
     shared = torch.nn.BatchNorm2d(4)
     model = torch.nn.Sequential(
@@ -264,6 +347,16 @@ def test_convert_refuses_a_lazy_batchnorm_before_its_first_forward_and_a_non_mod
     with pytest.raises(TypeError, match=r"convert_fused_batchnorm\(module=NoneType\): expected "
                                         r"a torch\.nn\.Module"):
         convert_fused_batchnorm(None)
+    # Only a lazy BatchNorm is refused: other lazy layers (LazyLinear) have nothing to
+    # convert and stay to be shaped by the first forward; a lazy BatchNorm passed as the
+    # model itself is named as such.
+    model = nn.Sequential(nn.LazyLinear(4), nn.BatchNorm1d(4))
+    assert convert_fused_batchnorm(model) is model
+    assert type(model[1]) is FusedBatchNorm and isinstance(model[0], nn.LazyLinear)
+    assert model(torch.randn(5, 3)).shape == (5, 4) and type(model[0]) is nn.Linear
+    with pytest.raises(ValueError, match=r"convert_fused_batchnorm: the layer 'passed' "
+                                         r"\(LazyBatchNorm2d\) has not seen an input yet"):
+        convert_fused_batchnorm(nn.LazyBatchNorm2d())
 
 
 def test_scripts_and_traces_like_batchnorm():
@@ -573,6 +666,28 @@ def test_batched_gradients(path):
         torch.testing.assert_close(gw[i].double().cpu(), ref[2], **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_batched_gradients_of_a_layer_without_affine_parameters(path):
+    # is_grads_batched=True takes PyTorch's arithmetic in the backward (see
+    # test_batched_gradients); a layer without weight and bias (affine=False) has only the
+    # input's gradient to give there, per gradient as a plain backward gives it.
+    device, path_ctx = _path(path)
+    gen = torch.Generator().manual_seed(23)
+    bn = FusedBatchNorm(4, affine=False).to(device)
+    x = _layout(torch.randn(3, 4, 2, 2, generator=gen).to(torch.bfloat16).to(device), 4)
+    vs = torch.randn(2, 3, 4, 2, 2, generator=gen).to(torch.bfloat16).to(device)
+    xo = x.detach().requires_grad_(True)
+    with path_ctx(), _count_fused_calls() as calls:
+        y = bn(xo)
+        (gx,) = torch.autograd.grad(y, [xo], vs, is_grads_batched=True)
+    assert calls
+    xr = x.double().cpu().requires_grad_(True)
+    yr = F.batch_norm(xr, None, None, None, None, True, 0.1, bn.eps)
+    for i in range(len(vs)):
+        (want,) = torch.autograd.grad(yr, xr, vs[i].double().cpu(), retain_graph=True)
+        torch.testing.assert_close(gx[i].double().cpu(), want, **TOL[torch.bfloat16])
+
+
 @requires_cuda
 @pytest.mark.parametrize("dims", [2, 4])
 def test_unaligned_inputs_and_gradients(dims):
@@ -601,19 +716,40 @@ def test_unaligned_inputs_and_gradients(dims):
 
 @pytest.mark.parametrize("path", PATHS[1:])
 def test_a_parameter_replaced_by_a_strided_one_is_not_read_with_the_old_plan(path):
-    # The plan is kept per signature, parameters' geometry included: a weight replaced by a
-    # strided view of the same dtype takes PyTorch's path (the kernels read unit strides).
+    # The plan is kept per signature, parameters' geometry included: a weight or a bias
+    # replaced by a strided view of the same dtype (tied to every other element of a larger
+    # tensor) takes PyTorch's path (the kernels read unit strides).
     device, path_ctx = _path(path)
     gen = torch.Generator().manual_seed(2)
-    bn = FusedBatchNorm(6).to(device)
     x = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16).to(device), 4)
     dy = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16).to(device), 4)
-    with path_ctx(), _count_fused_calls() as calls:
-        _check_step(bn, x, dy, torch.bfloat16, "contiguous weight")
-        bn.weight = torch.nn.Parameter(
-            (torch.rand(12, generator=gen) + 0.5).to(device)[::2])
-        _check_step(bn, x, dy, torch.bfloat16, "strided weight")
+    for name in ("weight", "bias"):
+        bn = FusedBatchNorm(6).to(device)
+        with path_ctx(), _count_fused_calls() as calls:
+            _check_step(bn, x, dy, torch.bfloat16, f"contiguous {name}")
+            setattr(bn, name, torch.nn.Parameter(
+                (torch.rand(12, generator=gen) + 0.5).to(device)[::2]))
+            _check_step(bn, x, dy, torch.bfloat16, f"strided {name}")
+        assert len(calls) == 1, name
+
+
+@requires_interpreter
+def test_a_running_variance_replaced_by_a_strided_one_is_not_read_with_the_old_plan():
+    # The running statistics are part of the signature too, each on its own: a running_var
+    # buffer replaced by a strided view (statistics kept in one shared interleaved tensor)
+    # takes PyTorch's path, which updates it in place where it lies, as float64 batch norm on
+    # the same statistics does, and leaves the interleaved neighbours alone.
+    gen = torch.Generator().manual_seed(22)
+    bn = FusedBatchNorm(6).to(torch.bfloat16)
+    x = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16), 4)
+    dy = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16), 4)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        _check_step(bn, x, dy, torch.bfloat16, "contiguous running_var")
+        shared = torch.stack([bn.running_var, torch.full_like(bn.running_var, 7.0)], 1)
+        bn.running_var = shared.view(-1)[::2]
+        _check_step(bn, x, dy, torch.bfloat16, "strided running_var")
     assert len(calls) == 1
+    assert torch.all(shared[:, 1] == 7.0)
 
 
 @requires_interpreter
@@ -628,6 +764,25 @@ def test_one_layer_fed_channels_last_then_nchw_batches_of_one_shape():
         _check_step(bn, _layout(x, 4), _layout(dy, 4), torch.bfloat16, "channels_last")
         _check_step(bn, x.contiguous(), dy.contiguous(), torch.bfloat16, "NCHW")
     assert len(calls) == 1
+
+
+@requires_interpreter
+def test_one_layer_fed_bf16_then_fp16_batches_of_one_layout(monkeypatch):
+    # One layer (fp32 parameters) may see bf16 and fp16 batches of the same shape and strides
+    # (a model run under autocast of either dtype). PyTorch gives the fp16 batch to cuDNN and
+    # not the bf16 one, so the choice is made per input dtype: the fp16 batch, after a bf16
+    # one, runs PyTorch's batch norm. The documented rule (no backend query) stands in for
+    # PyTorch's on CUDA.
+    monkeypatch.setattr(batch_norm, "_select_backend", None)
+    gen = torch.Generator().manual_seed(13)
+    bn = FusedBatchNorm(6)
+    base = torch.randn(4, 6, 3, 5, generator=gen)
+    dy = torch.randn(4, 6, 3, 5, generator=gen)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        for dtype in (torch.bfloat16, torch.float16):
+            x = _layout(base.to(dtype), 4)
+            _check_step(bn, x, _layout(dy.to(dtype), 4), dtype, str(dtype))
+    assert len(calls) == 1  # (the bf16 batch)
 
 
 @requires_interpreter
@@ -859,6 +1014,49 @@ def test_training_with_tracking_switched_off_keeps_the_batch_counter(path):
                                **TOL[torch.bfloat16])
     torch.testing.assert_close(ours.running_var.double(), theirs.running_var,
                                **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_tracking_switched_on_in_a_layer_built_without_it(path):
+    # A layer built with track_running_stats=False has no running statistics and no batch
+    # counter. Setting the flag to True afterwards (a config applied to a built model) changes
+    # nothing in torch's BatchNorm: training still normalizes with the batch statistics and
+    # nothing is counted. The layer must do the same, not fail on the missing counter.
+    device, path_ctx = _path(path)
+    ours, theirs = _pair(torch.bfloat16, track_running_stats=False)
+    for m in (ours, theirs):
+        m.track_running_stats = True
+    x = _x(torch.bfloat16)
+    with path_ctx():
+        y = ours(x)
+    torch.testing.assert_close(y.double(), theirs(x.double()), **TOL[torch.bfloat16])
+    assert ours.running_mean is None and ours.running_var is None
+    assert ours.num_batches_tracked is None and theirs.num_batches_tracked is None
+
+
+@requires_interpreter
+def test_eval_without_running_statistics_takes_the_kernels_as_training_does():
+    # A layer without running statistics normalizes with the batch statistics in eval too,
+    # which is PyTorch's training batch norm, with its slow half-precision path. So a bf16
+    # channels-last batch takes the kernels there as in training (models evaluated with
+    # track_running_stats=False keep the speed), with float64 batch norm's output and input
+    # gradient.
+    ours, _ = _pair(torch.bfloat16, track_running_stats=False)
+    ours.eval()
+    gen = torch.Generator().manual_seed(24)
+    x = _x(torch.bfloat16)
+    dy = _layout(torch.randn(4, 6, 5, 3, generator=gen).to(torch.bfloat16), 4)
+    xo = x.detach().requires_grad_(True)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        y = ours(xo)
+        y.backward(dy)
+    assert len(calls) == 1
+    xr = x.double().requires_grad_(True)
+    yr = F.batch_norm(xr, None, None, ours.weight.detach().double(),
+                      ours.bias.detach().double(), True, 0.1, ours.eps)
+    yr.backward(dy.double())
+    torch.testing.assert_close(y.double(), yr.detach(), **TOL[torch.bfloat16])
+    torch.testing.assert_close(xo.grad.double(), xr.grad, **TOL[torch.bfloat16])
 
 
 @requires_interpreter

@@ -185,6 +185,20 @@ def test_torchscript_checks_the_input_as_eager_does(cls):
         two(torch.randn(3, 8))
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_torchscript_takes_an_input_of_exactly_the_normalized_shape(cls):
+    # An input with no leading dims (a single (4, 6) sample under normalized_shape (4, 6), a
+    # single vector under 8) is valid in eager mode as in torch.nn.LayerNorm; the scripted
+    # module's input check must accept it too and give the eager result.
+    for shape in ((4, 6), 8):
+        norm = cls(shape)
+        with torch.no_grad():
+            for p in norm.parameters():
+                p.uniform_(0.5, 1.5)
+        x = torch.randn(norm.normalized_shape)
+        torch.testing.assert_close(torch.jit.script(norm)(x), norm(x), **tolerance(x.dtype))
+
+
 class _Block(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -594,6 +608,22 @@ def test_the_ignored_keyword_warning_points_at_the_callers_line(cls):
         cls(8, 1e-5, sequence_parallel_enabled=False)
     ours = [w for w in seen if "ignoring the keyword" in str(w.message)]
     assert len(ours) == 1 and ours[0].filename == __file__, [(w.filename, w.lineno) for w in ours]
+
+
+@pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
+def test_the_ignored_keyword_warning_names_every_keyword_in_a_stable_order(cls):
+    # Megatron/NeMo callers pass several of the keywords Apex's Mixed classes dropped: the
+    # one warning names each of them, sorted, so the text is the same whatever order a
+    # caller passed them in (log filters and warning filters match it).
+    for kwargs in ({"sequence_parallel_enabled": False, "apply_layernorm_1p": False},
+                   {"apply_layernorm_1p": False, "sequence_parallel_enabled": False}):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            cls(8, 1e-5, **kwargs)
+        texts = [str(w.message) for w in seen if "ignoring the keyword" in str(w.message)]
+        assert texts == [f"{cls.__name__}: ignoring the keyword argument(s) "
+                         "apply_layernorm_1p, sequence_parallel_enabled, which it does not use "
+                         "(Apex's class dropped them too)."], texts
 
 
 def _signature_inputs(device):
