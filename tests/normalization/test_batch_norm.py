@@ -716,40 +716,26 @@ def test_unaligned_inputs_and_gradients(dims):
 
 @pytest.mark.parametrize("path", PATHS[1:])
 def test_a_parameter_replaced_by_a_strided_one_is_not_read_with_the_old_plan(path):
-    # The plan is kept per signature, parameters' geometry included: a weight or a bias
-    # replaced by a strided view of the same dtype (tied to every other element of a larger
-    # tensor) takes PyTorch's path (the kernels read unit strides).
+    # The plan is kept per signature, parameters' and running statistics' geometry included:
+    # a weight, a bias or a running variance replaced by a strided view of the same dtype
+    # (every other element of a larger tensor: tied parameters, statistics kept interleaved)
+    # takes PyTorch's path (the kernels read unit strides), which updates the statistics in
+    # place where they lie and leaves the neighbouring elements alone.
     device, path_ctx = _path(path)
     gen = torch.Generator().manual_seed(2)
     x = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16).to(device), 4)
     dy = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16).to(device), 4)
-    for name in ("weight", "bias"):
+    for name in ("weight", "bias", "running_var"):
         bn = FusedBatchNorm(6).to(device)
+        shared = (torch.rand(6, 2, generator=gen) + 0.5).to(device)
+        neighbours = shared[:, 1].clone()
         with path_ctx(), _count_fused_calls() as calls:
             _check_step(bn, x, dy, torch.bfloat16, f"contiguous {name}")
-            setattr(bn, name, torch.nn.Parameter(
-                (torch.rand(12, generator=gen) + 0.5).to(device)[::2]))
+            strided = shared.view(-1)[::2]
+            setattr(bn, name, strided if name == "running_var" else nn.Parameter(strided))
             _check_step(bn, x, dy, torch.bfloat16, f"strided {name}")
         assert len(calls) == 1, name
-
-
-@requires_interpreter
-def test_a_running_variance_replaced_by_a_strided_one_is_not_read_with_the_old_plan():
-    # The running statistics are part of the signature too, each on its own: a running_var
-    # buffer replaced by a strided view (statistics kept in one shared interleaved tensor)
-    # takes PyTorch's path, which updates it in place where it lies, as float64 batch norm on
-    # the same statistics does, and leaves the interleaved neighbours alone.
-    gen = torch.Generator().manual_seed(22)
-    bn = FusedBatchNorm(6).to(torch.bfloat16)
-    x = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16), 4)
-    dy = _layout(torch.randn(4, 6, 3, 3, generator=gen).to(torch.bfloat16), 4)
-    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
-        _check_step(bn, x, dy, torch.bfloat16, "contiguous running_var")
-        shared = torch.stack([bn.running_var, torch.full_like(bn.running_var, 7.0)], 1)
-        bn.running_var = shared.view(-1)[::2]
-        _check_step(bn, x, dy, torch.bfloat16, "strided running_var")
-    assert len(calls) == 1
-    assert torch.all(shared[:, 1] == 7.0)
+        assert torch.equal(shared[:, 1], neighbours), name
 
 
 @requires_interpreter
