@@ -200,6 +200,17 @@ def test_initialize_disabled_has_apex_state_too():
     assert opt._amp_stash.lazy_init_called is True
 
 
+def test_a_disabled_call_has_one_apex_loss_scaler_per_loss():
+    """A GAN-style script logs ``amp._amp_state.loss_scalers[i].loss_scale()`` for each of its
+    ``num_losses`` losses; with amp switched off (``enabled=False``) the same loop runs, each
+    scaler at 1.0, rather than failing with an IndexError past the first."""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, enabled=False, num_losses=3, verbosity=0)
+    assert [s.loss_scale() for s in amp._amp_state.loss_scalers] == [1.0, 1.0, 1.0]
+    assert amp.state_dict() == {}  # (disabled: nothing to save, as before)
+
+
 # A pickled _amp_stash (inside a wrapper pickled whole) keeps lazy_init_called.
 def test_a_pickled_amp_stash_keeps_lazy_init_called():
     model = nn.Linear(2, 2)

@@ -813,6 +813,33 @@ def test_rejects_optimizer_with_foreign_params(group):
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_a_frozen_foreign_parameter_is_refused_too():
+    """A frozen parameter in the optimizer that belongs to none of the models (a second model
+    left out of the list, its layers frozen for the first epochs) is refused as any other:
+    once unfrozen it would be stepped with no amp preparation (no half copy, no master), so
+    the forgotten model is caught at initialize, not epochs later."""
+    model, other = make_cnn(), nn.Linear(3, 3).requires_grad_(False)
+    opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match=r"SGD holds a parameter of shape \(3, 3\) that belongs "
+                                         r"to none of the models passed"):
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O3"])
+def test_foreign_optimizer_parameters_are_refused_at_every_level(opt_level):
+    """The optimizer's parameters must all belong to the models passed at every opt level,
+    not only where masters are made: a script that runs at O1 keeps running when switched to
+    O2, and the error shows on the first try. Refused before anything changes."""
+    model, other = make_cnn(), nn.Linear(3, 3)
+    opt = torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1)
+    with pytest.raises(ValueError, match=r"SGD holds a parameter of shape \(3, 3\) that belongs "
+                                         r"to none of the models passed"):
+        amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert optimizer_state(opt) is None
+
+
 def _shared_layer_models():
     shared = nn.Linear(4, 4)
     a, b = nn.Sequential(shared, nn.Linear(4, 2)), nn.Sequential(shared, nn.Linear(4, 3))
@@ -836,6 +863,20 @@ def test_o2_refuses_a_parameter_in_two_optimizers(calls):
         with pytest.raises(ValueError, match=match):
             amp.initialize(b, ob, opt_level="O2", verbosity=0)
         assert b[1].weight.dtype == torch.float32
+
+
+def test_o2_shared_master_refusal_names_a_parameter_of_a_later_model():
+    """The refusal of a parameter held by two optimizers names it by its name in whichever
+    model passed holds it, the second one too, so the user finds the layer: here the head of
+    ``b`` that ``oa`` was also given."""
+    torch.manual_seed(0)
+    a, b = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3))
+    oa = torch.optim.SGD([*a.parameters(), b[1].weight], lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"the parameter '1\.weight' is in two optimizers "
+                                         r"\(SGD and SGD\)"):
+        amp.initialize([a, b], [oa, ob], opt_level="O2", verbosity=0)
+    assert b[1].weight.dtype == torch.float32
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
@@ -1134,6 +1175,79 @@ def test_rejects_non_optimizer():
         amp.initialize(make_cnn(), object(), opt_level="O1")
 
 
+def test_an_empty_optimizer_list_comes_back_as_an_empty_list():
+    """``optimizers=[]`` (a script that builds its optimizers in a list, none for an
+    evaluation run) is a list of optimizers, not None: initialize returns ``(models, [])``,
+    the very list given, so ``model, opts = amp.initialize(model, opts)`` unpacks as it does
+    with optimizers."""
+    model = make_cnn()
+    opts = []
+    got = amp.initialize(model, opts, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert isinstance(got, tuple) and len(got) == 2
+    assert got[0] is model and got[1] is opts
+    assert model.head.weight.dtype == torch.bfloat16  # (the model itself was prepared)
+
+
+def test_every_optimizer_of_a_list_is_checked_before_anything_changes():
+    """A non-optimizer anywhere in the list (not only first) is refused with initialize's
+    TypeError naming its type, before the model is cast and before the real optimizer is
+    taken over: the user fixes the call and runs it again on the same objects."""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"amp\.initialize\(optimizers=\.\.\.\): got dict; "
+                                        r"expected a torch\.optim\.Optimizer"):
+        amp.initialize(model, [opt, {"lr": 0.1}], opt_level="O2", dtype=torch.bfloat16,
+                       verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert optimizer_state(opt) is None and not amp.is_amp_model(model)
+
+
+def test_the_default_opt_level_is_o1(caplog):
+    """``amp.initialize(model, optimizer)`` with no opt_level is Apex's default, O1: the
+    parameters stay fp32, fp16 gets the dynamic loss scale (starting at 2**16, where O0 would
+    have a static 1.0), and the summary line names O1."""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        model, opt = amp.initialize(model, opt)
+    assert "amp: opt_level O1" in caplog.text
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert amp.state_dict(optimizer=opt) == {"loss_scaler0": {"loss_scale": 2.0**16,
+                                                              "unskipped": 0}}
+
+
+def test_a_disabled_call_accepts_any_opt_level():
+    """With ``enabled=False`` initialize returns at once, as Apex's did: a script that reads
+    its opt level from a config still runs with amp switched off whatever the config holds (a
+    level this version does not know, a dtype for another GPU); nothing of the model
+    changes."""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = amp.initialize(model, opt, enabled=False, opt_level="O4", dtype=torch.float64)
+    assert got[0] is model and got[1] is opt
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not amp.is_amp_model(model)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_loss_scale=None), r"amp\.initialize\(max_loss_scale=None\): must be a positive "
+                                r"number \(the dynamic loss scale's ceiling\); the default is "
+                                r"2\.\*\*24\."),
+    (dict(min_loss_scale=True), r"amp\.initialize\(min_loss_scale=True\): must be a positive "
+                                r"number \(the dynamic loss scale's floor\)"),
+    (dict(max_loss_scale=True), r"amp\.initialize\(max_loss_scale=True\): must be a positive"),
+])
+def test_rejects_a_none_ceiling_and_bool_scale_bounds(kwargs, match):
+    """None means "the default" only for the floor: ``max_loss_scale=None`` (a config's empty
+    field) is refused by initialize itself, naming the argument and the default, not deeper
+    down by the scaler; a bool bound (a flag given to the wrong keyword) is not taken as 1.0,
+    as with num_losses and verbosity. Refused before the model changes."""
+    model = make_cnn()
+    with pytest.raises(ValueError, match=match):
+        amp.initialize(model, opt_level="O2", verbosity=0, **kwargs)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
 def test_rejects_a_wrapper_without_param_groups():
     """An object holding an optimizer as ``.optim`` but without ``param_groups`` of its own
     is not an optimizer amp can manage (it could neither see nor replace the parameters it
@@ -1316,6 +1430,16 @@ def test_module_level_state_dict_takes_the_newest_live_call_when_the_latest_is_g
                                                               "unskipped": 7}
     assert amp.state_dict(optimizer=opt1)["loss_scaler0"] == {"loss_scale": 128.0,
                                                               "unskipped": 0}
+
+
+def test_a_call_without_optimizers_is_the_module_level_state_when_alone():
+    """An evaluation or export script initializes its model without an optimizer: with no
+    other call made, module-level ``amp.state_dict()`` and Apex's ``amp._amp_state`` read
+    that call (its scaler, its opt level) instead of saying initialize was never called."""
+    model = make_cnn()
+    amp.initialize(model, opt_level="O2", dtype=torch.float16, verbosity=0)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0}}
+    assert amp._amp_state.opt_properties.opt_level == "O2"
 
 
 def test_a_model_class_is_not_kept_alive_by_amp():

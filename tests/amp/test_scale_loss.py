@@ -213,6 +213,33 @@ def test_bad_loss_id():
             pass
 
 
+def test_a_half_loss_is_scaled_in_fp32_with_the_scale_on_the_device():
+    """With the dynamic scale on the device (a fused optimizer), a half loss
+    (``cast_model_outputs=torch.float16``) is scaled in fp32 as on the host path
+    (test_apex_surface's test_scale_loss_yields_an_fp32_scaled_loss_for_a_half_loss): the
+    yielded ``scaled_loss`` is ``loss.float() * scale``, finite where it passes fp16's 65504 (a
+    loss of 8 at a scale of 2**14), also for a one-element loss of shape (1,), which type
+    promotion would leave in fp16 against the 0-dim fp32 scale."""
+    from .helpers import make_mlp
+
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                   cast_model_outputs=torch.float16, verbosity=0)
+    # (2**14, not the starting 2**16: the backward's first gradient, the scale, is fp16 here)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**14, "unskipped": 0}})
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    # (small gradients: no fp16 overflow in the backward)
+    loss = model(x).mean(0, keepdim=True)[:, 0] * 1e-3 + 8.0
+    assert loss.dtype == torch.float16 and loss.shape == (1,)
+    with amp.scale_loss(loss, opt) as scaled:
+        assert scaled.dtype == torch.float32
+        assert scaled.detach().item() == float(loss.detach()) * 2.0**14
+        scaled.backward()
+    opt.step()
+    assert not amp.step_was_skipped(opt)
+
+
 def test_a_tuple_of_optimizers_is_taken_as_a_list():
     """scale_loss takes a tuple of optimizers as it takes a list (``amp.scale_loss(loss,
     (opt_enc, opt_dec))``): one loss, every optimizer's gradients unscaled once. At a static
@@ -261,6 +288,30 @@ def test_nested_blocks_over_one_optimizer_are_refused(opt_level):
             scaled.backward()
     for a, b in zip(amp.master_params(opt), amp.master_params(ref_opt)):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+def test_a_nested_block_sharing_one_optimizer_of_several_is_refused():
+    """A block over ``[opt_g, opt_d]`` opened inside a block over ``opt_g`` alone (a GAN loop
+    with its blocks nested) shares ``opt_g``: its gradients would be unscaled by both blocks,
+    so the inner block is refused as for one optimizer, and nothing is left open: both
+    optimizers' next blocks run."""
+    from .helpers import make_mlp
+
+    gen, disc = make_mlp(), make_mlp(seed=1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O1", dtype=torch.bfloat16,
+                   loss_scale=512.0, patch_torch_functions=False, verbosity=0)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"a scale_loss block of this optimizer is already "
+                                           r"open \(nested blocks\)"):
+        with amp.scale_loss(gen(x).square().mean(), opt_g):
+            with amp.scale_loss(disc(x).square().mean(), [opt_g, opt_d]):
+                pass
+    with amp.scale_loss(gen(x).square().mean() + disc(x).square().mean(),
+                        [opt_g, opt_d]) as s:
+        s.backward()
+    assert all(p.grad is not None for p in [*gen.parameters(), *disc.parameters()])
 
 
 class _Spectral(nn.Module):
@@ -580,6 +631,35 @@ def test_accumulation_equals_sum_of_micro_batches(opt_level, delay):
         assert rel < (3e-2 if opt_level == "O2" else 5e-2), rel  # O3: BatchNorm in bf16 too
 
 
+@pytest.mark.parametrize("loss_scale", ["dynamic", 512.0])
+def test_delayed_micro_batches_count_no_step_and_do_not_warn(loss_scale):
+    """A block with ``delay_unscale=True`` unscales nothing and decides nothing: the scaler
+    counts one clean step for the block that unscales before ``step()``, not one per delayed
+    micro-batch (else the dynamic scale would grow after 2000 micro-batches instead of 2000
+    steps), and the "backward gave none
+    of the optimizer's parameters a gradient" warning, about gradients that never arrived,
+    stays silent for gradients held scaled."""
+    from .helpers import make_mlp
+
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale=loss_scale,
+                   patch_torch_functions=False, verbosity=0)
+    scale = amp.state_dict()["loss_scaler0"]["loss_scale"]
+    x = torch.randn(4, 5, 4, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(4):
+            with amp.scale_loss(model(x[i]).float().square().mean(), opt,
+                                delay_unscale=i < 3) as s:
+                s.backward()
+            if i < 3:
+                assert amp.state_dict()["loss_scaler0"] == {"loss_scale": scale,
+                                                            "unskipped": 0}
+    opt.step()
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": scale, "unskipped": 1}
+
+
 def test_multiple_losses_have_separate_scalers():
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -840,6 +920,20 @@ def test_state_dict_into_a_destination():
     assert dest == {"other": 1, "loss_scaler0": {"loss_scale": 128.0, "unskipped": 0}}
 
 
+def test_state_dict_into_a_mapping_that_is_not_a_dict():
+    """``destination`` is any mutable mapping, as the docs' "a dict to update" allows in
+    duck-typed Python: a ``collections.UserDict`` (or a checkpoint object built on
+    ``MutableMapping``) is updated in place and returned."""
+    import collections
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", loss_scale=128.0, verbosity=0)
+    dest = collections.UserDict(other=1)
+    assert amp.state_dict(dest) is dest
+    assert dict(dest) == {"other": 1, "loss_scaler0": {"loss_scale": 128.0, "unskipped": 0}}
+
+
 def test_state_dict_follows_the_training_initialize_not_a_later_frozen_one():
     # Distillation: the student with its optimizer, then a teacher without one. The module-level
     # state_dict must keep saving the student's (backed-off) scale, not the teacher's unused
@@ -1097,6 +1191,30 @@ def test_a_failed_backward_gives_back_the_earlier_gradients(opt_level):
     with amp.scale_loss(nn.functional.cross_entropy(model(x[8:]), y[8:]), opt) as s:
         s.backward()
     assert _master_grads_error(opt, ref) < 3e-2
+
+
+def test_a_keyboard_interrupt_in_the_block_gives_back_the_earlier_gradients():
+    """A Ctrl-C (KeyboardInterrupt, not an Exception) inside a block, caught by a notebook
+    that then goes on accumulating: the gradients of the earlier micro-batches, set aside for
+    that block's backward, are given back as for any error, so the sum matches a plain fp32
+    accumulation of the micro-batches that ran."""
+    from .helpers import make_mlp
+
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    opt = _sgd_at_static_512(model, "O1")  # (fp32 compute: the sums agree to rounding)
+    g = torch.Generator().manual_seed(0)
+    x1, x2 = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    with amp.scale_loss(model(x1).float().square().mean(), opt) as s:
+        s.backward()
+    with pytest.raises(KeyboardInterrupt):
+        with amp.scale_loss(model(x2).float().mean(), opt) as s:
+            raise KeyboardInterrupt  # (before its backward)
+    with amp.scale_loss(model(x2).float().square().mean(), opt) as s:
+        s.backward()
+    (ref(x1).square().mean() + ref(x2).square().mean()).backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7)
 
 
 def _two_models_one_loss(fused):
