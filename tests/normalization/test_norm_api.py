@@ -1579,3 +1579,98 @@ def test_a_signature_first_seen_off_the_hook_takes_the_kernels_on_it(monkeypatch
         got = fused_layer_norm(x, (8,), w)
     assert planned == [3]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_module_eps_is_kept_as_a_python_float(cls):
+    """A module's eps given as an int or a NumPy scalar (a config read with NumPy) is kept as a
+    Python float: TorchScript refuses an int or a NumPy constant for the float eps, so the
+    scripted module must still build and give PyTorch's result in float64 with that eps."""
+    import numpy as np
+
+    x = make_input((3, 8), torch.float64, "cpu")
+    for eps in (0, np.float32(1e-3)):
+        norm = cls(8, eps=eps, dtype=torch.float64)
+        assert type(norm.eps) is float and norm.eps == float(eps)
+        if cls is FusedLayerNorm:
+            want = torch.nn.functional.layer_norm(x, (8,), norm.weight, norm.bias, float(eps))
+        else:
+            want = torch.nn.functional.rms_norm(x, (8,), norm.weight, float(eps))
+        got = torch.jit.script(norm)(x)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_normalized_shape_of_numpy_ints_is_kept_as_python_ints(cls):
+    """normalized_shape given as a list of NumPy integers (shapes read from an array) is kept
+    as a tuple of Python ints, as torch.nn.LayerNorm keeps it: the repr shows plain sizes and
+    TorchScript, which refuses NumPy constants, scripts the module, giving PyTorch's result
+    in float64."""
+    import numpy as np
+
+    norm = cls([np.int64(2), np.int32(4)], dtype=torch.float64)
+    assert norm.normalized_shape == (2, 4)
+    assert all(type(d) is int for d in norm.normalized_shape)
+    assert f"{cls.__name__}((2, 4), eps=1e-05" in repr(norm)
+    x = make_input((3, 2, 4), torch.float64, "cpu")
+    if cls is FusedLayerNorm:
+        want = torch.nn.functional.layer_norm(x, (2, 4), norm.weight, norm.bias, 1e-5)
+    else:
+        want = torch.nn.functional.rms_norm(x, (2, 4), norm.weight, 1e-5)
+    torch.testing.assert_close(torch.jit.script(norm)(x), want, rtol=1e-12, atol=1e-12)
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_first_derivative_under_create_graph_matches_torch(cls):
+    """With create_graph=True the PyTorch path recomputes the statistics from the saved input
+    under autograd; that recomputation must place eps inside the square root like the forward
+    (eps 0.5 on inputs of scale 0.1, where placement matters), so a gradient penalty sees the
+    same first derivative as without create_graph: both against PyTorch's norm in float64."""
+    x = (make_input((5, 8), torch.float64, "cpu") * 0.1).requires_grad_(True)
+    dy = make_input((5, 8), torch.float64, "cpu", seed=3)
+    norm = cls(8, eps=0.5, dtype=torch.float64)
+    with torch.no_grad():
+        for p in norm.parameters():
+            p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(2))
+    bias = norm.bias if cls is FusedLayerNorm else None
+    kind = "layer" if cls is FusedLayerNorm else "rms"
+    _, dx_ref, _, _ = float64_reference(kind, x, (8,), norm.weight, bias, dy, eps=0.5)
+    for create_graph in (False, True):
+        (dx,) = torch.autograd.grad(norm(x), x, dy, create_graph=create_graph)
+        torch.testing.assert_close(dx, dx_ref, rtol=1e-10, atol=1e-10,
+                                   msg=f"create_graph={create_graph}")
+
+
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_third_derivative_on_the_memory_efficient_pytorch_path(cls):
+    """memory_efficient keeps y and rstd connected to x so higher derivatives flow through
+    them; a third derivative (the second backward itself recorded) must match the norm's
+    formula differentiated by autograd in float64."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 6, generator=gen, dtype=torch.float64)
+    v, u, t = (torch.randn(3, 6, generator=gen, dtype=torch.float64) for _ in range(3))
+    norm = cls(6, memory_efficient=True, dtype=torch.float64)
+    with torch.no_grad():
+        for p in norm.parameters():  # (memory_efficient needs non-zero weights)
+            p.uniform_(0.5, 1.5, generator=gen)
+    w = norm.weight.detach()
+    b = norm.bias.detach() if cls is FusedLayerNorm else None
+
+    def third(fn):
+        xr = x.clone().requires_grad_(True)
+        (g1,) = torch.autograd.grad((fn(xr) * v).sum(), xr, create_graph=True)
+        (g2,) = torch.autograd.grad((g1 * u).sum(), xr, create_graph=True)
+        (g3,) = torch.autograd.grad((g2 * t).sum(), xr)
+        return g1, g2, g3
+
+    # The reference is the norm's formula in plain float64 ops, differentiated by autograd:
+    # torch.nn.functional.layer_norm's own third derivative disagrees with finite differences
+    # (torch 2.13, CPU), so it cannot serve here.
+    def plain(xr):
+        xc = xr - xr.mean(-1, keepdim=True) if cls is FusedLayerNorm else xr
+        y = xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + 1e-5) * w
+        return y + b if b is not None else y
+
+    want = third(plain)
+    got = third(norm)
+    for order, (g, r) in enumerate(zip(got, want), 1):
+        torch.testing.assert_close(g, r, rtol=1e-9, atol=1e-9, msg=f"derivative {order + 1}")

@@ -91,3 +91,35 @@ def test_statistics_interface_matches_torch_in_float64(kind, from_y):
         _, _, db = reference.norm_backward(dy, y if from_y else x, w_in, bias, mean, rstd,
                                            True, from_y, torch.float64, True, True)
         assert db.shape == (0,), recorded
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["unrecorded", "recorded"])
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_norm_backward_on_half_rows_computes_in_fp32(kind, param_dtype, recorded):
+    """norm_backward on bf16 rows computes in fp32 (the statistics' dtype) whether or not
+    autograd records it (create_graph=True records it), and returns dweight / dbias in the
+    parameters' own dtypes, as the custom op's fake implementation promises: dx asked for in
+    fp32 matches the same formulas evaluated in float64 on the same inputs to fp32 accuracy."""
+    is_rms = kind == "rms"
+    m, n = 9, 24
+    x = make_input((m, n), torch.bfloat16, "cpu")
+    dy = make_input((m, n), torch.bfloat16, "cpu", seed=5)
+    w, b = (t.detach() for t in make_params((n,), param_dtype, "cpu", True))
+    b = None if is_rms else b
+    _, mean, rstd = reference.norm_forward(x, w, b, 1e-5, is_rms, torch.bfloat16)
+    assert rstd.dtype == torch.float32
+    want = reference.norm_backward(
+        dy.double(), x.double(), w.double(), None if b is None else b.double(),
+        mean.double(), rstd.double(), is_rms, False, torch.float64, True, True)
+    w_in = w.clone().requires_grad_(recorded)
+    got = reference.norm_backward(dy, x, w_in, b, mean, rstd, is_rms, False, torch.float32,
+                                  True, True)
+    assert got[0].dtype == torch.float32
+    assert got[1].dtype == param_dtype
+    torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
+    ptol = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}[param_dtype]
+    torch.testing.assert_close(got[1].double(), want[1], rtol=ptol, atol=ptol)
+    if not is_rms:
+        assert got[2].dtype == param_dtype
+        torch.testing.assert_close(got[2].double(), want[2], rtol=ptol, atol=ptol)
