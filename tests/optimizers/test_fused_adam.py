@@ -572,10 +572,15 @@ def test_another_optimizers_checkpoint_is_refused_before_anything_is_loaded():
     ("eps", -1.0, r"eps=-1.0: eps must be a number >= 0"),
     ("weight_decay", -5.0, r"weight_decay=-5.0: weight_decay must be a number >= 0"),
     ("betas", (0.9, 1.5), r"betas\[1\]=1.5: betas\[1\] must be a number in \[0.0, 1.0\)"),
+    ("betas", (-0.5, 0.999), r"betas\[0\]=-0.5: betas\[0\] must be a number in \[0.0, 1.0\)"),
+    ("betas", (0.9, -0.25), r"betas\[1\]=-0.25: betas\[1\] must be a number in \[0.0, 1.0\)"),
+    ("betas", (0.9, float("nan")), r"betas\[1\]=nan: betas\[1\] must be a number in \[0.0, 1.0\)"),
 ])
 def test_hyperparameters_set_by_hand_are_checked_at_the_step(key, value, message):
     # Set in a group after the constructor's checks: lr=-1 stepped the wrong way, eps=-1 gave
-    # -inf weights, betas[1]=1.5 and weight_decay=-5 NaN, "abc" a bare "could not convert".
+    # -inf weights, betas[1]=1.5 and weight_decay=-5 NaN, "abc" a bare "could not convert";
+    # the range of betas is checked below as above (a negative beta1 stepped without its bias
+    # correction on the kernel's route, where torch.optim.AdamW uses 1 - beta1 ** step).
     p = nn.Parameter(torch.randn(4))
     opt = FusedAdam([p], lr=1e-2)
     opt.param_groups[0][key] = value
@@ -2470,3 +2475,56 @@ def test_an_integer_step_count_loads_as_fp32_whatever_the_default_dtype():
         torch.set_default_dtype(previous)
     step = opt.state[p]["step"]
     assert step.dtype == torch.float32 and step.device == p.device and step.item() == 4.0
+
+
+@pytest.mark.parametrize("scale", [3.0, 1000.0])
+def test_a_loss_scale_not_a_power_of_two_divides_each_gradient_exactly(device, path, scale):
+    """A loss scale need not be a power of two (``GradScaler(init_scale=1000.0)``, a static
+    ``loss_scale`` given to amp): each route divides every gradient by it, one fp32 rounding,
+    as ``grad / scale`` does, rather than multiplying by a rounded reciprocal (two roundings,
+    a one-ulp bias in the moments that a power-of-two scale hides). With ``betas[0] == 0`` the
+    first moment after one step is that quotient exactly."""
+    gen = torch.Generator().manual_seed(61)
+    params = _params(device, gen, [(3,), (1023,), (2050,)])
+    opt = FusedAdam(params, lr=1e-2, betas=(0.0, 0.99))
+    opt.grad_scale = torch.full((), scale, device=device)
+    scaled = [g * scale for g in _grads(params, gen, steps=1)[0]]
+    _run(lambda ps: opt, params, [scaled])
+    for p, g in zip(params, scaled):
+        assert torch.equal(opt.state[p]["exp_avg"], g / scale)
+
+
+def test_channels_last_parameters_take_pytorchs_fused_kernel_off_the_triton_kernel(
+        monkeypatch):
+    """Where the Triton kernel does not run (CPU parameters by default; half parameters on
+    CUDA), a channels-last conv weight with a channels-last gradient takes PyTorch's fused
+    Adam kernel with the contiguous parameters, not the plain per-parameter arithmetic (many
+    small launches per conv layer), and its moments stay channels-last. The update is
+    ``torch.optim.AdamW``'s (float64)."""
+    monkeypatch.setattr(fused_adam, "_kernel_device_ok", lambda device: False)
+    if not fused_adam._torch_fused_ok(torch.device("cpu")):
+        pytest.skip("this PyTorch has no fused Adam kernel for CPU tensors")
+    routes = {"fused": [], "plain": []}
+    for name, route in (("_torch_fused_step", "fused"), ("_reference_step", "plain")):
+        original = getattr(fused_adam, name)
+
+        def spy(params, grads, states, *args, _route=route, _original=original):
+            idx = args[1] if _route == "fused" else args[0]  # (after steps / first)
+            routes[_route].append(sorted(tuple(params[i].shape) for i in idx))
+            return _original(params, grads, states, *args)
+
+        monkeypatch.setattr(fused_adam, name, spy)
+    gen = torch.Generator().manual_seed(62)
+    params = _params(torch.device("cpu"), gen, [(3, 4, 5, 6), (7,)],
+                     memory_format=torch.channels_last)
+    grads = [[g.contiguous(memory_format=torch.channels_last) if g.dim() == 4 else g
+              for g in step] for step in _grads(params, gen, steps=2)]
+    ours = [p.clone() for p in params]
+    opt = _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), ours, grads)
+    assert routes == {"fused": [[(3, 4, 5, 6), (7,)]] * 2, "plain": []}
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert opt.state[ours[0]][name].is_contiguous(memory_format=torch.channels_last)
+    ref = [p.double() for p in params]
+    _run(_torch_reference(True, lr=1e-2, weight_decay=0.1), ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
