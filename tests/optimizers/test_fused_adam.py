@@ -2370,6 +2370,25 @@ def test_amp_o2_half_model_made_channels_last_after_initialize_holds_the_masters
         assert torch.equal(half, master.to(half.dtype)), tuple(half.shape)
 
 
+def _channels_last_steps_match_adamw(device, seed):
+    """Two AdamW steps of a channels-last conv weight (channels-last gradients) and a bias:
+    the moments are created channels-last, as ``torch.optim.AdamW`` creates them, and the
+    weights are AdamW's (float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    params = _params(device, gen, [(3, 4, 5, 6), (7,)], memory_format=torch.channels_last)
+    assert not params[0].is_contiguous()
+    ours = [p.clone() for p in params]
+    grads = [[g.contiguous(memory_format=torch.channels_last) if g.dim() == 4 else g
+              for g in step] for step in _grads(params, gen, steps=2)]
+    opt = _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), ours, grads)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert opt.state[ours[0]][name].is_contiguous(memory_format=torch.channels_last)
+    ref = [p.double() for p in params]
+    _run(_torch_reference(True, lr=1e-2, weight_decay=0.1), ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
 def test_channels_last_parameters_take_the_kernel_with_moments_of_their_layout(kernel_device,
                                                                                monkeypatch):
     """A channels-last conv weight (4-D) takes the Triton kernel, as a contiguous parameter
@@ -2384,22 +2403,8 @@ def test_channels_last_parameters_take_the_kernel_with_moments_of_their_layout(k
         return original(params, *args, **kwargs)
 
     monkeypatch.setattr(fused_adam._adam_kernel, "adam_step_", spy)
-    gen = torch.Generator().manual_seed(56)
-    params = _params(kernel_device, gen, [(3, 4, 5, 6), (7,)],
-                     memory_format=torch.channels_last)
-    assert not params[0].is_contiguous()
-    ours = [p.clone() for p in params]
-    grads = _grads(params, gen, steps=2)
-    grads = [[g.contiguous(memory_format=torch.channels_last) if g.dim() == 4 else g
-              for g in step] for step in grads]
-    opt = _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), ours, grads)
+    _channels_last_steps_match_adamw(kernel_device, 56)
     assert calls == [[(3, 4, 5, 6), (7,)]] * 2
-    for name in ("exp_avg", "exp_avg_sq"):
-        assert opt.state[ours[0]][name].is_contiguous(memory_format=torch.channels_last)
-    ref = [p.double() for p in params]
-    _run(_torch_reference(True, lr=1e-2, weight_decay=0.1), ref, grads)
-    for p, r in zip(ours, ref):
-        torch.testing.assert_close(p, r.float(), **_TOL)
 
 
 def test_the_first_updates_match_float64_to_a_few_fp32_roundings(device, path):
@@ -2514,17 +2519,5 @@ def test_channels_last_parameters_take_pytorchs_fused_kernel_off_the_triton_kern
             return _original(params, grads, states, *args)
 
         monkeypatch.setattr(fused_adam, name, spy)
-    gen = torch.Generator().manual_seed(62)
-    params = _params(torch.device("cpu"), gen, [(3, 4, 5, 6), (7,)],
-                     memory_format=torch.channels_last)
-    grads = [[g.contiguous(memory_format=torch.channels_last) if g.dim() == 4 else g
-              for g in step] for step in _grads(params, gen, steps=2)]
-    ours = [p.clone() for p in params]
-    opt = _run(lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1), ours, grads)
+    _channels_last_steps_match_adamw(torch.device("cpu"), 62)
     assert routes == {"fused": [[(3, 4, 5, 6), (7,)]] * 2, "plain": []}
-    for name in ("exp_avg", "exp_avg_sq"):
-        assert opt.state[ours[0]][name].is_contiguous(memory_format=torch.channels_last)
-    ref = [p.double() for p in params]
-    _run(_torch_reference(True, lr=1e-2, weight_decay=0.1), ref, grads)
-    for p, r in zip(ours, ref):
-        torch.testing.assert_close(p, r.float(), **_TOL)
