@@ -341,3 +341,113 @@ def test_an_unknown_skipped_step_count_is_not_printed_as_zero():
     rows[1].skipped_steps = None
     lines = format_table(rows).splitlines()
     assert [_cells(line)[7] for line in lines[2:]] == ["0", "-"]
+
+
+def test_a_row_timed_at_zero_has_no_speed_up():
+    """A row whose median step time is 0.0 (a clock too coarse for its steps) has no
+    speed-up, like a row with no time at all: the table shows "-" in both cells instead of
+    failing on a division by zero."""
+    rows = [_row("O0", 0.2, 10.0, 2.0), _row("O2", 0.0, 10.0, 2.0)]
+    assert relative_to(rows)[1]["speedup_vs_baseline"] is None
+    assert rows_to_dicts(rows)[1]["speedup_vs_baseline"] is None
+    assert _cells(format_table(rows).splitlines()[-1])[3:5] == ["-", "-"]
+
+
+def test_a_tiny_final_loss_keeps_five_significant_digits():
+    """The final-loss column keeps 5 significant digits (up to 12 decimals), so a loss far
+    below 1e-4, as a long run on an easy task reaches, does not print as zero."""
+    rows = [_row("O0", 0.2, 10.0, 2.5e-7)]
+    cell = _cells(format_table(rows).splitlines()[-1])[5]
+    assert cell == "0.00000025000"
+    assert float(cell) == pytest.approx(2.5e-7, rel=1e-12)
+
+
+def test_a_not_run_row_prints_its_reason_only_when_it_has_one():
+    """A NOT_RUN row reads "not run (reason)", or plain "not run" when no reason was given
+    (never "not run (None)")."""
+    from mixprec.bench.report import NOT_RUN
+
+    rows = [
+        _row("O0", 0.2, 10.0, 2.0),
+        ModeResult(mode="O1", label="O1", dtype="fp16", status=NOT_RUN),
+        ModeResult(mode="O2", label="O2", dtype="fp16", status=NOT_RUN, error="interrupted"),
+    ]
+    lines = format_table(rows).splitlines()
+    assert _cells(lines[-2])[-1] == "not run"
+    assert _cells(lines[-1])[-1] == "not run (interrupted)"
+
+
+def test_a_failed_row_without_a_message_says_unknown_error():
+    """A failed row whose error is missing still says why it is empty: "FAILED: unknown
+    error", not a bare "FAILED: "."""
+    rows = [_row("O0", 0.2, 10.0, 2.0),
+            ModeResult(mode="O2", label="O2", dtype="fp16", status="failed")]
+    assert _cells(format_table(rows).splitlines()[-1])[-1] == "FAILED: unknown error"
+
+
+def test_plot_of_a_flat_loss_curve_sets_its_axis_without_a_warning():
+    """A run of one step (or a loss that does not move) gets a loss axis padded around its
+    value by the figure itself, without matplotlib's "identical low and high ylims" warning
+    (which the CLI would show on stderr)."""
+    import warnings
+
+    from mixprec.bench.report import _figure
+
+    for losses, low, high in (([2.0], 1.9, 2.1), ([0.0, 0.0], -0.05, 0.05)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            ax = _figure([_row("O0", 0.1, 10.0, losses[-1], losses=losses)], title="").axes[0]
+        assert ax.get_ylim() == (pytest.approx(low), pytest.approx(high))
+
+
+def test_plot_of_a_run_where_every_mode_failed_has_no_legend():
+    """With no curve to name, the loss axis has no legend, and matplotlib's "no artists with
+    labels" warning is not raised."""
+    import warnings
+
+    from mixprec.bench.report import _figure
+
+    rows = [ModeResult(mode="O0", label="O0", dtype="fp32", status="failed", error="x"),
+            ModeResult(mode="O2", label="O2", dtype="fp16", status="failed", error="y")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = _figure(rows, title="")
+    assert fig.axes[0].get_legend() is None
+
+
+def test_plot_marks_every_step_of_a_curve_of_up_to_20_steps():
+    """Curves of at most 20 steps get a marker per step (a short run is otherwise hard to
+    read); from 21 steps on, a plain line."""
+    from mixprec.bench.report import _figure
+
+    markers = []
+    for n in (20, 21):
+        ax = _figure([_row("O0", 0.1, 10.0, 1.0, losses=[1.0 + i for i in range(n)])],
+                     title="").axes[0]
+        markers.append(ax.get_lines()[0].get_marker())
+    assert markers[0] == "o" and markers[1] in ("None", None, "")
+
+
+def test_another_baseline_is_used_by_the_ratios_the_table_and_the_files(tmp_path):
+    """`baseline=` (public in relative_to, format_table, rows_to_dicts, write_json and
+    write_csv) compares every row with that mode, not with O0, and the table's header names
+    it. Expected ratios computed by hand against O1: time 0.1 / 0.05, memory 25 / 50,
+    gap 100 * (3 - 1) / 1."""
+    rows = [_row("O0", 0.2, 100.0, 2.0), _row("O1", 0.1, 50.0, 1.0), _row("O2", 0.05, 25.0, 3.0)]
+    want = {"speedup_vs_baseline": pytest.approx(2.0), "memory_vs_baseline": pytest.approx(0.5),
+            "loss_gap_pct": pytest.approx(200.0)}
+    assert relative_to(rows, baseline="O1")[2] == want
+    assert relative_to(rows, baseline="O1")[1] == {
+        "speedup_vs_baseline": 1.0, "memory_vs_baseline": 1.0, "loss_gap_pct": 0.0}
+    d = rows_to_dicts(rows, baseline="O1")[2]
+    assert {k: d[k] for k in want} == want and d["baseline"] == "O1"
+    table = format_table(rows, baseline="O1").splitlines()
+    assert "| speed-up vs O1 |" in table[0] and "| loss gap vs O1 |" in table[0]
+    assert _cells(table[-1])[4:7] == ["2.00x", "3.0000", "+200.00%"]
+    path = tmp_path / "rows.csv"
+    write_csv(rows, str(path), baseline="O1")
+    with open(path, newline="") as f:
+        o2 = list(csv.DictReader(f))[2]
+    assert (float(o2["speedup_vs_baseline"]), float(o2["memory_vs_baseline"]),
+            float(o2["loss_gap_pct"])) == (pytest.approx(2.0), pytest.approx(0.5),
+                                           pytest.approx(200.0))

@@ -748,3 +748,47 @@ def test_grad_scaler_skips_are_unknown_after_2000_steps_of_a_real_run(cnn):
     assert len(long.losses) == 2001 and long.skipped_steps is None
     short = run_mode(tiny, "autocast", dtype=torch.float16, iters=1, warmup=5)
     assert short.ok and isinstance(short.skipped_steps, int)
+
+
+def _fake_clock(monkeypatch, workload, durations):
+    """A clock that only each step's loss (and whoever calls `tick`) advances, by known
+    amounts: the timing statistics are then checked exactly, with no real timing."""
+    import types
+
+    clock = [0.0]
+    durations = iter(durations)
+    loss_fn = workload.loss_fn
+
+    def timed_loss(out, y):
+        clock[0] += next(durations)
+        return loss_fn(out, y)
+
+    def tick(seconds):
+        clock[0] += seconds
+
+    monkeypatch.setattr(runner_module, "time",
+                        types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    return dataclasses.replace(workload, loss_fn=timed_loss), tick
+
+
+def test_two_timed_steps_have_an_interquartile_range(cnn, monkeypatch):
+    """The IQR is the inclusive-method quartiles' difference from two timed steps on (only
+    one step gives 0.0): for steps of 1 s and 3 s, Q1 = 1.5 and Q3 = 2.5."""
+    import statistics
+
+    wl, _ = _fake_clock(monkeypatch, cnn, [1.0, 3.0])
+    r = run_mode(wl, "fp32", iters=2, warmup=0)
+    assert r.ok, r.error
+    q1, _, q3 = statistics.quantiles([1.0, 3.0], n=4, method="inclusive")
+    assert r.time_per_iter_iqr_s == pytest.approx(q3 - q1) == pytest.approx(1.0)
+
+
+def test_total_time_counts_the_loops_work_between_the_timed_steps(cnn, monkeypatch):
+    """total_time_s is the wall time of the timed part of the run, so it includes the work
+    the loop does between steps (here a progress callback taking 0.5 s a call) that the
+    per-step times leave out; the warm-up step and its callback are not counted."""
+    wl, tick = _fake_clock(monkeypatch, cnn, [100.0, 1.0, 2.0, 4.0, 9.0])
+    r = run_mode(wl, "fp32", iters=4, warmup=1, progress=lambda mode, step: tick(0.5))
+    assert r.ok, r.error
+    assert r.step_times_s == [1.0, 2.0, 4.0, 9.0]
+    assert r.total_time_s == 16.0 + 4 * 0.5
