@@ -339,7 +339,13 @@ def initialize(
     else:
         opt_list, single_opt = _as_list(optimizers, "optimizers", object, "torch.optim.Optimizer")
         for opt in opt_list:
-            hookable_optimizer(opt)  # raises TypeError for non-optimizers
+            inner = hookable_optimizer(opt)  # raises TypeError for non-optimizers
+            if inner is not opt and not hasattr(opt, "__dict__"):
+                raise TypeError(
+                    f"amp.initialize(optimizers=...): {type(opt).__name__} wraps a "
+                    f"{type(inner).__name__} but has no instance __dict__ (its class defines "
+                    "__slots__), so amp cannot put its step hook on the wrapper. Add "
+                    "'__dict__' to its __slots__, or pass the wrapped optimizer itself.")
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"amp.initialize(num_losses={num_losses!r}): must be an int >= 1.")
     if not isinstance(verbosity, int) or isinstance(verbosity, bool) or verbosity < 0:

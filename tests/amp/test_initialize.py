@@ -1268,6 +1268,33 @@ def test_rejects_a_wrapper_without_param_groups():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
+def test_rejects_a_wrapper_whose_slots_leave_no_room_for_amps_step_hook():
+    """A LARC-style wrapper whose class defines ``__slots__`` without ``__dict__`` cannot take
+    the step hook amp puts on the wrapper: refused with a TypeError naming it and the fix,
+    before the model changes (it was a raw AttributeError from inside amp, after the cast)."""
+    class Slotted:
+        __slots__ = ("optim", "__weakref__")
+
+        def __init__(self, optim):
+            self.optim = optim
+
+        @property
+        def param_groups(self):
+            return self.optim.param_groups
+
+        def step(self, closure=None):
+            return self.optim.step(closure)
+
+    model = make_cnn()
+    slotted = Slotted(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"amp\.initialize\(optimizers=\.\.\.\): Slotted wraps a "
+                                        r"SGD but has no instance __dict__ .*Add '__dict__' to "
+                                        r"its __slots__, or pass the wrapped optimizer itself"):
+        amp.initialize(model, slotted, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert not amp.is_amp_model(model)
+
+
 def test_rejects_bad_num_losses():
     with pytest.raises(ValueError, match="num_losses"):
         amp.initialize(make_cnn(), opt_level="O1", num_losses=0)
