@@ -456,3 +456,101 @@ def test_apex_lazy_init_names_are_no_ops():
 def test_verbosity_reads_initialize_s(verbosity):
     _, _, state = _setup("host", verbosity=verbosity)
     assert state.verbosity == verbosity
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_min_and_max_loss_scale_may_be_set_equal_to_pin_the_scale(where):
+    """Apex scripts pin a dynamic scale by setting ``_min_loss_scale`` and ``_max_loss_scale``
+    to the same value: both writes are accepted (in either order), read back as written, and
+    the scale then stays at that value through clean and overflowed steps alike."""
+    model, opt, state = _setup(where)
+    scaler = state.loss_scalers[0]
+    scaler._min_loss_scale = 2.0**10
+    scaler._max_loss_scale = 2.0**10  # equal to the minimum
+    scaler._min_loss_scale = 2.0**10  # equal to the maximum
+    assert (scaler._min_loss_scale, scaler._max_loss_scale) == (2.0**10, 2.0**10)
+    x, y = batch()
+    _scaled_step(model, opt, x, y)  # clean: 2**16 capped to the maximum
+    assert scaler.loss_scale() == 2.0**10
+    _scaled_step(model, opt, x, y, poison=True)  # overflow: halving floored at the minimum
+    assert scaler._has_overflow is True
+    assert scaler.loss_scale() == 2.0**10
+
+
+@pytest.mark.parametrize("name", ["_min_loss_scale", "_max_loss_scale"])
+def test_loss_scale_bounds_refuse_what_is_not_a_finite_positive_number(name):
+    """A scale bound of 0, below 0, inf, NaN or a non-number would let the dynamic scale reach
+    0 (every gradient zero) or inf (every step skipped): both bounds refuse them with the same
+    message as ``_loss_scale``, and keep the values they had."""
+    _, _, state = _setup("host")
+    scaler = state.loss_scalers[0]
+    for bad in (0, -1.0, -math.inf, math.inf, math.nan, "big"):
+        with pytest.raises(ValueError, match="expected a finite number > 0"):
+            setattr(scaler, name, bad)
+    assert (scaler._min_loss_scale, scaler._max_loss_scale) == (2.0**-24, 2.0**24)
+
+
+def test_scale_seq_len_refuses_a_bool():
+    """``_scale_seq_len = True`` is a flag, not a window of clean steps (Python's bool is an
+    int, and True would make the scale double after every step): refused like other
+    non-counts, the window left as it was."""
+    _, _, state = _setup("host")
+    scaler = state.loss_scalers[0]
+    for bad in (True, False):
+        with pytest.raises(ValueError, match="expected an int >= 1"):
+            scaler._scale_seq_len = bad
+    assert scaler._scale_seq_len == 2000
+
+
+def test_every_served_name_read_before_initialize_says_to_call_it(monkeypatch):
+    """Each of the three names ``amp._amp_state`` serves, read before any ``initialize``,
+    raises an AttributeError (so ``hasattr`` answers False, as in Apex) whose message says to
+    call ``amp.initialize`` first, not that the name is unknown."""
+    monkeypatch.setattr(frontend, "_latest", None)
+    for name in ("loss_scalers", "opt_properties", "verbosity"):
+        with pytest.raises(AttributeError, match=r"before amp.initialize\(\)"):
+            getattr(amp._amp_state, name)
+        assert not hasattr(amp._amp_state, name)
+
+
+@pytest.mark.parametrize("name", ["already_patched", "params_have_scaled_gradients",
+                                  "all_fp16_params", "all_fp32_from_fp16_params",
+                                  "all_fp32_from_fp32_params"])
+def test_a_copied_amp_stash_says_its_amp_state_is_gone(name):
+    """A stash that travelled in a pickle (or a deep copy) has no optimizer behind it: its
+    views raise a RuntimeError saying the optimizer's amp state is gone, rather than a
+    TypeError from inside mixprec."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    copied = pickle.loads(pickle.dumps(opt._amp_stash))
+    with pytest.raises(RuntimeError, match="amp state is gone"):
+        getattr(copied, name)
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_has_overflow_is_false_before_any_step_and_after_a_step_that_grew_the_scale(where):
+    """``_has_overflow`` tells whether the latest step overflowed (scripts skip their LR
+    scheduler on it), not whether the clean-step count is 0: it is False before the first
+    step and after a clean step that doubled the scale and restarted the count."""
+    model, opt, state = _setup(where)
+    scaler = state.loss_scalers[0]
+    assert scaler._has_overflow is False
+    scaler._scale_seq_len = 2
+    x, y = batch()
+    for _ in range(2):
+        _scaled_step(model, opt, x, y)
+    assert scaler.loss_scale() == 2.0**17 and scaler._unskipped == 0
+    assert scaler._has_overflow is False
+
+
+def test_loss_scale_bounds_are_stored_as_python_floats():
+    """A bound given as an int or a 0-d tensor (read off a config or another scaler) is stored
+    as a Python float, as ``_loss_scale`` is: the scaler compares and saves plain numbers, not
+    a tensor that would pull every comparison onto it."""
+    _, _, state = _setup("host")
+    scaler = state.loss_scalers[0]
+    scaler._max_loss_scale = torch.tensor(2.0**20)
+    scaler._min_loss_scale = 16
+    assert type(scaler._min_loss_scale) is float and scaler._min_loss_scale == 16.0
+    assert type(scaler._max_loss_scale) is float and scaler._max_loss_scale == 2.0**20

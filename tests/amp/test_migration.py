@@ -1792,3 +1792,88 @@ def test_alias_drops_nested_modules_a_failed_apex_amp_left_behind(clean_apex, tm
 
     assert apex.amp is amp
     assert not [name for name in sys.modules if name.startswith("apex.amp.lists")]
+
+
+def test_fp16_utils_refuse_a_flat_master_of_another_size(clean_apex):
+    """A flat master made for another model (one 1-D tensor, but not holding exactly the
+    model's elements) is refused with flat_master=True by both copies, saying how many
+    elements were expected and passed, instead of copying part of it or failing in copy_.
+    Without flat_master=True the error does not suggest passing it, since that would not
+    help."""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import (
+        master_params_to_model_params,
+        model_grads_to_master_grads,
+        prep_param_lists,
+    )
+
+    model_params, _ = prep_param_lists(nn.Linear(3, 2))  # 8 elements
+    _, other = prep_param_lists(nn.Linear(3, 3), flat_master=True)  # 12 elements
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    for fn in (model_grads_to_master_grads, master_params_to_model_params):
+        with pytest.raises(ValueError, match=r"holding all 8 elements of the 2 model_params "
+                                             r"in one 1-D tensor; got 1 tensor\(s\) of "
+                                             r"shape\(s\) \[\(12,\)\] with 12 elements"):
+            fn(model_params, other, flat_master=True)
+        with pytest.raises(ValueError, match=r"master_params\[0\] has shape \(12,\), "
+                                             r"model_params\[0\] \(2, 3\)") as err:
+            fn(model_params, other)
+        assert "flat_master=True" not in str(err.value)
+
+
+def test_fp16_utils_refuse_masters_of_the_same_size_but_another_shape(clean_apex):
+    """Masters are matched by shape, not by element count: a transposed master, or a (1, n)
+    one for an (n,) bias that copy_ would broadcast silently, is refused, and the message
+    names the first mismatching pair."""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import (
+        master_params_to_model_params,
+        model_grads_to_master_grads,
+        prep_param_lists,
+    )
+
+    model_params, masters = prep_param_lists(nn.Linear(3, 2))  # (2, 3) weight, (2,) bias
+    for p in model_params:
+        p.grad = torch.ones_like(p)
+    bias_row = [masters[0], nn.Parameter(masters[1].detach().reshape(1, 2))]
+    transposed = [nn.Parameter(m.detach().t().clone()) for m in masters]
+    for fn in (model_grads_to_master_grads, master_params_to_model_params):
+        with pytest.raises(ValueError, match=r"master_params\[1\] has shape \(1, 2\), "
+                                             r"model_params\[1\] \(2,\)"):
+            fn(model_params, bias_row)
+        with pytest.raises(ValueError, match=r"master_params\[0\] has shape \(3, 2\), "
+                                             r"model_params\[0\] \(2, 3\)"):
+            fn(model_params, [transposed[0], bias_row[1]])
+
+
+def test_fp16_utils_clip_grad_norm_is_pytorchs_current_clipper(clean_apex):
+    """``clip_grad_norm`` (Apex's name) clips as ``torch.nn.utils.clip_grad_norm_`` does,
+    returning the same total norm, and warns about nothing: Apex-era scripts call it every
+    step, so a deprecation warning would repeat throughout training."""
+    import warnings
+
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import clip_grad_norm
+
+    grads = [torch.tensor([3.0, 4.0]), torch.tensor([[12.0]])]
+    ours = [torch.zeros(2, requires_grad=True), torch.zeros(1, 1, requires_grad=True)]
+    ref = [torch.zeros(2, requires_grad=True), torch.zeros(1, 1, requires_grad=True)]
+    for params in (ours, ref):
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        norm = clip_grad_norm(ours, max_norm=1.0)
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm=1.0)
+    assert float(norm) == float(want) == 13.0
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
