@@ -235,7 +235,6 @@ def test_bad_flags_are_argparse_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def _stop_at_build(monkeypatch):
     """Replace build_workload with one that records its arguments and stops the run there
     (as a failure to build does: an argparse error); returns the record."""
@@ -279,6 +278,7 @@ def test_a_cuda_index_past_the_visible_devices_is_an_argparse_error(monkeypatch,
         capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error")
 def test_cuda_device_without_cuda_is_an_argparse_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--device", "cuda"])
