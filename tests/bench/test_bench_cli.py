@@ -708,12 +708,7 @@ def test_mixprec_kernels_on_cpu_say_they_were_not_used():
 
 
 def test_large_size_on_cpu_warns_before_building(monkeypatch, capsys):
-    from mixprec.bench import models
-
-    def stop(*args, **kwargs):
-        raise RuntimeError("stopped by the test")
-
-    monkeypatch.setattr(models, "build_workload", stop)
+    _stop_at_build(monkeypatch)
     with pytest.raises(SystemExit):
         main(["bench", "--size", "large", "--device", "cpu", "--no-progress"])
     err = capsys.readouterr().err
@@ -728,12 +723,7 @@ def test_large_size_on_cpu_warns_before_building(monkeypatch, capsys):
 
 
 def test_iters_has_an_upper_bound(monkeypatch, capsys):
-    from mixprec.bench import models
-
-    def stop(*args, **kwargs):  # (should the bound be missing: no two million steps)
-        raise RuntimeError("stopped by the test")
-
-    monkeypatch.setattr(models, "build_workload", stop)
+    _stop_at_build(monkeypatch)  # (should the bound be missing: no two million steps)
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--iters", "2000000"])
     assert exc.value.code == 2
