@@ -346,6 +346,17 @@ def initialize(
                     f"{type(inner).__name__} but has no instance __dict__ (its class defines "
                     "__slots__), so amp cannot put its step hook on the wrapper. Add "
                     "'__dict__' to its __slots__, or pass the wrapped optimizer itself.")
+            missing = [name for name in ("step", "zero_grad", "state")
+                       if inner is not opt and not hasattr(opt, name)]
+            if missing:
+                raise TypeError(
+                    f"amp.initialize(optimizers=...): {type(opt).__name__} wraps a "
+                    f"{type(inner).__name__} but has no {', '.join(missing)}. amp uses a "
+                    "wrapper as the optimizer it stands for: its step, zero_grad and state "
+                    "(the wrapped optimizer's state, as LARC's `state` property gives it), "
+                    "beside param_groups. Define the missing ones on "
+                    f"{type(opt).__name__}, delegating to its .optim, or pass the wrapped "
+                    "optimizer itself.")
     if not isinstance(num_losses, int) or isinstance(num_losses, bool) or num_losses < 1:
         raise ValueError(f"amp.initialize(num_losses={num_losses!r}): must be an int >= 1.")
     if not isinstance(verbosity, int) or isinstance(verbosity, bool) or verbosity < 0:

@@ -1295,6 +1295,60 @@ def test_rejects_a_wrapper_whose_slots_leave_no_room_for_amps_step_hook():
     assert not amp.is_amp_model(model)
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("has", [(), ("zero_grad",), ("state",), ("zero_grad", "state")])
+def test_a_wrapper_without_an_optimizers_methods_is_refused_naming_them(has, opt_level):
+    """amp treats a LARC-style wrapper (``.optim`` and ``param_groups``) as the optimizer it
+    stands for: it hooks the wrapper's ``zero_grad`` and reads its ``state``. A wrapper lacking
+    either is refused with a TypeError naming what is missing and the fix, before the model
+    changes (it was a raw AttributeError from inside amp, after the cast). One with both
+    trains as its wrapped optimizer does."""
+    class Wrapper:
+        def __init__(self, optim):
+            self.optim = optim
+
+        @property
+        def param_groups(self):
+            return self.optim.param_groups
+
+        def step(self, closure=None):
+            return self.optim.step(closure)
+
+    if "zero_grad" in has:
+        Wrapper.zero_grad = lambda self, set_to_none=True: self.optim.zero_grad(set_to_none)
+    if "state" in has:
+        Wrapper.state = property(lambda self: self.optim.state)
+    model = make_cnn()
+    wrapper = Wrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    missing = [name for name in ("zero_grad", "state") if name not in has]
+    if missing:
+        with pytest.raises(TypeError, match=(
+                r"amp\.initialize\(optimizers=\.\.\.\): Wrapper wraps a SGD but has no "
+                + re.escape(", ".join(missing)) + r"\. amp uses a wrapper as the optimizer "
+                r"it stands for.*Define the missing ones on Wrapper, delegating to its "
+                r"\.optim, or pass the wrapped optimizer itself")):
+            amp.initialize(model, wrapper, opt_level=opt_level, dtype=torch.bfloat16,
+                           verbosity=0)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert not amp.is_amp_model(model)
+        return
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    model, wrapper = amp.initialize(model, wrapper, opt_level=opt_level, dtype=torch.bfloat16,
+                                    verbosity=0)
+    reference, ref_opt = amp.initialize(reference, ref_opt, opt_level=opt_level,
+                                        dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(0))
+    for net, opt in ((model, wrapper), (reference, ref_opt)):
+        for _ in range(2):
+            opt.zero_grad()
+            with amp.scale_loss(net(x).float().square().mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+    for a, b in zip(model.state_dict().values(), reference.state_dict().values()):
+        assert torch.equal(a, b)
+
+
 def test_rejects_bad_num_losses():
     with pytest.raises(ValueError, match="num_losses"):
         amp.initialize(make_cnn(), opt_level="O1", num_losses=0)
