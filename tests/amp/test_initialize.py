@@ -1296,13 +1296,15 @@ def test_rejects_a_wrapper_whose_slots_leave_no_room_for_amps_step_hook():
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-@pytest.mark.parametrize("has", [(), ("zero_grad",), ("state",), ("zero_grad", "state")])
+@pytest.mark.parametrize("has", [(), ("zero_grad",), ("state",), ("step", "zero_grad"),
+                                 ("step", "state"), ("zero_grad", "state"),
+                                 ("step", "zero_grad", "state")])
 def test_a_wrapper_without_an_optimizers_methods_is_refused_naming_them(has, opt_level):
     """amp treats a LARC-style wrapper (``.optim`` and ``param_groups``) as the optimizer it
-    stands for: it hooks the wrapper's ``zero_grad`` and reads its ``state``. A wrapper lacking
-    either is refused with a TypeError naming what is missing and the fix, before the model
-    changes (it was a raw AttributeError from inside amp, after the cast). One with both
-    trains as its wrapped optimizer does."""
+    stands for: it hooks the wrapper's ``step`` and ``zero_grad`` and reads its ``state``. A
+    wrapper lacking any of them is refused with a TypeError naming what is missing and the
+    fix, before the model changes (it was a raw AttributeError from inside amp, after the
+    cast). One with all three trains as its wrapped optimizer does."""
     class Wrapper:
         def __init__(self, optim):
             self.optim = optim
@@ -1311,16 +1313,15 @@ def test_a_wrapper_without_an_optimizers_methods_is_refused_naming_them(has, opt
         def param_groups(self):
             return self.optim.param_groups
 
-        def step(self, closure=None):
-            return self.optim.step(closure)
-
+    if "step" in has:
+        Wrapper.step = lambda self, closure=None: self.optim.step(closure)
     if "zero_grad" in has:
         Wrapper.zero_grad = lambda self, set_to_none=True: self.optim.zero_grad(set_to_none)
     if "state" in has:
         Wrapper.state = property(lambda self: self.optim.state)
     model = make_cnn()
     wrapper = Wrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    missing = [name for name in ("zero_grad", "state") if name not in has]
+    missing = [name for name in ("step", "zero_grad", "state") if name not in has]
     if missing:
         with pytest.raises(TypeError, match=(
                 r"amp\.initialize\(optimizers=\.\.\.\): Wrapper wraps a SGD but has no "
