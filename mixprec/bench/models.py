@@ -64,10 +64,10 @@ class SmallCNN(nn.Module):
 
     def __init__(self, num_classes: int = 10, width: int = 16, in_channels: int = 3):
         super().__init__()
-        if width < 1 or num_classes < 1:
-            raise ValueError(
-                f"SmallCNN(num_classes={num_classes}, width={width}): both must be >= 1."
-            )
+        for name, value in (("num_classes", num_classes), ("width", width),
+                            ("in_channels", in_channels)):
+            if not _is_count(value):
+                raise ValueError(f"SmallCNN({name}={value!r}): must be an int >= 1.")
         w2 = 2 * width
         self.features = nn.Sequential(
             nn.Conv2d(in_channels, width, 3, padding=1, bias=False),
@@ -132,6 +132,11 @@ class GPTConfig:
             raise ValueError(
                 f"GPTConfig(d_model={self.d_model}, n_heads={self.n_heads}): n_heads must "
                 f"divide d_model; pick e.g. n_heads={math.gcd(self.d_model, self.n_heads)}."
+            )
+        if not isinstance(self.tie_weights, bool):
+            raise TypeError(
+                f"GPTConfig(tie_weights={self.tie_weights!r}): must be True or False "
+                "(any other value would be read by its truth, tie_weights='no' tying)."
             )
 
 

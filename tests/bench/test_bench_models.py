@@ -87,6 +87,15 @@ def test_gpt_config_errors(kwargs, match):
         GPTConfig(**kwargs)
 
 
+@pytest.mark.parametrize("value", ["no", 0, 1, None])
+def test_gpt_config_refuses_a_tie_weights_that_is_not_a_bool(value):
+    """tie_weights is True or False: "no" (truthy) tied the head to the embedding and 0 / None
+    untied it, each silently; now each is refused naming the value."""
+    with pytest.raises(TypeError, match=rf"GPTConfig\(tie_weights={value!r}\): must be True "
+                                        r"or False"):
+        GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2, tie_weights=value)
+
+
 def test_gpt_rejects_too_long_sequences():
     model = GPT(GPTConfig(vocab_size=32, seq_len=8, d_model=16, n_layers=1, n_heads=2))
     with pytest.raises(ValueError, match="exceeds config.seq_len=8"):
@@ -300,14 +309,21 @@ def test_gpt_adamw_is_fused_by_default_on_cuda_only():
     assert on.build_optimizer(params, torch.device("cpu")).defaults["fused"] is True
 
 
-def test_small_cnn_takes_its_channels_and_classes_and_rejects_zeros():
-    """SmallCNN needs at least one channel and one class: width=0 or num_classes=0 is an
-    error naming both arguments, not a model with empty layers; in_channels and num_classes
-    are honoured (1-channel images in, 5 logits out). (M01)"""
-    with pytest.raises(ValueError, match=r"SmallCNN\(num_classes=10, width=0\): both must be >= 1"):
-        SmallCNN(width=0)
-    with pytest.raises(ValueError, match=r"SmallCNN\(num_classes=0, width=16\): both must be >= 1"):
-        SmallCNN(num_classes=0)
+@pytest.mark.parametrize("kwargs", [
+    {"width": 0}, {"num_classes": 0}, {"in_channels": 0}, {"width": 2.5},
+    {"in_channels": 3.0}, {"num_classes": True}])
+def test_small_cnn_refuses_sizes_that_are_not_ints_of_at_least_1(kwargs):
+    """SmallCNN needs at least one channel and one class, each a whole number: a zero is an
+    error naming the argument, not a model with empty layers (in_channels=0 built a model no
+    input could pass through); a float width was PyTorch's error from inside Conv2d, and a
+    bool would read as 1, as GPTConfig refuses them. (M01)"""
+    name, value = next(iter(kwargs.items()))
+    with pytest.raises(ValueError, match=rf"SmallCNN\({name}={value!r}\): must be an int >= 1"):
+        SmallCNN(**kwargs)
+
+
+def test_small_cnn_takes_its_channels_and_classes():
+    """in_channels and num_classes are honoured (1-channel images in, 5 logits out)."""
     model = SmallCNN(num_classes=5, width=4, in_channels=1)
     assert model.features[0].in_channels == 1
     assert model(torch.randn(2, 1, 16, 16)).shape == (2, 5)
