@@ -55,6 +55,12 @@ def _mine(ctx, t, per_rank=PER_RANK):
     return t[ctx.rank * per_rank:(ctx.rank + 1) * per_rank]
 
 
+def _groups_of_one(ctx):
+    """A process group of each rank alone, indexed by rank. ``new_group`` is collective:
+    every rank makes all of them, in the same order."""
+    return [dist.new_group([r]) for r in range(ctx.world_size)]
+
+
 def _gather(ctx, t):
     if ctx.is_cuda and ctx.backend == "gloo":  # (gloo all-gathers host tensors only)
         return [part.to(t.device) for part in _gather(dataclasses.replace(
@@ -1961,7 +1967,7 @@ def check_reducer(ctx):
             raise AssertionError("a sparse gradient did not raise TypeError")
     # A group without global rank 0: its first member is the broadcast source.
     last = ctx.world_size - 1
-    groups = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    groups = _groups_of_one(ctx)
     solo = _mlp(ctx.device, seed=300 + ctx.rank)
     before = [p.detach().clone() for p in solo.parameters()]
     if ctx.rank == last:
@@ -3522,7 +3528,7 @@ def check_reducer_over_a_group_averages_over_that_group(ctx):
     # not the world's. Groups of one rank (every world size) and, from 4 ranks, pairs.
     # Reference: the mean of the values the group's members hold.
     # (R13)
-    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    singles = _groups_of_one(ctx)
     t = torch.full((3,), ctx.rank + 1.0, device=ctx.device)
     Reducer([t], process_group=singles[ctx.rank]).reduce()
     torch.testing.assert_close(t, torch.full_like(t, ctx.rank + 1.0), rtol=0, atol=0,
@@ -3572,7 +3578,7 @@ def check_reducer_find_unused_agrees_within_its_group(ctx):
     # one rank, a head used on another rank is used on no rank of this group and keeps None
     # (a zero gradient there would make the optimizer decay or move it on this rank only).
     # Reference: the same model's backward on this rank's batch alone, in one process.
-    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    singles = _groups_of_one(ctx)
     torch.manual_seed(0)
     model = _Branches().to(ctx.device)
     ref = copy.deepcopy(model)
@@ -3597,7 +3603,7 @@ def check_reducer_overflow_agreement_stays_within_its_group(ctx):
     # loss scale (65536 unchanged where nothing overflowed, halved where it did).
     from mixprec import amp
 
-    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    singles = _groups_of_one(ctx)
     model, opt, _, _ = _amp_sgd_pairs(ctx, 260, 260, "O2", torch.float16)
     reducer = Reducer(model, process_group=singles[ctx.rank])
     x, y = _global_batch(ctx, seed=261)
@@ -3616,7 +3622,7 @@ def check_ddp_agrees_on_gradients_within_its_group(ctx):
     # delay mode leaves it alone: its gradient stays None (a zero one would make the
     # optimizer decay or move it on this rank). Reference: the same model's backward on this
     # rank's batch alone, in one process.
-    singles = [dist.new_group([r]) for r in range(ctx.world_size)]  # collective: every rank
+    singles = _groups_of_one(ctx)
     heads = _heads_of_the_end_ranks(ctx, ctx.rank)
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)
     for delay in (False, True):
