@@ -81,6 +81,7 @@ class FirstStep:
         self.done = False
         self._handles: List = []
         self._queued = False  # a callback waits for the end of the running backward
+        self._kept = None  # (suspend's record of the gradients behind `accumulated`)
         self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
         weakref.finalize(self, remove_hooks, self._handles)
 
@@ -89,6 +90,11 @@ class FirstStep:
             return outside_the_compiler(FirstStep.arm)(self, sync)
         if self.done:
             return
+        if self._kept is not None:  # (run again after another wrapper: see suspend)
+            self.accumulated = [
+                kept is not None and p.grad is not None and kept[0]() is p.grad
+                and p.grad._version == kept[1] for kept, p in zip(self._kept, self.params)]
+            self._kept = None
         # (A no_sync() micro-batch's backward is not the step watched: its hooks only note
         # the gradients it accumulates.)
         self.armed = bool(sync)
@@ -104,12 +110,20 @@ class FirstStep:
 
     def suspend(self) -> None:
         """Another wrapper runs the module now (the model wrapped again, this one still
-        referenced): stop watching, and forget what the hooks noted, which are the other
-        wrapper's gradients (its own first step's zeros for unused parameters among them).
-        This wrapper's next forward with grad arms the watch afresh."""
+        referenced): stop watching until this wrapper's next forward with grad, which arms
+        the watch afresh.
+
+        What the hooks noted of this wrapper's no_sync() micro-batches still counts then
+        where those gradients are still there: the parameter holds the same gradient tensor,
+        unchanged (the other wrapper only ran forwards). A gradient the other wrapper's steps
+        took along (set to None, zeroed, or added to) is no longer this wrapper's: its note is
+        dropped, so a parameter unused from then on is left out rather than given a zero."""
         self.armed = False
         self.fired = [False] * len(self.params)
-        self.accumulated = [False] * len(self.params)
+        if self._kept is None:  # (a second suspend keeps the first record)
+            self._kept = [
+                (weakref.ref(p.grad), p.grad._version) if noted and p.grad is not None
+                else None for p, noted in zip(self.params, self.accumulated)]
         remove_hooks(self._handles)
 
     def _finish(self) -> None:

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import datetime
 import functools
+import gc
 import itertools
 import pickle
 import subprocess
@@ -621,6 +622,20 @@ def check_delay_allreduce_old_wrapper_stays_quiet(ctx):
     F.mse_loss(out, _mine(ctx, y)).backward()
     F.mse_loss(ref(x), y).backward()
     _assert_same_grads_or_none(ctx, model, ref, "an evaluation through the old wrapper")
+    # An old delay-mode wrapper that trained a step, still referenced: the new wrapper's
+    # ordinary steps warn nothing on any rank (the late-gradient warning is for a second
+    # backward through one forward of the wrapper that warns). (D23)
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    old = DistributedDataParallel(model, delay_allreduce=True)
+    _grads_match_global_batch(ctx, old, model, ref, 785, "the old wrapper's step")
+    new = DistributedDataParallel(model, delay_allreduce=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for seed in (786, 787):
+            _grads_match_global_batch(ctx, new, model, ref, seed, f"the new wrapper, {seed}")
+    texts = [str(w.message) for w in caught if "DistributedDataParallel" in str(w.message)]
+    assert not texts, texts
 
 
 def check_wrapped_again_after_a_dry_run(ctx):
@@ -645,6 +660,41 @@ def check_wrapped_again_after_a_dry_run(ctx):
         for seed in (537, 538):
             _grads_match_global_batch(ctx, old, model, ref, seed, f"old wrapper, {delay=}")
         _grads_match_global_batch(ctx, new, model, ref, 539, f"new wrapper again, {delay=}")
+
+
+def check_no_sync_gradients_after_another_wrappers_forward(ctx):
+    # A default-mode wrapper's no_sync() micro-batch reaches a head; another wrapper of the
+    # same module (the model wrapped again, this one still referenced) runs a forward with
+    # grad and no backward; the first wrapper's synced micro-batch leaves the head out. The
+    # head keeps micro-batch 1's gradient, averaged, as one process on the global batches
+    # gives it (it was dropped: grad None and "got no gradient on any rank"). A gradient
+    # cleared in between (to None, or zeroed in place as another wrapper's step would) is no
+    # longer the first wrapper's own: the head, unused from then on, is left out (None), not
+    # given a zero.
+    for clear in (None, "set_to_none", "in_place"):
+        torch.manual_seed(0)
+        model = _MaybeHead(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model)  # (its first step not seen yet)
+        model.use_head = ref.use_head = True
+        x, y = _global_batch(ctx, seed=790)
+        with ddp.no_sync():
+            F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        DistributedDataParallel(model, delay_allreduce=True)(_mine(ctx, x))
+        if clear is not None:
+            model.zero_grad(set_to_none=clear == "set_to_none")
+            ref.zero_grad()
+        model.use_head = ref.use_head = False
+        x, y = _global_batch(ctx, seed=791)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        _assert_same_grads(ctx, model, ref, f"{clear=}")
+        left_out = [w for w in caught if "got no gradient on any rank" in str(w.message)]
+        assert len(left_out) == (ctx.rank == 0 and clear is not None), (
+            clear, [str(w.message) for w in caught])
 
 
 class _MaybeHead(nn.Module):
@@ -1364,6 +1414,52 @@ def check_delay_allreduce_follows_the_module(ctx):
     model.body[0].requires_grad_(True)
     ref.body[0].requires_grad_(True)
     _grads_match_global_batch(ctx, ddp, model, ref, 625, "unfrozen again")
+
+
+def check_delay_allreduce_dropped_wrapper_takes_its_hooks_along(ctx):
+    """A delay-mode wrapper that is dropped (the model wrapped again, a notebook cell that
+    rebuilds the wrapper) removes its gradient hooks from the module, those on a layer added
+    after wrapping included: hooks left behind keep the dropped wrapper's state alive and are
+    called for every gradient of every later step, one more per wrapper ever built.
+    Reference: a plain module, which carries no post-accumulate-grad hooks. (D11, D12)"""
+    model = _mlp(ctx.device)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    x, y = _global_batch(ctx, seed=770)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    model.append(nn.Linear(4, 4).to(ctx.device))  # (followed at the next forward)
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in model.parameters())
+    del ddp
+    gc.collect()
+    left = [name for name, p in model.named_parameters() if p._post_accumulate_grad_hooks]
+    assert not left, f"hooks left on {left} after the wrapper was dropped"
+
+
+def check_delay_allreduce_second_backward_through_a_checkpoint_stays_local(ctx):
+    """A second backward through a forward already all-reduced (retain_graph=True, then a
+    second loss through the same forward) stays this rank's own in the delay mode also where
+    the first gradients arrived inside a reentrant checkpoint's nested backward (the
+    all-reduce deferred to the end of the outer one): each forward is all-reduced once, as
+    with PyTorch's reducer. Reference: the global batch's gradients (the first backward)
+    plus this rank's own (the second), in one process. (B04)"""
+    torch.manual_seed(0)
+    model = _Checkpointed("hidden").to(ctx.device)  # (the head inside the checkpoint)
+    ref, local = copy.deepcopy(model), copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    x, y = _global_batch(ctx, seed=780)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (rank 0's late-gradient warning)
+        loss = F.mse_loss(_logits(ddp(_mine(ctx, x))), _mine(ctx, y))
+        loss.backward(retain_graph=True)
+        loss.backward()
+    F.mse_loss(_logits(ref(x)), y).backward()
+    F.mse_loss(_logits(local(_mine(ctx, x))), _mine(ctx, y)).backward()
+    for (name, p), q, r in zip(model.named_parameters(), ref.parameters(), local.parameters()):
+        if q.grad is None:  # (`extra`: no forward uses it)
+            assert p.grad is None, (name, p.grad)
+            continue
+        torch.testing.assert_close(p.grad, q.grad + r.grad, **_tol(ctx),
+                                   msg=labelled(f"averaged, then local: {name}"))
 
 
 def check_delay_allreduce_leaves_stale_gradients_alone(ctx):
@@ -2795,6 +2891,7 @@ FIRST_STEP_CHECKS = [
     "check_first_step_leaves_out_what_no_rank_used",
     "check_first_step_averages_what_some_ranks_used",
     "check_first_step_after_no_sync_micro_batches",
+    "check_no_sync_gradients_after_another_wrappers_forward",
     "check_first_step_guards_what_it_left_out",
     "check_first_step_watches_the_synced_backward_only",
     "check_first_step_rule_edges",
@@ -2816,6 +2913,8 @@ DELAY_CHECKS = [
     "check_delay_allreduce",
     "check_delay_allreduce_where_the_reducer_cannot",
     "check_delay_allreduce_old_wrapper_stays_quiet",
+    "check_delay_allreduce_dropped_wrapper_takes_its_hooks_along",
+    "check_delay_allreduce_second_backward_through_a_checkpoint_stays_local",
     "check_wrapped_again_after_a_dry_run",
     "check_delay_allreduce_amp_o2_with_checkpointing",
     "check_gradient_penalty_through_autograd_grad",

@@ -453,11 +453,17 @@ def test_larc_errors():
     with pytest.raises(TypeError, match=r"LARC\(LBFGS\).*closure.*first-order"):
         LARC(LoggedLBFGS([p]))
     # Both numbers finite and >= 0 (documented): a negative eps can zero the denominator, an
-    # infinite one or an infinite trust coefficient makes every step 0 or inf. (L01, L05)
+    # infinite one or an infinite trust coefficient makes every step 0 or inf. A bool is no
+    # number here (True is 1 to Python): LARC(optimizer, True), a flag for clip in the wrong
+    # place, would run with a trust coefficient fifty times the default. (L01, L05, L03)
     for name, value in (("eps", -1e-8), ("eps", float("nan")), ("eps", float("inf")),
-                        ("trust_coefficient", float("inf"))):
-        with pytest.raises(ValueError, match=rf"LARC\({name}=.*must be a finite number >= 0"):
+                        ("trust_coefficient", float("inf")), ("eps", True), ("eps", False),
+                        ("trust_coefficient", True), ("trust_coefficient", False)):
+        with pytest.raises(ValueError, match=rf"LARC\({name}={value}\): must be a finite "
+                                             r"number >= 0"):
             LARC(torch.optim.SGD([p], lr=0.1), **{name: value})
+    with pytest.raises(ValueError, match=r"LARC\(trust_coefficient=True\)"):
+        LARC(torch.optim.SGD([p], lr=0.1), True)  # (the positional slot after the optimizer)
     # The repr shows every setting (how a run's configuration is checked). (L04)
     assert repr(LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=0.001, clip=False,
                      eps=1e-6)).startswith("LARC(trust_coefficient=0.001, clip=False, "

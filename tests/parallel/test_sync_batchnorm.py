@@ -1331,15 +1331,59 @@ def test_convert_syncbn_model_keeps_eps_momentum_and_tracking(not_distributed, t
         torch.testing.assert_close(sync.running_var, ref.running_var, rtol=0, atol=0)
 
 
-def test_convert_syncbn_model_subclass_submodules_take_the_arguments():
+class _SyncBatchNormAct(SyncBatchNorm):
+    """The same pattern on a model's own SyncBatchNorm subclass (timm's SyncBatchNormAct)."""
+
+    def __init__(self, num_features):
+        super().__init__(num_features)
+        self.act = nn.PReLU(num_features)
+        self.extra = nn.Sequential(nn.BatchNorm1d(num_features))
+
+
+@pytest.mark.parametrize("cls", [_BatchNormAct, _SyncBatchNormAct])
+def test_convert_syncbn_model_subclass_submodules_take_the_arguments(cls):
     # A BatchNorm subclass's own submodules are converted with the group and the flag given
-    # (as the rest of the model is): a BatchNorm inside it syncs over the same group. (V08)
+    # (as the rest of the model is): a BatchNorm inside it syncs over the same group. So are
+    # those of a SyncBatchNorm subclass, which itself stays the same object with the group
+    # and flag given (a BatchNorm inside it would otherwise normalize over this rank's batch
+    # alone). (V08, C05)
     group = object()  # (stands in for a ProcessGroup: nothing communicates here)
-    model = convert_syncbn_model(nn.Sequential(_BatchNormAct(4)), process_group=group,
+    layer = cls(4)
+    act = layer.act
+    model = convert_syncbn_model(nn.Sequential(layer), process_group=group,
                                  channel_last=True)
     inner = model[0].extra[0]
     assert isinstance(inner, SyncBatchNorm)
     assert inner.process_group is group and inner.channel_last is True
+    assert model[0].act is act
+    if cls is _SyncBatchNormAct:
+        assert model[0] is layer
+        assert layer.process_group is group and layer.channel_last is True
+
+
+def test_convert_syncbn_model_converts_torchs_own_syncbatchnorm():
+    # A model built with torch's nn.SyncBatchNorm (a norm_layer argument, or torch's own
+    # convert_sync_batchnorm run earlier) is converted too, as the docstring says of every
+    # _BatchNorm: the layer becomes mixprec's SyncBatchNorm with the group given, keeping its
+    # Parameter and buffer objects (an optimizer built earlier holds them) and its settings.
+    # Reference: nn.BatchNorm2d with the layer's state (one process: bit for bit). (C23)
+    group = object()  # (stands in for a ProcessGroup: nothing communicates here)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.SyncBatchNorm(4, momentum=0.3))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].running_mean.uniform_()
+    weight, running_mean = model[1].weight, model[1].running_mean
+    ref = nn.BatchNorm2d(4, momentum=0.3)
+    ref.load_state_dict(model[1].state_dict())
+    convert_syncbn_model(model, process_group=group, channel_last=False)
+    layer = model[1]
+    assert type(layer) is SyncBatchNorm, type(layer)
+    assert layer.weight is weight and layer.running_mean is running_mean
+    assert layer.process_group is group and layer.momentum == 0.3
+    layer.process_group = None  # (one process: run it as BatchNorm)
+    x = torch.randn(6, 4, 3, 3)
+    torch.testing.assert_close(layer(x), ref(x), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kwargs, message", [
