@@ -695,6 +695,22 @@ def test_module_attribute_changes_between_calls_are_honoured(device):
         norm.to("cpu")
         with pytest.raises(ValueError, match="same device"):
             norm(x)
+    # A weight replaced by one on another device (the meta device: a model built with
+    # deferred initialization and never materialized) or a bias of another shape (one
+    # element, which would broadcast without a word) is refused as on a first call: both are
+    # part of the signature the module's checks are kept under. (C24, C25)
+    norm = FusedLayerNorm(32).to(device)
+    norm(x)
+    norm.weight = torch.nn.Parameter(torch.ones(32, device="meta"))
+    with pytest.raises(ValueError, match=r"^FusedLayerNorm: weight is on meta but the input "
+                                         r"is on .*; move both to the same device"):
+        norm(x)
+    norm = FusedLayerNorm(32).to(device)
+    norm(x)
+    norm.bias = torch.nn.Parameter(torch.ones(1, device=device))
+    with pytest.raises(ValueError, match=r"^FusedLayerNorm: bias has shape \(1,\) but "
+                                         r"normalized_shape is \(32,\); they must be equal"):
+        norm(x)
 
 
 # The Triton kernels: on CUDA, or in Triton's interpreter on CPU.
@@ -844,6 +860,30 @@ def test_torch_func_and_forward_ad_match_pytorch(rms):
     torch.testing.assert_close(got, want, **tol)
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_torch_func_and_forward_ad_check_the_input_as_eager_does(cls):
+    """Under torch.func transforms and forward-mode AD the modules run PyTorch's math after
+    the argument checks eager mode makes: a norm over 8 elements given rows of 5 (vmap hands
+    the module one (5,) row per sample) is refused with the eager error, not normalized over
+    the wrong dim without a word, as a norm without parameters otherwise would be. A matching
+    input gives PyTorch's result (C37)."""
+    import torch.autograd.forward_ad as fwAD
+
+    norm = cls(8, elementwise_affine=False)
+    f = torch.nn.functional
+    good = torch.randn(3, 8)
+    want = f.layer_norm(good, (8,)) if cls is FusedLayerNorm else f.rms_norm(good, (8,), eps=1e-5)
+    torch.testing.assert_close(torch.func.vmap(norm)(good), want)
+    x = torch.randn(3, 5)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: input of shape \(5,\) does not "
+                                         r"end with normalized_shape \(8,\)"):
+        torch.func.vmap(norm)(x)
+    with fwAD.dual_level():
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}: input of shape \(3, 5\) does "
+                                             r"not end with normalized_shape \(8,\)"):
+            norm(fwAD.make_dual(x, torch.ones_like(x)))
+
+
 @KERNEL_DEVICES
 @pytest.mark.parametrize("hook", ["contiguous copy", "bf16 copy"])
 def test_backward_takes_what_autograd_hands_back(hook, device):
@@ -867,6 +907,36 @@ def test_backward_takes_what_autograd_hands_back(hook, device):
     torch.testing.assert_close(gq[..., :32].double(), want[1], **tol)
     assert not gq[..., 32:].any()
     torch.testing.assert_close(gw.double(), want[2], atol=tol["atol"] * 4, rtol=tol["rtol"])
+
+
+@_KERNELS_ONLY
+def test_memory_efficient_backward_of_a_strided_input_stays_on_the_fast_path(device,
+                                                                            monkeypatch):
+    """With memory_efficient the backward reads the saved output, which the forward allocated
+    contiguous whatever the input's strides: for a row-strided input (the q of a fused qkv
+    projection) what autograd hands back is what was saved, so the backward takes the planned
+    launch, not the generic fallback meant for tensors a saved-tensor hook changed (which
+    costs host time on every step). Gradients against PyTorch's RMSNorm in float64 (C35)."""
+    device, kernels_on_cpu = device_and_context(device)
+    fallbacks = []
+    generic = _ops._GenericPath.backward
+
+    def spy(self, *args, **kwargs):
+        fallbacks.append(self)
+        return generic(self, *args, **kwargs)
+
+    monkeypatch.setattr(_ops._GenericPath, "backward", spy)
+    norm = FusedRMSNorm(32, memory_efficient=True).to(device)
+    gen = torch.Generator().manual_seed(5)
+    qkv = torch.randn(2, 5, 96, generator=gen).to(device).requires_grad_(True)
+    dy = torch.randn(2, 5, 32, generator=gen).to(device)
+    with kernels_on_cpu():
+        gq, gw = torch.autograd.grad(norm(qkv[..., :32]), [qkv, norm.weight], dy)
+    assert fallbacks == []
+    want = float64_reference("rms", qkv[..., :32], (32,), norm.weight, None, dy)
+    tol = tolerance(torch.float32)
+    torch.testing.assert_close(gq[..., :32].double(), want[1], **tol)
+    torch.testing.assert_close(gw.double(), want[2], **tol)
 
 
 @KERNEL_DEVICES
@@ -1452,17 +1522,20 @@ def test_reset_parameters_restores_ones_and_zeros_after_deferred_init(cls):
 
 
 @KERNEL_DEVICES
-@pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_kernels_take_a_weight_that_is_every_other_element(kind, device):
-    """A weight whose memory is not one contiguous vector (every other element of a buffer,
-    e.g. a parameter tied to a slice) must be read as its values, with and without grad, also
-    where the kernels run. Output and gradients against PyTorch's norms in float64 (O02)."""
+@pytest.mark.parametrize("kind, strided", [("layer", "weight"), ("rms", "weight"),
+                                           ("layer", "bias")])
+def test_kernels_take_a_parameter_that_is_every_other_element(kind, strided, device):
+    """A weight or bias whose memory is not one contiguous vector (every other element of a
+    buffer, e.g. a parameter tied to a slice of a packed tensor) must be read as its values,
+    with and without grad, also where the kernels run. Output and gradients against
+    PyTorch's norms in float64 (O02, C22)."""
     device, context = device_and_context(device)
     gen = torch.Generator().manual_seed(11)
-    wide = (torch.rand(64, generator=gen) + 0.5).to(device)
-    w = wide[::2].requires_grad_(True)
-    assert not w.is_contiguous()
-    b = (0.2 * torch.randn(32, generator=gen)).to(device).requires_grad_(True)
+    wide_w = (torch.rand(64, generator=gen) + 0.5).to(device)
+    wide_b = (0.2 * torch.randn(64, generator=gen)).to(device)
+    w = (wide_w[::2] if strided == "weight" else wide_w[:32]).requires_grad_(True)
+    b = (wide_b[::2] if strided == "bias" else wide_b[:32]).requires_grad_(True)
+    assert not (w if strided == "weight" else b).is_contiguous()
     x = torch.randn(6, 32, generator=gen).to(device).requires_grad_(True)
     dy = torch.randn(6, 32, generator=gen).to(device)
     with context():

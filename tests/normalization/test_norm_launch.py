@@ -163,7 +163,7 @@ def test_launch_reuses_the_compiled_kernel_per_specialization(monkeypatch):
 
     # Anything Triton specializes on makes a new key, which takes Triton's path once.
     _launch.launch(kernel, (1,), (buf[1:], 48, 1e-6), consts, device)  # 4-byte aligned data
-    _launch.launch(kernel, (1,), (buf, 47, 1e-6), consts, device)  # not a multiple of 16
+    _launch.launch(kernel, (1,), (buf, 40, 1e-6), consts, device)  # of 8, not of 16 (C08)
     _launch.launch(kernel, (1,), (buf, 1, 1e-6), consts, device)  # equal to 1
     _launch.launch(kernel, (1,), (buf, 2**31 + 16, 1e-6), consts, device)  # 64-bit int
     _launch.launch(kernel, (1,), (buf.half(), 48, 1e-6), consts, device)  # dtype
@@ -182,6 +182,26 @@ def test_launch_takes_tritons_path_where_unverified(monkeypatch, case):
     for _ in range(3):
         _launch.launch(kernel, (1,), (torch.zeros(4), 16, 1.0), dict(FLAG=True, BLOCK=16), device)
     assert [entry[0] for entry in kernel.log] == ["triton"] * 3
+
+
+@pytest.mark.parametrize("version,parsed,fast", [
+    ("3.6.0", (3, 6), True), ("3.6.1", (3, 6), True), ("3.6.0+git1a2b3c4", (3, 6), True),
+    ("3.5.1", (3, 5), False), ("3.7.0", (3, 7), False), ("unknown", None, False),
+])
+def test_triton_version_is_major_and_minor(monkeypatch, version, parsed, fast):
+    """The installed Triton is told by its (major, minor) release: a patch release or a local
+    build of 3.6 (3.6.1, 3.6.0+git...) keeps the direct launches verified on 3.6, and the
+    interpreter tests' version gate, instead of falling back to Triton's slower per-call
+    runner; a version string that does not parse gives None (C07)."""
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(triton, "__version__", version)
+    _launch.triton_version.cache_clear()
+    try:
+        assert _launch.triton_version() == parsed
+        assert _launch._fast_launch_supported() is fast
+    finally:
+        monkeypatch.undo()
+        _launch.triton_version.cache_clear()
 
 
 def test_site_keeps_the_compiled_kernel_per_variant(monkeypatch):

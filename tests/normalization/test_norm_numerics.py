@@ -186,3 +186,18 @@ def test_empty_leading_dims(device):
     y.sum().backward()
     assert x.grad.shape == x.shape
     torch.testing.assert_close(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_empty_batch_output_has_torchs_strides(kind):
+    """An empty batch (a zero in the leading dims, e.g. no tokens routed to an expert) gives
+    an output laid out as PyTorch's own norm gives it (torch.empty's strides, a zero size
+    counting as one), so that code that views or compares strides treats both alike. Shape,
+    dtype and strides against torch.nn.functional's norms (C17)."""
+    x = torch.randn(2, 0, 8)
+    if kind == "layer":
+        got, want = fused_layer_norm(x, 8), torch.nn.functional.layer_norm(x, (8,))
+    else:
+        got, want = fused_rms_norm(x, 8), torch.nn.functional.rms_norm(x, (8,))
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert got.stride() == want.stride() == (8, 8, 1)

@@ -175,6 +175,57 @@ def test_backward_with_one_parameter_gradient(need_dw, need_db):
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_backward_op_gives_half_parameters_gradients_in_their_dtype(param_dtype):
+    """A model cast to half precision (.half() / .bfloat16(), parameters included) gets its
+    weight and bias gradients from the kernels' backward op in the parameters' own dtype: the
+    op's fake implementation promises that dtype to torch.compile, whose graph would otherwise
+    receive fp32 tensors where it planned half ones. Values against PyTorch's layer norm in
+    float64, to the parameter dtype's tolerance scaled for the 21-row sum (C02, C03)."""
+    m, n = 21, 45
+    x = make_input((m, n), param_dtype, "cpu")
+    dy = make_input((m, n), param_dtype, "cpu", seed=5)
+    w, b = (t.detach() for t in make_params((n,), param_dtype, "cpu", True))
+    with _ops.triton_on_cpu():
+        y, mean, rstd = torch.ops.mixprec.fused_norm_fwd(x, w, b, 1e-5, False, False,
+                                                         param_dtype)
+        dx, dw, db = torch.ops.mixprec.fused_norm_bwd(dy, x, w, b, mean, rstd, False, False,
+                                                      param_dtype, True, True)
+    assert dx.dtype == dw.dtype == db.dtype == param_dtype
+    want = float64_reference("layer", x, (n,), w, b, dy)
+    tol = tolerance(param_dtype)
+    torch.testing.assert_close(dx.double(), want[1], **tol)
+    tol["atol"] *= m ** 0.5
+    torch.testing.assert_close(dw.double(), want[2], **tol)
+    torch.testing.assert_close(db.double(), want[3], **tol)
+
+
+def test_layers_of_one_geometry_with_and_without_a_frozen_bias():
+    """Layers of one geometry share a launch plan (a transformer's norms all do), and some of
+    them may train their bias while others freeze it (partial fine-tuning), in any order: each
+    backward must give the gradients asked for, not reuse the launch set up for another
+    choice. dweight and dbias against PyTorch's layer norm in float64 (C04)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(21, 45, generator=gen)
+    dy = torch.randn(21, 45, generator=gen)
+    w = torch.rand(45, generator=gen) + 0.5
+    b = torch.randn(45, generator=gen)
+    want = float64_reference("layer", x, (45,), w, b, dy)
+    tol = tolerance(torch.float32)
+    for train_w, train_b in ((True, True), (True, False), (False, True), (True, True)):
+        xr = x.clone().requires_grad_(True)
+        wr, br = w.clone().requires_grad_(train_w), b.clone().requires_grad_(train_b)
+        with _ops.triton_on_cpu():
+            y = fused_layer_norm(xr, 45, wr, br)
+            gx, *grads = torch.autograd.grad(y, [xr] + [t for t in (wr, br) if t.requires_grad],
+                                             dy)
+        torch.testing.assert_close(gx.double(), want[1], **tol)
+        expected = [want[2]] * train_w + [want[3]] * train_b
+        for got, ref in zip(grads, expected):
+            torch.testing.assert_close(got.double(), ref, **tol,
+                                       msg=f"weight trained {train_w}, bias trained {train_b}")
+
+
 def test_forcing_triton_without_the_interpreter_is_an_error(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
