@@ -1193,12 +1193,15 @@ class _Fp32StateDict:
                     continue
                 master = None
             if master is not None and tensor.dtype not in _HALF_TYPES:
-                # The parameter is no longer half (amp.restore_model, then model.float()): it
-                # is the weight now, edited or trained as such; the master stopped with it.
-                state_dict[key] = state_dict[key].float()
-            elif master is not None:
+                # The parameter is no longer half (amp.restore_model, then model.float() or
+                # .double()): it is the weight now, edited or trained as such, and saved as it
+                # is, as torch saves it; the master stopped with it.
+                continue
+            if master is not None:
                 state_dict[key] = master.detach()
-            elif tensor.is_floating_point() and tensor.dtype != torch.float32:
+            elif tensor.dtype in _HALF_TYPES:
+                # A half tensor without a master (a buffer) is saved in fp32; a wider one (a
+                # float64 buffer registered after initialize) as it is, never rounded.
                 state_dict[key] = state_dict[key].float()
         return state_dict
 

@@ -864,6 +864,36 @@ def test_a_deep_copy_keeps_a_tied_weight_one_master():
     torch.testing.assert_close(ema(x), ref(x), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copys_masters_keep_the_originals_requires_grad(how):
+    """A copy of an O2 model and its optimizer taken together (copy.deepcopy, or one
+    torch.save of both) holds masters that are the copied optimizer's tensors and need
+    gradients exactly where the original's do (a frozen layer's stay frozen), as a copy of an
+    fp32 model and its optimizer keeps each parameter's requires_grad: code that picks the
+    trainable tensors of the copy's param groups (clipping, a new optimizer over them) picks
+    the same ones. Reference: the original pair. (M16)"""
+    model = make_mlp()
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    if how == "deepcopy":
+        model2, opt2 = copy.deepcopy((model, opt))
+    else:
+        buf = io.BytesIO()
+        torch.save({"model": model, "optimizer": opt}, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        model2, opt2 = loaded["model"], loaded["optimizer"]
+    want = [m.requires_grad for m in amp.master_params(opt)]
+    assert want == [False, False, True, True]  # (the original: layer 0 frozen)
+    copied = [m for g in opt2.param_groups for m in g["params"]]
+    assert [m.requires_grad for m in copied] == want
+    sd = model2.state_dict()
+    for name, m in zip(("0.weight", "0.bias", "2.weight", "2.bias"), copied):
+        # The copy's checkpoint entry is the copied optimizer's master itself (its memory).
+        assert sd[name].data_ptr() == m.data_ptr(), name
+
+
 def test_a_deep_copys_forward_runs_the_masters_written_through_its_state_dict():
     # timm's ModelEmaV2: each step writes ema.state_dict()'s tensors in place, then evaluates
     # ema(x) with no state_dict() call between: the forward runs the written fp32 values cast
@@ -1605,6 +1635,31 @@ def test_o2_half_tensors_put_on_the_root_after_initialize_save_fp32(inside):
     assert all(v.dtype == torch.float32 for v in saved.values() if v.is_floating_point())
 
 
+def test_o2_float64_tensors_added_after_initialize_are_saved_as_float64():
+    """A float64 buffer registered after initialize (a step counter, a float64 running
+    statistic) is saved as float64 wherever it sits, as the fp32 model saves it: amp upcasts
+    half entries to fp32, it never rounds wider ones. Reference: the same buffer on the root
+    (a module without amp's hooks) and the value itself. (BUG: a layer holding half tensors
+    saved it rounded to fp32, and a restored model made float64 was saved in fp32.)"""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    value = torch.tensor(2.0**30 + 1.0, dtype=torch.float64)  # (not representable in fp32)
+    model[0].register_buffer("seen", value.clone())  # (a layer amp cast to half)
+    model.register_buffer("seen", value.clone())  # (the root: no tensors of its own)
+    sd = model.state_dict()
+    for key in ("seen", "0.seen"):
+        assert sd[key].dtype == torch.float64, key
+        assert torch.equal(sd[key], value), key
+    # So is a weight made float64 after amp.restore_model (the master stopped with it): it
+    # is saved as it is, as torch saves a float64 model.
+    amp.restore_model(model)
+    model.double()
+    sd = model.state_dict()
+    assert all(v.dtype == torch.float64 for v in sd.values()), {k: v.dtype for k, v in sd.items()}
+    torch.testing.assert_close(sd["0.weight"], model[0].weight.detach(), rtol=0, atol=0)
+
+
 def test_o2_half_module_put_in_after_initialize_under_two_names_saves_fp32_under_both():
     # A half module added after initialize (no optimizer, no hooks of its own) and shared
     # under two names (weight sharing by module) has its entries under both names in the
@@ -1620,6 +1675,47 @@ def test_o2_half_module_put_in_after_initialize_under_two_names_saves_fp32_under
     for key in ("head_a.weight", "head_a.bias", "head_b.weight", "head_b.bias"):
         assert saved[key].dtype == torch.float32, key
     assert torch.equal(saved["head_b.weight"], head.weight.detach().float())
+
+
+class _PositionalTable(nn.Module):
+    """A module holding one buffer and no parameters (a fixed positional table)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.linspace(0.0, 1.0, 8).reshape(2, 4) / 3)
+
+    def forward(self, x):
+        return x + self.table
+
+
+class _Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos = _PositionalTable()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(self.pos(x))
+
+
+def test_o2_a_parts_state_dict_saves_its_buffer_only_modules_in_fp32():
+    """A part of an O2 model saved on its own (``model[0].state_dict()``: a backbone shipped
+    without its head) is an fp32 checkpoint throughout, as the whole model's is: a submodule
+    holding only half buffers (a fixed positional table) comes out fp32 too, with the values
+    the whole model's state dict holds for it. Reference: the whole model's state dict and
+    the fp32 table rounded to half. (M35)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Encoder(), nn.Linear(4, 2))
+    table = model[0].pos.table.clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    whole = model.state_dict()
+    for part, prefix in ((model[0], "0."), (model[0].pos, "0.pos.")):
+        sd = part.state_dict()
+        for key, value in sd.items():
+            assert value.dtype == torch.float32, (prefix, key)
+            torch.testing.assert_close(value, whole[prefix + key], rtol=0, atol=0)
+    torch.testing.assert_close(whole["0.pos.table"], table.half().float(), rtol=0, atol=0)
 
 
 def test_o2_write_into_the_state_dict_after_a_load_holds_once_the_optimizer_is_gone():

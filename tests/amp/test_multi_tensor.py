@@ -448,6 +448,22 @@ def test_fewer_srcs_than_dsts_and_float64_dsts_are_refused(dev):
             mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
 
 
+def test_sizes_are_compared_pair_by_pair(dev):
+    """Each src must have its own dst's number of elements: lists whose sizes only add up to
+    the same total (4 and 6 elements into 6 and 4) are refused with the first offending pair
+    named, since the kernel writes each src into its own dst and would write past the end of
+    the smaller one. (T06)"""
+    h4, h6 = (torch.zeros(n, dtype=torch.float16, device=dev) for n in (4, 6))
+    f4, f6 = (torch.zeros(n, dtype=torch.float32, device=dev) for n in (4, 6))
+    srcs, dsts = [h4, h6], [f6, f4]
+    assert not mt.usable(srcs, dsts)
+    assert mt.unusable_reason(srcs, dsts) == (
+        "srcs[0] has 4 elements and dsts[0] 6; each pair must have the same number of elements")
+    inv_scale, found_inf = _scalars(dev, 1.0)
+    with pytest.raises(ValueError, match=r"srcs\[0\] has 4 elements and dsts\[0\] 6"):
+        mt.cast_unscale_check_(srcs, dsts, inv_scale, found_inf)
+
+
 def test_the_reason_names_the_first_offending_pair():
     """unusable_reason names the first offending tensor by its index (documented: "srcs[3] is
     not contiguous ..."), so that a log line points at the right gradient: here the second
