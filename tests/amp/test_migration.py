@@ -852,7 +852,15 @@ def test_apexs_other_optimizers_import_and_name_their_replacement(clean_apex):
 
     mixprec.install_apex_alias()
     import apex
-    from apex.optimizers import FP16_Optimizer, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+    from apex.optimizers import (
+        FP16_Optimizer,
+        FusedAdam,
+        FusedLAMB,
+        FusedLANS,
+        FusedMixedPrecisionLamb,
+        FusedNovoGrad,
+        FusedSGD,
+    )
     from apex.optimizers.fused_adam import FusedAdam as from_its_file
     from apex.optimizers.fused_lamb import FusedLAMB as lamb_from_its_file
 
@@ -862,7 +870,10 @@ def test_apexs_other_optimizers_import_and_name_their_replacement(clean_apex):
     assert not hasattr(mixprec.optimizers, "FusedLAMB")  # mixprec's own package is untouched
     params = [nn.Parameter(torch.ones(2))]
     FusedAdam(params, lr=1e-3)
+    # Each names the algorithm asked for (LANS is not LAMB). (O05)
     for cls, use in ((FusedLAMB, "no LAMB.*FusedAdam"), (FusedNovoGrad, "no NovoGrad"),
+                     (FusedLANS, "no LANS optimizer"),
+                     (FusedMixedPrecisionLamb, "no LAMB optimizer"),
                      (FP16_Optimizer, r"amp.initialize\(.*O2")):
         with pytest.raises(NotImplementedError, match=f"apex.optimizers.{cls.__name__}.*{use}"):
             cls(params, lr=1e-3)
@@ -1278,6 +1289,34 @@ def test_fused_sgd_nesterov_steps_as_pytorchs(clean_apex):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+def test_fused_sgd_defaults_are_plain_sgd(clean_apex):
+    """FusedSGD(params, lr) with Apex's defaults is plain SGD: no momentum, dampening, weight
+    decay or Nesterov, so a script passing only lr steps as torch.optim.SGD(params, lr), bit
+    for bit. (O01)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.optimizers import FusedSGD
+
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4))]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    opt = FusedSGD(ours, lr=0.1)
+    ref_opt = torch.optim.SGD(ref, lr=0.1)
+    group = opt.param_groups[0]
+    assert (group["momentum"], group["dampening"], group["weight_decay"],
+            group["nesterov"]) == (0.0, 0.0, 0.0, False)
+    for _ in range(3):
+        for p, q in zip(ours, ref):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def test_noop_handle_wrapped_optimizer_steps_with_a_closure(clean_apex):
     """The optimizer returned by NoOpHandle.wrap_optimizer is the optimizer: step(closure)
     runs the closure and returns its loss (LBFGS-style loops, and scripts that log the value
@@ -1424,6 +1463,11 @@ def test_apex_loss_scaler_static_scale_never_overflows(clean_apex):
     assert static._has_overflow is False and out.tolist() == [float("inf")]
     static._has_overflow = True
     assert static.update_scale() is False and static.loss_scale() == 4.0
+    # Nor does it grow, however many clean steps pass (scale_window of them and more). (A06)
+    static = LossScaler(4.0, scale_window=2)
+    for _ in range(5):
+        static.clear_overflow_state()
+        assert static.update_scale() is False and static.loss_scale() == 4.0
 
 
 def test_apex_loss_scaler_moves_by_its_scale_factor(clean_apex):
@@ -1441,9 +1485,12 @@ def test_apex_loss_scaler_moves_by_its_scale_factor(clean_apex):
     assert scaler.update_scale() is False and scaler.loss_scale() == 2.0**10
 
 
-def test_apex_loss_scaler_refuses_scales_that_are_not_positive(clean_apex):
-    """A scale of 0 (a _loss_scale or scale_override set wrong) would fill the masters with
-    inf or NaN: unscale and unscale_with_stashed refuse it, naming the value. (S07, S19)"""
+@pytest.mark.parametrize("bad", [0.0, float("nan")])
+def test_apex_loss_scaler_refuses_scales_that_are_not_positive(clean_apex, bad):
+    """A scale of 0 or NaN (a _loss_scale or scale_override set wrong, or computed from a
+    NaN) would fill the masters with inf or NaN, which a dynamic scale then halves into NaN
+    for good: unscale and unscale_with_stashed refuse it, naming the value, and leave the
+    masters alone. (S07, S19, A01, A02)"""
     import torch
 
     mixprec.install_apex_alias()
@@ -1451,15 +1498,18 @@ def test_apex_loss_scaler_refuses_scales_that_are_not_positive(clean_apex):
 
     scaler = LossScaler("dynamic")
     g, m = torch.ones(2), torch.zeros(2)
-    with pytest.raises(ValueError, match=r"scale to unscale by is 0\.0; it must be > 0"):
-        scaler.unscale([g], [m], None, scale_override=0.0)
-    scaler._loss_scale = 0.0
-    with pytest.raises(ValueError, match=r"scale to unscale by is 0\.0"):
+    shown = re.escape(str(bad))
+    with pytest.raises(ValueError, match=rf"scale to unscale by is {shown}; it must be > 0"):
+        scaler.unscale([g], [m], None, scale_override=bad)
+    for override in ((1.0, bad, 1.0), (bad, 1.0, 1.0)):  # (S03)
+        with pytest.raises(ValueError, match=re.escape(f"scale_override={override}")
+                           + r".*must be > 0"):
+            scaler.unscale_with_stashed([g], [g], [m], scale_override=override)
+    scaler._loss_scale = bad
+    with pytest.raises(ValueError, match=rf"scale to unscale by is {shown}"):
         scaler.unscale([g], [m], None)
-    with pytest.raises(ValueError, match=r"scale_override=\(1\.0, 0\.0, 1\.0\).*must be > 0"):
-        scaler.unscale_with_stashed([g], [g], [m], scale_override=(1.0, 0.0, 1.0))
-    with pytest.raises(ValueError, match=r"scale_override=\(0\.0, 1\.0, 1\.0\).*must be > 0"):
-        scaler.unscale_with_stashed([g], [g], [m], scale_override=(0.0, 1.0, 1.0))  # (S03)
+    with pytest.raises(ValueError, match=rf"scale to unscale by is {shown}"):
+        scaler.unscale_with_stashed([g], [g], [m])
     assert m.tolist() == [0.0, 0.0]
 
 
@@ -1772,6 +1822,108 @@ def test_apex_loss_scaler_overflow_restarts_the_growth_window(clean_apex):
         scales.append((scaler.loss_scale(), scaler._unskipped))
     assert scales == [(2.0**8, 1), (2.0**8, 2), (2.0**7, 0), (2.0**7, 1), (2.0**7, 2),
                       (2.0**8, 0)]
+
+
+def test_apex_loss_scaler_static_scale_of_one_still_fills_separate_masters(clean_apex):
+    """A static scale of 1 (a bf16 or fp32 run kept on Apex's scaler) has nothing to divide,
+    but unscale still copies the model's gradients into separate master gradients, fp16 into
+    fp32, exactly: only the masters' own gradients, unscaled in place, may be left as they
+    are. (A03)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler(1.0)
+    half = [torch.tensor([0.5, -3.0]).half(), torch.tensor([2.0**-20]).half()]
+    masters = [torch.zeros(2), torch.zeros(1)]
+    scaler.unscale(half, masters, None)
+    for got, want in zip(masters, half):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
+    own = torch.tensor([4.0, float("inf")])
+    scaler.unscale([own], [own], None, models_are_masters=True)
+    assert own.tolist() == [4.0, float("inf")]
+    assert scaler.update_scale() is False and scaler.loss_scale() == 1.0
+
+
+def test_apex_loss_scaler_stashed_unscale_refuses_lists_of_other_lengths(clean_apex):
+    """unscale_with_stashed takes one entry per parameter in each of its three lists; lists of
+    other lengths (a parameter group left out of one) are refused, naming each length, and
+    nothing is written, where zipping them would leave some masters' gradients stale.
+    (A05)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=2.0)
+    kept = [torch.ones(2), torch.ones(2)]
+    with pytest.raises(ValueError, match=r"unscale_with_stashed: the gradient lists differ in "
+                                         r"length \(model_grads=2, stashed_master_grads=2, "
+                                         r"master_grads=1\)"):
+        scaler.unscale_with_stashed([torch.ones(2), torch.ones(2)], kept, kept[:1])
+    with pytest.raises(ValueError, match=r"model_grads=1, stashed_master_grads=2, "
+                                         r"master_grads=2"):
+        scaler.unscale_with_stashed([torch.ones(2)], kept, kept)
+    assert [k.tolist() for k in kept] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_apex_loss_scaler_overflow_written_back_reads_as_a_bool(clean_apex):
+    """Multi-rank scripts write the all-reduced overflow back as their reduction gave it (an
+    int from .item(), a 0-dim tensor): _has_overflow reads back True or False, and
+    update_scale returns True or False, as documented. (A10)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=2.0**4)
+    for written, want in ((1, True), (torch.tensor(1.0), True), (0, False),
+                          (torch.tensor(0), False)):
+        scaler.clear_overflow_state()
+        scaler._has_overflow = written
+        assert scaler._has_overflow is want
+        assert scaler.update_scale() is want
+    assert scaler.loss_scale() == 2.0**2
+
+
+def test_apex_loss_scaler_unscale_ignores_its_third_argument(clean_apex):
+    """unscale's third argument is ignored, as in Apex (Apex-era wrappers pass a scale there,
+    at times a stale one): the gradients are divided by scale_override where given, else by
+    the current loss_scale(). (A11)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=8.0)
+    out = torch.zeros(1)
+    scaler.unscale([torch.tensor([16.0])], [out], 1.0)
+    assert out.tolist() == [2.0]
+    scaler.unscale([torch.tensor([16.0])], [out], 2.0, scale_override=4.0)
+    assert out.tolist() == [4.0]
+
+
+def test_apex_loss_scaler_writes_into_the_master_gradients_passed(clean_apex):
+    """Both unscale forms write into the master gradients passed, in place: Apex-era fp16
+    optimizers keep their master gradients as views of one flat fp32 buffer (all-reduced or
+    clipped as one tensor afterwards), which must hold the result. (A15)"""
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    scaler = LossScaler("dynamic", init_scale=4.0)
+    flat = torch.zeros(5)
+    views = [flat[:2], flat[2:]]
+    scaler.unscale([torch.tensor([4.0, 8.0]).half(), torch.tensor([12.0, -4.0, 0.0]).half()],
+                   views, None)
+    assert flat.tolist() == [1.0, 2.0, 3.0, -1.0, 0.0]
+    scaler.unscale_with_stashed([torch.full((2,), 4.0).half(), torch.full((3,), 4.0).half()],
+                                views, views)
+    assert flat.tolist() == [2.0, 3.0, 4.0, 0.0, 1.0]
+    assert scaler.update_scale() is False
 
 
 def test_alias_drops_nested_modules_a_failed_apex_amp_left_behind(clean_apex, tmp_path,
