@@ -144,8 +144,11 @@ class LossScaler:
         """``master_grads[i] = model_grads[i] / scale`` for each gradient (in place when the
         lists hold the same tensors, ``models_are_masters``), checking the model gradients for
         inf/NaN under a dynamic scale. ``unused_scale`` is ignored, as in Apex; the scale is
-        ``scale_override`` if given, else the current one. Does nothing once this step has
-        overflowed (Apex's order); a static scale of 1 on masters' own gradients is a no-op."""
+        ``scale_override`` if given, else the current one. Does nothing once an overflow of
+        this step has been read (``_has_overflow`` or ``update_scale``; the check itself stays
+        on the device until then, so an earlier call's unread inf does not stop this one:
+        the step is skipped and its master gradients dropped either way, Apex's order); a
+        static scale of 1 on masters' own gradients is a no-op."""
         _check_pairs("unscale", model_grads=model_grads, master_grads=master_grads)
         if self._overflow:
             return
