@@ -46,7 +46,8 @@ class SyncBatchNorm(_BatchNorm):
 
     Args:
         num_features (int): ``C``, the number of channels.
-        eps (float): added to the variance. Default ``1e-5``.
+        eps (float): added to the variance; > 0 wherever batch statistics normalize (0 is
+            taken for eval mode with running statistics only). Default ``1e-5``.
         momentum (float or None): running-statistics factor; None for a cumulative average.
             Default ``0.1``.
         affine (bool): learnable per-channel weight and bias. Default True.
@@ -214,8 +215,16 @@ class SyncBatchNorm(_BatchNorm):
 
     def _normalize(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
-        factor = self._average_factor()
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        if bn_training and not self.eps > 0:
+            # (On every path: one process's BatchNorm refuses it on recent PyTorch, while the
+            # multi-rank path divided a constant channel's zero variance by zero, NaN.)
+            raise ValueError(
+                f"SyncBatchNorm({self.num_features}): eps={self.eps!r} normalizing by batch "
+                "statistics: a channel whose values are all equal has variance 0, and eps 0 "
+                "divides by it. Set a positive eps (layer.eps = 1e-5, the default); eps 0 "
+                "serves only eval mode with running statistics.")
+        factor = self._average_factor()
         # Running statistics are used in eval mode and updated in training mode when tracked.
         use_running = not self.training or self.track_running_stats
         running_mean = self.running_mean if use_running else None

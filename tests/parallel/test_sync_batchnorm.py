@@ -464,6 +464,18 @@ def check_single_value_per_channel_raises(ctx):
                 raise AssertionError(f"[{path}] a one-value batch did not raise")
             assert torch.equal(m.running_mean.cpu(), torch.zeros(3)), path
             assert torch.equal(m.running_var.cpu(), torch.ones(3)), path
+    # eps=0 is refused in training on every rank too (the group's batch had a constant
+    # channel's zero variance divided by zero: NaN), before any batch is counted.
+    for path, path_ctx in _paths(ctx):
+        m = SyncBatchNorm(3, eps=0.0).to(ctx.device)
+        try:
+            with path_ctx():
+                m(torch.ones(2, 3, device=ctx.device))
+        except ValueError as err:
+            assert "eps=0.0 normalizing by batch statistics" in str(err), f"[{path}] {err}"
+        else:
+            raise AssertionError(f"[{path}] eps=0 trained")
+        assert int(m.num_batches_tracked) == 0, path
     # One value on each of two ranks is a batch of two: fine.
     _run_case(ctx, [1] * ctx.world_size, spatial=(), label=" one sample per rank")
     # No values at all: an empty output, as BatchNorm gives, and the statistics untouched.
@@ -945,14 +957,16 @@ def test_syncbn_refuses_the_dtype_pairs_batchnorm_refuses(input_dtype, layer_dty
 
 @pytest.mark.parametrize("input_dtype, layer_dtype, affine", [
     (torch.bfloat16, torch.float64, True), (torch.float16, torch.float64, True),
-    (torch.float64, torch.float32, False)])
+    (torch.float64, torch.float32, False),
+    (torch.bfloat16, torch.float16, True), (torch.float16, torch.bfloat16, True)])
 def test_syncbn_refuses_the_other_dtype_pairs_with_its_own_message(input_dtype, layer_dtype,
                                                                      affine):
-    """Half input is taken with float32 parameters only (not float64 ones), and a layer
+    """Half input is taken with float32 parameters or its own dtype's only (not float64
+    ones, nor the other half dtype's: bf16 input into an fp16 layer), and a layer
     without affine parameters checks its running statistics' dtype: SyncBatchNorm refuses
     these pairs with its own message naming both dtypes, on every path, as BatchNorm refuses
     them (the multi-rank path would otherwise compute them and the model fail in eval).
-    Reference: nn.BatchNorm1d refuses the same pairs. (S06 S07)"""
+    Reference: nn.BatchNorm1d refuses the same pairs. (S06 S07, r63B's S06)"""
     layer = SyncBatchNorm(3, affine=affine).to(layer_dtype)
     x = torch.randn(4, 3).to(input_dtype)
     with pytest.raises(RuntimeError, match=f"input is {input_dtype}, the layer's parameters "
@@ -967,6 +981,11 @@ def test_syncbn_refuses_the_other_dtype_pairs_with_its_own_message(input_dtype, 
     (dict(momentum="0.1"), r"momentum='0.1'\): must be a number in \[0, 1\]"),
     (dict(momentum=1.5), r"momentum=1.5\): must be a number in \[0, 1\]"),
     (dict(eps=-1.0), r"eps=-1.0\): must be a number >= 0"),
+    # A negative momentum (a running average moving away from the batch statistics) and a
+    # NaN momentum or eps (NaN running statistics or outputs from the first step). (S01-S03)
+    (dict(momentum=-0.1), r"momentum=-0.1\): must be a number in \[0, 1\]"),
+    (dict(momentum=float("nan")), r"momentum=nan\): must be a number in \[0, 1\]"),
+    (dict(eps=float("nan")), r"eps=nan\): must be a number >= 0"),
     (dict(eps="1e-5"), r"eps='1e-5'\): must be a number >= 0"),
 ])
 def test_bad_eps_and_momentum_are_refused_at_construction(kwargs, message):
@@ -974,6 +993,38 @@ def test_bad_eps_and_momentum_are_refused_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SyncBatchNorm(4, **kwargs)
     SyncBatchNorm(4, momentum=None, eps=0.0)  # a cumulative average; eps 0 as BatchNorm takes
+
+
+def test_eps_zero_is_refused_where_batch_statistics_normalize(not_distributed):
+    """eps=0 constructs, as BatchNorm's does, and serves eval mode with running statistics;
+    normalizing by batch statistics with it (training, or eval without running statistics)
+    is refused with the layer's own message before any batch is counted: a channel whose
+    values are all equal has variance 0 (one process's BatchNorm refuses it on recent
+    PyTorch; the multi-rank path gave NaN). Reference: nn.BatchNorm1d(eps=0) in eval."""
+    x = torch.randn(5, 4)
+    layer = SyncBatchNorm(4, eps=0.0)
+    with pytest.raises(ValueError, match=r"^SyncBatchNorm\(4\): eps=0\.0 normalizing by batch "
+                                         r"statistics.*Set a positive eps"):
+        layer(x)
+    assert int(layer.num_batches_tracked) == 0
+    ref = nn.BatchNorm1d(4, eps=0.0).eval()
+    torch.testing.assert_close(layer.eval()(x), ref(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"eps=0\.0 normalizing by batch statistics"):
+        SyncBatchNorm(4, eps=0.0, track_running_stats=False).eval()(x)
+
+
+def test_integer_eps_and_momentum_are_taken_as_batchnorm_takes_them(not_distributed):
+    """eps and momentum written as Python ints (``eps=1``, ``momentum=1``, ``momentum=0``) are
+    numbers in range: the layer takes them, as nn.BatchNorm1d does, and computes what
+    nn.BatchNorm1d with the same ints computes. Reference: nn.BatchNorm1d (one process:
+    SyncBatchNorm is BatchNorm, bit for bit): output and running statistics. (S04)"""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3) * 0.5 + 1
+    for kwargs in (dict(eps=1, momentum=1), dict(eps=1, momentum=0)):
+        layer, ref = SyncBatchNorm(3, **kwargs), nn.BatchNorm1d(3, **kwargs)
+        torch.testing.assert_close(layer(x), ref(x), rtol=0, atol=0, msg=str(kwargs))
+        torch.testing.assert_close(layer.running_mean, ref.running_mean, rtol=0, atol=0)
+        torch.testing.assert_close(layer.running_var, ref.running_var, rtol=0, atol=0)
 
 
 def test_integer_input_is_told_to_cast_the_input_only():
@@ -1638,6 +1689,76 @@ def test_channel_last_flag_with_a_strided_input_is_batchnorm(not_distributed):
         assert torch.equal(leaf.grad[:, 1::2], torch.zeros(4, 3, 5, 3)), path
         _close(rm, rrm, STAT_TOL, f"[{path}] running_mean")
         _close(rv, rrv, STAT_TOL, f"[{path}] running_var")
+
+
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+def test_sync_batch_norm_gives_each_trainable_parameter_its_gradient(not_distributed, frozen):
+    """Fine-tuning often freezes one affine parameter and trains the other (a frozen scale
+    with a trained shift): the one that requires grad gets its gradient and the frozen one
+    none, on every path, whichever of the two is frozen. Reference: float64 BatchNorm's
+    weight/bias gradients, 1e-4. (F09)"""
+    torch.manual_seed(0)
+    x = (torch.randn(5, 3, 4, 2) * 0.7 + 1).contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(5, 3, 4, 2).contiguous(memory_format=torch.channels_last)
+    w0, b0 = torch.rand(3) + 0.5, torch.randn(3)
+    _, _, rdw, rdb, _, _ = _reference(x, w0, b0, dy, None, None, 0.1, 1e-5, 1)
+    for path, path_ctx in _cpu_paths():
+        w, b = w0.clone(), b0.clone()
+        trained, want = (b, rdb) if frozen == "weight" else (w, rdw)
+        trained.requires_grad_()
+        _local_case(x, dy, w, b, None, None, 1e-5, 0.1, path_ctx=path_ctx)
+        other = w if frozen == "weight" else b
+        assert other.grad is None, f"[{path}] frozen {frozen} got a gradient"
+        assert trained.grad is not None, f"[{path}] no gradient for the trained parameter"
+        _close(trained.grad, want, dict(rtol=1e-4, atol=1e-4), f"[{path}] gradient")
+
+
+def test_sync_batch_norm_reads_a_strided_nchw_input_as_it_is_laid_out(not_distributed):
+    """An ``(N, C, H, W)`` input that is a strided view (every other row of a larger feature
+    map, a crop), neither contiguous nor channels-last, is read as it is laid out on every
+    path: the fused kernels' ``(M, C)`` view and the Triton kernels are for channels-innermost
+    memory only. Output, input gradient (zero where the view does not reach) and running
+    statistics against float64 BatchNorm, 1e-5 / 1e-4. (F11)"""
+    torch.manual_seed(0)
+    base = torch.randn(4, 3, 6, 5) * 2 + 1
+    dy = torch.randn(4, 3, 3, 5)
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    for path, path_ctx in _cpu_paths():
+        rm, rv = torch.zeros(3), torch.ones(3)
+        leaf = base.clone().requires_grad_()
+        x = leaf[:, :, ::2]
+        with path_ctx():
+            y = fn.sync_batch_norm(x, w, b, rm, rv, 1e-5, 0.1, fn.LOCAL, 1)
+            y.backward(dy)
+        ry, rdx, _, _, rrm, rrv = _reference(x.detach(), w, b, dy, torch.zeros(3),
+                                             torch.ones(3), 0.1, 1e-5, 1)
+        _close(y.detach(), ry, OUT_TOL[torch.float32], f"[{path}] output")
+        _close(leaf.grad[:, :, ::2], rdx, OUT_TOL[torch.float32], f"[{path}] input grad")
+        assert torch.equal(leaf.grad[:, :, 1::2], torch.zeros(4, 3, 3, 5)), path
+        _close(rm, rrm, STAT_TOL, f"[{path}] running_mean")
+        _close(rv, rrv, STAT_TOL, f"[{path}] running_var")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sync_batch_norm_sums_half_gradients_in_fp32(not_distributed, dtype):
+    """Half input (O1/O2): the backward's per-channel sums (the bias gradient ``sum(dy)``, the
+    weight gradient ``sum(dy * (x - mean)) * invstd``) are accumulated and returned in fp32,
+    as the module docstring states for every path, not rounded to the half dtype: the fp32
+    masters of an O2 model take these gradients as they are, and a bf16-rounded ``sum(dy)``
+    over a large batch is off by up to 2**-9 of itself. dy is offset from zero so that the
+    sums are large. Reference: float64 BatchNorm on the same rounded values, relative 1e-5
+    (fp32 accumulation of 512 values). (F21)"""
+    torch.manual_seed(0)
+    x = (torch.randn(8, 3, 8, 8) * 1.5 + 0.7).to(dtype)
+    dy = (torch.randn(8, 3, 8, 8) + 3).to(dtype)
+    w0, b0 = torch.rand(3) + 0.5, torch.randn(3)
+    _, _, rdw, rdb, _, _ = _reference(x, w0, b0, dy, None, None, 0.1, 1e-5, 1)
+    for path, path_ctx in _cpu_paths():
+        w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+        _local_case(x, dy, w, b, None, None, 1e-5, 0.1, path_ctx=path_ctx)
+        assert w.grad.dtype == b.grad.dtype == torch.float32, path
+        _close(b.grad, rdb, dict(rtol=1e-5, atol=1e-4), f"[{path}] {dtype} bias grad")
+        _close(w.grad, rdw, dict(rtol=1e-5, atol=1e-4), f"[{path}] {dtype} weight grad")
 
 
 def test_a_layer_cache_fed_ever_changing_shapes_stays_bounded(not_distributed):
