@@ -225,11 +225,46 @@ def test_a_static_scale_replaced_by_the_checkpoints_warns():
     with pytest.warns(UserWarning, match=r"loss_scaler0: 65536 for 128.*never backs off"):
         amp.load_state_dict(saved)
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 65536.0
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         amp.load_state_dict(saved)  # (the same scale again: nothing to say)
+    # A dynamic run loads the checkpoint's scale at every resume, and its scale backs off:
+    # nothing to warn about; the scale and count loaded are the checkpoint's. (M11)
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.float16, loss_scale="dynamic",
+                   verbosity=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}})
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}}
+
+
+def test_masters_written_through_data_mid_run_hold_when_other_parameters_register():
+    """fp32 masters written through ``.data`` after training started (a resume into a run
+    already stepping, copying saved masters in as NVIDIA's BERT script does) hold through the
+    next step also when parameters are registered elsewhere meanwhile (an evaluation model
+    built, a head made): only half parameters registered again are looked at for ``.data``
+    writes, so a master that differs from its half parameter is not taken for one. The step
+    at lr 0 leaves the written masters exactly, and the half model holds them rounded (M37)."""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y, amp)
+    masters = list(amp.master_params(opt))
+    saved = [m.detach().clone() + 1e-3 * torch.randn_like(m) for m in masters]
+    for m, s in zip(masters, saved):
+        m.data.copy_(s)
+    nn.Linear(3, 3)  # (an unrelated module: its parameters are registered)
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    train_step(model, opt, x, y, amp)
+    for m, s in zip(amp.master_params(opt), saved):
+        assert torch.equal(m.detach(), s)
+    assert any(p.dtype == torch.bfloat16 for p in model.parameters())
+    for p, s in zip(model.parameters(), saved):  # (the groups' order is the model's)
+        assert torch.equal(p.detach(), s.to(p.dtype))
 
 
 @pytest.mark.parametrize("stepped", [False, True])

@@ -2193,6 +2193,64 @@ def test_a_dropped_delay_unscale_window_leaves_the_next_steps_gradients_its_own(
     assert _master_grads_error(opt, ref) < 5e-2
 
 
+def test_a_dropped_window_leaves_nothing_aside_for_a_block_at_scale_one():
+    """A delay_unscale window dropped by optimizer.zero_grad() takes with it the earlier
+    gradients its backward set aside: a later block's gradients are its own batch's alone,
+    also when that block runs at a static scale of 1.0 (a checkpoint's scale loaded since),
+    where nothing is set aside again that would hide a stale entry. Compared with the same
+    batch's fp32 gradients (exact: O1 without patching computes in fp32) (M02)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", loss_scale=128.0, dtype=torch.bfloat16,
+                   patch_torch_functions=False, verbosity=0)
+    x, x2 = torch.randn(8, 4), torch.randn(8, 4)
+    with amp.scale_loss(model(x).pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    with amp.scale_loss(model(x).pow(2).mean(), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    opt.zero_grad()
+    with pytest.warns(UserWarning, match="replaces this run's static one"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}})
+    with amp.scale_loss(model(x2).pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    ref = copy.deepcopy(model)
+    ref.zero_grad()
+    ref(x2).pow(2).mean().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=0)
+
+
+def test_two_overflowed_losses_skip_a_fused_step_once():
+    """Two losses (num_losses=2) backpropagated before one step, both overflowing, with the
+    loss scales on the device (torch's fused AdamW takes amp's found_inf): the step is
+    skipped once, as on the host. Fused kernels subtract found_inf from their step counts
+    (GradScaler's protocol), so the flags of several losses combine to 1, not 2: a fused run
+    keeps the same step counts and weights as the unfused one through a skipped step (M38)."""
+    def run(fused):
+        model = make_cnn()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+        amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", num_losses=2,
+                       verbosity=0)
+        x, y = batch()
+        for poison in (False, True, False):
+            opt.zero_grad()
+            for loss_id in (0, 1):
+                loss = nn.functional.cross_entropy(model(x), y)
+                with amp.scale_loss(loss * (float("inf") if poison else 1.0), opt,
+                                    loss_id=loss_id) as scaled:
+                    scaled.backward()
+            opt.step()
+            assert amp.step_was_skipped(opt) is poison
+        steps = [float(opt.state[p]["step"]) for p in model.parameters()]
+        return steps, model.state_dict()
+
+    (want_steps, want), (got_steps, got) = run(False), run(True)
+    assert got_steps == want_steps == [2.0] * len(want_steps)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_another_blocks_in_place_average_of_unscaled_gradients_is_not_refused():
     # Apex's two-loss loop with a Reducer.reduce() inside each block: the second block's
     # reduce averages the first optimizer's gradients (unscaled already) in place. Not
