@@ -1436,9 +1436,20 @@ def registered_since(count: int) -> Optional[Set[int]]:
     that is not known any more (too many since, or ``count`` is from before the counting)."""
     if count < 0 or _parameter_registrations - count > len(_recent_registrations):
         return None
-    # (A tuple taken in one step: another thread building a model appends meanwhile, and a
-    # walk of the deque itself failed with "deque mutated during iteration".)
-    return {pid for n, pid in tuple(_recent_registrations) if n > count}
+    return {pid for n, pid in _snapshot_registrations() if n > count}
+
+
+def _snapshot_registrations() -> tuple:
+    """The recent registrations as one tuple. Another thread building a model appends to the
+    deque meanwhile: a walk of the deque failed with "deque mutated during iteration", and so
+    did ``tuple(deque)`` at times (the garbage collector, run by the tuple's allocation after
+    the walk had begun, calls finalizers in Python, where the other thread may run). A walk
+    that meets an append is taken again."""
+    while True:
+        try:
+            return tuple(_recent_registrations)
+        except RuntimeError:  # (deque mutated during iteration)
+            continue
 
 
 def follow_renames_in(model: nn.Module) -> None:

@@ -2320,6 +2320,47 @@ def test_initialize_in_other_threads_does_not_break_training_in_one():
     assert len(live) == 150
 
 
+@pytest.mark.parametrize("threshold", range(1, 6))
+def test_recent_registrations_are_read_whole_while_another_thread_appends(monkeypatch,
+                                                                           threshold):
+    """The walk over the recent parameter registrations (a step looking for renamed
+    parameters) completes while another thread appends to them: the garbage collector,
+    run by the allocation of the walk's tuple, calls finalizers in Python, where another
+    thread building a model may append, and ``tuple(deque)`` then raised "deque mutated
+    during iteration" inside optimizer.step() (the thread test above, once in CI). Here the
+    append comes from a collection's start callback, the collector made to run at one of
+    the first allocations (on CPython 3.11 one of these thresholds lands mid-walk; where none
+    does, the test passes without the race); the result is the registrations after the count
+    asked for, with the appended one or without it, never an error. Reference: the entries
+    put in."""
+    import collections
+    import gc
+
+    from mixprec.amp import _model
+
+    recent = collections.deque(((n, 10_000 + n) for n in range(1, 3001)), maxlen=4096)
+    monkeypatch.setattr(_model, "_recent_registrations", recent)
+    monkeypatch.setattr(_model, "_parameter_registrations", 3001)
+    appended = []
+
+    def append_at_start(phase, info):
+        if phase == "start" and not appended:
+            appended.append(True)
+            recent.append((3001, 99_999))
+
+    previous = gc.get_threshold()
+    gc.collect()
+    gc.callbacks.append(append_at_start)
+    gc.set_threshold(threshold)
+    try:
+        got = _model.registered_since(2995)
+    finally:
+        gc.set_threshold(*previous)
+        gc.callbacks.remove(append_at_start)
+    want = {10_000 + n for n in range(2996, 3001)}
+    assert got in (want, want | {99_999}), sorted(got)
+
+
 class _GatedNet(nn.Module):
     """``fc(x) * scale``; given ``gate`` (two events), it says it is inside and waits."""
 
