@@ -1265,9 +1265,10 @@ def test_apex_optimizers_star_import_gives_every_name(clean_apex):
         assert name in namespace, name
 
 
-def test_fused_sgd_nesterov_steps_as_pytorchs(clean_apex):
-    """FusedSGD(nesterov=True) is PyTorch's Nesterov SGD, bit for bit (ImageNet recipes pass
-    it). (O04)"""
+def _fused_sgd_steps_as_pytorchs(**kwargs):
+    """Three steps of apex.optimizers.FusedSGD and of torch.optim.SGD built with the same
+    arguments, on the same gradients: the parameters must match bit for bit. Returns the
+    FusedSGD."""
     import torch
     from torch import nn
 
@@ -1277,8 +1278,8 @@ def test_fused_sgd_nesterov_steps_as_pytorchs(clean_apex):
     torch.manual_seed(0)
     ours = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4))]
     ref = [nn.Parameter(p.detach().clone()) for p in ours]
-    opt = FusedSGD(ours, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
-    ref_opt = torch.optim.SGD(ref, lr=0.1, momentum=0.9, weight_decay=1e-2, nesterov=True)
+    opt = FusedSGD(ours, lr=0.1, **kwargs)
+    ref_opt = torch.optim.SGD(ref, lr=0.1, **kwargs)
     for _ in range(3):
         for p, q in zip(ours, ref):
             g = torch.randn_like(p)
@@ -1287,34 +1288,22 @@ def test_fused_sgd_nesterov_steps_as_pytorchs(clean_apex):
         ref_opt.step()
     for p, q in zip(ours, ref):
         torch.testing.assert_close(p, q, rtol=0, atol=0)
+    return opt
+
+
+def test_fused_sgd_nesterov_steps_as_pytorchs(clean_apex):
+    """FusedSGD(nesterov=True) is PyTorch's Nesterov SGD, bit for bit (ImageNet recipes pass
+    it). (O04)"""
+    _fused_sgd_steps_as_pytorchs(momentum=0.9, weight_decay=1e-2, nesterov=True)
 
 
 def test_fused_sgd_defaults_are_plain_sgd(clean_apex):
     """FusedSGD(params, lr) with Apex's defaults is plain SGD: no momentum, dampening, weight
     decay or Nesterov, so a script passing only lr steps as torch.optim.SGD(params, lr), bit
     for bit. (O01)"""
-    import torch
-    from torch import nn
-
-    mixprec.install_apex_alias()
-    from apex.optimizers import FusedSGD
-
-    torch.manual_seed(0)
-    ours = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4))]
-    ref = [nn.Parameter(p.detach().clone()) for p in ours]
-    opt = FusedSGD(ours, lr=0.1)
-    ref_opt = torch.optim.SGD(ref, lr=0.1)
-    group = opt.param_groups[0]
+    group = _fused_sgd_steps_as_pytorchs().param_groups[0]
     assert (group["momentum"], group["dampening"], group["weight_decay"],
             group["nesterov"]) == (0.0, 0.0, 0.0, False)
-    for _ in range(3):
-        for p, q in zip(ours, ref):
-            g = torch.randn_like(p)
-            p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(ours, ref):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
 def test_noop_handle_wrapped_optimizer_steps_with_a_closure(clean_apex):
