@@ -340,14 +340,16 @@ def initialize(
         opt_list, single_opt = _as_list(optimizers, "optimizers", object, "torch.optim.Optimizer")
         for opt in opt_list:
             inner = hookable_optimizer(opt)  # raises TypeError for non-optimizers
-            if inner is not opt and not hasattr(opt, "__dict__"):
+            if inner is opt:
+                continue
+            # A wrapper (LARC-style) stands for the optimizer it wraps.
+            if not hasattr(opt, "__dict__"):
                 raise TypeError(
                     f"amp.initialize(optimizers=...): {type(opt).__name__} wraps a "
                     f"{type(inner).__name__} but has no instance __dict__ (its class defines "
                     "__slots__), so amp cannot put its step hook on the wrapper. Add "
                     "'__dict__' to its __slots__, or pass the wrapped optimizer itself.")
-            missing = [name for name in ("step", "zero_grad", "state")
-                       if inner is not opt and not hasattr(opt, name)]
+            missing = [name for name in ("step", "zero_grad", "state") if not hasattr(opt, name)]
             if missing:
                 raise TypeError(
                     f"amp.initialize(optimizers=...): {type(opt).__name__} wraps a "
