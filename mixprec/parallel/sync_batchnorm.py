@@ -223,7 +223,8 @@ class SyncBatchNorm(_BatchNorm):
                 f"SyncBatchNorm({self.num_features}): eps={self.eps!r} normalizing by batch "
                 "statistics: a channel whose values are all equal has variance 0, and eps 0 "
                 "divides by it. Set a positive eps (layer.eps = 1e-5, the default); eps 0 "
-                "serves only eval mode with running statistics.")
+                "can serve only eval mode with running statistics, where this PyTorch's "
+                "BatchNorm takes it.")
         factor = self._average_factor()
         # Running statistics are used in eval mode and updated in training mode when tracked.
         use_running = not self.training or self.track_running_stats

@@ -21,6 +21,7 @@ import copy
 import functools
 import inspect
 import pickle
+import re
 
 import pytest
 import torch
@@ -996,11 +997,13 @@ def test_bad_eps_and_momentum_are_refused_at_construction(kwargs, message):
 
 
 def test_eps_zero_is_refused_where_batch_statistics_normalize(not_distributed):
-    """eps=0 constructs, as BatchNorm's does, and serves eval mode with running statistics;
-    normalizing by batch statistics with it (training, or eval without running statistics)
-    is refused with the layer's own message before any batch is counted: a channel whose
-    values are all equal has variance 0 (one process's BatchNorm refuses it on recent
-    PyTorch; the multi-rank path gave NaN). Reference: nn.BatchNorm1d(eps=0) in eval."""
+    """eps=0 constructs, as BatchNorm's does, and in eval mode with running statistics does
+    what the installed PyTorch's BatchNorm does (torch 2.4 and 2.13 normalize with it, 2.11
+    refuses it there too); normalizing by batch statistics with it (training, or eval without
+    running statistics) is refused with the layer's own message before any batch is counted,
+    on every version: a channel whose values are all equal has variance 0 (one process's
+    BatchNorm refuses it on recent PyTorch; the multi-rank path gave NaN). Reference:
+    nn.BatchNorm1d(eps=0) in eval, its output or its error."""
     x = torch.randn(5, 4)
     layer = SyncBatchNorm(4, eps=0.0)
     with pytest.raises(ValueError, match=r"^SyncBatchNorm\(4\): eps=0\.0 normalizing by batch "
@@ -1008,7 +1011,13 @@ def test_eps_zero_is_refused_where_batch_statistics_normalize(not_distributed):
         layer(x)
     assert int(layer.num_batches_tracked) == 0
     ref = nn.BatchNorm1d(4, eps=0.0).eval()
-    torch.testing.assert_close(layer.eval()(x), ref(x), rtol=0, atol=0)
+    try:
+        expected = ref(x)
+    except ValueError as refused:  # torch 2.11: eps must be positive in eval mode too
+        with pytest.raises(ValueError, match=re.escape(str(refused))):
+            layer.eval()(x)
+    else:
+        torch.testing.assert_close(layer.eval()(x), expected, rtol=0, atol=0)
     with pytest.raises(ValueError, match=r"eps=0\.0 normalizing by batch statistics"):
         SyncBatchNorm(4, eps=0.0, track_running_stats=False).eval()(x)
 
