@@ -1417,13 +1417,19 @@ def test_progress_bar_ends_at_its_total(monkeypatch):
 
 def test_stderr_line_keeps_a_failure_reason_of_100_characters_whole():
     """The per-mode stderr line shows a failure reason of up to 100 characters whole and cuts
-    a longer one to 97 plus "...". (M25)"""
+    a longer one to 97 plus "..."; a multi-line error shows its first line, a failure without
+    a message "unknown error". (M25)"""
     reason = "RuntimeError: " + "x" * 86
     assert len(reason) == 100
     row = ModeResult(mode="O2", label="O2", dtype="bf16", status="failed", error=reason)
     assert _mode_line(row, 1, 2) == f"mixprec bench: [1/2] O2: FAILED: {reason}"
     row.error = reason + "y"
     assert _mode_line(row, 1, 2) == f"mixprec bench: [1/2] O2: FAILED: {reason[:97]}..."
+    # It stays one line (a multi-line error's first) and never empty. (r64C's C05, C06)
+    row.error = "RuntimeError: first line\nsecond line"
+    assert _mode_line(row, 1, 2) == "mixprec bench: [1/2] O2: FAILED: RuntimeError: first line"
+    row.error = None
+    assert _mode_line(row, 2, 2) == "mixprec bench: [2/2] O2: FAILED: unknown error"
 
 
 def test_a_run_whose_modes_all_diverged_exits_0(monkeypatch):
@@ -1442,3 +1448,112 @@ def test_a_run_whose_modes_all_diverged_exits_0(monkeypatch):
     code, text = _run(["bench", *ONE_MODE])
     assert code == 0
     assert [r[-1] for r in _table_rows(text)] == ["ok, loss not finite (diverged)"]
+
+
+# -- mutation run r64C over cli.py: what the tests above let through -----------------------
+
+
+def _with_spread(monkeypatch, iqr_of_median):
+    """Make every mode's timed steps report an interquartile range of ``iqr_of_median`` x
+    their median (the runner's real spread depends on the machine's load)."""
+    import mixprec.bench.runner as runner
+
+    real = runner.run_mode
+
+    def run_mode(*args, **kwargs):
+        row = real(*args, **kwargs)
+        row.time_per_iter_iqr_s = iqr_of_median * row.time_per_iter_s
+        return row
+
+    monkeypatch.setattr(runner, "run_mode", run_mode)
+
+
+def test_unsteady_timing_is_noted_under_the_table(monkeypatch):
+    """A mode whose step times varied widely (IQR over a quarter of the median) is named in a
+    note under the table, so a reader does not trust its speed-up; steady timing gets no such
+    note. (C01)"""
+    _with_spread(monkeypatch, 0.5)
+    code, text = _run(["bench", *ONE_MODE])
+    assert code == 0
+    assert "note: unsteady timing: the step times of O0 varied by more than 25% of their " \
+        "median" in text
+    _with_spread(monkeypatch, 0.0)
+    code, text = _run(["bench", *ONE_MODE])
+    assert code == 0 and "unsteady timing" not in text
+
+
+def test_files_and_header_describe_the_workload_that_ran(tmp_path):
+    """The header and each row's "description" name the workload as built (model, sizes,
+    batch), the same text in both, so a file read later says what was measured, not only the
+    --model flag. (C02)"""
+    path = tmp_path / "rows.json"
+    code, text = _run(["bench", *ONE_MODE, "--json", str(path)])
+    assert code == 0
+    want = build_workload("cnn", batch_size=4).description
+    assert text.splitlines()[0] == f"mixprec bench: {want}"
+    (row,) = json.loads(path.read_text())
+    assert row["description"] == want and row["description"] != "cnn"
+
+
+def test_the_plot_is_titled_with_the_workload_device_and_half_type(monkeypatch, tmp_path):
+    """The figure's title says what ran where: the workload's description, the device's name
+    and the half type, as the table's header does. (C03)"""
+    import mixprec.bench.report as report
+
+    titles = []
+    monkeypatch.setattr(report, "write_plot",
+                        lambda results, path, title="": titles.append(title))
+    code, _ = _run(["bench", *ONE_MODE, "--plot", str(tmp_path / "p.png")])
+    assert code == 0
+    want = build_workload("cnn", batch_size=4).description
+    assert titles == [f"mixprec bench: {want} on CPU, bf16"]
+
+
+def test_opt_levels_take_blanks_around_a_level_as_the_other_choices_do():
+    """--opt-levels reads " O1 " as O1, as --model, --size, --norm and --dtype ignore blanks
+    around their choice (a quoted list pasted from a config). (C04)"""
+    assert _parsed("--opt-levels", " O1 ", "o2 ").opt_levels == ["O1", "O2"]
+
+
+def test_started_with_stderr_closed_keeps_the_progress_lines_out_of_stdout(monkeypatch,
+                                                                          tmp_path):
+    """With stderr closed (sys.stderr is None: `2>&-`) the per-mode lines are dropped, not
+    printed to stdout, where they would mix with the table; the run still writes its files and
+    exits 0. (C08)"""
+    monkeypatch.setattr(sys, "stderr", None)
+    path = tmp_path / "rows.json"
+    code, text = _run(["bench", *ONE_MODE, "--json", str(path)])
+    assert code == 0
+    assert "mixprec bench: [1/1]" not in text
+    assert [r["mode"] for r in json.loads(path.read_text())] == ["O0"]
+
+
+def test_a_run_interrupted_before_any_mode_finished_notes_only_the_interruption(monkeypatch):
+    """With no row finished there is no O0 row to miss: the notes say the run was interrupted
+    and not that O0 failed (the no-O0 note is about finished rows). (C15)"""
+    _interrupt_at(monkeypatch, "O0")
+    code, text = _run(["bench", *ONE_MODE])
+    assert code == 130
+    assert "note: interrupted (Ctrl-C) during O0; did not run: O0." in text
+    assert "no successful O0 row" not in text
+
+
+def test_one_failed_mode_among_ok_ones_gets_the_traceback_note(monkeypatch):
+    """A run where some modes failed and others ran tells the reader where the failures'
+    tracebacks are (run with -v), not only a run where every mode failed. (C11)"""
+    import mixprec.bench.runner as runner
+
+    real = runner._build_recipe
+
+    def build_recipe(workload, mode, *args):
+        if mode == "O1":
+            raise RuntimeError("forced by the test")
+        return real(workload, mode, *args)
+
+    monkeypatch.setattr(runner, "_build_recipe", build_recipe)
+    code, text = _run(["bench", *FAST, "--iters", "1", "--warmup", "0", "--opt-levels", "O0",
+                       "O1", "--no-native"])
+    assert code == 0
+    assert [r[-1] for r in _table_rows(text)] == ["ok", "FAILED: RuntimeError: forced by the "
+                                                        "test"]
+    assert "note: failed modes: run with -v for their tracebacks." in text

@@ -451,3 +451,44 @@ def test_another_baseline_is_used_by_the_ratios_the_table_and_the_files(tmp_path
     assert (float(o2["speedup_vs_baseline"]), float(o2["memory_vs_baseline"]),
             float(o2["loss_gap_pct"])) == (pytest.approx(2.0), pytest.approx(0.5),
                                            pytest.approx(200.0))
+
+
+# -- mutation run r64C over report.py: what the tests above let through --------------------
+
+
+def test_meta_never_overwrites_a_rows_own_fields():
+    """meta adds the run's settings to each row; a key that is also a row's field (a caller's
+    meta={"device": ...} or {"mode": ...}) does not replace the measured row's value, so a
+    row keeps saying which mode it measured and where. (P01)"""
+    rows = [_row("O0", 0.2, 10.0, 1.0), _row("O2", 0.1, 5.0, 1.0)]
+    out = rows_to_dicts(rows, meta={"mode": "bogus", "device": "elsewhere", "model": "cnn"})
+    assert [(d["mode"], d["device"], d["model"]) for d in out] == [
+        ("O0", "cpu", "cnn"), ("O2", "cpu", "cnn")]
+
+
+def test_plot_title_is_shown_wrapped_above_the_axes():
+    """write_plot's title is the figure's title, wrapped at 110 characters so a long workload
+    description stays within the figure; without one there is none. (P02)"""
+    import textwrap
+
+    from mixprec.bench.report import _figure
+
+    title = "mixprec bench: " + "a long workload description " * 6
+    fig = _figure([_row("O0", 0.1, 10.0, 1.0, losses=[2.0, 1.0])], title=title)
+    assert fig._suptitle is not None
+    assert fig._suptitle.get_text() == textwrap.fill(title, 110)
+    assert "\n" in fig._suptitle.get_text()
+    assert _figure([_row("O0", 0.1, 10.0, 1.0, losses=[2.0])], title="")._suptitle is None
+
+
+def test_plot_bar_labels_are_whole_numbers_from_100_up():
+    """The bars' value labels show whole numbers from 100 up (a peak of 1234.4 MiB reads
+    "1234", not "1.23e+03") and three significant digits below (0.0123 s reads
+    "0.0123"). (P03)"""
+    from mixprec.bench.report import _figure
+
+    rows = [_row("O0", 0.0123 / 40, 1234.4, 1.0, losses=[2.0])]
+    fig = _figure(rows, title="")
+    ax_time, ax_mem = fig.axes[1], fig.axes[2]
+    assert [t.get_text() for t in ax_mem.texts] == ["1234"]
+    assert [t.get_text() for t in ax_time.texts] == ["0.0123"]

@@ -792,3 +792,90 @@ def test_total_time_counts_the_loops_work_between_the_timed_steps(cnn, monkeypat
     assert r.ok, r.error
     assert r.step_times_s == [1.0, 2.0, 4.0, 9.0]
     assert r.total_time_s == 16.0 + 4 * 0.5
+
+
+# -- mutation run r64C over the runner: what the tests above let through -------------------
+
+
+def test_a_mode_failing_with_any_exception_type_is_a_failed_row(cnn, monkeypatch):
+    """A recipe can fail with any exception type (a TypeError from a model that does not take
+    the half inputs, a ValueError from amp's argument checks): each becomes a failed row named
+    by its type, and the modes after it still run, so one broken recipe never costs the
+    benchmark the other rows. (N01)"""
+    errors = {"O1": TypeError("no half inputs here (forced by the test)"),
+              "O2": ValueError("bad opt level setting (forced by the test)")}
+    real = runner_module._build_recipe
+
+    def build_recipe(workload, mode, *args):
+        if mode in errors:
+            raise errors[mode]
+        return real(workload, mode, *args)
+
+    monkeypatch.setattr(runner_module, "_build_recipe", build_recipe)
+    rows = run_modes(cnn, ["O1", "O2", "fp32"], process_warmup=False, **FAST)
+    assert [(r.mode, r.status, r.error) for r in rows[:2]] == [
+        ("O1", "failed", "TypeError: no half inputs here (forced by the test)"),
+        ("O2", "failed", "ValueError: bad opt level setting (forced by the test)"),
+    ]
+    assert rows[2].ok, rows[2].error
+
+
+def test_cpu_peak_memory_fallback_counts_a_block_still_held_when_left(monkeypatch):
+    """The sampling fallback reads the RSS once more when the probe is left: memory the mode
+    still holds at its end counts even when no sample fell after it was allocated (a sampler
+    thread that never woke up here). (N02)"""
+    monkeypatch.setattr(runner_module, "_reset_hwm", lambda: False)
+    probe = _CpuPeakMemory(interval_s=3600.0)  # the thread never samples on its own
+    if probe._read is None:
+        pytest.skip("no RSS reader on this system")
+    with probe:
+        x = torch.ones(64 * 2**20 // 4)  # touched, alive when the probe is left
+    del x
+    assert not probe._hwm
+    assert 60 <= probe.peak_mb < 1024
+
+
+def test_cpu_peak_memory_resets_the_kernels_peak_after_a_larger_earlier_one():
+    """Each probe starts the kernel's high-water mark afresh: after an earlier, larger peak
+    (a previous mode's) the next mode still gets the exact measurement, not the sampling
+    fallback, and its peak is its own growth, not the earlier mode's. (N03)"""
+    if not _kernel_resets_the_peak_rss():
+        pytest.skip("this kernel does not reset VmHWM through /proc/self/clear_refs")
+    big = torch.ones(256 * 2**20 // 4)  # an earlier peak 256 MiB above what stays resident
+    del big
+    probe = _CpuPeakMemory()
+    with probe:
+        x = torch.ones(16 * 2**20 // 4)
+        del x
+    assert probe._hwm and probe._thread is None
+    assert 12 <= probe.peak_mb < 128
+
+
+def test_run_mode_samples_the_fallback_probe_after_every_step(cnn, monkeypatch):
+    """Where the kernel's peak cannot be reset, run_mode reads the RSS after every step as
+    well as in the 10 ms sampler: a 64 MiB block one step holds until the next step frees it
+    counts in the mode's peak even when the sampler thread never wakes in between. (N05)"""
+    import functools
+
+    monkeypatch.setattr(runner_module, "_reset_hwm", lambda: False)
+    monkeypatch.setattr(runner_module, "_CpuPeakMemory",
+                        functools.partial(_CpuPeakMemory, interval_s=3600.0))
+    if _CpuPeakMemory()._read is None:
+        pytest.skip("no RSS reader on this system")
+    held, calls = [], []
+    loss_fn = cnn.loss_fn
+
+    def loss_holding_a_block_for_one_step(out, y):
+        calls.append(None)
+        if len(calls) == 1:
+            held.append(torch.ones(64 * 2**20 // 4))  # step 1 allocates and keeps it
+        else:
+            held.clear()  # step 2 frees it: gone by the probe's end
+        return loss_fn(out, y)
+
+    run_mode(cnn, "fp32", **FAST)  # the process's one-time costs first
+    r = run_mode(dataclasses.replace(cnn, loss_fn=loss_holding_a_block_for_one_step), "fp32",
+                 **FAST)
+    assert r.ok, r.error
+    assert not held
+    assert 60 <= r.peak_memory_mb < 1024
