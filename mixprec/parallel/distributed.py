@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import math
 import re
 import warnings
 import weakref
@@ -421,10 +422,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                                             find_unused_parameters)
         require_initialized("DistributedDataParallel")
         if (not isinstance(message_size, (int, float)) or isinstance(message_size, bool)
-                or message_size < 1):
+                or not 1 <= message_size < math.inf):
             raise ValueError(
-                f"DistributedDataParallel(message_size={message_size!r}): must be a positive "
-                "number of elements per bucket (Apex's default is 10000000)."
+                f"DistributedDataParallel(message_size={message_size!r}): must be a finite "
+                "number >= 1 of elements per bucket (Apex's default is 10000000)."
             )
         if gradient_average_split_factor is not None:
             _warn_rank0(
@@ -435,10 +436,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             gradient_predivide_factor = gradient_average_split_factor
         if (not isinstance(gradient_predivide_factor, (int, float))
                 or isinstance(gradient_predivide_factor, bool)
-                or not gradient_predivide_factor > 0):
+                or not 0 < gradient_predivide_factor < math.inf):
             raise ValueError(
                 "DistributedDataParallel(gradient_predivide_factor="
-                f"{gradient_predivide_factor!r}): must be a number > 0, e.g. 1.0 (the default) or "
+                f"{gradient_predivide_factor!r}): must be a finite number > 0 (an infinite one "
+                "makes every gradient 0 or NaN), e.g. 1.0 (the default) or "
                 "the world size; both divide every gradient by the world size before the "
                 "all-reduce."
             )

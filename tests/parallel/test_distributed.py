@@ -3212,10 +3212,15 @@ def check_delay_allreduce_steps_warn_nothing(ctx):
 
 def check_arguments_refused_where_a_bool_or_nan_would_slip_through(ctx):
     """message_size, gradient_predivide_factor and num_allreduce_streams are numbers: a bool
-    (True is 1 to Python), a NaN factor (every gradient NaN) or a fractional stream count is
-    refused with a ValueError naming the argument, as 0 is. (D15, D16, D17, D18)"""
+    (True is 1 to Python), a NaN factor (every gradient NaN), an infinite one (every gradient
+    divided to 0 before the sum and by world_size / inf = 0 after it: NaN averaged, 0 summed,
+    silently), an infinite or NaN message_size (no number of elements; PyTorch's reducer
+    failed without naming it) or a fractional stream count is refused with a ValueError
+    naming the argument, as 0 is. (D15, D16, D17, D18, r64A's bug)"""
     for kwargs in ({"message_size": True}, {"gradient_predivide_factor": float("nan")},
-                   {"gradient_predivide_factor": True}, {"num_allreduce_streams": 1.5}):
+                   {"gradient_predivide_factor": True}, {"num_allreduce_streams": 1.5},
+                   {"gradient_predivide_factor": float("inf")},
+                   {"message_size": float("inf")}, {"message_size": float("nan")}):
         try:
             DistributedDataParallel(_mlp(ctx.device), **kwargs)
         except ValueError as err:
@@ -3455,6 +3460,172 @@ def check_zero_grad_passes_set_to_none(ctx):
         assert p.grad is not None and not p.grad.any(), name
     ddp.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def check_message_size_given_as_a_float(ctx):
+    """message_size is a count of elements that scripts often compute or read as a float
+    (1e3, 80.0 from a config): it sets the same buckets as the int would, in both modes. The
+    reducer's cap is 1000 fp32 elements (4000 bytes); the delay mode's buckets of 80
+    elements split the MLP's 128/16/64/4-element gradients as 128, 16+64 and 4, and the
+    gradients are the global batch's. (A01)"""
+    ddp = DistributedDataParallel(_mlp(ctx.device), message_size=1e3)
+    assert abs(_reducer_bucket_cap(ddp) - 4000) <= 1, _reducer_bucket_cap(ddp)
+    model = _mlp(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, message_size=80.0, delay_allreduce=True)
+    with _counting_all_reduces() as calls:
+        _grads_match_global_batch(ctx, ddp, model, ref, 745, "message_size=80.0, delay")
+    assert calls == [8, 128, 80, 4], calls
+
+
+def check_message_size_of_one_element(ctx):
+    """The smallest bucket, message_size=1 (every gradient in a bucket of its own), is a
+    valid size: it is taken in both modes and the gradients are the single-process global
+    batch's, as with any other size. (A02)"""
+    for delay in (False, True):
+        model = _mlp(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, message_size=1, delay_allreduce=delay)
+        _grads_match_global_batch(ctx, ddp, model, ref, 746, f"message_size=1, delay={delay}")
+
+
+def check_predivide_factor_given_as_an_int(ctx):
+    """gradient_predivide_factor=4 (an int, as Apex scripts often write it) is stored and
+    shown as the float it is documented to be, so that print(model) logs the same set-up
+    whichever way it was written; the average comes out as with 4.0 (rank r's gradient is
+    r + 1: the average (W + 1) / 2, exact in fp32). (A11)"""
+    model = _Scale().to(ctx.device)
+    ddp = DistributedDataParallel(model, gradient_predivide_factor=4)
+    assert type(ddp.gradient_predivide_factor) is float, type(ddp.gradient_predivide_factor)
+    assert "gradient_predivide_factor=4.0" in repr(ddp), repr(ddp)
+    ddp(torch.full((3,), ctx.rank + 1.0, device=ctx.device)).backward()
+    torch.testing.assert_close(model.weight.grad,
+                               torch.full((3,), (ctx.world_size + 1) / 2, device=ctx.device),
+                               rtol=0, atol=0)
+
+
+def check_amp_no_sync_micro_batch_past_an_evaluation_forward(ctx):
+    """A forward without grad (a metric on the batch) run outside no_sync() between a
+    no_sync() micro-batch's forward and its backward leaves that micro-batch's gradients
+    held scaled for the synced backward: amp's deferral is set by the forwards that build a
+    graph, and an evaluation has no backward. Reference: one process on the global
+    micro-batches; fp32 masters equal on every rank and within bf16 rounding (atol 2e-3) of
+    the reference's. (A25)"""
+    from mixprec import amp
+
+    model = _mlp(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), loss_scale=64.0)
+    ddp = DistributedDataParallel(model, message_size=64)
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for micro in range(2):
+        x, y = _global_batch(ctx, seed=740 + micro)
+        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as scaled:
+            scaled.backward()
+        with contextlib.nullcontext() if micro == 1 else ddp.no_sync():
+            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+        with torch.no_grad():
+            ddp(_mine(ctx, x))  # (an evaluation, outside no_sync())
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    opt.step()
+    ref_opt.step()
+    _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_apex_flat_dist_call_over_model_parameters(ctx):
+    """flat_dist_call takes a model's parameters themselves (leaves that require grad), as
+    scripts pass list(model.parameters()) to broadcast rank 0's initial weights: they come
+    out rank 0's, in place (the same tensors, still leaves requiring grad), with no autograd
+    error about an in-place write to a leaf. Reference: rank 0's values, gathered. (A38)"""
+    from mixprec.parallel.distributed import flat_dist_call
+
+    model = _mlp(ctx.device, seed=750 + ctx.rank)  # different weights on every rank
+    params = list(model.parameters())
+    flat_dist_call(params, dist.broadcast, (0,))
+    for (name, p), q in zip(model.named_parameters(), params):
+        assert p is q and p.is_leaf and p.requires_grad, name
+        torch.testing.assert_close(p.detach(), _gather(ctx, p.detach())[0], rtol=0, atol=0,
+                                   msg=labelled(f"rank {ctx.rank}: {name}"))
+
+
+def check_partly_frozen_model_evaluates_without_grad(ctx):
+    """A layer frozen through .module after the first step while the rest trains is refused
+    at the next forward with grad (the all-reduce would wait for its gradient), but an
+    evaluation under torch.no_grad() has no backward and runs as the module would (a
+    validation pass between freezing and re-wrapping). Reference: the module's own
+    output, exactly. (A47)"""
+    model = _mlp(ctx.device)
+    ddp = DistributedDataParallel(model, message_size=64)
+    _train_steps(ctx, ddp, [755])
+    model[0].requires_grad_(False)
+    x, _ = _global_batch(ctx, seed=756)
+    with torch.no_grad():
+        torch.testing.assert_close(ddp(_mine(ctx, x)), model(_mine(ctx, x)), rtol=0, atol=0)
+    try:
+        ddp(_mine(ctx, x))
+    except RuntimeError as err:
+        assert "0.weight, 0.bias were frozen (requires_grad=False) since the" in str(err), \
+            str(err)
+    else:
+        raise AssertionError("a forward with grad of a partly frozen model was taken")
+
+
+def check_process_group_refused_when_not_a_group(ctx):
+    """process_group= takes a ProcessGroup: a group size (2, as create_syncbn_process_group
+    takes) or a backend name ("gloo") is refused at construction with a TypeError naming
+    the argument and the value, on every rank, before any collective (the Reducer refuses
+    them the same way). (A54)"""
+    for group, words in ((2, "a group size?"), ("gloo", "got a str")):
+        try:
+            DistributedDataParallel(_mlp(ctx.device), process_group=group)
+        except TypeError as err:
+            text = str(err)
+        else:
+            raise AssertionError(f"process_group={group!r} was taken")
+        assert f"DistributedDataParallel(process_group={group!r}): expected None" in text, text
+        assert words in text, text
+
+
+def check_process_group_without_this_rank_refused(ctx):
+    """A wrapper over a group that does not include this rank (new_group's answer on the
+    other ranks) is refused at construction with a RuntimeError saying so and how to make
+    one that does; on the group's own rank (a group of one) the wrapper trains on its own
+    gradients. (A55)"""
+    last = ctx.world_size - 1
+    groups = _groups_of_one(ctx)
+    model = _mlp(ctx.device, seed=760 + ctx.rank)
+    if ctx.rank == last:
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, process_group=groups[last])
+        x, y = _global_batch(ctx, seed=761)
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(_mine(ctx, x)), _mine(ctx, y)).backward()
+        _assert_same_grads(ctx, model, ref, "a group of one")
+        return
+    try:
+        DistributedDataParallel(model, process_group=groups[last])
+    except RuntimeError as err:
+        assert "is not a member of the process group" in str(err) and "new_group" in (
+            str(err)), str(err)
+    else:
+        raise AssertionError("a wrapper over a group without this rank was built")
+
+
+def check_shared_param_false_still_warns_deprecated(ctx):
+    """shared_param is deprecated whatever its value: an Apex script passing
+    shared_param=False is told on rank 0 (a FutureWarning naming delay_allreduce=False, its
+    replacement), not only one passing True; the wrapper runs in the reducer's mode. (A57)"""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = DistributedDataParallel(_mlp(ctx.device), shared_param=False)
+    assert ddp.delay_allreduce is False and ddp.reducer is not None
+    ours = [str(w.message) for w in caught
+            if issubclass(w.category, FutureWarning) and "shared_param" in str(w.message)]
+    if ctx.rank == 0:
+        assert len(ours) == 1 and "delay_allreduce=False" in ours[0], ours
+    else:
+        assert not ours, ours
 
 
 def check_delay_allreduce_buckets_fill_to_message_size(ctx):
@@ -4019,6 +4190,15 @@ CHECKS = [
     "check_first_step_rebuild_keeps_message_size_and_names",
     "check_enable_allreduce_after_a_synced_forward",
     "check_zero_grad_passes_set_to_none",
+    "check_message_size_given_as_a_float",
+    "check_message_size_of_one_element",
+    "check_predivide_factor_given_as_an_int",
+    "check_amp_no_sync_micro_batch_past_an_evaluation_forward",
+    "check_apex_flat_dist_call_over_model_parameters",
+    "check_partly_frozen_model_evaluates_without_grad",
+    "check_process_group_refused_when_not_a_group",
+    "check_process_group_without_this_rank_refused",
+    "check_shared_param_false_still_warns_deprecated",
     "check_delay_allreduce_buckets_fill_to_message_size",
     "check_delay_allreduce_follow_keeps_each_ranks_buffers",
     "check_delay_allreduce_follow_keeps_ignored_buffers_local",
@@ -4094,7 +4274,8 @@ def test_ddp_requires_init_process_group():
 
 
 @pytest.mark.parametrize("name", ["delay_allreduce", "gradient_average", "prof",
-                                  "allreduce_always_fp32", "find_unused_parameters"])
+                                  "allreduce_always_fp32", "find_unused_parameters",
+                                  "retain_allreduce_buffers"])
 def test_ddp_flag_given_as_a_string_is_refused(name):
     # (gradient_average="no" stayed True; checked before the process group is looked for.)
     with pytest.raises(TypeError, match=rf"DistributedDataParallel\({name}='no'\): expected "
