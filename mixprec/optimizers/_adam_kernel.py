@@ -9,7 +9,7 @@ bandwidth (see ``benchmarks/probe_adamw_bandwidth.py``).
 The update, per element, in fp32 (PyTorch's fused Adam's order of operations)::
 
     g = grad / grad_scale                                   (when a grad_scale is given)
-    p = p - lr * weight_decay * p     if ADAM_W  else  g = g + weight_decay * p
+    p = p - lr * weight_decay * p     if ADAM_W  else  g = g + weight_decay * p   (wd != 0)
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
     p = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)
@@ -144,10 +144,13 @@ def _kernel():
             # Triton's defaults are the GPU's faster approximations.
             if HAS_GRAD_SCALE:
                 g = tl.div_rn(g, grad_scale)
-            if ADAM_W:
-                p = p - lr * weight_decay * p
-            else:
-                g = g + weight_decay * p
+            # (Skipped at weight decay 0, as PyTorch's kernels do: 0 * inf is NaN, and an
+            # infinite weight stays infinite in torch.optim.Adam/AdamW.)
+            if weight_decay != 0.0:
+                if ADAM_W:
+                    p = p - lr * weight_decay * p
+                else:
+                    g = g + weight_decay * p
             # (1 - beta) comes from the host: in fp32, 1 - 0.999 is off by 1.3e-5 relative.
             m = beta1 * m + one_minus_beta1 * g
             v = beta2 * v + one_minus_beta2 * g * g

@@ -892,7 +892,9 @@ def _reference_step(params, grads, states, idx, lrs, hyper, grad_scale, found_in
         m, v = state["exp_avg"].to(dtype), state["exp_avg_sq"].to(dtype)
         if grad_scale is not None:
             g = g / grad_scale.to(g.device)
-        if hyper["adam_w"]:
+        if wd == 0:
+            pass  # (as PyTorch's Adam: an infinite weight stays infinite, not 0 * inf = NaN)
+        elif hyper["adam_w"]:
             p32 = p32 - lr * wd * p32
         else:
             g = g + wd * p32

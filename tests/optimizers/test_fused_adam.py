@@ -575,6 +575,10 @@ def test_another_optimizers_checkpoint_is_refused_before_anything_is_loaded():
     ("betas", (-0.5, 0.999), r"betas\[0\]=-0.5: betas\[0\] must be a number in \[0.0, 1.0\)"),
     ("betas", (0.9, -0.25), r"betas\[1\]=-0.25: betas\[1\] must be a number in \[0.0, 1.0\)"),
     ("betas", (0.9, float("nan")), r"betas\[1\]=nan: betas\[1\] must be a number in \[0.0, 1.0\)"),
+    # A beta of exactly 1 (a schedule ramping beta2 up to 1.0): its bias correction
+    # 1 - 1 ** step is 0, and the step divides by it. (r64B's F02)
+    ("betas", (0.9, 1.0), r"betas\[1\]=1.0: betas\[1\] must be a number in \[0.0, 1.0\)"),
+    ("betas", (1.0, 0.999), r"betas\[0\]=1.0: betas\[0\] must be a number in \[0.0, 1.0\)"),
 ])
 def test_hyperparameters_set_by_hand_are_checked_at_the_step(key, value, message):
     # Set in a group after the constructor's checks: lr=-1 stepped the wrong way, eps=-1 gave
@@ -1073,6 +1077,16 @@ def test_deepcopy_and_pickle_give_a_working_optimizer(device, path):
         assert torch.count_nonzero(o.param_groups[0]["params"][0].grad) == 0
 
 
+def test_deepcopy_and_pickle_keep_capturable():
+    """``capturable`` (Apex's option, taken for compatibility) is an attribute that scripts
+    ported from Apex read back, e.g. to decide whether to capture the step in a CUDA graph:
+    a copy or an unpickled optimizer (a checkpoint saved whole) keeps the value it was built
+    with, as it keeps ``set_grad_none``. (F08)"""
+    opt = FusedAdam([nn.Parameter(torch.zeros(2))], capturable=True, set_grad_none=False)
+    for other in (copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert other.capturable is True and other.set_grad_none is False
+
+
 def test_a_compiled_training_step_steps_eagerly(device, path):
     """``torch.compile`` of a function calling ``step()``: the step is a graph break, and the
     result is the eager one (traced, it died in Inductor with an internal assert)."""
@@ -1253,6 +1267,52 @@ def test_the_kernel_reads_a_tensor_lr_itself(kernel_device, monkeypatch, make_lr
     tol = dict(rtol=0, atol=0) if kernel_device.type == "cpu" else dict(rtol=2e-7, atol=2e-7)
     for a, b in zip(with_tensor, with_float):
         torch.testing.assert_close(a, b, **tol)
+
+
+def _adam_step_on_views(n, p, g, m, v, step, copy_):
+    """One kernel update of the first ``n`` elements of each buffer (views at the buffers'
+    own addresses)."""
+    with torch.no_grad():
+        fused_adam._adam_kernel.adam_step_(
+            [p[:n]], [g[:n]], [m[:n]], [v[:n]], [step], [None if copy_ is None else copy_[:n]],
+            lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adam_w=True,
+            bias_correction=True)
+
+
+def test_the_kernel_steps_tensors_at_reused_addresses_by_their_own_sizes(kernel_device):
+    """The kernel's table of addresses is cached for the whole process (every optimizer shares
+    it), and a rebuilt model can get the old one's addresses back from the allocator with other
+    sizes: a step then updates exactly the tensors' elements, none past their end (another
+    tensor's memory) and none left out. (K07)"""
+    gen = torch.Generator().manual_seed(64)
+    bufs = [torch.randn(3000, generator=gen).to(kernel_device) for _ in range(2)]
+    bufs += [torch.zeros(3000, device=kernel_device) for _ in range(2)]
+    step = torch.ones((), device=kernel_device)
+    _adam_step_on_views(2500, *bufs, step, None)  # (three interpreter chunks)
+    before = [b.clone() for b in bufs]
+    fresh = [b.clone() for b in bufs]  # (other addresses: a table of its own)
+    step.fill_(2.0)
+    _adam_step_on_views(1500, *bufs, step, None)
+    _adam_step_on_views(1500, *fresh, torch.full((), 2.0, device=kernel_device), None)
+    for b, b0, f in zip(bufs, before, fresh):
+        assert torch.equal(b[1500:], b0[1500:])  # past the end: untouched
+        assert torch.equal(b[:1500], f[:1500])
+
+
+def test_the_kernel_writes_a_half_copy_at_a_reused_address_in_its_own_dtype(kernel_device):
+    """A half copy at the address an earlier step wrote as the other half dtype (an fp16 model
+    rebuilt as bf16 in the same memory) is written in its own dtype: bf16 bits, not fp16 bits
+    read as bf16. (K06)"""
+    gen = torch.Generator().manual_seed(65)
+    p, g = (torch.randn(700, generator=gen).to(kernel_device) for _ in range(2))
+    m, v = torch.zeros_like(p), torch.zeros_like(p)
+    raw = torch.zeros(700, dtype=torch.int16, device=kernel_device)
+    step = torch.ones((), device=kernel_device)
+    _adam_step_on_views(700, p, g, m, v, step, raw.view(torch.float16))
+    assert torch.equal(raw.view(torch.float16), p.to(torch.float16))
+    step.fill_(2.0)
+    _adam_step_on_views(700, p, g, m, v, step, raw.view(torch.bfloat16))
+    assert torch.equal(raw.view(torch.bfloat16), p.to(torch.bfloat16))
 
 
 def test_without_pytorchs_tensor_lr_overload_the_plain_arithmetic_reads_it(device, monkeypatch):
@@ -2322,6 +2382,47 @@ def test_a_nan_master_gives_a_nan_half_copy(device, path, half):
     master.grad = torch.zeros_like(master)
     opt.step()
     assert master.isnan().all() and copy_.isnan().all(), copy_
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # (interpreter)
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
+def test_a_master_that_overflows_gives_an_infinite_half_copy(device, path, half):
+    """A master pushed past fp32's range by the step (a rate far too large) is +-inf, and the
+    half model holds the same +-inf, as ``master.to(half)`` gives: an overflowed weight reads
+    as an infinity in the model (not as a NaN), so the half model tells the same story as the
+    masters when a user looks for where a run diverged. (K02)"""
+    master = torch.tensor([3e38, -3e38, 1.0, -2.0], device=device)
+    copy_ = torch.zeros(master.shape, dtype=half, device=device)
+    opt = FusedAdam([master], lr=1e38)
+    opt._link_half_copies([(copy_, master)])
+    master.grad = torch.tensor([-1.0, 1.0, 0.5, -0.5], device=device)
+    opt.step()
+    assert master.isinf().all()
+    assert torch.equal(copy_.view(torch.int16), master.to(half).view(torch.int16)), copy_
+
+
+@pytest.mark.parametrize("adam_w", [True, False])
+def test_an_infinite_weight_stays_infinite_without_weight_decay(device, path, adam_w):
+    """An infinite weight (an overflowed layer being inspected, a -inf mask kept as a
+    parameter) stays infinite at weight_decay=0, as torch.optim.AdamW / Adam keep it on each
+    of their routes: the decay term is skipped there, not computed as 0 * inf = NaN (the
+    kernel and the plain route gave NaN). Reference: torch.optim.AdamW / Adam
+    (single-tensor, fp32) on the same values for two steps; the infinities exactly, the
+    rest within _TOL. (r64B's bug)"""
+    values = torch.tensor([float("inf"), -float("inf"), 1.0, -2.0])
+    grads = torch.tensor([0.5, -0.5, 0.5, 0.25])
+    ours = values.clone().to(device).requires_grad_()
+    ref = values.clone().requires_grad_()
+    opt = FusedAdam([ours], lr=1e-3, adam_w_mode=adam_w)
+    ref_cls = torch.optim.AdamW if adam_w else torch.optim.Adam
+    ref_opt = ref_cls([ref], lr=1e-3, weight_decay=0.0, foreach=False)
+    for _ in range(2):
+        ours.grad, ref.grad = grads.to(device), grads.clone()
+        opt.step()
+        ref_opt.step()
+    assert ours[:2].isinf().all()
+    torch.testing.assert_close(ours.detach().cpu(), ref.detach(), **_TOL)
 
 
 def test_a_half_copy_of_another_layout_is_written_in_its_own_layout(device, path):
