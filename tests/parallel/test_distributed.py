@@ -1178,8 +1178,10 @@ def check_module_without_trainable_parameters_passes_through(ctx):
 
 
 def check_message_size_sets_bucket_bytes(ctx):
-    ddp = DistributedDataParallel(_mlp(ctx.device), message_size=1000)
-    assert abs(_reducer_bucket_cap(ddp) - 4000) <= 1, _reducer_bucket_cap(ddp)  # fp32: 4 bytes
+    # (A float, 1e3 as a config gives it, is the same count of elements: r64A's A01.)
+    for size in (1000, 1e3):
+        ddp = DistributedDataParallel(_mlp(ctx.device), message_size=size)
+        assert abs(_reducer_bucket_cap(ddp) - 4000) <= 1, (size, _reducer_bucket_cap(ddp))
     # The value torch.compile splits graphs by: at least its 1 MiB first bucket.
     assert ddp.bucket_bytes_cap == dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap
     half = _mlp(ctx.device).to(torch.bfloat16)
@@ -3462,22 +3464,6 @@ def check_zero_grad_passes_set_to_none(ctx):
     assert all(p.grad is None for p in model.parameters())
 
 
-def check_message_size_given_as_a_float(ctx):
-    """message_size is a count of elements that scripts often compute or read as a float
-    (1e3, 80.0 from a config): it sets the same buckets as the int would, in both modes. The
-    reducer's cap is 1000 fp32 elements (4000 bytes); the delay mode's buckets of 80
-    elements split the MLP's 128/16/64/4-element gradients as 128, 16+64 and 4, and the
-    gradients are the global batch's. (A01)"""
-    ddp = DistributedDataParallel(_mlp(ctx.device), message_size=1e3)
-    assert abs(_reducer_bucket_cap(ddp) - 4000) <= 1, _reducer_bucket_cap(ddp)
-    model = _mlp(ctx.device)
-    ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, message_size=80.0, delay_allreduce=True)
-    with _counting_all_reduces() as calls:
-        _grads_match_global_batch(ctx, ddp, model, ref, 745, "message_size=80.0, delay")
-    assert calls == [8, 128, 80, 4], calls
-
-
 def check_message_size_of_one_element(ctx):
     """The smallest bucket, message_size=1 (every gradient in a bucket of its own), is a
     valid size: it is taken in both modes and the gradients are the single-process global
@@ -3631,13 +3617,15 @@ def check_shared_param_false_still_warns_deprecated(ctx):
 def check_delay_allreduce_buckets_fill_to_message_size(ctx):
     """In the delay mode a bucket takes gradients up to exactly message_size elements: the
     MLP's 128/16/64/4-element gradients with message_size=80 go as 128, 16+64 and 4 (after
-    the one all-reduce of the per-parameter flags). (L01, L05)"""
-    model = _mlp(ctx.device)
-    ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, message_size=80, delay_allreduce=True)
-    with _counting_all_reduces() as calls:
-        _grads_match_global_batch(ctx, ddp, model, ref, 710, "message_size=80")
-    assert calls == [8, 128, 80, 4], calls
+    the one all-reduce of the per-parameter flags); message_size=80.0 (a float from a config)
+    the same. (L01, L05, r64A's A01)"""
+    for size in (80, 80.0):
+        model = _mlp(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, message_size=size, delay_allreduce=True)
+        with _counting_all_reduces() as calls:
+            _grads_match_global_batch(ctx, ddp, model, ref, 710, f"message_size={size!r}")
+        assert calls == [8, 128, 80, 4], (size, calls)
 
 
 def check_delay_allreduce_follow_keeps_each_ranks_buffers(ctx):
@@ -4190,7 +4178,6 @@ CHECKS = [
     "check_first_step_rebuild_keeps_message_size_and_names",
     "check_enable_allreduce_after_a_synced_forward",
     "check_zero_grad_passes_set_to_none",
-    "check_message_size_given_as_a_float",
     "check_message_size_of_one_element",
     "check_predivide_factor_given_as_an_int",
     "check_amp_no_sync_micro_batch_past_an_evaluation_forward",
