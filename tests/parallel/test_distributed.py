@@ -2731,9 +2731,11 @@ def check_module_without_trainable_parameters_checks_shapes(ctx):
     # waiting for the process group's timeout (here the test's; 30 minutes by default).
     # Dtypes and names count as shapes do: a rank whose copy was cast (a stray .double()) or
     # whose buffer is registered under another name took rank 0's bytes into another dtype or
-    # another buffer (r53A's D08, D09).
+    # another buffer (r53A's D08, D09). Rank 1 alone differs, so the message names it on any
+    # number of ranks (test_more_ranks.py runs this on 4 and 8).
     def shaped(trainable):
-        return nn.Linear(4, 4 + ctx.rank).to(ctx.device).requires_grad_(trainable)
+        out = 5 if ctx.rank == 1 else 4
+        return nn.Linear(4, out).to(ctx.device).requires_grad_(trainable)
 
     def cast():
         dtype = torch.float64 if ctx.rank == 1 else torch.float32
@@ -2741,7 +2743,7 @@ def check_module_without_trainable_parameters_checks_shapes(ctx):
 
     def renamed():
         layer = nn.Linear(4, 4).to(ctx.device).requires_grad_(False)
-        layer.register_buffer("scale" if ctx.rank == 0 else "shift",
+        layer.register_buffer("shift" if ctx.rank == 1 else "scale",
                               torch.ones(4, device=ctx.device))
         return layer
 

@@ -697,6 +697,31 @@ def check_a_layer_pickled_without_the_count_cache_trains_over_the_ranks(ctx):
     torch.testing.assert_close(loaded.running_var, fresh.running_var, rtol=0, atol=0)
 
 
+def check_all_gather_rows_puts_each_rank_at_its_index(ctx):
+    """The all-gather of the statistics rows (``_comm.all_gather_rows``, SyncBatchNorm's
+    forward collective, also DistributedDataParallel's structure check) returns, at index
+    ``r``, the row of the group's rank ``r``: DistributedDataParallel names the ranks whose
+    model differs by that index, and the SyncBatchNorm merge reads each rank's row and
+    count from it. Over the default group and over create_syncbn_process_group(2)'s pairs
+    (each pair's two rows in rank order). Reference: the rows every rank built, exact.
+    (C01)"""
+    from mixprec.parallel._comm import all_gather_rows
+
+    def row_of(rank):
+        return torch.tensor([float(rank), 10.0 * rank + 0.5], device=ctx.device)
+
+    got = all_gather_rows(row_of(ctx.rank), None, ctx.world_size)
+    want = torch.stack([row_of(r) for r in range(ctx.world_size)])
+    torch.testing.assert_close(got, want, rtol=0, atol=0,
+                               msg=labelled(f"rank {ctx.rank}: the default group"))
+    pairs = create_syncbn_process_group(2)
+    first = ctx.rank - ctx.rank % 2
+    got = all_gather_rows(row_of(ctx.rank), pairs, 2)
+    want = torch.stack([row_of(first), row_of(first + 1)])
+    torch.testing.assert_close(got, want, rtol=0, atol=0,
+                               msg=labelled(f"rank {ctx.rank}: a group of 2"))
+
+
 GROUP_2 = [
     "check_fp32_equal_batches",
     "check_dtype_pairs_batchnorm_refuses",
@@ -729,7 +754,8 @@ GROUP_2 = [
     "check_a_layer_pickled_without_the_count_cache_trains_over_the_ranks",
 ]
 GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups",
-           "check_syncbn_group_size_must_divide_the_world_size"]
+           "check_syncbn_group_size_must_divide_the_world_size",
+           "check_all_gather_rows_puts_each_rank_at_its_index"]
 
 
 @pytest.fixture(scope="module")
@@ -1672,6 +1698,42 @@ def test_fused_path_updates_a_strided_running_variance(not_distributed, triton):
     _close(rm, rrm, STAT_TOL, "running_mean")
     _close(rv, rrv, STAT_TOL, "running_var")
     assert torch.equal(base[1::2], torch.ones(3)), base
+
+
+@pytest.mark.skipif(not _INTERPRETER, reason="needs Triton's interpreter (tests/_triton.py)")
+def test_triton_path_reads_an_input_saved_as_bf16_with_the_gradient_in_fp32(not_distributed):
+    """A saved-tensor hook that compresses activations (the fp32 channels-last input kept as
+    a bf16 copy) hands the backward an input of another dtype than the forward's. The Triton
+    kernels' plan is for the forward's dtype, so the backward reads the copy by PyTorch's
+    arithmetic, with the output gradient in its own fp32 precision (on the kernels the
+    gradient would be rounded to the copy's dtype, and on a GPU the plan's compiled kernels
+    would read bf16 memory as fp32). Reference: the input-gradient formula in float64 with
+    the bf16-rounded saved input and the fp32 input's batch statistics (what the backward is
+    given), 1e-5 of the gradient's scale; the gradient is fp32. (T06)"""
+    torch.manual_seed(0)
+    x = (torch.randn(6, 3, 4, 4) * 2 + 1).contiguous(memory_format=torch.channels_last)
+    dy = torch.randn(6, 3, 4, 4).contiguous(memory_format=torch.channels_last)
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    xr = x.clone().requires_grad_()
+
+    def compress(t):
+        return t.to(torch.bfloat16) if t.dim() == 4 else t
+
+    with _TRITON_CPU_PATH():
+        with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
+            y = fn.sync_batch_norm(xr, w, b, None, None, 1e-5, 0.1, fn.LOCAL, 1)
+        y.backward(dy)
+    dims, n = (0, 2, 3), x.numel() // 3
+    xd, dyd = x.double(), dy.double()
+    mean = xd.mean(dims, keepdim=True)
+    invstd = (xd.var(dims, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    xmu = x.to(torch.bfloat16).double() - mean  # the copy the hook handed back
+    ref = (dyd - dyd.sum(dims, keepdim=True) / n
+           - xmu * invstd ** 2 * (dyd * xmu).sum(dims, keepdim=True) / n) * invstd
+    ref = ref * w.double().view(1, 3, 1, 1)
+    assert xr.grad.dtype == torch.float32
+    scale = float(ref.abs().max())
+    _close(xr.grad, ref, dict(rtol=0, atol=1e-5 * scale), "input grad from the bf16 copy")
 
 
 def test_channel_last_flag_with_a_strided_input_is_batchnorm(not_distributed):

@@ -331,6 +331,50 @@ def test_usable_rejects_what_the_kernels_do_not_take(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["3-D input", "fp64 row", "long weight",
+                                  "short running mean", "weight on another device",
+                                  "dy of another shape"])
+def test_module_functions_refuse_what_the_kernels_would_misread(device, case):
+    """The module-level passes check what they are given (the module docstring: "with
+    checks"), because the kernels read raw memory with the sizes and dtypes they assume: a
+    3-D input would be read as ``(M, C)`` with the wrong C, a float64 row as fp32 words (on
+    the GPU the compiled kernel a plan keeps is specialized on the row's dtype), a
+    per-channel tensor of another length past its end or short of the channels, one on
+    another device not at all, and a ``dy`` of another shape with ``x``'s row count. Each is
+    refused with a ValueError naming what is wrong, before any kernel runs.
+    (T16 T17 T18 T19 T20)"""
+    x = _input(8, 4, torch.float32, device)
+    row = _syncbn_triton.stats_row(x, 1e-5)
+    rows = torch.stack([row, row])
+    elsewhere = "meta" if device == "cpu" else "cpu"
+    if case == "3-D input":
+        with pytest.raises(ValueError, match=r"stats_row: expected contiguous \(M, C\)"):
+            _syncbn_triton.stats_row(x.view(8, 2, 2), 1e-5)
+    elif case == "fp64 row":
+        with pytest.raises(ValueError, match=r"row must be a contiguous fp32 \(9,\)"):
+            _syncbn_triton.backward_reduce(x, x, row.double(), True, True)
+    elif case == "long weight":
+        with pytest.raises(ValueError, match=r"weight must be a contiguous \(4,\)"):
+            _syncbn_triton.forward_elemt(x, rows, torch.ones(5, device=device), None, None,
+                                         None, 0.1, 1e-5)
+    elif case == "short running mean":
+        with pytest.raises(ValueError, match=r"running_mean must be a contiguous \(4,\)"):
+            _syncbn_triton.forward_elemt(x, rows, None, None, torch.zeros(3, device=device),
+                                         torch.ones(3, device=device), 0.1, 1e-5)
+    elif case == "weight on another device":
+        with pytest.raises(ValueError, match=rf"weight must be a contiguous \(4,\) "
+                                             rf"fp32/fp16/bf16 tensor on {x.device}"):
+            _syncbn_triton.forward_elemt(x, rows, torch.ones(4, device=elsewhere), None,
+                                         None, None, 0.1, 1e-5)
+    else:
+        dy = _input(16, 4, torch.float32, device, seed=1)
+        with pytest.raises(ValueError, match="dy and x must have the same shape and dtype"):
+            _syncbn_triton.backward_reduce(dy, x, row, True, True)
+        with pytest.raises(ValueError, match="dy and x must have the same shape and dtype"):
+            _syncbn_triton.backward_elemt(dy, x, row, None, torch.zeros(8, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_scalars_reach_the_kernels_as_floats(device):
     # The compiled kernels a plan keeps are shared by every call of its signature: an int
     # momentum or eps of 1 would be compiled in as a constant (Triton specializes ints equal
