@@ -588,6 +588,32 @@ def test_a_layer_fed_ever_changing_shapes_keeps_a_bounded_cache():
     assert len(bn._cache) >= 1
 
 
+@requires_interpreter
+def test_a_layer_fed_two_batch_sizes_in_turn_plans_each_once(monkeypatch):
+    """The layer's decision (kernels or PyTorch's batch norm, and the launch plan) is made once
+    per input signature and kept, because planning costs host time on every call that makes
+    it: a layer fed two batch sizes in turn (a short last batch, training and validation
+    batches alternating) plans each size once, not again at every switch, and every step
+    matches float64 batch norm on the kernels. (B15)"""
+    planned = []
+    real = FusedBatchNorm._plan_for
+
+    def spy(self, x, *args):
+        planned.append(tuple(x.shape))
+        return real(self, x, *args)
+
+    monkeypatch.setattr(FusedBatchNorm, "_plan_for", spy)
+    gen = torch.Generator().manual_seed(21)
+    bn = FusedBatchNorm(6).to(torch.bfloat16)
+    with emulated_fused_path(triton=True), _count_fused_calls() as calls:
+        for n in (4, 3, 4, 3):
+            x = _layout(torch.randn(n, 6, 3, 3, generator=gen).to(torch.bfloat16), 4)
+            dy = _layout(torch.randn(n, 6, 3, 3, generator=gen).to(torch.bfloat16), 4)
+            _check_step(bn, x, dy, torch.bfloat16, f"batch {n}")
+    assert planned == [(4, 6, 3, 3), (3, 6, 3, 3)]
+    assert len(calls) == 4 and len(bn._cache) == 2
+
+
 @pytest.mark.parametrize("path", PATHS[1:])
 @pytest.mark.parametrize("handed_back", ["NCHW copy", "fp32 copy", "row at an odd address",
                                          "row as a strided view"])
@@ -872,6 +898,24 @@ def test_eval_without_running_statistics_uses_the_batch(dtype):
     torch.testing.assert_close(ours(x).double(), theirs(x.double()), rtol=tol, atol=tol)
 
 
+def test_eval_with_one_running_statistic_removed_is_batchnorms_error():
+    """Evaluation normalizes with the batch only when the layer has no running statistics at
+    all (torch's rule). A layer with one of the two removed (running_var set to None) is
+    broken, not statistics-free: torch's BatchNorm refuses it in eval, and the layer must
+    refuse it the same way rather than silently normalize with the batch. The reference's
+    error (type and message) is taken from the installed PyTorch. (B23)"""
+    ours, theirs = _pair(torch.float32)
+    x = _x(torch.float32)
+    for m in (ours, theirs):
+        m.eval()
+        m.running_var = None
+    with pytest.raises(Exception) as want:
+        theirs(x.double())
+    with pytest.raises(want.type) as got:
+        ours(x)
+    assert str(got.value) == str(want.value)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_track_running_stats_switched_off_leaves_the_buffers(dtype):
     # A built layer whose track_running_stats is set to False (a common way to train on batch
@@ -1018,6 +1062,29 @@ def test_tracking_switched_on_in_a_layer_built_without_it(path):
     torch.testing.assert_close(y.double(), theirs(x.double()), **TOL[torch.bfloat16])
     assert ours.running_mean is None and ours.running_var is None
     assert ours.num_batches_tracked is None and theirs.num_batches_tracked is None
+
+
+@pytest.mark.parametrize("path", PATHS[:2])
+def test_cumulative_average_without_a_batch_counter_leaves_the_statistics(path):
+    """momentum=None averages over the batches counted so far. A layer whose batch counter is
+    unregistered (the buffer set to None, which torch's BatchNorm accepts) has no count: torch's
+    BatchNorm then updates with a factor of 0, leaving the running statistics where they are,
+    and the layer must do the same on each path rather than fall back to some default
+    momentum. Output against torch's layer in float64. (B22)"""
+    device, path_ctx = _path(path)
+    ours, theirs = _pair(torch.bfloat16, momentum=None)
+    for m in (ours, theirs):
+        m.register_buffer("num_batches_tracked", None)
+        with torch.no_grad():
+            m.running_mean.fill_(0.25)
+            m.running_var.fill_(2.0)
+    x = _x(torch.bfloat16)
+    with path_ctx():
+        y = ours(x)
+    torch.testing.assert_close(y.double(), theirs(x.double()), **TOL[torch.bfloat16])
+    assert torch.all(theirs.running_mean == 0.25) and torch.all(theirs.running_var == 2.0)
+    assert torch.all(ours.running_mean == 0.25) and torch.all(ours.running_var == 2.0)
+    assert ours.num_batches_tracked is None
 
 
 @requires_interpreter
