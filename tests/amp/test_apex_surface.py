@@ -1856,3 +1856,58 @@ def test_master_params_of_something_not_an_optimizer_is_refused_naming_it():
         with pytest.raises(TypeError, match=rf"^amp\.master_params\(optimizer={name}\): expected "
                                             r"an optimizer \(a torch\.optim\.Optimizer"):
             amp.master_params(bad)
+
+
+def test_a_function_with_a_rule_keeps_a_tuple_argument_a_tuple():
+    """A plain tuple argument whose tensors a rule casts reaches the function as a tuple (a
+    list stays a list), as outside autocast: extension code that checks isinstance(kv, tuple),
+    uses it as a dict key or unpacks a (key, value) pair behaves the same under O1. Only the
+    copy is cast; the caller's tuple keeps its fp32 tensors. (F02)"""
+    @amp.half_function
+    def look(kv, parts):
+        return type(kv), [t.dtype for t in kv], type(parts), [t.dtype for t in parts]
+
+    kv, parts = (torch.randn(2), torch.randn(2)), [torch.randn(2)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert look(kv, parts) == (tuple, [torch.bfloat16] * 2, list, [torch.bfloat16])
+    assert kv[0].dtype == kv[1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_function_casts_to_the_autocast_blocks_own_dtype(dtype):
+    """The half rule casts to the dtype the enclosing autocast runs in (O1's dtype=, or the
+    user's own torch.autocast(dtype=...)), fp16 as well as bf16, so that a registered op gets
+    the same half type as the autocast ops around it (mixing fp16 and bf16 in one op fails or
+    rounds twice). Reference: what torch.mm gives in the same block. (F03)"""
+    probe = amp.half_function(lambda x: x.dtype)
+    a = torch.randn(2, 2)
+    with torch.autocast("cpu", dtype=dtype):
+        assert probe(a) == torch.mm(a, a).dtype == dtype
+
+
+def test_registering_on_a_module_that_is_none_is_refused_naming_it():
+    """A module variable left None (an optional extension whose import failed:
+    `try: import fused_ops except ImportError: fused_ops = None`) is refused with the TypeError
+    that says the first argument is the module object, naming NoneType, not an
+    AttributeError about a missing attribute that sends the user looking for a typo. (F04)"""
+    with pytest.raises(TypeError, match=r"register_float_function\(None, 'gelu'\): the first "
+                                        r"argument is the module object .*not NoneType"):
+        amp.register_float_function(None, "gelu")
+
+
+def test_a_function_with_a_rule_keeps_its_name_docstring_and_original():
+    """A function given a rule keeps its __name__ and docstring (tracebacks, profiler rows and
+    help() name the user's op, not "wrapper"), and the original stays reachable as
+    __wrapped__, as the module's documentation promises (to call it uncast, or to unregister
+    by setting it back), for the decorators and for register_*_function alike. (F13)"""
+    def fused_gelu(x):
+        """GELU from the extension."""
+        return x
+
+    wrapped = amp.half_function(fused_gelu)
+    assert (wrapped.__name__, wrapped.__doc__) == ("fused_gelu", "GELU from the extension.")
+    assert wrapped.__wrapped__ is fused_gelu
+    ns = type("NS", (), {})()
+    ns.op = fused_gelu
+    amp.register_float_function(ns, "op")
+    assert ns.op.__name__ == "fused_gelu" and ns.op.__wrapped__ is fused_gelu

@@ -2605,3 +2605,25 @@ def test_only_rank_zero_warns_and_logs_in_initialize(monkeypatch, caplog):
         with caplog.at_level(logging.INFO, logger="mixprec.amp"):
             amp.initialize(make_cnn().half(), opt_level="O2", verbosity=1)
     assert caplog.text == ""
+
+
+@pytest.mark.parametrize("opt_level, kw, want", [
+    ("O2", dict(master_weights=False, loss_scale=128.0),
+     "amp: opt_level O2 (half model (BatchNorm fp32), fp32 master weights): opt_level=O2, "
+     "half_dtype=torch.float16, cast_model_type=torch.float16, patch_torch_functions=False, "
+     "keep_batchnorm_fp32=True, master_weights=False, loss_scale=128.0, cast_model_outputs=None"),
+    ("O3", dict(dtype=torch.bfloat16, cast_model_outputs=torch.float32),
+     "amp: opt_level O3 (pure half training): opt_level=O3, half_dtype=torch.bfloat16, "
+     "cast_model_type=torch.bfloat16, patch_torch_functions=False, keep_batchnorm_fp32=False, "
+     "master_weights=False, loss_scale=1.0, cast_model_outputs=torch.float32"),
+], ids=["O2-overrides", "O3-bf16"])
+def test_initialize_logs_the_levels_description_and_every_resolved_property(opt_level, kw, want,
+                                                                            caplog):
+    """initialize's log line (Apex printed the properties in effect) names the level with its
+    own description and every property as resolved, overrides included: the user reads it to
+    check that a config's master_weights=False or loss_scale=128.0 was applied, so it must
+    show the values in effect, not the level's defaults. (P11, P12)"""
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        amp.initialize(make_cnn(), opt_level=opt_level, verbosity=1, **kw)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("amp: opt_level")
+            ] == [want]

@@ -1,10 +1,15 @@
 import pytest
 import torch
 
+from mixprec import amp
 from mixprec.amp._properties import OPT_LEVELS, resolve_properties
 
+from .helpers import batch, make_cnn
 
-@pytest.mark.parametrize("bad", ["02", "o2", "O4", "o0", ""])
+
+# (A longer string, "O12", is another mistake: the allowed levels only, no guess at the
+# level meant; r65B's P02.)
+@pytest.mark.parametrize("bad", ["02", "o2", "O4", "o0", "", "O12", "o01", "0123"])
 def test_bad_opt_level_names_valid_levels(bad):
     with pytest.raises(ValueError) as info:
         resolve_properties(bad)
@@ -13,6 +18,8 @@ def test_bad_opt_level_names_valid_levels(bad):
     assert '"O0", "O1", "O2", "O3"' in msg
     if bad in ("02", "o2", "o0"):
         assert "letter O" in msg
+    if len(bad) > 2:
+        assert msg.endswith('unknown opt_level. Allowed: "O0", "O1", "O2", "O3".'), msg
 
 
 @pytest.mark.parametrize("bad, meant", [("02", "O2"), ("o3", "O3"), ("00", "O0")])
@@ -227,3 +234,23 @@ def test_loss_scale_takes_numpy_numbers_as_the_bounds_do():
     assert type(resolve_properties("O1", loss_scale=np.float32(2.0)).loss_scale) is float
     with pytest.raises(TypeError, match=r"loss_scale=tensor\(2\.\)\): expected a positive number"):
         resolve_properties("O1", loss_scale=torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("value", [False, "False"], ids=["bool", "string"])
+def test_o1_takes_keep_batchnorm_fp32_false_leaving_batchnorm_to_autocast(value):
+    """keep_batchnorm_fp32=False at O1 (an Apex-style script passing its --keep-batchnorm-fp32
+    flag through at every level) resolves: O1's model stays fp32 (cast_model_type None), so
+    there is no fp32 model with half BatchNorm to refuse; BatchNorm is left to autocast, as
+    with None. Only an explicit cast_model_type=torch.float32 with it is refused. Reference:
+    amp.initialize on the same seeded CNN with keep_batchnorm_fp32=None gives the same
+    output bit for bit. (P01)"""
+    p = resolve_properties("O1", keep_batchnorm_fp32=value)
+    assert (p.cast_model_type, p.keep_batchnorm_fp32, p.patch_torch_functions) == (
+        None, False, True)
+    x, _ = batch(n=2)
+    out = {}
+    for keep in (value, None):
+        model = amp.initialize(make_cnn(), opt_level="O1", keep_batchnorm_fp32=keep,
+                               dtype=torch.bfloat16, verbosity=0)
+        out[keep] = model(x)
+    torch.testing.assert_close(out[value], out[None], rtol=0, atol=0)

@@ -56,6 +56,10 @@ def test_bounds():
     (dict(scale_window="x"), r"scale_window='x'\): must be a whole number >= 1"),
     (dict(min_loss_scale=-1), r"min_loss_scale=-1\): must be a finite number > 0"),
     (dict(max_loss_scale=0), r"max_loss_scale=0\): must be a number > 0"),
+    # A NaN ceiling (a config's missing value) made the scale NaN at the first update's
+    # clamp; an infinite factor threw it to the floor or the ceiling at once. (r65B's S01, S03)
+    (dict(max_loss_scale=float("nan")), r"max_loss_scale=nan\): must be a number > 0"),
+    (dict(scale_factor=float("inf")), r"scale_factor=inf\): must be a finite number > 1"),
     (dict(min_loss_scale=8.0, max_loss_scale=2.0),
      r"LossScaler\(min_loss_scale=8\.0, max_loss_scale=2\.0\): min_loss_scale must not"),
     # The floor's refusal names the spelling for "the default floor" (None, 2**-24), and the
