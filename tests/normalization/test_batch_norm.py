@@ -864,6 +864,61 @@ def test_bias_false_on_a_pytorch_without_it_is_a_clear_error(monkeypatch):
         FusedBatchNorm(4, bias="no")
 
 
+# -- which gradients the backward gives: frozen parameters, an input without grad -------------
+_TRAINED = {
+    "frozen weight": (True, False, True),
+    "frozen bias": (True, True, False),
+    "input without grad": (False, True, True),
+    "only the bias": (False, False, True),
+}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("saved", ["as saved", "NCHW copy"])
+@pytest.mark.parametrize("trained", list(_TRAINED))
+def test_each_tensor_that_requires_grad_gets_batchnorms_gradient(path, saved, trained):
+    # Fine-tuning freezes one affine parameter and trains the other (a frozen scale with a
+    # trained shift), and a layer right on the data or after a frozen backbone gets an input
+    # without requires_grad: every tensor that requires grad gets float64 BatchNorm's gradient
+    # and the others none, on the kernels' backward and on the PyTorch arithmetic it takes when
+    # a saved-tensor hook hands the input back as an NCHW copy. bf16 channels-last input, so
+    # cpu-triton runs the kernels. (A01 A04 A08 A09 A11 B02 B03 B04 B05)
+    device, path_ctx = _path(path)
+    x_grad, w_grad, b_grad = _TRAINED[trained]
+    gen = torch.Generator().manual_seed(31)
+    bn = FusedBatchNorm(6).to(device)
+    with torch.no_grad():
+        bn.weight.copy_(torch.rand(6, generator=gen) + 0.5)
+        bn.bias.copy_(torch.randn(6, generator=gen))
+    bn.weight.requires_grad_(w_grad)
+    bn.bias.requires_grad_(b_grad)
+    x = (torch.randn(4, 6, 3, 5, generator=gen) * 1.5 + 0.5).to(torch.bfloat16)
+    dy = torch.randn(4, 6, 3, 5, generator=gen).to(torch.bfloat16)
+    xr = x.double().requires_grad_(x_grad)
+    wr = bn.weight.detach().double().cpu().requires_grad_(w_grad)
+    br = bn.bias.detach().double().cpu().requires_grad_(b_grad)
+    yr = F.batch_norm(xr, None, None, wr, br, True, 0.1, bn.eps)
+    yr.backward(dy.double())
+    xo = _layout(x.to(device), 4).requires_grad_(x_grad)
+
+    def unpack(t):
+        return t.contiguous() if saved == "NCHW copy" and t.dim() == 4 else t
+
+    with path_ctx(), _count_fused_calls() as calls:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            y = bn(xo)
+        y.backward(_layout(dy.to(device), 4))
+    assert bool(calls) == (path != "cpu"), calls
+    torch.testing.assert_close(y.detach().double().cpu(), yr.detach(), **TOL[torch.bfloat16])
+    for name, got, want in (("input", xo, xr), ("weight", bn.weight, wr), ("bias", bn.bias, br)):
+        if want.requires_grad:
+            assert got.grad is not None, f"[{path} {trained}] no {name} gradient"
+            torch.testing.assert_close(got.grad.double().cpu(), want.grad, **TOL[torch.bfloat16],
+                                       msg=f"[{path} {trained} {saved}] {name} grad")
+        else:
+            assert got.grad is None, f"[{path} {trained}] {name} got a gradient"
+
+
 # -- BatchNorm modes, copies, subclasses left alone (mutation testing) ----------------------------
 DTYPES = [torch.float32, torch.bfloat16]
 

@@ -1762,26 +1762,52 @@ def test_channel_last_flag_with_a_strided_input_is_batchnorm(not_distributed):
         _close(rv, rrv, STAT_TOL, f"[{path}] running_var")
 
 
-@pytest.mark.parametrize("frozen", ["weight", "bias"])
-def test_sync_batch_norm_gives_each_trainable_parameter_its_gradient(not_distributed, frozen):
-    """Fine-tuning often freezes one affine parameter and trains the other (a frozen scale
-    with a trained shift): the one that requires grad gets its gradient and the frozen one
-    none, on every path, whichever of the two is frozen. Reference: float64 BatchNorm's
-    weight/bias gradients, 1e-4. (F09)"""
+_REQUIRES_GRAD = {
+    "frozen weight": (True, False, True),
+    "frozen bias": (True, True, False),
+    "input without grad": (False, True, True),
+    "only the bias": (False, False, True),
+}
+
+
+@pytest.mark.parametrize("saved", ["as saved", "NCHW copy"])
+@pytest.mark.parametrize("trained", list(_REQUIRES_GRAD))
+def test_sync_batch_norm_gives_batchnorms_gradients_whatever_requires_grad(not_distributed,
+                                                                           trained, saved):
+    """Fine-tuning freezes one affine parameter and trains the other, and a layer right on the
+    data (or after a frozen backbone) gets an input without requires_grad: every tensor that
+    requires grad gets float64 BatchNorm's gradient, the input's included (a frozen weight
+    still scales it), and the others none, on every path, also when a saved-tensor hook hands
+    the input back as an NCHW copy (the Triton path then computes with PyTorch). Channels-last
+    fp32 input, 1e-5 (input) / 1e-4 (parameters). (F09, r66A's S03 S04 S06)"""
     torch.manual_seed(0)
     x = (torch.randn(5, 3, 4, 2) * 0.7 + 1).contiguous(memory_format=torch.channels_last)
     dy = torch.randn(5, 3, 4, 2).contiguous(memory_format=torch.channels_last)
     w0, b0 = torch.rand(3) + 0.5, torch.randn(3)
-    _, _, rdw, rdb, _, _ = _reference(x, w0, b0, dy, None, None, 0.1, 1e-5, 1)
+    x_grad, w_grad, b_grad = _REQUIRES_GRAD[trained]
+    xd = x.double().requires_grad_(x_grad)
+    wd, bd = w0.double().requires_grad_(w_grad), b0.double().requires_grad_(b_grad)
+    F.batch_norm(xd, None, None, wd, bd, training=True, eps=1e-5).backward(dy.double())
+
+    def unpack(t):
+        return t.contiguous() if saved == "NCHW copy" and t.dim() == 4 else t
+
     for path, path_ctx in _cpu_paths():
-        w, b = w0.clone(), b0.clone()
-        trained, want = (b, rdb) if frozen == "weight" else (w, rdw)
-        trained.requires_grad_()
-        _local_case(x, dy, w, b, None, None, 1e-5, 0.1, path_ctx=path_ctx)
-        other = w if frozen == "weight" else b
-        assert other.grad is None, f"[{path}] frozen {frozen} got a gradient"
-        assert trained.grad is not None, f"[{path}] no gradient for the trained parameter"
-        _close(trained.grad, want, dict(rtol=1e-4, atol=1e-4), f"[{path}] gradient")
+        xr = x.clone(memory_format=torch.preserve_format).requires_grad_(x_grad)
+        w, b = w0.clone().requires_grad_(w_grad), b0.clone().requires_grad_(b_grad)
+        with path_ctx():
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+                y = fn.sync_batch_norm(xr, w, b, None, None, 1e-5, 0.1, fn.LOCAL, 1)
+            y.backward(dy)
+        for name, got, want, tol in (("input", xr, xd, OUT_TOL[torch.float32]),
+                                     ("weight", w, wd, dict(rtol=1e-4, atol=1e-4)),
+                                     ("bias", b, bd, dict(rtol=1e-4, atol=1e-4))):
+            what = f"[{path} {trained} {saved}] {name}"
+            if want.requires_grad:
+                assert got.grad is not None, f"{what}: no gradient"
+                _close(got.grad, want.grad, tol, f"{what} grad")
+            else:
+                assert got.grad is None, f"{what}: got a gradient"
 
 
 def test_sync_batch_norm_reads_a_strided_nchw_input_as_it_is_laid_out(not_distributed):
@@ -1817,19 +1843,23 @@ def test_sync_batch_norm_sums_half_gradients_in_fp32(not_distributed, dtype):
     as the module docstring states for every path, not rounded to the half dtype: the fp32
     masters of an O2 model take these gradients as they are, and a bf16-rounded ``sum(dy)``
     over a large batch is off by up to 2**-9 of itself. dy is offset from zero so that the
-    sums are large. Reference: float64 BatchNorm on the same rounded values, relative 1e-5
-    (fp32 accumulation of 512 values). (F21)"""
+    sums are large. NCHW and channels-last input (the Triton kernels take only the latter).
+    Reference: float64 BatchNorm on the same rounded values, relative 1e-5 (fp32
+    accumulation of 512 values). (F21, r66A's A05 A06)"""
     torch.manual_seed(0)
     x = (torch.randn(8, 3, 8, 8) * 1.5 + 0.7).to(dtype)
     dy = (torch.randn(8, 3, 8, 8) + 3).to(dtype)
     w0, b0 = torch.rand(3) + 0.5, torch.randn(3)
     _, _, rdw, rdb, _, _ = _reference(x, w0, b0, dy, None, None, 0.1, 1e-5, 1)
-    for path, path_ctx in _cpu_paths():
-        w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
-        _local_case(x, dy, w, b, None, None, 1e-5, 0.1, path_ctx=path_ctx)
-        assert w.grad.dtype == b.grad.dtype == torch.float32, path
-        _close(b.grad, rdb, dict(rtol=1e-5, atol=1e-4), f"[{path}] {dtype} bias grad")
-        _close(w.grad, rdw, dict(rtol=1e-5, atol=1e-4), f"[{path}] {dtype} weight grad")
+    for layout in (torch.contiguous_format, torch.channels_last):
+        xl, dyl = (t.contiguous(memory_format=layout) for t in (x, dy))
+        for path, path_ctx in _cpu_paths():
+            what = f"[{path} {layout}] {dtype}"
+            w, b = w0.clone().requires_grad_(), b0.clone().requires_grad_()
+            _local_case(xl, dyl, w, b, None, None, 1e-5, 0.1, path_ctx=path_ctx)
+            assert w.grad.dtype == b.grad.dtype == torch.float32, what
+            _close(b.grad, rdb, dict(rtol=1e-5, atol=1e-4), f"{what} bias grad")
+            _close(w.grad, rdw, dict(rtol=1e-5, atol=1e-4), f"{what} weight grad")
 
 
 def test_a_layer_cache_fed_ever_changing_shapes_stays_bounded(not_distributed):
