@@ -892,12 +892,11 @@ def _reference_step(params, grads, states, idx, lrs, hyper, grad_scale, found_in
         m, v = state["exp_avg"].to(dtype), state["exp_avg_sq"].to(dtype)
         if grad_scale is not None:
             g = g / grad_scale.to(g.device)
-        if wd == 0:
-            pass  # (as PyTorch's Adam: an infinite weight stays infinite, not 0 * inf = NaN)
-        elif hyper["adam_w"]:
-            p32 = p32 - lr * wd * p32
-        else:
-            g = g + wd * p32
+        if wd != 0:  # (as PyTorch's Adam: at 0 an infinite weight stays so, not 0 * inf = NaN)
+            if hyper["adam_w"]:
+                p32 = p32 - lr * wd * p32
+            else:
+                g = g + wd * p32
         m = beta1 * m + (1 - beta1) * g
         v = beta2 * v + (1 - beta2) * g * g
         if hyper["bias_correction"]:
