@@ -2301,6 +2301,49 @@ def check_amp_o2_ddp_masters_bitwise_identical(ctx):
     _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
+def check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit(ctx):
+    """An Apex-style checkpoint of a DDP-wrapped O2 model (the wrapper's state_dict, keys
+    prefixed "module.", with the optimizer's and amp's) taken after two steps and loaded into
+    a freshly built, differently initialized wrapper continues as the uninterrupted run does,
+    bit for bit on every rank: parameters, buffers (SyncBatchNorm's running statistics), fp32
+    masters and amp's loss scaler. The model checkpoint holds fp32 tensors, as one process's
+    does. Reference: the uninterrupted run. (r66B's replay: no check resumed through DDP)"""
+    from mixprec import amp
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = convert_syncbn_model(_ConvNet()).to(ctx.device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    loss_scale="dynamic", verbosity=0)
+        return DistributedDataParallel(model), opt
+
+    batches = [_images(ctx, seed=770 + i) for i in range(4)]
+    ddp, opt = build(0)
+    for x, y in batches[:2]:
+        _amp_step(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+    saved = copy.deepcopy({"model": ddp.state_dict(), "optimizer": opt.state_dict(),
+                           "amp": amp.state_dict()})
+    for x, y in batches[2:]:
+        _amp_step(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+    assert all(k.startswith("module.") for k in saved["model"]), list(saved["model"])
+    assert all(t.dtype in (torch.float32, torch.int64) for t in saved["model"].values()), \
+        {k: t.dtype for k, t in saved["model"].items()}
+    resumed, resumed_opt = build(1)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["optimizer"])
+    amp.load_state_dict(saved["amp"])
+    for x, y in batches[2:]:
+        _amp_step(resumed, resumed_opt, _mine(ctx, x), _mine(ctx, y), amp)
+    got = dict(resumed.module.named_parameters()) | dict(resumed.module.named_buffers())
+    for name, want in [*ddp.module.named_parameters(), *ddp.module.named_buffers()]:
+        assert torch.equal(got[name], want), labelled(f"rank {ctx.rank}: {name}")
+    for i, (m, r) in enumerate(zip(amp.master_params(opt), amp.master_params(resumed_opt))):
+        assert torch.equal(m, r), labelled(f"rank {ctx.rank}: master {i}")
+    assert amp.state_dict(optimizer=resumed_opt) == amp.state_dict(optimizer=opt)
+    assert amp.state_dict(optimizer=opt)["loss_scaler0"]["unskipped"] == 4
+
+
 def check_amp_o2_under_torch_ddp(ctx):
     # mixprec.amp with PyTorch's own DDP (not ours): half gradients all-reduced by it, then
     # unscaled into the masters; the same training as one process on the global batch.
@@ -4136,6 +4179,7 @@ CHECKS = [
     "check_reducer_amp_overflow_on_one_rank",
     "check_reducer_inside_an_accumulating_scale_loss_block",
     "check_amp_o2_ddp_masters_bitwise_identical",
+    "check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit",
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
     "check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters",
