@@ -1,6 +1,7 @@
 """The runner: same start for every mode, frozen BatchNorm, skipped-step counts, errors."""
 
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -855,8 +856,6 @@ def test_run_mode_samples_the_fallback_probe_after_every_step(cnn, monkeypatch):
     """Where the kernel's peak cannot be reset, run_mode reads the RSS after every step as
     well as in the 10 ms sampler: a 64 MiB block one step holds until the next step frees it
     counts in the mode's peak even when the sampler thread never wakes in between. (N05)"""
-    import functools
-
     monkeypatch.setattr(runner_module, "_reset_hwm", lambda: False)
     monkeypatch.setattr(runner_module, "_CpuPeakMemory",
                         functools.partial(_CpuPeakMemory, interval_s=3600.0))
