@@ -46,8 +46,9 @@ class SyncBatchNorm(_BatchNorm):
 
     Args:
         num_features (int): ``C``, the number of channels.
-        eps (float): added to the variance; > 0 wherever batch statistics normalize (0 is
-            taken for eval mode with running statistics only). Default ``1e-5``.
+        eps (float): added to the variance; > 0 wherever batch statistics normalize (0 only
+            for eval mode with running statistics, where the installed PyTorch's BatchNorm
+            takes it: 2.4 and 2.13 do, 2.11 does not). Default ``1e-5``.
         momentum (float or None): running-statistics factor; None for a cumulative average.
             Default ``0.1``.
         affine (bool): learnable per-channel weight and bias. Default True.
