@@ -285,11 +285,14 @@ class _GenericPath:
     """
 
     __slots__ = ("shape", "x_dtype", "n", "eps", "is_rms", "from_y", "y_dtype", "kernels",
-                 "returns_rstd", "copies_rows")
+                 "returns_rstd", "copies_rows", "param_dtypes")
 
     def __init__(self, shape, x_dtype, n, eps, is_rms, from_y, y_dtype, kernels,
-                 copies_rows=False):
+                 copies_rows=False, param_dtypes=(None, None)):
         self.shape, self.x_dtype, self.n, self.eps = shape, x_dtype, n, eps
+        # (the weight's and bias's dtypes, which their gradients take: a saved-tensor hook may
+        # hand the backward copies of another dtype)
+        self.param_dtypes = param_dtypes
         self.is_rms, self.from_y, self.y_dtype = is_rms, from_y, y_dtype
         self.kernels = kernels
         self.returns_rstd = from_y and not kernels
@@ -319,6 +322,13 @@ class _GenericPath:
         output (``returns_rstd``)."""
         n = self.n
         dy2d, xy, w, b = _rows(dy, n), _rows(saved, n), _flat(weight), _flat(bias)
+        w_dtype, b_dtype = self.param_dtypes
+        # (A hook's copy of a parameter in another dtype is read in the parameter's own, so
+        # that its gradient is computed and returned in it, not rounded to the copy's.)
+        if w is not None and w.dtype is not w_dtype:
+            w = w.to(w_dtype)
+        if b is not None and b.dtype is not b_dtype:
+            b = b.to(b_dtype)
         if self.kernels:
             dx, dw, db = norm_bwd_impl(dy2d, xy, w, b, mean, rstd, self.is_rms, self.from_y,
                                        self.x_dtype, need_dw, need_db)
@@ -346,7 +356,8 @@ def _make_path(x: Tensor, weight, bias, n: int, eps: float, is_rms: bool, from_y
     kernels = _use_triton(x, n, weight, bias)
     copies_rows = not kernels and not from_y and _row_stride(x, n) is None
     generic = _GenericPath(x.shape, x.dtype, n, eps, is_rms, from_y, out_dtype, kernels,
-                           copies_rows)
+                           copies_rows, (None if weight is None else weight.dtype,
+                                         None if bias is None else bias.dtype))
     if (
         kernels
         and m > 0
@@ -375,7 +386,8 @@ def _backward(ctx, dy):
 def _reference_path(path) -> "_GenericPath":
     """``path``'s signature on the PyTorch reference (no kernels)."""
     g = path.generic if isinstance(path, _TritonPath) else path
-    return _GenericPath(g.shape, g.x_dtype, g.n, g.eps, g.is_rms, g.from_y, g.y_dtype, False)
+    return _GenericPath(g.shape, g.x_dtype, g.n, g.eps, g.is_rms, g.from_y, g.y_dtype, False,
+                        param_dtypes=g.param_dtypes)
 
 
 class _FusedNormFunction(torch.autograd.Function):

@@ -285,7 +285,9 @@ def _backward(ctx, grad_out):
         # A saved-tensor hook (activation offloading, compression) handed back copies laid
         # out or typed otherwise, or the gradients are batched (is_grads_batched=True): PyTorch
         # arithmetic on what came back.
-        grads = _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias)
+        # (each gradient in its tensor's dtype at the forward, the plan's: not the copy's)
+        grads = _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias,
+                                  (plan.x_dtype, plan.w_dtype, plan.b_dtype))
     else:
         if grad_out.dtype is not x.dtype or grad_out.stride() != x.stride():
             grad_out = torch.empty_like(x).copy_(grad_out)  # (x's dense channels-last memory)
@@ -293,7 +295,9 @@ def _backward(ctx, grad_out):
     return (*grads, None)
 
 
-def _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias):
+def _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bias, dtypes):
+    """The gradients by PyTorch arithmetic (in fp32) from what the saved-tensor hooks handed
+    back, each cast to its tensor's dtype at the forward (``dtypes``: input, weight, bias)."""
     sbf = _sbf()
     c = (row.numel() - 1) // 2
     # (a hook may hand the row or the weight back on another device, e.g. offloaded to CPU)
@@ -302,12 +306,13 @@ def _generic_backward(grad_out, x, weight, row, need_input, need_weight, need_bi
     grad_input, grad_weight, grad_bias = sbf._reference_backward(
         grad_out, x, sbf._Layout(x, x.dim() == 2), w, row[:c], row[c:2 * c], row[2 * c],
         sbf.LOCAL, (need_input, need_weight, need_bias))
+    x_dtype, weight_dtype, bias_dtype = dtypes
     if grad_input is not None:
-        grad_input = grad_input.to(x.dtype)
+        grad_input = grad_input.to(x_dtype)
     if grad_weight is not None:
-        grad_weight = grad_weight.to(weight.dtype)
-    if grad_bias is not None and weight is not None:
-        grad_bias = grad_bias.to(weight.dtype)
+        grad_weight = grad_weight.to(weight_dtype)
+    if grad_bias is not None and bias_dtype is not None:
+        grad_bias = grad_bias.to(bias_dtype)
     return grad_input, grad_weight, grad_bias
 
 

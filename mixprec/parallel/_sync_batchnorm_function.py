@@ -400,6 +400,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                     "needs two values: use larger batches, or eval mode for this layer."
                 )
         ctx.save_for_backward(x, weight, mean, invstd, counts)
+        ctx.param_dtypes = (None if weight is None else weight.dtype,
+                            None if bias is None else bias.dtype)
         ctx.layout = layout
         ctx.channel_last = channel_last
         ctx.group = group
@@ -419,14 +421,16 @@ def _backward(ctx, grad_out):
         # otherwise: the kernels must read it as it is.
         layout = _Layout(x, ctx.channel_last)
     grads = _pytorch_backward(grad_out, x, layout, weight, mean, invstd, counts, ctx.group,
-                              ctx.needs_input_grad)
+                              ctx.needs_input_grad, ctx.param_dtypes)
     return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _pytorch_backward(grad_out, x, layout, weight, mean, invstd, counts, group,
-                      needs_input_grad):
+                      needs_input_grad, param_dtypes):
     """``(grad_input, grad_weight, grad_bias)`` by PyTorch's fused kernels (CUDA) or plain
-    PyTorch (CPU), the gradients in the parameters' dtype."""
+    PyTorch (CPU), the gradients in the parameters' dtypes at the forward (``param_dtypes``:
+    a saved-tensor hook may hand back the weight in another dtype; the gradients are computed
+    in the statistics' dtype all the same and only then cast)."""
     needs = (
         needs_input_grad[0],
         weight is not None and needs_input_grad[1],
@@ -441,15 +445,15 @@ def _pytorch_backward(grad_out, x, layout, weight, mean, invstd, counts, group,
         grad_input, grad_weight, grad_bias = _reference_backward(
             grad_out, x, layout, w, mean, invstd, counts, group, needs
         )
+    weight_dtype, bias_dtype = param_dtypes
     if not needs[1]:
         grad_weight = None
-    elif grad_weight is not None and grad_weight.dtype != weight.dtype:
-        grad_weight = grad_weight.to(weight.dtype)
+    elif grad_weight is not None and grad_weight.dtype != weight_dtype:
+        grad_weight = grad_weight.to(weight_dtype)
     if not needs[2]:
         grad_bias = None
-    elif (grad_bias is not None and weight is not None
-          and grad_bias.dtype != weight.dtype):
-        grad_bias = grad_bias.to(weight.dtype)
+    elif grad_bias is not None and bias_dtype is not None and grad_bias.dtype != bias_dtype:
+        grad_bias = grad_bias.to(bias_dtype)
     return grad_input, grad_weight, grad_bias
 
 
@@ -546,7 +550,8 @@ def _triton_backward(ctx, grad_out):
         row = row.to(device=x.device, dtype=torch.float32)
         weight = None if weight is None else weight.to(x.device)
         grads = _pytorch_backward(grad_out, x, _Layout(x, ctx.channel_last), weight, row[:c],
-                                  row[c:2 * c], row[2 * c:], ctx.group, ctx.needs_input_grad)
+                                  row[c:2 * c], row[2 * c:], ctx.group, ctx.needs_input_grad,
+                                  (plan.w_dtype, plan.b_dtype))
         return (*grads, None)
     need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
     if grad_out.dtype is not x.dtype or grad_out.stride() != x.stride():

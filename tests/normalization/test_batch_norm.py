@@ -657,6 +657,39 @@ def test_saved_tensor_hooks_that_hand_back_other_copies(path, handed_back):
         torch.testing.assert_close(g.double().cpu(), r, **TOL[torch.bfloat16], msg=name)
 
 
+@pytest.mark.parametrize("path", PATHS[1:])
+def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(path):
+    # A compressing saved-tensor hook may hand the backward the fp32 weight (amp keeps batch
+    # norm's parameters fp32) as a bf16 copy. The weight and bias gradients do not read the
+    # weight: they are computed in fp32 and come back in the parameters' own dtype, not
+    # rounded to the copy's. Reference: float64 batch norm of the same bf16 input, 1e-5 of
+    # each gradient's scale (bf16 rounding would be ~4e-3).
+    device, path_ctx = _path(path)
+    gen = torch.Generator().manual_seed(9)
+    bn = FusedBatchNorm(5).to(device)
+    with torch.no_grad():
+        bn.weight.copy_(torch.rand(5, generator=gen) + 0.5)
+        bn.bias.copy_(torch.randn(5, generator=gen))
+    x = _layout((torch.randn(3, 5, 4, 2, generator=gen) * 2 + 1).to(torch.bfloat16), 4)
+    dy = _layout((torch.randn(3, 5, 4, 2, generator=gen) * 3).to(torch.bfloat16), 4)
+    x, dy = x.to(device), dy.to(device)
+    ref = _reference_step(bn, x, dy, 0.1)
+
+    def compress(t):
+        return t.to(torch.bfloat16) if t.data_ptr() == bn.weight.data_ptr() else t
+
+    with path_ctx(), _count_fused_calls() as calls:
+        with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
+            y = bn(x.detach().requires_grad_(True))
+        y.backward(dy)
+    assert calls
+    for name, g, r in (("weight grad", bn.weight.grad, ref[2]),
+                       ("bias grad", bn.bias.grad, ref[3])):
+        assert g.dtype == torch.float32, (name, g.dtype)
+        torch.testing.assert_close(g.double().cpu(), r, rtol=0,
+                                   atol=1e-5 * float(r.abs().max()), msg=name)
+
+
 @requires_interpreter
 def test_a_gradient_in_another_layout_than_the_input():
     # The output gradient may arrive in another memory layout than the input (a consumer that

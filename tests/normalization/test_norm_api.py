@@ -974,6 +974,36 @@ def test_backward_takes_parameters_and_statistics_handed_back_otherwise(hook, de
 
 
 @KERNEL_DEVICES
+def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(device):
+    # A compressing saved-tensor hook may hand the backward the fp32 weight as a bf16 copy.
+    # With the input saved, the weight and bias gradients (sum(dy * x_hat), sum(dy)) do not
+    # read the weight: they are computed in fp32 and come back in the parameters' own dtype,
+    # not rounded to the copy's (they were: bf16-rounded by up to 0.3%). float64 reference,
+    # fp32 tolerance. (memory_efficient recovers x_hat from the output through the weight, so
+    # there the copy's rounding reaches the weight's gradient by design.)
+    device, kernels_on_cpu = device_and_context(device)
+    gen = torch.Generator().manual_seed(11)
+    norm = FusedLayerNorm(16).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(16, generator=gen) + 0.5)
+        norm.bias.copy_(torch.randn(16, generator=gen))
+    x = (torch.randn(6, 16, generator=gen) * 2 + 1).to(device).requires_grad_(True)
+    dy = (torch.randn(6, 16, generator=gen) * 3).to(device)
+
+    def compress(t):
+        return t.to(torch.bfloat16) if t.data_ptr() == norm.weight.data_ptr() else t
+
+    with kernels_on_cpu():
+        with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
+            y = norm(x)
+        gw, gb = torch.autograd.grad(y, [norm.weight, norm.bias], dy)
+    want = float64_reference("layer", x, (16,), norm.weight, norm.bias, dy)
+    for name, got, ref in (("dweight", gw, want[2]), ("dbias", gb, want[3])):
+        assert got.dtype == torch.float32, name
+        torch.testing.assert_close(got.double(), ref, **tolerance(torch.float32), msg=name)
+
+
+@KERNEL_DEVICES
 @pytest.mark.parametrize("memory_efficient", [False, True])
 def test_batched_gradients(memory_efficient, device):
     # torch.autograd.grad(..., is_grads_batched=True), and jacobian(vectorize=True) built on

@@ -1736,6 +1736,40 @@ def test_triton_path_reads_an_input_saved_as_bf16_with_the_gradient_in_fp32(not_
     _close(xr.grad, ref, dict(rtol=0, atol=1e-5 * scale), "input grad from the bf16 copy")
 
 
+@pytest.mark.parametrize("layout", ["NCHW", "channels-last"])
+def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(not_distributed, layout):
+    """A saved-tensor hook that compresses what autograd keeps may hand the backward the fp32
+    weight as a bf16 copy. The weight and bias gradients (``sum(dy * xhat)``, ``sum(dy)``) do
+    not read the weight: they are computed in fp32 on every path and come back in the
+    parameters' own dtype, not rounded to the copy's (they were, by up to 0.3%: the fallback
+    cast them to the dtype of what the hook handed back). Reference: float64 BatchNorm of
+    the same input, 1e-5 of each gradient's scale; on CUDA too."""
+    torch.manual_seed(0)
+    fmt = torch.channels_last if layout == "channels-last" else torch.contiguous_format
+    x = (torch.randn(6, 3, 4, 4) * 2 + 1).contiguous(memory_format=fmt)
+    dy = (torch.randn(6, 3, 4, 4) * 3).contiguous(memory_format=fmt)
+    w0, b0 = torch.rand(3) + 0.5, torch.randn(3)
+    ref = _reference(x, w0, b0, dy, None, None, 0.1, 1e-5, 1)
+    paths = _cpu_paths() + ([("cuda", contextlib.nullcontext)] if torch.cuda.is_available()
+                            else [])
+    for name, path_ctx in paths:
+        device = "cuda" if name == "cuda" else "cpu"
+        w = w0.to(device, copy=True).requires_grad_()
+        b = b0.to(device, copy=True).requires_grad_()
+
+        def compress(t, w=w):
+            return t.to(torch.bfloat16) if t.data_ptr() == w.data_ptr() else t
+
+        with path_ctx():
+            with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
+                y = fn.sync_batch_norm(x.to(device), w, b, None, None, 1e-5, 0.1, fn.LOCAL, 1)
+            y.backward(dy.to(device))
+        for what, got, want in (("weight grad", w.grad, ref[2]), ("bias grad", b.grad, ref[3])):
+            assert got.dtype == torch.float32, (name, what, got.dtype)
+            scale = float(want.abs().max())
+            _close(got, want, dict(rtol=0, atol=1e-5 * scale), f"{name} {layout} {what}")
+
+
 def test_channel_last_flag_with_a_strided_input_is_batchnorm(not_distributed):
     """Apex's ``channel_last=True`` with an ``(N, H, W, C)`` input that is a strided view (every
     other row of a larger batch, a crop) is not dense ``(M, C)`` memory: every path must read it
