@@ -244,6 +244,40 @@ def test_compile_fullgraph_dynamic_shapes_matches_eager():
     torch._dynamo.reset()
 
 
+class _TwoDimNorms(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.rms = FusedLayerNorm((2, 8)), FusedRMSNorm((2, 8))
+
+    def forward(self, x):
+        return self.ln(x) + self.rms(x).square()
+
+
+def test_compile_fullgraph_of_a_two_dim_normalized_shape_matches_pytorch():
+    """Under torch.compile the norms take their parameters of a multi-dim normalized_shape
+    ((2, 8): a weight and bias of that shape, as torch.nn.LayerNorm's) and give the output
+    and gradients of PyTorch's norms. Against F.layer_norm / F.rms_norm (D29)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(11)
+    model = _TwoDimNorms()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.uniform_(0.5, 1.5, generator=gen)
+    x = torch.randn(3, 2, 8, generator=gen, requires_grad=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    got = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+    f = torch.nn.functional
+    want_out = (f.layer_norm(x, (2, 8), model.ln.weight, model.ln.bias)
+                + f.rms_norm(x, (2, 8), model.rms.weight, model.rms.eps).square())
+    want = torch.autograd.grad(want_out.sum(), [x, *model.parameters()])
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("transform", ["grad", "vmap"])
 def test_compile_fullgraph_of_torch_func_matches_eager(transform):
     # Whether a torch.func transform is active is read when Dynamo traces the call (torch
@@ -289,6 +323,27 @@ def test_custom_ops_pass_opcheck():
         _, mean, rstd = fwd(x64.detach(), w64.detach(), None, 1e-5, is_rms, False,
                             torch.float64)
         assert mean.dtype == rstd.dtype == torch.float64
+
+
+@pytest.mark.parametrize("param_dtype", [torch.bfloat16], ids=str)  # (fp16: the same code)
+def test_backward_op_passes_opcheck_with_half_parameters(param_dtype):
+    """A model cast to half precision reaches torch.compile's backward graph with half
+    weight and bias: the backward op's fake implementation must promise their gradients in
+    the parameters' dtype, as the op computes them, or the compiled graph is planned for
+    other dtypes than it receives. opcheck compares the two; the dtypes checked directly too
+    (D33)."""
+    if not hasattr(torch.library, "opcheck"):
+        pytest.skip("requires torch.library.opcheck")
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 8, generator=gen).to(param_dtype)
+    w = (torch.rand(8, generator=gen) + 0.5).to(param_dtype)
+    b = torch.randn(8, generator=gen).to(param_dtype)
+    dy = torch.randn(6, 8, generator=gen).to(param_dtype)
+    _, mean, rstd = torch.ops.mixprec.fused_norm_fwd(x, w, b, 1e-5, False, False, param_dtype)
+    args = (dy, x, w, b, mean, rstd, False, False, param_dtype, True, True)
+    torch.library.opcheck(torch.ops.mixprec.fused_norm_bwd.default, args)
+    dx, dw, db = torch.ops.mixprec.fused_norm_bwd(*args)
+    assert dx.dtype == dw.dtype == db.dtype == param_dtype
 
 
 @KERNEL_DEVICES
@@ -482,6 +537,21 @@ def test_zero_sized_normalized_shape_is_empty_as_in_torch(kind):
     assert x.grad.shape == (3, 0) and module.weight.grad.shape == (0,)
     y = (fused_layer_norm if kind == "layer" else fused_rms_norm)(torch.randn(5, 2, 0), (2, 0))
     assert y.shape == (5, 2, 0)
+
+
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_compile_of_a_zero_sized_normalized_shape_is_empty_as_in_torch(kind):
+    """Under torch.compile, as eagerly, a zero in normalized_shape gives the empty result
+    PyTorch's norms give (a model whose width is configured to 0 in a test or an ablation
+    compiles). Against F.layer_norm / F.rms_norm's shape and dtype (D48)."""
+    torch._dynamo.reset()
+    fused = fused_layer_norm if kind == "layer" else fused_rms_norm
+    ref = torch.nn.functional.layer_norm if kind == "layer" else torch.nn.functional.rms_norm
+    x = torch.randn(5, 2, 0)
+    compiled = torch.compile(lambda t: fused(t, (2, 0)), fullgraph=True, backend="aot_eager")
+    got, want = compiled(x), ref(x, (2, 0))
+    assert got.shape == want.shape == (5, 2, 0) and got.dtype == want.dtype
+    torch._dynamo.reset()
 
 
 _KERNEL_DEVICES = [
@@ -713,6 +783,20 @@ def test_module_attribute_changes_between_calls_are_honoured(device):
         norm(x)
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_an_input_on_another_device_after_calls_is_refused(cls):
+    """A module checks its arguments per input signature; an input on another device than
+    its parameters (here the meta device, after a call on the parameters' own) is refused as
+    on a first call, with the device error, instead of running the path planned for the
+    first device. The exact error and message start (D27)."""
+    norm = cls(8)
+    x = torch.randn(4, 8)
+    norm(x)
+    with pytest.raises(ValueError, match=rf"^{cls.__name__}: weight is on cpu but the input "
+                                         r"is on meta; move both to the same device"):
+        norm(x.to("meta"))
+
+
 # The Triton kernels: on CUDA, or in Triton's interpreter on CPU.
 _KERNELS_ONLY = pytest.mark.parametrize("device", [
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
@@ -752,6 +836,55 @@ def test_second_derivative_through_the_kernels_is_a_clear_error(loss, how, devic
             second.backward()
         else:
             torch.autograd.grad(second, x if how == "grad wrt x" else norm.weight)
+
+
+@_KERNELS_ONLY
+@pytest.mark.parametrize("make", [
+    lambda: FusedRMSNorm(16),
+    lambda: FusedLayerNorm(16, elementwise_affine=False),
+    lambda: FusedLayerNorm(16).requires_grad_(False),
+], ids=["rms-no-bias", "layer-plain", "layer-frozen"])
+def test_second_derivative_through_the_kernels_is_an_error_with_some_inputs_frozen(make, device):
+    """The kernels' backward has no derivative of its own, so a second derivative through it
+    is an error whenever any of its inputs needs a gradient, not only when the input, weight
+    and bias all do: an RMS norm (no bias), a norm without parameters and one with frozen
+    parameters (fine-tuning) would otherwise give a gradient penalty or Hessian-vector
+    product without the norm's term, silently. The first derivative against PyTorch's
+    (D14)."""
+    device, kernels_on_cpu = device_and_context(device)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    norm = make().to(device)
+    with kernels_on_cpu():
+        (gx,) = torch.autograd.grad(norm(x).pow(2).sum(), x, create_graph=True)
+    ref = x.detach().clone().requires_grad_(True)
+    f = torch.nn.functional
+    y = (f.rms_norm(ref, (16,), norm.weight, norm.eps) if isinstance(norm, FusedRMSNorm)
+         else f.layer_norm(ref, (16,), norm.weight, norm.bias, norm.eps))
+    (want,) = torch.autograd.grad(y.pow(2).sum(), ref)
+    torch.testing.assert_close(gx, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="Triton kernels.*differentiate twice"):
+        ((gx * gx).sum() + (x ** 3).sum()).backward()
+
+
+@_KERNELS_ONLY
+def test_second_derivative_through_the_kernels_wrt_the_output_gradient_is_an_error(device):
+    """The norm's input gradient depends on the gradient reaching its output, so a second
+    derivative with respect to what made that gradient (here c in the loss (y * c).sum(), as
+    in a gradient penalty differentiated by an upstream tensor) passes through the kernels'
+    backward, which has none: an error, not the result without the norm's term (c also reaches
+    the second loss directly, so autograd has another path to it) (D45)."""
+    device, kernels_on_cpu = device_and_context(device)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    c = torch.randn(4, 16, device=device, requires_grad=True)
+    norm = FusedLayerNorm(16).to(device)
+    with kernels_on_cpu():
+        (gx,) = torch.autograd.grad((norm(x) * c).sum(), x, create_graph=True)
+    ref = x.detach().clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(
+        (torch.nn.functional.layer_norm(ref, (16,), norm.weight, norm.bias) * c).sum(), ref)
+    torch.testing.assert_close(gx, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="Triton kernels.*differentiate twice"):
+        torch.autograd.grad(gx.pow(2).sum() + c.sum(), c)
 
 
 @pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-x", "memory-efficient"])
@@ -858,6 +991,29 @@ def test_torch_func_and_forward_ad_match_pytorch(rms):
         got = fwAD.unpack_dual(fused(fwAD.make_dual(x, v))).tangent
         want = fwAD.unpack_dual(ref(fwAD.make_dual(x, v))).tangent
     torch.testing.assert_close(got, want, **tol)
+
+
+@pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
+def test_torch_func_and_forward_ad_keep_the_mixed_norms_output_dtype(cls):
+    """A Mixed norm gives its output in the weight's dtype (fp32 parameters, bf16 activations)
+    under torch.func transforms and forward-mode AD as it does eagerly: the layer after it is
+    built for that dtype. Against the eager call, dtype exactly and values to bf16's rounding
+    (D46)."""
+    import torch.autograd.forward_ad as fwAD
+
+    gen = torch.Generator().manual_seed(13)
+    norm = cls(8)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+    x = torch.randn(3, 5, 8, generator=gen).bfloat16()
+    want = norm(x)
+    assert want.dtype == torch.float32
+    got = torch.func.vmap(norm)(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, **tolerance(torch.bfloat16))
+    with fwAD.dual_level():
+        dual = norm(fwAD.make_dual(x, torch.ones_like(x)))
+    assert fwAD.unpack_dual(dual).primal.dtype == torch.float32
 
 
 @pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
@@ -1157,6 +1313,20 @@ def test_jit_trace_takes_dtypes_when_it_runs(cls):
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
 
 
+def test_jit_trace_of_a_bias_only_layer_norm_keeps_the_bias():
+    """torch.jit.trace of a layer norm with a bias and no weight (fused_layer_norm(x, n,
+    None, bias), as Apex's functional form allows) records PyTorch's layer norm with that
+    bias: the trace must compute what the eager call computes. Against F.layer_norm (D28)."""
+    b = torch.linspace(-1, 1, 16)
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        traced = torch.jit.trace(lambda t: fused_layer_norm(t, 16, None, b), x)
+    want = torch.nn.functional.layer_norm(x, (16,), None, b)
+    torch.testing.assert_close(traced(x), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fused_layer_norm(x, 16, None, b), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("cls", [FusedLayerNorm, MixedFusedLayerNorm, FusedRMSNorm,
                                  MixedFusedRMSNorm])
 def test_unpickles_apex_instance_state(cls):
@@ -1357,6 +1527,33 @@ def test_module_rechecks_a_weight_whose_dtype_changed():
     norm(x)
     norm.weight = torch.nn.Parameter(torch.ones(4, dtype=torch.int64), requires_grad=False)
     with pytest.raises(TypeError, match="FusedLayerNorm: weight dtype torch.int64 is not supported"):
+        norm(x)
+
+
+@pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.complex64], ids=str)
+def test_mixed_module_rechecks_an_input_whose_dtype_changed(cls, dtype):
+    """A Mixed norm's output dtype is its weight's, whatever the input's: an input of an
+    unsupported dtype after a float one (same shape and strides) is still refused as on a
+    first call, not normalized silently. The exact error and message start (D25)."""
+    norm = cls(8)
+    x = torch.randn(4, 8)
+    norm(x)
+    with pytest.raises(TypeError, match=rf"^{cls.__name__}: input dtype {dtype} is not "
+                                        r"supported; use float32, float16, bfloat16"):
+        norm(x.to(dtype))
+
+
+def test_module_rechecks_a_bias_whose_dtype_changed():
+    """As for the weight: a bias replaced by one of an unsupported dtype (same shape) after
+    calls is refused as on a first call, not added to the output. The exact error and message
+    start (D26)."""
+    norm = FusedLayerNorm(4)
+    x = torch.randn(2, 4)
+    norm(x)
+    norm.bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.int64), requires_grad=False)
+    with pytest.raises(TypeError, match=r"^FusedLayerNorm: bias dtype torch.int64 is not "
+                                        r"supported"):
         norm(x)
 
 

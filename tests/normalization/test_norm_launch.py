@@ -50,6 +50,63 @@ def test_occupancy_arithmetic(monkeypatch):
     assert _launch._occupancy(object(), 4, 0) is None
 
 
+def test_occupancy_rounds_registers_and_caps_programs(monkeypatch):
+    """The backward's program count is the SM's resident programs times the SMs: a count too
+    high launches a second wave (a slower backward), too low leaves SMs idle. Registers are
+    allocated per thread in units of 8, an SM holds at most 32 programs, and a shared-memory
+    size the driver does not report (0) sets no limit. Against the arithmetic done by hand
+    (D01, D02, D03)."""
+    _fake_h200(monkeypatch)
+
+    def compiled(n_regs, shared):
+        return types.SimpleNamespace(n_regs=n_regs, metadata=types.SimpleNamespace(shared=shared))
+
+    # 33 registers are allocated as 40: 40 x 64 threads per program -> 65,536 // 2,560 = 25
+    assert _launch._occupancy(compiled(33, 0), 2, 0) == 25
+    # one warp of 16 registers: 64 by threads, 128 by registers, but 32 at most
+    assert _launch._occupancy(compiled(16, 0), 1, 0) == 32
+    # shared memory per SM unknown: only registers and threads count (16 here)
+    monkeypatch.setattr(_launch, "_sm_resources", lambda index: (132, 65536, 2048, 0))
+    assert _launch._occupancy(compiled(32, 100 * 1024), 4, 0) == 16
+
+
+def test_program_count_fallback_keeps_one_program_per_sm_at_32_warps(monkeypatch):
+    """Where Triton hides the compiled kernel's register count, the heuristic of 16 warps per
+    SM still gives every SM one program of 32 warps (rows of 16K-64K elements), not a single
+    program for the whole backward. Against the SM count of the fake H200 (D04)."""
+    _fake_h200(monkeypatch)
+    monkeypatch.setattr(_launch, "_PROGRAMS_PER_SM", {})
+
+    def broken():
+        raise RuntimeError("no such attribute")
+
+    device = torch.device("cuda", 0)
+    for warps, per_sm in ((32, 1), (16, 1), (8, 2)):
+        cfg = _launch.KernelConfig(1, 65536, warps)
+        assert _launch.backward_num_programs(10**6, cfg, device, ("k", warps), broken) == \
+            132 * per_sm, warps
+
+
+def test_sm_resources_fall_back_to_every_nvidia_gpu_since_volta(monkeypatch):
+    """A torch build whose device properties lack the per-SM limits gets 64K registers and
+    2,048 threads per SM (every NVIDIA GPU since Volta) and an unknown (0) shared memory;
+    reported values are taken as they are. (D05)"""
+    def props(**attrs):
+        return lambda index: types.SimpleNamespace(multi_processor_count=132, **attrs)
+
+    _launch._sm_resources.cache_clear()
+    try:
+        monkeypatch.setattr(torch.cuda, "get_device_properties", props())
+        assert _launch._sm_resources(0) == (132, 65536, 2048, 0)
+        _launch._sm_resources.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_properties", props(
+            regs_per_multiprocessor=32768, max_threads_per_multi_processor=1536,
+            shared_memory_per_multiprocessor=102400))
+        assert _launch._sm_resources(0) == (132, 32768, 1536, 102400)
+    finally:
+        _launch._sm_resources.cache_clear()
+
+
 def test_program_count_is_learnt_once_per_specialization(monkeypatch):
     _fake_h200(monkeypatch)
     monkeypatch.setattr(_launch, "_PROGRAMS_PER_SM", {})
@@ -127,15 +184,22 @@ class _FakeKernel:
         return run
 
 
-def test_launch_reuses_the_compiled_kernel_per_specialization(monkeypatch):
-    # Triton's dispatch runs once per specialization; later calls launch the compiled kernel
-    # with every argument in signature order (constexprs included, launch options not).
+def _fast_launch_env(monkeypatch):
+    """launch() on a fake CUDA device where its direct launch is supported: an empty compiled
+    cache, stream 77, and the returned fake runtime (its launch hooks)."""
+    runtime = _Runtime()
     monkeypatch.setattr(_launch, "_fast_launch_supported", lambda: True)
     monkeypatch.setattr(_launch, "interpreter_enabled", lambda: False)
     monkeypatch.setattr(_launch, "_COMPILED", {})
     monkeypatch.setattr(_launch, "_raw_stream", lambda device: 77)
-    runtime = _Runtime()
     monkeypatch.setattr(_launch, "_triton_runtime_knobs", lambda: runtime)
+    return runtime
+
+
+def test_launch_reuses_the_compiled_kernel_per_specialization(monkeypatch):
+    # Triton's dispatch runs once per specialization; later calls launch the compiled kernel
+    # with every argument in signature order (constexprs included, launch options not).
+    runtime = _fast_launch_env(monkeypatch)
     kernel, device = _FakeKernel(), torch.device("cuda", 0)
     buf = torch.zeros(64)
     consts = dict(FLAG=True, BLOCK=128, num_warps=4)
@@ -184,6 +248,84 @@ def test_launch_takes_tritons_path_where_unverified(monkeypatch, case):
     assert [entry[0] for entry in kernel.log] == ["triton"] * 3
 
 
+def test_launch_keeps_a_compiled_kernel_per_gpu(monkeypatch):
+    """A kernel compiled for one GPU is loaded into that GPU's context only: a launch of the
+    same specialization on another GPU (a second model replica, pipeline stages) takes
+    Triton's path, which compiles and loads it there, instead of launching the first GPU's
+    handle. Against the launch log (D06)."""
+    _fast_launch_env(monkeypatch)
+    kernel, buf = _FakeKernel(), torch.zeros(64)
+    consts = dict(FLAG=True, BLOCK=128, num_warps=4)
+    for index in (0, 1, 0, 1):
+        _launch.launch(kernel, (1,), (buf, 48, 1e-6), consts, torch.device("cuda", index))
+    assert [entry[0] for entry in kernel.log] == ["triton", "init", "triton", "init", "run", "run"]
+
+
+def test_launch_waits_for_an_asynchronous_compile(monkeypatch):
+    """With Triton's asynchronous compile mode the first launch returns a future: the
+    launcher keeps the compiled kernel it resolves to, so later launches are direct. Against
+    the launch log (D07)."""
+    _fast_launch_env(monkeypatch)
+    kernel = _FakeKernel()
+    runner = _FakeKernel.__getitem__
+
+    def deferred(self, grid):
+        run = runner(self, grid)
+        return lambda *args, **kwargs: types.SimpleNamespace(result=lambda: run(*args, **kwargs))
+
+    monkeypatch.setattr(_FakeKernel, "__getitem__", deferred)
+    buf, consts = torch.zeros(64), dict(FLAG=True, BLOCK=128, num_warps=4)
+    first = _launch.launch(kernel, (1,), (buf, 48, 1e-6), consts, torch.device("cuda", 0))
+    assert isinstance(first, _launch._Launchable)
+    _launch.launch(kernel, (2,), (buf, 48, 1e-6), consts, torch.device("cuda", 0))
+    assert [entry[0] for entry in kernel.log] == ["triton", "init", "run"]
+
+
+def test_launch_keeps_tritons_path_when_its_internals_moved(monkeypatch):
+    """A Triton release whose compiled kernel lacks what the direct launch reads (here its
+    loader raises) still runs every launch, through Triton's own runner, instead of failing
+    the norm. Against the launch log (D08)."""
+    _fast_launch_env(monkeypatch)
+    kernel = _FakeKernel()
+
+    def moved(self):
+        raise AttributeError("_init_handles")
+
+    monkeypatch.setattr(_FakeCompiled, "_init_handles", moved)
+    buf, consts = torch.zeros(64), dict(FLAG=True, BLOCK=128, num_warps=4)
+    for _ in range(3):
+        assert _launch.launch(kernel, (1,), (buf, 48, 1e-6), consts,
+                              torch.device("cuda", 0)) is None
+    assert [entry[0] for entry in kernel.log] == ["triton"] * 3
+
+
+def test_launch_tells_32_bit_ints_at_the_boundary(monkeypatch):
+    """Triton passes an int as 32-bit only when it lies in [-2**31, 2**31): 2**31 itself (a
+    row stride or element count of a 2**31-element buffer) needs the 64-bit kernel, not the
+    one compiled for 2**31 - 16. Against the launch log (D10)."""
+    _fast_launch_env(monkeypatch)
+    kernel, buf = _FakeKernel(), torch.zeros(64)
+    consts = dict(FLAG=True, BLOCK=128, num_warps=4)
+    for value in (2**31 - 16, 2**31, -(2**31), -(2**31) - 16):
+        _launch.launch(kernel, (1,), (buf, value, 1e-6), consts, torch.device("cuda", 0))
+    # -2**31 is 32-bit like 2**31 - 16, -2**31 - 16 is 64-bit like 2**31 (all multiples of 16)
+    assert [entry[0] for entry in kernel.log] == ["triton", "init"] * 2 + ["run"] * 2
+
+
+def test_site_keeps_at_most_16_variants(monkeypatch):
+    """A launch site keeps its compiled kernels for at most 16 variants (row strides, dtypes),
+    so that a layer fed ever new strides does not grow without bound; variants past that still
+    launch, through launch()'s own cache. Against the launch log (D09)."""
+    _fast_launch_env(monkeypatch)
+    kernel, buf = _FakeKernel(), torch.zeros(64)
+    site = _launch._Site(kernel, dict(FLAG=True, BLOCK=128, num_warps=4), torch.device("cuda", 0))
+    for stride in range(20):
+        site((1,), (buf, stride, 1e-5), (stride,))
+    assert len(site.cache) == 16 and set(site.cache) == {(s,) for s in range(16)}
+    site((1,), (buf, 19, 1e-5), (19,))  # past the bound: launch()'s cache, a direct launch
+    assert kernel.log[-1][0] == "run"
+
+
 @pytest.mark.parametrize("version,parsed,fast", [
     ("3.6.0", (3, 6), True), ("3.6.1", (3, 6), True), ("3.6.0+git1a2b3c4", (3, 6), True),
     ("3.5.1", (3, 5), False), ("3.7.0", (3, 7), False), ("unknown", None, False),
@@ -207,11 +349,7 @@ def test_triton_version_is_major_and_minor(monkeypatch, version, parsed, fast):
 def test_site_keeps_the_compiled_kernel_per_variant(monkeypatch):
     # A plan's launch site skips launch()'s key once its variant has been launched; a launch
     # with misaligned tensors (variant None) always takes launch(), which keys on alignment.
-    monkeypatch.setattr(_launch, "_fast_launch_supported", lambda: True)
-    monkeypatch.setattr(_launch, "interpreter_enabled", lambda: False)
-    monkeypatch.setattr(_launch, "_COMPILED", {})
-    monkeypatch.setattr(_launch, "_raw_stream", lambda device: 77)
-    monkeypatch.setattr(_launch, "_triton_runtime_knobs", lambda: _Runtime())
+    _fast_launch_env(monkeypatch)
     keys = []
     arg_key = _launch._arg_key
     monkeypatch.setattr(_launch, "_arg_key", lambda arg: keys.append(arg) or arg_key(arg))
@@ -289,6 +427,28 @@ def test_interpreter_disabled_without_the_variable(monkeypatch):
     assert _launch.interpreter_enabled() is False
 
 
+def test_a_triton_that_fails_to_import_leaves_the_pytorch_path(monkeypatch, caplog):
+    """A Triton that is installed but broken (a wheel built for another CUDA or Python, a
+    missing shared library) must not break the norms: availability is False, so every call
+    takes the PyTorch path, and a warning says why. Checked by making the import fail (D18)."""
+    import logging
+    import sys
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *args: object() if name == "triton" else find_spec(name, *args))
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    _launch.triton_available.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=_launch.__name__):
+            assert _launch.triton_available() is False
+        assert "triton is installed but failed to import" in caplog.text
+    finally:
+        monkeypatch.undo()
+        _launch.triton_available.cache_clear()
+
+
 _needs_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() and interpreter_skip_reason() is not None,
     reason="needs CUDA or Triton's CPU interpreter (TRITON_INTERPRET=1, Triton >= 3.6)")
@@ -357,6 +517,21 @@ def test_zero_row_rms_backward_gives_no_bias_gradient():
     assert dx.shape == (0, 8) and dx.dtype == torch.float32
     torch.testing.assert_close(dw, torch.zeros(8), rtol=0, atol=0)
     assert db.shape == (0,)
+
+
+def test_zero_row_backward_gives_dx_in_the_input_dtype():
+    """The input gradient comes in the input's dtype for zero rows as for any other count,
+    also where the incoming gradient has another dtype (a Mixed norm's bf16 input with its
+    fp32 output): the backward op's fake implementation promises that dtype to
+    torch.compile. dweight and dbias of zero rows are zeros in the parameters' dtype (D40)."""
+    x = torch.randn(0, 8, dtype=torch.bfloat16)
+    dy = torch.randn(0, 8)
+    w, b = torch.ones(8), torch.zeros(8)
+    for is_rms in (False, True):
+        dx, dw, db = _launch.backward(dy, x, w, b, dy[:, 0], dy[:, 0], is_rms, False,
+                                      torch.bfloat16, True, True)
+        assert dx.shape == (0, 8) and dx.dtype == torch.bfloat16, is_rms
+        torch.testing.assert_close(dw, torch.zeros(8), rtol=0, atol=0)
 
 
 def test_memory_efficient_plan_reads_the_output_dtype():
