@@ -739,6 +739,27 @@ def test_o2_casts_nested_inputs_only_floating():
     assert data[0].image.dtype == torch.float32  # the caller's objects are not modified
 
 
+def test_o2_leaves_complex_and_every_integer_dtype_of_the_inputs_as_they_are():
+    """amp's input cast touches real floating tensors only: complex inputs (an FFT
+    feature, a complex mask) keep their imaginary part and dtype, and integer inputs of any
+    width (int32 token ids from a tokenizer, uint8 images, int16 audio) stay integers, since
+    indices and quantized data cast to half would be corrupted. Reference: the caller's own
+    tensors, bit for bit. (N01, N02)"""
+    seen = {}
+    model = _o2_input_spy(seen, lambda batch: batch["x"])
+    batch_ = {"x": torch.randn(3, 2),
+              "spectrum": torch.randn(3, dtype=torch.complex64),
+              "ids32": torch.arange(3, dtype=torch.int32),
+              "pixels": torch.arange(3, dtype=torch.uint8),
+              "audio": torch.arange(3, dtype=torch.int16)}
+    model(batch_)
+    got = seen["input"]
+    assert got["x"].dtype == torch.bfloat16
+    for key in ("spectrum", "ids32", "pixels", "audio"):
+        assert got[key].dtype == batch_[key].dtype, key
+        assert torch.equal(got[key], batch_[key]), key
+
+
 def _o2_input_spy(seen, pick):
     """An O2 (bf16) model that records the input its forward receives in ``seen["input"]``
     and runs a Linear(2, 2) on ``pick(input)``."""
@@ -919,6 +940,34 @@ def test_o2_casts_a_dataclass_with_an_unset_field_without_running_init_again():
     torch.testing.assert_close(got.x, data.x.bfloat16(), rtol=0, atol=0)  # not doubled again
 
 
+@dataclasses.dataclass(frozen=True)
+class _FrozenBatch:
+    """A frozen batch dataclass whose ``__post_init__`` derives a field (``init=False``) from
+    an input, as frozen dataclasses must, through ``object.__setattr__``."""
+
+    x: torch.Tensor
+    total: torch.Tensor = dataclasses.field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "x", self.x * 2)
+        object.__setattr__(self, "total", self.x.sum(dim=1))
+
+
+def test_o2_casts_a_frozen_dataclass_field_by_field():
+    """A frozen dataclass batch is cast field by field like any other: frozen only forbids
+    the user's assignments, and a rebuild through ``__init__`` would run ``__post_init__``
+    again (``x`` doubled twice, ``total`` recomputed from the doubled values). Reference: the
+    caller's instance, its fields rounded to bf16 once. (N05)"""
+    seen = {}
+    data = _FrozenBatch(torch.randn(3, 2))
+    _o2_input_spy(seen, lambda d: d.x)(data)
+    got = seen["input"]
+    assert type(got) is _FrozenBatch and got is not data
+    torch.testing.assert_close(got.x, data.x.bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(got.total, data.total.bfloat16(), rtol=0, atol=0)
+    assert data.x.dtype == torch.float32  # the caller's instance is left alone
+
+
 class _TokenBatch(collections.UserDict):
     """A tokenizer's batch (a ``UserDict`` with attributes of its own, like Hugging Face's)."""
 
@@ -991,6 +1040,59 @@ def test_o2_casts_mappings_and_leaves_other_objects_alone():
     # Other objects pass as they are: their .to() would cast the labels too (Apex called it;
     # flex attention's BlockMask, graph and tensordict batches cast their integer indices so).
     assert seen["batch"] is batch and batch.label.dtype == torch.int64
+
+
+@dataclasses.dataclass
+class _HeadConfig:
+    """A dataclass used as a configuration class: the forward gets the class itself."""
+
+    scale: float = 2.0
+    bias: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(2))
+
+
+def test_o2_passes_a_dataclass_class_given_as_an_input_as_it_is():
+    """A dataclass *class* among the inputs (a head's config type, a factory) is an object
+    like any other, not a batch: it reaches the forward as the same class, its defaults
+    untouched, while a dataclass instance beside it is cast. Reference: the class object
+    itself (identity) and the instance's field rounded to bf16. (N37)"""
+    seen = {}
+    model = _o2_input_spy(seen, lambda pair: pair[1].bias.expand(3, 2))
+    model((_HeadConfig, _HeadConfig(bias=torch.randn(2))))
+    cls, instance = seen["input"]
+    assert cls is _HeadConfig and cls.scale == 2.0
+    assert instance.bias.dtype == torch.bfloat16
+
+
+class _NamedStore(collections.abc.Mapping):
+    """A read-only mapping whose constructor needs more than the items (a name), so that
+    amp cannot rebuild it as its own type."""
+
+    def __init__(self, name, data):
+        self.name, self._data = name, dict(data)
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
+
+
+def test_o2_casts_a_mapping_it_cannot_rebuild_into_a_plain_dict():
+    """A mapping whose type cannot be built from its items alone reaches the forward as a
+    plain ``dict`` of the same keys with the floating values cast, rather than failing the
+    call: the forward reads it by key as before. The caller's mapping is left alone.
+    Reference: the caller's values rounded to bf16. (N07)"""
+    seen = {}
+    store = _NamedStore("feats", {"x": torch.randn(3, 2), "ids": torch.arange(3)})
+    out = _o2_input_spy(seen, lambda m: m["x"])(store)
+    got = seen["input"]
+    assert type(got) is dict and sorted(got) == ["ids", "x"]
+    torch.testing.assert_close(got["x"], store["x"].bfloat16(), rtol=0, atol=0)
+    assert got["ids"].dtype == torch.int64 and store["x"].dtype == torch.float32
+    assert out.dtype == torch.float32
 
 
 # -- sparse gradients -----------------------------------------------------------------------------

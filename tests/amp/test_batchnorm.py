@@ -130,6 +130,41 @@ def test_o1_fp32_batchnorm_keyword_input_and_float64_model():
     torch.testing.assert_close(out, plain(x))
 
 
+class _MaskedBatchNorm(nn.BatchNorm1d):
+    """A BatchNorm subclass for padded sequences: a boolean mask zeroes the padded rows."""
+
+    def forward(self, x, mask):
+        return super().forward(x * mask.unsqueeze(-1))
+
+
+def test_o1_fp32_batchnorm_hands_back_the_floating_inputs_dtype_after_a_boolean_argument():
+    """The fp32 BatchNorm of O1 returns the dtype of its floating input, whatever other
+    arguments come before it (here a boolean mask given first by keyword): callers' next
+    layers run on that output, and a mask's dtype (bool) would turn the activations into
+    booleans. Reference: the fp32 layer on the bf16 input upcast, rounded to bf16. (N13)"""
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.bn = nn.Linear(4, 4), _MaskedBatchNorm(4)
+
+        def forward(self, x, mask):
+            return self.bn(mask=mask, x=self.lin(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    ref_bn = copy.deepcopy(model.bn)
+    amp.initialize(model, opt_level="O1", keep_batchnorm_fp32=True, dtype=torch.bfloat16,
+                   cast_model_outputs=torch.bfloat16, verbosity=0)
+    x, mask = torch.randn(6, 4), torch.tensor([True, True, True, True, False, True])
+    out = model(x, mask)
+    assert out.dtype == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model.lin(x)
+    want = ref_bn(h.float(), mask).bfloat16()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_seed_finetuning_with_frozen_batchnorm(opt_level, dtype, device):

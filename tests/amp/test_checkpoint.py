@@ -1327,6 +1327,32 @@ def test_o2_a_modules_own_checkpoint_layout_is_kept():
     assert torch.equal(layer.weight, want)
 
 
+def test_o2_a_renamed_key_that_the_module_transforms_on_load_reaches_the_master_as_loaded():
+    """A checkpoint under an old key name, renamed by a load pre-hook the user registered
+    after initialize, into a module whose own load changes the value (here: doubles it) ends
+    with the master holding what the module loaded into its parameter, not the raw entry:
+    the next step and the next checkpoint continue from the loaded model. Reference: the
+    module's own result, ``2 * value`` rounded to bf16, in both the parameter and the master
+    (taken at half precision, as for a load without the rename). (N44)"""
+
+    def rename(state_dict, prefix, *args):
+        if prefix + "old_weight" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "old_weight")
+
+    torch.manual_seed(0)
+    layer = _LoadsScaled(4, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    amp.initialize(layer, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    layer._register_load_state_dict_pre_hook(rename)  # (after amp's own pre-hook)
+    value = torch.randn(4, 4)
+    layer.load_state_dict({"old_weight": value, "bias": torch.zeros(4)})
+    weight_master = next(m for m in amp.master_params(opt) if m.dim() == 2)
+    want = (2 * value).bfloat16()
+    assert torch.equal(layer.weight, want)
+    assert torch.equal(weight_master, want.float())
+    assert torch.equal(layer.state_dict()["weight"], want.float())
+
+
 class _Doubled(nn.Module):
     """A parametrization: the weight the layer uses is twice the stored one."""
 
