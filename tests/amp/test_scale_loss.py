@@ -525,6 +525,32 @@ def test_a_rollback_after_an_overflow_does_not_skip_the_next_step(opt_level, fus
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_an_amp_rollback_after_an_overflow_lets_every_optimizer_of_the_loss_step():
+    """amp.load_state_dict between an overflowed backward and its step is a rollback for
+    every optimizer of the call, not just the first: with two optimizers stepped by one loss
+    (body and head), the overflow is forgotten for both, and the next clean backward steps
+    both (neither reports a skipped step, every weight moves). (A22)"""
+    from .helpers import make_mlp
+
+    model = make_mlp()
+    opt_a = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    opt_b = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    amp.initialize(model, [opt_a, opt_b], opt_level="O2", dtype=torch.float16, verbosity=0)
+    saved = {"loss_scaler0": {"loss_scale": 128.0, "unskipped": 0}}
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    with amp.scale_loss(model(x).float().sum() * float("inf"), [opt_a, opt_b]) as s:
+        s.backward()
+    amp.load_state_dict(saved)
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(model(x).float().sum(), [opt_a, opt_b]) as s:
+        s.backward()
+    opt_a.step()
+    opt_b.step()
+    assert [amp.step_was_skipped(o) for o in (opt_a, opt_b)] == [False, False]
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 128.0, "unskipped": 1}}
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["host-skip", "device-skip"])
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_a_load_between_a_clean_backward_and_its_step_keeps_the_gradients(opt_level, fused,
@@ -631,6 +657,30 @@ def test_accumulation_equals_sum_of_micro_batches(opt_level, delay):
         assert rel < (3e-2 if opt_level == "O2" else 5e-2), rel  # O3: BatchNorm in bf16 too
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O3"])
+def test_accumulation_at_a_static_scale_below_one_equals_sum_of_micro_batches(opt_level):
+    """A static loss scale below 1 (loss_scale=0.5: a loss that is large in half precision)
+    is a scale like any other: a second backward onto gradients that an earlier block
+    unscaled must not unscale them again, so two micro-batches accumulate to the sum of
+    their gradients. Only a scale of exactly 1 may leave the earlier gradients where they
+    are, since unscaling by 1 changes nothing. (A06)"""
+    model = make_cnn()
+    x, y = batch(n=16)
+    ref = _micro_batch_reference(model, x, y)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, loss_scale=0.5, dtype=torch.bfloat16,
+                   patch_torch_functions=False if opt_level == "O1" else None, verbosity=0)
+    for xs, ys in ((x[:8], y[:8]), (x[8:], y[8:])):
+        with amp.scale_loss(nn.functional.cross_entropy(model(xs), ys), opt) as s:
+            s.backward()
+    if opt_level == "O1":  # fp32 throughout: only rounding of the sum
+        for m, r in zip(amp.master_params(opt), ref.parameters()):
+            torch.testing.assert_close(m.grad.float(), r.grad, rtol=1e-5, atol=1e-6)
+    else:  # bf16 model and BatchNorm: relative error over all gradients together
+        rel = _master_grads_error(opt, ref)
+        assert rel < 5e-2, rel
+
+
 @pytest.mark.parametrize("loss_scale", ["dynamic", 512.0])
 def test_delayed_micro_batches_count_no_step_and_do_not_warn(loss_scale):
     """A block with ``delay_unscale=True`` unscales nothing and decides nothing: the scaler
@@ -732,6 +782,81 @@ def test_fused_optimizer_skips_overflow_on_device_without_sync(opt_level, device
     train_step(model, opt, x, y, amp)
     assert not amp.step_was_skipped(opt)
     assert any(not torch.equal(p, b) for p, b in zip(amp.master_params(opt), before))
+
+
+@pytest.mark.parametrize("split", ["optimizers", "groups"])
+def test_an_overflow_in_a_block_not_fused_throughout_is_skipped_on_the_host(split):
+    """A block whose optimizers are not all fused (a fused AdamW for the body beside a plain
+    SGD for the head), or a fused AdamW with a group whose own "fused" flag is off, keeps its
+    dynamic scale on the host: an unfused step cannot take the overflow flag (torch's
+    per-tensor step refuses found_inf), so amp must skip an overflowed step for every part,
+    and the run goes on as one with unfused optimizers. Compared with that run: the same
+    skip, the same backed-off scale, the same weights after a clean step (rtol 1e-5,
+    atol 1e-6: the fused and unfused AdamW kernels round differently). (A14, A15)"""
+    from .helpers import make_mlp
+
+    def run(fused):
+        model = make_mlp()
+        if split == "optimizers":
+            opts = [torch.optim.AdamW(model[0].parameters(), lr=0.1, fused=fused),
+                    torch.optim.SGD(model[2].parameters(), lr=0.1, momentum=0.9)]
+        else:
+            opt = torch.optim.AdamW(model[0].parameters(), lr=0.1, fused=fused)
+            opt.add_param_group({"params": list(model[2].parameters()), "fused": None})
+            opts = [opt]
+        amp.initialize(model, opts, opt_level="O2", dtype=torch.float16, verbosity=0)
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 128.0, "unskipped": 0}})
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+        skipped = []
+        for factor in (float("inf"), 1.0):
+            with amp.scale_loss(model(x).float().square().mean() * factor, opts) as s:
+                s.backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+            skipped.append([amp.step_was_skipped(o) for o in opts])
+        return skipped, amp.state_dict(), [m.detach().clone() for o in opts
+                                           for m in amp.master_params(o)]
+
+    want = run(fused=False)
+    got = run(fused=True)
+    assert want[0] == [[True] * len(want[0][0]), [False] * len(want[0][0])]
+    assert got[0] == want[0]
+    assert got[1] == want[1] == {"loss_scaler0": {"loss_scale": 64.0, "unskipped": 1}}
+    for g, w in zip(got[2], want[2]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+def test_a_static_scale_with_a_fused_optimizer_counts_its_steps_as_with_an_unfused_one():
+    """A static loss scale (loss_scale=128.0) stays on the host with a fused optimizer too:
+    it never backs off, so nothing needs the device, and amp.state_dict() must count each
+    clean step ("unskipped") as it does with an unfused optimizer, before and after a load,
+    for a resume to carry the count on. Compared with AdamW(fused=False): the same state
+    dicts, exactly. (A36)"""
+    from .helpers import make_mlp
+
+    def run(fused):
+        model = make_mlp()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, loss_scale=128.0,
+                       verbosity=0)
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+        saved = []
+        for i in range(4):
+            if i == 3:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # (the static scale replaced: warned)
+                    amp.load_state_dict({"loss_scaler0": {"loss_scale": 64.0, "unskipped": 5}})
+            with amp.scale_loss(model(x).float().square().mean(), opt) as s:
+                s.backward()
+            opt.step()
+            opt.zero_grad()
+            saved.append(amp.state_dict())
+        return saved
+
+    want = run(fused=False)
+    assert [s["loss_scaler0"]["unskipped"] for s in want] == [1, 2, 3, 6]
+    assert run(fused=True) == want
 
 
 def _dynamic_run(opt_level, scale_on_device, monkeypatch, overflow_steps=(2, 3, 7), steps=12,
@@ -1217,6 +1342,35 @@ def test_a_keyboard_interrupt_in_the_block_gives_back_the_earlier_gradients():
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=1e-7)
 
 
+def test_a_failed_block_leaves_nothing_aside_for_a_block_at_scale_one():
+    """What a failed block set aside goes back to the parameters and nowhere else: a later
+    block at a static scale of 1.0 (a checkpoint's scale loaded meanwhile), which sets
+    nothing aside, must not add those gradients in a second time. The sum matches a plain
+    fp32 accumulation of the micro-batches that ran (O1, fp32 compute: rounding only). (A39)"""
+    from .helpers import make_mlp
+
+    model = make_mlp()
+    ref = copy.deepcopy(model)
+    opt = _sgd_at_static_512(model, "O1")
+    g = torch.Generator().manual_seed(0)
+    x1, x2 = torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)
+    with amp.scale_loss(model(x1).float().square().mean(), opt) as s:
+        s.backward()
+    loss = FailingBackward.apply(model(x2).float()).square().mean()
+    with pytest.raises(RuntimeError, match="simulated"):
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the static scale replaced: warned)
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 1}})
+    with amp.scale_loss(model(x2).float().square().mean(), opt) as s:
+        s.backward()
+    for x in (x1, x2):
+        ref(x).square().mean().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-6)
+
+
 def _two_models_one_loss(fused):
     """Two linear models at O2 (bf16, dynamic scale), each with its AdamW, for one loss."""
     torch.manual_seed(0)
@@ -1439,6 +1593,44 @@ def test_a_layer_frozen_mid_run_with_kept_gradient_tensors_stops_as_in_fp32(opt_
     for k in frozen_want:
         assert torch.equal(want[f"b.{k}"], frozen_want[k])  # (fp32: b stood still once frozen)
         assert torch.equal(got[f"b.{k}"], frozen_got[k]), f"b.{k} moved after it was frozen"
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
+
+
+def test_a_layer_unfrozen_while_unused_with_kept_gradient_tensors_stays_as_in_fp32():
+    """zero_grad(set_to_none=False), a head frozen the usual way (requires_grad_(False),
+    grad = None) and later unfrozen while the loss does not use it (a phase of training on
+    the other task): fp32's optimizer still skips it, since its gradient is None until a
+    backward reaches it. At O2 its master must not get a zero gradient again either, or
+    momentum and weight decay move a layer that fp32 training leaves where it is. (A29)"""
+    torch.manual_seed(0)
+    base = _TwoHeads()
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(6)]
+
+    def run(use_amp):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        if use_amp:
+            amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        frozen = None
+        for i, (x, y) in enumerate(data):
+            if i == 3:
+                for p in model.b.parameters():
+                    p.requires_grad_(False)
+                    p.grad = None
+                frozen = {k: v.float().clone() for k, v in model.b.state_dict().items()}
+            if i == 4:
+                model.b.requires_grad_(True)
+            opt.zero_grad(set_to_none=False)
+            loss = nn.functional.mse_loss(model(x, i < 3), y)
+            backward_and_step(loss, opt, amp, use_amp)
+        return frozen, {k: v.float() for k, v in model.state_dict().items()}
+
+    (frozen_want, want), (frozen_got, got) = run(False), run(True)
+    for k in frozen_want:
+        assert torch.equal(want[f"b.{k}"], frozen_want[k])  # (fp32: b stood still)
+        assert torch.equal(got[f"b.{k}"], frozen_got[k]), f"b.{k} moved while unused"
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
 
