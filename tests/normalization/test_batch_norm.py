@@ -663,7 +663,9 @@ def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(path):
     # norm's parameters fp32) as a bf16 copy. The weight and bias gradients do not read the
     # weight: they are computed in fp32 and come back in the parameters' own dtype, not
     # rounded to the copy's. Reference: float64 batch norm of the same bf16 input, 1e-5 of
-    # each gradient's scale (bf16 rounding would be ~4e-3).
+    # each gradient's scale (bf16 rounding would be ~4e-3). The input gradient reads the copy
+    # by its own dtype (on a GPU the kernels, compiled for an fp32 weight, must not read bf16
+    # memory): against the reference with the bf16-rounded weight, to bf16's tolerance.
     device, path_ctx = _path(path)
     gen = torch.Generator().manual_seed(9)
     bn = FusedBatchNorm(5).to(device)
@@ -674,15 +676,22 @@ def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(path):
     dy = _layout((torch.randn(3, 5, 4, 2, generator=gen) * 3).to(torch.bfloat16), 4)
     x, dy = x.to(device), dy.to(device)
     ref = _reference_step(bn, x, dy, 0.1)
+    rounded = copy.deepcopy(bn)
+    with torch.no_grad():
+        rounded.weight.copy_(bn.weight.bfloat16())
+    ref_dx = _reference_step(rounded, x, dy, 0.1)[1]
 
     def compress(t):
         return t.to(torch.bfloat16) if t.data_ptr() == bn.weight.data_ptr() else t
 
+    xr = x.detach().requires_grad_(True)
     with path_ctx(), _count_fused_calls() as calls:
         with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
-            y = bn(x.detach().requires_grad_(True))
+            y = bn(xr)
         y.backward(dy)
     assert calls
+    torch.testing.assert_close(xr.grad.double().cpu(), ref_dx, **TOL[torch.bfloat16],
+                               msg="input grad")
     for name, g, r in (("weight grad", bn.weight.grad, ref[2]),
                        ("bias grad", bn.bias.grad, ref[3])):
         assert g.dtype == torch.float32, (name, g.dtype)

@@ -1136,7 +1136,9 @@ def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(device):
     # read the weight: they are computed in fp32 and come back in the parameters' own dtype,
     # not rounded to the copy's (they were: bf16-rounded by up to 0.3%). float64 reference,
     # fp32 tolerance. (memory_efficient recovers x_hat from the output through the weight, so
-    # there the copy's rounding reaches the weight's gradient by design.)
+    # there the copy's rounding reaches the weight's gradient by design.) The input gradient
+    # reads the copy's values (on a GPU the kernels, compiled for an fp32 weight, must not read
+    # bf16 memory): against the reference with the bf16-rounded weight.
     device, kernels_on_cpu = device_and_context(device)
     gen = torch.Generator().manual_seed(11)
     norm = FusedLayerNorm(16).to(device)
@@ -1152,9 +1154,10 @@ def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(device):
     with kernels_on_cpu():
         with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
             y = norm(x)
-        gw, gb = torch.autograd.grad(y, [norm.weight, norm.bias], dy)
+        gx, gw, gb = torch.autograd.grad(y, [x, norm.weight, norm.bias], dy)
     want = float64_reference("layer", x, (16,), norm.weight, norm.bias, dy)
-    for name, got, ref in (("dweight", gw, want[2]), ("dbias", gb, want[3])):
+    want_dx = float64_reference("layer", x, (16,), norm.weight.bfloat16(), norm.bias, dy)[1]
+    for name, got, ref in (("dweight", gw, want[2]), ("dbias", gb, want[3]), ("dx", gx, want_dx)):
         assert got.dtype == torch.float32, name
         torch.testing.assert_close(got.double(), ref, **tolerance(torch.float32), msg=name)
 

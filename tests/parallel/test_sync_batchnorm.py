@@ -1742,14 +1742,17 @@ def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(not_distribu
     weight as a bf16 copy. The weight and bias gradients (``sum(dy * xhat)``, ``sum(dy)``) do
     not read the weight: they are computed in fp32 on every path and come back in the
     parameters' own dtype, not rounded to the copy's (they were, by up to 0.3%: the fallback
-    cast them to the dtype of what the hook handed back). Reference: float64 BatchNorm of
-    the same input, 1e-5 of each gradient's scale; on CUDA too."""
+    cast them to the dtype of what the hook handed back). The input gradient reads the copy,
+    by its own dtype (on a GPU the kernels, compiled for an fp32 weight, must not read bf16
+    memory). Reference: float64 BatchNorm of the same input (with the bf16-rounded weight
+    for the input gradient), 1e-5 of each gradient's scale; on CUDA too."""
     torch.manual_seed(0)
     fmt = torch.channels_last if layout == "channels-last" else torch.contiguous_format
     x = (torch.randn(6, 3, 4, 4) * 2 + 1).contiguous(memory_format=fmt)
     dy = (torch.randn(6, 3, 4, 4) * 3).contiguous(memory_format=fmt)
     w0, b0 = torch.rand(3) + 0.5, torch.randn(3)
     ref = _reference(x, w0, b0, dy, None, None, 0.1, 1e-5, 1)
+    ref_dx = _reference(x, w0.bfloat16().float(), b0, dy, None, None, 0.1, 1e-5, 1)[1]
     paths = _cpu_paths() + ([("cuda", contextlib.nullcontext)] if torch.cuda.is_available()
                             else [])
     for name, path_ctx in paths:
@@ -1760,11 +1763,13 @@ def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(not_distribu
         def compress(t, w=w):
             return t.to(torch.bfloat16) if t.data_ptr() == w.data_ptr() else t
 
+        xr = x.to(device, copy=True).requires_grad_()
         with path_ctx():
             with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
-                y = fn.sync_batch_norm(x.to(device), w, b, None, None, 1e-5, 0.1, fn.LOCAL, 1)
+                y = fn.sync_batch_norm(xr, w, b, None, None, 1e-5, 0.1, fn.LOCAL, 1)
             y.backward(dy.to(device))
-        for what, got, want in (("weight grad", w.grad, ref[2]), ("bias grad", b.grad, ref[3])):
+        for what, got, want in (("weight grad", w.grad, ref[2]), ("bias grad", b.grad, ref[3]),
+                                ("input grad", xr.grad, ref_dx)):
             assert got.dtype == torch.float32, (name, what, got.dtype)
             scale = float(want.abs().max())
             _close(got, want, dict(rtol=0, atol=1e-5 * scale), f"{name} {layout} {what}")
