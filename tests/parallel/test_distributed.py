@@ -947,6 +947,43 @@ def check_delay_allreduce_refuses_sparse_gradients_on_every_rank(ctx):
     dist.barrier()  # (both ranks got here: the group is still in step)
 
 
+class _GrowsAnEmbedding(nn.Module):
+    """A linear layer, and the layers appended to ``extra`` after wrapping, each given the
+    indices."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.extra = nn.ModuleList()
+
+    def forward(self, idx):
+        h = self.a(torch.ones(idx.numel(), 3, device=idx.device))
+        for layer in self.extra:
+            h = h + layer(idx)
+        return h
+
+
+def check_delay_allreduce_sparse_error_names_a_layer_added_later(ctx):
+    # The delay mode follows the module's parameters as they are at each forward, their
+    # names too: a sparse embedding added after wrapping is refused, on every rank, under its
+    # own name (the name the user looks for), not one from the list the wrapper was built
+    # with. Reference: the parameter's name in model.named_parameters().
+    # (D12)
+    torch.manual_seed(0)
+    model = _GrowsAnEmbedding().to(ctx.device)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    idx = torch.arange(3, device=ctx.device)
+    ddp(idx).sum().backward()  # (a first step over the linear layer alone)
+    model.extra.append(nn.Embedding(5, 3, sparse=True).to(ctx.device))
+    try:
+        ddp(idx).sum().backward()
+    except RuntimeError as err:
+        assert "extra.0.weight got a sparse gradient" in str(err), str(err)
+    else:
+        raise AssertionError("a sparse gradient of a layer added later was not refused")
+    dist.barrier()  # (both ranks got here: the group is still in step)
+
+
 def check_amp_two_losses_under_the_reducers_bucket_views(ctx):
     # Two scale_loss backwards in one step (num_losses=2), amp O1 with a dynamic scale: amp
     # sets the first backward's gradients aside while the second runs. Under PyTorch's
@@ -2082,6 +2119,24 @@ def check_reducer(ctx):
             raise AssertionError("a Reducer over a group without this rank did not raise")
 
 
+def check_reducer_broadcasts_frozen_parameters(ctx):
+    # Reducer(model) broadcasts rank 0's parameters at construction, frozen ones included (a
+    # backbone frozen for fine-tuning, initialised or loaded differently on each rank, must be
+    # the same everywhere or the replicas' forwards differ), and leaves them frozen.
+    # Reference: rank 0's values, exactly.
+    # (R10)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2)).to(ctx.device)
+    model[0].requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(ctx.rank + 1.0)
+    Reducer(model)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), torch.ones_like(p), rtol=0, atol=0,
+                                   msg=labelled(f"rank {ctx.rank}: {name}"))
+    assert not any(p.requires_grad for p in model[0].parameters())
+
+
 def _amp_sgd_pairs(ctx, seed, ref_seed, opt_level, dtype):
     """(model, optimizer, reference model, its optimizer): two MLPs under amp with SGD."""
     from mixprec import amp
@@ -2176,10 +2231,13 @@ def check_reducer_amp_overflow_on_one_rank(ctx):
         _assert_same_on_all_ranks(ctx, params, f"master weight ({what})")
         for m, r in zip(params, amp.master_params(ref_opt)):
             torch.testing.assert_close(m, r, rtol=0, atol=2e-3, msg=lambda e, what=what: f"{what}: {e}")
-    # fp16 tensors are divided before the sum: finite values whose sum passes 65504 stay finite.
-    half = torch.full((3,), 40000.0, dtype=torch.float16, device=ctx.device)
-    Reducer([half]).reduce()
-    torch.testing.assert_close(half, torch.full_like(half, 40000.0), rtol=1e-3, atol=0)
+    # Half tensors are divided before the sum: finite values whose sum passes the dtype's
+    # largest (65504 fp16, about 3.39e38 bf16) stay finite (bf16: r68B's C02).
+    for dtype, value in ((torch.float16, 40000.0), (torch.bfloat16, 3.0e38)):
+        half = torch.full((3,), value, dtype=dtype, device=ctx.device)
+        Reducer([half]).reduce()
+        torch.testing.assert_close(half, torch.full_like(half, value), rtol=1e-3, atol=0,
+                                   msg=labelled(f"rank {ctx.rank}: {dtype}"))
 
 
 def check_reducer_inside_an_accumulating_scale_loss_block(ctx):
@@ -2968,6 +3026,7 @@ DELAY_CHECKS = [
     "check_delay_allreduce_after_a_backward_that_raised",
     "check_delay_allreduce_after_a_backward_that_raised_past_a_checkpoint",
     "check_delay_allreduce_refuses_sparse_gradients_on_every_rank",
+    "check_delay_allreduce_sparse_error_names_a_layer_added_later",
     "check_amp_two_losses_under_the_reducers_bucket_views",
     "check_delay_allreduce_amp_o2_apex_switch_timing",
     "check_delay_allreduce_warns_on_a_second_backward",
@@ -4174,6 +4233,7 @@ CHECKS = [
     "check_arguments_validated_and_warned",
     "check_amp_and_norm_warnings_come_from_rank_zero",
     "check_reducer",
+    "check_reducer_broadcasts_frozen_parameters",
     "check_reducer_find_unused_parameters",
     "check_reducer_with_amp_o2",
     "check_reducer_amp_overflow_on_one_rank",

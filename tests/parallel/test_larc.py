@@ -55,6 +55,27 @@ def test_larc_matches_reference(clip, wd):
     assert larc.param_groups[0]["weight_decay"] == wd  # restored after the inner step
 
 
+@pytest.mark.parametrize("clip", [True, False])
+def test_larc_folds_a_small_weight_decay_in_once(clip):
+    """A typical small weight decay (1e-4, 5e-4: ImageNet recipes) is folded into the scaled
+    gradient and the inner step runs with weight_decay=0: a decay left on the inner optimizer
+    would be applied a second time, unscaled. Reference: the float64 hand formula, 1e-12.
+    (L07)"""
+    for wd in (1e-4, 5e-4):
+        params, grads = _params()
+        expected = _expected(params, grads, lr=0.1, wd=wd, trust=0.02, clip=clip, eps=1e-8)
+        tensors = [torch.nn.Parameter(p.clone()) for p in params]
+        for t, g in zip(tensors, grads):
+            t.grad = g.clone()
+        larc = LARC(torch.optim.SGD(tensors, lr=0.1, weight_decay=wd), trust_coefficient=0.02,
+                    clip=clip)
+        larc.step()
+        for i, (t, e) in enumerate(zip(tensors, expected)):
+            torch.testing.assert_close(t.detach(), e, rtol=1e-12, atol=1e-12,
+                                       msg=f"wd={wd}: param {i} differs from the reference")
+        assert larc.param_groups[0]["weight_decay"] == wd
+
+
 def _sgd_reference(groups, grads_per_step, lrs_per_step, trust, clip, eps):
     """Several steps of LARC around SGD (momentum, dampening 0, nesterov per group) in float64,
     by hand: ``groups`` are dicts of params (tensors), lr, weight_decay, momentum, nesterov."""
@@ -115,6 +136,28 @@ def test_larc_groups_momentum_and_a_scheduler_match_reference(clip):
             torch.testing.assert_close(t.detach(), e, rtol=1e-12, atol=1e-12,
                                        msg=f"group {gi} param {pi} differs from the reference")
     assert [g["weight_decay"] for g in larc.param_groups] == [1e-2, 0.0, 5e-2]
+
+
+def test_larc_clips_each_group_at_its_own_learning_rate():
+    """With clip=True each group's rate is min(local_lr / lr, 1) with that group's own lr
+    (users give a backbone and a head their own rates): two groups whose trust ratios lie
+    below their rates, so no clipping saturates, step at lr 0.1 and 0.02 as the float64 hand
+    formula gives per group. Reference: that formula, 1e-12. (L12)"""
+    gen = torch.Generator().manual_seed(7)
+    starts = [torch.randn(6, generator=gen, dtype=torch.float64) for _ in range(2)]
+    grads = [torch.randn(6, generator=gen, dtype=torch.float64) * 5 for _ in range(2)]
+    lrs = [0.1, 0.02]
+    for p, g, lr in zip(starts, grads, lrs):  # (the ratio below the rate: not clipped)
+        assert 0.02 * p.norm().item() / g.norm().item() < lr
+    tensors = [nn.Parameter(p.clone()) for p in starts]
+    for t, g in zip(tensors, grads):
+        t.grad = g.clone()
+    inner = torch.optim.SGD([{"params": [t], "lr": lr} for t, lr in zip(tensors, lrs)], lr=1.0)
+    LARC(inner, trust_coefficient=0.02, clip=True).step()
+    for i, (t, p, g, lr) in enumerate(zip(tensors, starts, grads, lrs)):
+        expected = p - lr * _larc_gradient(p, g, lr, 0.0, 0.02, True, 1e-8)
+        torch.testing.assert_close(t.detach(), expected, rtol=1e-12, atol=1e-12,
+                                   msg=f"group {i} (lr {lr}) differs from the reference")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -483,6 +526,24 @@ def test_larc_takes_zero_eps_and_trust_coefficient(kwargs):
     p = nn.Parameter(torch.ones(3))
     larc = LARC(torch.optim.SGD([p], lr=0.1), **kwargs)
     assert getattr(larc, next(iter(kwargs))) == 0.0
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_larc_uses_the_eps_it_is_given(clip):
+    """eps is the denominator's term as given (users raise it to damp the ratio of layers
+    with tiny gradients): with eps=1e-3 and gradient norms near 1e-3 it halves the ratio, and
+    the step is the float64 hand formula with that eps (clip=True at lr 100, where the ratio
+    stays below the rate and is not clipped to 1). Reference: that formula, 1e-12. (L17)"""
+    gen = torch.Generator().manual_seed(11)
+    start = torch.randn(6, generator=gen, dtype=torch.float64)
+    grad = torch.randn(6, generator=gen, dtype=torch.float64)
+    grad *= 1e-3 / grad.norm()
+    lr = 100.0 if clip else 0.1
+    p = nn.Parameter(start.clone())
+    p.grad = grad.clone()
+    LARC(torch.optim.SGD([p], lr=lr), trust_coefficient=0.02, clip=clip, eps=1e-3).step()
+    expected = start - lr * _larc_gradient(start, grad, lr, 0.0, 0.02, clip, 1e-3)
+    torch.testing.assert_close(p.detach(), expected, rtol=1e-12, atol=1e-12)
 
 
 def test_larc_norms_of_half_parameters_do_not_overflow():
