@@ -215,18 +215,28 @@ def _is_compiled_module(model: nn.Module) -> bool:
 
 
 def _warn_if_already_half(models: List[nn.Module], props) -> None:
-    """Apex refused models whose parameters were already half; amp handles them, but at O2
-    the precision lost by the user's ``.half()`` is gone before the master weights are made."""
-    if not props.master_weights:
+    """Apex refused models whose parameters were already half; amp takes them, but where the
+    level keeps fp32 weights the user's ``.half()`` loses them: at O2 the precision is gone
+    before the master weights are made, and O1 (which keeps the parameters as given) would
+    train the half parameters themselves, with no fp32 weights at all."""
+    if props.master_weights:
+        consequence = "the fp32 master weights (O2) start from the rounded half values"
+    elif props.cast_model_type is None:
+        consequence = ("O1, which keeps the parameters as they are given, trains them in half "
+                       "precision with no fp32 weights (and saves half checkpoints)")
+    else:
         return
+    # (Not those of a part an earlier initialize took, e.g. an O2 model inside this O1 one:
+    # they are half by that call, with their own masters.)
+    taken = {id(p) for m in models for sub in m.modules()
+             if sub is not m and is_amp_model(sub) for p in sub.parameters()}
     halves = [p for m in models for p in m.parameters()
-              if p.dtype in (torch.float16, torch.bfloat16)]
+              if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in taken]
     if halves and is_rank_zero():  # (once per job: initialize runs on every rank)
         warnings.warn(
             f"amp.initialize: {len(halves)} parameter(s) of the model are already "
             f"{halves[0].dtype} (e.g. model.half() before initialize). amp casts the model "
-            "itself: pass the fp32 model, or the fp32 master weights (O2) start from the "
-            "rounded half values.",
+            f"itself: pass the fp32 model, or {consequence}.",
             stacklevel=3,
         )
 

@@ -320,6 +320,28 @@ def test_the_already_half_warning_points_at_the_callers_line():
     assert ours[0].filename == __file__, ours[0].filename
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_o1_warns_about_a_model_made_half_before_initialize(dtype):
+    """O1 keeps the parameters as they are given and casts per op: a model .half()-ed before
+    initialize (a ported script's leftover line) would train at O1 as pure half, without fp32
+    weights, and save half checkpoints, while initialize's summary says "parameters fp32"
+    (the same model converted after initialize is refused for that reason). initialize
+    warns, as at O2, so that the user passes the fp32 model. O3 (pure half) takes a half
+    model as it is: no warning there. (r68C's replay found O1 silent.)"""
+    model = make_cnn().to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=rf"already {dtype}.*pass the fp32 model, or O1, "
+                                         r"which keeps the parameters as they are given, "
+                                         r"trains them in half precision"):
+        amp.initialize(model, opt, opt_level="O1", dtype=dtype, verbosity=0)
+    for with_optimizer in (True, False):
+        model = make_cnn().to(dtype)
+        opts = [torch.optim.SGD(model.parameters(), lr=0.1)] if with_optimizer else []
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            amp.initialize(model, opts, opt_level="O3", dtype=dtype, verbosity=0)
+
+
 def test_rejects_a_model_inside_a_non_torch_distributed_data_parallel():
     """A model already inside a data-parallel wrapper that is not torch's DDP class but carries
     its name (Apex's apex.parallel.DistributedDataParallel, which migrating scripts still wrap
@@ -396,15 +418,6 @@ def test_fp32_batchnorm_parameters_may_sit_in_two_optimizers_at_o2():
         amp.initialize(other, [torch.optim.SGD(other.parameters(), lr=0.1),
                                torch.optim.SGD(other.features[0].parameters(), lr=0.1)],
                        opt_level="O2", verbosity=0)
-
-
-def test_no_warning_for_a_half_model_where_no_masters_are_made():
-    # The warning is about O2's masters starting from rounded values: nothing to say at O1/O3.
-    for opt_level in ("O1", "O3"):
-        model = make_cnn().to(torch.bfloat16)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
 
 
 def test_import_does_not_load_the_compiler():
@@ -738,7 +751,9 @@ def test_the_part_refusal_spares_models_that_are_not_inside_a_half_one():
     amp.initialize(ref, torch.optim.SGD(ref[1].parameters(), lr=0.1), **kw)
     torch.testing.assert_close(second(x), ref(x), rtol=0, atol=0)
     outer = nn.Sequential(first, nn.Linear(2, 2))
-    amp.initialize(outer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    with warnings.catch_warnings():  # (first's half parameters are O2's own: no warning)
+        warnings.filterwarnings("error", message=".*already")
+        amp.initialize(outer, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
     with torch.autocast("cpu", torch.bfloat16):
         expected = outer[1](first(x)).float()
     torch.testing.assert_close(outer(x), expected, rtol=0, atol=0)
