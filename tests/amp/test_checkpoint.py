@@ -352,6 +352,110 @@ def test_resume_is_bit_for_bit(opt_level, dtype):
         torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("saved, resumed", [("O2", "O1"), ("O1", "O2")])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_checkpoint_resumes_at_another_opt_level_from_its_exact_fp32_state(saved, resumed,
+                                                                             dtype):
+    """A run saved at one level and resumed at another (O2 to O1 when a half model misbehaves,
+    O1 to O2 for speed) starts from the checkpoint's fp32 state exactly: the model's state dict
+    (O1's parameters, O2's masters) is the saved one bit for bit, O2's half parameters are the
+    saved values rounded, the optimizer's moments are the saved fp32 tensors and the dynamic
+    scale is the saved one. Its next steps then stay within half precision of an fp32 (O0)
+    resume from the same checkpoint."""
+    m1, o1, _ = _run(saved, dtype, 3)
+    buf = io.BytesIO()
+    torch.save({"model": m1.state_dict(), "optimizer": o1.state_dict(),
+                "amp": amp.state_dict(), "step": 3}, buf)
+
+    def resume(opt_level):
+        buf.seek(0)
+        ckpt = torch.load(buf)
+        model = make_cnn(seed=5)  # (other initial weights: the load must replace them all)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+        amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, loss_scale="dynamic",
+                       verbosity=0)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        amp.load_state_dict(ckpt["amp"])
+        return model, opt, ckpt
+
+    model, opt, ckpt = resume(resumed)
+    sd = model.state_dict()
+    for key, value in ckpt["model"].items():
+        assert sd[key].dtype == value.dtype, key
+        torch.testing.assert_close(sd[key], value, rtol=0, atol=0, msg=key)
+    if resumed == "O2":
+        for name, p in model.named_parameters():
+            if p.dtype == dtype:
+                torch.testing.assert_close(p.detach(), ckpt["model"][name].to(dtype),
+                                           rtol=0, atol=0, msg=name)
+    state, saved_state = opt.state_dict()["state"], ckpt["optimizer"]["state"]
+    assert state.keys() == saved_state.keys()
+    for i in saved_state:
+        for key, value in saved_state[i].items():
+            if torch.is_tensor(value) and value.is_floating_point() and value.dim():
+                assert state[i][key].dtype == torch.float32, (i, key)
+                torch.testing.assert_close(state[i][key], value, rtol=0, atol=0, msg=(i, key))
+    assert amp.state_dict() == ckpt["amp"]
+
+    losses = [train_step(model, opt, *batch(seed=103 + i), amp) for i in range(3)]
+    ref_model, ref_opt, _ = resume("O0")
+    ref = [train_step(ref_model, ref_opt, *batch(seed=103 + i), amp) for i in range(3)]
+    tol = 5e-3 if dtype == torch.float16 else 3e-2
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref), rtol=tol, atol=0)
+
+
+def _run_through_an_overflow(steps, checkpoint=None):
+    """O2 fp16 training whose step 1 overflows (its loss times 1e30 overflows the half
+    gradients; an inf in the batch would also poison BatchNorm's running statistics, in
+    fp32 too), with the dynamic scale
+    growing after 3 clean steps (Apex's ``_scale_seq_len``, set again after a resume as a
+    script does): ``(model, losses, scales, skipped)`` per step."""
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        amp.load_state_dict(checkpoint["amp"])
+    amp._amp_state.loss_scalers[0]._scale_seq_len = 3
+    start = 0 if checkpoint is None else checkpoint["step"]
+    losses, scales, skipped = [], [], []
+    for step in range(start, start + steps):
+        x, y = batch(seed=100 + step)
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss * (1e30 if step == 1 else 1.0), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        losses.append(loss.detach())
+        scales.append(amp.state_dict()["loss_scaler0"]["loss_scale"])
+        skipped.append(amp.step_was_skipped(opt))
+    return model, opt, losses, scales, skipped
+
+
+def test_resume_after_a_skipped_step_continues_the_scale_and_the_weights_bit_for_bit():
+    """A checkpoint saved a few steps after an overflow carries the backed-off scale and the
+    count of clean steps since: the resumed run skips nothing the uninterrupted one did not,
+    grows the scale at the same step (the count continues across the save) and ends with the
+    same weights bit for bit, as Apex's amp.state_dict() resume did."""
+    model, _, full, full_scales, full_skipped = _run_through_an_overflow(7)
+    assert full_skipped == [False, True, False, False, False, False, False]
+    assert full_scales == [65536.0, 32768.0, 32768.0, 32768.0, 65536.0, 65536.0, 65536.0]
+    m1, o1, first, _, _ = _run_through_an_overflow(3)
+    buf = io.BytesIO()
+    torch.save({"model": m1.state_dict(), "optimizer": o1.state_dict(),
+                "amp": amp.state_dict(), "step": 3}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    assert ckpt["amp"] == {"loss_scaler0": {"loss_scale": 32768.0, "unskipped": 1}}
+    m2, _, second, scales, skipped = _run_through_an_overflow(4, checkpoint=ckpt)
+    assert skipped == full_skipped[3:] and scales == full_scales[3:]
+    torch.testing.assert_close(torch.stack(first + second), torch.stack(full), rtol=0, atol=0)
+    for (k, v), v2 in zip(model.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
+
+
 def _run_with_late_group(steps, checkpoint=None):
     """O2 fine-tuning shape: the head trains from the start, the features join through
     optimizer.add_param_group after initialize (in their own group, with their own lr)."""
@@ -525,6 +629,35 @@ def test_tied_weights_save_the_master_under_both_names():
     plain = _TiedLM()
     plain.load_state_dict(sd)
     torch.testing.assert_close(plain.wte.weight.detach(), master.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_an_untied_checkpoint_loaded_into_a_tied_o2_model_resolves_the_tie_as_fp32_does(dtype):
+    """A checkpoint saved by an untied model holds two different tensors under the two names
+    of a tied weight (a GPT's embedding and output head). PyTorch's load leaves the tied
+    parameter with the value of the key it loads last; an O2 model must end with that same
+    value in its master, its half weight and both state-dict entries, as a plain fp32 model
+    does, so that fine-tuning starts from the weights the user sees in fp32."""
+    torch.manual_seed(0)
+    sd = _UntiedLM().state_dict()
+    assert not torch.equal(sd["wte.weight"], sd["lm_head.weight"])
+    plain = _UntiedLM()
+    plain.tie()
+    plain.load_state_dict(sd)
+    want = plain.wte.weight.detach()
+
+    model = _UntiedLM()
+    model.tie()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    model.load_state_dict(sd)
+    assert model.lm_head.weight is model.wte.weight
+    master = next(m for m in amp.master_params(opt) if m.shape == (16, 8))
+    torch.testing.assert_close(master.detach(), want, rtol=0, atol=0)
+    torch.testing.assert_close(model.wte.weight.detach(), want.to(dtype), rtol=0, atol=0)
+    saved = model.state_dict()
+    for key in ("wte.weight", "lm_head.weight"):
+        torch.testing.assert_close(saved[key], want, rtol=0, atol=0, msg=key)
 
 
 class _UntiedLM(torch.nn.Module):
