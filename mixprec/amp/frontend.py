@@ -727,6 +727,10 @@ def _other_optimizer_states(amp_state: AmpState, states) -> list:
             call = ref()
             if call is not None and call is not amp_state and call.enabled:
                 others.extend(call.optimizer_states())
+    for o in others:
+        # (A group added since initialize may hold the only directly stepped parameters:
+        # picked up before the filter, or a backward into them would go unwatched.)
+        o.sync_param_groups()
     return [o for o in others if o.plain]
 
 

@@ -51,6 +51,45 @@ def test_o2_state_dict_is_the_fp32_masters(dtype, device):
         torch.testing.assert_close(v, sd[name], rtol=0, atol=0)
 
 
+def test_o2_with_two_optimizers_saves_and_loads_every_optimizers_masters():
+    """A model whose body and head are stepped by two optimizers (one initialize call, O2):
+    model.state_dict() holds each parameter's fp32 master, bit for bit, the second optimizer's
+    as well as the first's, and load_state_dict writes the loaded fp32 values into both
+    optimizers' masters, because users checkpoint such models with one state_dict and expect
+    resuming to lose nothing to half rounding. (E08)"""
+    model = make_cnn()
+    body = [p for n, p in model.named_parameters() if not n.startswith("head.")]
+    opt_body = torch.optim.SGD(body, lr=0.1, momentum=0.9)
+    opt_head = torch.optim.SGD(model.head.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(model, [opt_body, opt_head], opt_level="O2", dtype=torch.bfloat16,
+                   verbosity=0)
+    x, y = batch()
+    for _ in range(2):
+        opt_body.zero_grad()
+        opt_head.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        with amp.scale_loss(loss, [opt_body, opt_head]) as scaled:
+            scaled.backward()
+        opt_body.step()
+        opt_head.step()
+    state = model.state_dict()
+    names = [n for n, _ in model.named_parameters()]
+    masters = dict(zip(names[:len(body)], amp.master_params(opt_body)))
+    masters.update(zip(names[len(body):], amp.master_params(opt_head)))
+    for name, master in masters.items():
+        assert master.dtype == torch.float32, name
+        torch.testing.assert_close(state[name], master, rtol=0, atol=0, msg=name)
+    # Values that bf16 cannot hold (1 + 2**-20 rounds to 1.0) reach both optimizers' masters.
+    loaded = {k: v.clone() for k, v in state.items()}
+    for name in ("features.0.weight", "head.weight"):
+        loaded[name] = torch.full_like(loaded[name], 1.0 + 2.0**-20)
+    model.load_state_dict(loaded)
+    torch.testing.assert_close(list(amp.master_params(opt_body))[0], loaded["features.0.weight"],
+                               rtol=0, atol=0)
+    torch.testing.assert_close(list(amp.master_params(opt_head))[0], loaded["head.weight"],
+                               rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_loading_into_an_amp_model_restores_masters_exactly(dtype):
     model = make_cnn()

@@ -64,6 +64,23 @@ def test_parameter_dtypes(opt_level, dtype, device):
     assert out.dtype == torch.float32  # outputs cast to fp32 at every level (O1 too)
 
 
+def test_o2_leaves_an_integer_parameter_to_the_optimizer_as_it_is():
+    """An integer nn.Parameter (a step counter kept in the model, requires_grad=False) that
+    the optimizer holds is not cast at O2, so it gets no fp32 master: the optimizer keeps the
+    parameter object itself and master_params yields it as int64, because users read and
+    update such counters through the model and expect the optimizer to see the same tensor.
+    (E05)"""
+    model = make_mlp()
+    model.count = nn.Parameter(torch.tensor([3]), requires_grad=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    assert model.count.dtype == torch.int64
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert any(p is model.count for p in held)
+    assert [p.dtype for p in amp.master_params(opt)].count(torch.int64) == 1
+    assert any(p is model.count for p in amp.master_params(opt))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_o1_loss_after_the_model_is_fp32_as_under_autocast(dtype):
     # The loss is computed after the model, outside its autocast region: from fp32 outputs it
@@ -388,6 +405,46 @@ def test_rejects_same_optimizer_twice():
     amp.initialize(model, opt, opt_level="O1", verbosity=0)
     with pytest.raises(ValueError, match="already went through amp.initialize"):
         amp.initialize(make_cnn(), opt, opt_level="O1")
+
+
+def test_o3_lets_two_optimizers_share_a_parameter():
+    """Two optimizers holding one parameter are refused only where each would keep an fp32
+    master of its own (O2). O3 makes no masters: both step the one half parameter, as two
+    optimizers of a plain half model do, so initialize accepts them and both hold the model's
+    own (half) parameter. (E28)"""
+    model = make_mlp()
+    params = list(model.parameters())
+    opt_all = torch.optim.SGD(params, lr=0.1)
+    opt_first = torch.optim.SGD(params[:1], lr=0.1)
+    amp.initialize(model, [opt_all, opt_first], opt_level="O3", dtype=torch.bfloat16,
+                   verbosity=0)
+    assert model[0].weight.dtype == torch.bfloat16
+    assert opt_first.param_groups[0]["params"][0] is model[0].weight
+    assert opt_all.param_groups[0]["params"][0] is model[0].weight
+
+
+def test_a_disabled_call_refuses_an_optimizer_an_enabled_call_prepared():
+    """An optimizer that an enabled initialize prepared cannot go through a second,
+    disabled call (a script that calls initialize again with enabled=False to switch amp
+    off): the refusal is the same ValueError, and the optimizer keeps the first call's
+    loss scale, because the model is still the first call's half model and a disabled state
+    would let scaled gradients reach it unscaled. (E20)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, loss_scale=64.0,
+                   verbosity=0)
+    state = optimizer_state(opt)
+    with pytest.raises(ValueError, match=r"the optimizer SGD already went through "
+                                         r"amp\.initialize"):
+        amp.initialize(make_cnn(), opt, enabled=False, verbosity=0)
+    assert optimizer_state(opt) is state and state.amp_state.enabled
+    x, y = batch()
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as scaled:
+        torch.testing.assert_close(scaled, loss.float() * 64.0, rtol=0, atol=0)
+        scaled.backward()
+    assert all(m.grad is not None and m.grad.dtype == torch.float32
+               for m in amp.master_params(opt))
 
 
 def test_rejects_the_same_optimizer_or_model_twice_in_one_call():
@@ -1914,6 +1971,36 @@ def test_o2_refuses_zero_redundancy_optimizer():
         dist.destroy_process_group()
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
+def test_o2_refuses_a_model_already_inside_a_subclass_of_torchs_ddp():
+    """A model held (through a wrapper module) by a subclass of torch's
+    DistributedDataParallel built before initialize (Lightning 1.x wraps its module in its
+    own DDP subclass before its Apex plugin calls initialize) is refused at O2 as for torch's
+    own class: the cast would drop DDP's gradient hooks and the ranks would silently stop
+    averaging. Nothing is changed by the refusal. (E02)"""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+
+    class LightningStyleDDP(nn.parallel.DistributedDataParallel):
+        pass
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = make_mlp()
+        ddp = LightningStyleDDP(nn.ModuleDict({"inner": model}))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=r"the Sequential passed is inside a "
+                                             r"LightningStyleDDP built before initialize"):
+            amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert not amp.is_amp_model(model)
+        del ddp
+    finally:
+        dist.destroy_process_group()
+
+
 # A group added after initialize to an optimizer that steps an inner optimizer of its own
 # (ZeroRedundancyOptimizer's add_param_group adds it to its local optimizer too) is refused
 # for half parameters too, not only for those initialize cast.
@@ -2564,6 +2651,25 @@ def test_an_already_half_model_gets_its_batchnorm_back_in_fp32_at_o2():
     for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var):
         assert t.dtype == torch.float32
     assert model.features[0].weight.dtype == torch.float16
+
+
+def test_an_already_half_model_gets_its_batchnorm_back_in_fp32_at_o3_with_keep_batchnorm():
+    """O3 with keep_batchnorm_fp32=True (Apex's recipe for a half model whose BatchNorm stays
+    fp32) casts the BatchNorm of a model .half()-ed before initialize back to fp32, parameters
+    and running statistics, as at O2; the optimizer steps those fp32 parameters themselves
+    (O3 makes no masters), and the rest of the model stays half. (E22)"""
+    model = make_cnn().half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O3", keep_batchnorm_fp32=True, verbosity=0)
+    bn = model.features[1]
+    for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var):
+        assert t.dtype == torch.float32
+    assert model.features[0].weight.dtype == torch.float16
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert any(p is bn.weight for p in held) and any(p is bn.bias for p in held)
+    x, y = batch()
+    train_step(model, opt, x, y, amp)
+    assert bn.weight.dtype == torch.float32 and torch.isfinite(bn.weight).all()
 
 
 # -- mutation run r50A over mixprec/amp/_model.py: what the tests above let through --------

@@ -314,6 +314,30 @@ def test_a_nested_block_sharing_one_optimizer_of_several_is_refused():
     assert all(p.grad is not None for p in [*gen.parameters(), *disc.parameters()])
 
 
+def test_a_block_nested_over_the_second_optimizer_of_an_open_block_is_refused():
+    """The reverse nesting: a block over ``opt_d`` alone opened inside a block over
+    ``[opt_g, opt_d]``. Every optimizer of the open block is busy, not only the first one
+    listed, since ``opt_d``'s gradients would otherwise be unscaled by both blocks; and
+    nothing is left open after the refusal. (E16)"""
+    from .helpers import make_mlp
+
+    gen, disc = make_mlp(), make_mlp(seed=1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O1", dtype=torch.bfloat16,
+                   loss_scale=512.0, patch_torch_functions=False, verbosity=0)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"a scale_loss block of this optimizer is already "
+                                           r"open \(nested blocks\)"):
+        with amp.scale_loss(gen(x).square().mean() + disc(x).square().mean(),
+                            [opt_g, opt_d]):
+            with amp.scale_loss(disc(x).square().mean(), opt_d):
+                pass
+    with amp.scale_loss(disc(x).square().mean(), opt_d) as s:
+        s.backward()
+    assert all(p.grad is not None for p in disc.parameters())
+
+
 class _Spectral(nn.Module):
     """A complex weight (as a Fourier layer's) beside a real linear layer."""
 
@@ -2236,6 +2260,51 @@ def test_a_backward_reaching_one_of_two_optimizers_does_not_warn():
     assert all(p.grad is None for p in disc.parameters())
 
 
+def test_the_unreached_warning_points_at_the_callers_with_statement():
+    """The "gave none of the optimizer's parameters a gradient" warning names the user's own
+    file (the scale_loss block in their training loop), not contextlib or mixprec, so that
+    the user can find which block it is about. (E17)"""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
+                   verbosity=0)
+    model.weight = nn.Parameter(model.weight.detach().clone())  # (replaced: none reached)
+    model.bias = nn.Parameter(model.bias.detach().clone())
+    with pytest.warns(UserWarning, match="the backward gave none of the optimizer's") as record:
+        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+    ours = [w for w in record if "gave none of the optimizer's" in str(w.message)]
+    assert len(ours) == 1
+    assert ours[0].filename == __file__, ours[0].filename
+
+
+def test_a_loss_that_needs_no_gradient_goes_through_with_two_initialize_calls_alive():
+    """A loss computed without a graph (an evaluation pass that reuses the training step's
+    scale_loss, under torch.no_grad()) goes through the block as it does with one initialize
+    call: the block yields loss * scale and closes without error, and no gradient appears,
+    while another call's optimizer (a second model trained beside it) is alive, because users
+    run such passes in jobs that train two models. (E14)"""
+    from .helpers import make_mlp
+
+    student, other = make_mlp(), make_mlp(seed=1)
+    opt_s = torch.optim.SGD(student.parameters(), lr=0.1)
+    opt_o = torch.optim.SGD(other.parameters(), lr=0.1)
+    amp.initialize(student, opt_s, opt_level="O1", loss_scale=128.0, verbosity=0)
+    amp.initialize(other, opt_o, opt_level="O1", loss_scale=8.0, verbosity=0)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        loss = student(x).float().square().mean()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the "gave none ... a gradient" warning)
+        with amp.scale_loss(loss, opt_s) as scaled:
+            assert not scaled.requires_grad
+            torch.testing.assert_close(scaled, loss * 128.0, rtol=0, atol=0)
+    assert all(p.grad is None for p in student.parameters())
+    assert all(p.grad is None for p in other.parameters())
+    opt_s.step()  # (nothing to apply: no error)
+
+
 def test_a_layer_shared_by_two_optimizers_is_unscaled_once_in_one_block():
     # O1 (no masters: both optimizers hold the one fp32 parameter): scale_loss(loss, [oa, ob])
     # unscaled the shared layer's gradient once per optimizer, 1/512 of its value. One block
@@ -2265,6 +2334,56 @@ def test_a_layer_shared_by_two_optimizers_is_unscaled_once_in_one_block():
                                    rtol=2e-2, atol=1e-3, msg=blocks)
     oa.step()
     ob.step()
+
+
+def test_a_layer_shared_with_an_optimizer_outside_the_block_is_unscaled_for_it_too():
+    """A layer held by the block's second optimizer and by a third optimizer outside the
+    block (an optimizer for the shared encoder alone, stepped in another phase): the block
+    unscales its gradient through the second optimizer, so the third one's step applies the
+    true gradient and is not refused as holding a foreign scale, as a plain fp32 SGD on the
+    same gradient (float64 reference) does. (E13)"""
+    torch.manual_seed(0)
+    shared = nn.Linear(4, 4)
+    a, b = nn.Linear(4, 2), nn.Sequential(shared, nn.Linear(4, 2))
+    ref = copy.deepcopy(nn.ModuleList([a, b])).double()
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    o_shared = torch.optim.SGD(shared.parameters(), lr=0.5)
+    amp.initialize([a, b], [oa, ob, o_shared], opt_level="O1", loss_scale="dynamic",
+                   patch_torch_functions=False, verbosity=0)
+    x = torch.randn(8, 4)
+    (ref[0](x.double()).pow(2).mean() + ref[1](x.double()).pow(2).mean()).backward()
+    with amp.scale_loss(a(x).pow(2).mean() + b(x).pow(2).mean(), [oa, ob]) as s:
+        s.backward()
+    before = shared.weight.detach().clone()
+    o_shared.step()
+    want = before.double() - 0.5 * ref[1][0].weight.grad
+    torch.testing.assert_close(shared.weight.detach().double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_late_group_reached_by_another_optimizers_block_is_refused_before_any_sync():
+    """A learnable loss weight given to an O2 optimizer (all of whose parameters have masters)
+    by add_param_group after initialize, and reached by a backward inside another optimizer's
+    block, holds that block's loss scale: that optimizer's step is refused, as it is once
+    something (master_params, a scale_loss) synced its groups, because users would otherwise
+    step a gradient 128 times too large without a word (it was: the optimizer, none of whose
+    parameters were directly stepped when the block opened, went unwatched). (E18)"""
+    from .helpers import make_mlp
+
+    a, b = make_mlp(), make_mlp(seed=1)
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    amp.initialize([a, b], [oa, ob], opt_level="O2", dtype=torch.bfloat16, loss_scale=128.0,
+                   verbosity=0)
+    w = nn.Parameter(torch.tensor(2.0))
+    ob.add_param_group({"params": [w]})
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    with amp.scale_loss(a(x).float().square().mean() * w, oa) as scaled:
+        scaled.backward()
+    with pytest.raises(RuntimeError, match=r"SGD\.step\(\): 1 gradient\(s\) of this "
+                                           r"optimizer's parameters came from a backward"):
+        ob.step()
+    assert w.item() == 2.0
 
 
 def test_amps_zero_grad_keeps_the_signature_and_copies():
@@ -2526,6 +2645,21 @@ def test_the_fused_cast_takes_only_gradients_of_their_masters_shape(monkeypatch)
     assert ok([torch.empty(8, 4, 3, 3, dtype=torch.bfloat16)], [torch.empty(8, 4, 3, 3)])
     assert not ok([torch.empty(9, 4, 3, 3, dtype=torch.bfloat16)], [torch.empty(8, 4, 3, 3)])
     assert not ok([torch.empty(8, 4, 3, 3, dtype=torch.float16)], [torch.empty(8, 4, 3, 2)])
+
+
+def test_the_fused_cast_is_not_taken_with_a_triton_it_was_not_verified_with(monkeypatch):
+    """The fused cast + unscale runs only on a Triton it was verified with (3.6 on): with an
+    older one the PyTorch passes serve, so that a user on an older Triton gets PyTorch's
+    well-tested results rather than an unverified kernel's. The same gradients are taken with
+    a verified one. (S03)"""
+    from mixprec.amp import _multi_tensor, _state
+
+    monkeypatch.setattr(_state, "_FUSED_CAST_ON_CPU", True)
+    half, fp32 = [torch.empty(8, 4, dtype=torch.bfloat16)], [torch.empty(8, 4)]
+    monkeypatch.setattr(_multi_tensor, "verified_triton", lambda: True)
+    assert _state._fused_cast_ok(half, fp32)
+    monkeypatch.setattr(_multi_tensor, "verified_triton", lambda: False)
+    assert not _state._fused_cast_ok(half, fp32)
 
 
 @pytest.mark.parametrize("shape", [(0,), (2,), (1, 0)])
