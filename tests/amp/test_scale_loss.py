@@ -290,11 +290,13 @@ def test_nested_blocks_over_one_optimizer_are_refused(opt_level):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
 
-def test_a_nested_block_sharing_one_optimizer_of_several_is_refused():
+@pytest.mark.parametrize("nesting", ["both inside opt_g's", "opt_d's inside both"])
+def test_a_nested_block_sharing_one_optimizer_of_several_is_refused(nesting):
     """A block over ``[opt_g, opt_d]`` opened inside a block over ``opt_g`` alone (a GAN loop
-    with its blocks nested) shares ``opt_g``: its gradients would be unscaled by both blocks,
-    so the inner block is refused as for one optimizer, and nothing is left open: both
-    optimizers' next blocks run."""
+    with its blocks nested), or one over ``opt_d`` alone inside a block over both (every
+    optimizer of the open block is busy, not only the first listed; r68A's E16), shares an
+    optimizer: its gradients would be unscaled by both blocks, so the inner block is refused
+    as for one optimizer, and nothing is left open: both optimizers' next blocks run."""
     from .helpers import make_mlp
 
     gen, disc = make_mlp(), make_mlp(seed=1)
@@ -303,39 +305,17 @@ def test_a_nested_block_sharing_one_optimizer_of_several_is_refused():
     amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O1", dtype=torch.bfloat16,
                    loss_scale=512.0, patch_torch_functions=False, verbosity=0)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
+    outer, inner = (([opt_g], [opt_g, opt_d]) if nesting == "both inside opt_g's"
+                    else ([opt_g, opt_d], [opt_d]))
     with pytest.raises(RuntimeError, match=r"a scale_loss block of this optimizer is already "
                                            r"open \(nested blocks\)"):
-        with amp.scale_loss(gen(x).square().mean(), opt_g):
-            with amp.scale_loss(disc(x).square().mean(), [opt_g, opt_d]):
+        with amp.scale_loss(gen(x).square().mean() + disc(x).square().mean(), outer):
+            with amp.scale_loss(disc(x).square().mean(), inner):
                 pass
     with amp.scale_loss(gen(x).square().mean() + disc(x).square().mean(),
                         [opt_g, opt_d]) as s:
         s.backward()
     assert all(p.grad is not None for p in [*gen.parameters(), *disc.parameters()])
-
-
-def test_a_block_nested_over_the_second_optimizer_of_an_open_block_is_refused():
-    """The reverse nesting: a block over ``opt_d`` alone opened inside a block over
-    ``[opt_g, opt_d]``. Every optimizer of the open block is busy, not only the first one
-    listed, since ``opt_d``'s gradients would otherwise be unscaled by both blocks; and
-    nothing is left open after the refusal. (E16)"""
-    from .helpers import make_mlp
-
-    gen, disc = make_mlp(), make_mlp(seed=1)
-    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
-    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
-    amp.initialize([gen, disc], [opt_g, opt_d], opt_level="O1", dtype=torch.bfloat16,
-                   loss_scale=512.0, patch_torch_functions=False, verbosity=0)
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(RuntimeError, match=r"a scale_loss block of this optimizer is already "
-                                           r"open \(nested blocks\)"):
-        with amp.scale_loss(gen(x).square().mean() + disc(x).square().mean(),
-                            [opt_g, opt_d]):
-            with amp.scale_loss(disc(x).square().mean(), opt_d):
-                pass
-    with amp.scale_loss(disc(x).square().mean(), opt_d) as s:
-        s.backward()
-    assert all(p.grad is not None for p in disc.parameters())
 
 
 class _Spectral(nn.Module):
