@@ -296,7 +296,10 @@ def initialize(
     range); ``loss_scale="dynamic"`` still turns scaling on. Under O2/O3 floating inputs are
     cast to half on entry and floating outputs to fp32 (or ``cast_model_outputs``).
     ``model.state_dict()`` always holds fp32 tensors: the master weights at O2
-    (``state_dict(keep_vars=True)`` returns the module's own tensors, as in torch).
+    (``state_dict(keep_vars=True)`` returns the module's own tensors, as in torch). Pass the
+    fp32 model: one made half beforehand (``model.half()``) is taken with a warning at O1,
+    which keeps the parameters as given (they would train, and be saved, in half), and at O2,
+    whose masters would start from the rounded values.
 
     Args:
         models (nn.Module or list[nn.Module]): the model(s), already on their device.
