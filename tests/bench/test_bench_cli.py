@@ -117,6 +117,39 @@ def test_csv_has_header_and_a_line_per_mode(default_run):
         assert r["run_status"] == "complete" and r["modes_not_run"] == ""
 
 
+def test_table_json_and_csv_of_one_run_agree(default_run):
+    """The printed table, the JSON and the CSV of one run are one result: every table cell is
+    the file's value rounded to the printed digits (memory, s / 40 it, speed-up, final loss,
+    loss gap, skipped steps), and each CSV cell is the JSON value exactly, because users
+    quote the table and script against the files and must not find two answers."""
+    _, text, paths = default_run
+    table = _table_rows(text)
+    with open(paths["json"]) as f:
+        rows = json.load(f)
+    with open(paths["csv"], newline="") as f:
+        lines = list(csv.DictReader(f))
+    assert len(table) == len(rows) == len(lines) == len(ALL_MODES)
+
+    def printed(cell, value):
+        # The cell, with its unit stripped, is the value rounded to the cell's decimals.
+        number = cell.rstrip("x%")
+        decimals = len(number.split(".")[1]) if "." in number else 0
+        return abs(float(number) - value) <= 0.5 * 10 ** -decimals + 1e-12
+
+    keys = ("peak_memory_mb", "time_per_40_iters_s", "speedup_vs_baseline", "final_loss",
+            "loss_gap_pct")
+    for cells, row, line in zip(table, rows, lines):
+        assert cells[:2] == [row["label"], row["dtype"]] == [line["label"], line["dtype"]]
+        for cell, key in zip(cells[2:7], keys):
+            assert printed(cell, row[key]), (row["label"], key, cell, row[key])
+            assert float(line[key]) == row[key], (row["label"], key)
+        assert int(cells[7]) == row["skipped_steps"] == int(line["skipped_steps"])
+        # The final loss is the mean of the last pass over the 4-batch pool (here the
+        # warm-up step and both timed ones: 3 losses).
+        window = row["losses"][-4:]
+        assert row["final_loss"] == pytest.approx(sum(window) / len(window), rel=1e-12)
+
+
 def test_plot_is_a_png(default_run):
     _, _, paths = default_run
     with open(paths["png"], "rb") as f:
@@ -1344,6 +1377,31 @@ def test_seed_sets_both_the_initial_weights_and_the_data(tmp_path):
     want = _seeded_first_loss(7)
     assert row["losses"][0] == pytest.approx(want, rel=1e-6, abs=0)
     assert want != pytest.approx(_seeded_first_loss(0), rel=1e-3)
+
+
+def test_a_run_repeated_with_its_seed_repeats_every_loss(tmp_path):
+    """Two runs with one --seed in one process give every mode's losses bit for bit, fp16
+    included (amp's loss scaler and patched functions keep no state from the first run into
+    the second), and another seed gives other losses: users compare runs of one seed across
+    code changes and attribute any difference to the change. (r69C replay)"""
+    argv = ["bench", *FAST, "--iters", "1", "--dtype", "fp16", "--seed", "5", "--opt-levels",
+            "O1", "O2"]
+    runs = []
+    for name in ("a.json", "b.json"):
+        code, _ = _run([*argv, "--json", str(tmp_path / name)])
+        assert code == 0
+        runs.append(json.loads((tmp_path / name).read_text()))
+    first, second = runs
+    assert [r["mode"] for r in first] == [r["mode"] for r in second] == [
+        "O1", "O2", "autocast", "half"]
+    for a, b in zip(first, second):
+        assert a["losses"] == b["losses"], a["mode"]
+        assert a["skipped_steps"] == b["skipped_steps"], a["mode"]
+    code, _ = _run(["bench", *FAST, "--iters", "1", "--dtype", "fp16", "--seed", "6",
+                    "--opt-levels", "O1", "--no-native", "--json", str(tmp_path / "c.json")])
+    assert code == 0
+    (other,) = json.loads((tmp_path / "c.json").read_text())
+    assert other["losses"][0] != pytest.approx(first[0]["losses"][0], rel=1e-3)
 
 
 def test_frozen_bn_trains_with_batchnorm_in_eval_mode(tmp_path):
