@@ -211,7 +211,14 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help="write a figure of loss curves, time and memory bars (needs matplotlib); the "
         "extension picks the format: .png, .svg, .pdf or .jpg",
     )
-    p.add_argument("--seed", type=_seed, default=0, help="seed for weights and data (default 0)")
+    p.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="seed for weights and data (default 0). A run repeats bit for bit with the same "
+        "seed on the same machine and number of CPU threads (another thread count sums in "
+        "another order); a negative seed is torch's seed + 2**64",
+    )
     p.add_argument(
         "--device",
         default=None,
@@ -243,7 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
         >>> args.model, args.iters
         ('gpt', 5)
     """
-    parser = argparse.ArgumentParser(prog="mixprec", description="mixprec command line tools.")
+    # (allow_abbrev=False: "--iter 3" is refused with "did you mean --iters?" instead of read
+    # as --iters, which would break the day another option starts with "--iter")
+    parser = argparse.ArgumentParser(prog="mixprec", description="mixprec command line tools.",
+                                     allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -253,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=_DESCRIPTION,
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
     )
     _add_bench_arguments(bench)
     # Errors found after parsing (a missing torchvision, --device cuda without CUDA) are
@@ -543,8 +554,8 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
     if size == "large" and not on_cuda:
         _err(
             f"mixprec bench: warning: --size large on CPU is slow (a {args.model} step can take "
-            "seconds, times 40 iterations, times each mode); use --size small or fewer --iters "
-            "(e.g. --iters 5)"
+            "seconds to a minute, times 40 iterations, times each mode); use --size small or "
+            "fewer --iters (e.g. --iters 5)"
         )
 
     try:
@@ -585,7 +596,7 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
     out(
         f"mixprec bench: {workload.description}",
         f"device {device} ({where}), half type {dtype_name}, {warmup} warm-up + {args.iters} "
-        f"timed iterations per mode, seed {args.seed}"
+        f"timed iteration{'s' if args.iters != 1 else ''} per mode, seed {args.seed}"
         + (", channels_last" if args.channels_last and workload.image else "")
         + (", BatchNorm frozen (eval)" if args.frozen_bn else ""),
         "",

@@ -716,6 +716,10 @@ def test_header_comes_first_and_stderr_gets_a_line_per_mode(monkeypatch):
         (["--epochs", "3"], None),
         (["--itters", "3", "--sed", "1"],
          "; --itters: did you mean --iters?; --sed: did you mean --seed?"),
+        # An abbreviation is refused, not read as the option it starts (a script relying on
+        # it would break the day another option started with it; r69C's replay).
+        (["--iter", "3"], "; did you mean --iters?"),
+        (["--no-prog"], "; did you mean --no-progress?"),
     ],
 )
 def test_unknown_flags_are_bench_errors_with_a_suggestion(argv, suggestion, capsys):
@@ -1397,9 +1401,10 @@ def test_a_run_repeated_with_its_seed_repeats_every_loss(tmp_path):
     for a, b in zip(first, second):
         assert a["losses"] == b["losses"], a["mode"]
         assert a["skipped_steps"] == b["skipped_steps"], a["mode"]
-    code, _ = _run(["bench", *FAST, "--iters", "1", "--dtype", "fp16", "--seed", "6",
-                    "--opt-levels", "O1", "--no-native", "--json", str(tmp_path / "c.json")])
+    code, text = _run(["bench", *FAST, "--iters", "1", "--dtype", "fp16", "--seed", "6",
+                       "--opt-levels", "O1", "--no-native", "--json", str(tmp_path / "c.json")])
     assert code == 0
+    assert "1 warm-up + 1 timed iteration per mode, seed 6" in text  # (one: no plural)
     (other,) = json.loads((tmp_path / "c.json").read_text())
     assert other["losses"][0] != pytest.approx(first[0]["losses"][0], rel=1e-3)
 
