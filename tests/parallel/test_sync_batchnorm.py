@@ -575,6 +575,36 @@ def check_residual_z_and_fuse_relu(ctx):
     torch.testing.assert_close(sync.running_var, ref.running_var, rtol=1e-10, atol=1e-10)
 
 
+# Joins GROUP_2 (after "check_residual_z_and_fuse_relu").
+def check_the_layers_eps_reaches_the_multi_rank_path(ctx):
+    """A layer's own eps (``BatchNorm2d(eps=1e-3)`` in many vision models, kept by
+    convert_syncbn_model) normalizes on the multi-rank path as it does on one process: the
+    layer hands it to the statistics merge, the normalization and the backward. eps 0.5 over
+    inputs of variance ~0.5 makes any other eps show. Reference: nn.BatchNorm2d(eps=0.5) in
+    float64 over the whole batch, on every path: output, input gradient, running
+    statistics, 1e-10. (S25)"""
+    eps = 0.5
+    sizes = _uneven(ctx)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(sum(sizes), 3, 2, 2, generator=g, dtype=torch.float64) * 0.7 + 1
+    dy = torch.randn(x.shape, generator=g, dtype=torch.float64)
+    sl = slice(sum(sizes[:ctx.rank]), sum(sizes[:ctx.rank + 1]))
+    ref = nn.BatchNorm2d(3, eps=eps).double()
+    xr = x.clone().requires_grad_()
+    want = ref(xr)
+    want.backward(dy)
+    tol = OUT_TOL[torch.float64]
+    for path, path_ctx in _paths(ctx):
+        layer = SyncBatchNorm(3, eps=eps).double().to(ctx.device)
+        xl = x[sl].to(ctx.device).requires_grad_()
+        with path_ctx():
+            y = layer(xl)
+            y.backward(dy[sl].to(ctx.device))
+        _close(y.detach(), want.detach()[sl], tol, f"[{path}] output, eps={eps}")
+        _close(xl.grad, xr.grad[sl], tol, f"[{path}] input grad, eps={eps}")
+        _close(layer.running_var, ref.running_var, tol, f"[{path}] running_var, eps={eps}")
+
+
 def check_empty_rank(ctx):
     # One rank (the first, the hardest case for the merge kernel) has no samples at all.
     sizes = [0, 3, 5, 1, 2, 0, 4, 6][:ctx.world_size]
@@ -746,6 +776,7 @@ GROUP_2 = [
     "check_convert_syncbn_model_matches_batchnorm",
     "check_deepcopy_with_process_group",
     "check_residual_z_and_fuse_relu",
+    "check_the_layers_eps_reaches_the_multi_rank_path",
     "check_empty_rank",
     "check_empty_global_batch",
     "check_batch_size_changes_between_steps",
@@ -904,6 +935,25 @@ def test_syncbn_residual_z_follows_type_promotion_as_batchnorm_plus_z(not_distri
     got, want = layer(x, z), ref(x) + z
     assert got.dtype == want.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_syncbn_residual_z_of_another_shape_is_refused_even_where_it_broadcasts(
+        not_distributed):
+    """``forward(input, z)`` takes ``z`` shaped as the output (documented; Apex's optimized
+    layer reads it element by element): a ``z`` of another shape is refused with the layer's
+    message even where PyTorch would broadcast it, since a broadcast sum silently changes
+    the result (a per-channel ``z`` of shape ``(N, C, 1, 1)``) or the output's shape (a ``z``
+    with a larger batch), and the code after the layer relies on the output having the
+    input's shape. Reference: the documented message; a ``z`` of the output's shape is
+    taken. (S20)"""
+    torch.manual_seed(0)
+    layer = SyncBatchNorm(4)
+    x = torch.randn(6, 4, 5, 5)
+    for shape in ((6, 4, 1, 1), (1, 4, 5, 5), (12, 4, 5, 5)):
+        with pytest.raises(ValueError, match=re.escape(f"z has shape {shape}, the output "
+                                                       f"{tuple(x.shape)}")):
+            layer(x, torch.randn(shape))
+    assert layer(x, torch.zeros_like(x)).shape == x.shape
 
 
 def test_a_layer_pickled_without_the_newer_attributes_runs_and_compiles(not_distributed):
@@ -1736,6 +1786,44 @@ def test_triton_path_reads_an_input_saved_as_bf16_with_the_gradient_in_fp32(not_
     _close(xr.grad, ref, dict(rtol=0, atol=1e-5 * scale), "input grad from the bf16 copy")
 
 
+@pytest.mark.parametrize("path", sorted(_LOCAL_PATHS))
+def test_an_input_saved_as_bf16_gives_the_input_gradient_in_fp32_precision(not_distributed,
+                                                                           path):
+    """A saved-tensor hook that compresses activations (an fp32 NCHW input kept as a bf16
+    copy) hands the backward an input of another dtype than the output gradient's: the input
+    gradient is computed from the copy and the fp32 output gradient and keeps fp32
+    precision (users compress activations to save memory, not to round the gradients to
+    bf16), on the plain-PyTorch path and on the fused one. Reference: the input-gradient
+    formula in float64 with the bf16-rounded saved input and the fp32 input's batch
+    statistics (what the backward is given), 1e-5 of the gradient's scale; the gradient is
+    fp32. (F07)"""
+    torch.manual_seed(0)
+    x = torch.randn(6, 3, 4, 4) * 2 + 1
+    dy = torch.randn(6, 3, 4, 4)
+    w, b = torch.rand(3) + 0.5, torch.randn(3)
+    xr = x.clone().requires_grad_()
+
+    def compress(t):
+        return t.to(torch.bfloat16) if t.dim() == 4 else t
+
+    with _LOCAL_PATHS[path]():
+        with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
+            y = fn.sync_batch_norm(xr, w, b, None, None, 1e-5, 0.1, fn.LOCAL, 1)
+        y.backward(dy)
+    dims, n = (0, 2, 3), x.numel() // 3
+    xd, dyd = x.double(), dy.double()
+    mean = xd.mean(dims, keepdim=True)
+    invstd = (xd.var(dims, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    xmu = x.to(torch.bfloat16).double() - mean  # the copy the hook handed back
+    ref = (dyd - dyd.sum(dims, keepdim=True) / n
+           - xmu * invstd ** 2 * (dyd * xmu).sum(dims, keepdim=True) / n) * invstd
+    ref = ref * w.double().view(1, 3, 1, 1)
+    assert xr.grad.dtype == torch.float32, f"[{path}] {xr.grad.dtype}"
+    scale = float(ref.abs().max())
+    _close(xr.grad, ref, dict(rtol=0, atol=1e-5 * scale),
+           f"[{path}] input grad from the bf16 copy")
+
+
 @pytest.mark.parametrize("layout", ["NCHW", "channels-last"])
 def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(not_distributed, layout):
     """A saved-tensor hook that compresses what autograd keeps may hand the backward the fp32
@@ -1943,5 +2031,31 @@ def test_sync_batch_norm_uses_the_eps_it_is_given(not_distributed, path, memory_
                                          1)
     _close(y, ry, OUT_TOL[torch.float32], f"[{path}] output")
     _close(dx, rdx, OUT_TOL[torch.float32], f"[{path}] input grad")
+    _close(rm, rrm, STAT_TOL, f"[{path}] running_mean")
+    _close(rv, rrv, STAT_TOL, f"[{path}] running_var")
+
+
+@pytest.mark.parametrize("path", sorted(_LOCAL_PATHS))
+def test_sync_batch_norm_with_a_weight_and_no_bias_is_batchnorm_without_bias(not_distributed,
+                                                                             path):
+    """``SyncBatchNorm(bias=False)`` (a learnable weight, no bias, as
+    ``nn.BatchNorm2d(bias=False)``) hands the multi-rank function a weight and ``bias=None``:
+    the weight must still scale the output and the input gradient, the weight get its
+    gradient, and no bias be added, on the plain-PyTorch path and on the fused one (one
+    process's layer is F.batch_norm, so only the function itself reaches these paths here).
+    Reference: float64 BatchNorm with the same weight and no bias; output and input gradient
+    1e-5, weight gradient 1e-4, running statistics 1e-4. (F23 F24b F25)"""
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 4, 2) * 0.7 + 1
+    dy = torch.randn(5, 3, 4, 2)
+    w0 = torch.tensor([0.5, 1.75, 3.0])  # (far from 1: a weight left out shows)
+    w = w0.clone().requires_grad_()
+    rm, rv = torch.zeros(3), torch.ones(3)
+    y, dx = _local_case(x, dy, w, None, rm, rv, 1e-5, 0.1, path_ctx=_LOCAL_PATHS[path])
+    ry, rdx, rdw, _, rrm, rrv = _reference(x, w0, None, dy, torch.zeros(3), torch.ones(3), 0.1,
+                                           1e-5, 1)
+    _close(y, ry, OUT_TOL[torch.float32], f"[{path}] output")
+    _close(dx, rdx, OUT_TOL[torch.float32], f"[{path}] input grad")
+    _close(w.grad, rdw, dict(rtol=1e-4, atol=1e-4), f"[{path}] weight grad")
     _close(rm, rrm, STAT_TOL, f"[{path}] running_mean")
     _close(rv, rrv, STAT_TOL, f"[{path}] running_var")
