@@ -1750,63 +1750,36 @@ def test_fused_path_updates_a_strided_running_variance(not_distributed, triton):
     assert torch.equal(base[1::2], torch.ones(3)), base
 
 
-@pytest.mark.skipif(not _INTERPRETER, reason="needs Triton's interpreter (tests/_triton.py)")
-def test_triton_path_reads_an_input_saved_as_bf16_with_the_gradient_in_fp32(not_distributed):
-    """A saved-tensor hook that compresses activations (the fp32 channels-last input kept as
-    a bf16 copy) hands the backward an input of another dtype than the forward's. The Triton
-    kernels' plan is for the forward's dtype, so the backward reads the copy by PyTorch's
-    arithmetic, with the output gradient in its own fp32 precision (on the kernels the
-    gradient would be rounded to the copy's dtype, and on a GPU the plan's compiled kernels
-    would read bf16 memory as fp32). Reference: the input-gradient formula in float64 with
-    the bf16-rounded saved input and the fp32 input's batch statistics (what the backward is
-    given), 1e-5 of the gradient's scale; the gradient is fp32. (T06)"""
-    torch.manual_seed(0)
-    x = (torch.randn(6, 3, 4, 4) * 2 + 1).contiguous(memory_format=torch.channels_last)
-    dy = torch.randn(6, 3, 4, 4).contiguous(memory_format=torch.channels_last)
-    w, b = torch.rand(3) + 0.5, torch.randn(3)
-    xr = x.clone().requires_grad_()
-
-    def compress(t):
-        return t.to(torch.bfloat16) if t.dim() == 4 else t
-
-    with _TRITON_CPU_PATH():
-        with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
-            y = fn.sync_batch_norm(xr, w, b, None, None, 1e-5, 0.1, fn.LOCAL, 1)
-        y.backward(dy)
-    dims, n = (0, 2, 3), x.numel() // 3
-    xd, dyd = x.double(), dy.double()
-    mean = xd.mean(dims, keepdim=True)
-    invstd = (xd.var(dims, unbiased=False, keepdim=True) + 1e-5).rsqrt()
-    xmu = x.to(torch.bfloat16).double() - mean  # the copy the hook handed back
-    ref = (dyd - dyd.sum(dims, keepdim=True) / n
-           - xmu * invstd ** 2 * (dyd * xmu).sum(dims, keepdim=True) / n) * invstd
-    ref = ref * w.double().view(1, 3, 1, 1)
-    assert xr.grad.dtype == torch.float32
-    scale = float(ref.abs().max())
-    _close(xr.grad, ref, dict(rtol=0, atol=1e-5 * scale), "input grad from the bf16 copy")
-
-
-@pytest.mark.parametrize("path", sorted(_LOCAL_PATHS))
+@pytest.mark.parametrize("path", [
+    *sorted(_LOCAL_PATHS),
+    pytest.param("cpu-emulated-fused-triton", marks=pytest.mark.skipif(
+        not _INTERPRETER, reason="needs Triton's interpreter (tests/_triton.py)")),
+])
 def test_an_input_saved_as_bf16_gives_the_input_gradient_in_fp32_precision(not_distributed,
                                                                            path):
-    """A saved-tensor hook that compresses activations (an fp32 NCHW input kept as a bf16
-    copy) hands the backward an input of another dtype than the output gradient's: the input
-    gradient is computed from the copy and the fp32 output gradient and keeps fp32
-    precision (users compress activations to save memory, not to round the gradients to
-    bf16), on the plain-PyTorch path and on the fused one. Reference: the input-gradient
-    formula in float64 with the bf16-rounded saved input and the fp32 input's batch
-    statistics (what the backward is given), 1e-5 of the gradient's scale; the gradient is
-    fp32. (F07)"""
+    """A saved-tensor hook that compresses activations (the fp32 input kept as a bf16 copy)
+    hands the backward an input of another dtype than the forward's and the output
+    gradient's: the input gradient is computed from the copy and the fp32 output gradient
+    and keeps fp32 precision (users compress activations to save memory, not to round the
+    gradients to bf16), on the plain-PyTorch path and the fused one (an NCHW input; r69A's
+    F07) and on the Triton kernels' (channels-last): their plan is for the forward's dtype,
+    so the backward reads the copy by PyTorch's arithmetic (on the kernels the gradient
+    would be rounded to the copy's dtype, and on a GPU the plan's compiled kernels would read
+    bf16 memory as fp32; r65C's T06). Reference: the input-gradient formula in float64 with
+    the bf16-rounded saved input and the fp32 input's batch statistics (what the backward is
+    given), 1e-5 of the gradient's scale; the gradient is fp32."""
     torch.manual_seed(0)
-    x = torch.randn(6, 3, 4, 4) * 2 + 1
-    dy = torch.randn(6, 3, 4, 4)
+    triton = path == "cpu-emulated-fused-triton"
+    fmt = torch.channels_last if triton else torch.contiguous_format
+    x = (torch.randn(6, 3, 4, 4) * 2 + 1).contiguous(memory_format=fmt)
+    dy = torch.randn(6, 3, 4, 4).contiguous(memory_format=fmt)
     w, b = torch.rand(3) + 0.5, torch.randn(3)
     xr = x.clone().requires_grad_()
 
     def compress(t):
         return t.to(torch.bfloat16) if t.dim() == 4 else t
 
-    with _LOCAL_PATHS[path]():
+    with (_TRITON_CPU_PATH if triton else _LOCAL_PATHS[path])():
         with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
             y = fn.sync_batch_norm(xr, w, b, None, None, 1e-5, 0.1, fn.LOCAL, 1)
         y.backward(dy)
