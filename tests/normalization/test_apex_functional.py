@@ -128,6 +128,82 @@ def test_bad_input_errors():
         F.fused_layer_norm(torch.tensor(1.0), 8)
 
 
+def test_argument_order_hint_for_mixprecs_own_rms_norm():
+    """mixprec's own fused_rms_norm takes (x, normalized_shape, weight, eps), Apex's takes
+    (input, normalized_shape, eps): an Apex-style positional eps given to mixprec's function
+    lands in weight's place, and the TypeError says where Apex's form lives, as it does for
+    fused_layer_norm. (C05)"""
+    from mixprec.normalization import fused_rms_norm as mixprec_fused_rms_norm
+
+    x = torch.randn(2, 8)
+    with pytest.raises(TypeError, match=r"^fused_rms_norm: weight must be a Tensor or None, "
+                                        r"got float\. .*apex_functional\.fused_rms_norm"):
+        mixprec_fused_rms_norm(x, (8,), 1e-6)
+    torch.testing.assert_close(F.fused_rms_norm(x, (8,), 1e-6).double(), _rms(x, (8,)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_mixed_dtype_layer_norm_affine_without_a_weight_is_a_value_error():
+    """The mixed-dtype LayerNorm form takes its output dtype from the weight, so a None weight
+    is refused by name with a ValueError (as the RMSNorm form does), not an AttributeError
+    from deep inside; code that passes an optional weight through finds its mistake. The
+    bias-less call with a weight still works and keeps the weight's dtype. (A03)"""
+    x = torch.randn(2, 8).bfloat16()
+    with pytest.raises(ValueError, match=r"^mixed_dtype_fused_layer_norm_affine: weight is "
+                                         r"None; the mixed-dtype form needs a weight tensor"):
+        F.mixed_dtype_fused_layer_norm_affine(x, None, None, 8)
+    with pytest.raises(ValueError, match=r"^mixed_dtype_fused_layer_norm_affine: weight is None"):
+        F.FusedLayerNormAffineMixedDtypesFunction.apply(x, None, torch.zeros(8), 8, 1e-6)
+    w = torch.rand(8) + 0.5
+    y = F.mixed_dtype_fused_layer_norm_affine(x, w, None, 8)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), _ln(x, (8,), w), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["fused_rms_norm", "mixed_dtype_fused_rms_norm_affine",
+                                  "FusedRMSNormFunction",
+                                  "FusedRMSNormAffineMixedDtypesFunction"])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_apex_rms_forms_pass_memory_efficient_on(name, memory_efficient):
+    """Apex's RMSNorm forms take memory_efficient positionally after eps: with True the
+    output, not the input, is kept for backward (the memory Megatron-style layers ask for),
+    with False the input; the gradient matches PyTorch's in float64 either way. (A01, A02)"""
+    w = torch.rand(16, dtype=torch.float64) + 0.5
+    args = {"fused_rms_norm": (16,), "FusedRMSNormFunction": (16,),
+            "mixed_dtype_fused_rms_norm_affine": (w, 16),
+            "FusedRMSNormAffineMixedDtypesFunction": (w, 16)}[name]
+    fn = getattr(F, name)
+    fn = fn.apply if name[0].isupper() else fn
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = fn(x, *args, 1e-6, memory_efficient)
+    assert (y.data_ptr() in saved) == memory_efficient
+    assert (x.data_ptr() in saved) != memory_efficient
+    dy = torch.randn(4, 16, dtype=torch.float64)
+    got = torch.autograd.grad((y * dy).sum(), x)[0]
+    want = torch.autograd.grad((_rms(x, (16,), w if len(args) == 2 else None) * dy).sum(), x)[0]
+    torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-8)
+
+
+def test_function_classes_pickle_by_reference():
+    """Apex's autograd-function names are importable classes of this module: they pickle by
+    reference and come back as the same class (a torch.fx graph or a config holding one is
+    sent to worker processes with pickle). (A06)"""
+    import pickle
+
+    for name in F.__all__:
+        if name.endswith("Function"):
+            cls = getattr(F, name)
+            assert cls.__module__ == "mixprec.normalization.apex_functional", name
+            assert pickle.loads(pickle.dumps(cls)) is cls, name
+
+
 def test_function_classes_show_apexs_forward_signature():
     # Megatron-LM's layer norm probes
     # inspect.getfullargspec(FusedLayerNormAffineFunction.forward).args for

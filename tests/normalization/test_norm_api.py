@@ -669,6 +669,25 @@ def test_torch_layer_norm_arguments():
         FusedLayerNorm(8, eps=None)
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
+def test_positional_arguments_follow_apexs_order(cls):
+    """Apex's FusedLayerNorm/FusedRMSNorm take (normalized_shape, eps, elementwise_affine,
+    memory_efficient) positionally, and code written for Apex passes them so: the third
+    positional is elementwise_affine, the fourth memory_efficient. The norm built from
+    positionals then gives PyTorch's non-affine result with that eps (float64). (L06, R07)"""
+    norm = cls(8, 1e-3, False, True)
+    assert norm.elementwise_affine is False and norm.memory_efficient is True
+    assert norm.eps == 1e-3 and list(norm.parameters()) == []
+    assert repr(norm) == (f"{cls.__name__}((8,), eps=0.001, elementwise_affine=False, "
+                          "memory_efficient=True)")
+    affine = cls(8, 1e-3, True, False)
+    assert affine.elementwise_affine is True and affine.memory_efficient is False
+    x = make_input((3, 8), torch.float64, "cpu")
+    want = (torch.nn.functional.rms_norm(x, (8,), None, 1e-3) if cls is FusedRMSNorm
+            else torch.nn.functional.layer_norm(x, (8,), None, None, 1e-3))
+    torch.testing.assert_close(norm(x), want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
 def test_the_ignored_keyword_warning_points_at_the_callers_line(cls):
     # Megatron/NeMo users find the keyword to drop from the warning's location: it names the
@@ -694,6 +713,24 @@ def test_the_ignored_keyword_warning_names_every_keyword_in_a_stable_order(cls):
         assert texts == [f"{cls.__name__}: ignoring the keyword argument(s) "
                          "apply_layernorm_1p, sequence_parallel_enabled, which it does not use "
                          "(Apex's class dropped them too)."], texts
+
+
+@pytest.mark.parametrize("cls", [MixedFusedLayerNorm, MixedFusedRMSNorm])
+def test_the_ignored_keyword_warning_comes_from_rank_zero_only(cls, monkeypatch):
+    """Every rank of a Megatron/NeMo job builds the same model: the warning about dropped
+    keywords is given on rank 0 only (one line per job, not one per GPU), while the layer is
+    built the same on every rank. (M01)"""
+    from mixprec.normalization import _module
+
+    monkeypatch.setattr(_module, "is_rank_zero", lambda: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        norm = cls(8, 1e-5, sequence_parallel_enabled=False)
+    assert norm.weight.shape == (8,) and norm.eps == 1e-5
+    monkeypatch.setattr(_module, "is_rank_zero", lambda: True)
+    with pytest.warns(UserWarning, match=r"ignoring the keyword argument\(s\) "
+                                         r"sequence_parallel_enabled"):
+        cls(8, 1e-5, sequence_parallel_enabled=False)
 
 
 def _signature_inputs(device):
@@ -1362,6 +1399,32 @@ def test_unpickles_apex_instance_state(cls):
     torch.testing.assert_close(out, built(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, MixedFusedLayerNorm, FusedRMSNorm,
+                                 MixedFusedRMSNorm])
+def test_unpickling_keeps_the_saved_settings(cls):
+    """A whole model saved and loaded (torch.save(model) / torch.load) keeps each norm's own
+    settings: its eps and memory_efficient come back as saved (filling in attributes missing
+    from Apex's state must not replace those present), and the loaded norm gives the saved
+    one's output exactly. (M14)"""
+    import io
+
+    built = cls(6, eps=0.25, memory_efficient=True)
+    with torch.no_grad():
+        built.weight.uniform_(0.5, 1.5)
+    buffer = io.BytesIO()
+    torch.save(built, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.eps == 0.25 and loaded.memory_efficient is True
+    assert repr(loaded) == repr(built)
+    x = torch.randn(3, 6, dtype=torch.float64) * 0.1
+    torch.testing.assert_close(loaded(x), built(x), rtol=0, atol=0)
+    want = (torch.nn.functional.rms_norm(x, (6,), built.weight.double(), 0.25) if built._is_rms
+            else torch.nn.functional.layer_norm(x, (6,), built.weight.double(),
+                                                built.bias.double(), 0.25))
+    torch.testing.assert_close(loaded(x).double(), want, rtol=1e-6, atol=1e-6)
+
+
 # -- argument checks, dtype rules, defaults, weight-only gradients (mutation testing) -------------
 @pytest.mark.parametrize("make", [
     lambda s: FusedLayerNorm(s),
@@ -1677,6 +1740,23 @@ def test_extra_repr_of_non_affine_and_bias_free_norms():
         "bias=False)")
     assert repr(FusedRMSNorm(8)) == (
         "FusedRMSNorm((8,), eps=1e-05, elementwise_affine=True, memory_efficient=False)")
+
+
+def test_rms_norm_without_elementwise_affine_matches_torch():
+    """FusedRMSNorm(elementwise_affine=False) learns nothing, as torch.nn.RMSNorm with the same
+    flag: no weight, an empty state dict that loads both ways, and the output is the plain
+    normalization (PyTorch's rms_norm without a weight, in float64). Models that normalize
+    without a scale (e.g. QK-norm variants) rely on it. (R01)"""
+    norm = FusedRMSNorm((2, 4), eps=1e-5, elementwise_affine=False)
+    theirs = torch.nn.RMSNorm((2, 4), eps=1e-5, elementwise_affine=False)
+    assert norm.weight is None and list(norm.parameters()) == []
+    assert list(norm.state_dict()) == [] and norm.elementwise_affine is False
+    norm.load_state_dict(theirs.state_dict())
+    theirs.load_state_dict(norm.state_dict())
+    x = make_input((3, 2, 4), torch.float64, "cpu")
+    want = torch.nn.functional.rms_norm(x, (2, 4), None, 1e-5)
+    torch.testing.assert_close(norm(x), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(norm(x.float()).double(), want, rtol=1e-5, atol=1e-5)
 
 
 # --- _ops._use_triton: the testing hook takes rows up to MAX_FUSED_N inclusive (mutant O03) ----
