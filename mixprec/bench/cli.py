@@ -103,8 +103,16 @@ _DTYPE_NAMES = {"fp16": "fp16", "float16": "fp16", "half": "fp16",
 
 def _dtype_name(text: str) -> str:
     """An argparse type for --dtype: torch's names (float16, bfloat16, half) and any case
-    read as fp16 / bf16; anything else goes to argparse's choices check, which names them."""
-    return _DTYPE_NAMES.get(text.strip().lower(), text)
+    read as fp16 / bf16; fp32 is refused with where its run is; anything else goes to
+    argparse's choices check, which names them."""
+    name = text.strip().lower()
+    if name in ("fp32", "float32", "float"):
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from fp16, bf16): --dtype is the half type; "
+            "the fp32 run is always there, as the O0 row (--opt-levels O0 --no-native runs "
+            "it alone)"
+        )
+    return _DTYPE_NAMES.get(name, text)
 
 
 def _lower(text: str) -> str:
@@ -255,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mixprec", description="mixprec command line tools.",
                                      allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"mixprec {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command")
     sub.required = True
     bench = sub.add_parser(
         "bench",
@@ -266,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     _add_bench_arguments(bench)
+    bench.add_argument("--version", action="version", version=f"mixprec {__version__}")
+    # (usage and the missing-command error name the commands: "required: {bench}")
+    sub.metavar = "{" + ",".join(sub.choices) + "}"
     # Errors found after parsing (a missing torchvision, --device cuda without CUDA) are
     # reported by the subcommand's parser, so the message reads "mixprec bench: error: ...".
     bench.set_defaults(subparser=bench)

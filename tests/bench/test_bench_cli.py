@@ -238,7 +238,7 @@ def test_every_mode_failing_exits_1(monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ([], "required"),
+        ([], "the following arguments are required: {bench}"),  # (names the command)
         (["bench", "--opt-levels", "O4"], "invalid choice"),
         (["bench", "--opt-levels", "02"], "invalid choice"),
         (["bench", "--dtype", "fp8"], "invalid choice"),
@@ -356,11 +356,13 @@ def test_torchvision_requirement_follows_torch(monkeypatch, version, want):
     assert want in models._torchvision_requirement()
 
 
-def test_version_flag(capsys):
+@pytest.mark.parametrize("argv", [["--version"], ["bench", "--version"]])
+def test_version_flag(argv, capsys):
+    # (after the command too: "mixprec bench --version" was an unrecognized argument)
     import mixprec
 
     with pytest.raises(SystemExit) as exc:
-        main(["--version"])
+        main(argv)
     assert exc.value.code == 0
     assert capsys.readouterr().out.strip() == f"mixprec {mixprec.__version__}"
 
@@ -833,6 +835,11 @@ def test_repeated_opt_levels_run_each_once_in_order():
      "O1? The prefix is the letter O, not the digit zero"),
     (["--opt-levels", "O4"], "argument --opt-levels: invalid choice: 'O4' (choose from"),
     (["--opt-levels"], "argument --opt-levels: expected at least one argument"),
+    # fp32 is no half type, and its run is there anyway: the message says where (r69C).
+    (["--dtype", "float32"],
+     "argument --dtype: invalid choice: 'float32' (choose from fp16, bf16): --dtype is the half "
+     "type; the fp32 run is always there, as the O0 row (--opt-levels O0 --no-native runs it "
+     "alone)"),
     # Past int64 torch raised a TypeError traceback while making the batches.
     (["--batch-size", str(10**22)],
      "argument --batch-size: expected a positive integer up to 2,147,483,647, got " + "1" +
