@@ -618,7 +618,6 @@ class ForeignBackwardWatch:
 
     def __init__(self, state: _OptimizerState, skip: Set[int],
                  block: Optional[BlockBackwards]):
-        state.sync_param_groups()  # (a group added since: its parameters are watched too)
         self.state = state
         self.block = block
         self.hit: Dict[int, torch.Tensor] = {}
@@ -993,7 +992,9 @@ class _OptimizerState:
         """Watch which of the directly stepped parameters (but those in ``skip``, ids of the
         block's own optimizers' parameters) a backward inside another optimizer's
         ``scale_loss`` block accumulates into (``block``: see :class:`ForeignBackwardWatch`);
-        :meth:`ForeignBackwardWatch.close` after it."""
+        :meth:`ForeignBackwardWatch.close` after it. The caller syncs the parameter groups
+        first (``scale_loss`` does, for every other optimizer, before it picks those with
+        directly stepped parameters), so that a group added since is watched too."""
         return ForeignBackwardWatch(self, skip, block)
 
     def note_foreign_backward(self, params) -> None:
