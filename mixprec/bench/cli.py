@@ -679,6 +679,9 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
                 "those are Triton kernels, which run on CUDA only; use --device cuda to time "
                 "them."
             )
+    few = report.few_steps_note(args.iters)
+    if few and results:
+        notes.append(few)
     unsteady = report.unsteady_timing_note(results)
     if unsteady:
         notes.append(unsteady)

@@ -19,6 +19,7 @@ __all__ = [
     "NOT_RUN",
     "format_table",
     "relative_to",
+    "few_steps_note",
     "unsteady_timing_note",
     "rows_to_dicts",
     "write_csv",
@@ -188,6 +189,25 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+#: Fewer timed steps per mode than this get the note of :func:`few_steps_note`.
+FEW_TIMED_STEPS = 5
+
+
+def few_steps_note(iters: int) -> Optional[str]:
+    """A note for a run with fewer than :data:`FEW_TIMED_STEPS` timed steps per mode, whose
+    medians one slow step can move and whose spread is barely measured (not at all for one
+    step: its ``time_per_iter_iqr_s`` is None); None for a run with enough steps."""
+    if iters >= FEW_TIMED_STEPS:
+        return None
+    spread = "not measured" if iters == 1 else "barely measured"
+    return (
+        f"only {iters} timed step{'s' if iters != 1 else ''} per mode: too few to time "
+        f"reliably (one slow step moves the median; the spread is {spread}), so the "
+        f"speed-ups are rough. Use --iters {FEW_TIMED_STEPS} or more (the default is 40) "
+        "for figures to compare."
+    )
 
 
 #: A mode whose timed steps' interquartile range exceeds this fraction of their median is

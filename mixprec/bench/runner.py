@@ -89,8 +89,9 @@ class ModeResult:
         time_per_iter_s (float or None): median time of a timed step, seconds.
         time_per_iter_mean_s (float or None): mean time of a timed step, seconds.
         time_per_iter_iqr_s (float or None): interquartile range of the timed steps' times
-            (third minus first quartile, ``statistics.quantiles(method="inclusive")``; 0.0 for
-            one step), seconds: the timing noise next to the median.
+            (third minus first quartile, ``statistics.quantiles(method="inclusive")``; None
+            for one step, which has no spread to measure), seconds: the timing noise next to
+            the median.
         time_per_iter_min_s, time_per_iter_max_s (float or None): the fastest and the slowest
             timed step, seconds.
         total_time_s (float or None): wall time of all timed steps, the loop's own work between
@@ -711,8 +712,6 @@ def run_mode(
         if len(times) > 1:
             q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
             result.time_per_iter_iqr_s = q3 - q1
-        else:
-            result.time_per_iter_iqr_s = 0.0
         result.time_per_iter_min_s = min(times)
         result.time_per_iter_max_s = max(times)
         result.peak_memory_mb = memory.peak_mb

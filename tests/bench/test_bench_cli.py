@@ -1552,6 +1552,21 @@ def test_unsteady_timing_is_noted_under_the_table(monkeypatch):
     assert code == 0 and "unsteady timing" not in text
 
 
+def test_a_run_of_one_timed_step_says_its_time_is_rough(tmp_path):
+    """One timed step per mode is one sample of a noisy time: the table says the speed-ups
+    are rough and the JSON's spread is null (unknown), not 0.0 (perfectly steady); a run of
+    five steps gets no such note."""
+    path = tmp_path / "rows.json"
+    code, text = _run(["bench", *ONE_MODE, "--json", str(path)])
+    assert code == 0
+    assert "note: only 1 timed step per mode: too few to time reliably" in text
+    (row,) = json.loads(path.read_text())
+    assert row["time_per_iter_iqr_s"] is None and row["iters"] == 1
+    code, text = _run(["bench", *FAST, "--iters", "5", "--warmup", "0", "--opt-levels", "O0",
+                       "--no-native"])
+    assert code == 0 and "too few to time" not in text
+
+
 def test_files_and_header_describe_the_workload_that_ran(tmp_path):
     """The header and each row's "description" name the workload as built (model, sizes,
     batch), the same text in both, so a file read later says what was measured, not only the

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from mixprec.bench.report import (
+    few_steps_note,
     format_table,
     relative_to,
     rows_to_dicts,
@@ -217,6 +218,16 @@ def test_unsteady_timing_note_names_the_modes_with_a_wide_spread():
     assert note.startswith("unsteady timing: the step times of O2 varied by more than 25% ")
     assert "not reliable" in note and "--iters" in note
     assert unsteady_timing_note(rows[:2] + rows[3:]) is None
+
+
+def test_few_steps_note_below_five_timed_steps():
+    # One or two timed steps are one or two samples of a noisy time: the table says so, and
+    # says how many steps give figures to compare; five or more get no note.
+    one, four = few_steps_note(1), few_steps_note(4)
+    assert one.startswith("only 1 timed step per mode: too few to time reliably")
+    assert "the spread is not measured" in one and "--iters 5 or more" in one
+    assert four.startswith("only 4 timed steps per mode") and "barely measured" in four
+    assert few_steps_note(5) is None and few_steps_note(40) is None
 
 
 # -- mutation run r50D over mixprec/bench/report.py: what the tests above let through -------
