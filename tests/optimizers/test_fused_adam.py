@@ -210,6 +210,34 @@ def test_groups_keep_their_own_options(device, path):
         torch.testing.assert_close(p, r.float(), **_TOL)
 
 
+def test_a_groups_eps_given_or_set_later_is_the_one_used(device, path):
+    """``eps`` is a per-group option, as in ``torch.optim.AdamW``: a group built with its own
+    ``eps``, and a group whose ``eps`` is changed by hand between steps (a schedule on eps,
+    as some fine-tuning recipes use), step with that value, not the constructor's. The eps
+    values are large enough (0.5, 0.05) to change every update well past the tolerance;
+    reference: ``torch.optim.AdamW`` (float64) with the same groups and the same change.
+    (M03)"""
+    gen = torch.Generator().manual_seed(71)
+    a, b = _params(device, gen, [(300,), (7, 11)])
+    grads = _grads([a, b], gen, steps=4)
+    ours = [a.clone(), b.clone()]
+    ref = [a.double(), b.double()]
+    opt = FusedAdam([{"params": [ours[0]], "eps": 0.5}, {"params": [ours[1]]}], lr=1e-2,
+                    weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([{"params": [ref[0]], "eps": 0.5}, {"params": [ref[1]]}],
+                                lr=1e-2, weight_decay=0.1, foreach=False)
+    for k, step in enumerate(grads):
+        if k == 2:
+            opt.param_groups[1]["eps"] = 0.05
+            ref_opt.param_groups[1]["eps"] = 0.05
+        for p, r, g in zip(ours, ref, step):
+            p.grad, r.grad = g.clone(), g.double()
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
 def test_parameters_without_gradients_are_left_alone(device, path):
     gen = torch.Generator().manual_seed(3)
     a, b = _params(device, gen, [(50,), (60,)])
@@ -519,6 +547,36 @@ def test_a_state_tensor_replaced_in_a_kept_state_is_stepped_as_it_now_is(device,
         assert [opt.state[p]["step"].item() for p in params] == [3.0, 3.0]
 
 
+@pytest.mark.parametrize("change", ["strided", "bf16"])
+def test_a_second_moment_replaced_in_a_kept_state_is_stepped_as_it_now_is(device, path, change):
+    """The second moment, as the first, replaced by hand inside a kept state dict after the
+    first step (re-laid out into a larger buffer, or cast to bf16 to save memory, as some
+    memory-saving recipes do with ``exp_avg_sq``): it is checked as at the first step and
+    takes a route that reads it as it now is. Reference: ``torch.optim.AdamW`` (float64)
+    with the same change (the bf16 moment, which AdamW does not keep, within bf16's
+    rounding). (M29)"""
+    gen = torch.Generator().manual_seed(74)
+    params = _params(device, gen, [(37, 29), (5,)])
+    ref = [p.double() for p in params]
+
+    def between(opt, i):
+        if i != 0:
+            return
+        for p in opt.param_groups[0]["params"]:
+            state = opt.state[p]
+            if change == "strided":
+                spread = torch.zeros(2 * p.numel(), dtype=p.dtype, device=p.device)
+                state["exp_avg_sq"] = spread[::2].view(p.shape).copy_(state["exp_avg_sq"])
+            elif p.dtype is torch.float32:  # (the float64 reference keeps its moment)
+                state["exp_avg_sq"] = state["exp_avg_sq"].bfloat16()
+
+    _train_pair(params, ref, gen, 4, between)
+    tol = _TOL if change == "strided" else dict(rtol=1e-2, atol=1e-3)
+    for p, r in zip(params, ref):
+        assert p.isfinite().all()
+        torch.testing.assert_close(p, r.float(), **tol)
+
+
 @pytest.mark.parametrize("bad", ["moment of another size", "step count a float", "no moment"])
 def test_a_state_tensor_replaced_badly_is_refused_before_anything_is_written(device, path, bad):
     """A moment of another size put in after the first step read and wrote past the moments
@@ -546,6 +604,29 @@ def test_a_state_tensor_replaced_badly_is_refused_before_anything_is_written(dev
         opt.step()
     for p, b in zip(params, before):
         torch.testing.assert_close(p, b, rtol=0, atol=0)
+
+
+def test_a_step_count_deleted_by_hand_is_named_with_the_way_out(device, path):
+    """``del optimizer.state[p]["step"]`` (a script resetting the bias correction by hand):
+    the step names what is missing and how to reset, as for a deleted moment (not a bare
+    ``KeyError: 'step'``), before anything is written; the reset it names then works.
+    (M12)"""
+    gen = torch.Generator().manual_seed(72)
+    params = _params(device, gen, [(2050,), (5,)])
+    opt = FusedAdam(params, lr=1e-2)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
+    opt.step()
+    del opt.state[params[0]]["step"]
+    before = [p.clone() for p in params]
+    with pytest.raises(RuntimeError, match=r"has no step in its state \(it holds 'exp_avg', "
+                                           r"'exp_avg_sq'\).*optimizer.state\[p\] = \{\}"):
+        opt.step()
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p, b, rtol=0, atol=0)
+    opt.state[params[0]] = {}
+    opt.step()
+    assert [opt.state[p]["step"].item() for p in params] == [1.0, 2.0]
 
 
 def test_another_optimizers_checkpoint_is_refused_before_anything_is_loaded():
@@ -746,6 +827,31 @@ def test_a_refused_checkpoint_leaves_the_optimizer_as_it_was():
     assert opt.state[p]["step"].item() == 2.0
 
 
+@pytest.mark.parametrize("spoil", ["amsgrad", "maximize", "eps"])
+def test_a_checkpoint_refused_for_a_later_group_leaves_the_optimizer_as_it_was(spoil):
+    """A checkpoint whose second group FusedAdam cannot take (``amsgrad``/``maximize`` of a
+    ``torch.optim.Adam`` group, a negative ``eps``) is refused naming that group, before
+    anything is loaded: the optimizer keeps its options and state and steps on. (Only the
+    first group was checked; the rest loaded, and the step then refused the optimizer.)
+    (M08)"""
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    opt = FusedAdam([{"params": [a]}, {"params": [b]}], lr=1e-3)
+    a.grad, b.grad = torch.ones(3), torch.ones(2)
+    opt.step()
+    before = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(before)
+    bad["param_groups"][1][spoil] = -1.0 if spoil == "eps" else True
+    message = ("eps=-1.0: eps must be a number" if spoil == "eps"
+               else f"the checkpoint's optimizer used .*{spoil}=True")
+    with pytest.raises(ValueError, match=r"load_state_dict: param group 1: " + message):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    torch.testing.assert_close(after["state"], before["state"], rtol=0, atol=0)
+    opt.step()
+    assert opt.state[b]["step"].item() == 2.0
+
+
 def test_a_checkpoint_of_apexs_fused_adam_resumes(device, path):
     # Apex's FusedAdam kept one step count per group (group["step"], an int) and only the
     # moments per parameter; loading such a checkpoint failed at the first step (KeyError).
@@ -860,6 +966,48 @@ def test_bad_tensor_betas_say_what_to_do(monkeypatch):
                                            r"graph.*Pass floats"):
         opt.step()
     assert torch.equal(p, before) and opt.state[p]["step"].item() == 1.0
+
+
+def test_tensor_betas_of_zero_or_of_shape_one_step_as_their_floats(device, path):
+    """Tensor betas are documented as one-element floating tensors in [0, 1): a
+    ``torch.tensor(0.0)`` first-moment decay (GAN training's ``betas[0] = 0``, here driven
+    by a momentum schedule's tensor) and a shape-(1,) tensor (what slicing a schedule's
+    buffer gives) are taken, and the update is ``torch.optim.AdamW``'s (float64) with the
+    same betas as floats. (M01, M02)"""
+    gen = torch.Generator().manual_seed(70)
+    params = _params(device, gen, [(3,), (37, 29), (2050,)])
+    grads = _grads(params, gen, steps=3)
+    ours = [p.clone() for p in params]
+    betas = (torch.tensor(0.0, dtype=torch.float64), torch.tensor([0.99]))
+    _run(lambda ps: FusedAdam(ps, lr=1e-2, betas=betas, weight_decay=0.1), ours, grads)
+    ref = [p.double() for p in params]
+    _run(_torch_reference(True, lr=1e-2, betas=(0.0, betas[1].item()), weight_decay=0.1),
+         ref, grads)
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p, r.float(), **_TOL)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: torch.tensor([0.9, 0.9]), r"betas\[0\]=a torch.float32 tensor of shape \(2,\) "
+                                       r"on cpu: a tensor beta must hold one element"),
+    (lambda: torch.tensor(0), r"betas\[0\]=a torch.int64 tensor .*: a tensor beta must be "
+                              r"floating point"),
+], ids=["two elements", "integer"])
+def test_a_tensor_beta_replaced_by_hand_is_checked_as_the_constructors(bad, message):
+    """A tensor beta put into a group by hand after the constructor's checks (a schedule that
+    swaps in a new tensor) is checked at the step as the constructor checks it: a tensor of
+    two elements or an integer one is refused with the constructor's message (not PyTorch's
+    bare "cannot be converted to Scalar", nor an integer 0 taken as a decay rate), before
+    anything is written. (M11)"""
+    p = nn.Parameter(torch.ones(4))
+    opt = FusedAdam([p], lr=1e-2, betas=(torch.tensor(0.9), torch.tensor(0.999)))
+    p.grad = torch.ones(4)
+    opt.step()
+    opt.param_groups[0]["betas"] = (bad(), torch.tensor(0.999))
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="FusedAdam param group 0: " + message):
+        opt.step()
+    assert torch.equal(p.detach(), before) and opt.state[p]["step"].item() == 1.0
 
 
 def test_a_param_groups_options_are_checked_as_the_constructors():
@@ -1488,6 +1636,67 @@ def test_amp_o2_copies_what_the_step_did_not_write(amp_device):
     assert torch.equal(frozen_half, torch.full_like(frozen_half, 0.5))
 
 
+def test_amp_o2_bf16_copies_are_written_when_the_first_parameter_stays_fp32(amp_device):
+    """At O2 a model whose first parameter keeps fp32 with no half copy (a BatchNorm in front,
+    an input normalization, kept fp32 by ``keep_batchnorm_fp32``) shares one kernel launch
+    with the bf16 masters' parameters: each half copy is written in its own dtype, and the
+    bf16 model equals its masters rounded by PyTorch (a per-launch dtype flag taken from the
+    first parameter wrote fp16 bits into the bf16 weights). (M28)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.BatchNorm1d(16), nn.Linear(16, 32), nn.GELU(),
+                          nn.Linear(32, 4)).to(amp_device)
+    opt = FusedAdam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                verbosity=0)
+    assert model[0].weight.dtype == torch.float32
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(8, 16, generator=gen).to(amp_device)
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    pairs = _state.optimizer_state(opt).pairs
+    assert len(pairs) == 4 and len(opt._half_copies_written) == 4
+    for half, master in pairs:
+        assert half.dtype == torch.bfloat16 and torch.equal(half, master.to(torch.bfloat16))
+
+
+def test_amp_o2_a_group_added_after_initialize_keeps_the_step_writing_every_half_copy(
+        amp_device, monkeypatch):
+    """``optimizer.add_param_group`` after ``amp.initialize`` (a head trained from the second
+    epoch on): amp links the new group's masters to their half copies too, and the step goes
+    on writing the first groups' half copies as well, so amp copies nothing after the step
+    and the whole half model equals its masters rounded. (Each link replaced the earlier
+    ones: the first groups fell back to amp's extra copy pass.) (M10)"""
+    copied = []
+    original = _state._OptimizerState.copy_masters_to_model
+
+    def spy(self, pairs=None):
+        copied.append(len(self.pairs if pairs is None else pairs))
+        return original(self, pairs)
+
+    monkeypatch.setattr(_state._OptimizerState, "copy_masters_to_model", spy)
+    torch.manual_seed(0)
+    body, head = nn.Linear(16, 8).to(amp_device), nn.Linear(8, 4).to(amp_device)
+    opt = FusedAdam(body.parameters(), lr=1e-2)
+    model = nn.Sequential(body, head)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    opt.add_param_group({"params": list(head.parameters())})
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(2):
+        x = torch.randn(8, 16, generator=gen).to(amp_device)
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    pairs = _state.optimizer_state(opt).pairs
+    assert len(pairs) == 4 and copied == []
+    assert {id(m) for m in opt._half_copies_written} == {id(m) for _, m in pairs}
+    for half, master in pairs:
+        assert torch.equal(half, master.to(torch.bfloat16))
+
+
 def test_amp_o2_fp16_overflow_is_skipped_on_the_device(amp_device):
     """Dynamic loss scaling with FusedAdam keeps the flag on the device (the optimizer skips
     the step itself): masters, moments and step counts stay, the scale halves."""
@@ -1919,6 +2128,73 @@ def test_torch_adam_checkpoint_keeps_its_weight_decay_mode(cpu_route, decoupled)
         torch.testing.assert_close(p.double(), r, **_TORCH_TOL)
 
 
+def _two_groups(params, adam_w_modes):
+    return [{"params": [p], "adam_w_mode": mode} for p, mode in zip(params, adam_w_modes)]
+
+
+@_needs_decoupled_adam
+def test_each_groups_weight_decay_mode_goes_through_checkpoints_both_ways(cpu_route):
+    """A FusedAdam of two groups with different weight-decay modes (AdamW for the weights, L2
+    for the rest) saves each group's mode, so ``torch.optim.Adam`` continues each group as the
+    same update; and a ``torch.optim.Adam`` checkpoint of two such groups loads into a
+    FusedAdam built with the other modes, each group continuing with its own mode. Reference:
+    the other optimizer continuing from the same checkpoint (float64). (M05, M07)"""
+    init = _two_params()
+    grads = _grads_for(init, 4)
+    ours = [p.clone() for p in init]
+    opt = FusedAdam(_two_groups(ours, [True, False]), lr=1e-2, weight_decay=0.1)
+    _run_steps(opt, ours, grads[:2])
+    saved = copy.deepcopy(opt.state_dict())
+    assert [g["decoupled_weight_decay"] for g in saved["param_groups"]] == [True, False]
+    ref = [p.detach().double().clone() for p in ours]
+    torch_opt = torch.optim.Adam([{"params": [r]} for r in ref], lr=1e-2, weight_decay=0.1)
+    torch_opt.load_state_dict(saved)
+    _run_steps(opt, ours, grads[2:])
+    _run_steps(torch_opt, ref, grads[2:])
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.double(), r, **_TORCH_TOL)
+    # ... and back: a torch.optim.Adam checkpoint of two groups of other modes.
+    ref = [p.double().clone() for p in init]
+    torch_opt = torch.optim.Adam([{"params": [ref[0]], "decoupled_weight_decay": False},
+                                  {"params": [ref[1]], "decoupled_weight_decay": True}],
+                                 lr=1e-2, weight_decay=0.1)
+    _run_steps(torch_opt, ref, grads[:2])
+    ours = [r.detach().float().clone() for r in ref]
+    opt = FusedAdam(_two_groups(ours, [True, False]), lr=1e-2, weight_decay=0.1)
+    opt.load_state_dict(copy.deepcopy(torch_opt.state_dict()))
+    assert [g["adam_w_mode"] for g in opt.param_groups] == [False, True]
+    _run_steps(opt, ours, grads[2:])
+    _run_steps(torch_opt, ref, grads[2:])
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.double(), r, **_TORCH_TOL)
+
+
+@_needs_decoupled_adam
+def test_a_weight_decay_mode_changed_after_a_resume_is_the_one_saved(cpu_route):
+    """A group's ``adam_w_mode`` changed by hand after ``load_state_dict`` (the loaded group
+    also holds the checkpoint's ``decoupled_weight_decay``, as loaded groups keep every saved
+    key): the next ``state_dict()`` states the mode the group now steps with, so ``torch.optim.Adam`` resumes the same update
+    rather than the checkpoint's old mode, and the step itself follows the new mode.
+    Reference: ``torch.optim.Adam`` (float64) resumed from that state dict. (M06, M31)"""
+    init = _two_params()
+    grads = _grads_for(init, 5)
+    ours = [p.clone() for p in init]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)  # AdamW mode
+    _run_steps(opt, ours, grads[:1])
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.param_groups[0]["adam_w_mode"] = False  # L2 decay from here on
+    _run_steps(opt, ours, grads[1:2])
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["param_groups"][0]["decoupled_weight_decay"] is False
+    ref = [p.detach().double().clone() for p in ours]
+    torch_opt = torch.optim.Adam(ref, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    torch_opt.load_state_dict(saved)
+    _run_steps(opt, ours, grads[2:])
+    _run_steps(torch_opt, ref, grads[2:])
+    for p, r in zip(ours, ref):
+        torch.testing.assert_close(p.double(), r, **_TORCH_TOL)
+
+
 def test_a_checkpoint_with_float64_step_counts_continues_as_torch_adamw(cpu_route):
     # torch.optim.AdamW keeps its step counts in the default dtype (float64 when that is the
     # default): FusedAdam takes them as fp32 on the parameter's device, as its own, and
@@ -2048,6 +2324,31 @@ def test_flags_and_betas_are_stored_as_bools_and_a_tuple():
     saved = opt.state_dict()["param_groups"][0]
     assert saved["decoupled_weight_decay"] is False and saved["bias_correction"] is True
     assert saved["amsgrad"] is False and saved["maximize"] is False
+
+
+def test_the_defaults_are_apexs_and_step_as_torch_adams_defaults():
+    """Scripts ported from Apex build ``FusedAdam(model.parameters())`` and rely on its
+    defaults: lr 1e-3, betas (0.9, 0.999), eps 1e-8, no weight decay, bias correction on,
+    AdamW mode, ``set_grad_none=True``, ``capturable=False``. With no weight decay that is
+    ``torch.optim.Adam()``'s update with its own defaults (float64 reference, 3 steps).
+    (M34, M35)"""
+    gen = torch.Generator().manual_seed(75)
+    p = nn.Parameter(torch.randn(37, 29, generator=gen))
+    ref = nn.Parameter(p.detach().double().clone())
+    opt = FusedAdam([p])
+    ref_opt = torch.optim.Adam([ref], foreach=False)
+    group = opt.param_groups[0]
+    assert {k: group[k] for k in ("lr", "betas", "eps", "weight_decay", "bias_correction",
+                                  "adam_w_mode")} == dict(
+        lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
+        adam_w_mode=True)
+    assert opt.set_grad_none is True and opt.capturable is False
+    for _ in range(3):
+        g = torch.randn(37, 29, generator=gen)
+        p.grad, ref.grad = g.clone(), g.double()
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(p.detach(), ref.detach().float(), **_TOL)
 
 
 def _step_with_random_grads(opt, masters, gen):
