@@ -660,6 +660,9 @@ class _OptimizerState:
         self.optimizer_ref = weakref.ref(optimizer)
         self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.plain: List[torch.Tensor] = []
+        # The directly stepped parameters' dtypes are to be checked at the next unscale (the
+        # first after initialize, and after a group is added): see refuse_plain_made_half.
+        self.check_plain_dtypes = False
         self.known_params = 0
         self.grads_scaled = False
         # A held window (grads_scaled) zeroed in place since by a zero_grad(set_to_none=False),
@@ -834,6 +837,7 @@ class _OptimizerState:
         values. The step count stays as it is, as in ``Optimizer.load_state_dict``.
         """
         state = self.optimizer_ref().state
+        self.check_plain_dtypes = True
         for p in self.plain:
             values = state.get(p)
             if not values:
@@ -854,6 +858,7 @@ class _OptimizerState:
         count = sum(len(g["params"]) for g in optimizer.param_groups)
         if count != self.known_params:
             masters = self.adopt_params(self.amp_state.properties.master_weights, set())
+            self.check_plain_dtypes = True
             for model in self.amp_state.models:
                 register_masters(model, masters, self.take_model_writes)
 
@@ -1172,11 +1177,49 @@ class _OptimizerState:
         self._stash = []
         self._set_aside = False
 
+    def refuse_plain_made_half(self, skip: Set[int] = frozenset()) -> None:
+        """Raise, before this backward's gradients are moved, when a parameter the optimizer
+        steps directly in fp32 (all of them at O1, the BatchNorm layers amp keeps fp32 at
+        O2/O3) got a gradient in a half dtype: a cast of one layer after ``initialize``
+        (``model.apply(fix_bn)``, the old workaround for Apex's eval-mode BatchNorm error;
+        ``layer.half()``) made it half, so it would train with no fp32 copy and be saved
+        half. The whole model's conversion is refused where it is made (see the amp model's
+        ``_apply``); a layer's cannot be seen there. Checked at the first unscale after
+        ``initialize`` and after each ``add_param_group`` (where a ported script's setup
+        casts), not at every step: a dtype read per parameter and step would cost the host
+        ~0.1 us each."""
+        fp32 = self.amp_state.fp32_params
+        made_half = [p for p in self.plain if p.grad is not None and id(p) not in skip
+                     and p.dtype in (torch.float16, torch.bfloat16) and id(p) in fp32]
+        if not made_half:
+            self.check_plain_dtypes = False
+            return
+        names = {}
+        for model in self.amp_state.models:
+            for name, q in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(q), name)
+        shown = [names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+                 for p in made_half[:4]]
+        more = f" and {len(made_half) - 4} more" if len(made_half) > 4 else ""
+        raise RuntimeError(
+            f"amp: {', '.join(shown)}{more} "
+            f"{'is' if len(made_half) == 1 else 'are'} {made_half[0].dtype} now, but amp."
+            "initialize left them fp32 for the optimizer to step directly, without master "
+            "weights: a cast after initialize (model.apply(fix_bn), layer.half(), "
+            ".to(dtype)) made them half, and they would train in half precision with no "
+            "fp32 copy and be saved half. amp keeps BatchNorm in fp32 in train and eval mode, "
+            "so the old workaround for Apex's eval-mode BatchNorm dtype error (casting the "
+            "BatchNorm layers to half) is not needed: drop the cast. For half parameters "
+            "with fp32 master weights use opt_level='O2'; for BatchNorm in half pass "
+            "keep_batchnorm_fp32=False.")
+
     def unscale(self, scaler: LossScaler, skip: Set[int] = frozenset()) -> List[torch.Tensor]:
         """Move this backward's gradients, unscaled, to where the optimizer reads them.
 
         ``skip``: ids of directly stepped parameters another optimizer of the same block
         unscaled already (a layer shared by two models, each with its optimizer)."""
+        if self.check_plain_dtypes:
+            self.refuse_plain_made_half(skip)
         check = scaler.dynamic
         # Master-weighted params: half grad -> fp32, unscaled, added into the master's grad.
         # The cast happens before the unscale so small gradients do not underflow in half.
@@ -1671,6 +1714,10 @@ class AmpState:
             for _ in range(num_losses)
         ]
         self.overflow_log = OverflowLog(verbosity)
+        # ids of the models' parameters that were fp32 once initialize had cast them (not
+        # weak references, which would keep torch.utils.swap_tensors from converting them):
+        # see _OptimizerState.refuse_plain_made_half.
+        self.fp32_params: Set[int] = set()
         # A backward that reached none of its block's optimizers' parameters was warned about.
         self.warned_unreached = False
         # Overflow flags and new scales of device-scaled steps, copied to the host without

@@ -513,6 +513,10 @@ def initialize(
                       enclosed=id(model) in inside)
         for opt_state, its_masters in masters:
             register_masters(model, its_masters, opt_state.take_model_writes)
+    for model in model_list:
+        for p in model.parameters():
+            if p.dtype == torch.float32:
+                state.fp32_params.add(id(p))
     for opt_state, _ in masters:
         opt_state.match_plain_state_dtypes()
         opt_state.record_synced()  # (the half parameters as the conversion left them)

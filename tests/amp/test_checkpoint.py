@@ -159,6 +159,40 @@ def test_writes_into_the_half_model_reach_the_checkpoint_and_survive_a_load(dtyp
     assert torch.equal(head, torch.full_like(head, 0.25))
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_pretrained_weights_loaded_into_a_part_of_an_o2_model_reach_its_masters(dtype):
+    """Detection and segmentation code loads a pretrained backbone into its part of the model
+    (``model.backbone.load_state_dict(weights)``), often after ``amp.initialize``. At O2 that
+    load writes the fp32 masters exactly, as a load through the whole model does: the
+    checkpoint then holds the pretrained values themselves, not their half roundings, and
+    training is bit for bit that of a model given them before ``initialize``. Checked for a
+    container part and for a single layer loaded on its own. (r70C)"""
+    pretrained = make_cnn(seed=7)
+    x, y = batch()
+
+    def run(load_after):
+        model = make_cnn()
+        if not load_after:
+            model.features.load_state_dict(pretrained.features.state_dict())
+            model.head.load_state_dict(pretrained.head.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+        if load_after:
+            model.features.load_state_dict(pretrained.features.state_dict())
+            model.head.load_state_dict(pretrained.head.state_dict())
+        loaded = {k: v.clone() for k, v in model.state_dict().items()}
+        losses = [train_step(model, opt, x, y, amp) for _ in range(2)]
+        return loaded, losses, model.state_dict()
+
+    (_, want_losses, want), (loaded, losses, got) = run(False), run(True)
+    for k, v in pretrained.state_dict().items():
+        assert loaded[k].dtype == v.dtype and torch.equal(loaded[k], v), k
+    for a, b in zip(losses, want_losses):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
 def test_a_load_that_writes_only_the_half_parameter_and_a_copys_load_hold():
     # (a) A load pre-hook of the user's renaming an old key, registered after amp's: torch
     # writes the half parameter, amp's hook never saw the key, so its master kept the old

@@ -587,6 +587,57 @@ def test_recasting_an_amp_model_is_refused_before_it_changes(opt_level):
     assert model.head.weight.dtype == torch.float64
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_layer_cast_to_half_after_initialize_is_refused_before_it_trains(opt_level, dtype):
+    """The old hand-made workaround for frozen BatchNorm under Apex, ``model.apply(fix_bn)``
+    casting each BatchNorm layer to half, left in a ported script after ``initialize``: at O1
+    those layers would train in half with no fp32 weights and be saved half, at O2 the
+    BatchNorm layers amp keeps fp32 (stepped without masters) would be stepped in half. The
+    whole model's conversion is refused where it is made; a layer's is refused at the end of
+    the first scale_loss block after initialize (or, at O1, after an add_param_group: a
+    fine-tuning phase that unfreezes the backbone), before anything is stepped, naming its
+    parameters and the way out (drop the cast). A layer made half while frozen (a memory
+    saving at O1) trains nothing and is left alone. (r70C F2: accepted silently.)"""
+    x, y = batch()
+
+    def fix_bn(module):
+        if isinstance(module, nn.BatchNorm2d):
+            module.to(dtype)
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+    model.apply(fix_bn)
+    stepped = [p.detach().clone() for p in amp.master_params(opt)]
+    with pytest.raises(RuntimeError, match=(
+            rf"^amp: features\.1\.weight, features\.1\.bias, features\.4\.weight, "
+            rf"features\.4\.bias are {dtype} now, but amp\.initialize left them fp32 .*"
+            r"not needed: drop the cast")):
+        train_step(model, opt, x, y, amp)
+    for before, after in zip(stepped, amp.master_params(opt)):
+        assert torch.equal(before, after)
+    if opt_level == "O2":
+        return
+    model = make_cnn()
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(model, opt, opt_level="O1", dtype=dtype, verbosity=0)
+    train_step(model, opt, x, y, amp)  # (the head alone: checked, nothing half)
+    model.features[4].to(dtype)
+    opt.add_param_group({"params": list(model.features.parameters()), "lr": 0.01})
+    with pytest.raises(RuntimeError, match=r"^amp: features\.4\.weight, features\.4\.bias "):
+        train_step(model, opt, x, y, amp)
+    frozen = make_cnn()
+    opt = torch.optim.SGD(frozen.parameters(), lr=0.1, momentum=0.9)
+    amp.initialize(frozen, opt, opt_level="O1", dtype=dtype, verbosity=0)
+    frozen.features[1].requires_grad_(False).to(dtype)
+    head = frozen.head.weight.detach().clone()
+    train_step(frozen, opt, x, y, amp)
+    assert frozen.features[1].weight.dtype == dtype
+    assert frozen.head.weight.dtype == torch.float32
+    assert not torch.equal(frozen.head.weight, head)
+
+
 def test_rejects_model_initialized_twice():
     model = make_cnn()
     amp.initialize(model, opt_level="O1", verbosity=0)
