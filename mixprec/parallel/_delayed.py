@@ -100,7 +100,10 @@ def _warn_late_gradient() -> None:
             "then a second backward through the same forward, as an SRGAN step does from the "
             "discriminator's loss into the generator). Its gradients are this rank's own, not "
             "averaged (as with Apex and PyTorch's DDP). Sum the losses into one backward, or run "
-            "the model's forward again before the second backward. (Warned once per wrapper.)",
+            "the model's forward again before the second backward, or, to keep amp's per-loss "
+            "scales, call disable_allreduce() before each backward but the last and "
+            "enable_allreduce() before the last, which then all-reduces the gradients of all "
+            "of them. (Warned once per wrapper.)",
             UserWarning, stacklevel=2)
 
 

@@ -56,7 +56,7 @@ from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
 from mixprec.amp.frontend import states_holding
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 from mixprec.parallel import _structure
-from mixprec.parallel._backward_end import remove_hooks
+from mixprec.parallel._backward_end import current_task, remove_hooks
 from mixprec.parallel._comm import (
     ReduceSpec,
     all_gather_rows,
@@ -165,9 +165,58 @@ class _Token:
 _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# What to do about several backwards through one forward's outputs (Apex's several losses:
+# one forward, a scale_loss block and a backward per loss_id), which the all-reduce of one
+# backward per forward leaves partly this rank's own; said by both modes' warnings.
+SEVERAL_BACKWARDS_ADVICE = (
+    "Sum the losses into one backward; or run the forward again before each backward; or, to "
+    "keep amp's per-loss scales, construct the wrapper with delay_allreduce=True and call "
+    "disable_allreduce() before each backward but the last and enable_allreduce() before the "
+    "last, which then all-reduces the gradients of all of them."
+)
+
+
+class _Passes:
+    """The backwards that ran through one forward's outputs so far (see
+    ``DistributedDataParallel._watch_second_backward``)."""
+
+    __slots__ = ("tasks", "reached")
+
+    def __init__(self):
+        self.tasks = set()  # (graph task ids)
+        self.reached = False  # (one of them reached the parameters)
+
+
+def _second_backward_hook(ref, passes: _Passes):
+    def hook(grad):
+        task = current_task()
+        if task in passes.tasks:  # (another output of the same backward)
+            return None
+        passes.tasks.add(task)
+        ddp = ref()
+        if ddp is None or not ddp._backward_reaches_parameters():
+            return None  # (torch.autograd.grad of an input: a gradient penalty)
+        if passes.reached:
+            ddp._second_backward(task)
+        passes.reached = True
+        return None
+
+    return hook
+
+
 def _left_out_guard(ref, name: str):
     def hook(param):
         ddp = ref()
+        if (ddp is not None and ddp._active
+                and getattr(ddp, "_second_backward_task", None) == current_task()):
+            raise RuntimeError(
+                f"DistributedDataParallel: {name} got a gradient in a second backward through "
+                "the outputs of one forward, but it got none on any rank in the first step, "
+                "so (as in Apex) it was left out of the all-reduce, and this gradient would "
+                "stay this rank's own while the replicas drift apart. PyTorch's reducer "
+                "all-reduces the first backward of each forward only. "
+                + SEVERAL_BACKWARDS_ADVICE
+            )
         if ddp is not None and ddp._active:
             raise RuntimeError(
                 f"DistributedDataParallel: {name} got a gradient, but it got none on any rank "
@@ -726,6 +775,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         state.pop("_hook_state", None)
         state.pop("_delayed", None)
         state.pop("_unsynced_backward", None)  # (a weak reference)
+        state.pop("_accumulators", None)  # (autograd nodes; found again)
         for name in ("_comm_hook_record", "_first_step", "_left_out_guards"):
             state.pop(name, None)  # (hooks and their process group; set up again)
         # The unpickled reducer is rebuilt from bucket_bytes_cap: give it the reducer's cap
@@ -1005,9 +1055,11 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         """Remember whether a backward of a forward run with the all-reduce off may still come
         (enable_allreduce() then would not reach it): until its first gradient arrives, or
         until its output and graph are freed without one (a skipped micro-batch). The hooks on
-        the output tensors hold a token; their graph nodes hold the hooks."""
+        the output tensors hold a token; their graph nodes hold the hooks. With the all-reduce
+        on, watch for a second backward instead (see _watch_second_backward)."""
         self._unsynced_backward = None
         if self.require_backward_grad_sync:
+            self._watch_second_backward(out)
             return
         tensors = [t for t in tree_leaves(out)
                    if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -1022,6 +1074,52 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
         for t in tensors:
             t.register_hook(started)
+
+    def _watch_second_backward(self, out) -> None:
+        """Warn (rank 0, once per wrapper) when a second backward through this forward's
+        outputs reaches the parameters: PyTorch's reducer all-reduces the first backward of
+        a forward only, so the second one's gradients stay this rank's own and the replicas
+        drift apart silently (the delay mode warns about its own case in _delayed). A hook on
+        each output notes the backwards (graph tasks) that run through it; one that reaches no
+        parameter (``torch.autograd.grad`` of the input, a gradient penalty) does not count.
+        Not under ``torch.compile``, where the hooks would be traced."""
+        if is_compiling():
+            return
+        # (Not on a leaf, a parameter returned as it is: its hooks would stay for good.)
+        tensors = [t for t in tree_leaves(out)
+                   if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if not tensors:
+            return
+        hook = _second_backward_hook(weakref.ref(self), _Passes())
+        for t in tensors:
+            t.register_hook(hook)
+
+    def _backward_reaches_parameters(self) -> bool:
+        """Whether the backward running now accumulates into any all-reduced parameter."""
+        params = getattr(self, "_reducer_param_list", None)
+        if not params:
+            return False
+        cached = self.__dict__.get("_accumulators")
+        if cached is None or cached[0] is not params:
+            nodes = [torch.autograd.graph.get_gradient_edge(p).node
+                     for p in params if p.requires_grad]
+            cached = self.__dict__["_accumulators"] = (params, nodes)
+        return any(map(torch._C._will_engine_execute_node, cached[1]))
+
+    def _second_backward(self, task: int) -> None:
+        self._second_backward_task = task  # (for the left-out guard's message)
+        if self.__dict__.get("_warned_second_backward") or not self._active:
+            return
+        self._warned_second_backward = True
+        _warn_rank0(
+            "DistributedDataParallel: a second backward reached the model's parameters through "
+            "the outputs of one forward (loss.backward(retain_graph=True), then another "
+            "backward: Apex's several losses, a scale_loss block and a backward per loss_id "
+            "after one forward). PyTorch's reducer all-reduces the first backward of each "
+            "forward only, so this backward's gradients are this rank's own and the replicas "
+            "drift apart. " + SEVERAL_BACKWARDS_ADVICE + " (Warned once per wrapper.)",
+            UserWarning,
+        )
 
     def _unsynced_backward_pending(self) -> bool:
         ref = getattr(self, "_unsynced_backward", None)

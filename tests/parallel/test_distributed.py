@@ -15,6 +15,7 @@ import functools
 import gc
 import itertools
 import pickle
+import re
 import subprocess
 import sys
 import time
@@ -1177,6 +1178,88 @@ def check_delay_allreduce_warns_on_a_second_backward(ctx):
         late = [w for w in caught if "after its forward's backward" in str(w.message)]
         expected = 1 if ctx.rank == 0 and step == 0 else 0
         assert len(late) == expected, [str(w.message) for w in late]
+
+
+def check_default_mode_warns_on_a_second_backward_through_one_forward(ctx):
+    # Apex's several losses (num_losses=2: one forward, a scale_loss block and a backward per
+    # loss) under the default mode: PyTorch's reducer all-reduces the first backward of a
+    # forward only, so the second's gradients stay this rank's own and the replicas drift
+    # apart. Rank 0 warns once, naming the delay mode's switches; a gradient penalty
+    # (torch.autograd.grad of the input through the same outputs) and a forward per loss are
+    # no second backward. The recipe the warning names gives every rank the average of both
+    # losses' gradients over the ranks, as one process computes it.
+    torch.manual_seed(0)
+    model = _HeadPair().to(ctx.device)
+    ref = copy.deepcopy(model)
+    x, _ = _global_batch(ctx, seed=710)
+    mine = _mine(ctx, x).clone().requires_grad_(True)
+
+    def losses(out_a, out_b):
+        # (Each reaches every parameter, as the reducer's mode needs of every backward.)
+        return (out_a.square().mean() + out_b.square().mean(),
+                out_a.abs().mean() + 2 * out_b.abs().mean())
+
+    def said(run):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run()
+        return [str(w.message) for w in caught if "second backward" in str(w.message)]
+
+    ddp = DistributedDataParallel(model)
+
+    def penalty_then_one_backward():
+        out_a, out_b = ddp(mine)
+        (g,) = torch.autograd.grad(out_a.sum(), mine, create_graph=True, retain_graph=True)
+        (sum(losses(out_a, out_b)) + g.square().mean()).backward()
+
+    def a_forward_per_loss():
+        for i in range(2):
+            losses(*ddp(mine))[i].backward()
+
+    def two_backwards():
+        first, second = losses(*ddp(mine))
+        first.backward(retain_graph=True)
+        second.backward()
+
+    for run in (penalty_then_one_backward, a_forward_per_loss):
+        assert said(run) == [], run.__name__
+    for step in range(2):
+        warned = said(two_backwards)
+        assert len(warned) == (1 if ctx.rank == 0 and step == 0 else 0), warned
+        if warned:
+            assert "delay_allreduce=True and call disable_allreduce() before each " \
+                "backward but the last" in warned[0]
+    # The recipe: every rank ends with the average over the ranks of both losses' gradients.
+    model.zero_grad()
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    first, second = losses(*ddp(mine))
+    ddp.disable_allreduce()
+    first.backward(retain_graph=True)
+    ddp.enable_allreduce()
+    assert said(second.backward) == []
+    ref.load_state_dict(model.state_dict())
+    for r in range(ctx.world_size):
+        sum(losses(*ref(x[r * PER_RANK:(r + 1) * PER_RANK]))).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad / ctx.world_size, rtol=1e-5, atol=1e-6,
+                                   msg=labelled(f"delay mode with the switches: {name}"))
+    # A first loss that misses a head leaves it out in the first step; the second loss's
+    # gradient for it is refused saying why (not "find_unused_parameters=True", which fails
+    # in PyTorch's reducer here), with the same ways out.
+    ddp = DistributedDataParallel(_HeadPair().to(ctx.device))
+    out_a, out_b = ddp(mine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the first step's left-out warning)
+        out_a.square().mean().backward(retain_graph=True)
+        try:
+            out_b.square().mean().backward()
+        except RuntimeError as err:
+            message = str(err)
+        else:
+            message = "nothing raised"
+    assert re.match(r"DistributedDataParallel: b\.(weight|bias) got a gradient in a second "
+                    r"backward through the outputs of one forward", message), message
+    assert "delay_allreduce=True and call disable_allreduce()" in message
 
 
 def check_module_without_trainable_parameters_passes_through(ctx):
@@ -3030,6 +3113,7 @@ DELAY_CHECKS = [
     "check_amp_two_losses_under_the_reducers_bucket_views",
     "check_delay_allreduce_amp_o2_apex_switch_timing",
     "check_delay_allreduce_warns_on_a_second_backward",
+    "check_default_mode_warns_on_a_second_backward_through_one_forward",
     "check_module_without_trainable_parameters_passes_through",
     "check_delay_allreduce_recovers_inside_a_checkpoint",
     "check_delay_allreduce_two_wrappers_and_the_python_reducer_setting",
