@@ -51,6 +51,8 @@ def _before_initialize() -> AttributeError:
 def _positive(what: str, value) -> float:
     try:
         number = float(value)
+    except OverflowError:  # (an integer too large for a float)
+        number = float("inf")
     except (TypeError, ValueError):
         number = float("nan")
     if not number > 0 or number == float("inf"):

@@ -134,7 +134,10 @@ def _parse_loss_scale(value) -> Union[float, str, None]:
                 f'"dynamic" or a number such as "128.0".'
             ) from None
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        number = float(value)  # (NumPy's numbers too, as min/max_loss_scale take them)
+        try:
+            number = float(value)  # (NumPy's numbers too, as min/max_loss_scale take them)
+        except OverflowError:  # (an integer too large for a float: refused below)
+            number = math.inf
     else:
         raise TypeError(
             f"amp.initialize(loss_scale={value!r}): expected a positive number, a string "

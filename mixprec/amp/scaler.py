@@ -15,11 +15,14 @@ __all__ = ["LossScaler", "check_scale_order", "unscale_grads_"]
 
 def _as_number(value) -> Optional[float]:
     """``value`` as a float (a Python or NumPy number, a string holding one, a one-element
-    tensor), or None for a bool or anything ``float()`` refuses."""
+    tensor), or None for a bool or anything ``float()`` refuses; inf for an integer too large
+    for a float (``10**400``), which the callers' range checks then refuse."""
     if isinstance(value, bool):
         return None
     try:
         return float(value)
+    except OverflowError:
+        return math.inf
     except (TypeError, ValueError, RuntimeError):
         return None
 
@@ -249,7 +252,9 @@ class LossScaler:
             if isinstance(state["loss_scale"], bool) or isinstance(state["unskipped"], bool):
                 raise TypeError  # (a flag, not a scale or a count: as the constructor refuses)
             scale, unskipped = float(state["loss_scale"]), int(state["unskipped"])
-        except (KeyError, TypeError, ValueError, RuntimeError):  # (RuntimeError: a meta tensor)
+        # (RuntimeError: a meta tensor. OverflowError: an infinite count, int(inf), or an
+        # integer scale too large for a float.)
+        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError):
             raise ValueError(
                 f"LossScaler.load_state_dict: expected {{'loss_scale': float, 'unskipped': "
                 f"int}}, got {state!r}."

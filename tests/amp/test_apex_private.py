@@ -232,6 +232,27 @@ def test_state_follows_the_most_recent_initialize_with_optimizers():
     assert state.opt_properties.opt_level == "O2"
 
 
+def test_apex_state_skips_a_later_call_whose_optimizers_are_gone():
+    """``amp._amp_state`` views the call that module-level ``amp.state_dict()`` saves: a trial
+    (an LR finder) initialized after the real run and then freed does not hide the run's
+    scale and opt level from a script that reads or sets them there (its write went to the
+    dead trial's scaler, and the run kept its scale). Reference: the run's own state, through
+    ``amp.state_dict(optimizer=...)``. (A06)"""
+    import gc
+
+    model, opt, state = _setup("host", "O2")
+    trial = make_cnn(seed=1)
+    trial_opt = torch.optim.SGD(trial.parameters(), lr=0.1)
+    amp.initialize(trial, trial_opt, opt_level="O1", loss_scale=512.0, verbosity=0)
+    assert state.loss_scalers[0].loss_scale() == 512.0  # (the trial's, alive)
+    del trial, trial_opt
+    gc.collect()
+    assert state.opt_properties.opt_level == "O2"
+    assert state.loss_scalers[0].loss_scale() == 2.0**16
+    state.loss_scalers[0]._loss_scale = 2.0**10
+    assert amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"] == 2.0**10
+
+
 def test_clear_errors(monkeypatch):
     _, _, state = _setup("host")
     scaler = state.loss_scalers[0]
@@ -401,6 +422,39 @@ def test_max_loss_scale_set_through_amp_state_caps_the_scale(where):
 
 
 @pytest.mark.parametrize("where", OPTIMIZERS)
+def test_a_lowered_max_loss_scale_applies_from_the_next_update(where):
+    """Lowering ``_max_loss_scale`` below the current scale changes no scale by itself, as in
+    Apex, where the bounds were read only when the scale was updated: the scale reads as it
+    was and the next backward still runs at it; that step's update brings it down to the new
+    ceiling. The same with the scale on the host and on the device. Reference: the scaled
+    loss the block yields, and the policy by hand. (A10)"""
+    model, opt, state = _setup(where)
+    scaler = state.loss_scalers[0]
+    scaler._max_loss_scale = 2.0**10
+    assert scaler._loss_scale == 2.0**16
+    x, y = batch()
+    loss, yielded = _scaled_step(model, opt, x, y)
+    assert float(yielded) == pytest.approx(float(loss) * 2.0**16, rel=1e-6)
+    assert scaler._loss_scale == 2.0**10
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_min_loss_scale_may_be_raised_above_the_current_scale(where):
+    """Raising ``_min_loss_scale`` above the current scale (a run whose scale backed off so far
+    that fp16 gradients underflow) is accepted as long as it is not above the maximum: it
+    reads back as set, and the next update lifts the scale to it, on the host and on the
+    device. Reference: the policy by hand (a clean step at 2**4, then the floor 2**8). (B04)"""
+    model, opt, state = _setup(where)
+    scaler = state.loss_scalers[0]
+    scaler._loss_scale = 2.0**4
+    scaler._min_loss_scale = 2.0**8
+    assert (scaler._min_loss_scale, scaler._loss_scale) == (2.0**8, 2.0**4)
+    x, y = batch()
+    _scaled_step(model, opt, x, y)
+    assert scaler.loss_scale() == 2.0**8
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
 def test_setting_loss_scale_keeps_the_clean_step_count(where):
     # As in Apex, where `_loss_scale` was a plain attribute: writing it leaves `_unskipped`
     # alone, so the scale still grows after `_scale_seq_len` clean steps in a row.
@@ -502,6 +556,21 @@ def test_scale_seq_len_refuses_a_bool():
     assert scaler._scale_seq_len == 2000
 
 
+def test_unskipped_and_scale_seq_len_refuse_a_fraction_or_a_string():
+    """``_unskipped`` counts clean steps and ``_scale_seq_len`` is a number of them: 2.5, or a
+    string read off a config, is refused with the message saying what is expected, not
+    truncated to 2 (a window of 2 grows the scale at a different step than the script
+    meant), and both values stay as they were. (A01, A02)"""
+    _, _, state = _setup("host")
+    scaler = state.loss_scalers[0]
+    for bad in (2.5, "3"):
+        with pytest.raises(ValueError, match="_unskipped = .*expected an int >= 0"):
+            scaler._unskipped = bad
+        with pytest.raises(ValueError, match="_scale_seq_len = .*expected an int >= 1"):
+            scaler._scale_seq_len = bad
+    assert (scaler._unskipped, scaler._scale_seq_len) == (0, 2000)
+
+
 def test_every_served_name_read_before_initialize_says_to_call_it(monkeypatch):
     """Each of the three names ``amp._amp_state`` serves, read before any ``initialize``,
     raises an AttributeError (so ``hasattr`` answers False, as in Apex) whose message says to
@@ -554,3 +623,31 @@ def test_loss_scale_bounds_are_stored_as_python_floats():
     scaler._min_loss_scale = 16
     assert type(scaler._min_loss_scale) is float and scaler._min_loss_scale == 16.0
     assert type(scaler._max_loss_scale) is float and scaler._max_loss_scale == 2.0**20
+
+
+def test_reprs_of_the_apex_views_show_their_values():
+    """A script that prints ``amp._amp_state.loss_scalers[0]`` or ``opt_properties`` (a log
+    line, a debugger) sees the scaler's kind, scale and count and every property, not a bare
+    class name. Reference: the values initialize was given. (A03, A04)"""
+    _, _, state = _setup("host", "O2", loss_scale=128.0)
+    assert repr(state.loss_scalers[0]) == (
+        "<Apex view of LossScaler(static, loss_scale=128.0, unskipped=0)>")
+    assert repr(state.opt_properties) == (
+        "<amp opt_properties {'enabled': True, 'opt_level': 'O2', "
+        "'cast_model_type': torch.float16, 'patch_torch_functions': False, "
+        "'keep_batchnorm_fp32': True, 'master_weights': True, 'loss_scale': 128.0}>")
+
+
+@pytest.mark.parametrize("where", OPTIMIZERS)
+def test_loss_scale_attribute_reads_the_scale_the_last_step_left(where):
+    """Apex scripts log ``amp._amp_state.loss_scalers[0]._loss_scale`` after each step; with
+    the dynamic scale kept on the device (a fused optimizer's step, updated by kernels) the
+    attribute reads the device's current scale, not the host's copy from before the step.
+    Reference: the policy by hand (an overflow halves 2**16, a clean step keeps it). (A08)"""
+    model, opt, state = _setup(where)
+    scaler = state.loss_scalers[0]
+    x, y = batch()
+    _scaled_step(model, opt, x, y, poison=True)
+    assert scaler._loss_scale == 2.0**15
+    _scaled_step(model, opt, x, y, poison=True)
+    assert scaler._loss_scale == 2.0**14

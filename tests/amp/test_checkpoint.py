@@ -2185,3 +2185,23 @@ def test_module_level_load_state_dict_with_an_optimizer_loads_into_its_initializ
     assert amp.state_dict(optimizer=opt_a) == saved
     assert amp.state_dict() == amp.state_dict(optimizer=opt_b) == {
         f"loss_scaler{i}": {"loss_scale": 2.0**16, "unskipped": 0} for i in range(2)}
+
+
+def test_module_level_state_dict_with_an_optimizer_amp_never_saw_says_so():
+    """``amp.state_dict(optimizer=opt)`` and ``amp.load_state_dict(..., optimizer=opt)`` with
+    an optimizer that did not go through amp.initialize (the one built before initialize and
+    left unused, a plain optimizer of another model) raise a ValueError naming its class and
+    saying to pass the one initialize returned, not an AttributeError from inside amp; nothing
+    is loaded. (H02)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    plain = torch.optim.Adam(make_cnn().parameters())
+    with pytest.raises(ValueError, match=r"^amp\.state_dict\(optimizer=Adam\): this optimizer "
+                                         r"did not go through amp\.initialize\. Pass one"):
+        amp.state_dict(optimizer=plain)
+    with pytest.raises(ValueError, match=r"^amp\.load_state_dict\(optimizer=Adam\): this "
+                                         r"optimizer did not go through amp\.initialize"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 1}},
+                            optimizer=plain)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0}}

@@ -102,6 +102,19 @@ def test_override_applies():
     assert p.master_weights is False and p.loss_scale == 8.0 and p.model_is_half
 
 
+def test_resolved_properties_cannot_be_changed_afterwards():
+    """Resolved properties are frozen, as documented: initialize acts on them once (the
+    model's cast, the masters, the scale policy), so a later write such as
+    ``props.master_weights = False`` is refused instead of being taken and then ignored, and
+    the value stays as resolved. (P02)"""
+    import dataclasses
+
+    p = resolve_properties("O2")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.master_weights = False
+    assert p.master_weights is True
+
+
 @pytest.mark.parametrize("value", [True, False])
 def test_bool_loss_scale_is_refused(value):
     # True/False are ints to Python, but not a loss scale (True is not "dynamic").

@@ -256,6 +256,18 @@ def test_min_equal_to_max_pins_a_dynamic_scale():
     assert s.update(False) is False and s.loss_scale == 2.0**10
 
 
+def test_a_static_scale_is_used_as_given_whatever_the_dynamic_bounds():
+    """min_loss_scale and max_loss_scale bound the dynamic scale only: a static scale above
+    the default ceiling (a model whose fp16 gradients are tiny) or above a ceiling passed along
+    with it is used as passed, and stays there through clean and overflowed steps, as in Apex.
+    Reference: the scale passed. (S01)"""
+    assert LossScaler(2.0**30).loss_scale == 2.0**30
+    s = LossScaler(2.0**12, min_loss_scale=1.0, max_loss_scale=2.0**10)
+    assert s.loss_scale == 2.0**12
+    assert s.update(False) is False and s.update(True) is False
+    assert s.state_dict() == {"loss_scale": 2.0**12, "unskipped": 2}
+
+
 @pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
 def test_scale_factor_other_than_two(on_device):
     # Back-off divides by scale_factor and growth multiplies by it, on the device as on the host.
@@ -505,6 +517,19 @@ def test_any_flag_set_reads_every_devices_flag():
     assert any_flag_set([zero, zero]) is False
 
 
+def test_inv_scale_is_on_the_device_asked_for_while_another_holds_the_scale():
+    """``inv_scale(device)`` gives 1/scale on ``device`` even while the dynamic scale lives on
+    another device (gradients spread over devices, the scale kept with the fused optimizer's):
+    the device-held tensor only for its own device. The meta device stands in for a second
+    device here. Reference: the documented dtype and device, and 1/scale. (S08)"""
+    s = LossScaler("dynamic")
+    dev = s.device_state(torch.device("cpu"))
+    assert s.inv_scale(torch.device("cpu")) is dev.inv
+    other = s.inv_scale(torch.device("meta"))
+    assert other.device.type == "meta" and other.dtype == torch.float32 and other.dim() == 0
+    assert float(s.inv_scale(torch.device("cpu"))) == 2.0**-16
+
+
 def test_large_finite_gradients_with_a_graph_are_not_an_overflow():
     """The inf/NaN check of gradients that carry a graph (backward(create_graph=True) for a
     gradient penalty) flags only an inf or NaN element. Scaled fp16 gradients are large but
@@ -532,3 +557,44 @@ def test_create_graph_unscale_checks_every_gradient_of_a_group():
         grads = [w * 1.0, w * 2.0, w * torch.tensor([1.0, bad, 1.0])]
         assert float(unscale_grads_(grads, s, check=True)[0]) == 1.0, bad
     assert float(unscale_grads_([w * 1.0, w * 2.0], s, check=True)[0]) == 0.0
+
+
+def test_create_graph_unscale_divides_out_a_static_scale():
+    """A static loss scale other than 1 (O1 with loss_scale=128.0, fp16) is divided out of
+    gradients that carry a graph (backward(create_graph=True) for a gradient penalty) as out
+    of plain ones: the step and the penalty see the true gradient, and a second derivative
+    through it is the true one, not 128 times too large. Reference: the analytic gradient
+    3 w**2 (exact: w and the scale are powers of two or small integers) and second derivative
+    36 w**3 of sum(w**3). (S02)"""
+    s = LossScaler(128.0)
+    w = torch.tensor([0.5, -1.0, 2.0], requires_grad=True)
+    g, = torch.autograd.grad((w**3).sum() * s.loss_scale, w, create_graph=True)
+    assert unscale_grads_([g], s, check=False) is None
+    torch.testing.assert_close(g.detach(), 3 * w.detach() ** 2, rtol=0, atol=0)
+    second, = torch.autograd.grad(g.pow(2).sum(), w)
+    torch.testing.assert_close(second, 36 * w.detach() ** 3, rtol=1e-6, atol=0)
+
+
+def test_numbers_too_large_for_a_float_get_the_documented_value_error():
+    # An integer too large for a float (10**400) or an infinite step count in a checkpoint:
+    # float() and int() raise OverflowError there, which reached the caller bare instead of
+    # the ValueError each entry point documents (what was passed, what is allowed). (r70B)
+    huge = 10**400
+    with pytest.raises(ValueError, match=r"LossScaler\.load_state_dict: expected"):
+        LossScaler().load_state_dict({"loss_scale": 1024.0, "unskipped": float("inf")})
+    with pytest.raises(ValueError, match=r"LossScaler\.load_state_dict: expected"):
+        LossScaler().load_state_dict({"loss_scale": huge, "unskipped": 3})
+    with pytest.raises(ValueError, match=r"LossScaler\(init_scale="):
+        LossScaler(init_scale=huge)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"amp\.initialize\(loss_scale=10+\): the loss scale "
+                                         r"must be a finite number > 0"):
+        amp.initialize(model, opt, opt_level="O1", loss_scale=huge, verbosity=0)
+    amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    scaler = amp._amp_state.loss_scalers[0]
+    with pytest.raises(ValueError, match=r"_loss_scale = 10+: expected a finite number > 0"):
+        scaler._loss_scale = huge
+    with pytest.raises(ValueError, match=r"LossScaler\.load_state_dict: expected"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": float("inf")}})
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0}}
