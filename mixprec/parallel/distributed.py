@@ -1103,6 +1103,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         if cached is None or cached[0] is not params:
             nodes = [torch.autograd.graph.get_gradient_edge(p).node
                      for p in params if p.requires_grad]
+            if not nodes:
+                # The whole model frozen for now (a GAN's discriminator in the generator's
+                # step): nothing to reach, and nothing to keep, or the watch would stay blind
+                # once it trains again. (Freezing only some of them after wrapping is refused
+                # at the next forward: see _partly_frozen.)
+                return False
             cached = self.__dict__["_accumulators"] = (params, nodes)
         return any(map(torch._C._will_engine_execute_node, cached[1]))
 

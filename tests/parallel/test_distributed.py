@@ -1262,6 +1262,253 @@ def check_default_mode_warns_on_a_second_backward_through_one_forward(ctx):
     assert "delay_allreduce=True and call disable_allreduce()" in message
 
 
+class _WithLogVar(nn.Module):
+    """A prediction and a learnable log-variance returned as it is (the weight of an
+    uncertainty-weighted loss): one of the outputs is a parameter, a leaf."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(8, 4)
+        self.log_var = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return self.net(x), self.log_var
+
+
+def check_default_mode_steps_quietly_with_a_parameter_among_the_outputs(ctx):
+    """A model that returns one of its parameters as it is (a learnable log-variance) trains
+    with one backward per forward, step after step: that is no second backward, so nothing
+    warns at any step (the second-backward watch must not leave a hook on the parameter,
+    which every later step would run again), and the gradients are the global batch's,
+    as one process computes them. (C04)"""
+    torch.manual_seed(0)
+    model = _WithLogVar().to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+
+    def loss_of(pred, log_var, y):
+        return F.mse_loss(pred, y) * torch.exp(-log_var) + log_var
+
+    for step in range(3):
+        x, y = _global_batch(ctx, seed=720 + step)
+        model.zero_grad()
+        ref.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss_of(*ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        warned = [str(w.message) for w in caught if "second backward" in str(w.message)]
+        assert warned == [], (step, warned)
+        loss_of(*ref(x), y).backward()
+        _assert_same_grads(ctx, model, ref, f"step {step}")
+
+
+def check_several_losses_inside_no_sync_accumulate_quietly(ctx):
+    """Two losses through one forward inside no_sync() or disable_allreduce() (accumulation
+    micro-batches of a several-loss script) only add to the local gradients, which the synced
+    backward after them all-reduces whole: nothing is lost, so nothing warns about a second
+    backward, and the gradients are the average over the ranks of every loss of every
+    micro-batch, as one process computes it. (C06)"""
+    torch.manual_seed(0)
+    model = _HeadPair().to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+
+    def losses(out_a, out_b):
+        return (out_a.square().mean() + out_b.square().mean(),
+                out_a.abs().mean() + 2 * out_b.abs().mean())
+
+    batches = [_global_batch(ctx, seed=730 + micro)[0] for micro in range(3)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ddp.no_sync():
+            first, second = losses(*ddp(_mine(ctx, batches[0])))
+            first.backward(retain_graph=True)
+            second.backward()
+        ddp.disable_allreduce()
+        first, second = losses(*ddp(_mine(ctx, batches[1])))
+        first.backward(retain_graph=True)
+        second.backward()
+        ddp.enable_allreduce()
+        sum(losses(*ddp(_mine(ctx, batches[2])))).backward()
+    warned = [str(w.message) for w in caught if "second backward" in str(w.message)]
+    assert warned == [], warned
+    for x in batches:
+        for r in range(ctx.world_size):
+            sum(losses(*ref(x[r * PER_RANK:(r + 1) * PER_RANK]))).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad / ctx.world_size, **_tol(ctx),
+                                   msg=labelled(f"rank {ctx.rank}: {name}"))
+
+
+def check_second_backward_warned_after_a_step_with_the_model_frozen(ctx):
+    """A GAN's discriminator, wrapped alone, is frozen in the generator's step (whose loss
+    runs back through it to the generator's output) and trains in its own: two backwards
+    through one of its forwards in its own step are this rank's own gradients as for a model
+    never frozen, so rank 0 warns about them as it does there; a generator's step run first
+    must not decide for good that no backward reaches the parameters. The single backward of
+    the discriminator's step is the global batch's. (bug r71C-1)"""
+    torch.manual_seed(0)
+    disc = nn.Linear(8, 1).to(ctx.device)
+    ref = copy.deepcopy(disc)
+    ddp = DistributedDataParallel(disc)
+    x, _ = _global_batch(ctx, seed=740)
+    fake = _mine(ctx, x).clone().requires_grad_(True)  # (the generator's output)
+    disc.requires_grad_(False)
+    ddp(fake).mean().backward()  # the generator's step: into the generator only
+    assert fake.grad is not None and all(p.grad is None for p in disc.parameters())
+    disc.requires_grad_(True)
+    ddp(_mine(ctx, x)).square().mean().backward()  # the discriminator's step
+    ref(x).square().mean().backward()
+    _assert_same_grads(ctx, disc, ref, "discriminator's step")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ddp(_mine(ctx, x))
+        out.mean().backward(retain_graph=True)
+        out.square().mean().backward()
+    warned = [str(w.message) for w in caught if "second backward" in str(w.message)]
+    assert len(warned) == (1 if ctx.rank == 0 else 0), warned
+
+
+def check_left_out_guard_names_a_second_backward_after_the_warning(ctx):
+    """The left-out guard's message says "second backward" (and the ways out of several
+    losses, not find_unused_parameters=True, which fails there) whenever the gradient comes
+    in a second backward through one forward, also after the once-per-wrapper warning about
+    second backwards was given in an earlier step: a script with several losses gets that
+    warning at its first second backward and this error at a later one. (C12)"""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_HeadPair().to(ctx.device))
+    x, _ = _global_batch(ctx, seed=750)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # The first step: head b gets no gradient (left out); a second loss through head a
+        # is a second backward (warned on rank 0, nothing left out reached).
+        out_a, out_b = ddp(_mine(ctx, x))
+        out_a.sum().backward(retain_graph=True)
+        out_a.square().sum().backward()
+        warned = [str(w.message) for w in caught if "second backward" in str(w.message)]
+        assert len(warned) == (1 if ctx.rank == 0 else 0), warned
+        # A later step: the second loss reaches head b.
+        out_a, out_b = ddp(_mine(ctx, x))
+        out_a.sum().backward(retain_graph=True)
+        try:
+            out_b.sum().backward()
+        except RuntimeError as err:
+            message = str(err)
+        else:
+            message = "nothing raised"
+    assert re.match(r"DistributedDataParallel: b\.(weight|bias) got a gradient in a second "
+                    r"backward through the outputs of one forward", message), message
+    assert "delay_allreduce=True and call disable_allreduce()" in message, message
+
+
+def check_left_out_guard_keeps_its_plain_message_after_a_second_backward(ctx):
+    """The left-out guard names a second backward only for the backward that is one: after a
+    second backward in an earlier step, a parameter left out by the first step that gets a
+    gradient in a later step's only backward (a head added to the loss) is refused with the
+    plain message, which points at find_unused_parameters=True and wrapping again, not at
+    summing several losses. (C16)"""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_HeadPair().to(ctx.device))
+    x, _ = _global_batch(ctx, seed=760)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the left-out and the second-backward warnings)
+        out_a, out_b = ddp(_mine(ctx, x))
+        out_a.sum().backward(retain_graph=True)  # the first step: head b left out
+        out_a.square().sum().backward()  # a second backward, through head a only
+        out_a, out_b = ddp(_mine(ctx, x))
+        try:
+            (out_a.sum() + out_b.sum()).backward()  # one backward, now through head b too
+        except RuntimeError as err:
+            message = str(err)
+        else:
+            message = "nothing raised"
+    assert re.match(r"DistributedDataParallel: b\.(weight|bias) got a gradient, but it got "
+                    r"none on any rank in the first step", message), message
+    assert "find_unused_parameters=True" in message and "second backward" not in message, \
+        message
+
+
+def check_enable_allreduce_refused_past_an_evaluation_forward(ctx):
+    """enable_allreduce() between a forward run with the all-reduce off and its backward is
+    refused (that backward would stay local) also when an evaluation forward without grad
+    ran in between (a validation pass inside an accumulation window): a forward without grad
+    has no backward and changes nothing about the one still to come. After that backward,
+    the call is fine. (C20)"""
+    model = _mlp(ctx.device)
+    ddp = DistributedDataParallel(model)
+    x, y = _global_batch(ctx, seed=770)
+    ddp.disable_allreduce()
+    loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+    with torch.no_grad():
+        ddp(_mine(ctx, x))
+    try:
+        ddp.enable_allreduce()
+    except RuntimeError as err:
+        assert "before its backward" in str(err) and "before the forward" in str(err), err
+    else:
+        raise AssertionError("enable_allreduce() past an evaluation forward was taken")
+    assert not ddp.require_backward_grad_sync
+    loss.backward()
+    ddp.enable_allreduce()
+    assert ddp.require_backward_grad_sync
+
+
+def check_enable_allreduce_after_a_synced_forward_past_a_kept_local_output(ctx):
+    """Only the latest forward's backward can be pending: after a no_sync() forward whose
+    output is kept without a backward (a skipped micro-batch still referenced, e.g. logged)
+    and a synced forward and backward after it, disable_allreduce() then enable_allreduce()
+    (the next accumulation window) is taken, and the window's gradients are the rank's own,
+    then the global batch's. (C19)"""
+    model = _mlp(ctx.device)
+    ref, local = copy.deepcopy(model), copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    x, y = _global_batch(ctx, seed=780)
+    with ddp.no_sync():
+        kept = ddp(_mine(ctx, x))  # skipped: no backward, the output kept
+    model.zero_grad()
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    F.mse_loss(ref(x), y).backward()
+    _assert_same_grads(ctx, model, ref, "synced step")
+    model.zero_grad()
+    ddp.disable_allreduce()
+    ddp.enable_allreduce()  # (nothing pending: the latest forward was synced and ran back)
+    assert ddp.require_backward_grad_sync
+    ddp.disable_allreduce()
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    F.mse_loss(local(_mine(ctx, x)), _mine(ctx, y)).backward()
+    _assert_same_grads(ctx, model, local, "local micro-batch")
+    ddp.enable_allreduce()
+    del kept
+
+
+def check_wrapper_used_again_after_another_guards_what_it_left_out(ctx):
+    """A wrapper whose module another wrapper ran since (a dry run through a second wrapper,
+    or two wrappers of one model alternated) takes the module back at its next forward with
+    grad: the parameters its first step left out are guarded again, so one that gets a
+    gradient then is refused (it would stay this rank's own), as before the other wrapper
+    ran. (C24)"""
+    torch.manual_seed(0)
+    model = _HeadPair().to(ctx.device)
+    first = DistributedDataParallel(model)
+    x, _ = _global_batch(ctx, seed=790)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the left-out warning)
+        out_a, _ = first(_mine(ctx, x))
+        out_a.sum().backward()  # the first step: head b left out
+        other = DistributedDataParallel(model)
+        other(_mine(ctx, x))  # another wrapper's forward (a dry run)
+        out_a, out_b = first(_mine(ctx, x))  # the first wrapper again
+        try:
+            (out_a.sum() + out_b.sum()).backward()
+        except RuntimeError as err:
+            message = str(err)
+        else:
+            message = "nothing raised"
+    assert re.match(r"DistributedDataParallel: b\.(weight|bias) got a gradient, but it got "
+                    r"none on any rank in the first step", message), message
+    del other
+
+
 def check_module_without_trainable_parameters_passes_through(ctx):
     # A frozen perceptual-loss network wrapped as Apex scripts do (PyTorch's DDP refuses it:
     # "not needed"): broadcast from rank 0, then its forward as it is, gradients flowing
@@ -1536,6 +1783,31 @@ def check_delay_allreduce_follows_the_module(ctx):
     model.body[0].requires_grad_(True)
     ref.body[0].requires_grad_(True)
     _grads_match_global_batch(ctx, ddp, model, ref, 625, "unfrozen again")
+
+
+def check_delay_allreduce_follows_a_progressive_unfreezing(ctx):
+    """Gradual unfreezing (one more layer every few steps, as in ULMFiT-style fine-tuning)
+    under the delay mode: each layer unfrozen joins the all-reduce from its next forward, the
+    second one as the first (the wrapper keeps track of what is still frozen after following
+    the module once), so after every step each trainable parameter holds the global batch's
+    gradient, as one process computes it, and the frozen ones hold none. (D06)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 4)).to(ctx.device)
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(False)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    for step, layer in enumerate((None, 2, 0)):
+        if layer is not None:
+            model[layer].requires_grad_(True)
+            ref[layer].requires_grad_(True)
+        x, y = _global_batch(ctx, seed=800 + step)
+        model.zero_grad()
+        ref.zero_grad()
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+        _assert_same_grads_or_none(ctx, model, ref, f"step {step}")
 
 
 def check_delay_allreduce_dropped_wrapper_takes_its_hooks_along(ctx):
@@ -3114,11 +3386,20 @@ DELAY_CHECKS = [
     "check_delay_allreduce_amp_o2_apex_switch_timing",
     "check_delay_allreduce_warns_on_a_second_backward",
     "check_default_mode_warns_on_a_second_backward_through_one_forward",
+    "check_default_mode_steps_quietly_with_a_parameter_among_the_outputs",
+    "check_several_losses_inside_no_sync_accumulate_quietly",
+    "check_second_backward_warned_after_a_step_with_the_model_frozen",
+    "check_left_out_guard_names_a_second_backward_after_the_warning",
+    "check_left_out_guard_keeps_its_plain_message_after_a_second_backward",
+    "check_enable_allreduce_refused_past_an_evaluation_forward",
+    "check_enable_allreduce_after_a_synced_forward_past_a_kept_local_output",
+    "check_wrapper_used_again_after_another_guards_what_it_left_out",
     "check_module_without_trainable_parameters_passes_through",
     "check_delay_allreduce_recovers_inside_a_checkpoint",
     "check_delay_allreduce_two_wrappers_and_the_python_reducer_setting",
     "check_disable_and_enable_allreduce",
     "check_delay_allreduce_follows_the_module",
+    "check_delay_allreduce_follows_a_progressive_unfreezing",
     "check_delay_allreduce_leaves_stale_gradients_alone",
 ]
 class _Branches(nn.Module):
@@ -3621,6 +3902,27 @@ def check_first_step_rebuild_keeps_message_size_and_names(ctx):
     assert abs(_reducer_bucket_cap(ddp) - 4000) <= 1, _reducer_bucket_cap(ddp)
     assert "got no gradient: b.weight, b.bias," in text, text
     assert "a.weight" not in text and "spare" not in text, text
+
+
+def check_first_step_rebuild_keeps_the_wrapper_compilable(ctx):
+    """After the first step leaves a head out and the reducer is rebuilt without it, the
+    wrapper still offers torch.compile a bucket cap of at least the compiler's fixed 1 MiB
+    first bucket (below it, with a small message_size, Dynamo's DDP splitter refuses the
+    model), while the rebuilt reducer keeps message_size's buckets, and so does a pickled
+    copy of the wrapper, as before the rebuild. (D14)"""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_HeadPair().to(ctx.device), message_size=1000)
+    assert ddp.bucket_bytes_cap == dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap
+    x, _ = _global_batch(ctx, seed=820)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (rank 0's left-out warning)
+        ddp(_mine(ctx, x))[0].sum().backward()  # the first step: head b left out
+        ddp(_mine(ctx, x))[0].sum().backward()  # the reducer rebuilt at this forward
+    assert abs(_reducer_bucket_cap(ddp) - 4000) <= 1, _reducer_bucket_cap(ddp)
+    assert ddp.bucket_bytes_cap == dist._DEFAULT_FIRST_BUCKET_BYTES, ddp.bucket_bytes_cap
+    copy_ = pickle.loads(pickle.dumps(ddp))
+    assert abs(_reducer_bucket_cap(copy_) - 4000) <= 1, _reducer_bucket_cap(copy_)
+    assert copy_.bucket_bytes_cap == dist._DEFAULT_FIRST_BUCKET_BYTES, copy_.bucket_bytes_cap
 
 
 def check_enable_allreduce_after_a_synced_forward(ctx):
@@ -4366,6 +4668,7 @@ CHECKS = [
     "check_module_errors_reach_the_caller_unchanged",
     "check_first_step_leaves_out_a_root_parameter",
     "check_first_step_rebuild_keeps_message_size_and_names",
+    "check_first_step_rebuild_keeps_the_wrapper_compilable",
     "check_enable_allreduce_after_a_synced_forward",
     "check_zero_grad_passes_set_to_none",
     "check_message_size_of_one_element",
