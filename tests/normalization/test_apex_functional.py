@@ -143,6 +143,28 @@ def test_argument_order_hint_for_mixprecs_own_rms_norm():
                                rtol=1e-5, atol=1e-5)
 
 
+def test_a_non_tensor_weight_or_bias_is_named_without_the_order_hint():
+    """The hint about Apex's (input, normalized_shape, eps) order is for a number landing in
+    weight's place; a weight of another wrong type (a list of values, a string) gets the plain
+    TypeError naming its type, without a hint that would send the user after the wrong
+    mistake, and a non-tensor bias is called the bias, not the weight (C02, C03)."""
+    from mixprec.normalization import fused_rms_norm as mixprec_fused_rms_norm
+
+    x = torch.randn(2, 8)
+    for call, name in ((mixprec_fused_layer_norm, "fused_layer_norm"),
+                       (mixprec_fused_rms_norm, "fused_rms_norm")):
+        for weight, type_name in (([1.0] * 8, "list"), ("ones", "str")):
+            with pytest.raises(TypeError) as info:
+                call(x, (8,), weight)
+            assert str(info.value) == (f"{name}: weight must be a Tensor or None, got "
+                                       f"{type_name}")
+    for bias in ([0.0] * 8, "zeros"):
+        with pytest.raises(TypeError) as info:
+            mixprec_fused_layer_norm(x, (8,), torch.ones(8), bias)
+        assert str(info.value) == (f"fused_layer_norm: bias must be a Tensor or None, got "
+                                   f"{type(bias).__name__}")
+
+
 def test_mixed_dtype_layer_norm_affine_without_a_weight_is_a_value_error():
     """The mixed-dtype LayerNorm form takes its output dtype from the weight, so a None weight
     is refused by name with a ValueError (as the RMSNorm form does), not an AttributeError

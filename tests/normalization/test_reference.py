@@ -93,6 +93,83 @@ def test_statistics_interface_matches_torch_in_float64(kind, from_y):
         assert db.shape == (0,), recorded
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_half_results_are_rounded_once(kind, dtype):
+    """The module-level functions (the TorchScript path) and norm_forward (the CPU path) compute
+    in fp32 and round the result once, as the module docstring says: each output element is
+    the float64 value of the same inputs correctly rounded to the half dtype (half an ulp, plus
+    fp32 slack near ties). A second rounding (the bias added, or the weight applied, after the
+    cast) stays inside the usual bf16 tolerance but differs from PyTorch's own norms, which
+    round once (R01, R03)."""
+    is_rms = kind == "rms"
+    m, n = 16, 45
+    x = make_input((m, n), dtype, "cpu", seed=11)
+    w, b = (t.detach() for t in make_params((n,), dtype, "cpu", True))
+    b = None if is_rms else b
+    x64, w64 = x.double(), w.double()
+    b64 = 0.0 if is_rms else b.double()
+    xc = x64 if is_rms else x64 - x64.mean(-1, keepdim=True)
+    x_hat = xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + 1e-5)
+    exact = x_hat * w64 + b64
+    scale = (x_hat * w64).abs() + abs(b64)
+    _, e = torch.frexp(exact.abs())
+    ulp = torch.ldexp(torch.ones_like(exact), e - 1) * torch.finfo(dtype).eps
+    if is_rms:
+        outs = {"rms_norm": reference.rms_norm(x, [n], w, 1e-5)}
+    else:
+        outs = {"layer_norm": reference.layer_norm(x, [n], w, b, 1e-5)}
+    outs["norm_forward"] = reference.norm_forward(x, w, b, 1e-5, is_rms, dtype)[0]
+    for name, got in outs.items():
+        assert got.dtype == dtype, name
+        err = (got.double() - exact).abs()
+        bad = err > 0.5 * ulp + 1e-5 * scale
+        assert not bad.any(), f"{name}: {int(bad.sum())} elements more than half an ulp off"
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["unrecorded", "recorded"])
+def test_layer_norm_of_rows_far_from_zero(recorded):
+    """fp32 rows of about 1000 +- 1 (a large common offset): layer_norm and norm_forward take
+    the variance around the mean, so the result is as accurate as fp32 holds the input, with
+    autograd recording (the TorchScript path, create_graph's recomputation) or not. Against
+    PyTorch's layer norm in float64 within 2e-3, about 30 fp32 spacings at 1000; a variance
+    taken as mean(x**2) - mean**2 is off by several percent there (R02, R05)."""
+    gen = torch.Generator().manual_seed(13)
+    x = (1000.0 + torch.randn(6, 45, generator=gen)).requires_grad_(recorded)
+    w, b = (t.detach() for t in make_params((45,), torch.float32, "cpu", True))
+    want = torch.nn.functional.layer_norm(x.detach().double(), (45,), w.double(), b.double(),
+                                          1e-5)
+    y1 = reference.layer_norm(x, [45], w, b, 1e-5)
+    y2, mean, rstd = reference.norm_forward(x, w, b, 1e-5, False, torch.float32)
+    var = x.detach().double().var(-1, unbiased=False)
+    for name, got in (("layer_norm", y1), ("norm_forward", y2)):
+        torch.testing.assert_close(got.detach().double(), want, rtol=0, atol=2e-3, msg=name)
+    torch.testing.assert_close(rstd.detach().double(), (var + 1e-5).rsqrt(), rtol=1e-3, atol=0)
+
+
+@pytest.mark.parametrize("recorded", [False, True], ids=["unrecorded", "recorded"])
+def test_rms_norm_ignores_a_bias_passed_to_the_statistics_interface(recorded):
+    """RMSNorm has no bias: norm_forward ignores a bias tensor passed with is_rms (as its
+    docstring says, and as the kernels do), and norm_backward from the saved output
+    (memory_efficient) recovers x_hat as y / weight without subtracting it, whether autograd
+    records the call or not (mixprec::fused_norm_fwd / fused_norm_bwd pass through whatever
+    they are given). y, dx and dweight against PyTorch's rms_norm in float64 (R07, R08, R16)."""
+    m, n = 9, 24
+    x = make_input((m, n), torch.float64, "cpu").requires_grad_(recorded)
+    dy = make_input((m, n), torch.float64, "cpu", seed=5)
+    w, _ = (t.detach() for t in make_params((n,), torch.float64, "cpu", True))
+    bias = torch.randn(n, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    y_ref, dx_ref, dw_ref, _ = float64_reference("rms", x, (n,), w, None, dy)
+    y, mean, rstd = reference.norm_forward(x, w, bias, 1e-5, True, torch.float64)
+    torch.testing.assert_close(y.detach(), y_ref, rtol=1e-12, atol=1e-12)
+    w_in = w.clone().requires_grad_(recorded)
+    dx, dw, db = reference.norm_backward(dy, y.detach(), w_in, bias, mean.detach(),
+                                         rstd.detach(), True, True, torch.float64, True, True)
+    torch.testing.assert_close(dx.detach(), dx_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dw.detach(), dw_ref, rtol=1e-10, atol=1e-10)
+    assert db.shape == (0,)
+
+
 @pytest.mark.parametrize("recorded", [False, True], ids=["unrecorded", "recorded"])
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind", ["layer", "rms"])
