@@ -1714,6 +1714,8 @@ class AmpState:
             for _ in range(num_losses)
         ]
         self.overflow_log = OverflowLog(verbosity)
+        # When initialize made it and when its last scale_loss block ran (frontend._EVENTS).
+        self.created = self.last_block = 0
         # ids of the models' parameters that were fp32 once initialize had cast them (not
         # weak references, which would keep torch.utils.swap_tensors from converting them):
         # see _OptimizerState.refuse_plain_made_half.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import numbers
 import sys
@@ -624,6 +625,7 @@ def scale_loss(
     if not amp_state.enabled:  # (Apex's no-op: the loss goes through as it is)
         yield loss
         return
+    amp_state.last_block = next(_EVENTS)  # (see _warn_if_several_calls)
     error = _loss_error(loss)
     if error is not None:
         raise (TypeError if not isinstance(loss, torch.Tensor) else ValueError)(
@@ -750,6 +752,7 @@ def _set_latest(state: AmpState, opt_list) -> None:
         _calls.append(weakref.ref(state))
     if opt_list or _latest is None:
         _latest = state
+    state.created = next(_EVENTS)
 
 
 def states_holding(module: nn.Module) -> List[AmpState]:
@@ -774,6 +777,39 @@ def latest_state() -> Optional[AmpState]:
     return _latest
 
 
+# Module-level amp.state_dict()/load_state_dict() warned that several live calls have scalers
+# of their own (once per process).
+_WARNED_SEVERAL_CALLS = [False]
+# Orders initialize calls and scale_loss blocks: AmpState.created, AmpState.last_block.
+_EVENTS = itertools.count(1)
+
+
+def _warn_if_several_calls(what: str, state: AmpState) -> None:
+    """Module-level ``amp.state_dict()`` / ``load_state_dict()`` act on one ``initialize``
+    call's loss scalers; where another call with live optimizers has run a ``scale_loss``
+    block since ``state`` was made (a GAN ported with one call per model, training both), a
+    checkpoint saved that way silently restarts the other call's scales on resume, where
+    Apex's one global list held them all. (A call that trained before, an uninterrupted
+    reference run kept beside a resumed one, does not count.)"""
+    if _WARNED_SEVERAL_CALLS[0]:
+        return
+    live = [s for s in (ref() for ref in _calls)
+            if s is not None and s is not state and s.last_block > state.created
+            and s.optimizer_states()]
+    if not live or not is_rank_zero():
+        return
+    live.append(state)
+    _WARNED_SEVERAL_CALLS[0] = True
+    warnings.warn(
+        f"amp.{what}() without optimizer=: {len(live)} amp.initialize calls with live "
+        "optimizers each have their own loss scalers, and this acts on the most recent "
+        "call's only, so the others' loss scales would restart from their initial values on "
+        "resume (Apex kept one list for all). Save and load each call's with "
+        "amp.state_dict(optimizer=opt) and amp.load_state_dict(..., optimizer=opt), or "
+        "prepare the models in one call, amp.initialize([model_a, model_b], [opt_a, opt_b]). "
+        "(Warned once.)", UserWarning, stacklevel=4)
+
+
 def _current(what: str, optimizer=None) -> AmpState:
     if optimizer is not None:
         state = optimizer_state(optimizer)
@@ -786,6 +822,7 @@ def _current(what: str, optimizer=None) -> AmpState:
     state = latest_state()
     if state is None:
         raise RuntimeError(f"amp.{what}() was called before amp.initialize().")
+    _warn_if_several_calls(what, state)
     return state
 
 

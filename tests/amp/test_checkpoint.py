@@ -2187,6 +2187,46 @@ def test_module_level_load_state_dict_with_an_optimizer_loads_into_its_initializ
         f"loss_scaler{i}": {"loss_scale": 2.0**16, "unskipped": 0} for i in range(2)}
 
 
+def test_module_level_state_dict_with_two_live_calls_says_it_saves_one(monkeypatch):
+    """A GAN ported from Apex with one initialize call per model (G's, then D's): Apex kept
+    one global list of scalers, so its amp.state_dict() held the scales both models used;
+    here each call has its own, and module-level amp.state_dict() saves the latest call's
+    only. A checkpoint written that way silently restarted G's scale at 2**16 on resume, so
+    once G's call trains beside D's, amp says so once (on save or load), naming optimizer=
+    and the one-call form. With optimizer=, a single live call, or another call that trained
+    only before this one was made (an uninterrupted reference run kept beside a resumed one)
+    it says nothing. (r71B's F1)"""
+    from mixprec.amp import frontend
+
+    monkeypatch.setattr(frontend, "_WARNED_SEVERAL_CALLS", [False])
+    x, y = batch()
+    gen, disc = make_cnn(), make_cnn(seed=1)
+    opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+    amp.initialize(gen, opt_g, opt_level="O2", dtype=torch.float16, verbosity=0)
+    train_step(gen, opt_g, x, y, amp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.state_dict()  # (one live call: nothing to say)
+    opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+    amp.initialize(disc, opt_d, opt_level="O2", dtype=torch.float16, verbosity=0)
+    train_step(disc, opt_d, x, y, amp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.state_dict()  # (G's call trained before D's was made)
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 2.0**14, "unskipped": 0}},
+                            optimizer=opt_g)
+        assert amp.state_dict(optimizer=opt_g)["loss_scaler0"]["loss_scale"] == 2.0**14
+    train_step(gen, opt_g, x, y, amp)  # (G trains beside D now)
+    with pytest.warns(UserWarning, match=r"amp\.state_dict\(\) without optimizer=: 2 amp\."
+                      r"initialize calls .* amp\.state_dict\(optimizer=opt\) .* one call") as rec:
+        saved = amp.state_dict()
+    assert rec[0].filename == __file__  # (points at the caller's line)
+    assert saved == amp.state_dict(optimizer=opt_d)  # (what it saves is unchanged)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.load_state_dict(saved)  # (once per process)
+
+
 def test_module_level_state_dict_with_an_optimizer_amp_never_saw_says_so():
     """``amp.state_dict(optimizer=opt)`` and ``amp.load_state_dict(..., optimizer=opt)`` with
     an optimizer that did not go through amp.initialize (the one built before initialize and

@@ -1151,6 +1151,56 @@ def test_gan_loop_matches_float64(opt_level, dtype, zero_grad_via):
     assert rel < (5e-3 if dtype == torch.bfloat16 else 1e-3), rel
 
 
+def _r1_run(opt_level, dtype, steps=3):
+    """A discriminator trained with an R1 penalty (StyleGAN's): the gradient of D's output with
+    respect to its *input*, taken with create_graph=True, squared and added to the loss, then one
+    ordinary backward. Returns D's final weights (float64) and whether a step was skipped."""
+    torch.manual_seed(0)
+    D = nn.Sequential(nn.Linear(6, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    if opt_level is None:  # the float64 reference, plain PyTorch
+        D = D.double()
+    opt = torch.optim.SGD(D.parameters(), lr=0.05)
+    if opt_level is not None:
+        D, opt = amp.initialize(D, opt, opt_level=opt_level, dtype=dtype, verbosity=0,
+                                max_loss_scale=2.0**10)  # (no real overflows)
+    g = torch.Generator().manual_seed(1)
+    skipped = False
+    for _ in range(steps):
+        x = torch.randn(8, 6, generator=g)
+        if opt_level is None:
+            x = x.double()
+        x.requires_grad_(True)
+        opt.zero_grad()
+        out = D(x).float() if opt_level is not None else D(x)
+        grad_x, = torch.autograd.grad(out.sum(), x, create_graph=True)
+        loss = nn.functional.softplus(-out).mean() + 5.0 * grad_x.pow(2).sum(1).mean()
+        if opt_level is None:
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as s:
+                s.backward()
+        opt.step()
+        if opt_level is not None:
+            skipped |= amp.step_was_skipped(opt)
+    return torch.cat([t.double().flatten() for t in D.state_dict().values()]), skipped
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_an_input_gradient_penalty_trains_like_float64(opt_level, dtype):
+    """A gradient penalty on the discriminator's *input* (R1, WGAN-GP: torch.autograd.grad of
+    D's output with respect to the batch, create_graph=True, then one plain backward through
+    scale_loss) trains at O1 and at O2 as in float64: only scaled_loss.backward(create_graph=True)
+    is refused at O2, and GAN scripts ported from Apex rely on the input-gradient form working
+    at every level (the O2 input cast must keep the batch in the graph, and the graph-carrying
+    backward must not be taken for a refused create_graph one). (r71B)"""
+    want, _ = _r1_run(None, None)
+    got, skipped = _r1_run(opt_level, dtype)
+    assert not skipped
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < (1e-2 if dtype == torch.bfloat16 else 2e-3), rel
+
+
 @pytest.mark.parametrize("fused", [False, True])  # fused: the scale lives on the device
 def test_held_gradients_follow_another_loss_ids_scale(fused):
     # Gradients left scaled (delay_unscale, or inside DDP's no_sync()) carry one scaler's
