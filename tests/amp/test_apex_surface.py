@@ -968,6 +968,72 @@ def test_o2_casts_a_frozen_dataclass_field_by_field():
     assert data.x.dtype == torch.float32  # the caller's instance is left alone
 
 
+class _OutputBase(collections.OrderedDict):
+    """A model-output base class in the style of Hugging Face's ``ModelOutput``: a dataclass
+    that is also an ``OrderedDict`` holding only the fields that are not None, whose items and
+    attributes stay in step, and whose integer index reads the tuple of the items."""
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is not None:
+                self[f.name] = getattr(self, f.name)
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def __setattr__(self, key, value):
+        if key in self.keys() and value is not None:
+            super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def __getitem__(self, key):
+        return dict(self.items())[key] if isinstance(key, str) else self.to_tuple()[key]
+
+    def to_tuple(self):
+        return tuple(self[k] for k in self.keys())
+
+
+@dataclasses.dataclass
+class _ClassifierOutput(_OutputBase):
+    loss: torch.Tensor = None
+    logits: torch.Tensor = None
+    hidden_states: tuple = None
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_model_output_that_is_a_dataclass_and_a_mapping_leaves_in_fp32_every_way_read(
+        opt_level):
+    """Fine-tuning scripts ported from Apex return transformers-style outputs (a dataclass that
+    is also an OrderedDict) and read the logits as ``out.logits``, ``out["logits"]`` or
+    ``out[0]``: all three must be the same fp32 tensor, the half logits upcast once, and the
+    keys must stay those of the fields that were set (``loss`` absent in evaluation), or an
+    argmax/metric in the script sees half values on one path and fp32 on another."""
+    seen = {}
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            seen["logits"] = logits
+            return _ClassifierOutput(logits=logits, hidden_states=(x, logits))
+
+    torch.manual_seed(0)
+    model = Head()
+    amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    out = model(torch.randn(5, 4))
+    assert type(out) is _ClassifierOutput and list(out.keys()) == ["logits", "hidden_states"]
+    assert out.loss is None
+    want = seen["logits"].float()
+    for got in (out.logits, out["logits"], out[0], out.hidden_states[1]):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert out.logits is out["logits"]
+
+
 class _TokenBatch(collections.UserDict):
     """A tokenizer's batch (a ``UserDict`` with attributes of its own, like Hugging Face's)."""
 
