@@ -158,6 +158,7 @@ def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
             state.keeps_grads(not set_to_none)
             if state.grads_scaled and not set_to_none:
                 state._held_zeroed = True
+            state.overflow_dropped()
 
 
 def set_aside_grads(params) -> List[torch.Tensor]:
@@ -985,6 +986,17 @@ class _OptimizerState:
             self._held_zeroed = True
         self.keeps_grads(not set_to_none)
         self.foreign_scaled = {}
+        self.overflow_dropped()
+
+    def overflow_dropped(self) -> None:
+        """A ``zero_grad`` (the optimizer's or an amp model's) after an overflowed backward
+        and before its step: the loop dropped the bad batch itself (``if not
+        isfinite(grad_norm): optimizer.zero_grad(); continue``), so the skip waiting for the
+        next ``step()`` goes with the gradients it was for, and the next batch's clean step
+        runs (it was skipped silently; Apex's waiting skip did the same). The scale backed
+        off already, at the overflowed block's exit."""
+        self.overflow = False
+        self.pending_found = None
 
     def keeps_grads(self, keep: bool) -> None:
         """A zero_grad kept gradient tensors (``set_to_none=False``), or not."""

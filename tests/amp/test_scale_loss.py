@@ -529,6 +529,55 @@ def test_a_rollback_after_an_overflow_does_not_skip_the_next_step(opt_level, fus
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("zero", ["optimizer", "optimizer-keep", "model"])
+@pytest.mark.parametrize("fused", [False, True], ids=["host-skip", "device-skip"])
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+def test_gradients_zeroed_after_an_overflow_without_a_step_do_not_skip_the_next_step(
+        opt_level, fused, zero, device):
+    # Loops ported from torch.amp or fp32 often drop a bad batch by themselves:
+    # `if not torch.isfinite(grad_norm): optimizer.zero_grad(); continue`, never calling step()
+    # for it. The zero_grad throws the overflowed gradients away, so the next batch's clean
+    # gradients must be stepped, as in the same run that never saw the bad batch (up to the
+    # halved scale, a power of two). Skipping it silently loses a good step (r72A's F1).
+    def build():
+        model = make_cnn(device)
+        # (eps 1e-4: the default 1e-8 is 0 in fp16; see the rollback test above.)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, fused=fused)
+        return amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic",
+                              verbosity=0)
+
+    x, y = batch(device)
+    model, opt = build()
+    ref_model, ref_opt = build()
+    train_step(model, opt, x, y, amp)
+    train_step(ref_model, ref_opt, x, y, amp)
+
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as s:
+        (s * float("inf")).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+    assert not torch.isfinite(grad_norm)
+    if zero == "optimizer":
+        opt.zero_grad()
+    elif zero == "optimizer-keep":
+        opt.zero_grad(set_to_none=False)
+    else:
+        model.zero_grad()
+    # (no step() for the bad batch: the user's loop went on to the next one)
+    ref_model(x)  # (the reference runs the dropped batch's forward too: BatchNorm's statistics)
+
+    loss = nn.functional.cross_entropy(model(x), y)
+    with amp.scale_loss(loss, opt) as s:
+        s.backward()
+    opt.step()
+    train_step(ref_model, ref_opt, x, y, amp)
+    assert not amp.step_was_skipped(opt)
+    got, want = model.state_dict(), ref_model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:  # (a skipped step would leave AdamW's 1e-3 move undone)
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_an_amp_rollback_after_an_overflow_lets_every_optimizer_of_the_loss_step():
     """amp.load_state_dict between an overflowed backward and its step is a rollback for
     every optimizer of the call, not just the first: with two optimizers stepped by one loss
