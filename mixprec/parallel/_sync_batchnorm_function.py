@@ -87,6 +87,15 @@ def _reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
 _EMPTY_COUNT = 1e-30
 
 
+# Who raises a second derivative's error, and what to do: a gradient penalty (R1, WGAN-GP)
+# differentiates twice through a GAN's discriminator, where convert_syncbn_model put this.
+_FIRST_ONLY = (
+    "SyncBatchNorm (a gradient penalty such as R1 or WGAN-GP differentiates twice through "
+    "it: keep torch.nn.BatchNorm*d in that model, e.g. convert only the generator with "
+    "convert_syncbn_model, or use a norm without batch statistics there)"
+)
+
+
 @dataclasses.dataclass
 class _FusedOps:
     """The fused batch-norm kernels the CUDA path calls (swappable for tests)."""
@@ -410,7 +419,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         # (create_graph=True: no second derivative, an error if one is asked for.)
-        return first_derivatives_only(_backward, ctx, grad_out, "SyncBatchNorm")
+        return first_derivatives_only(_backward, ctx, grad_out, _FIRST_ONLY)
 
 
 def _backward(ctx, grad_out):
@@ -536,7 +545,7 @@ class _TritonSyncBatchNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         # (create_graph=True: no second derivative, an error if one is asked for.)
-        return first_derivatives_only(_triton_backward, ctx, grad_out, "SyncBatchNorm")
+        return first_derivatives_only(_triton_backward, ctx, grad_out, _FIRST_ONLY)
 
 
 def _triton_backward(ctx, grad_out):
