@@ -485,6 +485,15 @@ def test_overflow_skips_step_and_backs_off(opt_level, device):
     assert any(not torch.equal(after[k], v) for k, v in before.items())
 
 
+def _amp_adamw(device, opt_level, fused):
+    """The small CNN with AdamW through amp at ``opt_level`` under a dynamic loss scale."""
+    model = make_cnn(device)
+    # (eps 1e-4: the default 1e-8 is 0 in fp16, and unfused AdamW on O3's fp16 model then
+    # divides by zero at its first step.)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, fused=fused)
+    return amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic", verbosity=0)
+
+
 @pytest.mark.parametrize("reload", ["model+optimizer+amp", "model+optimizer"])
 @pytest.mark.parametrize("fused", [False, True], ids=["host-skip", "device-skip"])
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
@@ -496,12 +505,7 @@ def test_a_rollback_after_an_overflow_does_not_skip_the_next_step(opt_level, fus
     # was skipped (as in Apex), losing a step. fused=True keeps the overflow flag on the
     # device (torch's fused AdamW takes found_inf); False reads it on the host.
     def build():
-        model = make_cnn(device)
-        # (eps 1e-4: the default 1e-8 is 0 in fp16, and unfused AdamW on O3's fp16 model
-        # then divides by zero at its first step.)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, fused=fused)
-        return amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic",
-                              verbosity=0)
+        return _amp_adamw(device, opt_level, fused)
 
     x, y = batch(device)
     model, opt = build()
@@ -540,11 +544,7 @@ def test_gradients_zeroed_after_an_overflow_without_a_step_do_not_skip_the_next_
     # gradients must be stepped, as in the same run that never saw the bad batch (up to the
     # halved scale, a power of two). Skipping it silently loses a good step (r72A's F1).
     def build():
-        model = make_cnn(device)
-        # (eps 1e-4: the default 1e-8 is 0 in fp16; see the rollback test above.)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4, fused=fused)
-        return amp.initialize(model, opt, opt_level=opt_level, loss_scale="dynamic",
-                              verbosity=0)
+        return _amp_adamw(device, opt_level, fused)
 
     x, y = batch(device)
     model, opt = build()

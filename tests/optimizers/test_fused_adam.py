@@ -1610,6 +1610,17 @@ def test_amp_o2_copies_what_the_step_did_not_write(amp_device):
     assert torch.equal(frozen_half, torch.full_like(frozen_half, 0.5))
 
 
+def _two_amp_steps(model, opt, device, seed):
+    """Two amp training steps of a 16-feature model on random batches."""
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(2):
+        x = torch.randn(8, 16, generator=gen).to(device)
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+
 def test_amp_o2_bf16_copies_are_written_when_the_first_parameter_stays_fp32(amp_device):
     """At O2 a model whose first parameter keeps fp32 with no half copy (a BatchNorm in front,
     an input normalization, kept fp32 by ``keep_batchnorm_fp32``) shares one kernel launch
@@ -1623,13 +1634,7 @@ def test_amp_o2_bf16_copies_are_written_when_the_first_parameter_stays_fp32(amp_
     model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
                                 verbosity=0)
     assert model[0].weight.dtype == torch.float32
-    gen = torch.Generator().manual_seed(3)
-    for _ in range(2):
-        x = torch.randn(8, 16, generator=gen).to(amp_device)
-        opt.zero_grad()
-        with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
-            scaled.backward()
-        opt.step()
+    _two_amp_steps(model, opt, amp_device, seed=3)
     pairs = _state.optimizer_state(opt).pairs
     assert len(pairs) == 4 and len(opt._half_copies_written) == 4
     for half, master in pairs:
@@ -1657,13 +1662,7 @@ def test_amp_o2_a_group_added_after_initialize_keeps_the_step_writing_every_half
     model = nn.Sequential(body, head)
     model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     opt.add_param_group({"params": list(head.parameters())})
-    gen = torch.Generator().manual_seed(2)
-    for _ in range(2):
-        x = torch.randn(8, 16, generator=gen).to(amp_device)
-        opt.zero_grad()
-        with amp.scale_loss(model(x).float().square().mean(), opt) as scaled:
-            scaled.backward()
-        opt.step()
+    _two_amp_steps(model, opt, amp_device, seed=2)
     pairs = _state.optimizer_state(opt).pairs
     assert len(pairs) == 4 and copied == []
     assert {id(m) for m in opt._half_copies_written} == {id(m) for _, m in pairs}
