@@ -1561,10 +1561,9 @@ def _amp_train(opt_cls, dtype, device, steps=5, opt_level="O2", inject_inf_at=No
     return model, opt
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_amp_o2_writes_the_half_model_in_the_step(amp_device, monkeypatch, dtype):
-    """At O2 FusedAdam updates the fp32 masters as torch's AdamW does and writes the half
-    model itself: amp's own master-to-model copy then copies nothing."""
+def _spy_on_amp_copies(monkeypatch):
+    """A list that gets, for each master-to-model copy amp makes after a step, how many
+    parameters it copied."""
     copied = []
     original = _state._OptimizerState.copy_masters_to_model
 
@@ -1573,6 +1572,14 @@ def test_amp_o2_writes_the_half_model_in_the_step(amp_device, monkeypatch, dtype
         return original(self, pairs)
 
     monkeypatch.setattr(_state._OptimizerState, "copy_masters_to_model", spy)
+    return copied
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_amp_o2_writes_the_half_model_in_the_step(amp_device, monkeypatch, dtype):
+    """At O2 FusedAdam updates the fp32 masters as torch's AdamW does and writes the half
+    model itself: amp's own master-to-model copy then copies nothing."""
+    copied = _spy_on_amp_copies(monkeypatch)
     ours = lambda ps: FusedAdam(ps, lr=1e-2, weight_decay=0.1)  # noqa: E731
     theirs = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)  # noqa
     model, opt = _amp_train(ours, dtype, amp_device)
@@ -1648,14 +1655,7 @@ def test_amp_o2_a_group_added_after_initialize_keeps_the_step_writing_every_half
     on writing the first groups' half copies as well, so amp copies nothing after the step
     and the whole half model equals its masters rounded. (Each link replaced the earlier
     ones: the first groups fell back to amp's extra copy pass.) (M10)"""
-    copied = []
-    original = _state._OptimizerState.copy_masters_to_model
-
-    def spy(self, pairs=None):
-        copied.append(len(self.pairs if pairs is None else pairs))
-        return original(self, pairs)
-
-    monkeypatch.setattr(_state._OptimizerState, "copy_masters_to_model", spy)
+    copied = _spy_on_amp_copies(monkeypatch)
     torch.manual_seed(0)
     body, head = nn.Linear(16, 8).to(amp_device), nn.Linear(8, 4).to(amp_device)
     opt = FusedAdam(body.parameters(), lr=1e-2)

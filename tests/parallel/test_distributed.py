@@ -1358,6 +1358,15 @@ def check_second_backward_warned_after_a_step_with_the_model_frozen(ctx):
     assert len(warned) == (1 if ctx.rank == 0 else 0), warned
 
 
+def _raised(call) -> str:
+    """The message of the RuntimeError ``call()`` raises, or "nothing raised"."""
+    try:
+        call()
+    except RuntimeError as err:
+        return str(err)
+    return "nothing raised"
+
+
 def check_left_out_guard_names_a_second_backward_after_the_warning(ctx):
     """The left-out guard's message says "second backward" (and the ways out of several
     losses, not find_unused_parameters=True, which fails there) whenever the gradient comes
@@ -1379,12 +1388,7 @@ def check_left_out_guard_names_a_second_backward_after_the_warning(ctx):
         # A later step: the second loss reaches head b.
         out_a, out_b = ddp(_mine(ctx, x))
         out_a.sum().backward(retain_graph=True)
-        try:
-            out_b.sum().backward()
-        except RuntimeError as err:
-            message = str(err)
-        else:
-            message = "nothing raised"
+        message = _raised(out_b.sum().backward)
     assert re.match(r"DistributedDataParallel: b\.(weight|bias) got a gradient in a second "
                     r"backward through the outputs of one forward", message), message
     assert "delay_allreduce=True and call disable_allreduce()" in message, message
@@ -1405,12 +1409,8 @@ def check_left_out_guard_keeps_its_plain_message_after_a_second_backward(ctx):
         out_a.sum().backward(retain_graph=True)  # the first step: head b left out
         out_a.square().sum().backward()  # a second backward, through head a only
         out_a, out_b = ddp(_mine(ctx, x))
-        try:
-            (out_a.sum() + out_b.sum()).backward()  # one backward, now through head b too
-        except RuntimeError as err:
-            message = str(err)
-        else:
-            message = "nothing raised"
+        # (One backward, now through head b too.)
+        message = _raised((out_a.sum() + out_b.sum()).backward)
     assert re.match(r"DistributedDataParallel: b\.(weight|bias) got a gradient, but it got "
                     r"none on any rank in the first step", message), message
     assert "find_unused_parameters=True" in message and "second backward" not in message, \
