@@ -917,13 +917,17 @@ def restore_model(module: nn.Module) -> nn.Module:
 # ---------------------------------------------------------------------------------------------
 # fp32 state dicts
 # ---------------------------------------------------------------------------------------------
-def reshaped_parameter_error(name: str, master: torch.Tensor,
+def reshaped_parameter_error(name, master: torch.Tensor,
                              param: torch.Tensor) -> RuntimeError:
     """The error for a half parameter whose shape changed after ``initialize`` (its ``.data``
     replaced: transformers' ``resize_token_embeddings`` does so), which its fp32 master and
-    the optimizer's state for it cannot follow."""
+    the optimizer's state for it cannot follow. ``name``: its name, or every name of a tied
+    parameter (an embedding shared with the output layer), in the model's order."""
+    names = [name] if isinstance(name, str) else list(name)
+    shown = repr(names[0]) + (
+        f" (tied: also {', '.join(repr(n) for n in names[1:])})" if len(names) > 1 else "")
     return RuntimeError(
-        f"amp: the parameter {name!r} changed shape from {tuple(master.shape)} to "
+        f"amp: the parameter {shown} changed shape from {tuple(master.shape)} to "
         f"{tuple(param.shape)} after amp.initialize (its .data was replaced, as "
         "transformers' resize_token_embeddings() does, or FSDP flattening the model wrapped "
         "after amp.initialize), but its fp32 master weight and the optimizer's state for it "

@@ -1339,11 +1339,13 @@ class _OptimizerState:
     def _refuse_reshaped(self) -> None:
         """Raise the clear error for a half parameter whose shape changed after
         ``initialize``, if there is one (the error path only: named through the models)."""
-        names = {id(p): name for model in self.amp_state.models
-                 for name, p in model.named_parameters(remove_duplicate=False)}
+        names = {}  # (every name of a tied parameter: the resized embedding's own first)
+        for model in self.amp_state.models:
+            for name, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(name)
         for p, master in self.pairs:
             if p.shape != master.shape:
-                raise reshaped_parameter_error(names.get(id(p), "?"), master, p)
+                raise reshaped_parameter_error(names.get(id(p), ["?"]), master, p)
 
     def discard_grads(self) -> None:
         """An overflow: the next step will be skipped, and frees the gradients. Until then

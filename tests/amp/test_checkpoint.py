@@ -1651,6 +1651,21 @@ def test_a_parameter_resized_through_data_after_initialize_is_refused_naming_it(
     with pytest.raises(RuntimeError, match=match):
         with amp.scale_loss(model(torch.tensor([[1, 11]])).float().sum(), opt) as scaled:
             scaled.backward()
+    # An embedding tied to the output layer (BERT's decoder): the step's error names the
+    # embedding the user resized first, and the tied name after it (it named the decoder).
+    torch.manual_seed(0)
+    tied = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10, bias=False))
+    tied[2].weight = tied[0].weight
+    opt = torch.optim.SGD(tied.parameters(), lr=0.1)
+    amp.initialize(tied, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    with torch.no_grad():
+        tied[0].weight.data = torch.cat([tied[0].weight.data,
+                                         torch.zeros(2, 4, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match=r"amp: the parameter '0\.weight' \(tied: also "
+                                           r"'2\.weight'\) changed shape from \(10, 4\) to "
+                                           r"\(12, 4\)"):
+        with amp.scale_loss(tied(torch.tensor([[1, 11]])).float().sum(), opt) as scaled:
+            scaled.backward()
 
 
 def test_state_dict_in_another_thread_while_training_leaves_the_masters_alone():
