@@ -1189,6 +1189,15 @@ class _OptimizerState:
         self._stash = []
         self._set_aside = False
 
+    def _parameter_names(self) -> Dict[int, List[str]]:
+        """Every name of each parameter of this call's models (several for a tied one), in
+        the models' order, by id: for error messages only (a walk over the models)."""
+        names: Dict[int, List[str]] = {}
+        for model in self.amp_state.models:
+            for name, p in model.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), []).append(name)
+        return names
+
     def refuse_plain_made_half(self, skip: Set[int] = frozenset()) -> None:
         """Raise, before this backward's gradients are moved, when a parameter the optimizer
         steps directly in fp32 (all of them at O1, the BatchNorm layers amp keeps fp32 at
@@ -1206,11 +1215,8 @@ class _OptimizerState:
         if not made_half:
             self.check_plain_dtypes = False
             return
-        names = {}
-        for model in self.amp_state.models:
-            for name, q in model.named_parameters(remove_duplicate=False):
-                names.setdefault(id(q), name)
-        shown = [names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+        names = self._parameter_names()
+        shown = [names.get(id(p), [f"a parameter of shape {tuple(p.shape)}"])[0]
                  for p in made_half[:4]]
         more = f" and {len(made_half) - 4} more" if len(made_half) > 4 else ""
         raise RuntimeError(
@@ -1339,10 +1345,7 @@ class _OptimizerState:
     def _refuse_reshaped(self) -> None:
         """Raise the clear error for a half parameter whose shape changed after
         ``initialize``, if there is one (the error path only: named through the models)."""
-        names = {}  # (every name of a tied parameter: the resized embedding's own first)
-        for model in self.amp_state.models:
-            for name, p in model.named_parameters(remove_duplicate=False):
-                names.setdefault(id(p), []).append(name)
+        names = self._parameter_names()  # (a tied one's: the resized embedding's own first)
         for p, master in self.pairs:
             if p.shape != master.shape:
                 raise reshaped_parameter_error(names.get(id(p), ["?"]), master, p)

@@ -798,10 +798,9 @@ def _warn_if_several_calls(what: str, state: AmpState) -> None:
             and s.optimizer_states()]
     if not live or not is_rank_zero():
         return
-    live.append(state)
     _WARNED_SEVERAL_CALLS[0] = True
     warnings.warn(
-        f"amp.{what}() without optimizer=: {len(live)} amp.initialize calls with live "
+        f"amp.{what}() without optimizer=: {len(live) + 1} amp.initialize calls with live "
         "optimizers each have their own loss scalers, and this acts on the most recent "
         "call's only, so the others' loss scales would restart from their initial values on "
         "resume (Apex kept one list for all). Save and load each call's with "

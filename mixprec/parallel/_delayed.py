@@ -65,6 +65,14 @@ from mixprec.parallel._comm import (
 
 __all__ = ["DelayedAllReduce"]
 
+# Apex's switches for several backwards through one forward (amp's per-loss scales kept):
+# told by both modes' warnings about a second backward.
+SWITCHES_ADVICE = (
+    "disable_allreduce() before each backward but the last and enable_allreduce() before the "
+    "last, which then all-reduces the gradients of all of them"
+)
+
+
 def _buckets(grads: Sequence[torch.Tensor], cap: int) -> List[List[torch.Tensor]]:
     """Split ``grads`` by (device, dtype), keeping their order, into buckets of at most ``cap``
     elements (a larger gradient gets a bucket of its own)."""
@@ -101,9 +109,7 @@ def _warn_late_gradient() -> None:
             "discriminator's loss into the generator). Its gradients are this rank's own, not "
             "averaged (as with Apex and PyTorch's DDP). Sum the losses into one backward, or run "
             "the model's forward again before the second backward, or, to keep amp's per-loss "
-            "scales, call disable_allreduce() before each backward but the last and "
-            "enable_allreduce() before the last, which then all-reduces the gradients of all "
-            "of them. (Warned once per wrapper.)",
+            f"scales, call {SWITCHES_ADVICE}. (Warned once per wrapper.)",
             UserWarning, stacklevel=2)
 
 

@@ -66,7 +66,7 @@ from mixprec.parallel._comm import (
     group_world_size,
     require_initialized,
 )
-from mixprec.parallel._delayed import DelayedAllReduce
+from mixprec.parallel._delayed import SWITCHES_ADVICE, DelayedAllReduce
 from mixprec.parallel._first_step import FirstStep
 
 __all__ = ["DistributedDataParallel"]
@@ -171,8 +171,7 @@ _ACTIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 SEVERAL_BACKWARDS_ADVICE = (
     "Sum the losses into one backward; or run the forward again before each backward; or, to "
     "keep amp's per-loss scales, construct the wrapper with delay_allreduce=True and call "
-    "disable_allreduce() before each backward but the last and enable_allreduce() before the "
-    "last, which then all-reduces the gradients of all of them."
+    f"{SWITCHES_ADVICE}."
 )
 
 
