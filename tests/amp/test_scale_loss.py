@@ -485,6 +485,16 @@ def test_overflow_skips_step_and_backs_off(opt_level, device):
     assert any(not torch.equal(after[k], v) for k, v in before.items())
 
 
+def _assert_stepped_like(model, opt, ref_model):
+    """The last step ran, and left ``model`` as ``ref_model`` (a skipped step would leave
+    AdamW's 1e-3 move undone)."""
+    assert not amp.step_was_skipped(opt)
+    got, want = model.state_dict(), ref_model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 def _amp_adamw(device, opt_level, fused):
     """The small CNN with AdamW through amp at ``opt_level`` under a dynamic loss scale."""
     model = make_cnn(device)
@@ -526,11 +536,7 @@ def test_a_rollback_after_an_overflow_does_not_skip_the_next_step(opt_level, fus
     if reload == "model+optimizer+amp":
         amp.load_state_dict(ckpt["amp"], optimizer=opt)
     train_step(model, opt, x, y, amp)
-    assert not amp.step_was_skipped(opt)
-    got, want = model.state_dict(), ref_model.state_dict()
-    assert got.keys() == want.keys()
-    for k in want:  # (a skipped step would leave AdamW's 1e-3 move undone)
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    _assert_stepped_like(model, opt, ref_model)
 
 
 @pytest.mark.parametrize("zero", ["optimizer", "optimizer-keep", "model"])
@@ -571,11 +577,7 @@ def test_gradients_zeroed_after_an_overflow_without_a_step_do_not_skip_the_next_
         s.backward()
     opt.step()
     train_step(ref_model, ref_opt, x, y, amp)
-    assert not amp.step_was_skipped(opt)
-    got, want = model.state_dict(), ref_model.state_dict()
-    assert got.keys() == want.keys()
-    for k in want:  # (a skipped step would leave AdamW's 1e-3 move undone)
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    _assert_stepped_like(model, opt, ref_model)
 
 
 def test_an_amp_rollback_after_an_overflow_lets_every_optimizer_of_the_loss_step():
