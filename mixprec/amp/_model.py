@@ -1164,8 +1164,16 @@ class _Fp32StateDict:
         # A write into the half model since the last step (nn.init, a clamp, under no_grad) is
         # taken into its master now, as the next step would: else the checkpoint held the
         # masters from before it.
+        # Writes through .data (seen in the values) are looked for first, against the versions
+        # recorded when amp last set the half parameters: a master written alone since then
+        # (amp.master_params) is newer than its stale half parameter, and take_model_writes
+        # records it as in step. (A copy's sync above took such writes into its masters.)
+        data_writes: Dict[int, torch.Tensor] = {}
         for keeper in self.keepers():
-            keeper.take_model_writes(only=self.own_params(module))
+            own = self.own_params(module)
+            if not self.standalone:
+                data_writes.update(keeper.written_through_data(own))
+            keeper.take_model_writes(only=own)
         for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             key = prefix + name
             if tensor is None or key not in state_dict:
@@ -1202,7 +1210,8 @@ class _Fp32StateDict:
                 # is, as torch saves it; the master stopped with it.
                 continue
             if master is not None:
-                state_dict[key] = master.detach()
+                written = data_writes.get(id(tensor))
+                state_dict[key] = master.detach() if written is None else written
             elif tensor.dtype in _HALF_TYPES:
                 # A half tensor without a master (a buffer) is saved in fp32; a wider one (a
                 # float64 buffer registered after initialize) as it is, never rounded.

@@ -598,6 +598,13 @@ class BlockBackwards:
         self.threads.add(threading.get_ident())
 
 
+def _is_fake(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no values (a fake tensor of torch.compile or torch.export)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
 class ForeignBackwardWatch:
     """Which of an optimizer's directly stepped parameters a backward accumulates into while
     the watch is open (a post-accumulate-grad hook on each): the backward inside another
@@ -1569,6 +1576,43 @@ class _OptimizerState:
                 continue
             take_changed_elements(p, m)
             synced[i] = (p._version, m._version, p._cdata)
+
+    def written_through_data(self, only) -> Dict[int, torch.Tensor]:
+        """What ``state_dict()`` saves for the half parameters in ``only`` (one module's) that
+        were written through ``.data`` since amp last set them: ``{id(param): fp32 tensor}``,
+        the half values upcast where they no longer equal the master rounded to half, the
+        master's elsewhere. ``.data`` writes bump no version counter, so only values show
+        them: torch_ema's ``copy_to()`` (an EMA swapped in to evaluate, then saved, or kept
+        at the end of training). The checkpoint is then the model the forward runs, as a
+        copy's is (Apex saved the half weights upcast); the master is left alone, so the
+        next step overwrites the write as before, and swapping back through ``.data``
+        (torch_ema's ``restore()``) continues training exactly.
+
+        Only pairs whose version counters both stand where amp recorded them: a master
+        written since (``amp.master_params`` written as well, a step under way in another
+        thread) or a half parameter written in place (taken whole by ``take_model_writes``)
+        is not compared. One host sync per device holding such parameters.
+        """
+        synced = self._synced_versions
+        if (is_compiling() or synced is None or len(synced) != len(self.pairs)
+                or (self.pairs[0][1].is_cuda and torch.cuda.is_current_stream_capturing())):
+            return {}
+        saved: Dict[int, torch.Tensor] = {}
+        with self._sync_lock, torch.no_grad():
+            by_device: Dict[torch.device, list] = {}
+            for i in self._pair_indices(only):
+                (p, m), (sp, sm, sc) = self.pairs[i], synced[i]
+                if (p._version != sp or m._version != sm or p._cdata != sc
+                        or p.shape != m.shape or p.numel() == 0 or p.is_meta
+                        or p.dtype not in (torch.float16, torch.bfloat16) or _is_fake(p)):
+                    continue
+                by_device.setdefault(p.device, []).append((p, m))
+            for pairs in by_device.values():
+                differs = torch.stack([(p != m.to(p.dtype)).any() for p, m in pairs]).tolist()
+                for (p, m), changed in zip(pairs, differs):
+                    if changed:
+                        saved[id(p)] = torch.where(p != m.to(p.dtype), p.to(m.dtype), m)
+        return saved
 
     def _take(self, written) -> None:
         """Copy the half parameters of the ``(param, master)`` pairs ``written`` into their
