@@ -117,3 +117,66 @@ def saved_whole(model):
     torch.save(model, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)
+
+
+class TinyDecoder(nn.Module):
+    """One pre-norm decoder block of a GPT: token + learned position embeddings, causal SDPA
+    attention with dropout, a SwiGLU MLP, a final norm, and an output head tied to the token
+    embedding. ``norm`` builds the norm layers (``FusedRMSNorm``, ``nn.RMSNorm``, ...);
+    ``ckpt`` None, or the ``use_reentrant`` value to run the block under
+    ``torch.utils.checkpoint``."""
+
+    def __init__(self, norm, vocab=16, dim=16, heads=2, seq=8, dropout=0.1, ckpt=None):
+        super().__init__()
+        self.heads, self.dropout, self.ckpt = heads, dropout, ckpt
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.n1, self.n2, self.nf = norm(dim), norm(dim), norm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.w1 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w3 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        self.drop = nn.Dropout(dropout)
+
+    def block(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(b, t, 3, self.heads, d // self.heads).permute(
+            2, 0, 3, 1, 4)
+        a = nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        h = self.n2(x)
+        return x + self.drop(self.w2(nn.functional.silu(self.w1(h)) * self.w3(h)))
+
+    def forward(self, idx):
+        x = self.drop(self.tok(idx) + self.pos(torch.arange(idx.shape[1])))
+        if self.ckpt is None or not self.training:
+            x = self.block(x)
+        else:
+            from torch.utils.checkpoint import checkpoint
+
+            x = checkpoint(self.block, x, use_reentrant=self.ckpt)
+        return self.head(self.nf(x))
+
+
+def decay_groups(model, weight_decay=0.1):
+    """GPT-style weight-decay groups by name: matrices decay; norms, biases and embeddings
+    (the tied head among them, listed once) do not."""
+    decay, rest, seen = [], [], set()
+    for name, p in model.named_parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            (decay if p.ndim >= 2 and not name.startswith(("tok", "pos")) else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def token_batch(seed, n=2, seq=8, vocab=16):
+    """Token ids and next-token targets (a learnable ``7 * t + 3`` chain), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (n, seq + 1), generator=g)
+    for t in range(seq):
+        ids[:, t + 1] = (ids[:, t] * 7 + 3) % vocab
+    return ids[:, :-1], ids[:, 1:]

@@ -566,6 +566,70 @@ def test_resume_after_add_param_group_is_bit_for_bit():
         torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
 
 
+def _gpt_run(steps, optimizer, ckpt, checkpoint=None, seed=0):
+    """A pretraining loop: TinyDecoder with FusedRMSNorm and dropout at bf16 O2, weight-decay
+    groups, warmup+cosine LambdaLR, two micro-batches per step (delay_unscale on the first),
+    clipping on amp.master_params. A checkpoint holds model, optimizer, scheduler, amp state,
+    the CPU RNG state (dropout) and the step; loading it into a model built from another seed
+    must overwrite everything. Returns (model, losses, checkpoint after the last step)."""
+    import math
+
+    from mixprec.normalization import FusedRMSNorm
+    from mixprec.optimizers import FusedAdam
+
+    from .helpers import TinyDecoder, decay_groups, token_batch
+
+    torch.manual_seed(seed)
+    model = TinyDecoder(FusedRMSNorm, ckpt=ckpt)
+    groups = decay_groups(model)
+    opt = (FusedAdam(groups, lr=1e-2, betas=(0.9, 0.95)) if optimizer == "fusedadam"
+           else torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), fused=True))
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: (s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * (s - 2) / 8)))
+    start = 0
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        sched.load_state_dict(checkpoint["scheduler"])
+        amp.load_state_dict(checkpoint["amp"])
+        torch.set_rng_state(checkpoint["rng"])
+        start = checkpoint["step"]
+    losses = []
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        for micro in range(2):
+            x, y = token_batch(seed=10 * step + micro)
+            loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten()) / 2
+            with amp.scale_loss(loss, opt, delay_unscale=micro == 0) as scaled:
+                scaled.backward()
+            losses.append(loss.detach())
+        torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+        opt.step()
+        sched.step()
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(), "amp": amp.state_dict(),
+                "rng": torch.get_rng_state(), "step": start + steps}, buf)
+    buf.seek(0)
+    return model, losses, torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("optimizer, ckpt", [("fusedadam", None), ("fusedadam", True),
+                                             ("adamw_fused", False)])
+def test_a_gpt_pretraining_loop_resumes_bit_for_bit(optimizer, ckpt):
+    # Dropout draws from the CPU RNG (and activation checkpointing replays it): the resumed
+    # run must see the same masks, the scheduler the same step, FusedAdam the same moments,
+    # and the tied embedding/head its one fp32 master.
+    model, full, _ = _gpt_run(6, optimizer, ckpt)
+    _, first, saved = _gpt_run(3, optimizer, ckpt)
+    resumed, second, _ = _gpt_run(3, optimizer, ckpt, checkpoint=saved, seed=1)
+    torch.testing.assert_close(torch.stack(first + second), torch.stack(full), rtol=0, atol=0)
+    for (k, v), v2 in zip(model.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
+    assert float(full[-1] + full[-2]) < float(full[0] + full[1])  # and it learns
+
+
 def _run_with_new_head(steps, checkpoint=None):
     """O2 transfer-learning shape: a new head put into the model after initialize (cast to
     the model's half type), its parameters given to the optimizer with add_param_group."""
@@ -702,6 +766,43 @@ def test_tied_weights_save_the_master_under_both_names():
     plain = _TiedLM()
     plain.load_state_dict(sd)
     torch.testing.assert_close(plain.wte.weight.detach(), master.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused, plain", [("FusedRMSNorm", nn.RMSNorm),
+                                          ("FusedLayerNorm", nn.LayerNorm),
+                                          ("MixedFusedRMSNorm", nn.RMSNorm)])
+def test_o2_checkpoint_of_fused_norms_loads_into_a_fp32_model_with_pytorchs_norms(fused, plain):
+    # An O2 GPT with mixprec's norms saves a true fp32 model that a plain evaluation script,
+    # built with PyTorch's norms and no mixprec, loads strict; the tie survives, and the fp32
+    # model's eval output matches the bf16 O2 model's within bf16 precision (bf16 rounds at
+    # 2**-8 relative per op; the fp32 logits are within 3% of the bf16 model's).
+    import mixprec.normalization as mn
+
+    from .helpers import TinyDecoder, decay_groups, token_batch
+
+    torch.manual_seed(0)
+    model = TinyDecoder(getattr(mn, fused))
+    opt = torch.optim.AdamW(decay_groups(model), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    for step in range(3):
+        x, y = token_batch(seed=step)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+    saved = model.state_dict()
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    masters = list(amp.master_params(opt))
+    for name, value in saved.items():  # every entry is a master, bit for bit
+        assert any(m.shape == value.shape and torch.equal(m, value) for m in masters), name
+    plain_model = TinyDecoder(plain).eval()
+    plain_model.load_state_dict(saved, strict=True)
+    assert plain_model.head.weight is plain_model.tok.weight
+    x, _ = token_batch(seed=99)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain_model(x), model(x), rtol=0.03, atol=0.03)
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
@@ -911,6 +1012,152 @@ def test_a_copy_keeps_changes_to_its_half_parameters():
         for name, p in copy_.named_parameters():
             assert torch.equal(state[name].to(p.dtype), p), name
         assert not torch.equal(state["head.weight"], make_cnn().state_dict()["head.weight"])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_weights_swapped_in_through_data_are_what_the_live_state_dict_saves(dtype):
+    # torch_ema's copy_to() / average_parameters() and hand-written EMA helpers swap the
+    # averaged weights in with `p.data.copy_(shadow)`, evaluate, then save model.state_dict()
+    # (or keep them at the end of training). At O2 the forward runs the swapped half weights;
+    # the live model's state dict saved the trained fp32 masters instead, silently (a deep
+    # copy saved the swap, and so did Apex). Reference: the weights the forward runs (each
+    # saved entry cast back to half is the parameter), the masters where a parameter still
+    # equals its master rounded; the masters themselves are left alone.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    shadow = [p.detach().clone() for p in amp.master_params(opt)]
+    x, y = batch()
+    for _ in range(3):
+        train_step(model, opt, x, y, amp)
+        with torch.no_grad():
+            for e, p in zip(shadow, amp.master_params(opt)):
+                e.mul_(0.5).add_(p, alpha=0.5)
+    masters = {p: m for p, m in zip(model.parameters(), amp.master_params(opt))
+               if p.dtype == dtype}  # (BatchNorm's fp32 parameters are their own masters)
+    trained = {p: m.detach().clone() for p, m in masters.items()}
+    for p, e in zip(model.parameters(), shadow):
+        p.data.copy_(e)
+    live = model.state_dict()
+    swapped = 0
+    for name, p in model.named_parameters():
+        if p not in masters:
+            continue
+        entry, master = live[name], masters[p]
+        assert entry.dtype == torch.float32, name
+        assert torch.equal(entry.to(p.dtype), p), name
+        same = p == master.to(p.dtype)
+        assert torch.equal(entry[same], master[same]), name
+        swapped += int((~same).sum())
+    assert swapped > 0  # (the EMA differs from the trained weights in half precision)
+    for p, m in masters.items():
+        assert torch.equal(m, trained[p])
+
+
+def test_an_ema_swapped_in_and_back_through_data_continues_bit_for_bit():
+    # torch_ema's store / copy_to / evaluate-and-save / restore round trip through .data in
+    # the middle of an O2 run: once the trained half weights are restored, training continues
+    # bit for bit as a run that never swapped (saving the swapped weights does not put the
+    # EMA into the masters).
+    def run(swap):
+        model = make_cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0)
+        shadow = [p.detach().clone() for p in amp.master_params(opt)]
+        x, y = batch()
+        for i in range(4):
+            train_step(model, opt, x, y, amp)
+            with torch.no_grad():
+                for e, p in zip(shadow, amp.master_params(opt)):
+                    e.mul_(0.5).add_(p, alpha=0.5)
+            if swap and i == 1:
+                stored = [p.detach().clone() for p in model.parameters()]
+                for p, e in zip(model.parameters(), shadow):
+                    p.data.copy_(e)
+                with torch.no_grad():
+                    model.eval()(x)
+                model.state_dict()
+                model.train()
+                for p, s in zip(model.parameters(), stored):
+                    p.data.copy_(s)
+        return model.state_dict()
+
+    want, got = run(False), run(True)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_a_partial_write_through_data_keeps_the_other_elements_fp32_in_the_state_dict():
+    # A WGAN's `p.data.clamp_(-c, c)` after the step writes a few elements of each weight: the
+    # checkpoint holds the clamped values there and the fp32 masters everywhere else (not the
+    # whole weight rounded to half).
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    weight = model.head.weight
+    master = dict(zip(model.parameters(), amp.master_params(opt)))[weight]
+    bound = weight.abs().float().median().item()
+    weight.data.clamp_(-bound, bound)
+    clamped = master.abs() > bound
+    clamped &= weight != master.to(weight.dtype)
+    assert 0 < int(clamped.sum()) < weight.numel()
+    entry = model.state_dict()["head.weight"]
+    torch.testing.assert_close(entry[clamped], weight[clamped].float(), rtol=0, atol=0)
+    torch.testing.assert_close(entry[~clamped], master[~clamped], rtol=0, atol=0)
+
+
+def test_a_master_written_since_the_step_wins_in_the_state_dict():
+    # The README's advice for writes through .data: write amp.master_params(optimizer) as well
+    # (full precision); a script may write the masters alone. Either way the state dict saves
+    # the masters, not the half parameters (stale, or rounded) upcast.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    torch.manual_seed(3)
+    new = [torch.randn_like(m) for m in amp.master_params(opt)]
+    with torch.no_grad():
+        for i, (p, m, v) in enumerate(zip(model.parameters(), amp.master_params(opt), new)):
+            if i % 2:
+                p.data.copy_(v)
+            m.copy_(v)
+    saved = model.state_dict()
+    for (name, _), v in zip(model.named_parameters(), new):
+        torch.testing.assert_close(saved[name], v, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="requires CUDA"))])
+@pytest.mark.parametrize("fused", ["FusedAdam", "AdamW(fused=True)", "SGD"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_state_dict_after_steps_is_the_masters_whichever_writes_the_half_model(device, fused,
+                                                                                dtype):
+    # The state dict compares the half model with its masters rounded to half (to see writes
+    # through .data): the half copies written after a step, by amp or by FusedAdam's own
+    # kernel, must round as the cast does, or every checkpoint would come out rounded to half.
+    from mixprec.optimizers import FusedAdam
+
+    model = make_cnn(device)
+    if fused == "FusedAdam":
+        opt = FusedAdam(model.parameters(), lr=1e-2)
+    elif fused == "AdamW(fused=True)":
+        if device == "cpu" and torch.__version__ < "2.4":
+            pytest.skip("fused AdamW on CPU needs torch 2.4")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    x, y = batch(device)
+    for _ in range(3):
+        train_step(model, opt, x, y, amp)
+    masters = dict(zip(model.parameters(), amp.master_params(opt)))
+    saved = model.state_dict()
+    for name, p in model.named_parameters():
+        if p in masters:
+            assert torch.equal(p, masters[p].to(p.dtype)), name
+            assert saved[name] is not None and torch.equal(saved[name], masters[p]), name
 
 
 def test_a_pickled_o2_model_keeps_its_fp32_masters():

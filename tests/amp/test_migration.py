@@ -341,6 +341,60 @@ def test_torch_amp_before_and_mixprec_after_agree(monkeypatch):
     assert abs(ours - native) <= 0.05 * native + 1e-3, (ours, native)
 
 
+@pytest.mark.parametrize("optimizer", ["fusedadam", "adamw_foreach"])
+def test_o1_gpt_loop_with_accumulation_and_clipping_is_autocast_bit_for_bit(optimizer):
+    # The migration guide's claim for a pretraining loop: bf16 O1 with delay_unscale
+    # accumulation and clipping on amp.master_params equals torch.autocast with plain
+    # accumulation and clipping on the same parameters (in the optimizer's group order, which
+    # amp.master_params follows: clip_grad_norm_ sums the norms in its argument's order),
+    # losses and weights bit for bit, dropout included.
+    import torch
+    from torch import nn
+
+    from mixprec import amp
+    from mixprec.normalization import FusedRMSNorm
+    from mixprec.optimizers import FusedAdam
+
+    from .helpers import TinyDecoder, decay_groups, token_batch
+
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = TinyDecoder(FusedRMSNorm)
+        groups = decay_groups(model)
+        opt = (FusedAdam(groups, lr=1e-2) if optimizer == "fusedadam"
+               else torch.optim.AdamW(groups, lr=1e-2, foreach=True))
+        if use_amp:
+            amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+        losses = []
+        for step in range(3):
+            opt.zero_grad()
+            for micro in range(2):
+                x, y = token_batch(seed=10 * step + micro)
+                if use_amp:
+                    logits = model(x)
+                else:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        logits = model(x)
+                loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten()) / 2
+                if use_amp:
+                    with amp.scale_loss(loss, opt, delay_unscale=micro == 0) as scaled:
+                        scaled.backward()
+                else:
+                    loss.backward()
+                losses.append(loss.detach())
+            params = (amp.master_params(opt) if use_amp
+                      else [p for g in opt.param_groups for p in g["params"]])
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+        return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+    want_losses, want = run(False)
+    got_losses, got = run(True)
+    torch.testing.assert_close(got_losses, want_losses, rtol=0, atol=0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_apex_imagenet_example_import_block_and_fp16_utils(clean_apex):
     # The import block of Apex's examples/imagenet/main_amp.py, copied into many scripts.
     import torch
