@@ -570,11 +570,11 @@ def fused_norm(
         if check is not None:
             _checks.check_inputs(check, x, tuple(normalized_shape), weight, bias, eps)
         return _reference_norm(x, normalized_shape, weight, bias, eps, is_rms, out_dtype)
-    if torch.jit.is_tracing():
-        # torch.jit.trace: PyTorch's own ops, so that the trace loads and runs where mixprec is
-        # not installed (TorchScript serving, libtorch), as Apex's modules traced. (No
-        # argument checks: on traced shapes they would only add TracerWarnings; PyTorch's
-        # ops check.)
+    if torch.jit.is_tracing() or _launch.is_exporting():
+        # torch.jit.trace and torch.export: PyTorch's own ops, so that the trace or exported
+        # program loads and runs where mixprec is not installed (TorchScript serving, libtorch,
+        # torch.export.load, ONNX, ExecuTorch), as Apex's modules traced. (No argument checks:
+        # on traced shapes they would only add TracerWarnings; PyTorch's ops check.)
         return _jit_traced_norm(x, normalized_shape, weight, bias, eps, is_rms,
                                 output_like_weight)
     if not isinstance(x, Tensor) or (_HAS_CUSTOM_OP and _launch.is_compiling()):

@@ -1408,6 +1408,41 @@ def test_jit_trace_records_pytorchs_own_ops(cls, device, tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "torch.Size([2, 16])"
 
+@pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm,
+                                 MixedFusedRMSNorm])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.filterwarnings("ignore:.*LeafSpec:FutureWarning")  # (PyTorch's own export.save)
+def test_torch_export_records_pytorchs_own_ops(cls, device, tmp_path):
+    # As for a trace: a program exported for deployment (torch.export.save/load, ONNX,
+    # ExecuTorch, AOTInductor) held mixprec's custom op, kept by run_decompositions(), so
+    # torch.export.load without mixprec imported failed with PyTorch's "error when
+    # deserializing". It must hold PyTorch's ops and compute what the module computes, output
+    # dtype included (the Mixed norms: the weight's). Reference: the module's forward.
+    if not hasattr(torch.compiler, "_is_exporting_flag"):
+        pytest.skip("torch.export tells a layer it is exporting from PyTorch 2.7 on")
+    torch.manual_seed(0)
+    norm = cls(16).to(device)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 5, 16, device=device, dtype=torch.bfloat16)
+    program = torch.export.export(norm, (x,))
+    for prog in (program, program.run_decompositions()):
+        targets = {str(n.target) for n in prog.graph.nodes if n.op == "call_function"}
+        assert not any("mixprec" in t for t in targets), targets
+    y, expected = program.module()(x), norm(x)
+    assert y.dtype == expected.dtype
+    torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2)
+    path = tmp_path / "norm.pt2"
+    torch.export.save(program, path)
+    script = ("import torch, sys; p = torch.export.load(sys.argv[1]); "
+              "assert 'mixprec' not in sys.modules; "
+              "y = p.module()(torch.ones(3, 5, 16, device=sys.argv[2], dtype=torch.bfloat16)); "
+              "print(tuple(y.shape), y.dtype)")
+    run = subprocess.run([sys.executable, "-c", script, str(path), str(device)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == f"(3, 5, 16) {expected.dtype}"
+
 
 @pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm,
                                  MixedFusedRMSNorm])
