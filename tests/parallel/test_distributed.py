@@ -2721,6 +2721,139 @@ def check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit(ctx):
     assert amp.state_dict(optimizer=opt)["loss_scaler0"]["unskipped"] == 4
 
 
+class _PoolBranchNet(nn.Module):
+    """A DeepLab-style head in miniature: a conv path with BatchNorm and a global-pooling
+    branch whose BatchNorm sees one value per channel and image, upsampled back."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(6)
+        self.pool_conv = nn.Conv2d(6, 4, 1, bias=False)
+        self.pool_bn = nn.BatchNorm2d(4)
+        self.cls = nn.Conv2d(10, 3, 1)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.conv(x)))
+        p = F.relu(self.pool_bn(self.pool_conv(F.adaptive_avg_pool2d(h, 1))))
+        p = F.interpolate(p, size=h.shape[-2:], mode="bilinear", align_corners=False)
+        return self.cls(torch.cat([h, p], 1))
+
+
+def _seg_batch(ctx, seed, per_rank):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ctx.world_size * per_rank, 3, 6, 6, generator=g)
+    y = torch.randint(0, 3, (ctx.world_size * per_rank, 6, 6), generator=g)
+    y[torch.rand(y.shape, generator=g) < 0.2] = 255
+    return x.to(ctx.device), y.to(ctx.device)
+
+
+def _per_rank_mean_loss(ctx, out, y, per_rank):
+    """What DDP's average of per-rank losses optimises, computed on the whole batch: each
+    rank's share's own mean over its non-ignored pixels, averaged over the ranks."""
+    return sum(F.cross_entropy(out[r * per_rank:(r + 1) * per_rank].float(),
+                               y[r * per_rank:(r + 1) * per_rank], ignore_index=255)
+               for r in range(ctx.world_size)) / ctx.world_size
+
+
+def check_syncbn_pool_branch_with_one_image_per_rank_matches_batchnorm(ctx):
+    """The classic SyncBatchNorm use: one image per rank, so the global-pooling branch's
+    BatchNorm holds one value per channel on each rank (nn.BatchNorm2d would raise). Through
+    convert_syncbn_model + DDP, three fp32 SGD steps of a segmentation loss with ignored
+    pixels train as one process with nn.BatchNorm2d on the concatenated batch (loss: the
+    mean of the per-rank losses): parameters and running statistics (unbiased over the
+    group's two values) at _tol, and bitwise the same on every rank. (r73B's replay.)"""
+    torch.manual_seed(0)
+    ref = _PoolBranchNet().to(ctx.device)
+    model = convert_syncbn_model(copy.deepcopy(ref))
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    try:  # (the reference layer refuses the one-image batch the SyncBatchNorm takes)
+        copy.deepcopy(ref).train()(_seg_batch(ctx, 400, 1)[0][:1])
+    except ValueError as err:
+        assert "more than 1 value per channel" in str(err), err
+    else:
+        raise AssertionError("nn.BatchNorm2d took a one-image batch in its pooling branch")
+    for step in range(3):
+        x, y = _seg_batch(ctx, 401 + step, 1)
+        opt.zero_grad()
+        F.cross_entropy(ddp(_mine(ctx, x, 1)), _mine(ctx, y, 1), ignore_index=255).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        _per_rank_mean_loss(ctx, ref(x), y, 1).backward()
+        ref_opt.step()
+    got = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, want in [*ref.named_parameters(), *ref.named_buffers()]:
+        torch.testing.assert_close(got[name], want, **_tol(ctx),
+                                   msg=labelled(f"rank {ctx.rank}: {name}"))
+    _assert_same_on_all_ranks(ctx, [*model.parameters(), *model.buffers()], "parameter/buffer")
+
+
+def check_frozen_syncbn_fine_tuning_under_amp_o2_ddp(ctx):
+    """The seed's fine-tuning under SyncBatchNorm: every converted BatchNorm frozen (eval mode,
+    requires_grad False, left out of the optimizer) while the rest trains at amp O2 (fp16
+    with a static scale, and bf16) under DDP in its default mode. The frozen layers stay fp32
+    and bitwise unchanged (weights, biases, running statistics, batch count), the ranks
+    agree bitwise, and the masters match one process fine-tuning nn.BatchNorm2d frozen the
+    same way on the concatenated batch, up to half rounding. (r73B's replay.)"""
+    from mixprec import amp
+
+    for dtype, scale in ((torch.float16, 128.0), (torch.bfloat16, None)):
+        torch.manual_seed(0)
+        pretrained = _PoolBranchNet().to(ctx.device)
+        with torch.no_grad():  # "pretrained" statistics, not the defaults
+            for bn in (pretrained.bn, pretrained.pool_bn):
+                bn.running_mean.uniform_(-0.5, 0.5)
+                bn.running_var.uniform_(0.5, 2.0)
+                bn.weight.uniform_(0.5, 1.5)
+                bn.num_batches_tracked.fill_(100)
+        frozen_before = copy.deepcopy(pretrained)
+        nets = []
+        for net in (convert_syncbn_model(copy.deepcopy(pretrained)), copy.deepcopy(pretrained)):
+            for m in net.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.requires_grad_(False)
+            opt = torch.optim.SGD([p for p in net.parameters() if p.requires_grad], lr=0.05,
+                                  momentum=0.9, weight_decay=1e-4)
+            nets.append(amp.initialize(net, opt, opt_level="O2", dtype=dtype, verbosity=0,
+                                       loss_scale=scale))
+        (model, opt), (ref, ref_opt) = nets
+        ddp = DistributedDataParallel(model)
+
+        def freeze_bn(net):
+            net.train()
+            for m in net.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.eval()
+
+        for step in range(3):
+            x, y = _seg_batch(ctx, 420 + step, 2)
+            freeze_bn(ddp)
+            freeze_bn(ref)
+            opt.zero_grad()
+            loss = F.cross_entropy(ddp(_mine(ctx, x, 2)), _mine(ctx, y, 2), ignore_index=255)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            ref_opt.zero_grad()
+            with amp.scale_loss(_per_rank_mean_loss(ctx, ref(x), y, 2), ref_opt) as scaled:
+                scaled.backward()
+            ref_opt.step()
+            assert not amp.step_was_skipped(opt), f"{dtype} step {step} skipped"
+        label = f"rank {ctx.rank} {dtype}"
+        for name, want in frozen_before.state_dict().items():
+            if name.startswith(("bn.", "pool_bn.")):
+                got = model.state_dict()[name]
+                assert got.dtype == want.dtype and torch.equal(got, want), \
+                    labelled(f"{label}: frozen {name} changed")(name)
+        assert model.conv.weight.dtype == dtype and model.bn.weight.dtype == torch.float32
+        assert any(not torch.equal(model.state_dict()[k], v) for k, v in
+                   frozen_before.state_dict().items() if k.startswith("conv.")), "no step taken"
+        _assert_masters_match_reference(ctx, opt, ref_opt)
+        _assert_same_on_all_ranks(ctx, [*model.parameters(), *model.buffers()], label)
+
+
 def check_amp_o2_under_torch_ddp(ctx):
     # mixprec.amp with PyTorch's own DDP (not ours): half gradients all-reduced by it, then
     # unscaled into the masters; the same training as one process on the global batch.
@@ -3058,6 +3191,62 @@ def check_larc_under_amp_o2_and_ddp(ctx):
     assert any(not torch.equal(a, b) for a, b in zip(before, masters)), "no step was taken"
     _assert_same_on_all_ranks(ctx, masters, "LARC fp32 master weight")
     _assert_same_on_all_ranks(ctx, list(model.parameters()), "model parameter")
+
+
+def _larc_sgd_float64(p, g, buf, lr, wd, momentum, trust, clip, eps=1e-8):
+    """Apex's LARC followed by SGD with momentum (no dampening), all in float64: the new
+    weight and the new momentum buffer."""
+    p_norm, g_norm = p.norm(), g.norm()
+    if p_norm == 0 or g_norm == 0:
+        d = g
+    else:
+        rate = trust * p_norm / (g_norm + wd * p_norm + eps)
+        if clip:
+            rate = min(rate / lr, 1.0)
+        d = (g + wd * p) * rate
+    buf = d if buf is None else momentum * buf + d
+    return p - lr * buf, buf
+
+
+def check_larc_under_amp_o2_and_ddp_matches_float64_larc(ctx):
+    """LARC around SGD (momentum, weight decay) at amp O2 under DDP, with the learning rate
+    changed every step through ``larc.optim`` (a poly schedule), clip on and off: every
+    step of every fp32 master equals a float64 LARC + SGD step taken from the master, its
+    all-reduced unscaled gradient and its momentum buffer as they were before the step (up
+    to fp32 rounding of the result), and the masters are bitwise the same on every rank.
+    (r73B's replay: check_larc_under_amp_o2_and_ddp checks that the ranks agree and a step
+    was taken, not the step's value.)"""
+    from mixprec import amp
+
+    for clip in (True, False):
+        model = _mlp(ctx.device)
+        base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        model, larc = amp.initialize(model, LARC(base, trust_coefficient=0.02, clip=clip),
+                                     opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        ddp = DistributedDataParallel(model)
+        masters = [p for g in larc.param_groups for p in g["params"]]
+        for step in range(3):
+            for group in larc.optim.param_groups:  # poly learning rate, power 0.9
+                group["lr"] = 0.1 * (1 - step / 4) ** 0.9
+            x, y = _global_batch(ctx, seed=310 + step)
+            larc.zero_grad()
+            loss = F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y))
+            with amp.scale_loss(loss, larc) as scaled:
+                scaled.backward()
+            lr = larc.param_groups[0]["lr"]
+            before = [(m.detach().double().clone(), m.grad.double().clone(),
+                       None if "momentum_buffer" not in larc.state.get(m, {})
+                       else larc.state[m]["momentum_buffer"].double().clone())
+                      for m in masters]
+            larc.step()
+            for i, (m, (p, g, buf)) in enumerate(zip(masters, before)):
+                want, _ = _larc_sgd_float64(p, g, buf, lr, 1e-4, 0.9, 0.02, clip)
+                step_size = (want - p).abs().max().item()
+                torch.testing.assert_close(
+                    m.detach().double(), want, rtol=0, atol=1e-5 * step_size + 2 * 2 ** -24 * p.abs().max().item(),
+                    msg=labelled(f"rank {ctx.rank} clip={clip} step {step} master {i}"))
+        assert all(g["weight_decay"] == 1e-4 for g in larc.param_groups)
+        _assert_same_on_all_ranks(ctx, masters, f"LARC fp32 master (clip={clip})")
 
 
 def check_join_divides_uneven_steps_as_asked(ctx):
@@ -4589,6 +4778,9 @@ CHECKS = [
     "check_reducer_inside_an_accumulating_scale_loss_block",
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit",
+    "check_larc_under_amp_o2_and_ddp_matches_float64_larc",
+    "check_syncbn_pool_branch_with_one_image_per_rank_matches_batchnorm",
+    "check_frozen_syncbn_fine_tuning_under_amp_o2_ddp",
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
     "check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters",
