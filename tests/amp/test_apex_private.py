@@ -365,6 +365,47 @@ def test_bert_style_resume_continues_bit_for_bit(tmp_path):
     assert losses[-1] < losses[0]
 
 
+def test_bert_style_resume_from_apexs_upcast_model_dict_continues_bit_for_bit(tmp_path):
+    # The checkpoint as Apex's O2 wrote it: "model" held the half weights upcast
+    # (BatchNorm's fp32 weights as they were), the exact fp32 weights only in the optimizer's
+    # order under "master params". NVIDIA BERT's resume (load the model, the optimizer, copy
+    # the masters through .data, then amp's scaler) continues bit for bit as the run that
+    # never stopped, losses and masters, and takes the scale the checkpoint holds.
+    x, y = batch()
+
+    def fresh():
+        model = make_cnn()
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        return amp.initialize(model, opt, opt_level="O2", verbosity=0)
+
+    model, opt = fresh()
+    amp._amp_state.loss_scalers[0]._loss_scale = 2.0 ** 13
+    losses = [float(train_step(model, opt, x, y, amp)) for _ in range(3)]
+    half = {n for n, p in model.named_parameters() if p.dtype == torch.float16}
+    upcast = {k: v.half().float() if k in half else v for k, v in model.state_dict().items()}
+    torch.save({"model": upcast, "optimizer": opt.state_dict(), "amp": amp.state_dict(),
+                "master params": list(amp.master_params(opt))}, tmp_path / "apex.pt")
+    losses += [float(train_step(model, opt, x, y, amp)) for _ in range(3)]
+    want_masters = [m.detach().clone() for m in amp.master_params(opt)]
+    want_amp = amp.state_dict()
+
+    resumed, ropt = fresh()
+    ck = torch.load(tmp_path / "apex.pt", weights_only=False)
+    resumed.load_state_dict(ck["model"])
+    ropt._lazy_init_maybe_master_weights()
+    ropt._amp_stash.lazy_init_called = True
+    ropt.load_state_dict(ck["optimizer"])
+    for param, saved in zip(amp.master_params(ropt), ck["master params"]):
+        param.data.copy_(saved.data)
+    amp.load_state_dict(ck["amp"])
+    assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 13
+    got = [float(train_step(resumed, ropt, x, y, amp)) for _ in range(3)]
+    assert got == losses[3:]
+    for a, b in zip(want_masters, amp.master_params(ropt)):
+        torch.testing.assert_close(b.detach(), a, rtol=0, atol=0)
+    assert amp.state_dict() == want_amp
+
+
 def test_apex_module_path_serves_the_same_object(clean_apex):
     mixprec.install_apex_alias()
     import apex

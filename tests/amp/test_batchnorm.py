@@ -195,6 +195,38 @@ def test_seed_finetuning_with_frozen_batchnorm(opt_level, dtype, device):
         torch.testing.assert_close(bn.weight, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_eval_under_inference_mode_matches_no_grad_and_training_goes_on(opt_level, dtype):
+    # Validation under torch.inference_mode() (instead of no_grad) in the middle of
+    # training: the logits equal no_grad's bit for bit, BatchNorm keeps its dtype (fp32 at
+    # O1/O2) and its running statistics, and the training that follows is bit for bit that of
+    # a run that evaluated under no_grad (no inference tensor left in amp's state).
+    def run(ctx):
+        model = make_cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+        x, y = batch()
+        train_step(model, opt, x, y, amp)
+        stats = [bn.running_mean.clone() for bn in _bns(model)]
+        model.eval()
+        with ctx():
+            out = model(x)
+        model.train()
+        for bn, mean in zip(_bns(model), stats):
+            assert bn.weight.dtype == (dtype if opt_level == "O3" else torch.float32)
+            torch.testing.assert_close(bn.running_mean, mean, rtol=0, atol=0)
+        for _ in range(2):
+            train_step(model, opt, x, y, amp)
+        return out, model.state_dict()
+
+    out_inf, sd_inf = run(torch.inference_mode)
+    out_ref, sd_ref = run(torch.no_grad)
+    torch.testing.assert_close(out_inf, out_ref, rtol=0, atol=0)
+    for k, v in sd_ref.items():
+        torch.testing.assert_close(sd_inf[k], v, rtol=0, atol=0, msg=k)
+
+
 # -- mutation run r50A over mixprec/amp/_model.py: what the tests above let through --------
 
 def test_o2_half_conversion_of_a_non_affine_fp32_batchnorm_is_refused():

@@ -425,6 +425,50 @@ def test_resume_is_bit_for_bit(opt_level, dtype):
         torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_fp32_checkpoint_loaded_mid_run_continues_as_a_fresh_initialize_from_it(dtype):
+    # An fp32 checkpoint (from a plain fp32 run) loaded with model.load_state_dict
+    # into an O2 model in the middle of training: the masters become the checkpoint exactly,
+    # the half weights its rounding, and the next steps are bit for bit those of a model that
+    # loaded the checkpoint before amp.initialize and took over the same optimizer and amp
+    # state (references: the checkpoint itself, and that second run).
+    x, y = batch()
+    fp32 = make_cnn(seed=11)
+    sgd = torch.optim.SGD(fp32.parameters(), lr=0.05)
+    for _ in range(2):
+        sgd.zero_grad()
+        nn.functional.cross_entropy(fp32(x), y).backward()
+        sgd.step()
+    ckpt = copy.deepcopy(fp32.state_dict())
+
+    def fresh(seed):
+        model = make_cnn(seed=seed)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return model, opt
+
+    model, opt = fresh(0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    for _ in range(3):
+        train_step(model, opt, x, y, amp)
+    opt_state, amp_state = copy.deepcopy(opt.state_dict()), amp.state_dict()
+    model.load_state_dict(ckpt)
+    for (name, p), master in zip(model.named_parameters(), amp.master_params(opt)):
+        torch.testing.assert_close(master.detach(), ckpt[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p.detach(), ckpt[name].to(p.dtype), rtol=0, atol=0, msg=name)
+    for _ in range(3):
+        train_step(model, opt, x, y, amp)
+
+    ref, ref_opt = fresh(5)
+    ref.load_state_dict(ckpt)
+    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", dtype=dtype, verbosity=0)
+    ref_opt.load_state_dict(opt_state)
+    amp.load_state_dict(amp_state)
+    for _ in range(3):
+        train_step(ref, ref_opt, x, y, amp)
+    for (k, v), got in zip(ref.state_dict().items(), model.state_dict().values()):
+        torch.testing.assert_close(got, v, rtol=0, atol=0, msg=k)
+
+
 @pytest.mark.parametrize("saved, resumed", [("O2", "O1"), ("O1", "O2")])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_a_checkpoint_resumes_at_another_opt_level_from_its_exact_fp32_state(saved, resumed,
