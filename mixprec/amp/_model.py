@@ -411,7 +411,10 @@ class _AmpModule:
                         f"The model is already {cfg.input_dtype} except the BatchNorm layers "
                         "amp keeps in fp32 (keep_batchnorm_fp32=True), which the optimizer "
                         "steps in fp32: this would cast them too. Drop the call; for BatchNorm "
-                        "in half, pass keep_batchnorm_fp32=False to amp.initialize."
+                        "in half, pass keep_batchnorm_fp32=False to amp.initialize. For an "
+                        "all-half model to deploy, convert a plain copy: "
+                        "amp.restore_model(copy.deepcopy(model)).half(), or a new model "
+                        "loaded from model.state_dict() (the fp32 weights), then .half()."
                     )
                 if new_dtype != cfg.input_dtype:
                     raise RuntimeError(

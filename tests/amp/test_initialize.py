@@ -592,6 +592,38 @@ def test_recasting_an_amp_model_is_refused_before_it_changes(opt_level):
     amp.restore_model(model).double()
     assert model.head.weight.dtype == torch.float64
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_half_for_deployment_is_refused_with_the_routes_that_work(dtype):
+    # A user shipping an O2 model calls model.half() (or .bfloat16()) to make it all half,
+    # BatchNorm too; the refusal must name the routes that work, and following either gives
+    # an all-half model whose eval output matches the amp model's to half precision, while
+    # the amp model is left as it was.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    x, y = batch()
+    train_step(model, opt, x, y, amp)
+    with pytest.raises(RuntimeError, match=r"amp\.restore_model\(copy\.deepcopy\(model\)\)"
+                                           r"\.half\(\), or a new model loaded from "
+                                           r"model\.state_dict\(\)"):
+        model.to(dtype)
+    model.eval()
+    with torch.no_grad():
+        want = model(x)
+    copied = amp.restore_model(copy.deepcopy(model)).to(dtype)
+    loaded = make_cnn()
+    loaded.load_state_dict(model.state_dict())
+    loaded = loaded.to(dtype).eval()
+    tol = 2e-2 if dtype == torch.float16 else 1e-1
+    for deployed in (copied, loaded):
+        tensors = [*deployed.parameters(), *deployed.buffers()]
+        assert {t.dtype for t in tensors if t.is_floating_point()} == {dtype}
+        with torch.no_grad():
+            got = deployed(x.to(dtype))
+        torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert model.features[1].weight.dtype == torch.float32  # (the amp model's BatchNorm)
+    train_step(model.train(), opt, x, y, amp)
+
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
