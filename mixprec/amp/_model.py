@@ -260,6 +260,49 @@ _ENCLOSING_FORWARDS = _EnclosingForwards()
 _TRACED_ENCLOSING_FORWARDS = _TracedEnclosingForwards()
 
 
+class _DataWritesOfOneCall(threading.local):
+    """Writes through ``.data`` into a whole model's half parameters, found once at the start
+    of its ``state_dict()`` (``_AmpModule.state_dict``) for every module's save hook: one
+    comparison pass and host sync per optimizer, not one per module (3.7 ms of a 4.4 ms
+    ``state_dict()`` for 25M parameters in 49 modules on an H100 otherwise). Per thread;
+    ``covered`` is None outside such a call (a submodule's own ``state_dict()``: its hooks
+    look for themselves)."""
+
+    def __init__(self):
+        self.saved: Dict[int, torch.Tensor] = {}
+        self.covered: Optional[Set[int]] = None
+
+    def find(self, model: nn.Module) -> Tuple[Dict[int, torch.Tensor], Set[int]]:
+        """The writes into ``model``'s master-weighted half parameters and the ids looked at."""
+        params: Dict[int, tuple] = {}
+        for module in model.modules():
+            hooks = module.__dict__.get("_mixprec_state_dict")
+            if hooks is None or hooks.standalone or not hooks.masters or hooks.orphaned():
+                continue
+            own = hooks.own_params(module)
+            for keeper in hooks.keepers():
+                params.setdefault(id(keeper), (keeper, []))[1].extend(own)
+        saved: Dict[int, torch.Tensor] = {}
+        covered: Set[int] = set()
+        for keeper, own in params.values():
+            saved.update(keeper.written_through_data(own))
+            covered.update(map(id, own))
+        return saved, covered
+
+    def of(self, keeper, params: list) -> Dict[int, torch.Tensor]:
+        """The writes into ``params`` (a module's, kept by ``keeper``)."""
+        if self.covered is None:
+            return keeper.written_through_data(params)
+        rest = [p for p in params if id(p) not in self.covered]
+        found = {id(p): self.saved[id(p)] for p in params if id(p) in self.saved}
+        if rest:  # (registered by a rename in this call's hooks: looked at here)
+            found.update(keeper.written_through_data(rest))
+        return found
+
+
+_DATA_WRITES = _DataWritesOfOneCall()
+
+
 class _AmpModule:
     """Mixin placed first in the MRO of a model's swapped class. See the module docstring."""
 
@@ -283,6 +326,18 @@ class _AmpModule:
             "`torch.jit.script(amp.restore_model(copy.deepcopy(model)))`, whose parameters "
             "keep their dtypes (at O2 the caller casts inputs to the half type)."
         )
+
+    def state_dict(self, *args, **kwargs):
+        # (See _DataWritesOfOneCall. Not for keep_vars=True, whose entries are the module's
+        # own tensors, nor inside another model's call, which looked already.)
+        keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
+        if _DATA_WRITES.covered is not None or keep_vars or is_compiling():
+            return super().state_dict(*args, **kwargs)
+        _DATA_WRITES.saved, _DATA_WRITES.covered = _DATA_WRITES.find(self)
+        try:
+            return super().state_dict(*args, **kwargs)
+        finally:
+            _DATA_WRITES.saved, _DATA_WRITES.covered = {}, None
 
     def forward(self, *args, **kwargs):
         # The instance's amp attributes are read as attributes, not self.__dict__.get: Dynamo
@@ -1175,7 +1230,7 @@ class _Fp32StateDict:
         for keeper in self.keepers():
             own = self.own_params(module)
             if not self.standalone:
-                data_writes.update(keeper.written_through_data(own))
+                data_writes.update(_DATA_WRITES.of(keeper, own))
             keeper.take_model_writes(only=own)
         for name, tensor in list(module._parameters.items()) + list(module._buffers.items()):
             key = prefix + name

@@ -605,6 +605,35 @@ def _is_fake(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
+# Elements of half temporaries per multi-tensor pass of _differ_from_their_masters (128 MB).
+_COMPARE_CHUNK = 1 << 26
+
+
+def _differ_from_their_masters(pairs) -> List[bool]:
+    """For ``(half parameter, fp32 master)`` pairs on one device: whether the parameter holds
+    anything but its master rounded to half. Per chunk of pairs, the masters are cast into
+    half temporaries, the parameters subtracted, and the L1 norms taken, each one
+    multi-tensor launch; one host sync for all. (Two distinct half values differ by at least
+    the type's smallest subnormal, so their difference is never 0; a NaN or an infinity makes
+    the norm NaN or inf: counted as a difference, which the caller's element-wise pick then
+    settles.)"""
+    norms: List[torch.Tensor] = []
+    start = 0
+    while start < len(pairs):
+        end, size = start, 0
+        while end < len(pairs) and (end == start or size + pairs[end][0].numel() <= _COMPARE_CHUNK):
+            size += pairs[end][0].numel()
+            end += 1
+        halves = [p for p, _ in pairs[start:end]]
+        rounded = [torch.empty_like(p) for p in halves]
+        torch._foreach_copy_(rounded, [m for _, m in pairs[start:end]])
+        torch._foreach_sub_(rounded, halves)
+        norms.extend(torch._foreach_norm(rounded, 1))
+        del rounded
+        start = end
+    return [n != 0 for n in torch.stack(norms).tolist()] if norms else []
+
+
 class ForeignBackwardWatch:
     """Which of an optimizer's directly stepped parameters a backward accumulates into while
     the watch is open (a post-accumulate-grad hook on each): the backward inside another
@@ -1434,7 +1463,10 @@ class _OptimizerState:
                 raise RuntimeError(
                     "optimizer.step(): the half model's gradients were never moved to the fp32 "
                     "master weights. Run the backward pass inside `with amp.scale_loss(loss, "
-                    "optimizer) as scaled_loss: scaled_loss.backward()`."
+                    "optimizer) as scaled_loss: scaled_loss.backward()`. If it ran inside an "
+                    "amp.scale_loss given other optimizers only (a second loss reaching this "
+                    "optimizer's parameters too), pass this optimizer to that scale_loss as "
+                    "well (a list: amp.scale_loss(loss, [opt_a, opt_b]))."
                 )
         if replaced is not None:
             if "closure" in kwargs:
@@ -1591,7 +1623,9 @@ class _OptimizerState:
         Only pairs whose version counters both stand where amp recorded them: a master
         written since (``amp.master_params`` written as well, a step under way in another
         thread) or a half parameter written in place (taken whole by ``take_model_writes``)
-        is not compared. One host sync per device holding such parameters.
+        is not compared. One host sync per device holding such parameters, and a few
+        multi-tensor launches (a ``state_dict()`` of the whole model asks once for all of
+        them: see ``_model._DataWritesOfOneCall``).
         """
         synced = self._synced_versions
         if (is_compiling() or synced is None or len(synced) != len(self.pairs)
@@ -1608,8 +1642,7 @@ class _OptimizerState:
                     continue
                 by_device.setdefault(p.device, []).append((p, m))
             for pairs in by_device.values():
-                differs = torch.stack([(p != m.to(p.dtype)).any() for p, m in pairs]).tolist()
-                for (p, m), changed in zip(pairs, differs):
+                for (p, m), changed in zip(pairs, _differ_from_their_masters(pairs)):
                     if changed:
                         saved[id(p)] = torch.where(p != m.to(p.dtype), p.to(m.dtype), m)
         return saved
