@@ -195,6 +195,65 @@ def test_seed_finetuning_with_frozen_batchnorm(opt_level, dtype, device):
         torch.testing.assert_close(bn.weight, w, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("teacher_call", ["same", "own"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_distillation_teacher_with_eval_batchnorm_stays_exact(dtype, teacher_call):
+    # Distillation (r74B): a frozen teacher in eval mode, given to initialize in the student's
+    # call (no optimizer of its own) or in a call of its own after it. At O2 its BatchNorm
+    # stays fp32 in eval mode, its other weights are the fp32 values cast to half, and nothing
+    # of it changes while the student trains on its outputs (KL with temperature plus CE);
+    # its logits stay within half precision of the fp32 teacher's; amp.state_dict() is still
+    # the student's (two scalers).
+    teacher = make_cnn(seed=5)
+    teacher.train()
+    with torch.no_grad():  # "pretrained" running statistics
+        for i in range(3):
+            teacher(batch(n=32, seed=20 + i)[0] * 2 + 0.5)
+    teacher.eval().requires_grad_(False)
+    fp32_teacher = copy.deepcopy(teacher)
+    pretrained = {k: v.clone() for k, v in teacher.state_dict().items()}
+    student = make_cnn(seed=6, width=4)
+    opt = torch.optim.SGD(student.parameters(), lr=0.05, momentum=0.9)
+    if teacher_call == "same":
+        amp.initialize([student, teacher], opt, opt_level="O2", dtype=dtype, num_losses=2,
+                       verbosity=0)
+    else:
+        amp.initialize(student, opt, opt_level="O2", dtype=dtype, num_losses=2, verbosity=0)
+        amp.initialize(teacher, opt_level="O2", dtype=dtype, verbosity=0)
+    for step in range(4):
+        x, y = batch(seed=step)
+        with torch.no_grad():
+            t_logits = teacher(x)
+            want = fp32_teacher(x)
+        assert t_logits.dtype == torch.float32
+        tol = 2e-2 if dtype == torch.float16 else 8e-2
+        torch.testing.assert_close(t_logits, want, rtol=tol, atol=tol)
+        opt.zero_grad()
+        s_logits = student(x)
+        kd = nn.functional.kl_div(nn.functional.log_softmax(s_logits / 4, -1),
+                                  nn.functional.log_softmax(t_logits / 4, -1),
+                                  reduction="batchmean", log_target=True) * 16
+        loss = 0.7 * kd + 0.3 * nn.functional.cross_entropy(s_logits, y)
+        with amp.scale_loss(loss, opt, loss_id=0) as scaled:
+            scaled.backward()
+        opt.step()
+    assert not teacher.training
+    for name, value in list(teacher.named_parameters()) + list(teacher.named_buffers()):
+        is_bn = isinstance(teacher.get_submodule(name.rsplit(".", 1)[0]), nn.BatchNorm2d)
+        want = pretrained[name]
+        if not is_bn and want.is_floating_point():
+            want = want.to(dtype)
+        assert value.dtype == want.dtype and torch.equal(value, want), name
+    saved = teacher.state_dict()
+    for name, value in saved.items():
+        is_bn = isinstance(teacher.get_submodule(name.rsplit(".", 1)[0]), nn.BatchNorm2d)
+        want = pretrained[name] if is_bn or not value.is_floating_point() else \
+            pretrained[name].to(dtype).float()
+        assert torch.equal(value, want), name
+    assert sorted(amp.state_dict(optimizer=opt)) == ["loss_scaler0", "loss_scaler1"]
+    assert sorted(amp.state_dict()) == ["loss_scaler0", "loss_scaler1"]
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_eval_under_inference_mode_matches_no_grad_and_training_goes_on(opt_level, dtype):

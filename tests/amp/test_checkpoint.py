@@ -1000,6 +1000,90 @@ def test_frozen_parameters_in_the_optimizer_checkpoint_exactly(dtype):
     assert torch.equal(got, pretrained["features.0.weight"].to(dtype).float())
 
 
+class _LoRALinear(nn.Module):
+    """A frozen base ``Linear`` plus ``B @ A * 2`` (B starts at zero), as LoRA adds to q/v."""
+
+    def __init__(self, base, r=2):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_A = nn.Parameter(torch.randn(r, base.in_features) * 0.3)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * 2.0
+
+
+def _lora_mlp(pretrained):
+    torch.manual_seed(3)  # (the adapters' A)
+    model = make_mlp()
+    model.load_state_dict(pretrained)
+    model[0], model[2] = _LoRALinear(model[0]), _LoRALinear(model[2])
+    return model
+
+
+def _lora_steps(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 4, generator=g), torch.randint(0, 2, (16,), generator=g)
+        opt.zero_grad()
+        with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as scaled:
+            scaled.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
+        opt.step()
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_lora_adapter_checkpoint_is_the_fp32_masters_and_resumes_bit_for_bit(dtype):
+    # LoRA at O2 (r74B): the base is frozen and left out of the optimizer, so it is half with no
+    # masters and never changes; the adapters have fp32 masters. A checkpoint of the adapters
+    # only (the state dict filtered by name) is those masters exactly, loads strict=False into
+    # a fresh fp32 base model, and with the optimizer's and amp's state resumes a fresh O2 model
+    # bit for bit.
+    pretrained = make_mlp().state_dict()
+
+    def prepared():
+        model = _lora_mlp(pretrained)
+        opt = torch.optim.AdamW([p for n, p in model.named_parameters() if "lora_" in n],
+                                lr=1e-2, weight_decay=0.01)
+        return amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+
+    whole, whole_opt = prepared()
+    _lora_steps(whole, whole_opt, 4)
+    for key, value in pretrained.items():  # the frozen base, bit for bit, in half
+        base = whole.get_parameter(key.replace(".", ".base.", 1))
+        assert base.grad is None and torch.equal(base, value.to(dtype)), key
+    adapters = {k: v for k, v in whole.state_dict().items() if "lora_" in k}
+    assert list(adapters) == ["0.lora_A", "0.lora_B", "2.lora_A", "2.lora_B"]
+    masters = list(amp.master_params(whole_opt))
+    assert len(masters) == 4
+    for value, master in zip(adapters.values(), masters):
+        assert value.dtype == torch.float32 and torch.equal(value, master)
+
+    fresh = _lora_mlp(pretrained)  # plain fp32, other adapters
+    missing, unexpected = fresh.load_state_dict(adapters, strict=False)
+    assert not unexpected and all("lora_" not in k for k in missing)
+    for key, value in fresh.state_dict().items():
+        want = adapters[key] if "lora_" in key else pretrained[key.replace(".base", "")]
+        assert torch.equal(value, want), key
+
+    first, first_opt = prepared()
+    _lora_steps(first, first_opt, 2)
+    saved = io.BytesIO()
+    torch.save({"adapters": {k: v for k, v in first.state_dict().items() if "lora_" in k},
+                "optimizer": first_opt.state_dict(),
+                "amp": amp.state_dict(optimizer=first_opt)}, saved)
+    saved.seek(0)
+    ckpt = torch.load(saved)
+    resumed, resumed_opt = prepared()
+    resumed.load_state_dict(ckpt["adapters"], strict=False)
+    resumed_opt.load_state_dict(ckpt["optimizer"])
+    amp.load_state_dict(ckpt["amp"], optimizer=resumed_opt)
+    _lora_steps(resumed, resumed_opt, 2, start=2)
+    got = resumed.state_dict()
+    for key, value in whole.state_dict().items():
+        assert torch.equal(got[key], value), key
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_ema_written_into_a_copys_state_dict_accumulates_in_fp32(dtype):
     # timm's ModelEmaV2 and ultralytics' ModelEMA: ema = copy.deepcopy(model), then each step

@@ -395,6 +395,78 @@ def test_o1_gpt_loop_with_accumulation_and_clipping_is_autocast_bit_for_bit(opti
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def test_o1_fp16_lora_accumulation_with_an_overflow_is_autocast_and_gradscaler_bit_for_bit():
+    # LoRA fine-tuning (r74B): a frozen base, AdamW over the adapters only, two micro-batches a
+    # step (a scale_loss block each), clipping on amp.master_params. fp16 O1 equals
+    # torch.autocast + GradScaler (unscale_, clip, step, update) bit for bit, losses, clipped
+    # norms and adapters, also through a step whose first micro-batch overflows (skipped by
+    # both, the scale halved by both).
+    import torch
+    from torch import nn
+
+    from mixprec import amp
+
+    class LoRA(nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base.requires_grad_(False)
+            self.lora_A = nn.Parameter(torch.randn(2, base.in_features) * 0.3)
+            self.lora_B = nn.Parameter(torch.zeros(base.out_features, 2))
+
+        def forward(self, x):
+            return self.base(x) + (x @ self.lora_A.t() @ self.lora_B.t()) * 2.0
+
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = nn.Sequential(LoRA(nn.Linear(8, 16)), nn.GELU(), LoRA(nn.Linear(16, 4)))
+        adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+        opt = torch.optim.AdamW(adapters, lr=1e-2, weight_decay=0.01)
+        if use_amp:
+            amp.initialize(model, opt, opt_level="O1", dtype=torch.float16, verbosity=0)
+        else:
+            scaler = torch.amp.GradScaler("cpu")
+        losses, norms, scales = [], [], []
+        for step in range(4):
+            opt.zero_grad()
+            for micro in range(2):
+                g = torch.Generator().manual_seed(10 * step + micro)
+                x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+                if use_amp:
+                    logits = model(x)
+                else:
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        logits = model(x)
+                loss = nn.functional.cross_entropy(logits.float(), y) / 2
+                if step == 2 and micro == 0:
+                    loss = loss * float("inf")
+                if use_amp:
+                    with amp.scale_loss(loss, opt) as scaled:
+                        scaled.backward()
+                else:
+                    scaler.scale(loss).backward()
+                losses.append(loss.detach())
+            if use_amp:
+                norms.append(torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.05))
+                opt.step()
+                scales.append(amp.state_dict()["loss_scaler0"]["loss_scale"])
+            else:
+                scaler.unscale_(opt)
+                norms.append(torch.nn.utils.clip_grad_norm_(adapters, 0.05))
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+        return losses, norms, scales, [p.detach().clone() for p in model.parameters()]
+
+    want_losses, want_norms, want_scales, want = run(False)
+    got_losses, got_norms, got_scales, got = run(True)
+    assert got_scales == want_scales == [2.0**16, 2.0**16, 2.0**15, 2.0**15]
+    torch.testing.assert_close(torch.stack(got_losses), torch.stack(want_losses), rtol=0, atol=0)
+    torch.testing.assert_close(torch.stack(got_norms), torch.stack(want_norms), rtol=0, atol=0,
+                               equal_nan=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_apex_imagenet_example_import_block_and_fp16_utils(clean_apex):
     # The import block of Apex's examples/imagenet/main_amp.py, copied into many scripts.
     import torch

@@ -2027,6 +2027,90 @@ def test_a_step_on_gradients_another_optimizers_scale_loss_left_scaled_is_refuse
     oa.step()
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_two_losses_two_optimizers_overflow_in_one_loss_id_is_gradscalers_step(opt_level):
+    # Distillation's two losses (r74B): loss 0 through the student (its optimizer), loss 1
+    # through a projection head and the student (both optimizers, loss_id=1), fp16. An
+    # overflow in loss 1 only halves scaler 1, leaves scaler 0 at 2**16, and skips both
+    # optimizers' steps, as torch.autocast + one GradScaler over both losses does; the weights
+    # then equal that recipe's (bit for bit at O1; at O2 within fp16 rounding, 4e-4 relative
+    # seen, far below one skipped-or-not update of lr 0.1 / 1e-2).
+    def run(use_amp):
+        torch.manual_seed(0)
+        student, head = nn.Linear(6, 5), nn.Linear(5, 3)
+        opt_s = torch.optim.SGD(student.parameters(), lr=0.1, momentum=0.9)
+        opt_p = torch.optim.AdamW(head.parameters(), lr=1e-2)
+        if use_amp:
+            amp.initialize([student, head], [opt_s, opt_p], opt_level=opt_level,
+                           dtype=torch.float16, num_losses=2, verbosity=0)
+        else:
+            scaler = torch.amp.GradScaler("cpu")
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, target = torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+            opt_s.zero_grad()
+            opt_p.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16, enabled=not use_amp):
+                feat = student(x)
+                proj = head(feat)
+            loss0 = feat.float().pow(2).mean()
+            loss1 = nn.functional.mse_loss(proj.float(), target)
+            if step == 2:
+                loss1 = loss1 * float("inf")
+            if use_amp:
+                with amp.scale_loss(loss0, opt_s, loss_id=0) as scaled:
+                    scaled.backward(retain_graph=True)
+                with amp.scale_loss(loss1, [opt_s, opt_p], loss_id=1) as scaled:
+                    scaled.backward()
+                opt_s.step()
+                opt_p.step()
+                if step == 2:
+                    assert amp.step_was_skipped(opt_s) and amp.step_was_skipped(opt_p)
+            else:
+                scaler.scale(loss0).backward(retain_graph=True)
+                scaler.scale(loss1).backward()
+                scaler.step(opt_s)
+                scaler.step(opt_p)
+                scaler.update()
+        return [p.detach().float().clone() for p in (*student.parameters(), *head.parameters())]
+
+    want = run(False)
+    got = run(True)
+    state = amp.state_dict()
+    assert state["loss_scaler0"]["loss_scale"] == 2.0**16
+    assert state["loss_scaler1"]["loss_scale"] == 2.0**15
+    for g, w in zip(got, want):
+        if opt_level == "O1":
+            torch.testing.assert_close(g, w, rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(g, w, rtol=2e-3, atol=2e-4)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_step_on_master_weighted_gradients_another_optimizers_block_left_is_refused_naming_it(
+        dtype):
+    # At O2 a backward inside scale_loss(loss, opt_b) that also reaches opt_a's
+    # master-weighted (half) parameters leaves half gradients there that never reach opt_a's
+    # masters; opt_a.step() is refused, and the message must not only say to run the backward
+    # inside scale_loss (the user did) but name the fix, as the O1 refusal does: pass opt_a to
+    # that scale_loss too.
+    torch.manual_seed(0)
+    body, head = nn.Linear(4, 4), nn.Linear(4, 2)
+    oa = torch.optim.SGD(body.parameters(), lr=0.1)
+    ob = torch.optim.SGD(head.parameters(), lr=0.1)
+    amp.initialize([body, head], [oa, ob], opt_level="O2", dtype=dtype, num_losses=2,
+                   verbosity=0)
+    x = torch.randn(3, 4)
+    feat = body(x)
+    with amp.scale_loss(feat.float().square().mean(), oa, loss_id=0) as scaled:
+        scaled.backward(retain_graph=True)
+    with amp.scale_loss(head(feat).float().square().mean(), ob, loss_id=1) as scaled:
+        scaled.backward()  # (reaches body's parameters too)
+    with pytest.raises(RuntimeError, match=r"given other optimizers only.*pass this optimizer to that "
+                                           r"scale_loss as well"):
+        oa.step()
+
+
 class _FreedAfterLooks:
     """An optimizer's weak reference that the garbage collector clears after ``looks`` looks:
     an optimizer left in a reference cycle, listed as alive, then freed by a collection at
