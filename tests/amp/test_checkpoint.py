@@ -1255,6 +1255,35 @@ def test_a_master_written_since_the_step_wins_in_the_state_dict():
     for (name, _), v in zip(model.named_parameters(), new):
         torch.testing.assert_close(saved[name], v, rtol=0, atol=0, msg=name)
 
+def test_a_submodules_state_dict_and_one_comparison_pass_per_call(monkeypatch):
+    # The writes through .data are found once per whole-model state_dict() (one pass over
+    # every parameter and one host sync per optimizer, not one per module), and a submodule's
+    # own state_dict() (model.head.state_dict(), a backbone saved alone) finds them too.
+    from mixprec.amp import _state
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype == torch.float16:
+                p.data.mul_(0.5)
+    passes = []
+    compare = _state._differ_from_their_masters
+    monkeypatch.setattr(_state, "_differ_from_their_masters",
+                        lambda pairs: passes.append(len(pairs)) or compare(pairs))
+    whole = model.state_dict()
+    assert len(passes) == 1 and passes[0] == sum(p.dtype == torch.float16
+                                                 for p in model.parameters())
+    head = model.head.state_dict()
+    assert len(passes) == 2
+    for name, p in model.named_parameters():
+        assert torch.equal(whole[name].to(p.dtype), p), name
+    for name, p in model.head.named_parameters():
+        assert torch.equal(head[name].to(p.dtype), p), name
+        torch.testing.assert_close(head[name], whole["head." + name], rtol=0, atol=0)
+
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="requires CUDA"))])
