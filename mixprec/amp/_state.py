@@ -1628,7 +1628,7 @@ class _OptimizerState:
         them: see ``_model._DataWritesOfOneCall``).
         """
         synced = self._synced_versions
-        if (is_compiling() or synced is None or len(synced) != len(self.pairs)
+        if (not self.pairs or is_compiling() or synced is None or len(synced) != len(self.pairs)
                 or (self.pairs[0][1].is_cuda and torch.cuda.is_current_stream_capturing())):
             return {}
         saved: Dict[int, torch.Tensor] = {}

@@ -573,8 +573,9 @@ def fused_norm(
     if torch.jit.is_tracing() or _launch.is_exporting():
         # torch.jit.trace and torch.export: PyTorch's own ops, so that the trace or exported
         # program loads and runs where mixprec is not installed (TorchScript serving, libtorch,
-        # torch.export.load, ONNX, ExecuTorch), as Apex's modules traced. (No argument checks:
-        # on traced shapes they would only add TracerWarnings; PyTorch's ops check.)
+        # torch.export.load, backends that know PyTorch's ops only), as Apex's modules traced.
+        # (No argument checks: on traced shapes they would only add TracerWarnings; PyTorch's
+        # ops check.)
         return _jit_traced_norm(x, normalized_shape, weight, bias, eps, is_rms,
                                 output_like_weight)
     if not isinstance(x, Tensor) or (_HAS_CUSTOM_OP and _launch.is_compiling()):
