@@ -19,6 +19,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from mixprec._checks import check_flag, first_forward_pending
 from mixprec.amp._logging import is_rank_zero, log_rank0
 from mixprec.amp._model import (
+    _standalone_masters,
     agree_on_overflow,
     cast_module_tensors,
     convert_model,
@@ -234,10 +235,15 @@ def _warn_if_already_half(models: List[nn.Module], props) -> None:
     halves = [p for m in models for p in m.parameters()
               if p.dtype in (torch.float16, torch.bfloat16) and id(p) not in taken]
     if halves and is_rank_zero():  # (once per job: initialize runs on every rank)
+        # (A deep or unpickled copy of an O2 model, restored: its own masters are still there.)
+        kept = any(_standalone_masters(m) for m in models)
         warnings.warn(
             f"amp.initialize: {len(halves)} parameter(s) of the model are already "
             f"{halves[0].dtype} (e.g. model.half() before initialize). amp casts the model "
-            f"itself: pass the fp32 model, or {consequence}.",
+            f"itself: pass the fp32 model, or {consequence}."
+            + (" This model, a copy of an amp O2 model, still holds its fp32 weights: "
+               "load its state_dict() into the model built in fp32 and initialize that one."
+               if kept else ""),
             stacklevel=3,
         )
 

@@ -342,6 +342,37 @@ def test_the_already_half_warning_points_at_the_callers_line():
     assert len(ours) == 1
     assert ours[0].filename == __file__, ours[0].filename
 
+def test_the_already_half_warning_of_a_shipped_o2_model_points_at_its_fp32_weights():
+    # A model shipped whole (torch.save of an O2 model), restored and given to initialize
+    # again for fine-tuning: the masters would start from its rounded half values, while the
+    # model's own state_dict() still holds the fp32 weights. The warning says so, and the
+    # route it names (load that state dict into a model built in fp32) gives exact masters.
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    want = model.state_dict()
+    shipped = amp.restore_model(saved_whole(model))
+    with pytest.warns(UserWarning, match=r"already torch\.bfloat16.*still holds its fp32 "
+                                         r"weights: load its state_dict\(\) into the model "
+                                         r"built in fp32"):
+        again = copy.deepcopy(shipped)
+        amp.initialize(again, torch.optim.SGD(again.parameters(), lr=0.1), opt_level="O2",
+                       dtype=torch.bfloat16, verbosity=0)
+    fresh = make_cnn(seed=1)
+    fresh.load_state_dict(shipped.state_dict())
+    opt2 = torch.optim.SGD(fresh.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh, opt2 = amp.initialize(fresh, opt2, opt_level="O2", dtype=torch.bfloat16,
+                                     verbosity=0)
+    for k, v in fresh.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
+    # Without the copy's masters (a model made half by hand) the warning stays as it was.
+    with pytest.warns(UserWarning) as record:
+        amp.initialize(make_cnn().half(), opt_level="O2", verbosity=0)
+    assert not any("still holds" in str(w.message) for w in record)
+
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_o1_warns_about_a_model_made_half_before_initialize(dtype):
