@@ -271,6 +271,10 @@ class _DataWritesOfOneCall(threading.local):
     def __init__(self):
         self.saved: Dict[int, torch.Tensor] = {}
         self.covered: Optional[Set[int]] = None
+        # A copy's half parameters (their ids) found to differ from their masters rounded,
+        # and those compared (see _Fp32StateDict.sync).
+        self.copy_differs: Set[int] = set()
+        self.copy_compared: Set[int] = set()
 
     def find(self, model: nn.Module) -> Tuple[Dict[int, torch.Tensor], Set[int]]:
         """The writes into ``model``'s master-weighted half parameters and the ids looked at."""
@@ -288,6 +292,34 @@ class _DataWritesOfOneCall(threading.local):
             saved.update(keeper.written_through_data(own))
             covered.update(map(id, own))
         return saved, covered
+
+    def find_in_copy(self, model: nn.Module) -> None:
+        """Which half parameters of a copy's own masters (deep-copied or unpickled O2 model)
+        differ from their masters rounded: for every module's ``sync`` in one pass."""
+        by_device: Dict[torch.device, list] = {}
+        with torch.no_grad():
+            for module in model.modules():
+                hooks = module.__dict__.get("_mixprec_state_dict")
+                if hooks is None or not hooks.standalone or not hooks.masters:
+                    continue
+                for name, master in hooks.masters.items():
+                    param = module._parameters.get(name)
+                    if (param is None or param.dtype not in _HALF_TYPES or param.is_meta
+                            or param.shape != master.shape or param.device != master.device
+                            or param.numel() == 0 or holds_no_values(param)):
+                        continue
+                    by_device.setdefault(param.device, []).append((param, master))
+            for pairs in by_device.values():
+                for (param, _), changed in zip(pairs, halves_differ_from_masters(pairs)):
+                    self.copy_compared.add(id(param))
+                    if changed:
+                        self.copy_differs.add(id(param))
+
+    def differs(self, param: torch.Tensor, master: torch.Tensor) -> bool:
+        """Whether a copy's half ``param`` differs from its ``master`` rounded to half."""
+        if self.covered is not None and id(param) in self.copy_compared:
+            return id(param) in self.copy_differs
+        return not torch.equal(param, master.to(param.dtype))
 
     def of(self, keeper, params: list) -> Dict[int, torch.Tensor]:
         """The writes into ``params`` (a module's, kept by ``keeper``)."""
@@ -335,9 +367,11 @@ class _AmpModule:
             return super().state_dict(*args, **kwargs)
         _DATA_WRITES.saved, _DATA_WRITES.covered = _DATA_WRITES.find(self)
         try:
+            _DATA_WRITES.find_in_copy(self)
             return super().state_dict(*args, **kwargs)
         finally:
             _DATA_WRITES.saved, _DATA_WRITES.covered = {}, None
+            _DATA_WRITES.copy_differs, _DATA_WRITES.copy_compared = set(), set()
 
     def forward(self, *args, **kwargs):
         # The instance's amp attributes are read as attributes, not self.__dict__.get: Dynamo
@@ -1188,7 +1222,7 @@ class _Fp32StateDict:
                 synced = self._versions.get(name)
                 if synced is not None and version != synced:
                     param.copy_(master)
-                elif check_params and not torch.equal(param, master.to(param.dtype)):
+                elif check_params and _DATA_WRITES.differs(param, master):
                     if master._version != version:
                         continue  # (written meanwhile: the next sync copies it over)
                     master.copy_(param)
@@ -1352,6 +1386,42 @@ class _Fp32StateDict:
             keeper.take_model_writes(only=self.own_params(module))
         if self.standalone:  # (a copy's masters, kept by sync(): the load wrote both sides)
             self._versions = {name: master._version for name, master in self.masters.items()}
+
+
+def holds_no_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds no values (a fake tensor of torch.compile or torch.export)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
+
+
+# Elements of half temporaries per multi-tensor pass of halves_differ_from_masters (128 MB).
+_COMPARE_CHUNK = 1 << 26
+
+
+def halves_differ_from_masters(pairs) -> List[bool]:
+    """For ``(half parameter, fp32 master)`` pairs on one device: whether the parameter holds
+    anything but its master rounded to half. Per chunk of pairs, the masters are cast into
+    half temporaries, the parameters subtracted, and the L1 norms taken, each one
+    multi-tensor launch; one host sync for all. (Two distinct half values differ by at least
+    the type's smallest subnormal, so their difference is never 0; a NaN or an infinity makes
+    the norm NaN or inf: counted as a difference, which the caller's element-wise pick then
+    settles.)"""
+    norms: List[torch.Tensor] = []
+    start = 0
+    while start < len(pairs):
+        end, size = start, 0
+        while end < len(pairs) and (end == start or size + pairs[end][0].numel() <= _COMPARE_CHUNK):
+            size += pairs[end][0].numel()
+            end += 1
+        halves = [p for p, _ in pairs[start:end]]
+        rounded = [torch.empty_like(p) for p in halves]
+        torch._foreach_copy_(rounded, [m for _, m in pairs[start:end]])
+        torch._foreach_sub_(rounded, halves)
+        norms.extend(torch._foreach_norm(rounded, 1))
+        del rounded
+        start = end
+    return [n != 0 for n in torch.stack(norms).tolist()] if norms else []
 
 
 def take_changed_elements(half: torch.Tensor, master: torch.Tensor) -> None:

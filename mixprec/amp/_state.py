@@ -40,6 +40,8 @@ from mixprec.amp._logging import OverflowLog, is_rank_zero, log_rank0
 from mixprec.amp._model import (
     GRAD_SYNC_DEFERRED,
     follow_renames_in,
+    halves_differ_from_masters,
+    holds_no_values,
     overflow_groups,
     overflow_registrations,
     parameter_registrations,
@@ -596,42 +598,6 @@ class BlockBackwards:
     def __call__(self, grad):
         self.tasks.add(torch._C._current_graph_task_id())
         self.threads.add(threading.get_ident())
-
-
-def _is_fake(t: torch.Tensor) -> bool:
-    """Whether ``t`` holds no values (a fake tensor of torch.compile or torch.export)."""
-    from torch._subclasses.fake_tensor import is_fake
-
-    return is_fake(t)
-
-
-# Elements of half temporaries per multi-tensor pass of _differ_from_their_masters (128 MB).
-_COMPARE_CHUNK = 1 << 26
-
-
-def _differ_from_their_masters(pairs) -> List[bool]:
-    """For ``(half parameter, fp32 master)`` pairs on one device: whether the parameter holds
-    anything but its master rounded to half. Per chunk of pairs, the masters are cast into
-    half temporaries, the parameters subtracted, and the L1 norms taken, each one
-    multi-tensor launch; one host sync for all. (Two distinct half values differ by at least
-    the type's smallest subnormal, so their difference is never 0; a NaN or an infinity makes
-    the norm NaN or inf: counted as a difference, which the caller's element-wise pick then
-    settles.)"""
-    norms: List[torch.Tensor] = []
-    start = 0
-    while start < len(pairs):
-        end, size = start, 0
-        while end < len(pairs) and (end == start or size + pairs[end][0].numel() <= _COMPARE_CHUNK):
-            size += pairs[end][0].numel()
-            end += 1
-        halves = [p for p, _ in pairs[start:end]]
-        rounded = [torch.empty_like(p) for p in halves]
-        torch._foreach_copy_(rounded, [m for _, m in pairs[start:end]])
-        torch._foreach_sub_(rounded, halves)
-        norms.extend(torch._foreach_norm(rounded, 1))
-        del rounded
-        start = end
-    return [n != 0 for n in torch.stack(norms).tolist()] if norms else []
 
 
 class ForeignBackwardWatch:
@@ -1638,11 +1604,11 @@ class _OptimizerState:
                 (p, m), (sp, sm, sc) = self.pairs[i], synced[i]
                 if (p._version != sp or m._version != sm or p._cdata != sc
                         or p.shape != m.shape or p.numel() == 0 or p.is_meta
-                        or p.dtype not in (torch.float16, torch.bfloat16) or _is_fake(p)):
+                        or p.dtype not in (torch.float16, torch.bfloat16) or holds_no_values(p)):
                     continue
                 by_device.setdefault(p.device, []).append((p, m))
             for pairs in by_device.values():
-                for (p, m), changed in zip(pairs, _differ_from_their_masters(pairs)):
+                for (p, m), changed in zip(pairs, halves_differ_from_masters(pairs)):
                     if changed:
                         saved[id(p)] = torch.where(p != m.to(p.dtype), p.to(m.dtype), m)
         return saved
