@@ -244,14 +244,38 @@ class _NotProvided(NotProvided):
 
 
 class FP16_Optimizer(_NotProvided):  # noqa: N801  (Apex's name)
-    _use = ("Use `model, optimizer = amp.initialize(model, optimizer, opt_level=\"O2\")` and "
-            "`with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()`: fp32 master "
-            "weights and dynamic loss scaling, as FP16_Optimizer gave.")
+    _use = ("Use `model, optimizer = amp.initialize(model, optimizer, opt_level=\"O2\")` "
+            "(fp32 master weights; drop network_to_half, amp casts the model) and, for each "
+            "call: optimizer.backward(loss) -> `with amp.scale_loss(loss, optimizer) as "
+            "scaled: scaled.backward()`; optimizer.clip_master_grads(max_norm) -> "
+            "torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm) after "
+            "that block; static_loss_scale=S -> loss_scale=S in amp.initialize; "
+            "dynamic_loss_scale=True -> the default (it starts at 2**16 and doubles after 2000 "
+            "clean steps, where FP16_Optimizer's started at 2**32 and doubled after 1000; "
+            "min_loss_scale=1 gives its floor); optimizer.state_dict() -> "
+            "optimizer.state_dict() and amp.state_dict() (docs/migrating.md shows how to "
+            "resume from an FP16_Optimizer checkpoint).")
 
 
-class LossScaler(_NotProvided):
+class _OldScaler(_NotProvided):
+    """An Apex loss scaler: not constructible, but an FP16_Optimizer checkpoint that pickled
+    one unpickles into it (its attributes, ``cur_scale`` among them), and scripts read its
+    scale as Apex's property gave it."""
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale (Apex's property over ``cur_scale``)."""
+        try:
+            return self.__dict__["cur_scale"]
+        except KeyError:
+            raise AttributeError(
+                f"{type(self).__name__}.loss_scale: this unpickled Apex loss scaler holds no "
+                f"cur_scale; it has {sorted(self.__dict__)}.") from None
+
+
+class LossScaler(_OldScaler):
     _use = "Pass loss_scale=<number> to amp.initialize and use amp.scale_loss."
 
 
-class DynamicLossScaler(_NotProvided):
+class DynamicLossScaler(_OldScaler):
     _use = "amp.initialize's default loss_scale=\"dynamic\" with amp.scale_loss does this."

@@ -516,6 +516,52 @@ def test_apex_imagenet_example_import_block_and_fp16_utils(clean_apex):
     assert fp16_model.network[1].weight.dtype == torch.float32
 
 
+def test_fp16_optimizer_refusal_names_what_replaces_each_of_its_calls(clean_apex):
+    # An FP16_Optimizer script also calls optimizer.backward(loss),
+    # optimizer.clip_master_grads(max_norm), passes static_loss_scale=/dynamic_loss_args= and
+    # saves optimizer.state_dict() (which held the scaler): the refusal names what replaces
+    # each, and that amp's dynamic scale starts and grows otherwise.
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import FP16_Optimizer
+
+    with pytest.raises(NotImplementedError) as info:
+        FP16_Optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1),
+                       static_loss_scale=128.0)
+    message = str(info.value)
+    for fragment in ("amp.initialize", "scale_loss", "clip_grad_norm_(amp.master_params(",
+                     "loss_scale=S", "amp.state_dict()", "2**16", "2000", "min_loss_scale=1"):
+        assert fragment in message, fragment
+
+
+def test_an_unpickled_apex_loss_scaler_gives_its_loss_scale(clean_apex, tmp_path):
+    # FP16_Optimizer-era code read the scale of a checkpoint's scaler as
+    # `checkpoint["optimizer"]["loss_scaler"].loss_scale` (Apex's property over cur_scale):
+    # the unpickled stand-in gives it (it was a bare AttributeError).
+    import types
+
+    import torch
+
+    fakes = {name: types.ModuleType(name)
+             for name in ("apex", "apex.fp16_utils", "apex.fp16_utils.loss_scaler")}
+    scaler_cls = type("DynamicLossScaler", (), {"__module__": "apex.fp16_utils.loss_scaler"})
+    fakes["apex.fp16_utils.loss_scaler"].DynamicLossScaler = scaler_cls
+    scaler = scaler_cls()
+    scaler.__dict__.update(cur_scale=512.0, cur_iter=6, last_overflow_iter=2,
+                           scale_factor=2.0, scale_window=4)
+    sys.modules.update(fakes)
+    try:
+        torch.save({"optimizer": {"loss_scaler": scaler}}, tmp_path / "old.pt")
+    finally:
+        for name in fakes:
+            sys.modules.pop(name, None)
+    mixprec.install_apex_alias()
+    loaded = torch.load(tmp_path / "old.pt", weights_only=False)["optimizer"]["loss_scaler"]
+    assert loaded.loss_scale == 512.0
+
+
 def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
     # BERT-era scripts import Apex's legacy classes from their own files, inside a try whose
     # except says "install apex" (they were "not a package": the NotImplementedError that
@@ -608,6 +654,151 @@ def test_a_pickled_fp16_optimizer_loss_scaler_unpickles_through_the_alias(clean_
     loaded = torch.load(tmp_path / "old.pt", weights_only=False)["optimizer"]["loss_scaler"]
     assert type(loaded).__module__ == "mixprec._apex_legacy.fp16_utils"
     assert (loaded.cur_scale, loaded.cur_iter, loaded.scale_window) == (4096.0, 1234, 1000)
+
+
+def _fp16_optimizer_reference(model, batches, blow, init_scale, window, clip, state=None,
+                              steps=None):
+    """Apex's FP16_Optimizer (2018-19), written out by hand: a half model (BatchNorm fp32),
+    fp32 masters (from the fp32 weights, as amp makes them), the loss times the scale, skip
+    and halve on a non-finite gradient, double on the window-th clean step since the last
+    overflow (DynamicLossScaler's (cur_iter - last_overflow_iter) % scale_window == 0), unscale,
+    clip on the master gradients, step, copy back. Returns (log, masters, state)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    if state is None:
+        masters = [p.detach().clone().requires_grad_() for p in model.parameters()]
+        half = copy.deepcopy(model)
+        for m in half.modules():
+            if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+                for p in m.parameters(recurse=False):
+                    p.data = p.data.half()
+        opt = torch.optim.SGD(masters, lr=0.1, momentum=0.9)
+        state = {"half": half, "masters": masters, "opt": opt, "cur_scale": init_scale,
+                 "cur_iter": 0, "last_overflow_iter": -1}
+    half, masters, opt = state["half"], state["masters"], state["opt"]
+    params = list(half.parameters())
+    log = []
+    for x, y in batches:
+        step = state["cur_iter"]
+        for p in params:
+            p.grad = None
+        loss = F.cross_entropy(half(x.half()).float(), y) * (1e6 if step in blow else 1.0)
+        scale = state["cur_scale"]
+        (loss * scale).backward()
+        overflow = any(not torch.isfinite(p.grad).all() for p in params)
+        if overflow:
+            state["cur_scale"] = scale / 2
+            state["last_overflow_iter"] = step
+        elif (step - state["last_overflow_iter"]) % window == 0:
+            state["cur_scale"] = scale * 2
+        state["cur_iter"] += 1
+        log.append((scale, overflow, None if overflow else loss.item()))
+        if overflow:
+            continue
+        for p, m in zip(params, masters):
+            m.grad = p.grad.float() / scale
+        torch.nn.utils.clip_grad_norm_(masters, clip)
+        opt.step()
+        with torch.no_grad():
+            for p, m in zip(params, masters):
+                p.copy_(m)
+    return log, masters, state
+
+
+def _legacy_o2_run(model, opt, batches, blow, clip, start=0):
+    import torch
+    import torch.nn.functional as F
+
+    log = []
+    for i, (x, y) in enumerate(batches, start=start):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y) * (1e6 if i in blow else 1.0)
+        scale = amp._amp_state.loss_scalers[0].loss_scale()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        torch.nn.utils.clip_grad_norm_(amp.master_params(opt), clip)
+        opt.step()
+        skipped = amp.step_was_skipped(opt)
+        log.append((scale, skipped, None if skipped else loss.item()))
+    return log
+
+
+def _legacy_model_and_batches():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 6, generator=g), torch.randint(0, 4, (16,), generator=g))
+               for _ in range(10)]
+    return model, batches
+
+
+def test_o2_steps_as_fp16_optimizer_did_bit_for_bit(clean_apex):
+    # The FP16_Optimizer refusal says amp O2 gives "fp32 master weights and dynamic loss
+    # scaling, as FP16_Optimizer gave". Checked step by step in fp16 on the CPU against that
+    # optimizer written out by hand: the scale sequence (back-off at each overflow, growth on
+    # the window-th clean step, window set through Apex's _scale_seq_len), the skipped steps,
+    # the losses and the masters (clipped on their fp32 gradients) agree bit for bit.
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex import amp as apex_amp
+
+    model, batches = _legacy_model_and_batches()
+    blow = {2, 6, 7}
+    ref_log, ref_masters, _ = _fp16_optimizer_reference(model, batches, blow, 2.0**10, 2, 0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, opt = apex_amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    amp._amp_state.loss_scalers[0]._loss_scale = 2.0**10
+    amp._amp_state.loss_scalers[0]._scale_seq_len = 2
+    log = _legacy_o2_run(model, opt, batches, blow, 0.5)
+    assert [s for s, _, _ in log] == [s for s, _, _ in ref_log]
+    assert [i for i, (_, k, _) in enumerate(log) if k] == sorted(blow)
+    assert log == ref_log
+    for got, want in zip(amp.master_params(opt), ref_masters):
+        assert torch.equal(got, want.detach())
+
+
+def test_an_fp16_optimizer_checkpoint_resumes_under_o2_bit_for_bit(clean_apex):
+    # An FP16_Optimizer checkpoint mid-window (FP16_Optimizer.state_dict(): the scaler's
+    # cur_scale, cur_iter, last_overflow_iter, scale_window, the inner optimizer's state and
+    # fp32_from_fp16) resumed by the ported O2 script: masters through model.load_state_dict,
+    # the inner optimizer's state through optimizer.load_state_dict (FP16_Optimizer kept the
+    # masters in the fp16 parameters' slots, so the order is the model's), the scale and the
+    # clean steps counted toward the next growth through amp.load_state_dict. It continues as
+    # FP16_Optimizer would have, bit for bit, growth step included.
+    import torch
+
+    mixprec.install_apex_alias()
+    from apex import amp as apex_amp
+
+    model, batches = _legacy_model_and_batches()
+    blow = {2, 8}
+    straight, ref_masters, _ = _fp16_optimizer_reference(model, batches, blow, 2.0**10, 4, 0.5)
+    first, _, state = _fp16_optimizer_reference(model, batches[:6], blow, 2.0**10, 4, 0.5)
+    assert (state["cur_iter"], state["last_overflow_iter"]) == (6, 2)  # growth due at step 6
+    saved_model = {n: m.detach().clone() for (n, _), m in
+                   zip(model.named_parameters(), state["masters"])}
+    saved_model.update(dict(state["half"].named_buffers()))  # BatchNorm's running stats
+    saved = {"model": saved_model, "optimizer": state["opt"].state_dict()}
+    new = copy.deepcopy(model)
+    opt = torch.optim.SGD(new.parameters(), lr=0.1, momentum=0.9)
+    new, opt = apex_amp.initialize(new, opt, opt_level="O2", verbosity=0)
+    new.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    unskipped = (state["cur_iter"] - state["last_overflow_iter"] - 1) % 4
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": state["cur_scale"],
+                                          "unskipped": unskipped}})
+    amp._amp_state.loss_scalers[0]._scale_seq_len = 4
+    rest = _legacy_o2_run(new, opt, batches[6:], blow, 0.5, start=6)
+    assert first + rest == straight
+    assert rest[0][0] * 2 == rest[1][0]  # the growth FP16_Optimizer had due at step 6
+    for got, want in zip(amp.master_params(opt), ref_masters):
+        assert torch.equal(got, want.detach())
 
 
 def test_apex_amp_version_module_imports(clean_apex):
