@@ -1642,3 +1642,51 @@ def test_one_failed_mode_among_ok_ones_gets_the_traceback_note(monkeypatch):
     assert [r[-1] for r in _table_rows(text)] == ["ok", "FAILED: RuntimeError: forced by the "
                                                         "test"]
     assert "note: failed modes: run with -v for their tracebacks." in text
+
+
+# -- dtype spellings, the default size, the few-steps note -----------------------------------------
+
+
+@pytest.mark.parametrize("spelling", ["fp32", "float32", "float", "FLOAT"])
+def test_every_fp32_spelling_of_dtype_says_where_the_fp32_run_is(spelling, capsys):
+    """--dtype names the half type; a user asking for fp32 by any of torch's names for it
+    (torch.float is torch.float32) gets told that the fp32 run is the O0 row, not only a bare
+    "invalid choice". (C11)"""
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--dtype", spelling])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --dtype: invalid choice: {spelling!r} (choose from fp16, bf16)" in err
+    assert "the fp32 run is always there, as the O0 row" in err
+
+
+@pytest.mark.parametrize("cuda, size", [(True, "large"), (False, "small")])
+def test_default_size_is_large_on_cuda_and_small_on_the_cpu(cuda, size, monkeypatch, capsys):
+    """A bare `mixprec bench` is the GPU benchmark on a CUDA machine (the large sizes, where
+    the recipes' differences show) and a smoke test of seconds on the CPU, as --help says;
+    the workload is built at that size. (C17)"""
+    calls = _stop_at_build(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--no-progress"])
+    assert exc.value.code == 2
+    assert "stopped by the test" in capsys.readouterr().err
+    ((args, kwargs),) = calls
+    assert kwargs["size"] == size and kwargs["batch_size"] is None
+    assert kwargs["device"] == torch.device("cuda" if cuda else "cpu")
+
+
+def test_no_timing_note_when_no_mode_finished(monkeypatch):
+    """The few-steps note is about the timings in the table: a run stopped before its first
+    mode finished has none, so its notes say it was interrupted and do not warn about timings
+    that were never taken (the note reads as if rows were shown). (C19)"""
+    _interrupt_at(monkeypatch, "O0")
+    code, text = _run(["bench", *ONE_MODE])
+    assert code == 130
+    notes = [line for line in text.splitlines() if line.startswith("note: ")]
+    assert notes[0] == "note: interrupted (Ctrl-C) during O0; did not run: O0."
+    assert not any("timed step" in note for note in notes)
+    # The same flags with the mode finished do get the note (1 timed step < 5).
+    monkeypatch.undo()
+    code, text = _run(["bench", *ONE_MODE])
+    assert code == 0 and "note: only 1 timed step per mode: too few to time" in text

@@ -503,3 +503,34 @@ def test_plot_bar_labels_are_whole_numbers_from_100_up():
     ax_time, ax_mem = fig.axes[1], fig.axes[2]
     assert [t.get_text() for t in ax_mem.texts] == ["1234"]
     assert [t.get_text() for t in ax_time.texts] == ["0.0123"]
+
+
+# -- the baseline row and the loss plot ------------------------------------------------------------
+
+
+def test_the_baseline_is_the_successful_row_of_its_mode():
+    """run_modes may be given a mode twice (a retry after a failure): the ratios are against
+    the baseline row that ran, not a failed one of the same mode, which has no numbers and
+    would leave every ratio empty. (P03)"""
+    failed_o0 = ModeResult(mode="O0", label="O0", dtype="fp32", status="failed", error="x")
+    rows = [failed_o0, _row("O0", 0.2, 100.0, 2.0), _row("O2", 0.1, 50.0, 2.02)]
+    rel = relative_to(rows)
+    assert rel[0] == {"speedup_vs_baseline": None, "memory_vs_baseline": None,
+                      "loss_gap_pct": None}
+    assert rel[2]["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert rel[2]["memory_vs_baseline"] == pytest.approx(0.5)
+    assert rel[2]["loss_gap_pct"] == pytest.approx(1.0)
+
+
+def test_plot_separates_the_warm_up_steps_between_the_last_and_the_first_timed_one():
+    """The loss plot numbers steps from 1, so the warm-up steps are 1..warmup; the dotted line
+    the x label points to sits halfway between the last warm-up step and the first timed one,
+    at warmup + 0.5: a reader counts the warm-up steps left of it. (P15)"""
+    from mixprec.bench.report import _figure
+
+    row = _row("O0", 0.1, 10.0, 1.0, losses=[3.0 - 0.1 * i for i in range(8)], warmup=3)
+    ax = _figure([row], title="").axes[0]
+    curve, rule = ax.get_lines()
+    assert list(curve.get_xdata()) == list(range(1, 9))
+    assert list(rule.get_xdata()) == [3.5, 3.5]
+    assert rule.get_linestyle() == ":"

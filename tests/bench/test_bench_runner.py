@@ -881,3 +881,109 @@ def test_run_mode_samples_the_fallback_probe_after_every_step(cnn, monkeypatch):
     assert r.ok, r.error
     assert not held
     assert 60 <= r.peak_memory_mb < 1024
+
+
+# -- the precision each recipe trains in, memory readings ---------------------------------------
+
+
+def _recording_output_dtypes(workload):
+    """Keep every model the runner builds, with the dtypes its conv and linear layers
+    returned during training (forward hooks), to check the precision a recipe really ran."""
+    built, seen = [], []
+
+    def build_model():
+        model = workload.build_model()
+        for m in model.modules():
+            if isinstance(m, (nn.Conv2d, nn.Linear)):
+                m.register_forward_hook(lambda mod, inp, out: seen.append(out.dtype))
+        built.append(model)
+        return model
+
+    return dataclasses.replace(workload, build_model=build_model), built, seen
+
+
+#: Per mode, with H the half type: (conv/linear weights, BatchNorm weights, conv/linear
+#: outputs). The documented recipes: fp32 and O0 are fp32 throughout; O1 and autocast keep
+#: fp32 weights and compute in H; O2 casts the model to H but keeps BatchNorm in fp32; O3 and
+#: pure half hold every weight in H.
+_PRECISION = {
+    "fp32": ("fp32", "fp32", "fp32"),
+    "O0": ("fp32", "fp32", "fp32"),
+    "O1": ("fp32", "fp32", "H"),
+    "O2": ("H", "fp32", "H"),
+    "O3": ("H", "H", "H"),
+    "autocast": ("fp32", "fp32", "H"),
+    "half": ("H", "H", "H"),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_trains_in_the_precision_its_row_names(cnn, mode, dtype):
+    """Each row of the table is a claim about a recipe: a mode that silently trained in
+    another precision (O3 run as O1, O2 as O1, bf16 autocast with autocast off) would still
+    run, still converge and report plausible numbers, and users would compare the wrong
+    recipes. The model the mode trained holds its weights, and its conv and linear layers
+    compute, in the types that recipe documents. (R03, R04, R06)"""
+    wl, built, seen = _recording_output_dtypes(cnn)
+    r = run_mode(wl, mode, dtype=dtype, iters=1, warmup=0)
+    assert r.ok, r.error
+    names = {"fp32": torch.float32, "H": dtype}
+    weights, bn_weights, outputs = (names[k] for k in _PRECISION[mode])
+    model = built[-1]
+    convs = [m for m in model.modules() if isinstance(m, (nn.Conv2d, nn.Linear))]
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert convs and bns and seen
+    assert {m.weight.dtype for m in convs} == {weights}
+    assert {m.weight.dtype for m in bns} == {bn_weights}
+    assert set(seen) == {outputs}
+
+
+def test_bf16_autocast_is_torch_autocast_without_a_scaler_step_for_step(cnn):
+    """The bf16 "autocast" row is PyTorch's bf16 recipe: torch.autocast at bfloat16, no
+    GradScaler, fresh gradients every step: the same losses as that loop written out (a row
+    that kept gradients across steps, or ran with autocast off, would still train and report
+    plausible numbers). (R32, R06)"""
+    r = run_mode(cnn, "autocast", dtype=torch.bfloat16, iters=2, warmup=1, seed=3)
+    assert r.ok, r.error
+    torch.manual_seed(3)
+    model = cnn.build_model()
+    opt = cnn.build_optimizer(model.parameters(), torch.device("cpu"))
+    ref = []
+    for i in range(3):
+        x, y = cnn.batches[i % len(cnn.batches)]
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = cnn.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        ref.append(loss.item())
+    assert r.losses == pytest.approx(ref, rel=1e-5)
+
+def test_cpu_peak_memory_is_mebibytes_of_rss_growth_exactly(monkeypatch):
+    """peak_memory_mb is documented in MiB (2**20 bytes), as CUDA's rows are: a CPU row in
+    decimal megabytes would read 4.9% high, and a report comparing CPU and CUDA runs would be
+    off by that much. An RSS reader stepped by hand (fallback sampler) makes it exact: 64 MiB
+    of growth over the start reads 64.0. (R20)"""
+    rss = [300 * 2**20]
+    monkeypatch.setattr(runner_module, "_reset_hwm", lambda: False)
+    monkeypatch.setattr(runner_module, "_rss_reader", lambda: lambda: rss[0])
+    probe = _CpuPeakMemory()
+    with probe:
+        rss[0] += 64 * 2**20
+        probe.sample()
+        rss[0] -= 64 * 2**20
+    assert probe.peak_mb == 64.0
+
+
+def test_an_ignored_peak_rss_reset_is_caught_with_an_earlier_mode_s_peak_left_in_it(monkeypatch):
+    """The probe trusts the kernel's peak only when the reset took effect. A kernel that ignores
+    the reset leaves the previous mode's peak in VmHWM, typically tens of MiB above the current
+    RSS (not 2**50 bytes): that must be caught too, or the next mode is charged the previous
+    mode's memory. Only a small slack (about 1 MiB, for pages touched meanwhile) is allowed.
+    (R30)"""
+    if not _kernel_resets_the_peak_rss():
+        pytest.skip("this kernel does not reset VmHWM through /proc/self/clear_refs")
+    read = runner_module._rss_reader()
+    monkeypatch.setattr(runner_module, "_read_hwm_bytes", lambda: read() + 64 * 2**20)
+    assert runner_module._reset_hwm() is False
