@@ -311,6 +311,275 @@ def test_o2_cudnn_lstm_flattened_in_every_forward_keeps_fp32_masters(monkeypatch
     assert len(storages) == 1  # (initialize packed the cast weights into one cuDNN buffer)
 
 
+class _TiedLM(nn.Module):
+    # word_language_model's shape: an embedding with a padding row, a 2-layer LSTM with dropout
+    # between its layers, a decoder tied to the embedding; flatten_parameters() in the forward.
+    # Its hidden state goes in and comes out as an argument and an output (TBPTT).
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, _D, padding_idx=0)
+        self.rnn = nn.LSTM(_D, _D, 2, dropout=0.2)
+        self.decoder = nn.Linear(_D, 20)
+        self.decoder.weight = self.embed.weight
+        self.seen = []  # the hidden state's dtypes inside the forward
+
+    def forward(self, tokens, hidden):
+        self.seen.append((hidden[0].dtype, hidden[1].dtype))
+        self.rnn.flatten_parameters()
+        out, hidden = self.rnn(self.embed(tokens), hidden)
+        return self.decoder(out), hidden
+
+
+def _lm_tokens(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(1, 20, (_T + 1, _B), generator=g)
+
+
+def _tbptt(model, opt, steps, *, mode="amp", hidden=None, first=0):
+    """TBPTT: the returned hidden state, detached, goes into the next step's forward.
+    ``mode``: "amp", "autocast" (bf16, fp32 model) or a dtype (a plain half model)."""
+    if hidden is None:
+        hidden = (torch.zeros(2, _B, _D), torch.zeros(2, _B, _D))
+        if isinstance(mode, torch.dtype):
+            hidden = tuple(h.to(mode) for h in hidden)
+    losses, returned = [], []
+    for step in range(first, first + steps):
+        data = _lm_tokens(step)
+        hidden = tuple(h.detach() for h in hidden)
+        opt.zero_grad()
+        if mode == "autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits, hidden = model(data[:-1], hidden)
+        else:
+            logits, hidden = model(data[:-1], hidden)
+        returned.append((hidden[0].dtype, hidden[1].dtype))
+        loss = nn.functional.cross_entropy(logits.float().reshape(-1, 20), data[1:].reshape(-1))
+        if mode == "amp":
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.25)
+        else:
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.25)
+        opt.step()
+        losses.append(loss.detach())
+    return torch.stack(losses), hidden, returned
+
+
+def _tied_lm(opt_level=None, dtype=torch.bfloat16, **kw):
+    torch.manual_seed(0)
+    model = _TiedLM()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0, weight_decay=1e-4)
+    if opt_level is not None:
+        amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0, **kw)
+    return model, opt
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_a_carried_lstm_hidden_state_leaves_fp32_and_enters_in_the_models_dtype(opt_level):
+    # Truncated BPTT carries the hidden state the model returned into its next forward. It
+    # comes out fp32 at every level (amp's output cast) and goes in as fp32 at O1 (autocast
+    # casts it per op) and as the model's half dtype at O2/O3 (amp's input cast, lossless for
+    # an upcast half state). O1 equals torch.autocast carrying its own bf16 state, and O3 a
+    # plain .bfloat16() model carrying a bf16 state, bit for bit (dropout included).
+    model, opt = _tied_lm(opt_level)
+    torch.manual_seed(1)
+    losses, hidden, returned = _tbptt(model, opt, 3)
+    assert returned == [(torch.float32, torch.float32)] * 3
+    inside = torch.float32 if opt_level == "O1" else torch.bfloat16
+    assert model.seen == [(inside, inside)] * 3
+    if opt_level == "O2":
+        # The tied weight has one master, saved under both names, with fp32 values.
+        state = model.state_dict()
+        assert len(list(amp.master_params(opt))) == len(list(model.parameters()))
+        assert torch.equal(state["embed.weight"], state["decoder.weight"])
+        assert not torch.equal(state["embed.weight"], state["embed.weight"].bfloat16().float())
+        return
+    if opt_level == "O1":
+        reference, ref_opt = _tied_lm()
+        mode = "autocast"
+    else:
+        reference, ref_opt = _tied_lm()
+        reference.bfloat16()
+        mode = torch.bfloat16
+    torch.manual_seed(1)
+    ref_losses, ref_hidden, _ = _tbptt(reference, ref_opt, 3, mode=mode)
+    torch.testing.assert_close(losses, ref_losses, rtol=0, atol=0)
+    torch.testing.assert_close(hidden[0], ref_hidden[0].float(), rtol=0, atol=0)
+    for (name, v), w in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(v, w.float(), rtol=0, atol=0, msg=name)
+
+
+def test_o2_tied_lstm_lm_with_packing_resumes_mid_run_with_its_hidden_state_bit_for_bit(
+        monkeypatch):
+    # A checkpoint taken mid-run (model, optimizer, amp's scaler, the RNG, and the carried
+    # hidden state, which is fp32) resumes bit for bit, fp16 with the dynamic scale, while
+    # flatten_parameters() packs the weights at every forward (simulated cuDNN packing), and
+    # the run with packing equals the one without.
+    import io
+
+    def run(pack, resume):
+        if pack:
+            _pack_on_the_cpu(monkeypatch)
+        else:
+            monkeypatch.undo()
+        model, opt = _tied_lm("O2", torch.float16)
+        torch.manual_seed(1)
+        losses, hidden, _ = _tbptt(model, opt, 2)
+        if resume:
+            saved = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "amp": amp.state_dict(), "rng": torch.get_rng_state(),
+                        "hidden": hidden}, saved)
+            saved.seek(0)
+            ckpt = torch.load(saved, weights_only=False)
+            assert ckpt["hidden"][0].dtype == torch.float32
+            model, opt = _tied_lm("O2", torch.float16)
+            model.load_state_dict(ckpt["model"])
+            opt.load_state_dict(ckpt["opt"])
+            amp.load_state_dict(ckpt["amp"])
+            torch.set_rng_state(ckpt["rng"])
+            hidden = ckpt["hidden"]
+        more, _, _ = _tbptt(model, opt, 2, hidden=hidden, first=2)
+        return torch.cat([losses, more]), model.state_dict()
+
+    want_losses, want = run(pack=False, resume=False)
+    for pack, resume in [(True, False), (True, True)]:
+        losses, got = run(pack, resume)
+        torch.testing.assert_close(losses, want_losses, rtol=0, atol=0)
+        for name, v in want.items():
+            torch.testing.assert_close(got[name], v, rtol=0, atol=0, msg=name)
+    assert not torch.equal(want["rnn.weight_hh_l1"], want["rnn.weight_hh_l1"].half().float())
+
+
+class _UnsortedPackedGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.GRU(_D, 6, batch_first=True, bidirectional=True)
+
+    def forward(self, packed, h0=None):
+        self.seen = (type(packed), packed.data.dtype, h0.dtype)
+        return self.rnn(packed, h0)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_an_unsorted_packed_sequence_goes_in_and_comes_out_with_its_indices(opt_level):
+    # pack_padded_sequence(..., enforce_sorted=False) carries sorted/unsorted indices beside
+    # batch_sizes: amp's input cast casts only the data (and the hidden state given by
+    # keyword), and the output cast gives back a PackedSequence with fp32 data and the same
+    # integer fields, which pad_packed_sequence restores to the original order.
+    from torch.nn.utils.rnn import PackedSequence
+
+    x = torch.randn(_B, _T, _D, generator=torch.Generator().manual_seed(0))
+    lengths = torch.tensor([3, 6, 1, 4])
+    packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+    h0 = torch.randn(2, _B, 6, generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    reference = _UnsortedPackedGRU()
+    torch.manual_seed(0)
+    model = _UnsortedPackedGRU()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                   dtype=torch.bfloat16, verbosity=0)
+    out, h = model(packed, h0=h0)
+    inside = torch.float32 if opt_level == "O1" else torch.bfloat16
+    assert model.seen == (PackedSequence, inside, inside)
+    assert type(out) is PackedSequence and out.data.dtype == torch.float32
+    assert h.dtype == torch.float32
+    for field in ("batch_sizes", "sorted_indices", "unsorted_indices"):
+        assert torch.equal(getattr(out, field), getattr(packed, field)), field
+        assert getattr(out, field).dtype == torch.int64
+    padded, got_lengths = pad_packed_sequence(out, batch_first=True)
+    want, _ = pad_packed_sequence(reference(packed, h0)[0], batch_first=True)
+    assert torch.equal(got_lengths, lengths)
+    # bf16 through one bidirectional layer of 6 steps: measured 5e-3 (O1, CPU autocast runs
+    # the GRU's matmuls in bf16), 8e-3 (O2), 1e-2 (O3); the bound leaves 3x.
+    torch.testing.assert_close(padded, want, rtol=0, atol=3e-2)
+
+
+class _CTCNet(nn.Module):
+    # A speech front end: Conv1d + BatchNorm1d, a bidirectional LSTM over packed frames,
+    # log-probabilities; CTCLoss(zero_infinity=True) inside the forward when asked.
+    def __init__(self, loss_inside):
+        super().__init__()
+        self.conv = nn.Conv1d(_D, 8, 3, padding=1)
+        self.bn = nn.BatchNorm1d(8)
+        self.lstm = nn.LSTM(8, 8, batch_first=True, bidirectional=True)
+        self.fc = nn.Linear(16, 5)
+        self.loss_inside = loss_inside
+
+    def forward(self, x, lengths, targets, target_lengths):
+        h = torch.relu(self.bn(self.conv(x))).transpose(1, 2)
+        self.lstm.flatten_parameters()
+        out, _ = self.lstm(pack_padded_sequence(h, lengths, batch_first=True,
+                                                enforce_sorted=False))
+        out, _ = pad_packed_sequence(out, batch_first=True, total_length=x.shape[-1])
+        log_probs = self.fc(out).log_softmax(-1).transpose(0, 1)
+        if self.loss_inside:
+            return nn.functional.ctc_loss(log_probs, targets, lengths, target_lengths,
+                                          zero_infinity=True)
+        return log_probs
+
+
+def _ctc_batch(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(_B, _D, 10, generator=g)
+    # The last utterance cannot hold its 5 labels in 2 frames: an infinite loss, zeroed.
+    return (x, torch.tensor([10, 8, 6, 2]), torch.randint(1, 5, (_B, 5), generator=g),
+            torch.tensor([3, 2, 2, 5]))
+
+
+def _ctc_train(model, opt, steps, mode):
+    losses = []
+    for step in range(steps):
+        x, lengths, targets, target_lengths = _ctc_batch(step)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "autocast"):
+            out = model(x, lengths, targets, target_lengths)
+            loss = out if model.loss_inside else nn.functional.ctc_loss(
+                out, targets, lengths, target_lengths, zero_infinity=True)
+        assert loss.dtype == torch.float32
+        if mode == "amp":
+            assert out.dtype == torch.float32  # (log-probs or the loss: fp32 out of the model)
+        backward_and_step(loss, opt, amp, use_amp=mode == "amp")
+        losses.append(loss.detach())
+    return torch.stack(losses)
+
+
+def _ctc_net(loss_inside, opt_level=None):
+    torch.manual_seed(0)
+    model = _CTCNet(loss_inside)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-2)
+    if opt_level is not None:
+        amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    return model, opt
+
+
+@pytest.mark.parametrize("loss_inside", [False, True])
+def test_ctc_model_at_o1_is_autocast_and_at_o2_trains_like_fp32(loss_inside):
+    # O1: CTC loss in fp32 (autocast's fp32 list) inside the forward or after it, bit for bit
+    # with torch.autocast. O2 (loss after the model, which hands out fp32 log-probs): close to
+    # fp32, BatchNorm1d and its running statistics fp32, and zero_infinity's zeroed
+    # utterance leaves everything finite.
+    model, opt = _ctc_net(loss_inside, "O1")
+    reference, ref_opt = _ctc_net(loss_inside)
+    torch.testing.assert_close(_ctc_train(model, opt, 3, "amp"),
+                               _ctc_train(reference, ref_opt, 3, "autocast"), rtol=0, atol=0)
+    for (name, v), w in zip(model.state_dict().items(), reference.state_dict().values()):
+        torch.testing.assert_close(v, w, rtol=0, atol=0, msg=name)
+    if loss_inside:
+        return
+    model, opt = _ctc_net(False, "O2")
+    fp32, fp32_opt = _ctc_net(False)
+    losses = _ctc_train(model, opt, 3, "amp")
+    # bf16 activations, fp32 masters: measured 2.5e-4 relative at most; the bound leaves ~20x.
+    torch.testing.assert_close(losses, _ctc_train(fp32, fp32_opt, 3, "fp32"), rtol=5e-3,
+                               atol=0)
+    assert model.bn.weight.dtype == model.bn.running_var.dtype == torch.float32
+    assert model.lstm.weight_ih_l0.dtype == torch.bfloat16
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values()
+               if v.is_floating_point())
+
+
 def test_o3_sparse_embedding_trains_as_a_plain_half_model():
     # O3 fp16 (static scale 1.0, no overflow check): the sparse gradient with duplicate
     # indices reaches SGD as in a plain .half() model. amp coalesced it first, summing the

@@ -467,6 +467,92 @@ def test_o1_fp16_lora_accumulation_with_an_overflow_is_autocast_and_gradscaler_b
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def test_o1_fp16_gru_seq2seq_with_loss_spikes_is_autocast_and_gradscaler_bit_for_bit():
+    # A GRU encoder-decoder with attention (bidirectional encoder over an unsorted packed
+    # batch, teacher forcing by fixed flags, clipping on amp.master_params): fp16 O1 equals
+    # torch.autocast + GradScaler (unscale_, clip, step, update) bit for bit, through two
+    # loss spikes that overflow (both skip them and halve the scale twice).
+    import torch
+    from torch import nn
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    from mixprec import amp
+
+    class Seq2Seq(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.src = nn.Embedding(12, 8, padding_idx=0)
+            self.enc = nn.GRU(8, 8, batch_first=True, bidirectional=True)
+            self.tgt = nn.Embedding(12, 8, padding_idx=0)
+            self.dec = nn.GRUCell(8 + 16, 16)
+            self.query = nn.Linear(16, 16, bias=False)
+            self.out = nn.Linear(32, 12)
+
+        def forward(self, src, lengths, tgt, teacher):
+            enc, h = self.enc(pack_padded_sequence(self.src(src), lengths, batch_first=True,
+                                                   enforce_sorted=False))
+            enc, _ = pad_packed_sequence(enc, batch_first=True, total_length=src.shape[1])
+            h, ctx = torch.cat([h[0], h[1]], -1), enc.new_zeros(len(src), 16)
+            mask = torch.arange(src.shape[1]) < lengths[:, None]
+            tok, logits = torch.ones(len(src), dtype=torch.long), []
+            for t in range(tgt.shape[1]):
+                h = self.dec(torch.cat([self.tgt(tok), ctx], -1), h)
+                scores = torch.bmm(enc, self.query(h)[:, :, None])[:, :, 0]
+                ctx = (scores.masked_fill(~mask, float("-inf")).softmax(-1)[:, :, None]
+                       * enc).sum(1)
+                logits.append(self.out(torch.cat([h, ctx], -1)))
+                tok = tgt[:, t] if teacher[t] else logits[-1].argmax(-1)
+            return torch.stack(logits, 1)
+
+    def run(use_amp):
+        torch.manual_seed(0)
+        model = Seq2Seq()
+        opt = torch.optim.Adam(model.parameters(), lr=3e-3, weight_decay=1e-4)
+        if use_amp:
+            amp.initialize(model, opt, opt_level="O1", dtype=torch.float16, verbosity=0)
+        else:
+            scaler = torch.amp.GradScaler("cpu")
+        losses, scales = [], []
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            lengths = torch.tensor([5, 3, 4, 2])
+            src = torch.randint(1, 12, (4, 5), generator=g)
+            src[torch.arange(5) >= lengths[:, None]] = 0
+            tgt = torch.randint(1, 12, (4, 3), generator=g)
+            teacher = [True, step % 2 == 0, False]
+            opt.zero_grad()
+            if use_amp:
+                logits = model(src, lengths, tgt, teacher)
+            else:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    logits = model(src, lengths, tgt, teacher)
+            loss = nn.functional.cross_entropy(logits.float().reshape(-1, 12), tgt.reshape(-1))
+            if step in (1, 2):
+                loss = loss * 1e5  # a spike: the scaled fp16 gradients overflow
+            if use_amp:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+                opt.step()
+                scales.append(amp.state_dict()["loss_scaler0"]["loss_scale"])
+            else:
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+            losses.append(loss.detach())
+        return torch.stack(losses), scales, [p.detach().clone() for p in model.parameters()]
+
+    want_losses, want_scales, want = run(False)
+    losses, scales, got = run(True)
+    assert want_scales == scales == [2.0 ** 16, 2.0 ** 15, 2.0 ** 14, 2.0 ** 14, 2.0 ** 14]
+    torch.testing.assert_close(losses, want_losses, rtol=0, atol=0)
+    for p, q in zip(got, want):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def test_apex_imagenet_example_import_block_and_fp16_utils(clean_apex):
     # The import block of Apex's examples/imagenet/main_amp.py, copied into many scripts.
     import torch
