@@ -1291,9 +1291,10 @@ class _Fp32StateDict:
                 # view of the parameter (a transposed layout) is saved as the same view of
                 # the master; anything else is kept as written (in fp32). (A copy of the
                 # parameter's values is the parameter: its master.)
-                master = _same_view_of(master, entry, tensor)
-                if master is not None and tensor.dtype in _HALF_TYPES:
-                    state_dict[key] = master.detach()
+                written = data_writes.get(id(tensor))
+                view = _same_view_of(master if written is None else written, entry, tensor)
+                if view is not None and tensor.dtype in _HALF_TYPES:
+                    state_dict[key] = view.detach()
                     continue
                 master = None
             if master is not None and tensor.dtype not in _HALF_TYPES:
@@ -1451,6 +1452,8 @@ def _is_alias(entry, tensor: torch.Tensor) -> bool:
             and entry.shape == tensor.shape and entry.device == tensor.device
             and entry.stride() == tensor.stride()):
         return False
+    if holds_no_values(tensor):  # (its data_ptr() warns that it will raise)
+        return True
     try:
         return entry.data_ptr() == tensor.data_ptr()
     except (RuntimeError, NotImplementedError):

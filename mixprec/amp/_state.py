@@ -1609,8 +1609,9 @@ class _OptimizerState:
                 by_device.setdefault(p.device, []).append((p, m))
             for pairs in by_device.values():
                 for (p, m), changed in zip(pairs, halves_differ_from_masters(pairs)):
-                    if changed:
-                        saved[id(p)] = torch.where(p != m.to(p.dtype), p.to(m.dtype), m)
+                    if changed:  # (laid out as the master: a saved view of it maps alike)
+                        out = torch.empty_like(m)
+                        saved[id(p)] = torch.where(p != m.to(p.dtype), p.to(m.dtype), m, out=out)
         return saved
 
     def _take(self, written) -> None:
