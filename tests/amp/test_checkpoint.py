@@ -160,6 +160,27 @@ def test_writes_into_the_half_model_reach_the_checkpoint_and_survive_a_load(dtyp
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_partial_in_place_write_is_saved_as_the_master_the_next_step_trains_from(dtype):
+    """An in-place write into some elements of a half parameter after a step (zeroing a
+    padding row under ``no_grad``) is taken into its master whole, at half precision (the
+    in-place-write rule: the next step trains from it). The checkpoint is that master: a run
+    resumed from it continues exactly as the run that saved it. Reference: the half
+    parameter upcast, in every element, and the master itself after the save. (M08)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    head = model.head.weight
+    master = dict(zip(model.parameters(), amp.master_params(opt)))[head]
+    assert not torch.equal(master, head.float())  # (the step left fp32 detail in the master)
+    with torch.no_grad():
+        head[0].zero_()
+    saved = model.state_dict()["head.weight"]
+    torch.testing.assert_close(saved, head.float(), rtol=0, atol=0)
+    torch.testing.assert_close(saved, master, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_pretrained_weights_loaded_into_a_part_of_an_o2_model_reach_its_masters(dtype):
     """Detection and segmentation code loads a pretrained backbone into its part of the model
     (``model.backbone.load_state_dict(weights)``), often after ``amp.initialize``. At O2 that
@@ -1309,6 +1330,39 @@ def test_a_submodules_state_dict_and_one_comparison_pass_per_call(monkeypatch):
         torch.testing.assert_close(head[name], whole["head." + name], rtol=0, atol=0)
 
 
+def test_weights_swapped_in_through_data_are_saved_when_a_layer_is_split_over_two_optimizers():
+    """A layer whose weight and bias are stepped by two optimizers (one initialize call, O2:
+    separate weight-decay groups kept as separate optimizers) and whose weights are swapped in
+    through ``.data`` (an EMA to evaluate and save) saves the swapped values of both tensors:
+    the checkpoint is the model the forward runs, whichever optimizer holds each master.
+    Reference: each saved entry cast back to half is the parameter, and equals the master
+    where the parameter still equals its master rounded to half. (M04)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5))
+    opt_w = torch.optim.SGD([model[0].weight], lr=0.1)
+    opt_b = torch.optim.SGD([model[0].bias], lr=0.1)
+    amp.initialize(model, [opt_w, opt_b], opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(8, 6)
+    loss = model(x).float().square().mean()
+    with amp.scale_loss(loss, [opt_w, opt_b]) as scaled:
+        scaled.backward()
+    opt_w.step()
+    opt_b.step()
+    masters = {"0.weight": next(amp.master_params(opt_w)),
+               "0.bias": next(amp.master_params(opt_b))}
+    torch.manual_seed(1)
+    for p in model.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32))
+    saved = model.state_dict()
+    for name, p in model.named_parameters():
+        entry, master = saved[name], masters[name]
+        assert entry.dtype == torch.float32, name
+        assert torch.equal(entry.to(p.dtype), p), name
+        same = p == master.to(p.dtype)
+        assert torch.equal(entry[same], master[same]), name
+        assert not bool(same.all()), name  # (the swap changed this tensor)
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="requires CUDA"))])
 @pytest.mark.parametrize("fused", ["FusedAdam", "AdamW(fused=True)", "SGD"])
@@ -1960,6 +2014,54 @@ def test_o2_a_modules_own_checkpoint_layout_is_kept():
     opt.step()  # (no gradients: the step keeps the half model as the master says)
     assert torch.equal(layer.weight, want)
 
+@pytest.mark.parametrize("layer", ["transposed", "linear"])
+def test_a_modules_own_layout_saves_weights_swapped_in_through_data(layer):
+    # A module that saves a view of its weight (_SavesTransposed) saved the master's view
+    # after weights were swapped in through .data (torch_ema's copy_to): the checkpoint was not
+    # the evaluated model, where a plain nn.Linear's was. Reference: the swapped half weights.
+    torch.manual_seed(0)
+    model = nn.Sequential(_SavesTransposed() if layer == "transposed"
+                          else nn.Linear(4, 4, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    weight = model[0].weight
+    weight.data.copy_(torch.randn(weight.shape))
+    entry = model.state_dict()["0.weight"]
+    if layer == "transposed":
+        entry = entry.t()
+    assert entry.dtype == torch.float32
+    assert torch.equal(entry.to(weight.dtype), weight)
+
+
+class _SavesHWIO(nn.Conv2d):
+    """Checkpoints hold the kernel as (height, width, in, out), a view of the weight."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        weight = self.weight if keep_vars else self.weight.detach()
+        destination[prefix + "weight"] = weight.permute(2, 3, 1, 0)
+
+
+def test_o2_a_modules_own_layout_holds_its_values_after_a_channels_last_conversion():
+    """A module that saves a view of its weight (a kernel layout of another framework), in
+    an O2 model converted to channels_last after ``initialize``: the half weight's memory
+    layout is no longer the master's, so the same view of the master cannot be taken by
+    strides; the checkpoint must still hold the weight's values in the module's layout (not
+    the master's memory read with the weight's strides). Reference: the half weight,
+    permuted as the module saves it. (M37)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(_SavesHWIO(3, 4, 3, bias=False))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    model.to(memory_format=torch.channels_last)
+    weight = model[0].weight
+    saved = model.state_dict()["0.weight"]
+    assert saved.dtype == torch.float32
+    torch.testing.assert_close(saved.to(weight.dtype), weight.permute(2, 3, 1, 0), rtol=0,
+                               atol=0)
+
 
 def test_o2_a_renamed_key_that_the_module_transforms_on_load_reaches_the_master_as_loaded():
     """A checkpoint under an old key name, renamed by a load pre-hook the user registered
@@ -2038,6 +2140,28 @@ def test_o2_parametrization_after_initialize_keeps_the_fp32_masters(dtype):
 
     parametrize.remove_parametrizations(model[0], "weight", leave_parametrized=False)
     torch.testing.assert_close(model.state_dict()["0.weight"], master.detach(), rtol=0, atol=0)
+
+
+def test_o2_keep_vars_after_a_parametrization_returns_the_moved_parameter_itself():
+    """``state_dict(keep_vars=True)`` right after ``register_parametrization`` moved an O2
+    weight into ``parametrizations.weight.original`` (the first save, which finds the move
+    and carries the master along) is still the module's own variables by identity; the
+    default state dict then saves the master there. Reference: ``named_parameters`` by
+    identity, and the optimizer's master. (M43)"""
+    from torch.nn.utils import parametrize
+
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    master = next(amp.master_params(opt))
+    parametrize.register_parametrization(model[0], "weight", _Doubled())
+    kept = model.state_dict(keep_vars=True)
+    own = dict(model.named_parameters())
+    key = "0.parametrizations.weight.original"
+    assert kept[key] is own[key]
+    for k, v in own.items():
+        assert kept[k] is v, k
+    torch.testing.assert_close(model.state_dict()[key], master, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("level", ["O2", "O3"])
@@ -2230,6 +2354,47 @@ def test_torch_func_model_ensembling_with_a_meta_copy_as_base(opt_level):
     for k, v in models[0].state_dict().items():
         torch.testing.assert_close(base.state_dict()[k], v, rtol=0, atol=0, msg=k)
     torch.testing.assert_close(base(x), models[0](x), rtol=0, atol=0)
+
+
+def test_o2_state_dict_of_a_model_initialized_on_the_meta_device_describes_the_fp32_model():
+    """An O2 model built and initialized on the meta device (a skeleton: tools plan a
+    checkpoint's sharding or a device map from its state dict's keys, shapes and dtypes)
+    gives a state dict without reading any values: the same keys and shapes as the plain
+    fp32 model's, every entry fp32 on meta. Reference: the plain model's state dict. (M10)"""
+    with torch.device("meta"):
+        plain = make_mlp()
+        model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    want = plain.state_dict()
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].is_meta and got[k].dtype == torch.float32, k
+        assert got[k].shape == v.shape, k
+
+
+def test_o2_state_dict_under_fake_tensor_mode_describes_the_fp32_model():
+    """An O2 model built and initialized under ``FakeTensorMode`` (memory and sharding
+    planners trace a model without allocating it) gives a state dict without reading values
+    (a fake tensor's values are data-dependent and cannot be read): the plain model's keys
+    and shapes, every entry fp32. Reference: the plain model's state dict. (M11)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        plain = make_mlp()
+        model = make_mlp()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+        want = plain.state_dict()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = model.state_dict()
+    # (No "Accessing the data pointer of FakeTensor is deprecated" from amp's hooks.)
+    assert not [w for w in caught if "data pointer" in str(w.message)]
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert got[k].dtype == torch.float32 and got[k].shape == v.shape, k
 
 
 def test_masters_written_in_place_right_after_initialize_hold_through_the_first_step():
