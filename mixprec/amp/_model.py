@@ -1407,7 +1407,10 @@ def halves_differ_from_masters(pairs) -> List[bool]:
     multi-tensor launch; one host sync for all. (Two distinct half values differ by at least
     the type's smallest subnormal, so their difference is never 0; a NaN or an infinity makes
     the norm NaN or inf: counted as a difference, which the caller's element-wise pick then
-    settles.)"""
+    settles.) On the CPU, where there is no sync to save and half arithmetic is slow, a
+    ``torch.equal`` per pair instead."""
+    if pairs and pairs[0][0].device.type == "cpu":
+        return [not torch.equal(p, m.to(p.dtype)) for p, m in pairs]
     norms: List[torch.Tensor] = []
     start = 0
     while start < len(pairs):
