@@ -1391,6 +1391,8 @@ class _Fp32StateDict:
 
 def holds_no_values(t: torch.Tensor) -> bool:
     """Whether ``t`` holds no values (a fake tensor of torch.compile or torch.export)."""
+    if type(t) is nn.Parameter or type(t) is torch.Tensor:  # (the usual case, at once)
+        return False
     from torch._subclasses.fake_tensor import is_fake
 
     return is_fake(t)
