@@ -94,6 +94,7 @@ def flat_dist_call(tensors, call, extra_args=None) -> None:
             for t, synced in zip(bucket, unflatten(flat, bucket)):
                 t.copy_(synced)
 
+
 _MB = 1024 * 1024
 _TORCH_DDP_PARAMS = frozenset(
     inspect.signature(nn.parallel.DistributedDataParallel.__init__).parameters

@@ -344,16 +344,21 @@ def _checkpointed_run(tmp_path, resume_at, steps=6):
                         "amp": amp.state_dict(),
                         "master params": list(amp.master_params(opt))}, tmp_path / "ck.pt")
             model, opt = fresh()
-            ck = torch.load(tmp_path / "ck.pt", weights_only=False)
-            model.load_state_dict(ck["model"])
-            opt._lazy_init_maybe_master_weights()
-            opt._amp_stash.lazy_init_called = True
-            opt.load_state_dict(ck["optimizer"])
-            for param, saved in zip(amp.master_params(opt), ck["master params"]):
-                param.data.copy_(saved.data)
-            amp.load_state_dict(ck["amp"])
+            _bert_style_load(model, opt, torch.load(tmp_path / "ck.pt", weights_only=False))
         losses.append(float(train_step(model, opt, x, y, amp)))
     return losses, [m.detach().clone() for m in amp.master_params(opt)]
+
+
+def _bert_style_load(model, opt, ck):
+    """NVIDIA BERT's resume: the model, Apex's private master-weight init, the optimizer, the
+    masters copied in through .data in the optimizer's order, then amp's scaler."""
+    model.load_state_dict(ck["model"])
+    opt._lazy_init_maybe_master_weights()
+    opt._amp_stash.lazy_init_called = True
+    opt.load_state_dict(ck["optimizer"])
+    for param, saved in zip(amp.master_params(opt), ck["master params"]):
+        param.data.copy_(saved.data)
+    amp.load_state_dict(ck["amp"])
 
 
 def test_bert_style_resume_continues_bit_for_bit(tmp_path):
@@ -390,14 +395,7 @@ def test_bert_style_resume_from_apexs_upcast_model_dict_continues_bit_for_bit(tm
     want_amp = amp.state_dict()
 
     resumed, ropt = fresh()
-    ck = torch.load(tmp_path / "apex.pt", weights_only=False)
-    resumed.load_state_dict(ck["model"])
-    ropt._lazy_init_maybe_master_weights()
-    ropt._amp_stash.lazy_init_called = True
-    ropt.load_state_dict(ck["optimizer"])
-    for param, saved in zip(amp.master_params(ropt), ck["master params"]):
-        param.data.copy_(saved.data)
-    amp.load_state_dict(ck["amp"])
+    _bert_style_load(resumed, ropt, torch.load(tmp_path / "apex.pt", weights_only=False))
     assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 13
     got = [float(train_step(resumed, ropt, x, y, amp)) for _ in range(3)]
     assert got == losses[3:]

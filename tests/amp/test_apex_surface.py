@@ -366,6 +366,7 @@ def test_a_group_added_at_o2_leaves_the_fp32_batchnorm_parameters_unscaled_once(
     torch.testing.assert_close(head.weight.double(), ref_head.weight.detach(), rtol=0,
                                atol=1e-3)
 
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
 def test_add_param_group_repeating_a_parameter_is_refused_at_every_level(opt_level):
     # PyTorch refuses a parameter in two groups; at O2 its check compared the half parameter

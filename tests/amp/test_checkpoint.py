@@ -1164,6 +1164,7 @@ def test_a_copy_keeps_changes_to_its_half_parameters():
             assert torch.equal(state[name].to(p.dtype), p), name
         assert not torch.equal(state["head.weight"], make_cnn().state_dict()["head.weight"])
 
+
 def test_a_copys_state_dict_compares_its_half_parameters_in_one_pass(monkeypatch):
     # timm's ModelEmaV2 reads the EMA copy's state_dict() at every step: its check for writes
     # through .data into the copy's half parameters is one pass and host sync for the whole
@@ -1187,6 +1188,13 @@ def test_a_copys_state_dict_compares_its_half_parameters_in_one_pass(monkeypatch
     assert torch.equal(saved["head.weight"], ema.head.weight.float())
 
 
+def _ema_update(shadow, opt, decay=0.5):
+    """An fp32 EMA of ``opt``'s master weights, updated in place (torch_ema's shadow)."""
+    with torch.no_grad():
+        for e, p in zip(shadow, amp.master_params(opt)):
+            e.mul_(decay).add_(p, alpha=1 - decay)
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_weights_swapped_in_through_data_are_what_the_live_state_dict_saves(dtype):
     # torch_ema's copy_to() / average_parameters() and hand-written EMA helpers swap the
@@ -1203,9 +1211,7 @@ def test_weights_swapped_in_through_data_are_what_the_live_state_dict_saves(dtyp
     x, y = batch()
     for _ in range(3):
         train_step(model, opt, x, y, amp)
-        with torch.no_grad():
-            for e, p in zip(shadow, amp.master_params(opt)):
-                e.mul_(0.5).add_(p, alpha=0.5)
+        _ema_update(shadow, opt)
     masters = {p: m for p, m in zip(model.parameters(), amp.master_params(opt))
                if p.dtype == dtype}  # (BatchNorm's fp32 parameters are their own masters)
     trained = {p: m.detach().clone() for p, m in masters.items()}
@@ -1241,9 +1247,7 @@ def test_an_ema_swapped_in_and_back_through_data_continues_bit_for_bit():
         x, y = batch()
         for i in range(4):
             train_step(model, opt, x, y, amp)
-            with torch.no_grad():
-                for e, p in zip(shadow, amp.master_params(opt)):
-                    e.mul_(0.5).add_(p, alpha=0.5)
+            _ema_update(shadow, opt)
             if swap and i == 1:
                 stored = [p.detach().clone() for p in model.parameters()]
                 for p, e in zip(model.parameters(), shadow):
@@ -1299,6 +1303,7 @@ def test_a_master_written_since_the_step_wins_in_the_state_dict():
     saved = model.state_dict()
     for (name, _), v in zip(model.named_parameters(), new):
         torch.testing.assert_close(saved[name], v, rtol=0, atol=0, msg=name)
+
 
 def test_a_submodules_state_dict_and_one_comparison_pass_per_call(monkeypatch):
     # The writes through .data are found once per whole-model state_dict() (one pass over
@@ -2013,6 +2018,7 @@ def test_o2_a_modules_own_checkpoint_layout_is_kept():
     assert torch.equal(layer.weight, want) and torch.equal(weight_master, want.float())
     opt.step()  # (no gradients: the step keeps the half model as the master says)
     assert torch.equal(layer.weight, want)
+
 
 @pytest.mark.parametrize("layer", ["transposed", "linear"])
 def test_a_modules_own_layout_saves_weights_swapped_in_through_data(layer):

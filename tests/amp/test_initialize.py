@@ -342,6 +342,7 @@ def test_the_already_half_warning_points_at_the_callers_line():
     assert len(ours) == 1
     assert ours[0].filename == __file__, ours[0].filename
 
+
 def test_the_already_half_warning_of_a_shipped_o2_model_points_at_its_fp32_weights():
     # A model shipped whole (torch.save of an O2 model), restored and given to initialize
     # again for fine-tuning: the masters would start from its rounded half values, while the
@@ -622,6 +623,7 @@ def test_recasting_an_amp_model_is_refused_before_it_changes(opt_level):
     # restore_model lifts it, as the message says.
     amp.restore_model(model).double()
     assert model.head.weight.dtype == torch.float64
+
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_half_for_deployment_is_refused_with_the_routes_that_work(dtype):
@@ -1749,6 +1751,7 @@ def test_o2_masters_of_frozen_parameters_stay_frozen():
     amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     assert [m.requires_grad for m in amp.master_params(opt)] == [False, False, True, True]
     assert [p.requires_grad for p in model.parameters()] == [False, False, True, True]
+
 
 def test_optimizer_state_from_before_initialize_moves_to_the_masters():
     # An optimizer that already stepped (or loaded a state dict) before initialize: its

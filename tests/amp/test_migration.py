@@ -626,25 +626,10 @@ def test_an_unpickled_apex_loss_scaler_gives_its_loss_scale(clean_apex, tmp_path
     # FP16_Optimizer-era code read the scale of a checkpoint's scaler as
     # `checkpoint["optimizer"]["loss_scaler"].loss_scale` (Apex's property over cur_scale):
     # the unpickled stand-in gives it (it was a bare AttributeError).
-    import types
-
-    import torch
-
-    fakes = {name: types.ModuleType(name)
-             for name in ("apex", "apex.fp16_utils", "apex.fp16_utils.loss_scaler")}
-    scaler_cls = type("DynamicLossScaler", (), {"__module__": "apex.fp16_utils.loss_scaler"})
-    fakes["apex.fp16_utils.loss_scaler"].DynamicLossScaler = scaler_cls
-    scaler = scaler_cls()
-    scaler.__dict__.update(cur_scale=512.0, cur_iter=6, last_overflow_iter=2,
-                           scale_factor=2.0, scale_window=4)
-    sys.modules.update(fakes)
-    try:
-        torch.save({"optimizer": {"loss_scaler": scaler}}, tmp_path / "old.pt")
-    finally:
-        for name in fakes:
-            sys.modules.pop(name, None)
+    _save_an_apex_pickled_scaler(tmp_path / "old.pt", {}, cur_scale=512.0, cur_iter=6,
+                                 last_overflow_iter=2, scale_factor=2.0, scale_window=4)
     mixprec.install_apex_alias()
-    loaded = torch.load(tmp_path / "old.pt", weights_only=False)["optimizer"]["loss_scaler"]
+    loaded = _load(tmp_path / "old.pt")["optimizer"]["loss_scaler"]
     assert loaded.loss_scale == 512.0
 
 
@@ -712,12 +697,10 @@ def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
         legacy.clip_grad_norm([p], 1.0, error_if_nonfinite=True)
 
 
-def test_a_pickled_fp16_optimizer_loss_scaler_unpickles_through_the_alias(clean_apex, tmp_path):
-    # FP16_Optimizer-era checkpoints (NVIDIA BERT, Megatron-LM of 2019-2020) pickled
-    # Apex's loss scaler object itself under optimizer["loss_scaler"]. With the alias
-    # installed, torch.load(weights_only=False) of such a file finds the class at Apex's path
-    # and gives its attributes back (cur_scale seeds amp's scale); constructing the class is
-    # still refused. Written here with stand-in apex modules, as Apex's own class pickled.
+def _save_an_apex_pickled_scaler(path, optimizer_entries, **attributes):
+    """Write an FP16_Optimizer-era checkpoint to ``path``: Apex's DynamicLossScaler object
+    (its class under Apex's module path, from stand-in modules removed afterwards) with
+    ``attributes``, under ``optimizer["loss_scaler"]`` beside ``optimizer_entries``."""
     import types
 
     import torch
@@ -727,17 +710,32 @@ def test_a_pickled_fp16_optimizer_loss_scaler_unpickles_through_the_alias(clean_
     scaler_cls = type("DynamicLossScaler", (), {"__module__": "apex.fp16_utils.loss_scaler"})
     fakes["apex.fp16_utils.loss_scaler"].DynamicLossScaler = scaler_cls
     scaler = scaler_cls()
-    scaler.__dict__.update(cur_scale=4096.0, cur_iter=1234, last_overflow_iter=-1,
-                           scale_factor=2.0, scale_window=1000)
+    scaler.__dict__.update(attributes)
     sys.modules.update(fakes)
     try:
-        torch.save({"optimizer": {"loss_scaler": scaler, "dynamic_loss_scale": True}},
-                   tmp_path / "old.pt")
+        torch.save({"optimizer": {"loss_scaler": scaler, **optimizer_entries}}, path)
     finally:
         for name in fakes:
             sys.modules.pop(name, None)
+
+
+def _load(path):
+    import torch
+
+    return torch.load(path, weights_only=False)
+
+
+def test_a_pickled_fp16_optimizer_loss_scaler_unpickles_through_the_alias(clean_apex, tmp_path):
+    # FP16_Optimizer-era checkpoints (NVIDIA BERT, Megatron-LM of 2019-2020) pickled
+    # Apex's loss scaler object itself under optimizer["loss_scaler"]. With the alias
+    # installed, torch.load(weights_only=False) of such a file finds the class at Apex's path
+    # and gives its attributes back (cur_scale seeds amp's scale); constructing the class is
+    # still refused. Written here with stand-in apex modules, as Apex's own class pickled.
+    _save_an_apex_pickled_scaler(tmp_path / "old.pt", {"dynamic_loss_scale": True},
+                                 cur_scale=4096.0, cur_iter=1234, last_overflow_iter=-1,
+                                 scale_factor=2.0, scale_window=1000)
     mixprec.install_apex_alias()
-    loaded = torch.load(tmp_path / "old.pt", weights_only=False)["optimizer"]["loss_scaler"]
+    loaded = _load(tmp_path / "old.pt")["optimizer"]["loss_scaler"]
     assert type(loaded).__module__ == "mixprec._apex_legacy.fp16_utils"
     assert (loaded.cur_scale, loaded.cur_iter, loaded.scale_window) == (4096.0, 1234, 1000)
 

@@ -299,6 +299,7 @@ def test_load_state_dict_refuses_a_malformed_state(state):
         s.load_state_dict(state)
     assert s.state_dict() == {"loss_scale": 2.0**16, "unskipped": 0}  # unchanged
 
+
 def test_unscale_with_a_static_scale_below_one():
     # A static scale under 1.0 (allowed: any finite scale > 0) is unscaled too.
     s = LossScaler(0.25)

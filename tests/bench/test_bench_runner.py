@@ -279,18 +279,26 @@ def test_losses_match_a_plain_training_loop_over_the_batch_pool(cnn):
     # The seed's model, then the pool's batches in order from the first step (warm-up
     # included): the fp32 mode is exactly this loop.
     r = run_mode(cnn, "fp32", iters=3, warmup=1, seed=5)
-    torch.manual_seed(5)
+    assert r.losses == pytest.approx(_plain_loop_losses(cnn, seed=5, steps=4), rel=1e-5)
+
+
+def _plain_loop_losses(cnn, seed, steps, autocast_dtype=None):
+    """The losses of a plain training loop over the pool's batches in order (under
+    ``torch.autocast`` on the CPU with ``autocast_dtype``), from the seed's model."""
+    torch.manual_seed(seed)
     model = cnn.build_model()
     opt = cnn.build_optimizer(model.parameters(), torch.device("cpu"))
-    ref = []
-    for i in range(4):
+    losses = []
+    for i in range(steps):
         x, y = cnn.batches[i % len(cnn.batches)]
         opt.zero_grad(set_to_none=True)
-        loss = cnn.loss_fn(model(x), y)
+        with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16,
+                            enabled=autocast_dtype is not None):
+            loss = cnn.loss_fn(model(x), y)
         loss.backward()
         opt.step()
-        ref.append(loss.item())
-    assert r.losses == pytest.approx(ref, rel=1e-5)
+        losses.append(loss.item())
+    return losses
 
 
 def test_an_infinite_final_loss_is_diverged_too():
@@ -946,19 +954,9 @@ def test_bf16_autocast_is_torch_autocast_without_a_scaler_step_for_step(cnn):
     plausible numbers). (R32, R06)"""
     r = run_mode(cnn, "autocast", dtype=torch.bfloat16, iters=2, warmup=1, seed=3)
     assert r.ok, r.error
-    torch.manual_seed(3)
-    model = cnn.build_model()
-    opt = cnn.build_optimizer(model.parameters(), torch.device("cpu"))
-    ref = []
-    for i in range(3):
-        x, y = cnn.batches[i % len(cnn.batches)]
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = cnn.loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        ref.append(loss.item())
+    ref = _plain_loop_losses(cnn, seed=3, steps=3, autocast_dtype=torch.bfloat16)
     assert r.losses == pytest.approx(ref, rel=1e-5)
+
 
 def test_cpu_peak_memory_is_mebibytes_of_rss_growth_exactly(monkeypatch):
     """peak_memory_mb is documented in MiB (2**20 bytes), as CUDA's rows are: a CPU row in

@@ -80,7 +80,6 @@ def test_apex_functional_gradients_match_pytorch():
         torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10)
 
 
-
 def test_jit_trace_has_no_tracer_warnings():
     # Under torch.jit.trace the argument checks would compare traced sizes (TracerWarning:
     # "might cause the trace to be incorrect"); the recorded PyTorch ops check there.

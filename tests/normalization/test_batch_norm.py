@@ -371,7 +371,6 @@ def test_scripts_and_traces_like_batchnorm():
     torch.testing.assert_close(graph(x), copy.deepcopy(net)(x))
 
 
-
 def _trace_noting_tracer_warnings(net, x):
     """``torch.jit.trace`` of ``net``, and the TracerWarnings it gave (their texts, sorted)."""
     with warnings.catch_warnings(record=True) as seen:
@@ -409,6 +408,7 @@ def test_jit_trace_records_pytorchs_batch_norm(path, mode):
     loaded = torch.jit.load(buf)
     torch.testing.assert_close(loaded(x), ref(x))
     torch.testing.assert_close(net[1].running_var, ref[1].running_var)
+
 
 @requires_interpreter
 def test_functorch_transforms_take_pytorchs_batch_norm():

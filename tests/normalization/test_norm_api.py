@@ -1408,6 +1408,7 @@ def test_jit_trace_records_pytorchs_own_ops(cls, device, tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "torch.Size([2, 16])"
 
+
 @pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm, MixedFusedLayerNorm,
                                  MixedFusedRMSNorm])
 @pytest.mark.parametrize("device", DEVICES)
@@ -2145,6 +2146,7 @@ def test_normalized_shape_of_numpy_ints_is_kept_as_python_ints(cls):
     else:
         want = torch.nn.functional.rms_norm(x, (2, 4), norm.weight, 1e-5)
     torch.testing.assert_close(torch.jit.script(norm)(x), want, rtol=1e-12, atol=1e-12)
+
 
 @pytest.mark.parametrize("cls", [FusedLayerNorm, FusedRMSNorm])
 def test_first_derivative_under_create_graph_matches_torch(cls):

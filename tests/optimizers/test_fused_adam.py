@@ -2330,7 +2330,6 @@ def _step_with_random_grads(opt, masters, gen):
     opt.step()
 
 
-
 def _stepped_with_linked_bf16_copies(device, gen):
     """Two masters, their bf16 copies linked as amp O2 links them, and one step taken."""
     masters = _params(device, gen, [(37, 29), (5,)])
@@ -2339,6 +2338,7 @@ def _stepped_with_linked_bf16_copies(device, gen):
     opt._link_half_copies(list(zip(copies, masters)))
     _step_with_random_grads(opt, masters, gen)
     return masters, copies, opt
+
 
 @pytest.mark.parametrize("half", [torch.float16, torch.bfloat16])
 def test_half_copies_linked_after_steps_and_relinked_are_written(device, path, half):

@@ -3391,6 +3391,7 @@ def check_first_step_inside_join_with_an_empty_rank(ctx):
                                        msg=labelled(f"divide_by_initial={divide_by_initial} "
                                                     f"step {i}"))
 
+
 def check_fsdp1_sharded_model_at_o1_skips_an_overflow_on_every_rank(ctx):
     # FSDP1 shards the gradients (reduced still scaled in its backward), so each rank checks
     # only its shard: an inf in rank 0's shard skipped the step there while rank 1 stepped,
@@ -3554,6 +3555,8 @@ DELAY_CHECKS = [
     "check_delay_allreduce_follows_a_progressive_unfreezing",
     "check_delay_allreduce_leaves_stale_gradients_alone",
 ]
+
+
 class _Branches(nn.Module):
     """A trunk and three heads: ``b`` used on rank 0, ``c`` on the last rank, ``d`` never
     (``b`` and ``c`` have as many elements: mismatched they averaged one into the other)."""
@@ -3671,6 +3674,7 @@ def check_reducer_find_unused_parameters_counts_a_frozen_parameters_leftover_gra
     torch.testing.assert_close(model[0].weight.grad,
                                torch.full((4, 4), 3.0 * mean_input, device=ctx.device),
                                rtol=1e-6, atol=1e-6, msg=labelled(f"rank {ctx.rank}"))
+
 
 class _O2Branches(nn.Module):
     """A Linear trunk (half at O2, with fp32 masters) and two BatchNorm heads (kept fp32 at
