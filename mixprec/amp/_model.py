@@ -1209,6 +1209,8 @@ class _Fp32StateDict:
                 param = module._parameters.get(name)
                 if param is not None and param.is_meta:
                     continue  # (a skeleton on the meta device: no values to bring in step)
+                if param is not None and param.shape != master.shape:
+                    continue  # (resized through .data: the save hook names it, see save)
                 if param is None or param.dtype not in _HALF_TYPES:
                     # (No longer half: amp.restore_model, then .float(). The parameter is the
                     # weight now and the master stopped with it (see save): upcast into it,
