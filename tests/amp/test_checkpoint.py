@@ -1335,6 +1335,201 @@ def test_a_submodules_state_dict_and_one_comparison_pass_per_call(monkeypatch):
         torch.testing.assert_close(head[name], whole["head." + name], rtol=0, atol=0)
 
 
+def test_writes_through_data_are_saved_when_two_optimizers_keep_one_modules_parameters():
+    """A layer whose weight one optimizer steps and whose bias another steps (weights in one
+    optimizer, biases and norms in a second without decay, as many fine-tuning scripts set
+    up): a write through .data into any of them (an EMA swapped in to evaluate) is what the
+    live model's state_dict() saves, whichever optimizer keeps the master. Reference: each
+    saved entry cast back to half is the parameter the forward runs. (m01)"""
+    model = make_mlp()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    opts = [torch.optim.SGD(weights, lr=0.1), torch.optim.SGD(biases, lr=0.1)]
+    model, opts = amp.initialize(model, opts, opt_level="O2", dtype=torch.float16,
+                                 verbosity=0)
+    x = torch.randn(8, 4)
+    for _ in range(2):
+        loss = model(x).float().square().mean()
+        with amp.scale_loss(loss, opts) as scaled:
+            scaled.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    torch.manual_seed(5)
+    for p in model.parameters():
+        p.data.copy_(torch.randn_like(p))
+    saved = model.state_dict()
+    for name, p in model.named_parameters():
+        assert saved[name].dtype == torch.float32, name
+        assert torch.equal(saved[name].to(p.dtype), p), name
+
+
+def test_the_comparison_of_half_parameters_with_their_masters_holds_across_chunks(monkeypatch):
+    """The comparison that finds writes through .data works through the parameters in chunks
+    (a bounded temporary for a large model): with a chunk smaller than some parameters and
+    larger than others, the live model's and an EMA copy's state_dict() still save exactly
+    the written parameters' values and the untouched ones' fp32 masters, as with one chunk.
+    Reference: the same state dicts taken with the default chunk. (m12, m14)"""
+    from mixprec.amp import _model
+
+    def run():
+        model = make_cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0)
+        train_step(model, opt, *batch(), amp)
+        ema = copy.deepcopy(model)
+        halves = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+        for i, p in enumerate(halves):
+            if i % 2:
+                p.data.mul_(0.5)
+        for i, p in enumerate(q for q in ema.parameters() if q.dtype == torch.bfloat16):
+            if i % 2 == 0:
+                p.data.mul_(0.5)
+        return model.state_dict(), ema.state_dict(), ema.head.state_dict()
+
+    want = run()
+    sizes = sorted(p.numel() for p in make_cnn().parameters())
+    monkeypatch.setattr(_model, "_COMPARE_CHUNK", 40)  # (between the sizes: several chunks)
+    assert sizes[0] < 40 < sizes[-1]
+    got = run()
+    for w, g in zip(want, got):
+        assert g.keys() == w.keys()
+        for k in w:
+            assert torch.equal(g[k], w[k]), k
+
+
+def test_a_write_through_data_that_only_moves_values_is_saved():
+    """Two output channels of a layer swapped through .data (channel reordering, model
+    surgery) change the weights without changing their sum: the live model's state_dict()
+    saves the swapped rows (each entry cast back to half is the parameter), the other rows'
+    fp32 masters untouched. (m16)"""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    x = torch.randn(8, 4)
+    loss = model(x).float().square().mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    masters = dict(zip(model.parameters(), amp.master_params(opt)))
+    layer = model[0]
+    before = {n: masters[p].detach().clone() for n, p in layer.named_parameters()}
+    assert not torch.equal(layer.weight[0], layer.weight[1])
+    layer.weight.data[[0, 1]] = layer.weight.data[[1, 0]].clone()
+    layer.bias.data[[0, 1]] = layer.bias.data[[1, 0]].clone()
+    saved = model.state_dict()
+    for name, p in layer.named_parameters():
+        entry = saved["0." + name]
+        assert torch.equal(entry.to(p.dtype), p), name
+        assert torch.equal(entry[2:], before[name][2:]), name
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_nan_or_inf_written_through_data_is_what_the_state_dict_saves(value):
+    """A non-finite value written through .data into a half parameter (a fault injected to
+    test a divergence guard, a weight blown up by a hand-written update) is saved by the live
+    model's and by an EMA copy's state_dict(), not hidden behind the finite fp32 master: the
+    checkpoint is the model the forward runs. The live model's other elements keep their
+    fp32 masters; the copy's entry cast back to half is its parameter, as for any write into
+    a copy. (m17)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    master = dict(zip(model.parameters(), amp.master_params(opt)))[model.head.weight]
+    ema = copy.deepcopy(model)
+    for m in (model, ema):
+        m.head.weight.data[0, 0] = value
+    live, copied = model.state_dict()["head.weight"], ema.state_dict()["head.weight"]
+    for saved in (live, copied):
+        assert saved.dtype == torch.float32
+        torch.testing.assert_close(saved[0, 0], torch.tensor(value), rtol=0, atol=0,
+                                   equal_nan=True)
+    assert torch.equal(live.flatten()[1:], master.flatten()[1:])
+    torch.testing.assert_close(copied.half(), ema.head.weight, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_copys_master_written_while_its_state_dict_compares_keeps_the_write(monkeypatch):
+    """The comparison of an EMA copy's half weight with its master (the whole copy's
+    state_dict(), or a submodule's own, ema.head.state_dict()) may overlap an in-place fp32
+    update of the master from another thread: the update holds, and the next state_dict()
+    brings the half weight to it, instead of the stale half weight being copied over it.
+    Here the update lands inside the comparison, deterministically. (m18)"""
+    from mixprec.amp import _model
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model, _ = amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                              opt_level="O2", dtype=torch.float16, verbosity=0)
+    for take in (lambda ema: ema.state_dict(), lambda ema: ema[0].state_dict()):
+        ema = copy.deepcopy(model)
+        target = ema.state_dict()["0.weight"]
+        ema.state_dict()  # (synced: the next read compares values)
+        update = torch.randn_like(target) * 1e-3
+        want = target + update
+        calls = []
+
+        def differs_while_written(self, param, master, calls=calls, target=target,
+                                  update=update, differs=_model._DataWritesOfOneCall.differs):
+            if master.data_ptr() == target.data_ptr() and not calls:
+                calls.append(1)
+                with torch.no_grad():
+                    target.add_(update)  # (the other thread's update lands now)
+                return True
+            return differs(self, param, master)
+
+        monkeypatch.setattr(_model._DataWritesOfOneCall, "differs", differs_while_written)
+        take(ema)
+        monkeypatch.undo()
+        assert calls
+        got = ema.state_dict()
+        torch.testing.assert_close(got["0.weight"], want, rtol=0, atol=0)
+        assert torch.equal(ema[0].weight, want.half())
+
+
+def test_a_master_written_alone_wins_in_a_submodules_own_state_dict():
+    """The README's route for a write through .data (write amp.master_params(optimizer),
+    full precision; a script may write the masters alone): a submodule's own state_dict()
+    (model.head.state_dict(), a backbone saved alone), which looks for writes by itself,
+    saves the masters too, not the stale half parameters upcast. (m20)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    masters = dict(zip(model.parameters(), amp.master_params(opt)))
+    torch.manual_seed(3)
+    new = {n: torch.randn_like(masters[p]) for n, p in model.head.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.head.named_parameters():
+            masters[p].copy_(new[n])
+    saved = model.head.state_dict()
+    for n, v in new.items():
+        torch.testing.assert_close(saved[n], v, rtol=0, atol=0, msg=n)
+
+
+def test_an_in_place_write_is_saved_as_the_masters_training_continues_from():
+    """A half parameter written in place after the step (a row zeroed under no_grad, not
+    through .data: its version counter moves) is taken whole into its master, and the state
+    dict is that master, bit for bit: a checkpoint resumes from what training continues
+    from, not from the old fp32 values where the write left the half values alone. (m22)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    masters = dict(zip(model.parameters(), amp.master_params(opt)))
+    weight = model.head.weight
+    old = masters[weight].detach().clone()
+    assert not torch.equal(old, weight.float())  # (the masters hold more than the halves)
+    with torch.no_grad():
+        weight[0].zero_()
+    saved = model.state_dict()
+    assert torch.equal(masters[weight], weight.float())
+    for name, p in model.named_parameters():
+        if p in masters:
+            assert torch.equal(saved[name], masters[p]), name
+
+
 def test_weights_swapped_in_through_data_are_saved_when_a_layer_is_split_over_two_optimizers():
     """A layer whose weight and bias are stepped by two optimizers (one initialize call, O2:
     separate weight-decay groups kept as separate optimizers) and whose weights are swapped in
@@ -2224,6 +2419,23 @@ def test_a_parameter_resized_through_data_after_initialize_is_refused_naming_it(
                                            r"\(12, 4\)"):
         with amp.scale_loss(tied(torch.tensor([[1, 11]])).float().sum(), opt) as scaled:
             scaled.backward()
+
+def test_a_copys_parameter_resized_through_data_is_refused_naming_it():
+    # The same resize on a deep copy (an EMA copy, a model forked for another vocabulary):
+    # its state_dict() failed inside the copy's own sync with torch's bare "The size of tensor
+    # a (16) must match the size of tensor b (32)"; it names the parameter as the live
+    # model's does, and the copy's forward still runs.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    copied = copy.deepcopy(model)
+    copied[2].weight.data = torch.zeros(4, 16, dtype=torch.bfloat16)
+    copied[0] = nn.Linear(8, 16).bfloat16()
+    with pytest.raises(RuntimeError, match=r"amp: the parameter '2\.weight' changed shape "
+                                           r"from \(4, 32\) to \(4, 16\)"):
+        copied.state_dict()
+    assert copied(torch.randn(2, 8)).shape == (2, 4)
 
 
 def test_state_dict_in_another_thread_while_training_leaves_the_masters_alone():

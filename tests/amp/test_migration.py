@@ -633,6 +633,51 @@ def test_an_unpickled_apex_loss_scaler_gives_its_loss_scale(clean_apex, tmp_path
     assert loaded.loss_scale == 512.0
 
 
+def _unpickled_apex_scaler(tmp_path, cls_name, **attrs):
+    """An object of Apex's loss scaler class ``cls_name`` with ``attrs``, pickled where Apex
+    is importable and loaded back through mixprec's alias."""
+    _save_an_apex_pickled_scaler(tmp_path / "old.pt", {}, cls_name=cls_name, **attrs)
+    mixprec.install_apex_alias()
+    return _load(tmp_path / "old.pt")["optimizer"]["loss_scaler"]
+
+
+def test_an_unpickled_static_apex_loss_scaler_gives_its_loss_scale(clean_apex, tmp_path):
+    """FP16_Optimizer(static_loss_scale=S) pickled Apex's static LossScaler, which has the
+    same loss_scale property as the dynamic one: a script reading the scale of such a
+    checkpoint gets S. (m34)"""
+    loaded = _unpickled_apex_scaler(tmp_path, "LossScaler", cur_scale=128.0)
+    assert loaded.loss_scale == 128.0
+
+
+def test_an_unpickled_apex_loss_scaler_without_cur_scale_says_what_it_holds(clean_apex,
+                                                                             tmp_path):
+    """A pickled scaler without cur_scale (another Apex version's attributes) has no scale
+    to give: reading loss_scale raises AttributeError naming the attributes it has, so that
+    getattr(scaler, "loss_scale", default) and hasattr work, and never returns None as a
+    scale. (m33)"""
+    loaded = _unpickled_apex_scaler(tmp_path, "DynamicLossScaler", scale=8.0, cur_iter=3)
+    with pytest.raises(AttributeError, match=r"holds no cur_scale; it has \['cur_iter', "
+                                             r"'scale'\]"):
+        _ = loaded.loss_scale
+    assert getattr(loaded, "loss_scale", 1.0) == 1.0
+
+
+def test_fp16_optimizer_refusal_says_how_its_dynamic_scale_differed(clean_apex):
+    """A user moving a dynamic-scale FP16_Optimizer run needs Apex's own schedule to compare
+    with amp's (start 2**32, doubled after 1000 clean steps) as well as amp's. (m35)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.fp16_utils import FP16_Optimizer
+
+    with pytest.raises(NotImplementedError, match=r"2\*\*16 and doubles after 2000 clean "
+                                                  r"steps, where FP16_Optimizer's started "
+                                                  r"at 2\*\*32 and doubled after 1000"):
+        FP16_Optimizer(torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1),
+                       dynamic_loss_scale=True)
+
+
 def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
     # BERT-era scripts import Apex's legacy classes from their own files, inside a try whose
     # except says "install apex" (they were "not a package": the NotImplementedError that
@@ -697,18 +742,19 @@ def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
         legacy.clip_grad_norm([p], 1.0, error_if_nonfinite=True)
 
 
-def _save_an_apex_pickled_scaler(path, optimizer_entries, **attributes):
-    """Write an FP16_Optimizer-era checkpoint to ``path``: Apex's DynamicLossScaler object
-    (its class under Apex's module path, from stand-in modules removed afterwards) with
-    ``attributes``, under ``optimizer["loss_scaler"]`` beside ``optimizer_entries``."""
+def _save_an_apex_pickled_scaler(path, optimizer_entries, cls_name="DynamicLossScaler",
+                                 **attributes):
+    """Write an FP16_Optimizer-era checkpoint to ``path``: an object of Apex's loss scaler
+    class ``cls_name`` (under Apex's module path, from stand-in modules removed afterwards)
+    with ``attributes``, under ``optimizer["loss_scaler"]`` beside ``optimizer_entries``."""
     import types
 
     import torch
 
     fakes = {name: types.ModuleType(name)
              for name in ("apex", "apex.fp16_utils", "apex.fp16_utils.loss_scaler")}
-    scaler_cls = type("DynamicLossScaler", (), {"__module__": "apex.fp16_utils.loss_scaler"})
-    fakes["apex.fp16_utils.loss_scaler"].DynamicLossScaler = scaler_cls
+    scaler_cls = type(cls_name, (), {"__module__": "apex.fp16_utils.loss_scaler"})
+    setattr(fakes["apex.fp16_utils.loss_scaler"], cls_name, scaler_cls)
     scaler = scaler_cls()
     scaler.__dict__.update(attributes)
     sys.modules.update(fakes)
