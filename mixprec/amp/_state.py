@@ -732,6 +732,7 @@ class _OptimizerState:
         # pairs are adopted.
         self._synced_versions: Optional[List[Tuple[int, int, int]]] = None
         self._writes_logged = False
+        self._data_writes_logged = False
         self._registrations_seen = -1  # (parameter_registrations() when renames were looked for)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -1612,6 +1613,19 @@ class _OptimizerState:
                     if changed:  # (laid out as the master: a saved view of it maps alike)
                         out = torch.empty_like(m)
                         saved[id(p)] = torch.where(p != m.to(p.dtype), p.to(m.dtype), m, out=out)
+        if saved and self.amp_state.verbosity > 0:
+            # (Which side was written, nothing records: a write through .data into the
+            # masters, torch_ema's copy_to() over amp.master_params, looks the same.)
+            level = logging.DEBUG if self._data_writes_logged else logging.INFO
+            self._data_writes_logged = True
+            log_rank0(
+                level, "amp: state_dict(): %d half parameter(s) differ from their fp32 master "
+                "weights with no write recorded since the last step (a write through .data, "
+                "e.g. torch_ema's copy_to() over model.parameters()): saved as the half values "
+                "the forward runs where they differ. A write through .data into "
+                "amp.master_params(optimizer) reaches neither the forward nor these entries: "
+                "write the masters with copy_() under torch.no_grad(), or swap weights in with "
+                "model.load_state_dict.", len(saved))
         return saved
 
     def _take(self, written) -> None:
