@@ -1265,6 +1265,47 @@ def test_an_ema_swapped_in_and_back_through_data_continues_bit_for_bit():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_an_ema_swapped_into_masters_and_halves_through_data_is_saved_exactly_and_restored(dtype):
+    # torch_ema used as the README advises for .data writes: its copy_to() into
+    # amp.master_params(opt) and into model.parameters() (both through .data), sample, save,
+    # then restore() both. The forward runs the EMA rounded to half, the checkpoint is the fp32
+    # shadow bit for bit, and training after restore continues bit for bit as a run that
+    # never swapped (r76A: a tiny UNet, bf16 and fp16).
+    def run(swap):
+        model = make_cnn()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+        shadow = [p.detach().clone() for p in amp.master_params(opt)]
+        x, y = batch()
+        saved = None
+        for i in range(4):
+            train_step(model, opt, x, y, amp)
+            _ema_update(shadow, opt)
+            if swap and i == 1:
+                masters, halves = list(amp.master_params(opt)), list(model.parameters())
+                stored = [t.detach().clone() for t in masters + halves]
+                for t, e in zip(masters, shadow):
+                    t.data.copy_(e)
+                for t, e in zip(halves, shadow):
+                    t.data.copy_(e)
+                with torch.no_grad():
+                    model.eval()(x)
+                for t, e in zip(halves, shadow):
+                    assert torch.equal(t, e.to(t.dtype))
+                saved = dict(model.state_dict())
+                for (name, _), e in zip(model.named_parameters(), shadow):
+                    torch.testing.assert_close(saved[name], e, rtol=0, atol=0, msg=name)
+                model.train()
+                for t, s in zip(masters + halves, stored):
+                    t.data.copy_(s)
+        return model.state_dict()
+
+    want, got = run(False), run(True)
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
+
+
 def test_a_partial_write_through_data_keeps_the_other_elements_fp32_in_the_state_dict():
     # A WGAN's `p.data.clamp_(-c, c)` after the step writes a few elements of each weight: the
     # checkpoint holds the clamped values there and the fp32 masters everywhere else (not the
@@ -1303,6 +1344,42 @@ def test_a_master_written_since_the_step_wins_in_the_state_dict():
     saved = model.state_dict()
     for (name, _), v in zip(model.named_parameters(), new):
         torch.testing.assert_close(saved[name], v, rtol=0, atol=0, msg=name)
+
+
+def test_a_write_through_data_is_logged_once_and_masters_written_so_are_not_followed(caplog):
+    """Nothing records which side a write through .data went to: the state dict saves the
+    half values the forward runs where they differ from the masters, and says so once at
+    INFO (then DEBUG), naming the masters' blind spot: torch_ema's copy_to() over
+    amp.master_params(optimizer) writes the masters through .data, which reaches neither
+    the forward nor those entries (the route that works: copy_() under no_grad)."""
+    import logging
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16)
+    train_step(model, opt, *batch(), amp)
+    torch.manual_seed(3)
+    halves = {p: m for p, m in zip(model.parameters(), amp.master_params(opt))
+              if p.dtype == torch.bfloat16}
+    for m in halves.values():
+        m.data.add_(torch.randn_like(m))
+    with caplog.at_level(logging.DEBUG, logger="mixprec"):
+        saved = model.state_dict()
+        model.state_dict()
+    infos = [r for r in caplog.records if "differ from their fp32 master" in r.getMessage()]
+    assert [r.levelno for r in infos] == [logging.INFO, logging.DEBUG]
+    assert "through .data into amp.master_params(optimizer) reaches neither" in (
+        infos[0].getMessage())
+    for name, p in model.named_parameters():
+        if p in halves:  # (what the forward runs, not the masters written through .data)
+            assert torch.equal(saved[name].to(p.dtype), p), name
+    with torch.no_grad():
+        for m in halves.values():
+            m.copy_(m + 1)
+    saved = model.state_dict()
+    for name, p in model.named_parameters():
+        if p in halves:
+            assert torch.equal(saved[name], halves[p]), name
 
 
 def test_a_submodules_state_dict_and_one_comparison_pass_per_call(monkeypatch):

@@ -552,6 +552,35 @@ def test_o0_casts_inputs_and_outputs_to_fp32():
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_casts_a_float_timestep_input_to_half_and_leaves_an_integer_one(dtype):
+    # A diffusion UNet's forward(x, t): O2 casts every floating input to half, so a timestep
+    # passed as float arrives rounded (bf16 holds integers exactly only up to 256: 999 -> 1000),
+    # and its sinusoidal embedding moves by O(1); an integer timestep arrives untouched. (r76A)
+    seen = []
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, t):
+            seen.append(t)
+            return self.lin(x)
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    t = torch.tensor([999, 997, 301, 5])
+    model(torch.randn(4, 4), t)
+    model(torch.randn(4, 4), t=t.float())
+    assert seen[0].dtype == torch.int64 and torch.equal(seen[0], t)
+    assert seen[1].dtype == dtype
+    assert torch.equal(seen[1], t.float().to(dtype))
+    if dtype == torch.bfloat16:
+        assert seen[1][0].item() == 1000.0
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_o0_with_patch_torch_functions_casts_per_op(dtype):
     model = make_cnn()
     seen = []

@@ -129,6 +129,31 @@ def test_o2_trains_real_blocks_like_fp32_with_fp32_checkpoints(block, dtype):
     plain.load_state_dict(state, strict=True)
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_casts_groupnorm_to_half_and_it_normalises_like_float64(dtype):
+    # The README's table: at O2 only BatchNorm stays fp32; a GroupNorm (UNets, diffusion models)
+    # is cast to half with the rest. Its statistics are still accurate on an input whose mean is
+    # large against its spread: the output is within 4 half ulps (relative to its largest value)
+    # of float64 GroupNorm on the same half input. (r76A)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(2, 8))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.uniform_(-0.5, 0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    norm = model[1]
+    assert norm.weight.dtype == dtype and norm.bias.dtype == dtype
+    x = (16.0 + torch.randn(4, 8, 6, 6)).to(dtype)
+    with torch.no_grad():
+        got = norm(x)
+        ref = nn.functional.group_norm(x.double(), 2, norm.weight.double(), norm.bias.double(),
+                                       norm.eps)
+    assert got.dtype == dtype
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -11
+    assert (got.double() - ref).abs().max() <= 4 * ulp * ref.abs().max()
+
+
 @pytest.mark.parametrize("block", list(_BLOCKS))
 def test_o3_trains_real_blocks_as_a_plain_half_model(block, dtype=torch.float16):
     # O3 (static scale 1.0) is model.to(dtype) with its inputs and outputs cast: bit for bit.
