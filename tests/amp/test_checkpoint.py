@@ -1267,11 +1267,11 @@ def test_an_ema_swapped_in_and_back_through_data_continues_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_an_ema_swapped_into_masters_and_halves_through_data_is_saved_exactly_and_restored(dtype):
-    # torch_ema used as the README advises for .data writes: its copy_to() into
-    # amp.master_params(opt) and into model.parameters() (both through .data), sample, save,
-    # then restore() both. The forward runs the EMA rounded to half, the checkpoint is the fp32
-    # shadow bit for bit, and training after restore continues bit for bit as a run that
-    # never swapped (r76A: a tiny UNet, bf16 and fp16).
+    # An fp32 EMA swapped into both sides, torch_ema's copy_to() into amp.master_params(opt)
+    # and into model.parameters() (both through .data), then sample, save and restore() both:
+    # the forward runs the EMA rounded to half, the checkpoint is the fp32 shadow bit for bit
+    # (the two sides agree, so nothing is taken for a write into the half model), and training
+    # after restore continues bit for bit as a run that never swapped.
     def run(swap):
         model = make_cnn()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -555,7 +555,7 @@ def test_o0_casts_inputs_and_outputs_to_fp32():
 def test_o2_casts_a_float_timestep_input_to_half_and_leaves_an_integer_one(dtype):
     # A diffusion UNet's forward(x, t): O2 casts every floating input to half, so a timestep
     # passed as float arrives rounded (bf16 holds integers exactly only up to 256: 999 -> 1000),
-    # and its sinusoidal embedding moves by O(1); an integer timestep arrives untouched. (r76A)
+    # and its sinusoidal embedding moves by O(1); an integer timestep arrives untouched.
     seen = []
 
     class Net(nn.Module):

@@ -134,7 +134,7 @@ def test_o2_casts_groupnorm_to_half_and_it_normalises_like_float64(dtype):
     # The README's table: at O2 only BatchNorm stays fp32; a GroupNorm (UNets, diffusion models)
     # is cast to half with the rest. Its statistics are still accurate on an input whose mean is
     # large against its spread: the output is within 4 half ulps (relative to its largest value)
-    # of float64 GroupNorm on the same half input. (r76A)
+    # of float64 GroupNorm on the same half input.
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 8, 1), nn.GroupNorm(2, 8))
     with torch.no_grad():
