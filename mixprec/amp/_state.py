@@ -1615,17 +1615,21 @@ class _OptimizerState:
                         saved[id(p)] = torch.where(p != m.to(p.dtype), p.to(m.dtype), m, out=out)
         if saved and self.amp_state.verbosity > 0:
             # (Which side was written, nothing records: a write through .data into the
-            # masters, torch_ema's copy_to() over amp.master_params, looks the same.)
-            level = logging.DEBUG if self._data_writes_logged else logging.INFO
-            self._data_writes_logged = True
-            log_rank0(
-                level, "amp: state_dict(): %d half parameter(s) differ from their fp32 master "
-                "weights with no write recorded since the last step (a write through .data, "
-                "e.g. torch_ema's copy_to() over model.parameters()): saved as the half values "
-                "the forward runs where they differ. A write through .data into "
+            # masters, torch_ema's copy_to() over amp.master_params, looks the same. A
+            # warning the first time, for that case's sake; then a debug line.)
+            message = (
+                f"amp: state_dict(): {len(saved)} half parameter(s) differ from their fp32 "
+                "master weights with no write recorded since the last step (a write through "
+                ".data, e.g. torch_ema's copy_to() over model.parameters()): saved as the half "
+                "values the forward runs where they differ. A write through .data into "
                 "amp.master_params(optimizer) reaches neither the forward nor these entries: "
                 "write the masters with copy_() under torch.no_grad(), or swap weights in with "
-                "model.load_state_dict.", len(saved))
+                "model.load_state_dict.")
+            if self._data_writes_logged:
+                log_rank0(logging.DEBUG, "%s", message)
+            elif is_rank_zero():
+                warnings.warn(message, stacklevel=2)
+            self._data_writes_logged = True
         return saved
 
     def _take(self, written) -> None:

@@ -1346,12 +1346,13 @@ def test_a_master_written_since_the_step_wins_in_the_state_dict():
         torch.testing.assert_close(saved[name], v, rtol=0, atol=0, msg=name)
 
 
-def test_a_write_through_data_is_logged_once_and_masters_written_so_are_not_followed(caplog):
+def test_a_write_through_data_is_warned_once_and_masters_written_so_are_not_followed(caplog):
     """Nothing records which side a write through .data went to: the state dict saves the
-    half values the forward runs where they differ from the masters, and says so once at
-    INFO (then DEBUG), naming the masters' blind spot: torch_ema's copy_to() over
-    amp.master_params(optimizer) writes the masters through .data, which reaches neither
-    the forward nor those entries (the route that works: copy_() under no_grad)."""
+    half values the forward runs where they differ from the masters, and says so the first
+    time with a warning (then a debug line), naming the masters' blind spot: torch_ema's
+    copy_to() over amp.master_params(optimizer) writes the masters through .data, which
+    reaches neither the forward nor those entries (the route that works: copy_() under
+    no_grad)."""
     import logging
 
     model = make_cnn()
@@ -1363,13 +1364,15 @@ def test_a_write_through_data_is_logged_once_and_masters_written_so_are_not_foll
               if p.dtype == torch.bfloat16}
     for m in halves.values():
         m.data.add_(torch.randn_like(m))
-    with caplog.at_level(logging.DEBUG, logger="mixprec"):
+    with pytest.warns(UserWarning, match=r"differ from their fp32 master weights.*through "
+                                         r"\.data into amp\.master_params\(optimizer\) "
+                                         r"reaches neither"):
         saved = model.state_dict()
+    with warnings.catch_warnings(), caplog.at_level(logging.DEBUG, logger="mixprec"):
+        warnings.simplefilter("error")
         model.state_dict()
-    infos = [r for r in caplog.records if "differ from their fp32 master" in r.getMessage()]
-    assert [r.levelno for r in infos] == [logging.INFO, logging.DEBUG]
-    assert "through .data into amp.master_params(optimizer) reaches neither" in (
-        infos[0].getMessage())
+    assert [r.levelno for r in caplog.records
+            if "differ from their fp32 master" in r.getMessage()] == [logging.DEBUG]
     for name, p in model.named_parameters():
         if p in halves:  # (what the forward runs, not the masters written through .data)
             assert torch.equal(saved[name].to(p.dtype), p), name
