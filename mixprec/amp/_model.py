@@ -276,44 +276,44 @@ class _DataWritesOfOneCall(threading.local):
         self.copy_differs: Set[int] = set()
         self.copy_compared: Set[int] = set()
 
-    def find(self, model: nn.Module) -> Tuple[Dict[int, torch.Tensor], Set[int]]:
-        """The writes into ``model``'s master-weighted half parameters and the ids looked at."""
+    def start(self, model: nn.Module) -> None:
+        """Look at ``model``'s master-weighted half parameters, in one walk of its modules:
+        the live ones' writes (per optimizer, ``saved``/``covered``) and which of a copy's
+        own differ from their masters rounded (``copy_differs``/``copy_compared``, for every
+        module's ``sync``)."""
         params: Dict[int, tuple] = {}
+        copy_pairs: Dict[torch.device, list] = {}
         for module in model.modules():
             hooks = module.__dict__.get("_mixprec_state_dict")
-            if hooks is None or hooks.standalone or not hooks.masters or hooks.orphaned():
+            if hooks is None or not hooks.masters:
                 continue
-            own = hooks.own_params(module)
-            for keeper in hooks.keepers():
-                params.setdefault(id(keeper), (keeper, []))[1].extend(own)
-        saved: Dict[int, torch.Tensor] = {}
-        covered: Set[int] = set()
-        for keeper, own in params.values():
-            saved.update(keeper.written_through_data(own))
-            covered.update(map(id, own))
-        return saved, covered
-
-    def find_in_copy(self, model: nn.Module) -> None:
-        """Which half parameters of a copy's own masters (deep-copied or unpickled O2 model)
-        differ from their masters rounded: for every module's ``sync`` in one pass."""
-        by_device: Dict[torch.device, list] = {}
-        with torch.no_grad():
-            for module in model.modules():
-                hooks = module.__dict__.get("_mixprec_state_dict")
-                if hooks is None or not hooks.standalone or not hooks.masters:
-                    continue
+            if hooks.standalone:
                 for name, master in hooks.masters.items():
                     param = module._parameters.get(name)
                     if (param is None or param.dtype not in _HALF_TYPES or param.is_meta
                             or param.shape != master.shape or param.device != master.device
                             or param.numel() == 0 or holds_no_values(param)):
                         continue
-                    by_device.setdefault(param.device, []).append((param, master))
-            for pairs in by_device.values():
+                    copy_pairs.setdefault(param.device, []).append((param, master))
+            elif not hooks.orphaned():
+                own = hooks.own_params(module)
+                for keeper in hooks.keepers():
+                    params.setdefault(id(keeper), (keeper, []))[1].extend(own)
+        self.saved, self.covered = {}, set()
+        for keeper, own in params.values():
+            self.saved.update(keeper.written_through_data(own))
+            self.covered.update(map(id, own))
+        with torch.no_grad():
+            for pairs in copy_pairs.values():
                 for (param, _), changed in zip(pairs, halves_differ_from_masters(pairs)):
                     self.copy_compared.add(id(param))
                     if changed:
                         self.copy_differs.add(id(param))
+
+    def end(self) -> None:
+        """Forget what :meth:`start` found (the call is over)."""
+        self.saved, self.covered = {}, None
+        self.copy_differs, self.copy_compared = set(), set()
 
     def differs(self, param: torch.Tensor, master: torch.Tensor) -> bool:
         """Whether a copy's half ``param`` differs from its ``master`` rounded to half."""
@@ -365,13 +365,11 @@ class _AmpModule:
         keep_vars = kwargs.get("keep_vars", args[2] if len(args) > 2 else False)
         if _DATA_WRITES.covered is not None or keep_vars or is_compiling():
             return super().state_dict(*args, **kwargs)
-        _DATA_WRITES.saved, _DATA_WRITES.covered = _DATA_WRITES.find(self)
         try:
-            _DATA_WRITES.find_in_copy(self)
+            _DATA_WRITES.start(self)
             return super().state_dict(*args, **kwargs)
         finally:
-            _DATA_WRITES.saved, _DATA_WRITES.covered = {}, None
-            _DATA_WRITES.copy_differs, _DATA_WRITES.copy_compared = set(), set()
+            _DATA_WRITES.end()
 
     def forward(self, *args, **kwargs):
         # The instance's amp attributes are read as attributes, not self.__dict__.get: Dynamo
