@@ -326,24 +326,26 @@ def test_amp_stash_lists_the_half_params_and_their_masters():
     assert not hasattr(copied, "_amp_stash")
 
 
+def _fresh_o2_adam():
+    """The seeded small CNN with Adam through amp.initialize at O2 (fp16)."""
+    model = make_cnn()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return amp.initialize(model, opt, opt_level="O2", verbosity=0)
+
+
 def _checkpointed_run(tmp_path, resume_at, steps=6):
     """O2 fp16 training with Adam; with ``resume_at`` a fresh model and optimizer restore a
     checkpoint taken there the way NVIDIA's BERT scripts did. The losses and final masters."""
     x, y = batch()
 
-    def fresh():
-        model = make_cnn()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        return amp.initialize(model, opt, opt_level="O2", verbosity=0)
-
-    model, opt = fresh()
+    model, opt = _fresh_o2_adam()
     losses = []
     for step in range(steps):
         if step == resume_at:
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
                         "amp": amp.state_dict(),
                         "master params": list(amp.master_params(opt))}, tmp_path / "ck.pt")
-            model, opt = fresh()
+            model, opt = _fresh_o2_adam()
             _bert_style_load(model, opt, torch.load(tmp_path / "ck.pt", weights_only=False))
         losses.append(float(train_step(model, opt, x, y, amp)))
     return losses, [m.detach().clone() for m in amp.master_params(opt)]
@@ -378,12 +380,7 @@ def test_bert_style_resume_from_apexs_upcast_model_dict_continues_bit_for_bit(tm
     # never stopped, losses and masters, and takes the scale the checkpoint holds.
     x, y = batch()
 
-    def fresh():
-        model = make_cnn()
-        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-        return amp.initialize(model, opt, opt_level="O2", verbosity=0)
-
-    model, opt = fresh()
+    model, opt = _fresh_o2_adam()
     amp._amp_state.loss_scalers[0]._loss_scale = 2.0 ** 13
     losses = [float(train_step(model, opt, x, y, amp)) for _ in range(3)]
     half = {n for n, p in model.named_parameters() if p.dtype == torch.float16}
@@ -394,7 +391,7 @@ def test_bert_style_resume_from_apexs_upcast_model_dict_continues_bit_for_bit(tm
     want_masters = [m.detach().clone() for m in amp.master_params(opt)]
     want_amp = amp.state_dict()
 
-    resumed, ropt = fresh()
+    resumed, ropt = _fresh_o2_adam()
     _bert_style_load(resumed, ropt, torch.load(tmp_path / "apex.pt", weights_only=False))
     assert amp._amp_state.loss_scalers[0].loss_scale() == 2.0 ** 13
     got = [float(train_step(resumed, ropt, x, y, amp)) for _ in range(3)]

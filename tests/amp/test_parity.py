@@ -6,7 +6,7 @@ from torch import nn
 
 from mixprec import amp
 
-from .helpers import HALF_DTYPES, make_cnn
+from .helpers import HALF_DTYPES, backward_and_step, make_cnn
 
 STEPS = 200
 _SIZE = 6
@@ -43,12 +43,7 @@ def _train(opt_level, dtype, device):
         x, y = (t.to(device) for t in _stream(step))
         opt.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x), y)
-        if opt_level is None:
-            loss.backward()
-        else:
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-        opt.step()
+        backward_and_step(loss, opt, amp, use_amp=opt_level is not None)
         losses.append(loss.detach().float())
     losses = torch.stack(losses).cpu()
     return losses[:20].mean().item(), losses[-20:].mean().item()

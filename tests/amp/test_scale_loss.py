@@ -1225,12 +1225,7 @@ def _r1_run(opt_level, dtype, steps=3):
         out = D(x).float() if opt_level is not None else D(x)
         grad_x, = torch.autograd.grad(out.sum(), x, create_graph=True)
         loss = nn.functional.softplus(-out).mean() + 5.0 * grad_x.pow(2).sum(1).mean()
-        if opt_level is None:
-            loss.backward()
-        else:
-            with amp.scale_loss(loss, opt) as s:
-                s.backward()
-        opt.step()
+        backward_and_step(loss, opt, amp, use_amp=opt_level is not None)
         if opt_level is not None:
             skipped |= amp.step_was_skipped(opt)
     return torch.cat([t.double().flatten() for t in D.state_dict().values()]), skipped

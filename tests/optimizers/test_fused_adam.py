@@ -83,6 +83,15 @@ def _run(make_opt, params, grads_per_step):
     return opt
 
 
+def _step_both(grads, ours, ref, *optimizers):
+    """Give ``ours`` the gradients ``grads`` and ``ref`` (float64) the same values, then step
+    every optimizer given (FusedAdam first, its reference after)."""
+    for p, r, g in zip(ours, ref, grads):
+        p.grad, r.grad = g.clone(), g.double()
+    for opt in optimizers:
+        opt.step()
+
+
 def _torch_reference(adam_w: bool, **kw):
     cls = torch.optim.AdamW if adam_w else torch.optim.Adam
     return lambda params: cls(params, foreach=False, **kw)
@@ -201,11 +210,7 @@ def test_groups_keep_their_own_options(device, path):
     ref_opt = [torch.optim.Adam([ref[0]], lr=1e-1, weight_decay=0.3, foreach=False),
                torch.optim.AdamW([ref[1]], lr=1e-3, weight_decay=0.1, foreach=False)]
     for step in grads:
-        for p, r, g in zip(ours, ref, step):
-            p.grad, r.grad = g.clone(), g.double()
-        opt.step()
-        for o in ref_opt:
-            o.step()
+        _step_both(step, ours, ref, opt, *ref_opt)
     for p, r in zip(ours, ref):
         torch.testing.assert_close(p, r.float(), **_TOL)
 
@@ -230,10 +235,7 @@ def test_a_groups_eps_given_or_set_later_is_the_one_used(device, path):
         if k == 2:
             opt.param_groups[1]["eps"] = 0.05
             ref_opt.param_groups[1]["eps"] = 0.05
-        for p, r, g in zip(ours, ref, step):
-            p.grad, r.grad = g.clone(), g.double()
-        opt.step()
-        ref_opt.step()
+        _step_both(step, ours, ref, opt, ref_opt)
     for p, r in zip(ours, ref):
         torch.testing.assert_close(p, r.float(), **_TOL)
 
@@ -898,10 +900,7 @@ def test_tensor_betas_are_read_at_each_step_as_pytorch_reads_them(device, path):
             betas[0].fill_(0.5)
             betas[1].fill_(0.9)
             ref_opt.param_groups[0]["betas"] = (0.5, 0.9)
-        for p, r, g in zip(ours, ref, step):
-            p.grad, r.grad = g.clone(), g.double()
-        opt.step()
-        ref_opt.step()
+        _step_both(step, ours, ref, opt, ref_opt)
     for p, r in zip(ours, ref):
         torch.testing.assert_close(p, r.float(), **_TOL)
     assert opt.param_groups[0]["betas"][0] is betas[0]  # (kept, not copied to a float)
@@ -1309,10 +1308,7 @@ def test_tensor_lr_with_a_schedule_matches_pytorch_in_float64(device, path, adam
     rates = []
     for step in grads:
         rates.append(lr.item())
-        for p, r, g in zip(ours, ref, step):
-            p.grad, r.grad = g.clone(), g.double()
-        opt.step()
-        ref_opt.step()
+        _step_both(step, ours, ref, opt, ref_opt)
         for s in schedulers:
             s.step()
     assert opt.param_groups[0]["lr"] is lr  # changed in place by the scheduler, not replaced
@@ -1349,10 +1345,7 @@ def test_lr_changed_in_place_or_replaced_is_followed(device, path):
     for change, step in zip(changes, grads):
         change(opt.param_groups[0])
         ref_opt.param_groups[0]["lr"] = float(opt.param_groups[0]["lr"])
-        for p, r, g in zip(ours, ref, step):
-            p.grad, r.grad = g.clone(), g.double()
-        opt.step()
-        ref_opt.step()
+        _step_both(step, ours, ref, opt, ref_opt)
         plans.append(list(opt._plans.values()))
     assert all(len(ps) == 1 and ps[0] is plans[0][0] for ps in plans)
     for p, r in zip(ours, ref):
@@ -2801,10 +2794,7 @@ def test_the_first_updates_match_float64_to_a_few_fp32_roundings(device, path):
     ref_opt = _torch_reference(True, **hyper)(ref)
     for step in grads:
         before, ref_before = [p.double() for p in ours], [r.clone() for r in ref]
-        for p, r, g in zip(ours, ref, step):
-            p.grad, r.grad = g.clone(), g.double()
-        opt.step()
-        ref_opt.step()
+        _step_both(step, ours, ref, opt, ref_opt)
         for p, b, r, rb in zip(ours, before, ref, ref_before):
             torch.testing.assert_close(p.double() - b, r - rb, rtol=2e-6, atol=4e-9)
 
@@ -2827,10 +2817,7 @@ def test_each_group_keeps_its_plan_across_steps(device, path):
     ref_opt = torch.optim.AdamW(groups(ref), lr=1e-2, foreach=False)
     plans = []
     for step in grads:
-        for p, r, g in zip(ours, ref, step):
-            p.grad, r.grad = g.clone(), g.double()
-        opt.step()
-        ref_opt.step()
+        _step_both(step, ours, ref, opt, ref_opt)
         plans.append(list(opt._plans.values()))
     assert len(plans[1]) == 2
     assert all(len(ps) == 2 and all(a is b for a, b in zip(ps, plans[1])) for ps in plans[1:])

@@ -554,6 +554,16 @@ def _checkpointed_steps(ctx, pattern, steps=3, takes=None, **ddp_kwargs):
     return ddp
 
 
+def _backward_matches_the_whole_batch(ctx, ddp, model, ref, x, y, what):
+    """Zero both, backpropagate an MSE loss through ``ddp`` on this rank's share of the global
+    batch ``(x, y)`` and through ``ref`` on all of it: the gradients agree."""
+    model.zero_grad()
+    ref.zero_grad()
+    F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    F.mse_loss(ref(x), y).backward()
+    _assert_same_grads_or_none(ctx, model, ref, what)
+
+
 def _assert_same_grads_or_none(ctx, model, ref, what):
     """As ``_assert_same_grads``, where a parameter may have no gradient (in both)."""
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -1767,11 +1777,7 @@ def check_delay_allreduce_follows_a_progressive_unfreezing(ctx):
             model[layer].requires_grad_(True)
             ref[layer].requires_grad_(True)
         x, y = _global_batch(ctx, seed=800 + step)
-        model.zero_grad()
-        ref.zero_grad()
-        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-        F.mse_loss(ref(x), y).backward()
-        _assert_same_grads_or_none(ctx, model, ref, f"step {step}")
+        _backward_matches_the_whole_batch(ctx, ddp, model, ref, x, y, f"step {step}")
 
 
 def check_delay_allreduce_dropped_wrapper_takes_its_hooks_along(ctx):
@@ -2008,11 +2014,7 @@ def check_first_step_guards_what_it_left_out(ctx):
     ddp.register_comm_hook(None, counting_hook)
     for step in range(3):
         x, y = _global_batch(ctx, seed=440 + step)
-        model.zero_grad()
-        ref.zero_grad()
-        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
-        F.mse_loss(ref(x), y).backward()
-        _assert_same_grads_or_none(ctx, model, ref, f"step {step}")
+        _backward_matches_the_whole_batch(ctx, ddp, model, ref, x, y, f"step {step}")
         if step == 0:
             first = len(calls)
     assert first > 0 and len(calls) > first, (first, len(calls))
