@@ -15,6 +15,8 @@ from typing import Optional, Union
 
 import torch
 
+from mixprec.amp.scaler import _as_number
+
 __all__ = ["OPT_LEVELS", "Properties", "resolve_properties"]
 
 _HALF_TYPES = (torch.float16, torch.bfloat16)
@@ -134,10 +136,9 @@ def _parse_loss_scale(value) -> Union[float, str, None]:
                 f'"dynamic" or a number such as "128.0".'
             ) from None
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        try:
-            number = float(value)  # (NumPy's numbers too, as min/max_loss_scale take them)
-        except OverflowError:  # (an integer too large for a float: refused below)
-            number = math.inf
+        # (NumPy's numbers too, as min/max_loss_scale take them; inf for an integer too large
+        # for a float, refused below.)
+        number = _as_number(value)
     else:
         raise TypeError(
             f"amp.initialize(loss_scale={value!r}): expected a positive number, a string "
