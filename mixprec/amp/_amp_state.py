@@ -21,6 +21,7 @@ are served; any other gives an ``AttributeError`` that names the public API to u
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import List
 
@@ -59,6 +60,23 @@ def _positive(what: str, value) -> float:
         raise ValueError(
             f"amp._amp_state.loss_scalers[i].{what} = {value!r}: expected a finite number > 0 "
             "(a power of two such as 2**16 is usual)."
+        )
+    return number
+
+
+def _count(what: str, value, minimum: int, meaning: str) -> int:
+    # Any integer type (a numpy or 0-dim torch integer from a script's arithmetic) as a
+    # Python int; a bool or a float is refused, as Apex's counters are whole numbers.
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        number = operator.index(value)
+    except TypeError:
+        number = None
+    if number is None or number < minimum:
+        raise ValueError(
+            f"amp._amp_state.loss_scalers[i].{what} = {value!r}: expected an int >= {minimum} "
+            f"({meaning})."
         )
     return number
 
@@ -102,12 +120,8 @@ class _ApexLossScaler:
 
     @_unskipped.setter
     def _unskipped(self, value) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"amp._amp_state.loss_scalers[i]._unskipped = {value!r}: expected an int >= 0 "
-                "(the clean steps since the scale last changed)."
-            )
-        self._scaler.set_state(unskipped=value)
+        self._scaler.set_state(unskipped=_count(
+            "_unskipped", value, 0, "the clean steps since the scale last changed"))
 
     @property
     def _scale_seq_len(self) -> int:
@@ -115,12 +129,9 @@ class _ApexLossScaler:
 
     @_scale_seq_len.setter
     def _scale_seq_len(self, value) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(
-                f"amp._amp_state.loss_scalers[i]._scale_seq_len = {value!r}: expected an int "
-                ">= 1 (clean steps before a dynamic scale doubles; Apex's default is 2000)."
-            )
-        self._scaler.set_window(value)
+        self._scaler.set_window(_count(
+            "_scale_seq_len", value, 1,
+            "clean steps before a dynamic scale doubles; Apex's default is 2000"))
 
     @property
     def _min_loss_scale(self) -> float:

@@ -422,6 +422,25 @@ def test_unskipped_refuses_a_bool():
     assert scaler._unskipped == 7
 
 
+def test_counters_take_numpy_and_tensor_integers_and_refuse_floats():
+    # A count computed with numpy or torch (np.int64, a 0-dim int tensor) is an integer;
+    # 2.0 or 2.5 is not (Apex's counters are compared with == to whole numbers).
+    np = pytest.importorskip("numpy")
+    _, _, state = _setup("host")
+    scaler = state.loss_scalers[0]
+    scaler._unskipped = np.int64(5)
+    assert scaler._unskipped == 5 and type(scaler._unskipped) is int
+    scaler._scale_seq_len = torch.tensor(3)
+    assert scaler._scale_seq_len == 3 and type(scaler._scale_seq_len) is int
+    for bad in (2.0, 2.5, "3", torch.tensor(3.0), np.int64(0)):
+        with pytest.raises(ValueError, match=r"_scale_seq_len = .*expected an int >= 1"):
+            scaler._scale_seq_len = bad
+    assert scaler._scale_seq_len == 3
+    with pytest.raises(ValueError, match=r"_unskipped = .*-1\)?: expected an int >= 0"):
+        scaler._unskipped = np.int32(-1)
+    assert scaler._unskipped == 5
+
+
 def test_unskipped_can_be_reset_to_zero():
     # `amp._amp_state.loss_scalers[0]._unskipped = 0` (restart the growth count, as Apex
     # scripts did after changing the scale by hand).
