@@ -1783,6 +1783,36 @@ def test_fused_sgd_defaults_are_plain_sgd(clean_apex):
             group["nesterov"]) == (0.0, 0.0, 0.0, False)
 
 
+def test_fused_sgd_without_lr_takes_a_generator_of_groups(clean_apex):
+    """FusedSGD's lr=required reads the groups to check each carries an lr; the groups may come
+    as a generator (`FusedSGD(({"params": m.parameters(), "lr": lr} for m, lr in ...),
+    momentum=0.9)`), which that check consumes: the optimizer must still get every group and
+    step as torch.optim.SGD does on the same groups, bit for bit. (kills: the checked list not
+    passed on, 'optimizer got an empty parameter list')"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex.optimizers import FusedSGD
+
+    torch.manual_seed(0)
+    ours = [nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4))]
+    ref = [nn.Parameter(p.detach().clone()) for p in ours]
+    lrs = (0.25, 0.5)
+    opt = FusedSGD(({"params": [p], "lr": lr} for p, lr in zip(ours, lrs)), momentum=0.5)
+    ref_opt = torch.optim.SGD([{"params": [q], "lr": lr} for q, lr in zip(ref, lrs)],
+                              momentum=0.5)
+    assert [g["lr"] for g in opt.param_groups] == list(lrs)
+    for _ in range(3):
+        for p, q in zip(ours, ref):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def test_noop_handle_wrapped_optimizer_steps_with_a_closure(clean_apex):
     """The optimizer returned by NoOpHandle.wrap_optimizer is the optimizer: step(closure)
     runs the closure and returns its loss (LBFGS-style loops, and scripts that log the value
@@ -1816,6 +1846,34 @@ def test_noop_handle_wrapped_optimizer_steps_with_a_closure(clean_apex):
         assert torch.equal(a, b)
     opt.custom_counter = 3
     assert inner.custom_counter == 3
+
+
+def test_noop_handle_wrapped_optimizer_steps_one_whose_step_takes_no_closure(clean_apex):
+    """The NoOpHandle wrapper's step() without a closure calls the optimizer's step() with no
+    argument, so a hand-written optimizer whose `def step(self)` takes none still steps (the
+    wrapper deliberately forwards a closure only when one is given). Checked against the plain update
+    p -= lr * grad. (kills: step() always forwarding closure=None)"""
+    import torch
+    from torch import nn
+
+    mixprec.install_apex_alias()
+    from apex import amp as apex_amp
+
+    class PlainSGD(torch.optim.Optimizer):
+        def __init__(self, params, lr):
+            super().__init__(params, {"lr": lr})
+
+        @torch.no_grad()
+        def step(self):  # (no closure argument)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+    p = nn.Parameter(torch.ones(2))
+    opt = apex_amp.init(enabled=False).wrap_optimizer(PlainSGD([p], lr=0.5))
+    p.grad = torch.tensor([1.0, 2.0])
+    assert opt.step() is None
+    torch.testing.assert_close(p.detach(), torch.tensor([0.5, 0.0]), rtol=0, atol=0)
 
 
 def test_noop_handle_wrapped_optimizer_scale_loss_yields_the_loss_itself(clean_apex):
