@@ -594,6 +594,125 @@ def test_resume_after_a_skipped_step_continues_the_scale_and_the_weights_bit_for
         torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
 
 
+def _detection_run(steps, checkpoint=None, start=0):
+    """Detection fine-tuning shape (r78C): a backbone whose BatchNorm2d layers are frozen in
+    eval mode (requires_grad False, left out of the optimizer) and one torchvision-style
+    FrozenBatchNorm2d (buffers only), a head with a trainable BatchNorm2d and a GroupNorm,
+    three losses (cross-entropy, smooth-L1, BCE-with-logits) at O2 fp16 with
+    keep_batchnorm_fp32=True and num_losses=3, one scale_loss block per loss_id. Loss 1 is
+    poisoned with inf at step 1 and loss 2 with NaN at step 3, so the three scalers end in
+    different states."""
+    import torch.nn.functional as F
+
+    class FrozenBatchNorm2d(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            for name, fill in (("weight", 1.3), ("bias", 0.1), ("running_mean", 0.3),
+                               ("running_var", 1.7)):
+                self.register_buffer(name, torch.full((n,), fill) + torch.rand(n) * 0.01)
+
+        def forward(self, x):
+            scale = self.weight * (self.running_var + 1e-5).rsqrt()
+            shift = self.bias - self.running_mean * scale
+            return x * scale.reshape(1, -1, 1, 1) + shift.reshape(1, -1, 1, 1)
+
+    def frozen_bn(c):
+        bn = nn.BatchNorm2d(c)
+        with torch.no_grad():
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.num_batches_tracked.fill_(77)
+        return bn.requires_grad_(False).eval()
+
+    class Det(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+            self.stem_bn = frozen_bn(8)
+            self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+            self.fbn = FrozenBatchNorm2d(8)
+            self.head = nn.Conv2d(8, 16, 3, padding=1)
+            self.head_bn = nn.BatchNorm2d(16)
+            self.head_gn = nn.GroupNorm(4, 16)
+            self.cls, self.box, self.obj = nn.Linear(16, 5), nn.Linear(16, 4), nn.Linear(16, 1)
+
+        def forward(self, x):
+            x = F.relu(self.fbn(self.conv(F.relu(self.stem_bn(self.stem(x))))))
+            x = F.relu(self.head_gn(self.head_bn(self.head(x)))).mean((2, 3))
+            return self.cls(x), self.box(x), self.obj(x)
+
+    torch.manual_seed(0)
+    model = Det()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05,
+                          momentum=0.9, weight_decay=1e-4)
+    amp.initialize(model, opt, opt_level="O2", keep_batchnorm_fp32=True, num_losses=3,
+                   dtype=torch.float16, verbosity=0)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        amp.load_state_dict(checkpoint["amp"])
+    losses = []
+    for step in range(start, start + steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2, 3, 6, 6, generator=g)
+        y, b = torch.randint(0, 5, (2,), generator=g), torch.randn(2, 4, generator=g)
+        o = torch.randint(0, 2, (2, 1), generator=g).float()
+        model.train()
+        model.stem_bn.eval()
+        opt.zero_grad()
+        cl, bx, ob = model(x)
+        ls = [F.cross_entropy(cl, y), F.smooth_l1_loss(bx, b),
+              F.binary_cross_entropy_with_logits(ob, o)]
+        if step == 1:
+            ls[1] = ls[1] * float("inf")
+        if step == 3:
+            ls[2] = ls[2] * float("nan")
+        for i, loss in enumerate(ls):
+            with amp.scale_loss(loss, opt, loss_id=i) as scaled:
+                scaled.backward(retain_graph=i < 2)
+        opt.step()
+        losses.append(torch.stack([l.detach() for l in ls]))
+    return model, opt, losses
+
+
+def test_three_loss_detection_finetuning_resumes_each_scaler_and_keeps_frozen_bn_exact():
+    import io
+
+    torch.manual_seed(0)
+    model, _, full = _detection_run(6)
+    fresh = _detection_run(0)[0].state_dict()
+    saved = amp.state_dict()
+    # Each loss_id backed off on its own overflow only, and counted its clean blocks since.
+    assert saved == {"loss_scaler0": {"loss_scale": 65536.0, "unskipped": 6},
+                     "loss_scaler1": {"loss_scale": 32768.0, "unskipped": 4},
+                     "loss_scaler2": {"loss_scale": 32768.0, "unskipped": 2}}, saved
+    sd = model.state_dict()
+    # The eval-mode BatchNorm2d (fp32, no grad, not in the optimizer) is exact, its
+    # num_batches_tracked untouched; the buffer-only FrozenBatchNorm2d is half (documented)
+    # and saved as its half values, unchanged by training.
+    for k in ("weight", "bias", "running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(sd["stem_bn." + k], fresh["stem_bn." + k]), k
+    for k in ("weight", "bias", "running_mean", "running_var"):
+        assert model.fbn.get_buffer(k).dtype == torch.float16
+        assert torch.equal(sd["fbn." + k], fresh["fbn." + k]), k
+    assert model.stem_bn.weight.dtype == model.head_bn.weight.dtype == torch.float32
+    assert model.head_gn.weight.dtype == torch.float16
+    assert sd["head_bn.num_batches_tracked"].item() == 6
+
+    m1, o1, first = _detection_run(4)
+    buf = io.BytesIO()
+    torch.save({"model": m1.state_dict(), "optimizer": o1.state_dict(),
+                "amp": amp.state_dict()}, buf)
+    buf.seek(0)
+    m2, _, second = _detection_run(2, checkpoint=torch.load(buf), start=4)
+    assert amp.state_dict() == saved
+    both = torch.stack(first + second)
+    torch.testing.assert_close(both, torch.stack(full), rtol=0, atol=0, equal_nan=True)
+    for (k, v), v2 in zip(sd.items(), m2.state_dict().values()):
+        torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
+
+
 def _run_with_late_group(steps, checkpoint=None):
     """O2 fine-tuning shape: the head trains from the start, the features join through
     optimizer.add_param_group after initialize (in their own group, with their own lr)."""

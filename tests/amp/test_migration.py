@@ -467,6 +467,116 @@ def test_o1_fp16_lora_accumulation_with_an_overflow_is_autocast_and_gradscaler_b
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
+def _hf_loop(backend, steps, start=0, checkpoint=None):
+    """An HF-Trainer-like loop (r78C): AdamW, a LambdaLR warm-up built before
+    amp.initialize, 4 micro-batches a step with a scale_loss block each (no delay_unscale),
+    clip_grad_norm_ on amp.master_params, scheduler.step() after every optimizer.step()
+    (skipped or not), zero_grad. Micro-batch 8 (the first of step 2) overflows. backend:
+    "O2" (mixprec, fp16) or "native" (torch.autocast + GradScaler)."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from mixprec import amp
+
+    class LM(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.l1, self.l2 = nn.Linear(16, 32), nn.Linear(32, 16)
+            self.ln, self.out = nn.LayerNorm(16), nn.Linear(16, 32)
+
+        def forward(self, ids, labels):
+            h = self.emb(ids)
+            h = self.ln(h + self.l2(nn.functional.gelu(self.l1(h))))
+            return nn.functional.cross_entropy(self.out(h).float().reshape(-1, 32),
+                                               labels.reshape(-1))
+
+    torch.manual_seed(0)
+    model = LM()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    scaler = None
+    if backend == "O2":
+        amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    else:
+        scaler = torch.amp.GradScaler("cpu")
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        sched.load_state_dict(checkpoint["scheduler"])
+        amp.load_state_dict(checkpoint["amp"])
+    losses, skipped = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(start, start + steps):
+            before = [p.detach().clone() for p in (amp.master_params(opt) if scaler is None
+                                                   else model.parameters())]
+            for micro in range(4):
+                ids = torch.randint(0, 32, (4, 9),
+                                    generator=torch.Generator().manual_seed(4 * step + micro))
+                with torch.autocast("cpu", dtype=torch.float16, enabled=scaler is not None):
+                    loss = model(ids[:, :-1], ids[:, 1:]) / 4
+                if 4 * step + micro == 8:
+                    loss = loss * float("inf")
+                losses.append(loss.detach())
+                if scaler is None:
+                    with amp.scale_loss(loss, opt) as scaled:
+                        scaled.backward()
+                else:
+                    scaler.scale(loss).backward()
+            if scaler is None:
+                torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1.0)
+                opt.step()
+                skipped.append(amp.step_was_skipped(opt))
+                after = list(amp.master_params(opt))
+            else:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                s0 = scaler.get_scale()
+                scaler.step(opt)
+                scaler.update()
+                skipped.append(scaler.get_scale() < s0)
+                after = list(model.parameters())
+            assert all(torch.equal(b, a) for b, a in zip(before, after)) == skipped[-1]
+            sched.step()
+            opt.zero_grad()
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)], \
+        [str(w.message) for w in caught]
+    return model, opt, sched, torch.stack(losses), skipped
+
+
+def test_hf_style_o2_fp16_accumulation_matches_gradscaler_and_resumes_bit_for_bit():
+    import io
+
+    import torch
+
+    from mixprec import amp
+
+    model, _, sched, full, skipped = _hf_loop("O2", 6)
+    assert skipped == [False, False, True, False, False, False]
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 32768.0, "unskipped": 15}}
+    _, _, ref_sched, ref, ref_skipped = _hf_loop("native", 6)
+    assert ref_skipped == skipped and sched.get_last_lr() == ref_sched.get_last_lr()
+    # fp32 masters against autocast: same trajectory within fp16 rounding.
+    finite = torch.isfinite(ref)
+    torch.testing.assert_close(full[finite], ref[finite], rtol=1e-3, atol=1e-5)
+
+    m1, o1, s1, first, _ = _hf_loop("O2", 3)  # saved right after the skipped step
+    buf = io.BytesIO()
+    torch.save({"model": m1.state_dict(), "optimizer": o1.state_dict(),
+                "scheduler": s1.state_dict(), "amp": amp.state_dict()}, buf)
+    buf.seek(0)
+    m2, _, s2, second, _ = _hf_loop("O2", 3, start=3, checkpoint=torch.load(buf))
+    torch.testing.assert_close(torch.cat([first, second]), full, rtol=0, atol=0,
+                               equal_nan=True)
+    assert s2.get_last_lr() == sched.get_last_lr()
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 32768.0, "unskipped": 15}}
+    for (k, v), v2 in zip(model.state_dict().items(), m2.state_dict().values()):
+        torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
+
+
 def test_o1_fp16_gru_seq2seq_with_loss_spikes_is_autocast_and_gradscaler_bit_for_bit():
     # A GRU encoder-decoder with attention (bidirectional encoder over an unsorted packed
     # batch, teacher forcing by fixed flags, clipping on amp.master_params): fp16 O1 equals
