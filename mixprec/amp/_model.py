@@ -346,6 +346,7 @@ class _AmpModule:
     _mixprec_instance_forward = None
     _mixprec_in_instance_forward = False
     _mixprec_own_masters = False
+    _mixprec_live_masters = ()
 
     def __prepare_scriptable__(self):
         # (torch.jit.script calls this first: without it, TorchScript failed on the
@@ -418,6 +419,8 @@ class _AmpModule:
             original_forward = functools.partial(_run_instance_forward, self, original_forward)
         if self._mixprec_own_masters:
             _push_written_masters(self)
+        elif not is_compiling() and self._mixprec_live_masters:
+            _push_live_masters(self)
         if cfg.renorm_master:
             _renorm_master_rows(self, args[0] if args else kwargs.get("input"))
         if cfg.fp32_compute:
@@ -581,12 +584,20 @@ class _AmpModule:
             # The copy takes fp32 masters of its own (see _Fp32StateDict.__getstate__), which
             # its forward must keep the half parameters in step with.
             state = {**state, _OWN_MASTERS: True}
+        if isinstance(state, dict) and state.get(_LIVE_MASTERS):
+            # (The optimizers' checks stay with the live model: a copy has masters of its own,
+            # or none.)
+            state = {**state, _LIVE_MASTERS: ()}
         return (_rebuild_amp_module, (_original_class(type(self)),), state)
 
 
 # Set on a deep-copied or unpickled amp model whose modules hold masters of their own (see
 # _Fp32StateDict.sync).
 _OWN_MASTERS = "_mixprec_own_masters"
+# On a live O2 model (and each model of its initialize call): weak references to its
+# optimizers' amp states' push_written_masters, which its forward calls (see
+# _push_live_masters). Not copied.
+_LIVE_MASTERS = "_mixprec_live_masters"
 # A forward set on the instance before initialize (``model.forward = functools.partial(
 # model.forward, ...)``, a library's output wrapper), which hid the class's forward that amp
 # wraps: amp moves it here and calls it inside its casts (see _swap_class); and a flag counting
@@ -732,6 +743,28 @@ def _push_written_masters(model: nn.Module) -> None:
         if hooks is not None and hooks.standalone:
             hooks.sync(module, check_params=False)
     return None
+
+
+def set_live_masters(model: nn.Module, keepers) -> None:
+    """Have ``model``'s forward look for masters written in place since the last step in the
+    amp states ``keepers`` (its ``initialize`` call's optimizers with masters)."""
+    model.__dict__[_LIVE_MASTERS] = tuple(
+        weakref.WeakMethod(keeper.push_written_masters) for keeper in keepers)
+
+
+def _push_live_masters(model: nn.Module) -> None:
+    """Before the live model's forward: masters written in place since amp last set the half
+    model (``copy_`` into ``amp.master_params(optimizer)`` or ``model.state_dict()``'s
+    tensors, ``torch.distributed.checkpoint``'s in-place load) go into the half parameters
+    the forward uses, as the next step's copy would put them (see
+    ``_OptimizerState.push_written_masters``). Not in a ``DataParallel`` replica (its
+    parameters are broadcast copies: such writes reach those at the next step)."""
+    if getattr(model, "_is_replica", False):
+        return
+    for ref in model._mixprec_live_masters:
+        push = ref()
+        if push is not None:
+            push()
 
 
 def _renorm_master_rows(module: nn.Module, indices) -> None:
@@ -966,6 +999,8 @@ def carry_amp_forward(old: nn.Module, new: nn.Module) -> None:
     ref = _PART_OF.get(old)
     if ref is not None:
         _PART_OF[new] = ref
+    if old.__dict__.get(_LIVE_MASTERS):
+        new.__dict__[_LIVE_MASTERS] = old.__dict__[_LIVE_MASTERS]
     hooks = old.__dict__.get("_mixprec_state_dict")
     if hooks is not None and new.__dict__.get("_mixprec_state_dict") is None:
         # Its fp32 checkpoints: the masters of the parameters it took over (the same objects),
@@ -998,6 +1033,7 @@ def restore_model(module: nn.Module) -> nn.Module:
             m.__dict__.pop("_mixprec_forward", None)
             m.__dict__.pop(_IN_INSTANCE_FORWARD, None)
             m.__dict__.pop(_OWN_MASTERS, None)
+            m.__dict__.pop(_LIVE_MASTERS, None)
             own = m.__dict__.pop(_INSTANCE_FORWARD, None)
             if own is not None:
                 m.__dict__["forward"] = own

@@ -26,6 +26,7 @@ from mixprec.amp._model import (
     converted_part_of,
     is_amp_model,
     register_masters,
+    set_live_masters,
 )
 from mixprec.amp._properties import describe_opt_level, resolve_properties
 from mixprec.amp._state import (
@@ -520,6 +521,8 @@ def initialize(
                       enclosed=id(model) in inside)
         for opt_state, its_masters in masters:
             register_masters(model, its_masters, opt_state.take_model_writes)
+        if props.master_weights and masters:
+            set_live_masters(model, [opt_state for opt_state, _ in masters])
     for model in model_list:
         for p in model.parameters():
             if p.dtype == torch.float32:

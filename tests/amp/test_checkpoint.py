@@ -672,7 +672,7 @@ def _detection_run(steps, checkpoint=None, start=0):
             with amp.scale_loss(loss, opt, loss_id=i) as scaled:
                 scaled.backward(retain_graph=i < 2)
         opt.step()
-        losses.append(torch.stack([l.detach() for l in ls]))
+        losses.append(torch.stack([part.detach() for part in ls]))
     return model, opt, losses
 
 
@@ -2619,6 +2619,7 @@ def test_a_parameter_resized_through_data_after_initialize_is_refused_naming_it(
         with amp.scale_loss(tied(torch.tensor([[1, 11]])).float().sum(), opt) as scaled:
             scaled.backward()
 
+
 def test_a_copys_parameter_resized_through_data_is_refused_naming_it():
     # The same resize on a deep copy (an EMA copy, a model forked for another vocabulary):
     # its state_dict() failed inside the copy's own sync with torch's bare "The size of tensor
@@ -2832,6 +2833,124 @@ def test_masters_written_in_place_right_after_initialize_hold_through_the_first_
     for master, value in zip(amp.master_params(opt), saved):
         torch.testing.assert_close(master, value, rtol=0, atol=0)
     torch.testing.assert_close(model.state_dict()["0.weight"], saved[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["master_params", "state_dict_tensors"])
+def test_o2_masters_written_in_place_reach_the_next_forward_and_every_state_dict(how):
+    """B1 (r78B). Values copied into the fp32 masters under no_grad (README: "write the masters
+    with copy_() under torch.no_grad()"), or into model.state_dict()'s tensors, which are the
+    masters (what torch.distributed.checkpoint's in-place dcp.load does), must be what the next
+    forward runs and what every later state_dict() returns, as the same values loaded with
+    model.load_state_dict. Found: the forward ran the stale half weights until the next step
+    (that step's gradient taken at the old weights), and a second state_dict() returned the
+    stale half weights upcast while the first returned the written values."""
+    def make(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def o2():
+        model = make(0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+
+    new = make(1).state_dict()
+    ref, ref_opt = o2()
+    ref.load_state_dict(new)
+    model, opt = o2()
+    with torch.no_grad():
+        if how == "master_params":
+            for (name, _), master in zip(model.named_parameters(), amp.master_params(opt)):
+                master.copy_(new[name])
+        else:
+            sd = model.state_dict()
+            for k, v in new.items():
+                sd[k].copy_(v)
+    for call in range(2):
+        saved = model.state_dict()
+        for k, v in new.items():
+            torch.testing.assert_close(saved[k], v, rtol=0, atol=0, msg=f"state_dict #{call} {k}")
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        with amp.scale_loss(m(x).pow(2).mean(), o) as scaled:
+            scaled.backward()
+        o.step()
+    for a, b in zip(amp.master_params(opt), amp.master_params(ref_opt)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_o2_forward_copies_nothing_when_no_master_was_written():
+    # The forward's look for written masters must not copy on its own: after steps (amp's
+    # post-step copy recorded), forwards in train and eval leave every half parameter's version
+    # counter where it was, and the masters untouched.
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    for seed in range(2):
+        _o2_step(model, opt, seed)
+    model.state_dict()  # (its hooks record per module: the forward's cache reads them)
+    versions = [p._version for p in model.parameters()]
+    masters = [m._version for m in amp.master_params(opt)]
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        model(x)
+    with torch.no_grad():
+        model.eval()(x)
+    assert [p._version for p in model.parameters()] == versions
+    assert [m._version for m in amp.master_params(opt)] == masters
+
+
+def test_o2_master_written_between_micro_batches_reaches_the_next_forward():
+    # A master written mid-window (a weight clamped in fp32 between two micro-batches) is
+    # what the next forward runs, as in fp32 training where the parameter is the weight; the
+    # step then applies the summed gradients to the written master.
+    torch.manual_seed(0)
+    fp32 = make_mlp()
+    model = copy.deepcopy(fp32)
+    ref_opt = torch.optim.SGD(fp32.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    xs = [torch.randn(8, 4, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    for i, x in enumerate(xs):
+        out = model(x)
+        if i == 1:  # (the forward after the write ran the clamped weight)
+            torch.testing.assert_close(model[0].weight, fp32[0].weight.bfloat16(), rtol=0, atol=0)
+        with amp.scale_loss(out.float().pow(2).mean(), opt, delay_unscale=i == 0) as s:
+            s.backward()
+        fp32(x).pow(2).mean().backward()
+        if i == 0:
+            with torch.no_grad():
+                next(iter(amp.master_params(opt))).clamp_(-0.05, 0.05)
+                fp32[0].weight.clamp_(-0.05, 0.05)
+    opt.step()
+    ref_opt.step()
+    # (bf16 forwards: the gradients differ from fp32's by rounding.)
+    for name, master in model.state_dict().items():
+        torch.testing.assert_close(master, fp32.state_dict()[name], rtol=0.02, atol=2e-3)
+
+
+def test_o2_copies_and_restored_models_do_not_keep_the_live_models_check():
+    # The forward's check belongs to the live model: a deep copy (an EMA) and a pickled copy
+    # push their own masters only, and a restored model has none. (A copy holding the live
+    # optimizers' check would write the live model's half parameters from its forward.)
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    _o2_step(model, opt)
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert copied.__dict__.get("_mixprec_live_masters") == ()
+        with torch.no_grad():
+            next(iter(amp.master_params(opt))).add_(1.0)  # (the live model's, not the copy's)
+        before = copied[0].weight.clone()
+        copied(torch.randn(3, 4))
+        torch.testing.assert_close(copied[0].weight, before, rtol=0, atol=0)
+        model(torch.randn(3, 4))
+        torch.testing.assert_close(model[0].weight, next(iter(amp.master_params(opt))).half(),
+                                   rtol=0, atol=0)
+    amp.restore_model(model)
+    assert "_mixprec_live_masters" not in model.__dict__
 
 
 # -- mutation run r50A over mixprec/amp/_model.py: what the tests above let through --------
