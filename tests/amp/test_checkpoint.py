@@ -2953,6 +2953,66 @@ def test_o2_copies_and_restored_models_do_not_keep_the_live_models_check():
     assert "_mixprec_live_masters" not in model.__dict__
 
 
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+@pytest.mark.parametrize("route", ["state_dict", "get_model_state_dict"])
+def test_dcp_round_trip_of_the_model_resumes_bit_for_bit(opt_level, route, tmp_path):
+    """G (r78B). README: dcp.save/dcp.load of model.state_dict() (then load_state_dict), and
+    get_model_state_dict/set_model_state_dict, resume the model bit for bit at every opt level
+    (optimizer and amp state through torch.save). No test ran torch.distributed.checkpoint.
+    Single process, no process group (DCP's local mode)."""
+    import warnings
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Embedding(12, 8), nn.LayerNorm(8), nn.Linear(8, 12))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                              verbosity=0)
+
+    def steps(model, opt, start, stop):
+        losses = []
+        for step in range(start, stop):
+            g = torch.Generator().manual_seed(100 + step)
+            idx = torch.randint(0, 12, (8, 3), generator=g)
+            y = torch.randint(0, 12, (8, 3), generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(idx).reshape(-1, 12), y.reshape(-1))
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            losses.append(loss.detach())
+        return losses
+
+    full_model, full_opt = build()
+    full = steps(full_model, full_opt, 0, 4)
+    model, opt = build()
+    first = steps(model, opt, 0, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "no process group: local save/load"
+        msd = model.state_dict() if route == "state_dict" else get_model_state_dict(model)
+        dcp.save({"model": msd}, checkpoint_id=str(tmp_path))
+        others = io.BytesIO()
+        torch.save({"optimizer": opt.state_dict(), "amp": amp.state_dict()}, others)
+        others.seek(0)
+        resumed, ropt = build()
+        target = resumed.state_dict() if route == "state_dict" else get_model_state_dict(resumed)
+        dcp.load({"model": target}, checkpoint_id=str(tmp_path))
+        if route == "state_dict":
+            resumed.load_state_dict(target)
+        else:
+            set_model_state_dict(resumed, target)
+    ck = torch.load(others)
+    ropt.load_state_dict(ck["optimizer"])
+    amp.load_state_dict(ck["amp"])
+    second = steps(resumed, ropt, 2, 4)
+    torch.testing.assert_close(torch.stack(first + second), torch.stack(full), rtol=0, atol=0)
+    for (k, v), v2 in zip(full_model.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(v2, v, rtol=0, atol=0, msg=k)
+
+
 # -- mutation run r50A over mixprec/amp/_model.py: what the tests above let through --------
 
 def _o2_step(model, opt, seed=2):

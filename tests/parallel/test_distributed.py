@@ -2723,6 +2723,113 @@ def check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit(ctx):
     assert amp.state_dict(optimizer=opt)["loss_scaler0"]["unskipped"] == 4
 
 
+def check_amp_o2_ddp_dcp_checkpoint_resume_continues_bit_for_bit(ctx):
+    """G (r78B). The same resume through torch.distributed.checkpoint, as a DCP user writes it
+    across ranks: the model by dcp.save/dcp.load of get_model_state_dict(ddp) (then
+    set_model_state_dict) and, second route, of ddp.state_dict() (then ddp.load_state_dict);
+    optimizer and amp state by torch.save's format. Continues bit for bit on every rank."""
+    import tempfile
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         set_model_state_dict)
+    from mixprec import amp
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = _mlp(ctx.device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0)
+        return DistributedDataParallel(model), opt
+
+    def steps(ddp, opt, seeds):
+        for seed in seeds:
+            x, y = _global_batch(ctx, seed=seed)
+            _amp_step_mse(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+
+    full, full_opt = build(0)
+    steps(full, full_opt, [900, 901, 902, 903])
+    where = [tempfile.mkdtemp(prefix="mixprec_dcp_") if ctx.rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    for route in ("get_model_state_dict", "state_dict"):
+        ddp, opt = build(0)
+        steps(ddp, opt, [900, 901])
+        path = f"{where[0]}/{route}"
+        msd = get_model_state_dict(ddp) if route == "get_model_state_dict" else ddp.state_dict()
+        dcp.save({"model": msd}, checkpoint_id=path)
+        others = copy.deepcopy({"optimizer": opt.state_dict(), "amp": amp.state_dict()})
+        resumed, resumed_opt = build(1)
+        target = (get_model_state_dict(resumed) if route == "get_model_state_dict"
+                  else resumed.state_dict())
+        dcp.load({"model": target}, checkpoint_id=path)
+        if route == "get_model_state_dict":
+            set_model_state_dict(resumed, target)
+        else:
+            resumed.load_state_dict(target)
+        resumed_opt.load_state_dict(others["optimizer"])
+        amp.load_state_dict(others["amp"])
+        steps(resumed, resumed_opt, [902, 903])
+        for i, (m, r) in enumerate(zip(amp.master_params(full_opt),
+                                       amp.master_params(resumed_opt))):
+            assert torch.equal(m, r), labelled(f"rank {ctx.rank} {route}: master {i}")
+        for (name, want), got in zip(full.module.named_parameters(), resumed.module.parameters()):
+            assert torch.equal(got, want), labelled(f"rank {ctx.rank} {route}: {name}")
+
+
+def check_ddp_of_a_compiled_amp_model_trains_as_eager(ctx):
+    """G (r78B). The other order a user writes: amp.initialize, torch.compile(model), then
+    DistributedDataParallel around the compiled module (tests compile the wrapper only). At O1
+    and O2 it trains as the eager wrapper: masters bit for bit on the CPU (aot_eager), within
+    bf16 rounding on CUDA (inductor); the ranks agree."""
+    from mixprec import amp
+
+    backend = "inductor" if ctx.is_cuda else "aot_eager"
+    tol = dict(rtol=0, atol=2e-3) if ctx.is_cuda else dict(rtol=0, atol=0)
+    for opt_level in ("O1", "O2"):
+        runs = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            model = _mlp(ctx.device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                        verbosity=0)
+            net = DistributedDataParallel(
+                torch.compile(model, backend=backend) if compiled else model)
+            for seed in (910, 911, 912):
+                x, y = _global_batch(ctx, seed=seed)
+                _amp_step_mse(net, opt, _mine(ctx, x), _mine(ctx, y), amp)
+            masters = [m.detach().clone() for m in amp.master_params(opt)]
+            _assert_same_on_all_ranks(ctx, masters, f"{opt_level} masters (compiled={compiled})")
+            runs.append(masters)
+        for i, (got, want) in enumerate(zip(*runs)):
+            torch.testing.assert_close(got, want, **tol,
+                                       msg=labelled(f"{opt_level} compiled vs eager, master {i}"))
+
+
+def check_amp_o2_apex_accumulation_with_every_micro_batch_all_reduced(ctx):
+    """G (r78B). Apex's documented accumulation as ported scripts keep it: delay_unscale=True
+    on all micro-batches but the last, no no_sync() (Apex's DDP all-reduced every backward),
+    at O2 with a static and a dynamic scale. Each backward all-reduces the held, scaled half
+    gradients; the sum must still be the global batch's accumulated gradient. Reference: one
+    process on the global micro-batches (the existing checks run this recipe inside
+    no_sync() only, or with delay_unscale=False at O1)."""
+    from mixprec import amp
+
+    for loss_scale in (64.0, "dynamic"):
+        model = _mlp(ctx.device)
+        model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), "O2",
+                                                    loss_scale=loss_scale)
+        ddp = DistributedDataParallel(model, message_size=64)
+        for step in range(2):
+            _accumulation_step(ctx, ddp, opt, ref, ref_opt, 190 + 3 * step,
+                               delay_unscale=True, synced=True)
+        masters = list(amp.master_params(opt))
+        _assert_same_on_all_ranks(ctx, masters, f"O2 {loss_scale} weight")
+        for m, r in zip(masters, amp.master_params(ref_opt)):
+            torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
+
+
 class _PoolBranchNet(nn.Module):
     """A DeepLab-style head in miniature: a conv path with BatchNorm and a global-pooling
     branch whose BatchNorm sees one value per channel and image, upsampled back."""
@@ -4784,6 +4891,9 @@ CHECKS = [
     "check_reducer_inside_an_accumulating_scale_loss_block",
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit",
+    "check_amp_o2_ddp_dcp_checkpoint_resume_continues_bit_for_bit",
+    "check_ddp_of_a_compiled_amp_model_trains_as_eager",
+    "check_amp_o2_apex_accumulation_with_every_micro_batch_all_reduced",
     "check_larc_under_amp_o2_and_ddp_matches_float64_larc",
     "check_syncbn_pool_branch_with_one_image_per_rank_matches_batchnorm",
     "check_frozen_syncbn_fine_tuning_under_amp_o2_ddp",
