@@ -2961,9 +2961,9 @@ def test_dcp_round_trip_of_the_model_resumes_bit_for_bit(opt_level, route, tmp_p
     (optimizer and amp state through torch.save). No test ran torch.distributed.checkpoint.
     Single process, no process group (DCP's local mode)."""
     import warnings
+
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     def build():
         torch.manual_seed(0)

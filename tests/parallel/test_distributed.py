@@ -2729,9 +2729,10 @@ def check_amp_o2_ddp_dcp_checkpoint_resume_continues_bit_for_bit(ctx):
     set_model_state_dict) and, second route, of ddp.state_dict() (then ddp.load_state_dict);
     optimizer and amp state by torch.save's format. Continues bit for bit on every rank."""
     import tempfile
+
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
     from mixprec import amp
 
     def build(seed):
