@@ -140,8 +140,10 @@ class Plan:
             sms = _sm_resources(device.index)[0]
             reduce_target, elemt_target = _PROGRAMS_PER_SM * sms, _ELEMT_PROGRAMS_PER_SM * sms
         else:
-            reduce_target = elemt_target = 4  # the interpreter: a few splits, so the tests
-            #                                   cover the merges and the loops
+            # The interpreter: a few splits, so the tests cover the merges and the loops, and
+            # the element-wise passes split the rows differently from the reductions, as on
+            # a GPU (a launch pairing one split's grid with the other's rows then shows).
+            reduce_target, elemt_target = 4, 8
         self.reduce = _split(m, c, reduce_target)
         self.elemt = _split(m, c, elemt_target)
         block_m, block_c, splits, _ = self.reduce

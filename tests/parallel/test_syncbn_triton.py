@@ -406,6 +406,106 @@ def test_scalars_reach_the_kernels_as_floats(device):
     assert len(seen) == 4 and all(type(v) is float for v in scalars), seen
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("elemt_splits", [1, 5], ids=["fewer", "more"])
+def test_element_wise_passes_use_their_own_split_of_the_rows(device, elemt_splits):
+    """A plan splits the rows twice: the reductions with ``reduce`` (fewer programs) and the
+    element-wise passes with ``elemt`` (more programs, on a GPU twice as many per SM). In the
+    interpreter both targets are 4, so the two splits coincide and a pass launched on one
+    split's grid with the other's rows_per_split would go unnoticed; on a GPU it would leave
+    rows of the output or of the input gradient unwritten. Here the element-wise split is
+    made different, with fewer splits than the reductions' (3 here) and with more (block
+    sizes depend only on (M, C), so the sites the plan keeps still fit: only the number of
+    splits and rows_per_split change), and the forward and backward must still match float64
+    BatchNorm (rtol/atol 1e-4)."""
+    m, c = 300, 64
+    x = _input(m, c, torch.float32, device, offset=0.5)
+    dy = _input(m, c, torch.float32, device, seed=1)
+    g = torch.Generator().manual_seed(11)
+    weight = (torch.rand(c, generator=g) + 0.5).to(device)
+    bias = torch.randn(c, generator=g).to(device)
+    plan = _syncbn_triton.Plan(m, c, x.device, torch.float32, torch.float32, torch.float32,
+                               None)
+    elemt = _syncbn_triton._split(m, c, elemt_splits)
+    assert elemt[:2] == plan.elemt[:2] and elemt[2] == elemt_splits != plan.reduce[2]
+    assert elemt[3] != plan.reduce[3] and elemt[2] * elemt[3] >= m
+    plan.elemt, plan._elemt_grid = elemt, (plan._elemt_grid[0], elemt[2])
+    out, row = plan.forward(x, weight, bias, None, None, 0.1, 1e-5)
+    dx, dw, db = plan.backward(dy, x, row, weight, True, True, True)
+
+    xr = x.cpu().double().requires_grad_(True)
+    wr = weight.cpu().double().requires_grad_(True)
+    br = bias.cpu().double().requires_grad_(True)
+    ref = torch.nn.functional.batch_norm(xr, None, None, wr, br, training=True, eps=1e-5)
+    ref.backward(dy.cpu().double())
+    tol = dict(rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out.cpu().double(), ref.detach(), **tol)
+    torch.testing.assert_close(dx.cpu().double(), xr.grad, **tol)
+    torch.testing.assert_close(dw.cpu().double(), wr.grad, **tol)
+    torch.testing.assert_close(db.cpu().double(), br.grad, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["as saved", "x with other strides", "x in another dtype",
+                                  "row in fp64", "row in bf16", "row strided",
+                                  "weight in bf16", "weight strided", "no weight"])
+def test_reads_saved_refuses_what_the_kernels_would_misread(device, case):
+    """``Plan.reads_saved`` decides whether the backward may hand autograd's saved tensors to
+    the kernels. A saved-tensor hook may return the fp32 statistics row or the weight in
+    another dtype: the interpreter reads any pointer by its own dtype, so the end-to-end hook
+    tests pass on CPU whatever this check says, while on a GPU the compiled kernels (fp32
+    row, the plan's weight dtype) would read those bytes as the wrong type. Checked
+    directly: True only for the forward's own tensors (and no weight)."""
+    m, c = 16, 4
+    x = _input(m, c, torch.float32, device)
+    weight = torch.ones(c, device=device)
+    plan = _syncbn_triton.Plan(m, c, x.device, torch.float32, torch.float32, torch.float32,
+                               None)
+    row = plan.stats(x, 1e-5)
+    strides = x.stride()
+    got = dict(x=x, strides=strides, weight=weight, row=row)
+    if case == "x with other strides":
+        got["x"] = x.t().contiguous().t()
+    elif case == "x in another dtype":
+        got["x"] = x.to(torch.bfloat16)
+    elif case == "row in fp64":
+        got["row"] = row.double()
+    elif case == "row in bf16":
+        got["row"] = row.to(torch.bfloat16)
+    elif case == "row strided":
+        got["row"] = torch.stack([row, row], 1)[:, 0]
+    elif case == "weight in bf16":
+        got["weight"] = weight.to(torch.bfloat16)
+    elif case == "weight strided":
+        got["weight"] = torch.ones(2 * c, device=device)[::2]
+    elif case == "no weight":
+        got["weight"] = None
+    want = case in ("as saved", "no weight")
+    assert plan.reads_saved(got["x"], got["strides"], got["weight"], got["row"]) is want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_grad_sums_writes_the_parameter_gradients_in_the_parameters_dtype(device, dtype):
+    """``Plan.grad_sums``: ``sums`` fp32 (what the all-reduce sends), ``grad_weight`` and
+    ``grad_bias`` in the parameters' dtypes (half parameters of a pure .half() model), with
+    the values of fp32 sums rounded once (float64 reference; tolerance: the dtype's
+    rounding)."""
+    m, c = 40, 6
+    x = _input(m, c, torch.float32, device, offset=1.0)
+    dy = _input(m, c, torch.float32, device, seed=1)
+    plan = _syncbn_triton.Plan(m, c, x.device, torch.float32, dtype, dtype, None)
+    row = plan.stats(x, 1e-5)
+    sums, gw, gb = plan.grad_sums(dy, x, row, True, True)
+    assert sums.dtype == torch.float32 and gw.dtype == dtype and gb.dtype == dtype
+    xd, dyd = x.cpu().double(), dy.cpu().double()
+    mean, invstd = row[:c].cpu().double(), row[c:2 * c].cpu().double()
+    tol = dict(rtol=1.6e-2, atol=1.6e-2) if dtype == torch.bfloat16 else dict(rtol=2e-3,
+                                                                               atol=2e-3)
+    torch.testing.assert_close(gw.cpu().double(), (dyd * (xd - mean)).sum(0) * invstd, **tol)
+    torch.testing.assert_close(gb.cpu().double(), dyd.sum(0), **tol)
+
+
 # The reductions at ResNet-50 sizes: hundreds of splits per channel block merged in a fixed
 # order, so every run gives the same bits (and the right ones).
 def _large_shapes(device):
