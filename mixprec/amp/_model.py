@@ -123,33 +123,46 @@ def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) 
 
     Walks lists, tuples, namedtuples, mappings (``dict``, ``OrderedDict``, ``defaultdict``,
     ``UserDict`` such as a tokenizer's batch) and dataclass instances; integer/bool tensors and
-    other objects are returned untouched; containers are rebuilt, never modified in place.
-    Objects of other classes are not entered, nor is their ``to`` method called (Apex called
-    ``value.to(dtype)``, its contract for custom batch classes; but objects whose ``to``
-    forwards its argument to every tensor, flex attention's ``BlockMask``, graph and tensordict
-    batches, would have their integer indices cast, silently): a model that takes such an
-    object gets it as it is, and casts what it needs itself.
+    other objects are returned untouched. A container is copied (rebuilt, never modified in
+    place) only when something in it is cast: one with nothing to cast is the caller's own
+    object, so what the forward writes into it (a KV cache dict filled at each decoding step,
+    fairseq's ``incremental_state``, a list of auxiliary losses) reaches the caller, as in
+    fp32 and under autocast. (A tensor cast is a copy: writes into it do not reach the
+    caller's.) Objects of other classes are not entered, nor is their ``to`` method called
+    (Apex called ``value.to(dtype)``, its contract for custom batch classes; but objects whose
+    ``to`` forwards its argument to every tensor, flex attention's ``BlockMask``, graph and
+    tensordict batches, would have their integer indices cast, silently): a model that takes
+    such an object gets it as it is, and casts what it needs itself.
     """
     if isinstance(value, torch.Tensor):
         if not value.is_floating_point() or value.dtype == dtype:
             return value
         return value if only is not None and value.dtype not in only else value.to(dtype)
     if type(value) is dict:  # the common case, kept cheap: this runs on every forward
-        return {k: cast_floating(v, dtype, only) for k, v in value.items()}
+        items = {k: cast_floating(v, dtype, only) for k, v in value.items()}
+        return value if _unchanged(items, value) else items
     if isinstance(value, Mapping):
-        return _rebuild_mapping(value,
-                                {k: cast_floating(v, dtype, only) for k, v in value.items()})
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # namedtuple
-        return type(value)(*(cast_floating(v, dtype, only) for v in value))
+        items = {k: cast_floating(v, dtype, only) for k, v in value.items()}
+        return value if _unchanged(items, value) else _rebuild_mapping(value, items)
     if isinstance(value, (list, tuple)):
-        return type(value)(cast_floating(v, dtype, only) for v in value)
+        cast = [cast_floating(v, dtype, only) for v in value]
+        if all(c is v for c, v in zip(cast, value)):
+            return value
+        # (A namedtuple takes its fields as arguments.)
+        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _rebuild_dataclass(value, dtype, only)
     return value
 
 
+def _unchanged(items: dict, original: Mapping) -> bool:
+    """Whether ``items`` (``original``'s values, cast) holds ``original``'s own values."""
+    return all(items[k] is v for k, v in original.items())
+
+
 def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple]) -> Any:
-    """A copy of the dataclass instance ``value`` with its fields' tensors cast.
+    """``value`` (a dataclass instance) itself when none of its fields has anything to cast,
+    else a copy of it with its fields' tensors cast.
 
     A shallow copy with each field set (``object.__setattr__``: frozen ones too), not
     ``dataclasses.replace``: that calls ``__init__`` again, which drops the values of
@@ -157,17 +170,17 @@ def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple]) ->
     way into an O2 model, or out of any model), fails on an ``InitVar`` without a default, and
     runs ``__post_init__`` a second time on values it already processed.
     """
-    fields = dataclasses.fields(value)
+    fields = [f for f in dataclasses.fields(value) if hasattr(value, f.name)]
+    cast = {f.name: cast_floating(getattr(value, f.name), dtype, only) for f in fields}
+    if all(cast[f.name] is getattr(value, f.name) for f in fields):
+        return value
     try:
         out = copy.copy(value)
-        for f in fields:
-            if hasattr(value, f.name):
-                object.__setattr__(out, f.name, cast_floating(getattr(value, f.name), dtype, only))
+        for name, v in cast.items():
+            object.__setattr__(out, name, v)
         return out
     except Exception:  # an instance that cannot be copied: rebuild it through __init__
-        changes = {f.name: cast_floating(getattr(value, f.name), dtype, only)
-                   for f in fields if f.init}
-        return dataclasses.replace(value, **changes)
+        return dataclasses.replace(value, **{f.name: cast[f.name] for f in fields if f.init})
 
 
 def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:

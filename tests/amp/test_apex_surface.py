@@ -1162,6 +1162,98 @@ def test_o2_casts_a_mapping_it_cannot_rebuild_into_a_plain_dict():
     assert out.dtype == torch.float32
 
 
+class _FillsContainers(nn.Module):
+    """A forward that writes into containers its caller passed (a KV cache dict, a list of
+    collected hidden states / aux losses, a dataclass cache), as fairseq's incremental_state
+    or hand-written generation loops do."""
+
+    @dataclasses.dataclass
+    class Cache:
+        k: torch.Tensor = None
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, cache_dict, cache_list, cache_dc):
+        h = self.lin(x)
+        cache_dict["k"] = h
+        cache_list.append(h)
+        cache_dc.k = h
+        return h
+
+
+@pytest.mark.parametrize("opt_level", OPT_LEVELS)
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_containers_with_nothing_to_cast_reach_the_forward_as_the_callers_own(opt_level, dtype):
+    # Reference: plain PyTorch (and torch.autocast, and O1) fill the caller's objects. A
+    # container holding nothing that needs a cast (empty, or half tensors the model made, as a
+    # KV cache at O2) must not be rebuilt on the way in, or the forward's writes are lost and
+    # a generation loop silently runs without its cache (r79C B1).
+    torch.manual_seed(0)
+    model = _FillsContainers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+    d, lst, dc = {}, [], _FillsContainers.Cache()
+    with torch.no_grad():
+        model(torch.randn(2, 4), d, lst, dc)
+    assert "k" in d and len(lst) == 1 and dc.k is not None, (d, lst, dc)
+    # A second call with the cache now holding the model's own (already cast) tensors.
+    d2 = {"old": d["k"]}
+    with torch.no_grad():
+        model(torch.randn(2, 4), d2, lst, dc)
+    assert "k" in d2 and len(lst) == 2
+
+
+class _KVDecoder(nn.Module):
+    """Tied embedding/head, one causal self-attention layer with a KV cache dict per call."""
+
+    def __init__(self, vocab=16, dim=16, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, idx, cache=None):
+        b, t, d = idx.shape[0], idx.shape[1], self.embed.embedding_dim
+        x = self.embed(idx)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if cache is not None:
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], 2), torch.cat([cache["v"], v], 2)
+            cache["k"], cache["v"] = k, v
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=t > 1)
+        return self.head(x + self.proj(a.transpose(1, 2).reshape(b, t, d)))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+@pytest.mark.parametrize("ctx", [torch.no_grad, torch.inference_mode])
+def test_kv_cache_generation_matches_the_full_forward(opt_level, ctx):
+    # Greedy decoding with a KV cache dict in eval mode: each step's logits equal the
+    # full-sequence forward's at that position (reference: the same model without a cache),
+    # within bf16 rounding of the different accumulation order.
+    torch.manual_seed(0)
+    model = _KVDecoder()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    model.eval()
+    prompt = torch.randint(0, 16, (2, 4), generator=torch.Generator().manual_seed(1))
+    with ctx():
+        cache = {}
+        out = model(prompt, cache)
+        toks, logits = [out[:, -1].argmax(-1)], [out[:, -1]]
+        for _ in range(5):
+            out = model(toks[-1][:, None], cache)
+            toks.append(out[:, -1].argmax(-1))
+            logits.append(out[:, -1])
+        full = model(torch.cat([prompt, torch.stack(toks[:-1], 1)], 1))[:, prompt.shape[1] - 1:]
+    assert cache["k"].shape[2] == prompt.shape[1] + 5
+    torch.testing.assert_close(torch.stack(logits, 1), full, atol=0.05, rtol=0.05)
+
+
 # -- sparse gradients -----------------------------------------------------------------------------
 class _Bag(nn.Module):
     def __init__(self):

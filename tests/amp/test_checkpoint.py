@@ -1226,6 +1226,72 @@ def test_o2_lora_adapter_checkpoint_is_the_fp32_masters_and_resumes_bit_for_bit(
         assert torch.equal(got[key], value), key
 
 
+class _LoRA(nn.Module):
+    def __init__(self, base, r=2):
+        super().__init__()
+        self.base = base
+        self.lora_A = nn.Parameter(torch.randn(r, base.in_features) * 0.1)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.lora_A.t() @ self.lora_B.t()
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_lora_wrapped_around_layers_after_initialize_keeps_the_base_masters(dtype):
+    # LoRA added after initialize: the existing Linear layers are re-parented under a wrapper
+    # (keys "0.weight" -> "0.base.weight"), the base frozen, the adapters cast to the model's
+    # half type and given to the optimizer by add_param_group. Reference: fp32 PyTorch doing
+    # the same. The base's checkpoint entries stay its exact fp32 masters under the new
+    # names, the adapters get fp32 masters and train within half tolerance of fp32.
+    def build():
+        torch.manual_seed(0)
+        return make_mlp()
+
+    def wrap(model, half=None):
+        torch.manual_seed(1)
+        model[0], model[2] = _LoRA(model[0]), _LoRA(model[2])
+        adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+        if half is not None:
+            for p in adapters:
+                p.data = p.data.to(half)
+        return adapters
+
+    def train(model, opt, use_amp):
+        for step in range(4):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if use_amp:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            opt.step()
+
+    ref = build()
+    pretrained = {k: v.clone() for k, v in ref.state_dict().items()}
+    ref.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(wrap(ref), lr=1e-2)
+    train(ref, ref_opt, False)
+
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    model.requires_grad_(False)
+    opt.add_param_group({"params": wrap(model, half=dtype)})
+    train(model, opt, True)
+    sd = model.state_dict()
+    assert set(sd) == set(ref.state_dict())
+    assert all(v.dtype == torch.float32 for v in sd.values())
+    for key, value in pretrained.items():
+        assert torch.equal(sd[key.replace(".", ".base.", 1)], value), key
+    for key in ("0.lora_A", "0.lora_B", "2.lora_A", "2.lora_B"):
+        torch.testing.assert_close(sd[key], ref.state_dict()[key], atol=2e-2, rtol=2e-2)
+    assert len(list(amp.master_params(opt))) == len(pretrained) + 4
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_ema_written_into_a_copys_state_dict_accumulates_in_fp32(dtype):
     # timm's ModelEmaV2 and ultralytics' ModelEMA: ema = copy.deepcopy(model), then each step

@@ -793,3 +793,43 @@ def test_o2_trains_more_layer_kinds_like_fp32_with_fp32_checkpoints(block, dtype
     if block == "embeddings":
         for key in ("embed.weight", "bag.weight"):
             assert torch.equal(state[key][0], torch.zeros(_D)), key
+
+
+class _Rotary(nn.Module):
+    def __init__(self, head_dim=16, base=10000.0):
+        super().__init__()
+        self.lin = nn.Linear(head_dim, head_dim)
+        inv = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(self, x, pos):
+        f = torch.outer(pos.float(), self.inv_freq.float())
+        x = self.lin(x).float()
+        x1, x2 = x[..., ::2], x[..., 1::2]
+        return torch.cat([x1 * f.cos() - x2 * f.sin(), x1 * f.sin() + x2 * f.cos()], -1)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_rope_inv_freq_registered_after_initialize_stays_fp32(dtype):
+    # README: O2 casts floating buffers, a RoPE inv_freq too (rounded, absent from the
+    # state dict as non-persistent); registered again after initialize it stays fp32 through
+    # forward, step, state_dict, a device move and a deep copy. Reference: the fp32 table.
+    torch.manual_seed(0)
+    model = _Rotary()
+    exact = model.inv_freq.clone()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    assert model.inv_freq.dtype == dtype and not torch.equal(model.inv_freq.float(), exact)
+    assert "inv_freq" not in model.state_dict()
+    model.register_buffer("inv_freq", exact.clone(), persistent=False)
+    pos = torch.arange(100, 108)
+    for _ in range(2):
+        loss = model(torch.randn(8, 16), pos).square().mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    model.to("cpu")
+    for m in (model, copy.deepcopy(model)):
+        assert m.inv_freq.dtype == torch.float32 and torch.equal(m.inv_freq, exact)
+        assert "inv_freq" not in m.state_dict()
