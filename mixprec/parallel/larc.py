@@ -135,8 +135,13 @@ class LARC:
                 if p.grad is None:
                     continue
                 g = p.grad
-                # Norms in fp32 at least (half weights under O3 would lose the ratio).
-                acc = torch.float64 if p.dtype == torch.float64 else torch.float32
+                # Norms in fp32 at least (half weights under O3 would lose the ratio); a
+                # complex parameter's (a Fourier layer's) in a complex type, whose norm is
+                # real (vector_norm refuses a real dtype for complex input).
+                if p.is_complex():
+                    acc = torch.complex128 if p.dtype == torch.complex128 else torch.complex64
+                else:
+                    acc = torch.float64 if p.dtype == torch.float64 else torch.float32
                 p_norm = torch.linalg.vector_norm(p, dtype=acc)
                 g_norm = torch.linalg.vector_norm(values[id(p)], dtype=acc)
                 local_lr = self.trust_coefficient * p_norm / (

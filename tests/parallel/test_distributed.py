@@ -5085,6 +5085,14 @@ def test_reducer_refuses_a_string_among_the_tensors():
         Reducer([torch.ones(2), ["weight"]])
 
 
+def test_reducer_names_bytes_among_the_tensors():
+    # bytes are iterable too (over their ints): the list check names the bytes object as the
+    # bad leaf, not the ints inside it. Checked before the process group is looked for.
+    # (mutation r80A R34: bytes dropped from the leaf types, the message said ['int'].)
+    with pytest.raises(TypeError, match=r"holding \['bytes'\]"):
+        Reducer([torch.ones(2), [b"weight"]])
+
+
 @pytest.mark.parametrize("flag", ["no", 1, None])
 def test_reducer_refuses_a_non_bool_find_unused_parameters(flag):
     # find_unused_parameters="no" would have switched the agreement on (any non-empty string
