@@ -771,13 +771,36 @@ def _push_live_masters(model: nn.Module) -> None:
     tensors, ``torch.distributed.checkpoint``'s in-place load) go into the half parameters
     the forward uses, as the next step's copy would put them (see
     ``_OptimizerState.push_written_masters``). Not in a ``DataParallel`` replica (its
-    parameters are broadcast copies: such writes reach those at the next step)."""
+    parameters are broadcast copies: such writes reach those at the next step). Once the
+    optimizers are gone, the masters they left are the model's own, as a copy's."""
     if getattr(model, "_is_replica", False):
         return
-    for ref in model._mixprec_live_masters:
-        push = ref()
-        if push is not None:
-            push()
+    # (Under torch.jit.trace the copy runs eagerly, outside the trace: recorded, it failed
+    # inserting the masters as constants.)
+    tracing = torch._C._get_tracing_state() if torch.jit.is_tracing() else None
+    if tracing is not None:
+        torch._C._set_tracing_state(None)
+    try:
+        alive = False
+        for ref in model._mixprec_live_masters:
+            push = ref()
+            if push is not None:
+                alive = True
+                push()
+        if not alive:
+            # Its optimizers are gone (training done): the masters are the model's own from
+            # now on, kept in step as a copy's are (README), and its forwards look as a
+            # copy's do.
+            for module in model.modules():
+                hooks = module.__dict__.get("_mixprec_state_dict")
+                if hooks is not None and hooks.orphaned():
+                    hooks.standalone = True
+            model.__dict__[_LIVE_MASTERS] = ()
+            model.__dict__[_OWN_MASTERS] = True
+            _push_written_masters(model)
+    finally:
+        if tracing is not None:
+            torch._C._set_tracing_state(tracing)
 
 
 def _renorm_master_rows(module: nn.Module, indices) -> None:

@@ -1506,12 +1506,13 @@ class _OptimizerState:
         half model at construction (without this each rank would go on from its own masters,
         and replicas initialized differently would train apart), ``nn.init`` or
         ``reset_parameters()`` after ``initialize``, an update under ``no_grad``. A master
-        written since as well (``model.load_state_dict`` writes both) wins. The other way
-        round, a master written alone (``copy_`` under ``no_grad`` into
-        ``amp.master_params(optimizer)`` or into ``model.state_dict()``'s tensors, which are
-        the masters, as ``torch.distributed.checkpoint.load`` does) is cast into its half
-        parameter, as the next step's copy would (the model's forward looks for those first:
-        see :meth:`push_written_masters`). A parameter whose
+        written since as well (``model.load_state_dict`` writes both; PyTorch's DDP
+        broadcasting the half model after a resume wrote the masters in place) wins, and is
+        cast into its half parameter, as is a master written alone (``copy_`` under
+        ``no_grad`` into ``amp.master_params(optimizer)`` or into ``model.state_dict()``'s
+        tensors, which are the masters, as ``torch.distributed.checkpoint.load`` does), as
+        the next step's copy would (the model's forward looks for those first: see
+        :meth:`push_written_masters`). A parameter whose
         tensor was swapped for another (``model.to(...)`` under PyTorch's
         ``swap_module_params_on_conversion``, whose new tensor has a version counter of its
         own) was moved, not written. Writes through ``.data`` bump no counter and are not
@@ -1576,8 +1577,10 @@ class _OptimizerState:
             written, stale = [], []
             for i in self._pair_indices(only):
                 (p, m), (sp, sm, sc) = self.pairs[i], synced[i]
-                if p._cdata == sc and (p._version != sp) != (m._version != sm):
-                    (written if p._version != sp else stale).append((p, m))
+                if p._cdata == sc and m._version != sm:
+                    stale.append((p, m))  # (a master written, alone or not, wins)
+                elif p._cdata == sc and p._version != sp:
+                    written.append((p, m))
             if written:
                 self._take(written)
             if stale:
@@ -1590,8 +1593,10 @@ class _OptimizerState:
         written, stale = [], []
         if synced is not None and len(synced) == len(now):
             for pair, (pv, mv, pc), (sp, sm, sc) in zip(self.pairs, now, synced):
-                if pc == sc and (pv != sp) != (mv != sm):
-                    (written if pv != sp else stale).append(pair)
+                if pc == sc and mv != sm:
+                    stale.append(pair)
+                elif pc == sc and pv != sp:
+                    written.append(pair)
         if not written and not stale:
             self._synced_versions = now  # (moves, both sides written: nothing to copy)
             self._masters_in_step = [mv for _, mv, _ in now]

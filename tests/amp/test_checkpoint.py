@@ -2910,19 +2910,10 @@ def test_o2_masters_written_in_place_reach_the_next_forward_and_every_state_dict
     model.load_state_dict. Found: the forward ran the stale half weights until the next step
     (that step's gradient taken at the old weights), and a second state_dict() returned the
     stale half weights upcast while the first returned the written values."""
-    def make(seed):
-        torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-
-    def o2():
-        model = make(0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        return amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-
-    new = make(1).state_dict()
-    ref, ref_opt = o2()
+    new = _tanh_mlp(1).state_dict()
+    ref, ref_opt = _o2_tanh_mlp()
     ref.load_state_dict(new)
-    model, opt = o2()
+    model, opt = _o2_tanh_mlp()
     with torch.no_grad():
         if how == "master_params":
             for (name, _), master in zip(model.named_parameters(), amp.master_params(opt)):
@@ -3017,6 +3008,236 @@ def test_o2_copies_and_restored_models_do_not_keep_the_live_models_check():
                                    rtol=0, atol=0)
     amp.restore_model(model)
     assert "_mixprec_live_masters" not in model.__dict__
+
+
+def _tanh_mlp(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _o2_tanh_mlp(seed=0):
+    model = _tanh_mlp(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
+def test_o2_masters_written_in_place_then_wrapped_in_torchs_ddp_reach_the_forward():
+    """B1 (r79B). A resume that writes the masters in place (docs/migrating.md: copied under
+    no_grad "they hold"; dcp.load into model.state_dict()), then wraps the model in PyTorch's
+    DistributedDataParallel, whose constructor broadcasts rank 0's (stale) half weights in
+    place into every rank's half parameters: both sides written, and amp left both alone. The
+    forward ran the stale half weights, the first step's gradient was taken at them, and once
+    the forward had recorded the pairs as in step every state_dict() saved the stale half
+    weights upcast (as a .data write, with amp's warning) while the masters held the resumed
+    values. Reference: the same values loaded with model.load_state_dict (no DDP)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    new = _tanh_mlp(1).state_dict()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    # (The reference runs without DDP: PyTorch's broadcast after a load_state_dict rounds
+    # the masters to half, README's "at half precision"; one rank averages nothing.)
+    ref, ref_opt = _o2_tanh_mlp()
+    ref.load_state_dict(new)
+    with torch.no_grad():
+        ref_out = ref(x)
+    with amp.scale_loss(ref(x).float().pow(2).mean(), ref_opt) as scaled:
+        scaled.backward()
+    ref_opt.step()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, opt = _o2_tanh_mlp()
+        with torch.no_grad():
+            for (name, _), master in zip(model.named_parameters(), amp.master_params(opt)):
+                master.copy_(new[name])
+        ddp = nn.parallel.DistributedDataParallel(model)
+        with torch.no_grad():
+            out = ddp(x)
+        # (cloned: the state dict's tensors are the masters, which the step moves)
+        saved = [{k: v.clone() for k, v in model.state_dict().items()} for _ in range(2)]
+        with amp.scale_loss(ddp(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        del ddp
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=0)
+    for call, sd in enumerate(saved):
+        for k, v in new.items():
+            torch.testing.assert_close(sd[k], v, rtol=0, atol=0, msg=f"state_dict #{call} {k}")
+    for a, b in zip(amp.master_params(opt), amp.master_params(ref_opt)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_o2_dcp_load_in_place_reaches_the_next_forward_without_load_state_dict(tmp_path):
+    """G1 (r79B). dcp.load fills model.state_dict()'s tensors (the masters) in place; without
+    model.load_state_dict the next forward (an evaluation) and every state_dict() must be the
+    loaded model, as after load_state_dict. (The commit's test copies into the tensors by
+    hand; this runs DCP itself, single process.)"""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    src, _ = _o2_tanh_mlp(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "no process group: local save/load"
+        dcp.save(src.state_dict(), checkpoint_id=str(tmp_path))
+        model, opt = _o2_tanh_mlp(0)
+        dcp.load(model.state_dict(), checkpoint_id=str(tmp_path))
+    ref, _ = _o2_tanh_mlp(0)
+    ref.load_state_dict(src.state_dict())
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), ref.eval()(x), rtol=0, atol=0)
+    for _ in range(2):
+        for k, v in src.state_dict().items():
+            torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("case", ["inference_mode", "convert_syncbn_after", "add_param_group",
+                                  "model_and_part"])
+def test_o2_master_written_in_place_reaches_the_forward_in_more_setups(case):
+    """G2 (r79B). The forward's look for written masters under inference_mode (the copy into
+    the half parameters is an in-place write there), on the model convert_syncbn_model returns
+    after initialize (carry_amp_forward carries the check), for masters of a group added with
+    add_param_group after initialize, and for initialize([model, model[0]]). Reference: the
+    same values loaded with model.load_state_dict."""
+    from mixprec.parallel import convert_syncbn_model
+
+    new = _tanh_mlp(1).state_dict()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    ref, _ = _o2_tanh_mlp()
+    ref.load_state_dict(new)
+    model = _tanh_mlp(0)
+    if case == "add_param_group":
+        opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0)
+        opt.add_param_group({"params": list(model[2].parameters())})
+    elif case == "model_and_part":
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        [model, _], opt = amp.initialize([model, model[0]], opt, opt_level="O2",
+                                         dtype=torch.bfloat16, verbosity=0)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0)
+        if case == "convert_syncbn_after":
+            model = convert_syncbn_model(model)
+    with torch.no_grad():
+        for (name, _), master in zip(model.named_parameters(), amp.master_params(opt)):
+            master.copy_(new[name])
+    with torch.inference_mode() if case == "inference_mode" else torch.no_grad():
+        out = model(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, ref(x), rtol=0, atol=0)
+
+
+def test_o2_training_with_evaluations_and_state_dicts_between_steps_is_bit_for_bit():
+    """G3 (r79B). The forward's check must never copy on its own: an O2 fp16 AdamW run with an
+    eval forward and a state_dict() after every step, and an overflow-skipped step, gives the
+    same losses, masters and half parameters (and the same half version counters: no extra
+    copy) as the same run without them."""
+    def run(evaluate):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        losses = []
+        for step in range(5):
+            g = torch.Generator().manual_seed(step)
+            x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)
+            opt.zero_grad()
+            for k in range(2):
+                loss = (model(x[8 * k:8 * k + 8]).float() - y[8 * k:8 * k + 8]).pow(2).mean()
+                if step == 2 and k == 1:
+                    loss = loss * 1e30  # (overflow: the step is skipped)
+                with amp.scale_loss(loss, opt, delay_unscale=k == 0) as scaled:
+                    scaled.backward()
+                losses.append(loss.detach())
+            opt.step()
+            if evaluate:
+                with torch.no_grad():
+                    model.eval()(x)
+                model.train()
+                model.state_dict()
+        return (losses, [m.clone() for m in amp.master_params(opt)],
+                [p.clone() for p in model.parameters()], [p._version for p in model.parameters()])
+
+    plain, evaluated = run(False), run(True)
+    for a, b in zip(plain[0] + plain[1] + plain[2], evaluated[0] + evaluated[1] + evaluated[2]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert plain[3] == evaluated[3]
+
+
+@pytest.mark.parametrize("how", ["master_params", "state_dict_tensors"])
+def test_o2_jit_trace_right_after_masters_written_in_place_traces_the_written_weights(how):
+    """B3 (r79B). README: torch.jit.trace takes the live amp model. Masters written in place
+    (a resume by dcp.load into model.state_dict(), or copy_ into amp.master_params), then
+    torch.jit.trace(model, x) to export: the forward's push of the written masters ran inside
+    the trace and the tracer failed with "Cannot insert a Tensor that requires grad as a
+    constant" (before 1ca3240 the trace ran the stale half weights). Reference: the same
+    values loaded with model.load_state_dict, traced."""
+    new = _tanh_mlp(1).state_dict()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    ref, _ = _o2_tanh_mlp()
+    ref.load_state_dict(new)
+    model, opt = _o2_tanh_mlp()
+    with torch.no_grad():
+        if how == "master_params":
+            for (name, _), master in zip(model.named_parameters(), amp.master_params(opt)):
+                master.copy_(new[name])
+        else:
+            sd = model.state_dict()
+            for k, v in new.items():
+                sd[k].copy_(v)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (TracerWarnings)
+        traced = torch.jit.trace(model, x, check_trace=False)
+        ref_traced = torch.jit.trace(ref, x, check_trace=False)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), ref_traced(x), rtol=0, atol=0)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("state_dict_first", [False, True])
+def test_o2_optimizer_gone_masters_written_in_place_reach_the_next_forward(state_dict_first):
+    """B4 (r79B). README: "Once the optimizer is deleted (training done), the masters keep
+    their fp32 values and follow the half model's later changes, as a copy's do", and a
+    copy's forward takes masters written through its state dict. After training, with the
+    optimizer deleted, new weights written in place into model.state_dict()'s tensors (an
+    inference server's dcp.load) reached state_dict() but not the forward, which ran the old
+    half weights: the forward's check is held by the (dead) optimizer, and the live model
+    does not push standalone masters as a copy does. Reference: model.load_state_dict."""
+    new = _tanh_mlp(1).state_dict()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(3))
+
+    def trained():
+        model, opt = _o2_tanh_mlp()
+        _o2_step_8(model, opt)
+        return model
+
+    def _o2_step_8(model, opt):
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+
+    ref = trained()
+    gc.collect()
+    ref.load_state_dict(new)
+    model = trained()
+    gc.collect()  # (the optimizer is gone)
+    if state_dict_first:
+        model.state_dict()
+    sd = model.state_dict()
+    with torch.no_grad():
+        for k, v in new.items():
+            sd[k].copy_(v)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    for k, v in new.items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
