@@ -16,6 +16,7 @@ The model object the user passed is returned, changed in three visible, reversib
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -591,6 +592,13 @@ class _AmpModule:
         # The state is what the user's class says it is (its own __getstate__ may leave out
         # what cannot be pickled); object.__getstate__ exists from Python 3.11 on.
         follow_renames_in(self)  # (a copy's masters are found by name)
+        if not is_compiling():
+            # (Masters written in place since the last forward go into the half parameters
+            # first: the copy could not tell its stale half weights from a write into them.)
+            if self.__dict__.get(_LIVE_MASTERS):
+                _push_live_masters(self)
+            elif self.__dict__.get(_OWN_MASTERS):
+                _push_written_masters(self)
         getstate = getattr(self, "__getstate__", None)
         state = getstate() if getstate is not None else dict(self.__dict__)
         if isinstance(state, dict) and master_weights(self):
@@ -751,11 +759,59 @@ def _push_written_masters(model: nn.Module) -> None:
             _PUSH_TRACED[0] = False
     if getattr(model, "_is_replica", False):  # (a DataParallel replica's are broadcast copies)
         return None
-    for module in model.modules():
-        hooks = module.__dict__.get("_mixprec_state_dict")
-        if hooks is not None and hooks.standalone:
-            hooks.sync(module, check_params=False)
+    with _tracer_paused():
+        for module in model.modules():
+            hooks = module.__dict__.get("_mixprec_state_dict")
+            if hooks is not None and hooks.standalone:
+                hooks.sync(module, check_params=False)
     return None
+
+
+@contextlib.contextmanager
+def _tracer_paused():
+    """Run amp's copies between masters and half parameters eagerly under ``torch.jit.trace``
+    (recorded, they failed inserting the masters as constants; the trace then takes the half
+    parameters as the copies left them)."""
+    tracing = torch._C._get_tracing_state() if torch.jit.is_tracing() else None
+    if tracing is None:
+        yield
+        return
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(tracing)
+
+
+class _OrphanedMasters:
+    """In a live O2 model's :data:`_LIVE_MASTERS` once its optimizers are gone (training
+    done): their masters are the model's own from then on, kept in step as a copy's are
+    (README), and a master written in place (a server's ``dcp.load`` into
+    ``model.state_dict()``) goes into its half parameter before the next eager forward. Called
+    as the weak references it replaces are, it gives its push. One version read per master
+    when nothing was written; a compiled forward does not look (no graph break)."""
+
+    def __init__(self, model: nn.Module):
+        self.entries = []
+        for module in model.modules():
+            hooks = module.__dict__.get("_mixprec_state_dict")
+            if hooks is not None and hooks.masters and (hooks.standalone or hooks.orphaned()):
+                hooks.standalone = True
+                self.entries.append((weakref.ref(module), hooks))
+        self._masters = [m for _, hooks in self.entries for m in hooks.masters.values()]
+        self._seen: Optional[List[int]] = None
+
+    def __call__(self):
+        return self.push
+
+    def push(self) -> None:
+        if [m._version for m in self._masters] == self._seen:
+            return
+        for ref, hooks in self.entries:
+            module = ref()
+            if module is not None:
+                hooks.sync(module, check_params=False)
+        self._seen = [m._version for m in self._masters]
 
 
 def set_live_masters(model: nn.Module, keepers) -> None:
@@ -775,12 +831,7 @@ def _push_live_masters(model: nn.Module) -> None:
     optimizers are gone, the masters they left are the model's own, as a copy's."""
     if getattr(model, "_is_replica", False):
         return
-    # (Under torch.jit.trace the copy runs eagerly, outside the trace: recorded, it failed
-    # inserting the masters as constants.)
-    tracing = torch._C._get_tracing_state() if torch.jit.is_tracing() else None
-    if tracing is not None:
-        torch._C._set_tracing_state(None)
-    try:
+    with _tracer_paused():
         alive = False
         for ref in model._mixprec_live_masters:
             push = ref()
@@ -788,19 +839,9 @@ def _push_live_masters(model: nn.Module) -> None:
                 alive = True
                 push()
         if not alive:
-            # Its optimizers are gone (training done): the masters are the model's own from
-            # now on, kept in step as a copy's are (README), and its forwards look as a
-            # copy's do.
-            for module in model.modules():
-                hooks = module.__dict__.get("_mixprec_state_dict")
-                if hooks is not None and hooks.orphaned():
-                    hooks.standalone = True
-            model.__dict__[_LIVE_MASTERS] = ()
-            model.__dict__[_OWN_MASTERS] = True
-            _push_written_masters(model)
-    finally:
-        if tracing is not None:
-            torch._C._set_tracing_state(tracing)
+            orphaned = _OrphanedMasters(model)
+            model.__dict__[_LIVE_MASTERS] = (orphaned,) if orphaned.entries else ()
+            orphaned.push()
 
 
 def _renorm_master_rows(module: nn.Module, indices) -> None:
@@ -1065,6 +1106,12 @@ def restore_model(module: nn.Module) -> nn.Module:
         if ref is not None and id(ref()) in restored:  # (not a part of a model left as it is)
             del _PART_OF[m]
         if isinstance(m, _AmpModule):
+            # (Masters written in place since the last forward go into the half parameters
+            # first: the restored model's forward and .float() take those.)
+            if m.__dict__.get(_LIVE_MASTERS):
+                _push_live_masters(m)
+            elif m.__dict__.get(_OWN_MASTERS):
+                _push_written_masters(m)
             m.__class__ = _original_class(type(m))
             m.__dict__.pop("_mixprec_forward", None)
             m.__dict__.pop(_IN_INSTANCE_FORWARD, None)

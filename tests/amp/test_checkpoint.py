@@ -3240,6 +3240,221 @@ def test_o2_optimizer_gone_masters_written_in_place_reach_the_next_forward(state
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("keep_optimizer", [True, False])
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
+def test_o2_copy_taken_right_after_masters_written_in_place_holds_the_written_weights(
+        how, keep_optimizer):
+    """B2 (r81B). dcp.load into model.state_dict() (masters written in place), then at once
+    copy.deepcopy(model) (an EMA, a snapshot) or torch.save(model) (whole-model pickle): the
+    copy's forward ran the old half weights, and its first state_dict() overwrote its
+    masters (the written values) with them upcast. Reference: the same values loaded with
+    model.load_state_dict into a fresh O2 model (bit for bit)."""
+    new = _tanh_mlp(1).state_dict()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    ref, _ = _o2_tanh_mlp()
+    ref.load_state_dict(new)
+    model, opt = _o2_tanh_mlp()
+    if not keep_optimizer:
+        del opt
+        gc.collect()
+    with torch.no_grad():
+        model(x)
+        sd = model.state_dict()
+        for k, v in new.items():
+            sd[k].copy_(v)
+    if how == "deepcopy":
+        other = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        other = torch.load(buf, weights_only=False)
+    with torch.no_grad():
+        torch.testing.assert_close(other(x), ref(x), rtol=0, atol=0)
+    for k, v in new.items():
+        torch.testing.assert_close(other.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("which", ["optimizer_deleted", "deepcopy"])
+def test_o2_jit_trace_of_a_model_with_masters_of_its_own(which):
+    """B3 (r81B). README: torch.jit.trace takes amp models "and their copies". Once the
+    optimizer is deleted (a trace for export after training) the live model's forward syncs
+    its masters as a copy's does, inside the trace, and the tracer failed with "Cannot insert
+    a Tensor that requires grad as a constant" (it traced at 7896f1c); a deep copy's trace
+    failed the same way. Reference: the same model traced with its optimizer alive."""
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    ref, _ = _o2_tanh_mlp()
+    model, opt = _o2_tanh_mlp()
+    if which == "deepcopy":
+        model = copy.deepcopy(model)
+    else:
+        del opt
+        gc.collect()
+    with torch.no_grad():
+        model(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (TracerWarnings)
+        traced = torch.jit.trace(model, x, check_trace=False)
+    with torch.no_grad():
+        torch.testing.assert_close(traced(x), ref(x), rtol=0, atol=0)
+
+
+def test_o2_fullgraph_compile_after_the_optimizer_is_deleted():
+    """B4 (r81B). README: models returned by initialize compile with
+    torch.compile(fullgraph=True) (only deep or unpickled copies are named as refused). After
+    `del optimizer` (serving a trained model) the live model's forward took the copy's
+    path, a torch.compiler.disable'd function, and fullgraph=True was refused (it compiled at
+    7896f1c). Reference: the eager forward."""
+    import torch._dynamo
+
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    model, opt = _o2_tanh_mlp()
+    del opt
+    gc.collect()
+    with torch.no_grad():
+        eager = model(x)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), eager, rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_o2_restore_model_right_after_masters_written_in_place_runs_the_written_weights():
+    """B5 (r81B). dcp.load into model.state_dict() (masters written in place), then
+    amp.restore_model(model) (to export or script the plain module): restore dropped the
+    forward's look before it ran, so the restored model ran the old half weights while its
+    state_dict() held the written masters, and .float() upcast the old weights. Reference:
+    the fp32 model with the written weights, cast to bf16 (bit for bit: same weights)."""
+    new = _tanh_mlp(1).state_dict()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    ref = _tanh_mlp(1).to(torch.bfloat16)
+    model, opt = _o2_tanh_mlp()
+    with torch.no_grad():
+        sd = model.state_dict()
+        for k, v in new.items():
+            sd[k].copy_(v)
+    restored = amp.restore_model(model)
+    with torch.no_grad():
+        torch.testing.assert_close(restored(x.bfloat16()), ref(x.bfloat16()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("how", ["load_state_dict", "dcp", "copy_"])
+def test_o2_served_after_optimizer_deleted_threads_under_inference_mode_run_new_weights(
+        dtype, how, tmp_path):
+    """G1 (r81B). The end of training: AdamW steps at O2, `del optimizer`, then new weights
+    loaded (load_state_dict, dcp.load into model.state_dict() in place, copy_ under no_grad
+    into its tensors) after a forward has run, and evaluation forwards under
+    torch.inference_mode from 4 threads at once: each output equals a fresh O2 model with the
+    same weights loaded by load_state_dict, bit for bit, and state_dict() is the new weights."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+        opt.step()
+    del opt
+    gc.collect()
+    model.eval()
+    with torch.inference_mode():
+        model(x)
+    torch.manual_seed(1)
+    new = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 4))
+    new = new.state_dict()
+    if how == "load_state_dict":
+        model.load_state_dict(new)
+    elif how == "dcp":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's "no process group: local save/load"
+            dcp.save(new, checkpoint_id=str(tmp_path))
+            dcp.load(model.state_dict(), checkpoint_id=str(tmp_path))
+    else:
+        with torch.no_grad():
+            sd = model.state_dict()
+            for k, v in new.items():
+                sd[k].copy_(v)
+    torch.manual_seed(5)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 4))
+    ref_opt = torch.optim.AdamW(ref.parameters())
+    ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O2", dtype=dtype, verbosity=0)
+    ref.load_state_dict(new)
+    with torch.inference_mode():
+        expected = ref.eval()(x)
+    outs, errors = [None] * 4, []
+
+    def serve(i):
+        try:
+            with torch.inference_mode():
+                outs[i] = model(x)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for out in outs:
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for k, v in new.items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
+@pytest.mark.parametrize("keep_optimizer", [True, False])
+@pytest.mark.parametrize("load", ["load_state_dict", "copy_", "copy_then_forward"])
+def test_o2_head_reinitialized_after_loading_follows_the_documented_rules(load, keep_optimizer):
+    """G2 (r81B). README: "A master written wins over its half parameter written too, so to
+    re-initialize a layer after it, write its masters or load with model.load_state_dict";
+    a half parameter written in place since (nn.init, reset_parameters()) is taken into its
+    master before the next step and state_dict(). Re-initializing the head (half parameters)
+    after loading new weights: after load_state_dict, or after masters written in place and
+    a forward, the re-initialized head is what the forward runs and state_dict() saves; right
+    after masters written in place (no forward between), the loaded head wins, in the forward
+    and in state_dict() alike. The same with the optimizer alive or deleted."""
+    new = _tanh_mlp(1).state_dict()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    model, opt = _o2_tanh_mlp()
+    if not keep_optimizer:
+        del opt
+        gc.collect()
+    with torch.no_grad():
+        model(x)
+    if load == "load_state_dict":
+        model.load_state_dict(new)
+    else:
+        with torch.no_grad():
+            sd = model.state_dict()
+            for k, v in new.items():
+                sd[k].copy_(v)
+            if load == "copy_then_forward":
+                model(x)
+    torch.manual_seed(9)
+    model[2].reset_parameters()
+    reinit = model[2].weight.detach().clone()
+    with torch.no_grad():
+        model(x)
+    saved = model.state_dict()
+    if load == "copy_":
+        torch.testing.assert_close(saved["2.weight"], new["2.weight"], rtol=0, atol=0)
+        torch.testing.assert_close(model[2].weight, new["2.weight"].bfloat16(), rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(model[2].weight.detach(), reinit, rtol=0, atol=0)
+        torch.testing.assert_close(saved["2.weight"], reinit.float(), rtol=0, atol=0)
+    torch.testing.assert_close(saved["0.weight"], new["0.weight"], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 @pytest.mark.parametrize("route", ["state_dict", "get_model_state_dict"])
 def test_dcp_round_trip_of_the_model_resumes_bit_for_bit(opt_level, route, tmp_path):
