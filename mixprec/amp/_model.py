@@ -135,24 +135,40 @@ def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) 
     tensordict batches, would have their integer indices cast, silently): a model that takes
     such an object gets it as it is, and casts what it needs itself.
     """
+    # (Not traced with a memo: Dynamo guards on each id() read, and recompiled for every new
+    # input tensor.)
+    return _cast(value, dtype, only, None if is_compiling() else {})
+
+
+def _cast(value: Any, dtype: torch.dtype, only: Optional[tuple], memo: Optional[dict]) -> Any:
+    # (memo: id(tensor) -> its cast, within one call: a tensor found twice, {"q": x, "kv": x}
+    # or a model output's key and attribute, is cast once, and the two stay one object.)
     if isinstance(value, torch.Tensor):
-        if not value.is_floating_point() or value.dtype == dtype:
+        if (not value.is_floating_point() or value.dtype == dtype
+                or (only is not None and value.dtype not in only)):
             return value
-        return value if only is not None and value.dtype not in only else value.to(dtype)
+        if memo is None:
+            return value.to(dtype)
+        cast = memo.get(id(value))
+        if cast is None:
+            cast = memo[id(value)] = (value, value.to(dtype))
+        return cast[1]
     if type(value) is dict:  # the common case, kept cheap: this runs on every forward
-        items = {k: cast_floating(v, dtype, only) for k, v in value.items()}
+        items = {k: _cast(v, dtype, only, memo) for k, v in value.items()}
         return value if _unchanged(items, value) else items
     if isinstance(value, Mapping):
-        items = {k: cast_floating(v, dtype, only) for k, v in value.items()}
-        return value if _unchanged(items, value) else _rebuild_mapping(value, items)
+        items = {k: _cast(v, dtype, only, memo) for k, v in value.items()}
+        if _unchanged(items, value):
+            return value
+        return _rebuild_mapping(value, items, dtype, only, memo)
     if isinstance(value, (list, tuple)):
-        cast = [cast_floating(v, dtype, only) for v in value]
+        cast = [_cast(v, dtype, only, memo) for v in value]
         if all(c is v for c, v in zip(cast, value)):
             return value
         # (A namedtuple takes its fields as arguments.)
         return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _rebuild_dataclass(value, dtype, only)
+        return _rebuild_dataclass(value, dtype, only, memo)
     return value
 
 
@@ -161,7 +177,8 @@ def _unchanged(items: dict, original: Mapping) -> bool:
     return all(items[k] is v for k, v in original.items())
 
 
-def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple]) -> Any:
+def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple],
+                       memo: Optional[dict]) -> Any:
     """``value`` (a dataclass instance) itself when none of its fields has anything to cast,
     else a copy of it with its fields' tensors cast.
 
@@ -172,7 +189,7 @@ def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple]) ->
     runs ``__post_init__`` a second time on values it already processed.
     """
     fields = [f for f in dataclasses.fields(value) if hasattr(value, f.name)]
-    cast = {f.name: cast_floating(getattr(value, f.name), dtype, only) for f in fields}
+    cast = {f.name: _cast(getattr(value, f.name), dtype, only, memo) for f in fields}
     if all(cast[f.name] is getattr(value, f.name) for f in fields):
         return value
     try:
@@ -184,14 +201,35 @@ def _rebuild_dataclass(value: Any, dtype: torch.dtype, only: Optional[tuple]) ->
         return dataclasses.replace(value, **{f.name: cast[f.name] for f in fields if f.init})
 
 
-def _rebuild_mapping(original: Mapping, items: dict) -> Mapping:
+def _rebuild_mapping(original: Mapping, items: dict, dtype: Optional[torch.dtype] = None,
+                     only: Optional[tuple] = None, memo: Optional[dict] = None) -> Mapping:
     """A mapping of ``original``'s type holding ``items``, ``original`` left as it was.
 
     For ``dict`` and ``UserDict`` subclasses a shallow copy with the items assigned keeps what
     a constructor call would lose (a ``defaultdict``'s factory, a subclass's attributes): their
-    copies own their items. Other mappings (whose copy may share its storage with the original)
-    are rebuilt from the items, and a type that cannot be becomes a plain ``dict``.
+    copies own their items. A ``dict`` subclass that is also a dataclass (transformers'
+    ``ModelOutput``) is made without its class's ``__init__``, ``__reduce__`` or
+    ``__setitem__``: its keys stay the original's (a field set after it was built, ``out.loss
+    = loss``, is an attribute, not a key, as in fp32; its ``__reduce__`` made it one) and its
+    attributes are cast as its items are (``out.loss`` came out half at O2). Other mappings
+    (whose copy may share its storage with the original) are rebuilt from the items, and a
+    type that cannot be becomes a plain ``dict``.
     """
+    if (isinstance(original, dict) and dataclasses.is_dataclass(original)
+            and hasattr(original, "__dict__")):
+        try:
+            out = type(original).__new__(type(original))
+            # (The storage's own __setitem__: an OrderedDict's, which keeps its order.)
+            store = next(c for c in type(out).__mro__ if c in (collections.OrderedDict, dict))
+            for k, v in items.items():
+                store.__setitem__(out, k, v)
+            attrs = original.__dict__
+            if dtype is not None:
+                attrs = {k: _cast(v, dtype, only, memo) for k, v in attrs.items()}
+            out.__dict__.update(attrs)
+            return out
+        except Exception:  # an exotic one: fall through to the copy below
+            pass
     if isinstance(original, (dict, UserDict)):
         try:
             out = copy.copy(original)

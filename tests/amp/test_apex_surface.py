@@ -4,6 +4,7 @@ import collections
 import collections.abc
 import copy
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -1035,6 +1036,56 @@ def test_a_model_output_that_is_a_dataclass_and_a_mapping_leaves_in_fp32_every_w
     assert out.logits is out["logits"]
 
 
+class _ReducingOutputBase(_OutputBase):
+    """_OutputBase with transformers' ``ModelOutput.__reduce__`` (pickling, copy.copy): the
+    class is called again with every field's value, so ``__post_init__`` makes keys of them."""
+
+    def __reduce__(self):
+        fn, _args, *rest = super().__reduce__()
+        return (fn, tuple(getattr(self, f.name) for f in dataclasses.fields(self)), *rest)
+
+
+@dataclasses.dataclass
+class _ReducingClassifierOutput(_ReducingOutputBase):
+    loss: torch.Tensor = None
+    logits: torch.Tensor = None
+
+
+@pytest.mark.parametrize("output_class", [_ClassifierOutput, _ReducingClassifierOutput])
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2"])
+def test_a_model_output_whose_loss_is_set_after_it_was_built_reads_as_in_fp32(
+        opt_level, output_class):
+    """A wrapper adding its loss to a backbone's transformers-style output (``out.loss = loss;
+    return out``, a common fine-tuning pattern): ``loss`` was None when the output was built,
+    so it is an attribute and not a key. Reference: the fp32 model, where the keys stay
+    ``["logits"]`` and ``out[0]`` is the logits. amp's cast of the outputs must not make a key
+    of it (``out[0]`` silently becoming the loss) and must leave it fp32 like the logits."""
+
+    class Wrapper(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x, y):
+            out = output_class(logits=self.lin(x))
+            out.loss = nn.functional.cross_entropy(out.logits, y)
+            return out
+
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    torch.manual_seed(0)
+    ref = Wrapper()(x, y)
+    torch.manual_seed(0)
+    model = Wrapper()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                   dtype=torch.bfloat16, verbosity=0)
+    out = model(x, y)
+    assert type(out) is output_class
+    assert list(out.keys()) == list(ref.keys()) == ["logits"]
+    assert out[0] is out.logits and out.logits.dtype == torch.float32
+    assert out.loss.dtype == torch.float32
+    torch.testing.assert_close(out.loss, ref.loss, atol=0.05, rtol=0.05)
+
+
 class _TokenBatch(collections.UserDict):
     """A tokenizer's batch (a ``UserDict`` with attributes of its own, like Hugging Face's)."""
 
@@ -1203,6 +1254,117 @@ def test_containers_with_nothing_to_cast_reach_the_forward_as_the_callers_own(op
     with torch.no_grad():
         model(torch.randn(2, 4), d2, lst, dc)
     assert "k" in d2 and len(lst) == 2
+
+
+_PairNT = collections.namedtuple("_PairNT", "a b")
+
+
+@dataclasses.dataclass(frozen=True)
+class _FrozenIds:
+    ids: torch.Tensor
+
+
+@dataclasses.dataclass
+class _NestedBatch:
+    parts: list
+
+
+def test_o2_containers_of_every_kind_with_nothing_to_cast_are_the_callers_own():
+    # Reference: plain PyTorch hands the forward the caller's objects. At O2 a container
+    # holding only integer or already-half tensors must reach it as the caller's own object
+    # along every path of cast_floating (non-dict mappings, tuples, namedtuples, frozen
+    # dataclasses), and a container with something cast is copied with its untouched
+    # sub-containers shared, the caller's tensors left fp32.
+    seen = {}
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, *args):
+            seen["args"] = args
+            return self.lin(torch.zeros(1, 2, dtype=self.lin.weight.dtype))
+
+    model = Spy()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    ids, h = torch.arange(3), torch.randn(2, 2).bfloat16()
+    own = [
+        ((h, h.clone()), (h.clone(), h.clone())),  # past_key_values: half tensors the model made
+        _PairNT(ids, h),
+        _TokenBatch({"ids": ids, "mask": ids > 0}, n_sequences=1),
+        collections.defaultdict(list, ids=ids),
+        collections.OrderedDict(ids=ids),
+        types.MappingProxyType({"ids": ids}),
+        _FrozenIds(ids),
+    ]
+    model(*own)
+    for passed, got in zip(own, seen["args"]):
+        assert got is passed, type(passed)
+    inner = {"ids": ids}
+    nested = _NestedBatch([{"x": torch.randn(2, 2)}, inner])
+    model(nested)
+    got = seen["args"][0]
+    assert got is not nested and got.parts is not nested.parts
+    assert got.parts[0]["x"].dtype == torch.bfloat16 and nested.parts[0]["x"].dtype == torch.float32
+    assert got.parts[1] is inner  # (nothing cast in it: the caller's own, its writes kept)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
+def test_an_output_container_the_model_keeps_is_never_cast_in_place(opt_level):
+    # Reference: the fp32 model returns its own cache dict. With nothing to cast in it amp
+    # returns the model's object too; with half tensors in it (O2/O3's KV cache, O1's autocast
+    # results) the caller gets an fp32 copy and the model's cache stays half, so the next
+    # decoding step still concatenates half keys.
+    class Cached(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.cache = {"steps": torch.zeros((), dtype=torch.int64)}
+
+        def forward(self, x, keep):
+            if keep:
+                self.cache["k"] = self.lin(x)
+            self.cache["steps"] += 1
+            return self.cache
+
+    torch.manual_seed(0)
+    model = Cached()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                   dtype=torch.bfloat16, verbosity=0)
+    out = model(torch.randn(2, 4), False)
+    assert out is model.cache  # nothing to cast: the model's own, as in fp32
+    out = model(torch.randn(2, 4), True)
+    assert out is not model.cache and out["k"].dtype == torch.float32
+    assert model.cache["k"].dtype == torch.bfloat16  # not cast in place
+    torch.testing.assert_close(out["k"], model.cache["k"].float(), rtol=0, atol=0)
+    assert out["steps"] is model.cache["steps"] and int(model.cache["steps"]) == 2
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_o2_a_tensor_given_twice_is_cast_once(dtype):
+    # One fp32 tensor passed as two inputs (self-attention's query and key/value, a dict
+    # holding it twice) reaches the forward as one half tensor, as fp32's forward sees one
+    # object (multi_head_attention_forward's packed projection branches on `q is k is v`),
+    # not two copies; the output's fields that are one tensor stay one.
+    seen = {}
+
+    class Attend(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, q, kv, extra):
+            seen["same"] = q is kv is extra["x"]
+            h = self.lin(q)
+            return {"a": h, "b": h}
+
+    model = Attend()
+    amp.initialize(model, opt_level="O2", dtype=dtype, verbosity=0)
+    x = torch.randn(2, 4)
+    out = model(x, x, {"x": x})
+    assert seen["same"]
+    assert out["a"] is out["b"] and out["a"].dtype == torch.float32
 
 
 class _KVDecoder(nn.Module):
@@ -1606,6 +1768,46 @@ def test_torch_compile_fullgraph_matches_eager(opt_level, device):
         torch.testing.assert_close(lc.float(), le.float(), rtol=2e-2, atol=2e-2)
     for a, b in zip(eager.state_dict().values(), compiled_src.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_torch_compile_fullgraph_keeps_the_forwards_writes_into_the_callers_containers(
+        opt_level):
+    # Reference: the same amp model run eagerly. A compiled forward (fullgraph) that writes
+    # into the dict, dataclass and list its caller passed (nothing in them to cast) must make
+    # the same writes reach the caller, with the same values.
+    @dataclasses.dataclass
+    class Cache:
+        store: dict = dataclasses.field(default_factory=dict)
+
+    class Writer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, batch, cache, aux):
+            h = self.lin(self.emb(batch["ids"]))
+            batch["h"] = h
+            cache.store["k"] = h
+            aux.append(h.float().pow(2).mean())
+            return h
+
+    torch.manual_seed(0)
+    model = Writer()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                   dtype=torch.bfloat16, verbosity=0)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    ids = torch.tensor([1, 2, 3])
+    got = []
+    for fn in (model, compiled):
+        batch, cache, aux = {"ids": ids}, Cache(), []
+        out = fn(batch, cache, aux)
+        assert set(batch) == {"ids", "h"} and set(cache.store) == {"k"} and len(aux) == 1
+        got.append((out, batch["h"], cache.store["k"], aux[0]))
+    for eager, comp in zip(*got):
+        assert eager.dtype == comp.dtype
+        torch.testing.assert_close(comp, eager, rtol=0, atol=0)
 
 
 class Checkpointed(nn.Module):
