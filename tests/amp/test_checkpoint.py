@@ -16,6 +16,7 @@ from .helpers import (
     HALF_DTYPES,
     OPT_LEVELS,
     EmbeddingHead,
+    backward_and_step,
     batch,
     make_cnn,
     make_conv_net,
@@ -1262,13 +1263,7 @@ def test_o2_lora_wrapped_around_layers_after_initialize_keeps_the_base_masters(d
             g = torch.Generator().manual_seed(step)
             x, y = torch.randn(8, 4, generator=g), torch.randint(0, 2, (8,), generator=g)
             opt.zero_grad()
-            loss = nn.functional.cross_entropy(model(x), y)
-            if use_amp:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-            else:
-                loss.backward()
-            opt.step()
+            backward_and_step(nn.functional.cross_entropy(model(x), y), opt, amp, use_amp)
 
     ref = build()
     pretrained = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -2914,14 +2909,7 @@ def test_o2_masters_written_in_place_reach_the_next_forward_and_every_state_dict
     ref, ref_opt = _o2_tanh_mlp()
     ref.load_state_dict(new)
     model, opt = _o2_tanh_mlp()
-    with torch.no_grad():
-        if how == "master_params":
-            for (name, _), master in zip(model.named_parameters(), amp.master_params(opt)):
-                master.copy_(new[name])
-        else:
-            sd = model.state_dict()
-            for k, v in new.items():
-                sd[k].copy_(v)
+    _write_in_place(model, opt, new, how)
     for call in range(2):
         saved = model.state_dict()
         for k, v in new.items():
@@ -3019,6 +3007,20 @@ def _o2_tanh_mlp(seed=0):
     model = _tanh_mlp(seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     return amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+
+
+def _write_in_place(model, opt, new, how):
+    """Write the state dict ``new`` into an O2 model's masters in place, under no_grad: through
+    ``amp.master_params(opt)`` (``how="master_params"``) or into ``model.state_dict()``'s
+    tensors, which are the masters (as dcp.load does)."""
+    with torch.no_grad():
+        if how == "master_params":
+            for (name, _), master in zip(model.named_parameters(), amp.master_params(opt)):
+                master.copy_(new[name])
+        else:
+            sd = model.state_dict()
+            for k, v in new.items():
+                sd[k].copy_(v)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed missing")
@@ -3185,14 +3187,7 @@ def test_o2_jit_trace_right_after_masters_written_in_place_traces_the_written_we
     ref, _ = _o2_tanh_mlp()
     ref.load_state_dict(new)
     model, opt = _o2_tanh_mlp()
-    with torch.no_grad():
-        if how == "master_params":
-            for (name, _), master in zip(model.named_parameters(), amp.master_params(opt)):
-                master.copy_(new[name])
-        else:
-            sd = model.state_dict()
-            for k, v in new.items():
-                sd[k].copy_(v)
+    _write_in_place(model, opt, new, how)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (TracerWarnings)
         traced = torch.jit.trace(model, x, check_trace=False)

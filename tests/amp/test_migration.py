@@ -1852,6 +1852,21 @@ def test_apex_optimizers_star_import_gives_every_name(clean_apex):
         assert name in namespace, name
 
 
+def _three_steps_alike(opt, ref_opt, ours, ref):
+    """Three steps of ``opt`` over ``ours`` and ``ref_opt`` over ``ref`` on the same random
+    gradients: the parameters must match bit for bit."""
+    import torch
+
+    for _ in range(3):
+        for p, q in zip(ours, ref):
+            g = torch.randn_like(p)
+            p.grad, q.grad = g.clone(), g.clone()
+        opt.step()
+        ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def _fused_sgd_steps_as_pytorchs(**kwargs):
     """Three steps of apex.optimizers.FusedSGD and of torch.optim.SGD built with the same
     arguments, on the same gradients: the parameters must match bit for bit. Returns the
@@ -1867,14 +1882,7 @@ def _fused_sgd_steps_as_pytorchs(**kwargs):
     ref = [nn.Parameter(p.detach().clone()) for p in ours]
     opt = FusedSGD(ours, lr=0.1, **kwargs)
     ref_opt = torch.optim.SGD(ref, lr=0.1, **kwargs)
-    for _ in range(3):
-        for p, q in zip(ours, ref):
-            g = torch.randn_like(p)
-            p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(ours, ref):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    _three_steps_alike(opt, ref_opt, ours, ref)
     return opt
 
 
@@ -1913,14 +1921,7 @@ def test_fused_sgd_without_lr_takes_a_generator_of_groups(clean_apex):
     ref_opt = torch.optim.SGD([{"params": [q], "lr": lr} for q, lr in zip(ref, lrs)],
                               momentum=0.5)
     assert [g["lr"] for g in opt.param_groups] == list(lrs)
-    for _ in range(3):
-        for p, q in zip(ours, ref):
-            g = torch.randn_like(p)
-            p.grad, q.grad = g.clone(), g.clone()
-        opt.step()
-        ref_opt.step()
-    for p, q in zip(ours, ref):
-        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    _three_steps_alike(opt, ref_opt, ours, ref)
 
 
 def test_noop_handle_wrapped_optimizer_steps_with_a_closure(clean_apex):
