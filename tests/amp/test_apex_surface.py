@@ -1802,7 +1802,14 @@ def test_torch_compile_fullgraph_keeps_the_forwards_writes_into_the_callers_cont
     got = []
     for fn in (model, compiled):
         batch, cache, aux = {"ids": ids}, Cache(), []
-        out = fn(batch, cache, aux)
+        try:
+            out = fn(batch, cache, aux)
+        except torch._dynamo.exc.Unsupported as err:
+            if "is_dataclass" not in str(err):
+                raise
+            # (PyTorch 2.4's Dynamo does not trace dataclasses.is_dataclass, which amp's input
+            # cast asks of a dataclass input at O2: README.)
+            pytest.skip("this PyTorch's Dynamo cannot trace dataclasses.is_dataclass")
         assert set(batch) == {"ids", "h"} and set(cache.store) == {"k"} and len(aux) == 1
         got.append((out, batch["h"], cache.store["k"], aux[0]))
     for eager, comp in zip(*got):
