@@ -631,12 +631,8 @@ class _AmpModule:
         # what cannot be pickled); object.__getstate__ exists from Python 3.11 on.
         follow_renames_in(self)  # (a copy's masters are found by name)
         if not is_compiling():
-            # (Masters written in place since the last forward go into the half parameters
-            # first: the copy could not tell its stale half weights from a write into them.)
-            if self.__dict__.get(_LIVE_MASTERS):
-                _push_live_masters(self)
-            elif self.__dict__.get(_OWN_MASTERS):
-                _push_written_masters(self)
+            # (The copy could not tell its stale half weights from a write into them.)
+            _push_before_leaving(self)
         getstate = getattr(self, "__getstate__", None)
         state = getstate() if getstate is not None else dict(self.__dict__)
         if isinstance(state, dict) and master_weights(self):
@@ -880,6 +876,16 @@ def _push_live_masters(model: nn.Module) -> None:
             orphaned = _OrphanedMasters(model)
             model.__dict__[_LIVE_MASTERS] = (orphaned,) if orphaned.entries else ()
             orphaned.push()
+
+
+def _push_before_leaving(model: nn.Module) -> None:
+    """Masters written in place since ``model``'s last forward go into its half parameters
+    now, the live model's or a copy's, before it is copied or restored (which would run
+    or keep the stale half weights)."""
+    if model.__dict__.get(_LIVE_MASTERS):
+        _push_live_masters(model)
+    elif model.__dict__.get(_OWN_MASTERS):
+        _push_written_masters(model)
 
 
 def _renorm_master_rows(module: nn.Module, indices) -> None:
@@ -1144,12 +1150,7 @@ def restore_model(module: nn.Module) -> nn.Module:
         if ref is not None and id(ref()) in restored:  # (not a part of a model left as it is)
             del _PART_OF[m]
         if isinstance(m, _AmpModule):
-            # (Masters written in place since the last forward go into the half parameters
-            # first: the restored model's forward and .float() take those.)
-            if m.__dict__.get(_LIVE_MASTERS):
-                _push_live_masters(m)
-            elif m.__dict__.get(_OWN_MASTERS):
-                _push_written_masters(m)
+            _push_before_leaving(m)  # (the restored model's forward and .float() take them)
             m.__class__ = _original_class(type(m))
             m.__dict__.pop("_mixprec_forward", None)
             m.__dict__.pop(_IN_INSTANCE_FORWARD, None)

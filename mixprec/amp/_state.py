@@ -1575,38 +1575,38 @@ class _OptimizerState:
                 follow_renames_in(model)
             self._take_data_writes(since)
         if only is not None and synced is not None and len(synced) == len(self.pairs):
-            written, stale = [], []
-            for i in self._pair_indices(only):
-                (p, m), (sp, sm, sc) = self.pairs[i], synced[i]
-                if p._cdata == sc and m._version != sm:
-                    stale.append((p, m))  # (a master written, alone or not, wins)
-                elif p._cdata == sc and p._version != sp:
-                    written.append((p, m))
-            if written:
-                self._take(written)
-            if stale:
-                self.copy_masters_to_model(stale)
-            self.record_synced(only)  # (a moved parameter: nothing to copy)
+            indices = self._pair_indices(only)
+            self._bring_in_step([self.pairs[i] for i in indices], [synced[i] for i in indices])
+            self.record_synced(only)  # (also a moved parameter's: nothing to copy)
             return
         now = self._versions()
         if now == synced:
             return
-        written, stale = [], []
-        if synced is not None and len(synced) == len(now):
-            for pair, (pv, mv, pc), (sp, sm, sc) in zip(self.pairs, now, synced):
-                if pc == sc and mv != sm:
-                    stale.append(pair)
-                elif pc == sc and pv != sp:
-                    written.append(pair)
-        if not written and not stale:
+        if (synced is None or len(synced) != len(now)
+                or not self._bring_in_step(self.pairs, synced)):
             self._synced_versions = now  # (moved parameters only: nothing to copy)
             self._masters_in_step = [mv for _, mv, _ in now]
             return
+        self.record_synced()  # (the copies moved the version counters)
+
+    def _bring_in_step(self, pairs, synced) -> bool:
+        """Of ``pairs`` against their records ``synced``: cast each master written since into
+        its half parameter (written too or not: the master wins), and take each half
+        parameter written alone into its master. A parameter moved since (another TensorImpl)
+        is left. Whether anything was copied."""
+        written, stale = [], []
+        for (p, m), (sp, sm, sc) in zip(pairs, synced):
+            if p._cdata != sc:
+                continue
+            if m._version != sm:
+                stale.append((p, m))
+            elif p._version != sp:
+                written.append((p, m))
         if written:
             self._take(written)
         if stale:
             self.copy_masters_to_model(stale)
-        self.record_synced()  # (the copies moved the version counters)
+        return bool(written or stale)
 
     def _take_data_writes(self, since: Optional[Set[int]]) -> None:
         """For the half parameters registered again since the last look (``since``, their
