@@ -410,16 +410,22 @@ def test_o3_state_dict_is_upcast_fp32():
         torch.testing.assert_close(value, sd[key], rtol=0, atol=0, msg=key)
 
 
+def _load_checkpoint(model, opt, checkpoint):
+    """Load ``checkpoint`` (``model``, ``optimizer``, ``amp`` state dicts), if any, after
+    ``initialize``, in that order."""
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        amp.load_state_dict(checkpoint["amp"])
+
+
 def _run(opt_level, dtype, steps, checkpoint=None):
     model = make_cnn()
     # eps=1e-4: Adam's default 1e-8 underflows in fp16 at O3 (pure half, no masters).
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
     amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, loss_scale="dynamic",
                    verbosity=0)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
-        amp.load_state_dict(checkpoint["amp"])
+    _load_checkpoint(model, opt, checkpoint)
     losses = []
     for i in range(steps):
         x, y = batch(seed=100 + i + (0 if checkpoint is None else checkpoint["step"]))
@@ -553,10 +559,7 @@ def _run_through_an_overflow(steps, checkpoint=None):
     model = make_cnn()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=1e-4)
     amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
-        amp.load_state_dict(checkpoint["amp"])
+    _load_checkpoint(model, opt, checkpoint)
     amp._amp_state.loss_scalers[0]._scale_seq_len = 3
     start = 0 if checkpoint is None else checkpoint["step"]
     losses, scales, skipped = [], [], []
@@ -649,10 +652,7 @@ def _detection_run(steps, checkpoint=None, start=0):
                           momentum=0.9, weight_decay=1e-4)
     amp.initialize(model, opt, opt_level="O2", keep_batchnorm_fp32=True, num_losses=3,
                    dtype=torch.float16, verbosity=0)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
-        amp.load_state_dict(checkpoint["amp"])
+    _load_checkpoint(model, opt, checkpoint)
     losses = []
     for step in range(start, start + steps):
         g = torch.Generator().manual_seed(step)
@@ -727,10 +727,7 @@ def _run_with_late_group(steps, checkpoint=None):
 def _resume_and_train(model, opt, steps, checkpoint):
     """Load ``checkpoint`` (model, optimizer, amp, step) if any, then train ``steps`` steps on
     the batches of those step numbers: ``(model, opt, losses)``."""
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
-        amp.load_state_dict(checkpoint["amp"])
+    _load_checkpoint(model, opt, checkpoint)
     start = 0 if checkpoint is None else checkpoint["step"]
     losses = [train_step(model, opt, *batch(seed=100 + start + i), amp) for i in range(steps)]
     return model, opt, losses
@@ -3806,10 +3803,7 @@ def _structured_run(opt_level, dtype, steps, start=0, checkpoint=None):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1,
                           momentum=0.9, weight_decay=1e-4)
     amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
-    if checkpoint is not None:
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
-        amp.load_state_dict(checkpoint["amp"])
+    _load_checkpoint(model, opt, checkpoint)
     losses = []
     for step in range(start, start + steps):
         g = torch.Generator().manual_seed(100 + step)
