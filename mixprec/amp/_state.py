@@ -1562,6 +1562,35 @@ class _OptimizerState:
             if synced is not None and len(synced) == len(pairs):
                 self._masters_in_step = [mv for _, mv, _ in synced]
 
+    def hand_masters_to_models(self) -> None:
+        """When the optimizer is gone (deleted after training; its finalizer calls this): its
+        masters are their models' own from then on, kept in step by the modules' state-dict
+        hooks as a copy's are. Give those hooks each master's version counter at the last
+        point amp put it in step with its half parameter, so that a master written in place
+        since (``copy_`` into ``amp.master_params(optimizer)`` or ``model.state_dict()``'s
+        tensors, ``dcp.load``, just before or after ``del optimizer``) is seen as written and
+        cast into its half parameter at the next forward or ``state_dict()``. Without the
+        record the hooks took the first look as the in-step point: the next forward ran the
+        old half weights, and ``state_dict()`` took them back into the masters over the
+        write. Records only: no tensor is touched here (a collection may run anywhere, a
+        CUDA-graph capture included)."""
+        synced = self._synced_versions
+        if synced is None or len(synced) != len(self.pairs):
+            return
+        at_sync = {id(m): sm for (p, m), (_, sm, sc) in zip(self.pairs, synced)
+                   if p._cdata == sc}
+        if not at_sync:
+            return
+        for model in self.amp_state.models:
+            for module in model.modules():
+                hooks = module.__dict__.get("_mixprec_state_dict")
+                if hooks is None or hooks.standalone:
+                    continue
+                for name, master in hooks.masters.items():
+                    version = at_sync.get(id(master))
+                    if version is not None:
+                        hooks._versions[name] = version
+
     def _take_model_writes(self, only) -> None:
         synced = self._synced_versions
         if self._registrations_seen != parameter_registrations():
@@ -1884,6 +1913,8 @@ class AmpState:
         state = _OptimizerState(self, optimizer)
         self._optimizer_states.append(weakref.ref(state))
         _OPTIMIZER_STATES[optimizer] = state
+        # (Holds the state, not the optimizer: run when the optimizer is collected.)
+        weakref.finalize(optimizer, state.hand_masters_to_models).atexit = False
         attach_apex_optimizer_names(optimizer)
         hook_target = hookable_optimizer(optimizer)
         if hook_target is not optimizer:

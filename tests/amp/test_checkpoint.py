@@ -3232,6 +3232,42 @@ def test_o2_optimizer_gone_masters_written_in_place_reach_the_next_forward(state
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("how", ["state_dict_tensors", "master_params", "masters_kept_past_del"])
+def test_o2_masters_written_around_deleting_the_optimizer_keep_the_written_weights(how):
+    """B1 (r81B). Masters written in place while the optimizer lives (dcp.load into
+    model.state_dict(), copy_ into amp.master_params), then `del optimizer` (loading done,
+    serving starts) before any forward or state_dict(); or the masters' list kept and written
+    after the delete: the forward ran the old half weights, and the first state_dict() took
+    those (upcast) into the masters, so the loaded weights were lost. Reference: the same
+    values loaded with model.load_state_dict (bit for bit)."""
+    new = _tanh_mlp(1).state_dict()
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(2))
+    ref, _ = _o2_tanh_mlp()
+    ref.load_state_dict(new)
+    model, opt = _o2_tanh_mlp()
+    with torch.no_grad():
+        model(x)  # (a forward while the optimizer lives: the live model's look is set up)
+    masters = list(amp.master_params(opt))
+    with torch.no_grad():
+        if how == "state_dict_tensors":
+            sd = model.state_dict()
+            for k, v in new.items():
+                sd[k].copy_(v)
+        elif how == "master_params":
+            for (name, _), master in zip(model.named_parameters(), masters):
+                master.copy_(new[name])
+    del opt
+    gc.collect()
+    if how == "masters_kept_past_del":
+        with torch.no_grad():
+            for (name, _), master in zip(model.named_parameters(), masters):
+                master.copy_(new[name])
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    for k, v in new.items():
+        torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0, msg=k)
+
+
 @pytest.mark.parametrize("keep_optimizer", [True, False])
 @pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
 def test_o2_copy_taken_right_after_masters_written_in_place_holds_the_written_weights(
