@@ -8,8 +8,10 @@ check records the traceback and stops (its peers then fail fast on the broken co
 the checks after it are reported as not run rather than hanging; the whole group also has a
 wall-clock deadline.
 
-Processes: ``torch.multiprocessing`` with the spawn start method, rendezvous over TCP on
-127.0.0.1 at a free port, one intra-op thread each (the CPU runners have two cores).
+Processes: ``torch.multiprocessing`` with the spawn start method, rendezvous through a file in
+the group's temporary directory (a TCP port found free could be taken by another test process
+before the store bound it: EADDRINUSE under pytest-xdist), one intra-op thread each (the CPU
+runners have two cores).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _write(path: str, results: Dict[str, str]) -> None:
 _T0 = time.perf_counter()
 
 
-def _worker(rank, world_size, port, module_name, names, out_dir, backend, device_type,
+def _worker(rank, world_size, module_name, names, out_dir, backend, device_type,
             shared_device, pg_timeout_s, env=None):
     torch.set_num_threads(1)
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -85,7 +87,7 @@ def _worker(rank, world_size, port, module_name, names, out_dir, backend, device
     else:
         device = torch.device("cpu")
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        backend, init_method="file://" + os.path.join(out_dir, "rendezvous"), rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=pg_timeout_s),
     )
     results["seconds:init"] = f"{time.perf_counter() - _T0:.2f}"
@@ -149,7 +151,7 @@ def run_checks(module_name: str, names: Sequence[str], world_size: int, *,
     with tempfile.TemporaryDirectory(prefix="mixprec_parallel_") as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), module_name, names, out_dir, backend, device_type,
+            args=(world_size, module_name, names, out_dir, backend, device_type,
                   shared_device, pg_timeout_s, env),
             nprocs=world_size, join=False, start_method="spawn",
         )
