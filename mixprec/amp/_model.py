@@ -129,7 +129,8 @@ def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) 
     object, so what the forward writes into it (a KV cache dict filled at each decoding step,
     fairseq's ``incremental_state``, a list of auxiliary losses) reaches the caller, as in
     fp32 and under autocast. (A tensor cast is a copy: writes into it do not reach the
-    caller's.) Objects of other classes are not entered, nor is their ``to`` method called
+    caller's. A tuple or list subclass copied keeps the attributes set on the caller's
+    instance.) Objects of other classes are not entered, nor is their ``to`` method called
     (Apex called ``value.to(dtype)``, its contract for custom batch classes; but objects whose
     ``to`` forwards its argument to every tensor, flex attention's ``BlockMask``, graph and
     tensordict batches, would have their integer indices cast, silently): a model that takes
@@ -166,7 +167,11 @@ def _cast(value: Any, dtype: torch.dtype, only: Optional[tuple], memo: Optional[
         if all(c is v for c, v in zip(cast, value)):
             return value
         # (A namedtuple takes its fields as arguments.)
-        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
+        out = type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
+        extra = getattr(value, "__dict__", None)
+        if extra:  # (a subclass's attributes, set on the instance: kept, as a copy keeps them)
+            out.__dict__.update(extra)
+        return out
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _rebuild_dataclass(value, dtype, only, memo)
     return value
