@@ -764,6 +764,12 @@ class _OptimizerState:
             params = group["params"]
             for i, p in enumerate(params):
                 if id(p) in known:
+                    # (Listed twice in its group, a tied weight through two modules'
+                    # parameters(): PyTorch warns, and steps it twice; it keeps one master,
+                    # in both places, as fp32's one tensor; once among the plain ones, whose
+                    # gradients are unscaled in place.)
+                    if p in masters:
+                        params[i] = masters[p]
                     continue
                 if make_masters and (id(p) in cast_param_ids or p.dtype in (
                         torch.float16, torch.bfloat16)):
@@ -777,8 +783,10 @@ class _OptimizerState:
                         }
                     self.pairs.append((p, master))
                     masters[p] = master
+                    known.add(id(master))
                 else:
                     self.plain.append(p)
+                known.add(id(p))
         self.known_params = sum(len(g["params"]) for g in optimizer.param_groups)
         self._skips_on_device = None
         # (The model's cast to half swaps each parameter's .data: no version change follows.)

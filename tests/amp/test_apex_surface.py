@@ -1310,6 +1310,46 @@ def test_o2_containers_of_every_kind_with_nothing_to_cast_are_the_callers_own():
     assert got.parts[1] is inner  # (nothing cast in it: the caller's own, its writes kept)
 
 
+class _BatchNT(collections.namedtuple("_BatchNT", ["x", "ids"])):
+    """A namedtuple subclass that carries an attribute on the instance (no __slots__)."""
+
+
+class _TaggedList(list):
+    pass
+
+
+def test_o2_keeps_the_attributes_of_a_namedtuple_or_list_subclass_it_casts():
+    # r81A R1. A tuple or list subclass rebuilt because something in it was cast came back
+    # without the attributes set on the caller's instance (its constructor takes the items
+    # only): the forward's `batch.source` raised AttributeError at O2, not in fp32.
+    # Reference: the caller's instance (attributes kept as they are, the tensors cast).
+    seen = {}
+
+    class Spy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, batch, parts):
+            seen["batch"], seen["parts"] = batch, parts
+            return self.lin(batch.x)
+
+    model = Spy()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    batch = _BatchNT(torch.randn(3, 2), torch.arange(3))
+    batch.source, batch.weights = "shard-7", torch.ones(3)
+    parts = _TaggedList([torch.randn(2, 2)])
+    parts.name = "aux"
+    model(batch, parts)
+    got, got_parts = seen["batch"], seen["parts"]
+    assert type(got) is _BatchNT and got is not batch
+    assert got.x.dtype == torch.bfloat16 and batch.x.dtype == torch.float32
+    assert got.ids is batch.ids
+    assert got.source == "shard-7" and got.weights is batch.weights
+    assert type(got_parts) is _TaggedList and got_parts.name == "aux"
+    assert got_parts[0].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
 def test_an_output_container_the_model_keeps_is_never_cast_in_place(opt_level):
     # Reference: the fp32 model returns its own cache dict. With nothing to cast in it amp
@@ -1568,6 +1608,80 @@ def test_an_overflowed_step_skips_the_whole_step(make, scheduler_first, recwarn)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 / 8)
     assert not [w for w in recwarn if "lr_scheduler" in str(w.message)], \
         [str(w.message) for w in recwarn]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_one_cycle_with_skipped_steps_follows_gradscaler_and_resumes(opt_level, order):
+    """G3 (r82C). A GradScaler script's loop ported as is (the scheduler stepped every
+    iteration, skipped steps included), fp16 with dynamic scaling, OneCycleLR built before or
+    after initialize, overflows at steps 0 and 3: the learning rates are autocast +
+    GradScaler's and so are the weights (bit for bit at O1; O2 within fp16 rounding, far
+    below one update), and a checkpoint of model, optimizer, scheduler and amp taken right
+    after the second skip resumes bit for bit. (GradScaler warns "lr_scheduler.step() before
+    optimizer.step()" on the skipped first step; amp, by design, does not.)"""
+    def build(use_amp):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def make(opt=opt):
+            return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
+
+        sched = make() if order == "before" else None
+        if use_amp:
+            amp.initialize(model, opt, opt_level=opt_level, dtype=torch.float16,
+                           loss_scale="dynamic", verbosity=0)
+        sched = sched or make()
+        return model, opt, sched, None if use_amp else torch.amp.GradScaler("cpu")
+
+    def run(use_amp, start=0, saved=None):
+        model, opt, sched, scaler = build(use_amp)
+        if saved is not None:
+            saved = copy.deepcopy(saved)  # (Optimizer.load_state_dict keeps the tensors)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            sched.load_state_dict(saved["sched"])
+            amp.load_state_dict(saved["amp"])
+        lrs, ckpt = [], None
+        for i in range(start, 8):
+            g = torch.Generator().manual_seed(i)
+            x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+            opt.zero_grad()
+            poison = float("inf") if i in (0, 3) else 1.0
+            if use_amp:
+                loss = nn.functional.cross_entropy(model(x), y) * poison
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+                opt.step()
+                assert amp.step_was_skipped(opt) is (i in (0, 3))
+            else:
+                with torch.autocast("cpu", dtype=torch.float16):
+                    out = model(x)
+                scaler.scale(nn.functional.cross_entropy(out.float(), y) * poison).backward()
+                scaler.step(opt)
+                scaler.update()
+            sched.step()
+            lrs.append(opt.param_groups[0]["lr"])
+            if use_amp and i == 3:
+                ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                                      "sched": sched.state_dict(), "amp": amp.state_dict()})
+        weights = [p.detach().float().clone() for p in
+                   (amp.master_params(opt) if use_amp else model.parameters())]
+        return lrs, weights, ckpt
+
+    import warnings as _w
+    with _w.catch_warnings():
+        _w.simplefilter("ignore")  # (GradScaler's warning about the skipped first step)
+        want_lrs, want, _ = run(False)
+    got_lrs, got, ckpt = run(True)
+    assert got_lrs == want_lrs
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0 if opt_level == "O1" else 1e-3)
+    resumed_lrs, resumed, _ = run(True, start=4, saved=ckpt)
+    assert resumed_lrs == got_lrs[4:]
+    for r, g in zip(resumed, got):
+        assert torch.equal(r, g)
 
 
 def test_a_step_replaced_on_the_instance_before_initialize_still_runs():

@@ -950,6 +950,69 @@ def test_tied_weights_save_the_master_under_both_names():
     torch.testing.assert_close(plain.wte.weight.detach(), master.detach(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_tied_weight_gets_both_uses_gradients_and_resumes_bit_for_bit(opt_level, dtype):
+    """G2 (r82C). Weight tying at O2 and O3: one tensor steps the tied weight (one master at
+    O2), its gradient is the sum of the embedding's and the head's (reference: an fp32 copy,
+    untied, whose two gradients are added; each use alone is > 20% off that sum), the
+    checkpoint loads strict into a plain fp32 model with the tie kept, and a resume from it
+    continues bit for bit (O3's checkpoint is the half values upcast, exact)."""
+    def build(seed):
+        torch.manual_seed(seed)
+        model = _TiedLM()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+        return model, opt
+
+    def step(model, opt, i):
+        idx = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(idx).flatten(0, 1).float(), idx.flatten())
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return idx
+
+    model, opt = build(0)
+    tied = [p for p in amp.master_params(opt) if p.shape == (16, 8)]
+    assert len(tied) == 1 and len(list(amp.master_params(opt))) == 3
+    untied = _TiedLM()
+    untied.lm_head = nn.Linear(8, 16, bias=False)
+    sd = model.state_dict()
+    untied.load_state_dict(sd)  # (both names filled from the one saved tensor)
+    idx = step(model, opt, 0)
+    nn.functional.cross_entropy(untied(idx).flatten(0, 1), idx.flatten()).backward()
+    parts = (untied.wte.weight.grad, untied.lm_head.weight.grad)
+    want = parts[0] + parts[1]
+    got = tied[0].grad.float()
+    assert all(float((want - part).norm() / want.norm()) > 0.2 for part in parts)
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    opt.step()
+    trajectory, saved = [], None
+    for i in range(1, 5):
+        step(model, opt, i)
+        opt.step()
+        trajectory.append({k: v.clone() for k, v in model.state_dict().items()})
+        if i == 2:
+            saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(),
+                                   "amp": amp.state_dict()})
+    plain = _TiedLM()
+    plain.load_state_dict(saved["model"], strict=True)
+    assert plain.lm_head.weight is plain.wte.weight
+    assert all(t.dtype == torch.float32 for t in saved["model"].values())
+    assert torch.equal(saved["model"]["wte.weight"], saved["model"]["lm_head.weight"])
+    resumed, resumed_opt = build(1)
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["opt"])
+    amp.load_state_dict(saved["amp"])
+    for i in range(3, 5):
+        step(resumed, resumed_opt, i)
+        resumed_opt.step()
+        for k, v in resumed.state_dict().items():
+            assert torch.equal(v, trajectory[i - 1][k]), (i, k)
+    assert resumed.lm_head.weight is resumed.wte.weight
+
+
 @pytest.mark.parametrize("fused, plain", [("FusedRMSNorm", nn.RMSNorm),
                                           ("FusedLayerNorm", nn.LayerNorm),
                                           ("MixedFusedRMSNorm", nn.RMSNorm)])

@@ -1102,6 +1102,70 @@ def test_o2_shared_master_refusal_names_a_parameter_of_a_later_model():
     assert b[1].weight.dtype == torch.float32
 
 
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid = nn.Embedding(30, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, 30, bias=False)
+        self.head.weight = self.emb.weight  # weight tying
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mid(self.emb(x))))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("when", ["initialize", "add_param_group"])
+def test_a_tied_parameter_listed_twice_in_one_group_trains_as_in_fp32(opt_level, dtype, when):
+    """B1 (r82C). An optimizer built as ``list(emb.parameters()) + ... +
+    list(head.parameters())`` holds the tied weight twice in one group (PyTorch warns, and
+    steps it twice). At O2 each entry got an fp32 master of its own: the two stepped apart and
+    the model trained 1.6e-2 away from the same script at O0 in 3 steps; at O1 fp16 its
+    gradient was unscaled twice in place. Now one master stands in both places (stepped twice,
+    as fp32's one tensor) and the gradient is unscaled once. Reference: the same script at O0
+    (the tied weight within 2e-3, half rounding is ~1e-4 here); also when the embedding and
+    its head are unfrozen together through ``add_param_group`` (at O2 against O0 from the
+    weight rounded to half, as initialize cast it outside the optimizer)."""
+    def train(level):
+        torch.manual_seed(0)
+        model = _TiedLM()
+        if level == "O0" and when == "add_param_group" and opt_level == "O2":
+            with torch.no_grad():  # (outside the optimizer at initialize: cast to half there)
+                model.emb.weight.copy_(model.emb.weight.to(dtype))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (PyTorch: "... duplicate parameters ...")
+            if when == "initialize":
+                opt = torch.optim.SGD([*model.emb.parameters(), *model.mid.parameters(),
+                                       *model.head.parameters()], lr=0.05)
+            else:
+                opt = torch.optim.SGD(model.mid.parameters(), lr=0.05)
+            kwargs = {} if level == "O0" else {"dtype": dtype}
+            model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
+            if when == "add_param_group":
+                opt.add_param_group({"params": [*model.emb.parameters(),
+                                                *model.head.parameters()]})
+        for i in range(3):
+            x = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(i))
+            opt.zero_grad()
+            out = model(x).float().reshape(-1, 30)
+            loss = nn.functional.cross_entropy(out, torch.roll(x, 1, 1).reshape(-1))
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+        return model, opt
+
+    ref, _ = train("O0")
+    model, opt = train(opt_level)
+    if opt_level == "O2":
+        masters = list(amp.master_params(opt))
+        assert len({id(m) for m in masters}) == 3  # (emb/head weight, mid weight, mid bias)
+        group = opt.param_groups[-1]["params"]
+        assert sum(p is group[0] for p in group) == 2  # (the one master, in both places)
+    got, want = model.state_dict(), ref.state_dict()
+    for key in ("emb.weight", "head.weight", "mid.weight"):
+        torch.testing.assert_close(got[key].float(), want[key], rtol=0, atol=2e-3, msg=key)
+
+
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 def test_lazy_layers_that_have_not_seen_an_input_are_refused_clearly(opt_level):
     # The lazy hook gives a layer its plain class at its first forward, dropping the class amp

@@ -2723,6 +2723,103 @@ def check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit(ctx):
     assert amp.state_dict(optimizer=opt)["loss_scaler0"]["unskipped"] == 4
 
 
+def check_gan_three_losses_overflow_in_one_loss_on_one_rank_and_resume(ctx):
+    """G1 (r82C). Apex's DCGAN example under DistributedDataParallel: G and D, two
+    optimizers, ``num_losses=3`` (errD_real, errD_fake, errG, each its own forward and
+    ``scale_loss(..., loss_id=i)``), fp16 O2 with dynamic scaling. An inf put into errD_fake on
+    rank 1 only skips optD's step on every rank (optG steps) and halves scaler 1 only; an inf
+    in errG on rank 0 only skips optG's step and halves scaler 2 only; the fp32 masters agree
+    over the ranks after every step; and a checkpoint (the wrappers', both optimizers',
+    amp.state_dict()) loaded into a freshly built run continues bit for bit. Reference: the
+    uninterrupted run; the scales each scaler should hold."""
+    from mixprec import amp
+
+    def build(seed):
+        torch.manual_seed(seed)
+        G = nn.Sequential(nn.Linear(4, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 8),
+                          nn.Tanh()).to(ctx.device)
+        D = nn.Sequential(nn.Linear(8, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1),
+                          nn.Sigmoid()).to(ctx.device)
+        opt_d = torch.optim.SGD(D.parameters(), lr=0.05, momentum=0.5)
+        opt_g = torch.optim.SGD(G.parameters(), lr=0.05, momentum=0.5)
+        [D, G], [opt_d, opt_g] = amp.initialize([D, G], [opt_d, opt_g], opt_level="O2",
+                                                dtype=torch.float16, loss_scale="dynamic",
+                                                num_losses=3, verbosity=0)
+        for i in range(3):  # start well below overflow so that only the poisoned losses skip
+            amp._amp_state.loss_scalers[i]._loss_scale = 2.0 ** 8
+        return DistributedDataParallel(D), DistributedDataParallel(G), opt_d, opt_g
+
+    def step(i, D, G, opt_d, opt_g, poison=None):
+        g = torch.Generator().manual_seed(100 * i + ctx.rank)
+        real = (torch.rand(4, 8, generator=g) * 2 - 1).to(ctx.device)
+        noise = torch.randn(4, 4, generator=g).to(ctx.device)
+        bce = nn.BCELoss()
+        ones, zeros = torch.ones(4, device=ctx.device), torch.zeros(4, device=ctx.device)
+        D.zero_grad()
+        err_real = bce(D(real).view(-1), ones)
+        with amp.scale_loss(err_real, opt_d, loss_id=0) as scaled:
+            scaled.backward()
+        fake = G(noise)
+        err_fake = bce(D(fake.detach()).view(-1), zeros)
+        if poison == ("fake", ctx.rank):
+            err_fake = err_fake * float("inf")
+        with amp.scale_loss(err_fake, opt_d, loss_id=1) as scaled:
+            scaled.backward()
+        opt_d.step()
+        G.zero_grad()
+        err_g = bce(D(fake).view(-1), ones)
+        if poison == ("g", ctx.rank):
+            err_g = err_g * float("inf")
+        with amp.scale_loss(err_g, opt_g, loss_id=2) as scaled:
+            scaled.backward()
+        opt_g.step()
+
+    def masters(opt_d, opt_g):
+        return [m.detach().clone() for m in (*amp.master_params(opt_d), *amp.master_params(opt_g))]
+
+    def scales(opt):
+        state = amp.state_dict(optimizer=opt)
+        return [state[f"loss_scaler{i}"]["loss_scale"] for i in range(3)]
+
+    poisons = {1: ("fake", 1), 2: ("g", 0)}
+    D, G, opt_d, opt_g = build(0)
+    trajectory = []
+    for i in range(4):
+        before = masters(opt_d, opt_g)
+        scales_before = scales(opt_d)
+        step(i, D, G, opt_d, opt_g, poisons.get(i))
+        after = masters(opt_d, opt_g)
+        _assert_same_on_all_ranks(ctx, after, f"fp32 master after step {i}")
+        n_d = len(list(amp.master_params(opt_d)))
+        d_moved = not all(torch.equal(a, b) for a, b in zip(before[:n_d], after[:n_d]))
+        g_moved = not all(torch.equal(a, b) for a, b in zip(before[n_d:], after[n_d:]))
+        poisoned = poisons.get(i, (None,))[0]
+        assert (d_moved, g_moved) == (poisoned != "fake", poisoned != "g"), (i, d_moved, g_moved)
+        assert amp.step_was_skipped(opt_d) == (poisoned == "fake")
+        assert amp.step_was_skipped(opt_g) == (poisoned == "g")
+        want = list(scales_before)
+        if poisoned is not None:
+            want[{"fake": 1, "g": 2}[poisoned]] /= 2
+        assert scales(opt_d) == want, (i, scales(opt_d), want)
+        trajectory.append(after)
+        if i == 1:
+            saved = copy.deepcopy({"D": D.state_dict(), "G": G.state_dict(),
+                                   "opt_d": opt_d.state_dict(), "opt_g": opt_g.state_dict(),
+                                   "amp": amp.state_dict(optimizer=opt_d)})
+    final_scales = scales(opt_d)
+    D2, G2, opt_d2, opt_g2 = build(1)
+    D2.load_state_dict(saved["D"])
+    G2.load_state_dict(saved["G"])
+    opt_d2.load_state_dict(saved["opt_d"])
+    opt_g2.load_state_dict(saved["opt_g"])
+    amp.load_state_dict(saved["amp"], optimizer=opt_d2)
+    for i in range(2, 4):
+        step(i, D2, G2, opt_d2, opt_g2, poisons.get(i))
+        for k, (got, want) in enumerate(zip(masters(opt_d2, opt_g2), trajectory[i])):
+            assert torch.equal(got, want), labelled(f"rank {ctx.rank}: resumed step {i}, master {k}")
+    assert scales(opt_d2) == final_scales
+
+
 def check_amp_o2_ddp_dcp_checkpoint_resume_continues_bit_for_bit(ctx):
     """G (r78B). The same resume through torch.distributed.checkpoint, as a DCP user writes it
     across ranks: the model by dcp.save/dcp.load of get_model_state_dict(ddp) (then
@@ -4892,6 +4989,7 @@ CHECKS = [
     "check_reducer_inside_an_accumulating_scale_loss_block",
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit",
+    "check_gan_three_losses_overflow_in_one_loss_on_one_rank_and_resume",
     "check_amp_o2_ddp_dcp_checkpoint_resume_continues_bit_for_bit",
     "check_ddp_of_a_compiled_amp_model_trains_as_eager",
     "check_amp_o2_apex_accumulation_with_every_micro_batch_all_reduced",
