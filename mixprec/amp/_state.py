@@ -1475,10 +1475,13 @@ class _OptimizerState:
                 master.grad = torch.zeros_like(master)
             else:
                 sparse_dim, dense_dim = dims
-                master.grad = torch.sparse_coo_tensor(
-                    torch.empty((sparse_dim, 0), dtype=torch.long, device=master.device),
-                    master.new_empty((0, *master.shape[sparse_dim:])), master.shape,
-                    check_invariants=False, is_coalesced=True)
+                # (Made empty and given its dims, not through torch.sparse_coo_tensor, whose
+                # check_invariants=False still warned "Sparse invariant checks are implicitly
+                # disabled" on PyTorch 2.11 with CUDA.)
+                grad = torch.zeros(master.shape, dtype=master.dtype, device=master.device,
+                                   layout=torch.sparse_coo)
+                grad.sparse_resize_and_clear_(master.shape, sparse_dim, dense_dim)
+                master.grad = grad._coalesced_(True)
 
     def _versions(self) -> List[Tuple[int, int, int]]:
         return [(p._version, m._version, p._cdata) for p, m in self.pairs]
