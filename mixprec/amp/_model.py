@@ -168,13 +168,25 @@ def _cast(value: Any, dtype: torch.dtype, only: Optional[tuple], memo: Optional[
             return value
         # (A namedtuple takes its fields as arguments.)
         out = type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
-        extra = getattr(value, "__dict__", None)
-        if extra:  # (a subclass's attributes, set on the instance: kept, as a copy keeps them)
-            out.__dict__.update(extra)
+        if type(value) not in (list, tuple):
+            _keep_instance_attributes(value, out)
         return out
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _rebuild_dataclass(value, dtype, only, memo)
     return value
+
+
+def _keep_instance_attributes(value: Any, out: Any) -> None:
+    """Give ``out`` (a rebuilt tuple or list subclass) the attributes set on ``value``, in
+    its ``__dict__`` and its classes' ``__slots__``, as they are (as a copy keeps them)."""
+    extra = getattr(value, "__dict__", None)
+    if extra:
+        out.__dict__.update(extra)
+    for cls in type(value).__mro__:
+        slots = getattr(cls, "__slots__", ())  # (inherited ones again: harmless)
+        for name in (slots,) if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(value, name):
+                setattr(out, name, getattr(value, name))
 
 
 def _unchanged(items: dict, original: Mapping) -> bool:
@@ -846,11 +858,14 @@ class _OrphanedMasters:
     def push(self) -> None:
         if [m._version for m in self._masters] == self._seen:
             return
+        looked = True
         for ref, hooks in self.entries:
             module = ref()
             if module is not None:
-                hooks.sync(module, check_params=False)
-        self._seen = [m._version for m in self._masters]
+                looked &= hooks.sync(module, check_params=False)
+        # (Not cached when a write waited, under torch.func.functional_call: the next
+        # forward takes it.)
+        self._seen = [m._version for m in self._masters] if looked else None
 
 
 def set_live_masters(model: nn.Module, keepers) -> None:
@@ -871,15 +886,21 @@ def _push_live_masters(model: nn.Module) -> None:
     if getattr(model, "_is_replica", False):
         return
     with _tracer_paused():
-        alive = False
+        alive, dead = [], False
         for ref in model._mixprec_live_masters:
             push = ref()
-            if push is not None:
-                alive = True
+            if push is None:
+                dead = True
+            else:
+                alive.append(ref)
                 push()
-        if not alive:
+        if dead:
+            # (An optimizer gone, all or one of several, as a GAN's discriminator's: the
+            # modules whose masters no live optimizer keeps are looked at as a copy's.)
             orphaned = _OrphanedMasters(model)
-            model.__dict__[_LIVE_MASTERS] = (orphaned,) if orphaned.entries else ()
+            model.__dict__[_LIVE_MASTERS] = tuple(
+                ref for ref in alive if not isinstance(ref, _OrphanedMasters)
+            ) + ((orphaned,) if orphaned.entries else ())
             orphaned.push()
 
 
@@ -983,14 +1004,15 @@ def _copy_masters_follow(model: nn.Module, fn, before: list) -> None:
 
     for module, hooks, name, master, old in before:
         new = module._parameters.get(name)
-        if new is None or new is old or new.device == master.device:
+        if new is None or new is old:
             continue
-        moved = fn(master)
-        if not isinstance(moved, torch.Tensor):
-            continue
-        hooks.masters[name] = moved.detach()
-        hooks._halves[name] = id(new)
-        hooks._versions.pop(name, None)
+        if new.device != master.device:
+            moved = fn(master)
+            if not isinstance(moved, torch.Tensor):
+                continue
+            hooks.masters[name] = moved.detach()
+            hooks._versions.pop(name, None)
+        hooks._halves[name] = id(new)  # (a new object on the same device too: a cast)
     register_copied_masters(model)
 
 
@@ -1357,14 +1379,16 @@ class _Fp32StateDict:
         memo[id(self)] = new
         return new
 
-    def sync(self, module: nn.Module, check_params: bool) -> None:
+    def sync(self, module: nn.Module, check_params: bool) -> bool:
         """Bring a standalone master and its half parameter in step (see the class doc).
 
         A master written since the last sync wins (a load writes both); else, with
         ``check_params``, a half parameter that no longer equals its master cast to half was
         changed (in place, by ``.data`` too, which no version counter sees) and is upcast into
-        the master.
+        the master. Whether every master was looked at (False: one waits, another tensor in
+        its parameter's place).
         """
+        looked = True
         with torch.no_grad():
             for name, master in self.masters.items():
                 param = module._parameters.get(name)
@@ -1377,6 +1401,12 @@ class _Fp32StateDict:
                     # weight now and the master stopped with it (see save): upcast into it,
                     # the fp32 values of a state dict taken before the cast, which holds the
                     # master itself, were rounded to half.)
+                    continue
+                if self._halves.get(name, id(param)) != id(param):
+                    # (Another tensor in its place: torch.func.functional_call's, the
+                    # caller's, for this call, which a copy into it overwrote; or the
+                    # parameter replaced, whose master save() drops. The write waits.)
+                    looked = False
                     continue
                 # (The master's version read first, and the master left alone if it moved
                 # while compared: another thread updating an EMA copy in place while this
@@ -1391,6 +1421,7 @@ class _Fp32StateDict:
                     master.copy_(param)
                     version = master._version
                 self._versions[name] = version
+        return looked
 
     def carry_to(self, other: _Fp32StateDict, params: Dict[str, torch.Tensor]) -> None:
         """Give ``other`` (the hooks of a module built to replace this one's, holding the

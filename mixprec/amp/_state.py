@@ -103,6 +103,9 @@ def register_copied_masters(model: torch.nn.Module) -> None:
         ref = weakref.ref(module)
         for name, master in hooks.masters.items():
             _COPY_MASTERS[master] = (ref, name)
+            param = module._parameters.get(name)
+            if param is not None:  # (whose master it is: see _Fp32StateDict.sync)
+                hooks._halves.setdefault(name, id(param))
     _copies_registered += 1
     if not _copy_hook_installed:
         register_optimizer_step_pre_hook(_refuse_copied_step)
@@ -498,8 +501,10 @@ def _prime_fused_momentum(optimizer, found_inf: torch.Tensor) -> bool:
     training: the weights came out inf). With ``dampening == 0`` (the default) a zero buffer
     gives the first step's result bit for bit (``0.9 * 0 + g == g``) and a skipped step leaves
     it zero, so no sync is needed. With dampening the first step differs from a step from
-    zeros: the flag is read on the host for that one step (not inside a CUDA-graph capture),
-    and True is returned when it is set, for the step to be skipped as on the host.
+    zeros, as it does for a parameter listed twice in its group (a tied weight: PyTorch's
+    first step gives each entry a buffer of its own, where one zero buffer would be shared):
+    the flag is read on the host for that one step (not inside a CUDA-graph capture), and
+    True is returned when it is set, for the step to be skipped as on the host.
     """
     if not isinstance(optimizer, torch.optim.SGD):
         return False
@@ -507,7 +512,14 @@ def _prime_fused_momentum(optimizer, found_inf: torch.Tensor) -> bool:
     for group in optimizer.param_groups:
         if not group.get("fused") or group["momentum"] == 0:
             continue
-        for p in group["params"]:
+        params = group["params"]
+        if len({id(p) for p in params}) != len(params) and any(
+                "momentum_buffer" not in optimizer.state.get(p, ()) for p in params):
+            # (None primed in this group: PyTorch's fused first step makes every buffer or
+            # none, and fails on a group holding some.)
+            read_flag = True
+            continue
+        for p in params:
             if p.grad is None or "momentum_buffer" in optimizer.state.get(p, ()):
                 continue
             if group["dampening"] == 0:
@@ -1616,37 +1628,52 @@ class _OptimizerState:
             self._take_data_writes(since)
         if only is not None and synced is not None and len(synced) == len(self.pairs):
             indices = self._pair_indices(only)
-            self._bring_in_step([self.pairs[i] for i in indices], [synced[i] for i in indices])
-            self.record_synced(only)  # (also a moved parameter's: nothing to copy)
+            records = self._bring_in_step([self.pairs[i] for i in indices],
+                                          [synced[i] for i in indices])
+            for i, record in zip(indices, records):
+                synced[i] = record  # (a moved parameter's too: nothing to copy)
             return
         now = self._versions()
         if now == synced:
             return
-        if (synced is None or len(synced) != len(now)
-                or not self._bring_in_step(self.pairs, synced)):
-            self._synced_versions = now  # (moved parameters only: nothing to copy)
-            self._masters_in_step = [mv for _, mv, _ in now]
-            return
-        self.record_synced()  # (the copies moved the version counters)
+        if synced is not None and len(synced) == len(now):
+            now = self._bring_in_step(self.pairs, synced, now)
+        self._synced_versions = now  # (moved parameters': nothing to copy)
+        self._masters_in_step = [mv for _, mv, _ in now]
 
-    def _bring_in_step(self, pairs, synced) -> bool:
+    def _bring_in_step(self, pairs, synced, now=None) -> List[Tuple[int, int, int]]:
         """Of ``pairs`` against their records ``synced``: cast each master written since into
         its half parameter (written too or not: the master wins), and take each half
         parameter written alone into its master. A parameter moved since (another TensorImpl)
-        is left. Whether anything was copied."""
+        is left. The pairs' new records.
+
+        Each side amp did not write keeps the version read before the copies (``now``, read
+        here if not given), not one read after: a master written by another thread while
+        this one copied (a server loading new weights while a forward runs) then still shows
+        as written at the next look, where a record read afterwards took it as in step, and
+        the forward and ``state_dict()`` kept the old weights."""
+        if now is None:
+            now = [(p._version, m._version, p._cdata) for p, m in pairs]
         written, stale = [], []
-        for (p, m), (sp, sm, sc) in zip(pairs, synced):
-            if p._cdata != sc:
+        for i, ((sp, sm, sc), (vp, vm, vc)) in enumerate(zip(synced, now)):
+            if vc != sc:
                 continue
-            if m._version != sm:
-                stale.append((p, m))
-            elif p._version != sp:
-                written.append((p, m))
+            if vm != sm:
+                stale.append(i)
+            elif vp != sp:
+                written.append(i)
+        if not written and not stale:
+            return now
         if written:
-            self._take(written)
+            self._take([pairs[i] for i in written])
         if stale:
-            self.copy_masters_to_model(stale)
-        return bool(written or stale)
+            self.copy_masters_to_model([pairs[i] for i in stale])
+        records = list(now)
+        for i in written:  # (amp wrote the master)
+            records[i] = (now[i][0], pairs[i][1]._version, now[i][2])
+        for i in stale:  # (amp wrote the half parameter)
+            records[i] = (pairs[i][0]._version, now[i][1], now[i][2])
+        return records
 
     def _take_data_writes(self, since: Optional[Set[int]]) -> None:
         """For the half parameters registered again since the last look (``since``, their

@@ -903,7 +903,10 @@ def _refuse_shared_masters(opt_list, model_list, cast_ids) -> None:
 def master_params(optimizer) -> Iterator[torch.Tensor]:
     """The parameters ``optimizer`` steps: fp32 masters at O2, the model's otherwise.
 
-    Clip gradients on these, after ``scale_loss`` and before ``step()``.
+    Clip gradients on these, after ``scale_loss`` and before ``step()``. Each once, in the
+    order of the optimizer's groups: a parameter listed twice (a tied weight through two
+    modules' ``parameters()``) is yielded once, so a gradient norm over them counts it once,
+    as one over ``model.parameters()`` does.
 
     Example::
 
@@ -918,7 +921,15 @@ def master_params(optimizer) -> Iterator[torch.Tensor]:
         # (A group added since initialize gets its masters now, not at the next scale_loss:
         # a list taken here for clipping would hold its half parameters.)
         state.sync_param_groups()
-    return (p for group in optimizer.param_groups for p in group["params"])
+    return _each_once(p for group in optimizer.param_groups for p in group["params"])
+
+
+def _each_once(params) -> Iterator[torch.Tensor]:
+    seen = set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
 
 
 def step_was_skipped(optimizer) -> bool:

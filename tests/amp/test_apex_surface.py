@@ -1086,6 +1086,47 @@ def test_a_model_output_whose_loss_is_set_after_it_was_built_reads_as_in_fp32(
     torch.testing.assert_close(out.loss, ref.loss, atol=0.05, rtol=0.05)
 
 
+@dataclasses.dataclass
+class _RequiredFieldOutput(_OutputBase):
+    """A transformers-style output (a dataclass that is an OrderedDict) whose first field has
+    no default: its class cannot be called without arguments."""
+    logits: torch.Tensor
+    aux: torch.Tensor = None
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_mapping_dataclass_output_with_a_required_field_keeps_its_type_and_attributes(
+        opt_level):
+    """r82A G1. amp's output cast rebuilds a dataclass-mapping output without calling its
+    class (``__new__``); one built by calling the class with no arguments failed on a
+    required field and fell back to a plain ``dict`` (``out.logits`` an AttributeError) or to
+    a copy whose attribute kept the half tensor while its item was fp32. Reference: the fp32
+    model's output, the same class, ``out.logits is out["logits"]``."""
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            logits = self.lin(x)
+            return _RequiredFieldOutput(logits=logits, aux=logits.sum(1))
+
+    x = torch.randn(5, 4)
+    torch.manual_seed(0)
+    ref = Head()(x)
+    torch.manual_seed(0)
+    model = Head()
+    amp.initialize(model, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    out = model(x)
+    assert type(out) is _RequiredFieldOutput
+    assert list(out.keys()) == list(ref.keys()) == ["logits", "aux"]
+    assert out.logits is out["logits"] and out.aux is out["aux"]
+    for got, want in ((out.logits, ref.logits), (out.aux, ref.aux)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)  # (bf16 forward)
+
+
 class _TokenBatch(collections.UserDict):
     """A tokenizer's batch (a ``UserDict`` with attributes of its own, like Hugging Face's)."""
 
@@ -1348,6 +1389,60 @@ def test_o2_keeps_the_attributes_of_a_namedtuple_or_list_subclass_it_casts():
     assert got.source == "shard-7" and got.weights is batch.weights
     assert type(got_parts) is _TaggedList and got_parts.name == "aux"
     assert got_parts[0].dtype == torch.bfloat16
+
+
+class _SlottedList(list):
+    __slots__ = ("source",)
+
+
+def test_o2_keeps_the_slot_attributes_of_a_list_subclass_it_casts():
+    """B4 (r83A). b1d4a16 kept the instance __dict__ of a rebuilt tuple/list subclass, not
+    its __slots__: a slotted batch class (a list subclass with __slots__ = ("source",)) lost
+    `source`, and the forward's `batch.source` raised AttributeError at O2, not in fp32.
+    Reference: the caller's instance (fp32 / O0 run the same forward)."""
+    class Uses(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, batch):
+            return self.lin(batch[0]) * (2.0 if batch.source == "shard-7" else 1.0)
+
+    model = Uses()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    batch = _SlottedList([torch.randn(3, 2)])
+    batch.source = "shard-7"
+    out = model(batch)
+    assert out.dtype == torch.float32
+
+
+def test_o2_namedtuple_and_list_subclass_attributes_compile_fullgraph():
+    """G1 (r83A). b1d4a16's attribute copy (getattr(value, "__dict__") and __dict__.update)
+    runs inside torch.compile(fullgraph=True) without a graph break, for a plain namedtuple
+    (no __dict__), a namedtuple subclass and a list subclass carrying attributes that the
+    forward reads. Reference: the eager forward of the same model (bit for bit)."""
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, batch):
+            scale = getattr(batch, "scale", 1.0)
+            return self.lin(batch[0]) * scale
+
+    torch.manual_seed(0)
+    model = Reads()
+    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    x, ids = torch.randn(3, 2), torch.arange(3)
+    plain = _PairNT(x, ids)
+    sub = _BatchNT(x, ids)
+    sub.scale = 3.0
+    tagged = _TaggedList([x, ids])
+    tagged.scale = 5.0
+    for given in (plain, sub, tagged):
+        torch.testing.assert_close(compiled(given), model(given), rtol=0, atol=0)
+    assert not torch.equal(compiled(sub), compiled(plain))
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2", "O3"])
@@ -1882,6 +1977,35 @@ def test_torch_compile_fullgraph_matches_eager(opt_level, device):
         torch.testing.assert_close(lc.float(), le.float(), rtol=2e-2, atol=2e-2)
     for a, b in zip(eager.state_dict().values(), compiled_src.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=5e-2, atol=5e-3)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+def test_a_compiled_amp_model_does_not_recompile_for_each_new_input(opt_level):
+    # OPTIONAL (r82A): mutant C20 is also killed, indirectly, by test_scale_loss.py::
+    # test_a_compiled_training_step_does_not_recompile_as_the_dynamic_scale_moves.
+    """r82A G5. amp's input/output casts keep a per-call memo (a tensor found twice is cast
+    once) only in eager mode: traced, Dynamo guards on each id() the memo reads, and the
+    compiled forward recompiled for every new input tensor (4 frames for 4 batches, then
+    Dynamo's recompile limit and eager). Reference: one frame for the four batches, as for a
+    plain compiled model; outputs equal to the eager amp model's."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                   dtype=torch.bfloat16, verbosity=0)
+    torch._dynamo.reset()
+    try:
+        counter = CompileCounter()
+        compiled = torch.compile(model, backend=counter, fullgraph=True)
+        with torch.no_grad():
+            for seed in range(4):
+                x = torch.randn(5, 8, generator=torch.Generator().manual_seed(seed))
+                torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
+        assert counter.frame_count == 1
+    finally:
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])

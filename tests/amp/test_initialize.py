@@ -1166,6 +1166,149 @@ def test_a_tied_parameter_listed_twice_in_one_group_trains_as_in_fp32(opt_level,
         torch.testing.assert_close(got[key].float(), want[key], rtol=0, atol=2e-3, msg=key)
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_master_params_yield_a_tied_parameter_listed_twice_once(opt_level):
+    """R1 (r83A). With the tied weight listed twice in its group, amp.master_params gave it
+    twice, so README's clip_grad_norm_(amp.master_params(opt)) counted its gradient twice in
+    the norm (and scaled it twice): 2e-3 off the fp32 script clipping model.parameters() in 4
+    steps. Each is yielded once now. Reference: fp32 clipping over model.parameters() (the
+    clipped gradients within half rounding)."""
+    def clipped(level):
+        torch.manual_seed(0)
+        model = _TiedLM()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (PyTorch: "... duplicate parameters ...")
+            opt = torch.optim.SGD([*model.emb.parameters(), *model.mid.parameters(),
+                                   *model.head.parameters()], lr=0.05)
+        if level != "O0":
+            model, opt = amp.initialize(model, opt, opt_level=level, dtype=torch.bfloat16,
+                                        verbosity=0)
+        x = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(0))
+        loss = nn.functional.cross_entropy(model(x).float().reshape(-1, 30),
+                                           torch.roll(x, 1, 1).reshape(-1))
+        if level == "O0":
+            loss.backward()
+            params = list(model.parameters())
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            params = list(amp.master_params(opt))
+        assert len(params) == len({id(p) for p in params}) == 3
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=0.1)
+        return norm, [p.grad.float() for p in params]
+
+    want_norm, want = clipped("O0")
+    norm, got = clipped(opt_level)
+    torch.testing.assert_close(norm, want_norm, rtol=2e-2, atol=0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=2e-3)
+
+
+def _tied_twice_one_step(level, dtype, fused):
+    torch.manual_seed(0)
+    model = _TiedLM()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PyTorch: "... duplicate parameters ...")
+        opt = torch.optim.SGD([*model.emb.parameters(), *model.mid.parameters(),
+                               *model.head.parameters()], lr=0.05, momentum=0.9, fused=fused)
+    kwargs = {} if level == "O0" else {"dtype": dtype}
+    model, opt = amp.initialize(model, opt, opt_level=level, verbosity=0, **kwargs)
+    x = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(0))
+    out = model(x).float().reshape(-1, 30)
+    loss = nn.functional.cross_entropy(out, torch.roll(x, 1, 1).reshape(-1))
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return model.state_dict()["emb.weight"].float()
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_tied_parameter_listed_twice_with_fused_sgd_momentum_trains_as_in_fp32(opt_level):
+    """B3 (r83A). The f6d6696 construction with torch.optim.SGD(fused=True, momentum=0.9) at
+    fp16 (dynamic loss scale: the on-device skip path). amp's _prime_fused_momentum gives the
+    parameter (at O2 its one master) a zero momentum buffer before the first step, which both
+    entries share: the first step moves it by g + (0.9 g + g), where fp32's fused and
+    for-loop SGD make a fresh buffer per entry (g + g): 3.8e-3 off after one step, 300x the
+    half rounding (fused=False: 1.3e-5). Reference: the same script at O0, and the same
+    script with fused=False at the same level."""
+    want = _tied_twice_one_step("O0", None, fused=True)
+    unfused = _tied_twice_one_step(opt_level, torch.float16, fused=False)
+    torch.testing.assert_close(unfused, want, rtol=0, atol=1e-4)  # (the rounding here)
+    got = _tied_twice_one_step(opt_level, torch.float16, fused=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, fused=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, foreach=True),
+], ids=["Adam-foreach", "Adam-forloop", "Adam-fused", "AdamW-fused", "SGD-foreach"])
+@pytest.mark.parametrize("opt_level, dtype", [("O2", torch.bfloat16), ("O2", torch.float16),
+                                              ("O1", torch.float16), ("O3", torch.float16)])
+def test_a_tied_parameter_listed_twice_steps_as_plain_pytorch_given_the_same_gradients(
+        make_opt, opt_level, dtype):
+    """G2 (r83A). The f6d6696 construction with the other optimizers: each step amp hands the
+    optimizer is replayed by plain PyTorch on fp32 clones in the same duplicate layout (the
+    values, unscaled gradients and optimizer state right before the step), and the result
+    agrees bit for bit, so the one master is stepped twice with its one state, as fp32's one
+    tensor, and its gradient is unscaled once. Reference: that replay."""
+    torch.manual_seed(0)
+    model = _TiedLM()
+    x0 = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(0))
+    fp32 = copy.deepcopy(model)
+    nn.functional.cross_entropy(fp32(x0).reshape(-1, 30), torch.roll(x0, 1, 1).reshape(-1)).backward()
+    want_grad = fp32.emb.weight.grad  # (the tied weight's: both uses summed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = make_opt([*model.emb.parameters(), *model.mid.parameters(),
+                        *model.head.parameters()])
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+    group = opt.param_groups[0]["params"]
+    assert len(group) == 4 and group[0] is group[3]  # (one tensor in both places)
+    replayed = 0
+    for i in range(3):
+        x = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(i))
+        opt.zero_grad()
+        out = model(x).float().reshape(-1, 30)
+        loss = nn.functional.cross_entropy(out, torch.roll(x, 1, 1).reshape(-1))
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        snap = {}
+
+        def before(o, args, kwargs, snap=snap):
+            params = [p for g in o.param_groups for p in g["params"]]
+            snap["clones"] = clones = {}
+            for p in params:
+                if id(p) not in clones:
+                    c = p.detach().clone().requires_grad_()
+                    c.grad = None if p.grad is None else p.grad.detach().clone()
+                    clones[id(p)] = c
+            snap["layout"] = [[clones[id(p)] for p in g["params"]] for g in o.param_groups]
+            snap["state"] = copy.deepcopy(o.state_dict())
+
+        handle = opt.register_step_pre_hook(before)
+        opt.step()
+        handle.remove()
+        if amp.step_was_skipped(opt):
+            continue
+        if i == 0:  # (unscaled once: the fp32 gradient, to half rounding)
+            got = snap["clones"][id(group[0])].grad.float()
+            assert float((got - want_grad).norm() / want_grad.norm()) < 2e-2
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            plain = make_opt(snap["layout"][0])
+        plain.load_state_dict(snap["state"])
+        plain.step()
+        for p in (p for g in opt.param_groups for p in g["params"]):
+            # (equal_nan: pure-fp16 Adam at O3 makes NaNs where eps underflows, as in PyTorch)
+            torch.testing.assert_close(p.detach(), snap["clones"][id(p)].detach(), rtol=0,
+                                       atol=0, equal_nan=True, msg=f"{i} {tuple(p.shape)}")
+        replayed += 1
+    assert replayed >= 2
+
+
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 def test_lazy_layers_that_have_not_seen_an_input_are_refused_clearly(opt_level):
     # The lazy hook gives a layer its plain class at its first forward, dropping the class amp
