@@ -783,6 +783,30 @@ def test_multiple_losses_have_separate_scalers():
     assert amp.step_was_skipped(opt)  # one overflowing loss skips the optimizer's step
 
 
+def test_a_static_scale_counts_each_losss_clean_steps_in_its_own_scaler():
+    # A static scale never moves but counts its clean steps ("unskipped"), as Apex's did, per
+    # loss: scripts read loss_scalers[i]._unskipped, and a resume carries the counts on.
+    # Nothing checked that loss_id 1's steps land in loss_scaler1 (and not in loss_scaler0).
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", num_losses=2, dtype=torch.bfloat16,
+                   loss_scale=128.0, verbosity=0)
+    x, y = batch()
+    for extra in (False, True):
+        out = model(x)
+        with amp.scale_loss(nn.functional.cross_entropy(out, y), opt, loss_id=0) as s:
+            s.backward(retain_graph=True)
+        with amp.scale_loss(out.float().pow(2).mean(), opt, loss_id=1) as s:
+            s.backward(retain_graph=extra)
+        if extra:
+            with amp.scale_loss(out.float().abs().mean(), opt, loss_id=1) as s:
+                s.backward()
+        opt.step()
+        opt.zero_grad()
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 128.0, "unskipped": 2},
+                                "loss_scaler1": {"loss_scale": 128.0, "unskipped": 3}}
+
+
 def test_bf16_o2_default_has_no_scaling_and_no_sync(monkeypatch):
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1391,6 +1415,24 @@ def test_an_optimizer_listed_twice_is_unscaled_once(opt_level):
     nn.functional.cross_entropy(ref(x), y).backward()
     opt = _sgd_at_static_512(model, opt_level)
     with amp.scale_loss(nn.functional.cross_entropy(model(x), y), [opt, opt]) as s:
+        s.backward()
+    assert _master_grads_error(opt, ref) < 3e-2
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_an_optimizer_listed_twice_keeps_the_earlier_micro_batches_gradients(opt_level):
+    # Gradient accumulation without delay_unscale, the second micro-batch's scale_loss given
+    # [opt, opt]: each listing set aside the earlier (unscaled) gradients for the new backward,
+    # the second finding none and replacing the first's, so the first micro-batch's gradients
+    # were lost unless the duplicate is dropped. (test_an_optimizer_listed_twice_is_unscaled_once
+    # has no earlier gradients, and its double unscale is also stopped further down.)
+    model = make_cnn()
+    x, y = batch(n=16)
+    ref = _micro_batch_reference(model, x, y)
+    opt = _sgd_at_static_512(model, opt_level)
+    with amp.scale_loss(nn.functional.cross_entropy(model(x[:8]), y[:8]), opt) as s:
+        s.backward()
+    with amp.scale_loss(nn.functional.cross_entropy(model(x[8:]), y[8:]), [opt, opt]) as s:
         s.backward()
     assert _master_grads_error(opt, ref) < 3e-2
 

@@ -138,6 +138,32 @@ def test_state_dict_roundtrip_and_errors():
     assert s.state_dict() == {"loss_scale": 2048.0, "unskipped": 0}
 
 
+@pytest.mark.parametrize("on_device", [False, True], ids=["host", "device"])
+def test_state_dict_types_are_apexs_float_and_int(on_device):
+    # Apex's format is {"loss_scale": float, "unskipped": int}; only a scale below 1 (0.5 in
+    # an O3 test) caught a state_dict that wrote the scale as an int, e.g. 65536 for 65536.0.
+    # Checked from a fresh scaler, a static one given an int, a load of ints, and after
+    # updates (host, and with the scale on the device, read back through _pull).
+    scalers = [LossScaler("dynamic"), LossScaler(128)]
+    loaded = LossScaler("dynamic")
+    loaded.load_state_dict({"loss_scale": 1024, "unskipped": 3})
+    scalers.append(loaded)
+    moved = LossScaler("dynamic", scale_window=2)
+    if on_device:
+        moved.device_state(torch.device("cpu"))
+        for found in (0.0, 0.0, 1.0, 0.0):
+            moved.update_on_device(torch.tensor(found))
+    else:
+        for found in (False, False, True, False):
+            moved.update(found)
+    scalers.append(moved)
+    for s in scalers:
+        sd = s.state_dict()
+        assert set(sd) == {"loss_scale", "unskipped"}
+        assert type(sd["loss_scale"]) is float and type(sd["unskipped"]) is int, (s, sd)
+    assert moved.state_dict() == {"loss_scale": 65536.0, "unskipped": 1}
+
+
 def test_repr_says_static_or_dynamic_and_shows_the_current_scale():
     """A scaler's repr (a log line, a debugger) says whether the scale is static or dynamic
     (a static 1.0 and a dynamic scale backed off to 1.0 differ at the next overflow) and shows
