@@ -1113,6 +1113,16 @@ class _TiedLM(nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(x))))
 
 
+def _tied_lm_backward(model, opt, i):
+    """One ``zero_grad`` and ``scale_loss`` backward of a :class:`_TiedLM` on batch ``i``."""
+    x = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(i))
+    opt.zero_grad()
+    out = model(x).float().reshape(-1, 30)
+    loss = nn.functional.cross_entropy(out, torch.roll(x, 1, 1).reshape(-1))
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 @pytest.mark.parametrize("when", ["initialize", "add_param_group"])
@@ -1145,12 +1155,7 @@ def test_a_tied_parameter_listed_twice_in_one_group_trains_as_in_fp32(opt_level,
                 opt.add_param_group({"params": [*model.emb.parameters(),
                                                 *model.head.parameters()]})
         for i in range(3):
-            x = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(i))
-            opt.zero_grad()
-            out = model(x).float().reshape(-1, 30)
-            loss = nn.functional.cross_entropy(out, torch.roll(x, 1, 1).reshape(-1))
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
+            _tied_lm_backward(model, opt, i)
             opt.step()
         return model, opt
 
@@ -1269,12 +1274,7 @@ def test_a_tied_parameter_listed_twice_steps_as_plain_pytorch_given_the_same_gra
     assert len(group) == 4 and group[0] is group[3]  # (one tensor in both places)
     replayed = 0
     for i in range(3):
-        x = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(i))
-        opt.zero_grad()
-        out = model(x).float().reshape(-1, 30)
-        loss = nn.functional.cross_entropy(out, torch.roll(x, 1, 1).reshape(-1))
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
+        _tied_lm_backward(model, opt, i)
         snap = {}
 
         def before(o, args, kwargs, snap=snap):
