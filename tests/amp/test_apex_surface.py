@@ -1421,6 +1421,10 @@ def test_o2_namedtuple_and_list_subclass_attributes_compile_fullgraph():
     runs inside torch.compile(fullgraph=True) without a graph break, for a plain namedtuple
     (no __dict__), a namedtuple subclass and a list subclass carrying attributes that the
     forward reads. Reference: the eager forward of the same model (bit for bit)."""
+    if torch.__version__ < (2, 5):
+        pytest.skip("PyTorch 2.4's Dynamo does not trace namedtuple or list-subclass inputs "
+                    "through amp's input cast under fullgraph (README)")
+
     class Reads(nn.Module):
         def __init__(self):
             super().__init__()
