@@ -856,16 +856,18 @@ class _OrphanedMasters:
         return self.push
 
     def push(self) -> None:
-        if [m._version for m in self._masters] == self._seen:
+        now = [m._version for m in self._masters]
+        if now == self._seen:
             return
         looked = True
         for ref, hooks in self.entries:
             module = ref()
             if module is not None:
                 looked &= hooks.sync(module, check_params=False)
-        # (Not cached when a write waited, under torch.func.functional_call: the next
-        # forward takes it.)
-        self._seen = [m._version for m in self._masters] if looked else None
+        # (The versions read before the syncs, which write no master: one written meanwhile
+        # by another thread shows at the next forward. Not cached when a write waited, under
+        # torch.func.functional_call: the next forward takes it.)
+        self._seen = now if looked else None
 
 
 def set_live_masters(model: nn.Module, keepers) -> None:

@@ -1647,11 +1647,12 @@ class _OptimizerState:
         parameter written alone into its master. A parameter moved since (another TensorImpl)
         is left. The pairs' new records.
 
-        Each side amp did not write keeps the version read before the copies (``now``, read
+        A master amp did not write keeps the version read before the copies (``now``, read
         here if not given), not one read after: a master written by another thread while
         this one copied (a server loading new weights while a forward runs) then still shows
         as written at the next look, where a record read afterwards took it as in step, and
-        the forward and ``state_dict()`` kept the old weights."""
+        the forward and ``state_dict()`` kept the old weights. (Masters have counters of
+        their own; half parameters may share one, and are read after.)"""
         if now is None:
             now = [(p._version, m._version, p._cdata) for p, m in pairs]
         written, stale = [], []
@@ -1668,12 +1669,11 @@ class _OptimizerState:
             self._take([pairs[i] for i in written])
         if stale:
             self.copy_masters_to_model([pairs[i] for i in stale])
-        records = list(now)
-        for i in written:  # (amp wrote the master)
-            records[i] = (now[i][0], pairs[i][1]._version, now[i][2])
-        for i in stale:  # (amp wrote the half parameter)
-            records[i] = (pairs[i][0]._version, now[i][1], now[i][2])
-        return records
+        # (Half parameters read again: amp's copy into one moves the counter of every half
+        # parameter sharing it, slices of one fp32 tensor, which are not written.)
+        taken = set(written)
+        return [(p._version, m._version if i in taken else vm, vc)
+                for i, ((p, m), (_, vm, vc)) in enumerate(zip(pairs, now))]
 
     def _take_data_writes(self, since: Optional[Set[int]]) -> None:
         """For the half parameters registered again since the last look (``since``, their

@@ -1243,6 +1243,49 @@ def test_a_tied_parameter_listed_twice_with_fused_sgd_momentum_trains_as_in_fp32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("dampening", [0.0, 0.1])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_tied_parameter_listed_twice_with_fused_sgd_momentum_after_skipped_steps(
+        opt_level, dampening):
+    """G2 (r84A). a8706bd primes no zero momentum buffer in a fused SGD group holding a
+    parameter twice (and reads the overflow flag on the host instead). The f6d6696 construction
+    at fp16 with SGD(fused=True, momentum=0.9, dampening) whose steps 0 and 2 overflow (an inf
+    loss): those steps are skipped, and the others step as with fused=False, bit for bit.
+    Reference: the same run with the for-loop SGD (fused=False, foreach=False: like the fused
+    kernel it updates each entry's buffer and weight in turn; foreach=True updates every buffer
+    first and differs for duplicates in plain PyTorch too), same level, same skips."""
+    def run(fused):
+        torch.manual_seed(0)
+        model = _TiedLM()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt = torch.optim.SGD([*model.emb.parameters(), *model.mid.parameters(),
+                                   *model.head.parameters()], lr=0.05, momentum=0.9,
+                                  dampening=dampening, fused=fused,
+                                  foreach=None if fused else False)
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.float16,
+                                    verbosity=0)
+        skipped = []
+        for i in range(5):
+            x = torch.randint(0, 30, (4, 6), generator=torch.Generator().manual_seed(i))
+            opt.zero_grad()
+            out = model(x).float().reshape(-1, 30)
+            loss = nn.functional.cross_entropy(out, torch.roll(x, 1, 1).reshape(-1))
+            if i in (0, 2):
+                loss = loss * float("inf")
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            skipped.append(amp.step_was_skipped(opt))
+        return model.state_dict()["emb.weight"].float(), skipped
+
+    got, got_skipped = run(fused=True)
+    want, want_skipped = run(fused=False)
+    assert got_skipped == want_skipped == [True, False, True, False, False]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
     lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
