@@ -514,7 +514,8 @@ def _prime_fused_momentum(optimizer, found_inf: torch.Tensor) -> bool:
             continue
         params = group["params"]
         if len({id(p) for p in params}) != len(params) and any(
-                "momentum_buffer" not in optimizer.state.get(p, ()) for p in params):
+                p.grad is not None and "momentum_buffer" not in optimizer.state.get(p, ())
+                for p in params):  # (one without a gradient, frozen, takes no first step)
             # (None primed in this group: PyTorch's fused first step makes every buffer or
             # none, and fails on a group holding some.)
             read_flag = True

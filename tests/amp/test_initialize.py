@@ -1286,6 +1286,49 @@ def test_a_tied_parameter_listed_twice_with_fused_sgd_momentum_after_skipped_ste
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def test_fused_sgd_with_a_duplicate_and_an_unused_parameter_reads_no_flag_after_its_first_step(
+        monkeypatch):
+    """r84A R1. A fused SGD momentum group holding a tied weight twice and a layer that never
+    gets a gradient: the duplicate check counted the unused layer as still to take its first
+    step, so the overflow flag was read on the host at every step (a device sync per step on
+    CUDA). Reference: once a step was taken, no read, as without the unused layer."""
+    from mixprec.amp import _state
+
+    reads = []
+    prime = _state._prime_fused_momentum
+
+    class _Flag:
+        is_cuda = False
+
+        def __init__(self, flag):
+            self.flag = flag
+
+        def item(self):
+            reads.append(1)
+            return self.flag.item()
+
+    monkeypatch.setattr(_state, "_prime_fused_momentum",
+                        lambda opt, found_inf: prime(opt, _Flag(found_inf)))
+    torch.manual_seed(0)
+    model = _TiedLM()
+    model.unused = nn.Linear(8, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (PyTorch: "... duplicate parameters ...")
+        opt = torch.optim.SGD([*model.emb.parameters(), *model.mid.parameters(),
+                               *model.head.parameters(), *model.unused.parameters()],
+                              lr=0.05, momentum=0.9, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    amp._amp_state.loss_scalers[0]._loss_scale = 2.0 ** 8  # (dynamic; no overflow here)
+    taken = []
+    for i in range(4):
+        _tied_lm_backward(model, opt, i)
+        before = len(reads)
+        opt.step()
+        taken.append((amp.step_was_skipped(opt), len(reads) - before))
+    assert taken[0] == (False, 1)  # (the first step: read once, as for dampening)
+    assert all(n == 0 for _, n in taken[1:]), taken
+
+
 @pytest.mark.parametrize("make_opt", [
     lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
     lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=False),
