@@ -130,7 +130,7 @@ def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) 
     fairseq's ``incremental_state``, a list of auxiliary losses) reaches the caller, as in
     fp32 and under autocast. (A tensor cast is a copy: writes into it do not reach the
     caller's. A tuple or list subclass copied keeps the attributes set on the caller's
-    instance.) Objects of other classes are not entered, nor is their ``to`` method called
+    instance, eagerly: not under ``torch.compile``.) Objects of other classes are not entered, nor is their ``to`` method called
     (Apex called ``value.to(dtype)``, its contract for custom batch classes; but objects whose
     ``to`` forwards its argument to every tensor, flex attention's ``BlockMask``, graph and
     tensordict batches, would have their integer indices cast, silently): a model that takes
@@ -168,7 +168,9 @@ def _cast(value: Any, dtype: torch.dtype, only: Optional[tuple], memo: Optional[
             return value
         # (A namedtuple takes its fields as arguments.)
         out = type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
-        if type(value) not in (list, tuple):
+        if type(value) not in (list, tuple) and not is_compiling():
+            # (Not traced: Dynamo branching on a namedtuple's __dict__, which it has not,
+            # broke the graph of every namedtuple input on PyTorch 2.11.)
             _keep_instance_attributes(value, out)
         return out
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
