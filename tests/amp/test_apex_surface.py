@@ -475,6 +475,62 @@ def test_a_write_before_a_late_param_group_reaches_the_master():
     torch.testing.assert_close(next(iter(amp.master_params(opt))), expected, rtol=0, atol=0)
 
 
+# G1: kills M1 (adopt_params skipping take_model_writes() before adopting a later group).
+def test_a_write_after_a_step_before_a_late_param_group_reaches_the_master():
+    # As test_a_write_before_a_late_param_group_reaches_the_master, but after a first step:
+    # there the write was also found by the first look's value comparison (every parameter
+    # counts as registered since), which hid a lost take_model_writes before adopting the
+    # group. After a step only the version counters see it. lr 0 after the first step: only
+    # the write can move the weights; 0.5 is exact in fp16.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    extra = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad()
+    opt.param_groups[0]["lr"] = 0.0
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    opt.add_param_group({"params": [extra], "lr": 0.0})
+    expected = torch.full((4, 4), 0.5)
+    # amp.master_params right after the group (an EMA or clip list taken there)
+    torch.testing.assert_close(next(iter(amp.master_params(opt))).detach(), expected,
+                               rtol=0, atol=0)
+    with amp.scale_loss(model(x).float().sum() + extra.sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not amp.step_was_skipped(opt)
+    torch.testing.assert_close(model.weight.float(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(model.state_dict()["weight"], expected, rtol=0, atol=0)
+
+
+def test_a_write_before_a_late_param_group_holds_through_skipped_steps():
+    # Dynamic scaling: the first steps overflow at 2**16 and are skipped (no post-step copy).
+    # The half write made before the late group is picked up must be in the masters then, as
+    # the forward runs it: amp.master_params and the state_dict agree with the model.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    extra = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+    opt.add_param_group({"params": [extra], "lr": 0.0})
+    x = torch.randn(2, 4)
+    with amp.scale_loss(model(x).float().sum() * 1e4 + extra.sum(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)  # (fp16 overflow at the starting scale)
+    expected = torch.full((4, 4), 0.5)
+    torch.testing.assert_close(model.weight.float(), expected, rtol=0, atol=0)
+    torch.testing.assert_close(next(iter(amp.master_params(opt))).detach(), expected,
+                               rtol=0, atol=0)
+
+
 # -- clipping on master params ------------------------------------------------------------------
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 def test_clip_grad_norm_on_master_params(opt_level):

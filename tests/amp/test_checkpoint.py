@@ -3843,10 +3843,12 @@ def test_o2_a_write_into_one_sliced_parameters_half_leaves_its_siblings_masters_
     for name in ("k", "v"):
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
 
+
 def test_o2_masters_written_then_one_forward_later_forwards_and_state_dicts_copy_nothing(
         monkeypatch):
-    """G3 (r84A). Since a8706bd _bring_in_step records each pair from the versions read before
-    its copies, except the side amp wrote. A record left behind by amp's own copy makes every
+    """G3 (r84A). _bring_in_step records each master from its version read before the copies
+    (unless amp wrote it) and each half parameter from one read after. A record left behind
+    by amp's own copy would make every
     later forward copy again (or state_dict() take the half weights into the masters). After one
     forward that pushed a master written in place (and one state_dict() that took a half written
     in place), further forwards and state_dicts copy nothing, also with one of two optimizers

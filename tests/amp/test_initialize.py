@@ -1459,6 +1459,25 @@ def test_o2_refuses_a_late_group_holding_another_optimizers_mastered_parameter()
     assert all(not torch.equal(p, q) for p, q in zip(amp.master_params(ob), before))
 
 
+# G2: kills M40 (_refuse_mastered_elsewhere looking at a new group's first parameter only).
+def test_o2_refuses_a_late_group_whose_later_parameter_another_optimizer_masters():
+    # As test_o2_refuses_a_late_group_holding_another_optimizers_mastered_parameter, with the
+    # shared weight after a parameter of the optimizer's own model in the new group: every
+    # parameter of the group is looked at, not the first only (two masters of the shared
+    # weight would drift apart).
+    a, b, _, _ = _shared_layer_models()
+    oa = torch.optim.Adam(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD([b[1].weight], lr=0.1)
+    amp.initialize([a, b], [oa, ob], opt_level="O2", loss_scale=1.0, verbosity=0)
+    ob.add_param_group({"params": [b[1].bias, b[0].weight]})
+    with pytest.raises(ValueError, match=r"^SGD\.add_param_group: a parameter of shape "
+                       r"\(4, 4\) in the new group already has an fp32 master in another "
+                       r"optimizer \(Adam\)"):
+        amp.master_params(ob)
+    assert len(ob.param_groups) == 1
+    assert len(list(amp.master_params(ob))) == 1
+
+
 def test_o1_keeps_a_parameter_in_two_optimizers():
     # (No masters at O1: both optimizers step the one fp32 parameter, as in fp32 training.)
     a, b, oa, ob = _shared_layer_models()

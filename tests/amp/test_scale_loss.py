@@ -1633,6 +1633,44 @@ def test_fused_sgd_whose_first_step_overflows_trains_as_unfused(opt_level, dampe
     assert all(torch.isfinite(s["momentum_buffer"]).all() for s in opt.state.values())
 
 
+# G3: kills M35 (_prime_fused_momentum reading the flag on the host instead of priming zeros).
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_fused_sgd_first_step_overflow_without_dampening_is_skipped_by_the_kernel(opt_level):
+    # dampening 0 (the default): amp gives each parameter a zero momentum buffer and lets the
+    # fused kernel skip the overflowed step on the device (no host read of the flag, which
+    # would stall a CUDA stream and break a captured graph). The skipped step leaves those
+    # zero buffers, which then give the first real step's result bit for bit
+    # (test_fused_sgd_whose_first_step_overflows_trains_as_unfused checks the numbers).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+    amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    x = torch.randn(8, 16)
+    y = torch.randint(0, 4, (8,))
+    reads = []
+    item = torch.Tensor.item
+
+    def counting_item(t):
+        reads.append(t.dtype)
+        return item(t)
+
+    with amp.scale_loss(nn.functional.cross_entropy(model(x), y) * 1e6, opt) as s:
+        s.backward()
+    torch.Tensor.item = counting_item
+    try:
+        opt.step()
+    finally:
+        torch.Tensor.item = item
+    assert amp.step_was_skipped(opt)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    assert len(opt.state) == len(params)
+    for p in params:
+        buf = opt.state[p]["momentum_buffer"]
+        assert buf.dtype == p.dtype
+        torch.testing.assert_close(buf, torch.zeros_like(p), rtol=0, atol=0)
+    assert reads == []  # (the step itself read no flag on the host)
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_fused_sgd_without_momentum_keeps_no_momentum_buffers(opt_level):
     """A fused SGD without momentum under amp's on-device overflow skipping keeps the state
@@ -1643,6 +1681,43 @@ def test_fused_sgd_without_momentum_keeps_no_momentum_buffers(opt_level):
     for p, q in zip(fused, plain):
         torch.testing.assert_close(p, q)
     assert opt.state_dict()["state"] == plain_opt.state_dict()["state"] == {}
+
+
+# G4: kills M45 (_prime_fused_momentum priming a parameter that has no gradient).
+class _UnusedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.unused = nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.trunk(x)
+
+
+def _sgd_with_an_unused_head(fused, opt_level):
+    torch.manual_seed(0)
+    model = _UnusedHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    amp.initialize(model, opt, opt_level=opt_level, verbosity=0)
+    x = torch.randn(6, 8)
+    for i, factor in enumerate([float("inf"), 1.0, 1.0]):  # the first step overflows (dynamic scale)
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean() * factor, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert amp.step_was_skipped(opt) == (i == 0)
+    return [p.detach().float() for p in model.parameters()], opt
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_fused_sgd_with_a_parameter_without_gradient_trains_as_unfused(opt_level):
+    # A parameter with no gradient at the step (an unused head) gets no momentum buffer from
+    # amp's priming before the fused kernel: it stays out of the state, as PyTorch's SGD
+    # leaves it, and the used ones train as with the unfused SGD.
+    plain, plain_opt = _sgd_with_an_unused_head(False, opt_level)
+    fused, opt = _sgd_with_an_unused_head(True, opt_level)
+    for p, q in zip(fused, plain):
+        torch.testing.assert_close(p, q)
+    assert len(opt.state) == len(plain_opt.state) == 2
 
 
 class _TwoHeads(nn.Module):
