@@ -130,11 +130,12 @@ def cast_floating(value: Any, dtype: torch.dtype, only: Optional[tuple] = None) 
     fairseq's ``incremental_state``, a list of auxiliary losses) reaches the caller, as in
     fp32 and under autocast. (A tensor cast is a copy: writes into it do not reach the
     caller's. A tuple or list subclass copied keeps the attributes set on the caller's
-    instance, eagerly: not under ``torch.compile``.) Objects of other classes are not entered, nor is their ``to`` method called
-    (Apex called ``value.to(dtype)``, its contract for custom batch classes; but objects whose
-    ``to`` forwards its argument to every tensor, flex attention's ``BlockMask``, graph and
-    tensordict batches, would have their integer indices cast, silently): a model that takes
-    such an object gets it as it is, and casts what it needs itself.
+    instance, eagerly: not under ``torch.compile``.) Objects of other classes are not
+    entered, nor is their ``to`` method called (Apex called ``value.to(dtype)``, its contract
+    for custom batch classes; but objects whose ``to`` forwards its argument to every tensor,
+    flex attention's ``BlockMask``, graph and tensordict batches, would have their integer
+    indices cast, silently): a model that takes such an object gets it as it is, and casts
+    what it needs itself.
     """
     # (Not traced with a memo: Dynamo guards on each id() read, and recompiled for every new
     # input tensor.)
