@@ -242,7 +242,8 @@ def _warn_if_already_half(models: List[nn.Module], props) -> None:
             f"amp.initialize: {len(halves)} parameter(s) of the model are already "
             f"{halves[0].dtype} (e.g. model.half() before initialize). amp casts the model "
             f"itself: pass the fp32 model, or {consequence}."
-            + (" This model, a copy of an amp O2 model, still holds its fp32 weights: "
+            + (" This model, prepared at O2 before (restored, or a copy of such a model), "
+               "still holds its fp32 weights: "
                "load its state_dict() into the model built in fp32 and initialize that one."
                if kept else ""),
             stacklevel=3,

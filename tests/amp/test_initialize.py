@@ -375,6 +375,26 @@ def test_the_already_half_warning_of_a_shipped_o2_model_points_at_its_fp32_weigh
     assert not any("still holds" in str(w.message) for w in record)
 
 
+def test_the_already_half_warning_of_the_same_model_restored_does_not_call_it_a_copy():
+    # r83A R3. The model itself, trained at O2, its optimizer deleted, restored with
+    # amp.restore_model and given to initialize again: the warning called it "a copy of an
+    # amp O2 model". It names the case as it is, and points at the fp32 weights as before.
+    import gc
+
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    train_step(model, opt, *batch(), amp)
+    del opt
+    gc.collect()
+    amp.restore_model(model)
+    with pytest.warns(UserWarning, match=r"prepared at O2 before \(restored, or a copy of such "
+                                         r"a model\), still holds its fp32 weights") as record:
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level="O2",
+                       dtype=torch.bfloat16, verbosity=0)
+    assert not any("a copy of an amp O2 model" in str(w.message) for w in record)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_o1_warns_about_a_model_made_half_before_initialize(dtype):
     """O1 keeps the parameters as they are given and casts per op: a model .half()-ed before
