@@ -1421,24 +1421,13 @@ def test_o2_keeps_the_attributes_of_a_namedtuple_or_list_subclass_it_casts():
     # only): the forward's `batch.source` raised AttributeError at O2, not in fp32.
     # Reference: the caller's instance (attributes kept as they are, the tensors cast).
     seen = {}
-
-    class Spy(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 2)
-
-        def forward(self, batch, parts):
-            seen["batch"], seen["parts"] = batch, parts
-            return self.lin(batch.x)
-
-    model = Spy()
-    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    model = _o2_input_spy(seen, lambda arg: arg[0].x)
     batch = _BatchNT(torch.randn(3, 2), torch.arange(3))
     batch.source, batch.weights = "shard-7", torch.ones(3)
     parts = _TaggedList([torch.randn(2, 2)])
     parts.name = "aux"
-    model(batch, parts)
-    got, got_parts = seen["batch"], seen["parts"]
+    model((batch, parts))
+    got, got_parts = seen["input"]
     assert type(got) is _BatchNT and got is not batch
     assert got.x.dtype == torch.bfloat16 and batch.x.dtype == torch.float32
     assert got.ids is batch.ids
@@ -1456,20 +1445,14 @@ def test_o2_keeps_the_slot_attributes_of_a_list_subclass_it_casts():
     its __slots__: a slotted batch class (a list subclass with __slots__ = ("source",)) lost
     `source`, and the forward's `batch.source` raised AttributeError at O2, not in fp32.
     Reference: the caller's instance (fp32 / O0 run the same forward)."""
-    class Uses(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(2, 2)
-
-        def forward(self, batch):
-            return self.lin(batch[0]) * (2.0 if batch.source == "shard-7" else 1.0)
-
-    model = Uses()
-    amp.initialize(model, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    seen = {}
+    model = _o2_input_spy(seen, lambda batch: batch[0] * (2.0 if batch.source == "shard-7"
+                                                           else 1.0))
     batch = _SlottedList([torch.randn(3, 2)])
     batch.source = "shard-7"
     out = model(batch)
     assert out.dtype == torch.float32
+    assert type(seen["input"]) is _SlottedList and seen["input"].source == "shard-7"
 
 
 def test_o2_namedtuple_and_list_subclass_inputs_compile_fullgraph():

@@ -1581,9 +1581,7 @@ def test_an_ema_swapped_in_saved_and_back_after_the_optimizer_is_gone_keeps_the_
     x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
     for _ in range(3):
         opt.zero_grad()
-        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
-            scaled.backward()
-        opt.step()
+        backward_and_step(model(x).float().pow(2).mean(), opt, amp)
     shadow = [p.detach().clone() * 0.9 for p in model.parameters()]
     del opt
     gc.collect()
@@ -3774,6 +3772,30 @@ def test_o2_optimizer_gone_master_written_while_another_threads_forward_pushes_k
         torch.testing.assert_close(model.state_dict()[k], v, rtol=0, atol=0, msg=k)
 
 
+class _SlicedQKV(nn.Module):
+    """q, k and v as slices of one tensor initialized at once (a fused projection's): three
+    parameters sharing one version counter."""
+
+    def __init__(self, d=4):
+        super().__init__()
+        w = torch.empty(3 * d, d)
+        nn.init.normal_(w, std=0.3)
+        self.q = nn.Parameter(w[:d])
+        self.k = nn.Parameter(w[d:2 * d])
+        self.v = nn.Parameter(w[2 * d:])
+
+    def forward(self, x):
+        return (x @ self.q.t()) * (x @ self.k.t()) + x @ self.v.t()
+
+
+def _o2_sliced_qkv():
+    """A :class:`_SlicedQKV` and its SGD through initialize at O2 fp16."""
+    torch.manual_seed(0)
+    model = _SlicedQKV()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+
+
 def test_o2_parameters_sliced_from_one_tensor_keep_the_unwritten_masters_exact():
     """B1 (r84A). Parameters built from slices of one tensor (q, k and v of a fused projection
     initialized at once: nn.Parameter(w[:d]), ...) share one version counter, which amp's O2
@@ -3783,22 +3805,7 @@ def test_o2_parameters_sliced_from_one_tensor_keep_the_unwritten_masters_exact()
     step) takes them for writes into the half model and copies them over their fp32 masters:
     k's and v's masters, which nobody wrote, are rounded to half (2.4e-4 off). a8706bd~1 kept
     them. Reference: the masters before the write, bit for bit."""
-    class QKV(nn.Module):
-        def __init__(self, d=4):
-            super().__init__()
-            w = torch.empty(3 * d, d)
-            nn.init.normal_(w, std=0.3)
-            self.q = nn.Parameter(w[:d])
-            self.k = nn.Parameter(w[d:2 * d])
-            self.v = nn.Parameter(w[2 * d:])
-
-        def forward(self, x):
-            return (x @ self.q.t()) * (x @ self.k.t()) + x @ self.v.t()
-
-    torch.manual_seed(0)
-    model = QKV()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    model, opt = _o2_sliced_qkv()
     x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
@@ -3819,22 +3826,7 @@ def test_o2_a_write_into_one_sliced_parameters_half_leaves_its_siblings_masters_
     next state_dict() (or step) takes all three half parameters whole into their masters:
     k's and v's fp32 masters are rounded to half though nothing wrote them. Reference: plain
     PyTorch, where zeroing q leaves k and v as they were (bit for bit)."""
-    class QKV(nn.Module):
-        def __init__(self, d=4):
-            super().__init__()
-            w = torch.empty(3 * d, d)
-            nn.init.normal_(w, std=0.3)
-            self.q = nn.Parameter(w[:d])
-            self.k = nn.Parameter(w[d:2 * d])
-            self.v = nn.Parameter(w[2 * d:])
-
-        def forward(self, x):
-            return (x @ self.q.t()) * (x @ self.k.t()) + x @ self.v.t()
-
-    torch.manual_seed(0)
-    model = QKV()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    model, opt = _o2_sliced_qkv()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         nn.init.zeros_(model.q)

@@ -32,6 +32,16 @@ def _sgd_at_static_512(model, opt_level):
     return opt
 
 
+def _two_micro_batches(opt_level):
+    """A CNN, a batch of 16 to be taken as two micro-batches of 8, the fp32 reference of
+    their summed gradients (:func:`_micro_batch_reference`) and the model's SGD at a static
+    scale 512 (:func:`_sgd_at_static_512`)."""
+    model = make_cnn()
+    x, y = batch(n=16)
+    ref = _micro_batch_reference(model, x, y)
+    return model, x, y, ref, _sgd_at_static_512(model, opt_level)
+
+
 def _master_grads_error(opt, ref):
     """Relative error of ``opt``'s master gradients, all together, against ``ref``'s."""
     got = torch.cat([m.grad.float().flatten() for m in amp.master_params(opt)])
@@ -695,10 +705,7 @@ def test_an_overflow_line_names_its_loss(caplog):
 def test_accumulation_equals_sum_of_micro_batches(opt_level, delay):
     # static scale 512 in fp32 (or half at O2/O3): accumulating two micro-batches must give
     # the sum of their unscaled gradients, with or without delay_unscale.
-    model = make_cnn()
-    x, y = batch(n=16)
-    ref = _micro_batch_reference(model, x, y)
-    opt = _sgd_at_static_512(model, opt_level)
+    model, x, y, ref, opt = _two_micro_batches(opt_level)
     with amp.scale_loss(nn.functional.cross_entropy(model(x[:8]), y[:8]), opt,
                         delay_unscale=delay) as s:
         s.backward()
@@ -1426,10 +1433,7 @@ def test_an_optimizer_listed_twice_keeps_the_earlier_micro_batches_gradients(opt
     # the second finding none and replacing the first's, so the first micro-batch's gradients
     # were lost unless the duplicate is dropped. (test_an_optimizer_listed_twice_is_unscaled_once
     # has no earlier gradients, and its double unscale is also stopped further down.)
-    model = make_cnn()
-    x, y = batch(n=16)
-    ref = _micro_batch_reference(model, x, y)
-    opt = _sgd_at_static_512(model, opt_level)
+    model, x, y, ref, opt = _two_micro_batches(opt_level)
     with amp.scale_loss(nn.functional.cross_entropy(model(x[:8]), y[:8]), opt) as s:
         s.backward()
     with amp.scale_loss(nn.functional.cross_entropy(model(x[8:]), y[8:]), [opt, opt]) as s:
@@ -1443,10 +1447,7 @@ def test_a_failed_backward_gives_back_the_earlier_gradients(opt_level):
     # recovery without zeroing): the unscaled gradients of the earlier micro-batches were set
     # aside for the failed backward and lost with it, and the half-done backward's scaled
     # gradients stayed behind.
-    model = make_cnn()
-    x, y = batch(n=16)
-    ref = _micro_batch_reference(model, x, y)
-    opt = _sgd_at_static_512(model, opt_level)
+    model, x, y, ref, opt = _two_micro_batches(opt_level)
     with amp.scale_loss(nn.functional.cross_entropy(model(x[:8]), y[:8]), opt) as s:
         s.backward()
     inputs = x[:8].to(model.head.weight.dtype)  # (the submodules, called as they are)
