@@ -1875,12 +1875,39 @@ def cast_module_tensors(module: nn.Module, dtype: torch.dtype) -> bool:
     for tensors in (module._parameters, module._buffers):
         for _name, t in tensors.items():
             if t is not None and t.is_floating_point() and t.dtype != dtype:
+                sliced = (tensors is module._parameters and not t.is_meta
+                          and t.layout == torch.strided and type(t.data) is torch.Tensor
+                          and t.untyped_storage().nbytes() > t.numel() * t.element_size())
                 with torch.no_grad():
                     t.data = t.data.to(dtype)
                 if t.grad is not None:
                     t.grad = None
+                if sliced:
+                    _own_version_counter(t)
                 changed = True
     return changed
+
+
+def _own_version_counter(param: torch.Tensor) -> None:
+    """Give ``param`` (just cast; the same object) a version counter of its own.
+
+    A parameter made from a slice of a larger tensor (``nn.Parameter(w[:d])``, the q, k and
+    v of one fused initialization) shares that tensor's version counter, and keeps it across
+    the cast (``.data`` assignment keeps the counter): a write into one half parameter then
+    moved its siblings' counters too, and amp took them whole into their masters as written,
+    rounding their fp32 weights to half. ``torch.utils.swap_tensors`` gives the same Python
+    object (the optimizer's) a new tensor with its own counter and the same attributes. Left
+    as it is where the swap cannot be made (a weak reference to the parameter, hooks on it,
+    an autograd graph holding it): the README names the limit."""
+    if (weakref.getweakrefcount(param) or getattr(param, "_backward_hooks", None)
+            or getattr(param, "_post_accumulate_grad_hooks", None)):
+        return
+    fresh = torch.Tensor._make_subclass(type(param), param.data, param.requires_grad)
+    fresh.__dict__.update(param.__dict__)
+    try:
+        torch.utils.swap_tensors(param, fresh)
+    except RuntimeError:
+        pass
 
 
 def _holds_half(module: nn.Module) -> bool:

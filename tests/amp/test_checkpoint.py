@@ -3883,22 +3883,41 @@ def test_o2_parameters_sliced_from_one_tensor_keep_the_unwritten_masters_exact()
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (README): half parameters sharing one "
-                   "version counter (slices of one tensor) are taken whole when one is written")
 def test_o2_a_write_into_one_sliced_parameters_half_leaves_its_siblings_masters_exact():
     """B2 (r84A; also on a8706bd~1). The QKV model of the test above: nn.init.zeros_ on q's
-    half parameter after initialize moves the version counter q shares with k and v, and the
-    next state_dict() (or step) takes all three half parameters whole into their masters:
-    k's and v's fp32 masters are rounded to half though nothing wrote them. Reference: plain
-    PyTorch, where zeroing q leaves k and v as they were (bit for bit)."""
-    model, opt = _o2_sliced_qkv()
+    half parameter after initialize moved the version counter q shared with k and v, and the
+    next state_dict() (or step) took all three half parameters whole into their masters:
+    k's and v's fp32 masters were rounded to half though nothing wrote them. The cast now
+    gives each sliced parameter a counter of its own (the same objects: the optimizer's, and
+    an attribute set on one is kept). Reference: plain PyTorch, where zeroing q leaves k and
+    v as they were (bit for bit); then a step goes on as from the fp32 values."""
+    torch.manual_seed(0)
+    model = _SlicedQKV()
+    model.k.no_weight_decay = True  # (an attribute a library set on the parameter)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                loss_scale=128.0, verbosity=0)
+    assert [p for p in model.parameters()] == params and model.k.no_weight_decay
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with torch.no_grad():
         nn.init.zeros_(model.q)
-    after = model.state_dict()
+    after = {k: v.clone() for k, v in model.state_dict().items()}
     torch.testing.assert_close(after["q"], torch.zeros_like(before["q"]), rtol=0, atol=0)
     for name in ("k", "v"):
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+    ref = _SlicedQKV()
+    ref.load_state_dict(after)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    opt.zero_grad()
+    backward_and_step(model(x).float().sum(), opt, amp)
+    ref(x).sum().backward()
+    ref_opt.step()
+    stepped = model.state_dict()
+    for name, p in ref.named_parameters():  # (fp16 forward: to 1e-2; k's gradient is 0)
+        assert torch.equal(p, after[name]) == (name == "k"), name
+        torch.testing.assert_close(stepped[name], p, rtol=0, atol=1e-2, msg=name)
 
 
 def test_o2_masters_written_then_one_forward_later_forwards_and_state_dicts_copy_nothing(
