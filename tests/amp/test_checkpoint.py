@@ -3920,6 +3920,26 @@ def test_o2_a_write_into_one_sliced_parameters_half_leaves_its_siblings_masters_
         torch.testing.assert_close(stepped[name], p, rtol=0, atol=1e-2, msg=name)
 
 
+@pytest.mark.parametrize("hook", ["grad_hook", "post_accumulate_hook"])
+def test_o2_sliced_parameters_with_hooks_keep_them(hook):
+    """A hook registered on a sliced parameter before initialize (gradient clipping per
+    tensor, an optimizer-in-backward) still fires after it: the cast gives a sliced
+    parameter a counter of its own only where the swap keeps everything (not here).
+    Reference: the hook's calls, one per backward, with the half gradient."""
+    torch.manual_seed(0)
+    model = _SlicedQKV()
+    seen = []
+    if hook == "grad_hook":
+        model.q.register_hook(lambda g: seen.append(g.dtype))
+    else:
+        model.q.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.dtype))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    backward_and_step(model(x).float().sum(), opt, amp)
+    assert seen == [torch.bfloat16]
+
+
 def test_o2_masters_written_then_one_forward_later_forwards_and_state_dicts_copy_nothing(
         monkeypatch):
     """G3 (r84A). _bring_in_step records each master from its version read before the copies
