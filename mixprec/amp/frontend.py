@@ -605,10 +605,8 @@ def scale_loss(
                 f"amp.scale_loss(loss, optimizers=...): got {type(opt).__name__}; expected "
                 "the torch.optim.Optimizer (or a list of them) that amp.initialize returned, "
                 "as the second argument: amp.scale_loss(loss, optimizer).")
-    states = [optimizer_state(opt) for opt in opt_list]
     # (A wrapper made after initialize, LARC(optimizer): its inner optimizer's state.)
-    states = [optimizer_state(getattr(opt, "optim", None)) if s is None else s
-              for opt, s in zip(opt_list, states)]
+    states = [_state_through_wrapper(opt) for opt in opt_list]
     if any(s is None for s in states):
         raise RuntimeError(
             "amp.scale_loss was given an optimizer that did not go through amp.initialize. "
@@ -819,13 +817,25 @@ def _warn_if_several_calls(what: str, state: AmpState) -> None:
         "(Warned once.)", UserWarning, stacklevel=4)
 
 
+def _state_through_wrapper(optimizer):
+    """The amp state of ``optimizer``, or of the optimizer it wraps (``.optim``: a
+    ``LARC(optimizer)`` made after ``initialize``, as ``scale_loss`` takes it); None if
+    neither went through ``initialize``."""
+    state = optimizer_state(optimizer)
+    inner = getattr(optimizer, "optim", None)
+    if state is None and inner is not None and inner is not optimizer:
+        state = optimizer_state(inner)
+    return state
+
+
 def _current(what: str, optimizer=None) -> AmpState:
     if optimizer is not None:
-        state = optimizer_state(optimizer)
+        state = _state_through_wrapper(optimizer)
         if state is None:
             raise ValueError(
                 f"amp.{what}(optimizer={type(optimizer).__name__}): this optimizer did not go "
-                "through amp.initialize. Pass one that initialize returned."
+                "through amp.initialize. Pass one that initialize returned (or a wrapper of "
+                "it, such as LARC)."
             )
         return state.amp_state
     state = latest_state()
@@ -917,7 +927,7 @@ def master_params(optimizer) -> Iterator[torch.Tensor]:
         raise TypeError(
             f"amp.master_params(optimizer={type(optimizer).__name__}): expected an optimizer "
             "(a torch.optim.Optimizer, as amp.initialize returned it).")
-    state = optimizer_state(optimizer)
+    state = _state_through_wrapper(optimizer)
     if state is not None and state.amp_state.enabled:
         # (A group added since initialize gets its masters now, not at the next scale_loss:
         # a list taken here for clipping would hold its half parameters.)
@@ -942,9 +952,10 @@ def step_was_skipped(optimizer) -> bool:
         >>> if not amp.step_was_skipped(optimizer):
         ...     scheduler.step()
     """
-    state = optimizer_state(optimizer)
+    state = _state_through_wrapper(optimizer)
     if state is None:
         raise RuntimeError(
-            "amp.step_was_skipped: this optimizer did not go through amp.initialize."
-        )
+            f"amp.step_was_skipped(optimizer={type(optimizer).__name__}): this optimizer did "
+            "not go through amp.initialize. Pass one that initialize returned (or a wrapper "
+            "of it, such as LARC).")
     return state.step_was_skipped()

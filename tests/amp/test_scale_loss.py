@@ -71,8 +71,9 @@ def test_step_was_skipped_of_a_plain_optimizer_says_it_did_not_go_through_initia
     failing inside amp. (F94)"""
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(RuntimeError, match=r"^amp\.step_was_skipped: this optimizer did not go "
-                                           r"through amp\.initialize\.$"):
+    with pytest.raises(RuntimeError, match=r"^amp\.step_was_skipped\(optimizer=SGD\): this "
+                                           r"optimizer did not go through amp\.initialize\. "
+                                           r"Pass one that initialize returned"):
         amp.step_was_skipped(opt)
 
 

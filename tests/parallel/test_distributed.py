@@ -2723,6 +2723,181 @@ def check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit(ctx):
     assert amp.state_dict(optimizer=opt)["loss_scaler0"]["unskipped"] == 4
 
 
+class _ImageNetLikeNet(nn.Module):
+    """Apex's ImageNet example in miniature: two conv + BatchNorm blocks, pooled, a classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+def _imagenet_like_batch(ctx, step):
+    g = torch.Generator().manual_seed(880 + step)
+    y = torch.randint(0, 5, (ctx.world_size * PER_RANK,), generator=g)
+    x = torch.randn(ctx.world_size * PER_RANK, 3, 8, 8, generator=g) + y.view(-1, 1, 1, 1) * 0.3
+    return (x.to(ctx.device).contiguous(memory_format=torch.channels_last), y.to(ctx.device))
+
+
+def check_apex_imagenet_recipe_resumes_bit_for_bit_from_rank0s_file(ctx):
+    """G1 (r85C). Apex's examples/imagenet/main_amp.py as ported scripts keep it: each rank
+    seeded with its rank (torch.manual_seed(local_rank)), convert_syncbn_model, channels_last,
+    SGD (momentum, weight decay) in LARC, amp O2 fp16 from argparse strings
+    (keep_batchnorm_fp32="True", loss_scale="dynamic") with a raised start scale so that the
+    first steps overflow and are skipped, DDP(delay_allreduce=True), the LR written into
+    param_group['lr'] every iteration. Rank 0 alone torch.saves {'state_dict', 'optimizer',
+    'amp'} right after a skipped step; every rank torch.loads the file (weights_only, the
+    default) into a freshly built wrapper of other initial weights, in Apex's order (after
+    initialize and DDP), and continues. Reference: the uninterrupted run, bit for bit on every
+    rank (parameters, SyncBatchNorm running statistics, fp32 masters, momentum, loss scale);
+    the file's state_dict loads strict=True into the plain fp32 model (nn.BatchNorm2d) and
+    holds the masters exactly."""
+    import os
+    import tempfile
+
+    from mixprec import amp
+
+    steps, stop = 6, 2
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = convert_syncbn_model(_ImageNetLikeNet()).to(ctx.device)
+        model = model.to(memory_format=torch.channels_last)
+        opt = LARC(torch.optim.SGD(model.parameters(), 0.1, momentum=0.9, weight_decay=1e-4))
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                    keep_batchnorm_fp32="True", loss_scale="dynamic",
+                                    verbosity=0)
+        amp._amp_state.loss_scalers[0]._loss_scale = 2.0 ** 19
+        return DistributedDataParallel(model, delay_allreduce=True), opt
+
+    def train(ddp, opt, first, last):
+        skipped = []
+        ddp.train()
+        for step in range(first, last):
+            for group in opt.param_groups:  # Apex's per-iteration warm-up
+                group["lr"] = 0.4 * (1 + step) / steps
+            x, y = _imagenet_like_batch(ctx, step)
+            loss = F.cross_entropy(ddp(_mine(ctx, x)), _mine(ctx, y))
+            opt.zero_grad()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            if amp.step_was_skipped(opt):
+                skipped.append(step)
+        return skipped
+
+    path = [None]
+    if ctx.rank == 0:
+        path[0] = os.path.join(tempfile.mkdtemp(prefix="mixprec_imagenet_"), "checkpoint.pth.tar")
+    dist.broadcast_object_list(path, src=0)
+    path = path[0]
+
+    ddp, opt = build(ctx.rank)
+    skipped = train(ddp, opt, 0, stop)
+    assert stop - 1 in skipped, f"the step before the save was not skipped: {skipped}"
+    masters_at_save = [m.detach().clone() for m in amp.master_params(opt)]
+    if ctx.rank == 0:
+        torch.save({"state_dict": ddp.state_dict(), "optimizer": opt.state_dict(),
+                    "amp": amp.state_dict()}, path)
+    dist.barrier()
+    skipped += train(ddp, opt, stop, steps)
+    assert len(skipped) < steps - 1, f"nearly every step skipped: {skipped}"
+
+    resumed, resumed_opt = build(100 + ctx.rank)
+    checkpoint = torch.load(path, map_location="cpu")
+    resumed.load_state_dict(checkpoint["state_dict"])
+    resumed_opt.load_state_dict(checkpoint["optimizer"])
+    amp.load_state_dict(checkpoint["amp"])
+    train(resumed, resumed_opt, stop, steps)
+
+    label = f"rank {ctx.rank}"
+    got = dict(resumed.module.named_parameters()) | dict(resumed.module.named_buffers())
+    for name, want in [*ddp.module.named_parameters(), *ddp.module.named_buffers()]:
+        assert torch.equal(got[name], want), labelled(label)(f"{name} differs after the resume")
+    for i, (m, r) in enumerate(zip(amp.master_params(opt), amp.master_params(resumed_opt))):
+        assert torch.equal(m, r), labelled(label)(f"master {i} differs after the resume")
+    for key, state in opt.state_dict()["state"].items():
+        assert torch.equal(state["momentum_buffer"],
+                           resumed_opt.state_dict()["state"][key]["momentum_buffer"]), key
+    assert amp.state_dict(optimizer=resumed_opt) == amp.state_dict(optimizer=opt)
+    _assert_same_on_all_ranks(ctx, [*ddp.module.parameters(), *ddp.module.buffers()],
+                              "parameter/buffer (SyncBatchNorm statistics included)")
+
+    saved = {k[len("module."):]: v for k, v in checkpoint["state_dict"].items()}
+    plain = _ImageNetLikeNet()
+    plain.load_state_dict(saved, strict=True)
+    assert all(t.dtype in (torch.float32, torch.int64) for t in saved.values())
+    for (name, _), m in zip(plain.named_parameters(), masters_at_save):
+        assert torch.equal(saved[name], m), f"saved {name} is not the fp32 master"
+    dist.barrier()
+    if ctx.rank == 0:
+        os.remove(path)
+        os.rmdir(os.path.dirname(path))
+
+
+def check_frozen_bn_statistics_fine_tuning_under_amp_o2_delay_allreduce(ctx):
+    """G2 (r85C). The seed's fine-tuning as main_amp.py-style scripts write it under DDP:
+    model.train(), then every BatchNorm put back in eval mode (statistics frozen) while its
+    weight and bias still train, with convert_syncbn_model, channels_last, amp O2 bf16 and
+    DDP(delay_allreduce=True). SyncBatchNorm then normalizes with its running statistics and
+    its affine gradients are all-reduced like any other. Reference: one process fine-tuning
+    nn.BatchNorm2d the same way (O2 bf16) on the concatenated batch: the masters within bf16
+    rounding (atol 2e-3), the running statistics and batch counts bitwise unchanged, the ranks
+    bitwise equal, and the BatchNorm weights did train."""
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    pretrained = _ImageNetLikeNet().to(ctx.device)
+    with torch.no_grad():
+        for bn in (pretrained.bn1, pretrained.bn2):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.num_batches_tracked.fill_(100)
+    nets = []
+    for net in (convert_syncbn_model(copy.deepcopy(pretrained)), copy.deepcopy(pretrained)):
+        net = net.to(memory_format=torch.channels_last)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+        nets.append(amp.initialize(net, opt, opt_level="O2", dtype=torch.bfloat16,
+                                   verbosity=0))
+    (model, opt), (ref, ref_opt) = nets
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+
+    def freeze_statistics(net):
+        net.train()
+        for m in net.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+
+    for step in range(3):
+        x, y = _imagenet_like_batch(ctx, 20 + step)
+        for net, o, xs, ys in ((ddp, opt, _mine(ctx, x), _mine(ctx, y)), (ref, ref_opt, x, y)):
+            freeze_statistics(net)
+            o.zero_grad()
+            with amp.scale_loss(F.cross_entropy(net(xs), ys), o) as scaled:
+                scaled.backward()
+            o.step()
+    label = f"rank {ctx.rank}"
+    for name in ("bn1", "bn2"):
+        for buf in ("running_mean", "running_var", "num_batches_tracked"):
+            got = getattr(getattr(model, name), buf)
+            want = getattr(getattr(pretrained, name), buf)
+            assert torch.equal(got, want), labelled(label)(f"frozen {name}.{buf} changed")
+    assert not torch.equal(model.bn1.weight, pretrained.bn1.weight), "BatchNorm weight not trained"
+    assert model.bn1.weight.dtype == torch.float32 and model.conv1.weight.dtype == torch.bfloat16
+    _assert_same_on_all_ranks(ctx, [*model.parameters(), *amp.master_params(opt)],
+                              "parameter/master")
+    for m, r in zip(amp.master_params(opt), amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=2e-3, msg=labelled(label))
+
+
 def check_gan_three_losses_overflow_in_one_loss_on_one_rank_and_resume(ctx):
     """G1 (r82C). Apex's DCGAN example under DistributedDataParallel: G and D, two
     optimizers, ``num_losses=3`` (errD_real, errD_fake, errG, each its own forward and
@@ -4989,6 +5164,7 @@ CHECKS = [
     "check_reducer_inside_an_accumulating_scale_loss_block",
     "check_amp_o2_ddp_masters_bitwise_identical",
     "check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit",
+    "check_apex_imagenet_recipe_resumes_bit_for_bit_from_rank0s_file",
     "check_gan_three_losses_overflow_in_one_loss_on_one_rank_and_resume",
     "check_amp_o2_ddp_dcp_checkpoint_resume_continues_bit_for_bit",
     "check_ddp_of_a_compiled_amp_model_trains_as_eager",
@@ -4996,6 +5172,7 @@ CHECKS = [
     "check_larc_under_amp_o2_and_ddp_matches_float64_larc",
     "check_syncbn_pool_branch_with_one_image_per_rank_matches_batchnorm",
     "check_frozen_syncbn_fine_tuning_under_amp_o2_ddp",
+    "check_frozen_bn_statistics_fine_tuning_under_amp_o2_delay_allreduce",
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
     "check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters",

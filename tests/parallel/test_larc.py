@@ -256,6 +256,36 @@ def test_larc_made_after_initialize_trains_as_one_made_before():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_larc_made_after_initialize_is_taken_by_amps_other_optimizer_calls():
+    """B1 (r85C). A LARC made after initialize stands for its inner optimizer in
+    scale_loss (see the test above), but amp.step_was_skipped(larc),
+    amp.state_dict(optimizer=larc) and amp.load_state_dict(..., optimizer=larc) raise "this
+    optimizer did not go through amp.initialize" (now they look through .optim). Reference: the same calls on larc.optim,
+    and a LARC passed to initialize (both answer)."""
+    from mixprec import amp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, sgd = amp.initialize(model, sgd, opt_level="O2", dtype=torch.float16,
+                                loss_scale="dynamic", verbosity=0)
+    larc = LARC(sgd)
+    for step in range(2):
+        loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        if step == 1:
+            loss = loss * float("inf")
+        with amp.scale_loss(loss, larc) as scaled:
+            scaled.backward()
+        larc.step()
+        assert amp.step_was_skipped(larc) == amp.step_was_skipped(sgd) == (step == 1)
+    assert amp.state_dict(optimizer=larc) == amp.state_dict(optimizer=sgd)
+    other = {"loss_scaler0": {"loss_scale": 8.0, "unskipped": 3}}
+    assert amp.state_dict(optimizer=sgd) != other
+    amp.load_state_dict(other, optimizer=larc)
+    assert amp.state_dict(optimizer=sgd) == other
+    assert list(amp.master_params(larc)) == list(amp.master_params(sgd))
+
+
 def _cpu_half_matmul() -> bool:
     try:
         torch.ones(2, 2, dtype=torch.float16) @ torch.ones(2, 2, dtype=torch.float16)
