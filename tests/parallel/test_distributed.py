@@ -4984,6 +4984,59 @@ def check_reducer_averages_non_contiguous_gradients(ctx):
                                rtol=0, atol=0, msg=labelled(f"rank {ctx.rank}: a transposed view"))
 
 
+def check_reducer_makes_one_flat_all_reduce_per_dtype(ctx):
+    # Documented (Reducer's docstring, all_reduce_average_coalesced and broadcast_coalesced):
+    # Reducer(model) broadcasts rank 0's parameters in one flat broadcast per (device, dtype),
+    # and each reduce() makes one flat all-reduce per (device, dtype), whatever the number of
+    # tensors, not one per tensor (Apex's flat_dist_call). The averages stay exact. A reference
+    # for the averages: the values each rank set, averaged by hand.
+    broadcasts, real_broadcast = [], dist.broadcast
+
+    def counting_broadcast(tensor, *args, **kwargs):
+        broadcasts.append(tensor.numel())
+        return real_broadcast(tensor, *args, **kwargs)
+
+    model = _mlp(ctx.device, seed=300 + ctx.rank)  # 4 fp32 parameters, different per rank
+    numel = sum(p.numel() for p in model.parameters())
+    dist.broadcast = counting_broadcast
+    try:
+        reducer = Reducer(model)
+    finally:
+        dist.broadcast = real_broadcast
+    assert broadcasts == [numel], f"Reducer(model) broadcasts of sizes {broadcasts}, not [{numel}]"
+    _assert_same_on_all_ranks(ctx, list(model.parameters()), "parameter after Reducer()")
+    ref = copy.deepcopy(model)
+    x, y = _global_batch(ctx, seed=41)
+    F.mse_loss(model(_mine(ctx, x)), _mine(ctx, y)).backward()
+    with _counting_all_reduces() as calls:
+        reducer.reduce()
+    assert calls == [numel], f"reduce() made all-reduces of sizes {calls}, not one of {numel}"
+    F.mse_loss(ref(x), y).backward()
+    _assert_same_grads(ctx, model, ref)
+    # find_unused_parameters=True adds one all-reduce of the flags (documented: one flag per
+    # parameter, and one per parameter for gradients a scale_loss block holds aside), then
+    # the same single flat all-reduce of the gradients.
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+    reducer = Reducer(model, find_unused_parameters=True)
+    F.mse_loss(model(_mine(ctx, x)), _mine(ctx, y)).backward()
+    with _counting_all_reduces() as calls:
+        reducer.reduce()
+    assert calls == [2 * 4, numel], f"find_unused reduce() made all-reduces of sizes {calls}"
+    F.mse_loss(ref(x), y).backward()
+    _assert_same_grads(ctx, model, ref)
+    # A list of three tensors of two dtypes: one all-reduce per dtype (3 + 4 fp32, 2 fp64).
+    tensors = [torch.full((3,), ctx.rank + 1.0, device=ctx.device),
+               torch.full((2,), ctx.rank + 1.0, dtype=torch.float64, device=ctx.device),
+               torch.full((4,), 10.0 * (ctx.rank + 1), device=ctx.device)]
+    with _counting_all_reduces() as calls:
+        Reducer(tensors).reduce()
+    assert sorted(calls) == [2, 7], f"all-reduces of sizes {calls}, not one of 7 and one of 2"
+    mean = (ctx.world_size + 1) / 2
+    for t, value in zip(tensors, (mean, mean, 10 * mean)):
+        torch.testing.assert_close(t, torch.full_like(t, value), rtol=0, atol=0)
+
+
 class _SparseAndDense(nn.Module):
     def __init__(self):
         super().__init__()
@@ -5244,6 +5297,7 @@ CHECKS = [
     "check_reducer_module_without_parameters_and_find_unused",
     "check_reducer_errors_while_averaging_reach_the_caller",
     "check_reducer_averages_non_contiguous_gradients",
+    "check_reducer_makes_one_flat_all_reduce_per_dtype",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
