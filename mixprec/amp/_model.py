@@ -1228,11 +1228,9 @@ class _Fp32StateDict:
     EMA written into them in place (``ema.state_dict()[k].copy_(...)``) accumulates in fp32.
     With no optimizer to keep them in step, such a copy's masters are ``standalone`` and
     :meth:`sync` does it: a master written since is cast into its half parameter (before the
-    copy's forward and state dict), and a half parameter written in place since (an EMA over
+    copy's forward and state dict), and a half parameter changed since (an EMA over
     ``parameters()``, a plain optimizer stepping the copy) is upcast into its master before the
-    state dict is read; one changed through ``.data`` is saved as the forward runs it, the
-    master left alone (the live model's rule). Once the optimizers are gone the live model's
-    masters are kept so too.
+    state dict is read.
     """
 
     def __init__(self):
@@ -1242,10 +1240,6 @@ class _Fp32StateDict:
         self.take_writes: Dict[str, weakref.WeakMethod] = {}
         self.standalone = False
         self._versions: Dict[str, int] = {}  # each standalone master's version when synced
-        # Each standalone master's half parameter, (id, version), where the two were last
-        # known in step (see sync): a half changed since with no version moved was written
-        # through .data.
-        self._half_versions: Dict[str, Tuple[int, int]] = {}
         # The module whose hooks these are (weak; a load pre-hook is not given it), and every
         # optimizer amp state that kept a master here (weak). Not copied: a copy's masters
         # have no optimizer to find renames through.
@@ -1357,7 +1351,6 @@ class _Fp32StateDict:
         self._halves.clear()
         self._keeper_refs = []
         self._versions = {}
-        self._half_versions = {}
 
     def keepers(self) -> list:
         """The optimizers' amp states that keep these masters, each once, and those whose
@@ -1376,7 +1369,6 @@ class _Fp32StateDict:
         self._halves = {}
         self.standalone = bool(self.masters)
         self._versions = {}
-        self._half_versions = {}
 
     def __deepcopy__(self, memo):
         masters = {}
@@ -1392,22 +1384,14 @@ class _Fp32StateDict:
         memo[id(self)] = new
         return new
 
-    def sync(self, module: nn.Module, check_params: bool,
-             data_writes: Optional[Dict[int, torch.Tensor]] = None) -> bool:
+    def sync(self, module: nn.Module, check_params: bool) -> bool:
         """Bring a standalone master and its half parameter in step (see the class doc).
 
         A master written since the last sync wins (a load writes both); else, with
         ``check_params``, a half parameter that no longer equals its master cast to half was
-        changed. Written in place since they were last in step (its version counter moved: an
-        EMA over ``parameters()``, a plain optimizer), it is upcast into the master. Changed
-        with no version moved, through ``.data`` (torch_ema's ``copy_to()`` swapping an EMA
-        in to evaluate and save it, then ``restore()``), and ``data_writes`` given (a
-        ``state_dict()``), the master is left alone and ``data_writes[id(param)]`` gets what
-        to save: the half values upcast where they differ, the master's elsewhere (the live
-        model's rule: swapping back leaves the masters exact). With no record of an in-step
-        point (a copy whose half parameters differed from their masters when it was made),
-        the half parameter is taken. Whether every master was looked at (False: one waits,
-        another tensor in its parameter's place).
+        changed (in place, by ``.data`` too, which no version counter sees) and is upcast into
+        the master. Whether every master was looked at (False: one waits, another tensor in
+        its parameter's place).
         """
         looked = True
         with torch.no_grad():
@@ -1434,23 +1418,14 @@ class _Fp32StateDict:
                 # one takes its state_dict() had the stale half parameter copied over it.)
                 version = master._version
                 synced = self._versions.get(name)
-                record_half = check_params  # (the half parameter looked at, or set, here)
                 if synced is not None and version != synced:
                     param.copy_(master)
-                    record_half = True
                 elif check_params and _DATA_WRITES.differs(param, master):
                     if master._version != version:
                         continue  # (written meanwhile: the next sync copies it over)
-                    if (data_writes is not None
-                            and self._half_versions.get(name) == (id(param), param._version)):
-                        data_writes[id(param)] = torch.where(
-                            param != master.to(param.dtype), param.to(master.dtype), master)
-                    else:
-                        master.copy_(param)
-                        version = master._version
+                    master.copy_(param)
+                    version = master._version
                 self._versions[name] = version
-                if record_half:
-                    self._half_versions[name] = (id(param), param._version)
         return looked
 
     def carry_to(self, other: _Fp32StateDict, params: Dict[str, torch.Tensor]) -> None:
@@ -1475,16 +1450,16 @@ class _Fp32StateDict:
             # follow the half parameters written since, e.g. a head re-initialized.)
             self.standalone = True
         self.follow_renames(module, state_dict, prefix)
-        data_writes: Dict[int, torch.Tensor] = {}
         if self.standalone:
-            self.sync(module, check_params=True, data_writes=data_writes)
+            self.sync(module, check_params=True)
         # A write into the half model since the last step (nn.init, a clamp, under no_grad) is
         # taken into its master now, as the next step would: else the checkpoint held the
         # masters from before it.
         # Writes through .data (seen in the values) are looked for first, against the versions
         # recorded when amp last set the half parameters: a master written alone since then
         # (amp.master_params) is newer than its stale half parameter, and take_model_writes
-        # records it as in step. (A copy's sync above found its own.)
+        # records it as in step. (A copy's sync above took such writes into its masters.)
+        data_writes: Dict[int, torch.Tensor] = {}
         for keeper in self.keepers():
             own = self.own_params(module)
             if not self.standalone:
@@ -1611,10 +1586,6 @@ class _Fp32StateDict:
             keeper.take_model_writes(only=self.own_params(module))
         if self.standalone:  # (a copy's masters, kept by sync(): the load wrote both sides)
             self._versions = {name: master._version for name, master in self.masters.items()}
-            self._half_versions = {
-                name: (id(param), param._version) for name, param in
-                ((name, module._parameters.get(name)) for name in self.masters)
-                if param is not None}
 
 
 def holds_no_values(t: torch.Tensor) -> bool:

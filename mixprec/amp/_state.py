@@ -96,7 +96,6 @@ def register_copied_masters(model: torch.nn.Module) -> None:
     """Note the standalone masters of ``model`` (a deep copy or an unpickled amp model) for
     :func:`_refuse_copied_step`."""
     global _copies_registered, _copy_hook_installed
-    unrecorded: Dict[torch.device, list] = {}
     for module in model.modules():
         hooks = module.__dict__.get("_mixprec_state_dict")
         if hooks is None or not hooks.standalone:
@@ -105,25 +104,8 @@ def register_copied_masters(model: torch.nn.Module) -> None:
         for name, master in hooks.masters.items():
             _COPY_MASTERS[master] = (ref, name)
             param = module._parameters.get(name)
-            if param is None:
-                continue
-            hooks._halves.setdefault(name, id(param))  # (whose master: see its sync)
-            if (hooks._half_versions.get(name, (None,))[0] != id(param)
-                    and param.dtype in (torch.float16, torch.bfloat16)
-                    and param.shape == master.shape and param.device == master.device
-                    and param.numel() and not param.is_meta and not holds_no_values(param)):
-                unrecorded.setdefault(param.device, []).append((hooks, name, param, master))
-    # The copy's half parameters equal to their masters rounded are in step with them: a
-    # change with no version moved since is a write through .data (see _Fp32StateDict.sync).
-    # (Those that differ, written in the original and not yet taken, are taken at the
-    # copy's first state_dict().)
-    with torch.no_grad():
-        for entries in unrecorded.values():
-            pairs = [(param, master) for _, _, param, master in entries]
-            for (hooks, name, param, _), differs in zip(
-                    entries, halves_differ_from_masters(pairs)):
-                if not differs:
-                    hooks._half_versions[name] = (id(param), param._version)
+            if param is not None:  # (whose master it is: see _Fp32StateDict.sync)
+                hooks._halves.setdefault(name, id(param))
     _copies_registered += 1
     if not _copy_hook_installed:
         register_optimizer_step_pre_hook(_refuse_copied_step)
@@ -1614,15 +1596,12 @@ class _OptimizerState:
         cast into its half parameter at the next forward or ``state_dict()``. Without the
         record the hooks took the first look as the in-step point: the next forward ran the
         old half weights, and ``state_dict()`` took them back into the masters over the
-        write. The half parameter's version at that point too, so that one changed since
-        with no version moved, through ``.data`` (torch_ema's ``copy_to()`` to save an EMA,
-        then ``restore()``), is told from an in-place write as the live model tells it, and
-        the masters stay exact (see ``_Fp32StateDict.sync``). Records only: no tensor is
-        touched here (a collection may run anywhere, a CUDA-graph capture included)."""
+        write. Records only: no tensor is touched here (a collection may run anywhere, a
+        CUDA-graph capture included)."""
         synced = self._synced_versions
         if synced is None or len(synced) != len(self.pairs):
             return
-        at_sync = {id(m): (sm, id(p), sp) for (p, m), (sp, sm, sc) in zip(self.pairs, synced)
+        at_sync = {id(m): sm for (p, m), (_, sm, sc) in zip(self.pairs, synced)
                    if p._cdata == sc}
         if not at_sync:
             return
@@ -1632,10 +1611,9 @@ class _OptimizerState:
                 if hooks is None or hooks.standalone:
                     continue
                 for name, master in hooks.masters.items():
-                    record = at_sync.get(id(master))
-                    if record is not None:
-                        hooks._versions[name] = record[0]
-                        hooks._half_versions[name] = record[1:]
+                    version = at_sync.get(id(master))
+                    if version is not None:
+                        hooks._versions[name] = version
 
     def _take_model_writes(self, only) -> None:
         synced = self._synced_versions
