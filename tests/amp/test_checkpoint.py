@@ -1602,6 +1602,80 @@ def test_an_ema_swapped_in_saved_and_back_after_the_optimizer_is_gone_keeps_the_
         torch.testing.assert_close(after[k], v, rtol=0, atol=0, msg=k)
 
 
+def _trained_o2_mlp(dtype):
+    """An MLP trained 3 AdamW steps at O2 (masters no longer representable in half), its
+    optimizer, and the input."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        opt.zero_grad()
+        backward_and_step(model(x).float().pow(2).mean(), opt, amp)
+    return model, opt, x
+
+
+@pytest.mark.parametrize("source", ["deepcopy", "optimizer_deleted", pytest.param(
+    "optimizer_alive", marks=pytest.mark.xfail(strict=True, reason="known limit (README): after a "
+    ".data write, until the next step, those state_dict() entries are new tensors"))])
+def test_a_write_into_the_state_dict_after_a_data_write_reaches_the_model(source):
+    """B1 (r86A, on a4fc670, reverted). A model whose masters are its own (a deep copy: a
+    mean-teacher EMA updated with `e.data.mul_(d).add_(p.data, ...)`; or the live model
+    after `del optimizer` and torch_ema's copy_to()) has half parameters changed through
+    .data. Then weights are loaded in place into its state dict (`own = m.state_dict();
+    own[k].copy_(v)`, timm's ModelEma `set()`, `dcp.load(m.state_dict())`, which the README
+    says write the masters). With a4fc670 the entries of the .data-written parameters were
+    temporaries (merged values), so the load was silently dropped. With the optimizer alive
+    (B5) the entries are such temporaries until the next step: a known limit (README).
+    Reference: the loaded values, bit for bit in the state dict; the half parameters hold
+    them rounded."""
+    model, opt, x = _trained_o2_mlp(torch.float16)
+    if source == "deepcopy":
+        model = copy.deepcopy(model)
+    elif source == "optimizer_deleted":
+        del opt
+        gc.collect()
+    for p in model.parameters():
+        p.data.mul_(0.5)  # (an EMA step, or copy_to(), through .data)
+    gen = torch.Generator().manual_seed(3)
+    new = {k: torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    own = model.state_dict()
+    with torch.no_grad():
+        for k, v in new.items():
+            own[k].copy_(v)
+    with torch.no_grad():
+        model(x.half())
+    after = model.state_dict()
+    for (name, p) in model.named_parameters():
+        torch.testing.assert_close(after[name], new[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p, new[name].to(p.dtype), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch_load"])
+def test_an_o2_model_copied_or_loaded_under_inference_mode_saves_its_masters(how):
+    """B4 (r86A; also on 5dfc3e3). A snapshot of the best model taken inside an evaluation
+    loop under torch.inference_mode() (copy.deepcopy), or a pickled model loaded there
+    (torch.load in serving code), has inference tensors for its parameters and masters,
+    which have no version counter: register_copied_masters (now; state_dict() on 5dfc3e3)
+    read ._version and raised "Inference tensors do not track version counter". Reference:
+    plain PyTorch, where both work; the copy's state dict is the model's, bit for bit."""
+    model, opt, x = _trained_o2_mlp(torch.bfloat16)
+    want = model.state_dict()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    with torch.inference_mode():
+        model(x.bfloat16())
+        copied = (copy.deepcopy(model) if how == "deepcopy"
+                  else torch.load(buf, weights_only=False))
+        out = copied(x.bfloat16())
+    torch.testing.assert_close(out, model(x.bfloat16()), rtol=0, atol=0)
+    state = copied.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_an_ema_swapped_into_masters_and_halves_through_data_is_saved_exactly_and_restored(dtype):
     # An fp32 EMA swapped into both sides, torch_ema's copy_to() into amp.master_params(opt)
@@ -3873,6 +3947,114 @@ def test_o2_sliced_parameters_with_hooks_keep_them(hook):
     x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
     backward_and_step(model(x).float().sum(), opt, amp)
     assert seen == [torch.bfloat16]
+
+
+def test_o2_sliced_parameters_of_a_subclass_with_slots_keep_their_slot_attributes():
+    """B2 (r86A; 91c8eb9). The cast gives a sliced parameter a version counter of its own by
+    torch.utils.swap_tensors with a fresh tensor carrying the parameter's __dict__, but not
+    its __slots__: swap_tensors moves a slot set on one side only to the other, so a
+    Parameter subclass with __slots__ (a tag a sharding or quantization library keeps there)
+    lost its slot values at initialize. Reference: 5dfc3e3 and an unsliced parameter of the
+    same class, which keep them; the class and the object are kept."""
+
+    class TaggedParameter(nn.Parameter):
+        __slots__ = ("tag",)
+
+    torch.manual_seed(0)
+    model = _SlicedQKV()
+    w = torch.randn(12, 4) * 0.3
+    for i, name in enumerate(("q", "k", "v")):
+        p = TaggedParameter(w[4 * i:4 * (i + 1)])
+        p.tag = name
+        setattr(model, name, p)
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    assert list(model.parameters()) == params
+    for name in ("q", "k", "v"):
+        p = getattr(model, name)
+        assert type(p) is TaggedParameter and p.dtype == torch.float16
+        assert getattr(p, "tag", None) == name, name
+
+
+def test_o2_parameters_sliced_from_one_tensor_of_a_model_already_half_keep_their_siblings_masters():
+    """B3 (r86A; r84A B2 not covered on this path). A model .half()-ed before initialize (the
+    Apex-era habit; initialize warns and takes the masters from the half values) is not cast,
+    so its sliced q, k and v keep sharing one version counter: after steps (fp32 masters no
+    longer representable in half), nn.init.zeros_ on q's half took k's and v's halves whole
+    into their masters, rounding them to half (7e-5 here), as the README says happens only
+    where a weak reference or hooks forbid the swap. Reference: the fp32 model through the
+    same initialize, where k's and v's masters are left exactly as they were."""
+    torch.manual_seed(0)
+    model = _SlicedQKV().half()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the already-half warning)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                    verbosity=0)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        opt.zero_grad()
+        backward_and_step(model(x.half()).float().pow(2).mean(), opt, amp)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not torch.equal(before["k"], model.k.float())  # (fp32 values the half cannot hold)
+    with torch.no_grad():
+        nn.init.zeros_(model.q)
+    after = model.state_dict()
+    assert torch.equal(after["q"], torch.zeros_like(after["q"]))
+    for name in ("k", "v"):
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+
+
+class _TiedSliced(nn.Module):
+    """An embedding weight sliced from one tensor, tied to the output layer, and a sibling
+    slice of the same tensor."""
+
+    def __init__(self, V=6, d=4):
+        super().__init__()
+        w = torch.randn(2 * V, d) * 0.3
+        self.emb = nn.Embedding(V, d)
+        self.emb.weight = nn.Parameter(w[:V])
+        self.head = nn.Linear(d, V, bias=False)
+        self.head.weight = self.emb.weight
+        self.extra = nn.Parameter(w[V:])
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        return self.head(h) + h @ self.extra.t()
+
+
+def test_o2_sliced_parameters_tied_across_modules_get_their_own_counters_and_stay_tied():
+    """G (r86A). An embedding weight that is a slice of a larger tensor, tied to the output
+    layer (one Parameter in two modules' _parameters), next to a sibling slice: the cast
+    swaps each once (the second owner sees it half already), the tie and the optimizer's
+    objects are kept, a write into the tied weight leaves the sibling's master exact, and
+    deepcopy / pickle keep the tie. Reference: plain PyTorch, where zeroing the embedding
+    leaves the sibling as it was; the tied entries saved equal."""
+
+    torch.manual_seed(0)
+    model = _TiedSliced()
+    params = list(model.parameters())
+    opt = torch.optim.Adam(params, lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    assert list(model.parameters()) == params and model.head.weight is model.emb.weight
+    idx = torch.randint(0, 6, (3, 5), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        opt.zero_grad()
+        backward_and_step(model(idx).float().pow(2).mean(), opt, amp)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert not torch.equal(before["extra"], model.extra.float())
+    with torch.no_grad():
+        nn.init.zeros_(model.emb.weight)
+    after = model.state_dict()
+    torch.testing.assert_close(after["extra"], before["extra"], rtol=0, atol=0)
+    assert torch.equal(after["emb.weight"], torch.zeros_like(after["emb.weight"]))
+    assert torch.equal(after["head.weight"], after["emb.weight"])
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert clone.head.weight is clone.emb.weight
+        state = clone.state_dict()
+        for k, v in after.items():
+            torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
 
 
 def test_o2_masters_written_then_one_forward_later_forwards_and_state_dicts_copy_nothing(

@@ -3391,6 +3391,52 @@ def check_amp_o2_rank_dependent_init_under_either_ddp(ctx):
                                   f"LARC's fp32 master weight under {wrapper.__module__}")
 
 
+class _SlicedQKVHead(nn.Module):
+    """q, k and v sliced from one tensor (one version counter before amp's cast), then a head."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        w = torch.randn(3 * d, d) * 0.3
+        self.q = nn.Parameter(w[:d])
+        self.k = nn.Parameter(w[d:2 * d])
+        self.v = nn.Parameter(w[2 * d:])
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):
+        return self.head((x @ self.q.t()) * (x @ self.k.t()) + x @ self.v.t())
+
+
+def check_sliced_parameters_initialized_per_rank_train_as_one_model_under_either_ddp(ctx):
+    # G (r86A). q, k and v sliced from one tensor, initialized differently on every rank, then
+    # amp O2 (whose cast gives each its own version counter by swapping its tensor), then a
+    # DDP wrapper broadcasting rank 0's weights, then steps; then a write into q's half alone
+    # on every rank. Reference: the masters and half parameters equal on all ranks after
+    # construction and after the steps, and k's and v's masters left exact by the write
+    # (plain PyTorch leaves them as they were).
+    from mixprec import amp
+
+    for wrapper in (nn.parallel.DistributedDataParallel, DistributedDataParallel):
+        torch.manual_seed(400 + ctx.rank)
+        model = _SlicedQKVHead().to(ctx.device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    verbosity=0)
+        ddp = wrapper(model)
+        for step in range(2):
+            x, y = _global_batch(ctx, seed=410 + step)
+            _amp_step_mse(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+            _assert_same_on_all_ranks(ctx, list(amp.master_params(opt)),
+                                      f"fp32 master under {wrapper.__module__}")
+            _assert_same_on_all_ranks(ctx, list(model.parameters()), "half parameter")
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            nn.init.zeros_(model.q)
+        after = model.state_dict()
+        assert torch.equal(after["q"], torch.zeros_like(after["q"]))
+        for name in ("k", "v"):
+            torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+
+
 def check_amp_accumulation_with_no_sync_needs_no_delay_unscale(ctx):
     # The plain accumulation loop: micro-batches under no_sync(), every scale_loss with the
     # default delay_unscale=False. Unscaling into the masters inside no_sync() would keep each
@@ -5230,6 +5276,7 @@ CHECKS = [
     "check_amp_o2_accumulation_with_no_sync",
     "check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters",
     "check_amp_o2_masters_broadcast_from_rank0",
+    "check_sliced_parameters_initialized_per_rank_train_as_one_model_under_either_ddp",
     "check_join_under_amp_keeps_fp32_masters_and_one_loss_scale",
     "check_module_without_trainable_parameters_checks_shapes",
     "check_amp_o2_rank_dependent_init_under_either_ddp",
