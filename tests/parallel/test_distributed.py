@@ -172,7 +172,10 @@ def check_hook_only_where_apex_arithmetic_needs_it(ctx):
     assert hook(DistributedDataParallel(_mlp(ctx.device))) is None
     world = float(ctx.world_size)
     assert hook(DistributedDataParallel(_mlp(ctx.device), gradient_predivide_factor=world)) is None
-    for kwargs in ({"gradient_predivide_factor": 4.0}, {"allreduce_always_fp32": True},
+    # (3.0: no world size of the suite; 4.0 was the world size at 4 ranks.)
+    for kwargs in ({"gradient_predivide_factor": 3.0},
+                   {"gradient_predivide_factor": 2.0 * world},
+                   {"allreduce_always_fp32": True},
                    {"gradient_average": False}, {"prof": True}):
         assert hook(DistributedDataParallel(_mlp(ctx.device), **kwargs)) == "_apex_allreduce_hook", \
             kwargs
@@ -2716,9 +2719,9 @@ def check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit(ctx):
         _amp_step(resumed, resumed_opt, _mine(ctx, x), _mine(ctx, y), amp)
     got = dict(resumed.module.named_parameters()) | dict(resumed.module.named_buffers())
     for name, want in [*ddp.module.named_parameters(), *ddp.module.named_buffers()]:
-        assert torch.equal(got[name], want), labelled(f"rank {ctx.rank}: {name}")
+        assert torch.equal(got[name], want), f"rank {ctx.rank}: {name}"
     for i, (m, r) in enumerate(zip(amp.master_params(opt), amp.master_params(resumed_opt))):
-        assert torch.equal(m, r), labelled(f"rank {ctx.rank}: master {i}")
+        assert torch.equal(m, r), f"rank {ctx.rank}: master {i}"
     assert amp.state_dict(optimizer=resumed_opt) == amp.state_dict(optimizer=opt)
     assert amp.state_dict(optimizer=opt)["loss_scaler0"]["unskipped"] == 4
 
@@ -2991,7 +2994,7 @@ def check_gan_three_losses_overflow_in_one_loss_on_one_rank_and_resume(ctx):
     for i in range(2, 4):
         step(i, D2, G2, opt_d2, opt_g2, poisons.get(i))
         for k, (got, want) in enumerate(zip(masters(opt_d2, opt_g2), trajectory[i])):
-            assert torch.equal(got, want), labelled(f"rank {ctx.rank}: resumed step {i}, master {k}")
+            assert torch.equal(got, want), f"rank {ctx.rank}: resumed step {i}, master {k}"
     assert scales(opt_d2) == final_scales
 
 
@@ -3044,9 +3047,9 @@ def check_amp_o2_ddp_dcp_checkpoint_resume_continues_bit_for_bit(ctx):
         steps(resumed, resumed_opt, [902, 903])
         for i, (m, r) in enumerate(zip(amp.master_params(full_opt),
                                        amp.master_params(resumed_opt))):
-            assert torch.equal(m, r), labelled(f"rank {ctx.rank} {route}: master {i}")
+            assert torch.equal(m, r), f"rank {ctx.rank} {route}: master {i}"
         for (name, want), got in zip(full.module.named_parameters(), resumed.module.parameters()):
-            assert torch.equal(got, want), labelled(f"rank {ctx.rank} {route}: {name}")
+            assert torch.equal(got, want), f"rank {ctx.rank} {route}: {name}"
 
 
 def check_ddp_of_a_compiled_amp_model_trains_as_eager(ctx):
@@ -3701,14 +3704,14 @@ def check_join_divides_uneven_steps_as_asked(ctx):
     for kwargs, divide_by_initial, last in (({}, False, 1.0), ({}, True, 0.5),
                                             ({"prof": True}, True, 0.5),
                                             ({"prof": True}, None, 0.5),
-                                            ({"gradient_predivide_factor": 4.0}, None, 0.5)):
+                                            ({"gradient_predivide_factor": 3.0}, None, 0.5)):
         grads = run(DistributedDataParallel(_Scale().to(ctx.device), **kwargs), divide_by_initial)
         torch.testing.assert_close(grads[0], torch.full_like(grads[0], 1.5))
         if ctx.rank == 0:
             torch.testing.assert_close(grads[1], torch.full_like(grads[1], last),
                                        msg=labelled(f"{kwargs} {divide_by_initial}"))
     for kwargs in ({"prof": True}, {"allreduce_always_fp32": True},
-                   {"gradient_predivide_factor": 4.0}):
+                   {"gradient_predivide_factor": 3.0}):
         ddp = DistributedDataParallel(_Scale().to(ctx.device), **kwargs)
         try:
             ddp.join(divide_by_initial_world_size=False)
@@ -3758,6 +3761,41 @@ def check_join_under_amp_keeps_fp32_masters_and_one_loss_scale(ctx):
                          device=ctx.device)
     scales = [p.item() for p in _gather(ctx, scale)]
     assert scales == [32768.0] * ctx.world_size, f"loss scales differ: {scales}"
+
+
+def check_join_under_amp_over_a_process_group_without_rank_0(ctx):
+    # Leaving join(), the last joiner's amp loss scales are broadcast with
+    # broadcast_object_list, which takes a GLOBAL source rank: the wrapper converts the
+    # group rank (_authoritative_rank) with dist.get_global_rank. Over a data-parallel
+    # subgroup that does not hold global rank 0 (hybrid model/data parallelism), a group rank
+    # used as it is names a rank outside the group and join() raises at its exit on that
+    # group's ranks. With 2 ranks: each rank alone in its own group (rank 1's group rank 0 is
+    # global rank 1). Reference: the masters/scale as the steps left them (one rank: join
+    # changes nothing), and the loss scale kept at amp's initial 65536.
+    from mixprec import amp
+
+    groups = _groups_of_one(ctx)
+    torch.manual_seed(0)
+    model = nn.Linear(8, 2).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    ddp = DistributedDataParallel(model, process_group=groups[ctx.rank])
+    gen = torch.Generator().manual_seed(ctx.rank)
+    with ddp.join():
+        for _ in range(2):
+            opt.zero_grad()
+            x = torch.randn(4, 8, generator=gen).to(ctx.device)
+            with amp.scale_loss(ddp(x).float().pow(2).mean(), opt) as scaled:
+                scaled.backward()
+            opt.step()
+        before = torch.cat([m.detach().flatten().clone() for m in amp.master_params(opt)])
+        scale_before = amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]
+    after = torch.cat([m.detach().flatten() for m in amp.master_params(opt)])
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    assert amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"] == scale_before
+    # (and the ranks trained apart, as their groups say: different data, different masters)
+    others = _gather(ctx, after)
+    assert not torch.equal(others[0], others[-1]), "groups of one should not average"
 
 
 def check_module_without_trainable_parameters_checks_shapes(ctx):
@@ -3875,7 +3913,7 @@ def _assert_every_rank_skips_a_shards_overflow(ctx, model, opt) -> None:
                 grad.view(-1)[0] = float("inf")  # (rank 0's shard only)
         opt.step()
         skipped.append(amp.step_was_skipped(opt))
-    assert skipped == [False, True, False], labelled(f"skipped {skipped}")
+    assert skipped == [False, True, False], f"skipped {skipped}"
     scale = torch.tensor([amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]])
     scales = [t.item() for t in _gather(ctx, scale)]
     assert scales == [32768.0] * ctx.world_size, f"loss scales differ: {scales}"
@@ -4396,14 +4434,14 @@ def check_join_refusal_names_the_options_that_use_the_hook(ctx):
     """join(divide_by_initial_world_size=False) is refused with the options that route the
     all-reduce through mixprec's hook, and only those, so the user knows which to drop.
     (D34)"""
-    ddp = DistributedDataParallel(_Scale().to(ctx.device), gradient_predivide_factor=4.0)
+    ddp = DistributedDataParallel(_Scale().to(ctx.device), gradient_predivide_factor=3.0)
     try:
         ddp.join(divide_by_initial_world_size=False)
     except ValueError as err:
         text = str(err)
     else:
         raise AssertionError("join(divide_by_initial_world_size=False) was taken")
-    assert "with gradient_predivide_factor=4:" in text, text
+    assert "with gradient_predivide_factor=3:" in text, text
     for other in ("prof=True", "allreduce_always_fp32=True", "gradient_average=False"):
         assert other not in text, (other, text)
 
@@ -4975,6 +5013,57 @@ def check_ddp_agrees_on_gradients_within_its_group(ctx):
                 torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=labelled(what))
 
 
+def check_broadcasts_stay_within_the_process_group(ctx):
+    # DistributedDataParallel(process_group=g) takes rank 0 OF g's state, in each of its own
+    # broadcasts: amp O2's fp32 masters at construction, a module without trainable
+    # parameters (passed through), and in the delay mode a layer added after wrapping. Over
+    # groups of one rank each broadcast is a no-op, so every rank keeps its own (rank-
+    # dependent) values; one sent over the default group would give rank 1 rank 0's values
+    # (its masters then no longer match its model, and they are what the optimizer steps).
+    # Reference: the values before wrapping / before the forward, exactly.
+    from mixprec import amp
+
+    singles = _groups_of_one(ctx)
+    group = singles[ctx.rank]
+
+    def snapshot(tensors):
+        return [t.detach().clone() for t in tensors]
+
+    def assert_kept(now, before, what):
+        for i, (a, b) in enumerate(zip(now, before)):
+            torch.testing.assert_close(a.detach(), b, rtol=0, atol=0,
+                                       msg=labelled(f"rank {ctx.rank}, {what} #{i}"))
+        mine = torch.cat([t.detach().float().flatten() for t in now])
+        others = _gather(ctx, mine)
+        assert not torch.equal(others[0], others[-1]), f"{what}: ranks should differ"
+
+    # amp O2 masters at construction.
+    torch.manual_seed(ctx.rank)
+    model = nn.Linear(8, 2).to(ctx.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    masters = snapshot(amp.master_params(opt))
+    DistributedDataParallel(model, process_group=group)
+    assert_kept(list(amp.master_params(opt)), masters, "fp32 master")
+
+    # A module without trainable parameters, passed through.
+    torch.manual_seed(ctx.rank)
+    frozen = nn.Linear(8, 2).to(ctx.device).requires_grad_(False)
+    state = snapshot(frozen.parameters())
+    DistributedDataParallel(frozen, process_group=group)
+    assert_kept(list(frozen.parameters()), state, "passed-through parameter")
+
+    # The delay mode following a layer added after wrapping.
+    torch.manual_seed(0)
+    grown = _IgnoredFirst().to(ctx.device)
+    ddp = DistributedDataParallel(grown, delay_allreduce=True, process_group=group)
+    torch.manual_seed(ctx.rank)
+    grown.extra = nn.Linear(16, 16).to(ctx.device)
+    added = snapshot(grown.extra.parameters())
+    ddp(torch.randn(2, 8, device=ctx.device)).sum().backward()
+    assert_kept(list(grown.extra.parameters()), added, "added layer's parameter")
+
+
 def check_reducer_module_without_parameters_and_find_unused(ctx):
     # A module without parameters (an activation, a pooling stage built from a config) with
     # find_unused_parameters=True: reduce() has nothing to agree on or average and returns
@@ -5278,6 +5367,7 @@ CHECKS = [
     "check_amp_o2_masters_broadcast_from_rank0",
     "check_sliced_parameters_initialized_per_rank_train_as_one_model_under_either_ddp",
     "check_join_under_amp_keeps_fp32_masters_and_one_loss_scale",
+    "check_join_under_amp_over_a_process_group_without_rank_0",
     "check_module_without_trainable_parameters_checks_shapes",
     "check_amp_o2_rank_dependent_init_under_either_ddp",
     "check_amp_accumulation_with_no_sync_needs_no_delay_unscale",
@@ -5341,6 +5431,7 @@ CHECKS = [
     "check_reducer_find_unused_agrees_within_its_group",
     "check_reducer_overflow_agreement_stays_within_its_group",
     "check_ddp_agrees_on_gradients_within_its_group",
+    "check_broadcasts_stay_within_the_process_group",
     "check_reducer_module_without_parameters_and_find_unused",
     "check_reducer_errors_while_averaging_reach_the_caller",
     "check_reducer_averages_non_contiguous_gradients",
