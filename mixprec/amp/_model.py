@@ -1414,14 +1414,6 @@ class _Fp32StateDict:
                     # parameter replaced, whose master save() drops. The write waits.)
                     looked = False
                     continue
-                if master.is_inference():
-                    # (A copy made under torch.inference_mode: its tensors have no version
-                    # counter, and outside that mode none can be written in place. The
-                    # values alone tell a change, taken as above.)
-                    if check_params and _DATA_WRITES.differs(param, master):
-                        with torch.inference_mode():
-                            master.copy_(param)
-                    continue
                 # (The master's version read first, and the master left alone if it moved
                 # while compared: another thread updating an EMA copy in place while this
                 # one takes its state_dict() had the stale half parameter copied over it.)
@@ -1855,31 +1847,41 @@ def cast_module_tensors(module: nn.Module, dtype: torch.dtype) -> bool:
     for tensors in (module._parameters, module._buffers):
         for _name, t in tensors.items():
             if t is not None and t.is_floating_point() and t.dtype != dtype:
+                sliced = (tensors is module._parameters and not t.is_meta
+                          and t.layout == torch.strided and type(t.data) is torch.Tensor
+                          and t.untyped_storage().nbytes() > t.numel() * t.element_size())
                 with torch.no_grad():
                     t.data = t.data.to(dtype)
                 if t.grad is not None:
                     t.grad = None
+                if sliced:  # (a slice of a larger tensor: see separate_shared_version_counters)
+                    _own_version_counter(t)
                 changed = True
     return changed
 
 
-def separate_shared_version_counters(model: nn.Module) -> None:
-    """Give each half parameter of ``model`` that shares its version counter with another
-    tensor a counter of its own (the same Python objects, the optimizer's).
+def separate_shared_version_counters(models, skip=frozenset()) -> None:
+    """Give each half parameter of ``models`` (one ``initialize`` call's, converted) that
+    shares its version counter with another of them a counter of its own (the same Python
+    objects, the optimizer's).
 
     Parameters made from slices of one tensor (``nn.Parameter(w[:d])``: the q, k and v of one
     fused initialization) share its counter, and keep sharing it across a cast (``.data``
     assignment keeps the counter; ``model.half()`` before ``initialize`` too): a write into
     one half parameter then moved its siblings' counters, and amp took them whole into their
-    masters as written, rounding their fp32 weights to half. Sharing cannot be read off a
-    tensor: each counter is moved by one (``torch.autograd.graph.increment_version``, no
-    kernel), and a parameter whose counter moved by more shares it.
+    masters as written, rounding their fp32 weights to half. (Slices cast here are given
+    their own at the cast, :func:`cast_module_tensors`, which also covers sharing with a
+    tensor outside these parameters.) Sharing cannot be read off a tensor: each counter is
+    moved by one (``torch.autograd.graph.increment_version``, no kernel), and a parameter
+    whose counter moved by more shares it. Not moved: parameters in ``skip`` (ids of those
+    an earlier call's optimizer keeps masters for, which would take the move as a write) and
+    those an autograd graph holds (its backward would find them modified).
     """
     from torch.autograd.graph import increment_version
 
-    params = [p for p in {id(p): p for p in model.parameters()}.values()
+    params = [p for p in {id(p): p for m in models for p in m.parameters()}.values()
               if p.dtype in _HALF_TYPES and type(p.data) is torch.Tensor and not p.is_meta
-              and not p.is_inference()]
+              and not p.is_inference() and id(p) not in skip and p._use_count() == 1]
     if len(params) < 2:
         return
     before = [p._version for p in params]
@@ -1896,13 +1898,15 @@ def _own_version_counter(param: torch.Tensor) -> None:
     ``requires_grad``. Left sharing where the swap cannot be made (a weak reference to the
     parameter, hooks on it, an autograd graph holding it): the README names the limit."""
     if (weakref.getweakrefcount(param) or getattr(param, "_backward_hooks", None)
-            or getattr(param, "_post_accumulate_grad_hooks", None)):
-        return
+            or getattr(param, "_post_accumulate_grad_hooks", None) or param._use_count() > 1):
+        return  # (use count: an autograd graph holds it, whose backward the swap would break)
     fresh = torch.Tensor._make_subclass(type(param), param.data, param.requires_grad)
     fresh.__dict__.update(param.__dict__)
     for slot in copyreg._slotnames(type(param)):
         if hasattr(param, slot):
             setattr(fresh, slot, getattr(param, slot))
+    if param.grad is not None:
+        fresh.grad = param.grad
     try:
         torch.utils.swap_tensors(param, fresh)
     except RuntimeError:
@@ -2028,8 +2032,6 @@ def convert_model(model: nn.Module, props, *, encloses: bool = False,
                     # restored and prepared again): this call registers its own, or none (O3).
                     hooks.forget_all()
                     hooks.standalone = False
-        if props.master_weights:
-            separate_shared_version_counters(model)
         _mark_parts(model)
         _install_root_upcast(model)
         output_dtype = props.cast_model_outputs or torch.float32

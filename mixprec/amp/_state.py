@@ -102,6 +102,14 @@ def register_copied_masters(model: torch.nn.Module) -> None:
             continue
         ref = weakref.ref(module)
         for name, master in hooks.masters.items():
+            if master.is_inference():
+                # (Copied or loaded under torch.inference_mode: an inference tensor has no
+                # version counter, which the copy's look for writes into its masters reads.
+                # A plain tensor of the same values instead, written in place under that mode
+                # too; the half parameters' changes are found by their values.)
+                with torch.inference_mode(False):
+                    master = master.clone().requires_grad_(master.requires_grad)
+                hooks.masters[name] = master
             _COPY_MASTERS[master] = (ref, name)
             param = module._parameters.get(name)
             if param is not None:  # (whose master it is: see _Fp32StateDict.sync)

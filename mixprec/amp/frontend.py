@@ -26,6 +26,7 @@ from mixprec.amp._model import (
     converted_part_of,
     is_amp_model,
     register_masters,
+    separate_shared_version_counters,
     set_live_masters,
 )
 from mixprec.amp._properties import describe_opt_level, resolve_properties
@@ -470,6 +471,7 @@ def initialize(
 
     if props.master_weights:
         _refuse_shared_masters(opt_list, model_list, cast_ids)
+    elsewhere = {id(h) for h, _ in mastered_elsewhere()}
     _warn_if_already_half(model_list, props)
     if props.model_is_half and props.keep_batchnorm_fp32 is True:
         # BatchNorm stays fp32: cast back now a model .half()-ed by the user, so that its
@@ -524,6 +526,8 @@ def initialize(
             register_masters(model, its_masters, opt_state.take_model_writes)
         if props.master_weights and masters:
             set_live_masters(model, [opt_state for opt_state, _ in masters])
+    if props.master_weights and props.model_is_half:
+        separate_shared_version_counters(model_list, elsewhere)
     for model in model_list:
         for p in model.parameters():
             if p.dtype == torch.float32:

@@ -1676,6 +1676,35 @@ def test_an_o2_model_copied_or_loaded_under_inference_mode_saves_its_masters(how
         torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
 
 
+@pytest.mark.parametrize("write", ["in_place_into_state_dict", "load_state_dict"])
+def test_an_o2_copy_made_under_inference_mode_takes_a_write_into_its_masters(write):
+    """B3 (r88A; b504f9a). A copy made under torch.inference_mode (its masters are inference
+    tensors) written there through its state dict: in place into an entry (a dcp.load, an
+    EMA's set()), b504f9a syncs it by values alone, takes the stale half parameter for a
+    write and copies it over the master just written (0.22 off in the checkpoint and the
+    forward); by load_state_dict it raises "Inference tensors do not track version counter"
+    (the load hook reads the masters' versions). Reference: the same copy made under
+    torch.no_grad (the master written wins; the load is the state dict), and plain PyTorch,
+    where loading into a model copied under inference_mode works."""
+    model, opt, x = _trained_o2_mlp(torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    new = {k: torch.randn(v.shape, generator=gen) for k, v in model.state_dict().items()}
+    with torch.inference_mode():
+        copied = copy.deepcopy(model)
+        if write == "in_place_into_state_dict":
+            own = copied.state_dict()
+            for k, v in new.items():
+                own[k].copy_(v)
+        else:
+            copied.load_state_dict(new)
+        copied(x.bfloat16())
+        state = copied.state_dict()
+    for k, v in new.items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
+    for name, p in copied.named_parameters():
+        torch.testing.assert_close(p, new[name].to(p.dtype), rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_an_ema_swapped_into_masters_and_halves_through_data_is_saved_exactly_and_restored(dtype):
     # An fp32 EMA swapped into both sides, torch_ema's copy_to() into amp.master_params(opt)
@@ -4055,6 +4084,140 @@ def test_o2_sliced_parameters_tied_across_modules_get_their_own_counters_and_sta
         state = clone.state_dict()
         for k, v in after.items():
             torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
+
+
+class _OneSlice(nn.Module):
+    """A linear map whose weight is a given parameter (a slice of a tensor shared elsewhere)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.w = weight
+
+    def forward(self, x):
+        return x @ self.w.t()
+
+
+@pytest.mark.parametrize("calls", ["one_call", "two_calls"])
+def test_o2_parameters_sliced_from_one_tensor_into_two_models_keep_each_others_masters(calls):
+    """B1 (r88A; b504f9a). Two models whose weights are slices of one fp32 tensor (a fused
+    initialization split between a generator and a discriminator, each with its optimizer):
+    b504f9a~1 gave each sliced parameter its own version counter at the cast (its storage is
+    larger than itself); b504f9a looks for sharing by moving the counters of one model's half
+    parameters, so a counter shared with another model's parameter (moved by one) is missed,
+    and each step of the first optimizer (a copy into its half parameter) is taken by the
+    second for a write into its half model: its fp32 masters are rounded to half (1.7e-4).
+    Reference: b504f9a~1 and plain PyTorch, where stepping one model leaves the other's
+    weights exactly as they were."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 4) * 0.3
+    a, b = _OneSlice(nn.Parameter(w[:4])), _OneSlice(nn.Parameter(w[4:]))
+    opt_a = torch.optim.Adam(a.parameters(), lr=1e-3)
+    opt_b = torch.optim.Adam(b.parameters(), lr=1e-3)
+    kw = dict(opt_level="O2", dtype=torch.float16, verbosity=0)
+    if calls == "one_call":
+        (a, b), (opt_a, opt_b) = amp.initialize([a, b], [opt_a, opt_b], **kw)
+    else:
+        a, opt_a = amp.initialize(a, opt_a, **kw)
+        b, opt_b = amp.initialize(b, opt_b, **kw)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        opt_b.zero_grad()
+        backward_and_step(b(x.half()).float().pow(2).mean(), opt_b, amp)
+    before = b.state_dict()["w"].clone()
+    assert not torch.equal(before, b.w.float())  # (fp32 values the half cannot hold)
+    for _ in range(2):
+        opt_a.zero_grad()
+        backward_and_step(a(x.half()).float().pow(2).mean(), opt_a, amp)
+    torch.testing.assert_close(b.state_dict()["w"], before, rtol=0, atol=0)
+
+
+def test_o2_a_parameter_sliced_from_one_tensor_with_a_buffer_keeps_its_master_on_buffer_writes():
+    """B1 (r88A; b504f9a). A parameter and a buffer sliced from one tensor (a learnable and a
+    fixed part of one initialization) share a version counter; b504f9a~1 gave the sliced
+    parameter its own at the cast, b504f9a only where another half parameter of the model
+    shares it: an in-place write into the buffer then reads as a write into the half
+    parameter, and its fp32 master is rounded to half (3.3e-4). Reference: b504f9a~1 and
+    plain PyTorch, where writing the buffer leaves the parameter as it was."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            w = torch.randn(8, 4) * 0.3
+            self.q = nn.Parameter(w[:4])
+            self.register_buffer("fixed", w[4:])
+            self.k = nn.Parameter(torch.randn(4, 4) * 0.3)
+
+        def forward(self, x):
+            return (x @ self.q.t()) * (x @ self.k.t()) + x @ self.fixed.t()
+
+    torch.manual_seed(0)
+    model = Model()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        opt.zero_grad()
+        backward_and_step(model(x.half()).float().pow(2).mean(), opt, amp)
+    before = model.state_dict()["q"].clone()
+    assert not torch.equal(before, model.q.float())
+    with torch.no_grad():
+        model.fixed.mul_(0.5)
+    torch.testing.assert_close(model.state_dict()["q"], before, rtol=0, atol=0)
+
+
+def test_o2_sliced_half_parameters_given_their_own_counters_keep_their_gradients():
+    """R2 (r88A). A model .half()-ed before initialize with gradients already on its
+    parameters (a backward before initialize): the swap that gives the sliced q and k their
+    own version counters kept neither's .grad, where the unsliced v kept its. Reference: v,
+    and the gradients before initialize, bit for bit (each parameter's own tensor)."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 4) * 0.3
+    m = nn.Module()
+    m.q, m.k, m.v = nn.Parameter(w[:4]), nn.Parameter(w[4:]), nn.Parameter(torch.randn(4, 4))
+    m.half()
+    x = torch.randn(3, 4).half()
+    ((x @ m.q.t()) * (x @ m.k.t()) + x @ m.v.t()).float().sum().backward()
+    grads = {n: p.grad for n, p in m.named_parameters()}
+    opt = torch.optim.SGD(m.parameters(), 0.1)
+    with pytest.warns(UserWarning, match="already torch.float16"):
+        m, opt = amp.initialize(m, opt, opt_level="O2", dtype=torch.float16, verbosity=0)
+    for n, p in m.named_parameters():
+        assert p.grad is grads[n], n
+    with torch.no_grad():
+        m.q.zero_()  # (and the counters are their own: k's master is left as it was)
+    assert torch.equal(m.state_dict()["k"], w[4:].half().float())
+
+
+@pytest.mark.parametrize("second", ["shared_frozen_embedding", "eval_wrapper_without_optimizer"])
+def test_o2_a_second_initialize_holding_a_live_models_parameter_leaves_its_masters_exact(second):
+    """B2 (r88A; b504f9a). A second O2 initialize whose model holds parameters of a model
+    already trained at O2 (its embedding shared, frozen, under a new head with its own
+    optimizer; or the trained model wrapped for evaluation and initialized without an
+    optimizer): b504f9a moves the version counter of every half parameter of the new call's
+    model, so the first call's optimizer takes all of the shared ones for writes into its half
+    model and rounds their fp32 masters to half (5.6e-4). Reference: b504f9a~1 and plain
+    PyTorch, where nothing wrote the first model's weights: its masters bit for bit."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
+    opt_a = torch.optim.Adam(a.parameters(), lr=1e-2)
+    a, opt_a = amp.initialize(a, opt_a, opt_level="O2", dtype=torch.float16, verbosity=0)
+    idx = torch.randint(0, 10, (6,), generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        opt_a.zero_grad()
+        backward_and_step(a(idx).float().pow(2).mean(), opt_a, amp)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    assert not torch.equal(before["0.weight"], a[0].weight.float())
+    if second == "shared_frozen_embedding":
+        b = nn.Sequential(a[0], nn.Linear(4, 3))
+        opt_b = torch.optim.Adam(b[1].parameters(), lr=1e-2)
+        with pytest.warns(UserWarning, match=r"1 parameter\(s\) of the model are already"):
+            amp.initialize(b, opt_b, opt_level="O2", dtype=torch.float16, verbosity=0)
+    else:
+        amp.initialize(nn.Sequential(a, nn.Identity()), opt_level="O2", dtype=torch.float16,
+                       verbosity=0)
+    after = a.state_dict()
+    for k, v in before.items():
+        torch.testing.assert_close(after[k], v, rtol=0, atol=0, msg=k)
 
 
 def test_o2_masters_written_then_one_forward_later_forwards_and_state_dicts_copy_nothing(

@@ -3266,3 +3266,31 @@ def test_initialize_logs_the_levels_description_and_every_resolved_property(opt_
         amp.initialize(make_cnn(), opt_level=opt_level, verbosity=1, **kw)
     assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("amp: opt_level")
             ] == [want]
+
+
+@pytest.mark.parametrize("half_before", [False, True])
+def test_o2_initialize_between_a_forward_and_its_backward_gives_the_fp32_gradients(half_before):
+    """B4 (r88A; b504f9a). A loss computed before amp.initialize and backpropagated after
+    (through amp.scale_loss): b504f9a~1 gave the masters the gradients of that forward; since
+    b504f9a moves every half parameter's version counter at O2 initialize, the backward
+    raises "one of the variables needed for gradient computation has been modified by an
+    inplace operation", though the user wrote nothing. Reference: plain PyTorch fp32 (the
+    same forward, to 1e-2 where the model was half)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4))
+    ref = copy.deepcopy(model)
+    if half_before:
+        model.half()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    loss = model(x.to(model[0].weight.dtype)).float().pow(2).mean()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the already-half warning)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                    loss_scale=128.0, verbosity=0)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    ref(x).pow(2).mean().backward()
+    for master, p in zip(amp.master_params(opt), ref.parameters()):
+        torch.testing.assert_close(master.grad, p.grad, rtol=0,
+                                   atol=1e-2 if half_before else 1e-6)
