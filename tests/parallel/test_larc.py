@@ -259,9 +259,9 @@ def test_larc_made_after_initialize_trains_as_one_made_before():
 def test_larc_made_after_initialize_is_taken_by_amps_other_optimizer_calls():
     """B1 (r85C). A LARC made after initialize stands for its inner optimizer in
     scale_loss (see the test above), but amp.step_was_skipped(larc),
-    amp.state_dict(optimizer=larc) and amp.load_state_dict(..., optimizer=larc) raise "this
-    optimizer did not go through amp.initialize" (now they look through .optim). Reference: the same calls on larc.optim,
-    and a LARC passed to initialize (both answer)."""
+    amp.state_dict(optimizer=larc) and amp.load_state_dict(..., optimizer=larc) raised "this
+    optimizer did not go through amp.initialize" (now they look through .optim). Reference:
+    the same calls on larc.optim, and a LARC passed to initialize (both answer)."""
     from mixprec import amp
 
     torch.manual_seed(0)

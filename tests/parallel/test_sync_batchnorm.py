@@ -642,6 +642,69 @@ def check_batch_size_changes_between_steps(ctx):
     _run_case(ctx, [sizes[:ctx.world_size] for sizes in steps], label=" sizes per step")
 
 
+def check_ranks_with_images_of_different_sizes(ctx):
+    """Ranks whose images (or sequences) differ in size (multi-scale training, segmentation
+    crops of each rank's own size, variable-length (N, L, C) batches): the statistics are
+    those of every value of every rank, so each rank weighs in with its N * H * W values,
+    not its N samples. Every other case gives all ranks the same spatial size, where a merge
+    weighted by samples instead of values comes out the same. Cases: NCHW, channels_last,
+    and (N, L, C) with channel_last=True. Reference: F.batch_norm in float64 over the
+    (values, C) rows of every rank's batch together: output, input gradient (1e-5), the sum
+    of the ranks' weight and bias gradients (1e-4) and the running statistics (STAT_TOL), on
+    every path. (r87A F45)"""
+    C = 3
+    g = torch.Generator().manual_seed(31)
+    weight, bias = torch.rand(C, generator=g) + 0.5, torch.randn(C, generator=g)
+    cases = [("NCHW", None, False), ("channels_last", torch.channels_last, False),
+             ("(N, L, C)", None, True)]
+    for label, memory_format, channel_last in cases:
+        if channel_last:
+            shapes = [(3 - r % 2, 4 + 3 * r, C) for r in range(ctx.world_size)]
+        else:
+            shapes = [(3 - r % 2, C, 3 + 2 * r, 2 + r) for r in range(ctx.world_size)]
+        xs = [(torch.randn(s, generator=g, dtype=torch.float64) * (1 + r) + 2 * r).float()
+              for r, s in enumerate(shapes)]
+        dys = [torch.randn(s, generator=g, dtype=torch.float64).float() for s in shapes]
+
+        def rows(t, channel_last=channel_last):  # every value of a batch as (values, C) rows
+            return (t if channel_last else t.movedim(1, -1)).double().reshape(-1, C)
+
+        xr = torch.cat([rows(x) for x in xs]).requires_grad_()
+        w, b = weight.double().requires_grad_(), bias.double().requires_grad_()
+        rm, rv = torch.zeros(C, dtype=torch.float64), torch.ones(C, dtype=torch.float64)
+        want = F.batch_norm(xr, rm, rv, w, b, training=True, momentum=0.1, eps=1e-5)
+        want.backward(torch.cat([rows(d) for d in dys]))
+        start = sum(rows(x).shape[0] for x in xs[:ctx.rank])
+        me = slice(start, start + rows(xs[ctx.rank]).shape[0])
+        shape = shapes[ctx.rank]
+
+        def back(t, channel_last=channel_last, me=me, shape=shape):  # this rank's, shaped
+            if channel_last:
+                return t[me].reshape(shape)
+            return t[me].reshape(shape[0], *shape[2:], C).movedim(-1, 1)
+
+        for path, path_ctx in _paths(ctx):
+            m = SyncBatchNorm(C, channel_last=channel_last).to(ctx.device)
+            with torch.no_grad():
+                m.weight.copy_(weight)
+                m.bias.copy_(bias)
+            xl, dyl = xs[ctx.rank].clone().to(ctx.device), dys[ctx.rank].to(ctx.device)
+            if memory_format is not None:
+                xl, dyl = (t.contiguous(memory_format=memory_format) for t in (xl, dyl))
+            xl.requires_grad_()
+            with path_ctx():
+                y = m(xl)
+                y.backward(dyl)
+            what = f"[{path}] {label}: rank {ctx.rank} batch {shape}"
+            _close(y.detach(), back(want.detach()), OUT_TOL[torch.float32], f"{what} output")
+            _close(xl.grad, back(xr.grad), OUT_TOL[torch.float32], f"{what} input grad")
+            for p, ref, name in ((m.weight, w.grad, "weight"), (m.bias, b.grad, "bias")):
+                _close(_sum_over_ranks(p.grad), ref, dict(rtol=1e-4, atol=1e-4),
+                       f"{what} {name} grad")
+            _close(m.running_mean, rm, STAT_TOL, f"{what} running_mean")
+            _close(m.running_var, rv, STAT_TOL, f"{what} running_var")
+
+
 def check_cpu_merge_in_fp64_keeps_the_variance_of_offset_inputs(ctx):
     # The CPU path merges the ranks' [mean, var, count] rows in fp64 (module docstring of
     # _sync_batchnorm_function). Inputs far from zero (raw, un-normalized features): here the
@@ -780,11 +843,13 @@ GROUP_2 = [
     "check_empty_rank",
     "check_empty_global_batch",
     "check_batch_size_changes_between_steps",
+    "check_ranks_with_images_of_different_sizes",
     "check_cpu_merge_in_fp64_keeps_the_variance_of_offset_inputs",
     "check_syncbn_eval_without_running_stats_normalizes_by_the_local_batch",
     "check_a_layer_pickled_without_the_count_cache_trains_over_the_ranks",
 ]
-GROUP_4 = ["check_fp32_unequal_batches", "check_empty_rank", "check_syncbn_process_groups",
+GROUP_4 = ["check_fp32_unequal_batches", "check_ranks_with_images_of_different_sizes",
+           "check_empty_rank", "check_syncbn_process_groups",
            "check_syncbn_group_size_must_divide_the_world_size",
            "check_all_gather_rows_puts_each_rank_at_its_index"]
 
