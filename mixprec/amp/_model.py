@@ -1420,7 +1420,7 @@ class _Fp32StateDict:
                 version = master._version
                 synced = self._versions.get(name)
                 if synced is not None and version != synced:
-                    param.copy_(master)
+                    param.detach().copy_(master)  # (an inference tensor outside inference_mode too)
                 elif check_params and _DATA_WRITES.differs(param, master):
                     if master._version != version:
                         continue  # (written meanwhile: the next sync copies it over)
@@ -1887,9 +1887,30 @@ def separate_shared_version_counters(models, skip=frozenset()) -> None:
     before = [p._version for p in params]
     for p in params:
         increment_version(p)
+    shared = [p._version - version != 1 for p, version in zip(params, before)]
     for p, version in zip(params, before):
-        if p._version - version != 1:
+        # Every counter put back: a parameter left out above may share one with these (an
+        # autograd graph saved it, whose backward would find it modified; an earlier call's
+        # optimizer keeps its master, and would take the move for a write).
+        _set_version(p, version)
+    for p, is_shared in zip(params, shared):
+        if is_shared:
             _own_version_counter(p)
+
+
+def _set_version(tensor: torch.Tensor, version: int) -> None:
+    """Set ``tensor``'s version counter (PyTorch's private setter: tuples from 2.5 on, one
+    tensor before); left moved where this PyTorch has neither."""
+    setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
+    if setter is None:
+        return
+    try:
+        setter((tensor,), (version,))
+    except TypeError:
+        try:
+            setter(tensor, version)
+        except (TypeError, RuntimeError):
+            pass
 
 
 def _own_version_counter(param: torch.Tensor) -> None:

@@ -96,6 +96,7 @@ def register_copied_masters(model: torch.nn.Module) -> None:
     """Note the standalone masters of ``model`` (a deep copy or an unpickled amp model) for
     :func:`_refuse_copied_step`."""
     global _copies_registered, _copy_hook_installed
+    clones = {}  # (id of an inference master -> (it, its clone): a tied weight's stays one)
     for module in model.modules():
         hooks = module.__dict__.get("_mixprec_state_dict")
         if hooks is None or not hooks.standalone:
@@ -107,8 +108,11 @@ def register_copied_masters(model: torch.nn.Module) -> None:
                 # version counter, which the copy's look for writes into its masters reads.
                 # A plain tensor of the same values instead, written in place under that mode
                 # too; the half parameters' changes are found by their values.)
-                with torch.inference_mode(False):
-                    master = master.clone().requires_grad_(master.requires_grad)
+                if id(master) not in clones:
+                    with torch.inference_mode(False):
+                        clones[id(master)] = (master, master.clone().requires_grad_(
+                            master.requires_grad))
+                master = clones[id(master)][1]
                 hooks.masters[name] = master
             _COPY_MASTERS[master] = (ref, name)
             param = module._parameters.get(name)

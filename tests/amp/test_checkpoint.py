@@ -1705,6 +1705,74 @@ def test_an_o2_copy_made_under_inference_mode_takes_a_write_into_its_masters(wri
         torch.testing.assert_close(p, new[name].to(p.dtype), rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch_load"])
+def test_an_o2_copy_made_under_inference_mode_takes_an_ema_under_no_grad(how):
+    """B1 (r89A; 5efd1fc). A copy made (or loaded) under torch.inference_mode, then updated
+    outside it as timm's ModelEmaV2 does (in place into its state_dict() entries under
+    torch.no_grad): 5efd1fc gives the copy plain masters, which take the write, and the next
+    forward's sync copies them into the half parameters, which are still inference tensors,
+    with param.copy_ -> "Inplace update to inference tensor outside InferenceMode is not
+    allowed". Reference: 8fedb59 (worked), and plain PyTorch, where writes through
+    state_dict() into a model copied under inference_mode work outside it. The copy's
+    state dict is the EMA exactly, its half parameters the EMA rounded."""
+    model, opt, x = _trained_o2_mlp(torch.bfloat16)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    with torch.inference_mode():
+        copied = (copy.deepcopy(model) if how == "deepcopy"
+                  else torch.load(buf, weights_only=False))
+    before = {k: v.clone() for k, v in copied.state_dict().items()}
+    gen = torch.Generator().manual_seed(3)
+    new = {k: torch.randn(v.shape, generator=gen) for k, v in before.items()}
+    with torch.no_grad():
+        for k, v in copied.state_dict().items():
+            v.copy_(v * 0.5 + 0.5 * new[k])
+        copied(x.bfloat16())  # (the forward's sync raised here)
+    want = {k: before[k] * 0.5 + 0.5 * new[k] for k in before}
+    state = copied.state_dict()
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
+    for name, p in copied.named_parameters():
+        torch.testing.assert_close(p, want[name].to(p.dtype), rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch_load"])
+def test_an_o2_copy_with_tied_weights_made_under_inference_mode_keeps_one_master(how):
+    """B2 (r89A; 5efd1fc). A model with tied weights (head.weight is emb.weight: one
+    Parameter, one master; _TiedSliced) copied or loaded under torch.inference_mode: register_copied_masters
+    clones each module's inference master on its own, so the copy's emb and head hold two
+    masters for one parameter; a write into the emb.weight entry of its state dict (in place,
+    as dcp.load or an EMA's set() do) reaches one, the other (stale) takes the half parameter
+    back at the next state_dict() and the checkpoint holds the write rounded to bf16 (2.5e-3
+    off). Reference: the same copy made under torch.no_grad (one master, the entries alias,
+    the write saved exactly)."""
+
+    torch.manual_seed(0)
+    model = _TiedSliced()  # (emb.weight is head.weight; a module-level class: pickled)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    idx = torch.randint(0, 6, (3, 5), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        opt.zero_grad()
+        backward_and_step(model(idx).float().pow(2).mean(), opt, amp)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    with torch.inference_mode():
+        copied = (copy.deepcopy(model) if how == "deepcopy"
+                  else torch.load(buf, weights_only=False))
+    new = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        copied.state_dict()["emb.weight"].copy_(new)
+        copied(idx)
+        state = copied.state_dict()
+    assert copied.head.weight is copied.emb.weight
+    torch.testing.assert_close(state["emb.weight"], new, rtol=0, atol=0)
+    torch.testing.assert_close(state["head.weight"], new, rtol=0, atol=0)
+    torch.testing.assert_close(copied.emb.weight, new.bfloat16(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_an_ema_swapped_into_masters_and_halves_through_data_is_saved_exactly_and_restored(dtype):
     # An fp32 EMA swapped into both sides, torch_ema's copy_to() into amp.master_params(opt)
@@ -4131,6 +4199,37 @@ def test_o2_parameters_sliced_from_one_tensor_into_two_models_keep_each_others_m
     torch.testing.assert_close(b.state_dict()["w"], before, rtol=0, atol=0)
 
 
+def test_o2_parameters_sliced_from_one_tensor_into_two_half_models_of_one_call_keep_each_others_masters():
+    """G1 (r89A). r88A B1's generator/discriminator pair (weights sliced from one fp32
+    tensor, one optimizer each), both .half()-ed before one initialize call: nothing is cast,
+    so only the shared-counter pass over all the call's models (5efd1fc) gives each its own
+    counter; a pass per model (b504f9a, 8fedb59) leaves them sharing one, and each step of
+    the first optimizer is taken by the second for a write into its half model (its fp32
+    masters rounded to half, 7e-5). No test covered this path (the one_call case of
+    test_o2_parameters_sliced_from_one_tensor_into_two_models_keep_each_others_masters casts
+    at initialize, where the cast gives the counters). Reference: plain PyTorch, where
+    stepping one model leaves the other's weights as they were: b's masters bit for bit."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 4) * 0.3
+    a, b = _OneSlice(nn.Parameter(w[:4])).half(), _OneSlice(nn.Parameter(w[4:])).half()
+    opt_a = torch.optim.Adam(a.parameters(), lr=1e-3)
+    opt_b = torch.optim.Adam(b.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the already-half warning)
+        (a, b), (opt_a, opt_b) = amp.initialize([a, b], [opt_a, opt_b], opt_level="O2",
+                                                dtype=torch.float16, verbosity=0)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        opt_b.zero_grad()
+        backward_and_step(b(x.half()).float().pow(2).mean(), opt_b, amp)
+    before = b.state_dict()["w"].clone()
+    assert not torch.equal(before, b.w.float())  # (fp32 values the half cannot hold)
+    for _ in range(2):
+        opt_a.zero_grad()
+        backward_and_step(a(x.half()).float().pow(2).mean(), opt_a, amp)
+    torch.testing.assert_close(b.state_dict()["w"], before, rtol=0, atol=0)
+
+
 def test_o2_a_parameter_sliced_from_one_tensor_with_a_buffer_keeps_its_master_on_buffer_writes():
     """B1 (r88A; b504f9a). A parameter and a buffer sliced from one tensor (a learnable and a
     fixed part of one initialization) share a version counter; b504f9a~1 gave the sliced
@@ -4186,6 +4285,40 @@ def test_o2_sliced_half_parameters_given_their_own_counters_keep_their_gradients
     with torch.no_grad():
         m.q.zero_()  # (and the counters are their own: k's master is left as it was)
     assert torch.equal(m.state_dict()["k"], w[4:].half().float())
+
+
+def test_o2_a_second_initialize_of_a_sliced_sibling_leaves_the_first_models_master_exact():
+    """R1 (r89A). Model a holds nn.Parameter(w[:4]) and is trained at O2; model b holds the
+    sibling slice w[4:] and a parameter of its own, both models .half()-ed before
+    initialize (so the two halves share w's version counter). initialize(b) moved b's
+    counters to find sharing, which a's optimizer took for a write into a's half parameter:
+    a's fp32 master was rounded to half though nothing wrote it. The pass now puts every
+    counter back. Reference: a's master before the second call, bit for bit."""
+    class M(nn.Module):
+        def __init__(self, weight, extra):
+            super().__init__()
+            self.w = weight
+            if extra:
+                self.u = nn.Parameter(torch.randn(4, 4) * 0.3)
+
+        def forward(self, x):
+            return x @ self.w.t()
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 4) * 0.3
+    a, b = M(nn.Parameter(w[:4]), False).half(), M(nn.Parameter(w[4:]), True).half()
+    opt_a = torch.optim.Adam(a.parameters(), lr=1e-3)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.warns(UserWarning, match="already torch.float16"):
+        a, opt_a = amp.initialize(a, opt_a, opt_level="O2", dtype=torch.float16, verbosity=0)
+    for _ in range(3):
+        opt_a.zero_grad()
+        backward_and_step(a(x.half()).float().pow(2).mean(), opt_a, amp)
+    before = a.state_dict()["w"].clone()
+    assert not torch.equal(before, a.w.float())  # (fp32 values the half cannot hold)
+    with pytest.warns(UserWarning, match="already torch.float16"):
+        amp.initialize(b, opt_level="O2", dtype=torch.float16, verbosity=0)
+    torch.testing.assert_close(a.state_dict()["w"], before, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("second", ["shared_frozen_embedding", "eval_wrapper_without_optimizer"])

@@ -3294,3 +3294,41 @@ def test_o2_initialize_between_a_forward_and_its_backward_gives_the_fp32_gradien
     for master, p in zip(amp.master_params(opt), ref.parameters()):
         torch.testing.assert_close(master.grad, p.grad, rtol=0,
                                    atol=1e-2 if half_before else 1e-6)
+
+
+def test_o2_initialize_between_a_forward_and_its_backward_with_sliced_siblings_not_in_the_graph():
+    """B3 (r89A; 5efd1fc, r88A B4 fixed only where the graph holds every sibling). A model
+    .half()-ed before initialize whose q, k, v, u are slices of one tensor (one version
+    counter); a loss computed before initialize through q and k alone (v and u belong to
+    another branch), backpropagated after it: the shared-counter pass leaves out q and k (the
+    graph holds them) but moves v's and u's counters, which are q's and k's, and the backward
+    raises "one of the variables needed for gradient computation has been modified by an
+    inplace operation". Reference: plain PyTorch (the same half forward and backward), the
+    gradients of q and k to 1e-2 (the masters' fp32 gradients of the half forward)."""
+    torch.manual_seed(0)
+    w = torch.randn(16, 4) * 0.3
+    model = nn.Module()
+    model.q, model.k, model.v, model.u = (nn.Parameter(w[i * 4:(i + 1) * 4]) for i in range(4))
+    model.half()
+    ref = copy.deepcopy(model)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1)).half()
+
+    def loss_of(m, inp):
+        return ((inp @ m.q.t()) * (inp @ m.k.t())).float().sum()
+
+    ref_x = x.clone().requires_grad_()
+    loss_of(ref, ref_x).backward()
+    x.requires_grad_()  # (an input that needs its gradient: the mm saves q.t() and k.t())
+    loss = loss_of(model, x)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the already-half warning)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                    loss_scale=1.0, verbosity=0)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    masters = dict(zip(["q", "k", "v", "u"], amp.master_params(opt)))
+    for name in ("q", "k"):
+        torch.testing.assert_close(masters[name].grad, getattr(ref, name).grad.float(),
+                                   rtol=0, atol=1e-2, msg=name)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=1e-2)
