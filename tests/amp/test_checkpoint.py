@@ -4165,6 +4165,21 @@ class _OneSlice(nn.Module):
         return x @ self.w.t()
 
 
+def _steps_of_a_leave_the_master_of_b_exact(a, opt_a, b, opt_b):
+    """Train the O2 model ``b`` 3 steps (its master ``w`` then holds fp32 values the half
+    cannot), then ``a`` 2 steps: ``b``'s master is left bit for bit, as in plain PyTorch."""
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        opt_b.zero_grad()
+        backward_and_step(b(x.half()).float().pow(2).mean(), opt_b, amp)
+    before = b.state_dict()["w"].clone()
+    assert not torch.equal(before, b.w.float())
+    for _ in range(2):
+        opt_a.zero_grad()
+        backward_and_step(a(x.half()).float().pow(2).mean(), opt_a, amp)
+    torch.testing.assert_close(b.state_dict()["w"], before, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("calls", ["one_call", "two_calls"])
 def test_o2_parameters_sliced_from_one_tensor_into_two_models_keep_each_others_masters(calls):
     """B1 (r88A; b504f9a). Two models whose weights are slices of one fp32 tensor (a fused
@@ -4187,16 +4202,7 @@ def test_o2_parameters_sliced_from_one_tensor_into_two_models_keep_each_others_m
     else:
         a, opt_a = amp.initialize(a, opt_a, **kw)
         b, opt_b = amp.initialize(b, opt_b, **kw)
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
-    for _ in range(3):
-        opt_b.zero_grad()
-        backward_and_step(b(x.half()).float().pow(2).mean(), opt_b, amp)
-    before = b.state_dict()["w"].clone()
-    assert not torch.equal(before, b.w.float())  # (fp32 values the half cannot hold)
-    for _ in range(2):
-        opt_a.zero_grad()
-        backward_and_step(a(x.half()).float().pow(2).mean(), opt_a, amp)
-    torch.testing.assert_close(b.state_dict()["w"], before, rtol=0, atol=0)
+    _steps_of_a_leave_the_master_of_b_exact(a, opt_a, b, opt_b)
 
 
 def test_o2_parameters_sliced_from_one_tensor_into_two_half_models_of_one_call_keep_each_others_masters():
@@ -4218,16 +4224,7 @@ def test_o2_parameters_sliced_from_one_tensor_into_two_half_models_of_one_call_k
         warnings.simplefilter("ignore")  # (the already-half warning)
         (a, b), (opt_a, opt_b) = amp.initialize([a, b], [opt_a, opt_b], opt_level="O2",
                                                 dtype=torch.float16, verbosity=0)
-    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
-    for _ in range(3):
-        opt_b.zero_grad()
-        backward_and_step(b(x.half()).float().pow(2).mean(), opt_b, amp)
-    before = b.state_dict()["w"].clone()
-    assert not torch.equal(before, b.w.float())  # (fp32 values the half cannot hold)
-    for _ in range(2):
-        opt_a.zero_grad()
-        backward_and_step(a(x.half()).float().pow(2).mean(), opt_a, amp)
-    torch.testing.assert_close(b.state_dict()["w"], before, rtol=0, atol=0)
+    _steps_of_a_leave_the_master_of_b_exact(a, opt_a, b, opt_b)
 
 
 def test_o2_a_parameter_sliced_from_one_tensor_with_a_buffer_keeps_its_master_on_buffer_writes():
