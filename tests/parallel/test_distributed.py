@@ -1029,6 +1029,24 @@ def check_amp_two_losses_under_the_reducers_bucket_views(ctx):
                                        msg=labelled(f"delay={delay} {name}"))
 
 
+def _BUCKET_ORDER_ATOL(ctx, atol):
+    """``atol`` on 2 ranks; on more, room for half gradients summed in another order (gloo's
+    sum of a bf16 element over 4 ranks depends on where the bucket puts it, and two wrappers
+    bucket differently: a bf16 rounding of the gradient, times the learning rate)."""
+    return atol if ctx.world_size <= 2 else max(atol, 1e-3)
+
+
+def _same_after_resume(ctx, got, want, what):
+    """Bit for bit on 2 ranks. On more, to the rounding of half gradients summed in another
+    order (see :func:`_BUCKET_ORDER_ATOL`): a wrapper built at the resume takes its first step
+    with a fresh bucket layout, where the uninterrupted one had rebuilt its own."""
+    if ctx.world_size <= 2:
+        assert torch.equal(got, want), what
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=_BUCKET_ORDER_ATOL(ctx, 0.0),
+                                   msg=lambda report: f"{what}: {report}")
+
+
 def check_delay_allreduce_amp_o2_with_checkpointing(ctx):
     # amp O2 (bf16 model, fp32 masters) under the delay mode with reentrant checkpointing:
     # the same training as the default mode on the same model without checkpointing.
@@ -1048,7 +1066,7 @@ def check_delay_allreduce_amp_o2_with_checkpointing(ctx):
     masters = list(amp.master_params(opt))
     _assert_same_on_all_ranks(ctx, masters, "fp32 master weight")
     for m, r in zip(masters, amp.master_params(plain_opt)):
-        torch.testing.assert_close(m, r, rtol=0, atol=1e-6)
+        torch.testing.assert_close(m, r, rtol=0, atol=_BUCKET_ORDER_ATOL(ctx, 1e-6))
 
 
 def check_disable_and_enable_allreduce(ctx):
@@ -2719,9 +2737,9 @@ def check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit(ctx):
         _amp_step(resumed, resumed_opt, _mine(ctx, x), _mine(ctx, y), amp)
     got = dict(resumed.module.named_parameters()) | dict(resumed.module.named_buffers())
     for name, want in [*ddp.module.named_parameters(), *ddp.module.named_buffers()]:
-        assert torch.equal(got[name], want), f"rank {ctx.rank}: {name}"
+        _same_after_resume(ctx, got[name], want, f"rank {ctx.rank}: {name}")
     for i, (m, r) in enumerate(zip(amp.master_params(opt), amp.master_params(resumed_opt))):
-        assert torch.equal(m, r), f"rank {ctx.rank}: master {i}"
+        _same_after_resume(ctx, m, r, f"rank {ctx.rank}: master {i}")
     assert amp.state_dict(optimizer=resumed_opt) == amp.state_dict(optimizer=opt)
     assert amp.state_dict(optimizer=opt)["loss_scaler0"]["unskipped"] == 4
 
@@ -2824,9 +2842,9 @@ def check_apex_imagenet_recipe_resumes_bit_for_bit_from_rank0s_file(ctx):
     label = f"rank {ctx.rank}"
     got = dict(resumed.module.named_parameters()) | dict(resumed.module.named_buffers())
     for name, want in [*ddp.module.named_parameters(), *ddp.module.named_buffers()]:
-        assert torch.equal(got[name], want), labelled(label)(f"{name} differs after the resume")
+        _same_after_resume(ctx, got[name], want, labelled(label)(f"{name} differs after the resume"))
     for i, (m, r) in enumerate(zip(amp.master_params(opt), amp.master_params(resumed_opt))):
-        assert torch.equal(m, r), labelled(label)(f"master {i} differs after the resume")
+        _same_after_resume(ctx, m, r, labelled(label)(f"master {i} differs after the resume"))
     for key, state in opt.state_dict()["state"].items():
         assert torch.equal(state["momentum_buffer"],
                            resumed_opt.state_dict()["state"][key]["momentum_buffer"]), key
@@ -2994,7 +3012,7 @@ def check_gan_three_losses_overflow_in_one_loss_on_one_rank_and_resume(ctx):
     for i in range(2, 4):
         step(i, D2, G2, opt_d2, opt_g2, poisons.get(i))
         for k, (got, want) in enumerate(zip(masters(opt_d2, opt_g2), trajectory[i])):
-            assert torch.equal(got, want), f"rank {ctx.rank}: resumed step {i}, master {k}"
+            _same_after_resume(ctx, got, want, f"rank {ctx.rank}: resumed step {i}, master {k}")
     assert scales(opt_d2) == final_scales
 
 
@@ -3047,9 +3065,9 @@ def check_amp_o2_ddp_dcp_checkpoint_resume_continues_bit_for_bit(ctx):
         steps(resumed, resumed_opt, [902, 903])
         for i, (m, r) in enumerate(zip(amp.master_params(full_opt),
                                        amp.master_params(resumed_opt))):
-            assert torch.equal(m, r), f"rank {ctx.rank} {route}: master {i}"
+            _same_after_resume(ctx, m, r, f"rank {ctx.rank} {route}: master {i}")
         for (name, want), got in zip(full.module.named_parameters(), resumed.module.parameters()):
-            assert torch.equal(got, want), f"rank {ctx.rank} {route}: {name}"
+            _same_after_resume(ctx, got, want, f"rank {ctx.rank} {route}: {name}")
 
 
 def check_ddp_of_a_compiled_amp_model_trains_as_eager(ctx):
@@ -3060,7 +3078,10 @@ def check_ddp_of_a_compiled_amp_model_trains_as_eager(ctx):
     from mixprec import amp
 
     backend = "inductor" if ctx.is_cuda else "aot_eager"
-    tol = dict(rtol=0, atol=2e-3) if ctx.is_cuda else dict(rtol=0, atol=0)
+    # (On more than 2 ranks the compiled module's buckets differ from the eager one's: see
+    # _BUCKET_ORDER_ATOL.)
+    tol = dict(rtol=0, atol=2e-3) if ctx.is_cuda else dict(
+        rtol=0, atol=_BUCKET_ORDER_ATOL(ctx, 0.0))
     for opt_level in ("O1", "O2"):
         runs = []
         for compiled in (False, True):
@@ -3701,12 +3722,15 @@ def check_join_divides_uneven_steps_as_asked(ctx):
 
     from torch.distributed.algorithms.join import Join
 
-    for kwargs, divide_by_initial, last in (({}, False, 1.0), ({}, True, 0.5),
-                                            ({"prof": True}, True, 0.5),
-                                            ({"prof": True}, None, 0.5),
-                                            ({"gradient_predivide_factor": 3.0}, None, 0.5)):
+    # (On W ranks: step 1 averages 1..W, (W + 1) / 2; step 2 is rank 0's 1 divided by 1 or W.)
+    first, by_initial = (ctx.world_size + 1) / 2, 1 / ctx.world_size
+    for kwargs, divide_by_initial, last in (({}, False, 1.0), ({}, True, by_initial),
+                                            ({"prof": True}, True, by_initial),
+                                            ({"prof": True}, None, by_initial),
+                                            ({"gradient_predivide_factor": 3.0}, None,
+                                             by_initial)):
         grads = run(DistributedDataParallel(_Scale().to(ctx.device), **kwargs), divide_by_initial)
-        torch.testing.assert_close(grads[0], torch.full_like(grads[0], 1.5))
+        torch.testing.assert_close(grads[0], torch.full_like(grads[0], first))
         if ctx.rank == 0:
             torch.testing.assert_close(grads[1], torch.full_like(grads[1], last),
                                        msg=labelled(f"{kwargs} {divide_by_initial}"))
@@ -3723,7 +3747,7 @@ def check_join_divides_uneven_steps_as_asked(ctx):
     # gradient_average=False divides by nothing: nothing to refuse.
     ddp = DistributedDataParallel(_Scale().to(ctx.device), gradient_average=False)
     grads = run(ddp, False)
-    torch.testing.assert_close(grads[0], torch.full_like(grads[0], 3.0))
+    torch.testing.assert_close(grads[0], torch.full_like(grads[0], first * ctx.world_size))
     if ctx.rank == 0:
         torch.testing.assert_close(grads[1], torch.full_like(grads[1], 1.0))
 
@@ -4265,8 +4289,11 @@ def check_half_gradients_predivided_and_summed_in_half(ctx):
     world, factor = ctx.world_size, 3.0
     g = torch.Generator().manual_seed(21)
     grads = [(torch.randn(256, generator=g) * 10).half() for _ in range(world)]
-    # (fp16 ops; on 2 ranks one addition, so the order of the sum does not matter)
+    # (fp16 ops; on 2 ranks one addition, so the order of the sum does not matter: bit for
+    # bit there. On more, gloo's order is not this one: to an fp16 rounding per addition.)
     expected = sum(x / factor for x in grads) / (world / factor)
+    tol = dict(rtol=0, atol=0 if world <= 2 else (world - 1) * 2.0 ** -10
+               * float(expected.abs().max()))
     for delay in (False, True):
         model = _Scale(256, dtype=torch.float16).to(ctx.device)
         ddp = DistributedDataParallel(model, delay_allreduce=delay,
@@ -4274,7 +4301,7 @@ def check_half_gradients_predivided_and_summed_in_half(ctx):
         ddp(grads[ctx.rank].to(ctx.device)).backward()
         grad = model.weight.grad
         assert grad.dtype == torch.float16, grad.dtype
-        torch.testing.assert_close(grad.cpu(), expected, rtol=0, atol=0,
+        torch.testing.assert_close(grad.cpu(), expected, **tol,
                                    msg=labelled(f"delay_allreduce={delay}"))
 
 
