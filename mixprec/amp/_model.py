@@ -1888,27 +1888,27 @@ def separate_shared_version_counters(models, skip=frozenset()) -> None:
     for p in params:
         increment_version(p)
     shared = [p._version - version != 1 for p, version in zip(params, before)]
-    for p, version in zip(params, before):
-        # Every counter put back: a parameter left out above may share one with these (an
-        # autograd graph saved it, whose backward would find it modified; an earlier call's
-        # optimizer keeps its master, and would take the move for a write).
-        _set_version(p, version)
+    # Every counter put back: a parameter left out above may share one with these (an
+    # autograd graph saved it, whose backward would find it modified; an earlier call's
+    # optimizer keeps its master, and would take the move for a write).
+    _set_versions(params, before)
     for p, is_shared in zip(params, shared):
         if is_shared:
             _own_version_counter(p)
 
 
-def _set_version(tensor: torch.Tensor, version: int) -> None:
-    """Set ``tensor``'s version counter (PyTorch's private setter: tuples from 2.5 on, one
-    tensor before); left moved where this PyTorch has neither."""
+def _set_versions(tensors: list, versions: list) -> None:
+    """Set each tensor's version counter (PyTorch's private setter: all at once from 2.5 on,
+    one tensor a call before); left moved where this PyTorch has neither."""
     setter = getattr(torch._C._autograd, "_unsafe_set_version_counter", None)
     if setter is None:
         return
     try:
-        setter((tensor,), (version,))
+        setter(tuple(tensors), tuple(versions))
     except TypeError:
         try:
-            setter(tensor, version)
+            for tensor, version in zip(tensors, versions):
+                setter(tensor, version)
         except (TypeError, RuntimeError):
             pass
 

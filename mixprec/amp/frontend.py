@@ -469,9 +469,11 @@ def initialize(
                     "initialize with optimizer.add_param_group (stepped in fp32 as it is)."
                 )
 
+    elsewhere = frozenset()  # (half parameters an earlier call's optimizer keeps masters for)
     if props.master_weights:
-        _refuse_shared_masters(opt_list, model_list, cast_ids)
-    elsewhere = {id(h) for h, _ in mastered_elsewhere()}
+        mastered = list(mastered_elsewhere())
+        _refuse_shared_masters(opt_list, model_list, cast_ids, mastered)
+        elsewhere = {id(h) for h, _ in mastered}
     _warn_if_already_half(model_list, props)
     if props.model_is_half and props.keep_batchnorm_fp32 is True:
         # BatchNorm stays fp32: cast back now a model .half()-ed by the user, so that its
@@ -891,12 +893,13 @@ def load_state_dict(state_dict: dict, *, optimizer=None) -> None:
     _current("load_state_dict", optimizer).load_state_dict(state_dict)
 
 
-def _refuse_shared_masters(opt_list, model_list, cast_ids) -> None:
+def _refuse_shared_masters(opt_list, model_list, cast_ids, mastered) -> None:
     """Refuse a parameter that would get fp32 masters in two optimizers (two in this call, or
     one here and one of an earlier ``initialize``): each would step its own master and write
     the half parameter from it, and the other would take that write in at half precision, so
-    the two masters drift apart and checkpoints hold either."""
-    holder = {id(half): opt for half, opt in mastered_elsewhere()}
+    the two masters drift apart and checkpoints hold either. ``mastered``: the ``(half
+    parameter, optimizer)`` pairs of earlier calls (``_state.mastered_elsewhere``)."""
+    holder = {id(half): opt for half, opt in mastered}
     for opt in opt_list:
         for p in {id(p): p for g in opt.param_groups for p in g["params"]}.values():
             if id(p) not in cast_ids:  # (no master: BatchNorm kept fp32, a non-float)
