@@ -1652,6 +1652,27 @@ def test_a_write_into_the_state_dict_after_a_data_write_reaches_the_model(source
         torch.testing.assert_close(p, new[name].to(p.dtype), rtol=0, atol=0, msg=name)
 
 
+def _copied_under_inference_mode(model, how):
+    """A copy of the O2 ``model`` made under ``torch.inference_mode()``: ``copy.deepcopy``
+    there, or ``torch.load`` there of the model saved before (``how``: "deepcopy",
+    "torch_load")."""
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    with torch.inference_mode():
+        return (copy.deepcopy(model) if how == "deepcopy"
+                else torch.load(buf, weights_only=False))
+
+
+def _assert_holds(copied, state, want):
+    """``state`` (``copied``'s state dict) is ``want`` bit for bit, and the half parameters
+    of ``copied`` hold it rounded."""
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
+    for name, p in copied.named_parameters():
+        torch.testing.assert_close(p, want[name].to(p.dtype), rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch_load"])
 def test_an_o2_model_copied_or_loaded_under_inference_mode_saves_its_masters(how):
     """B4 (r86A; also on 5dfc3e3). A snapshot of the best model taken inside an evaluation
@@ -1662,13 +1683,10 @@ def test_an_o2_model_copied_or_loaded_under_inference_mode_saves_its_masters(how
     plain PyTorch, where both work; the copy's state dict is the model's, bit for bit."""
     model, opt, x = _trained_o2_mlp(torch.bfloat16)
     want = model.state_dict()
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
     with torch.inference_mode():
         model(x.bfloat16())
-        copied = (copy.deepcopy(model) if how == "deepcopy"
-                  else torch.load(buf, weights_only=False))
+    copied = _copied_under_inference_mode(model, how)
+    with torch.inference_mode():
         out = copied(x.bfloat16())
     torch.testing.assert_close(out, model(x.bfloat16()), rtol=0, atol=0)
     state = copied.state_dict()
@@ -1699,10 +1717,7 @@ def test_an_o2_copy_made_under_inference_mode_takes_a_write_into_its_masters(wri
             copied.load_state_dict(new)
         copied(x.bfloat16())
         state = copied.state_dict()
-    for k, v in new.items():
-        torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
-    for name, p in copied.named_parameters():
-        torch.testing.assert_close(p, new[name].to(p.dtype), rtol=0, atol=0, msg=name)
+    _assert_holds(copied, state, new)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch_load"])
@@ -1716,12 +1731,7 @@ def test_an_o2_copy_made_under_inference_mode_takes_an_ema_under_no_grad(how):
     state_dict() into a model copied under inference_mode work outside it. The copy's
     state dict is the EMA exactly, its half parameters the EMA rounded."""
     model, opt, x = _trained_o2_mlp(torch.bfloat16)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    with torch.inference_mode():
-        copied = (copy.deepcopy(model) if how == "deepcopy"
-                  else torch.load(buf, weights_only=False))
+    copied = _copied_under_inference_mode(model, how)
     before = {k: v.clone() for k, v in copied.state_dict().items()}
     gen = torch.Generator().manual_seed(3)
     new = {k: torch.randn(v.shape, generator=gen) for k, v in before.items()}
@@ -1731,10 +1741,7 @@ def test_an_o2_copy_made_under_inference_mode_takes_an_ema_under_no_grad(how):
         copied(x.bfloat16())  # (the forward's sync raised here)
     want = {k: before[k] * 0.5 + 0.5 * new[k] for k in before}
     state = copied.state_dict()
-    for k, v in want.items():
-        torch.testing.assert_close(state[k], v, rtol=0, atol=0, msg=k)
-    for name, p in copied.named_parameters():
-        torch.testing.assert_close(p, want[name].to(p.dtype), rtol=0, atol=0, msg=name)
+    _assert_holds(copied, state, want)
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch_load"])
@@ -1756,12 +1763,7 @@ def test_an_o2_copy_with_tied_weights_made_under_inference_mode_keeps_one_master
     for _ in range(2):
         opt.zero_grad()
         backward_and_step(model(idx).float().pow(2).mean(), opt, amp)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    with torch.inference_mode():
-        copied = (copy.deepcopy(model) if how == "deepcopy"
-                  else torch.load(buf, weights_only=False))
+    copied = _copied_under_inference_mode(model, how)
     new = torch.randn(6, 4, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
         copied.state_dict()["emb.weight"].copy_(new)
@@ -3989,6 +3991,20 @@ def test_o2_parameters_sliced_from_one_tensor_keep_the_unwritten_masters_exact()
         torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
 
 
+def _zeroing_q_leaves_the_masters_of_k_and_v(model):
+    """Zero q's half parameter in place (``nn.init.zeros_`` under no_grad): its state-dict
+    entry is then 0, and k's and v's fp32 masters are left bit for bit (plain PyTorch leaves
+    k and v as they were). The state dict after, cloned."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        nn.init.zeros_(model.q)
+    after = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.testing.assert_close(after["q"], torch.zeros_like(before["q"]), rtol=0, atol=0)
+    for name in ("k", "v"):
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+    return after
+
+
 def test_o2_a_write_into_one_sliced_parameters_half_leaves_its_siblings_masters_exact():
     """B2 (r84A; also on a8706bd~1). The QKV model of the test above: nn.init.zeros_ on q's
     half parameter after initialize moved the version counter q shared with k and v, and the
@@ -4005,13 +4021,7 @@ def test_o2_a_write_into_one_sliced_parameters_half_leaves_its_siblings_masters_
     model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
                                 loss_scale=128.0, verbosity=0)
     assert [p for p in model.parameters()] == params and model.k.no_weight_decay
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        nn.init.zeros_(model.q)
-    after = {k: v.clone() for k, v in model.state_dict().items()}
-    torch.testing.assert_close(after["q"], torch.zeros_like(before["q"]), rtol=0, atol=0)
-    for name in ("k", "v"):
-        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+    after = _zeroing_q_leaves_the_masters_of_k_and_v(model)
     ref = _SlicedQKV()
     ref.load_state_dict(after)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -4093,14 +4103,8 @@ def test_o2_parameters_sliced_from_one_tensor_of_a_model_already_half_keep_their
     for _ in range(3):
         opt.zero_grad()
         backward_and_step(model(x.half()).float().pow(2).mean(), opt, amp)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert not torch.equal(before["k"], model.k.float())  # (fp32 values the half cannot hold)
-    with torch.no_grad():
-        nn.init.zeros_(model.q)
-    after = model.state_dict()
-    assert torch.equal(after["q"], torch.zeros_like(after["q"]))
-    for name in ("k", "v"):
-        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+    assert not torch.equal(model.state_dict()["k"], model.k.float())  # (fp32 values)
+    _zeroing_q_leaves_the_masters_of_k_and_v(model)
 
 
 class _TiedSliced(nn.Module):

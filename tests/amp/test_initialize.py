@@ -3268,6 +3268,19 @@ def test_initialize_logs_the_levels_description_and_every_resolved_property(opt_
             ] == [want]
 
 
+def _o2_initialize_then_backward(model, loss, loss_scale):
+    """SGD over ``model``, O2 fp16 ``initialize`` (the already-half warning let pass), then
+    ``loss``, computed before it, backpropagated through ``scale_loss``."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the already-half warning)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                    loss_scale=loss_scale, verbosity=0)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    return model, opt
+
+
 @pytest.mark.parametrize("half_before", [False, True])
 def test_o2_initialize_between_a_forward_and_its_backward_gives_the_fp32_gradients(half_before):
     """B4 (r88A; b504f9a). A loss computed before amp.initialize and backpropagated after
@@ -3283,13 +3296,7 @@ def test_o2_initialize_between_a_forward_and_its_backward_gives_the_fp32_gradien
         model.half()
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
     loss = model(x.to(model[0].weight.dtype)).float().pow(2).mean()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the already-half warning)
-        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
-                                    loss_scale=128.0, verbosity=0)
-    with amp.scale_loss(loss, opt) as scaled:
-        scaled.backward()
+    model, opt = _o2_initialize_then_backward(model, loss, loss_scale=128.0)
     ref(x).pow(2).mean().backward()
     for master, p in zip(amp.master_params(opt), ref.parameters()):
         torch.testing.assert_close(master.grad, p.grad, rtol=0,
@@ -3320,13 +3327,7 @@ def test_o2_initialize_between_a_forward_and_its_backward_with_sliced_siblings_n
     loss_of(ref, ref_x).backward()
     x.requires_grad_()  # (an input that needs its gradient: the mm saves q.t() and k.t())
     loss = loss_of(model, x)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the already-half warning)
-        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
-                                    loss_scale=1.0, verbosity=0)
-    with amp.scale_loss(loss, opt) as scaled:
-        scaled.backward()
+    model, opt = _o2_initialize_then_backward(model, loss, loss_scale=1.0)
     masters = dict(zip(["q", "k", "v", "u"], amp.master_params(opt)))
     for name in ("q", "k"):
         torch.testing.assert_close(masters[name].grad, getattr(ref, name).grad.float(),
