@@ -798,7 +798,7 @@ def _push_written_masters(model: nn.Module) -> None:
         # torch.export: the parameters are fake tensors there, and a non-strict export traces
         # the disabled call below as plain Python, which came back here without end. The
         # program takes the half parameters as the copy's last forward or state_dict() left
-        # them (README).
+        # them (docs/amp.md).
         return None
     if is_compiling():
         if _PUSH_TRACED[0]:
@@ -841,7 +841,7 @@ def _tracer_paused():
 class _OrphanedMasters:
     """In a live O2 model's :data:`_LIVE_MASTERS` once its optimizers are gone (training
     done): their masters are the model's own from then on, kept in step as a copy's are
-    (README), and a master written in place (a server's ``dcp.load`` into
+    (docs/amp.md), and a master written in place (a server's ``dcp.load`` into
     ``model.state_dict()``) goes into its half parameter before the next eager forward. Called
     as the weak references it replaces are, it gives its push. One version read per master
     when nothing was written; a compiled forward does not look (no graph break)."""
@@ -1917,7 +1917,7 @@ def _own_version_counter(param: torch.Tensor) -> None:
     """Give ``param`` a version counter of its own through ``torch.utils.swap_tensors`` with
     a new tensor of the same class, values, attributes (``__dict__`` and ``__slots__``) and
     ``requires_grad``. Left sharing where the swap cannot be made (a weak reference to the
-    parameter, hooks on it, an autograd graph holding it): the README names the limit."""
+    parameter, hooks on it, an autograd graph holding it): docs/amp.md names the limit."""
     if (weakref.getweakrefcount(param) or getattr(param, "_backward_hooks", None)
             or getattr(param, "_post_accumulate_grad_hooks", None) or param._use_count() > 1):
         return  # (use count: an autograd graph holds it, whose backward the swap would break)

@@ -1460,7 +1460,7 @@ def test_o2_namedtuple_and_list_subclass_inputs_compile_fullgraph():
     subclass, something in each cast, compile with fullgraph=True: b1d4a16's attribute copy,
     traced, branched on the namedtuple's __dict__ and broke the graph on PyTorch 2.11 (the
     GPU machine's; 2.13 traced it). Under compile the attributes set on a subclass instance
-    are not carried to the cast copy (README). Reference: the eager forward (bit for bit),
+    are not carried to the cast copy (docs/amp.md). Reference: the eager forward (bit for bit),
     for the subclasses that of the same items without the attribute."""
     if torch.__version__ < (2, 5):
         pytest.skip("PyTorch 2.4's Dynamo does not trace namedtuple or list-subclass inputs "
@@ -2093,7 +2093,7 @@ def test_torch_compile_fullgraph_keeps_the_forwards_writes_into_the_callers_cont
             if "is_dataclass" not in str(err):
                 raise
             # (PyTorch 2.4's Dynamo does not trace dataclasses.is_dataclass, which amp's input
-            # cast asks of a dataclass input at O2: README.)
+            # cast asks of a dataclass input at O2: docs/amp.md.)
             pytest.skip("this PyTorch's Dynamo cannot trace dataclasses.is_dataclass")
         assert set(batch) == {"ids", "h"} and set(cache.store) == {"k"} and len(aux) == 1
         got.append((out, batch["h"], cache.store["k"], aux[0]))

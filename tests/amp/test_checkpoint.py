@@ -248,7 +248,7 @@ def test_a_load_that_writes_only_the_half_parameter_and_a_copys_load_hold():
 
 
 def test_restored_and_upcast_model_saves_its_own_weights():
-    # amp.restore_model(model); model.float() (the README's way back to an fp32 model): the
+    # amp.restore_model(model); model.float() (docs/amp.md's way back to an fp32 model): the
     # state dict kept returning the O2 masters, so edits to or training of the fp32 model
     # never reached its checkpoint, and a reloaded checkpoint computed something else.
     model = make_cnn()
@@ -1562,7 +1562,7 @@ def test_an_ema_swapped_in_and_back_through_data_continues_bit_for_bit():
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=k)
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (README): once the optimizer is gone the "
+@pytest.mark.xfail(strict=True, reason="known limit (docs/amp.md): once the optimizer is gone the "
                    "masters take .data writes at state_dict(), as a copy's do")
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_an_ema_swapped_in_saved_and_back_after_the_optimizer_is_gone_keeps_the_fp32_weights(dtype):
@@ -1617,17 +1617,17 @@ def _trained_o2_mlp(dtype):
 
 
 @pytest.mark.parametrize("source", ["deepcopy", "optimizer_deleted", pytest.param(
-    "optimizer_alive", marks=pytest.mark.xfail(strict=True, reason="known limit (README): after a "
-    ".data write, until the next step, those state_dict() entries are new tensors"))])
+    "optimizer_alive", marks=pytest.mark.xfail(strict=True, reason="known limit (docs/amp.md): "
+    "after a .data write, until the next step, those state_dict() entries are new tensors"))])
 def test_a_write_into_the_state_dict_after_a_data_write_reaches_the_model(source):
     """B1 (r86A, on a4fc670, reverted). A model whose masters are its own (a deep copy: a
     mean-teacher EMA updated with `e.data.mul_(d).add_(p.data, ...)`; or the live model
     after `del optimizer` and torch_ema's copy_to()) has half parameters changed through
     .data. Then weights are loaded in place into its state dict (`own = m.state_dict();
-    own[k].copy_(v)`, timm's ModelEma `set()`, `dcp.load(m.state_dict())`, which the README
+    own[k].copy_(v)`, timm's ModelEma `set()`, `dcp.load(m.state_dict())`, which docs/amp.md
     says write the masters). With a4fc670 the entries of the .data-written parameters were
     temporaries (merged values), so the load was silently dropped. With the optimizer alive
-    (B5) the entries are such temporaries until the next step: a known limit (README).
+    (B5) the entries are such temporaries until the next step: a known limit (docs/amp.md).
     Reference: the loaded values, bit for bit in the state dict; the half parameters hold
     them rounded."""
     model, opt, x = _trained_o2_mlp(torch.float16)
@@ -2958,7 +2958,7 @@ def test_o2_keep_vars_after_a_parametrization_returns_the_moved_parameter_itself
 @pytest.mark.parametrize("level", ["O2", "O3"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_functional_call_takes_the_models_own_tensors(level, dtype):
-    # What the README says for torch.func.functional_call: the model's own parameters and
+    # What docs/amp.md says for torch.func.functional_call: the model's own parameters and
     # buffers give its forward, as do state-dict entries cast to the parameters' dtypes.
     model = make_cnn("cpu")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -3126,7 +3126,7 @@ def test_state_dict_in_another_thread_while_training_leaves_the_masters_alone():
 
 def test_an_ema_copys_state_dict_taken_during_an_update_leaves_the_update_alone(monkeypatch):
     # An O2 model's deep copy used as an EMA, updated in place through its state_dict()
-    # tensors (the README's way) in one thread while another thread takes its state_dict()
+    # tensors (docs/amp.md's way) in one thread while another thread takes its state_dict()
     # (a checkpointer): the copy's save hook compares its half weights with the masters, and
     # a master written while it compared (here: inside the comparison, deterministically) had
     # the stale half weight copied over the fp32 update.
@@ -3551,7 +3551,7 @@ def test_o2_training_with_evaluations_and_state_dicts_between_steps_is_bit_for_b
 
 @pytest.mark.parametrize("how", ["master_params", "state_dict_tensors"])
 def test_o2_jit_trace_right_after_masters_written_in_place_traces_the_written_weights(how):
-    """B3 (r79B). README: torch.jit.trace takes the live amp model. Masters written in place
+    """B3 (r79B). docs/amp.md: torch.jit.trace takes the live amp model. Masters written in place
     (a resume by dcp.load into model.state_dict(), or copy_ into amp.master_params), then
     torch.jit.trace(model, x) to export: the forward's push of the written masters ran inside
     the trace and the tracer failed with "Cannot insert a Tensor that requires grad as a
@@ -3574,7 +3574,7 @@ def test_o2_jit_trace_right_after_masters_written_in_place_traces_the_written_we
 
 @pytest.mark.parametrize("state_dict_first", [False, True])
 def test_o2_optimizer_gone_masters_written_in_place_reach_the_next_forward(state_dict_first):
-    """B4 (r79B). README: "Once the optimizer is deleted (training done), the masters keep
+    """B4 (r79B). docs/amp.md: "Once the optimizer is deleted (training done), the masters keep
     their fp32 values and follow the half model's later changes, as a copy's do", and a
     copy's forward takes masters written through its state dict. After training, with the
     optimizer deleted, new weights written in place into model.state_dict()'s tensors (an
@@ -3612,7 +3612,7 @@ def test_o2_optimizer_gone_masters_written_in_place_reach_the_next_forward(state
 
 @pytest.mark.parametrize("setup", ["two_optimizers_one_model", "gan_one_call"])
 def test_o2_one_optimizer_gone_its_masters_written_in_place_reach_the_next_forward(setup):
-    """r82A B1. README: once the optimizer is deleted its masters "follow the half model's
+    """r82A B1. docs/amp.md: once the optimizer is deleted its masters "follow the half model's
     later changes, as a copy's do", and a master written in place reaches the next forward.
     With another optimizer of the same initialize call still alive (two optimizers over one
     model, or initialize([gen, disc], [opt_g, opt_d]) with opt_g deleted), new weights
@@ -3691,8 +3691,8 @@ def test_o2_masters_written_around_deleting_the_optimizer_keep_the_written_weigh
 
 
 @pytest.mark.parametrize("split", ["by_module", pytest.param("within_a_module", marks=pytest.mark.xfail(
-    strict=True, reason="known limit (README): a module whose parameters the deleted optimizer "
-    "shared with a live one is not looked at as a copy's"))])
+    strict=True, reason="known limit (docs/amp.md): a module whose parameters the deleted "
+    "optimizer shared with a live one is not looked at as a copy's"))])
 @pytest.mark.parametrize("side", ["masters_written", "half_written"])
 def test_o2_one_of_two_optimizers_deleted_its_masters_stay_in_step_with_the_model(split, side):
     """B1 (r83A). One initialize call, two optimizers over one model (body/head, or weights
@@ -4089,7 +4089,7 @@ def test_o2_parameters_sliced_from_one_tensor_of_a_model_already_half_keep_their
     Apex-era habit; initialize warns and takes the masters from the half values) is not cast,
     so its sliced q, k and v keep sharing one version counter: after steps (fp32 masters no
     longer representable in half), nn.init.zeros_ on q's half took k's and v's halves whole
-    into their masters, rounding them to half (7e-5 here), as the README says happens only
+    into their masters, rounding them to half (7e-5 here), as docs/amp.md says happens only
     where a weak reference or hooks forbid the swap. Reference: the fp32 model through the
     same initialize, where k's and v's masters are left exactly as they were."""
     torch.manual_seed(0)
@@ -4587,7 +4587,7 @@ def test_o2_a_write_into_the_half_model_after_a_pushed_master_write_reaches_the_
 
 @pytest.mark.parametrize("which", ["optimizer_deleted", "deepcopy"])
 def test_o2_jit_trace_of_a_model_with_masters_of_its_own(which):
-    """B3 (r81B). README: torch.jit.trace takes amp models "and their copies". Once the
+    """B3 (r81B). docs/amp.md: torch.jit.trace takes amp models "and their copies". Once the
     optimizer is deleted (a trace for export after training) the live model's forward syncs
     its masters as a copy's does, inside the trace, and the tracer failed with "Cannot insert
     a Tensor that requires grad as a constant" (it traced at 7896f1c); a deep copy's trace
@@ -4610,7 +4610,7 @@ def test_o2_jit_trace_of_a_model_with_masters_of_its_own(which):
 
 
 def test_o2_fullgraph_compile_after_the_optimizer_is_deleted():
-    """B4 (r81B). README: models returned by initialize compile with
+    """B4 (r81B). docs/amp.md: models returned by initialize compile with
     torch.compile(fullgraph=True) (only deep or unpickled copies are named as refused). After
     `del optimizer` (serving a trained model) the live model's forward took the copy's
     path, a torch.compiler.disable'd function, and fullgraph=True was refused (it compiled at
@@ -4635,7 +4635,7 @@ def test_o2_fullgraph_compile_after_the_optimizer_is_deleted():
 @pytest.mark.parametrize("collect", [False, True])
 def test_o2_served_compiled_model_runs_weights_reloaded_in_place_after_a_state_dict_call(collect):
     """G1 (r84B). Serving after training with torch.compile: `del optimizer`, then new weights
-    copied in place into model.state_dict()'s tensors (as dcp.load does). README: a compiled
+    copied in place into model.state_dict()'s tensors (as dcp.load does). docs/amp.md: a compiled
     forward does not look for written masters and gets them from an eager forward or a
     model.state_dict() call. Pins that route for repeated reloads, with the optimizer's amp
     state collected or not. Reference: a fresh O2 model that loaded the same weights with
@@ -4812,7 +4812,7 @@ def test_o2_model_soup_loaded_in_place_or_by_load_state_dict_is_the_fp32_average
 @pytest.mark.parametrize("keep_optimizer", [True, False])
 @pytest.mark.parametrize("load", ["load_state_dict", "copy_", "copy_then_forward"])
 def test_o2_head_reinitialized_after_loading_follows_the_documented_rules(load, keep_optimizer):
-    """G2 (r81B). README: "A master written wins over its half parameter written too, so to
+    """G2 (r81B). docs/amp.md: "A master written wins over its half parameter written too, so to
     re-initialize a layer after it, write its masters or load with model.load_state_dict";
     a half parameter written in place since (nn.init, reset_parameters()) is taken into its
     master before the next step and state_dict(). Re-initializing the head (half parameters)
@@ -4855,7 +4855,7 @@ def test_o2_head_reinitialized_after_loading_follows_the_documented_rules(load, 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
 @pytest.mark.parametrize("route", ["state_dict", "get_model_state_dict"])
 def test_dcp_round_trip_of_the_model_resumes_bit_for_bit(opt_level, route, tmp_path):
-    """G (r78B). README: dcp.save/dcp.load of model.state_dict() (then load_state_dict), and
+    """G (r78B). docs/amp.md: dcp.save/dcp.load of model.state_dict() (then load_state_dict), and
     get_model_state_dict/set_model_state_dict, resume the model bit for bit at every opt level
     (optimizer and amp state through torch.save). No test ran torch.distributed.checkpoint.
     Single process, no process group (DCP's local mode)."""

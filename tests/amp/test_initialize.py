@@ -1674,7 +1674,7 @@ def test_o2_move_from_the_meta_device_is_refused():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
 def test_o2_masters_follow_a_device_move_after_initialize(monkeypatch):
-    # initialize on the CPU, then model.cuda() (the README: device moves work after
+    # initialize on the CPU, then model.cuda() (the docs/amp.md: device moves work after
     # initialize). The masters stayed on the CPU: the first backward failed assigning a CUDA
     # gradient to a CPU master.
     # The reference: the same recipe initialized on the GPU, which it must equal exactly
@@ -2568,7 +2568,7 @@ def test_o3_casts_optimizer_state_kept_in_dicts_as_load_state_dict_does():
 
 @pytest.mark.parametrize("target", ["cpu", "cuda"])
 def test_o1_autocast_follows_a_device_move_after_initialize(target):
-    # initialize on one device, then move (`model.cuda()` after initialize, which the README
+    # initialize on one device, then move (`model.cuda()` after initialize, which docs/amp.md
     # allows): O1's autocast must run for the new device type. It stayed the old one, so on
     # CUDA nothing was cast (silently fp32). On CPU the move shown is meta -> cpu.
     if target == "cuda" and not torch.cuda.is_available():

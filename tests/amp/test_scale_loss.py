@@ -2004,7 +2004,7 @@ def test_a_compiled_training_step_does_not_recompile_as_the_dynamic_scale_moves(
 @pytest.mark.parametrize("drop", ["opt", "opt-keep", "model", "model-keep", "none"])
 def test_a_dropped_delay_unscale_window_lets_the_step_run(opt_level, drop):
     # A window held by delay_unscale=True, dropped (leftover micro-batches at the end of an
-    # epoch) as the README says it may be, then step(): only the optimizer's zero_grad()
+    # epoch) as docs/amp.md says it may be, then step(): only the optimizer's zero_grad()
     # with set_to_none=True let the step run; zero_grad(set_to_none=False), the model's
     # zero_grad and p.grad = None left it refused as "right after delay_unscale". The step
     # now equals the same run without the window (bf16, a static scale of 128).
