@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/migrating.md", "docs/amp.md"]
+DOCS = ["README.md", "docs/migrating.md", "docs/amp.md", "docs/parallel.md"]
 RUNNABLE_DOCS = ["README.md", "docs/migrating.md"]  # the docs with python blocks
 
 
