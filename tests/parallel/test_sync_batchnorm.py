@@ -880,6 +880,15 @@ def one_gpu_gloo_2():
     return run_checks(__name__, GROUP_2, world_size=2, device_type="cuda", shared_device=True)
 
 
+@pytest.fixture(scope="module")
+def one_gpu_gloo_4():
+    # Four processes on one GPU over gloo: the process-group checks (groups of 2, unequal and
+    # empty ranks) on the CUDA kernels, which GROUP_2 runs with the default group only.
+    if cuda_count() < 1:
+        pytest.skip("requires CUDA")
+    return run_checks(__name__, GROUP_4, world_size=4, device_type="cuda", shared_device=True)
+
+
 @pytest.mark.parametrize("check", GROUP_2)
 def test_cpu_gloo_2_ranks(gloo_2, check):
     gloo_2.assert_ok(check)
@@ -898,6 +907,11 @@ def test_gpu_nccl_2_gpus(nccl_2, check):
 @pytest.mark.parametrize("check", GROUP_2)
 def test_gpu_one_gpu_2_ranks(one_gpu_gloo_2, check):
     one_gpu_gloo_2.assert_ok(check)
+
+
+@pytest.mark.parametrize("check", GROUP_4)
+def test_gpu_one_gpu_4_ranks(one_gpu_gloo_4, check):
+    one_gpu_gloo_4.assert_ok(check)
 
 
 # ------------------------------------------------------------------------------------------------
