@@ -37,6 +37,11 @@ from torch.fx import Proxy as _FxProxy
 from torch.fx import _symbolic_trace as _fx_symbolic_trace
 from torch.nn.modules.batchnorm import _BatchNorm
 
+try:  # (absent from PyTorch builds without torch.distributed)
+    from torch.nn.parallel import DistributedDataParallel as _TorchDDP
+except ImportError:  # pragma: no cover
+    _TorchDDP = None
+
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._properties import _HALF_TYPES
 from mixprec.normalization._launch import is_compiling, is_exporting, outside_the_compiler
@@ -47,12 +52,16 @@ __all__ = [
     "master_weights", "overflow_groups", "restore_model",
 ]
 
-# Set on a model by mixprec.parallel.DistributedDataParallel's forward: True when the backward
-# of that forward will not all-reduce (inside no_sync() / after disable_allreduce()). amp's
+# Set on a model by mixprec.parallel.DistributedDataParallel's forward (and by amp's forward
+# inside PyTorch's own DDP: _follow_torch_ddp): True when the backward of that forward will not
+# all-reduce (inside no_sync() / after disable_allreduce()). amp's
 # scale_loss then keeps the gradients scaled in place, as delay_unscale=True does, so that the
 # next synced backward all-reduces the whole accumulated sum (unscaling into the masters would
 # leave each rank's local micro-batches out of the all-reduce).
 GRAD_SYNC_DEFERRED = "_mixprec_grad_sync_deferred"
+# Set with it when PyTorch's own DistributedDataParallel set it (see _follow_torch_ddp): a
+# later forward outside any DDP clears both.
+_SET_BY_TORCH_DDP = "_mixprec_grad_sync_deferred_by_torch_ddp"
 
 # Every module of a model that amp.initialize cast to half (O2/O3), with the model it went in
 # with, held weakly both ways: a later initialize of one of its parts is refused (its casts
@@ -490,6 +499,8 @@ class _AmpModule:
             original_forward = super().forward  # the user's class's forward
         else:  # (a forward set on the instance before initialize: see _swap_class)
             original_forward = functools.partial(_run_instance_forward, self, original_forward)
+        if not is_compiling() and torch.is_grad_enabled():
+            _follow_torch_ddp(self)
         if self._mixprec_own_masters:
             _push_written_masters(self)
         elif not is_compiling() and self._mixprec_live_masters:
@@ -918,6 +929,25 @@ def _push_before_leaving(model: nn.Module) -> None:
         _push_live_masters(model)
     elif model.__dict__.get(_OWN_MASTERS):
         _push_written_masters(model)
+
+
+def _follow_torch_ddp(model: nn.Module) -> None:
+    """Inside the forward of PyTorch's own ``DistributedDataParallel`` (which marks itself
+    active around its module's forward: ``_active_ddp_module``, set for TorchDynamo), record
+    on ``model`` whether the backward to come all-reduces (:data:`GRAD_SYNC_DEFERRED`), as
+    mixprec's wrapper tells amp itself. Inside ``no_sync()`` amp's ``scale_loss`` then keeps
+    the gradients scaled in place, as ``delay_unscale=True`` does, and the synced backward
+    all-reduces every micro-batch's; unscaled into the masters (or, at O1, set aside for the
+    next backward), each rank's earlier micro-batches stayed out of the all-reduce and the
+    replicas drifted apart with no error. Eager forwards only: under ``torch.compile`` pass
+    ``delay_unscale=True`` inside ``no_sync()``."""
+    ddp = getattr(_TorchDDP, "_active_ddp_module", None) if _TorchDDP is not None else None
+    if ddp is None or hasattr(ddp, "_tell_amp_models"):  # (none, or mixprec's: it tells)
+        if model.__dict__.get(_SET_BY_TORCH_DDP):
+            model.__dict__[GRAD_SYNC_DEFERRED] = model.__dict__[_SET_BY_TORCH_DDP] = False
+        return
+    deferred = not getattr(ddp, "require_backward_grad_sync", True)
+    model.__dict__[GRAD_SYNC_DEFERRED] = model.__dict__[_SET_BY_TORCH_DDP] = deferred
 
 
 def _renorm_master_rows(module: nn.Module, indices) -> None:

@@ -1123,7 +1123,8 @@ class _OptimizerState:
     # -- scale_loss ----------------------------------------------------------------------------
     def grad_sync_deferred(self) -> bool:
         """Whether a model holding this optimizer's parameters ran its last forward inside
-        ``mixprec.parallel.DistributedDataParallel``'s ``no_sync()`` (see GRAD_SYNC_DEFERRED)."""
+        ``no_sync()`` of ``mixprec.parallel.DistributedDataParallel`` or of PyTorch's own DDP
+        (see GRAD_SYNC_DEFERRED)."""
         return any(getattr(m, GRAD_SYNC_DEFERRED, False) for m in self.owner_models())
 
     def owner_models(self) -> list:

@@ -584,8 +584,9 @@ def scale_loss(
         delay_unscale (bool): leave the gradients scaled (inner micro-batches of gradient
             accumulation); the last backward before ``step()`` must not delay. Default False.
             A backward under :class:`mixprec.parallel.DistributedDataParallel`'s ``no_sync()``
-            (or after its ``disable_allreduce()``) is always delayed so: the synced backward
-            that follows then all-reduces every micro-batch's gradient, not its own alone.
+            (or after its ``disable_allreduce()``), or under PyTorch's own DDP's ``no_sync()``
+            in an eager forward, is always delayed so: the synced backward that follows then
+            all-reduces every micro-batch's gradient, not its own alone.
         delay_overflow_check (bool): accepted for Apex compatibility; unused.
 
     Yields:

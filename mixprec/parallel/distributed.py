@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_leaves
 
 from mixprec._checks import check_flag
 from mixprec.amp._logging import is_rank_zero
-from mixprec.amp._model import GRAD_SYNC_DEFERRED, is_amp_model, master_weights
+from mixprec.amp._model import _SET_BY_TORCH_DDP, GRAD_SYNC_DEFERRED, is_amp_model, master_weights
 from mixprec.amp.frontend import states_holding
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 from mixprec.parallel import _structure
@@ -1270,6 +1270,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         # Whether the backward to come leaves its gradients local (see GRAD_SYNC_DEFERRED).
         for m in getattr(self, "_amp_models", ()):
             setattr(m, GRAD_SYNC_DEFERRED, deferred)
+            m.__dict__.pop(_SET_BY_TORCH_DDP, None)  # (ours now, not PyTorch's DDP's)
 
     def extra_repr(self) -> str:
         return (

@@ -3350,6 +3350,95 @@ def check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters(ctx):
     _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
+def check_amp_accumulation_under_torch_ddp_no_sync_needs_no_delay_unscale(ctx):
+    # B (r90D R1). PyTorch's own DDP's no_sync() with amp's plain scale_loss (no
+    # delay_unscale), at O1 and O2: amp unscaled each micro-batch into the masters (O2) or set
+    # it aside for the next backward (O1), so the synced backward all-reduced the last
+    # micro-batch alone and each rank kept its own earlier ones: the masters differed between
+    # the ranks by 5e-2 after one step, with no error (torch.autocast + GradScaler stays in
+    # step there). amp now reads PyTorch's DDP's no_sync() as it reads mixprec's, and the
+    # explicit delay_unscale=True route gives the same. Reference: one process on the global
+    # micro-batches (bf16 rounding), and the masters bitwise equal on every rank.
+    for opt_level in ("O1", "O2"):
+        for delay_unscale in (False, True):
+            model = _mlp(ctx.device)
+            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                        opt_level=opt_level, loss_scale=64.0)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            for step in range(2):
+                _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
+                                   delay_unscale=delay_unscale)
+            _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_amp_forward_outside_torch_ddp_after_no_sync_unscales(ctx):
+    # The record that PyTorch's DDP's no_sync() left on the model (keep this backward's
+    # gradients scaled for the synced one) holds for the next forward only: a forward of the
+    # bare model afterwards (the window dropped, an evaluation loss backpropagated through
+    # the model itself, one rank's extra batch) unscales into the masters as usual.
+    # Reference: the same step on a model never wrapped, bit for bit. (PyTorch's DDP
+    # broadcasts rank 0's half weights into the model at construction, an in-place write amp
+    # takes into the masters, rounded to half: the reference's half weights are written in
+    # place too.)
+    from mixprec import amp
+
+    model = _mlp(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), loss_scale=64.0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(p.clone())
+    x, y = _global_batch(ctx, seed=150)
+    with ddp.no_sync():
+        ddp(_mine(ctx, x))  # (a forward whose backward never comes)
+    opt.zero_grad()
+    with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as s:
+        s.backward()
+    opt.step()
+    with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
+        s.backward()
+    ref_opt.step()
+    for m, r in zip(amp.master_params(opt), amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=0)
+
+
+def check_amp_o2_resume_under_torch_ddp_loaded_after_wrapping_continues_bit_for_bit(ctx):
+    # G (r90D). docs/amp.md: with PyTorch's own DDP, whose broadcast at construction writes
+    # the half model in place, load the checkpoint after wrapping (ddp.module.load_state_dict).
+    # The broadcast's write, still pending when the load comes, must not be taken into the
+    # loaded masters. Reference: the uninterrupted run, bit for bit on 2 ranks
+    # (_same_after_resume), masters and amp's scaler included.
+    from mixprec import amp
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = _ConvNet().to(ctx.device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                                    loss_scale="dynamic", verbosity=0)
+        return nn.parallel.DistributedDataParallel(model), opt
+
+    batches = [_images(ctx, seed=790 + i) for i in range(4)]
+    ddp, opt = build(0)
+    for x, y in batches[:2]:
+        _amp_step(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+    saved = copy.deepcopy({"model": ddp.module.state_dict(), "optimizer": opt.state_dict(),
+                           "amp": amp.state_dict(optimizer=opt)})
+    for x, y in batches[2:]:
+        _amp_step(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+    resumed, resumed_opt = build(1 + ctx.rank)  # (initialized differently on every rank)
+    resumed.module.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["optimizer"])
+    amp.load_state_dict(saved["amp"], optimizer=resumed_opt)
+    for x, y in batches[2:]:
+        _amp_step(resumed, resumed_opt, _mine(ctx, x), _mine(ctx, y), amp)
+    got = dict(resumed.module.named_parameters()) | dict(resumed.module.named_buffers())
+    for name, want in [*ddp.module.named_parameters(), *ddp.module.named_buffers()]:
+        _same_after_resume(ctx, got[name], want, f"rank {ctx.rank}: {name}")
+    for i, (m, r) in enumerate(zip(amp.master_params(opt), amp.master_params(resumed_opt))):
+        _same_after_resume(ctx, m, r, f"rank {ctx.rank}: master {i}")
+    assert amp.state_dict(optimizer=resumed_opt) == amp.state_dict(optimizer=opt)
+
 def check_amp_o2_masters_broadcast_from_rank0(ctx):
     # Every rank initialises its own weights (no common seed, as in the README's example): the
     # fp32 masters, which live in the optimizer and make the checkpoint, come from rank 0 too.
@@ -5391,6 +5480,9 @@ CHECKS = [
     "check_amp_o2_under_torch_ddp",
     "check_amp_o2_accumulation_with_no_sync",
     "check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters",
+    "check_amp_accumulation_under_torch_ddp_no_sync_needs_no_delay_unscale",
+    "check_amp_forward_outside_torch_ddp_after_no_sync_unscales",
+    "check_amp_o2_resume_under_torch_ddp_loaded_after_wrapping_continues_bit_for_bit",
     "check_amp_o2_masters_broadcast_from_rank0",
     "check_sliced_parameters_initialized_per_rank_train_as_one_model_under_either_ddp",
     "check_join_under_amp_keeps_fp32_masters_and_one_loss_scale",
