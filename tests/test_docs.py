@@ -239,10 +239,11 @@ def test_named_paths_exist(md):
     links = [t for t in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in t]
     for target in links:
         file, _, anchor = target.partition("#")
-        assert (path.parent / file).exists(), f"{md}: broken link {target}"
+        linked = path.parent / file if file else path  # ("#heading": this file's)
+        assert linked.exists(), f"{md}: broken link {target}"
         if anchor:
-            assert anchor in _anchors((path.parent / file).read_text()), (
-                f"{md}: link {target}: no heading of {file} has the anchor {anchor!r}")
+            assert anchor in _anchors(linked.read_text()), (
+                f"{md}: link {target}: no heading of {linked.name} has the anchor {anchor!r}")
     named = re.findall(r"`((?:\.ci|benchmarks|tests|mixprec|docs)/[\w/.\-]+)`", text)
     for target in named:
         assert (ROOT / target).exists(), f"{md}: names {target}, which does not exist"

@@ -1464,7 +1464,7 @@ def test_o2_namedtuple_and_list_subclass_inputs_compile_fullgraph():
     for the subclasses that of the same items without the attribute."""
     if torch.__version__ < (2, 5):
         pytest.skip("PyTorch 2.4's Dynamo does not trace namedtuple or list-subclass inputs "
-                    "through amp's input cast under fullgraph (README)")
+                    "through amp's input cast under fullgraph (docs/amp.md)")
 
     class Reads(nn.Module):
         def __init__(self):

@@ -3273,7 +3273,7 @@ def test_masters_written_in_place_right_after_initialize_hold_through_the_first_
 
 @pytest.mark.parametrize("how", ["master_params", "state_dict_tensors"])
 def test_o2_masters_written_in_place_reach_the_next_forward_and_every_state_dict(how):
-    """B1 (r78B). Values copied into the fp32 masters under no_grad (README: "write the masters
+    """B1 (r78B). Values copied into the fp32 masters under no_grad (docs/amp.md: "write the masters
     with copy_() under torch.no_grad()"), or into model.state_dict()'s tensors, which are the
     masters (what torch.distributed.checkpoint's in-place dcp.load does), must be what the next
     forward runs and what every later state_dict() returns, as the same values loaded with
