@@ -428,6 +428,33 @@ def test_gpt_with_mixprec_norm():
     assert _table_rows(text)[0][-1] == "ok"
 
 
+def test_gpt_with_mixprec_norm_builds_fused_layer_norms(monkeypatch):
+    """--model gpt --norm mixprec trains a GPT whose norm layers are mixprec's FusedLayerNorm.
+    test_gpt_with_mixprec_norm only finds "FusedLayerNorm" in the output, which the CPU note
+    ("FusedLayerNorm ran PyTorch code here") prints from the flag alone: a CLI that dropped
+    the norm factory trained nn.LayerNorm while its JSON said norm "mixprec". The workload is
+    built, its model inspected, and the run stopped there."""
+    FusedLayerNorm = pytest.importorskip("mixprec.normalization").FusedLayerNorm
+    from mixprec.bench import models
+
+    built = []
+    real = models.build_workload
+
+    def spy(*args, **kwargs):
+        wl = real(*args, **kwargs)
+        built.append((wl, wl.build_model()))
+        raise RuntimeError("stopped by the test")
+
+    monkeypatch.setattr(models, "build_workload", spy)
+    with pytest.raises(SystemExit):
+        main(["bench", "--model", "gpt", *FAST, "--norm", "mixprec"])
+    ((wl, model),) = built
+    norms = [m for m in model.modules()
+             if isinstance(m, (torch.nn.LayerNorm, FusedLayerNorm))]
+    assert norms and all(type(m) is FusedLayerNorm for m in norms)
+    assert "norm=FusedLayerNorm" in wl.description
+
+
 def test_gpt_with_mixprec_optimizer(tmp_path):
     path = str(tmp_path / "rows.json")
     code, text = _run(["bench", "--model", "gpt", *FAST, "--opt-levels", "O0", "O2",
@@ -513,6 +540,20 @@ def test_progress_bar_callback_counts_steps(monkeypatch):
     assert bar.disable
     bar.close()
     assert _progress(5, enabled=False) == (None, None)
+
+
+def test_the_cli_progress_bar_names_each_mode_as_the_table_does(monkeypatch):
+    """The bar the CLI shows (on a terminal) is described by each mode's table label
+    (".bfloat16()", not the runner's "half"): test_progress_bar_callback_counts_steps passes
+    its own label function to _progress, so the CLI's own (mode_label at the run's dtype)
+    was not checked. No per-mode lines go to stderr while a bar shows, so the label there
+    is the bar's."""
+    pytest.importorskip("tqdm")
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    code, _ = _run(["bench", "--iters", "2", "--warmup", "1", "--batch-size", "4", "--device",
+                    "cpu", "--opt-levels", "O0"])
+    assert code == 0
+    assert ".bfloat16()" in sys.stderr.getvalue()
 
 
 def test_the_install_tqdm_hint_is_shown_on_a_terminal_only(monkeypatch):
@@ -1674,6 +1715,32 @@ def test_default_size_is_large_on_cuda_and_small_on_the_cpu(cuda, size, monkeypa
     ((args, kwargs),) = calls
     assert kwargs["size"] == size and kwargs["batch_size"] is None
     assert kwargs["device"] == torch.device("cuda" if cuda else "cpu")
+
+
+@pytest.mark.parametrize("cuda", [True, False])
+def test_default_half_type_and_warm_up_follow_the_device(cuda, monkeypatch):
+    """A bare `mixprec bench` on a CUDA machine runs fp16 (Apex's type, so loss scaling shows)
+    with 5 warm-up steps, on the CPU bf16 with 3 (README, --help). The CUDA test passes
+    --dtype and --warmup itself, so nothing else pins the CUDA defaults: CUDA is faked here
+    and run_modes records what it is given."""
+    from mixprec.bench import models, runner
+
+    calls = []
+    cpu_workload = build_workload("cnn", batch_size=2, num_batches=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(models, "build_workload", lambda *a, **kw: cpu_workload)
+    monkeypatch.setattr(runner, "run_modes",
+                        lambda workload, modes, **kw: calls.append((modes, kw)) or [])
+    code, text = _run(["bench", "--no-progress"])
+    assert code == 1  # (no row ran)
+    ((modes, kwargs),) = calls
+    assert modes == ALL_MODES
+    assert kwargs["dtype"] == (torch.float16 if cuda else torch.bfloat16)
+    assert (kwargs["warmup"], kwargs["iters"]) == ((5, 40) if cuda else (3, 40))
+    assert kwargs["device"] == torch.device("cuda" if cuda else "cpu")
+    half, warm = ("fp16", 5) if cuda else ("bf16", 3)
+    assert f"half type {half}, {warm} warm-up + 40 timed iterations per mode" in text
 
 
 def test_no_timing_note_when_no_mode_finished(monkeypatch):

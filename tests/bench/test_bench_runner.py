@@ -985,3 +985,78 @@ def test_an_ignored_peak_rss_reset_is_caught_with_an_earlier_mode_s_peak_left_in
     read = runner_module._rss_reader()
     monkeypatch.setattr(runner_module, "_read_hwm_bytes", lambda: read() + 64 * 2**20)
     assert runner_module._reset_hwm() is False
+
+
+class _FakeCudaAllocator:
+    """torch.cuda's allocator statistics, driven by hand: ``allocated`` now, and the peak
+    since the last reset. Lets the CUDA memory probe's arithmetic run on a CPU-only CI (the
+    CUDA tests only check inequalities such as total >= peak > 0)."""
+
+    def __init__(self, allocated):
+        self.allocated = allocated
+        self.peak = allocated
+
+    def touch(self, nbytes):  # a step allocates nbytes on top, then frees them
+        self.peak = max(self.peak, self.allocated + nbytes)
+
+    def install(self, monkeypatch):
+        cuda = runner_module.torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+
+        def reset(device=None):
+            self.peak = self.allocated
+
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset)
+
+
+def test_cuda_peak_memory_is_the_growth_over_the_start_and_keeps_the_warm_ups_peak(monkeypatch):
+    """The GPU rows' peak memory (the README's tables): the allocator's peak minus what was
+    allocated when the mode started (the shared data), over ALL steps, although the peak
+    statistic is reset when the timed steps begin; the steady peak is the timed steps' alone
+    and the total peak includes the data. With 100 MiB of data, a warm-up step reaching
+    +400 MiB (cuDNN's search) and timed steps reaching +200 MiB: 400, 200 and 500 MiB."""
+    mib = 2**20
+    fake = _FakeCudaAllocator(100 * mib)
+    fake.install(monkeypatch)
+    probe = runner_module._CudaPeakMemory(torch.device("cuda", 0))
+    with probe:
+        fake.allocated += 50 * mib  # the model and optimizer: held to the end
+        fake.touch(350 * mib)  # warm-up step: peak 500 MiB
+        probe.start_steady()
+        fake.touch(150 * mib)  # timed step: peak 300 MiB
+        fake.allocated -= 50 * mib
+    assert probe.peak_mb == 400.0
+    assert probe.steady_peak_mb == 200.0
+    assert probe.total_peak_mb == 500.0
+
+
+def test_cuda_step_times_are_the_events_milliseconds_in_seconds(monkeypatch):
+    """On CUDA each timed step is a pair of events; Event.elapsed_time is in milliseconds and
+    the row's times are seconds (a /1000 lost, or the pair read backwards, would put the GPU
+    tables 1000x off or negative: the CUDA tests only check > 0)."""
+    clock = [0.0]
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self, stream=None):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return end.t - self.t  # ms, as torch.cuda.Event's
+
+    monkeypatch.setattr(runner_module.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(runner_module.torch.cuda, "synchronize", lambda device=None: None)
+    timer = runner_module._StepTimer(torch.device("cuda", 0), 3)
+    timer.start_all()
+    for i, ms in enumerate((5.0, 7.0, 250.0)):
+        timer.start(i)
+        clock[0] += ms
+        timer.stop(i)
+        clock[0] += 1.0  # the loop's own work between steps
+    timer.stop_all()
+    assert timer.times_s() == pytest.approx([0.005, 0.007, 0.25], rel=1e-12)
