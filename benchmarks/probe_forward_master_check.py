@@ -12,6 +12,9 @@ written):
 * ``forward with / without the check``: a small batch's forward (batch 1, sequence 16; host
   time of the whole model call, synchronized), with the live model's check and with it
   removed: the check's share of a launch-bound forward.
+* ``torch DDP no_sync look, no DDP``: the other look of every forward with grad enabled
+  (``_model._follow_torch_ddp``: whether PyTorch's own DDP runs it inside ``no_sync()``), here
+  outside any DDP, the case of every training forward not wrapped in PyTorch's DDP.
 
     python benchmarks/probe_forward_master_check.py [--n 2000] [--smoke]
 """
@@ -27,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mixprec import amp  # noqa: E402
-from mixprec.amp._model import _push_live_masters  # noqa: E402
+from mixprec.amp._model import _follow_torch_ddp, _push_live_masters  # noqa: E402
 from mixprec.bench.models import GPT, gpt_config  # noqa: E402
 
 
@@ -71,6 +74,8 @@ def main() -> None:
         _push_live_masters(model)
 
     rows["check, one master written"] = _median_us(written, args.n, sync)
+    rows["torch DDP no_sync look, no DDP"] = _median_us(lambda: _follow_torch_ddp(model),
+                                                         args.n, sync)
     with torch.no_grad():
         rows["forward with the check"] = _median_us(lambda: model(tokens), args.n // 4, sync)
         live = model.__dict__["_mixprec_live_masters"]
