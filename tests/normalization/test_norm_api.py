@@ -677,6 +677,25 @@ def test_zero_rows_through_the_kernels_as_in_torch(kind, shape, dy_kind, device)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", _KERNEL_DEVICES)
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0, 8)])
+def test_zero_rows_through_the_kernels_give_a_zero_bias_gradient(shape, device):
+    """The test above compares y, x.grad and weight.grad with PyTorch's modules but not the
+    LayerNorm bias gradient: an empty batch on the kernels' path must leave bias.grad zeros
+    (torch.nn.LayerNorm's), not an uninitialized or NaN buffer (mutant: the launcher's
+    zero-row branch filling db with NaN / torch.empty_like)."""
+    torch.manual_seed(0)
+    ours = FusedLayerNorm(8).to(device)
+    theirs = torch.nn.LayerNorm(8).to(device)
+    for module in (ours, theirs):
+        x = torch.randn(*shape, device=device, requires_grad=True)
+        with _ops.triton_on_cpu() if device == "cpu" else contextlib.nullcontext():
+            module(x).backward(torch.randn(*shape, device=device))
+    assert ours.bias.grad is not None and ours.bias.grad.dtype == theirs.bias.grad.dtype
+    torch.testing.assert_close(ours.bias.grad, theirs.bias.grad, rtol=0, atol=0)
+    torch.testing.assert_close(ours.weight.grad, theirs.weight.grad, rtol=0, atol=0)
+
+
 @KERNEL_DEVICES
 @pytest.mark.parametrize("kind", ["layer", "rms"])
 def test_zero_rows_with_a_strided_last_dim(kind, device):
@@ -1285,6 +1304,39 @@ def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(device):
     for name, got, ref in (("dweight", gw, want[2]), ("dbias", gb, want[3]), ("dx", gx, want_dx)):
         assert got.dtype == torch.float32, name
         torch.testing.assert_close(got.double(), ref, **tolerance(torch.float32), msg=name)
+
+
+@KERNEL_DEVICES
+@pytest.mark.parametrize("memory_efficient", [False, True], ids=["saves-x", "saves-y"])
+def test_a_bias_saved_as_bf16_leaves_the_bias_gradient_fp32(memory_efficient, device):
+    """The bias twin of the test above: a compressing saved-tensor hook hands the backward the
+    fp32 bias as a bf16 copy. The bias gradient (sum(dy)) never needs the bias's value, so it
+    must come back at fp32 accuracy in fp32, not rounded to the copy's bf16 (mutant: the
+    PyTorch path's cast of a hook's bias copy back to the parameter's dtype dropped). With
+    memory_efficient, x_hat = (y - b) / w reads the copy (by design, as for the weight), so
+    only dbias is compared there; saving x, nothing in the backward reads the bias."""
+    device, kernels_on_cpu = device_and_context(device)
+    gen = torch.Generator().manual_seed(12)
+    norm = FusedLayerNorm(16, memory_efficient=memory_efficient).to(device)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(16, generator=gen) + 0.5)
+        norm.bias.copy_(torch.randn(16, generator=gen) * 3 + 0.1)
+    x = (torch.randn(6, 16, generator=gen) * 2 + 1).to(device).requires_grad_(True)
+    dy = (torch.randn(6, 16, generator=gen) * 3 + 0.3).to(device)
+
+    def compress(t):
+        return t.to(torch.bfloat16) if t.data_ptr() == norm.bias.data_ptr() else t
+
+    with kernels_on_cpu():
+        with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
+            y = norm(x)
+        gx, gw, gb = torch.autograd.grad(y, [x, norm.weight, norm.bias], dy)
+    want = float64_reference("layer", x, (16,), norm.weight, norm.bias, dy)
+    assert gb.dtype == torch.float32 and gw.dtype == torch.float32
+    torch.testing.assert_close(gb.double(), want[3], **tolerance(torch.float32), msg="dbias")
+    if not memory_efficient:  # (saving y, x_hat = (y - b) / w reads the rounded copy by design)
+        for name, got, ref in (("dx", gx, want[1]), ("dweight", gw, want[2])):
+            torch.testing.assert_close(got.double(), ref, **tolerance(torch.float32), msg=name)
 
 
 @KERNEL_DEVICES

@@ -175,6 +175,35 @@ def test_backward_with_one_parameter_gradient(need_dw, need_db):
             torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
+def test_interpreter_backward_spreads_rows_over_several_programs():
+    """The SMALL case 2x37x45 is there to cover the backward's multi-block loop, its fully
+    masked trailing block and the partial-sum finish (74 rows -> 5 row blocks of 16 over 3
+    programs of 2 blocks). Those paths only run if the interpreter launches more than one
+    program with more than one block each: a program count of 1 on CPU still passes every
+    numeric test while covering none of them (mutant: backward_num_programs returns 1 off
+    CUDA). Also checks dw/db from that launch against float64."""
+    m, n = 74, 45
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, n, generator=gen)
+    w = 1 + 0.2 * torch.randn(n, generator=gen)
+    b = 0.2 * torch.randn(n, generator=gen)
+    dy = torch.randn(m, n, generator=gen)
+    with _ops.triton_on_cpu():
+        _, mean, rstd = _launch.forward(x, w, b, 1e-5, False, torch.float32)
+        dx, dw, db = _launch.backward(dy, x, w, b, mean, rstd, False, False, torch.float32,
+                                      True, True)
+    plan = _launch.norm_plan(x.device, m, n, torch.float32, torch.float32, torch.float32,
+                             torch.float32, 0.0, False, False, xy_dtype=torch.float32,
+                             dy_dtype=torch.float32, backward_config=None, num_programs=None,
+                             finalize=None)
+    _, grid, blocks_per_program, n_partials, _, _ = plan._backward_setups[(True, True)]
+    assert grid[0] > 1 and blocks_per_program > 1 and n_partials == 2
+    want = float64_reference("layer", x, (n,), w, b, dy)
+    torch.testing.assert_close(dx.double(), want[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dw.double(), want[2], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(db.double(), want[3], atol=1e-4, rtol=1e-5)
+
+
 @pytest.mark.parametrize("param_dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_backward_op_gives_half_parameters_gradients_in_their_dtype(param_dtype):
     """A model cast to half precision (.half() / .bfloat16(), parameters included) gets its
