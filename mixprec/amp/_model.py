@@ -62,6 +62,10 @@ GRAD_SYNC_DEFERRED = "_mixprec_grad_sync_deferred"
 # Set with it when PyTorch's own DistributedDataParallel set it (see _follow_torch_ddp): a
 # later forward outside any DDP clears both.
 _SET_BY_TORCH_DDP = "_mixprec_grad_sync_deferred_by_torch_ddp"
+# What PyTorch's DDP would have recorded for a forward inside it run without grad: taken up by
+# a forward recomputed during the backward (a reentrant checkpoint's, whose first forward runs
+# under no_grad), left alone by an evaluation (see _follow_torch_ddp).
+_NO_GRAD_TORCH_DDP = "_mixprec_grad_sync_deferred_no_grad"
 
 # Every module of a model that amp.initialize cast to half (O2/O3), with the model it went in
 # with, held weakly both ways: a later initialize of one of its parts is refused (its casts
@@ -499,7 +503,7 @@ class _AmpModule:
             original_forward = super().forward  # the user's class's forward
         else:  # (a forward set on the instance before initialize: see _swap_class)
             original_forward = functools.partial(_run_instance_forward, self, original_forward)
-        if not is_compiling() and torch.is_grad_enabled():
+        if not is_compiling():
             _follow_torch_ddp(self)
         if self._mixprec_own_masters:
             _push_written_masters(self)
@@ -931,6 +935,31 @@ def _push_before_leaving(model: nn.Module) -> None:
         _push_written_masters(model)
 
 
+# PyTorch's DDPs seen active in a forward of amp's, each with the amp models found inside its
+# module. (_active_ddp_module is one for the process: a forward in another thread while a DDP
+# forward runs sees it too, as does a model called inside that forward but not part of it.)
+_TORCH_DDP_MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _inside_torch_ddp(ddp, model: nn.Module) -> bool:
+    """Whether ``model`` is a module of ``ddp``'s (looked up once per pair, then cached)."""
+    # (Models by id, with a weak reference: a module class may define __eq__ without
+    # __hash__; a wrapper class that does so is walked at every call.)
+    try:
+        members = _TORCH_DDP_MEMBERS.get(ddp)
+    except TypeError:
+        return any(m is model for m in ddp.module.modules())
+    ref = members.get(id(model)) if members is not None else None
+    if ref is not None and ref() is model:
+        return True
+    if not any(m is model for m in ddp.module.modules()):
+        return False
+    if members is None:
+        members = _TORCH_DDP_MEMBERS[ddp] = {}
+    members[id(model)] = weakref.ref(model)
+    return True
+
+
 def _follow_torch_ddp(model: nn.Module) -> None:
     """Inside the forward of PyTorch's own ``DistributedDataParallel`` (which marks itself
     active around its module's forward: ``_active_ddp_module``, set for TorchDynamo), record
@@ -939,15 +968,32 @@ def _follow_torch_ddp(model: nn.Module) -> None:
     the gradients scaled in place, as ``delay_unscale=True`` does, and the synced backward
     all-reduces every micro-batch's; unscaled into the masters (or, at O1, set aside for the
     next backward), each rank's earlier micro-batches stayed out of the all-reduce and the
-    replicas drifted apart with no error. Eager forwards only: under ``torch.compile`` pass
+    replicas drifted apart with no error. Only for a module of that DDP's (the flag is one
+    for the process: a forward in another thread, or of a model called inside the DDP's
+    forward but not part of it, is not its). A forward recomputed during the backward
+    (activation checkpointing) keeps the record of the forward it repeats, taken under
+    ``no_grad`` for a reentrant checkpoint. Eager forwards only: under ``torch.compile`` pass
     ``delay_unscale=True`` inside ``no_sync()``."""
     ddp = getattr(_TorchDDP, "_active_ddp_module", None) if _TorchDDP is not None else None
-    if ddp is None or hasattr(ddp, "_tell_amp_models"):  # (none, or mixprec's: it tells)
-        if model.__dict__.get(_SET_BY_TORCH_DDP):
-            model.__dict__[GRAD_SYNC_DEFERRED] = model.__dict__[_SET_BY_TORCH_DDP] = False
+    d, grad = model.__dict__, torch.is_grad_enabled()
+    if (ddp is None or hasattr(ddp, "_tell_amp_models")  # (none, or mixprec's: it tells)
+            or not _inside_torch_ddp(ddp, model)):
+        if torch._C._current_graph_task_id() != -1:
+            # A forward recomputed during a backward (activation checkpointing): the record
+            # of the forward it recomputes holds; a reentrant checkpoint's ran under no_grad.
+            pending = d.pop(_NO_GRAD_TORCH_DDP, None)
+            if pending is not None and grad:
+                d[GRAD_SYNC_DEFERRED] = d[_SET_BY_TORCH_DDP] = pending
+            return
+        if grad and d.get(_SET_BY_TORCH_DDP):
+            d[GRAD_SYNC_DEFERRED] = d[_SET_BY_TORCH_DDP] = False
         return
     deferred = not getattr(ddp, "require_backward_grad_sync", True)
-    model.__dict__[GRAD_SYNC_DEFERRED] = model.__dict__[_SET_BY_TORCH_DDP] = deferred
+    if grad:
+        d[GRAD_SYNC_DEFERRED] = d[_SET_BY_TORCH_DDP] = deferred
+        d.pop(_NO_GRAD_TORCH_DDP, None)
+    else:  # (an evaluation, or a reentrant checkpoint's forward: see _NO_GRAD_TORCH_DDP)
+        d[_NO_GRAD_TORCH_DDP] = deferred
 
 
 def _renorm_master_rows(module: nn.Module, indices) -> None:

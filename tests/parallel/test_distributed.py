@@ -3439,6 +3439,207 @@ def check_amp_o2_resume_under_torch_ddp_loaded_after_wrapping_continues_bit_for_
         _same_after_resume(ctx, m, r, f"rank {ctx.rank}: master {i}")
     assert amp.state_dict(optimizer=resumed_opt) == amp.state_dict(optimizer=opt)
 
+
+class _CheckpointedOuter(nn.Module):
+    """An outer module holding the amp model, which its forward runs under activation
+    checkpointing (the recompute of the amp model's forward comes during the backward,
+    outside DDP's forward)."""
+
+    def __init__(self, net, reentrant):
+        super().__init__()
+        self.net, self.reentrant = net, reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        if self.reentrant:  # (a reentrant checkpoint needs an input that requires grad)
+            x = x.detach().requires_grad_(True)
+        return checkpoint(self.net, x, use_reentrant=self.reentrant)
+
+
+def check_amp_accumulation_under_torch_ddp_no_sync_through_activation_checkpointing(ctx):
+    # B (r90E B1). PyTorch's DDP over a module that runs the amp model under activation
+    # checkpointing, accumulating with no_sync() and plain scale_loss (no delay_unscale): the
+    # recompute of amp's forward during the backward ran outside any DDP and cleared the
+    # record the no_sync() forward had left (non-reentrant), or the forward, under no_grad
+    # (reentrant), left none: each rank's micro-batches were unscaled into the masters (O2)
+    # or set aside (O1) and never all-reduced, 6e-2 between the ranks after two steps, with
+    # no error. Reference: one process on the global micro-batches (bf16 rounding), and the
+    # masters bitwise equal on every rank.
+    for opt_level in ("O1", "O2"):
+        for reentrant in (False, True):
+            model = _mlp(ctx.device)
+            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                        opt_level=opt_level, loss_scale=64.0)
+            ddp = nn.parallel.DistributedDataParallel(_CheckpointedOuter(model, reentrant))
+            for step in range(2):
+                _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
+                                   delay_unscale=False)
+            _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_amp_model_in_another_thread_is_not_read_as_inside_torch_ddp_no_sync(ctx):
+    # B (r90E B2). PyTorch's DDP marks itself active for the whole process
+    # (DistributedDataParallel._active_ddp_module), not for its thread: an unrelated amp
+    # model (its own initialize, never wrapped) trained in the main thread while another
+    # thread's DDP forward ran inside no_sync() had its gradients held scaled, and its step
+    # was refused with "a backward under DistributedDataParallel's no_sync()". Reference: the
+    # same step of a copy with no DDP forward running, bit for bit.
+    import threading
+
+    from mixprec import amp
+
+    started, go = threading.Event(), threading.Event()
+
+    class Blocking(nn.Module):
+        def __init__(self, net):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            started.set()
+            go.wait(30)
+            return self.net(x)
+
+    a = _mlp(ctx.device)
+    a_opt = torch.optim.SGD(a.parameters(), lr=0.05)
+    a, a_opt = amp.initialize(a, a_opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    ddp = nn.parallel.DistributedDataParallel(Blocking(a))
+    b = _mlp(ctx.device, seed=5)
+    b, b_opt, ref, ref_opt = _amp_o2_sgd_pair(b, copy.deepcopy(b), loss_scale=64.0)
+    x, y = _global_batch(ctx, seed=9)
+
+    def other_thread():
+        with ddp.no_sync():
+            ddp(_mine(ctx, x))
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    try:
+        assert started.wait(30)
+        with amp.scale_loss(F.mse_loss(b(x).float(), y), b_opt) as scaled:
+            scaled.backward()
+    finally:
+        go.set()
+        thread.join()
+    b_opt.step()
+    with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as scaled:
+        scaled.backward()
+    ref_opt.step()
+    for m, r in zip(amp.master_params(b_opt), amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=0)
+
+
+def check_amp_torch_ddp_join_uneven_no_sync_windows_match_delay_unscale(ctx):
+    # G (r90E G1). ddp.join() with uneven inputs (rank 0 two accumulation windows, rank 1
+    # one), micro-batches inside PyTorch's DDP's no_sync(): amp's automatic route (no
+    # delay_unscale) gives bit for bit what the explicit delay_unscale=True route gives, at
+    # O1 and O2, and join's broadcast leaves the same model on every rank. (At O2 a rank that
+    # joined early takes the broadcast half weights into its masters at its next step.)
+    from mixprec import amp
+
+    for opt_level in ("O1", "O2"):
+        got = {}
+        for delay in (False, True):
+            model = _mlp(ctx.device)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                        verbosity=0, loss_scale=64.0)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            with ddp.join():
+                for step in range(2 if ctx.rank == 0 else 1):
+                    opt.zero_grad()
+                    for micro in range(3):
+                        x, y = _global_batch(ctx, seed=800 + 3 * step + micro)
+                        last = micro == 2
+                        with contextlib.nullcontext() if last else ddp.no_sync():
+                            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+                            with amp.scale_loss(loss, opt,
+                                                delay_unscale=delay and not last) as s:
+                                s.backward()
+                    opt.step()
+            got[delay] = [m.detach().clone() for m in amp.master_params(opt)]
+            _assert_same_on_all_ranks(ctx, list(model.parameters()), f"{opt_level} parameter")
+        for i, (a, b) in enumerate(zip(got[False], got[True])):
+            assert torch.equal(a, b), f"{opt_level} master {i}: {(a - b).abs().max()}"
+
+
+def check_amp_accumulation_under_torch_ddp_options_needs_no_delay_unscale(ctx):
+    # G (r90E G2). The automatic no_sync() route under PyTorch's DDP built with
+    # find_unused_parameters, gradient_as_bucket_view (the gradients held scaled are views
+    # of the buckets), broadcast_buffers=False, or an fp16_compress_hook (the scaled sum
+    # compressed to fp16 for the all-reduce). Reference: one process on the global
+    # micro-batches (bf16 rounding), the masters bitwise equal on every rank.
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    for kwargs in (dict(find_unused_parameters=True), dict(gradient_as_bucket_view=True),
+                   dict(broadcast_buffers=False), None):
+        for opt_level in ("O1", "O2"):
+            model = _mlp(ctx.device)
+            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                        opt_level=opt_level, loss_scale=64.0)
+            ddp = nn.parallel.DistributedDataParallel(model, **(kwargs or {}))
+            if kwargs is None:
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            for step in range(2):
+                _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
+                                   delay_unscale=False)
+            _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_amp_compiled_torch_ddp_no_sync_with_delay_unscale(ctx):
+    # G (r90E G3). docs/parallel.md: a model compiled inside PyTorch's DDP
+    # (torch.compile(ddp)) is not seen by amp's no_sync() reading; delay_unscale=True on the
+    # blocks inside no_sync() is the route. That route trains as one process on the global
+    # micro-batches (bf16 rounding), the masters bitwise equal on every rank. (aot_eager:
+    # Dynamo's tracing of amp's forward, no C++ compiler.)
+    model = _mlp(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), loss_scale=64.0)
+    ddp = torch.compile(nn.parallel.DistributedDataParallel(model), backend="aot_eager")
+    for step in range(2):
+        _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step, delay_unscale=True)
+    _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_amp_two_loss_ids_inside_torch_ddp_no_sync(ctx):
+    # G (r90E G4). num_losses=2 with the two dynamic scalers at different scales (1024, 8),
+    # a backward of each loss_id per micro-batch, the first two micro-batches inside PyTorch's
+    # DDP's no_sync() and no delay_unscale: the held gradients are rescaled between the two
+    # scales and all-reduced by the synced micro-batch. Reference: one process on the global
+    # micro-batches (bf16 rounding), the masters bitwise equal on every rank.
+    from mixprec import amp
+
+    for opt_level in ("O1", "O2"):
+        built = []
+        for net in (_mlp(ctx.device), _mlp(ctx.device)):
+            opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+            net, opt = amp.initialize(net, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                      verbosity=0, num_losses=2, loss_scale="dynamic")
+            state = amp.state_dict(optimizer=opt)
+            state["loss_scaler0"]["loss_scale"] = 1024.0
+            state["loss_scaler1"]["loss_scale"] = 8.0
+            amp.load_state_dict(state, optimizer=opt)
+            built += [net, opt]
+        model, opt, ref, ref_opt = built
+        ddp = nn.parallel.DistributedDataParallel(model)
+        for step in range(2):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(3):
+                x, y = _global_batch(ctx, seed=500 + 3 * step + micro)
+                for loss_id in range(2):
+                    loss = F.mse_loss(ref(x).float(), y) * (loss_id + 1)
+                    with amp.scale_loss(loss, ref_opt, loss_id=loss_id) as s:
+                        s.backward()
+                with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
+                    for loss_id in range(2):
+                        loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+                        with amp.scale_loss(loss * (loss_id + 1), opt, loss_id=loss_id) as s:
+                            s.backward()
+            opt.step()
+            ref_opt.step()
+        _assert_masters_match_reference(ctx, opt, ref_opt)
+
 def check_amp_o2_masters_broadcast_from_rank0(ctx):
     # Every rank initialises its own weights (no common seed, as in the README's example): the
     # fp32 masters, which live in the optimizer and make the checkpoint, come from rank 0 too.
@@ -5483,6 +5684,12 @@ CHECKS = [
     "check_amp_accumulation_under_torch_ddp_no_sync_needs_no_delay_unscale",
     "check_amp_forward_outside_torch_ddp_after_no_sync_unscales",
     "check_amp_o2_resume_under_torch_ddp_loaded_after_wrapping_continues_bit_for_bit",
+    "check_amp_accumulation_under_torch_ddp_no_sync_through_activation_checkpointing",
+    "check_amp_model_in_another_thread_is_not_read_as_inside_torch_ddp_no_sync",
+    "check_amp_torch_ddp_join_uneven_no_sync_windows_match_delay_unscale",
+    "check_amp_accumulation_under_torch_ddp_options_needs_no_delay_unscale",
+    "check_amp_compiled_torch_ddp_no_sync_with_delay_unscale",
+    "check_amp_two_loss_ids_inside_torch_ddp_no_sync",
     "check_amp_o2_masters_broadcast_from_rank0",
     "check_sliced_parameters_initialized_per_rank_train_as_one_model_under_either_ddp",
     "check_join_under_amp_keeps_fp32_masters_and_one_loss_scale",
