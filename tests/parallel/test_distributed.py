@@ -3361,14 +3361,24 @@ def check_amp_accumulation_under_torch_ddp_no_sync_needs_no_delay_unscale(ctx):
     # micro-batches (bf16 rounding), and the masters bitwise equal on every rank.
     for opt_level in ("O1", "O2"):
         for delay_unscale in (False, True):
-            model = _mlp(ctx.device)
-            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
-                                                        opt_level=opt_level, loss_scale=64.0)
-            ddp = nn.parallel.DistributedDataParallel(model)
-            for step in range(2):
-                _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
-                                   delay_unscale=delay_unscale)
-            _assert_masters_match_reference(ctx, opt, ref_opt)
+            _torch_ddp_accumulation_against_reference(ctx, opt_level, delay_unscale)
+
+
+def _torch_ddp_accumulation_against_reference(ctx, opt_level, delay_unscale, hook=None,
+                                              **ddp_kwargs):
+    """Two accumulation steps (three micro-batches, the first two inside ``no_sync()``) of an
+    amp bf16 MLP at ``opt_level`` under PyTorch's DDP built with ``ddp_kwargs`` (and the
+    communication ``hook``), against one process on the global micro-batches."""
+    model = _mlp(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                opt_level=opt_level, loss_scale=64.0)
+    ddp = nn.parallel.DistributedDataParallel(model, **ddp_kwargs)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    for step in range(2):
+        _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
+                           delay_unscale=delay_unscale)
+    _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
 def check_amp_forward_outside_torch_ddp_after_no_sync_unscales(ctx):
@@ -3573,18 +3583,9 @@ def check_amp_accumulation_under_torch_ddp_options_needs_no_delay_unscale(ctx):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     for kwargs in (dict(find_unused_parameters=True), dict(gradient_as_bucket_view=True),
-                   dict(broadcast_buffers=False), None):
+                   dict(broadcast_buffers=False), dict(hook=default_hooks.fp16_compress_hook)):
         for opt_level in ("O1", "O2"):
-            model = _mlp(ctx.device)
-            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
-                                                        opt_level=opt_level, loss_scale=64.0)
-            ddp = nn.parallel.DistributedDataParallel(model, **(kwargs or {}))
-            if kwargs is None:
-                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            for step in range(2):
-                _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
-                                   delay_unscale=False)
-            _assert_masters_match_reference(ctx, opt, ref_opt)
+            _torch_ddp_accumulation_against_reference(ctx, opt_level, False, **kwargs)
 
 
 def check_amp_compiled_torch_ddp_no_sync_with_delay_unscale(ctx):
