@@ -942,22 +942,24 @@ _TORCH_DDP_MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _inside_torch_ddp(ddp, model: nn.Module) -> bool:
-    """Whether ``model`` is a module of ``ddp``'s (looked up once per pair, then cached)."""
+    """Whether ``model`` is a module of ``ddp``'s (looked up once per pair, then cached: PyTorch's
+    DDP takes its modules at construction)."""
     # (Models by id, with a weak reference: a module class may define __eq__ without
     # __hash__; a wrapper class that does so is walked at every call.)
+    # Answers are kept both ways: a model called inside a DDP's forward without being part of
+    # it (a distillation teacher kept out of the DDP's modules) would walk them at every call.
     try:
         members = _TORCH_DDP_MEMBERS.get(ddp)
     except TypeError:
         return any(m is model for m in ddp.module.modules())
-    ref = members.get(id(model)) if members is not None else None
-    if ref is not None and ref() is model:
-        return True
-    if not any(m is model for m in ddp.module.modules()):
-        return False
+    seen = members.get(id(model)) if members is not None else None
+    if seen is not None and seen[0]() is model:
+        return seen[1]
+    inside = any(m is model for m in ddp.module.modules())
     if members is None:
         members = _TORCH_DDP_MEMBERS[ddp] = {}
-    members[id(model)] = weakref.ref(model)
-    return True
+    members[id(model)] = (weakref.ref(model), inside)
+    return inside
 
 
 def _follow_torch_ddp(model: nn.Module) -> None:

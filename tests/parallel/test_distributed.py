@@ -3641,6 +3641,128 @@ def check_amp_two_loss_ids_inside_torch_ddp_no_sync(ctx):
             ref_opt.step()
         _assert_masters_match_reference(ctx, opt, ref_opt)
 
+
+def _accumulation_step_with_evaluation(ctx, ddp, opt, ref, ref_opt, seed):
+    """_accumulation_step (no delay_unscale) with an evaluation forward under no_grad through
+    the DDP, outside no_sync(), after each micro-batch's backward. (One between a no_sync()
+    forward and its backward, with the amp model under activation checkpointing, is a known
+    limit: docs/parallel.md.)"""
+    from mixprec import amp
+
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for micro in range(3):
+        x, y = _global_batch(ctx, seed=seed + micro)
+        last = micro == 2
+        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
+            s.backward()
+        with contextlib.nullcontext() if last else ddp.no_sync():
+            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+            with amp.scale_loss(loss, opt) as s:
+                s.backward()
+        with torch.no_grad():
+            ddp(_mine(ctx, x))
+    opt.step()
+    ref_opt.step()
+
+
+def check_amp_torch_ddp_no_grad_evaluation_between_micro_batches(ctx):
+    # G (r90F G1). An evaluation forward under no_grad through PyTorch's DDP after each
+    # micro-batch's backward (outside no_sync()), the amp model bare or under activation
+    # checkpointing (reentrant or not): the evaluation's record leaves the next no_sync()
+    # micro-batch's alone. Reference: one process on the global micro-batches (bf16
+    # rounding), the masters bitwise equal on every rank.
+    for wrap in (None, False, True):
+        for opt_level in ("O1", "O2"):
+            model = _mlp(ctx.device)
+            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                        opt_level=opt_level, loss_scale=64.0)
+            ddp = nn.parallel.DistributedDataParallel(
+                model if wrap is None else _CheckpointedOuter(model, wrap))
+            for step in range(2):
+                _accumulation_step_with_evaluation(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step)
+            _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+class _PartlyCheckpointed(nn.Module):
+    """_mlp's shape with its middle under activation checkpointing inside the amp model
+    (amp's own forward is not recomputed), nested if asked."""
+
+    def __init__(self, reentrant, nested):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 16)
+        self.block = nn.Sequential(nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.b = nn.Linear(16, 4)
+        self.reentrant, self.nested = reentrant, nested
+
+    def _middle(self, h):
+        from torch.utils.checkpoint import checkpoint
+
+        if self.nested:
+            return checkpoint(self.block, h, use_reentrant=self.reentrant)
+        return self.block(h)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        return self.b(checkpoint(self._middle, self.a(x), use_reentrant=self.reentrant))
+
+
+def check_amp_torch_ddp_no_sync_with_checkpoint_over_part_of_the_amp_model(ctx):
+    # G (r90F G2). Activation checkpointing over a block inside the amp model (reentrant or
+    # not, nested or not) under PyTorch's DDP's no_sync(), plain scale_loss: the recompute of
+    # the block is no forward of amp's, the no_sync() record holds. Reference: one process on
+    # the global micro-batches (bf16 rounding), the masters bitwise equal on every rank.
+    for reentrant in (False, True):
+        for nested in (False, True):
+            for opt_level in ("O1", "O2"):
+                net = _PartlyCheckpointed(reentrant, nested).to(ctx.device)
+                model, opt, ref, ref_opt = _amp_o2_sgd_pair(
+                    net, copy.deepcopy(net), opt_level=opt_level, loss_scale=64.0)
+                ddp = nn.parallel.DistributedDataParallel(model)
+                for step in range(2):
+                    _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
+                                       delay_unscale=False)
+                _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_amp_torch_ddp_membership_cache_keeps_nothing_alive_and_takes_unhashable_ddp(ctx):
+    # G (r90F G3). amp's cache of the modules of each PyTorch DDP it saw (_inside_torch_ddp)
+    # holds neither the DDP nor the model: 5 wrappers, each with a no_sync() forward, all
+    # collected once dropped. A DDP subclass that defines __eq__ without __hash__ (cannot key
+    # the cache) is still followed: the no_sync() accumulation with plain scale_loss trains as
+    # one process on the global micro-batches (bf16 rounding), masters equal on every rank.
+    import gc
+    import weakref
+
+    refs = []
+    for i in range(5):
+        model = _mlp(ctx.device, seed=i)
+        model, opt, _, _ = _amp_o2_sgd_pair(model, copy.deepcopy(model))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        with ddp.no_sync():
+            ddp(torch.randn(2, 8, device=ctx.device)).float().sum().backward()
+        refs.append((weakref.ref(ddp), weakref.ref(model)))
+        del model, opt, ddp
+    gc.collect()
+    alive = [i for i, (d, m) in enumerate(refs) if d() is not None or m() is not None]
+    assert not alive, f"rank {ctx.rank}: wrappers {alive} kept alive"
+
+    class EqualityDDP(nn.parallel.DistributedDataParallel):
+        def __eq__(self, other):
+            return self is other
+
+        __hash__ = None
+
+    model = _mlp(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), loss_scale=64.0)
+    ddp = EqualityDDP(model)
+    for step in range(2):
+        _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step, delay_unscale=False)
+    _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
 def check_amp_o2_masters_broadcast_from_rank0(ctx):
     # Every rank initialises its own weights (no common seed, as in the README's example): the
     # fp32 masters, which live in the optimizer and make the checkpoint, come from rank 0 too.
@@ -5691,6 +5813,9 @@ CHECKS = [
     "check_amp_accumulation_under_torch_ddp_options_needs_no_delay_unscale",
     "check_amp_compiled_torch_ddp_no_sync_with_delay_unscale",
     "check_amp_two_loss_ids_inside_torch_ddp_no_sync",
+    "check_amp_torch_ddp_no_grad_evaluation_between_micro_batches",
+    "check_amp_torch_ddp_no_sync_with_checkpoint_over_part_of_the_amp_model",
+    "check_amp_torch_ddp_membership_cache_keeps_nothing_alive_and_takes_unhashable_ddp",
     "check_amp_o2_masters_broadcast_from_rank0",
     "check_sliced_parameters_initialized_per_rank_train_as_one_model_under_either_ddp",
     "check_join_under_amp_keeps_fp32_masters_and_one_loss_scale",
