@@ -60,7 +60,7 @@ __all__ = [
 # leave each rank's local micro-batches out of the all-reduce).
 GRAD_SYNC_DEFERRED = "_mixprec_grad_sync_deferred"
 # Set with it when PyTorch's own DistributedDataParallel set it (see _follow_torch_ddp): a
-# later forward outside any DDP clears both.
+# later forward with grad outside any DDP (and outside a backward) clears both.
 _SET_BY_TORCH_DDP = "_mixprec_grad_sync_deferred_by_torch_ddp"
 # What PyTorch's DDP would have recorded for a forward inside it run without grad: taken up by
 # a forward recomputed during the backward (a reentrant checkpoint's, whose first forward runs
@@ -944,10 +944,10 @@ _TORCH_DDP_MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _inside_torch_ddp(ddp, model: nn.Module) -> bool:
     """Whether ``model`` is a module of ``ddp``'s (looked up once per pair, then cached: PyTorch's
     DDP takes its modules at construction)."""
-    # (Models by id, with a weak reference: a module class may define __eq__ without
-    # __hash__; a wrapper class that does so is walked at every call.)
     # Answers are kept both ways: a model called inside a DDP's forward without being part of
     # it (a distillation teacher kept out of the DDP's modules) would walk them at every call.
+    # (Models by id, with a weak reference: a module class may define __eq__ without
+    # __hash__; a wrapper class that does so is walked at every call.)
     try:
         members = _TORCH_DDP_MEMBERS.get(ddp)
     except TypeError:
