@@ -1273,6 +1273,19 @@ def test_backward_takes_parameters_and_statistics_handed_back_otherwise(hook, de
         torch.testing.assert_close(got.double(), ref, **tol, msg=name)
 
 
+def _grads_through_a_bf16_saved_copy(norm, param, x, dy, kernels_on_cpu):
+    """The gradients (x, weight, bias) of ``norm(x)`` against ``dy`` with a saved-tensor hook
+    that hands the backward a bf16 copy of ``param`` (a compressing hook)."""
+
+    def compress(t):
+        return t.to(torch.bfloat16) if t.data_ptr() == param.data_ptr() else t
+
+    with kernels_on_cpu():
+        with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
+            y = norm(x)
+        return torch.autograd.grad(y, [x, norm.weight, norm.bias], dy)
+
+
 @KERNEL_DEVICES
 def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(device):
     # A compressing saved-tensor hook may hand the backward the fp32 weight as a bf16 copy.
@@ -1292,13 +1305,7 @@ def test_a_weight_saved_as_bf16_leaves_the_parameter_gradients_fp32(device):
     x = (torch.randn(6, 16, generator=gen) * 2 + 1).to(device).requires_grad_(True)
     dy = (torch.randn(6, 16, generator=gen) * 3).to(device)
 
-    def compress(t):
-        return t.to(torch.bfloat16) if t.data_ptr() == norm.weight.data_ptr() else t
-
-    with kernels_on_cpu():
-        with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
-            y = norm(x)
-        gx, gw, gb = torch.autograd.grad(y, [x, norm.weight, norm.bias], dy)
+    gx, gw, gb = _grads_through_a_bf16_saved_copy(norm, norm.weight, x, dy, kernels_on_cpu)
     want = float64_reference("layer", x, (16,), norm.weight, norm.bias, dy)
     want_dx = float64_reference("layer", x, (16,), norm.weight.bfloat16(), norm.bias, dy)[1]
     for name, got, ref in (("dweight", gw, want[2]), ("dbias", gb, want[3]), ("dx", gx, want_dx)):
@@ -1324,13 +1331,7 @@ def test_a_bias_saved_as_bf16_leaves_the_bias_gradient_fp32(memory_efficient, de
     x = (torch.randn(6, 16, generator=gen) * 2 + 1).to(device).requires_grad_(True)
     dy = (torch.randn(6, 16, generator=gen) * 3 + 0.3).to(device)
 
-    def compress(t):
-        return t.to(torch.bfloat16) if t.data_ptr() == norm.bias.data_ptr() else t
-
-    with kernels_on_cpu():
-        with torch.autograd.graph.saved_tensors_hooks(compress, lambda t: t):
-            y = norm(x)
-        gx, gw, gb = torch.autograd.grad(y, [x, norm.weight, norm.bias], dy)
+    gx, gw, gb = _grads_through_a_bf16_saved_copy(norm, norm.bias, x, dy, kernels_on_cpu)
     want = float64_reference("layer", x, (16,), norm.weight, norm.bias, dy)
     assert gb.dtype == torch.float32 and gw.dtype == torch.float32
     torch.testing.assert_close(gb.double(), want[3], **tolerance(torch.float32), msg="dbias")

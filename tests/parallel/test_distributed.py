@@ -3401,13 +3401,8 @@ def check_amp_forward_outside_torch_ddp_after_no_sync_unscales(ctx):
     x, y = _global_batch(ctx, seed=150)
     with ddp.no_sync():
         ddp(_mine(ctx, x))  # (a forward whose backward never comes)
-    opt.zero_grad()
-    with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as s:
-        s.backward()
-    opt.step()
-    with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
-        s.backward()
-    ref_opt.step()
+    _amp_step_mse(model, opt, x, y, amp)
+    _amp_step_mse(ref, ref_opt, x, y, amp)
     for m, r in zip(amp.master_params(opt), amp.master_params(ref_opt)):
         torch.testing.assert_close(m, r, rtol=0, atol=0)
 
@@ -3533,9 +3528,7 @@ def check_amp_model_in_another_thread_is_not_read_as_inside_torch_ddp_no_sync(ct
         go.set()
         thread.join()
     b_opt.step()
-    with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as scaled:
-        scaled.backward()
-    ref_opt.step()
+    _amp_step_mse(ref, ref_opt, x, y, amp)
     for m, r in zip(amp.master_params(b_opt), amp.master_params(ref_opt)):
         torch.testing.assert_close(m, r, rtol=0, atol=0)
 
