@@ -503,11 +503,12 @@ class _AmpModule:
             original_forward = super().forward  # the user's class's forward
         else:  # (a forward set on the instance before initialize: see _swap_class)
             original_forward = functools.partial(_run_instance_forward, self, original_forward)
-        if not is_compiling():
+        compiling = is_compiling()
+        if not compiling:
             _follow_torch_ddp(self)
         if self._mixprec_own_masters:
             _push_written_masters(self)
-        elif not is_compiling() and self._mixprec_live_masters:
+        elif not compiling and self._mixprec_live_masters:
             _push_live_masters(self)
         if cfg.renorm_master:
             _renorm_master_rows(self, args[0] if args else kwargs.get("input"))
