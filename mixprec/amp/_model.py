@@ -49,7 +49,7 @@ from mixprec.normalization._launch import is_compiling, is_exporting, outside_th
 __all__ = [
     "GRAD_SYNC_DEFERRED", "AmpForwardConfig", "agree_on_overflow", "carry_amp_forward",
     "cast_floating", "cast_module_tensors", "convert_model", "converted_part_of", "is_amp_model",
-    "master_weights", "overflow_groups", "restore_model",
+    "master_weights", "overflow_groups", "restore_model", "torch_ddp_skips_this_backward",
 ]
 
 # Set on a model by mixprec.parallel.DistributedDataParallel's forward (and by amp's forward
@@ -975,8 +975,9 @@ def _follow_torch_ddp(model: nn.Module) -> None:
     for the process: a forward in another thread, or of a model called inside the DDP's
     forward but not part of it, is not its). A forward recomputed during the backward
     (activation checkpointing) keeps the record of the forward it repeats, taken under
-    ``no_grad`` for a reentrant checkpoint. Eager forwards only: under ``torch.compile`` pass
-    ``delay_unscale=True`` inside ``no_sync()``."""
+    ``no_grad`` for a reentrant checkpoint (``scale_loss`` also asks the DDP itself, for
+    the recomputes this misreads: :func:`torch_ddp_skips_this_backward`). Eager forwards
+    only: under ``torch.compile`` pass ``delay_unscale=True`` inside ``no_sync()``."""
     ddp = getattr(_TorchDDP, "_active_ddp_module", None) if _TorchDDP is not None else None
     d, grad = model.__dict__, torch.is_grad_enabled()
     if (ddp is None or hasattr(ddp, "_tell_amp_models")  # (none, or mixprec's: it tells)
@@ -997,6 +998,26 @@ def _follow_torch_ddp(model: nn.Module) -> None:
         d.pop(_NO_GRAD_TORCH_DDP, None)
     else:  # (an evaluation, or a reentrant checkpoint's forward: see _NO_GRAD_TORCH_DDP)
         d[_NO_GRAD_TORCH_DDP] = deferred
+
+
+def torch_ddp_skips_this_backward(model: nn.Module) -> bool:
+    """Whether a PyTorch ``DistributedDataParallel`` seen holding ``model`` (see
+    :func:`_follow_torch_ddp`) will not all-reduce the backward running now: it is inside
+    ``no_sync()`` and its last forward set up no all-reduce. Read by ``scale_loss`` beside the
+    forward's record, which a forward recomputed by activation checkpointing can misread
+    (nested checkpoints with a reentrant inner one; an evaluation under ``no_grad`` between a
+    ``no_sync()`` micro-batch's forward and its backward)."""
+    # (require_forward_param_sync: False after a forward without the all-reduce, or under
+    # no_grad; True after one with it, whose backward all-reduces even inside no_sync().)
+    if not _TORCH_DDP_MEMBERS:
+        return False
+    for ddp, members in list(_TORCH_DDP_MEMBERS.items()):
+        seen = members.get(id(model))
+        if (seen is not None and seen[1] and seen[0]() is model
+                and not getattr(ddp, "require_backward_grad_sync", True)
+                and not getattr(ddp, "require_forward_param_sync", True)):
+            return True
+    return False
 
 
 def _renorm_master_rows(module: nn.Module, indices) -> None:

@@ -49,6 +49,7 @@ from mixprec.amp._model import (
     registered_since,
     reshaped_parameter_error,
     take_changed_elements,
+    torch_ddp_skips_this_backward,
 )
 from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
@@ -1124,8 +1125,10 @@ class _OptimizerState:
     def grad_sync_deferred(self) -> bool:
         """Whether a model holding this optimizer's parameters ran its last forward inside
         ``no_sync()`` of ``mixprec.parallel.DistributedDataParallel`` or of PyTorch's own DDP
-        (see GRAD_SYNC_DEFERRED)."""
-        return any(getattr(m, GRAD_SYNC_DEFERRED, False) for m in self.owner_models())
+        (see GRAD_SYNC_DEFERRED), or is inside PyTorch's DDP whose backward now does not
+        all-reduce (torch_ddp_skips_this_backward)."""
+        return any(getattr(m, GRAD_SYNC_DEFERRED, False) or torch_ddp_skips_this_backward(m)
+                   for m in self.owner_models())
 
     def owner_models(self) -> list:
         """The models holding this optimizer's parameters (looked up again after a new group)."""

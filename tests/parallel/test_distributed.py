@@ -3635,36 +3635,38 @@ def check_amp_two_loss_ids_inside_torch_ddp_no_sync(ctx):
         _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
-def _accumulation_step_with_evaluation(ctx, ddp, opt, ref, ref_opt, seed):
+def _accumulation_step_with_evaluation(ctx, ddp, opt, ref, ref_opt, seed, where="after"):
     """_accumulation_step (no delay_unscale) with an evaluation forward under no_grad through
-    the DDP, outside no_sync(), after each micro-batch's backward. (One between a no_sync()
-    forward and its backward, with the amp model under activation checkpointing, is a known
-    limit: docs/parallel.md.)"""
+    the DDP, outside no_sync(), after each micro-batch's backward (``where="after"``) or
+    between its forward and its backward (``"mid"``)."""
     from mixprec import amp
 
     opt.zero_grad()
     ref_opt.zero_grad()
     for micro in range(3):
         x, y = _global_batch(ctx, seed=seed + micro)
-        last = micro == 2
+        window = contextlib.nullcontext if micro == 2 else ddp.no_sync
         with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
             s.backward()
-        with contextlib.nullcontext() if last else ddp.no_sync():
+        with window():
             loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+        if where == "mid":
+            with torch.no_grad():
+                ddp(_mine(ctx, x))
+        with window():
             with amp.scale_loss(loss, opt) as s:
                 s.backward()
-        with torch.no_grad():
-            ddp(_mine(ctx, x))
+        if where == "after":
+            with torch.no_grad():
+                ddp(_mine(ctx, x))
     opt.step()
     ref_opt.step()
 
 
-def check_amp_torch_ddp_no_grad_evaluation_between_micro_batches(ctx):
-    # G (r90F G1). An evaluation forward under no_grad through PyTorch's DDP after each
-    # micro-batch's backward (outside no_sync()), the amp model bare or under activation
-    # checkpointing (reentrant or not): the evaluation's record leaves the next no_sync()
-    # micro-batch's alone. Reference: one process on the global micro-batches (bf16
-    # rounding), the masters bitwise equal on every rank.
+def _check_accumulation_with_evaluation(ctx, where):
+    # (The amp model bare or under activation checkpointing, reentrant or not; O1 and O2.
+    # Reference: one process on the global micro-batches (bf16 rounding), the masters bitwise
+    # equal on every rank.)
     for wrap in (None, False, True):
         for opt_level in ("O1", "O2"):
             model = _mlp(ctx.device)
@@ -3673,8 +3675,76 @@ def check_amp_torch_ddp_no_grad_evaluation_between_micro_batches(ctx):
             ddp = nn.parallel.DistributedDataParallel(
                 model if wrap is None else _CheckpointedOuter(model, wrap))
             for step in range(2):
-                _accumulation_step_with_evaluation(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step)
+                _accumulation_step_with_evaluation(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
+                                                   where)
             _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_amp_torch_ddp_no_grad_evaluation_between_micro_batches(ctx):
+    # G (r90F G1). An evaluation forward under no_grad through PyTorch's DDP after each
+    # micro-batch's backward (outside no_sync()): the evaluation's record leaves the next
+    # no_sync() micro-batch's alone.
+    _check_accumulation_with_evaluation(ctx, "after")
+
+
+def check_amp_torch_ddp_no_grad_evaluation_between_forward_and_backward(ctx):
+    # B (r90F B2). An evaluation forward under no_grad through PyTorch's DDP (outside
+    # no_sync()) between a no_sync() micro-batch's forward and its backward (inside
+    # no_sync()): with the amp model under activation checkpointing, the recompute during the
+    # backward took up the evaluation's record (synced) in place of the micro-batch's, which
+    # was unscaled (O2) or set aside (O1) and never all-reduced, the ranks apart with no
+    # error. scale_loss now also asks the DDP whether its backward all-reduces.
+    _check_accumulation_with_evaluation(ctx, "mid")
+
+
+def check_amp_torch_ddp_no_sync_through_nested_activation_checkpoints(ctx):
+    # B (r90F B1). Nested activation checkpoints around the amp model inside PyTorch's DDP,
+    # no_sync() accumulation with plain scale_loss: with a reentrant inner checkpoint, the
+    # outer one's recompute ran the inner's forward under no_grad during the backward, which
+    # took up (and dropped) the no_sync() forward's record, so the inner recompute found none
+    # and the previous step's record held: micro-batches unscaled (O2) or set aside (O1) and
+    # never all-reduced, the ranks' masters apart with no error. Reference: one process on
+    # the global micro-batches (bf16 rounding), the masters bitwise equal on every rank.
+    for outer, inner in ((True, True), (False, True), (True, False), (False, False)):
+        for opt_level in ("O1", "O2"):
+            model = _mlp(ctx.device)
+            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                        opt_level=opt_level, loss_scale=64.0)
+            ddp = nn.parallel.DistributedDataParallel(
+                _CheckpointedOuter(_CheckpointedOuter(model, inner), outer))
+            for step in range(2):
+                _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
+                                   delay_unscale=False)
+            _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_amp_torch_ddp_synced_forward_with_its_backward_inside_no_sync_unscales(ctx):
+    # PyTorch's DDP decides the all-reduce in the forward: a forward outside no_sync() whose
+    # backward runs inside it is all-reduced, and amp unscales it as any synced micro-batch
+    # (scale_loss's look at the DDP's no_sync() counts only after a forward without the
+    # all-reduce), so a step right after it runs. Reference: one process on the global
+    # micro-batches, every one all-reduced.
+    from mixprec import amp
+
+    for opt_level in ("O1", "O2"):
+        model = _mlp(ctx.device)
+        model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                    opt_level=opt_level, loss_scale=64.0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        for step in range(2):
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            for micro in range(2):
+                x, y = _global_batch(ctx, seed=150 + 2 * step + micro)
+                with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
+                    s.backward()
+                loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+                with ddp.no_sync():
+                    with amp.scale_loss(loss, opt) as s:
+                        s.backward()
+            opt.step()
+            ref_opt.step()
+        _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
 class _PartlyCheckpointed(nn.Module):
@@ -5807,6 +5877,9 @@ CHECKS = [
     "check_amp_compiled_torch_ddp_no_sync_with_delay_unscale",
     "check_amp_two_loss_ids_inside_torch_ddp_no_sync",
     "check_amp_torch_ddp_no_grad_evaluation_between_micro_batches",
+    "check_amp_torch_ddp_no_grad_evaluation_between_forward_and_backward",
+    "check_amp_torch_ddp_no_sync_through_nested_activation_checkpoints",
+    "check_amp_torch_ddp_synced_forward_with_its_backward_inside_no_sync_unscales",
     "check_amp_torch_ddp_no_sync_with_checkpoint_over_part_of_the_amp_model",
     "check_amp_torch_ddp_membership_cache_keeps_nothing_alive_and_takes_unhashable_ddp",
     "check_amp_o2_masters_broadcast_from_rank0",
