@@ -940,6 +940,9 @@ def _push_before_leaving(model: nn.Module) -> None:
 # module. (_active_ddp_module is one for the process: a forward in another thread while a DDP
 # forward runs sees it too, as does a model called inside that forward but not part of it.)
 _TORCH_DDP_MEMBERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Per DDP of those: whether its last forward that amp could read set up no all-reduce (see
+# torch_ddp_skips_this_backward).
+_TORCH_DDP_FORWARD_DEFERRED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _inside_torch_ddp(ddp, model: nn.Module) -> bool:
@@ -993,6 +996,13 @@ def _follow_torch_ddp(model: nn.Module) -> None:
             d[GRAD_SYNC_DEFERRED] = d[_SET_BY_TORCH_DDP] = False
         return
     deferred = not getattr(ddp, "require_backward_grad_sync", True)
+    if grad or deferred:
+        # (For scale_loss's look at the DDP: a forward under no_grad outside no_sync(), an
+        # evaluation or a reentrant checkpoint's first pass, leaves the record alone.)
+        try:
+            _TORCH_DDP_FORWARD_DEFERRED[ddp] = deferred
+        except TypeError:  # (an unhashable DDP subclass: the forward's record alone)
+            pass
     if grad:
         d[GRAD_SYNC_DEFERRED] = d[_SET_BY_TORCH_DDP] = deferred
         d.pop(_NO_GRAD_TORCH_DDP, None)
@@ -1003,20 +1013,21 @@ def _follow_torch_ddp(model: nn.Module) -> None:
 def torch_ddp_skips_this_backward(model: nn.Module) -> bool:
     """Whether a PyTorch ``DistributedDataParallel`` seen holding ``model`` (see
     :func:`_follow_torch_ddp`) will not all-reduce the backward running now: it is inside
-    ``no_sync()`` and its last forward set up no all-reduce. Read by ``scale_loss`` beside the
-    forward's record, which a forward recomputed by activation checkpointing can misread
-    (nested checkpoints with a reentrant inner one; an evaluation under ``no_grad`` between a
-    ``no_sync()`` micro-batch's forward and its backward)."""
-    # (require_forward_param_sync: False after a forward without the all-reduce, or under
-    # no_grad; True after one with it, whose backward all-reduces even inside no_sync().)
-    if not _TORCH_DDP_MEMBERS:
+    ``no_sync()``, and its last forward that amp read set up no all-reduce. Read by
+    ``scale_loss`` beside the forward's record on the model, which a forward recomputed by
+    activation checkpointing can misread (nested checkpoints with a reentrant inner one; an
+    evaluation under ``no_grad`` between a ``no_sync()`` micro-batch's forward and its
+    backward). A forward outside ``no_sync()`` all-reduces its backward even when that runs
+    inside it, and an evaluation under ``no_grad`` (on some ranks only, say) between a forward
+    and its backward does not count."""
+    if not _TORCH_DDP_FORWARD_DEFERRED:
         return False
-    for ddp, members in list(_TORCH_DDP_MEMBERS.items()):
-        seen = members.get(id(model))
-        if (seen is not None and seen[1] and seen[0]() is model
-                and not getattr(ddp, "require_backward_grad_sync", True)
-                and not getattr(ddp, "require_forward_param_sync", True)):
-            return True
+    for ddp, deferred in list(_TORCH_DDP_FORWARD_DEFERRED.items()):
+        if deferred and not getattr(ddp, "require_backward_grad_sync", True):
+            members = _TORCH_DDP_MEMBERS.get(ddp)
+            seen = members.get(id(model)) if members is not None else None
+            if seen is not None and seen[1] and seen[0]() is model:
+                return True
     return False
 
 

@@ -3747,6 +3747,205 @@ def check_amp_torch_ddp_synced_forward_with_its_backward_inside_no_sync_unscales
         _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
+def _synced_forwards_backwards_inside_no_sync(ctx, opt_level, evaluates):
+    """Two steps of three micro-batches: each forward outside no_sync() (PyTorch all-reduces
+    every one: it decides in the forward), the first two backwards inside no_sync(), and an
+    evaluation under no_grad through the DDP between the first micro-batch's forward and its
+    backward on the ranks ``evaluates`` names. ``(opt, ref_opt)`` after the steps."""
+    from mixprec import amp
+
+    model = _mlp(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                opt_level=opt_level, loss_scale=64.0)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    for step in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for micro in range(3):
+            x, y = _global_batch(ctx, seed=170 + 3 * step + micro)
+            with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
+                s.backward()
+            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+            if micro == 0 and evaluates(ctx.rank):
+                with torch.no_grad():
+                    ddp(_mine(ctx, x))
+            with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
+                with amp.scale_loss(loss, opt) as s:
+                    s.backward()
+        opt.step()
+        ref_opt.step()
+    return opt, ref_opt
+
+
+def check_amp_torch_ddp_evaluation_on_one_rank_inside_a_synced_micro_batch(ctx):
+    # B (r91A B1). A forward outside no_sync() is all-reduced by PyTorch's DDP even when its
+    # backward runs inside no_sync(). An evaluation under no_grad through the DDP between
+    # them (a metric, a sample logged) on rank 0 only made scale_loss's first backward-time
+    # look (no_sync() and require_forward_param_sync False) hold rank 0's gradients scaled while
+    # rank 1 unscaled its own: the next synced backward all-reduced rank 0's already
+    # averaged gradients with nothing on rank 1, the masters 3e-2 apart between the ranks
+    # with no error. (With the evaluation on every rank the held gradients are averaged
+    # again, a no-op: that one trains right, and is checked too.) Reference: one process on
+    # the global micro-batches (bf16 rounding), the masters bitwise equal on every rank.
+    for opt_level in ("O1", "O2"):
+        for evaluates in (lambda rank: True, lambda rank: rank == 0):
+            opt, ref_opt = _synced_forwards_backwards_inside_no_sync(ctx, opt_level, evaluates)
+            _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def _forward_inside_no_sync_backward_outside(ctx, ddp, opt, ref, ref_opt, seed, evaluate,
+                                             delay_unscale=False):
+    """StyleGAN2-ADA's order: the first two micro-batches' forwards inside no_sync(), every
+    backward outside it (PyTorch decides in the forward: those two are not all-reduced), an
+    evaluation under no_grad through the DDP between each forward and its backward if asked,
+    and delay_unscale=True on those two if asked."""
+    from mixprec import amp
+
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for micro in range(3):
+        x, y = _global_batch(ctx, seed=seed + micro)
+        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
+            s.backward()
+        with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
+            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+        if evaluate:
+            with torch.no_grad():
+                ddp(_mine(ctx, x))
+        with amp.scale_loss(loss, opt, delay_unscale=delay_unscale and micro < 2) as s:
+            s.backward()
+    opt.step()
+    ref_opt.step()
+
+
+def check_amp_torch_ddp_forward_inside_no_sync_with_its_backward_outside(ctx):
+    # G (r91A G1). PyTorch's DDP decides the all-reduce in the forward: a forward inside
+    # no_sync() whose backward runs after leaving it (StyleGAN2-ADA's training loop wraps
+    # only the forwards in no_sync()) is not all-reduced, and amp must hold it scaled from
+    # the forward's record alone (scale_loss's backward-time look sees no no_sync()): the
+    # model bare (with and without an evaluation under no_grad between forward and
+    # backward) or under one activation checkpoint, reentrant or not; O1 and O2. Reference:
+    # one process on the global micro-batches (bf16 rounding), the masters bitwise equal.
+    for wrap, evaluate in ((None, False), (None, True), (False, False), (True, False)):
+        for opt_level in ("O1", "O2"):
+            model = _mlp(ctx.device)
+            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                        opt_level=opt_level, loss_scale=64.0)
+            ddp = nn.parallel.DistributedDataParallel(
+                model if wrap is None else _CheckpointedOuter(model, wrap))
+            for step in range(2):
+                _forward_inside_no_sync_backward_outside(ctx, ddp, opt, ref, ref_opt,
+                                                         130 + 3 * step, evaluate)
+            _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_amp_torch_ddp_forward_inside_no_sync_backward_outside_with_delay_unscale(ctx):
+    # G (r91A G2). The route docs/parallel.md must give for the cases amp's reading still
+    # gets wrong when the backward runs outside no_sync() (nested activation checkpoints
+    # with a reentrant inner one; an evaluation under no_grad between a no_sync() forward
+    # and its backward, the amp model under activation checkpointing: without it the ranks
+    # drift 6e-2 apart after two steps, with no error): delay_unscale=True on those
+    # micro-batches trains as one process. Reference: one process on the global
+    # micro-batches (bf16 rounding), the masters bitwise equal on every rank.
+    for build, evaluate in (
+            (lambda m: _CheckpointedOuter(_CheckpointedOuter(m, True), False), False),
+            (lambda m: _CheckpointedOuter(_CheckpointedOuter(m, True), True), False),
+            (lambda m: _CheckpointedOuter(m, False), True),
+            (lambda m: _CheckpointedOuter(m, True), True)):
+        for opt_level in ("O1", "O2"):
+            model = _mlp(ctx.device)
+            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                        opt_level=opt_level, loss_scale=64.0)
+            ddp = nn.parallel.DistributedDataParallel(build(model))
+            for step in range(2):
+                _forward_inside_no_sync_backward_outside(ctx, ddp, opt, ref, ref_opt,
+                                                         130 + 3 * step, evaluate,
+                                                         delay_unscale=True)
+            _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def check_amp_gan_under_two_torch_ddps_with_no_sync_on_the_discriminator(ctx):
+    # G (r91A G3). A GAN under PyTorch's DDP, generator and discriminator each wrapped,
+    # one amp.initialize (num_losses=2): the discriminator accumulates two micro-batches
+    # (the first inside ddp_d.no_sync(), the fakes from ddp_g under no_grad), and the
+    # generator's loss runs through the discriminator inside ddp_d.no_sync() (its gradients
+    # of that step not all-reduced, then dropped): amp's look at the DDPs in no_sync() must
+    # not hold the generator's gradients, whose DDP all-reduces. Reference: one process on
+    # the global batches (bf16 rounding), the masters bitwise equal on every rank.
+    from mixprec import amp
+
+    for opt_level in ("O1", "O2"):
+        nets = []
+        for _ in range(2):
+            torch.manual_seed(3)
+            g = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)).to(ctx.device)
+            d = _mlp(ctx.device)
+            og = torch.optim.SGD(g.parameters(), lr=0.05, momentum=0.9)
+            od = torch.optim.SGD(d.parameters(), lr=0.05, momentum=0.9)
+            [g, d], [og, od] = amp.initialize([g, d], [og, od], opt_level=opt_level,
+                                              dtype=torch.bfloat16, verbosity=0,
+                                              num_losses=2, loss_scale=64.0)
+            nets.append((g, d, og, od))
+        (g, d, og, od), (rg, rd, rog, rod) = nets
+        ddp_g = nn.parallel.DistributedDataParallel(g)
+        ddp_d = nn.parallel.DistributedDataParallel(d)
+        for step in range(2):
+            od.zero_grad()
+            rod.zero_grad()
+            for micro in range(2):
+                z, y = _global_batch(ctx, seed=600 + 4 * step + micro)
+                with torch.no_grad():
+                    ref_fake = rg(z)
+                with amp.scale_loss(F.mse_loss(rd(ref_fake).float(), y), rod, loss_id=0) as s:
+                    s.backward()
+                with contextlib.nullcontext() if micro == 1 else ddp_d.no_sync():
+                    with torch.no_grad():
+                        fake = ddp_g(_mine(ctx, z))
+                    loss = F.mse_loss(ddp_d(fake).float(), _mine(ctx, y))
+                    with amp.scale_loss(loss, od, loss_id=0) as s:
+                        s.backward()
+            od.step()
+            rod.step()
+            og.zero_grad()
+            rog.zero_grad()
+            z, y = _global_batch(ctx, seed=600 + 4 * step + 3)
+            with amp.scale_loss(F.mse_loss(rd(rg(z)).float(), -y), rog, loss_id=1) as s:
+                s.backward()
+            with ddp_d.no_sync():
+                loss = F.mse_loss(ddp_d(ddp_g(_mine(ctx, z))).float(), -_mine(ctx, y))
+                with amp.scale_loss(loss, og, loss_id=1) as s:
+                    s.backward()
+            og.step()
+            rog.step()
+        _assert_masters_match_reference(ctx, og, rog)
+        _assert_masters_match_reference(ctx, od, rod)
+
+
+def check_amp_accumulation_under_torch_ddp_static_graph_needs_no_delay_unscale(ctx):
+    # G (r91A G4). PyTorch's DDP built with static_graph=True (the pairing PyTorch names for
+    # reentrant activation checkpointing): no_sync() accumulation with plain scale_loss, the
+    # amp model bare or under activation checkpointing (reentrant or not), O1 and O2. (Its
+    # first iteration runs synced: PyTorch's reducer asserts on a first one inside
+    # no_sync(), with or without amp.) Reference: one process on the global micro-batches
+    # (bf16 rounding), the masters bitwise equal on every rank.
+    from mixprec import amp
+
+    for wrap in (None, True, False):
+        for opt_level in ("O1", "O2"):
+            model = _mlp(ctx.device)
+            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                        opt_level=opt_level, loss_scale=64.0)
+            ddp = nn.parallel.DistributedDataParallel(
+                model if wrap is None else _CheckpointedOuter(model, wrap), static_graph=True)
+            x, y = _global_batch(ctx, seed=2)
+            _amp_step_mse(ddp, opt, _mine(ctx, x), _mine(ctx, y), amp)
+            _amp_step_mse(ref, ref_opt, x, y, amp)
+            for step in range(2):
+                _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
+                                   delay_unscale=False)
+            _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
 class _PartlyCheckpointed(nn.Module):
     """_mlp's shape with its middle under activation checkpointing inside the amp model
     (amp's own forward is not recomputed), nested if asked."""
@@ -5880,6 +6079,11 @@ CHECKS = [
     "check_amp_torch_ddp_no_grad_evaluation_between_forward_and_backward",
     "check_amp_torch_ddp_no_sync_through_nested_activation_checkpoints",
     "check_amp_torch_ddp_synced_forward_with_its_backward_inside_no_sync_unscales",
+    "check_amp_torch_ddp_evaluation_on_one_rank_inside_a_synced_micro_batch",
+    "check_amp_torch_ddp_forward_inside_no_sync_with_its_backward_outside",
+    "check_amp_torch_ddp_forward_inside_no_sync_backward_outside_with_delay_unscale",
+    "check_amp_gan_under_two_torch_ddps_with_no_sync_on_the_discriminator",
+    "check_amp_accumulation_under_torch_ddp_static_graph_needs_no_delay_unscale",
     "check_amp_torch_ddp_no_sync_with_checkpoint_over_part_of_the_amp_model",
     "check_amp_torch_ddp_membership_cache_keeps_nothing_alive_and_takes_unhashable_ddp",
     "check_amp_o2_masters_broadcast_from_rank0",
