@@ -763,6 +763,8 @@ class _OptimizerState:
         self._masters: List[torch.Tensor] = []
         self._writes_logged = False
         self._data_writes_logged = False
+        # The half parameters (ids) the last step left as they were, frozen (see _post_step).
+        self._left_frozen: Set[int] = set()
         self._registrations_seen = -1  # (parameter_registrations() when renames were looked for)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -1464,6 +1466,8 @@ class _OptimizerState:
             self._flag_handed_over = True
         if self.pairs:
             self.take_model_writes()
+            if self._left_frozen:
+                self._take_writes_while_frozen()
         if self.grad_tensors_kept and self._had_grads:
             self._zero_grads_for_unused_masters()
         for p, _ in self.pairs:
@@ -1692,6 +1696,24 @@ class _OptimizerState:
         return [(p._version, m._version if i in taken else vm, vc)
                 for i, ((p, m), (_, vm, vc)) in enumerate(zip(pairs, now))]
 
+    def _take_writes_while_frozen(self) -> None:
+        """For each parameter left frozen at the last step (its half parameter kept what it
+        held: see _post_step) and trainable now, take into its master the elements where the
+        half parameter no longer equals the master rounded to half (written through ``.data``
+        while frozen), so that the step goes on from what the forward ran. A master written
+        in place since wins (take_model_writes). No host sync."""
+        left, synced = self._left_frozen, self._synced_versions
+        if is_compiling() or synced is None or len(synced) != len(self.pairs):
+            return
+        for i, ((p, m), (sp, sm, sc)) in enumerate(zip(self.pairs, synced)):
+            if id(p) not in left or not p.requires_grad:
+                continue
+            left.discard(id(p))
+            if (p._version == sp and m._version == sm and p._cdata == sc
+                    and p.shape == m.shape and p.dtype in (torch.float16, torch.bfloat16)):
+                take_changed_elements(p, m)
+                synced[i] = (p._version, m._version, p._cdata)
+
     def _take_data_writes(self, since: Optional[Set[int]]) -> None:
         """For the half parameters registered again since the last look (``since``, their
         ids; None: any), and not written in place since amp set them (those are taken whole),
@@ -1749,10 +1771,12 @@ class _OptimizerState:
                     if changed:  # (laid out as the master: a saved view of it maps alike)
                         out = torch.empty_like(m)
                         saved[id(p)] = torch.where(p != m.to(p.dtype), p.to(m.dtype), m, out=out)
-        if saved and self.amp_state.verbosity > 0:
+        if (saved and self.amp_state.verbosity > 0
+                and not all(i in self._left_frozen for i in saved)):
             # (Which side was written, nothing records: a write through .data into the
             # masters, torch_ema's copy_to() over amp.master_params, looks the same. A
-            # warning the first time, for that case's sake; then a debug line.)
+            # warning the first time, for that case's sake; then a debug line. None for
+            # frozen parameters the last step left as they were: their half values count.)
             message = (
                 f"amp: state_dict(): {len(saved)} half parameter(s) differ from their fp32 "
                 "master weights with no write recorded since the last step (a write through "
@@ -1807,18 +1831,7 @@ class _OptimizerState:
             self.overflow = False
             return
         written = getattr(optimizer, "_half_copies_written", None)
-        # (The copy and its record at once: a state_dict() in another thread between them, an
-        # async checkpointer, took the copy for a write into the half model and rounded the
-        # masters to half.)
-        with contextlib.nullcontext() if is_compiling() else self._sync_lock:
-            if not written:
-                self.copy_masters_to_model()
-            elif len(written) < len(self.pairs):  # the optimizer wrote some half copies itself
-                done = set(map(id, written))
-                self.copy_masters_to_model([(p, m) for p, m in self.pairs
-                                            if id(m) not in done])
-            if self.pairs:
-                self.record_synced()
+        frozen = set()
         if self.pairs:
             if self.grad_tensors_kept:
                 self._had_grads.update((id(m), _grad_record(m)) for _, m in self.pairs
@@ -1827,9 +1840,30 @@ class _OptimizerState:
             # zeroes through a wrapper (``DataParallel(model).zero_grad()``, torch DDP's, a
             # ``p.grad = None`` pass over ``model.parameters()``) reaches only the half
             # parameters, and the masters' gradients would pile up across steps.
-            for _, master in self.pairs:
+            # A parameter the optimizer holds but did not step (frozen: requires_grad=False,
+            # no gradient; MoCo's key encoder in an optimizer built over model.parameters())
+            # keeps what its half parameter holds, as under Apex, which made no master for
+            # it: a momentum update written through .data holds. Its master takes such a
+            # write at the first step after it is unfrozen (_take_writes_while_frozen).
+            for p, master in self.pairs:
                 if master.grad is not None:
                     master.grad = None
+                elif not p.requires_grad:
+                    frozen.add(id(p))
+        self._left_frozen = frozen
+        # (The copy and its record at once: a state_dict() in another thread between them, an
+        # async checkpointer, took the copy for a write into the half model and rounded the
+        # masters to half.)
+        with contextlib.nullcontext() if is_compiling() else self._sync_lock:
+            if not written and not frozen:
+                self.copy_masters_to_model()
+            elif not written or len(written) < len(self.pairs):
+                # (The optimizer wrote some half copies itself, or some pairs are frozen.)
+                done = set(map(id, written)) if written else ()
+                self.copy_masters_to_model([(p, m) for p, m in self.pairs
+                                            if id(m) not in done and id(p) not in frozen])
+            if self.pairs:
+                self.record_synced()
 
     def copy_masters_to_model(self, pairs=None) -> None:
         """Copy the fp32 master weights into the half model's parameters (cast to half), for

@@ -1203,6 +1203,114 @@ def test_frozen_parameters_in_the_optimizer_checkpoint_exactly(dtype):
     assert torch.equal(got, pretrained["features.0.weight"].to(dtype).float())
 
 
+class _MoCoPair(nn.Module):
+    """MoCo's structure: a query encoder and a key encoder that starts as its copy, with
+    requires_grad=False, both held by the optimizer (MoCo builds SGD over model.parameters())."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder_q = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+        self.encoder_k = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 4))
+        for pq, pk in zip(self.encoder_q.parameters(), self.encoder_k.parameters()):
+            pk.data.copy_(pq.data)
+            pk.requires_grad = False
+
+    def forward(self, x):
+        return self.encoder_q(x)
+
+
+def _moco_key_weight(opt_level, dtype, steps=10, m=0.9):
+    model = _MoCoPair()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if opt_level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0,
+                                    loss_scale=128.0 if dtype == torch.float16 else None)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    for _ in range(steps):
+        with torch.no_grad():  # MoCo's _momentum_update_key_encoder, written through .data
+            for pq, pk in zip(model.encoder_q.parameters(), model.encoder_k.parameters()):
+                pk.data.mul_(m).add_(pq.data, alpha=1 - m)
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        if opt_level is None:
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+    return model.encoder_k.state_dict()["0.weight"].float(), model.encoder_k[0].weight.float()
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_moco_key_encoder_updated_through_data_moves_at_o2(dtype):
+    # A parameter the optimizer holds with requires_grad=False (README: "it gets masters and is
+    # never stepped") written through .data by the user (MoCo's momentum update of its key
+    # encoder) must keep that write: the step has nothing to put into it. Apex gave such
+    # parameters no masters, so the write held there. Reference: the fp32 run; tolerance:
+    # half rounding of an EMA over 10 steps (the key moves ~5e-2 in total).
+    ref, _ = _moco_key_weight(None, None)
+    start = _MoCoPair().encoder_k[0].weight.detach()
+    saved, live = _moco_key_weight("O2", dtype)
+    assert (ref - start).abs().max() > 3e-2  # the reference key encoder moved
+    torch.testing.assert_close(live, ref, atol=1e-2, rtol=0)   # what the forward runs
+    torch.testing.assert_close(saved, ref, atol=1e-2, rtol=0)  # what the checkpoint holds
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_frozen_parameter_written_through_data_trains_on_from_the_write_once_unfrozen(dtype):
+    # A frozen parameter the optimizer holds keeps a write through .data (in place, and by
+    # assigning .data, MoCo's own form): while frozen, the forward runs it, a deep copy runs
+    # it, and state_dict() saves it without a warning (the half value counts there by
+    # design); at the first step after unfreezing its master takes it, so training goes on
+    # from what the forward ran, as in fp32. Reference: the same sequence in fp32;
+    # tolerance: half rounding of the weights, carried through four steps.
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+
+    def run(opt_level):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+        model[0].requires_grad_(False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        if opt_level is not None:
+            model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype,
+                                        verbosity=1, loss_scale=128.0)
+
+        def step():
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean()
+            if opt_level is None:
+                loss.backward()
+            else:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            opt.step()
+
+        step()
+        with torch.no_grad():
+            model[0].weight.data.mul_(0.5)
+            model[0].bias.data = model[0].bias.data + 0.25
+        step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            frozen_state = {k: v.clone() for k, v in model.state_dict().items()}
+        copied = copy.deepcopy(model)
+        with torch.no_grad():
+            torch.testing.assert_close(copied(x), model(x), rtol=0, atol=0)
+        model[0].requires_grad_(True)
+        for _ in range(2):
+            step()
+        return frozen_state, model.state_dict()
+
+    ref_frozen, ref_end = run(None)
+    frozen, end = run("O2")
+    for key in ("0.weight", "0.bias"):
+        torch.testing.assert_close(frozen[key], ref_frozen[key], atol=1e-2, rtol=0)
+    assert (ref_end["0.weight"] - ref_frozen["0.weight"]).abs().max() > 1e-3  # it trained
+    for key in ref_end:
+        torch.testing.assert_close(end[key], ref_end[key], atol=2e-2, rtol=0)
+
+
 class _LoRALinear(nn.Module):
     """A frozen base ``Linear`` plus ``B @ A * 2`` (B starts at zero), as LoRA adds to q/v."""
 

@@ -390,6 +390,128 @@ def check_no_sync_accumulation(ctx):
         _assert_same_grads(ctx, model, ref, f"delay_allreduce={delay}, {labels=}")
 
 
+class _SimCLRNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Conv2d(3, 4, 3, 1, 1, bias=False), nn.BatchNorm2d(4),
+                                  nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+        self.proj = nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU(),
+                                  nn.Linear(8, 4, bias=False), nn.BatchNorm1d(4, affine=False))
+
+    def forward(self, x):
+        return self.proj(self.body(x))
+
+
+def _nt_xent(z1, z2, gather):
+    z = torch.cat([gather(F.normalize(z1.float(), dim=1)),
+                   gather(F.normalize(z2.float(), dim=1))])
+    n = z.shape[0] // 2
+    sim = (z @ z.T / 0.5).masked_fill(torch.eye(2 * n, dtype=torch.bool, device=z.device),
+                                      float("-inf"))
+    return F.cross_entropy(sim, torch.cat([torch.arange(n, 2 * n), torch.arange(n)]).to(z.device))
+
+
+def _simclr_groups(model):
+    return [{"params": [p for p in model.parameters() if p.ndim > 1], "weight_decay": 5e-2},
+            {"params": [p for p in model.parameters() if p.ndim == 1], "weight_decay": 0.0}]
+
+
+def _simclr_run(ctx, opt_level, steps=4, acc=2):
+    """SimCLR as written for Apex: convert_syncbn_model, LARC(SGD) with BN/bias excluded from
+    weight decay by groups (clip=False; trust 0.02, larger than SimCLR's 0.001, so that 4 steps
+    move the weights measurably), a warm-up + cosine LambdaLR on larc.optim, two forwards (the
+    two views) per backward, NT-Xent over embeddings gathered with gradients
+    (torch.distributed.nn.all_gather), accumulation with no_sync(). opt_level None: the
+    single-process float64 reference on the concatenated global batch, with plain BatchNorm and
+    LARC's formula written out (Apex's)."""
+    import math
+
+    import torch.distributed.nn
+
+    from mixprec import amp
+
+    def lam(s):  # (two warm-up steps, then a cosine)
+        return (s + 1) / 2 if s < 2 else 0.5 * (1 + math.cos(math.pi * (s - 2) / (steps - 2)))
+
+    model = _SimCLRNet().to(ctx.device)
+    if opt_level is None:
+        model = model.double()
+        opt = torch.optim.SGD(_simclr_groups(model), lr=1.0, momentum=0.9)
+        inner, ddp, gather = opt, model, (lambda z: z)
+    else:
+        model = convert_syncbn_model(model)
+        opt = LARC(torch.optim.SGD(_simclr_groups(model), lr=1.0, momentum=0.9),
+                   trust_coefficient=0.02, clip=False)
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                    verbosity=0)
+        inner, ddp = opt.optim, DistributedDataParallel(model)
+
+        def gather(z):  # (deprecated in favour of functional collectives, which take no grad)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                return torch.cat(torch.distributed.nn.all_gather(z))
+    sched = torch.optim.lr_scheduler.LambdaLR(inner, lam)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for micro in range(acc):
+            g = torch.Generator().manual_seed(100 * step + micro)
+            x1, x2 = (torch.randn(ctx.world_size * PER_RANK, 3, 8, 8, generator=g) for _ in "12")
+            if opt_level is None:
+                loss = _nt_xent(ddp(x1.double()), ddp(x2.double()), gather) / acc
+                loss.backward()
+            else:
+                x1, x2 = _mine(ctx, x1.to(ctx.device)), _mine(ctx, x2.to(ctx.device))
+                with ddp.no_sync() if micro < acc - 1 else contextlib.nullcontext():
+                    loss = _nt_xent(ddp(x1), ddp(x2), gather) / acc
+                    with amp.scale_loss(loss, opt) as scaled:
+                        scaled.backward()
+            total += loss.item()
+        if opt_level is None:  # Apex's LARC, clip=False
+            with torch.no_grad():
+                for group in opt.param_groups:
+                    wd = group["weight_decay"]
+                    for p in group["params"]:
+                        pn, gn = p.norm(), p.grad.norm()
+                        if pn != 0 and gn != 0:
+                            p.grad.add_(p, alpha=wd).mul_(0.02 * pn / (gn + pn * wd + 1e-8))
+            saved = [group["weight_decay"] for group in opt.param_groups]
+            for group in opt.param_groups:
+                group["weight_decay"] = 0
+            opt.step()
+            for group, wd in zip(opt.param_groups, saved):
+                group["weight_decay"] = wd
+        else:
+            opt.step()
+        sched.step()
+        losses.append(total)
+    return losses, {k: v.double().cpu() for k, v in model.state_dict().items()}
+
+
+def check_simclr_recipe_matches_the_single_process_float64_run(ctx):
+    # (r91B G1) SimCLR's recipe as run with Apex (see _simclr_run) on two ranks: at O0 it
+    # equals the single-process float64 run (LARC, SyncBatchNorm, the gathered NT-Xent, the
+    # scheduler on larc.optim, no_sync() accumulation), at bf16 O2 it tracks it.
+    ref_losses, ref = _simclr_run(ctx, None)
+    losses, got = _simclr_run(ctx, "O0")
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), rtol=0, atol=1e-5,
+                               msg=labelled("O0 losses"))
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-4, atol=1e-5, msg=labelled(f"O0 {k}"))
+    # bf16 O2: the same recipe tracks the float64 run within bf16 noise (a few bf16 ulps,
+    # 2**-8 each, amplified by LARS's normalised steps; observed ~1% on the loss).
+    losses, got = _simclr_run(ctx, "O2")
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), rtol=3e-2, atol=0,
+                               msg=labelled("O2 bf16 losses"))
+    for k in ("body.0.weight", "proj.0.weight", "proj.3.weight"):
+        rel = ((got[k] - ref[k]).norm() / ref[k].norm()).item()
+        assert rel < 5e-2, (k, rel)
+
+
 def check_delay_allreduce_no_sync_backward_stays_local_past_an_evaluation(ctx):
     # In the delay mode a forward without grad (an evaluation, a logged metric) between a
     # no_sync() micro-batch's forward and its backward leaves that backward local, as
@@ -4688,6 +4810,7 @@ DELAY_CHECKS = [
     "check_buffers_broadcast_at_construction_only",
     "check_ignored_parameters_stay_local",
     "check_no_sync_accumulation",
+    "check_simclr_recipe_matches_the_single_process_float64_run",
     "check_delay_allreduce_no_sync_backward_stays_local_past_an_evaluation",
     "check_delay_allreduce",
     "check_delay_allreduce_where_the_reducer_cannot",
