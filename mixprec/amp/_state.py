@@ -763,8 +763,10 @@ class _OptimizerState:
         self._masters: List[torch.Tensor] = []
         self._writes_logged = False
         self._data_writes_logged = False
-        # The half parameters (ids) the last step left as they were, frozen (see _post_step).
-        self._left_frozen: Set[int] = set()
+        # The pairs (indices) the last step left as they were, frozen (see _post_step), and
+        # the pairs its copy took then (made again when those change).
+        self._left_frozen: List[int] = []
+        self._copied_pairs: Tuple[tuple, list] = ((), [])
         self._registrations_seen = -1  # (parameter_registrations() when renames were looked for)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -1467,7 +1469,12 @@ class _OptimizerState:
         if self.pairs:
             self.take_model_writes()
             if self._left_frozen:
-                self._take_writes_while_frozen()
+                if not is_compiling():
+                    self._take_writes_while_frozen()
+                elif any(self.pairs[i][0].requires_grad for i in self._left_frozen
+                         if i < len(self.pairs)):
+                    # (Traced: an unfreezing retraces the step; the writes are taken eagerly.)
+                    outside_the_compiler(self._take_writes_while_frozen)()
         if self.grad_tensors_kept and self._had_grads:
             self._zero_grads_for_unused_masters()
         for p, _ in self.pairs:
@@ -1702,17 +1709,21 @@ class _OptimizerState:
         half parameter no longer equals the master rounded to half (written through ``.data``
         while frozen), so that the step goes on from what the forward ran. A master written
         in place since wins (take_model_writes). No host sync."""
-        left, synced = self._left_frozen, self._synced_versions
-        if is_compiling() or synced is None or len(synced) != len(self.pairs):
+        synced = self._synced_versions
+        if synced is None or len(synced) != len(self.pairs):
             return
-        for i, ((p, m), (sp, sm, sc)) in enumerate(zip(self.pairs, synced)):
-            if id(p) not in left or not p.requires_grad:
+        still = []
+        for i in self._left_frozen:
+            if i >= len(self.pairs):
                 continue
-            left.discard(id(p))
-            if (p._version == sp and m._version == sm and p._cdata == sc
+            (p, m), (sp, sm, sc) = self.pairs[i], synced[i]
+            if not p.requires_grad:
+                still.append(i)
+            elif (p._version == sp and m._version == sm and p._cdata == sc
                     and p.shape == m.shape and p.dtype in (torch.float16, torch.bfloat16)):
                 take_changed_elements(p, m)
                 synced[i] = (p._version, m._version, p._cdata)
+        self._left_frozen = still
 
     def _take_data_writes(self, since: Optional[Set[int]]) -> None:
         """For the half parameters registered again since the last look (``since``, their
@@ -1759,24 +1770,32 @@ class _OptimizerState:
         saved: Dict[int, torch.Tensor] = {}
         with self._sync_lock, torch.no_grad():
             by_device: Dict[torch.device, list] = {}
+            frozen = set(self._left_frozen)
             for i in self._pair_indices(only):
                 (p, m), (sp, sm, sc) = self.pairs[i], synced[i]
                 if (p._version != sp or m._version != sm or p._cdata != sc
                         or p.shape != m.shape or p.numel() == 0 or p.is_meta
                         or p.dtype not in (torch.float16, torch.bfloat16) or holds_no_values(p)):
                     continue
-                by_device.setdefault(p.device, []).append((p, m))
-            for pairs in by_device.values():
-                for (p, m), changed in zip(pairs, halves_differ_from_masters(pairs)):
-                    if changed:  # (laid out as the master: a saved view of it maps alike)
+                by_device.setdefault(p.device, []).append((i, p, m))
+            for found in by_device.values():
+                differ = halves_differ_from_masters([(p, m) for _, p, m in found])
+                for (i, p, m), changed in zip(found, differ):
+                    if not changed:
+                        continue
+                    if i in frozen:
+                        # (A frozen parameter the last step left as it was: its half value
+                        # counts, and the master takes it, so that the entry stays the
+                        # master, which a load in place reaches.)
+                        take_changed_elements(p, m)
+                        synced[i] = (p._version, m._version, p._cdata)
+                    else:  # (laid out as the master: a saved view of it maps alike)
                         out = torch.empty_like(m)
                         saved[id(p)] = torch.where(p != m.to(p.dtype), p.to(m.dtype), m, out=out)
-        if (saved and self.amp_state.verbosity > 0
-                and not all(i in self._left_frozen for i in saved)):
+        if saved and self.amp_state.verbosity > 0:
             # (Which side was written, nothing records: a write through .data into the
             # masters, torch_ema's copy_to() over amp.master_params, looks the same. A
-            # warning the first time, for that case's sake; then a debug line. None for
-            # frozen parameters the last step left as they were: their half values count.)
+            # warning the first time, for that case's sake; then a debug line.)
             message = (
                 f"amp: state_dict(): {len(saved)} half parameter(s) differ from their fp32 "
                 "master weights with no write recorded since the last step (a write through "
@@ -1810,7 +1829,11 @@ class _OptimizerState:
 
     def _synced_closure(self, closure):
         def synced_closure():
-            self.copy_masters_to_model()
+            # (Not into the frozen parameters the last step left as they were: see _post_step.)
+            if self._left_frozen:
+                self.copy_masters_to_model(self._pairs_but(self._left_frozen))
+            else:
+                self.copy_masters_to_model()
             return closure()
 
         return synced_closure
@@ -1831,7 +1854,7 @@ class _OptimizerState:
             self.overflow = False
             return
         written = getattr(optimizer, "_half_copies_written", None)
-        frozen = set()
+        frozen = []
         if self.pairs:
             if self.grad_tensors_kept:
                 self._had_grads.update((id(m), _grad_record(m)) for _, m in self.pairs
@@ -1841,15 +1864,21 @@ class _OptimizerState:
             # ``p.grad = None`` pass over ``model.parameters()``) reaches only the half
             # parameters, and the masters' gradients would pile up across steps.
             # A parameter the optimizer holds but did not step (frozen: requires_grad=False,
-            # no gradient; MoCo's key encoder in an optimizer built over model.parameters())
-            # keeps what its half parameter holds, as under Apex, which made no master for
-            # it: a momentum update written through .data holds. Its master takes such a
-            # write at the first step after it is unfrozen (_take_writes_while_frozen).
-            for p, master in self.pairs:
+            # no gradient, its master not written by the step; MoCo's key encoder in an
+            # optimizer built over model.parameters()) keeps what its half parameter holds,
+            # as under Apex for a parameter frozen before the first scale_loss (it made no
+            # master for it): a momentum update written through .data holds. Its master
+            # takes such a write at state_dict() or at the first step after it is unfrozen
+            # (_take_writes_while_frozen).
+            synced = self._synced_versions
+            if is_compiling() or synced is None or len(synced) != len(self.pairs):
+                synced = None
+            for i, (p, master) in enumerate(self.pairs):
                 if master.grad is not None:
                     master.grad = None
-                elif not p.requires_grad:
-                    frozen.add(id(p))
+                elif not p.requires_grad and (synced is None
+                                              or master._version == synced[i][1]):
+                    frozen.append(i)
         self._left_frozen = frozen
         # (The copy and its record at once: a state_dict() in another thread between them, an
         # async checkpointer, took the copy for a write into the half model and rounded the
@@ -1857,13 +1886,25 @@ class _OptimizerState:
         with contextlib.nullcontext() if is_compiling() else self._sync_lock:
             if not written and not frozen:
                 self.copy_masters_to_model()
-            elif not written or len(written) < len(self.pairs):
-                # (The optimizer wrote some half copies itself, or some pairs are frozen.)
-                done = set(map(id, written)) if written else ()
-                self.copy_masters_to_model([(p, m) for p, m in self.pairs
-                                            if id(m) not in done and id(p) not in frozen])
+            elif written:
+                if len(written) < len(self.pairs):  # (the optimizer wrote some half copies)
+                    done, left = set(map(id, written)), set(frozen)
+                    self.copy_masters_to_model([
+                        pair for i, pair in enumerate(self.pairs)
+                        if id(pair[1]) not in done and i not in left])
+            else:
+                self.copy_masters_to_model(self._pairs_but(frozen))
             if self.pairs:
                 self.record_synced()
+
+    def _pairs_but(self, left_out: List[int]) -> list:
+        """The pairs but those at the indices ``left_out`` (kept while they stay the same)."""
+        key = (len(self.pairs), *left_out)
+        if self._copied_pairs[0] != key:
+            skip = set(left_out)
+            self._copied_pairs = (key, [pair for i, pair in enumerate(self.pairs)
+                                        if i not in skip])
+        return self._copied_pairs[1]
 
     def copy_masters_to_model(self, pairs=None) -> None:
         """Copy the fp32 master weights into the half model's parameters (cast to half), for

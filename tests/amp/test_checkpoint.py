@@ -1311,6 +1311,195 @@ def test_a_frozen_parameter_written_through_data_trains_on_from_the_write_once_u
         torch.testing.assert_close(end[key], ref_end[key], atol=2e-2, rtol=0)
 
 
+def _frozen_first_layer_run(opt_level, dtype, opt_cls=torch.optim.SGD, loss_scale=128.0, **kw):
+    """A seeded Linear-Tanh-Linear whose first layer is frozen (requires_grad=False) and held by
+    the optimizer (built over model.parameters()), and a step function (fp32 if opt_level is
+    None)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model[0].requires_grad_(False)
+    opt = opt_cls(model.parameters(), lr=0.5, **kw)
+    if opt_level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0,
+                                    loss_scale=loss_scale)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+
+    def step(scale=1.0):
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean() * scale
+        if opt_level is None:
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+
+    return model, opt, step
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_an_in_place_load_reaches_a_frozen_parameter_written_through_data(dtype):
+    # (B1, r92A) MoCo's key encoder (frozen, in the optimizer, moved through .data) rolled back
+    # mid-run by a load written in place into model.state_dict()'s tensors, as
+    # torch.distributed.checkpoint.load does. While the half parameter differs from its master
+    # its entry is a new tensor, and since 10da541 a frozen one stays so after the steps: the
+    # load went nowhere (the key encoder kept its moved values, 0.1 away). Reference: the same
+    # sequence in fp32; tolerance: half rounding of weights below 1.
+    def run(opt_level):
+        model, _, step = _frozen_first_layer_run(opt_level, dtype)
+        step()
+        saved = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+        for _ in range(2):
+            with torch.no_grad():
+                model[0].weight.data.mul_(0.5)  # the momentum update, through .data
+            step()
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(saved[k].to(v.dtype))  # dcp.load(model.state_dict(), ...)
+        return model.state_dict()["0.weight"].float(), model[0].weight.detach().float(), saved
+
+    ref, _, ref_saved = run(None)
+    torch.testing.assert_close(ref, ref_saved["0.weight"])  # fp32: the load holds
+    entry, live, saved = run("O2")
+    torch.testing.assert_close(entry, saved["0.weight"], atol=4e-3, rtol=0)
+    torch.testing.assert_close(live, saved["0.weight"], atol=4e-3, rtol=0)
+
+
+class _DecayEveryParameter(torch.optim.Optimizer):
+    """Plain SGD that also decays every parameter of its groups, with a gradient or not (a
+    hand-made decoupled weight decay touching parameters without gradients). Subclasses
+    Optimizer directly: one subclassing SGD and calling super().step() runs the step hooks
+    twice once a plain SGD exists in the process (torch hooks each class's step), which hid
+    the bug."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(0.9)
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_frozen_parameter_the_optimizer_writes_without_a_gradient_reaches_the_half_model(dtype):
+    # (B2, r92A) An optimizer that writes a parameter it holds without a gradient (a decay over
+    # every parameter of the group) changes a frozen parameter's master at the step. 10da541
+    # left frozen pairs out of the post-step copy, so the forward and state_dict() kept the old
+    # half values (0.095 off after 3 steps; right at 10da541~1, which copied every master).
+    # Reference: fp32; tolerance: half rounding of weights below 1 over 3 steps.
+    ref_model, _, ref_step = _frozen_first_layer_run(None, None, _DecayEveryParameter)
+    model, _, step = _frozen_first_layer_run("O2", dtype, _DecayEveryParameter)
+    for _ in range(3):
+        ref_step()
+        step()
+    ref = ref_model.state_dict()
+    got = model.state_dict()
+    for k in ref:
+        torch.testing.assert_close(got[k].float(), ref[k], atol=1e-2, rtol=0, msg=k)
+    torch.testing.assert_close(model[0].weight.detach().float(), ref["0.weight"], atol=1e-2,
+                               rtol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_closure_step_keeps_a_frozen_parameters_write_through_data(dtype):
+    # (B4, r92A) docs/amp.md: a write through .data into a frozen parameter the optimizer
+    # holds "holds". With optimizer.step(closure) (a static scale: LBFGS, SAM) amp's closure
+    # wrapper copied every master into the model, the frozen ones too, and the write was lost
+    # (0.18 off). Reference: fp32; tolerance: half rounding over two steps.
+    def run(opt_level):
+        model, opt, _ = _frozen_first_layer_run(opt_level, dtype)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+
+        def closure():
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean()
+            if opt_level is None:
+                loss.backward()
+            else:
+                with amp.scale_loss(loss, opt) as scaled:
+                    scaled.backward()
+            return loss
+
+        opt.step(closure)
+        model[0].weight.data.mul_(0.5)
+        opt.step(closure)
+        return model
+
+    ref, got = run(None), run("O2")
+    torch.testing.assert_close(got[0].weight.detach().float(), ref[0].weight, atol=1e-2, rtol=0)
+    torch.testing.assert_close(got.state_dict()["2.weight"].float(), ref.state_dict()["2.weight"],
+                               atol=1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_a_frozen_parameters_write_through_data_survives_a_skipped_step_and_a_resume(dtype):
+    # (G, r92A) The write through .data into a frozen parameter held by the optimizer: a step
+    # skipped on overflow in between (no post-step copy, the frozen record kept) and a resume
+    # from model/optimizer/amp state dicts saved while frozen both carry it to the unfreezing,
+    # as in fp32 (which takes no overflowing step) and as the uninterrupted run.
+    def run(opt_level, resume):
+        model, opt, step = _frozen_first_layer_run(opt_level, dtype, loss_scale=(
+            "dynamic" if opt_level else None), momentum=0.9)
+        step()
+        with torch.no_grad():
+            model[0].weight.data.mul_(0.5)
+            model[0].bias.data.add_(0.25)
+        if opt_level is not None:
+            step(scale=float("inf"))
+            assert amp.step_was_skipped(opt)
+        step()
+        if resume:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
+                        "amp": amp.state_dict() if opt_level else None}, buf)
+            buf.seek(0)
+            ck = torch.load(buf)
+            model, opt, step = _frozen_first_layer_run(opt_level, dtype, loss_scale=(
+                "dynamic" if opt_level else None), momentum=0.9)
+            model.load_state_dict(ck["model"])
+            opt.load_state_dict(ck["opt"])
+            if opt_level:
+                amp.load_state_dict(ck["amp"])
+        model[0].requires_grad_(True)
+        for _ in range(2):
+            step()
+        return {k: v.float().clone() for k, v in model.state_dict().items()}
+
+    ref = run(None, False)
+    straight, resumed = run("O2", False), run("O2", True)
+    for k in ref:
+        torch.testing.assert_close(straight[k], ref[k], atol=2e-2, rtol=0, msg=k)
+        torch.testing.assert_close(resumed[k], straight[k], atol=0, rtol=0, msg=k)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_fused_adam_keeps_a_frozen_parameters_write_through_data(dtype):
+    # (G, r92A) FusedAdam writes the half copies of what it steps itself (the post-step copy
+    # then covers only the rest): a frozen parameter it holds keeps a write through .data (MoCo
+    # with FusedAdam), and its master takes it once unfrozen, as in fp32.
+    from mixprec.optimizers import FusedAdam
+
+    def run(opt_level):
+        model, _, step = _frozen_first_layer_run(opt_level, dtype, FusedAdam)
+        for _ in range(3):
+            with torch.no_grad():
+                model[0].weight.data.mul_(0.9)
+            step()
+        frozen = model[0].weight.detach().float().clone()
+        model[0].requires_grad_(True)
+        step()
+        return frozen, {k: v.float().clone() for k, v in model.state_dict().items()}
+
+    (ref_frozen, ref), (frozen, got) = run(None), run("O2")
+    torch.testing.assert_close(frozen, ref_frozen, atol=4e-3, rtol=0)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], atol=1e-2, rtol=0, msg=k)
+
+
 class _LoRALinear(nn.Module):
     """A frozen base ``Linear`` plus ``B @ A * 2`` (B starts at zero), as LoRA adds to q/v."""
 

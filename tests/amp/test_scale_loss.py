@@ -2000,6 +2000,60 @@ def test_a_compiled_training_step_does_not_recompile_as_the_dynamic_scale_moves(
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
+def _compiled_frozen_part_run(compiled, unfreeze_steps):
+    """bf16 O2, a whole training step (optionally torch.compile'd, eager backend) of an MLP
+    whose first layer is frozen and held by the optimizer, its bias moved by +0.5 through .data
+    before each of 4 steps; then unfrozen for ``unfreeze_steps`` steps. Returns the first
+    layer's bias (live) after the frozen phase and at the end."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, loss_scale="dynamic",
+                   verbosity=0)
+
+    def step(x, y):
+        loss = ((model(x).float() - y) ** 2).mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+
+    f = torch.compile(step, backend="eager") if compiled else step
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        model[0].bias.data.add_(0.5)
+        f(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+    frozen = model[0].bias.detach().float().clone()
+    model[0].requires_grad_(True)
+    for _ in range(unfreeze_steps):
+        f(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+    return frozen, model[0].bias.detach().float().clone()
+
+
+def test_a_compiled_training_step_keeps_a_frozen_parameters_write_through_data():
+    # (G, r92A) 10da541's frozen rule under a compiled step: the post-step copy leaves a
+    # frozen parameter's half values (moved through .data, MoCo's update) as they are, as the
+    # eager step does. Tolerance: the +2.0 the writes add is the signal.
+    eager, _ = _compiled_frozen_part_run(False, 0)
+    compiled, _ = _compiled_frozen_part_run(True, 0)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    assert eager.min() > 1.5  # the writes held (they add 2.0 to a bias below 0.3 in size)
+
+
+def test_a_compiled_training_step_takes_a_frozen_parameters_write_once_unfrozen():
+    # (B3, r92A) At the first step after unfreezing, the master takes the elements its half
+    # parameter changed while frozen (_take_writes_while_frozen), eagerly; traced (the whole
+    # step under torch.compile: the requires_grad change retraces it) that take is skipped
+    # and the post-step copy wrote the stale master over the half values: the bias fell back
+    # by the whole 2.0 the writes added. Reference: the same steps run eagerly; tolerance:
+    # bf16 rounding of values near 3 over one step.
+    _, eager = _compiled_frozen_part_run(False, 1)
+    _, compiled = _compiled_frozen_part_run(True, 1)
+    assert eager.min() > 1.5
+    torch.testing.assert_close(compiled, eager, atol=2e-2, rtol=0)
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 @pytest.mark.parametrize("drop", ["opt", "opt-keep", "model", "model-keep", "none"])
 def test_a_dropped_delay_unscale_window_lets_the_step_run(opt_level, drop):
