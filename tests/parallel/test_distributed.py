@@ -3584,6 +3584,31 @@ class _CheckpointedOuter(nn.Module):
         return checkpoint(self.net, x, use_reentrant=self.reentrant)
 
 
+def _torch_ddp_steps_match_reference(ctx, checkpoints, step):
+    """At O1 and at O2: an amp bf16 MLP (``_mlp``) under PyTorch's DDP, inside activation
+    checkpoints (``_CheckpointedOuter``, one per entry of ``checkpoints``, whether reentrant,
+    innermost first), two optimizer steps of ``step(ddp, opt, ref, ref_opt, seed)``; the
+    fp32 masters bitwise equal on every rank and equal to one process's on the global
+    micro-batches (bf16 rounding)."""
+    for opt_level in ("O1", "O2"):
+        model = _mlp(ctx.device)
+        model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
+                                                    opt_level=opt_level, loss_scale=64.0)
+        wrapped = model
+        for reentrant in checkpoints:
+            wrapped = _CheckpointedOuter(wrapped, reentrant)
+        ddp = nn.parallel.DistributedDataParallel(wrapped)
+        for n in range(2):
+            step(ddp, opt, ref, ref_opt, 130 + 3 * n)
+        _assert_masters_match_reference(ctx, opt, ref_opt)
+
+
+def _plain_accumulation(ctx):
+    """``_accumulation_step`` without delay_unscale, as a step of
+    ``_torch_ddp_steps_match_reference``."""
+    return functools.partial(_accumulation_step, ctx, delay_unscale=False)
+
+
 def check_amp_accumulation_under_torch_ddp_no_sync_through_activation_checkpointing(ctx):
     # B (r90E B1). PyTorch's DDP over a module that runs the amp model under activation
     # checkpointing, accumulating with no_sync() and plain scale_loss (no delay_unscale): the
@@ -3593,16 +3618,8 @@ def check_amp_accumulation_under_torch_ddp_no_sync_through_activation_checkpoint
     # or set aside (O1) and never all-reduced, 6e-2 between the ranks after two steps, with
     # no error. Reference: one process on the global micro-batches (bf16 rounding), and the
     # masters bitwise equal on every rank.
-    for opt_level in ("O1", "O2"):
-        for reentrant in (False, True):
-            model = _mlp(ctx.device)
-            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
-                                                        opt_level=opt_level, loss_scale=64.0)
-            ddp = nn.parallel.DistributedDataParallel(_CheckpointedOuter(model, reentrant))
-            for step in range(2):
-                _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
-                                   delay_unscale=False)
-            _assert_masters_match_reference(ctx, opt, ref_opt)
+    for reentrant in (False, True):
+        _torch_ddp_steps_match_reference(ctx, (reentrant,), _plain_accumulation(ctx))
 
 
 def check_amp_model_in_another_thread_is_not_read_as_inside_torch_ddp_no_sync(ctx):
@@ -3789,17 +3806,10 @@ def _check_accumulation_with_evaluation(ctx, where):
     # (The amp model bare or under activation checkpointing, reentrant or not; O1 and O2.
     # Reference: one process on the global micro-batches (bf16 rounding), the masters bitwise
     # equal on every rank.)
-    for wrap in (None, False, True):
-        for opt_level in ("O1", "O2"):
-            model = _mlp(ctx.device)
-            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
-                                                        opt_level=opt_level, loss_scale=64.0)
-            ddp = nn.parallel.DistributedDataParallel(
-                model if wrap is None else _CheckpointedOuter(model, wrap))
-            for step in range(2):
-                _accumulation_step_with_evaluation(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
-                                                   where)
-            _assert_masters_match_reference(ctx, opt, ref_opt)
+    for checkpoints in ((), (False,), (True,)):
+        _torch_ddp_steps_match_reference(
+            ctx, checkpoints,
+            functools.partial(_accumulation_step_with_evaluation, ctx, where=where))
 
 
 def check_amp_torch_ddp_no_grad_evaluation_between_micro_batches(ctx):
@@ -3828,16 +3838,7 @@ def check_amp_torch_ddp_no_sync_through_nested_activation_checkpoints(ctx):
     # never all-reduced, the ranks' masters apart with no error. Reference: one process on
     # the global micro-batches (bf16 rounding), the masters bitwise equal on every rank.
     for outer, inner in ((True, True), (False, True), (True, False), (False, False)):
-        for opt_level in ("O1", "O2"):
-            model = _mlp(ctx.device)
-            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
-                                                        opt_level=opt_level, loss_scale=64.0)
-            ddp = nn.parallel.DistributedDataParallel(
-                _CheckpointedOuter(_CheckpointedOuter(model, inner), outer))
-            for step in range(2):
-                _accumulation_step(ctx, ddp, opt, ref, ref_opt, 130 + 3 * step,
-                                   delay_unscale=False)
-            _assert_masters_match_reference(ctx, opt, ref_opt)
+        _torch_ddp_steps_match_reference(ctx, (inner, outer), _plain_accumulation(ctx))
 
 
 def check_amp_torch_ddp_synced_forward_with_its_backward_inside_no_sync_unscales(ctx):
@@ -3948,17 +3949,10 @@ def check_amp_torch_ddp_forward_inside_no_sync_with_its_backward_outside(ctx):
     # model bare (with and without an evaluation under no_grad between forward and
     # backward) or under one activation checkpoint, reentrant or not; O1 and O2. Reference:
     # one process on the global micro-batches (bf16 rounding), the masters bitwise equal.
-    for wrap, evaluate in ((None, False), (None, True), (False, False), (True, False)):
-        for opt_level in ("O1", "O2"):
-            model = _mlp(ctx.device)
-            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
-                                                        opt_level=opt_level, loss_scale=64.0)
-            ddp = nn.parallel.DistributedDataParallel(
-                model if wrap is None else _CheckpointedOuter(model, wrap))
-            for step in range(2):
-                _forward_inside_no_sync_backward_outside(ctx, ddp, opt, ref, ref_opt,
-                                                         130 + 3 * step, evaluate)
-            _assert_masters_match_reference(ctx, opt, ref_opt)
+    for checkpoints, evaluate in (((), False), ((), True), ((False,), False), ((True,), False)):
+        _torch_ddp_steps_match_reference(
+            ctx, checkpoints,
+            functools.partial(_forward_inside_no_sync_backward_outside, ctx, evaluate=evaluate))
 
 
 def check_amp_torch_ddp_forward_inside_no_sync_backward_outside_with_delay_unscale(ctx):
@@ -3969,21 +3963,12 @@ def check_amp_torch_ddp_forward_inside_no_sync_backward_outside_with_delay_unsca
     # drift 6e-2 apart after two steps, with no error): delay_unscale=True on those
     # micro-batches trains as one process. Reference: one process on the global
     # micro-batches (bf16 rounding), the masters bitwise equal on every rank.
-    for build, evaluate in (
-            (lambda m: _CheckpointedOuter(_CheckpointedOuter(m, True), False), False),
-            (lambda m: _CheckpointedOuter(_CheckpointedOuter(m, True), True), False),
-            (lambda m: _CheckpointedOuter(m, False), True),
-            (lambda m: _CheckpointedOuter(m, True), True)):
-        for opt_level in ("O1", "O2"):
-            model = _mlp(ctx.device)
-            model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
-                                                        opt_level=opt_level, loss_scale=64.0)
-            ddp = nn.parallel.DistributedDataParallel(build(model))
-            for step in range(2):
-                _forward_inside_no_sync_backward_outside(ctx, ddp, opt, ref, ref_opt,
-                                                         130 + 3 * step, evaluate,
-                                                         delay_unscale=True)
-            _assert_masters_match_reference(ctx, opt, ref_opt)
+    for checkpoints, evaluate in (((True, False), False), ((True, True), False),
+                                  ((False,), True), ((True,), True)):
+        _torch_ddp_steps_match_reference(
+            ctx, checkpoints,
+            functools.partial(_forward_inside_no_sync_backward_outside, ctx, evaluate=evaluate,
+                              delay_unscale=True))
 
 
 def check_amp_gan_under_two_torch_ddps_with_no_sync_on_the_discriminator(ctx):
