@@ -458,12 +458,13 @@ def _simclr_run(ctx, opt_level, steps=4, acc=2):
         total = 0.0
         for micro in range(acc):
             g = torch.Generator().manual_seed(100 * step + micro)
-            x1, x2 = (torch.randn(ctx.world_size * PER_RANK, 3, 8, 8, generator=g) for _ in "12")
+            x1, x2 = (torch.randn(ctx.world_size * PER_RANK, 3, 8, 8, generator=g)
+                      .to(ctx.device) for _ in "12")
             if opt_level is None:
                 loss = _nt_xent(ddp(x1.double()), ddp(x2.double()), gather) / acc
                 loss.backward()
             else:
-                x1, x2 = _mine(ctx, x1.to(ctx.device)), _mine(ctx, x2.to(ctx.device))
+                x1, x2 = _mine(ctx, x1), _mine(ctx, x2)
                 with ddp.no_sync() if micro < acc - 1 else contextlib.nullcontext():
                     loss = _nt_xent(ddp(x1), ddp(x2), gather) / acc
                     with amp.scale_loss(loss, opt) as scaled:
@@ -4795,7 +4796,6 @@ DELAY_CHECKS = [
     "check_buffers_broadcast_at_construction_only",
     "check_ignored_parameters_stay_local",
     "check_no_sync_accumulation",
-    "check_simclr_recipe_matches_the_single_process_float64_run",
     "check_delay_allreduce_no_sync_backward_stays_local_past_an_evaluation",
     "check_delay_allreduce",
     "check_delay_allreduce_where_the_reducer_cannot",
@@ -6266,6 +6266,7 @@ CHECKS = [
     "check_reducer_errors_while_averaging_reach_the_caller",
     "check_reducer_averages_non_contiguous_gradients",
     "check_reducer_makes_one_flat_all_reduce_per_dtype",
+    "check_simclr_recipe_matches_the_single_process_float64_run",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
