@@ -2000,11 +2000,9 @@ def test_a_compiled_training_step_does_not_recompile_as_the_dynamic_scale_moves(
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
-def _compiled_frozen_part_run(compiled, unfreeze_steps):
-    """bf16 O2, a whole training step (optionally torch.compile'd, eager backend) of an MLP
-    whose first layer is frozen and held by the optimizer, its bias moved by +0.5 through .data
-    before each of 4 steps; then unfrozen for ``unfreeze_steps`` steps. Returns the first
-    layer's bias (live) after the frozen phase and at the end."""
+def _frozen_part_training_step(compiled):
+    """bf16 O2, an MLP whose first layer is frozen and held by the optimizer, and a whole
+    training step (torch.compile'd, eager backend, if asked): ``(model, step(x, y))``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
     model[0].requires_grad_(False)
@@ -2019,7 +2017,14 @@ def _compiled_frozen_part_run(compiled, unfreeze_steps):
         opt.step()
         opt.zero_grad()
 
-    f = torch.compile(step, backend="eager") if compiled else step
+    return model, (torch.compile(step, backend="eager") if compiled else step)
+
+
+def _compiled_frozen_part_run(compiled, unfreeze_steps):
+    """_frozen_part_training_step's model, its frozen bias moved by +0.5 through .data before
+    each of 4 steps; then unfrozen for ``unfreeze_steps`` steps. Returns the first layer's
+    bias (live) after the frozen phase and at the end."""
+    model, f = _frozen_part_training_step(compiled)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         model[0].bias.data.add_(0.5)
@@ -2060,21 +2065,7 @@ def test_a_compiled_training_step_with_a_frozen_part_does_not_recompile():
     # graph after three warm-up steps of a frozen first layer written through .data.
     from torch._dynamo.utils import counters
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    model[0].requires_grad_(False)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, loss_scale="dynamic",
-                   verbosity=0)
-
-    def step(x, y):
-        loss = ((model(x).float() - y) ** 2).mean()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-
-    f = torch.compile(step, backend="eager")
+    model, f = _frozen_part_training_step(compiled=True)
     g = torch.Generator().manual_seed(1)
     for i in range(8):
         if i == 3:
