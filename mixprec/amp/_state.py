@@ -1841,8 +1841,9 @@ class _OptimizerState:
     def _post_step(self, optimizer, args, kwargs):
         if not self.amp_state.enabled:
             return
+        compiling = is_compiling()
         if self._flag_handed_over:
-            if is_compiling():  # (see _pre_step: written eagerly, so taken back eagerly)
+            if compiling:  # (see _pre_step: written eagerly, so taken back eagerly)
                 outside_the_compiler(_take_back_flag)(optimizer)
             else:
                 _take_back_flag(optimizer)
@@ -1871,7 +1872,7 @@ class _OptimizerState:
             # takes such a write at state_dict() or at the first step after it is unfrozen
             # (_take_writes_while_frozen).
             synced = self._synced_versions
-            if is_compiling() or synced is None or len(synced) != len(self.pairs):
+            if compiling or synced is None or len(synced) != len(self.pairs):
                 synced = None
             for i, (p, master) in enumerate(self.pairs):
                 if master.grad is not None:
@@ -1883,7 +1884,7 @@ class _OptimizerState:
         # (The copy and its record at once: a state_dict() in another thread between them, an
         # async checkpointer, took the copy for a write into the half model and rounded the
         # masters to half.)
-        with contextlib.nullcontext() if is_compiling() else self._sync_lock:
+        with contextlib.nullcontext() if compiling else self._sync_lock:
             if not written and not frozen:
                 self.copy_masters_to_model()
             elif written:
