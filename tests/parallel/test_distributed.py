@@ -3842,63 +3842,39 @@ def check_amp_torch_ddp_no_sync_through_nested_activation_checkpoints(ctx):
         _torch_ddp_steps_match_reference(ctx, (inner, outer), _plain_accumulation(ctx))
 
 
+def _synced_forwards_step(ctx, ddp, opt, ref, ref_opt, seed, inside, evaluates=None):
+    """One optimizer step of three micro-batches, each forward outside no_sync() (PyTorch
+    all-reduces every one: it decides in the forward), the backwards of the micro-batches
+    ``inside`` names inside no_sync(), and an evaluation under no_grad through the DDP between
+    the first micro-batch's forward and its backward on the ranks ``evaluates`` names.
+    ``ref`` in one process on the global micro-batches."""
+    from mixprec import amp
+
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for micro in range(3):
+        x, y = _global_batch(ctx, seed=seed + micro)
+        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
+            s.backward()
+        loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+        if micro == 0 and evaluates is not None and evaluates(ctx.rank):
+            with torch.no_grad():
+                ddp(_mine(ctx, x))
+        with ddp.no_sync() if micro in inside else contextlib.nullcontext():
+            with amp.scale_loss(loss, opt) as s:
+                s.backward()
+    opt.step()
+    ref_opt.step()
+
+
 def check_amp_torch_ddp_synced_forward_with_its_backward_inside_no_sync_unscales(ctx):
     # PyTorch's DDP decides the all-reduce in the forward: a forward outside no_sync() whose
     # backward runs inside it is all-reduced, and amp unscales it as any synced micro-batch
     # (scale_loss's look at the DDP's no_sync() counts only after a forward without the
     # all-reduce), so a step right after it runs. Reference: one process on the global
     # micro-batches, every one all-reduced.
-    from mixprec import amp
-
-    for opt_level in ("O1", "O2"):
-        model = _mlp(ctx.device)
-        model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
-                                                    opt_level=opt_level, loss_scale=64.0)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        for step in range(2):
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            for micro in range(2):
-                x, y = _global_batch(ctx, seed=150 + 2 * step + micro)
-                with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
-                    s.backward()
-                loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
-                with ddp.no_sync():
-                    with amp.scale_loss(loss, opt) as s:
-                        s.backward()
-            opt.step()
-            ref_opt.step()
-        _assert_masters_match_reference(ctx, opt, ref_opt)
-
-
-def _synced_forwards_backwards_inside_no_sync(ctx, opt_level, evaluates):
-    """Two steps of three micro-batches: each forward outside no_sync() (PyTorch all-reduces
-    every one: it decides in the forward), the first two backwards inside no_sync(), and an
-    evaluation under no_grad through the DDP between the first micro-batch's forward and its
-    backward on the ranks ``evaluates`` names. ``(opt, ref_opt)`` after the steps."""
-    from mixprec import amp
-
-    model = _mlp(ctx.device)
-    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model),
-                                                opt_level=opt_level, loss_scale=64.0)
-    ddp = nn.parallel.DistributedDataParallel(model)
-    for step in range(2):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        for micro in range(3):
-            x, y = _global_batch(ctx, seed=170 + 3 * step + micro)
-            with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
-                s.backward()
-            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
-            if micro == 0 and evaluates(ctx.rank):
-                with torch.no_grad():
-                    ddp(_mine(ctx, x))
-            with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
-                with amp.scale_loss(loss, opt) as s:
-                    s.backward()
-        opt.step()
-        ref_opt.step()
-    return opt, ref_opt
+    _torch_ddp_steps_match_reference(
+        ctx, (), functools.partial(_synced_forwards_step, ctx, inside=(0, 1, 2)))
 
 
 def check_amp_torch_ddp_evaluation_on_one_rank_inside_a_synced_micro_batch(ctx):
@@ -3911,10 +3887,10 @@ def check_amp_torch_ddp_evaluation_on_one_rank_inside_a_synced_micro_batch(ctx):
     # with no error. (With the evaluation on every rank the held gradients are averaged
     # again, a no-op: that one trains right, and is checked too.) Reference: one process on
     # the global micro-batches (bf16 rounding), the masters bitwise equal on every rank.
-    for opt_level in ("O1", "O2"):
-        for evaluates in (lambda rank: True, lambda rank: rank == 0):
-            opt, ref_opt = _synced_forwards_backwards_inside_no_sync(ctx, opt_level, evaluates)
-            _assert_masters_match_reference(ctx, opt, ref_opt)
+    for evaluates in (lambda rank: True, lambda rank: rank == 0):
+        _torch_ddp_steps_match_reference(
+            ctx, (), functools.partial(_synced_forwards_step, ctx, inside=(0, 1),
+                                       evaluates=evaluates))
 
 
 def _forward_inside_no_sync_backward_outside(ctx, ddp, opt, ref, ref_opt, seed, evaluate,
