@@ -1257,6 +1257,33 @@ def test_a_moco_key_encoder_updated_through_data_moves_at_o2(dtype):
     torch.testing.assert_close(saved, ref, atol=1e-2, rtol=0)  # what the checkpoint holds
 
 
+def _frozen_first_layer_run(opt_level, dtype, opt_cls=torch.optim.SGD, loss_scale=128.0,
+                            verbosity=0, **kw):
+    """A seeded Linear-Tanh-Linear whose first layer is frozen (requires_grad=False) and held by
+    the optimizer (built over model.parameters()), and a step function (fp32 if opt_level is
+    None)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    model[0].requires_grad_(False)
+    opt = opt_cls(model.parameters(), lr=0.5, **kw)
+    if opt_level is not None:
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype,
+                                    verbosity=verbosity, loss_scale=loss_scale)
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
+
+    def step(scale=1.0):
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean() * scale
+        if opt_level is None:
+            loss.backward()
+        else:
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+        opt.step()
+
+    return model, opt, step
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_a_frozen_parameter_written_through_data_trains_on_from_the_write_once_unfrozen(dtype):
     # A frozen parameter the optimizer holds keeps a write through .data (in place, and by
@@ -1268,24 +1295,7 @@ def test_a_frozen_parameter_written_through_data_trains_on_from_the_write_once_u
     x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
 
     def run(opt_level):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-        model[0].requires_grad_(False)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)
-        if opt_level is not None:
-            model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype,
-                                        verbosity=1, loss_scale=128.0)
-
-        def step():
-            opt.zero_grad()
-            loss = model(x).float().pow(2).mean()
-            if opt_level is None:
-                loss.backward()
-            else:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
-            opt.step()
-
+        model, _, step = _frozen_first_layer_run(opt_level, dtype, verbosity=1)
         step()
         with torch.no_grad():
             model[0].weight.data.mul_(0.5)
@@ -1309,32 +1319,6 @@ def test_a_frozen_parameter_written_through_data_trains_on_from_the_write_once_u
     assert (ref_end["0.weight"] - ref_frozen["0.weight"]).abs().max() > 1e-3  # it trained
     for key in ref_end:
         torch.testing.assert_close(end[key], ref_end[key], atol=2e-2, rtol=0)
-
-
-def _frozen_first_layer_run(opt_level, dtype, opt_cls=torch.optim.SGD, loss_scale=128.0, **kw):
-    """A seeded Linear-Tanh-Linear whose first layer is frozen (requires_grad=False) and held by
-    the optimizer (built over model.parameters()), and a step function (fp32 if opt_level is
-    None)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
-    model[0].requires_grad_(False)
-    opt = opt_cls(model.parameters(), lr=0.5, **kw)
-    if opt_level is not None:
-        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0,
-                                    loss_scale=loss_scale)
-    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(2))
-
-    def step(scale=1.0):
-        opt.zero_grad()
-        loss = model(x).float().pow(2).mean() * scale
-        if opt_level is None:
-            loss.backward()
-        else:
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
-        opt.step()
-
-    return model, opt, step
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
