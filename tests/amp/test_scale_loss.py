@@ -1927,11 +1927,14 @@ def test_a_weight_writing_step_pre_hook_registered_after_initialize_holds(opt_le
     assert max(v.abs().max().item() for k, v in got.items() if "weight" in k) < 0.2
 
 
-def _mlp_training_step(opt_level, make_optimizer, compiled):
+def _mlp_training_step(opt_level, make_optimizer, compiled, frozen_first=False):
     """A seeded bf16 MLP with a dynamic scale, its optimizer (``make_optimizer(params,
-    lr=1e-2)``) and a whole training step, ``torch.compile``d (eager backend) if asked."""
+    lr=1e-2)``, over every parameter: the first layer frozen beforehand if asked) and a whole
+    training step, ``torch.compile``d (eager backend) if asked."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if frozen_first:
+        model[0].requires_grad_(False)
     opt = make_optimizer(model.parameters(), lr=1e-2)
     amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
                    loss_scale="dynamic", verbosity=0)
@@ -2000,31 +2003,11 @@ def test_a_compiled_training_step_does_not_recompile_as_the_dynamic_scale_moves(
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
-def _frozen_part_training_step(compiled):
-    """bf16 O2, an MLP whose first layer is frozen and held by the optimizer, and a whole
-    training step (torch.compile'd, eager backend, if asked): ``(model, step(x, y))``."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    model[0].requires_grad_(False)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, loss_scale="dynamic",
-                   verbosity=0)
-
-    def step(x, y):
-        loss = ((model(x).float() - y) ** 2).mean()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return model, (torch.compile(step, backend="eager") if compiled else step)
-
-
 def _compiled_frozen_part_run(compiled, unfreeze_steps):
-    """_frozen_part_training_step's model, its frozen bias moved by +0.5 through .data before
-    each of 4 steps; then unfrozen for ``unfreeze_steps`` steps. Returns the first layer's
-    bias (live) after the frozen phase and at the end."""
-    model, f = _frozen_part_training_step(compiled)
+    """_mlp_training_step's model at O2 with SGD and its first layer frozen, that layer's bias
+    moved by +0.5 through .data before each of 4 steps; then unfrozen for ``unfreeze_steps``
+    steps. Returns the first layer's bias (live) after the frozen phase and at the end."""
+    model, _, f = _mlp_training_step("O2", torch.optim.SGD, compiled, frozen_first=True)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         model[0].bias.data.add_(0.5)
@@ -2065,7 +2048,7 @@ def test_a_compiled_training_step_with_a_frozen_part_does_not_recompile():
     # graph after three warm-up steps of a frozen first layer written through .data.
     from torch._dynamo.utils import counters
 
-    model, f = _frozen_part_training_step(compiled=True)
+    model, _, f = _mlp_training_step("O2", torch.optim.SGD, compiled=True, frozen_first=True)
     g = torch.Generator().manual_seed(1)
     for i in range(8):
         if i == 3:
