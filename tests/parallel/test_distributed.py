@@ -1170,6 +1170,19 @@ def _same_after_resume(ctx, got, want, what):
                                    msg=lambda report: f"{what}: {report}")
 
 
+def _assert_resumed_run_matches(ctx, ddp, opt, resumed, resumed_opt):
+    """The resumed wrapper's parameters and buffers, its optimizer's masters and amp state
+    equal the uninterrupted run's (``_same_after_resume``)."""
+    from mixprec import amp
+
+    got = dict(resumed.module.named_parameters()) | dict(resumed.module.named_buffers())
+    for name, want in [*ddp.module.named_parameters(), *ddp.module.named_buffers()]:
+        _same_after_resume(ctx, got[name], want, f"rank {ctx.rank}: {name}")
+    for i, (m, r) in enumerate(zip(amp.master_params(opt), amp.master_params(resumed_opt))):
+        _same_after_resume(ctx, m, r, f"rank {ctx.rank}: master {i}")
+    assert amp.state_dict(optimizer=resumed_opt) == amp.state_dict(optimizer=opt)
+
+
 def check_delay_allreduce_amp_o2_with_checkpointing(ctx):
     # amp O2 (bf16 model, fp32 masters) under the delay mode with reentrant checkpointing:
     # the same training as the default mode on the same model without checkpointing.
@@ -2858,12 +2871,7 @@ def check_amp_o2_ddp_checkpoint_resume_continues_bit_for_bit(ctx):
     amp.load_state_dict(saved["amp"])
     for x, y in batches[2:]:
         _amp_step(resumed, resumed_opt, _mine(ctx, x), _mine(ctx, y), amp)
-    got = dict(resumed.module.named_parameters()) | dict(resumed.module.named_buffers())
-    for name, want in [*ddp.module.named_parameters(), *ddp.module.named_buffers()]:
-        _same_after_resume(ctx, got[name], want, f"rank {ctx.rank}: {name}")
-    for i, (m, r) in enumerate(zip(amp.master_params(opt), amp.master_params(resumed_opt))):
-        _same_after_resume(ctx, m, r, f"rank {ctx.rank}: master {i}")
-    assert amp.state_dict(optimizer=resumed_opt) == amp.state_dict(optimizer=opt)
+    _assert_resumed_run_matches(ctx, ddp, opt, resumed, resumed_opt)
     assert amp.state_dict(optimizer=opt)["loss_scaler0"]["unskipped"] == 4
 
 
@@ -3560,12 +3568,7 @@ def check_amp_o2_resume_under_torch_ddp_loaded_after_wrapping_continues_bit_for_
     amp.load_state_dict(saved["amp"], optimizer=resumed_opt)
     for x, y in batches[2:]:
         _amp_step(resumed, resumed_opt, _mine(ctx, x), _mine(ctx, y), amp)
-    got = dict(resumed.module.named_parameters()) | dict(resumed.module.named_buffers())
-    for name, want in [*ddp.module.named_parameters(), *ddp.module.named_buffers()]:
-        _same_after_resume(ctx, got[name], want, f"rank {ctx.rank}: {name}")
-    for i, (m, r) in enumerate(zip(amp.master_params(opt), amp.master_params(resumed_opt))):
-        _same_after_resume(ctx, m, r, f"rank {ctx.rank}: master {i}")
-    assert amp.state_dict(optimizer=resumed_opt) == amp.state_dict(optimizer=opt)
+    _assert_resumed_run_matches(ctx, ddp, opt, resumed, resumed_opt)
 
 
 class _CheckpointedOuter(nn.Module):
