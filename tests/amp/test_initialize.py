@@ -417,6 +417,94 @@ def test_o1_warns_about_a_model_made_half_before_initialize(dtype):
             amp.initialize(model, opts, opt_level="O3", dtype=dtype, verbosity=0)
 
 
+_ADAPTIVE = {
+    "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+    "Adam-eps1e-4": lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-4),
+    "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
+    "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ADAPTIVE))
+@pytest.mark.parametrize("opt_level, kw", [("O3", {}), ("O2", dict(master_weights=False))],
+                         ids=["O3", "O2-no-masters"])
+def test_fp16_without_masters_warns_that_an_adaptive_optimizers_fp16_state_diverges(
+        name, opt_level, kw):
+    """O3 in fp16 steps the fp16 parameters with fp16 optimizer state: Adam's second moment
+    underflows to 0 for small gradients and eps=1e-8 is 0 in fp16, so the first step writes
+    inf/NaN weights (the CLI's GPT row at O3 fp16 read "diverged" with no word why).
+    initialize says so at the user's line, naming the optimizer, its eps as fp16 holds it and
+    the levels that train."""
+    model = make_cnn()
+    opt = _ADAPTIVE[name](model.parameters())
+    eps = opt.param_groups[0]["eps"]
+    with pytest.warns(UserWarning, match="steps float16 parameters with float16 state") as rec:
+        amp.initialize(model, opt, opt_level=opt_level, verbosity=0, **kw)
+    ours = [w for w in rec if "float16 state" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__, [str(w.message) for w in rec]
+    text = str(ours[0].message)
+    as_fp16 = float(torch.tensor(eps, dtype=torch.float16))
+    assert f"amp.initialize(opt_level='{opt_level}'): {type(opt).__name__} " in text
+    assert f"eps={eps!r} is {as_fp16!r} in float16" in text
+    assert "opt_level='O2' (fp32 master weights), or dtype=torch.bfloat16" in text
+
+
+@pytest.mark.parametrize("case", ["bf16", "O2", "SGD", "only-fp32-batchnorm", "O1"])
+def test_no_fp16_state_warning_where_the_optimizer_state_is_not_fp16(case):
+    """No warning where the optimizer does not keep fp16 state for an adaptive update: bf16
+    (fp32's range), O2 (fp32 masters), O1 (fp32 parameters), SGD (no eps), and O3 with
+    keep_batchnorm_fp32=True whose Adam holds only the fp32 BatchNorm parameters."""
+    model = make_cnn()
+    kw = dict(opt_level="O3", verbosity=0)
+    params = model.parameters()
+    make = torch.optim.AdamW
+    if case == "bf16":
+        kw["dtype"] = torch.bfloat16
+    elif case in ("O2", "O1"):
+        kw["opt_level"] = case
+    elif case == "SGD":
+        make = functools.partial(torch.optim.SGD, momentum=0.9)
+    else:
+        kw["keep_batchnorm_fp32"] = True
+        params = [p for m in model.modules() if isinstance(m, nn.BatchNorm2d)
+                  for p in m.parameters()]
+        assert params
+    opt = make(params, lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.initialize(model, opt, **kw)
+
+
+def test_the_fp16_state_warning_tells_the_truth():
+    """What the warning above says, on a small MLP with small gradients: one AdamW step at O3
+    fp16 leaves non-finite weights, while O2 fp16's saved fp32 weights match the float64 step
+    (1e-5; the step moves each weight by lr=1e-3) and O3 bf16 stays finite within bf16's
+    rounding of the weights (4e-3)."""
+    def run(dtype, **kw):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        if dtype is torch.float64:
+            model.double()
+            x = x.double()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model, opt = amp.initialize(model, opt, dtype=dtype, verbosity=0, **kw)
+        loss = model(x).float().pow(2).mean()
+        backward_and_step(loss, opt, amp, dtype is not torch.float64)
+        return {k: v.double() for k, v in model.state_dict().items()}
+
+    want = run(torch.float64)
+    assert all(torch.isfinite(v).all() for v in want.values())
+    assert not all(torch.isfinite(v).all() for v in run(torch.float16, opt_level="O3").values())
+    for dtype, level, atol in ((torch.float16, "O2", 1e-5), (torch.bfloat16, "O3", 4e-3)):
+        got = run(dtype, opt_level=level)
+        for k, v in got.items():
+            torch.testing.assert_close(v, want[k], rtol=0, atol=atol, msg=f"{dtype} {level} {k}")
+
+
 def test_rejects_a_model_inside_a_non_torch_distributed_data_parallel():
     """A model already inside a data-parallel wrapper that is not torch's DDP class but carries
     its name (Apex's apex.parallel.DistributedDataParallel, which migrating scripts still wrap
@@ -3243,6 +3331,9 @@ def test_only_rank_zero_warns_and_logs_in_initialize(monkeypatch, caplog):
         warnings.simplefilter("error")
         with caplog.at_level(logging.INFO, logger="mixprec.amp"):
             amp.initialize(make_cnn().half(), opt_level="O2", verbosity=1)
+            model = make_cnn()
+            amp.initialize(model, torch.optim.AdamW(model.parameters()), opt_level="O3",
+                           verbosity=1)
     assert caplog.text == ""
 
 
