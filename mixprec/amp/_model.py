@@ -520,8 +520,14 @@ class _AmpModule:
         if cfg.autocast_dtype is not None and not _CASTS_DISABLED[0]:
             with torch.autocast(cfg.device_type, dtype=cfg.autocast_dtype):
                 out = original_forward(*args, **kwargs)
-        else:
+        elif compiling or cfg.input_dtype not in _HALF_TYPES:
             out = original_forward(*args, **kwargs)
+        else:  # (O2/O3 eager: no try block in what Dynamo traces, where a graph break costs)
+            try:
+                out = original_forward(*args, **kwargs)
+            except RuntimeError as exc:
+                _note_fp32_parameters(self, cfg.input_dtype, exc)
+                raise
         if cfg.output_dtype is not None and not inside:
             out = cast_floating(out, cfg.output_dtype)
         elif cfg.half_outputs_to_fp32:
@@ -736,6 +742,40 @@ def _holds_fx_proxy(args: tuple, kwargs: dict) -> bool:
     only while fx traces (its flag, one read): the scan costs a microsecond per forward."""
     return (any(isinstance(a, _FxProxy) for a in args)
             or any(isinstance(v, _FxProxy) for v in kwargs.values()))
+
+
+def _note_fp32_parameters(model: nn.Module, half: torch.dtype, exc: RuntimeError) -> None:
+    """An O2/O3 forward failed: when the error reads like a dtype mismatch and the model holds
+    fp32 parameters that amp did not leave fp32 (outside BatchNorm: layers added after
+    initialize, hand-written LoRA adapters, say), add a note naming them and the fix to
+    PyTorch's bare "mat1 and mat2 must have the same dtype". Once per error (enclosing
+    models see it again); Python < 3.11 has no notes, so there the message is extended."""
+    if getattr(exc, "_mixprec_noted", False) or "float" not in str(exc).lower():
+        return
+    names = [f"{prefix}{'.' if prefix else ''}{name}"
+             for prefix, module in model.named_modules() if not isinstance(module, _BatchNorm)
+             for name, p in module.named_parameters(recurse=False)
+             if p.dtype == torch.float32]
+    if not names:
+        return
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    note = (
+        f"amp: this model ({_original_class(type(model)).__name__}) was cast to {half} by "
+        f"amp.initialize and its forward casts floating inputs to {half}, but it holds float32 "
+        f"parameters amp did not make: {shown} (added after initialize?). If the dtype "
+        f"mismatch is theirs, cast them to {half} (e.g. module.to({half})) before giving them "
+        "to the optimizer (optimizer.add_param_group keeps fp32 master weights for half "
+        "parameters), or add them before amp.initialize."
+    )
+    try:
+        exc._mixprec_noted = True
+    except AttributeError:  # (an exception type with __slots__)
+        return
+    add_note = getattr(exc, "add_note", None)
+    if add_note is not None:
+        add_note(note)
+    else:
+        exc.args = (f"{exc.args[0]}\n{note}" if exc.args else note,) + exc.args[1:]
 
 
 def _fx_trace_error(model: nn.Module) -> RuntimeError:

@@ -1628,6 +1628,54 @@ def test_o2_lora_wrapped_around_layers_after_initialize_keeps_the_base_masters(d
     assert len(list(amp.master_params(opt))) == len(pretrained) + 4
 
 
+class _NoNotes(RuntimeError):
+    add_note = None  # (as on Python < 3.11, which has no exception notes)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_fp32_adapters_added_after_initialize_get_a_note_naming_them(dtype, opt_level):
+    """Hand-written LoRA adapters left fp32 after initialize: the half model's forward fails
+    inside PyTorch's matmul with a bare dtype mismatch. amp adds one note naming the fp32
+    parameters and the fix (cast them; add_param_group then keeps their masters), and the
+    fix trains (the test above). Errors of another kind, models with no stray fp32
+    parameter and O1 (autocast takes fp32 layers) get no note; without notes (Python < 3.11)
+    the message itself carries it."""
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+    model[0], model[2] = _LoRA(model[0]), _LoRA(model[2])
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="dtype") as info:
+        model(x)
+    notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+    assert len(notes) == 1, notes
+    assert (f"this model (Sequential) was cast to {dtype} by amp.initialize and its forward "
+            f"casts floating inputs to {dtype}, but it holds float32 parameters amp did not "
+            "make: 0.lora_A, 0.lora_B, 2.lora_A, 2.lora_B (added after initialize?)") in notes[0]
+    assert f"cast them to {dtype} (e.g. module.to({dtype}))" in notes[0]
+    # The note's fix: the adapters in the half type run.
+    for i in (0, 2):
+        model[i].to(dtype)
+    assert model(x).dtype == torch.float32
+
+    # Another error in the same model (a wrong input width) gets no note.
+    model[0].lora_A.data = model[0].lora_A.data.float()
+    with pytest.raises(RuntimeError) as info:
+        model(torch.randn(3, 5))
+    assert not [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+    # Without notes, the message carries it.
+    model[0].forward = lambda x: (_ for _ in ()).throw(_NoNotes("expected Float, got Half"))
+    with pytest.raises(_NoNotes, match=r"expected Float, got Half\namp: this model .* 0\.lora_A "):
+        model(x)
+    # O1: the fp32 adapters run under autocast, as the rest of the model.
+    fresh = make_mlp()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    fresh, fresh_opt = amp.initialize(fresh, fresh_opt, opt_level="O1", dtype=dtype, verbosity=0)
+    fresh[0] = _LoRA(fresh[0])
+    assert fresh(x).dtype == torch.float32
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_ema_written_into_a_copys_state_dict_accumulates_in_fp32(dtype):
     # timm's ModelEmaV2 and ultralytics' ModelEMA: ema = copy.deepcopy(model), then each step
