@@ -26,9 +26,9 @@ second pass) and all-reduces the sum: Apex's ``gradient_predivide_factor=world_s
 averaged result is the same; the sum cannot overflow fp16; and no Python runs per bucket
 (measured on two H200s, the Python hook cost about 1 ms per GPT-style step).
 
-And as Apex did, parameters and buffers are broadcast from rank 0 once, at construction, and
-never again (PyTorch's default re-broadcasts the buffers in every forward); at amp O2 the fp32
-master weights are broadcast with them. With amp, a backward inside ``no_sync()`` keeps its
+Parameters and buffers are broadcast from rank 0 once, at construction, and never again
+(Apex broadcast the parameters only; PyTorch's default re-broadcasts the buffers in every
+forward); at amp O2 the fp32 master weights are broadcast with them. With amp, a backward inside ``no_sync()`` keeps its
 gradients scaled in place (as ``delay_unscale=True``), so that the synced backward after it
 all-reduces the whole accumulated gradient.
 """
@@ -344,11 +344,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
 
     A subclass of ``torch.nn.parallel.DistributedDataParallel`` (so ``no_sync()``, ``join()``,
     ``.module`` and ``module.``-prefixed state-dict keys behave as in both PyTorch and Apex), set
-    up as Apex's DDP was: parameters and buffers broadcast from rank 0 at construction only;
-    gradients all-reduced in buckets of ``message_size`` elements while backward runs, in
-    their own dtype (half at amp O2); averaged with the pre-divide factor applied before the
-    all-reduce and the rest after. ``join(divide_by_initial_world_size=False)`` (divide the
-    uneven steps' gradients by the ranks still active) works with the default averaging; with
+    up as Apex's DDP was: parameters broadcast from rank 0 at construction only (buffers too,
+    where Apex left them alone); gradients all-reduced in buckets of ``message_size`` elements
+    while backward runs, in their own dtype (half at amp O2); averaged with the pre-divide
+    factor applied before the all-reduce and the rest after.
+    ``join(divide_by_initial_world_size=False)`` (divide the uneven steps' gradients by the
+    ranks still active) works with the default averaging; with
     ``prof``, ``allreduce_always_fp32`` or a pre-divide factor other than 1 or the world size,
     whose all-reduce runs in a communication hook that divides by the initial world size, it
     is refused (PyTorch's own hooks ignore it).
