@@ -1,5 +1,6 @@
 """Small models and training steps shared by the amp tests."""
 
+import functools
 import io
 
 import torch
@@ -180,3 +181,18 @@ def token_batch(seed, n=2, seq=8, vocab=16):
     for t in range(seq):
         ids[:, t + 1] = (ids[:, t] * 7 + 3) % vocab
     return ids[:, :-1], ids[:, 1:]
+
+
+@functools.cache
+def cpu_autocast_lstm_error():
+    """PyTorch's own error for an ``nn.LSTM`` under CPU bf16 autocast on this CPU, or None.
+    oneDNN's low-precision LSTM needs instructions some CPUs lack (an AMD EPYC without
+    AVX-512: "could not create a primitive descriptor for the LSTM forward propagation
+    primitive"), with or without amp."""
+    lstm = nn.LSTM(4, 4)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lstm(torch.randn(2, 1, 4))
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0]
+    return None

@@ -15,7 +15,7 @@ from mixprec import amp
 from mixprec.amp import _model as amp_model
 from mixprec.amp._state import optimizer_state
 
-from .helpers import HALF_DTYPES, backward_and_step
+from .helpers import HALF_DTYPES, backward_and_step, cpu_autocast_lstm_error
 
 _B, _T, _D = 4, 6, 8
 _LENGTHS = torch.tensor([6, 4, 3, 1])
@@ -407,6 +407,9 @@ def test_a_carried_lstm_hidden_state_leaves_fp32_and_enters_in_the_models_dtype(
     # casts it per op) and as the model's half dtype at O2/O3 (amp's input cast, lossless for
     # an upcast half state). O1 equals torch.autocast carrying its own bf16 state, and O3 a
     # plain .bfloat16() model carrying a bf16 state, bit for bit (dropout included).
+    if opt_level == "O1" and cpu_autocast_lstm_error():
+        pytest.skip(f"PyTorch's LSTM under CPU bf16 autocast fails on this CPU: "
+                    f"{cpu_autocast_lstm_error()}")
     model, opt = _tied_lm(opt_level)
     torch.manual_seed(1)
     losses, hidden, returned = _tbptt(model, opt, 3)
