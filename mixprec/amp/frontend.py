@@ -760,7 +760,8 @@ def scale_loss(
             if len(unscale) > 1:
                 done.update(id(p) for p in s.plain)
         amp_state.record_overflow(unscale, loss_id, flags)
-        if not any(s.reached for s in unscale) and not amp_state.warned_unreached:
+        reached = any(s.reached for s in unscale)
+        if not reached and not amp_state.warned_unreached:
             amp_state.warned_unreached = True
             if is_rank_zero():
                 warnings.warn(
@@ -771,9 +772,65 @@ def scale_loss(
                     "holds the old ones: shard first, build the optimizer on the sharded "
                     "model, then amp.initialize it (opt_level='O1'). (Warned once.)",
                     UserWarning, stacklevel=3)
+        elif reached and not amp_state.looked_for_unheld:
+            amp_state.looked_for_unheld = True
+            _warn_unheld_grads(amp_state, scale)
     finally:
         for s in states:
             s.scale_loss_open = False
+
+
+def _warn_unheld_grads(amp_state: AmpState, scale) -> None:
+    """At the first block that unscales: the models' parameters that its backward gave
+    gradients but that no optimizer of any live ``initialize`` call holds. Their gradients
+    stay multiplied by the loss scale, and at O2 a half one has no master: an optimizer that
+    steps them outside amp (NVIDIA's Transformer-XL passed its dense Adam to initialize but
+    not the SparseAdam over its sparse embedding; at O2 fp16 that embedding went NaN at the
+    second step, and every step after was skipped as an overflow) applies them so. Apex said
+    nothing. Once per call: a walk over the parameters, at no later step."""
+    props = amp_state.properties
+    scale_value = float(scale)  # (a device scale: one sync, once)
+    if scale_value == 1.0 and not props.master_weights:
+        return
+    held = set()
+    for ref in _calls:
+        call = ref()
+        if call is None or not call.enabled:
+            continue
+        for s in call.optimizer_states():
+            held.update(id(h) for h, _ in s.pairs)
+            held.update(id(p) for p in s.plain)
+    stray, seen, half = [], set(), False
+    for model in amp_state.models:
+        for name, p in model.named_parameters():
+            if p.grad is None or id(p) in held or id(p) in seen:
+                continue
+            seen.add(id(p))
+            is_half = p.dtype in (torch.float16, torch.bfloat16)
+            if scale_value != 1.0 or is_half:
+                stray.append(name)
+                half = half or is_half
+    if not stray or not is_rank_zero():
+        return
+    shown = ", ".join(stray[:4]) + (f" and {len(stray) - 4} more" if len(stray) > 4 else "")
+    what = []
+    if scale_value != 1.0:
+        what.append(f"their gradients stay multiplied by the loss scale ({scale_value:g})")
+    if half and props.master_weights:
+        what.append("the half ones have no fp32 master weights")
+    warnings.warn(
+        f"amp.scale_loss: {len(stray)} parameter(s) of the model got gradients in this "
+        f"backward that no optimizer given to amp.initialize holds: {shown}. "
+        + _sentence("; ".join(what)) + ", which an optimizer stepping them outside amp (a "
+        "second optimizer, say a SparseAdam over a sparse embedding) does not know. Pass every optimizer to amp.initialize (a list: "
+        "amp.initialize(model, [opt, opt_sparse], ...)) and a loss's optimizers to its "
+        "scale_loss; freeze parameters that should not train (requires_grad_(False)). "
+        "(Looked for once, at the first scale_loss.)",
+        UserWarning, stacklevel=4)
+
+
+def _sentence(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def _other_optimizer_states(amp_state: AmpState, states) -> list:

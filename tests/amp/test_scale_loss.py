@@ -2,6 +2,7 @@ import copy
 import functools
 import io
 import logging
+import re
 import warnings
 
 import pytest
@@ -3550,3 +3551,101 @@ def test_loss_id_outside_num_losses_is_refused_with_the_range(loss_id):
         with amp.scale_loss(model(batch()[0]).sum(), opt, loss_id=loss_id):
             pass
     assert all(p.grad is None for p in model.parameters())
+
+
+class _SparseLM(nn.Module):
+    """A sparse embedding (stepped by a SparseAdam) under a dense projection, as NVIDIA's
+    Transformer-XL with sampled softmax."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(20, 8, sparse=True)
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, tokens):
+        return self.proj(self.emb(tokens))
+
+
+def _sparse_lm_blocks(opt_level, dtype, steps=2, both=False, **kw):
+    """Train _SparseLM with Adam over the projection and SparseAdam over the embedding,
+    passing amp both optimizers (``both``) or, as Transformer-XL did, the dense one alone."""
+    model = _SparseLM()
+    dense = torch.optim.Adam(model.proj.parameters(), lr=1e-2)
+    sparse = torch.optim.SparseAdam(model.emb.parameters(), lr=1e-2)
+    opts = [dense, sparse] if both else dense
+    model, opts = amp.initialize(model, opts, opt_level=opt_level, dtype=dtype, verbosity=0,
+                                 **kw)
+    for step in range(steps):
+        tokens = torch.randint(0, 20, (16,), generator=torch.Generator().manual_seed(step))
+        loss = model(tokens).float().square().mean()
+        with amp.scale_loss(loss, opts) as scaled:
+            scaled.backward()
+        dense.step()
+        sparse.step()
+        dense.zero_grad()
+        sparse.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize("opt_level, dtype, want", [
+    ("O2", torch.float16, r"their gradients stay multiplied by the loss scale \(65536\); the "
+                          r"half ones have no fp32 master weights"),
+    ("O2", torch.bfloat16, r"The half ones have no fp32 master weights, which"),
+    ("O1", torch.float16, r"Their gradients stay multiplied by the loss scale \(65536\), which"),
+], ids=["O2-fp16", "O2-bf16", "O1-fp16"])
+def test_gradients_no_amp_optimizer_holds_are_warned_about_once(opt_level, dtype, want):
+    """NVIDIA's Transformer-XL (sampled softmax) gave amp.initialize its dense Adam but not
+    the SparseAdam over its sparse embedding, and stepped both: at O2 fp16 the embedding's
+    gradient left the block multiplied by 65536 and SparseAdam's fp16 state overflowed, the
+    embedding went NaN at the second step and every step after was skipped (r93A). amp now
+    warns at the first block, at the user's with statement, naming the parameter, the scale
+    where it is not 1 and the missing masters at O2; once."""
+    with pytest.warns(UserWarning, match=r"1 parameter\(s\) of the model got gradients in "
+                                         r"this backward that no optimizer given to "
+                                         r"amp.initialize holds: emb.weight\. ") as record:
+        _sparse_lm_blocks(opt_level, dtype, steps=3)
+    ours = [w for w in record if "no optimizer given to amp.initialize holds" in str(w.message)]
+    assert len(ours) == 1 and ours[0].filename == __file__, [str(w.message) for w in ours]
+    text = str(ours[0].message)
+    assert re.search(want, text, flags=re.IGNORECASE), text
+    assert ("Pass every optimizer to amp.initialize (a list: amp.initialize(model, [opt, "
+            "opt_sparse], ...))") in text
+    if opt_level == "O1":
+        assert "master" not in text
+
+
+@pytest.mark.parametrize("case", ["both-optimizers", "frozen", "O0", "O3-bf16",
+                                  "held-by-another-call"])
+def test_no_unheld_gradient_warning_where_every_gradient_is_amps(case):
+    """No warning where every gradient the backward writes is an amp optimizer's (both
+    optimizers passed: the Transformer-XL fix, which trains), where the parameter no
+    optimizer holds is frozen, where nothing is scaled and there are no masters (O0, O3
+    bf16), or where another initialize call's optimizer holds it (a GAN's generator, reached
+    by the discriminator's loss)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        if case == "both-optimizers":
+            model = _sparse_lm_blocks("O2", torch.float16, steps=3, both=True)
+            assert torch.isfinite(model.emb.weight).all()
+        elif case in ("O0", "O3-bf16"):
+            _sparse_lm_blocks(case[:2], torch.bfloat16, steps=2)
+        elif case == "frozen":
+            model = _SparseLM()
+            model.emb.requires_grad_(False)
+            opt = torch.optim.Adam(model.proj.parameters(), lr=1e-2)
+            model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+            with amp.scale_loss(model(torch.arange(6)).float().sum(), opt) as scaled:
+                scaled.backward()
+        else:
+            from .helpers import make_mlp
+
+            gen, disc = make_mlp(), nn.Linear(2, 1)
+            opt_g = torch.optim.SGD(gen.parameters(), lr=0.1)
+            opt_d = torch.optim.SGD(disc.parameters(), lr=0.1)
+            gen, opt_g = amp.initialize(gen, opt_g, opt_level="O2", verbosity=0)
+            disc, opt_d = amp.initialize(disc, opt_d, opt_level="O2", verbosity=0)
+            fake = gen(torch.randn(4, 4))
+            with amp.scale_loss(disc(fake).float().mean(), opt_d) as scaled:
+                scaled.backward()  # (through the generator too: its gradients, opt_g's)
+            assert all(p.grad is not None for p in gen.parameters())
