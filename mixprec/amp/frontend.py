@@ -799,7 +799,9 @@ def _warn_unheld_grads(amp_state: AmpState, scale) -> None:
             continue
         for s in call.optimizer_states():
             held.update(id(h) for h, _ in s.pairs)
-            held.update(id(p) for p in s.plain)
+            optimizer = s.optimizer_ref()  # (a group added since, not yet given masters too)
+            if optimizer is not None:
+                held.update(id(p) for g in optimizer.param_groups for p in g["params"])
     stray, seen, half = [], set(), False
     for model in amp_state.models:
         for name, p in model.named_parameters():
