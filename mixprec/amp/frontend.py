@@ -254,13 +254,18 @@ def _warn_if_already_half(models: List[nn.Module], props) -> None:
 def _warn_if_fp16_adaptive_state(opt_list, props) -> None:
     """O3 in fp16 (or O2 with ``master_weights=False``) steps the fp16 parameters themselves,
     so the optimizer's own state is fp16 too. An adaptive optimizer (one with ``eps``: Adam,
-    AdamW, RMSprop, Adagrad...) then divides by a second-moment estimate that underflows to 0
-    in fp16 for small gradients (Adam's ``(1 - beta2) * grad**2`` below 2**-25: every gradient
-    under about 5e-3 at beta2=0.999), and its default ``eps=1e-8`` is 0 in fp16: inf/NaN
-    weights, usually at the first step. Apex's O3 did the same (its "speed baseline"); the
-    warning says why and what trains instead. bf16 has fp32's range: no warning."""
+    AdamW, RMSprop, Adagrad...) keeps a second-moment estimate that underflows to 0 in fp16 for
+    small gradients (Adam's ``(1 - beta2) * grad**2`` below 2**-25: every gradient under about
+    5e-3 at beta2=0.999). Computed in fp16 (PyTorch's foreach and for-loop implementations),
+    its default ``eps=1e-8`` is 0 too: the update divides by zero, inf/NaN weights at the first
+    step. Computed in fp32 from the stored fp16 state (``fused=True``, mixprec's FusedAdam), the
+    estimate read back each step is 0 or too small: updates far too large, the loss climbs.
+    Apex's O3 did the same (its "speed baseline"); the warning says why and what trains
+    instead. bf16 has fp32's range: no warning."""
     if props.master_weights or not props.model_is_half or props.half_dtype != torch.float16:
         return
+    from mixprec.optimizers import FusedAdam
+
     for opt in opt_list:
         for group in opt.param_groups:
             eps = group.get("eps")
@@ -268,19 +273,26 @@ def _warn_if_fp16_adaptive_state(opt_list, props) -> None:
                 continue
             if not any(p.dtype == torch.float16 for p in group["params"]):
                 continue
-            if is_rank_zero():
+            if not is_rank_zero():
+                return
+            if group.get("fused") or isinstance(opt, FusedAdam):
+                consequence = ("Computed in float32 from that state (a fused kernel), the "
+                               "update divided by its square root comes out far too large: "
+                               "the loss climbs instead of falling.")
+            else:
                 as_fp16 = float(torch.tensor(float(eps), dtype=torch.float16))
-                warnings.warn(
-                    f"amp.initialize(opt_level={props.opt_level!r}): {type(opt).__name__} "
-                    "steps float16 parameters with float16 state (no fp32 master weights). "
-                    "An adaptive optimizer's second-moment estimate underflows to 0 in "
-                    "float16 for small gradients (Adam's (1 - beta2) * grad**2: gradients "
-                    f"below ~5e-3 at beta2=0.999), and its eps={eps!r} is {as_fp16!r} in "
-                    "float16, so its update divides by (nearly) zero: inf/NaN weights, "
-                    "usually at the first step. To train, use opt_level='O2' (fp32 master "
-                    "weights), or dtype=torch.bfloat16; O3 in float16 suits a speed baseline.",
-                    stacklevel=3,
-                )
+                consequence = (f"Its eps={eps!r} is {as_fp16!r} in float16, so the update "
+                               "divides by (nearly) zero: inf/NaN weights, usually at the "
+                               "first step.")
+            warnings.warn(
+                f"amp.initialize(opt_level={props.opt_level!r}): {type(opt).__name__} "
+                "steps float16 parameters with float16 state (no fp32 master weights). An "
+                "adaptive optimizer's second-moment estimate underflows to 0 in float16 for "
+                "small gradients (Adam's (1 - beta2) * grad**2: gradients below ~5e-3 at "
+                f"beta2=0.999). {consequence} To train, use opt_level='O2' (fp32 master "
+                "weights, in float16 or bfloat16); O3 in float16 suits a speed baseline.",
+                stacklevel=3,
+            )
             return
 
 

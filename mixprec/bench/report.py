@@ -167,7 +167,7 @@ def format_table(results: Sequence[ModeResult], baseline: str = "O0") -> str:
     for r, rel in zip(results, relative_to(results, baseline)):
         diverged = r.diverged
         if diverged:
-            # e.g. pure fp16 with Adam: eps=1e-8 underflows to 0 in fp16 and 0/0 gives NaN
+            # e.g. pure fp16 with Adam (fp16 optimizer state; docs/amp.md)
             status = "ok, loss not finite (diverged)"
         elif r.ok:
             status = "ok"

@@ -134,7 +134,7 @@ class ModeResult:
     @property
     def diverged(self) -> bool:
         """The mode ran (``status == "ok"``) but its final loss is NaN or inf (e.g. pure fp16
-        with Adam: eps=1e-8 underflows to 0 in fp16 and 0/0 gives NaN)."""
+        with Adam, whose state is fp16 too: docs/amp.md, "Optimizer state")."""
         return self.ok and self.final_loss is not None and not math.isfinite(self.final_loss)
 
     def to_dict(self) -> dict:

@@ -417,11 +417,19 @@ def test_o1_warns_about_a_model_made_half_before_initialize(dtype):
             amp.initialize(model, opts, opt_level="O3", dtype=dtype, verbosity=0)
 
 
+def _fused_adam(ps):
+    from mixprec.optimizers import FusedAdam
+
+    return FusedAdam(ps, lr=1e-3)
+
+
 _ADAPTIVE = {
     "AdamW": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
     "Adam-eps1e-4": lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-4),
     "RMSprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-3),
     "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "AdamW-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+    "FusedAdam": _fused_adam,
 }
 
 
@@ -431,10 +439,10 @@ _ADAPTIVE = {
 def test_fp16_without_masters_warns_that_an_adaptive_optimizers_fp16_state_diverges(
         name, opt_level, kw):
     """O3 in fp16 steps the fp16 parameters with fp16 optimizer state: Adam's second moment
-    underflows to 0 for small gradients and eps=1e-8 is 0 in fp16, so the first step writes
-    inf/NaN weights (the CLI's GPT row at O3 fp16 read "diverged" with no word why).
-    initialize says so at the user's line, naming the optimizer, its eps as fp16 holds it and
-    the levels that train."""
+    underflows to 0 for small gradients, and where the update is computed in fp16 eps=1e-8 is
+    0 too, so the first step writes inf/NaN weights; a fused kernel (fp32 arithmetic) makes
+    updates far too large instead (r94B B2). initialize says so at the user's line, naming the
+    optimizer, its eps as fp16 holds it (unfused) and the level that trains."""
     model = make_cnn()
     opt = _ADAPTIVE[name](model.parameters())
     eps = opt.param_groups[0]["eps"]
@@ -445,8 +453,11 @@ def test_fp16_without_masters_warns_that_an_adaptive_optimizers_fp16_state_diver
     text = str(ours[0].message)
     as_fp16 = float(torch.tensor(eps, dtype=torch.float16))
     assert f"amp.initialize(opt_level='{opt_level}'): {type(opt).__name__} " in text
-    assert f"eps={eps!r} is {as_fp16!r} in float16" in text
-    assert "opt_level='O2' (fp32 master weights), or dtype=torch.bfloat16" in text
+    fused = name in ("AdamW-fused", "FusedAdam")
+    assert (f"eps={eps!r} is {as_fp16!r} in float16, so the update divides by" in text) != fused
+    assert ("(a fused kernel), the update divided by its square root comes out far too "
+            "large" in text) == fused
+    assert "use opt_level='O2' (fp32 master weights, in float16 or bfloat16)" in text
 
 
 @pytest.mark.parametrize("case", ["bf16", "O2", "SGD", "only-fp32-batchnorm", "O1"])
@@ -503,6 +514,35 @@ def test_the_fp16_state_warning_tells_the_truth():
         got = run(dtype, opt_level=level)
         for k, v in got.items():
             torch.testing.assert_close(v, want[k], rtol=0, atol=atol, msg=f"{dtype} {level} {k}")
+
+
+def test_the_fused_fp16_state_warning_tells_the_truth():
+    """The fused variant of the warning: AdamW(fused=True) computes in fp32 from its fp16
+    state, so no NaN, but the second moment stored in fp16 underflows and 20 steps at O3 fp16
+    on the small MLP drive the loss up by more than 10x, where O2 fp16 (fp32 masters and
+    state) brings it down."""
+    def losses(opt_level):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt = amp.initialize(model, opt, opt_level=opt_level, loss_scale=1.0,
+                                        verbosity=0)
+        out = []
+        for step in range(20):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            backward_and_step(loss, opt, amp)
+            out.append(loss.item())
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        return out
+
+    o3, o2 = losses("O3"), losses("O2")
+    assert o3[0] == pytest.approx(o2[0], rel=1e-2)
+    assert o3[-1] > 10 * o3[0], o3
+    assert o2[-1] < o2[0], o2
 
 
 def test_rejects_a_model_inside_a_non_torch_distributed_data_parallel():
