@@ -759,13 +759,14 @@ def _note_fp32_parameters(model: nn.Module, half: torch.dtype, exc: RuntimeError
     if not names:
         return
     shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    masters = ("; optimizer.add_param_group then keeps fp32 master weights for them"
+               if master_weights(model) else "")
     note = (
         f"amp: this model ({_original_class(type(model)).__name__}) was cast to {half} by "
         f"amp.initialize and its forward casts floating inputs to {half}, but it holds float32 "
         f"parameters amp did not make: {shown} (added after initialize?). If the dtype "
         f"mismatch is theirs, cast them to {half} (e.g. module.to({half})) before giving them "
-        "to the optimizer (optimizer.add_param_group keeps fp32 master weights for half "
-        "parameters), or add them before amp.initialize."
+        f"to the optimizer{masters}, or add them before amp.initialize."
     )
     try:
         exc._mixprec_noted = True
