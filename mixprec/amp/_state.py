@@ -2013,9 +2013,9 @@ class AmpState:
         self.fp32_params: Set[int] = set()
         # A backward that reached none of its block's optimizers' parameters was warned about.
         self.warned_unreached = False
-        # The models' parameters that the first unscaling block's backward gave gradients
-        # but no optimizer holds were looked for (once: see frontend._warn_unheld_grads).
-        self.looked_for_unheld = False
+        # The loss ids whose first unscaling block looked for gradients that its backward
+        # wrote into the models' parameters but no optimizer holds (frontend._unheld_grads).
+        self.looked_for_unheld: Set[int] = set()
         # Overflow flags and new scales of device-scaled steps, copied to the host without
         # waiting, for the overflow log: (loss_id, host [flag, scale], event or None).
         self._pending: List[Tuple[int, torch.Tensor, Optional[torch.cuda.Event]]] = []

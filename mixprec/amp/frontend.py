@@ -728,6 +728,10 @@ def scale_loss(
             scaled = loss.float() if scale == 1.0 else loss.float() * scale
         for s in states:
             s.before_backward(scaler, scale)
+        # (Until this loss's first unscaling block: the gradients as they are before its
+        # backward, to tell which it writes; see _warn_unheld_grads.)
+        grads_before = (None if loss_id in amp_state.looked_for_unheld
+                        else _model_grads(amp_state))
         # Other optimizers (this call's, or another call's), whose parameters this backward
         # may reach too (a loss through two models given one optimizer here): what it
         # writes there stays scaled, and their step() is refused on it.
@@ -784,24 +788,39 @@ def scale_loss(
                     "holds the old ones: shard first, build the optimizer on the sharded "
                     "model, then amp.initialize it (opt_level='O1'). (Warned once.)",
                     UserWarning, stacklevel=3)
-        elif reached and not amp_state.looked_for_unheld:
-            amp_state.looked_for_unheld = True
-            _warn_unheld_grads(amp_state, scale)
+        if grads_before is not None:
+            amp_state.looked_for_unheld.add(loss_id)
+            if reached:  # (else the warning above says more)
+                _warn_unheld_grads(amp_state, scale, grads_before)
     finally:
         for s in states:
             s.scale_loss_open = False
 
 
-def _warn_unheld_grads(amp_state: AmpState, scale) -> None:
-    """At the first block that unscales: the models' parameters that its backward gave
-    gradients but that no optimizer of any live ``initialize`` call holds. Their gradients
-    stay multiplied by the loss scale, and at O2 a half one has no master: an optimizer that
-    steps them outside amp (NVIDIA's Transformer-XL passed its dense Adam to initialize but
-    not the SparseAdam over its sparse embedding; at O2 fp16 that embedding went NaN at the
-    second step, and every step after was skipped as an overflow) applies them so. Apex said
-    nothing. Once per call: a walk over the parameters, at no later step."""
+def _model_grads(amp_state: AmpState) -> dict:
+    """id of each of the call's models' parameters that requires grad -> (its gradient, the
+    gradient's version), the gradient None where it has none."""
+    out = {}
+    for model in amp_state.models:
+        for p in model.parameters():
+            if p.requires_grad:
+                g = p.grad
+                out[id(p)] = (g, g._version if g is not None else 0)
+    return out
+
+
+def _warn_unheld_grads(amp_state: AmpState, scale, before: dict) -> None:
+    """At a loss's first block that unscales: the models' parameters whose gradients its
+    backward wrote (against ``before``, taken at the block's start: a frozen teacher's stale
+    gradient is no concern) but that no optimizer of any live ``initialize`` call holds.
+    Their gradients stay multiplied by the loss scale, and at O2 a half one has no master:
+    an optimizer that steps them outside amp (NVIDIA's Transformer-XL passed its dense Adam
+    to initialize but not the SparseAdam over its sparse embedding; at O2 fp16 that embedding
+    went NaN at the second step, and every step after was skipped as an overflow) applies
+    them so. Apex said nothing. Once per loss: a walk over the parameters, at no later step.
+    A learnable loss module outside the models is not looked at."""
     props = amp_state.properties
-    scale_value = float(scale)  # (a device scale: one sync, once)
+    scale_value = float(scale)  # (a device scale: one sync, once per loss)
     if scale_value == 1.0 and not props.master_weights:
         return
     held = set()
@@ -814,15 +833,21 @@ def _warn_unheld_grads(amp_state: AmpState, scale) -> None:
             optimizer = s.optimizer_ref()  # (a group added since, not yet given masters too)
             if optimizer is not None:
                 held.update(id(p) for g in optimizer.param_groups for p in g["params"])
+    models = amp_state.models
     stray, seen, half = [], set(), False
-    for model in amp_state.models:
+    for i, model in enumerate(models):
+        prefix = f"models[{i}]." if len(models) > 1 else ""
         for name, p in model.named_parameters():
-            if p.grad is None or id(p) in held or id(p) in seen:
+            g = p.grad
+            if g is None or id(p) in held or id(p) in seen or id(p) not in before:
                 continue
             seen.add(id(p))
+            old, version = before[id(p)]
+            if g is old and g._version == version:
+                continue  # (not this backward's)
             is_half = p.dtype in (torch.float16, torch.bfloat16)
             if scale_value != 1.0 or is_half:
-                stray.append(name)
+                stray.append(prefix + name)
                 half = half or is_half
     if not stray or not is_rank_zero():
         return
@@ -833,13 +858,14 @@ def _warn_unheld_grads(amp_state: AmpState, scale) -> None:
     if half and props.master_weights:
         what.append("the half ones have no fp32 master weights")
     warnings.warn(
-        f"amp.scale_loss: {len(stray)} parameter(s) of the model got gradients in this "
-        f"backward that no optimizer given to amp.initialize holds: {shown}. "
+        f"amp.scale_loss: {len(stray)} parameter(s) of the "
+        f"model{'s' if len(models) > 1 else ''} got gradients in this backward that no "
+        f"optimizer given to amp.initialize holds: {shown}. "
         + _sentence("; ".join(what)) + ", which an optimizer stepping them outside amp (a "
-        "second optimizer, say a SparseAdam over a sparse embedding) does not know. Pass every optimizer to amp.initialize (a list: "
-        "amp.initialize(model, [opt, opt_sparse], ...)) and a loss's optimizers to its "
-        "scale_loss; freeze parameters that should not train (requires_grad_(False)). "
-        "(Looked for once, at the first scale_loss.)",
+        "second optimizer, say a SparseAdam over a sparse embedding) does not know. Pass every "
+        "optimizer to amp.initialize (a list: amp.initialize(model, [opt, opt_sparse], ...)) "
+        "and a loss's optimizers to its scale_loss; freeze parameters that should not train "
+        "(requires_grad_(False)). (Looked for once per loss_id, at its first scale_loss.)",
         UserWarning, stacklevel=4)
 
 

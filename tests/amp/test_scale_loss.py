@@ -3616,13 +3616,16 @@ def test_gradients_no_amp_optimizer_holds_are_warned_about_once(opt_level, dtype
 
 
 @pytest.mark.parametrize("case", ["both-optimizers", "frozen", "O0", "O3-bf16",
-                                  "held-by-another-call"])
+                                  "held-by-another-call", "stale-teacher", "stale-unreached"])
 def test_no_unheld_gradient_warning_where_every_gradient_is_amps(case):
     """No warning where every gradient the backward writes is an amp optimizer's (both
     optimizers passed: the Transformer-XL fix, which trains), where the parameter no
     optimizer holds is frozen, where nothing is scaled and there are no masters (O0, O3
-    bf16), or where another initialize call's optimizer holds it (a GAN's generator, reached
-    by the discriminator's loss)."""
+    bf16), where another initialize call's optimizer holds it (a GAN's generator, reached
+    by the discriminator's loss), or where the gradient no optimizer holds is an old one
+    this backward did not write: a teacher trained in fp32 earlier in the script, then
+    frozen and given to initialize with the student (PyTorch's distillation tutorial; r94B
+    B1), or a layer not frozen but not on this loss's path."""
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         if case == "both-optimizers":
@@ -3637,6 +3640,23 @@ def test_no_unheld_gradient_warning_where_every_gradient_is_amps(case):
             model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
             with amp.scale_loss(model(torch.arange(6)).float().sum(), opt) as scaled:
                 scaled.backward()
+        elif case in ("stale-teacher", "stale-unreached"):
+            from .helpers import make_mlp
+
+            student, teacher = make_mlp(), make_mlp(seed=1)
+            teacher(torch.randn(4, 4)).sum().backward()  # (its own fp32 training, before)
+            if case == "stale-teacher":
+                teacher.requires_grad_(False)
+            opt = torch.optim.SGD(student.parameters(), lr=0.1)
+            [student, teacher], opt = amp.initialize([student, teacher], opt, opt_level="O1",
+                                                     verbosity=0)
+            x = torch.randn(4, 4)
+            with torch.no_grad():
+                soft = teacher(x).softmax(-1)
+            loss = -(soft * student(x).log_softmax(-1)).sum(-1).mean()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            assert all(p.grad is not None for p in teacher.parameters())
         else:
             from .helpers import make_mlp
 
@@ -3649,3 +3669,26 @@ def test_no_unheld_gradient_warning_where_every_gradient_is_amps(case):
             with amp.scale_loss(disc(fake).float().mean(), opt_d) as scaled:
                 scaled.backward()  # (through the generator too: its gradients, opt_g's)
             assert all(p.grad is not None for p in gen.parameters())
+
+
+def test_the_unheld_gradient_look_runs_at_each_losss_first_block():
+    """num_losses=2, the dense loss first: the Transformer-XL case reached through the second
+    loss alone is still found, at that loss's first block (r94B R3), and the parameter is
+    named with its model's place where initialize took several models."""
+    model = _SparseLM()
+    other = nn.Linear(2, 2)
+    dense = torch.optim.Adam(list(model.proj.parameters()) + list(other.parameters()), lr=1e-2)
+    # (The SparseAdam over model.emb, left out of initialize, would step it after the block.)
+    [model, other], dense = amp.initialize([model, other], dense, opt_level="O2", num_losses=2,
+                                           verbosity=0)
+    tokens = torch.arange(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        feats = model.emb(tokens).detach()
+        with amp.scale_loss(model.proj(feats).float().sum(), dense, loss_id=0) as scaled:
+            scaled.backward()
+    with pytest.warns(UserWarning, match=r"1 parameter\(s\) of the models got gradients in "
+                                         r"this backward that no optimizer given to "
+                                         r"amp.initialize holds: models\[0\]\.emb\.weight\. "):
+        with amp.scale_loss(model(tokens).float().sum(), dense, loss_id=1) as scaled:
+            scaled.backward()
