@@ -745,29 +745,42 @@ def _holds_fx_proxy(args: tuple, kwargs: dict) -> bool:
 
 
 def _note_fp32_parameters(model: nn.Module, half: torch.dtype, exc: RuntimeError) -> None:
-    """An O2/O3 forward failed: when the error reads like a dtype mismatch and the model holds
-    fp32 parameters that amp did not leave fp32 (outside BatchNorm: layers added after
-    initialize, hand-written LoRA adapters, say), add a note naming them and the fix to
-    PyTorch's bare "mat1 and mat2 must have the same dtype". Once per error (enclosing
-    models see it again); Python < 3.11 has no notes, so there the message is extended."""
-    if getattr(exc, "_mixprec_noted", False) or "float" not in str(exc).lower():
+    """An O2/O3 forward failed: when the error reads like a float32/half mismatch, add a note
+    to PyTorch's bare "mat1 and mat2 must have the same dtype". Where the model holds fp32
+    parameters that amp did not leave fp32 (outside BatchNorm: layers added after initialize,
+    hand-written LoRA adapters, say) it names them and the fix; else it names the usual
+    sources of an fp32 tensor in a half forward (one made inside ``forward`` without a dtype,
+    Swin's shifted-window mask built with ``torch.zeros`` in detection ports, say). Once per
+    error (enclosing models see it again); Python < 3.11 has no notes, so there the message
+    is extended."""
+    text = str(exc).lower()
+    if (getattr(exc, "_mixprec_noted", False) or "float" not in text
+            or ("half" not in text and "bfloat16" not in text)):
         return
     names = [f"{prefix}{'.' if prefix else ''}{name}"
              for prefix, module in model.named_modules() if not isinstance(module, _BatchNorm)
              for name, p in module.named_parameters(recurse=False)
              if p.dtype == torch.float32]
-    if not names:
-        return
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
-    masters = ("; optimizer.add_param_group then keeps fp32 master weights for them"
-               if master_weights(model) else "")
-    note = (
-        f"amp: this model ({_original_class(type(model)).__name__}) was cast to {half} by "
-        f"amp.initialize and its forward casts floating inputs to {half}, but it holds float32 "
-        f"parameters amp did not make: {shown} (added after initialize?). If the dtype "
-        f"mismatch is theirs, cast them to {half} (e.g. module.to({half})) before giving them "
-        f"to the optimizer{masters}, or add them before amp.initialize."
-    )
+    where = (f"amp: this model ({_original_class(type(model)).__name__}) was cast to {half} by "
+             f"amp.initialize and its forward casts floating inputs to {half}")
+    if names:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        masters = ("; optimizer.add_param_group then keeps fp32 master weights for them"
+                   if master_weights(model) else "")
+        note = (
+            f"{where}, but it holds float32 parameters amp did not make: {shown} (added after "
+            f"initialize?). If the dtype mismatch is theirs, cast them to {half} (e.g. "
+            f"module.to({half})) before giving them to the optimizer{masters}, or add them "
+            "before amp.initialize."
+        )
+    else:
+        note = (
+            f"{where}; a float32 tensor met its {half} values here. At O2/O3 that is usually "
+            "one made inside forward without a dtype (torch.zeros(...), torch.arange(...)"
+            ".float(), an attention mask or position table: pass dtype=x.dtype), a buffer "
+            "registered after initialize, or an input that reaches the model other than "
+            "through its arguments. O1 casts per op instead and takes such tensors."
+        )
     try:
         exc._mixprec_noted = True
     except AttributeError:  # (an exception type with __slots__)

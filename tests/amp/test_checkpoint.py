@@ -1678,6 +1678,51 @@ def test_fp32_adapters_added_after_initialize_get_a_note_naming_them(dtype, opt_
     assert fresh(x).dtype == torch.float32
 
 
+class _MaskedAttention(nn.Module):
+    """Scores plus a -100 shifted-window mask built inside forward, as detection ports of
+    Swin do; ``typed`` builds it in the scores' dtype (the fix)."""
+
+    def __init__(self, typed=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.q, self.v = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.typed = typed
+
+    def forward(self, x):
+        scores = self.q(x) @ self.q(x).transpose(-1, -2)
+        mask = torch.zeros(x.shape[0], x.shape[0], dtype=scores.dtype if self.typed else None)
+        mask[0, 1] = -100.0
+        return (scores + mask).softmax(-1) @ self.v(x)
+
+
+@pytest.mark.parametrize("opt_level", ["O2", "O3"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_an_fp32_tensor_made_inside_forward_gets_a_note_naming_the_usual_sources(dtype,
+                                                                                  opt_level):
+    """A mask made in fp32 inside forward meets the half scores at O2/O3 (as in a .half()
+    model, and as under Apex's O2): PyTorch's bare "expected m1 and m2 to have the same
+    dtype". With no stray fp32 parameter to name, amp's note names the usual sources and the
+    fix (dtype=x.dtype), which runs, as does O1 (r94A R1)."""
+    x = torch.randn(3, 4)
+    model = _MaskedAttention()
+    amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                   dtype=dtype, verbosity=0)
+    with pytest.raises(RuntimeError, match="dtype") as info:
+        model(x)
+    notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+    assert len(notes) == 1, notes
+    assert (f"amp: this model (_MaskedAttention) was cast to {dtype} by amp.initialize and "
+            f"its forward casts floating inputs to {dtype}; a float32 tensor met its {dtype} "
+            "values here. At O2/O3 that is usually one made inside forward without a dtype "
+            "(torch.zeros(...)") in notes[0]
+    assert "pass dtype=x.dtype" in notes[0] and "parameters amp did not make" not in notes[0]
+    for level, typed in ((opt_level, True), ("O1", False)):
+        model = _MaskedAttention(typed=typed)
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level,
+                       dtype=dtype, verbosity=0)
+        assert torch.isfinite(model(x)).all()
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_ema_written_into_a_copys_state_dict_accumulates_in_fp32(dtype):
     # timm's ModelEmaV2 and ultralytics' ModelEMA: ema = copy.deepcopy(model), then each step
