@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import re
 import threading
 import types
 import warnings
@@ -744,6 +745,12 @@ def _holds_fx_proxy(args: tuple, kwargs: dict) -> bool:
             or any(isinstance(v, _FxProxy) for v in kwargs.values()))
 
 
+# float32 as PyTorch's errors name it ("float", "Float", "torch.float32"), not inside
+# "bfloat16", "float16" or "float64"; and a half type ("Half", "BFloat16", "torch.float16").
+_NAMES_FLOAT32 = re.compile(r"(?<![a-z])float(?!16|64)")
+_NAMES_HALF = re.compile(r"half|bfloat16|(?<![a-z])float16")
+
+
 def _note_fp32_parameters(model: nn.Module, half: torch.dtype, exc: RuntimeError) -> None:
     """An O2/O3 forward failed: when the error reads like a float32/half mismatch, add a note
     to PyTorch's bare "mat1 and mat2 must have the same dtype". Where the model holds fp32
@@ -754,8 +761,8 @@ def _note_fp32_parameters(model: nn.Module, half: torch.dtype, exc: RuntimeError
     error (enclosing models see it again); Python < 3.11 has no notes, so there the message
     is extended."""
     text = str(exc).lower()
-    if (getattr(exc, "_mixprec_noted", False) or "float" not in text
-            or ("half" not in text and "bfloat16" not in text)):
+    if (getattr(exc, "_mixprec_noted", False) or not _NAMES_FLOAT32.search(text)
+            or not _NAMES_HALF.search(text)):
         return
     names = [f"{prefix}{'.' if prefix else ''}{name}"
              for prefix, module in model.named_modules() if not isinstance(module, _BatchNorm)

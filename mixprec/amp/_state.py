@@ -2013,9 +2013,12 @@ class AmpState:
         self.fp32_params: Set[int] = set()
         # A backward that reached none of its block's optimizers' parameters was warned about.
         self.warned_unreached = False
-        # The loss ids whose first unscaling block looked for gradients that its backward
-        # wrote into the models' parameters but no optimizer holds (frontend._unheld_grads).
+        # The loss ids whose blocks were watched, up to an unscaling block, for gradients
+        # their backwards wrote into the models' parameters that no optimizer holds; and, for
+        # those watched since the last unscale, what they found: loss id -> (the block's
+        # scale, {id: (name, dtype)}) (see frontend.UnheldWatch).
         self.looked_for_unheld: Set[int] = set()
+        self.unheld_pending: Dict[int, tuple] = {}
         # Overflow flags and new scales of device-scaled steps, copied to the host without
         # waiting, for the overflow log: (loss_id, host [flag, scale], event or None).
         self._pending: List[Tuple[int, torch.Tensor, Optional[torch.cuda.Event]]] = []

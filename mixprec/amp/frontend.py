@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import numbers
@@ -10,7 +11,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import MutableMapping
-from typing import Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -728,10 +729,11 @@ def scale_loss(
             scaled = loss.float() if scale == 1.0 else loss.float() * scale
         for s in states:
             s.before_backward(scaler, scale)
-        # (Until this loss's first unscaling block: the gradients as they are before its
-        # backward, to tell which it writes; see _warn_unheld_grads.)
-        grads_before = (None if loss_id in amp_state.looked_for_unheld
-                        else _model_grads(amp_state))
+        # (Until an unscaling block after this loss's first: which parameters no optimizer
+        # holds its backward writes; see UnheldWatch.)
+        unheld = (UnheldWatch(amp_state) if loss_id not in amp_state.looked_for_unheld
+                  and (scaler.dynamic or scaler.loss_scale != 1.0
+                       or amp_state.properties.master_weights) else None)
         # Other optimizers (this call's, or another call's), whose parameters this backward
         # may reach too (a loss through two models given one optimizer here): what it
         # writes there stays scaled, and their step() is refused on it.
@@ -752,12 +754,16 @@ def scale_loss(
             # the gradients of earlier backwards, set aside for this one, are given back.
             for s in states:
                 s.abandon_backward()
+            if unheld is not None:
+                unheld.discard()
             raise
         finally:
             if block_hook is not None:
                 block_hook.remove()
             for watch in watches:
                 watch.close()
+            if unheld is not None:
+                unheld.close(loss_id, scale)
 
         # Per optimizer: one whose model ran this forward inside DDP's no_sync() keeps its
         # gradients scaled for the synced backward to all-reduce; the others unscale as usual.
@@ -788,84 +794,106 @@ def scale_loss(
                     "holds the old ones: shard first, build the optimizer on the sharded "
                     "model, then amp.initialize it (opt_level='O1'). (Warned once.)",
                     UserWarning, stacklevel=3)
-        if grads_before is not None:
-            amp_state.looked_for_unheld.add(loss_id)
-            if reached:  # (else the warning above says more)
-                _warn_unheld_grads(amp_state, scale, grads_before)
+        if amp_state.unheld_pending:
+            _warn_unheld_grads(amp_state, report=reached)  # (else the warning above says more)
     finally:
         for s in states:
             s.scale_loss_open = False
 
 
-def _model_grads(amp_state: AmpState) -> dict:
-    """id of each of the call's models' parameters that requires grad -> (its gradient, the
-    gradient's version), the gradient None where it has none."""
-    out = {}
-    for model in amp_state.models:
-        for p in model.parameters():
-            if p.requires_grad:
-                g = p.grad
-                out[id(p)] = (g, g._version if g is not None else 0)
-    return out
+class UnheldWatch:
+    """For one ``scale_loss`` block: a post-accumulate-grad hook on each of the call's models'
+    parameters that requires grad but that no optimizer of any live ``initialize`` call holds,
+    noting those its backward accumulates into (hooks, not gradient versions: a stale
+    gradient that is a view into PyTorch's DDP bucket changes version with its neighbours'
+    all-reduce). Their gradients stay multiplied by the loss scale, and at O2 a half one has
+    no master: an optimizer that steps them outside amp (NVIDIA's Transformer-XL passed its
+    dense Adam to initialize but not the SparseAdam over its sparse embedding; at O2 fp16
+    that embedding went NaN at the second step, and every later step was skipped as an
+    overflow) applies them so. Apex said nothing. A loss's blocks are watched until an
+    unscaling block (its own, or another loss's that unscales what it held), so a few times
+    per loss; a learnable loss module outside the models is not looked at."""
 
-
-def _warn_unheld_grads(amp_state: AmpState, scale, before: dict) -> None:
-    """At a loss's first block that unscales: the models' parameters whose gradients its
-    backward wrote (against ``before``, taken at the block's start: a frozen teacher's stale
-    gradient is no concern) but that no optimizer of any live ``initialize`` call holds.
-    Their gradients stay multiplied by the loss scale, and at O2 a half one has no master:
-    an optimizer that steps them outside amp (NVIDIA's Transformer-XL passed its dense Adam
-    to initialize but not the SparseAdam over its sparse embedding; at O2 fp16 that embedding
-    went NaN at the second step, and every step after was skipped as an overflow) applies
-    them so. Apex said nothing. Once per loss: a walk over the parameters, at no later step.
-    A learnable loss module outside the models is not looked at."""
-    props = amp_state.properties
-    scale_value = float(scale)  # (a device scale: one sync, once per loss)
-    if scale_value == 1.0 and not props.master_weights:
-        return
-    held = set()
-    for ref in _calls:
-        call = ref()
-        if call is None or not call.enabled:
-            continue
-        for s in call.optimizer_states():
-            held.update(id(h) for h, _ in s.pairs)
-            optimizer = s.optimizer_ref()  # (a group added since, not yet given masters too)
-            if optimizer is not None:
-                held.update(id(p) for g in optimizer.param_groups for p in g["params"])
-    models = amp_state.models
-    stray, seen, half = [], set(), False
-    for i, model in enumerate(models):
-        prefix = f"models[{i}]." if len(models) > 1 else ""
-        for name, p in model.named_parameters():
-            g = p.grad
-            if g is None or id(p) in held or id(p) in seen or id(p) not in before:
+    def __init__(self, amp_state: AmpState):
+        self.amp_state = amp_state
+        held = set()
+        for ref in _calls:
+            call = ref()
+            if call is None or not call.enabled:
                 continue
-            seen.add(id(p))
-            old, version = before[id(p)]
-            if g is old and g._version == version:
-                continue  # (not this backward's)
-            is_half = p.dtype in (torch.float16, torch.bfloat16)
-            if scale_value != 1.0 or is_half:
-                stray.append(prefix + name)
-                half = half or is_half
-    if not stray or not is_rank_zero():
+            for s in call.optimizer_states():
+                held.update(id(h) for h, _ in s.pairs)
+                optimizer = s.optimizer_ref()  # (a group added since, no masters yet, too)
+                if optimizer is not None:
+                    held.update(id(p) for g in optimizer.param_groups for p in g["params"])
+        self.hit: Dict[int, tuple] = {}
+        self.handles = []
+        models = amp_state.models
+        for i, model in enumerate(models):
+            prefix = f"models[{i}]." if len(models) > 1 else ""
+            for name, p in model.named_parameters():
+                if p.requires_grad and id(p) not in held:
+                    held.add(id(p))  # (a parameter two models share: once)
+                    self.handles.append(p.register_post_accumulate_grad_hook(
+                        functools.partial(self._accumulated, len(self.handles),
+                                          prefix + name)))
+
+    def _accumulated(self, order: int, name: str, param: torch.Tensor) -> None:
+        self.hit[id(param)] = (order, name, param.dtype)
+
+    def discard(self) -> None:
+        """The block raised: its backward's gradients were given back; nothing to note."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles = None
+
+    def close(self, loss_id: int, scale) -> None:
+        if self.handles is None:
+            return
+        self.discard()
+        _, earlier = self.amp_state.unheld_pending.get(loss_id, (None, {}))
+        self.amp_state.unheld_pending[loss_id] = (scale, {**earlier, **self.hit})
+
+
+def _warn_unheld_grads(amp_state: AmpState, report: bool) -> None:
+    """After an unscaling block: what the blocks watched since the last one found (see
+    :class:`UnheldWatch`), warned about once per loss; those losses are not watched again."""
+    pending, amp_state.unheld_pending = amp_state.unheld_pending, {}
+    amp_state.looked_for_unheld.update(pending)
+    props = amp_state.properties
+    found, half, scales = {}, False, set()
+    for scale, hit in pending.values():
+        if not hit:
+            continue
+        scale_value = float(scale)  # (a device scale: one sync, for a few blocks per loss)
+        for key, (order, name, dtype) in hit.items():
+            is_half = dtype in (torch.float16, torch.bfloat16)
+            if key in found or not (scale_value != 1.0 or (is_half and props.master_weights)):
+                continue
+            found[key] = (order, name)
+            half = half or is_half
+            if scale_value != 1.0:
+                scales.add(scale_value)
+    stray = [name for _, name in sorted(found.values())]  # (in the models' order)
+    if not stray or not report or not is_rank_zero():
         return
     shown = ", ".join(stray[:4]) + (f" and {len(stray) - 4} more" if len(stray) > 4 else "")
     what = []
-    if scale_value != 1.0:
-        what.append(f"their gradients stay multiplied by the loss scale ({scale_value:g})")
+    if scales:
+        shown_scales = "/".join(f"{v:g}" for v in sorted(scales))
+        what.append(f"their gradients stay multiplied by the loss scale ({shown_scales})")
     if half and props.master_weights:
         what.append("the half ones have no fp32 master weights")
+    several = len(amp_state.models) > 1
     warnings.warn(
-        f"amp.scale_loss: {len(stray)} parameter(s) of the "
-        f"model{'s' if len(models) > 1 else ''} got gradients in this backward that no "
-        f"optimizer given to amp.initialize holds: {shown}. "
-        + _sentence("; ".join(what)) + ", which an optimizer stepping them outside amp (a "
-        "second optimizer, say a SparseAdam over a sparse embedding) does not know. Pass every "
-        "optimizer to amp.initialize (a list: amp.initialize(model, [opt, opt_sparse], ...)) "
-        "and a loss's optimizers to its scale_loss; freeze parameters that should not train "
-        "(requires_grad_(False)). (Looked for once per loss_id, at its first scale_loss.)",
+        f"amp.scale_loss: {len(stray)} parameter(s) of the model{'s' if several else ''} got "
+        f"gradients in this backward that no optimizer given to amp.initialize holds: "
+        f"{shown}. " + _sentence("; ".join(what)) + ", which an optimizer stepping them "
+        "outside amp (a second optimizer, say a SparseAdam over a sparse embedding) does not "
+        "know. Pass every optimizer to amp.initialize (a list: amp.initialize(model, [opt, "
+        "opt_sparse], ...)) and a loss's optimizers to its scale_loss; freeze parameters that "
+        "should not train (requires_grad_(False)). (Looked for once per loss_id, up to its "
+        "first unscaling scale_loss block.)",
         UserWarning, stacklevel=4)
 
 

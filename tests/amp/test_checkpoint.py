@@ -1680,15 +1680,20 @@ def test_fp32_adapters_added_after_initialize_get_a_note_naming_them(dtype, opt_
 
 class _MaskedAttention(nn.Module):
     """Scores plus a -100 shifted-window mask built inside forward, as detection ports of
-    Swin do; ``typed`` builds it in the scores' dtype (the fix)."""
+    Swin do; ``typed`` builds it in the scores' dtype (the fix); ``fail`` raises an error with
+    no float32 in it instead."""
 
-    def __init__(self, typed=False):
+    def __init__(self, typed=False, fail=None):
         super().__init__()
         torch.manual_seed(0)
         self.q, self.v = nn.Linear(4, 4), nn.Linear(4, 4)
-        self.typed = typed
+        self.typed, self.fail = typed, fail
 
     def forward(self, x):
+        if self.fail == "float64":
+            return self.q(x) @ torch.ones(4, 4, dtype=torch.float64)
+        if self.fail == "inv":
+            return torch.linalg.inv(self.q(x)[:, :3].reshape(1, 3, 3).to(torch.bfloat16))
         scores = self.q(x) @ self.q(x).transpose(-1, -2)
         mask = torch.zeros(x.shape[0], x.shape[0], dtype=scores.dtype if self.typed else None)
         mask[0, 1] = -100.0
@@ -1716,6 +1721,15 @@ def test_an_fp32_tensor_made_inside_forward_gets_a_note_naming_the_usual_sources
             "values here. At O2/O3 that is usually one made inside forward without a dtype "
             "(torch.zeros(...)") in notes[0]
     assert "pass dtype=x.dtype" in notes[0] and "parameters amp did not make" not in notes[0]
+    # Errors with no float32 in them get no note (r95A B1): a half value meeting float64, an
+    # op without a half kernel (bf16 linalg.inv on the CPU).
+    for op in ("float64", "inv"):
+        model = _MaskedAttention(fail=op)
+        amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
+                       dtype=dtype, verbosity=0)
+        with pytest.raises(RuntimeError) as info:
+            model(x)
+        assert not [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
     for level, typed in ((opt_level, True), ("O1", False)):
         model = _MaskedAttention(typed=typed)
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level,

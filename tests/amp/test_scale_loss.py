@@ -3692,3 +3692,44 @@ def test_the_unheld_gradient_look_runs_at_each_losss_first_block():
                                          r"amp.initialize holds: models\[0\]\.emb\.weight\. "):
         with amp.scale_loss(model(tokens).float().sum(), dense, loss_id=1) as scaled:
             scaled.backward()
+
+
+def test_a_loss_whose_gradients_another_losss_block_unscales_is_looked_at_there():
+    """num_losses=2, loss 0's blocks always delay_unscale=True (loss 1's block unscales both):
+    loss 0's backward into an embedding no optimizer holds is reported at loss 1's block, and
+    the watch ends there instead of running at every loss-0 block (r95A B3: 21 walks in 20
+    steps and no warning)."""
+    from mixprec.amp import frontend
+
+    model = _SparseLM()
+    model.emb = nn.Embedding(20, 8)  # (dense; its optimizer would be elsewhere)
+    dense = torch.optim.Adam(model.proj.parameters(), lr=1e-3)
+    model, dense = amp.initialize(model, dense, opt_level="O2", loss_scale=128.0, num_losses=2,
+                                  verbosity=0)
+    watches = []
+    real = frontend.UnheldWatch
+
+    def counted(state):
+        watches.append(1)
+        return real(state)
+
+    tokens = torch.arange(6)
+    with pytest.warns(UserWarning, match=r"holds: emb\.weight\. Their gradients stay "
+                                         r"multiplied by the loss scale \(128\)") as record:
+        frontend.UnheldWatch = counted
+        try:
+            for _ in range(5):
+                with amp.scale_loss(model.proj(model.emb(tokens)).float().sum(), dense,
+                                    loss_id=0, delay_unscale=True) as scaled:
+                    scaled.backward()
+                feats = torch.randn(6, 8, generator=torch.Generator().manual_seed(0)).half()
+                with amp.scale_loss(model.proj(feats).float().sum(), dense,
+                                    loss_id=1) as scaled:
+                    scaled.backward()
+                dense.step()
+                dense.zero_grad()
+                model.emb.zero_grad()
+        finally:
+            frontend.UnheldWatch = real
+    assert len([w for w in record if "no optimizer given" in str(w.message)]) == 1
+    assert len(watches) == 2  # (each loss's first block)
