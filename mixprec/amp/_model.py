@@ -527,7 +527,7 @@ class _AmpModule:
             try:
                 out = original_forward(*args, **kwargs)
             except RuntimeError as exc:
-                _note_fp32_parameters(self, cfg.input_dtype, exc)
+                _note_dtype_mismatch(self, cfg.input_dtype, exc)
                 raise
         if cfg.output_dtype is not None and not inside:
             out = cast_floating(out, cfg.output_dtype)
@@ -751,7 +751,7 @@ _NAMES_FLOAT32 = re.compile(r"(?<![a-z])float(?!16|64)")
 _NAMES_HALF = re.compile(r"half|bfloat16|(?<![a-z])float16")
 
 
-def _note_fp32_parameters(model: nn.Module, half: torch.dtype, exc: RuntimeError) -> None:
+def _note_dtype_mismatch(model: nn.Module, half: torch.dtype, exc: RuntimeError) -> None:
     """An O2/O3 forward failed: when the error reads like a float32/half mismatch, add a note
     to PyTorch's bare "mat1 and mat2 must have the same dtype". Where the model holds fp32
     parameters that amp did not leave fp32 (outside BatchNorm: layers added after initialize,

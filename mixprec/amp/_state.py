@@ -2016,7 +2016,7 @@ class AmpState:
         # The loss ids whose blocks were watched, up to an unscaling block, for gradients
         # their backwards wrote into the models' parameters that no optimizer holds; and, for
         # those watched since the last unscale, what they found: loss id -> (the block's
-        # scale, {id: (name, dtype)}) (see frontend.UnheldWatch).
+        # scale, {id: (registration order, name, dtype)}) (see frontend.UnheldWatch).
         self.looked_for_unheld: Set[int] = set()
         self.unheld_pending: Dict[int, tuple] = {}
         # Overflow flags and new scales of device-scaled steps, copied to the host without
