@@ -3481,6 +3481,52 @@ def check_amp_o2_dropped_window_under_torch_ddp_with_unused_parameters(ctx):
     _assert_masters_match_reference(ctx, opt, ref_opt)
 
 
+class _AuxHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.aux = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_aux=True):
+        h = self.body(x)
+        return self.aux(h) if use_aux else h
+
+
+def check_unheld_gradient_warning_under_torch_ddp_bucket_views(ctx):
+    # r95A B2. amp's look for gradients no optimizer holds (scale_loss's unheld-gradient
+    # warning) first compared gradient versions: under PyTorch's DDP with
+    # gradient_as_bucket_view=True a stale gradient of a layer off this loss's path, in no
+    # optimizer, is a view into the bucket, and the all-reduce of its neighbours bumped its
+    # version, so rank 0 warned about it. It watches with hooks now: quiet there, and it still
+    # warns, on rank 0 only, when the layer is on the path.
+    from mixprec import amp
+
+    for opt_level, on_path in itertools.product(("O1", "O2"), (False, True)):
+        torch.manual_seed(0)
+        model = _AuxHead().to(ctx.device)
+        x = _mine(ctx, _global_batch(ctx, seed=7)[0])
+        model(x).sum().backward()  # (stale gradients from a plain warm-up, before)
+        model.body.zero_grad(set_to_none=True)
+        opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, loss_scale=128.0,
+                                    verbosity=0)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, find_unused_parameters=True, gradient_as_bucket_view=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                with amp.scale_loss(ddp(x, use_aux=on_path).float().square().mean(),
+                                    opt) as scaled:
+                    scaled.backward()
+                opt.step()
+                opt.zero_grad()
+        ours = [str(w.message) for w in caught
+                if "no optimizer given to amp.initialize holds" in str(w.message)]
+        want = 1 if on_path and ctx.rank == 0 else 0
+        assert len(ours) == want, f"rank {ctx.rank} {opt_level} on_path={on_path}: {ours}"
+        if want:
+            assert "holds: aux.weight, aux.bias." in ours[0], ours[0]
+
+
 def check_amp_accumulation_under_torch_ddp_no_sync_needs_no_delay_unscale(ctx):
     # B (r90D R1). PyTorch's own DDP's no_sync() with amp's plain scale_loss (no
     # delay_unscale), at O1 and O2: amp unscaled each micro-batch into the masters (O2) or set
@@ -6246,6 +6292,7 @@ CHECKS = [
     "check_reducer_averages_non_contiguous_gradients",
     "check_reducer_makes_one_flat_all_reduce_per_dtype",
     "check_simclr_recipe_matches_the_single_process_float64_run",
+    "check_unheld_gradient_warning_under_torch_ddp_bucket_views",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
