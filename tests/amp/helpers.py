@@ -63,13 +63,19 @@ def batch(device="cpu", n=16, seed=1, size=8, classes=4):
     return x.to(device), y.to(device)
 
 
-def backward_and_step(loss, optimizer, amp, use_amp=True):
-    """``loss.backward()`` (inside ``amp.scale_loss`` with ``use_amp``), then the step."""
+def scaled_backward(loss, optimizer, amp, use_amp=True):
+    """``loss.backward()``, inside ``amp.scale_loss(loss, optimizer)`` with ``use_amp`` (the
+    plain one is the fp32 or float64 reference's)."""
     if use_amp:
         with amp.scale_loss(loss, optimizer) as scaled:
             scaled.backward()
     else:
         loss.backward()
+
+
+def backward_and_step(loss, optimizer, amp, use_amp=True):
+    """:func:`scaled_backward`, then the step."""
+    scaled_backward(loss, optimizer, amp, use_amp)
     optimizer.step()
 
 

@@ -22,6 +22,7 @@ from .helpers import (
     make_cnn,
     make_conv_net,
     make_mlp,
+    scaled_backward,
     train_step,
 )
 
@@ -278,11 +279,7 @@ def _sam_run(opt_level, by_closure, steps=4):
 
     def backward():
         loss = nn.functional.mse_loss(model(x).to(y.dtype), y)
-        if opt_level is None:
-            loss.backward()
-        else:
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
+        scaled_backward(loss, opt, amp, opt_level is not None)
 
     for _ in range(steps):
         backward()
@@ -1980,11 +1977,11 @@ def test_create_graph_second_derivative_is_unscaled(opt_level, loss_scale, fused
     model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.float16,
                                 verbosity=0, **kw)
 
-    def scaled_backward(loss):
+    def backward_with_graph(loss):
         with amp.scale_loss(loss, opt) as scaled:
             scaled.backward(create_graph=True)
 
-    got = _penalty_second_derivative(model, x, y, scaled_backward)
+    got = _penalty_second_derivative(model, x, y, backward_with_graph)
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == (1024.0 if loss_scale == 1024.0 else 65536.0)
     # fp16 forward: within 2% of the float64 derivative (the bug was a factor of the scale)
     assert (got.double() - want).norm() <= 0.02 * want.norm()

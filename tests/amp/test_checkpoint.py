@@ -22,6 +22,7 @@ from .helpers import (
     make_conv_net,
     make_mlp,
     saved_whole,
+    scaled_backward,
     train_step,
 )
 
@@ -1233,11 +1234,7 @@ def _moco_key_weight(opt_level, dtype, steps=10, m=0.9):
                 pk.data.mul_(m).add_(pq.data, alpha=1 - m)
         opt.zero_grad()
         loss = model(x).float().pow(2).mean()
-        if opt_level is None:
-            loss.backward()
-        else:
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
+        scaled_backward(loss, opt, amp, opt_level is not None)
         opt.step()
     return model.encoder_k.state_dict()["0.weight"].float(), model.encoder_k[0].weight.float()
 
@@ -1274,11 +1271,7 @@ def _frozen_first_layer_run(opt_level, dtype, opt_cls=torch.optim.SGD, loss_scal
     def step(scale=1.0):
         opt.zero_grad()
         loss = model(x).float().pow(2).mean() * scale
-        if opt_level is None:
-            loss.backward()
-        else:
-            with amp.scale_loss(loss, opt) as scaled:
-                scaled.backward()
+        scaled_backward(loss, opt, amp, opt_level is not None)
         opt.step()
 
     return model, opt, step
@@ -1401,11 +1394,7 @@ def test_a_closure_step_keeps_a_frozen_parameters_write_through_data(dtype):
         def closure():
             opt.zero_grad()
             loss = model(x).float().pow(2).mean()
-            if opt_level is None:
-                loss.backward()
-            else:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
+            scaled_backward(loss, opt, amp, opt_level is not None)
             return loss
 
         opt.step(closure)

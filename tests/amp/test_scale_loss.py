@@ -13,7 +13,15 @@ from mixprec import amp
 from tests._autograd import FailingBackward
 from tests._triton import interpreter_skip_reason
 
-from .helpers import HALF_DTYPES, OPT_LEVELS, backward_and_step, batch, make_cnn, train_step
+from .helpers import (
+    HALF_DTYPES,
+    OPT_LEVELS,
+    backward_and_step,
+    batch,
+    make_cnn,
+    scaled_backward,
+    train_step,
+)
 
 
 def _micro_batch_reference(model, x, y):
@@ -1392,11 +1400,7 @@ def test_closure_evaluations_see_the_current_masters_at_o2(as_keyword):
                 stale.append(not all(torch.equal(p, m.detach().to(p.dtype))
                                      for p, m in zip(model.parameters(), masters)))
             loss = nn.functional.mse_loss(model(x).float(), y)
-            if opt_level is None:
-                loss.backward()
-            else:
-                with amp.scale_loss(loss, opt) as scaled:
-                    scaled.backward()
+            scaled_backward(loss, opt, amp, opt_level is not None)
             return loss
 
         for _ in range(4):
