@@ -1,8 +1,8 @@
-"""Argument checks shared by the package's public entry points."""
+"""Argument checks shared by the package's public entry points, and a helper for messages."""
 
 from __future__ import annotations
 
-__all__ = ["check_flag", "first_forward_pending"]
+__all__ = ["check_flag", "first_forward_pending", "listed"]
 
 
 def check_flag(where: str, name: str, value, *, strings: bool = False) -> bool:
@@ -40,3 +40,9 @@ def first_forward_pending(module) -> bool:
 
     return isinstance(module, LazyModuleMixin) and (
         module.has_uninitialized_params() or hasattr(module, "_initialize_hook"))
+
+
+def listed(names, most: int = 8) -> str:
+    """``names`` for a message: the first ``most``, then how many more."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more

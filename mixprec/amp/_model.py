@@ -43,6 +43,7 @@ try:  # (absent from PyTorch builds without torch.distributed)
 except ImportError:  # pragma: no cover
     _TorchDDP = None
 
+from mixprec._checks import listed
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._properties import _HALF_TYPES
 from mixprec.normalization._launch import is_compiling, is_exporting, outside_the_compiler
@@ -771,7 +772,7 @@ def _note_dtype_mismatch(model: nn.Module, half: torch.dtype, exc: RuntimeError)
     where = (f"amp: this model ({_original_class(type(model)).__name__}) was cast to {half} by "
              f"amp.initialize and its forward casts floating inputs to {half}")
     if names:
-        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        shown = listed(names, most=4)
         masters = ("; optimizer.add_param_group then keeps fp32 master weights for them"
                    if master_weights(model) else "")
         note = (

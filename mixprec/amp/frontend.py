@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mixprec._checks import check_flag, first_forward_pending
+from mixprec._checks import check_flag, first_forward_pending, listed
 from mixprec.amp._logging import is_rank_zero, log_rank0
 from mixprec.amp._model import (
     _standalone_masters,
@@ -877,7 +877,7 @@ def _warn_unheld_grads(amp_state: AmpState, report: bool) -> None:
     stray = [name for _, name in sorted(found.values())]  # (in the models' order)
     if not stray or not report or not is_rank_zero():
         return
-    shown = ", ".join(stray[:4]) + (f" and {len(stray) - 4} more" if len(stray) > 4 else "")
+    shown = listed(stray, most=4)
     what = []
     if scales:
         shown_scales = "/".join(f"{v:g}" for v in sorted(scales))

@@ -50,7 +50,7 @@ from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.utils._pytree import tree_leaves
 
-from mixprec._checks import check_flag
+from mixprec._checks import check_flag, listed
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import _SET_BY_TORCH_DDP, GRAD_SYNC_DEFERRED, is_amp_model, master_weights
 from mixprec.amp.frontend import states_holding
@@ -228,12 +228,6 @@ def _left_out_guard(ref, name: str):
             )
 
     return hook
-
-
-def _listed(names: List[str], most: int = 8) -> str:
-    """``names`` for a message: the first ``most``, then how many more."""
-    more = f" and {len(names) - most} more" if len(names) > most else ""
-    return ", ".join(names[:most]) + more
 
 
 def _warn_rank0(message: str, category) -> None:
@@ -934,10 +928,10 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         replaced = [name for name in new if name in gone]
         what = []
         if replaced:
-            what.append(f"{_listed(replaced)} are new parameter objects")
+            what.append(f"{listed(replaced)} are new parameter objects")
         new = [name for name in new if name not in replaced]
         if new:
-            what.append(f"{_listed(new)} are new to it")
+            what.append(f"{listed(new)} are new to it")
         return (
             f"DistributedDataParallel: the wrapped module's parameters changed since the "
             f"all-reduce was set up: {' and '.join(what)} (a layer replaced or added after "
@@ -975,7 +969,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         unused = [name for name, p in pairs if p.requires_grad]
         if not unused:
             return
-        shown = _listed(unused)
+        shown = listed(unused)
         _warn_rank0(
             f"DistributedDataParallel: {shown} got no gradient on any rank in the first step, "
             "so, as in Apex, they are left out of the all-reduce from now on (and keep "
@@ -1135,7 +1129,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     def _unfrozen_message(self) -> str:
         unfrozen = {id(p) for p in self._frozen_at_wrap if p.requires_grad}
         names = [n for n, p in self.module.named_parameters() if id(p) in unfrozen]
-        shown = _listed(names)
+        shown = listed(names)
         return (
             f"DistributedDataParallel: {shown} were frozen (requires_grad=False) when the model "
             "was wrapped (or in its first step, which left them out of the all-reduce, as "
@@ -1169,7 +1163,7 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
         return bool(getattr(getattr(self, "_join_config", None), "enable", False))
 
     def _partly_frozen_message(self, names: List[str]) -> str:
-        shown = _listed(names)
+        shown = listed(names)
         return (
             f"DistributedDataParallel: {shown} were frozen (requires_grad=False) since the "
             "all-reduce was set up (after the first step, or in a model or join() where that "
