@@ -516,22 +516,30 @@ def test_the_fp16_state_warning_tells_the_truth():
             torch.testing.assert_close(v, want[k], rtol=0, atol=atol, msg=f"{dtype} {level} {k}")
 
 
-def test_the_fused_fp16_state_warning_tells_the_truth():
-    """The fused variant of the warning: AdamW(fused=True) computes in fp32 from its fp16
-    state, so no NaN, but the second moment stored in fp16 underflows and 20 steps at O3 fp16
-    on the small MLP drive the loss up by more than 10x, where O2 fp16 (fp32 masters and
-    state) brings it down."""
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="requires CUDA"))])
+@pytest.mark.parametrize("optimizer", ["AdamW(fused=True)", "FusedAdam"])
+def test_the_fused_fp16_state_warning_tells_the_truth(device, optimizer):
+    """The fused variant of the warning: AdamW(fused=True) and mixprec's FusedAdam compute in
+    fp32 from their fp16 state, so no NaN, but the second moment stored in fp16 underflows and
+    20 steps at O3 fp16 on the small MLP drive the loss up by more than 10x, where O2 fp16
+    (fp32 masters and state) brings it down; on CPU and with CUDA's fused kernels alike."""
+    from mixprec.optimizers import FusedAdam
+
     def losses(opt_level):
         torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).to(device)
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+               if optimizer == "AdamW(fused=True)" else
+               FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01))
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model, opt = amp.initialize(model, opt, opt_level=opt_level, loss_scale=1.0,
                                         verbosity=0)
         out = []
         for step in range(20):
-            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(device)
             loss = model(x).float().pow(2).mean()
             opt.zero_grad()
             backward_and_step(loss, opt, amp)
