@@ -166,7 +166,10 @@ def _check_model(model: nn.Module) -> None:
             "amp.initialize(model, opt, ...)`. For a second training phase (layers "
             "unfrozen, another learning rate), give the optimizer the new parameters with "
             "opt.add_param_group(...) or change its groups' settings; for a new optimizer, "
-            "build a new model, load model.state_dict() into it, and initialize both."
+            "build a new model, load model.state_dict() into it, and initialize both. The "
+            "same for inference at another precision (a model unpickled from torch.save "
+            "included): state_dict() holds the fp32 weights, so load it into a fresh model "
+            "and initialize or cast that one."
         )
 
 

@@ -1,5 +1,6 @@
 import copy
 import functools
+import io
 import logging
 import os
 import pickle
@@ -903,6 +904,30 @@ def test_rejects_model_initialized_twice():
     amp.initialize(model, opt_level="O1", verbosity=0)
     with pytest.raises(ValueError, match="already went through amp.initialize"):
         amp.initialize(model, opt_level="O2")
+
+
+def test_an_unpickled_amp_model_is_refused_with_the_way_to_another_precision():
+    """WaveGlow's inference scripts unpickle the whole trained model (torch.save(model)) and
+    call amp.initialize(model, [], opt_level="O3") on it: that model is an amp model already,
+    and the message says what works instead, its state_dict() (the fp32 masters, exactly)
+    loaded into a fresh model. (r96A R6)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    unpickled = torch.load(buf, weights_only=False)
+    with pytest.raises(ValueError, match=r"already went through amp\.initialize.*inference at "
+                                         r"another precision.*state_dict\(\) holds the fp32"):
+        amp.initialize(unpickled, [], opt_level="O3", verbosity=0)
+    fresh = make_cnn(seed=1)
+    fresh.load_state_dict(unpickled.state_dict())
+    expected = model.state_dict()
+    for name, value in fresh.state_dict().items():
+        assert value.dtype == expected[name].dtype and torch.equal(value, expected[name]), name
+    assert fresh.features[0].weight.dtype == torch.float32
+    assert torch.equal(fresh.features[0].weight, opt.param_groups[0]["params"][0])
 
 
 @pytest.mark.parametrize("opt_level", OPT_LEVELS)
