@@ -24,6 +24,7 @@ import collections
 import contextlib
 import inspect
 import logging
+import math
 import re
 import threading
 import warnings
@@ -2233,6 +2234,26 @@ class AmpState:
                 + "), as in Apex; a static scale never backs off on an overflow. To keep "
                 "this run's, set checkpoint['amp']['loss_scaler<i>']['loss_scale'] before "
                 "loading, or use loss_scale='dynamic'.", stacklevel=3)
+        props = self.properties
+        lowered = [i for i, entry in entries.items()
+                   if self.scalers[i].dynamic and float(entry["loss_scale"]) == 1.0
+                   and props is not None and props.opt_level != "O0"
+                   and props.half_dtype == torch.float16 and self.scalers[i].loss_scale > 1.0]
+        if lowered and is_rank_zero():
+            # (Apex's rule again. A bf16 run's checkpoint (static 1.0) resumed in fp16 starts
+            # the dynamic scale at 1: it grows only after scale_window clean steps, and small
+            # fp16 gradients underflow to zero meanwhile, with no overflow to say so.)
+            warnings.warn(
+                "amp.load_state_dict: the checkpoint's loss scale 1 (a bf16 or static-scale "
+                "run saves that) becomes this fp16 run's dynamic scale ("
+                + ", ".join(f"loss_scaler{i}" for i in lowered) + f", for "
+                f"{self.scalers[lowered[0]].loss_scale:g}), as in Apex. It doubles once per "
+                "2000 clean steps, so small fp16 gradients underflow to zero for the "
+                f"{2000 * math.ceil(math.log2(self.scalers[lowered[0]].loss_scale)):,} "
+                "steps it takes to grow back. If the checkpoint came from a "
+                "bf16 or O0 run, leave checkpoint['amp'] out (the scale then starts at "
+                f"{self.scalers[lowered[0]].loss_scale:g}) or set its loss_scale before "
+                "loading.", stacklevel=3)
         for i, entry in entries.items():
             self.scalers[i].load_state_dict(entry)
         for opt_state in self.optimizer_states():

@@ -2294,7 +2294,8 @@ def _o3_embedding_overflow(sparse):
     emb = nn.Embedding(4, 2, sparse=sparse)
     opt = torch.optim.SGD(emb.parameters(), lr=1e-6)
     amp.initialize(emb, opt, opt_level="O3", loss_scale="dynamic", verbosity=0)
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}})
+    with pytest.warns(UserWarning, match="becomes this fp16 run's dynamic scale"):
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}})
     before = emb.weight.detach().clone()
     idx = torch.ones(100, dtype=torch.long)  # one row, looked up 100 times
     with amp.scale_loss(emb(idx).float().sum() * 1000.0, opt) as s:

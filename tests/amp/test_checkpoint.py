@@ -336,6 +336,36 @@ def test_a_static_scale_replaced_by_the_checkpoints_warns():
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}}
 
 
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_bf16_runs_scale_of_one_loaded_into_an_fp16_dynamic_run_warns(opt_level):
+    """A bf16 run saves a static loss scale of 1; resumed in fp16 with dynamic scaling, Apex's
+    rule (the checkpoint's scale wins) starts the scale at 1, where it doubles once per 2000
+    clean steps and small fp16 gradients underflow meanwhile: amp keeps the rule and warns,
+    with the way out. Loaded into a bf16 run, or as any other scale, nothing is said. (r96B
+    R4)"""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
+    saved = amp.state_dict()
+    assert saved["loss_scaler0"]["loss_scale"] == 1.0
+
+    def resume(dtype, ckpt):
+        model = make_cnn()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+        amp.load_state_dict(ckpt)
+        return amp.state_dict()["loss_scaler0"]["loss_scale"]
+
+    with pytest.warns(UserWarning, match=r"loss scale 1 .* becomes this fp16 run's dynamic "
+                                         r"scale \(loss_scaler0, for 65536\).*32,000 steps.*"
+                                         r"leave checkpoint\['amp'\] out"):
+        assert resume(torch.float16, saved) == 1.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resume(torch.bfloat16, saved) == 1.0
+        assert resume(torch.float16, {"loss_scaler0": {"loss_scale": 2.0, "unskipped": 0}}) == 2.0
+
+
 def test_masters_written_through_data_mid_run_hold_when_other_parameters_register():
     """fp32 masters written through ``.data`` after training started (a resume into a run
     already stepping, copying saved masters in as NVIDIA's BERT script does) hold through the
@@ -2611,9 +2641,9 @@ def test_amp_state_dict_of_another_num_losses_loads_what_fits():
                                 "loss_scaler1": {"loss_scale": 65536.0, "unskipped": 0}}
     with pytest.warns(UserWarning, match=r"holds 3 loss scaler.*loaded 2; the checkpoint's "
                                          r"loss_scaler2 had no scaler here: dropped"):
-        amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": 2.0 ** i, "unskipped": i}
+        amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": 2.0 ** (i + 1), "unskipped": i}
                              for i in range(3)})
-    assert amp.state_dict()["loss_scaler1"] == {"loss_scale": 2.0, "unskipped": 1}
+    assert amp.state_dict()["loss_scaler1"] == {"loss_scale": 4.0, "unskipped": 1}
     # Refused, and nothing loaded: what is not a dict (None from a checkpoint without an
     # 'amp' entry, a key, a list of items) by its type (M25), a whole checkpoint, or one bad
     # entry.
@@ -2632,7 +2662,7 @@ def test_amp_state_dict_of_another_num_losses_loads_what_fits():
     with pytest.raises(ValueError, match="must be a finite number > 0"):
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 0},
                              "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0}})
-    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1.0, "unskipped": 0}
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0, "unskipped": 0}
 
 
 @pytest.mark.parametrize("opt_level", ["O2", "O3"])
