@@ -2251,7 +2251,7 @@ class AmpState:
                 "2000 clean steps, so small fp16 gradients underflow to zero for the "
                 f"{2000 * math.ceil(math.log2(self.scalers[lowered[0]].loss_scale)):,} "
                 "steps it takes to grow back. If the checkpoint came from a "
-                "bf16 or O0 run, leave checkpoint['amp'] out (the scale then starts at "
+                "bf16 or O0 run, leave checkpoint['amp'] out (the scale then stays at "
                 f"{self.scalers[lowered[0]].loss_scale:g}) or set its loss_scale before "
                 "loading.", stacklevel=3)
         for i, entry in entries.items():
