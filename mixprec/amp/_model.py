@@ -747,8 +747,10 @@ def _holds_fx_proxy(args: tuple, kwargs: dict) -> bool:
 
 
 # float32 as PyTorch's errors name it ("float", "Float", "torch.float32"), not inside
-# "bfloat16", "float16" or "float64"; and a half type ("Half", "BFloat16", "torch.float16").
-_NAMES_FLOAT32 = re.compile(r"(?<![a-z])float(?!16|64)")
+# "bfloat16", "float16", "float64" or "c10::complex<float>" (complex64), nor sdpa's "attn_mask
+# dtype to be bool or float" (a float64 mask meeting a half query); and a half type ("Half",
+# "BFloat16", "torch.float16").
+_NAMES_FLOAT32 = re.compile(r"(?<![a-z<])(?<!bool or )float(?!16|64)")
 _NAMES_HALF = re.compile(r"half|bfloat16|(?<![a-z])float16")
 
 

@@ -1697,6 +1697,64 @@ def test_fp32_adapters_added_after_initialize_get_a_note_naming_them(dtype, opt_
     assert fresh(x).dtype == torch.float32
 
 
+class _StrayParams(nn.Module):
+    """A Linear and a BatchNorm1d; forward multiplies by the parameter ``use`` added after
+    initialize (fp32), or by an fp32 tensor it makes (``use=None``)."""
+
+    def __init__(self, use=None):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.use = use
+
+    def forward(self, x):
+        h = self.bn(self.lin(x))
+        return h @ (getattr(self, self.use) if self.use else torch.ones(4, 4))
+
+
+class _Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.inner = nn.Linear(4, 4), _StrayParams()
+
+    def forward(self, x):
+        return self.inner(self.pre(x))
+
+
+@pytest.mark.parametrize("case", ["batchnorm-not-named", "top-level-name", "five-names",
+                                  "nested-once", "O0"])
+def test_the_dtype_note_names_what_it_should(case):
+    """The note's particulars (r96D S17-S21): amp's own fp32 BatchNorm parameters are never
+    named as parameters amp did not make; a parameter of the model itself is named without a
+    leading dot; past four names, "and K more"; a model inside another, both given to one
+    initialize call, adds one note, its own; an O0 model (fp32 inputs) gets none."""
+    x = torch.randn(3, 4)
+    level = "O0" if case == "O0" else "O2"
+    model = _Outer() if case == "nested-once" else _StrayParams(
+        use={"top-level-name": "scale", "five-names": "a"}.get(case))
+    added = {"top-level-name": ["scale"], "five-names": list("abcde")}.get(case, [])
+    models = [model, model.inner] if case == "nested-once" else model
+    amp.initialize(models, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level,
+                   verbosity=0)
+    for name in added:
+        setattr(model, name, nn.Parameter(torch.ones(4, 4)))
+    if case == "O0":
+        model.lin.half()
+    with pytest.raises(RuntimeError, match="dtype") as info:
+        model(x)
+    notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+    if case == "O0":
+        assert not notes, notes
+        return
+    assert len(notes) == 1, notes
+    if case in ("batchnorm-not-named", "nested-once"):
+        assert "parameters amp did not make" not in notes[0], notes
+        assert "amp: this model (_StrayParams) was cast to torch.float16" in notes[0], notes
+    else:
+        names = "scale" if case == "top-level-name" else "a, b, c, d and 1 more"
+        assert f"float32 parameters amp did not make: {names} (added after" in notes[0], notes
+
+
 class _MaskedAttention(nn.Module):
     """Scores plus a -100 shifted-window mask built inside forward, as detection ports of
     Swin do; ``typed`` builds it in the scores' dtype (the fix); ``fail`` raises an error with
@@ -1713,6 +1771,16 @@ class _MaskedAttention(nn.Module):
             return self.q(x) @ torch.ones(4, 4, dtype=torch.float64)
         if self.fail == "inv":
             return torch.linalg.inv(self.q(x)[:, :3].reshape(1, 3, 3).to(torch.bfloat16))
+        if self.fail == "sdpa-float64-mask":
+            q = self.q(x)[None]
+            mask = torch.zeros(x.shape[0], x.shape[0], dtype=torch.float64)
+            return nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        if self.fail == "complex64-matmul":
+            return self.q(x) @ torch.ones(4, 4, dtype=torch.complex64)
+        if self.fail == "complex64-in-place":
+            return self.q(x).mul_(torch.ones(4, dtype=torch.complex64))
+        if self.fail == "float-indices":
+            return self.q(x) + nn.functional.embedding(torch.zeros(x.shape[0]), self.v.weight)
         scores = self.q(x) @ self.q(x).transpose(-1, -2)
         mask = torch.zeros(x.shape[0], x.shape[0], dtype=scores.dtype if self.typed else None)
         mask[0, 1] = -100.0
@@ -1741,14 +1809,18 @@ def test_an_fp32_tensor_made_inside_forward_gets_a_note_naming_the_usual_sources
             "(torch.zeros(...)") in notes[0]
     assert "pass dtype=x.dtype" in notes[0] and "parameters amp did not make" not in notes[0]
     # Errors with no float32 in them get no note (r95A B1): a half value meeting float64, an
-    # op without a half kernel (bf16 linalg.inv on the CPU).
-    for op in ("float64", "inv"):
+    # op without a half kernel (bf16 linalg.inv on the CPU), sdpa's "bool or float" with a
+    # float64 mask, complex64 ("c10::complex<float>", "ComplexFloat"), float indices (an error
+    # that names no half type) (r96D B1, S15, S16).
+    for op in ("float64", "inv", "sdpa-float64-mask", "complex64-matmul", "complex64-in-place",
+               "float-indices"):
         model = _MaskedAttention(fail=op)
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,
                        dtype=dtype, verbosity=0)
         with pytest.raises(RuntimeError) as info:
             model(x)
-        assert not [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+        notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+        assert not notes, (op, str(info.value), notes)
     for level, typed in ((opt_level, True), ("O1", False)):
         model = _MaskedAttention(typed=typed)
         amp.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=level,

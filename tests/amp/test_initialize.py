@@ -461,11 +461,14 @@ def test_fp16_without_masters_warns_that_an_adaptive_optimizers_fp16_state_diver
     assert "use opt_level='O2' (fp32 master weights, in float16 or bfloat16)" in text
 
 
-@pytest.mark.parametrize("case", ["bf16", "O2", "SGD", "only-fp32-batchnorm", "O1"])
+@pytest.mark.parametrize("case", ["bf16", "O2", "SGD", "only-fp32-batchnorm", "O1", pytest.param(
+    "Adafactor", marks=pytest.mark.skipif(not hasattr(torch.optim, "Adafactor"),
+                                          reason="torch.optim.Adafactor is new in torch 2.5"))])
 def test_no_fp16_state_warning_where_the_optimizer_state_is_not_fp16(case):
     """No warning where the optimizer does not keep fp16 state for an adaptive update: bf16
-    (fp32's range), O2 (fp32 masters), O1 (fp32 parameters), SGD (no eps), and O3 with
-    keep_batchnorm_fp32=True whose Adam holds only the fp32 BatchNorm parameters."""
+    (fp32's range), O2 (fp32 masters), O1 (fp32 parameters), SGD (no eps), O3 with
+    keep_batchnorm_fp32=True whose Adam holds only the fp32 BatchNorm parameters; and no error
+    for an eps that is no number (Adafactor's pair, (None, 1e-3)). (r96D S1)"""
     model = make_cnn()
     kw = dict(opt_level="O3", verbosity=0)
     params = model.parameters()
@@ -476,6 +479,8 @@ def test_no_fp16_state_warning_where_the_optimizer_state_is_not_fp16(case):
         kw["opt_level"] = case
     elif case == "SGD":
         make = functools.partial(torch.optim.SGD, momentum=0.9)
+    elif case == "Adafactor":
+        make = torch.optim.Adafactor
     else:
         kw["keep_batchnorm_fp32"] = True
         params = [p for m in model.modules() if isinstance(m, nn.BatchNorm2d)
@@ -485,6 +490,21 @@ def test_no_fp16_state_warning_where_the_optimizer_state_is_not_fp16(case):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         amp.initialize(model, opt, **kw)
+
+
+@pytest.mark.parametrize("split", ["two_optimizers", "two_groups"])
+def test_the_fp16_state_warning_comes_once_per_initialize(split):
+    """One warning per initialize call, however many adaptive optimizers or groups step fp16
+    state: it names the first; a second says nothing new. (r96D S2, S3)"""
+    model = make_mlp()
+    first, second = model[0].parameters(), model[2].parameters()
+    opts = ([torch.optim.AdamW(first), torch.optim.Adam(second)] if split == "two_optimizers"
+            else torch.optim.AdamW([{"params": first}, {"params": second, "eps": 1e-4}]))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        amp.initialize(model, opts, opt_level="O3", verbosity=0)
+    ours = [str(w.message) for w in rec if "float16 state" in str(w.message)]
+    assert len(ours) == 1 and "): AdamW " in ours[0], ours
 
 
 def test_the_fp16_state_warning_tells_the_truth():

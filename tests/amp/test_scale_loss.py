@@ -3737,3 +3737,155 @@ def test_a_loss_whose_gradients_another_losss_block_unscales_is_looked_at_there(
             frontend.UnheldWatch = real
     assert len([w for w in record if "no optimizer given" in str(w.message)]) == 1
     assert len(watches) == 2  # (each loss's first block)
+
+
+def _unheld_warnings(run):
+    """The unheld-gradient warnings ``run()`` gives (every warning recorded)."""
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in record
+            if "no optimizer given to amp.initialize holds" in str(w.message)]
+
+
+def _dense_emb_lm(opt_level, **kw):
+    """_SparseLM with a dense embedding that no optimizer given to amp holds."""
+    model = _SparseLM()
+    model.emb = nn.Embedding(20, 8)
+    dense = torch.optim.SGD(model.proj.parameters(), lr=1e-2)
+    return amp.initialize(model, dense, opt_level=opt_level, verbosity=0, **kw)
+
+
+def test_an_optimizer_of_a_call_with_amp_disabled_holds_no_gradient_of_amps():
+    """A SparseAdam given to a second initialize call with enabled=False is no amp optimizer:
+    it steps the embedding's gradient as the first call's block left it, scaled, so the block
+    still names it. (r96D S5)"""
+    model = _SparseLM()
+    dense = torch.optim.Adam(model.proj.parameters(), lr=1e-2)
+    sparse = torch.optim.SparseAdam(model.emb.parameters(), lr=1e-2)
+    model, dense = amp.initialize(model, dense, opt_level="O2", verbosity=0)
+    amp.initialize(model.emb, sparse, enabled=False, verbosity=0)
+
+    def run():
+        with amp.scale_loss(model(torch.arange(6)).float().sum(), dense) as scaled:
+            scaled.backward()
+
+    got = _unheld_warnings(run)
+    assert len(got) == 1 and "holds: emb.weight." in got[0], got
+
+
+def test_a_layer_shared_by_two_models_is_named_once_through_the_first():
+    """A layer in both models given to one initialize call is one parameter pair, named once,
+    under the first model that holds it. (r96D S6)"""
+    first, second, shared = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+    model_a, model_b = nn.Sequential(first, shared), nn.Sequential(second, shared)
+    opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    [model_a, model_b], opt = amp.initialize([model_a, model_b], opt, opt_level="O2",
+                                             verbosity=0)
+
+    def run():
+        x = torch.randn(2, 4)
+        with amp.scale_loss(model_a(x).float().sum() + model_b(x).float().sum(), opt) as scaled:
+            scaled.backward()
+
+    got = _unheld_warnings(run)
+    assert len(got) == 1, got
+    assert "2 parameter(s) of the models" in got[0]
+    assert "holds: models[0].1.weight, models[0].1.bias." in got[0], got
+
+
+def test_a_block_that_raised_keeps_its_exception_and_leaves_nothing_to_report():
+    """A block left by an exception after its backward (a batch skipped on out-of-memory, the
+    gradients zeroed by the handler) keeps the user's exception, and what its backward reached
+    is not reported at the next block, which does not reach the embedding. (r96D S7, S8)"""
+    model, dense = _dense_emb_lm("O2")
+
+    def run():
+        with pytest.raises(MemoryError, match="skip this batch"):
+            with amp.scale_loss(model(torch.arange(6)).float().sum(), dense) as scaled:
+                scaled.backward()
+                raise MemoryError("skip this batch")
+        model.zero_grad()
+        feats = torch.randn(6, 8).half()
+        with amp.scale_loss(model.proj(feats).float().sum(), dense) as scaled:
+            scaled.backward()
+
+    assert _unheld_warnings(run) == []
+
+
+def test_an_earlier_micro_batchs_unheld_gradient_is_reported_at_the_unscaling_block():
+    """Accumulation: the first micro-batch (delay_unscale=True) reaches the embedding, the
+    second, which unscales, does not; the embedding's scaled gradient is reported there.
+    (r96D S9)"""
+    model, dense = _dense_emb_lm("O2", loss_scale=128.0)
+
+    def run():
+        with amp.scale_loss(model(torch.arange(6)).float().sum(), dense,
+                            delay_unscale=True) as scaled:
+            scaled.backward()
+        feats = torch.randn(6, 8).half()
+        with amp.scale_loss(model.proj(feats).float().sum(), dense) as scaled:
+            scaled.backward()
+
+    got = _unheld_warnings(run)
+    assert len(got) == 1 and "holds: emb.weight. Their gradients stay multiplied by the loss " \
+                             "scale (128)" in got[0], got
+
+
+def test_a_backward_that_reached_no_optimizer_parameter_gets_only_that_warning():
+    """Parameters replaced after initialize (the optimizer holds the old ones): the block's
+    one warning is that its backward reached none of the optimizer's parameters; the new ones
+    are not reported a second time as held by no optimizer. (r96D S10)"""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", loss_scale=128.0, verbosity=0)
+    model.weight = nn.Parameter(model.weight.detach().clone())
+    model.bias = nn.Parameter(model.bias.detach().clone())
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as scaled:
+            scaled.backward()
+    texts = [str(w.message) for w in record]
+    assert len(texts) == 1 and "no optimizer given" not in texts[0], texts
+
+
+@pytest.mark.parametrize("case", ["half-before-fp32", "six-names", "O3-dynamic", "O2-bf16"])
+def test_the_unheld_gradient_warning_says_what_applies(case):
+    """The message's parts each apply or are left out: "the half ones have no fp32 master
+    weights" stays when a half parameter comes before an fp32 BatchNorm one in the walk
+    (r96D S11), never at O3, where no parameter has a master (S14); no loss scale at bf16's 1
+    (S12); past four names, "and K more" (S13)."""
+    torch.manual_seed(0)
+    if case == "half-before-fp32":
+        model = nn.Sequential(nn.BatchNorm1d(8), nn.Linear(8, 8), nn.Linear(8, 2))
+        opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+        x = torch.randn(4, 8)
+    elif case == "six-names":
+        model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)), nn.Linear(4, 2))
+        opt = torch.optim.SGD(model[3].parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O1", loss_scale=128.0, verbosity=0)
+        x = torch.randn(3, 4)
+    else:
+        model, opt = _dense_emb_lm("O3", loss_scale="dynamic") if case == "O3-dynamic" else \
+            _dense_emb_lm("O2", dtype=torch.bfloat16)
+        x = torch.arange(6)
+
+    def run():
+        with amp.scale_loss(model(x).float().sum(), opt) as scaled:
+            scaled.backward()
+
+    got = _unheld_warnings(run)
+    assert len(got) == 1, got
+    text = got[0]
+    if case == "half-before-fp32":
+        assert "holds: 0.weight, 0.bias, 1.weight, 1.bias." in text, text
+        assert "the half ones have no fp32 master weights" in text, text
+    elif case == "six-names":
+        assert "6 parameter(s)" in text, text
+        assert "holds: 0.weight, 0.bias, 1.weight, 1.bias and 2 more. " in text, text
+    elif case == "O3-dynamic":
+        assert "loss scale (65536)" in text and "master" not in text, text
+    else:
+        assert "holds: emb.weight. The half ones have no fp32 master weights" in text, text
+        assert "loss scale" not in text, text
