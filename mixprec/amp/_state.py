@@ -2243,17 +2243,16 @@ class AmpState:
             # (Apex's rule again. A bf16 run's checkpoint (static 1.0) resumed in fp16 starts
             # the dynamic scale at 1: it grows only after scale_window clean steps, and small
             # fp16 gradients underflow to zero meanwhile, with no overflow to say so.)
+            own = self.scalers[lowered[0]].loss_scale
             warnings.warn(
                 "amp.load_state_dict: the checkpoint's loss scale 1 (a bf16 or static-scale "
                 "run saves that) becomes this fp16 run's dynamic scale ("
-                + ", ".join(f"loss_scaler{i}" for i in lowered) + f", for "
-                f"{self.scalers[lowered[0]].loss_scale:g}), as in Apex. It doubles once per "
-                "2000 clean steps, so small fp16 gradients underflow to zero for the "
-                f"{2000 * math.ceil(math.log2(self.scalers[lowered[0]].loss_scale)):,} "
-                "steps it takes to grow back. If the checkpoint came from a "
-                "bf16 or O0 run, leave checkpoint['amp'] out (the scale then stays at "
-                f"{self.scalers[lowered[0]].loss_scale:g}) or set its loss_scale before "
-                "loading.", stacklevel=3)
+                + ", ".join(f"loss_scaler{i}" for i in lowered) + f", for {own:g}), as in "
+                "Apex. It doubles once per 2000 clean steps, so small fp16 gradients underflow "
+                f"to zero for the {2000 * math.ceil(math.log2(own)):,} steps it takes to grow "
+                "back. If the checkpoint came from a bf16 or O0 run, leave checkpoint['amp'] "
+                f"out (the scale then stays at {own:g}) or set its loss_scale before loading.",
+                stacklevel=3)
         for i, entry in entries.items():
             self.scalers[i].load_state_dict(entry)
         for opt_state in self.optimizer_states():
