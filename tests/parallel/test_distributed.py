@@ -6167,6 +6167,178 @@ def check_change_noticed_by_its_registration_alone(ctx):
     _expect_changed(ctx, ddp, x, "2.weight")
 
 
+# Tests from the mutation run r97A (sessions 49-51's following of PyTorch's DDP's
+# no_sync(): records taken up, cleared and kept across checkpoint recomputes and
+# evaluations; models run inside a DDP's forward that are not its modules).
+
+
+def _written_in_place(ref):
+    with torch.no_grad():  # (PyTorch's DDP broadcast writes the half model in place)
+        for p in ref.parameters():
+            p.copy_(p.clone())
+
+
+def _bare_step_after_window(ctx, window_reentrant, bare, backward_in_window):
+    """A PyTorch DDP over the amp model under one activation checkpoint (reentrant or not);
+    one micro-batch forward inside no_sync() (its backward too if asked); the window dropped
+    (zero_grad); then a step of the model outside any DDP, through ``bare`` (a callable
+    wrapping the amp model). Reference: the same bare step on a copy never wrapped: bitwise."""
+    from mixprec import amp
+
+    model = _mlp(ctx.device)
+    model, opt, ref, ref_opt = _amp_o2_sgd_pair(model, copy.deepcopy(model), loss_scale=64.0)
+    ddp = nn.parallel.DistributedDataParallel(_CheckpointedOuter(model, window_reentrant))
+    _written_in_place(ref)
+    x, y = _global_batch(ctx, seed=150)
+    with ddp.no_sync():
+        out = ddp(_mine(ctx, x))
+        if backward_in_window:
+            with amp.scale_loss(F.mse_loss(out.float(), _mine(ctx, y)), opt) as s:
+                s.backward()
+    opt.zero_grad()
+    _amp_step_mse(bare(model), opt, x, y, amp)
+    _amp_step_mse(bare(ref), ref_opt, x, y, amp)
+    for m, r in zip(amp.master_params(opt), amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=0)
+
+
+def check_bare_forward_after_a_reentrant_no_sync_micro_batch(ctx):
+    # r97A-D07 (the recompute's record sets GRAD_SYNC_DEFERRED without _SET_BY_TORCH_DDP):
+    # a reentrant-checkpointed no_sync() micro-batch (forward and backward), the window
+    # dropped, then a plain step of the bare amp model: it must unscale as usual.
+    _bare_step_after_window(ctx, True, lambda m: m, backward_in_window=True)
+
+
+def check_bare_non_reentrant_checkpoint_after_a_reentrant_no_sync_micro_batch(ctx):
+    # r97A-D06 (the recompute reads the no_grad record without popping it): as above, the
+    # bare step running the amp model under a non-reentrant checkpoint: its recompute must
+    # not take up the window's stale no_grad record.
+    _bare_step_after_window(ctx, True, lambda m: _CheckpointedOuter(m, False),
+                            backward_in_window=True)
+
+
+def _stylegan_order_step(ctx, ddp, opt, ref, ref_opt, seed, evaluate):
+    """StyleGAN2-ADA's order (the first two micro-batches' forwards inside no_sync(), every
+    backward outside it) with an evaluation under no_grad: ``evaluate(ddp, x)`` called between
+    each forward and its backward ("mid") or before each forward ("before")."""
+    from mixprec import amp
+
+    where, call = evaluate
+    opt.zero_grad()
+    ref_opt.zero_grad()
+    for micro in range(3):
+        x, y = _global_batch(ctx, seed=seed + micro)
+        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
+            s.backward()
+        if where == "before":
+            with torch.no_grad():
+                call(ddp, _mine(ctx, x))
+        with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
+            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
+        if where == "mid":
+            with torch.no_grad():
+                call(ddp, _mine(ctx, x))
+        with amp.scale_loss(loss, opt) as s:
+            s.backward()
+    opt.step()
+    ref_opt.step()
+
+
+def check_bare_model_evaluation_between_a_no_sync_forward_and_its_backward_outside(ctx):
+    # r97A-D09 (a forward under no_grad outside any DDP clears the no_sync() record): the
+    # bare amp model (ddp.module) evaluated under no_grad between a no_sync() forward and its
+    # backward run after leaving no_sync() (StyleGAN2-ADA's order): the held micro-batches
+    # must stay scaled for the synced one. O1/O2 against one process on the global batch.
+    _torch_ddp_steps_match_reference(ctx, (), functools.partial(
+        _stylegan_order_step, ctx, evaluate=("mid", lambda ddp, x: ddp.module(x))))
+
+
+def check_evaluation_through_ddp_before_each_checkpointed_no_sync_forward(ctx):
+    # r97A-D14 (a forward with grad inside the DDP leaves an earlier no_grad record pending):
+    # an evaluation under no_grad through the DDP before each micro-batch (outside no_sync()),
+    # the amp model under a non-reentrant checkpoint, forwards inside no_sync() and backwards
+    # outside (StyleGAN2-ADA's order): the recompute must keep the no_sync() forward's record,
+    # not the evaluation's.
+    _torch_ddp_steps_match_reference(ctx, (False,), functools.partial(
+        _stylegan_order_step, ctx, evaluate=("before", lambda ddp, x: ddp(x))))
+
+
+class _WithTeacher(nn.Module):
+    """A module whose forward also runs another amp model that is not one of its modules (a
+    distillation teacher or a loss network, kept in a list)."""
+
+    def __init__(self, net, teacher):
+        super().__init__()
+        self.net, self._teacher = net, [teacher]
+
+    def forward(self, x):
+        with torch.no_grad():
+            self._teacher[0](x)
+        return self.net(x)
+
+
+def check_model_run_inside_a_ddp_forward_but_not_its_module_trains_inside_no_sync(ctx):
+    # r97A-D20 (torch_ddp_skips_this_backward ignores whether the model is the DDP's) and
+    # r97A-D24 (a cached membership answer read as True): an amp model b with its own
+    # optimizer, run (under no_grad) inside a PyTorch DDP's no_sync() forward without being
+    # one of its modules, then trained on its own inside that no_sync() block, two
+    # iterations: its steps run as for a model never near the DDP, bit for bit.
+    from mixprec import amp
+
+    a = _mlp(ctx.device)
+    a_opt = torch.optim.SGD(a.parameters(), lr=0.05)
+    a, a_opt = amp.initialize(a, a_opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    b = _mlp(ctx.device, seed=5)
+    b, b_opt, ref, ref_opt = _amp_o2_sgd_pair(b, copy.deepcopy(b), loss_scale=64.0)
+    ddp = nn.parallel.DistributedDataParallel(_WithTeacher(a, b))
+    for it in range(2):
+        x, y = _global_batch(ctx, seed=9 + it)
+        with ddp.no_sync():
+            ddp(_mine(ctx, x))  # (a's micro-batch; its backward is beside the point)
+            _amp_step_mse(b, b_opt, x, y, amp)
+        _amp_step_mse(ref, ref_opt, x, y, amp)
+        for m, r in zip(amp.master_params(b_opt), amp.master_params(ref_opt)):
+            torch.testing.assert_close(m, r, rtol=0, atol=0)
+
+
+class _WithSideModel(nn.Module):
+    """A module whose forward also runs, with grad, another amp model that is not one of its
+    modules (kept in a list: each rank's own, left out of the all-reduce), returning both."""
+
+    def __init__(self, net, side):
+        super().__init__()
+        self.net, self._side = net, [side]
+
+    def forward(self, x):
+        return self.net(x), self._side[0](x)
+
+
+def check_side_model_run_with_grad_inside_a_ddp_forward_trains_inside_no_sync(ctx):
+    # r97A-D24 (a cached membership answer read as True): an amp model b with its own
+    # optimizer, run with grad inside a PyTorch DDP's forward without being one of its
+    # modules, trained from that output inside no_sync(), three iterations: each of b's steps
+    # runs as for a model never near the DDP, bit for bit.
+    from mixprec import amp
+
+    a = _mlp(ctx.device)
+    a_opt = torch.optim.SGD(a.parameters(), lr=0.05)
+    a, a_opt = amp.initialize(a, a_opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    b = _mlp(ctx.device, seed=5)
+    b, b_opt, ref, ref_opt = _amp_o2_sgd_pair(b, copy.deepcopy(b), loss_scale=64.0)
+    ddp = nn.parallel.DistributedDataParallel(_WithSideModel(a, b))
+    for it in range(3):
+        x, y = _global_batch(ctx, seed=9 + it)
+        with ddp.no_sync():
+            _, side = ddp(x)
+            b_opt.zero_grad()
+            with amp.scale_loss(F.mse_loss(side.float(), y), b_opt) as s:
+                s.backward()
+            b_opt.step()
+        _amp_step_mse(ref, ref_opt, x, y, amp)
+        for m, r in zip(amp.master_params(b_opt), amp.master_params(ref_opt)):
+            torch.testing.assert_close(m, r, rtol=0, atol=0)
+
+
 CHECKS = [
     "check_grads_match_single_process",
     "check_compiled_grads_match_single_process",
@@ -6293,6 +6465,12 @@ CHECKS = [
     "check_reducer_makes_one_flat_all_reduce_per_dtype",
     "check_simclr_recipe_matches_the_single_process_float64_run",
     "check_unheld_gradient_warning_under_torch_ddp_bucket_views",
+    "check_bare_forward_after_a_reentrant_no_sync_micro_batch",
+    "check_bare_non_reentrant_checkpoint_after_a_reentrant_no_sync_micro_batch",
+    "check_bare_model_evaluation_between_a_no_sync_forward_and_its_backward_outside",
+    "check_evaluation_through_ddp_before_each_checkpointed_no_sync_forward",
+    "check_model_run_inside_a_ddp_forward_but_not_its_module_trains_inside_no_sync",
+    "check_side_model_run_with_grad_inside_a_ddp_forward_trains_inside_no_sync",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
