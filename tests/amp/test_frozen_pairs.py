@@ -7,6 +7,21 @@ import torch
 from torch import nn
 
 
+def _mse_step(model, opt, compiled):
+    """One amp training step on an MSE loss (``f(x, y)``), eager or compiled whole with
+    torch.compile's eager backend."""
+    from mixprec import amp
+
+    def step(x, y):
+        loss = ((model(x).float() - y) ** 2).mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return torch.compile(step, backend="eager") if compiled else step
+
+
 def _two_frozen_run(compiled):
     """bf16 O2 MLP, layers 0 and 2 frozen (held by SGD over model.parameters()); layer 0's
     bias moved +0.5 through .data before each of 4 steps; then layer 0 alone unfrozen for one
@@ -21,15 +36,7 @@ def _two_frozen_run(compiled):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, loss_scale="dynamic",
                    verbosity=0)
-
-    def step(x, y):
-        loss = ((model(x).float() - y) ** 2).mean()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-
-    f = torch.compile(step, backend="eager") if compiled else step
+    f = _mse_step(model, opt, compiled)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         model[0].bias.data.add_(0.5)
@@ -255,15 +262,7 @@ def _load_while_frozen_run(compiled):
     model[0].requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, loss_scale=128.0, verbosity=0)
-
-    def step(x, y):
-        loss = ((model(x).float() - y) ** 2).mean()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-
-    f = torch.compile(step, backend="eager") if compiled else step
+    f = _mse_step(model, opt, compiled)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
         f(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))

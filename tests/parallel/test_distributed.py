@@ -6277,6 +6277,21 @@ class _WithTeacher(nn.Module):
         return self.net(x)
 
 
+def _ddp_and_a_model_beside(ctx, wrapper):
+    """An amp O2 model a (its own optimizer) inside a PyTorch DDP over ``wrapper(a, b)``, where
+    b is an amp model with its own optimizer that is not one of the DDP's modules, and a
+    reference pair for b never near a DDP: (ddp, a's optimizer, b, b's optimizer, ref,
+    ref's optimizer)."""
+    from mixprec import amp
+
+    a = _mlp(ctx.device)
+    a_opt = torch.optim.SGD(a.parameters(), lr=0.05)
+    a, a_opt = amp.initialize(a, a_opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    b = _mlp(ctx.device, seed=5)
+    b, b_opt, ref, ref_opt = _amp_o2_sgd_pair(b, copy.deepcopy(b), loss_scale=64.0)
+    return nn.parallel.DistributedDataParallel(wrapper(a, b)), a_opt, b, b_opt, ref, ref_opt
+
+
 def check_model_run_inside_a_ddp_forward_but_not_its_module_trains_inside_no_sync(ctx):
     # r97A-D20 (torch_ddp_skips_this_backward ignores whether the model is the DDP's) and
     # r97A-D24 (a cached membership answer read as True): an amp model b with its own
@@ -6285,12 +6300,7 @@ def check_model_run_inside_a_ddp_forward_but_not_its_module_trains_inside_no_syn
     # iterations: its steps run as for a model never near the DDP, bit for bit.
     from mixprec import amp
 
-    a = _mlp(ctx.device)
-    a_opt = torch.optim.SGD(a.parameters(), lr=0.05)
-    a, a_opt = amp.initialize(a, a_opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-    b = _mlp(ctx.device, seed=5)
-    b, b_opt, ref, ref_opt = _amp_o2_sgd_pair(b, copy.deepcopy(b), loss_scale=64.0)
-    ddp = nn.parallel.DistributedDataParallel(_WithTeacher(a, b))
+    ddp, _, b, b_opt, ref, ref_opt = _ddp_and_a_model_beside(ctx, _WithTeacher)
     for it in range(2):
         x, y = _global_batch(ctx, seed=9 + it)
         with ddp.no_sync():
@@ -6320,12 +6330,7 @@ def check_side_model_run_with_grad_inside_a_ddp_forward_trains_inside_no_sync(ct
     # runs as for a model never near the DDP, bit for bit.
     from mixprec import amp
 
-    a = _mlp(ctx.device)
-    a_opt = torch.optim.SGD(a.parameters(), lr=0.05)
-    a, a_opt = amp.initialize(a, a_opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
-    b = _mlp(ctx.device, seed=5)
-    b, b_opt, ref, ref_opt = _amp_o2_sgd_pair(b, copy.deepcopy(b), loss_scale=64.0)
-    ddp = nn.parallel.DistributedDataParallel(_WithSideModel(a, b))
+    ddp, _, b, b_opt, ref, ref_opt = _ddp_and_a_model_beside(ctx, _WithSideModel)
     for it in range(3):
         x, y = _global_batch(ctx, seed=9 + it)
         with ddp.no_sync():
