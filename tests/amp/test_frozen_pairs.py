@@ -1,7 +1,8 @@
 """amp O2's frozen parameter pairs (a layer frozen, unfrozen or moved through ``.data`` while
 its optimizer holds it), under eager and compiled steps: tests from the mutation run r97A over
 sessions 49-51's frozen-pair code in ``mixprec/amp/_state.py``. Each compares with the same
-run in fp32 or eagerly."""
+run in fp32, with the same run eagerly, or each trainable half parameter with its master
+rounded."""
 import pytest
 import torch
 from torch import nn
