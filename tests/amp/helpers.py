@@ -88,6 +88,20 @@ def train_step(model, optimizer, x, y, amp):
     return loss.detach()
 
 
+def mse_step(model, optimizer, amp, compiled=False):
+    """A whole amp training step on an MSE loss, ``step(x, y) -> loss`` (the step, then
+    ``zero_grad``), ``torch.compile``d with the eager backend if asked."""
+    def step(x, y):
+        loss = ((model(x).float() - y) ** 2).mean()
+        with amp.scale_loss(loss, optimizer) as scaled:
+            scaled.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    return torch.compile(step, backend="eager") if compiled else step
+
+
 def check_conversion_after_initialize(convert, layer_type, dtype):
     """A Conv-BatchNorm-ReLU converted by ``convert`` (``convert_fused_batchnorm``,
     ``convert_syncbn_model``) after ``amp.initialize`` at O1 with ``keep_batchnorm_fp32``

@@ -1651,6 +1651,11 @@ class _NoNotes(RuntimeError):
     add_note = None  # (as on Python < 3.11, which has no exception notes)
 
 
+def _amp_notes(error):
+    """The notes amp added to an exception."""
+    return [n for n in getattr(error, "__notes__", []) if n.startswith("amp:")]
+
+
 @pytest.mark.parametrize("opt_level", ["O2", "O3"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES)
 def test_fp32_adapters_added_after_initialize_get_a_note_naming_them(dtype, opt_level):
@@ -1667,7 +1672,7 @@ def test_fp32_adapters_added_after_initialize_get_a_note_naming_them(dtype, opt_
     x = torch.randn(3, 4)
     with pytest.raises(RuntimeError, match="dtype") as info:
         model(x)
-    notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+    notes = _amp_notes(info.value)
     assert len(notes) == 1, notes
     assert (f"this model (Sequential) was cast to {dtype} by amp.initialize and its forward "
             f"casts floating inputs to {dtype}, but it holds float32 parameters amp did not "
@@ -1684,7 +1689,7 @@ def test_fp32_adapters_added_after_initialize_get_a_note_naming_them(dtype, opt_
     model[0].lora_A.data = model[0].lora_A.data.float()
     with pytest.raises(RuntimeError) as info:
         model(torch.randn(3, 5))
-    assert not [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+    assert not _amp_notes(info.value)
     # Without notes, the message carries it.
     model[0].forward = lambda x: (_ for _ in ()).throw(_NoNotes("expected Float, got Half"))
     with pytest.raises(_NoNotes, match=r"expected Float, got Half\namp: this model .* 0\.lora_A "):
@@ -1742,7 +1747,7 @@ def test_the_dtype_note_names_what_it_should(case):
         model.lin.half()
     with pytest.raises(RuntimeError, match="dtype") as info:
         model(x)
-    notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+    notes = _amp_notes(info.value)
     if case == "O0":
         assert not notes, notes
         return
@@ -1801,7 +1806,7 @@ def test_an_fp32_tensor_made_inside_forward_gets_a_note_naming_the_usual_sources
                    dtype=dtype, verbosity=0)
     with pytest.raises(RuntimeError, match="dtype") as info:
         model(x)
-    notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+    notes = _amp_notes(info.value)
     assert len(notes) == 1, notes
     assert (f"amp: this model (_MaskedAttention) was cast to {dtype} by amp.initialize and "
             f"its forward casts floating inputs to {dtype}; a float32 tensor met its {dtype} "
@@ -1819,7 +1824,7 @@ def test_an_fp32_tensor_made_inside_forward_gets_a_note_naming_the_usual_sources
                        dtype=dtype, verbosity=0)
         with pytest.raises(RuntimeError) as info:
             model(x)
-        notes = [n for n in getattr(info.value, "__notes__", []) if n.startswith("amp:")]
+        notes = _amp_notes(info.value)
         assert not notes, (op, str(info.value), notes)
     for level, typed in ((opt_level, True), ("O1", False)):
         model = _MaskedAttention(typed=typed)

@@ -7,20 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-
-def _mse_step(model, opt, compiled):
-    """One amp training step on an MSE loss (``f(x, y)``), eager or compiled whole with
-    torch.compile's eager backend."""
-    from mixprec import amp
-
-    def step(x, y):
-        loss = ((model(x).float() - y) ** 2).mean()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-
-    return torch.compile(step, backend="eager") if compiled else step
+from .helpers import mse_step
 
 
 def _two_frozen_run(compiled):
@@ -37,7 +24,7 @@ def _two_frozen_run(compiled):
     opt = torch.optim.SGD(model.parameters(), lr=1e-2)
     amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, loss_scale="dynamic",
                    verbosity=0)
-    f = _mse_step(model, opt, compiled)
+    f = mse_step(model, opt, amp, compiled)
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
         model[0].bias.data.add_(0.5)
@@ -263,7 +250,7 @@ def _load_while_frozen_run(compiled):
     model[0].requires_grad_(False)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, loss_scale=128.0, verbosity=0)
-    f = _mse_step(model, opt, compiled)
+    f = mse_step(model, opt, amp, compiled)
     g = torch.Generator().manual_seed(1)
     for _ in range(2):
         f(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))

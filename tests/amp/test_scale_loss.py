@@ -19,6 +19,7 @@ from .helpers import (
     backward_and_step,
     batch,
     make_cnn,
+    mse_step,
     scaled_backward,
     train_step,
 )
@@ -1943,16 +1944,7 @@ def _mlp_training_step(opt_level, make_optimizer, compiled, frozen_first=False):
     opt = make_optimizer(model.parameters(), lr=1e-2)
     amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
                    loss_scale="dynamic", verbosity=0)
-
-    def step(x, y):
-        loss = ((model(x).float() - y) ** 2).mean()
-        with amp.scale_loss(loss, opt) as scaled:
-            scaled.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss.detach()
-
-    return model, opt, (torch.compile(step, backend="eager") if compiled else step)
+    return model, opt, mse_step(model, opt, amp, compiled)
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])

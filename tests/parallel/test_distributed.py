@@ -3945,22 +3945,28 @@ def check_amp_torch_ddp_evaluation_on_one_rank_inside_a_synced_micro_batch(ctx):
 def _forward_inside_no_sync_backward_outside(ctx, ddp, opt, ref, ref_opt, seed, evaluate,
                                              delay_unscale=False):
     """StyleGAN2-ADA's order: the first two micro-batches' forwards inside no_sync(), every
-    backward outside it (PyTorch decides in the forward: those two are not all-reduced), an
-    evaluation under no_grad through the DDP between each forward and its backward if asked,
-    and delay_unscale=True on those two if asked."""
+    backward outside it (PyTorch decides in the forward: those two are not all-reduced), and
+    delay_unscale=True on those two if asked. ``evaluate``: False; True, an evaluation under
+    no_grad through the DDP between each forward and its backward; or a pair (``"mid"`` or
+    ``"before"`` each forward, ``call(ddp, x)``) for another place or another evaluation."""
     from mixprec import amp
 
+    where, call = (("mid", lambda ddp, x: ddp(x)) if evaluate is True
+                   else evaluate or (None, None))
     opt.zero_grad()
     ref_opt.zero_grad()
     for micro in range(3):
         x, y = _global_batch(ctx, seed=seed + micro)
         with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
             s.backward()
+        if where == "before":
+            with torch.no_grad():
+                call(ddp, _mine(ctx, x))
         with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
             loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
-        if evaluate:
+        if where == "mid":
             with torch.no_grad():
-                ddp(_mine(ctx, x))
+                call(ddp, _mine(ctx, x))
         with amp.scale_loss(loss, opt, delay_unscale=delay_unscale and micro < 2) as s:
             s.backward()
     opt.step()
@@ -6217,40 +6223,14 @@ def check_bare_non_reentrant_checkpoint_after_a_reentrant_no_sync_micro_batch(ct
                             backward_in_window=True)
 
 
-def _stylegan_order_step(ctx, ddp, opt, ref, ref_opt, seed, evaluate):
-    """StyleGAN2-ADA's order (the first two micro-batches' forwards inside no_sync(), every
-    backward outside it) with an evaluation under no_grad: ``evaluate(ddp, x)`` called between
-    each forward and its backward ("mid") or before each forward ("before")."""
-    from mixprec import amp
-
-    where, call = evaluate
-    opt.zero_grad()
-    ref_opt.zero_grad()
-    for micro in range(3):
-        x, y = _global_batch(ctx, seed=seed + micro)
-        with amp.scale_loss(F.mse_loss(ref(x).float(), y), ref_opt) as s:
-            s.backward()
-        if where == "before":
-            with torch.no_grad():
-                call(ddp, _mine(ctx, x))
-        with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
-            loss = F.mse_loss(ddp(_mine(ctx, x)).float(), _mine(ctx, y))
-        if where == "mid":
-            with torch.no_grad():
-                call(ddp, _mine(ctx, x))
-        with amp.scale_loss(loss, opt) as s:
-            s.backward()
-    opt.step()
-    ref_opt.step()
-
-
 def check_bare_model_evaluation_between_a_no_sync_forward_and_its_backward_outside(ctx):
     # r97A-D09 (a forward under no_grad outside any DDP clears the no_sync() record): the
     # bare amp model (ddp.module) evaluated under no_grad between a no_sync() forward and its
     # backward run after leaving no_sync() (StyleGAN2-ADA's order): the held micro-batches
     # must stay scaled for the synced one. O1/O2 against one process on the global batch.
     _torch_ddp_steps_match_reference(ctx, (), functools.partial(
-        _stylegan_order_step, ctx, evaluate=("mid", lambda ddp, x: ddp.module(x))))
+        _forward_inside_no_sync_backward_outside, ctx,
+        evaluate=("mid", lambda ddp, x: ddp.module(x))))
 
 
 def check_evaluation_through_ddp_before_each_checkpointed_no_sync_forward(ctx):
@@ -6260,7 +6240,8 @@ def check_evaluation_through_ddp_before_each_checkpointed_no_sync_forward(ctx):
     # outside (StyleGAN2-ADA's order): the recompute must keep the no_sync() forward's record,
     # not the evaluation's.
     _torch_ddp_steps_match_reference(ctx, (False,), functools.partial(
-        _stylegan_order_step, ctx, evaluate=("before", lambda ddp, x: ddp(x))))
+        _forward_inside_no_sync_backward_outside, ctx,
+        evaluate=("before", lambda ddp, x: ddp(x))))
 
 
 class _WithTeacher(nn.Module):
