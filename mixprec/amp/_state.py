@@ -1855,6 +1855,21 @@ class _OptimizerState:
         if self.overflow:
             self.overflow = False
             return
+        if compiling and any(not p.requires_grad for p, _ in self.pairs):
+            # Which frozen pairs the step left alone is read from the masters' version
+            # counters, and a traced branch on a version counter is decided once, at the
+            # trace (no guard): an optimizer writing a frozen parameter's master without a
+            # gradient (a decay over every parameter) had its write kept from the half
+            # model under torch.compile. Decided eagerly (a graph break, only where the
+            # model holds frozen parameters: requires_grad is guarded).
+            outside_the_compiler(_OptimizerState._copy_after_step)(self, optimizer, False)
+        else:
+            self._copy_after_step(optimizer, compiling)
+
+    def _copy_after_step(self, optimizer, compiling: bool) -> None:
+        """After a step that ran: free the masters' gradients and copy the masters into the
+        half parameters, but for those the optimizer wrote itself and the frozen pairs the
+        step left as they were."""
         written = getattr(optimizer, "_half_copies_written", None)
         frozen = []
         if self.pairs:
@@ -1874,7 +1889,7 @@ class _OptimizerState:
             # (_take_writes_while_frozen).
             synced = self._synced_versions
             if compiling or synced is None or len(synced) != len(self.pairs):
-                synced = None
+                synced = None  # (traced: no frozen pair here, see _post_step)
             for i, (p, master) in enumerate(self.pairs):
                 if master.grad is not None:
                     master.grad = None
