@@ -1051,9 +1051,12 @@ def _follow_torch_ddp(model: nn.Module) -> None:
             or not _inside_torch_ddp(ddp, model)):
         if torch._C._current_graph_task_id() != -1:
             # A forward recomputed during a backward (activation checkpointing): the record
-            # of the forward it recomputes holds; a reentrant checkpoint's ran under no_grad.
+            # of the forward it recomputes holds; a reentrant checkpoint's ran under no_grad,
+            # and so does its recompute when an outer checkpoint's recompute runs it (nested
+            # checkpoints with a reentrant inner one): taken there, the inner recompute that
+            # follows finds it.
             pending = d.pop(_NO_GRAD_TORCH_DDP, None)
-            if pending is not None and grad:
+            if pending is not None:
                 d[GRAD_SYNC_DEFERRED] = d[_SET_BY_TORCH_DDP] = pending
             return
         if grad and d.get(_SET_BY_TORCH_DDP):
@@ -1079,9 +1082,8 @@ def torch_ddp_skips_this_backward(model: nn.Module) -> bool:
     :func:`_follow_torch_ddp`) will not all-reduce the backward running now: it is inside
     ``no_sync()``, and its last forward that amp read set up no all-reduce. Read by
     ``scale_loss`` beside the forward's record on the model, which a forward recomputed by
-    activation checkpointing can misread (nested checkpoints with a reentrant inner one; an
-    evaluation under ``no_grad`` between a ``no_sync()`` micro-batch's forward and its
-    backward). A forward outside ``no_sync()`` all-reduces its backward even when that runs
+    activation checkpointing can misread (an evaluation under ``no_grad`` between a
+    ``no_sync()`` micro-batch's forward and its backward). A forward outside ``no_sync()`` all-reduces its backward even when that runs
     inside it, and an evaluation under ``no_grad`` (on some ranks only, say) between a forward
     and its backward does not count."""
     if not _TORCH_DDP_FORWARD_DEFERRED:

@@ -3979,20 +3979,24 @@ def check_amp_torch_ddp_forward_inside_no_sync_with_its_backward_outside(ctx):
     # only the forwards in no_sync()) is not all-reduced, and amp must hold it scaled from
     # the forward's record alone (scale_loss's backward-time look sees no no_sync()): the
     # model bare (with and without an evaluation under no_grad between forward and
-    # backward) or under one activation checkpoint, reentrant or not; O1 and O2. Reference:
-    # one process on the global micro-batches (bf16 rounding), the masters bitwise equal.
-    for checkpoints, evaluate in (((), False), ((), True), ((False,), False), ((True,), False)):
+    # backward), under one activation checkpoint, reentrant or not, or under two nested with
+    # a reentrant inner one (the outer recompute ran the inner's forward under no_grad and
+    # dropped the no_sync() forward's record: the ranks drifted apart with no error); O1 and
+    # O2. Reference: one process on the global micro-batches (bf16 rounding), the masters
+    # bitwise equal.
+    for checkpoints, evaluate in (((), False), ((), True), ((False,), False), ((True,), False),
+                                  ((True, False), False), ((True, True), False)):
         _torch_ddp_steps_match_reference(
             ctx, checkpoints,
             functools.partial(_forward_inside_no_sync_backward_outside, ctx, evaluate=evaluate))
 
 
 def check_amp_torch_ddp_forward_inside_no_sync_backward_outside_with_delay_unscale(ctx):
-    # G (r91A G2). The route docs/parallel.md must give for the cases amp's reading still
-    # gets wrong when the backward runs outside no_sync() (nested activation checkpoints
-    # with a reentrant inner one; an evaluation under no_grad between a no_sync() forward
-    # and its backward, the amp model under activation checkpointing: without it the ranks
-    # drift 6e-2 apart after two steps, with no error): delay_unscale=True on those
+    # G (r91A G2). The route docs/parallel.md must give for the case amp's reading still
+    # gets wrong when the backward runs outside no_sync() (an evaluation under no_grad
+    # between a no_sync() forward and its backward, the amp model under activation
+    # checkpointing: without it the ranks drift 6e-2 apart after two steps, with no error),
+    # and that nested checkpoints (read right since) take as well: delay_unscale=True on those
     # micro-batches trains as one process. Reference: one process on the global
     # micro-batches (bf16 rounding), the masters bitwise equal on every rank.
     for checkpoints, evaluate in (((True, False), False), ((True, True), False),
