@@ -1083,9 +1083,10 @@ def torch_ddp_skips_this_backward(model: nn.Module) -> bool:
     ``no_sync()``, and its last forward that amp read set up no all-reduce. Read by
     ``scale_loss`` beside the forward's record on the model, which a forward recomputed by
     activation checkpointing can misread (an evaluation under ``no_grad`` between a
-    ``no_sync()`` micro-batch's forward and its backward). A forward outside ``no_sync()`` all-reduces its backward even when that runs
-    inside it, and an evaluation under ``no_grad`` (on some ranks only, say) between a forward
-    and its backward does not count."""
+    ``no_sync()`` micro-batch's forward and its backward). A forward outside ``no_sync()``
+    all-reduces its backward even when that runs inside it, and an evaluation under
+    ``no_grad`` (on some ranks only, say) between a forward and its backward does not
+    count."""
     if not _TORCH_DDP_FORWARD_DEFERRED:
         return False
     for ddp, deferred in list(_TORCH_DDP_FORWARD_DEFERRED.items()):
