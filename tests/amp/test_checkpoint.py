@@ -5815,6 +5815,19 @@ def test_module_level_state_dict_with_two_live_calls_says_it_saves_one(monkeypat
         amp.load_state_dict(saved)  # (once per process)
 
 
+def test_a_call_without_optimizers_leaves_module_level_state_dict_to_the_training_call():
+    # r98A G4: an initialize given no optimizer (a teacher, an EMA copy) made after the
+    # training call does not take module-level amp.state_dict() from it, also once the
+    # training optimizer is gone (the docstring: the latest call given optimizers).
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O1", loss_scale=128.0, verbosity=0)
+    del opt
+    gc.collect()
+    amp.initialize(nn.Linear(4, 2), opt_level="O1", verbosity=0)  # (dynamic: 2**16)
+    assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 128.0, "unskipped": 0}}
+
+
 def test_module_level_state_dict_with_an_optimizer_amp_never_saw_says_so():
     """``amp.state_dict(optimizer=opt)`` and ``amp.load_state_dict(..., optimizer=opt)`` with
     an optimizer that did not go through amp.initialize (the one built before initialize and

@@ -1639,6 +1639,34 @@ def test_lazy_layers_that_have_not_seen_an_input_are_refused_clearly(opt_level):
     assert bn(torch.randn(2, 3, 5, 5)).shape == (2, 4, 5, 5)
 
 
+def test_lazy_refusal_lists_five_layers_and_shortens_only_more():
+    # r98A G2: up to five unready lazy layers are named in full; ", ..." only past five.
+    model = nn.Sequential(*[nn.LazyLinear(2) for _ in range(5)])
+    with pytest.raises(ValueError, match=r"yet \(0, 1, 2, 3, 4\)"):
+        amp.initialize(model, opt_level="O1", verbosity=0)
+    model = nn.Sequential(*[nn.LazyLinear(2) for _ in range(6)])
+    with pytest.raises(ValueError, match=r"yet \(0, 1, 2, 3, 4, \.\.\.\)"):
+        amp.initialize(model, opt_level="O1", verbosity=0)
+
+
+@pytest.mark.parametrize("opt_level, extra", [("O0", {}),
+                                              ("O1", {"patch_torch_functions": False})])
+def test_batchnorm_cast_to_half_by_a_level_that_leaves_it_unset_gets_masters(opt_level, extra):
+    # r98A G1: a level that leaves keep_batchnorm_fp32 unset (O0, O1 without the patching),
+    # given cast_model_type=float16 and master_weights=True, casts BatchNorm to half with the
+    # rest, so its parameters need fp32 masters like the others: every parameter the
+    # optimizer steps is an fp32 master, none the model's own.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, cast_model_type=torch.float16,
+                                master_weights=True, verbosity=0, **extra)
+    assert model[1].weight.dtype == torch.float16
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    assert [p.dtype for p in stepped] == [torch.float32] * 4
+    assert not any(p is q for p in stepped for q in model.parameters())
+
+
 def test_o2_refuses_a_late_group_holding_another_optimizers_mastered_parameter():
     a, b, _, _ = _shared_layer_models()
     # (another class for the optimizer keeping the master: the message names that one, M37)

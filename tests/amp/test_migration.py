@@ -206,6 +206,19 @@ def test_alias_fills_in_around_an_apex_imported_first(clean_apex, tmp_path, monk
     assert FusedLayerNorm is mixprec.normalization.FusedLayerNorm
 
 
+def test_alias_adds_each_served_module_to_an_apex_all_once(clean_apex, tmp_path, monkeypatch):
+    # r98A G5: beside an installed Apex whose __all__ lacks normalization, each module served
+    # at the top level goes into apex.__all__ once (apex.normalization.fused_layer_norm, a
+    # submodule, is not a second "normalization").
+    _fake_apex(tmp_path, "optimizers", init="from . import optimizers\n__all__ = ['optimizers']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "apex.normalization.fused_layer_norm" in mixprec.install_apex_alias()
+    import apex
+
+    assert apex.__all__ == ["optimizers", "amp", "parallel", "normalization", "fp16_utils",
+                            "multi_tensor_apply"]
+
+
 def test_alias_leaves_an_apex_with_its_own_amp_alone(clean_apex, tmp_path, monkeypatch):
     _fake_apex(tmp_path, *mixprec._apex_alias._SUBMODULES)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -75,6 +75,42 @@ def test_scale_loss_before_initialize():
             pass
 
 
+@pytest.mark.parametrize("prepared_first", [True, False])
+def test_scale_loss_over_a_list_with_an_optimizer_initialize_never_saw_says_so(prepared_first):
+    # r98A G3: one optimizer of the list went through initialize, the other did not: the
+    # error names the unprepared one's problem, in either order (not an AttributeError).
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", verbosity=0)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    loss = model(torch.randn(3, 4)).sum()
+    with pytest.raises(RuntimeError, match="did not go through amp.initialize"):
+        with amp.scale_loss(loss, [opt, other] if prepared_first else [other, opt]) as scaled:
+            scaled.backward()
+
+
+@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2"])
+def test_dynamic_scaling_pinned_at_one_still_skips_an_overflowed_step(opt_level):
+    # r98B: loss_scale="dynamic" with max_loss_scale=1.0 (skip-on-inf without scaling, for
+    # bf16) holds the scale at 1.0: an inf in the gradients still skips the step, and the
+    # weights stay as they were, bit for bit.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                loss_scale="dynamic", max_loss_scale=1.0, verbosity=0)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 1.0
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(model(torch.randn(5, 4)).float().mean() * float("inf"), opt) as s:
+        s.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), q)
+
+
+
 def test_step_was_skipped_of_a_plain_optimizer_says_it_did_not_go_through_initialize():
     """amp.step_was_skipped asked about an optimizer that amp.initialize never saw (one built
     after initialize, or a copy) raises a RuntimeError that says so, rather than answering or

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -30,6 +32,26 @@ def test_dynamic_backoff_and_growth():
     s.update(False)  # third clean step in a row
     assert s.loss_scale == 2.0**16
     assert s.state_dict() == {"loss_scale": 2.0**16, "unskipped": 0}
+
+
+@pytest.mark.parametrize("scale_one", ["initial", "backed_off"])
+@pytest.mark.parametrize("bad", [math.inf, math.nan], ids=["inf", "nan"])
+def test_a_dynamic_scale_of_one_still_looks_for_overflows(scale_one, bad):
+    # r98B: a dynamic scale at exactly 1.0 (init_scale=1, or backed off to a floor of 1) is
+    # not a static 1.0 (nothing to unscale, nothing to check): an inf/NaN gradient is found,
+    # the step skipped and the scale halved (to 0.5, or held at the floor of 1).
+    if scale_one == "initial":
+        s = LossScaler("dynamic", init_scale=1.0)
+    else:
+        s = LossScaler("dynamic", init_scale=4.0, min_loss_scale=1.0)
+        for _ in range(3):
+            s.update(True)
+    assert s.loss_scale == 1.0
+    flags = unscale_grads_([torch.tensor([1.0, bad, 3.0])], s, check=True)
+    assert flags is not None and any_flag_set(flags)
+    assert s.update(any_flag_set(flags)) is True
+    assert s.loss_scale == (0.5 if scale_one == "initial" else 1.0)
+
 
 
 def test_bounds():
