@@ -283,6 +283,94 @@ def check_allreduce_always_fp32_averages_half_gradients(ctx):
                                        msg=labelled(f"{what} {name}"))
 
 
+def check_apex_arithmetic_survives_the_first_step_rebuild(ctx):
+    # G (r98C's M24). A first step that leaves a head out rebuilds the reducer at the second
+    # forward; Apex's arithmetic (gradient_average=False: the sum; a pre-divide factor that
+    # is neither 1 nor the world size: the sum over the factor, or the average) lives in a
+    # communication hook, which the rebuilt reducer must get again: three steps against one
+    # process's sum (or average) of the ranks' losses.
+    for kwargs, divide in (({"gradient_average": False}, 1.0),
+                           ({"gradient_average": False, "gradient_predivide_factor": 4.0}, 4.0),
+                           ({"gradient_predivide_factor": 3.0}, ctx.world_size)):
+        torch.manual_seed(0)
+        model = _TwoHeads().to(ctx.device)  # (head b never used: left out by the first step)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, message_size=64, **kwargs)
+        for step in range(3):
+            x, y = _global_batch(ctx, seed=10 + step)
+            model.zero_grad()
+            ref.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (rank 0's note on the head left out)
+                F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+            sum(F.mse_loss(ref(part), target) for part, target
+                in zip(x.split(PER_RANK), y.split(PER_RANK))).backward()
+            assert model.b.weight.grad is None
+            for name in ("a.weight", "a.bias"):
+                torch.testing.assert_close(
+                    model.get_parameter(name).grad, ref.get_parameter(name).grad / divide,
+                    **_tol(ctx), msg=labelled(f"{kwargs} step {step} {name}"))
+
+
+class _Float(nn.Module):
+    def forward(self, x):
+        return x.float()
+
+
+def check_delay_allreduce_reduces_each_dtype_in_its_own_dtype(ctx):
+    # G (r98C's N5). The delay mode all-reduces in buckets of one (device, dtype), as Apex
+    # did: a model with fp16 and fp32 gradients all-reduces the fp16 ones in fp16 (never
+    # promoted with the fp32 ones: twice the bytes). The calls are recorded; the averages
+    # against one process on the global batch (fp32 within _tol; fp16 at its resolution).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8).half(), _Float(), nn.Linear(8, 4)).to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    x, y = _global_batch(ctx, seed=5)
+    seen, real = [], dist.all_reduce
+
+    def recording(tensor, *args, **kwargs):
+        seen.append((tensor.dtype, tensor.numel()))
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = recording
+    try:
+        F.mse_loss(ddp(_mine(ctx, x).half()), _mine(ctx, y)).backward()
+    finally:
+        dist.all_reduce = real
+    half_numel = sum(p.numel() for p in model[0].parameters())
+    float_numel = sum(p.numel() for p in model[2].parameters())
+    assert (torch.float16, half_numel) in seen, seen
+    assert (torch.float32, float_numel) in seen, seen
+    assert all(n <= max(half_numel, float_numel) for _, n in seen), seen
+    F.mse_loss(ref(x.half()), y).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.dtype == p.dtype, (name, p.grad.dtype)
+        tol = _tol(ctx) if p.dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), **tol, msg=labelled(name))
+
+
+def check_hook_options_all_reduce_over_the_process_group_only(ctx):
+    # G (r98C's N26). With process_group=, the options that all-reduce through the
+    # communication hook (gradient_average=False, a pre-divide factor other than 1 or the
+    # world size, allreduce_always_fp32, prof) reduce over that group only: over groups of
+    # one rank each, every rank's gradients are its own slice's (one process on it), in
+    # both modes.
+    singles = _groups_of_one(ctx)
+    x, y = _global_batch(ctx, seed=7)
+    for kwargs, delay in itertools.product(
+            ({"gradient_average": False}, {"gradient_predivide_factor": 3.0},
+             {"allreduce_always_fp32": True}, {"prof": True}), (False, True)):
+        model = _mlp(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, process_group=singles[ctx.rank],
+                                      delay_allreduce=delay, **kwargs)
+        F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(_mine(ctx, x)), _mine(ctx, y)).backward()
+        _assert_same_grads(ctx, model, ref, f"{kwargs} delay={delay}")
+    dist.barrier()
+
+
 def check_buffers_broadcast_at_construction_only(ctx):
     # As Apex: the buffers are rank 0's after wrapping, then each rank's own (PyTorch's default
     # re-broadcasts them from rank 0 before every forward). BatchNorm's running statistics
@@ -2449,7 +2537,10 @@ def check_arguments_validated_and_warned(ctx):
     text = " ".join(str(w.message) for w in caught)
     assert ("_SubgroupDDP overrides allreduce_bucket" in text) == (ctx.rank == 0), text
     bad = [({"message_size": 0}, ValueError), ({"gradient_predivide_factor": 0.0}, ValueError),
-           ({"num_allreduce_streams": 0}, ValueError)]
+           ({"num_allreduce_streams": 0}, ValueError),
+           # (Under one element: not a bucket of a fraction of one. r98C's N24.)
+           ({"message_size": 0.5}, ValueError),
+           ({"message_size": 0.999, "delay_allreduce": True}, ValueError)]
     for kwargs, error in bad:
         try:
             DistributedDataParallel(_mlp(ctx.device), **kwargs)
@@ -4820,6 +4911,7 @@ FIRST_STEP_CHECKS = [
     "check_amp_o2_first_step_leaves_an_unused_head_out",
     "check_replaced_layer_refused_by_the_reducer",
     "check_first_step_inside_join_with_an_empty_rank",
+    "check_apex_arithmetic_survives_the_first_step_rebuild",
 ]
 # The delay mode's checks, and those that run both modes. They also run on a machine with one
 # GPU: two processes share it over gloo (the delay mode's callbacks then run on autograd's
@@ -4828,6 +4920,8 @@ DELAY_CHECKS = [
     "check_predivide_factor",
     "check_half_gradients_reduced_in_half",
     "check_allreduce_always_fp32_averages_half_gradients",
+    "check_delay_allreduce_reduces_each_dtype_in_its_own_dtype",
+    "check_hook_options_all_reduce_over_the_process_group_only",
     "check_buffers_broadcast_at_construction_only",
     "check_ignored_parameters_stay_local",
     "check_no_sync_accumulation",
