@@ -137,6 +137,9 @@ class DelayedAllReduce:
         # all-reduced again, as with PyTorch's reducer (with gradient_average=False it would
         # grow by the world size at every step).
         self._fresh = set()
+        # Parameters that left the module (refresh) with a fresh gradient, by id: held until
+        # the all-reduce so that their ids stay theirs (one put back in the window counts).
+        self._departed = {}
         self._lock = threading.Lock()  # (hooks of a multi-device model run on several threads)
         self._hook = _hook_for(weakref.ref(self))
         self._handles = {id(p): p.register_post_accumulate_grad_hook(self._hook)
@@ -153,12 +156,15 @@ class DelayedAllReduce:
         for p in self.params:
             if id(p) not in keep:
                 self._handles.pop(id(p)).remove()
+                if id(p) in self._fresh:
+                    self._departed[id(p)] = p
         for p in params:
             if id(p) not in self._handles:
                 self._handles[id(p)] = p.register_post_accumulate_grad_hook(self._hook)
         self.names, self.params = list(names), list(params)
         self._handle_list[:] = self._handles.values()
-        self._fresh &= set(self._handles)
+        # (A layer taken out and put back within one no_sync() window keeps its fresh
+        # gradients: pruned here, they stayed out of the window's all-reduce, the ranks apart.)
 
     def arm(self, sync: bool) -> None:
         """Called by each forward with grad enabled: whether its backward all-reduces."""
@@ -206,6 +212,7 @@ class DelayedAllReduce:
         sparse one, on any rank (one small all-reduce, read on the host: the buckets must be
         the same on every rank)."""
         fresh, self._fresh = self._fresh, set()
+        self._departed.clear()
         local = [p.grad is not None and id(p) in fresh for p in self.params]
         local += [p.grad is not None and p.grad.is_sparse for p in self.params]
         device = self.params[0].device if self.params else torch.device("cpu")

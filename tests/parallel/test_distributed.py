@@ -2004,6 +2004,43 @@ def check_delay_allreduce_follows_the_module(ctx):
     _grads_match_global_batch(ctx, ddp, model, ref, 625, "unfrozen again")
 
 
+class _OptionalExtra(nn.Module):
+    """A trunk and a head, and an ``extra`` head added to the output while ``use_extra``."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.head, self.extra = nn.Linear(8, 8), nn.Linear(8, 4), nn.Linear(8, 4)
+        self.use_extra = True
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.head(h) + self.extra(h) if self.use_extra else self.head(h)
+
+
+def check_delay_allreduce_layer_taken_out_and_put_back_within_a_window(ctx):
+    # B (r98C's B1). The delay mode follows the module's parameters at each forward; a layer
+    # used by a no_sync() micro-batch, taken out (model.extra = None) for the next one and
+    # put back before the synced one (which does not use it) lost its fresh mark, so its
+    # accumulated gradients stayed out of the window's all-reduce: each rank kept its own,
+    # with no error. Reference: one process on the global micro-batches, within _tol.
+    torch.manual_seed(0)
+    model = _OptionalExtra().to(ctx.device)
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model, delay_allreduce=True)
+    extra = model.extra
+    for micro in range(3):
+        x, y = _global_batch(ctx, seed=640 + micro)
+        model.use_extra = ref.use_extra = micro == 0
+        if micro == 1:
+            model.extra = None
+        elif micro == 2:
+            model.extra = extra
+        with contextlib.nullcontext() if micro == 2 else ddp.no_sync():
+            F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x), y).backward()
+    _assert_same_grads(ctx, model, ref, "a layer out and back within a window")
+
+
 def check_delay_allreduce_follows_a_progressive_unfreezing(ctx):
     """Gradual unfreezing (one more layer every few steps, as in ULMFiT-style fine-tuning)
     under the delay mode: each layer unfrozen joins the all-reduce from its next forward, the
@@ -4921,6 +4958,7 @@ DELAY_CHECKS = [
     "check_half_gradients_reduced_in_half",
     "check_allreduce_always_fp32_averages_half_gradients",
     "check_delay_allreduce_reduces_each_dtype_in_its_own_dtype",
+    "check_delay_allreduce_layer_taken_out_and_put_back_within_a_window",
     "check_hook_options_all_reduce_over_the_process_group_only",
     "check_buffers_broadcast_at_construction_only",
     "check_ignored_parameters_stay_local",
