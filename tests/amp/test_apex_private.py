@@ -260,16 +260,19 @@ def test_clear_errors(monkeypatch):
         scaler.update_scale()
     with pytest.raises(AttributeError, match="settable names are"):
         scaler.dynamic = False
-    for bad in (0, -1.0, math.inf, math.nan, "big"):
-        with pytest.raises(ValueError, match="expected a finite number > 0"):
-            scaler._loss_scale = bad
+    for bad in (0, -1.0, math.inf, math.nan, "big", 10**400):  # (r98D G4: an int past float)
+        for field in ("_loss_scale", "_min_loss_scale", "_max_loss_scale"):
+            with pytest.raises(ValueError, match="expected a finite number > 0"):
+                setattr(scaler, field, bad)
     with pytest.raises(ValueError, match="expected an int >= 1"):
         scaler._scale_seq_len = 0
     with pytest.raises(ValueError, match="expected an int >= 0"):
         scaler._unskipped = -1
-    with pytest.raises(ValueError, match="above the maximum"):
-        scaler._min_loss_scale = 2.0**30
+    for above in (2.0**30, 2.0**24 * 1.5):  # (far above the maximum, and just: r98D G2)
+        with pytest.raises(ValueError, match="above the maximum"):
+            scaler._min_loss_scale = above
     assert scaler.loss_scale() == 2.0**16  # nothing changed by the refused writes
+    assert (scaler._min_loss_scale, scaler._max_loss_scale) == (2.0**-24, 2.0**24)
     with pytest.raises(AttributeError, match="public API"):
         state.handle  # noqa: B018
     with pytest.raises(AttributeError, match="no process-wide amp state"):
@@ -458,8 +461,9 @@ def test_unskipped_can_be_reset_to_zero():
 def test_max_loss_scale_below_the_minimum_is_refused():
     _, _, state = _setup("host", min_loss_scale=2.0**4)
     scaler = state.loss_scalers[0]
-    with pytest.raises(ValueError, match="below the minimum"):
-        scaler._max_loss_scale = 2.0**3
+    for below in (2.0**3, 2.0**4 * 0.75):  # (far below, and just)
+        with pytest.raises(ValueError, match="below the minimum"):
+            scaler._max_loss_scale = below
     assert (scaler._min_loss_scale, scaler._max_loss_scale) == (2.0**4, 2.0**24)
 
 

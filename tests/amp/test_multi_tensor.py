@@ -340,6 +340,38 @@ def test_tables_used_by_a_captured_graph_are_never_evicted():
         mt._GRAPH_KEYS.update(saved_graph)
 
 
+def test_a_table_uploaded_during_a_capture_is_pinned_with_its_rows():
+    """device_rows under a CUDA graph capture pins the table (its key in _GRAPH_KEYS, which
+    eviction passes over) and keeps its device rows alive (_GRAPH_ROWS): every replay reads
+    them. Eagerly it pins nothing. Uploads never block the host. White box, on a stand-in
+    host table whose .to() records the upload (r98D G5: the eviction test above pins by hand,
+    so nothing checked that a capture does)."""
+
+    class _Host:
+        def __init__(self):
+            self.uploads = []
+
+        def to(self, device, non_blocking=False):
+            self.uploads.append(non_blocking)
+            return object()
+
+    key = ("pin-test", "captured")
+    table = mt._Table(_Host(), 1, True)
+    saved_keys, saved_rows = set(mt._GRAPH_KEYS), dict(mt._GRAPH_ROWS)
+    try:
+        eager = mt.device_rows(key, table, torch.device("cuda", 0), capturing=False)
+        assert key not in mt._GRAPH_KEYS and key not in mt._GRAPH_ROWS
+        rows = mt.device_rows(key, table, torch.device("cuda", 0), capturing=True)
+        assert rows is not eager
+        assert key in mt._GRAPH_KEYS and mt._GRAPH_ROWS[key] == [rows]
+        assert table.host.uploads and all(table.host.uploads)
+    finally:
+        mt._GRAPH_KEYS.clear()
+        mt._GRAPH_KEYS.update(saved_keys)
+        mt._GRAPH_ROWS.clear()
+        mt._GRAPH_ROWS.update(saved_rows)
+
+
 def test_the_table_flags_addresses_not_16_byte_aligned():
     """The table records whether every address column is 16-byte aligned: only then may the
     compiled kernel use 16-byte vector loads and stores (a 4- or 8-byte aligned view read as

@@ -66,7 +66,12 @@ def test_loss_scale_forms(value, expected):
 
 @pytest.mark.parametrize("value,exc", [("big", ValueError), (0, ValueError), (-1.0, ValueError),
                                        (float("inf"), ValueError), ([1], TypeError),
-                                       ("nan", ValueError), (float("nan"), ValueError)])
+                                       ("nan", ValueError), (float("nan"), ValueError),
+                                       # (r98D G1: integers past float's range: the same
+                                       # ValueError, not float()'s OverflowError)
+                                       (10**400, ValueError), (-(10**400), ValueError)],
+                         ids=["big", "0", "-1", "inf", "list", "nan-str", "nan", "huge-int",
+                              "huge-negative-int"])
 def test_bad_loss_scale(value, exc):
     with pytest.raises(exc, match="loss_scale"):
         resolve_properties("O1", loss_scale=value)

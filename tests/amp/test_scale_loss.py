@@ -110,7 +110,6 @@ def test_dynamic_scaling_pinned_at_one_still_skips_an_overflowed_step(opt_level)
         assert torch.equal(p.detach(), q)
 
 
-
 def test_step_was_skipped_of_a_plain_optimizer_says_it_did_not_go_through_initialize():
     """amp.step_was_skipped asked about an optimizer that amp.initialize never saw (one built
     after initialize, or a copy) raises a RuntimeError that says so, rather than answering or

@@ -53,7 +53,6 @@ def test_a_dynamic_scale_of_one_still_looks_for_overflows(scale_one, bad):
     assert s.loss_scale == (0.5 if scale_one == "initial" else 1.0)
 
 
-
 def test_bounds():
     s = LossScaler("dynamic", scale_window=1, min_loss_scale=2.0**15, max_loss_scale=2.0**17)
     for _ in range(5):
