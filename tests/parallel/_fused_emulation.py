@@ -37,6 +37,16 @@ def _check(t: torch.Tensor, dtype: torch.dtype, what: str) -> None:
         raise RuntimeError(f"expected scalar type {dtype} for {what} but found {t.dtype}")
 
 
+def _dense(what: str, *tensors) -> None:
+    """The contract SyncBatchNorm states for the fused kernels: per-channel vectors (weight,
+    bias, running statistics) handed over contiguous. PyTorch's channels-last kernels read a
+    strided weight as if it were contiguous; these stand-ins would read it right, and a lost
+    ``.contiguous()`` go unseen on the CPU (r98E's M75, M76)."""
+    for t in tensors:
+        if t is not None and not t.is_contiguous():
+            raise AssertionError(f"{what} handed to the fused kernel strided: {t.stride()}")
+
+
 def stats(x, eps):
     acc = _acc(x.dtype)
     var, mean = torch.var_mean(x.to(acc), dim=_dims(x), correction=0)
@@ -44,6 +54,7 @@ def stats(x, eps):
 
 
 def gather_stats(input, mean, invstd, running_mean, running_var, momentum, eps, counts):
+    _dense("running statistics", running_mean, running_var)
     scalar = running_mean.dtype if running_mean is not None else input.dtype
     acc = _acc(scalar)
     _check(counts, scalar, "counts")
@@ -71,6 +82,7 @@ def gather_stats(input, mean, invstd, running_mean, running_var, momentum, eps, 
 
 
 def elemt(x, weight, bias, mean, invstd, eps, *, out=None):
+    _dense("weight or bias", weight, bias)
     acc = _acc(x.dtype)
     cs = _cshape(x)
     y = (x.to(acc) - mean.view(cs)) * invstd.view(cs)
@@ -89,6 +101,7 @@ def elemt(x, weight, bias, mean, invstd, eps, *, out=None):
 def backward_reduce(grad_out, x, mean, invstd, weight, input_g, weight_g, bias_g):
     if grad_out.shape != x.shape:
         raise RuntimeError("grad_out and input shapes differ")
+    _dense("weight", weight)
     acc = mean.dtype
     cs = _cshape(x)
     g = grad_out.to(acc)
@@ -102,6 +115,7 @@ def backward_reduce(grad_out, x, mean, invstd, weight, input_g, weight_g, bias_g
 
 def backward_elemt(grad_out, x, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
     _check(count, torch.int32, "count")
+    _dense("weight", weight)
     acc = mean.dtype
     cs = _cshape(x)
     total = count.sum().to(acc)

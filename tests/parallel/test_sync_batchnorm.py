@@ -930,13 +930,22 @@ def not_distributed():
         pytest.skip("a process group is initialized in this process")
 
 
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "no-count"])
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_single_process_is_batchnorm(not_distributed, device, dtype, momentum):
+def test_single_process_is_batchnorm(not_distributed, device, dtype, momentum, counted):
+    # (no-count: num_batches_tracked set to None, as a layer from before the counter: with
+    # momentum=None BatchNorm then leaves the running statistics as they are. r98E's M66)
     torch.manual_seed(0)
     bn = nn.BatchNorm2d(4, momentum=momentum).to(device)
     sync = convert_syncbn_model(copy.deepcopy(bn))
     assert isinstance(sync, SyncBatchNorm)
+    if not counted:
+        bn.num_batches_tracked = sync.num_batches_tracked = None
+        with torch.no_grad():
+            for layer in (bn, sync):
+                layer.running_mean.copy_(torch.linspace(-1, 1, 4))
+                layer.running_var.copy_(torch.linspace(0.5, 2, 4))
     for _ in range(2):
         x = torch.randn(6, 4, 5, 5, device=device, dtype=dtype)
         x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -947,7 +956,7 @@ def test_single_process_is_batchnorm(not_distributed, device, dtype, momentum):
         torch.testing.assert_close(x2.grad, x1.grad, rtol=0, atol=0)
     torch.testing.assert_close(sync.running_mean, bn.running_mean, rtol=0, atol=0)
     torch.testing.assert_close(sync.running_var, bn.running_var, rtol=0, atol=0)
-    assert int(sync.num_batches_tracked) == 2
+    assert int(sync.num_batches_tracked) == 2 if counted else sync.num_batches_tracked is None
     bn.eval()
     sync.eval()
     x = torch.randn(3, 4, 5, 5, device=device, dtype=dtype)
@@ -1815,8 +1824,10 @@ def test_fused_path_updates_a_strided_running_variance(not_distributed, triton):
     checkpoint loaded into a view) are updated in place on the fused path, where the kernels
     get contiguous copies (mixprec's Triton kernels too, for a channels-last input: they write
     per-channel vectors with unit stride): both the mean and the variance are written back,
-    and nothing else in the base buffer changes. Reference: float64 BatchNorm, running
-    statistics 1e-4, output and input gradient 1e-5. (M10, F27)"""
+    and nothing else in the base buffer changes. A strided weight and bias (parameters sliced
+    from one tensor) reach the kernels contiguous too (the emulation refuses strided ones:
+    r98E's M75, M76). Reference: float64 BatchNorm, running statistics 1e-4, output and input
+    gradient 1e-5. (M10, F27)"""
     if triton and not _INTERPRETER:
         pytest.skip("needs Triton's interpreter (tests/_triton.py)")
     torch.manual_seed(0)
@@ -1824,8 +1835,8 @@ def test_fused_path_updates_a_strided_running_variance(not_distributed, triton):
     dy = torch.randn_like(x)
     if triton:
         x, dy = (t.contiguous(memory_format=torch.channels_last) for t in (x, dy))
-    w, b = torch.rand(3) + 0.5, torch.randn(3)
-    rm = torch.zeros(3)
+    w, b = (torch.rand(6) + 0.5)[::2], torch.randn(6)[::2]
+    rm = torch.zeros(6)[1::2]
     base = torch.ones(6)
     rv = base[::2]
     y, dx = _local_case(x, dy, w, b, rm, rv, 1e-5, 0.1,
