@@ -4124,9 +4124,10 @@ def check_amp_torch_ddp_forward_inside_no_sync_backward_outside_with_delay_unsca
     # gets wrong when the backward runs outside no_sync() (an evaluation under no_grad
     # between a no_sync() forward and its backward, the amp model under activation
     # checkpointing: without it the ranks drift 6e-2 apart after two steps, with no error),
-    # and that nested checkpoints (read right since) take as well: delay_unscale=True on those
-    # micro-batches trains as one process. Reference: one process on the global
-    # micro-batches (bf16 rounding), the masters bitwise equal on every rank.
+    # also taken by nested checkpoints (read right without it since r97A's D05):
+    # delay_unscale=True on those micro-batches trains as one process. Reference: one
+    # process on the global micro-batches (bf16 rounding), the masters bitwise equal on
+    # every rank.
     for checkpoints, evaluate in (((True, False), False), ((True, True), False),
                                   ((False,), True), ((True,), True)):
         _torch_ddp_steps_match_reference(
