@@ -956,7 +956,7 @@ def test_single_process_is_batchnorm(not_distributed, device, dtype, momentum, c
         torch.testing.assert_close(x2.grad, x1.grad, rtol=0, atol=0)
     torch.testing.assert_close(sync.running_mean, bn.running_mean, rtol=0, atol=0)
     torch.testing.assert_close(sync.running_var, bn.running_var, rtol=0, atol=0)
-    assert int(sync.num_batches_tracked) == 2 if counted else sync.num_batches_tracked is None
+    assert (int(sync.num_batches_tracked) == 2) if counted else sync.num_batches_tracked is None
     bn.eval()
     sync.eval()
     x = torch.randn(3, 4, 5, 5, device=device, dtype=dtype)
