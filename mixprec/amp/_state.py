@@ -1888,8 +1888,8 @@ class _OptimizerState:
             # takes such a write at state_dict() or at the first step after it is unfrozen
             # (_take_writes_while_frozen).
             synced = self._synced_versions
-            if compiling or synced is None or len(synced) != len(self.pairs):
-                synced = None  # (traced: no frozen pair here, see _post_step)
+            if synced is None or len(synced) != len(self.pairs):
+                synced = None
             for i, (p, master) in enumerate(self.pairs):
                 if master.grad is not None:
                     master.grad = None
@@ -2250,24 +2250,26 @@ class AmpState:
                 "this run's, set checkpoint['amp']['loss_scaler<i>']['loss_scale'] before "
                 "loading, or use loss_scale='dynamic'.", stacklevel=3)
         props = self.properties
+        fp16_run = (props is not None and props.opt_level != "O0"
+                    and props.half_dtype == torch.float16)
         lowered = [i for i, entry in entries.items()
-                   if self.scalers[i].dynamic and float(entry["loss_scale"]) == 1.0
-                   and props is not None and props.opt_level != "O0"
-                   and props.half_dtype == torch.float16 and self.scalers[i].loss_scale > 1.0]
+                   if fp16_run and self.scalers[i].dynamic and float(entry["loss_scale"]) == 1.0
+                   and self.scalers[i].loss_scale > 1.0]
         if lowered and is_rank_zero():
             # (Apex's rule again. A bf16 run's checkpoint (static 1.0) resumed in fp16 starts
             # the dynamic scale at 1: it grows only after scale_window clean steps, and small
             # fp16 gradients underflow to zero meanwhile, with no overflow to say so.)
-            own = self.scalers[lowered[0]].loss_scale
+            scaler = self.scalers[lowered[0]]
+            own, window = scaler.loss_scale, scaler._window
             warnings.warn(
                 "amp.load_state_dict: the checkpoint's loss scale 1 (a bf16 or static-scale "
                 "run saves that) becomes this fp16 run's dynamic scale ("
                 + ", ".join(f"loss_scaler{i}" for i in lowered) + f", for {own:g}), as in "
-                "Apex. It doubles once per 2000 clean steps, so small fp16 gradients underflow "
-                f"to zero for the {2000 * math.ceil(math.log2(own)):,} steps it takes to grow "
-                "back. If the checkpoint came from a bf16 or O0 run, leave checkpoint['amp'] "
-                f"out (the scale then stays at {own:g}) or set its loss_scale before loading.",
-                stacklevel=3)
+                f"Apex. It doubles once per {window:,} clean steps, so small fp16 gradients "
+                f"underflow to zero for the {window * math.ceil(math.log2(own)):,} steps it "
+                "takes to grow back. If the checkpoint came from a bf16 or O0 run, leave "
+                f"checkpoint['amp'] out (the scale then stays at {own:g}) or set its loss_scale "
+                "before loading.", stacklevel=3)
         for i, entry in entries.items():
             self.scalers[i].load_state_dict(entry)
         for opt_state in self.optimizer_states():

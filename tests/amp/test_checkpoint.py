@@ -339,27 +339,31 @@ def test_a_static_scale_replaced_by_the_checkpoints_warns():
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_a_bf16_runs_scale_of_one_loaded_into_an_fp16_dynamic_run_warns(opt_level):
     """A bf16 run saves a static loss scale of 1; resumed in fp16 with dynamic scaling, Apex's
-    rule (the checkpoint's scale wins) starts the scale at 1, where it doubles once per 2000
-    clean steps and small fp16 gradients underflow meanwhile: amp keeps the rule and warns,
-    with the way out. Loaded into a bf16 run, or as any other scale, nothing is said. (r96B
-    R4)"""
+    rule (the checkpoint's scale wins) starts the scale at 1, where it doubles once per growth
+    window (2000 clean steps unless set) and small fp16 gradients underflow meanwhile: amp
+    keeps the rule and warns, with the way out and the steps it takes for the run's window.
+    Loaded into a bf16 run, or as any other scale, nothing is said. (r96B R4)"""
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16, verbosity=0)
     saved = amp.state_dict()
     assert saved["loss_scaler0"]["loss_scale"] == 1.0
 
-    def resume(dtype, ckpt):
+    def resume(dtype, ckpt, window=None):
         model = make_cnn()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         amp.initialize(model, opt, opt_level=opt_level, dtype=dtype, verbosity=0)
+        if window is not None:  # (Apex's private growth window, as a script may set it)
+            amp._amp_state.loss_scalers[0]._scale_seq_len = window
         amp.load_state_dict(ckpt)
         return amp.state_dict()["loss_scaler0"]["loss_scale"]
 
     with pytest.warns(UserWarning, match=r"loss scale 1 .* becomes this fp16 run's dynamic "
-                                         r"scale \(loss_scaler0, for 65536\).*32,000 steps.*"
-                                         r"leave checkpoint\['amp'\] out"):
+                                         r"scale \(loss_scaler0, for 65536\).*2,000 clean "
+                                         r"steps.*32,000 steps.*leave checkpoint\['amp'\] out"):
         assert resume(torch.float16, saved) == 1.0
+    with pytest.warns(UserWarning, match=r"once per 500 clean steps.* 8,000 steps"):
+        assert resume(torch.float16, saved, window=500) == 1.0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resume(torch.bfloat16, saved) == 1.0
