@@ -163,8 +163,9 @@ class DelayedAllReduce:
                 self._handles[id(p)] = p.register_post_accumulate_grad_hook(self._hook)
         self.names, self.params = list(names), list(params)
         self._handle_list[:] = self._handles.values()
-        # (A layer taken out and put back within one no_sync() window keeps its fresh
-        # gradients: pruned here, they stayed out of the window's all-reduce, the ranks apart.)
+        # (_fresh keeps the ids of those gone, held in _departed: a layer taken out and put
+        # back within one no_sync() window must bring its gradients to the window's
+        # all-reduce, or each rank keeps its own.)
 
     def arm(self, sync: bool) -> None:
         """Called by each forward with grad enabled: whether its backward all-reduces."""
