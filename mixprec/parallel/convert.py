@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import warnings
 from typing import Optional
 
 import torch
@@ -11,6 +12,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from mixprec._checks import listed
+from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import carry_amp_forward
 from mixprec.parallel._comm import check_process_group, require_initialized
 from mixprec.parallel.sync_batchnorm import SyncBatchNorm
@@ -18,13 +21,22 @@ from mixprec.parallel.sync_batchnorm import SyncBatchNorm
 __all__ = ["convert_syncbn_model", "create_syncbn_process_group"]
 
 
-def _convert_one(bn: _BatchNorm, process_group, channel_last: bool) -> SyncBatchNorm:
+def _convert_one(bn: _BatchNorm, where: str, process_group, channel_last: bool) -> SyncBatchNorm:
+    what = f"convert_syncbn_model: layer {where!r} ({type(bn).__name__})"
     if isinstance(bn, LazyModuleMixin) and bn.has_uninitialized_params():
         raise ValueError(
-            f"convert_syncbn_model: {type(bn).__name__} has not seen an input yet, so its "
-            "number of channels is unknown. Run one forward pass (e.g. on a dummy batch) "
-            "before converting, or use BatchNorm with num_features."
+            f"{what} has not seen an input yet, so its number of channels is unknown. Run one "
+            "forward pass (e.g. on a dummy batch) before converting, or use BatchNorm with "
+            "num_features. The model is unchanged."
         )
+    try:
+        return _build(bn, process_group, channel_last)
+    except (ValueError, TypeError) as error:
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        raise kind(f"{what}: {error} The model is unchanged.") from error
+
+
+def _build(bn: _BatchNorm, process_group, channel_last: bool) -> SyncBatchNorm:
     ref = bn.weight if bn.weight is not None else bn.running_mean
     factory = {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
     sync = SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine,
@@ -55,9 +67,13 @@ def convert_syncbn_model(module: nn.Module, process_group=None,
     ``process_group`` and ``channel_last``, as Apex's rebuilt ones did. The new layers take
     over the old ones' parameters and running-statistics buffers (the same objects), train/eval
     mode and ``requires_grad``, and a BatchNorm subclass's submodules (converted too; its own
-    ``forward`` is not kept, as in Apex). Call it before wrapping the model in
-    ``DistributedDataParallel``; before ``amp.initialize`` as Apex asked, or after it (a layer
-    amp prepared, O1's fp32 BatchNorm, passes amp's forward on to its SyncBatchNorm).
+    ``forward`` and other methods, e.g. a ``train()`` that keeps it in eval mode, are not kept,
+    as in Apex; hooks registered on a layer are not carried either, and a warning names the
+    layers that had any). A layer reached under several names (shared by two blocks, or
+    registered twice in one) becomes one SyncBatchNorm under all of them. If a layer cannot be
+    converted, the error names it and the model is left as it was. Call it before wrapping the
+    model in ``DistributedDataParallel``; before ``amp.initialize`` as Apex asked, or after it
+    (a layer amp prepared, O1's fp32 BatchNorm, passes amp's forward on to its SyncBatchNorm).
 
     Args:
         module (nn.Module): the model (or a single BatchNorm layer).
@@ -85,27 +101,72 @@ def convert_syncbn_model(module: nn.Module, process_group=None,
     if not isinstance(channel_last, bool):
         raise TypeError(f"convert_syncbn_model(channel_last={channel_last!r}): must be a bool.")
     check_process_group("convert_syncbn_model", process_group)
-    if isinstance(module, SyncBatchNorm):
+    # Two passes: every new layer is built first (an error leaves the model untouched), then
+    # the model takes them. `memo` maps a module's id to what replaces it (itself if nothing),
+    # so a layer met again under another name or parent gets the same SyncBatchNorm.
+    memo: dict = {}
+    swaps: list = []
+    existing: list = []
+    hooked: list = []
+    result = _plan(module, "", process_group, channel_last, memo, swaps, existing, hooked)
+    for layer in existing:
         # Apex's function rebuilt every _BatchNorm, its own SyncBatchNorm included, with the
         # arguments given: the layer stays (the same object) and takes them too, so that a
         # group passed for layers a model builds as SyncBatchNorm itself is not ignored.
-        module.process_group = process_group
-        module.channel_last = channel_last
+        layer.process_group = process_group
+        layer.channel_last = channel_last
+    for parent, name, new in swaps:
+        setattr(parent, name, new)
+    if hooked and is_rank_zero():
+        warnings.warn(
+            "convert_syncbn_model: hooks registered on " + listed(hooked) + " are not carried "
+            "to their SyncBatchNorm (as in torch's convert_sync_batchnorm); register them on "
+            "the converted layers if they are still wanted.", stacklevel=2)
+    return result
+
+
+def _plan(module, path, process_group, channel_last, memo, swaps, existing, hooked):
+    """What replaces ``module`` (built, not yet put in place); fills ``swaps`` with the
+    (parent, name, new child) to set and ``existing`` with the SyncBatchNorm layers to update."""
+    key = id(module)
+    if key in memo:
+        return memo[key]
+    where = path or type(module).__name__
+    if isinstance(module, SyncBatchNorm):
+        existing.append(module)
+        memo[key] = result = module
     elif isinstance(module, _BatchNorm):
-        sync = _convert_one(module, process_group, channel_last)
+        result = _convert_one(module, where, process_group, channel_last)
         # (A layer amp.initialize prepared, e.g. O1's fp32 BatchNorm: the new one keeps amp's
         # forward. Before, it lost it without a word.)
-        carry_amp_forward(module, sync)
+        carry_amp_forward(module, result)
+        if _has_hooks(module):
+            hooked.append(where)
+        memo[key] = result
         # A subclass's submodules (e.g. an activation) come along, converted, as in Apex and
         # torch's convert_sync_batchnorm: the model keeps their parameters and state_dict keys.
-        for name, child in module.named_children():
-            sync.add_module(name, convert_syncbn_model(child, process_group, channel_last))
-        return sync
-    for name, child in module.named_children():
-        converted = convert_syncbn_model(child, process_group, channel_last)
-        if converted is not child:
-            setattr(module, name, converted)
-    return module
+        for name, child in module._modules.items():
+            if child is not None:
+                result.add_module(name, _plan(child, f"{path}.{name}" if path else name,
+                                              process_group, channel_last, memo, swaps,
+                                              existing, hooked))
+        return result
+    else:
+        memo[key] = result = module
+    # (_modules, not named_children(): that skips a child registered under a second name.)
+    for name, child in module._modules.items():
+        if child is None:
+            continue
+        new = _plan(child, f"{path}.{name}" if path else name, process_group, channel_last,
+                    memo, swaps, existing, hooked)
+        if new is not child:
+            swaps.append((module, name, new))
+    return result
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return any(getattr(module, attr, None) for attr in (
+        "_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"))
 
 
 def create_syncbn_process_group(group_size: int) -> Optional[dist.ProcessGroup]:

@@ -22,6 +22,7 @@ import functools
 import inspect
 import pickle
 import re
+import warnings
 
 import pytest
 import torch
@@ -1359,11 +1360,106 @@ def test_convert_syncbn_model_numpy_num_features():
 
 def test_convert_syncbn_model_lazy_batchnorm():
     lazy = nn.Sequential(nn.Conv2d(3, 4, 1), nn.LazyBatchNorm2d())
-    with pytest.raises(ValueError, match="LazyBatchNorm2d has not seen an input.*forward pass"):
+    with pytest.raises(ValueError, match=r"layer '1' \(LazyBatchNorm2d\) has not seen an "
+                                         r"input.*forward pass.*The model is unchanged"):
         convert_syncbn_model(lazy)
+    assert type(lazy[1]) is nn.LazyBatchNorm2d
     lazy(torch.randn(2, 3, 2, 2))  # materialized: a BatchNorm2d(4) now
     converted = convert_syncbn_model(lazy)
     assert isinstance(converted[1], SyncBatchNorm) and converted[1].num_features == 4
+
+
+def test_convert_syncbn_model_running_statistics_are_the_same_objects():
+    # (r99C G1) Every buffer moves over, not only running_mean.
+    bn = nn.BatchNorm2d(4)
+    bn(torch.randn(5, 4, 3, 3))
+    buffers = dict(bn.named_buffers())
+    sync = convert_syncbn_model(bn)
+    assert set(dict(sync.named_buffers())) == set(buffers)
+    for name, buf in buffers.items():
+        assert getattr(sync, name) is buf, name
+
+
+class _BatchNormWithDropout(nn.BatchNorm1d):
+    def __init__(self, num_features):
+        super().__init__(num_features)
+        self.drop = nn.Dropout(0.5)
+
+
+def test_convert_syncbn_model_subclass_submodules_keep_their_own_mode():
+    # (r99C G2) A subclass layer's submodules keep the mode each had, not the layer's.
+    layer = _BatchNormWithDropout(3)
+    layer.drop.eval()
+    frozen = _BatchNormWithDropout(3).eval()
+    frozen.drop.train()
+    model = convert_syncbn_model(nn.Sequential(layer, frozen))
+    assert model[0].training and not model[0].drop.training
+    assert not model[1].training and model[1].drop.training
+
+
+class _TwoNames(nn.Module):
+    """One BatchNorm registered under two names of one module (``self.norm = self.bn``); the
+    forward uses the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm1d(3)
+        self.norm = self.bn
+
+    def forward(self, x):
+        return self.norm(x)
+
+
+def test_convert_syncbn_model_reaches_a_layer_under_every_name(not_distributed):
+    # (r99C B1) named_children() lists a module once, under its first name: the layer the
+    # forward used (`norm`) stayed a BatchNorm1d, so it normalised over one rank's batch
+    # without a word. Now one SyncBatchNorm under both names, and a layer shared by two
+    # blocks stays one layer (one object) too; on one process it is BatchNorm, bit for bit.
+    torch.manual_seed(0)
+    shared = nn.BatchNorm1d(3)
+    ref = nn.Sequential(_TwoNames(), nn.Sequential(shared), nn.Sequential(shared))
+    model = convert_syncbn_model(copy.deepcopy(ref))
+    assert isinstance(model[0].bn, SyncBatchNorm) and model[0].norm is model[0].bn
+    assert isinstance(model[1][0], SyncBatchNorm) and model[1][0] is model[2][0]
+    assert list(model.state_dict()) == list(ref.state_dict())
+    x = torch.randn(6, 3) * 2 + 1
+    outs = [(net(x), net[1](x - 3)) for net in (ref, model)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    for got, want in zip(model.state_dict().values(), ref.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert int(model[2][0].num_batches_tracked) == 3  # (the shared layer ran three times)
+
+
+def test_convert_syncbn_model_error_names_the_layer_and_changes_nothing():
+    # (r99C R4) torch's BatchNorm takes momentum=1.5; SyncBatchNorm refuses it. The error
+    # names the layer, and the layers converted before it are not left swapped in.
+    model = nn.Sequential(nn.Sequential(nn.BatchNorm2d(4)), nn.BatchNorm2d(4, momentum=1.5))
+    existing = SyncBatchNorm(4)
+    model.append(existing)
+    with pytest.raises(ValueError, match=r"layer '1' \(BatchNorm2d\): SyncBatchNorm\("
+                                         r"momentum=1.5\).*The model is unchanged"):
+        convert_syncbn_model(model, channel_last=True)
+    assert [type(m) for m in (model[0][0], model[1])] == [nn.BatchNorm2d, nn.BatchNorm2d]
+    assert model[2] is existing and not existing.channel_last
+    # (A root layer is named by its class.)
+    with pytest.raises(ValueError, match=r"layer 'BatchNorm1d' \(BatchNorm1d\)"):
+        convert_syncbn_model(nn.BatchNorm1d(2, momentum=-1.0))
+
+
+def test_convert_syncbn_model_warns_about_hooks_it_does_not_carry(not_distributed):
+    # (r99C R3) As torch's convert_sync_batchnorm, hooks stay on the old layer; a warning
+    # names the layers, and none comes for a model without such hooks.
+    seen = []
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Sequential(nn.BatchNorm1d(3)))
+    model[0].register_forward_hook(lambda *args: seen.append("linear"))
+    model[2][0].register_forward_pre_hook(lambda *args: seen.append("bn"))
+    with pytest.warns(UserWarning, match=r"hooks registered on 2\.0 are not carried"):
+        convert_syncbn_model(model)
+    model(torch.randn(4, 3))
+    assert seen == ["linear"] and isinstance(model[2][0], SyncBatchNorm)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        convert_syncbn_model(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
 
 
 def test_create_syncbn_process_group_errors(not_distributed):
