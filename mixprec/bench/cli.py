@@ -509,7 +509,14 @@ def _mode_line(row, done: int, total: int) -> str:
 def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdout) -> int:
     from mixprec.bench import report
     from mixprec.bench.models import build_workload
-    from mixprec.bench.runner import DTYPES, ModeResult, mode_dtype_name, mode_label, run_modes
+    from mixprec.bench.runner import (
+        DTYPES,
+        ModeResult,
+        cpu_memory_readable,
+        mode_dtype_name,
+        mode_label,
+        run_modes,
+    )
 
     device = _resolve_device(args.device, parser)
     on_cuda = device.type == "cuda"
@@ -659,14 +666,17 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
         )
     notes.append(
         "s / 40 it = 40 x the median step time; final loss = mean over the last "
-        f"{window} step{'s' if window != 1 else ''} ({over})."
+        f"{window} step{'s' if window != 1 else ''} ({over}; an inf or NaN loss left out)."
     )
     if on_cuda:
         notes.append("peak mem = torch.cuda.max_memory_allocated() growth over the mode's start.")
-    else:
+    elif cpu_memory_readable():
         notes.append(
             "peak mem = growth of the process's resident memory (RSS): approximate on CPU."
         )
+    else:
+        notes.append("peak mem: not measured (this system's resident memory needs psutil: "
+                     "pip install psutil).")
     if not on_cuda:
         fused = []
         if args.norm == "mixprec":

@@ -26,7 +26,10 @@ keeps and reuses freed memory. On Linux the peak is the kernel's own high-water 
 in ``/proc/self/status``, reset through ``/proc/self/clear_refs`` when the mode starts): exact,
 and nothing runs beside the timed steps. Where the reset is not possible (other systems, a
 ``/proc`` that refuses it) a background thread samples the RSS every 10 ms (``/proc/self/statm``
-or ``psutil``; ``ru_maxrss`` as a last resort), and the runner once more after every step.
+or ``psutil``, which the ``bench`` extra installs on other systems), and the runner once more
+after every step. With neither, no CPU peak is reported (``None``): the only other figure,
+``ru_maxrss``, is the process's lifetime peak, whose growth says nothing of a mode that ran
+after a larger one.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ __all__ = [
     "DTYPES",
     "MODES",
     "ModeResult",
+    "cpu_memory_readable",
     "mode_dtype_name",
     "mode_label",
     "run_mode",
@@ -97,8 +101,10 @@ class ModeResult:
         total_time_s (float or None): wall time of all timed steps, the loop's own work between
             them included (so ``total_time_s / iters >= time_per_iter_mean_s``).
         peak_memory_mb (float or None): peak memory the mode added, MiB (see module docs).
-        final_loss (float or None): mean loss of the last pass over the batch pool; NaN or
-            inf when the training diverged (see :attr:`diverged`).
+        final_loss (float or None): mean loss of the last pass over the batch pool, its
+            steps whose loss was inf or NaN left out (a forward overflow, which dynamic loss
+            scaling skips, is not a diverged run); NaN when the last step's loss is not
+            finite: the training diverged (see :attr:`diverged`).
         skipped_steps (int or None): optimizer steps skipped because of inf/NaN gradients
             (dynamic loss scaling); None when it could not be determined.
         losses (list of float): every step's loss, warm-up included.
@@ -148,6 +154,15 @@ class ModeResult:
         return out
 
 
+def _final_loss(window: List[float]) -> float:
+    """The mean of ``window``'s finite losses; NaN when its last loss is not finite (the
+    rule the plot's "(diverged)" label follows too)."""
+    finite = [v for v in window if math.isfinite(v)]
+    if not finite or not math.isfinite(window[-1]):
+        return math.nan
+    return sum(finite) / len(finite)
+
+
 def _finite_or_none(v):
     return v if v is None or math.isfinite(v) else None
 
@@ -195,12 +210,9 @@ def _rss_reader() -> Optional[Callable[[], int]]:
     return lambda: proc.memory_info().rss
 
 
-def _max_rss_bytes() -> int:
-    import resource
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    # ru_maxrss is in KiB on Linux and bytes on macOS.
-    return peak if sys.platform == "darwin" else peak * 1024
+def cpu_memory_readable() -> bool:
+    """Whether CPU peak memory can be measured here (``/proc`` or ``psutil``)."""
+    return _rss_reader() is not None
 
 
 def _release_free_heap() -> None:
@@ -244,7 +256,8 @@ def _reset_hwm() -> bool:
 
 class _CpuPeakMemory:
     """Peak RSS growth over the start (``peak_mb``): the kernel's high-water mark where it can
-    be reset (Linux), else RSS samples from a background thread and from :meth:`sample`."""
+    be reset (Linux), else RSS samples from a background thread and from :meth:`sample`;
+    None where the RSS cannot be read (no ``/proc``, no ``psutil``)."""
 
     # Only the fallback samples. Every 10 ms, not 2: a thread waking 500 times a second
     # competes with the timed steps of a small CPU run for the GIL and the cores, and the
@@ -278,8 +291,6 @@ class _CpuPeakMemory:
                     target=self._loop, name="mixprec-rss", daemon=True
                 )
                 self._thread.start()
-        else:
-            self._base = self._peak = _max_rss_bytes()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -289,11 +300,11 @@ class _CpuPeakMemory:
         elif self._thread is not None:
             self._thread.join()
             self.sample()
-        else:
-            self._peak = _max_rss_bytes()
 
     @property
-    def peak_mb(self) -> float:
+    def peak_mb(self) -> Optional[float]:
+        if self._read is None:
+            return None
         return max(0, self._peak - self._base) / 2**20
 
 
@@ -718,8 +729,7 @@ def run_mode(
         if isinstance(memory, _CudaPeakMemory):
             result.extra["peak_memory_total_mb"] = memory.total_peak_mb
             result.extra["peak_memory_steady_mb"] = memory.steady_peak_mb
-        window = result.losses[-min(len(batches), total) :]
-        result.final_loss = sum(window) / len(window)
+        result.final_loss = _final_loss(result.losses[-min(len(batches), total) :])
         result.skipped_steps = recipe.skipped if recipe.skips_known else None
     finally:
         # Free this mode's model, optimizer and amp state before the next mode measures (on

@@ -73,6 +73,20 @@ def test_table_has_a_row_per_mode(default_run):
     assert "max_memory_allocated" not in text
 
 
+def test_no_cpu_memory_reader_shows_no_figure_and_says_why(monkeypatch):
+    # (r99A R2) With no /proc and no psutil there is no honest CPU peak: the column shows "-"
+    # and the note says what to install, instead of lifetime-peak growth (~0 after O0).
+    import mixprec.bench.runner as runner_module
+
+    monkeypatch.setattr(runner_module, "_rss_reader", lambda: None)
+    code, text = _run(["bench", *FAST, "--opt-levels", "O0", "O2", "--no-native"])
+    assert code == 0
+    rows = _table_rows(text)
+    assert [r[0] for r in rows] == ["O0", "O2"] and [r[2] for r in rows] == ["-", "-"]
+    assert "peak mem: not measured (this system's resident memory needs psutil" in text
+    assert "growth of the process's resident memory" not in text
+
+
 def test_json_rows_are_sane(default_run):
     _, _, paths = default_run
     with open(paths["json"]) as f:
@@ -165,7 +179,7 @@ def test_plot_format_follows_the_extension(tmp_path):
     assert code == 0
     assert path.read_bytes().lstrip().startswith(b"<?xml") and b"<svg" in path.read_bytes()
     # One step run: the note says what the final loss is the mean of.
-    assert "mean over the last 1 step (every step run, 1 of the 4 batches)" in text
+    assert "mean over the last 1 step (every step run, 1 of the 4 batches; an inf" in text
 
 
 def test_failed_mode_is_a_failed_row_and_others_run(monkeypatch, tmp_path):
@@ -1281,11 +1295,13 @@ def test_default_cpu_warm_up_and_the_final_loss_window(tmp_path):
     assert code == 0
     assert "3 warm-up + 2 timed iterations per mode" in text
     # 5 steps over the 4-batch pool: the mean of the last 4, as the runner computes it.
-    assert "final loss = mean over the last 4 steps (one pass over the 4-batch pool)." in text
+    assert ("final loss = mean over the last 4 steps (one pass over the 4-batch pool; an inf "
+            "or NaN loss left out).") in text
     (row,) = json.loads(path.read_text())
     assert row["final_loss"] == pytest.approx(sum(row["losses"][-4:]) / 4)
     code, text = _run(["bench", *FAST, "--opt-levels", "O0", "--no-native"])  # 1 + 2 steps
-    assert "mean over the last 3 steps (every step run, 3 of the 4 batches)." in text
+    assert ("mean over the last 3 steps (every step run, 3 of the 4 batches; an inf or NaN "
+            "loss left out).") in text
 
 
 # C36: " or --size small" suggested for the small size instead of the large one

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from mixprec.bench.report import (
+    _figure,
     few_steps_note,
     format_table,
     relative_to,
@@ -13,6 +14,7 @@ from mixprec.bench.report import (
     unsteady_timing_note,
     write_csv,
     write_json,
+    write_plot,
 )
 from mixprec.bench.runner import ModeResult
 
@@ -534,3 +536,70 @@ def test_plot_separates_the_warm_up_steps_between_the_last_and_the_first_timed_o
     assert list(curve.get_xdata()) == list(range(1, 9))
     assert list(rule.get_xdata()) == [3.5, 3.5]
     assert rule.get_linestyle() == ":"
+
+
+# Notes, the plot's colours and labels, write_json's baseline (r99A).
+
+def test_two_timed_steps_have_a_barely_measured_spread():
+    """(r99A) from two timed steps on the IQR is measured (runner: time_per_iter_iqr_s is
+    set for two steps), so the note for two says "barely measured", not "not measured"."""
+    assert "the spread is barely measured" in few_steps_note(2)
+    assert "not measured" not in few_steps_note(2)
+
+
+def test_unsteady_is_judged_against_the_median():
+    """(r99A) the IQR is compared with a quarter of the median step time (the documented
+    rule), not with the slowest step: IQR 0.03 s on a 0.1 s median with one 0.5 s outlier is
+    unsteady (0.03 > 0.025)."""
+    rows = [_row("O2", 0.1, 10.0, 1.0, time_per_iter_iqr_s=0.03, time_per_iter_max_s=0.5)]
+    note = unsteady_timing_note(rows)
+    assert note is not None and "O2" in note
+
+
+def test_write_plot_creates_missing_parent_directories(tmp_path):
+    """(r99A) as write_json and write_csv do (README: "missing parent directories are
+    created"), write_plot creates the file's missing parent directories."""
+    path = tmp_path / "new" / "sub" / "bench.png"
+    write_plot([_row("O0", 0.1, 100.0, 1.0, losses=[2.0, 1.0])], str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_modes_loss_curve_has_the_colour_of_its_bars():
+    """(r99A) a mode's loss curve and its time and memory bars share one colour (C<i> for the
+    i-th row), also after a diverged or failed row, so a reader matches them."""
+    import matplotlib.colors as mcolors
+
+    rows = [_row("O0", 0.1, 100.0, 1.0, losses=[2.0, 1.0]),
+            _row("O3", 0.05, 50.0, float("nan"), losses=[2.0, float("nan")]),
+            ModeResult(mode="O1", label="O1", dtype="fp16", status="failed", error="x"),
+            _row("O2", 0.05, 60.0, 1.0, losses=[2.0, 1.1])]
+    fig = _figure(rows, title="")
+    ax_loss, ax_time = fig.axes[0], fig.axes[1]
+    curve_colors = {line.get_label().split(" ")[0]: mcolors.to_rgba(line.get_color())
+                    for line in ax_loss.get_lines() if not line.get_label().startswith("_")}
+    bar_colors = [bar.get_facecolor() for bar in ax_time.patches]
+    assert curve_colors["O0"] == pytest.approx(bar_colors[0])
+    assert curve_colors["O3"] == pytest.approx(bar_colors[1])
+    assert curve_colors["O2"] == pytest.approx(bar_colors[3])
+
+
+def test_the_fp32_row_is_labelled_without_a_repeated_dtype_in_the_plot():
+    """(r99A) the fp32 and O0 rows are fp32 by name: their plot label is the bare label,
+    others get "(dtype)"."""
+    rows = [ModeResult(mode="fp32", label="fp32", dtype="fp32", time_per_iter_s=0.1,
+                       peak_memory_mb=10.0, final_loss=1.0, losses=[2.0, 1.0]),
+            _row("O2", 0.1, 10.0, 1.0, losses=[2.0, 1.0])]
+    ax = _figure(rows, title="").axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["fp32", "O2 (fp16)"]
+
+
+def test_write_json_uses_the_given_baseline(tmp_path):
+    """(r99A) write_json(baseline=...) computes the ratios against that mode (its doc and
+    the public signature), as write_csv does."""
+    rows = [_row("O0", 0.2, 100.0, 2.0), _row("O1", 0.1, 50.0, 1.0), _row("O2", 0.05, 25.0, 3.0)]
+    path = tmp_path / "rows.json"
+    write_json(rows, str(path), baseline="O1")
+    o2 = json.loads(path.read_text())[2]
+    assert o2["baseline"] == "O1"
+    assert o2["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert o2["memory_vs_baseline"] == pytest.approx(0.5)

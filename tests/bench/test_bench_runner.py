@@ -6,6 +6,7 @@ import json
 import math
 import sys
 import threading
+import types
 
 import pytest
 import torch
@@ -259,6 +260,30 @@ def test_final_loss_is_the_mean_over_the_last_pass_of_the_batch_pool():
     assert r.final_loss == pytest.approx(sum(r.losses[-3:]) / 3, rel=1e-12)
     short = run_mode(wl, "fp32", iters=1, warmup=1)  # fewer steps than batches: every step
     assert short.final_loss == pytest.approx(sum(short.losses) / 2, rel=1e-12)
+
+
+def test_one_overflowing_loss_in_the_last_pass_is_not_a_diverged_run():
+    """(r99A B1) An fp16 forward that overflows once in the last pass (an inf loss, whose
+    step dynamic loss scaling skips) made the mean over the pass inf: the table, JSON and CSV
+    called the run diverged while its plot, judging the last loss, did not. The final loss is
+    the mean over the pass's finite losses; a run whose last loss is not finite diverged."""
+    wl = build_workload("cnn", batch_size=4, num_batches=4)
+    calls = [0]
+
+    def spiking(out, y, loss_fn=wl.loss_fn):
+        calls[0] += 1
+        loss = loss_fn(out, y)
+        return loss * float("inf") if calls[0] == 9 else loss  # step 9 of 10
+
+    r = run_mode(dataclasses.replace(wl, loss_fn=spiking), "O1", dtype=torch.float16,
+                 iters=8, warmup=2)
+    assert r.ok, r.error
+    assert math.isinf(r.losses[8]) and r.skipped_steps >= 1
+    want = (r.losses[6] + r.losses[7] + r.losses[9]) / 3
+    assert r.final_loss == pytest.approx(want, rel=1e-12) and not r.diverged
+    assert runner_module._final_loss([1.0, float("inf"), 2.0]) == 1.5
+    assert math.isnan(runner_module._final_loss([1.0, 2.0, float("nan")]))
+    assert math.isnan(runner_module._final_loss([float("inf")]))
 
 
 def test_skipped_steps_are_unknown_once_the_grad_scalers_scale_underflowed(cnn, monkeypatch):
@@ -1060,3 +1085,166 @@ def test_cuda_step_times_are_the_events_milliseconds_in_seconds(monkeypatch):
         clock[0] += 1.0  # the loop's own work between steps
     timer.stop_all()
     assert timer.times_s() == pytest.approx([0.005, 0.007, 0.25], rel=1e-12)
+
+
+# The probes and the timer, with stand-ins for the CUDA calls (r99A).
+
+def test_no_cpu_peak_is_reported_where_the_rss_cannot_be_read(cnn, monkeypatch):
+    """(r99A R2) With no /proc and no psutil the probe read ru_maxrss, the process's lifetime
+    peak: a mode after a larger one read ~0 MiB (0.0 against O0's 1.7 in a run). No figure
+    is better than that one: peak_mb is None, and the row's peak memory too."""
+    monkeypatch.setattr(runner_module, "_rss_reader", lambda: None)
+    probe = _CpuPeakMemory()
+    with probe:
+        probe.sample()
+    assert probe.peak_mb is None and not runner_module.cpu_memory_readable()
+    r = run_mode(cnn, "fp32", **FAST)
+    assert r.ok, r.error
+    assert r.peak_memory_mb is None and r.time_per_iter_s > 0
+
+
+class _FakeCudaAllocator:
+    def __init__(self, allocated):
+        self.allocated = allocated
+        self.peak = allocated
+
+    def touch(self, nbytes):
+        self.peak = max(self.peak, self.allocated + nbytes)
+
+    def install(self, monkeypatch):
+        cuda = runner_module.torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(cuda, "empty_cache", lambda: None)
+        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
+
+        def reset(device=None):
+            self.peak = self.allocated
+
+        monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset)
+
+
+def test_cuda_peak_memory_does_not_inherit_an_earlier_modes_peak(monkeypatch):
+    """(r99A) the allocator's peak statistic is process-wide; a previous mode (fp32, say)
+    left it at +1000 MiB. The probe resets it on entry, so this mode's peak (warm-up +300 MiB
+    over 100 MiB of data) is its own: 300, not 900."""
+    mib = 2**20
+    fake = _FakeCudaAllocator(100 * mib)
+    fake.peak = 1100 * mib  # an earlier mode's peak, never reset since
+    fake.install(monkeypatch)
+    probe = runner_module._CudaPeakMemory(torch.device("cuda", 0))
+    with probe:
+        fake.touch(300 * mib)
+        probe.start_steady()
+        fake.touch(100 * mib)
+    assert probe.peak_mb == 300.0
+    assert probe.steady_peak_mb == 100.0
+
+
+def _fake_cuda_sync(monkeypatch):
+    """A CUDA stream stand-in: work queued by the host runs only when synchronize() waits for
+    it; the clock (perf_counter) advances by the queued work's time at that moment."""
+    state = {"clock": 0.0, "queued": 0.0}
+
+    def synchronize(device=None):
+        state["clock"] += state["queued"]
+        state["queued"] = 0.0
+
+    monkeypatch.setattr(runner_module.torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(runner_module, "time",
+                        types.SimpleNamespace(perf_counter=lambda: state["clock"]))
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+    monkeypatch.setattr(runner_module.torch.cuda, "Event", FakeEvent)
+    return state
+
+
+def test_cuda_wall_time_starts_after_the_warm_ups_queued_work(monkeypatch):
+    """(r99A) on CUDA the warm-up's kernels may still be queued when the timed loop starts;
+    start_all synchronizes before reading the clock, so total_time_s is the timed steps'
+    (3 s), not the warm-up's 100 s on top."""
+    state = _fake_cuda_sync(monkeypatch)
+    timer = runner_module._StepTimer(torch.device("cuda", 0), 3)
+    state["queued"] = 100.0  # the warm-up, not finished on the device
+    timer.start_all()
+    for i in range(3):
+        timer.start(i)
+        state["queued"] += 1.0  # a timed step's kernels
+        timer.stop(i)
+    timer.stop_all()
+    assert timer.wall_s == 3.0
+
+
+def test_cuda_wall_time_waits_for_the_last_timed_steps_work(monkeypatch):
+    """(r99A) the host runs ahead of the GPU; stop_all synchronizes before reading the
+    clock, so total_time_s includes the timed steps' kernels still queued (3 s), not only
+    the host's enqueueing (0 s)."""
+    state = _fake_cuda_sync(monkeypatch)
+    timer = runner_module._StepTimer(torch.device("cuda", 0), 3)
+    timer.start_all()
+    for i in range(3):
+        timer.start(i)
+        state["queued"] += 1.0
+        timer.stop(i)
+    timer.stop_all()
+    assert timer.wall_s == 3.0
+
+
+def test_run_mode_starts_the_steady_peak_when_the_timed_steps_start(cnn, monkeypatch):
+    """(r99A) run_mode starts the CUDA probe's steady peak at the first timed step (after the
+    warm-up), and reports it in extra. A recording stand-in for the CUDA probe (a subclass,
+    so run_mode treats it as the CUDA one) runs the CPU workload."""
+    events = []
+
+    class Recording(runner_module._CudaPeakMemory):
+        def __init__(self):
+            super().__init__(torch.device("cpu"))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.total_peak_mb = 0.0
+
+        def start_steady(self):
+            events.append(("steady", len(steps)))
+            self._steady_peak = 0
+
+    steps = []
+    monkeypatch.setattr(runner_module, "_CpuPeakMemory", Recording)
+    r = run_mode(cnn, "fp32", iters=2, warmup=3, progress=lambda m, i: steps.append(i))
+    assert r.ok, r.error
+    assert events == [("steady", 3)]  # after the 3 warm-up steps, before the first timed one
+    assert r.extra["peak_memory_steady_mb"] == 0.0
+
+
+def test_total_time_is_the_timed_loop_not_the_recipes_finish(cnn, monkeypatch):
+    """(r99A) total_time_s is the wall time of the timed steps (and the loop's work between
+    them); the recipe's finish() (amp's state_dict read, a host sync on CUDA) comes after
+    the clock stops."""
+    clock = [0.0]
+    durations = iter([1.0, 2.0, 4.0])
+    loss_fn = cnn.loss_fn
+
+    def timed_loss(out, y):
+        clock[0] += next(durations)
+        return loss_fn(out, y)
+
+    monkeypatch.setattr(runner_module, "time",
+                        types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    real_finish = runner_module._Fp32Recipe.finish
+
+    def slow_finish(self):
+        clock[0] += 50.0
+        return real_finish(self)
+
+    monkeypatch.setattr(runner_module._Fp32Recipe, "finish", slow_finish)
+    r = run_mode(dataclasses.replace(cnn, loss_fn=timed_loss), "fp32", iters=2, warmup=1)
+    assert r.ok, r.error
+    assert r.total_time_s == 6.0
