@@ -438,18 +438,6 @@ class _Site:
             self.cache[variant] = launchable
 
 
-def site_variant(tensors: tuple, extra: tuple = ()) -> Optional[tuple]:
-    """A :class:`_Site` variant for owners that fix only the scalar arguments: the tensors'
-    dtypes plus ``extra`` (e.g. strides that may change), or None when a tensor is not 16-byte
-    aligned."""
-    ptr = 0
-    for t in tensors:
-        ptr |= t.data_ptr()
-    if ptr & 15:
-        return None
-    return (*(t.dtype for t in tensors), *extra)
-
-
 @functools.lru_cache(maxsize=256)
 def _forward_consts(is_rms: bool, has_weight: bool, has_bias: bool, cfg: KernelConfig) -> dict:
     """The forward kernel's constexprs and launch options (one dict per specialization; the

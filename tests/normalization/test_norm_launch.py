@@ -7,7 +7,8 @@ import types
 import pytest
 import torch
 
-from mixprec.normalization import _launch
+from mixprec._checks import check_flag, listed
+from mixprec.normalization import _launch, _ops
 from tests._triton import interpreter_skip_reason
 
 
@@ -546,3 +547,225 @@ def test_memory_efficient_plan_reads_the_output_dtype():
         plan = _launch.NormPlan(cpu, 4, 16, torch.bfloat16, torch.float32, torch.float32,
                                 torch.float32, 1e-5, False, from_y)
         assert plan.xy_dtype is xy and plan.dy_dtype is torch.float32, from_y
+
+
+def test_check_flag_returns_a_real_bool():
+    """(r99B) check_flag's contract is "value as a bool": callers store what it returns (DDP
+    keeps delay_allreduce as returned and shows it in its repr); the value itself would leave
+    an int, a tensor or None in place of True/False."""
+    values = [(1, True), (0, False), (None, False), (torch.tensor(True), True), ("True", True)]
+    np = pytest.importorskip("numpy")
+    values += [(np.bool_(False), False), (np.bool_(True), True)]
+    for value, want in values:
+        got = check_flag("f", "flag", value, strings=True)
+        assert type(got) is bool and got is want, value
+
+
+# -- (r99B) the row limit and the dtypes that take the kernels ------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_rows_up_to_65536_of_every_fused_dtype_take_the_kernels(monkeypatch, dtype):
+    """README: the Triton kernels run for fp32/fp16/bf16 rows up to 65,536 elements; longer
+    rows take the PyTorch reference. (The existing path test reads the limit from
+    MAX_FUSED_N itself, so changing the constant went unnoticed; the interpreter's 7x65536
+    cases compare numbers only, which the reference path also gets right.) Path choice only:
+    no kernel runs."""
+    monkeypatch.setattr(_launch, "triton_available", lambda: True)
+    monkeypatch.setattr(_launch, "interpreter_enabled", lambda: True)
+    x = torch.empty(1, 65537, dtype=dtype)
+    with _ops.triton_on_cpu():
+        assert _ops._use_triton(x[:, :65536], 65536)
+        assert not _ops._use_triton(x, 65537)
+        assert _ops._use_triton(x[:, :8], 8, torch.ones(8, dtype=dtype), torch.ones(8, dtype=dtype))
+
+
+# -- (r99B) the launch heuristics documented in benchmarks/RESULTS.md and the docstrings ----------
+def test_forward_config_warps_at_each_threshold():
+    """Forward: 2 warps up to 1,024 columns (RESULTS.md: bf16 32768x1024 2 warps 80% vs 4
+    warps 74%), then 4 up to 4,096, 8 up to 8,192, 16 up to 16,384, 32 beyond."""
+    want = {1024: 2, 1025: 4, 4096: 4, 4097: 8, 8192: 8, 8193: 16, 16384: 16, 16385: 32}
+    got = {n: _launch.default_config(n).num_warps for n in want}
+    assert got == want
+
+
+@pytest.mark.parametrize("n", [1, 16, 17, 45, 100, 512, 1000, 1024, 1025, 4096])
+def test_short_rows_are_stacked_to_about_1024_elements_a_program(n):
+    """_block_shape: "Rows shorter than 1,024 are stacked so that a program still moves
+    ~1,024 elements", at most 64 rows, on tiles at least 16 wide."""
+    for cfg in (_launch.default_config(n), _launch.default_backward_config(n, 2, 2)):
+        assert cfg.block_n == max(16, 1 << (n - 1).bit_length()), (n, cfg)
+        assert cfg.block_m == max(1, min(64, 1024 // cfg.block_n)), (n, cfg)
+        assert cfg.block_m * cfg.block_n == max(1024, cfg.block_n), (n, cfg)
+
+
+def test_backward_config_matches_the_measured_heuristic():
+    """default_backward_config's docstring and RESULTS.md: fp32 rows of 1,024 take four rows a
+    program at 8 warps, no prefetch (87% of copy), and only at exactly 1,024 columns; half
+    rows up to 4,096 use 2 warps (<= 1,024) or 4 warps with prefetch; otherwise 4 / 8 / 16 /
+    32 warps by 1,024 / 4,096 / 16,384, prefetch when the second copy is at most 64 bytes per
+    thread (fp32 rows of 2,048 at 8 warps: 8 values x 8 bytes = 64, on)."""
+    K = _launch.KernelConfig
+    want = {
+        (1024, 4, 4): K(4, 1024, 8, prefetch=False),      # measured exception
+        (512, 4, 4): K(2, 512, 4, prefetch=True),         # not the 1,024 exception
+        (1024, 2, 2): K(1, 1024, 2, prefetch=True),       # bf16 32768x1024: 2 warps + prefetch
+        (512, 2, 2): K(2, 512, 2, prefetch=True),
+        (2048, 2, 2): K(1, 2048, 4, prefetch=True),
+        (4096, 2, 2): K(1, 4096, 4, prefetch=True),       # bf16 16384x4096: 4 warps + prefetch
+        (8192, 2, 2): K(1, 8192, 16, prefetch=True),      # bf16 8192x8192: 16 warps + prefetch
+        (1024, 2, 4): K(1, 1024, 4, prefetch=True),       # mixed (6 bytes): the general rule
+        (2048, 4, 4): K(1, 2048, 8, prefetch=True),       # 64 bytes per thread: prefetch on
+        (4096, 4, 4): K(1, 4096, 8, prefetch=False),
+        (4097, 4, 4): K(1, 8192, 16, prefetch=False),
+        (16384, 4, 4): K(1, 16384, 16, prefetch=False),
+        (16385, 4, 4): K(1, 32768, 32, prefetch=False),
+        (4097, 2, 2): K(1, 8192, 16, prefetch=True),
+        (16, 4, 4): K(64, 16, 4, prefetch=True),
+    }
+    got = {key: _launch.default_backward_config(*key) for key in want}
+    assert got == want
+
+
+def test_finalize_config_tiles():
+    """default_finalize_config: 16 columns a program (fewer only for narrower rows), up to
+    256 partial rows a step (a power of two), 4 warps once a tile holds 2,048 values.
+   """
+    f = _launch.default_finalize_config
+    assert f(3, 45) == (4, 16, 1)
+    assert f(3, 5) == (4, 8, 1)
+    assert f(3, 1) == (4, 1, 1)
+    assert f(128, 1024) == (128, 16, 4)   # 2,048 values: 4 warps
+    assert f(127, 1024) == (128, 16, 4)
+    assert f(64, 1024) == (64, 16, 1)
+    assert f(300, 64) == (256, 16, 4)
+
+
+# -- (r99B) the direct launch keys tell apart what Triton specializes on --------------------------
+def test_arg_key_tells_16_byte_alignment_bools_and_int_subclasses():
+    """_arg_key must be at least as fine as Triton's specialization: a tensor 8 but not 16
+    bytes aligned is not 16-aligned (a kernel compiled for aligned pointers would be launched
+    on it: vectorised loads at a misaligned address); a bool is not the int 1 or 0 (Triton
+    passes i1 vs i32); an int subclass (IntEnum) is specialized by value like an int.
+   """
+    import enum
+
+    buf = torch.zeros(64)
+    base = buf.data_ptr() % 16
+    # find an offset (in fp32 elements) giving an 8-byte but not 16-byte aligned start
+    off = next(k for k in range(4) if (base + 4 * k) % 16 == 8)
+    assert _launch._arg_key(buf[off:])[1] is False
+    assert _launch._arg_key(True) != _launch._arg_key(1)
+    assert _launch._arg_key(False) != _launch._arg_key(0)
+
+    class E(enum.IntEnum):
+        ONE, SIXTEEN, ODD = 1, 16, 17
+
+    keys = {_launch._arg_key(E.ONE), _launch._arg_key(E.SIXTEEN), _launch._arg_key(E.ODD)}
+    assert len(keys) == 3
+    assert _launch._arg_key(E.SIXTEEN) == _launch._arg_key(16)
+
+
+# -- (r99B) the backward refuses a saved tensor with a non-unit column stride ---------------------
+def test_backward_rejects_a_non_unit_column_stride_of_the_saved_tensor():
+    """backward() checks both xy and dy for unit column strides; the existing test only
+    passes a strided dy. With a strided xy the kernel reads it as unit-stride rows: wrong
+    gradients, silently."""
+    x = torch.randn(4, 32)[:, ::2]  # (4, 16), column stride 2
+    dy = torch.randn(4, 16)
+    mean = x.mean(1)
+    rstd = x.var(1, unbiased=False).add(1e-5).rsqrt()
+    with pytest.raises(ValueError, match="the fused backward needs unit column strides"):
+        _launch.backward(dy, x, None, None, mean, rstd, False, False, torch.float32, False,
+                         False)
+
+
+# -- (r99B) misaligned tensors never reach a site's per-variant cache -----------------------------
+class _RecordingSite:
+    def __init__(self):
+        self.variants = []
+
+    def __call__(self, grid, args, variant):
+        self.variants.append(variant)
+
+
+def _misaligned(rows, n, dtype=torch.float32):
+    """(rows, n) rows starting 4 bytes past a 16-byte boundary (storage offset of fp32)."""
+    buf = torch.randn(rows * n + 8, dtype=dtype)
+    off = next(k for k in range(1, 8) if (buf.data_ptr() + k * buf.element_size()) % 16 == 4)
+    t = buf[off:off + rows * n].view(rows, n)
+    assert t.data_ptr() % 16 == 4
+    return t
+
+
+def test_forward_launches_misaligned_rows_without_a_variant():
+    """NormPlan.forward passes variant=None when any tensor is not 16-byte aligned, so the
+    site takes launch(), which keys on each tensor's alignment; a variant would reuse the
+    kernel compiled for aligned pointers (on a GPU: misaligned vector loads). Checked with a
+    recording site, no kernel run."""
+    pytest.importorskip("triton")
+    plan = _launch.NormPlan(torch.device("cpu"), 4, 16, torch.float32, torch.float32, None,
+                            None, 1e-5, False, False)
+    plan.fwd_site = site = _RecordingSite()
+    aligned = torch.randn(4, 16)
+    assert aligned.data_ptr() % 16 == 0
+    y = torch.empty(4, 16)
+    plan.forward(aligned, 16, None, None, y, 16)
+    plan.forward(_misaligned(4, 16), 16, None, None, y, 16)
+    assert site.variants == [(16, 16), None]
+
+
+def test_backward_launches_misaligned_gradients_without_a_variant():
+    """As above for NormPlan.backward's main kernel: a misaligned incoming gradient (a view
+    at an odd offset) gives variant None."""
+    pytest.importorskip("triton")
+    plan = _launch.NormPlan(torch.device("cpu"), 4, 16, torch.float32, torch.float32, None,
+                            None, 1e-5, False, False)
+    site = _RecordingSite()
+    plan._backward_setups[(False, False)] = (site, (1,), 1, 0, _RecordingSite(), (1, 0))
+    x = torch.randn(4, 16)
+    mean, rstd = torch.zeros(4), torch.ones(4)
+    plan.backward(torch.randn(4, 16), 16, x, 16, None, None, mean, rstd, False, False, (4, 16))
+    plan.backward(_misaligned(4, 16), 16, x, 16, None, None, mean, rstd, False, False, (4, 16))
+    assert site.variants == [(16, 16), None]
+
+
+# -- (r99B) launches on a GPU other than the current one switch to it -----------------------------
+def test_on_device_switches_only_to_another_gpu(monkeypatch):
+    """_on_device makes a CUDA tensor's GPU current when it is not (Triton launches on the
+    current device's stream), and is the shared no-op otherwise (CPU tensors included). With
+    fake tensors and a fake current device, no GPU needed."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    on0 = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    on1 = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))
+    assert _launch._on_device(on0) is _launch._SAME_DEVICE
+    assert _launch._on_device(torch.zeros(1)) is _launch._SAME_DEVICE
+    ctx = _launch._on_device(on1)
+    assert isinstance(ctx, torch.cuda.device) and ctx.idx == 1
+
+
+# -- (r99B) listed(), as test_distributed's D03 check on one process ------------------------------
+def test_listed_names_eight_in_full_by_default():
+    """listed(): up to eight names in full, then "and N more" (DDP's messages use the
+    default)."""
+    names = [f"p{i}" for i in range(10)]
+    assert listed(names[:8]) == ", ".join(names[:8])
+    assert listed(names) == ", ".join(names[:8]) + " and 2 more"
+    assert listed(names[:4], most=4) == "p0, p1, p2, p3"
+
+
+# -- (r99B) the backward launches no program without a row block ----------------------------------
+def test_backward_grid_has_no_idle_programs():
+    """_setup_backward: after splitting row blocks evenly (blocks_per_program = cdiv(blocks,
+    programs)), the program count is recomputed so that no program is left without rows; the
+    interpreter test's comment: 74 rows of 45 -> 16-row tiles, 5 row blocks over 3 backward
+    programs (not 4, the interpreter's cap, one of which would only write a zero partial row
+    for the finish to add)."""
+    pytest.importorskip("triton")
+    m, n = 74, 45
+    plan = _launch.NormPlan(torch.device("cpu"), m, n, torch.float32, torch.float32,
+                            torch.float32, torch.float32, 1e-5, False, False)
+    x, w = torch.randn(m, n), torch.ones(n)
+    stats = torch.ones(m)
+    setup = plan._setup_backward(True, True, (x, x, w, w, stats, stats, x, n, n))
+    _, grid, blocks_per_program, n_partials, _, finish_grid = setup
+    assert (grid, blocks_per_program, n_partials) == ((3,), 2, 2)
+    assert finish_grid == (3, 2)  # 45 columns in 16-wide tiles, dw and db
