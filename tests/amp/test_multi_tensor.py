@@ -372,6 +372,53 @@ def test_a_table_uploaded_during_a_capture_is_pinned_with_its_rows():
         mt._GRAPH_ROWS.update(saved_rows)
 
 
+_CAPTURE_CASES = [(1, torch.float16), (3, torch.bfloat16), (1023, torch.float16),
+                  (4097, torch.bfloat16), ((37, 29), torch.float16), (70000, torch.bfloat16)]
+
+
+@requires_cuda
+def test_a_captured_graph_replays_right_after_eager_calls_filled_the_table_cache():
+    """End to end on the GPU (r98D M69): a captured cast_unscale_check_ reads its pinned table
+    at every replay; more than _MAX_TABLES eager calls on new addresses in between evict the
+    other tables, not that one. The replay writes float(src) * inv_scale bitwise into the
+    captured destinations, and nothing into the eager calls' tensors."""
+    gen = torch.Generator().manual_seed(0)
+
+    def make():
+        srcs = [torch.randn(size, generator=gen).to("cuda", dt) for size, dt in _CAPTURE_CASES]
+        return srcs, [torch.full(s.shape, -7.0, device="cuda") for s in srcs]
+
+    srcs, dsts = make()
+    inv = torch.full((), 1.0 / 1024, device="cuda")
+    found = torch.zeros((), device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        mt.cast_unscale_check_(srcs, dsts, inv, found)  # (warm-up off the capture)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mt.cast_unscale_check_(srcs, dsts, inv, found)
+    others = [make() for _ in range(mt._MAX_TABLES + 4)]
+    for s2, d2 in others:
+        mt.cast_unscale_check_(s2, d2, inv, found)
+    torch.cuda.synchronize()
+    for _, d2 in others:
+        for d in d2:
+            d.fill_(-7.0)
+    for _ in range(2):
+        for s, d in zip(srcs, dsts):
+            s.normal_()
+            d.fill_(-7.0)
+        found.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert found.item() == 0.0
+        for s, d in zip(srcs, dsts):
+            assert torch.equal(d, s.float() * inv)
+    assert all(bool((d == -7.0).all()) for _, d2 in others for d in d2)
+
+
 def test_the_table_flags_addresses_not_16_byte_aligned():
     """The table records whether every address column is 16-byte aligned: only then may the
     compiled kernel use 16-byte vector loads and stores (a 4- or 8-byte aligned view read as

@@ -183,3 +183,29 @@ def test_a_strided_parameter_after_a_contiguous_one_of_its_shape(which):
         want = torch.nn.functional.layer_norm(x.double(), (16, 16), params["weight"].double(),
                                               params["bias"].double(), 1e-5)
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5, msg=str(strided))
+
+
+def _off_boundary(rows, n, dtype):
+    """(rows, n) contiguous rows that start off a 16-byte boundary (a view into a buffer)."""
+    buf = torch.randn(rows * n + 8, dtype=dtype, device="cuda")
+    off = next(k for k in range(1, 8) if (buf.data_ptr() + k * buf.element_size()) % 16)
+    return buf[off:off + rows * n].view(rows, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_misaligned_input_after_an_aligned_one_of_the_same_strides(dtype):
+    # (r99B M32/M54) The second call has the first's strides (the same cached launch variant)
+    # but starts off a 16-byte boundary: it must not reuse the kernel compiled for aligned
+    # pointers (a misaligned-address fault or wrong values). Forward and backward against
+    # float64.
+    n, rows = 1024, 64
+    norm = FusedLayerNorm(n).cuda().to(dtype)
+    with torch.no_grad():
+        w, b = make_params((n,), dtype, "cuda", True)
+        norm.weight.copy_(w)
+        norm.bias.copy_(b)
+    aligned = make_input((rows, n), dtype, "cuda")
+    for x in (aligned, _off_boundary(rows, n, dtype)):
+        assert (x.data_ptr() % 16 == 0) == (x is aligned)
+        norm.zero_grad(set_to_none=True)
+        run_and_compare("layer", norm, x, (n,), norm.weight, norm.bias, False, dtype)
