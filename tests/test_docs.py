@@ -247,3 +247,13 @@ def test_named_paths_exist(md):
     named = re.findall(r"`((?:\.ci|benchmarks|tests|mixprec|docs)/[\w/.\-]+)`", text)
     for target in named:
         assert (ROOT / target).exists(), f"{md}: names {target}, which does not exist"
+
+
+@pytest.mark.parametrize("md", DOCS + ["benchmarks/RESULTS.md"])
+def test_headings_start_their_own_line(md):
+    # (r99D U1) "takes it). ## What stays half, or is refused": a heading joined onto the
+    # line before renders as text, so its section reads as part of the one above.
+    text = re.sub(r"^```.*?^```", "", (ROOT / md).read_text(), flags=re.S | re.M)
+    glued = [line for line in text.splitlines()
+             if re.search(r"\S\s+#{2,6} [A-Z`]", line) and not line.lstrip().startswith("#")]
+    assert not glued, f"{md}: a heading inside a line: {glued}"

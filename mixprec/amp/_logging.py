@@ -35,15 +35,18 @@ class OverflowLog:
         self.every = every
         self.count = 0
 
-    def overflow(self, loss_id: int, new_scale: float) -> None:
+    def overflow(self, loss_id: int, new_scale: float, floor: float = 0.0) -> None:
         self.count += 1
         if self.verbosity <= 0:
             return
         count = self.count
         if (count < self.every and count & (count - 1) == 0) or count % self.every == 0:
+            # (At min_loss_scale the scale no longer falls: "reduced to" it again would say
+            # that the back-off is still working.)
             log_rank0(
                 logging.INFO,
-                "Gradient overflow (loss_id %d): skipping step, loss scale reduced to %g "
-                "(%d step(s) skipped so far).",
+                "Gradient overflow (loss_id %d): skipping step, loss scale "
+                + ("at min_loss_scale, %g" if new_scale <= floor else "reduced to %g")
+                + " (%d step(s) skipped so far).",
                 loss_id, new_scale, self.count,
             )

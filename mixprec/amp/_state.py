@@ -2142,7 +2142,7 @@ class AmpState:
         if scaler.update(found):
             for state in states:
                 state.discard_grads()
-            self.overflow_log.overflow(loss_id, scaler.loss_scale)
+            self.overflow_log.overflow(loss_id, scaler.loss_scale, scaler._min)
 
     def resolve_pending(self, block: bool = False) -> None:
         """Log the overflows of device-scaled steps whose flags have reached the host.
@@ -2162,7 +2162,7 @@ class AmpState:
             self._pending.pop(0)
             found, scale = host.tolist()
             if found:
-                self.overflow_log.overflow(loss_id, scale)
+                self.overflow_log.overflow(loss_id, scale, self.scalers[loss_id]._min)
 
     def state_dict(self) -> Dict[str, dict]:
         """Apex's format: ``{"loss_scaler0": {"loss_scale": ..., "unskipped": ...}, ...}``;

@@ -725,6 +725,34 @@ def test_overflow_messages_are_rate_limited(caplog, monkeypatch, verbosity):
     assert counts == [1, 2, 4, 8, 16, 32, 64, 100, 200, 300, 400]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["host_scale", "device_scale"])
+def test_overflows_at_min_loss_scale_say_the_scale_stays(caplog, fused):
+    """(r99D R1) At min_loss_scale an overflow no longer lowers the scale: the line says the
+    scale is at its floor, not "reduced to" the same value again (the back-off looked as if
+    it still worked). The step down onto the floor says the same, and is right. With a fused
+    optimizer the flag and scale are read back from the device."""
+    model = make_cnn()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
+                   min_loss_scale=16384.0, verbosity=1)
+    x, y = batch()
+    with caplog.at_level(logging.INFO, logger="mixprec.amp"):
+        for _ in range(4):
+            with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as s:
+                (s * float("inf")).backward()
+            opt.step()
+        amp.state_dict()  # (reads the device-held flags back)
+    messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
+    assert messages == [
+        "Gradient overflow (loss_id 0): skipping step, loss scale reduced to 32768 (1 step(s) "
+        "skipped so far).",
+        "Gradient overflow (loss_id 0): skipping step, loss scale at min_loss_scale, 16384 (2 "
+        "step(s) skipped so far).",
+        "Gradient overflow (loss_id 0): skipping step, loss scale at min_loss_scale, 16384 (4 "
+        "step(s) skipped so far).",
+    ], messages
+
+
 def test_an_overflow_line_names_its_loss(caplog):
     """With several losses the overflow line names the loss whose scaler overflowed (its
     loss_id) and carries that scaler's new scale and the running count: a user with one
