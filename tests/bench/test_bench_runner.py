@@ -1103,27 +1103,6 @@ def test_no_cpu_peak_is_reported_where_the_rss_cannot_be_read(cnn, monkeypatch):
     assert r.peak_memory_mb is None and r.time_per_iter_s > 0
 
 
-class _FakeCudaAllocator:
-    def __init__(self, allocated):
-        self.allocated = allocated
-        self.peak = allocated
-
-    def touch(self, nbytes):
-        self.peak = max(self.peak, self.allocated + nbytes)
-
-    def install(self, monkeypatch):
-        cuda = runner_module.torch.cuda
-        monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
-        monkeypatch.setattr(cuda, "empty_cache", lambda: None)
-        monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: self.allocated)
-        monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: self.peak)
-
-        def reset(device=None):
-            self.peak = self.allocated
-
-        monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset)
-
-
 def test_cuda_peak_memory_does_not_inherit_an_earlier_modes_peak(monkeypatch):
     """(r99A) the allocator's peak statistic is process-wide; a previous mode (fp32, say)
     left it at +1000 MiB. The probe resets it on entry, so this mode's peak (warm-up +300 MiB
