@@ -1186,29 +1186,33 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 unused.append(names[i] if i < len(names) else f"#{i}")
         which = (f"these parameters got no gradient: {', '.join(unused)}" if unused
                  else "some parameters got no gradient")
+        raised = (
+            "If the previous backward raised (an out-of-memory error caught to skip the "
+            "batch), it stopped before reaching them, and the reducer cannot finish that step "
+            "(PyTorch's cannot either): construct the wrapper with delay_allreduce=True, whose "
+            "all-reduce starts only after the backward, so a backward that raised on every "
+            "rank leaves nothing half done.")
         if self.find_unused_parameters:
-            # (Set already, so unused parameters are not it: a backward that raised, below.)
-            advice = "find_unused_parameters=True is set, so the likely cause is the next one."
+            # (Set already, so unused parameters are not it: the backward raised.)
+            causes = ("find_unused_parameters=True is set, so the likely cause is a backward "
+                      "that raised. " + raised)
         else:
-            advice = ("Either make every parameter contribute to the loss in every step, "
-                      "freeze the unused ones (requires_grad_(False)) before wrapping, or "
-                      "pass find_unused_parameters=True (or delay_allreduce=True) to "
-                      "DistributedDataParallel.")
+            causes = (
+                "Two causes: the backward raised, or these parameters took no part in the "
+                "loss. " + raised + " Otherwise make every parameter contribute to the loss in "
+                "every step, freeze the unused ones (requires_grad_(False)) before wrapping, "
+                "or pass find_unused_parameters=True (or delay_allreduce=True) to "
+                "DistributedDataParallel.")
         return (
             f"DistributedDataParallel: in the previous backward pass on rank "
             f"{dist.get_rank()}, {which}, so their gradients were never all-reduced (and that "
-            "step may have used unreduced gradients). " + advice + (
+            "step may have used unreduced gradients). " + causes + (
                 " (Parameters without a gradient on every rank in the first step are left "
                 "out, as in Apex; these had one then.)"
                 if getattr(self, "_left_out_names", None) is not None else
                 " (Apex's rule, leaving out the parameters without a gradient in the first "
                 "step, does not apply to a model with sparse gradients or to a first step run "
                 "inside join().)")
-            + " If the previous backward raised instead (an out-of-memory error caught to "
-            "skip the batch), it stopped before reaching them, and the reducer cannot finish "
-            "that step (PyTorch's cannot either): construct the wrapper with "
-            "delay_allreduce=True, whose all-reduce starts only after the backward, so a "
-            "backward that raised on every rank leaves nothing half done."
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1024,6 +1024,10 @@ def check_reducer_after_a_backward_that_raised_says_what_to_do(ctx):
     for needle in ("a.weight", "a.bias", "previous backward raised", "delay_allreduce=True"):
         assert needle in text, f"{needle!r} missing from: {text}"
     assert "b.weight" not in text, text
+    # (r100A U3) Both causes up front, the raised backward's remedy before the unused
+    # parameters' (a user who caught an OOM read "make every parameter contribute" first).
+    assert text.index("Two causes: the backward raised") < text.index("make every parameter")
+    assert text.index("previous backward raised") < text.index("make every parameter")
     ddp = DistributedDataParallel(model, find_unused_parameters=True)
     text = _error_after_a_failed_backward(ctx, ddp, model, x)
     assert "find_unused_parameters=True is set" in text, text
