@@ -15,6 +15,10 @@
 # the CPU, and launch-bound steps then time the CPU). The logs are packed after every step, so
 # a run cut short still returns what it finished.
 set -u
+case " $* " in
+  *" -h "*|*" --help "*|"  ")  # (the comment above, before anything runs)
+    sed -n '2,/^set -u/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+esac
 OUT=${OUT:-$PWD/runs}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Never NVLink multicast on these shared hosts.

@@ -8,6 +8,9 @@ backward of each backend against PyTorch's choice, with errors against an fp32 r
     python benchmarks/probe_bn_backends.py
 """
 
+import argparse
+import sys
+
 import torch
 import torch.nn.functional as F
 from _cuda_timing import median_ms
@@ -54,7 +57,10 @@ def _probe(n, c, h, w, dtype, totals):
               f"y {err_y:.1e}, grad_x {err_gx:.1e} relative")
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("probe_bn_backends.py needs a CUDA GPU")
     torch.backends.cudnn.benchmark = False
     print("torch", torch.__version__, "cuDNN", torch.backends.cudnn.version())
     totals = {}

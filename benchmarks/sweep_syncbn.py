@@ -8,6 +8,7 @@ passes), tile size and merge tile, against plain BatchNorm in the same run. Prin
     torchrun --standalone --nproc_per_node=2 benchmarks/sweep_syncbn.py
 """
 
+import argparse
 import os
 import sys
 
@@ -50,7 +51,13 @@ def _graphed_step_ms(convert, device, x, y, steps=20):
     return 1e3 * max(_all_ranks(_time_steps(replay, device, steps, warmup=3), device))
 
 
-def main():
+def main(argv=None):
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                            epilog="Launch: torchrun --standalone --nproc_per_node=2 "
+                                   "benchmarks/sweep_syncbn.py").parse_args(argv)
+    if not torch.cuda.is_available() or "RANK" not in os.environ:
+        sys.exit("sweep_syncbn.py needs CUDA GPUs and a torchrun launch: torchrun --standalone "
+                 "--nproc_per_node=2 benchmarks/sweep_syncbn.py")
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(rank)

@@ -242,7 +242,8 @@ def _add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "-v",
         "--verbose",
         action="store_true",
-        help="debug logging, including the traceback of a failed mode",
+        help="debug logging, including the traceback of a failed mode (amp's own logs, "
+        "its overflow lines, stay off in the timed modes)",
     )
 
 
@@ -447,6 +448,14 @@ def _err(message: str) -> None:
         _to_devnull(sys.stderr)
 
 
+def _terminal_columns() -> Optional[int]:
+    """stderr's terminal width, or None when stderr is not a terminal."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def _progress(total: int, enabled: bool, label=lambda mode: mode):
     """A tqdm bar and its per-step callback, or (None, None). ``label(mode)``: the mode's name
     as the table shows it (``.bfloat16()``, not the runner's ``half``)."""
@@ -458,6 +467,8 @@ def _progress(total: int, enabled: bool, label=lambda mode: mode):
         if sys.stderr.isatty():  # (tqdm would show no bar elsewhere either)
             _err("(no progress bar: install tqdm, e.g. pip install 'mixprec[bench]')")
         return None, None
+    if _terminal_columns() == 0:
+        return None, None  # (a terminal that reports no width: tqdm would draw nothing)
     # disable=None: no bar when stderr is not a terminal (logs, CI), so they stay clean.
     bar = tqdm(
         total=total, unit="step", file=sys.stderr, dynamic_ncols=True, leave=False, disable=None

@@ -570,6 +570,25 @@ def test_the_cli_progress_bar_names_each_mode_as_the_table_does(monkeypatch):
     assert ".bfloat16()" in sys.stderr.getvalue()
 
 
+def test_a_terminal_of_no_width_gets_the_per_mode_lines(monkeypatch):
+    """(r100B R1) A terminal that reports 0 columns (some CI runners' pseudo-terminals): tqdm
+    draws nothing there, and the CLI, taking the bar as shown, printed no per-mode lines
+    either, so stderr stayed empty for the whole run. No bar there: the lines come."""
+    pytest.importorskip("tqdm")
+    import mixprec.bench.cli as cli
+
+    monkeypatch.setattr(sys, "stderr", _Terminal())
+    monkeypatch.setattr(cli, "_terminal_columns", lambda: 0)
+    assert cli._progress(5, enabled=True) == (None, None)
+    code, _ = _run(["bench", *FAST[:-1], "--opt-levels", "O0", "--no-native"])
+    assert code == 0
+    assert "O0" in sys.stderr.getvalue() and "step" not in sys.stderr.getvalue()
+    monkeypatch.setattr(cli, "_terminal_columns", lambda: 80)
+    bar, _ = cli._progress(5, enabled=True)
+    assert bar is not None and not bar.disable
+    bar.close()
+
+
 def test_the_install_tqdm_hint_is_shown_on_a_terminal_only(monkeypatch):
     """Without tqdm there is no bar: a terminal is told how to get one, a log (stderr not a
     terminal, where tqdm would show no bar either) gets nothing."""
