@@ -102,66 +102,68 @@ def convert_syncbn_model(module: nn.Module, process_group=None,
         raise TypeError(f"convert_syncbn_model(channel_last={channel_last!r}): must be a bool.")
     check_process_group("convert_syncbn_model", process_group)
     # Two passes: every new layer is built first (an error leaves the model untouched), then
-    # the model takes them. `memo` maps a module's id to what replaces it (itself if nothing),
-    # so a layer met again under another name or parent gets the same SyncBatchNorm.
-    memo: dict = {}
-    swaps: list = []
-    existing: list = []
-    hooked: list = []
-    result = _plan(module, "", process_group, channel_last, memo, swaps, existing, hooked)
-    for layer in existing:
+    # the model takes them.
+    plan = _Plan(process_group, channel_last)
+    result = plan.visit(module, "")
+    for layer in plan.existing:
         # Apex's function rebuilt every _BatchNorm, its own SyncBatchNorm included, with the
         # arguments given: the layer stays (the same object) and takes them too, so that a
         # group passed for layers a model builds as SyncBatchNorm itself is not ignored.
         layer.process_group = process_group
         layer.channel_last = channel_last
-    for parent, name, new in swaps:
+    for parent, name, new in plan.swaps:
         setattr(parent, name, new)
-    if hooked and is_rank_zero():
+    if plan.hooked and is_rank_zero():
         warnings.warn(
-            "convert_syncbn_model: hooks registered on " + listed(hooked) + " are not carried "
-            "to their SyncBatchNorm (as in torch's convert_sync_batchnorm); register them on "
-            "the converted layers if they are still wanted.", stacklevel=2)
+            "convert_syncbn_model: hooks registered on " + listed(plan.hooked) + " are not "
+            "carried to their SyncBatchNorm (as in torch's convert_sync_batchnorm); register "
+            "them on the converted layers if they are still wanted.", stacklevel=2)
     return result
 
 
-def _plan(module, path, process_group, channel_last, memo, swaps, existing, hooked):
-    """What replaces ``module`` (built, not yet put in place); fills ``swaps`` with the
-    (parent, name, new child) to set and ``existing`` with the SyncBatchNorm layers to update."""
-    key = id(module)
-    if key in memo:
-        return memo[key]
-    where = path or type(module).__name__
-    if isinstance(module, SyncBatchNorm):
-        existing.append(module)
-        memo[key] = result = module
-    elif isinstance(module, _BatchNorm):
-        result = _convert_one(module, where, process_group, channel_last)
-        # (A layer amp.initialize prepared, e.g. O1's fp32 BatchNorm: the new one keeps amp's
-        # forward. Before, it lost it without a word.)
-        carry_amp_forward(module, result)
-        if _has_hooks(module):
-            hooked.append(where)
-        memo[key] = result
-        # A subclass's submodules (e.g. an activation) come along, converted, as in Apex and
-        # torch's convert_sync_batchnorm: the model keeps their parameters and state_dict keys.
+class _Plan:
+    """The first pass: what replaces each module, built but not yet put in place."""
+
+    def __init__(self, process_group, channel_last: bool):
+        self.process_group, self.channel_last = process_group, channel_last
+        # A module's id -> what replaces it (itself if nothing), so that a layer met again
+        # under another name or parent gets the same SyncBatchNorm.
+        self.memo: dict = {}
+        self.swaps: list = []  # (parent, name, new child) to set
+        self.existing: list = []  # SyncBatchNorm layers already there, to update
+        self.hooked: list = []  # paths of layers whose hooks are not carried
+
+    def visit(self, module: nn.Module, path: str) -> nn.Module:
+        key = id(module)
+        if key in self.memo:
+            return self.memo[key]
+        if isinstance(module, SyncBatchNorm):
+            self.existing.append(module)
+            result = module
+        elif isinstance(module, _BatchNorm):
+            where = path or type(module).__name__
+            result = _convert_one(module, where, self.process_group, self.channel_last)
+            # (A layer amp.initialize prepared, e.g. O1's fp32 BatchNorm: the new one keeps
+            # amp's forward. Before, it lost it without a word.)
+            carry_amp_forward(module, result)
+            if _has_hooks(module):
+                self.hooked.append(where)
+        else:
+            result = module
+        self.memo[key] = result
+        # (_modules, not named_children(): that skips a child registered under a second name.)
         for name, child in module._modules.items():
-            if child is not None:
-                result.add_module(name, _plan(child, f"{path}.{name}" if path else name,
-                                              process_group, channel_last, memo, swaps,
-                                              existing, hooked))
+            if child is None:
+                continue
+            new = self.visit(child, f"{path}.{name}" if path else name)
+            if result is not module:
+                # A subclass's submodules (e.g. an activation) come along, converted, as in
+                # Apex and torch's convert_sync_batchnorm: the model keeps their parameters
+                # and state_dict keys.
+                result.add_module(name, new)
+            elif new is not child:
+                self.swaps.append((module, name, new))
         return result
-    else:
-        memo[key] = result = module
-    # (_modules, not named_children(): that skips a child registered under a second name.)
-    for name, child in module._modules.items():
-        if child is None:
-            continue
-        new = _plan(child, f"{path}.{name}" if path else name, process_group, channel_last,
-                    memo, swaps, existing, hooked)
-        if new is not child:
-            swaps.append((module, name, new))
-    return result
 
 
 def _has_hooks(module: nn.Module) -> bool:
