@@ -257,10 +257,15 @@ def _check_combination(p: Properties, passed=frozenset()) -> None:
     if p.master_weights and not p.model_is_half:
         cast = _DTYPE_NAMES.get(p.cast_model_type, p.cast_model_type)
         if "master_weights" in passed:
+            if "cast_model_type" in passed:  # (the cast passed is what keeps them fp32)
+                fix = ("pass a half cast_model_type (torch.float16 or torch.bfloat16"
+                       + (", or none: O2's own is half" if p.opt_level == "O2" else "") + ")")
+            else:
+                fix = 'use opt_level="O2"'
             raise ValueError(
                 f"{where}: master_weights=True keeps fp32 copies of half parameters, but with "
-                f"cast_model_type={cast} the parameters stay fp32. Use opt_level=\"O2\", or "
-                "drop master_weights=True."
+                f"cast_model_type={cast} the parameters stay fp32. To train a half model with "
+                f"fp32 masters, {fix}; else drop master_weights=True."
             )
         raise ValueError(
             f'amp.initialize(opt_level="{p.opt_level}", cast_model_type={cast}): '

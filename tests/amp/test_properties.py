@@ -87,7 +87,15 @@ def test_keep_batchnorm_fp32_strings_and_o1():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(opt_level="O2", patch_torch_functions=True), "patch_torch_functions=True"),
-    (dict(opt_level="O1", master_weights=True), "master_weights=True"),
+    (dict(opt_level="O1", master_weights=True),
+     r'master_weights=True keeps .* use opt_level="O2"; else drop master_weights=True\.'),
+    # (at O2 the cast passed is what keeps the parameters fp32, not the level: r101A R3)
+    (dict(opt_level="O2", cast_model_type=torch.float32, master_weights=True),
+     r"with cast_model_type=torch.float32 the parameters stay fp32\. To train a half model "
+     r"with fp32 masters, pass a half cast_model_type \(torch.float16 or torch.bfloat16, or "
+     r"none: O2's own is half\); else drop master_weights=True\.$"),
+    (dict(opt_level="O1", cast_model_type=torch.float32, master_weights=True),
+     r"pass a half cast_model_type \(torch.float16 or torch.bfloat16\); else drop"),
     (dict(opt_level="O0", keep_batchnorm_fp32=False), "keep_batchnorm_fp32=False"),
     # (O3's own keep_batchnorm_fp32=False, not passed: the message blames what was)
     (dict(opt_level="O3", cast_model_type=torch.float32),
