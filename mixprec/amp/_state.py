@@ -699,13 +699,16 @@ class _OptimizerState:
         # the optimizer's or the model's: dropped, as the zero_grad meant (see _pre_step).
         self._held_zeroed = False
         # The last zero_grad (the optimizer's, or an amp model's) kept gradient tensors
-        # (set_to_none=False): a master that had a gradient since then and has none at a
-        # step is given a zero one (momentum, weight decay go on moving it), as fp32
-        # training's kept gradient tensors are. (Its gradients are still freed after each
-        # step, so zeroing through a wrapper cannot let them pile up.)
+        # (set_to_none=False): a master that had a gradient since the last zero_grad that
+        # set them to None (or since the start) and has none at a step is given a zero one
+        # (momentum, weight decay go on moving it), as fp32 training's kept gradient
+        # tensors are, whether the loop zeroes before its backward or after its step. (Its
+        # gradients are still freed after each step, so zeroing through a wrapper cannot let
+        # them pile up.)
         self.grad_tensors_kept = False
-        # (The masters given a gradient meanwhile: id -> (master, the gradient's sparse and
-        # dense dims when it was a sparse one, else None).)
+        # (The masters given a gradient since: id -> (master, the gradient's sparse and
+        # dense dims when it was a sparse one, else None); recorded at every step, cleared
+        # by a zero_grad setting gradients to None.)
         self._had_grads: Dict[int, Tuple[torch.Tensor, Optional[Tuple[int, int]]]] = {}
         self._held_marks: Dict[int, tuple] = {}  # (see hold_scaled)
         # id(param) -> (param, its gradient (weakly), the gradient's version) for this
@@ -1011,8 +1014,9 @@ class _OptimizerState:
           backward to add onto (leftover micro-batches at the end of an epoch): dropped, or
           the next step's gradients included them, as Apex's O2 ``zero_grad`` zeroed them
           (with ``set_to_none=False`` zeroed in place, as the optimizer zeroes its own);
-        * with ``set_to_none=False``, a master that had a gradient since gets a zero one at a
-          later step where its parameter got none (see ``grad_tensors_kept``).
+        * with ``set_to_none=False``, a master that had a gradient since the last
+          ``zero_grad`` setting gradients to None gets a zero one at a later step where its
+          parameter got none (see ``grad_tensors_kept``).
         """
         if self.grads_scaled and set_to_none:  # (else the half gradients are moved already)
             self._drop_held_window()  # (the optimizer cleared its own parameters' too)
@@ -1100,8 +1104,7 @@ class _OptimizerState:
             if p.grad is None:
                 continue
             if id(p) in masters:
-                if self.grad_tensors_kept:
-                    self._had_grads[id(p)] = _grad_record(p)
+                self._had_grads[id(p)] = _grad_record(p)
                 p.grad = None
             elif self.grad_tensors_kept and p.grad.layout is torch.strided:
                 with torch.no_grad():
@@ -1496,8 +1499,8 @@ class _OptimizerState:
         return None
 
     def _zero_grads_for_unused_masters(self) -> None:
-        """Give a zero gradient to each master that had one since a ``zero_grad`` keeping
-        gradient tensors and got none at this step (its parameter unused), as fp32's kept,
+        """Give a zero gradient to each master that had one since the last ``zero_grad``
+        setting gradients to None (or since the start) and got none at this step (its parameter unused), as fp32's kept,
         zeroed tensor would be: a sparse one where its gradients were sparse (SparseAdam takes
         no dense gradient). A parameter frozen since (``requires_grad_(False)``, the usual
         ``p.grad = None`` beside it) is left out from then on: fp32's optimizer skips it once
@@ -1873,9 +1876,6 @@ class _OptimizerState:
         written = getattr(optimizer, "_half_copies_written", None)
         frozen = []
         if self.pairs:
-            if self.grad_tensors_kept:
-                self._had_grads.update((id(m), _grad_record(m)) for _, m in self.pairs
-                                       if m.grad is not None)
             # The step consumed the masters' gradients: free them, as Apex did. A loop that
             # zeroes through a wrapper (``DataParallel(model).zero_grad()``, torch DDP's, a
             # ``p.grad = None`` pass over ``model.parameters()``) reaches only the half
@@ -1890,8 +1890,15 @@ class _OptimizerState:
             synced = self._synced_versions
             if synced is None or len(synced) != len(self.pairs):
                 synced = None
+            # Which masters had a gradient is recorded whatever the last zero_grad was: a
+            # zero_grad(set_to_none=False) after this step keeps fp32's gradient tensors of
+            # every parameter this step had a gradient for (see _had_grads).
+            had = self._had_grads
             for i, (p, master) in enumerate(self.pairs):
-                if master.grad is not None:
+                g = master.grad
+                if g is not None:
+                    had[id(master)] = (master, (g.sparse_dim(), g.dense_dim())
+                                       if g.is_sparse else None)
                     master.grad = None
                 elif not p.requires_grad and (synced is None
                                               or master._version == synced[i][1]):

@@ -1803,18 +1803,23 @@ class _TwoHeads(nn.Module):
         return self.a(x) + self.b(x) if use_b else self.a(x)
 
 
+@pytest.mark.parametrize("when", ["before the backward", "after the step"])
 @pytest.mark.parametrize("zero_through", ["optimizer", "optimizer, positionally", "model"])
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_zero_grad_keeping_tensors_steps_unused_parameters_as_fp32_does(opt_level, zero_through):
+def test_zero_grad_keeping_tensors_steps_unused_parameters_as_fp32_does(opt_level, zero_through,
+                                                                         when):
     # zero_grad(set_to_none=False) keeps gradient tensors: a parameter with no gradient in a
     # later backward is stepped with a zero one, so momentum and weight decay go on moving it.
     # At O2 the masters' gradients were freed after each step, and head b stopped at the
     # last step that used it. One overflowed step in between (dynamic scale): after
     # GradScaler skips a step, its zero_grad(set_to_none=False) zeroes the gradients kept.
+    # "after the step": a loop zeroing after its step (none before the first backward) left
+    # head b, used at the first step only, unstepped at O2 from then on: which masters had
+    # gradients was recorded only while the last zero_grad kept tensors (r101B B1).
     torch.manual_seed(0)
     base = _TwoHeads()
     g = torch.Generator().manual_seed(3)
-    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), i < 2)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g), i < 1)
             for i in range(6)]
 
     def run(use_amp):
@@ -1825,11 +1830,15 @@ def test_zero_grad_keeping_tensors_steps_unused_parameters_as_fp32_does(opt_leve
                            loss_scale="dynamic", verbosity=0)
         else:
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
-        for i, (x, y, use_b) in enumerate(data):
+        def zero_grad():
             if zero_through == "optimizer, positionally":
                 opt.zero_grad(False)  # (torch's zero_grad takes set_to_none by position too)
             else:
                 (opt if zero_through == "optimizer" else model).zero_grad(set_to_none=False)
+
+        for i, (x, y, use_b) in enumerate(data):
+            if when == "before the backward":
+                zero_grad()
             if use_amp:
                 loss = nn.functional.mse_loss(model(x, use_b), y)
                 with amp.scale_loss(loss * (float("inf") if i == 3 else 1.0), opt) as s:
@@ -1842,6 +1851,8 @@ def test_zero_grad_keeping_tensors_steps_unused_parameters_as_fp32_does(opt_leve
                 scaler.scale(loss * (float("inf") if i == 3 else 1.0)).backward()
                 scaler.step(opt)
                 scaler.update()
+            if when == "after the step":
+                zero_grad()
         return {k: v.float() for k, v in model.state_dict().items()}
 
     want, got = run(False), run(True)
