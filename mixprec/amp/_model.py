@@ -1753,11 +1753,12 @@ class _Fp32StateDict:
                 param = module._parameters.get(name)
                 if (param is None or param.dtype not in _HALF_TYPES or param.is_meta
                         or param.shape != master.shape
-                        or torch.equal(param, master.to(param.dtype))):
+                        or _equal_nan(param, master.to(param.dtype))):
                     continue  # (meta: a skeleton, nothing was loaded into it)
                 value = None if pending is None else pending[0].get(pending[1] + name)
                 if (isinstance(value, torch.Tensor) and value.shape == master.shape
-                        and torch.equal(param, value.to(device=param.device, dtype=param.dtype))):
+                        and _equal_nan(param, value.to(device=param.device,
+                                                       dtype=param.dtype))):
                     master.copy_(value)
                 else:
                     master.copy_(param)
@@ -1765,6 +1766,12 @@ class _Fp32StateDict:
             keeper.take_model_writes(only=self.own_params(module))
         if self.standalone:  # (a copy's masters, kept by sync(): the load wrote both sides)
             self._versions = {name: master._version for name, master in self.masters.items()}
+
+
+def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``torch.equal``, a NaN equal to a NaN (a checkpoint of a diverged run holds some: its
+    other values must not be taken for a write into the half model and rounded)."""
+    return torch.equal(a, b) or torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True)
 
 
 def holds_no_values(t: torch.Tensor) -> bool:
@@ -1847,7 +1854,7 @@ def _same_values(entry, tensor: torch.Tensor) -> bool:
     """Whether ``entry`` is a copy of ``tensor``: same dtype, shape, device and values."""
     return (isinstance(entry, torch.Tensor) and entry.dtype == tensor.dtype
             and entry.shape == tensor.shape and entry.device == tensor.device
-            and torch.equal(entry, tensor))
+            and _equal_nan(entry, tensor))
 
 
 def _span(t: torch.Tensor) -> int:

@@ -106,6 +106,25 @@ def test_loading_into_an_amp_model_restores_masters_exactly(dtype):
         torch.testing.assert_close(p.detach(), sd[name].to(p.dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_loading_a_checkpoint_holding_a_nan_keeps_its_other_values_exact(dtype):
+    """A diverged run's checkpoint: one NaN in a weight made the load's comparison of the half
+    parameter with its master (torch.equal, NaN unequal to itself) take the half values for
+    a write into the model, and every finite master of that tensor was rounded to half
+    (r101B). Reference: the checkpoint's own fp32 values, NaN where it holds NaN."""
+    model = make_cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    sd = make_cnn(seed=9).state_dict()
+    name = next(k for k in sd if k.endswith("weight") and sd[k].dim() > 1)
+    sd[name].view(-1)[0] = float("nan")
+    model.load_state_dict(sd, strict=True)
+    for master, (key, _) in zip(amp.master_params(opt), model.named_parameters()):
+        torch.testing.assert_close(master.detach(), sd[key], rtol=0, atol=0, equal_nan=True)
+    saved = model.state_dict()
+    torch.testing.assert_close(saved[name], sd[name], rtol=0, atol=0, equal_nan=True)
+
+
 def test_o2_load_of_a_wrong_shape_entry_leaves_the_masters_alone():
     """A checkpoint entry whose shape does not match its parameter (another architecture, a
     resized head) is refused by ``load_state_dict`` with torch's "size mismatch" error, and
