@@ -23,6 +23,12 @@ mode Apex's rule.
   ``grad=None`` back and are left out: the wrapper rebuilds its reducer without them before
   the next forward, and a gradient that reaches one of them later raises (it would never be
   averaged across the ranks).
+* The same all-reduce tells whether any parameter's hook fired twice in that backward: its
+  gradient came from two backwards nested in it (a block run twice through reentrant
+  checkpointing, a tied weight used inside such a checkpoint and outside it). PyTorch's
+  reducer all-reduces what the first brought and keeps the rest local (it raises "marked as
+  ready twice" only while the bucket waits for other gradients), so the ranks would drift
+  apart without a word: every rank raises, naming those parameters and the remedies.
 
 A model whose parameters all get gradients in the first step pays one hook call per parameter
 and one small all-reduce, once.
@@ -56,6 +62,8 @@ def _fired(ref: weakref.ReferenceType[FirstStep], index: int):
         if watch is None:
             return
         if watch.armed:
+            if watch.fired[index]:  # (a second backward inside this one reached it)
+                watch.twice[index] = True
             watch.fired[index] = True
             queue_once(watch)
         else:  # (a no_sync() micro-batch before the watched backward)
@@ -76,6 +84,7 @@ class FirstStep:
         self.names = [name for name, _ in pairs]  # the reducer's parameters, in its order
         self.params = [p for _, p in pairs]
         self.fired = [False] * len(self.params)  # in the watched backward
+        self.twice = [False] * len(self.params)  # fired again in it (see _twice_error)
         self.accumulated = [False] * len(self.params)  # in no_sync() backwards before it
         self.armed = False  # the last forward's backward all-reduces
         self.done = False
@@ -103,6 +112,7 @@ class FirstStep:
             # raised (the engine drops its callbacks then); start the watch afresh.
             self._queued = False
             self.fired = [False] * len(self.params)
+            self.twice = [False] * len(self.params)
         if not self._handles:
             ref = weakref.ref(self)
             self._handles.extend(p.register_post_accumulate_grad_hook(_fired(ref, i))
@@ -120,6 +130,7 @@ class FirstStep:
         dropped, so a parameter unused from then on is left out rather than given a zero."""
         self.armed = False
         self.fired = [False] * len(self.params)
+        self.twice = [False] * len(self.params)
         if self._kept is None:  # (a second suspend keeps the first record)
             self._kept = [
                 (weakref.ref(p.grad), p.grad._version) if noted and p.grad is not None
@@ -141,11 +152,16 @@ class FirstStep:
         silent = [p for p, fired in zip(self.params, self.fired) if not fired]
         if silent:
             _fire_with_zeros(silent)
-        unused = [i for i, anywhere in
-                  enumerate(any_rank(held, ddp.process_group, self._device())) if not anywhere]
+        # (One all-reduce for both: whether each parameter got a gradient, whether twice.)
+        n = len(self.params)
+        agreed = any_rank(held + self.twice, ddp.process_group, self._device())
+        unused = [i for i in range(n) if not agreed[i]]
         for i in unused:  # (their all-reduced zeros)
             self.params[i].grad = None
         ddp._leave_out([(self.names[i], self.params[i]) for i in unused])
+        twice = [self.names[i] for i in range(n) if agreed[n + i]]
+        if twice:  # (on every rank: the flags are agreed)
+            raise RuntimeError(_twice_error(twice))
 
     def close(self) -> None:
         """End the watch (its backward has ended, or the graph turned static)."""
@@ -155,6 +171,22 @@ class FirstStep:
 
     def _device(self) -> torch.device:
         return self.params[0].device if self.params else torch.device("cpu")
+
+
+def _twice_error(names: List[str]) -> str:
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"DistributedDataParallel: {shown} got gradients from two backward passes nested in "
+        "one backward in the first step: a block run twice in one forward through reentrant "
+        "activation checkpointing (checkpoint(..., use_reentrant=True), timm's "
+        "checkpoint_seq), or a weight used inside such a checkpoint and outside it (an "
+        "embedding tied to the output projection). PyTorch's reducer all-reduces such a "
+        "gradient when its first part arrives and leaves the rest local, so every rank would "
+        "step on a gradient of its own and the replicas would drift apart without an error. "
+        "Use checkpoint(..., use_reentrant=False), or construct the wrapper with "
+        "delay_allreduce=True (all-reduces once the whole backward has ended), or PyTorch's "
+        "torch.nn.parallel.DistributedDataParallel with static_graph=True."
+    )
 
 
 def _fire_with_zeros(params: List[nn.Parameter]) -> None:

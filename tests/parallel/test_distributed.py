@@ -2254,6 +2254,59 @@ def check_first_step_averages_what_some_ranks_used(ctx):
         assert "extra.weight" in ddp._reducer_names, (pattern, ddp._reducer_names)
 
 
+class _FirstBlockTwice(nn.Module):
+    """The first block run twice through reentrant checkpointing (a weight-shared encoder),
+    or (``tied``) once outside a reentrant checkpoint and once inside it (tied weights)."""
+
+    def __init__(self, tied=False):
+        super().__init__()
+        self.tied = tied
+        self.b = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.b(x) if self.tied else checkpoint(self.b, x, use_reentrant=True)
+        return self.head(checkpoint(self.b, torch.tanh(h), use_reentrant=True))
+
+
+def check_first_step_refuses_a_block_checkpointed_twice(ctx):
+    # A block run twice through reentrant checkpointing in one forward: its gradient arrives
+    # in two nested backwards. Where its first part completed the bucket, PyTorch's reducer
+    # all-reduced that part only and the second stayed local: the ranks' gradients differed
+    # at every step without an error (PyTorch's own DDP too; r101A R2). (Where the bucket was
+    # still waiting, PyTorch raised "marked as ready twice" itself.) Refused on every rank at
+    # the end of the first backward, naming the block; the delay mode takes the pattern
+    # (check_delay_allreduce_where_the_reducer_cannot).
+    x, y = _global_batch(ctx, seed=300)
+    for tied in (False, True):
+        torch.manual_seed(0)
+        ddp = DistributedDataParallel(_FirstBlockTwice(tied).to(ctx.device))
+        try:
+            F.mse_loss(ddp(_mine(ctx, x).requires_grad_()), _mine(ctx, y)).backward()
+        except RuntimeError as err:
+            text = str(err)
+            assert text.startswith("DistributedDataParallel: b.weight, b.bias got gradients "
+                                   "from two backward passes nested in one backward"), text
+            assert "use_reentrant=False" in text and "delay_allreduce=True" in text, text
+        else:
+            raise AssertionError(f"tied={tied}: trained in the reducer's mode")
+        # The same model in the delay mode: the single-process gradients.
+        torch.manual_seed(0)
+        model = _FirstBlockTwice(tied).to(ctx.device)
+        ref = copy.deepcopy(model)
+        ddp = DistributedDataParallel(model, delay_allreduce=True)
+        F.mse_loss(ddp(_mine(ctx, x).requires_grad_()), _mine(ctx, y)).backward()
+        F.mse_loss(ref(x.clone().requires_grad_()), y).backward()
+        _assert_same_grads_or_none(ctx, model, ref, f"delay mode, tied={tied}")
+    # Blocks checkpointed once each, nested checkpoints: not refused, and their gradients are
+    # the single-process ones.
+    for pattern in ("reentrant", "nested"):
+        _checkpointed_steps(ctx, pattern, steps=1, takes=lambda step, rank: True,
+                            delay_allreduce=False, message_size=64)
+
+
 def check_first_step_after_no_sync_micro_batches(ctx):
     # Gradient accumulation before the first all-reduce: a branch taken in the no_sync()
     # micro-batch only holds an accumulated gradient, which the synced micro-batch must
@@ -4945,6 +4998,7 @@ def check_dead_peer_raises_quickly(ctx):
 FIRST_STEP_CHECKS = [
     "check_first_step_leaves_out_what_no_rank_used",
     "check_first_step_averages_what_some_ranks_used",
+    "check_first_step_refuses_a_block_checkpointed_twice",
     "check_first_step_after_no_sync_micro_batches",
     "check_no_sync_gradients_after_another_wrappers_forward",
     "check_first_step_guards_what_it_left_out",
