@@ -1186,12 +1186,16 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 unused.append(names[i] if i < len(names) else f"#{i}")
         which = (f"these parameters got no gradient: {', '.join(unused)}" if unused
                  else "some parameters got no gradient")
+        # (Inside join(), which the delay mode does not take, its remedies are no way out.)
+        joining = self._joining()
         raised = (
             "If the previous backward raised (an out-of-memory error caught to skip the "
             "batch), it stopped before reaching them, and the reducer cannot finish that step "
-            "(PyTorch's cannot either): construct the wrapper with delay_allreduce=True, whose "
-            "all-reduce starts only after the backward, so a backward that raised on every "
-            "rank leaves nothing half done.")
+            "(PyTorch's cannot either)" + (
+                "; the delay mode, which could, does not take join()." if joining else
+                ": construct the wrapper with delay_allreduce=True, whose all-reduce starts "
+                "only after the backward, so a backward that raised on every rank leaves "
+                "nothing half done."))
         if self.find_unused_parameters:
             # (Set already, so unused parameters are not it: the backward raised.)
             causes = ("find_unused_parameters=True is set, so the likely cause is a backward "
@@ -1201,8 +1205,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 "Two causes: the backward raised, or these parameters took no part in the "
                 "loss. " + raised + " Otherwise make every parameter contribute to the loss in "
                 "every step, freeze the unused ones (requires_grad_(False)) before wrapping, "
-                "or pass find_unused_parameters=True (or delay_allreduce=True) to "
-                "DistributedDataParallel.")
+                "or pass find_unused_parameters=True " + (
+                    "" if joining else "(or delay_allreduce=True) ")
+                + "to DistributedDataParallel.")
         return (
             f"DistributedDataParallel: in the previous backward pass on rank "
             f"{dist.get_rank()}, {which}, so their gradients were never all-reduced (and that "

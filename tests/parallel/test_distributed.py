@@ -4886,6 +4886,27 @@ def check_first_step_inside_join_with_an_empty_rank(ctx):
                                                     f"step {i}"))
 
 
+def check_unused_parameters_inside_join_are_not_sent_to_the_delay_mode(ctx):
+    # A first step inside join() (not watched) with a branch no rank takes: the next forward
+    # raises naming the branch. Its remedies named delay_allreduce=True twice, which join()
+    # refuses (r101C R5); inside join() they name find_unused_parameters=True alone.
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(_Checkpointed("plain").to(ctx.device))
+    x, y = _global_batch(ctx, seed=310)
+    try:
+        with ddp.join():
+            for _ in range(2):
+                F.mse_loss(ddp(_mine(ctx, x)), _mine(ctx, y)).backward()
+    except RuntimeError as err:
+        text = str(err)
+        assert "these parameters got no gradient: extra.weight, extra.bias" in text, text
+        assert "or pass find_unused_parameters=True to DistributedDataParallel." in text, text
+        assert "delay_allreduce=True" not in text, text
+        assert "the delay mode, which could, does not take join()" in text, text
+    else:
+        raise AssertionError("an unused branch inside join() trained")
+
+
 def check_fsdp1_sharded_model_at_o1_skips_an_overflow_on_every_rank(ctx):
     # FSDP1 shards the gradients (reduced still scaled in its backward), so each rank checks
     # only its shard: an inf in rank 0's shard skipped the step there while rank 1 stepped,
@@ -5007,6 +5028,7 @@ FIRST_STEP_CHECKS = [
     "check_amp_o2_first_step_leaves_an_unused_head_out",
     "check_replaced_layer_refused_by_the_reducer",
     "check_first_step_inside_join_with_an_empty_rank",
+    "check_unused_parameters_inside_join_are_not_sent_to_the_delay_mode",
     "check_apex_arithmetic_survives_the_first_step_rebuild",
 ]
 # The delay mode's checks, and those that run both modes. They also run on a machine with one
