@@ -83,14 +83,36 @@ def _sharded_modules(model: nn.Module) -> list:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover (a build without FSDP)
         return []
-    fsdp2 = getattr(torch.distributed.fsdp, "FSDPModule", None)
+    fsdp2 = _fsdp2_class()
+    kinds = (FullyShardedDataParallel,) + ((fsdp2,) if fsdp2 is not None else ())
+    return [m for m in model.modules() if isinstance(m, kinds)]
+
+
+def _fsdp2_class():
+    """FSDP2's module class (``fully_shard`` makes a module one), or None."""
+    if not torch.distributed.is_available():
+        return None
+    try:
+        import torch.distributed.fsdp as fsdp
+    except ImportError:  # pragma: no cover (a build without FSDP)
+        return None
+    fsdp2 = getattr(fsdp, "FSDPModule", None)
     if fsdp2 is None:  # (PyTorch 2.4/2.5: not exported there yet)
         try:
             from torch.distributed._composable.fsdp import FSDPModule as fsdp2
         except ImportError:  # pragma: no cover
             fsdp2 = None
-    kinds = (FullyShardedDataParallel,) + ((fsdp2,) if fsdp2 is not None else ())
-    return [m for m in model.modules() if isinstance(m, kinds)]
+    return fsdp2
+
+
+def _fsdp2_parameters(model: nn.Module) -> set:
+    """Ids of the parameters ``model``'s ``fully_shard`` modules hold now: between a forward
+    and its backward a root one holds unsharded stand-ins of the sharded parameters the
+    optimizer has (their gradients are reduce-scattered into those)."""
+    fsdp2 = _fsdp2_class()
+    if fsdp2 is None:
+        return set()
+    return {id(p) for m in model.modules() if isinstance(m, fsdp2) for p in m.parameters()}
 
 
 def _check_sharded(model: nn.Module, props) -> None:
@@ -834,8 +856,9 @@ class UnheldWatch:
         models = amp_state.models
         for i, model in enumerate(models):
             prefix = f"models[{i}]." if len(models) > 1 else ""
+            sharded = _fsdp2_parameters(model)  # (their optimizer holds the shards)
             for name, p in model.named_parameters():
-                if p.requires_grad and id(p) not in held:
+                if p.requires_grad and id(p) not in held and id(p) not in sharded:
                     held.add(id(p))  # (a parameter two models share: once)
                     self.handles.append(p.register_post_accumulate_grad_hook(
                         functools.partial(self._accumulated, len(self.handles),

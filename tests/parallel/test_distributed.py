@@ -4944,6 +4944,55 @@ def check_fsdp2_sharded_model_at_o1_skips_an_overflow_on_every_rank(ctx):
     _assert_every_rank_skips_a_shards_overflow(ctx, model, opt)
 
 
+def check_fsdp2_root_parameters_are_not_taken_for_gradients_no_optimizer_holds(ctx):
+    # Between a forward and its backward FSDP2's root module holds unsharded stand-ins of its
+    # parameters (the optimizer has the sharded ones): at O1 fp16 amp's look for gradients no
+    # optimizer holds warned about them on rank 0 at the first scale_loss, following the
+    # README's recipe (r101A R1). The layouts: the root alone, blocks and the root. Training
+    # is an unsharded O1 run's (SGD: every rank's gradient averaged).
+    from mixprec import amp
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # (PyTorch 2.4/2.5)
+        from torch.distributed._composable.fsdp import fully_shard
+    for layout in ("root", "blocks and root"):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        ref = copy.deepcopy(model)
+        if layout != "root":
+            fully_shard(model[0])
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.float16,
+                                    verbosity=0)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O1", dtype=torch.float16,
+                                      verbosity=0)
+        x, y = _global_batch(ctx, seed=320)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                opt.zero_grad()
+                with amp.scale_loss(F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y)),
+                                    opt) as scaled:
+                    scaled.backward()
+                opt.step()
+        stray = [str(w.message) for w in caught if "no optimizer given" in str(w.message)]
+        assert not stray, (layout, stray)
+        for _ in range(2):
+            ref_opt.zero_grad()
+            losses = [F.mse_loss(ref(x[r * PER_RANK:(r + 1) * PER_RANK]).float(),
+                                 y[r * PER_RANK:(r + 1) * PER_RANK])
+                      for r in range(ctx.world_size)]
+            with amp.scale_loss(sum(losses) / ctx.world_size, ref_opt) as scaled:
+                scaled.backward()
+            ref_opt.step()
+        for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(p.full_tensor(), q, rtol=1e-5, atol=1e-6,
+                                       msg=labelled(f"{layout} {name}"))
+
+
 def _assert_every_rank_skips_a_shards_overflow(ctx, model, opt) -> None:
     """Three steps; in the second an inf in rank 0's own gradient shard: every rank skips
     that step, and the loss scales stay equal."""
@@ -6679,7 +6728,8 @@ CHECKS = [
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
 _FSDP2_ON_CPU = hasattr(torch.cpu.Stream, "record_event")
 CPU_ONLY = ["check_fsdp1_sharded_model_at_o1_skips_an_overflow_on_every_rank",
-            *(["check_fsdp2_sharded_model_at_o1_skips_an_overflow_on_every_rank"]
+            *(["check_fsdp2_sharded_model_at_o1_skips_an_overflow_on_every_rank",
+               "check_fsdp2_root_parameters_are_not_taken_for_gradients_no_optimizer_holds"]
               if _FSDP2_ON_CPU else []),
             "check_half_model_of_an_fsdp_sharded_model_is_refused",
             "check_dead_peer_raises_quickly"]  # (last: it ends the workers)
