@@ -1502,10 +1502,10 @@ class _OptimizerState:
         """Give a zero gradient to each master that had one since the last ``zero_grad``
         setting gradients to None (or since the start) and got none at this step (its
         parameter unused), as fp32's kept, zeroed tensor would be: a sparse one where its
-        gradients were sparse (SparseAdam takes no dense gradient). A parameter frozen since (``requires_grad_(False)``, the usual
-        ``p.grad = None`` beside it) is left out from then on: fp32's optimizer skips it once
-        its gradient is gone, and at O2 its half gradient is already None, so the freeze is
-        what can be seen."""
+        gradients were sparse (SparseAdam takes no dense gradient). A parameter frozen since
+        (``requires_grad_(False)``, the usual ``p.grad = None`` beside it) is left out from
+        then on: fp32's optimizer skips it once its gradient is gone, and at O2 its half
+        gradient is already None, so the freeze is what can be seen."""
         had = self._had_grads
         for p, master in self.pairs:
             record = had.get(id(master))
