@@ -4969,7 +4969,7 @@ def check_fsdp2_root_parameters_are_not_taken_for_gradients_no_optimizer_holds(c
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O1", dtype=torch.float16,
                                       verbosity=0)
-        x, y = _global_batch(ctx, seed=320)
+        x, y = (t.cpu() for t in _global_batch(ctx, seed=320))  # (FSDP here: CPU only)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
