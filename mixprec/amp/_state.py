@@ -707,9 +707,18 @@ class _OptimizerState:
         # them pile up.)
         self.grad_tensors_kept = False
         # (The masters given a gradient since: id -> (master, the gradient's sparse and
-        # dense dims when it was a sparse one, else None); recorded at every step, cleared
-        # by a zero_grad setting gradients to None.)
+        # dense dims when it was a sparse one, else None); recorded at each step while the
+        # last zero_grad kept tensors, cleared by one setting them to None.)
         self._had_grads: Dict[int, Tuple[torch.Tensor, Optional[Tuple[int, int]]]] = {}
+        # While the last zero_grad set gradients to None (or none ran yet): the ids of the
+        # masters that had no gradient at any step since, None before the first such step.
+        # A zero_grad keeping tensors after a step then seeds _had_grads from it (the usual
+        # loop pays nothing per master: the set is empty after the first full step).
+        self._no_grad_since: Optional[Set[int]] = None
+        self._noted_pairs = 0  # (how many pairs there were at that last step)
+        # id(master) -> (sparse_dim, dense_dim) of its last sparse gradient (an
+        # nn.Embedding(sparse=True)): the zero gradient given to it must be sparse too.
+        self._sparse_dims: Dict[int, Tuple[int, int]] = {}
         self._held_marks: Dict[int, tuple] = {}  # (see hold_scaled)
         # id(param) -> (param, its gradient (weakly), the gradient's version) for this
         # optimizer's directly stepped parameters whose gradients a backward inside another
@@ -1050,9 +1059,32 @@ class _OptimizerState:
 
     def keeps_grads(self, keep: bool) -> None:
         """A zero_grad kept gradient tensors (``set_to_none=False``), or not."""
+        if keep and not self.grad_tensors_kept and self._no_grad_since is not None:
+            # The first zero keeping tensors since gradients were last set to None (a loop
+            # zeroing after its step): fp32 now holds a zeroed tensor for every parameter
+            # that had a gradient at a step since then.
+            never, sparse = self._no_grad_since, self._sparse_dims
+            self._had_grads.update((id(m), (m, sparse.get(id(m))))
+                                   for _, m in self.pairs[:self._noted_pairs]
+                                   if id(m) not in never)
         self.grad_tensors_kept = keep
         if not keep:
             self._had_grads = {}
+            self._no_grad_since = None
+
+    def _note_no_grads(self, missing) -> None:
+        """After a step (run or skipped) while the last zero_grad set gradients to None: the
+        ids of the masters without a gradient at it (see ``_no_grad_since``)."""
+        count = len(self.pairs)
+        if self._no_grad_since is None:
+            self._no_grad_since = set(missing)
+        else:
+            if self._no_grad_since:
+                self._no_grad_since.intersection_update(missing)
+            if count > self._noted_pairs:  # (masters added since, a group added: theirs too)
+                added = {id(m) for _, m in self.pairs[self._noted_pairs:]}
+                self._no_grad_since.update(added.intersection(missing))
+        self._noted_pairs = count
 
     def watch_foreign_backward(self, skip: Set[int],
                                block: Optional[BlockBackwards] = None) -> ForeignBackwardWatch:
@@ -1100,17 +1132,22 @@ class _OptimizerState:
         steps directly zeroed in place while ``grad_tensors_kept`` (as they are after
         GradScaler skips a step, then zero_grad; masters get theirs back at the next step)."""
         masters = {id(m) for _, m in self.pairs}
+        had = set()
         for p in _params_of(optimizer):
             if p.grad is None:
                 continue
             if id(p) in masters:
-                self._had_grads[id(p)] = _grad_record(p)
+                if self.grad_tensors_kept:
+                    self._had_grads[id(p)] = _grad_record(p)
+                had.add(id(p))
                 p.grad = None
             elif self.grad_tensors_kept and p.grad.layout is torch.strided:
                 with torch.no_grad():
                     p.grad.zero_()
             else:
                 p.grad = None
+        if not self.grad_tensors_kept and self.pairs:
+            self._note_no_grads(masters - had)
 
     def skip_step(self) -> None:
         """The step after an overflow, skipped: what the step hooks do for it, without it."""
@@ -1305,6 +1342,7 @@ class _OptimizerState:
             else:  # sparse (e.g. nn.Embedding(sparse=True)): cast, then sum duplicate indices
                 sparse_fresh.append(g.float().coalesce())
                 sparse_targets.append(master)
+                self._sparse_dims[id(master)] = (g.sparse_dim(), g.dense_dim())
         if half_grads and half_grads[0].requires_grad:
             # backward(create_graph=True) (second-order optimizers, gradient penalties through
             # .grad): the fp32 masters' gradients are a copy, with no graph back to the model,
@@ -1890,19 +1928,20 @@ class _OptimizerState:
             synced = self._synced_versions
             if synced is None or len(synced) != len(self.pairs):
                 synced = None
-            # Which masters had a gradient is recorded whatever the last zero_grad was: a
-            # zero_grad(set_to_none=False) after this step keeps fp32's gradient tensors of
-            # every parameter this step had a gradient for (see _had_grads).
-            had = self._had_grads
+            if self.grad_tensors_kept:
+                self._had_grads.update((id(m), _grad_record(m)) for _, m in self.pairs
+                                       if m.grad is not None)
+            missing = []  # (the masters without a gradient: usually none; see _no_grad_since)
             for i, (p, master) in enumerate(self.pairs):
-                g = master.grad
-                if g is not None:
-                    had[id(master)] = (master, (g.sparse_dim(), g.dense_dim())
-                                       if g.is_sparse else None)
+                if master.grad is not None:
                     master.grad = None
-                elif not p.requires_grad and (synced is None
-                                              or master._version == synced[i][1]):
-                    frozen.append(i)
+                else:
+                    missing.append(id(master))
+                    if not p.requires_grad and (synced is None
+                                                or master._version == synced[i][1]):
+                        frozen.append(i)
+            if not self.grad_tensors_kept:
+                self._note_no_grads(missing)
         self._left_frozen = frozen
         # (The copy and its record at once: a state_dict() in another thread between them, an
         # async checkpointer, took the copy for a write into the half model and rounded the

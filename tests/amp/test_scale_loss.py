@@ -1904,10 +1904,13 @@ def test_a_layer_frozen_mid_run_with_kept_gradient_tensors_stops_as_in_fp32(opt_
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
 
 
-def test_kept_gradient_tensors_of_a_sparse_embedding_stay_sparse_at_o2():
+@pytest.mark.parametrize("when", ["before the backward", "after the step"])
+def test_kept_gradient_tensors_of_a_sparse_embedding_stay_sparse_at_o2(when):
     # nn.Embedding(sparse=True) with SparseAdam, unused at every other step, under
     # zero_grad(set_to_none=False): fp32's zeroed gradient stays a sparse tensor. At O2 the
     # master got a dense zero one and SparseAdam raised "does not support dense gradients".
+    # ("after the step": the zero given after the first zero_grad comes from what the step
+    # before it recorded, the gradient's sparse dims included.)
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -1930,8 +1933,9 @@ def test_kept_gradient_tensors_of_a_sparse_embedding_stay_sparse_at_o2():
         if use_amp:
             amp.initialize(model, opts, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
         for i, (ids, feats, y) in enumerate(data):
-            for o in opts:
-                o.zero_grad(set_to_none=False)
+            if when == "before the backward":
+                for o in opts:
+                    o.zero_grad(set_to_none=False)
             loss = nn.functional.cross_entropy(model(ids, feats, i % 2 == 0), y)
             if use_amp:
                 with amp.scale_loss(loss, opts) as scaled:
@@ -1940,6 +1944,9 @@ def test_kept_gradient_tensors_of_a_sparse_embedding_stay_sparse_at_o2():
                 loss.backward()
             for o in opts:
                 o.step()
+            if when == "after the step":
+                for o in opts:
+                    o.zero_grad(set_to_none=False)
         return {k: v.float() for k, v in model.state_dict().items()}, opts[0]
 
     (want, _), (got, sparse_opt) = run(False), run(True)
@@ -3542,6 +3549,59 @@ def test_a_scheduler_stepped_after_an_overflowed_first_step_does_not_warn(schedu
     assert not [w for w in caught if "lr_scheduler" in str(w.message)], \
         [str(w.message) for w in caught]
     assert inner.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("case", ["group added", "skipped step"])
+def test_zeroing_after_the_step_follows_fp32_past_a_group_added_and_a_skipped_step(case):
+    # A loop zeroing with set_to_none=False after its step (none before the first backward),
+    # SGD with weight decay. "group added": head b, never used, gets its group after the
+    # first step: fp32's b.grad stays None, so b must not be stepped (weight decay) once the
+    # zeroing starts keeping tensors. "skipped
+    # step": the first step (b used) overflows and is skipped; GradScaler's skip leaves fp32's
+    # gradients, the zero_grad after it keeps them as zeros, and b, unused from then on, is
+    # stepped with them.
+    torch.manual_seed(0)
+    base = _TwoHeads()
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
+
+    def run(use_amp):
+        model = copy.deepcopy(base)
+        first = model.a.parameters() if case == "group added" else model.parameters()
+        opt = torch.optim.SGD(first, lr=0.1, momentum=0.9, weight_decay=0.1)
+        if use_amp:
+            amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
+                           loss_scale="dynamic", verbosity=0)
+        else:
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        b_from = model.state_dict()["b.weight"].float().clone()  # (b's fp32 value: O2's master)
+        for i, (x, y) in enumerate(data):
+            use_b = bad = case == "skipped step" and i == 0
+            if use_amp:
+                loss = nn.functional.mse_loss(model(x, use_b), y)
+                with amp.scale_loss(loss * (float("inf") if bad else 1.0), opt) as s:
+                    s.backward()
+                opt.step()
+            else:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = model(x, use_b)
+                loss = nn.functional.mse_loss(out.float(), y)
+                scaler.scale(loss * (float("inf") if bad else 1.0)).backward()
+                scaler.step(opt)
+                scaler.update()
+            if i == 0 and case == "group added":
+                opt.add_param_group({"params": list(model.b.parameters())})
+                # (at O2, b's master now: b was cast to half with the model, not in a group)
+                b_from = model.state_dict()["b.weight"].float().clone()
+            opt.zero_grad(set_to_none=False)
+        return {k: v.float() for k, v in model.state_dict().items()}, b_from
+
+    (want, want_from), (got, got_from) = run(False), run(True)
+    moved = not torch.equal(want["b.weight"], want_from)
+    assert moved == (case == "skipped step")
+    assert (not torch.equal(got["b.weight"], got_from)) == moved
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
 
 
 # zero_grad(set_to_none=True) forgets which masters had gradients under an earlier
