@@ -1449,9 +1449,30 @@ class _OptimizerState:
         self._stash = []
 
     # -- step hooks ----------------------------------------------------------------------------
+    def _refuse_step_inside_the_block(self) -> None:
+        """``optimizer.step()`` inside this optimizer's ``scale_loss`` block (an Apex-era slip:
+        the step indented into it): its gradients are still multiplied by the loss scale and
+        unchecked (O1 stepped 65536 times too far, silently), or not yet on the fp32 masters
+        (O2). Under a static scale of 1.0 without masters nothing differs: let it run."""
+        scaled = any(s.dynamic or s.loss_scale != 1.0 for s in self.amp_state.scalers)
+        if not scaled and not self.pairs:
+            return
+        where = " and ".join(
+            (["still multiplied by the loss scale"] if scaled else [])
+            + (["not yet on the fp32 master weights"] if self.pairs else []))
+        raise RuntimeError(
+            "optimizer.step() was called inside `with amp.scale_loss(...)`: the block "
+            "unscales the gradients" + (" into the fp32 master weights" if self.pairs else "")
+            + (" and checks them for inf/NaN" if scaled else "") + " when it exits, so "
+            f"here they are {where}. Call optimizer.step() after the block: `with "
+            "amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`, then, "
+            "dedented, `optimizer.step()`.")
+
     def _pre_step(self, optimizer, args, kwargs):
         if not self.amp_state.enabled:
             return
+        if self.scale_loss_open:
+            self._refuse_step_inside_the_block()
         # torch passes the step's positional args with the optimizer itself first.
         rest = args[1:] if args and args[0] is optimizer else args
         closure = kwargs.get("closure", rest[0] if rest else None)

@@ -3604,6 +3604,55 @@ def test_zeroing_after_the_step_follows_fp32_past_a_group_added_and_a_skipped_st
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=2e-2, msg=k)
 
 
+@pytest.mark.parametrize("opt_level, loss_scale, fused, want", [
+    ("O1", "dynamic", False, r"the block unscales the gradients and checks them for inf/NaN "
+                             r"when it exits, so here they are still multiplied by the loss "
+                             r"scale\. Call optimizer\.step\(\) after the block"),
+    ("O1", 128.0, True, r"still multiplied by the loss scale\. Call"),
+    ("O2", "dynamic", False, r"unscales the gradients into the fp32 master weights and checks "
+                             r"them for inf/NaN when it exits, so here they are still "
+                             r"multiplied by the loss scale and not yet on the fp32 master "
+                             r"weights\."),
+    ("O2", 1.0, False, r"into the fp32 master weights when it exits, so here they are not yet "
+                       r"on the fp32 master weights\."),
+    ("O3", 1.0, False, None),  # (nothing differs: the step runs)
+    ("O1", 1.0, False, None),
+])
+def test_a_step_inside_the_scale_loss_block_is_refused(opt_level, loss_scale, fused, want):
+    # An Apex-era slip: optimizer.step() indented into the block. At O1 it stepped on
+    # gradients still multiplied by 65536, silently (a weight moved 1478 instead of 0.023);
+    # at O2 it raised that the backward had not run inside scale_loss, which it had (r102C
+    # R1). Refused before the optimizer steps, the parameters untouched; under a static 1.0
+    # without masters nothing differs and it runs, as after the block.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=fused)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
+                                loss_scale=loss_scale, verbosity=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(5, 4)
+    loss = model(x.bfloat16() if opt_level != "O1" else x).float().pow(2).mean()
+    if want is None:
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+            opt.step()
+        assert not torch.equal(before[0], model.weight)
+        return
+    with pytest.raises(RuntimeError, match=r"optimizer\.step\(\) was called inside `with "
+                                           r"amp\.scale_loss\(\.\.\.\)`: .*" + want):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+            opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    opt.zero_grad()  # (and the loop goes on as it should have been written)
+    with amp.scale_loss(model(x.bfloat16() if opt_level != "O1" else x).float().pow(2).mean(),
+                        opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not torch.equal(before[0], model.weight)
+
+
 # zero_grad(set_to_none=True) forgets which masters had gradients under an earlier
 # zero_grad(set_to_none=False): a master unused since keeps no gradient, as in fp32.
 def test_switching_zero_grad_modes_does_not_revive_an_unused_masters_gradient():
