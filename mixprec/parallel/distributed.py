@@ -363,7 +363,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     parameter that got a gradient in the first step and none in a later one makes the next
     forward raise a RuntimeError naming it, unless ``find_unused_parameters=True`` (then any
     parameter may go without a gradient in any step: one unused on every rank keeps
-    ``grad=None``). A parameter frozen when the model was wrapped (or in the first step) and
+    ``grad=None``, but inside ``join()`` one that a rank which has joined used in its last step
+    gets a zero gradient, as with PyTorch's DDP, whose join hook all-reduces that rank's last
+    map of used parameters; with momentum or Adam the zero still moves it). A parameter frozen when the model was wrapped (or in the first step) and
     set to require gradients later makes the next forward raise: it is not in the all-reduce,
     so wrap the model again after changing ``requires_grad``; so does freezing some of the
     parameters (not all) after the first step, which the all-reduce would wait for, and a
