@@ -365,11 +365,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
     parameter may go without a gradient in any step: one unused on every rank keeps
     ``grad=None``, but inside ``join()`` one that a rank which has joined used in its last step
     gets a zero gradient, as with PyTorch's DDP, whose join hook all-reduces that rank's last
-    map of used parameters; with momentum or Adam the zero still moves it). A parameter frozen when the model was wrapped (or in the first step) and
-    set to require gradients later makes the next forward raise: it is not in the all-reduce,
-    so wrap the model again after changing ``requires_grad``; so does freezing some of the
-    parameters (not all) after the first step, which the all-reduce would wait for, and a
-    layer replaced or added after wrapping (its parameters are not in PyTorch's reducer).
+    map of used parameters; with momentum or Adam the zero still moves it). A parameter frozen
+    when the model was wrapped (or in the first step) and set to require gradients later makes
+    the next forward raise: it is not in the all-reduce, so wrap the model again after changing
+    ``requires_grad``; so does freezing some of the parameters (not all) after the first step,
+    which the all-reduce would wait for, and a layer replaced or added after wrapping (its
+    parameters are not in PyTorch's reducer).
     With ``delay_allreduce=True`` any parameter may go without a gradient, and the wrapper
     follows the module as Apex's delay mode did: parameters unfrozen, replaced or added are
     all-reduced from the next backward on, and layers new to the module get rank 0's state at
