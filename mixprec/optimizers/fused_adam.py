@@ -393,8 +393,9 @@ class FusedAdam(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """PyTorch's, accepting ``torch.optim.Adam``/``AdamW`` checkpoints too: a group saved
-        by them takes ``adam_w_mode`` from its ``decoupled_weight_decay`` where it has one
-        (else from this optimizer's defaults) and this optimizer's other missing options; step
+        by them, or by this optimizer and run by one of them since, takes ``adam_w_mode``
+        from its ``decoupled_weight_decay`` where it has one (else from this optimizer's
+        defaults) and this optimizer's other missing options; step
         counts move to their parameter's device as fp32. A checkpoint of Apex's FusedAdam
         (one step count per group, in ``group["step"]``) gives each parameter that count. A
         tensor ``lr`` is loaded as PyTorch loads it: a copy, on the device it was saved from
@@ -423,7 +424,11 @@ class FusedAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         self._epoch += 1
         for group in self.param_groups:
-            if "adam_w_mode" not in group and "decoupled_weight_decay" in group:
+            # PyTorch's key wins where there is one: FusedAdam's own checkpoints state both
+            # alike, and a torch optimizer that ran the checkpoint since updates only its own
+            # (AdamW loading an L2 FusedAdam checkpoint sets decoupled_weight_decay=True, the
+            # adam_w_mode=False beside it stale).
+            if "decoupled_weight_decay" in group:
                 group["adam_w_mode"] = bool(group["decoupled_weight_decay"])
             for key, value in self.defaults.items():
                 if key != "differentiable":  # (put in the defaults by torch's __setstate__)

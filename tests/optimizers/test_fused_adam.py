@@ -2074,6 +2074,31 @@ def test_checkpoint_continues_in_torch_adam_with_the_same_update(cpu_route, adam
         torch.testing.assert_close(p.double(), r, **_TORCH_TOL)
 
 
+def test_an_l2_checkpoint_run_by_torch_adamw_comes_back_decoupled(cpu_route):
+    # An L2 FusedAdam checkpoint (adam_w_mode=False) loaded into torch.optim.AdamW runs there
+    # with decoupled decay (AdamW sets decoupled_weight_decay=True, keeping the adam_w_mode
+    # key as it was); AdamW's checkpoint loaded back into FusedAdam continued with L2, the
+    # stale key preferred (r102A R2: 3.6e-3 apart after one step). Reference: AdamW going on.
+    init = _two_params()
+    ours = [p.clone() for p in init]
+    first = FusedAdam(ours, lr=1e-2, weight_decay=0.1, adam_w_mode=False)
+    grads = _grads_for(init, 5)
+    _run_steps(first, ours, grads[:2])
+    ref = [p.detach().double().clone() for p in ours]
+    adamw = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    adamw.load_state_dict(copy.deepcopy(first.state_dict()))
+    _run_steps(adamw, ref, grads[2:3])
+    saved = copy.deepcopy(adamw.state_dict())
+    back = [p.detach().float().clone() for p in ref]
+    opt = FusedAdam(back, lr=1e-2, weight_decay=0.1, adam_w_mode=False)
+    opt.load_state_dict(saved)
+    assert all(g["adam_w_mode"] is True for g in opt.param_groups)
+    _run_steps(opt, back, grads[3:])
+    _run_steps(adamw, ref, grads[3:])
+    for p, r in zip(back, ref):
+        torch.testing.assert_close(p.double(), r, **_TORCH_TOL)
+
+
 @_needs_decoupled_adam
 @pytest.mark.parametrize("decoupled", [False, True])
 def test_torch_adam_checkpoint_keeps_its_weight_decay_mode(cpu_route, decoupled):
