@@ -4963,23 +4963,28 @@ def check_fsdp2_root_parameters_are_not_taken_for_gradients_no_optimizer_holds(c
         if layout != "root":
             fully_shard(model[0])
         fully_shard(model)
+        ref.to(next(model.parameters()).device)  # (a GPU, where fully_shard took the model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.float16,
                                     verbosity=0)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         ref, ref_opt = amp.initialize(ref, ref_opt, opt_level="O1", dtype=torch.float16,
                                       verbosity=0)
-        x, y = (t.cpu() for t in _global_batch(ctx, seed=320))  # (FSDP here: CPU only)
+        # (CPU tensors: on a machine with a GPU, fully_shard puts the model there, and its
+        # output comes back there.)
+        x, y = (t.cpu() for t in _global_batch(ctx, seed=320))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
                 opt.zero_grad()
-                with amp.scale_loss(F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y)),
+                out = model(_mine(ctx, x))
+                with amp.scale_loss(F.mse_loss(out.float(), _mine(ctx, y).to(out.device)),
                                     opt) as scaled:
                     scaled.backward()
                 opt.step()
         stray = [str(w.message) for w in caught if "no optimizer given" in str(w.message)]
         assert not stray, (layout, stray)
+        x, y = (t.to(next(ref.parameters()).device) for t in (x, y))
         for _ in range(2):
             ref_opt.zero_grad()
             losses = [F.mse_loss(ref(x[r * PER_RANK:(r + 1) * PER_RANK]).float(),
