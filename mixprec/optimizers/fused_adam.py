@@ -680,7 +680,10 @@ class _Plan:
         self.copies = copies
         self.plain = plain
         self.kernel_by_device = _by_device(kernel, params)
-        self.fused_by_device = _by_device(fused, params)
+        # (And by dtype: PyTorch's fused CUDA kernel takes one dtype per call, and a group
+        # holding fp16 and bf16 parameters, or fp64 and half ones, raised "params, grads,
+        # exp_avgs, and exp_avg_sqs must have same dtype, device, and layout" there.)
+        self.fused_by_device = _by_device(fused, params, by_dtype=True)
         by_device: Dict[torch.device, List[Tensor]] = {}
         for step in self.steps:
             by_device.setdefault(step.device, []).append(step)
@@ -820,10 +823,13 @@ def _lr_on(lr: Union[float, Tensor], device: torch.device) -> Union[float, Tenso
     return lr.to(device, non_blocking=True)
 
 
-def _by_device(indices: List[int], params: List[Tensor]) -> List[List[int]]:
-    groups: Dict[torch.device, List[int]] = {}
+def _by_device(indices: List[int], params: List[Tensor],
+               by_dtype: bool = False) -> List[List[int]]:
+    """``indices`` grouped by their parameter's device (and dtype), in order."""
+    groups: Dict[tuple, List[int]] = {}
     for i in indices:
-        groups.setdefault(params[i].device, []).append(i)
+        p = params[i]
+        groups.setdefault((p.device, p.dtype) if by_dtype else (p.device,), []).append(i)
     return list(groups.values())
 
 

@@ -2910,3 +2910,41 @@ def test_channels_last_parameters_take_pytorchs_fused_kernel_off_the_triton_kern
         monkeypatch.setattr(fused_adam, name, spy)
     _channels_last_steps_match_adamw(torch.device("cpu"), 62)
     assert routes == {"fused": [[(3, 4, 5, 6), (7,)]] * 2, "plain": []}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="requires CUDA"))])
+def test_a_group_of_several_dtypes_calls_torchs_fused_kernel_once_per_dtype(device,
+                                                                           monkeypatch):
+    # One group holding fp16, bf16 and fp64 parameters (the kernel takes none of them): the
+    # routing grouped PyTorch's fused calls by device only, and its CUDA kernel, which takes
+    # one dtype per call, raised "params, grads, exp_avgs, and exp_avg_sqs must have same
+    # dtype, device, and layout" (r102A's fuzzer on the H100). Each call has one dtype now,
+    # and every parameter is stepped as torch.optim.AdamW(fused=True) steps it alone, to
+    # the bit.
+    if not fused_adam._torch_fused_ok(torch.device(device)):
+        pytest.skip(f"this PyTorch has no fused Adam kernel for {device} tensors")
+    calls = []
+    real = torch._fused_adamw_
+
+    def recording(params, *args, **kwargs):
+        calls.append({p.dtype for p in params})
+        return real(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", recording)
+    torch.manual_seed(0)
+    dtypes = [torch.float16, torch.bfloat16, torch.float64, torch.float16]
+    ours = [torch.randn(33, device=device).to(dt) for dt in dtypes]
+    refs = [[p.clone()] for p in ours]
+    opt = FusedAdam(ours, lr=1e-2, weight_decay=0.1)
+    ref_opts = [torch.optim.AdamW(r, lr=1e-2, weight_decay=0.1, fused=True) for r in refs]
+    for _ in range(3):
+        grads = [torch.randn(33, device=device).to(p.dtype) for p in ours]
+        for p, r, g in zip(ours, refs, grads):
+            p.grad, r[0].grad = g.clone(), g.clone()
+        opt.step()
+        for o in ref_opts:
+            o.step()
+    assert calls and all(len(dts) == 1 for dts in calls), calls  # (the references' too)
+    for p, (r,) in zip(ours, refs):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
