@@ -1803,6 +1803,23 @@ class _TwoHeads(nn.Module):
         return self.a(x) + self.b(x) if use_b else self.a(x)
 
 
+def _two_heads_step(model, opt, scaler, x, y, use_b, bad):
+    """One step of a ``_TwoHeads`` model: amp's (``scaler`` None) or torch's autocast (bf16)
+    with ``scaler``, a GradScaler; ``bad`` multiplies the loss by inf (an overflow)."""
+    factor = float("inf") if bad else 1.0
+    if scaler is None:
+        loss = nn.functional.mse_loss(model(x, use_b), y)
+        with amp.scale_loss(loss * factor, opt) as s:
+            s.backward()
+        opt.step()
+        return
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, use_b)
+    scaler.scale(nn.functional.mse_loss(out.float(), y) * factor).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
 @pytest.mark.parametrize("when", ["before the backward", "after the step"])
 @pytest.mark.parametrize("zero_through", ["optimizer", "optimizer, positionally", "model"])
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
@@ -1825,11 +1842,13 @@ def test_zero_grad_keeping_tensors_steps_unused_parameters_as_fp32_does(opt_leve
     def run(use_amp):
         model = copy.deepcopy(base)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+        scaler = None
         if use_amp:
             amp.initialize(model, opt, opt_level=opt_level, dtype=torch.bfloat16,
                            loss_scale="dynamic", verbosity=0)
         else:
             scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+
         def zero_grad():
             if zero_through == "optimizer, positionally":
                 opt.zero_grad(False)  # (torch's zero_grad takes set_to_none by position too)
@@ -1839,18 +1858,7 @@ def test_zero_grad_keeping_tensors_steps_unused_parameters_as_fp32_does(opt_leve
         for i, (x, y, use_b) in enumerate(data):
             if when == "before the backward":
                 zero_grad()
-            if use_amp:
-                loss = nn.functional.mse_loss(model(x, use_b), y)
-                with amp.scale_loss(loss * (float("inf") if i == 3 else 1.0), opt) as s:
-                    s.backward()
-                opt.step()
-            else:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    out = model(x, use_b)
-                loss = nn.functional.mse_loss(out.float(), y)
-                scaler.scale(loss * (float("inf") if i == 3 else 1.0)).backward()
-                scaler.step(opt)
-                scaler.update()
+            _two_heads_step(model, opt, scaler, x, y, use_b, bad=i == 3)
             if when == "after the step":
                 zero_grad()
         return {k: v.float() for k, v in model.state_dict().items()}
@@ -3569,6 +3577,7 @@ def test_zeroing_after_the_step_follows_fp32_past_a_group_added_and_a_skipped_st
         model = copy.deepcopy(base)
         first = model.a.parameters() if case == "group added" else model.parameters()
         opt = torch.optim.SGD(first, lr=0.1, momentum=0.9, weight_decay=0.1)
+        scaler = None
         if use_amp:
             amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16,
                            loss_scale="dynamic", verbosity=0)
@@ -3577,18 +3586,7 @@ def test_zeroing_after_the_step_follows_fp32_past_a_group_added_and_a_skipped_st
         b_from = model.state_dict()["b.weight"].float().clone()  # (b's fp32 value: O2's master)
         for i, (x, y) in enumerate(data):
             use_b = bad = case == "skipped step" and i == 0
-            if use_amp:
-                loss = nn.functional.mse_loss(model(x, use_b), y)
-                with amp.scale_loss(loss * (float("inf") if bad else 1.0), opt) as s:
-                    s.backward()
-                opt.step()
-            else:
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    out = model(x, use_b)
-                loss = nn.functional.mse_loss(out.float(), y)
-                scaler.scale(loss * (float("inf") if bad else 1.0)).backward()
-                scaler.step(opt)
-                scaler.update()
+            _two_heads_step(model, opt, scaler, x, y, use_b, bad)
             if i == 0 and case == "group added":
                 opt.add_param_group({"params": list(model.b.parameters())})
                 # (at O2, b's master now: b was cast to half with the model, not in a group)
