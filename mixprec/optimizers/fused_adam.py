@@ -395,8 +395,8 @@ class FusedAdam(torch.optim.Optimizer):
         """PyTorch's, accepting ``torch.optim.Adam``/``AdamW`` checkpoints too: a group saved
         by them, or by this optimizer and run by one of them since, takes ``adam_w_mode``
         from its ``decoupled_weight_decay`` where it has one (else from this optimizer's
-        defaults) and this optimizer's other missing options; step
-        counts move to their parameter's device as fp32. A checkpoint of Apex's FusedAdam
+        defaults) and this optimizer's other missing options; step counts move to their
+        parameter's device as fp32. A checkpoint of Apex's FusedAdam
         (one step count per group, in ``group["step"]``) gives each parameter that count. A
         tensor ``lr`` is loaded as PyTorch loads it: a copy, on the device it was saved from
         (or mapped to)."""
