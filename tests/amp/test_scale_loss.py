@@ -687,6 +687,20 @@ def test_a_load_between_a_clean_backward_and_its_step_keeps_the_gradients(opt_le
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-6, msg=k)
 
 
+def _overflowed_steps(model, opt, n, read_skips=True):
+    """``n`` steps of ``make_cnn``'s batch whose scaled loss's backward is inf: whether each
+    step was skipped (``read_skips``; else nothing read between the steps)."""
+    x, y = batch()
+    skipped = []
+    for _ in range(n):
+        with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as s:
+            (s * float("inf")).backward()
+        opt.step()
+        if read_skips:
+            skipped.append(amp.step_was_skipped(opt))
+    return skipped
+
+
 @pytest.mark.parametrize("verbosity", [1, 0])
 def test_overflow_messages_are_rate_limited(caplog, monkeypatch, verbosity):
     """Overflow lines come from the ``mixprec.amp`` logger (docs/migrating.md names it for
@@ -695,13 +709,8 @@ def test_overflow_messages_are_rate_limited(caplog, monkeypatch, verbosity):
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O1", loss_scale="dynamic", verbosity=verbosity)
-    x, y = batch()
     with caplog.at_level(logging.DEBUG, logger="mixprec.amp"):
-        for _ in range(5):
-            with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as s:
-                (s * float("inf")).backward()
-            opt.step()
-            assert amp.step_was_skipped(opt)
+        assert _overflowed_steps(model, opt, 5) == [True] * 5
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**11
     if verbosity == 0:
         assert [r.getMessage() for r in caplog.records if "overflow" in r.getMessage()] == []
@@ -735,12 +744,8 @@ def test_overflows_at_min_loss_scale_say_the_scale_stays(caplog, fused):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     amp.initialize(model, opt, opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
                    min_loss_scale=16384.0, verbosity=1)
-    x, y = batch()
     with caplog.at_level(logging.INFO, logger="mixprec.amp"):
-        for _ in range(4):
-            with amp.scale_loss(nn.functional.cross_entropy(model(x), y), opt) as s:
-                (s * float("inf")).backward()
-            opt.step()
+        _overflowed_steps(model, opt, 4, read_skips=False)
         amp.state_dict()  # (reads the device-held flags back)
     messages = [r.getMessage() for r in caplog.records if "Gradient overflow" in r.getMessage()]
     assert messages == [
