@@ -55,6 +55,13 @@ def norm_fwd_kernel(
         xc = x
     else:
         mean = tl.sum(x, axis=1) / N
+        # The sum's rounding leaves the mean off by up to a few ulps of the row's values; for a
+        # row of near-equal values that error is the whole deviation, and 1 / sqrt(var + eps)
+        # would blow it up (a constant row of 12345.678 normalized to +-1 instead of 0). One
+        # correction on the row already in registers, the mean of the residuals, brings the
+        # mean to the nearest float of a constant row and costs no extra read.
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        mean = mean + tl.sum(xc, axis=1) / N
         tl.store(Mean + rows, mean, mask=row_ok)
         # Two-pass variance on the row already in registers: no cancellation, no extra read.
         xc = tl.where(mask, x - mean[:, None], 0.0)

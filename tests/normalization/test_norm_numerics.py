@@ -20,6 +20,8 @@ from .helpers import (
     CASES,
     DEVICES,
     HALF_AND_FLOAT,
+    KERNEL_DEVICES,
+    device_and_context,
     device_cases,
     float64_reference,
     make_input,
@@ -201,3 +203,34 @@ def test_empty_batch_output_has_torchs_strides(kind):
         got, want = fused_rms_norm(x, 8), torch.nn.functional.rms_norm(x, (8,))
     assert got.shape == want.shape and got.dtype == want.dtype
     assert got.stride() == want.stride() == (8, 8, 1)
+
+
+@KERNEL_DEVICES
+@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n", [45, 768, 3000])
+def test_layer_norm_of_constant_rows_is_the_bias(n, dtype, eps, device):
+    """A row of equal values has zero variance: its output is exactly the bias whatever eps.
+    A mean off by one ulp of the values (the rounding of a plain fp32 sum) would come back
+    multiplied by 1 / sqrt(eps): a row of 12345.678 normalized to +-1 at the default eps, and
+    rows of 0.1 to noise of 0.01-0.4 at BERT's eps of 1e-12. The gradients stay finite and
+    match PyTorch's LayerNorm in float64 (where x_hat is exactly 0)."""
+    device, context = device_and_context(device)
+    values = [0.1, -0.7, 1.7, 12345.678, 3e-3, -2.5e4]
+    x = torch.tensor(values).repeat_interleave(n).view(len(values), n).to(device, dtype)
+    w, b = (t.detach() for t in make_params((n,), torch.float32, device, True))
+    dy = make_input(x.shape, dtype, device, seed=5)
+    xg = x.clone().requires_grad_(True)
+    wg, bg = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    with context():
+        y = fused_layer_norm(xg, (n,), wg, bg, eps=eps)
+        y.backward(dy)
+    # fp32 exactly; bf16 within one rounding (Triton's interpreter truncates to bf16).
+    rtol = 0 if dtype == torch.float32 else 2.0**-7
+    torch.testing.assert_close(y.float(), b.expand_as(y), atol=0, rtol=rtol)
+    y64, dx64, dw64, db64 = float64_reference("layer", x, (n,), w, b, dy, eps=eps)
+    # dx = rstd * (w*dy - mean(w*dy)) with rstd = 1 / sqrt(eps): up to 1e6 times dy at 1e-12.
+    scale = dx64.abs().amax().item()
+    torch.testing.assert_close(xg.grad.double(), dx64, atol=1e-5 * scale, rtol=2e-2)
+    torch.testing.assert_close(wg.grad.double(), dw64, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(bg.grad.double(), db64, atol=1e-5, rtol=1e-5)
