@@ -160,7 +160,14 @@ class LARC:
                     decay = torch.where(keep, torch.zeros_like(local_lr),
                                         torch.full_like(local_lr, weight_decay))
                     g.add_(p * decay.to(p.dtype))
-                g.mul_(scale.to(g.dtype))
+                if g.dtype in (torch.float16, torch.bfloat16):
+                    # The product in fp32, rounded once: the ratio itself may pass fp16's
+                    # 65504 (LARS on a small gradient: 2e5 for gradients of 1e-7) where the
+                    # scaled gradient, whose norm is at most trust * ||p||, does not; cast
+                    # first, it was inf (and inf * 0 NaN), and bf16 kept 8 bits of the ratio.
+                    g.copy_(g.float().mul_(scale))
+                else:
+                    g.mul_(scale.to(g.dtype))
 
     @staticmethod
     def _grad_values(p: torch.Tensor, g: torch.Tensor, weight_decay: float) -> torch.Tensor:

@@ -8,6 +8,9 @@ from torch import nn
 
 from mixprec.parallel import LARC
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="requires CUDA"))]
+
 
 def _params():
     g = torch.Generator().manual_seed(0)
@@ -713,3 +716,30 @@ def test_larc_scales_the_gradient_in_place(clip):
     assert p.grad is held
     torch.testing.assert_close(held, _larc_gradient(start, grad, 0.1, 1e-2, 0.02, clip, 1e-8),
                                rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_larc_ratio_past_fp16s_range_scales_half_gradients_in_fp32(dtype, device):
+    """LARS (clip=False) on half parameters (O3, a .half() model) with a small gradient: the
+    trust ratio passes fp16's 65504 (0.02 * 64 / 6e-6 ~ 2e5) while the scaled gradient stays
+    small (its norm is trust * ||p||). Rounding the ratio to fp16 before the product made the
+    gradient inf, and every zero entry NaN (r103B B1); in bf16 it kept 8 bits of the ratio.
+    Against float64: one rounding of the scaled gradient to the parameter's dtype."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(64, 64, dtype=dtype, device=device))
+    g = (torch.randn(64, 64, device=device) * 1e-7).to(dtype)
+    g[0, :8] = 0  # zero entries stay exactly 0 (inf * 0 was NaN)
+    p.grad = g.clone()
+    tc, eps = 0.02, 1e-8
+    ratio = tc * p.detach().double().norm() / (g.double().norm() + eps)
+    assert ratio > 65504
+    larc = LARC(torch.optim.SGD([p], lr=0.1), trust_coefficient=tc, clip=False, eps=eps)
+    larc._scale_gradients()
+    expected = g.double() * ratio
+    assert torch.isfinite(p.grad).all()
+    assert torch.equal(p.grad[0, :8], torch.zeros(8, dtype=dtype, device=device))
+    tiny = torch.finfo(dtype).tiny  # fp16 subnormal gradients: absolute bound near zero
+    # One rounding (half an ulp), plus fp32's norms and product (~1e-7 relative).
+    rtol = torch.finfo(dtype).eps / 2 + 1e-6
+    torch.testing.assert_close(p.grad.double(), expected, rtol=rtol, atol=tiny)
