@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from typing import List, Optional, Union
 
 import torch
 from torch import nn
 
+from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import agree_on_overflow, master_weights
 from mixprec.amp._state import set_aside_grads, set_aside_params, set_aside_zeros
 from mixprec.parallel._comm import (
@@ -49,6 +51,14 @@ def _check_reducible(t: torch.Tensor, what: str) -> None:
             "of integers is not one. Pass floating tensors (e.g. t.float()), or all-reduce "
             "integers with torch.distributed.all_reduce."
         )
+    expanded = [d for d, (n, st) in enumerate(zip(t.shape, t.stride())) if st == 0 and n > 1]
+    if expanded:
+        raise ValueError(
+            f"{what} is an expanded view (shape {tuple(t.shape)}, stride {t.stride()}: stride 0 "
+            f"along dim {expanded[0]}), whose elements share memory, so their average cannot be "
+            "written back in place. Pass a tensor that owns its elements (t.clone(), or the "
+            "tensor it was expanded from)."
+        )
 
 
 class Reducer:
@@ -57,7 +67,10 @@ class Reducer:
     Unlike :class:`DistributedDataParallel` nothing happens during backward: you decide when
     to communicate, e.g. once after several accumulation steps. Given a module, its parameters
     are broadcast from rank 0 at construction and :meth:`reduce` averages the gradients of its
-    parameters that have one; given a list of tensors, :meth:`reduce` averages those in place.
+    parameters that have one; given a list of tensors, :meth:`reduce` averages those in place
+    (the tensors themselves: gradients that ``zero_grad()`` replaces, as PyTorch's default
+    ``set_to_none=True`` does, are no longer them, and :meth:`reduce` warns once when it finds
+    none of its tensors written since the previous call; pass the module instead).
     Each call makes one flat all-reduce per (device, dtype).
 
     With an amp O2 model the fp32 master weights are broadcast too (built before
@@ -123,6 +136,10 @@ class Reducer:
         self.find_unused_parameters = find_unused_parameters
         self.module: Optional[nn.Module] = None
         self.grads: List[torch.Tensor] = []
+        # The list form: the tensors' version counters after the last reduce(), to notice a
+        # call that finds none of them written since (gradients replaced by zero_grad()).
+        self._versions: Optional[List[int]] = None
+        self._warned_stale = False
         if isinstance(module_or_grads_list, nn.Module):
             self.module = module_or_grads_list
         elif isinstance(module_or_grads_list, Iterable) and not isinstance(
@@ -178,6 +195,7 @@ class Reducer:
             tensors += set_aside_grads(self.module.parameters())
         else:
             tensors = self.grads
+            self._check_written()
         if not tensors:
             return
         try:
@@ -193,6 +211,27 @@ class Reducer:
                              if p.grad is not None and p.grad.layout != torch.strided]
                     _check_reducible(t, f"Reducer.reduce(): the gradient of {names or 'a master'}")
             raise
+        if self.module is None:
+            self._versions = [t._version for t in tensors]
+
+    def _check_written(self) -> None:
+        """Warn (once, on rank 0) when none of the list's tensors has been written since the
+        previous reduce(): they are no longer the gradients (zero_grad() with PyTorch's default
+        set_to_none=True replaces them), so the ranks would go on with their own."""
+        if self._versions is None or self._warned_stale:
+            return
+        if any(t._version != v for t, v in zip(self.grads, self._versions)):
+            return
+        self._warned_stale = True
+        if is_rank_zero():
+            warnings.warn(
+                f"Reducer.reduce(): none of the {len(self.grads)} tensors this Reducer was "
+                "built from has been written since the previous reduce(), so this call "
+                "averages the same values again. If they are gradients, optimizer.zero_grad() "
+                "(set_to_none=True, PyTorch's default) has replaced them with new tensors that "
+                "this Reducer does not see, and each rank steps on its own gradients: build it "
+                "from the module (Reducer(model)), or zero with zero_grad(set_to_none=False).",
+                RuntimeWarning, stacklevel=3)
 
     def _fill_missing_gradients(self) -> None:
         """``find_unused_parameters``: a zero gradient for each parameter (and O2 master)

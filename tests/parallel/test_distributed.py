@@ -6204,6 +6204,48 @@ def check_reducer_errors_while_averaging_reach_the_caller(ctx):
         raise AssertionError("an in-place write refused by PyTorch was not reported")
 
 
+def check_reducer_list_of_gradients_replaced_by_zero_grad_warns(ctx):
+    # Apex's list form, Reducer([p.grad for p in params]), holds the tensors themselves: once
+    # zero_grad() with PyTorch's default set_to_none=True had dropped them, the next backward
+    # made new gradients and reduce() averaged the old ones, so each rank stepped on its own
+    # gradient without a word (r103B R1). reduce() now warns, once and on rank 0, when none of
+    # its tensors has been written since the previous call; set_to_none=False keeps the
+    # tensors and stays silent. Reference: the exact mean over the ranks.
+    p = nn.Parameter(torch.ones(3, device=ctx.device))
+    mean = (ctx.world_size + 1) / 2
+
+    def backward_and_reduce(reducer):
+        (p * (ctx.rank + 1.0)).sum().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            (reducer or Reducer([p.grad])).reduce()
+        return [w for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    assert not backward_and_reduce(None)
+    reducer = Reducer([p.grad])
+    p.grad.zero_()  # zero_grad(set_to_none=False): the same tensor, written
+    assert not backward_and_reduce(reducer), "a kept gradient was taken for a replaced one"
+    torch.testing.assert_close(p.grad, torch.full_like(p, mean), rtol=0, atol=0)
+    p.grad = None  # zero_grad() as PyTorch does by default
+    caught = backward_and_reduce(reducer)
+    torch.testing.assert_close(p.grad, torch.full_like(p, ctx.rank + 1.0), rtol=0, atol=0)
+    if ctx.rank == 0:
+        assert len(caught) == 1, [str(w.message) for w in caught]
+        text = str(caught[0].message)
+        assert "set_to_none" in text and "Reducer(model)" in text, text
+    else:
+        assert not caught, [str(w.message) for w in caught]
+    p.grad = None
+    assert not backward_and_reduce(reducer), "warned twice"
+    # An expanded view cannot take its average in place: refused when built, by name.
+    try:
+        Reducer([p.detach().clone(), torch.zeros(1, device=ctx.device).expand(4)])
+    except ValueError as err:
+        assert "tensor 1" in str(err) and "expanded" in str(err) and "clone()" in str(err), err
+    else:
+        raise AssertionError("an expanded tensor was taken")
+
+
 def check_reducer_averages_non_contiguous_gradients(ctx):
     # Gradients need not be contiguous: a channels_last convolution's weight gradient is
     # channels_last, and a list may hold transposed views. Reducer averages them in place
@@ -6718,6 +6760,7 @@ CHECKS = [
     "check_broadcasts_stay_within_the_process_group",
     "check_reducer_module_without_parameters_and_find_unused",
     "check_reducer_errors_while_averaging_reach_the_caller",
+    "check_reducer_list_of_gradients_replaced_by_zero_grad_warns",
     "check_reducer_averages_non_contiguous_gradients",
     "check_reducer_makes_one_flat_all_reduce_per_dtype",
     "check_simclr_recipe_matches_the_single_process_float64_run",
