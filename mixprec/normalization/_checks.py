@@ -76,7 +76,8 @@ def check_inputs(
             hint = ""
             if isinstance(p, numbers.Real) and where in _APEX_FUNCTIONAL:
                 # Apex's fused_layer_norm(input, normalized_shape, eps): an eps in weight's place.
-                hint = (f". mixprec's {where}(x, normalized_shape, weight, bias, eps) follows "
+                params = "weight, eps" if "rms" in where else "weight, bias, eps"
+                hint = (f". mixprec's {where}(x, normalized_shape, {params}) follows "
                         f"torch.nn.functional's order; Apex's {where}(input, normalized_shape, "
                         f"eps) is mixprec.normalization.apex_functional.{where} (also "
                         f"apex.normalization.fused_layer_norm.{where} through the Apex alias)")

@@ -14,8 +14,10 @@ Apex's forms::
     fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False)
     mixed_dtype_fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, ...)
 
-and Apex's autograd-function names, whose ``apply`` takes the same arguments with ``eps``
-required (``FusedLayerNormAffineFunction.apply(input, weight, bias, normalized_shape, eps)``).
+and Apex's autograd-function names, whose ``apply`` takes the same arguments
+(``FusedLayerNormAffineFunction.apply(input, weight, bias, normalized_shape, eps)``; Apex's
+``eps`` had no default, and their published ``forward`` signature keeps it so, while ``apply``
+falls back to the functions' 1e-6).
 The output has the input's dtype, except for the ``mixed_dtype_*`` forms, whose output has the
 weight's (as :class:`~mixprec.normalization.MixedFusedLayerNorm`). All of them run mixprec's
 kernels (Triton on CUDA, PyTorch's math elsewhere). Under ``torch.autocast`` the arguments are

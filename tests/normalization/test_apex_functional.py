@@ -120,7 +120,8 @@ def test_bad_input_errors():
     # Apex's positional eps given to mixprec's own fused_layer_norm (weight's place): the
     # message says which signature is which and where Apex's lives.
     with pytest.raises(TypeError, match=r"weight must be a Tensor or None, got float\. "
-                                        r".*apex_functional\.fused_layer_norm"):
+                                        r"mixprec's fused_layer_norm\(x, normalized_shape, "
+                                        r"weight, bias, eps\) .*apex_functional\.fused_layer_norm"):
         mixprec_fused_layer_norm(x, (8,), 1e-6)
     with pytest.raises(ValueError, match=r"a 0-dim input has no dims to normalize; it needs "
                                          r"trailing dims \(8,\)"):
@@ -135,8 +136,11 @@ def test_argument_order_hint_for_mixprecs_own_rms_norm():
     from mixprec.normalization import fused_rms_norm as mixprec_fused_rms_norm
 
     x = torch.randn(2, 8)
+    # (and gives fused_rms_norm's own order: it had LayerNorm's, with a bias, r103C R1)
     with pytest.raises(TypeError, match=r"^fused_rms_norm: weight must be a Tensor or None, "
-                                        r"got float\. .*apex_functional\.fused_rms_norm"):
+                                        r"got float\. mixprec's fused_rms_norm\(x, "
+                                        r"normalized_shape, weight, eps\) follows .*"
+                                        r"apex_functional\.fused_rms_norm"):
         mixprec_fused_rms_norm(x, (8,), 1e-6)
     torch.testing.assert_close(F.fused_rms_norm(x, (8,), 1e-6).double(), _rms(x, (8,)),
                                rtol=1e-5, atol=1e-5)
