@@ -37,7 +37,8 @@ class SyncBatchNorm(_BatchNorm):
     statistics, as ``torch.nn.SyncBatchNorm`` does (Apex's layer synchronised them): evaluation
     never communicates, so evaluating on one rank alone cannot hang. A training batch with a
     single value per channel over the whole group raises ``ValueError``, as BatchNorm does,
-    and leaves the running statistics untouched.
+    and leaves the running mean and variance untouched (``num_batches_tracked`` has counted
+    the batch, as BatchNorm's does).
 
     Inputs: ``(N, C)``, ``(N, C, L)``, ``(N, C, H, W)`` or ``(N, C, D, H, W)`` in any memory
     format; ``torch.channels_last`` inputs are reduced in place over ``(N, H, W)`` (no NCHW copy)
@@ -162,7 +163,9 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(
                 f"SyncBatchNorm({self.num_features}): input of shape {tuple(input.shape)} has "
                 f"{channels} channels in its {where} dimension; expected {self.num_features}."
-                + ("" if self.channel_last else
+                + (" It was built with channel_last=True, for (N, *, C) inputs: for (N, C, *) "
+                   "ones (torch.channels_last tensors included) build it with "
+                   "channel_last=False." if self.channel_last else
                    " For (N, *, C) inputs construct it with channel_last=True.")
             )
         # The dtypes BatchNorm takes, on every path (the multi-rank one computed any pair, so a

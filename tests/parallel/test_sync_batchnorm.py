@@ -1766,6 +1766,11 @@ def test_syncbn_fewer_channels_than_num_features_is_refused():
             layer(torch.randn(4, 2, 5))
         with pytest.raises(ValueError, match=r"has 2 channels in its last dimension; expected 3"):
             SyncBatchNorm(3, channel_last=True).train(training)(torch.randn(4, 5, 2))
+        # An NCHW input to a channel_last=True layer: the message names the flag (r103A R3).
+        with pytest.raises(ValueError, match=r"has 5 channels in its last dimension; expected 3\. "
+                                             r"It was built with channel_last=True, .* build it "
+                                             r"with channel_last=False"):
+            SyncBatchNorm(3, channel_last=True).train(training)(torch.randn(2, 3, 4, 5))
 
 
 class _SelfHooked(SyncBatchNorm):
