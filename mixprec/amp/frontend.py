@@ -488,7 +488,10 @@ def initialize(
             raise ValueError(
                 f"amp.initialize: the optimizer {type(opt).__name__} already went through "
                 "amp.initialize. Pass each optimizer once; to add models, initialize them "
-                "together in one call (lists of models and optimizers)."
+                "together in one call (lists of models and optimizers). To try another opt "
+                "level or dtype (a notebook cell run again), build a new model and optimizer "
+                "(or load model.state_dict(), which holds fp32 weights, into fresh ones) and "
+                "initialize those: amp.initialize cannot be undone."
             )
 
     if not enabled:

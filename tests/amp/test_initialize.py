@@ -652,6 +652,12 @@ def test_a_disabled_call_refuses_an_optimizer_an_enabled_call_prepared():
     with pytest.raises(ValueError, match=r"the optimizer SGD already went through "
                                          r"amp\.initialize"):
         amp.initialize(make_cnn(), opt, enabled=False, verbosity=0)
+    # The same model and optimizer again at another level (a notebook cell run again): the
+    # optimizer's refusal comes first and says what to do for another opt level (r104B R3).
+    with pytest.raises(ValueError, match=r"already went through amp\.initialize\..* To try "
+                                         r"another opt level or dtype .* build a new model "
+                                         r"and optimizer"):
+        amp.initialize(model, opt, opt_level="O1", verbosity=0)
     assert optimizer_state(opt) is state and state.amp_state.enabled
     x, y = batch()
     loss = nn.functional.cross_entropy(model(x), y)
