@@ -458,6 +458,26 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 f"DistributedDataParallel(module={type(module).__name__}): expected a "
                 "torch.nn.Module."
             )
+        positional = (("message_size", message_size), ("delay_allreduce", delay_allreduce),
+                      ("shared_param", shared_param),
+                      ("allreduce_trigger_params", allreduce_trigger_params),
+                      ("retain_allreduce_buffers", retain_allreduce_buffers),
+                      ("allreduce_always_fp32", allreduce_always_fp32),
+                      ("num_allreduce_streams", num_allreduce_streams),
+                      ("allreduce_communicators", allreduce_communicators),
+                      ("gradient_average", gradient_average),
+                      ("gradient_predivide_factor", gradient_predivide_factor),
+                      ("gradient_average_split_factor", gradient_average_split_factor),
+                      ("prof", prof))
+        for name, value in positional:
+            if dist.is_available() and isinstance(value, dist.ProcessGroup):
+                # (DDP(model, 10000000, False, group): the fourth positional is Apex's
+                # shared_param, which turned delay mode on and dropped the group silently.)
+                raise TypeError(
+                    f"DistributedDataParallel({name}=<ProcessGroup>): a process group passed "
+                    f"by position lands in Apex's {name} argument. Pass it by keyword, "
+                    "process_group=group (keyword-only, as in torch's "
+                    "DistributedDataParallel).")
         where = "DistributedDataParallel"  # (a string "False" was true: any string is)
         delay_allreduce = check_flag(where, "delay_allreduce", delay_allreduce)
         retain_allreduce_buffers = check_flag(where, "retain_allreduce_buffers",

@@ -5838,6 +5838,25 @@ def check_shared_param_false_still_warns_deprecated(ctx):
         assert not ours, ours
 
 
+def check_process_group_passed_by_position_is_refused(ctx):
+    """DDP(model, 10000000, False, group): the fourth positional argument is Apex's
+    shared_param, so a process group there turned delay mode on (with only the deprecation
+    warning) and the group was dropped silently (r104A R2); in torch's order, the sixth, it
+    lands in retain_allreduce_buffers. Refused on every rank before anything is built, naming
+    the slot and process_group=... as the fix."""
+    group = dist.group.WORLD
+    for args, slot in (((10000000, False, group), "shared_param"),
+                       ((None, None, 0, True, group), "retain_allreduce_buffers")):
+        try:
+            DistributedDataParallel(_mlp(ctx.device), *args)
+        except TypeError as err:
+            text = str(err)
+            assert f"DistributedDataParallel({slot}=<ProcessGroup>)" in text, text
+            assert "process_group=group" in text, text
+        else:
+            raise AssertionError(f"a process group in {slot}'s place was taken")
+
+
 def check_delay_allreduce_buckets_fill_to_message_size(ctx):
     """In the delay mode a bucket takes gradients up to exactly message_size elements: the
     MLP's 128/16/64/4-element gradients with message_size=80 go as 128, 16+64 and 4 (after
@@ -6742,6 +6761,7 @@ CHECKS = [
     "check_process_group_refused_when_not_a_group",
     "check_process_group_without_this_rank_refused",
     "check_shared_param_false_still_warns_deprecated",
+    "check_process_group_passed_by_position_is_refused",
     "check_delay_allreduce_buckets_fill_to_message_size",
     "check_delay_allreduce_follow_keeps_each_ranks_buffers",
     "check_delay_allreduce_follow_keeps_ignored_buffers_local",
