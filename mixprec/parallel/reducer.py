@@ -211,7 +211,8 @@ class Reducer:
                              if p.grad is not None and p.grad.layout != torch.strided]
                     _check_reducible(t, f"Reducer.reduce(): the gradient of {names or 'a master'}")
             raise
-        if self.module is None:
+        if self.module is None and not any(t.is_inference() for t in tensors):
+            # (Tensors made under torch.inference_mode() keep no version counter.)
             self._versions = [t._version for t in tensors]
 
     def _check_written(self) -> None:
