@@ -26,6 +26,7 @@ import inspect
 import logging
 import math
 import re
+import sys
 import threading
 import warnings
 import weakref
@@ -614,6 +615,38 @@ def _coalesced_if_fp16(g: torch.Tensor) -> torch.Tensor:
     return g
 
 
+_SCALER_CODES: Optional[frozenset] = None
+
+
+def _enabled_grad_scaler_calling():
+    """PyTorch's ``GradScaler`` whose ``step`` is on the stack above this step pre-hook (its
+    ``step`` or ``_maybe_opt_step`` calls ``optimizer.step()``), if it is enabled; else None.
+    Looked for a few frames up by code object, so a subclass that inherits those methods
+    counts too; a disabled one (``GradScaler(enabled=use_amp)`` left off) only calls step."""
+    global _SCALER_CODES
+    if _SCALER_CODES is None:
+        classes = [getattr(getattr(torch, "amp", None), "GradScaler", None),
+                   getattr(getattr(torch.cuda, "amp", None), "GradScaler", None)]
+        sharded = sys.modules.get("torch.distributed.fsdp.sharded_grad_scaler")
+        classes.append(getattr(sharded, "ShardedGradScaler", None))
+        codes = set()
+        for cls in classes:
+            for name in ("step", "_maybe_opt_step"):
+                code = getattr(getattr(cls, "__dict__", {}).get(name), "__code__", None)
+                if code is not None:
+                    codes.add(code)
+        _SCALER_CODES = frozenset(codes)
+    frame = sys._getframe(1)
+    for _ in range(8):  # (the hook, torch's step wrapper, then the caller of step())
+        if frame is None:
+            return None
+        if frame.f_code in _SCALER_CODES:
+            scaler = frame.f_locals.get("self")
+            return scaler if getattr(scaler, "_enabled", True) else None
+        frame = frame.f_back
+    return None
+
+
 class BlockBackwards:
     """A tensor hook on a ``scale_loss`` block's scaled loss, noting the autograd graph tasks
     (and the threads) of the backwards through it."""
@@ -688,6 +721,10 @@ class _OptimizerState:
         # in another thread (a state_dict() there).
         self._sync_lock = threading.RLock()
         self.optimizer_ref = weakref.ref(optimizer)
+        # The first steps are looked at for a GradScaler left from PyTorch's recipe calling
+        # them (see _pre_step); later ones are not, so the check costs nothing per step
+        # (a GradScaler that skips the first steps for overflows is caught at one it runs).
+        self._scaler_checks_left = 2
         self.pairs: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self.plain: List[torch.Tensor] = []
         # The directly stepped parameters' dtypes are to be checked at the next unscale (the
@@ -1471,6 +1508,20 @@ class _OptimizerState:
     def _pre_step(self, optimizer, args, kwargs):
         if not self.amp_state.enabled:
             return
+        if self._scaler_checks_left:
+            self._scaler_checks_left -= 1
+            scaler = _enabled_grad_scaler_calling()
+            if scaler is not None:
+                raise RuntimeError(
+                    f"{type(scaler).__name__}.step() was called on the "
+                    f"{type(optimizer).__name__} that amp.initialize prepared: amp.scale_loss "
+                    "already scales the loss, unscales the gradients and skips the steps that "
+                    "overflow, so a GradScaler kept from PyTorch's recipe scales them a second "
+                    "time (in fp16: more overflows, steps lost, both scales settling lower; "
+                    "with a fused optimizer the two hand it conflicting flags). Drop "
+                    "scaler.scale(), scaler.step() and scaler.update(): `with "
+                    "amp.scale_loss(loss, optimizer) as scaled_loss: scaled_loss.backward()`, "
+                    "then `optimizer.step()` (docs/migrating.md, 'From torch.amp').")
         if self.scale_loss_open:
             self._refuse_step_inside_the_block()
         # torch passes the step's positional args with the optimizer itself first.

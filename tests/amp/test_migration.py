@@ -2677,3 +2677,44 @@ def test_fp16_utils_clip_grad_norm_is_pytorchs_current_clipper(clean_apex):
     assert float(norm) == float(want) == 13.0
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_gradscaler_kept_around_scale_loss_is_refused(fused):
+    """A script ported from torch.amp that keeps its GradScaler around amp.scale_loss
+    (`scale_loss(scaler.scale(loss), opt)`, then `scaler.step(opt)`) scaled twice: in fp16 the
+    steps overflowed more and were lost, and both scales settled lower, silently (r104B R1: 7
+    of 30 steps lost, both scales at 512); with a fused optimizer the two handed it conflicting
+    flags ("'Adam' object has no attribute 'grad_scale'"). The first step the GradScaler runs
+    is refused, naming the fix (GradScaler.step calls a fused optimizer's step itself, a
+    foreach one's through _maybe_opt_step: both are seen). A plain optimizer.step() after the
+    block, and a disabled GradScaler (GradScaler(enabled=use_amp) left off), run as before."""
+    import torch
+    from torch import nn
+
+    def run(scaler):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused or None)
+        model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.float16,
+                                    verbosity=0)
+        for _ in range(30):
+            loss = model(torch.randn(8, 4)).float().pow(2).mean()
+            with amp.scale_loss(scaler.scale(loss) if scaler else loss, opt) as scaled:
+                scaled.backward()
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+        return model
+
+    with pytest.raises(RuntimeError, match=r"GradScaler\.step\(\) was called on the Adam that "
+                                           r"amp\.initialize prepared: .* Drop scaler\.scale\(\), "
+                                           r"scaler\.step\(\) and scaler\.update\(\)"):
+        run(torch.amp.GradScaler("cpu"))
+    plain = run(None)
+    off = run(torch.amp.GradScaler("cpu", enabled=False))
+    for p, q in zip(plain.parameters(), off.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
