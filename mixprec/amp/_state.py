@@ -1508,7 +1508,7 @@ class _OptimizerState:
     def _pre_step(self, optimizer, args, kwargs):
         if not self.amp_state.enabled:
             return
-        if self._scaler_checks_left:
+        if self._scaler_checks_left and not is_compiling():  # (no frame walks in a trace)
             self._scaler_checks_left -= 1
             scaler = _enabled_grad_scaler_calling()
             if scaler is not None:
