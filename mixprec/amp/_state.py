@@ -714,6 +714,9 @@ class _OptimizerState:
         last_step_skipped: whether the most recent ``step()`` was skipped.
     """
 
+    # (A state unpickled from an older mixprec, without the attribute, checks no steps.)
+    _scaler_checks_left = 0
+
     def __init__(self, amp_state: AmpState, optimizer):
         self.amp_state = amp_state
         # Held while the half parameters and their recorded versions disagree by amp's own
