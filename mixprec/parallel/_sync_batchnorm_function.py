@@ -213,8 +213,44 @@ def _layout_of(x: torch.Tensor, channel_last: bool, cache: Optional[Dict]) -> _L
 
 def _cache_put(cache: Dict, key, value) -> None:
     if len(cache) >= 16:  # a layer fed ever-changing shapes: start over
+        # (Keeping what the ranks agreed on: when to clear depends on the shapes this rank
+        # saw, so a re-check after it would be one rank's collective alone.)
+        agreed = {k: v for k, v in cache.items() if k[0] == "agreed"}
         cache.clear()
+        cache.update(agreed)
     cache[key] = value
+
+
+def _check_ranks_agree(x: torch.Tensor, channel_last: bool, group, world_size: int,
+                       cache: Optional[Dict]) -> None:
+    """Raise on every rank when the ranks' inputs to one layer differ in their number of
+    channels or statistics dtype: the gather of per-channel statistics would then exchange
+    rows of different sizes, which gloo answers by aborting the process (and NCCL with
+    undefined results), neither naming the layer.
+
+    One all-gather of two integers per layer, the first time it sees a (channels, dtype)
+    pair; every rank sees the same pairs in the same order when they agree, so the check's
+    collectives line up.
+    """
+    if cache is None or group is LOCAL:
+        return
+    channels = x.shape[-1] if channel_last else x.shape[1]
+    stat_dtype = _stat_dtype(x.dtype)
+    key = ("agreed", channels, stat_dtype)
+    if key in cache:
+        return
+    mine = torch.tensor([channels, 8 * stat_dtype.itemsize], dtype=torch.int64,
+                        device=x.device)
+    rows = all_gather_rows(mine, group, world_size).tolist()
+    if any(row != rows[0] for row in rows):
+        seen = ", ".join(f"group rank {r}: {c} channels, float{bits} statistics"
+                         for r, (c, bits) in enumerate(rows))
+        raise ValueError(
+            f"SyncBatchNorm: the ranks of its process group gave one layer different inputs "
+            f"({seen}); the statistics it all-gathers must have one size and dtype on every "
+            "rank. Build the same model on every rank, in the same dtype (not .double() on "
+            "some ranks only), and feed every rank inputs with the same channels and dtype.")
+    cache[key] = True
 
 
 def _count_tensor(cache: Optional[Dict], count: float, like: torch.Tensor) -> torch.Tensor:
@@ -606,6 +642,7 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, eps: float, mome
 
 def _sync_batch_norm(x, weight, bias, running_mean, running_var, eps, momentum, group,
                      world_size, channel_last, cache):
+    _check_ranks_agree(x, channel_last, group, world_size, cache)
     plan = _cached_triton_plan(x, weight, bias, running_mean, running_var, channel_last, cache)
     if plan is not None:
         return _TritonSyncBatchNorm.apply(x, weight, bias, (

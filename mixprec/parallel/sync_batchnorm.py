@@ -262,7 +262,9 @@ class SyncBatchNorm(_BatchNorm):
                      else self.__dict__)
         cache = state.get("_count_cache")
         if cache:
-            state["_count_cache"] = {k: v for k, v in cache.items() if k[0] != "plan"}
+            # (And what the ranks agreed on: a copy checks again, as its peers' copies do.)
+            state["_count_cache"] = {k: v for k, v in cache.items()
+                                     if k[0] not in ("plan", "agreed")}
         return state
 
     def __reduce_ex__(self, protocol):

@@ -797,6 +797,67 @@ def check_a_layer_pickled_without_the_count_cache_trains_over_the_ranks(ctx):
     torch.testing.assert_close(loaded.running_var, fresh.running_var, rtol=0, atol=0)
 
 
+def check_ranks_disagreeing_on_channels_or_dtype_raise_on_every_rank(ctx):
+    """A layer given inputs of different channel counts (or float32 on some ranks, float64
+    on others) raises a ValueError on every rank naming what each rank gave, instead of
+    gloo's abort or NCCL's garbage statistics. The check is one all-gather the first time a
+    layer sees a (channels, dtype) pair, kept through the layer's cache resets and dropped
+    by copies; once the ranks agree, the layer trains as on agreeing ranks from the start.
+    Reference: the gathers counted around each forward; a fresh layer's output, exact."""
+    # (r103A R1)
+    last = ctx.world_size - 1
+    for path, path_ctx in _paths(ctx):
+        for channels, dtype, said in (
+                (3 if ctx.rank < last else 4, torch.float32, "4 channels, float32"),
+                (3, torch.float32 if ctx.rank < last else torch.float64,
+                 "3 channels, float64")):
+            m = SyncBatchNorm(channels).to(ctx.device, dtype)
+            x = torch.randn(4, channels, 2, device=ctx.device, dtype=dtype)
+            try:
+                with path_ctx():
+                    m(x)
+            except ValueError as err:
+                text = str(err)
+                assert "group rank 0: 3 channels, float32 statistics" in text, f"[{path}] {text}"
+                assert f"group rank {last}: {said} statistics" in text, f"[{path}] {text}"
+            else:
+                raise AssertionError(f"[{path}] rank {ctx.rank}: {channels} channels of "
+                                     f"{dtype} trained beside another rank's")
+            assert torch.equal(m.running_mean.cpu(), torch.zeros(channels, dtype=dtype)), path
+    calls = []
+    real = fn.all_gather_rows
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real(*args, **kwargs)
+
+    for path, path_ctx in _paths(ctx):
+        torch.manual_seed(0)
+        m, fresh = SyncBatchNorm(3).to(ctx.device), SyncBatchNorm(3).to(ctx.device)
+        fresh.load_state_dict(m.state_dict())
+        per_forward = []
+        fn.all_gather_rows = counting
+        try:
+            for step in range(20):
+                x = torch.randn(2 + step, 3, 2, device=ctx.device)  # a new geometry each step
+                del calls[:]
+                with path_ctx():
+                    y = m(x)
+                per_forward.append(calls.count(torch.int64))
+                if step == 0:
+                    fn.all_gather_rows = real
+                    with path_ctx():
+                        want = fresh(x)
+                    fn.all_gather_rows = counting
+                    torch.testing.assert_close(y, want, rtol=0, atol=0, msg=labelled(path))
+        finally:
+            fn.all_gather_rows = real
+        # (20 geometries fill the layer's cache of 16 entries at least once.)
+        assert per_forward == [1] + [0] * 19, f"[{path}] agreement gathers: {per_forward}"
+        copied = copy.deepcopy(m)
+        assert not [k for k in copied._count_cache if k[0] == "agreed"], path
+
+
 def check_all_gather_rows_puts_each_rank_at_its_index(ctx):
     """The all-gather of the statistics rows (``_comm.all_gather_rows``, SyncBatchNorm's
     forward collective, also DistributedDataParallel's structure check) returns, at index
@@ -854,12 +915,14 @@ GROUP_2 = [
     "check_cpu_merge_in_fp64_keeps_the_variance_of_offset_inputs",
     "check_syncbn_eval_without_running_stats_normalizes_by_the_local_batch",
     "check_a_layer_pickled_without_the_count_cache_trains_over_the_ranks",
+    "check_ranks_disagreeing_on_channels_or_dtype_raise_on_every_rank",
 ]
 GROUP_4 = ["check_fp32_unequal_batches", "check_ranks_with_images_of_different_sizes",
            "check_empty_rank", "check_batch_size_changes_between_steps",
            "check_syncbn_process_groups",
            "check_syncbn_group_size_must_divide_the_world_size",
-           "check_all_gather_rows_puts_each_rank_at_its_index"]
+           "check_all_gather_rows_puts_each_rank_at_its_index",
+           "check_ranks_disagreeing_on_channels_or_dtype_raise_on_every_rank"]
 
 
 @pytest.fixture(scope="module")
