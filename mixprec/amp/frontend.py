@@ -282,10 +282,13 @@ def _warn_if_fp16_adaptive_state(opt_list, props) -> None:
     so the optimizer's own state is fp16 too. An adaptive optimizer (one with ``eps``: Adam,
     AdamW, RMSprop, Adagrad...) keeps a second-moment estimate that underflows to 0 in fp16 for
     small gradients (Adam's ``(1 - beta2) * grad**2`` below 2**-25: every gradient under about
-    5e-3 at beta2=0.999). Computed in fp16 (PyTorch's foreach and for-loop implementations),
-    its default ``eps=1e-8`` is 0 too: the update divides by zero, inf/NaN weights at the first
-    step. Computed in fp32 from the stored fp16 state (``fused=True``, mixprec's FusedAdam), the
-    estimate read back each step is 0 or too small: updates far too large, the loss climbs.
+    5e-3 at beta2=0.999; the warning works it out for the group's ``beta2``). Computed in fp16
+    (PyTorch's foreach and for-loop implementations), its default ``eps=1e-8`` is 0 too: the
+    update divides by zero, inf/NaN weights at the first step. Computed in fp32 from the stored
+    fp16 state (``fused=True``, mixprec's FusedAdam), the estimate read back each step is 0 or
+    too small: updates far too large, the loss climbs. An eps of 1e-4 or more keeps either
+    finite and moderate (the first moment over eps where the estimate underflowed), as
+    docs/migrating.md advises: the warning then says so instead.
     Apex's O3 did the same (its "speed baseline"); the warning says why and what trains
     instead. bf16 has fp32's range: no warning."""
     if props.master_weights or not props.model_is_half or props.half_dtype != torch.float16:
@@ -301,25 +304,45 @@ def _warn_if_fp16_adaptive_state(opt_list, props) -> None:
                 continue
             if not is_rank_zero():
                 return
-            if group.get("fused") or isinstance(opt, FusedAdam):
+            fused = bool(group.get("fused")) or isinstance(opt, FusedAdam)
+            if fused and eps < 1e-4:
                 consequence = ("Computed in float32 from that state (a fused kernel), the "
                                "update divided by its square root comes out far too large: "
                                "the loss climbs instead of falling.")
+            elif not fused and float(torch.tensor(float(eps), dtype=torch.float16)) == 0.0:
+                consequence = (f"Its eps={eps!r} is 0.0 in float16, so where the "
+                               "estimate underflowed the update divides by zero: inf/NaN weights, usually at the first step.")
             else:
-                as_fp16 = float(torch.tensor(float(eps), dtype=torch.float16))
-                consequence = (f"Its eps={eps!r} is {as_fp16!r} in float16, so the update "
-                               "divides by (nearly) zero: inf/NaN weights, usually at the "
-                               "first step.")
+                consequence = (f"Its eps={eps!r} keeps the update finite, but where the "
+                               "estimate underflowed the update is the first moment over eps "
+                               "alone: " + ("steps far larger than Adam's for small gradients "
+                                            "(eps=1e-4 or more keeps them moderate)."
+                                            if eps < 1e-4 else
+                                            "larger steps than Adam's for small gradients."))
             warnings.warn(
                 f"amp.initialize(opt_level={props.opt_level!r}): {type(opt).__name__} "
                 "steps float16 parameters with float16 state (no fp32 master weights). An "
                 "adaptive optimizer's second-moment estimate underflows to 0 in float16 for "
-                "small gradients (Adam's (1 - beta2) * grad**2: gradients below ~5e-3 at "
-                f"beta2=0.999). {consequence} To train, use opt_level='O2' (fp32 master "
-                "weights, in float16 or bfloat16); O3 in float16 suits a speed baseline.",
+                f"small gradients{_underflow_example(group)}. {consequence} To train, use "
+                "opt_level='O2' (fp32 master weights, in float16 or bfloat16); O3 in float16 "
+                "suits a speed baseline.",
                 stacklevel=3,
             )
             return
+
+
+def _underflow_example(group) -> str:
+    """Where Adam's ``(1 - beta2) * grad**2`` rounds to 0 in fp16 (below 2**-25), for the
+    group's own ``beta2``; nothing for an optimizer without ``betas``."""
+    betas = group.get("betas")
+    try:
+        beta2 = float(betas[1])
+    except (TypeError, IndexError, ValueError, RuntimeError):
+        return ""
+    if not 0.0 <= beta2 < 1.0:
+        return ""
+    return (f" (Adam's (1 - beta2) * grad**2: gradients below "
+            f"~{(2.0 ** -25 / (1.0 - beta2)) ** 0.5:.1g} at beta2={beta2:g})")
 
 
 def _check_half_supported(models: List[nn.Module], props) -> None:

@@ -455,10 +455,37 @@ def test_fp16_without_masters_warns_that_an_adaptive_optimizers_fp16_state_diver
     as_fp16 = float(torch.tensor(eps, dtype=torch.float16))
     assert f"amp.initialize(opt_level='{opt_level}'): {type(opt).__name__} " in text
     fused = name in ("AdamW-fused", "FusedAdam")
-    assert (f"eps={eps!r} is {as_fp16!r} in float16, so the update divides by" in text) != fused
-    assert ("(a fused kernel), the update divided by its square root comes out far too "
-            "large" in text) == fused
+    # The consequence said: inf/NaN where eps rounds to 0 in fp16 (unfused), a climbing loss
+    # (fused, eps under 1e-4), larger steps than Adam's where eps keeps it finite (r105C B2).
+    said = {"zero": f"eps={eps!r} is 0.0 in float16, so where the estimate underflowed the "
+                    "update divides by zero: inf/NaN weights",
+            "climbs": "(a fused kernel), the update divided by its square root comes out far "
+                      "too large: the loss climbs",
+            "finite": f"eps={eps!r} keeps the update finite, but where the estimate "
+                      "underflowed the update is the first moment over eps alone: larger steps"}
+    want = "climbs" if fused else ("zero" if as_fp16 == 0.0 else "finite")
+    assert [k for k, v in said.items() if v in text] == [want], text
+    assert (name == "Adam-eps1e-4") == (want == "finite")
+    if name in ("RMSprop", "Adagrad"):
+        assert "for small gradients. " in text  # (no betas: no threshold named)
+    else:
+        assert "gradients below ~0.005 at beta2=0.999)" in text, text
     assert "use opt_level='O2' (fp32 master weights, in float16 or bfloat16)" in text
+
+
+@pytest.mark.parametrize("beta2, below", [(0.99, "0.002"), (0.95, "0.0008"), (0.9999, "0.02")])
+def test_the_fp16_state_warning_names_the_underflow_of_the_groups_own_beta2(beta2, below):
+    """The gradient under which (1 - beta2) * grad**2 rounds to 0 in fp16 (below 2**-25) is
+    worked out from the group's beta2: sqrt(2**-25 / (1 - beta2)), one significant digit
+    (1.73e-3, 7.7e-4, 1.73e-2 for the three);
+    an eps under 1e-4 that fp16 holds gives steps far larger than Adam's, not inf/NaN."""
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters(), betas=(0.9, beta2), eps=1e-6)
+    with pytest.warns(UserWarning, match="float16 state") as rec:
+        amp.initialize(model, opt, opt_level="O3", verbosity=0)
+    text = next(str(w.message) for w in rec if "float16 state" in str(w.message))
+    assert f"gradients below ~{below} at beta2={beta2:g})" in text, text
+    assert "eps=1e-06 keeps the update finite" in text and "steps far larger" in text, text
 
 
 @pytest.mark.parametrize("case", ["bf16", "O2", "SGD", "only-fp32-batchnorm", "O1", pytest.param(
