@@ -311,7 +311,8 @@ def _warn_if_fp16_adaptive_state(opt_list, props) -> None:
                                "the loss climbs instead of falling.")
             elif not fused and float(torch.tensor(float(eps), dtype=torch.float16)) == 0.0:
                 consequence = (f"Its eps={eps!r} is 0.0 in float16, so where the "
-                               "estimate underflowed the update divides by zero: inf/NaN weights, usually at the first step.")
+                               "estimate underflowed the update divides by zero: inf/NaN "
+                               "weights, usually at the first step.")
             else:
                 consequence = (f"Its eps={eps!r} keeps the update finite, but where the "
                                "estimate underflowed the update is the first moment over eps "
