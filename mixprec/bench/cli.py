@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 import threading
-from typing import List, Optional, Sequence
+import warnings
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -635,27 +636,44 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
     # Without a bar on the screen (a log file, --no-progress), a line per finished mode.
     log_modes = bar is None or bar.disable
     results = []
+    # Warnings raised while the modes run (amp's about O3 in fp16 with AdamW, say) would cut
+    # through the progress bar: kept instead, each with the modes that raised it, for the
+    # notes under the table.
+    caught: List[warnings.WarningMessage] = []
+    warned: Dict[str, List[str]] = {}
+
+    def collect(label: str) -> None:
+        for w in caught:
+            text = f"{w.category.__name__}: {w.message}"
+            labels = warned.setdefault(text, [])
+            if label not in labels:
+                labels.append(label)
+        del caught[:]
 
     def finished(row) -> None:
         results.append(row)
+        collect(row.label)
         if log_modes:
             _err(_mode_line(row, len(results), len(modes)))
 
     interrupted, stopped_by = False, signal.SIGINT
     try:
-        run_modes(
-            workload,
-            modes,
-            dtype=dtype,
-            device=device,
-            iters=args.iters,
-            warmup=warmup,
-            channels_last=args.channels_last,
-            frozen_bn=args.frozen_bn,
-            seed=args.seed,
-            progress=step,
-            on_result=finished,
-        )
+        with warnings.catch_warnings(record=True) as recorded:
+            warnings.simplefilter("always")
+            caught = recorded  # (the list catch_warnings appends to)
+            run_modes(
+                workload,
+                modes,
+                dtype=dtype,
+                device=device,
+                iters=args.iters,
+                warmup=warmup,
+                channels_last=args.channels_last,
+                frozen_bn=args.frozen_bn,
+                seed=args.seed,
+                progress=step,
+                on_result=finished,
+            )
     except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM / SIGHUP: keep what finished
         interrupted = True
         stopped_by = _stop_signal(exc)
@@ -719,6 +737,13 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
             if args.verbose
             else "failed modes: run with -v for their tracebacks."
         )
+    if caught:  # raised by the mode an interruption stopped
+        collect(mode_label(not_run[0], dtype) if not_run else "the last mode")
+    for text, labels in warned.items():
+        # Its first sentence (the whole warning with -v): what warned and about what.
+        head, dot, rest = text.partition(". ")
+        shown = text if args.verbose or not rest else head + dot.strip() + " (-v: all of it)"
+        notes.append(f"{', '.join(labels)} warned: {shown}")
 
     meta = {
         "model": args.model,

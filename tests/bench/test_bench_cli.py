@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -1792,3 +1793,36 @@ def test_no_timing_note_when_no_mode_finished(monkeypatch):
     monkeypatch.undo()
     code, text = _run(["bench", *ONE_MODE])
     assert code == 0 and "note: only 1 timed step per mode: too few to time" in text
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+@pytest.mark.parametrize("stop_in_o1", [False, True])
+def test_warnings_raised_while_modes_run_become_notes(monkeypatch, capsys, verbose, stop_in_o1):
+    """A warning from the library while a mode runs (amp's about O3 fp16 with AdamW, on
+    every GPU run of --model gpt) cut through the progress bar with its source line; it is a
+    note under the table instead, naming the modes that raised it, once however often they
+    did: its first sentence, the whole of it with -v. A mode that Ctrl-C stopped keeps its
+    warnings too. Reference: the warnings the test raises. (r105A R1)"""
+    import mixprec.bench.runner as runner
+
+    real = runner.run_mode
+
+    def run_mode(workload, mode, **kwargs):
+        for _ in range(3):
+            warnings.warn("shared thing happened. Here is why.", UserWarning, stacklevel=2)
+        if mode == "O1":
+            warnings.warn("only in O1", RuntimeWarning, stacklevel=2)
+            if stop_in_o1:
+                raise KeyboardInterrupt
+        return real(workload, mode, **kwargs)
+
+    monkeypatch.setattr(runner, "run_mode", run_mode)
+    argv = ["bench", *ONE_MODE[:-3], "--opt-levels", "O0", "O1", "--no-native"]
+    code, text = _run(argv + (["-v"] if verbose else []))
+    assert code == (130 if stop_in_o1 else 0)
+    assert "Warning" not in capsys.readouterr().err  # (nothing printed raw)
+    notes = [line for line in text.splitlines() if "warned:" in line]
+    shared = ("UserWarning: shared thing happened. Here is why." if verbose
+              else "UserWarning: shared thing happened. (-v: all of it)")
+    assert notes == [f"note: O0, O1 warned: {shared}",
+                     "note: O1 warned: RuntimeWarning: only in O1"], notes
