@@ -34,7 +34,7 @@ and steps skipped by dynamic loss scaling. Every mode starts from the same initi
 sees the same synthetic batches.
 
 Defaults run anywhere: a small CNN with BatchNorm on CUDA when present (fp16, large sizes),
-otherwise on the CPU (bf16, small sizes; well under a minute on two cores). On CPU, peak memory
+otherwise on the CPU (bf16, small sizes; about 10 s on an idle two-core CPU). On CPU, peak memory
 is the growth of the process's resident memory: approximate.
 """
 
@@ -506,6 +506,13 @@ class _VerboseLogging:
             self._logger.setLevel(self._level)
 
 
+def _out_of_memory(error: Optional[str]) -> bool:
+    """Whether a failed mode's ``"Type: message"`` is an allocation failure: PyTorch's CUDA
+    ``OutOfMemoryError``, the CPU allocator's RuntimeError, Python's ``MemoryError``."""
+    return bool(error) and (error.startswith(("MemoryError", "OutOfMemoryError"))
+                            or "out of memory" in error or "can't allocate memory" in error)
+
+
 def _mode_line(row, done: int, total: int) -> str:
     """The stderr line for a finished mode (when no progress bar shows)."""
     if not row.ok:
@@ -736,6 +743,14 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser, out: _Stdo
             "failed modes: their tracebacks are in the log above (-v)."
             if args.verbose
             else "failed modes: run with -v for their tracebacks."
+        )
+    short = [r.label for r in results if not r.ok and _out_of_memory(r.error)]
+    if short:
+        # (The row's reason is cut to fit the table, the allocator's sizes with it.)
+        notes.append(
+            f"{', '.join(short)} ran out of memory at batch size {workload.batch_size} on "
+            f"{device}: use a smaller --batch-size"
+            + (" or --size small." if size == "large" else ".")
         )
     if caught:  # raised by the mode an interruption stopped
         collect(mode_label(not_run[0], dtype) if not_run else "the last mode")

@@ -1826,3 +1826,35 @@ def test_warnings_raised_while_modes_run_become_notes(monkeypatch, capsys, verbo
               else "UserWarning: shared thing happened. (-v: all of it)")
     assert notes == [f"note: O0, O1 warned: {shared}",
                      "note: O1 warned: RuntimeWarning: only in O1"], notes
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                 "allocate memory: you tried to allocate 987654321000 bytes. Error code 12"),
+    MemoryError(),
+    getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)(
+        "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of ..."),
+], ids=["cpu-allocator", "MemoryError", "OutOfMemoryError"])
+def test_a_mode_out_of_memory_gets_a_note_naming_the_batch_size(monkeypatch, error):
+    """A mode that ran out of memory showed the allocator's message cut to fit the table (its
+    sizes gone) and no way out; a note under the table names the modes, the batch size and
+    the flag to change. Another failure gets no such note. (r105A R2)"""
+    import mixprec.bench.runner as runner
+
+    real = runner.run_mode
+
+    def run_mode(workload, mode, **kwargs):
+        if mode == "O1":
+            raise error
+        if mode == "O2":
+            raise ValueError("something else")
+        return real(workload, mode, **kwargs)
+
+    monkeypatch.setattr(runner, "run_mode", run_mode)
+    code, text = _run(["bench", *ONE_MODE[:-3], "--opt-levels", "O0", "O1", "O2",
+                       "--no-native"])
+    assert code == 0
+    notes = [line for line in text.splitlines()
+             if line.startswith("note:") and "out of memory" in line]
+    assert notes == ["note: O1 ran out of memory at batch size 4 on cpu: use a smaller "
+                     "--batch-size."], notes
