@@ -6,7 +6,8 @@ Three tools in one package:
   fp16 and bf16, fp32 master weights and dynamic loss scaling.
 * :mod:`mixprec.parallel` -- ``DistributedDataParallel``, ``SyncBatchNorm``, ``Reducer``
   and ``LARC`` on ``torch.distributed``.
-* :mod:`mixprec.normalization` -- fused LayerNorm / RMSNorm (Triton on GPU, PyTorch on CPU).
+* :mod:`mixprec.normalization` -- fused LayerNorm / RMSNorm and a BatchNorm whose half
+  training pass avoids PyTorch's slow path (Triton on GPU, PyTorch on CPU).
 
 And :mod:`mixprec.optimizers`: Apex's ``FusedAdam``, whose step also writes amp O2's half model.
 """
