@@ -433,9 +433,12 @@ class _Stdout:
             for line in lines:
                 print(line)
             sys.stdout.flush()  # (here, so that a closed pipe shows here)
-        except OSError:  # a closed pipe, a full disk (ENOSPC), a terminal gone (EIO)
+        except OSError as exc:  # a closed pipe, a full disk (ENOSPC), a terminal gone (EIO)
             self.broken = True
             _to_devnull(sys.stdout)
+            if not isinstance(exc, BrokenPipeError):  # (a reader that stopped: no news)
+                # (Else the run exited 1 saying nothing of why.)
+                _err(f"mixprec bench: could not write to stdout: {exc}")
 
 
 def _err(message: str) -> None:
