@@ -1663,6 +1663,10 @@ class _OptimizerState:
         for i in self._pair_indices(only):
             p, m = self.pairs[i]
             synced[i] = (p._version, m._version, p._cdata)
+        # (The masters of these pairs are in step now: a forward's quick look must not take
+        # their newer versions for writes, or a later unrecorded copy into the half model,
+        # a closure's, would be taken back into the masters at half precision.)
+        self._masters_in_step = [mv for _, mv, _ in synced]
 
     def take_model_writes(self, only=None) -> None:
         """Copy into its fp32 master every half parameter written in place since amp last set
@@ -1777,6 +1781,7 @@ class _OptimizerState:
                                           [synced[i] for i in indices])
             for i, record in zip(indices, records):
                 synced[i] = record  # (a moved parameter's too: nothing to copy)
+            self._masters_in_step = [mv for _, mv, _ in synced]
             return
         now = self._versions()
         if now == synced:
@@ -1947,10 +1952,13 @@ class _OptimizerState:
     def _synced_closure(self, closure):
         def synced_closure():
             # (Not into the frozen parameters the last step left as they were: see _post_step.)
-            if self._left_frozen:
-                self.copy_masters_to_model(self._pairs_but(self._left_frozen))
-            else:
-                self.copy_masters_to_model()
+            pairs = self._pairs_but(self._left_frozen) if self._left_frozen else self.pairs
+            self.copy_masters_to_model(pairs)
+            # (Recorded: else the forward's look took this copy for a write into the half
+            # model, after any record that moved the masters' versions without it (a
+            # model.load_state_dict, a first step's look for .data writes), and rounded the
+            # fp32 masters to half.)
+            self.record_synced(only=[p for p, _ in pairs])
             return closure()
 
         return synced_closure

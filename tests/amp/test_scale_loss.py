@@ -1487,6 +1487,77 @@ def test_closure_evaluations_see_the_current_masters_at_o2(as_keyword):
     assert o1 < 2e-3 and o2 < 2e-3, (o1, o2)
 
 
+def _closure_run(dtype, steps, model, opt, log):
+    for s in steps:
+        g = torch.Generator().manual_seed(s)
+        x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+        def closure(x=x, y=y):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            log.append(loss.item())
+            return loss
+
+        opt.step(closure)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("make", ["SGD", "LBFGS"])
+def test_a_closure_step_keeps_the_fp32_masters_at_o2(dtype, make):
+    """optimizer.step(closure) at O2 rounded every fp32 master to half: the closure's copy of
+    the masters into the half model was not recorded, so the forward's look (after a record
+    that moved the masters' versions without it: the first step's, a model.load_state_dict)
+    took it for a write into the half model and took the half values into the masters. Each
+    of these steps has lr=0: reference, the masters before it, exact; at the first closure
+    step and at the first after a load_state_dict of the model's own state. Then an LBFGS
+    run resumed from the documented checkpoint (torch.save, fresh objects) matches the
+    uninterrupted one exactly, every closure loss and weight (r105B B1)."""
+    kw = {"loss_scale": 128.0} if dtype == torch.float16 else {}  # (closures: a static scale)
+
+    def setup(lr):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        opt = (torch.optim.SGD(model.parameters(), lr=lr) if make == "SGD" else
+               torch.optim.LBFGS(model.parameters(), lr=lr, history_size=4, max_iter=3))
+        return amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0, **kw)
+
+    model, opt = setup(0.0)
+    for reload in (False, True):
+        if reload:
+            model.load_state_dict(copy.deepcopy(model.state_dict()))
+        before = [m.detach().clone() for m in amp.master_params(opt)]
+        _closure_run(dtype, [0], model, opt, [])
+        after = list(amp.master_params(opt))
+        assert all(torch.equal(a, b) for a, b in zip(after, before)), (
+            f"reload={reload}: " + ", ".join(f"{(a - b).abs().max():.3g}"
+                                             for a, b in zip(after, before)))
+    if make == "SGD":
+        return
+    straight, resumed = [], []
+    model, opt = setup(0.5)
+    _closure_run(dtype, range(6), model, opt, straight)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    model, opt = setup(0.5)
+    _closure_run(dtype, range(3), model, opt, resumed)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "amp": amp.state_dict()}, buffer)
+    del model, opt
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    model, opt = setup(0.5)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["optimizer"])
+    amp.load_state_dict(saved["amp"])
+    _closure_run(dtype, range(3, 6), model, opt, resumed)
+    assert resumed == straight
+    got = model.state_dict()
+    assert all(torch.equal(got[k], want[k]) for k in want), [
+        k for k in want if not torch.equal(got[k], want[k])]
+
+
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
 def test_an_optimizer_listed_twice_is_unscaled_once(opt_level):
     # scale_loss(loss, [opt, opt]) unscaled the directly stepped (fp32) gradients twice:
