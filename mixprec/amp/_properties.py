@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import types
 from typing import Optional, Union
 
 import torch
@@ -71,7 +72,9 @@ class Properties:
 
 
 # Apex's table. ``"half"`` stands for the half dtype chosen by the user (fp16 or bf16).
-OPT_LEVELS = {
+# Read-only (exported as ``amp.OPT_LEVELS`` for reading the presets): a script that changed an
+# entry silently changed every later initialize; override a property by initialize's keyword.
+OPT_LEVELS = types.MappingProxyType({level: types.MappingProxyType(preset) for level, preset in {
     "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False,
                keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
     "O1": dict(cast_model_type=None, patch_torch_functions=True,
@@ -80,7 +83,7 @@ OPT_LEVELS = {
                keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic"),
     "O3": dict(cast_model_type="half", patch_torch_functions=False,
                keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
-}
+}.items()})
 _DESCRIPTIONS = {
     "O0": "pure fp32 training",
     "O1": "per-op casting through torch.autocast, parameters fp32",

@@ -400,11 +400,11 @@ def initialize(
     With ``dtype=torch.bfloat16`` the default loss scale is a static 1.0 (bf16 has fp32's
     range); ``loss_scale="dynamic"`` still turns scaling on. Under O2/O3 floating inputs are
     cast to half on entry and floating outputs to fp32 (or ``cast_model_outputs``).
-    ``model.state_dict()`` always holds fp32 tensors: the master weights at O2
-    (``state_dict(keep_vars=True)`` returns the module's own tensors, as in torch). Pass the
-    fp32 model: one made half beforehand (``model.half()``) is taken with a warning at O1,
-    which keeps the parameters as given (they would train, and be saved, in half), and at O2,
-    whose masters would start from the rounded values.
+    ``model.state_dict()`` of an fp32 model holds fp32 tensors at every level: the master
+    weights at O2 (``state_dict(keep_vars=True)`` returns the module's own tensors, as in
+    torch). Pass the fp32 model: one made half beforehand (``model.half()``) is taken with a
+    warning at O1, which keeps the parameters as given (they would train, and be saved, in
+    half), and at O2, whose masters would start from the rounded values.
 
     Args:
         models (nn.Module or list[nn.Module]): the model(s), already on their device.

@@ -3582,3 +3582,26 @@ def test_o2_initialize_between_a_forward_and_its_backward_with_sliced_siblings_n
         torch.testing.assert_close(masters[name].grad, getattr(ref, name).grad.float(),
                                    rtol=0, atol=1e-2, msg=name)
     torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=1e-2)
+
+
+def test_opt_levels_table_is_read_only_and_apexs():
+    """amp.OPT_LEVELS, exported for reading the presets, was the live table: a script that
+    set an entry (OPT_LEVELS["O2"]["master_weights"] = False) silently ran every later O2
+    without masters. It is read-only at both levels; the presets are Apex's (its
+    documentation's table), and a fresh O2 still gets its masters. (r105C R4)"""
+    with pytest.raises(TypeError):
+        amp.OPT_LEVELS["O2"]["master_weights"] = False
+    with pytest.raises(TypeError):
+        amp.OPT_LEVELS["O4"] = {}
+    want = {"O0": (torch.float32, False, None, False, 1.0),
+            "O1": (None, True, None, False, "dynamic"),
+            "O2": ("half", False, True, True, "dynamic"),
+            "O3": ("half", False, False, False, 1.0)}
+    names = ("cast_model_type", "patch_torch_functions", "keep_batchnorm_fp32",
+             "master_weights", "loss_scale")
+    assert {k: tuple(v[n] for n in names) for k, v in amp.OPT_LEVELS.items()} == want
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    assert all(m.dtype == torch.float32 for m in amp.master_params(opt))
+    assert all(p.dtype == torch.float16 for p in model.parameters())
