@@ -1660,13 +1660,25 @@ class _OptimizerState:
             self._synced_versions = synced = self._versions()
             self._masters_in_step = [mv for _, mv, _ in synced]
             return
-        for i in self._pair_indices(only):
+        indices = self._pair_indices(only)
+        for i in indices:
             p, m = self.pairs[i]
             synced[i] = (p._version, m._version, p._cdata)
         # (The masters of these pairs are in step now: a forward's quick look must not take
         # their newer versions for writes, or a later unrecorded copy into the half model,
         # a closure's, would be taken back into the masters at half precision.)
-        self._masters_in_step = [mv for _, mv, _ in synced]
+        self._masters_now_in_step(indices, synced)
+
+    def _masters_now_in_step(self, indices, synced) -> None:
+        """Note the recorded master versions of the pairs at ``indices`` as in step (those
+        entries only: the state-dict hooks record one module's pairs at a time, and a whole
+        list per call would cost every ``state_dict()`` modules x pairs reads)."""
+        in_step = self._masters_in_step
+        if in_step is None or len(in_step) != len(synced):
+            self._masters_in_step = [mv for _, mv, _ in synced]
+            return
+        for i in indices:
+            in_step[i] = synced[i][1]
 
     def take_model_writes(self, only=None) -> None:
         """Copy into its fp32 master every half parameter written in place since amp last set
@@ -1781,7 +1793,7 @@ class _OptimizerState:
                                           [synced[i] for i in indices])
             for i, record in zip(indices, records):
                 synced[i] = record  # (a moved parameter's too: nothing to copy)
-            self._masters_in_step = [mv for _, mv, _ in synced]
+            self._masters_now_in_step(indices, synced)
             return
         now = self._versions()
         if now == synced:
