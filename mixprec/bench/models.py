@@ -1,8 +1,9 @@
 """The benchmark's models and synthetic data: a small CNN with BatchNorm, a GPT-style
 transformer, and torchvision's ResNet-50.
 
-Every model is built in fp32 on the CPU; the runner seeds the RNG before each build, so every
-mode starts from the same initial weights, then moves the model to the device.
+Every model is built in fp32, on the device (the runner builds it under ``torch.device``:
+initialising a large model on the CPU took seconds per mode); the runner seeds the RNG before
+each build, so every mode starts from the same initial weights.
 
 A :class:`Workload` bundles what one benchmark needs: how to build the model and its optimizer,
 the loss, and a small pool of synthetic batches already on the device (shared by all modes, so
@@ -300,7 +301,8 @@ class Workload:
     Attributes:
         name (str): ``"cnn"``, ``"gpt"`` or ``"resnet50"``.
         description (str): a one-line summary for reports.
-        build_model (callable): ``() -> nn.Module``, a fresh fp32 model on the CPU.
+        build_model (callable): ``() -> nn.Module``, a fresh fp32 model, on the default
+            device (the runner calls it under ``torch.device(device)``).
         build_optimizer (callable): ``(params, device) -> torch.optim.Optimizer``.
         batches (list of (inputs, targets)): synthetic data on the device, cycled in order.
         loss_fn (callable): ``(outputs, targets) -> scalar loss``; computes in fp32 whatever
