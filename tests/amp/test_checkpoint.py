@@ -5869,3 +5869,39 @@ def test_module_level_state_dict_with_an_optimizer_amp_never_saw_says_so():
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 8.0, "unskipped": 1}},
                             optimizer=plain)
     assert amp.state_dict() == {"loss_scaler0": {"loss_scale": 2.0**16, "unskipped": 0}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("how", ["master_params", "state_dict_tensor", "data"])
+def test_a_partial_load_of_other_keys_keeps_a_write_into_the_masters(dtype, how):
+    """A master written in place (copy_ into amp.master_params(), or into model.state_dict()'s
+    tensor, as dcp.load does) wins and reaches the half model. A strict=False load of OTHER
+    keys in between (a new head, BatchNorm statistics) took the stale half value back into
+    that master, rounded: each module's post-load look copied any half parameter differing
+    from its master into it, written by the load or not. A write through .data into a half
+    parameter, which the masters ignore (the next step overwrites it), was likewise taken in
+    at half precision. Reference: the written fp32 values, exact; the loaded key loaded.
+    (r106A B2)"""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+    master = list(amp.master_params(opt))[0]  # 0.weight's
+    before = master.detach().clone()
+    new = torch.randn(8, 4)
+    with torch.no_grad():
+        if how == "master_params":
+            master.copy_(new)
+        elif how == "state_dict_tensor":
+            model.state_dict()["0.weight"].copy_(new)
+        else:
+            model.state_dict()  # (the look after initialize: a .data write is new since)
+            model[0].weight.data.copy_(new.to(dtype))
+    bias = torch.randn(3)
+    model.load_state_dict({"2.bias": bias}, strict=False)
+    assert torch.equal(model.state_dict()["2.bias"], bias)
+    want = before if how == "data" else new
+    assert torch.equal(master, want), (master - want).abs().max()
+    if how != "data":
+        assert torch.equal(model.state_dict()["0.weight"], new)
+        assert torch.equal(model[0].weight, new.to(dtype))
