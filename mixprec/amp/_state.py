@@ -1594,6 +1594,19 @@ class _OptimizerState:
                     outside_the_compiler(self._take_writes_while_frozen)()
         if self.grad_tensors_kept and self._had_grads:
             self._zero_grads_for_unused_masters()
+        if replaced is None:
+            # (A closure's step is checked after each evaluation, in _synced_closure: the
+            # closure zeroes the gradients itself, so a half gradient left from before the
+            # step, one of a layer that joined the optimizer since, say, is not its own.)
+            self._refuse_half_grads()
+        if replaced is not None:
+            if "closure" in kwargs:
+                return args, {**kwargs, "closure": replaced}
+            first = 1 if args and args[0] is optimizer else 0
+            return (*args[:first], replaced, *args[first + 1:]), kwargs
+        return None
+
+    def _refuse_half_grads(self) -> None:
         for p, _ in self.pairs:
             if p.grad is not None:
                 raise RuntimeError(
@@ -1604,12 +1617,6 @@ class _OptimizerState:
                     "optimizer's parameters too), pass this optimizer to that scale_loss as "
                     "well (a list: amp.scale_loss(loss, [opt_a, opt_b]))."
                 )
-        if replaced is not None:
-            if "closure" in kwargs:
-                return args, {**kwargs, "closure": replaced}
-            first = 1 if args and args[0] is optimizer else 0
-            return (*args[:first], replaced, *args[first + 1:]), kwargs
-        return None
 
     def _zero_grads_for_unused_masters(self) -> None:
         """Give a zero gradient to each master that had one since the last ``zero_grad``
@@ -1971,7 +1978,9 @@ class _OptimizerState:
             # model.load_state_dict, a first step's look for .data writes), and rounded the
             # fp32 masters to half.)
             self.record_synced(only=[p for p, _ in pairs])
-            return closure()
+            loss = closure()
+            self._refuse_half_grads()
+            return loss
 
         return synced_closure
 

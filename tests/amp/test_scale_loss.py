@@ -4138,3 +4138,67 @@ def test_the_unheld_gradient_warning_says_what_applies(case):
     else:
         assert "holds: emb.weight. The half ones have no fp32 master weights" in text, text
         assert "loss scale" not in text, text
+
+
+@pytest.mark.parametrize("with_closure", [False, True], ids=["step", "closure"])
+def test_a_backward_outside_scale_loss_is_refused_at_the_step_at_o2(with_closure):
+    """At O2 a backward outside amp.scale_loss leaves its gradients on the half model, where
+    no optimizer reads them: the step raises, naming scale_loss, with or without a closure
+    (a closure's step checks after each evaluation)."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(6, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="gradients were never moved to the fp32 master "
+                                           r"weights\. Run the backward pass inside"):
+        if with_closure:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+
+
+@pytest.mark.parametrize("sync_first", [False, True])
+def test_a_closure_loop_runs_after_a_layer_with_a_stale_half_gradient_joins(sync_first):
+    """A head no optimizer held took part in a closure step (its half .grad keeps that
+    backward's scaled gradient, as documented), then joined with add_param_group; once its
+    masters existed (amp.master_params(), opt.state_dict()) the next step(closure), whose
+    closure zeroes the gradients itself, was refused as if its gradients had never reached
+    the masters. Reference: the same step with the stale gradient dropped by hand first,
+    exact. (r106A B1)"""
+    def run(drop_stale):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0,
+                                    verbosity=0)
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+
+        def closure():
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean()
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            return loss
+
+        with pytest.warns(UserWarning, match="no optimizer given to amp.initialize holds"):
+            opt.step(closure)  # (the head's gradient stays on it, scaled, and amp says so)
+        opt.add_param_group({"params": list(model[2].parameters())})
+        if drop_stale:
+            for p in model[2].parameters():
+                p.grad = None
+        if sync_first:
+            list(amp.master_params(opt))
+        opt.step(closure)
+        return [m.detach().clone() for m in amp.master_params(opt)]
+
+    got, want = run(False), run(True)
+    assert len(got) == 4
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
