@@ -418,10 +418,10 @@ def test_o1_warns_about_a_model_made_half_before_initialize(dtype):
             amp.initialize(model, opts, opt_level="O3", dtype=dtype, verbosity=0)
 
 
-def _fused_adam(ps):
+def _fused_adam(ps, **kw):
     from mixprec.optimizers import FusedAdam
 
-    return FusedAdam(ps, lr=1e-3)
+    return FusedAdam(ps, lr=1e-3, **kw)
 
 
 _ADAPTIVE = {
@@ -431,6 +431,7 @@ _ADAPTIVE = {
     "Adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
     "AdamW-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
     "FusedAdam": _fused_adam,
+    "FusedAdam-eps1e-4": lambda ps: _fused_adam(ps, eps=1e-4),
 }
 
 
@@ -454,7 +455,7 @@ def test_fp16_without_masters_warns_that_an_adaptive_optimizers_fp16_state_diver
     text = str(ours[0].message)
     as_fp16 = float(torch.tensor(eps, dtype=torch.float16))
     assert f"amp.initialize(opt_level='{opt_level}'): {type(opt).__name__} " in text
-    fused = name in ("AdamW-fused", "FusedAdam")
+    fused = name in ("AdamW-fused", "FusedAdam", "FusedAdam-eps1e-4")
     # The consequence said: inf/NaN where eps rounds to 0 in fp16 (unfused), a climbing loss
     # (fused, eps under 1e-4), larger steps than Adam's where eps keeps it finite (r105C B2).
     said = {"zero": f"eps={eps!r} is 0.0 in float16, so where the estimate underflowed the "
@@ -463,9 +464,10 @@ def test_fp16_without_masters_warns_that_an_adaptive_optimizers_fp16_state_diver
                       "too large: the loss climbs",
             "finite": f"eps={eps!r} keeps the update finite, but where the estimate "
                       "underflowed the update is the first moment over eps alone: larger steps"}
-    want = "climbs" if fused else ("zero" if as_fp16 == 0.0 else "finite")
+    want = ("climbs" if fused and eps < 1e-4 else "zero" if as_fp16 == 0.0 and not fused
+            else "finite")
     assert [k for k, v in said.items() if v in text] == [want], text
-    assert (name == "Adam-eps1e-4") == (want == "finite")
+    assert name.endswith("eps1e-4") == (want == "finite")
     if name in ("RMSprop", "Adagrad"):
         assert "for small gradients. " in text  # (no betas: no threshold named)
     else:
@@ -486,6 +488,18 @@ def test_the_fp16_state_warning_names_the_underflow_of_the_groups_own_beta2(beta
     text = next(str(w.message) for w in rec if "float16 state" in str(w.message))
     assert f"gradients below ~{below} at beta2={beta2:g})" in text, text
     assert "eps=1e-06 keeps the update finite" in text and "steps far larger" in text, text
+
+
+def test_the_fp16_state_warning_takes_a_beta2_of_one_set_after_construction():
+    """A group's betas set after construction (torch checks them only there) to beta2=1.0:
+    no threshold to name (1 - beta2 is 0), and no ZeroDivisionError out of initialize."""
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    opt.param_groups[0]["betas"] = (0.9, 1.0)
+    with pytest.warns(UserWarning, match="float16 state") as rec:
+        amp.initialize(model, opt, opt_level="O3", verbosity=0)
+    text = next(str(w.message) for w in rec if "float16 state" in str(w.message))
+    assert "gradients below" not in text and "for small gradients. " in text, text
 
 
 @pytest.mark.parametrize("case", ["bf16", "O2", "SGD", "only-fp32-batchnorm", "O1", pytest.param(

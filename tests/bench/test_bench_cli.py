@@ -1812,7 +1812,9 @@ def test_warnings_raised_while_modes_run_become_notes(monkeypatch, capsys, verbo
 
     def run_mode(workload, mode, **kwargs):
         for _ in range(3):
-            warnings.warn("shared thing happened. Here is why.", UserWarning, stacklevel=2)
+            # (A dotted name first, as amp's own warnings have: the first sentence ends at
+            # ". ", not at the first ".".)
+            warnings.warn("amp.thing(x=1) happened. Here is why.", UserWarning, stacklevel=2)
         if mode == "O1":
             warnings.warn("only in O1", RuntimeWarning, stacklevel=2)
             if stop_in_o1:
@@ -1820,14 +1822,15 @@ def test_warnings_raised_while_modes_run_become_notes(monkeypatch, capsys, verbo
         return real(workload, mode, **kwargs)
 
     monkeypatch.setattr(runner, "run_mode", run_mode)
-    argv = ["bench", *ONE_MODE[:-3], "--opt-levels", "O0", "O1", "--no-native"]
+    argv = ["bench", *ONE_MODE[:-3], "--opt-levels", "O0", "O1", "O2", "--no-native"]
     code, text = _run(argv + (["-v"] if verbose else []))
     assert code == (130 if stop_in_o1 else 0)
     assert "Warning" not in capsys.readouterr().err  # (nothing printed raw)
     notes = [line for line in text.splitlines() if "warned:" in line]
-    shared = ("UserWarning: shared thing happened. Here is why." if verbose
-              else "UserWarning: shared thing happened. (-v: all of it)")
-    assert notes == [f"note: O0, O1 warned: {shared}",
+    shared = ("UserWarning: amp.thing(x=1) happened. Here is why." if verbose
+              else "UserWarning: amp.thing(x=1) happened. (-v: all of it)")
+    # (Stopped in O1, O2 never ran: the interrupted mode's warnings are O1's, not O2's.)
+    assert notes == [f"note: {'O0, O1' if stop_in_o1 else 'O0, O1, O2'} warned: {shared}",
                      "note: O1 warned: RuntimeWarning: only in O1"], notes
 
 
@@ -1837,7 +1840,10 @@ def test_warnings_raised_while_modes_run_become_notes(monkeypatch, capsys, verbo
     MemoryError(),
     getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)(
         "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of ..."),
-], ids=["cpu-allocator", "MemoryError", "OutOfMemoryError"])
+    # (Raised as a plain RuntimeError: an allocation failing in a kernel launch or cuBLAS.)
+    RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously "
+                 "reported"),
+], ids=["cpu-allocator", "MemoryError", "OutOfMemoryError", "RuntimeError-cuda"])
 def test_a_mode_out_of_memory_gets_a_note_naming_the_batch_size(monkeypatch, error):
     """A mode that ran out of memory showed the allocator's message cut to fit the table (its
     sizes gone) and no way out; a note under the table names the modes, the batch size and

@@ -856,6 +856,24 @@ def check_ranks_disagreeing_on_channels_or_dtype_raise_on_every_rank(ctx):
         assert per_forward == [1] + [0] * 19, f"[{path}] agreement gathers: {per_forward}"
         copied = copy.deepcopy(m)
         assert not [k for k in copied._count_cache if k[0] == "agreed"], path
+    # Agreed on (3, float32), the ranks then give a parameter-free layer (any channel count)
+    # new pairs at the same step, different ones: each rank checks its own new pair, so every
+    # rank raises. (One rank alone moving to a new pair after the check is not caught: see
+    # docs/parallel.md.)
+    for path, path_ctx in _paths(ctx):
+        m = SyncBatchNorm(3, affine=False, track_running_stats=False)
+        with path_ctx():
+            m(torch.randn(4, 3, 2, device=ctx.device))
+            x = (torch.randn(4, 3, 2, device=ctx.device, dtype=torch.float64) if ctx.rank == 0
+                 else torch.randn(4, 5, 2, device=ctx.device))
+            try:
+                m(x)
+            except ValueError as err:
+                text = str(err)
+                assert "group rank 0: 3 channels, float64 statistics" in text, f"[{path}] {text}"
+                assert f"group rank {last}: 5 channels, float32" in text, f"[{path}] {text}"
+            else:
+                raise AssertionError(f"[{path}] rank {ctx.rank}: new pairs trained")
 
 
 def check_all_gather_rows_puts_each_rank_at_its_index(ctx):
