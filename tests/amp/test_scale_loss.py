@@ -4202,3 +4202,48 @@ def test_a_closure_loop_runs_after_a_layer_with_a_stale_half_gradient_joins(sync
     got, want = run(False), run(True)
     assert len(got) == 4
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _count_full_looks(monkeypatch):
+    """Each call of amp's look for writes into the model, True where it read every pair."""
+    from mixprec.amp import _state
+
+    calls = []
+    real = _state._OptimizerState._take_model_writes
+
+    def counting(self, only):
+        calls.append(only is None)
+        return real(self, only)
+
+    monkeypatch.setattr(_state._OptimizerState, "_take_model_writes", counting)
+    return calls
+
+
+def test_closure_evaluations_and_loads_leave_nothing_for_the_forwards_look(monkeypatch):
+    """After an LBFGS closure's own copy into the half model, and after a load_state_dict, amp
+    has the masters recorded as in step: the next forwards' quick look (one version read per
+    master) finds nothing and reads no pair in full. (The values are right either way; a
+    record left behind made every evaluation and the forward after a load scan them all.)"""
+    calls = _count_full_looks(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=5)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(3, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).sum()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        return loss
+
+    opt.step(closure)
+    del calls[:]
+    opt.step(closure)  # (up to 5 evaluations: one full look, the step's own)
+    assert calls.count(True) <= 1, calls
+    model.load_state_dict({k: v.clone() + 0.5 for k, v in model.state_dict().items()})
+    del calls[:]
+    model(x)
+    model(x)
+    assert calls.count(True) == 0, calls
