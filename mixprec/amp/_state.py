@@ -1599,12 +1599,11 @@ class _OptimizerState:
             # closure zeroes the gradients itself, so a half gradient left from before the
             # step, one of a layer that joined the optimizer since, say, is not its own.)
             self._refuse_half_grads()
-        if replaced is not None:
-            if "closure" in kwargs:
-                return args, {**kwargs, "closure": replaced}
-            first = 1 if args and args[0] is optimizer else 0
-            return (*args[:first], replaced, *args[first + 1:]), kwargs
-        return None
+            return None
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": replaced}
+        first = 1 if args and args[0] is optimizer else 0
+        return (*args[:first], replaced, *args[first + 1:]), kwargs
 
     def _refuse_half_grads(self) -> None:
         for p, _ in self.pairs:
