@@ -1718,9 +1718,9 @@ class _Fp32StateDict:
             self.follow_renames(module)
         self._pending_load = None
         params = module._parameters if module is not None else {}
-        # (Each parameter's version before the load: one the load did not write, a key a
-        # strict=False load lacks, is left to take_model_writes in loaded().)
-        self._versions_before_load = {name: p._version for name, p in params.items()
+        # (Each parameter's tensor and version before the load: one the load did not write, a
+        # key a strict=False load lacks, is left to take_model_writes in loaded().)
+        self._versions_before_load = {name: (p._cdata, p._version) for name, p in params.items()
                                       if p is not None and not p.is_inference()}
         with torch.no_grad():
             for name, master in self.masters.items():
@@ -1757,8 +1757,8 @@ class _Fp32StateDict:
             for name, master in self.masters.items():
                 param = module._parameters.get(name)
                 if (param is not None and name in before and not param.is_inference()
-                        and before[name] == param._version):
-                    continue  # (not written by this load: see load())
+                        and before[name] == (param._cdata, param._version)):
+                    continue  # (the same tensor, not written by this load: see load())
                 if (param is None or param.dtype not in _HALF_TYPES or param.is_meta
                         or param.shape != master.shape
                         or _equal_nan(param, master.to(param.dtype))):
