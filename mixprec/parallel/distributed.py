@@ -458,19 +458,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 f"DistributedDataParallel(module={type(module).__name__}): expected a "
                 "torch.nn.Module."
             )
-        positional = (("message_size", message_size), ("delay_allreduce", delay_allreduce),
-                      ("shared_param", shared_param),
-                      ("allreduce_trigger_params", allreduce_trigger_params),
-                      ("retain_allreduce_buffers", retain_allreduce_buffers),
-                      ("allreduce_always_fp32", allreduce_always_fp32),
-                      ("num_allreduce_streams", num_allreduce_streams),
-                      ("allreduce_communicators", allreduce_communicators),
-                      ("gradient_average", gradient_average),
-                      ("gradient_predivide_factor", gradient_predivide_factor),
-                      ("gradient_average_split_factor", gradient_average_split_factor),
-                      ("prof", prof))
-        for name, value in positional:
-            if dist.is_available() and isinstance(value, dist.ProcessGroup):
+        given = locals()
+        for name in _APEX_POSITIONAL:
+            if dist.is_available() and isinstance(given[name], dist.ProcessGroup):
                 # (DDP(model, 10000000, False, group): the fourth positional is Apex's
                 # shared_param, which turned delay mode on and dropped the group silently.)
                 raise TypeError(
@@ -1307,6 +1297,12 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
             f"gradient_predivide_factor={self.gradient_predivide_factor}"
         )
 
+
+# The arguments after `module` that Apex's signature takes by position (a process group passed
+# among them is refused in __init__), read off the signature so that the two cannot drift.
+_APEX_POSITIONAL = tuple(
+    name for name, param in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+    if param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and name not in ("self", "module"))
 
 # Apex defined its Reducer in this module; scripts import it from here too.
 from mixprec.parallel.reducer import Reducer  # noqa: E402, F401  (after the class: no cycle)
