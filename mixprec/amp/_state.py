@@ -819,6 +819,10 @@ class _OptimizerState:
         # The pairs (indices) the last step left as they were, frozen (see _post_step), and
         # the pairs its copy took then (made again when those change).
         self._left_frozen: List[int] = []
+        # Ids of half parameters that joined through add_param_group holding a gradient (one
+        # from a backward before they joined, which no scale_loss of this optimizer moved):
+        # named by the step's refusal. Emptied by each unscale.
+        self._joined_with_grad: Set[int] = set()
         self._copied_pairs: Tuple[tuple, list] = ((), [])
         self._registrations_seen = -1  # (parameter_registrations() when renames were looked for)
 
@@ -835,6 +839,7 @@ class _OptimizerState:
             # masters first, as adopting ends by recording every pair as in step.
             self.take_model_writes()
         masters = {}
+        later = bool(self.pairs)
         known = {id(p) for p, _ in self.pairs} | {id(m) for _, m in self.pairs}
         known |= {id(p) for p in self.plain}
         if self.pairs:  # (a later group)
@@ -865,6 +870,8 @@ class _OptimizerState:
                             for k, v in optimizer.state.pop(p).items()
                         }
                     self.pairs.append((p, master))
+                    if later and p.grad is not None:
+                        self._joined_with_grad.add(id(p))
                     masters[p] = master
                     known.add(id(master))
                 else:
@@ -1065,8 +1072,16 @@ class _OptimizerState:
           (with ``set_to_none=False`` zeroed in place, as the optimizer zeroes its own);
         * with ``set_to_none=False``, a master that had a gradient since the last
           ``zero_grad`` setting gradients to None gets a zero one at a later step where its
-          parameter got none (see ``grad_tensors_kept``).
+          parameter got none (see ``grad_tensors_kept``);
+        * the half gradients that parameters joining through ``add_param_group`` held from
+          a backward before they joined (see ``_joined_with_grad``): dropped, either way (no
+          optimizer reads a half gradient at O2).
         """
+        if self._joined_with_grad:
+            for p, _ in self.pairs:
+                if id(p) in self._joined_with_grad:
+                    p.grad = None
+            self._joined_with_grad.clear()
         if self.grads_scaled and set_to_none:  # (else the half gradients are moved already)
             self._drop_held_window()  # (the optimizer cleared its own parameters' too)
         elif self.grads_scaled:
@@ -1368,6 +1383,7 @@ class _OptimizerState:
         if self.check_plain_dtypes:
             self.refuse_plain_made_half(skip)
         check = scaler.dynamic
+        self._joined_with_grad.clear()
         # Master-weighted params: half grad -> fp32, unscaled, added into the master's grad.
         # The cast happens before the unscale so small gradients do not underflow in half.
         half_grads, targets, sparse_fresh, sparse_targets = [], [], [], []
@@ -1606,6 +1622,20 @@ class _OptimizerState:
         return (*args[:first], replaced, *args[first + 1:]), kwargs
 
     def _refuse_half_grads(self) -> None:
+        joined = [p for p, _ in self.pairs
+                  if p.grad is not None and id(p) in self._joined_with_grad]
+        if joined:
+            shapes = ", ".join(str(tuple(p.shape)) for p in joined[:4])
+            raise RuntimeError(
+                f"optimizer.step(): {len(joined)} half parameter(s) (shapes {shapes}"
+                f"{', ...' if len(joined) > 4 else ''}) joined this optimizer through "
+                "add_param_group holding a gradient from a backward before they joined, which "
+                "no amp.scale_loss of this optimizer has moved to their fp32 master weights "
+                "(a backward inside amp.scale_loss leaves it multiplied by the loss scale). "
+                "Drop it before the step (optimizer.zero_grad(), or p.grad = None for those "
+                "parameters), or run the backward again inside `with amp.scale_loss(loss, "
+                "optimizer) as scaled_loss: scaled_loss.backward()`."
+            )
         for p, _ in self.pairs:
             if p.grad is not None:
                 raise RuntimeError(

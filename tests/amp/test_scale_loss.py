@@ -4247,3 +4247,45 @@ def test_closure_evaluations_and_loads_leave_nothing_for_the_forwards_look(monke
     model(x)
     model(x)
     assert calls.count(True) == 0, calls
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["joined_holding_it", "grad_after_join"])
+def test_the_step_names_a_gradient_that_predates_its_layer_joining_at_o2(late):
+    """A head no optimizer held took part in a scaled backward, then joined through
+    add_param_group and a plain step() followed with no new backward: its half gradient
+    (scaled) reached no master. The refusal says the gradient predates the layer joining and
+    how to drop it (it used to tell the user to run the backward inside scale_loss, which they
+    had). A gradient a backward outside scale_loss gave the layer after it joined gets the
+    general message. optimizer.zero_grad() drops the stale gradient (the message's advice), and
+    the step then runs."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(6, 4)
+    loss = model(x).float().pow(2).mean()
+    with pytest.warns(UserWarning, match="no optimizer given to amp.initialize holds"):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    opt.step()
+    if late:
+        for p in model[2].parameters():
+            p.grad = None
+    opt.add_param_group({"params": list(model[2].parameters())})
+    list(amp.master_params(opt))  # (the group's masters are made here)
+    if late:
+        model(x).float().pow(2).mean().backward()
+    with pytest.raises(RuntimeError) as info:
+        opt.step()
+    text = str(info.value)
+    if late:
+        assert "gradients were never moved to the fp32 master weights" in text, text
+    else:
+        assert ("2 half parameter(s) (shapes (3, 8), (3,)) joined this optimizer through "
+                "add_param_group holding a gradient from a backward before they joined") in text
+        assert "p.grad = None for those parameters" in text, text
+    before = [m.detach().clone() for m in amp.master_params(opt)]
+    # (The message's way for the stale gradient; the model's for a backward's, which reached
+    # every parameter and which a scale_loss block would drop.)
+    model.zero_grad() if late else opt.zero_grad()
+    opt.step()  # (no gradient anywhere: nothing moves, and nothing is refused)
+    assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
