@@ -334,9 +334,12 @@ def _warn_if_fp16_adaptive_state(opt_list, props) -> None:
 
 def _underflow_example(group) -> str:
     """Where Adam's ``(1 - beta2) * grad**2`` rounds to 0 in fp16 (below 2**-25), for the
-    group's own ``beta2``; nothing for an optimizer without ``betas``."""
+    group's own ``beta2``; nothing for an optimizer without Adam's two ``betas`` (Adan's
+    three put the second moment's decay last: which one it is cannot be told)."""
     betas = group.get("betas")
     try:
+        if len(betas) != 2:
+            return ""
         beta2 = float(betas[1])
     except (TypeError, IndexError, ValueError, RuntimeError):
         return ""

@@ -490,6 +490,20 @@ def test_the_fp16_state_warning_names_the_underflow_of_the_groups_own_beta2(beta
     assert "eps=1e-06 keeps the update finite" in text and "steps far larger" in text, text
 
 
+def test_the_fp16_state_warning_names_no_threshold_for_three_betas():
+    """An optimizer with three betas (Adan's (0.98, 0.92, 0.99), whose second moment decays
+    with the last): which beta is Adam's beta2 cannot be told, so no threshold is named (it
+    named one for betas[1], 0.92 here); the warning itself stays."""
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    opt.param_groups[0]["betas"] = (0.98, 0.92, 0.99)
+    with pytest.warns(UserWarning, match="float16 state") as rec:
+        amp.initialize(model, opt, opt_level="O3", verbosity=0)
+    text = next(str(w.message) for w in rec if "float16 state" in str(w.message))
+    assert "underflows to 0 in float16 for small gradients. " in text, text
+    assert "beta2=" not in text, text
+
+
 def test_the_fp16_state_warning_takes_a_beta2_of_one_set_after_construction():
     """A group's betas set after construction (torch checks them only there) to beta2=1.0:
     no threshold to name (1 - beta2 is 0), and no ZeroDivisionError out of initialize."""
