@@ -767,13 +767,30 @@ def _note_dtype_mismatch(model: nn.Module, half: torch.dtype, exc: RuntimeError)
     if (getattr(exc, "_mixprec_noted", False) or not _NAMES_FLOAT32.search(text)
             or not _NAMES_HALF.search(text)):
         return
-    names = [f"{prefix}{'.' if prefix else ''}{name}"
-             for prefix, module in model.named_modules() if not isinstance(module, _BatchNorm)
-             for name, p in module.named_parameters(recurse=False)
-             if p.dtype == torch.float32]
+    names, converted = [], []
+    for prefix, module in model.named_modules():
+        if isinstance(module, _BatchNorm):
+            continue
+        hooks = getattr(module, "_mixprec_state_dict", None)
+        for name, p in module.named_parameters(recurse=False):
+            if p.dtype == torch.float32:
+                # (One with an fp32 master was half: converted since, by a submodule's
+                # .float() or model.apply(...), which the model's own refusal does not see.)
+                mastered = hooks is not None and name in hooks.masters
+                (converted if mastered else names).append(
+                    f"{prefix}{'.' if prefix else ''}{name}")
     where = (f"amp: this model ({_original_class(type(model)).__name__}) was cast to {half} by "
              f"amp.initialize and its forward casts floating inputs to {half}")
-    if names:
+    if converted:
+        note = (
+            f"{where}, but {listed(converted, most=4)} {'was' if len(converted) == 1 else 'were'}"
+            f" converted to float32 since (a submodule's .float(), or model.apply(...), which "
+            "the refusal of model.float() on the model itself does not see). Convert them "
+            f"back (.to({half})); for an fp32 model, load model.state_dict() (the fp32 master "
+            "weights) into a new model built in fp32, which also keeps its checkpoint exact: "
+            "a converted parameter is saved as it now is, its half values upcast."
+        )
+    elif names:
         shown = listed(names, most=4)
         masters = ("; optimizer.add_param_group then keeps fp32 master weights for them"
                    if master_weights(model) else "")

@@ -1783,6 +1783,35 @@ def test_the_dtype_note_names_what_it_should(case):
         assert f"float32 parameters amp did not make: {names} (added after" in notes[0], notes
 
 
+@pytest.mark.parametrize("how", ["apply", "submodule"])
+def test_the_dtype_note_names_parameters_converted_to_fp32_after_initialize(how):
+    """model.float() is refused on an O2 model, but model.apply(lambda m: m.float()) converts
+    the children before the root's refusal runs, and a submodule's .float() never reaches it:
+    the forward's dtype error then blamed parameters "added after initialize" (r107C B1). The
+    note names them as converted and says how to get an fp32 model with an exact checkpoint;
+    that way is checked: a fresh fp32 model loaded from state_dict() taken before the
+    conversion holds the masters."""
+    model = make_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    exact = model.state_dict()
+    if how == "apply":
+        model.apply(lambda m: m.float())
+    else:
+        model[0].float()
+    with pytest.raises(RuntimeError, match="dtype") as info:
+        model(torch.randn(3, 4))
+    notes = _amp_notes(info.value)
+    assert len(notes) == 1, notes
+    names = "0.weight, 0.bias, 2.weight, 2.bias were" if how == "apply" else "0.weight, 0.bias were"
+    assert (f"{names} converted to float32 since (a submodule's .float(), or model.apply(...)"
+            in notes[0]), notes
+    assert "added after" not in notes[0] and "load model.state_dict()" in notes[0], notes
+    fresh = make_mlp(seed=5)
+    fresh.load_state_dict(exact)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), amp.master_params(opt)))
+
+
 class _MaskedAttention(nn.Module):
     """Scores plus a -100 shifted-window mask built inside forward, as detection ports of
     Swin do; ``typed`` builds it in the scores' dtype (the fix); ``fail`` raises an error with
