@@ -1364,7 +1364,9 @@ def restore_model(module: nn.Module) -> nn.Module:
     returns the exact fp32 masters while the parameters are half. Cast back with
     ``module.float()`` if wanted; the parameters then hold their half values upcast (not the
     masters'), and are what ``state_dict()`` returns from then on. For the exact fp32 weights,
-    load ``module.state_dict()`` (taken before the cast) into the fp32 model.
+    load ``module.state_dict()`` (taken before the cast) into the fp32 model. The hooks staying,
+    a pickle of the restored module (``torch.save(module)``) needs mixprec to load; to ship a
+    model without it, save a freshly built one loaded from ``module.state_dict()``.
 
     Returns:
         nn.Module: the same object.
