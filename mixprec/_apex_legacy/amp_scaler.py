@@ -96,7 +96,10 @@ class LossScaler:
         _MixprecLossScaler(loss_scale, init_scale, scale_factor, scale_window, min_loss_scale,
                            max_loss_scale)
         self.dynamic = loss_scale == "dynamic"
-        self._loss_scale = float(init_scale if self.dynamic else loss_scale)
+        # (A dynamic scale starts at most at max_loss_scale, as Apex's did: old configs
+        # passed init_scale=2**32.)
+        self._loss_scale = float(min(init_scale, max_loss_scale) if self.dynamic
+                                 else loss_scale)
         self._scale_factor = float(scale_factor)
         self._scale_seq_len = int(scale_window)
         self._min_loss_scale = min_loss_scale
@@ -105,6 +108,23 @@ class LossScaler:
         self._overflow = False
         # Device flags of this step's checks, not read yet (1.0 where an inf/NaN was seen).
         self._flags: List[torch.Tensor] = []
+
+    def __setstate__(self, state: dict) -> None:
+        # An object Apex's own class pickled (FP16_Optimizer.state_dict() of Apex 2019 and
+        # later put its scaler in checkpoints), unpickled as this class through the alias,
+        # holds Apex's attributes only: _has_overflow as a plain value (a property here), a
+        # CUDA _overflow_buf (amp_C's, not used here), no _scale_factor (Apex's update_scale
+        # halved and doubled by 2). One of this class's own keeps its unread device flags.
+        state = dict(state)
+        if "_flags" not in state:
+            state["_overflow"] = bool(state.pop("_has_overflow", False))
+            state.pop("_overflow_buf", None)
+            state["_flags"] = []
+            for name, default in (("_scale_factor", 2.0), ("_scale_seq_len", 2000),
+                                  ("_min_loss_scale", None), ("_max_loss_scale", 2.0**24),
+                                  ("_unskipped", 0), ("dynamic", True)):
+                state.setdefault(name, default)
+        self.__dict__.update(state)
 
     def loss_scale(self) -> float:
         """The current scale (Apex's method)."""

@@ -866,7 +866,7 @@ def test_apex_legacy_module_paths_and_helpers_as_apex_had_them(clean_apex):
 
 
 def _save_an_apex_pickled_scaler(path, optimizer_entries, cls_name="DynamicLossScaler",
-                                 **attributes):
+                                 module="apex.fp16_utils.loss_scaler", **attributes):
     """Write an FP16_Optimizer-era checkpoint to ``path``: an object of Apex's loss scaler
     class ``cls_name`` (under Apex's module path, from stand-in modules removed afterwards)
     with ``attributes``, under ``optimizer["loss_scaler"]`` beside ``optimizer_entries``."""
@@ -874,10 +874,11 @@ def _save_an_apex_pickled_scaler(path, optimizer_entries, cls_name="DynamicLossS
 
     import torch
 
+    parts = module.split(".")
     fakes = {name: types.ModuleType(name)
-             for name in ("apex", "apex.fp16_utils", "apex.fp16_utils.loss_scaler")}
-    scaler_cls = type(cls_name, (), {"__module__": "apex.fp16_utils.loss_scaler"})
-    setattr(fakes["apex.fp16_utils.loss_scaler"], cls_name, scaler_cls)
+             for name in (".".join(parts[:i]) for i in range(1, len(parts) + 1))}
+    scaler_cls = type(cls_name, (), {"__module__": module})
+    setattr(fakes[module], cls_name, scaler_cls)
     scaler = scaler_cls()
     scaler.__dict__.update(attributes)
     sys.modules.update(fakes)
@@ -2031,6 +2032,57 @@ def test_apex_loss_scaler_starts_at_init_scale_and_grows_after_scale_window(clea
         assert scaler.update_scale() is False
         scales.append(scaler.loss_scale())
     assert scales == [2.0**8, 2.0**8, 2.0**9, 2.0**9, 2.0**9, 2.0**10]
+
+
+def test_apex_loss_scaler_starts_at_most_at_max_loss_scale(clean_apex):
+    """Apex's dynamic scale started at min(max_loss_scale, init_scale): FP16_Optimizer-era
+    configs passed init_scale=2**32, which skipped 8 more steps than Apex before the first
+    update (r107D B1). mixprec's own LossScaler clamps the same way."""
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    assert LossScaler("dynamic", init_scale=2.0**32).loss_scale() == 2.0**24
+    assert LossScaler("dynamic", max_loss_scale=2.0**10).loss_scale() == 2.0**10
+    assert LossScaler(2.0**30, max_loss_scale=2.0**10).loss_scale() == 2.0**30  # (static)
+    assert mixprec.amp.LossScaler("dynamic", init_scale=2.0**32).loss_scale == 2.0**24
+
+
+def test_an_apex_amp_scaler_pickled_by_apex_steps_after_loading(clean_apex, tmp_path):
+    """Apex 2019+'s FP16_Optimizer put its apex.amp.scaler.LossScaler in checkpoints; through
+    the alias it unpickles as mixprec's class without __init__, holding Apex's attributes
+    only (_has_overflow a plain value, where a property reads the device flags here; no
+    _scale_factor): reading _has_overflow, update_scale() and an overflowed step raised
+    AttributeError (r107D B2). It now steps with Apex's policy from the saved state; a
+    scaler mixprec pickled keeps its unread inf flag through the round trip."""
+    import pickle
+
+    import torch
+
+    _save_an_apex_pickled_scaler(
+        tmp_path / "old.pt", {}, cls_name="LossScaler", module="apex.amp.scaler", dynamic=True,
+        _loss_scale=1024.0, _max_loss_scale=2.0**24, _min_loss_scale=None, _scale_seq_len=2,
+        _unskipped=1, _has_overflow=False, _overflow_buf=torch.IntTensor([0]))
+    mixprec.install_apex_alias()
+    from apex.amp.scaler import LossScaler
+
+    loaded = _load(tmp_path / "old.pt")["optimizer"]["loss_scaler"]
+    assert type(loaded) is LossScaler and loaded._has_overflow is False
+    seen = []
+    for grad in (1.0, float("inf"), 1.0, 1.0):
+        loaded.clear_overflow_state()
+        master = torch.empty(1)
+        loaded.unscale([torch.tensor([grad])], [master], None)
+        seen.append((loaded.update_scale(), loaded.loss_scale(), loaded._unskipped))
+    # (The saved window's second clean step grows the scale; the inf halves it and restarts
+    # the count, which two clean steps complete again.)
+    assert seen == [(False, 2048.0, 0), (True, 1024.0, 0), (False, 1024.0, 1),
+                    (False, 2048.0, 0)], seen
+
+    ours = LossScaler("dynamic", init_scale=8.0)
+    ours.clear_overflow_state()
+    ours.unscale([torch.tensor([float("inf")])], [torch.empty(1)], None)  # (flag unread)
+    again = pickle.loads(pickle.dumps(ours))
+    assert again.update_scale() is True and again.loss_scale() == 4.0
 
 
 def test_apex_loss_scaler_forgets_an_unread_overflow_when_cleared(clean_apex):
