@@ -251,10 +251,14 @@ class FP16_Optimizer(_NotProvided):  # noqa: N801  (Apex's name)
             "torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), max_norm) after "
             "that block; static_loss_scale=S -> loss_scale=S in amp.initialize; "
             "dynamic_loss_scale=True -> the default (it starts at 2**16 and doubles after 2000 "
-            "clean steps, where FP16_Optimizer's started at 2**32 and doubled after 1000; "
-            "min_loss_scale=1 gives its floor); optimizer.state_dict() -> "
-            "optimizer.state_dict() and amp.state_dict() (docs/migrating.md shows how to "
-            "resume from an FP16_Optimizer checkpoint).")
+            "clean steps, where FP16_Optimizer's started at 2**32 and doubled after 1000 "
+            "(Apex of 2018, with min_loss_scale=1 as its floor; later ones as amp); "
+            "dynamic_loss_args={'scale_window': N} -> amp._amp_state.loss_scalers[0]"
+            "._scale_seq_len = N after initialize; optimizer.overflow -> "
+            "amp.step_was_skipped(optimizer); optimizer.state_dict() -> "
+            "optimizer.state_dict() and amp.state_dict(); to resume from an FP16_Optimizer "
+            "checkpoint, amp.load_fp16_optimizer_state_dict(optimizer, "
+            "checkpoint['optimizer']) after initialize.")
 
 
 class _OldScaler(_NotProvided):

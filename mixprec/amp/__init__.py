@@ -9,6 +9,7 @@ Example::
     >>> optimizer.step()
 """
 
+from mixprec.amp._fp16_optimizer import load_fp16_optimizer_state_dict
 from mixprec.amp._model import is_amp_model, restore_model
 from mixprec.amp._properties import OPT_LEVELS, Properties
 from mixprec.amp.frontend import (
@@ -43,6 +44,7 @@ __all__ = [
     "half_function",
     "initialize",
     "is_amp_model",
+    "load_fp16_optimizer_state_dict",
     "load_state_dict",
     "master_params",
     "promote_function",

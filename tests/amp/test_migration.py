@@ -911,12 +911,16 @@ def test_a_pickled_fp16_optimizer_loss_scaler_unpickles_through_the_alias(clean_
 
 
 def _fp16_optimizer_reference(model, batches, blow, init_scale, window, clip, state=None,
-                              steps=None):
+                              steps=None, layout="2019"):
     """Apex's FP16_Optimizer (2018-19), written out by hand: a half model (BatchNorm fp32),
     fp32 masters (from the fp32 weights, as amp makes them), the loss times the scale, skip
     and halve on a non-finite gradient, double on the window-th clean step since the last
     overflow (DynamicLossScaler's (cur_iter - last_overflow_iter) % scale_window == 0), unscale,
-    clip on the master gradients, step, copy back. Returns (log, masters, state)."""
+    clip on the master gradients, step, copy back. Returns (log, masters, state).
+    ``layout``: the inner optimizer's parameters in the model's order (2019 and later, each
+    master in its half parameter's slot) or, as 2018's FP16_Optimizer rebuilt the group, the
+    half parameters' masters first and the fp32 ones (BatchNorm) after them; the arithmetic is
+    the same, the optimizer's state_dict slots differ."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -928,7 +932,13 @@ def _fp16_optimizer_reference(model, batches, blow, init_scale, window, clip, st
             if not isinstance(m, nn.modules.batchnorm._BatchNorm):
                 for p in m.parameters(recurse=False):
                     p.data = p.data.half()
-        opt = torch.optim.SGD(masters, lr=0.1, momentum=0.9)
+        is_half = [p.dtype == torch.float16 for p in half.parameters()]
+        if layout == "2018":
+            order = [m for m, h in zip(masters, is_half) if h]
+            order += [m for m, h in zip(masters, is_half) if not h]
+        else:
+            order = masters
+        opt = torch.optim.SGD(order, lr=0.1, momentum=0.9)
         state = {"half": half, "masters": masters, "opt": opt, "cur_scale": init_scale,
                  "cur_iter": 0, "last_overflow_iter": -1}
     half, masters, opt = state["half"], state["masters"], state["opt"]
@@ -1017,42 +1027,104 @@ def test_o2_steps_as_fp16_optimizer_did_bit_for_bit(clean_apex):
         assert torch.equal(got, want.detach())
 
 
-def test_an_fp16_optimizer_checkpoint_resumes_under_o2_bit_for_bit(clean_apex):
-    # An FP16_Optimizer checkpoint mid-window (FP16_Optimizer.state_dict(): the scaler's
-    # cur_scale, cur_iter, last_overflow_iter, scale_window, the inner optimizer's state and
-    # fp32_from_fp16) resumed by the ported O2 script: masters through model.load_state_dict,
-    # the inner optimizer's state through optimizer.load_state_dict (FP16_Optimizer kept the
-    # masters in the fp16 parameters' slots, so the order is the model's), the scale and the
-    # clean steps counted toward the next growth through amp.load_state_dict. It continues as
-    # FP16_Optimizer would have, bit for bit, growth step included.
+@pytest.mark.parametrize("layout", ["2018", "2019"])
+def test_an_fp16_optimizer_checkpoint_resumes_under_o2_bit_for_bit(clean_apex, tmp_path,
+                                                                    layout):
+    """An FP16_Optimizer checkpoint mid-window resumed by the ported O2 script: the model's
+    own checkpoint (half weights, BatchNorm fp32, buffers) through model.load_state_dict,
+    then FP16_Optimizer.state_dict() through amp.load_fp16_optimizer_state_dict: the masters
+    of fp32_from_fp16 exactly, the inner optimizer's state and the scale with the clean steps
+    counted toward the next growth and the window, from either of Apex's layouts (2018's
+    pickled DynamicLossScaler, its groups rebuilt with the half parameters' masters first and
+    BatchNorm's fp32 parameters after them; 2019's apex.amp.scaler.LossScaler, masters in
+    place). It continues as FP16_Optimizer would have, bit for bit, growth step included.
+    (docs/migrating.md's recipe loaded 2018's state in the model's order: BatchNorm's momentum
+    landed on the last Linear, r107D R1.)"""
     import torch
-
-    mixprec.install_apex_alias()
-    from apex import amp as apex_amp
 
     model, batches = _legacy_model_and_batches()
     blow = {2, 8}
-    straight, ref_masters, _ = _fp16_optimizer_reference(model, batches, blow, 2.0**10, 4, 0.5)
-    first, _, state = _fp16_optimizer_reference(model, batches[:6], blow, 2.0**10, 4, 0.5)
+    straight, ref_masters, _ = _fp16_optimizer_reference(model, batches, blow, 2.0**10, 4, 0.5,
+                                                         layout=layout)
+    first, _, state = _fp16_optimizer_reference(model, batches[:6], blow, 2.0**10, 4, 0.5,
+                                                layout=layout)
     assert (state["cur_iter"], state["last_overflow_iter"]) == (6, 2)  # growth due at step 6
-    saved_model = {n: m.detach().clone() for (n, _), m in
-                   zip(model.named_parameters(), state["masters"])}
-    saved_model.update(dict(state["half"].named_buffers()))  # BatchNorm's running stats
-    saved = {"model": saved_model, "optimizer": state["opt"].state_dict()}
+    half_masters = [m for m, p in zip(state["masters"], state["half"].parameters())
+                    if p.dtype == torch.float16]
+    if layout == "2018":
+        scaler = dict(cls_name="DynamicLossScaler", cur_scale=state["cur_scale"],
+                      cur_iter=state["cur_iter"], last_overflow_iter=state["last_overflow_iter"],
+                      scale_factor=2.0, scale_window=4)
+    else:
+        scaler = dict(cls_name="LossScaler", module="apex.amp.scaler", dynamic=True,
+                      _loss_scale=state["cur_scale"], _max_loss_scale=2.0**24,
+                      _min_loss_scale=None, _scale_seq_len=4, _has_overflow=False,
+                      _unskipped=state["cur_iter"] - state["last_overflow_iter"] - 1)
+    _save_an_apex_pickled_scaler(
+        tmp_path / "old.pt", {"optimizer_state_dict": state["opt"].state_dict(),
+                              "fp32_from_fp16": [[m.detach().clone() for m in half_masters]],
+                              "dynamic_loss_scale": True, "overflow": False,
+                              "first_closure_call_this_step": True}, **scaler)
+    mixprec.install_apex_alias()  # (after the stand-in Apex that pickled the scaler is gone)
+    from apex import amp as apex_amp
+
+    saved = {"model": state["half"].state_dict(),
+             "optimizer": _load(tmp_path / "old.pt")["optimizer"]}
     new = copy.deepcopy(model)
     opt = torch.optim.SGD(new.parameters(), lr=0.1, momentum=0.9)
     new, opt = apex_amp.initialize(new, opt, opt_level="O2", verbosity=0)
     new.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["optimizer"])
-    unskipped = (state["cur_iter"] - state["last_overflow_iter"] - 1) % 4
-    amp.load_state_dict({"loss_scaler0": {"loss_scale": state["cur_scale"],
-                                          "unskipped": unskipped}})
-    amp._amp_state.loss_scalers[0]._scale_seq_len = 4
+    amp.load_fp16_optimizer_state_dict(opt, saved["optimizer"])
     rest = _legacy_o2_run(new, opt, batches[6:], blow, 0.5, start=6)
     assert first + rest == straight
     assert rest[0][0] * 2 == rest[1][0]  # the growth FP16_Optimizer had due at step 6
     for got, want in zip(amp.master_params(opt), ref_masters):
         assert torch.equal(got, want.detach())
+
+
+def test_loading_an_fp16_optimizer_state_dict_refuses_what_does_not_match(clean_apex, tmp_path):
+    """Each refusal names what was passed and what is needed, and none loads anything: an
+    O1 optimizer (no masters), a model checkpoint passed for the optimizer's, another number
+    of groups, masters for other parameters, a static checkpoint scale under amp's dynamic
+    one."""
+    import torch
+    from torch import nn
+
+    model, _ = _legacy_model_and_batches()
+    half = [p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
+    opt_sd = torch.optim.SGD(model.parameters(), lr=0.1).state_dict()
+    _save_an_apex_pickled_scaler(tmp_path / "old.pt", {}, cls_name="LossScaler",
+                                 cur_scale=128.0)
+    mixprec.install_apex_alias()
+    static = _load(tmp_path / "old.pt")["optimizer"]["loss_scaler"]
+    good = {"optimizer_state_dict": opt_sd, "loss_scaler": static,
+            "fp32_from_fp16": [[p.detach().clone() for p in half]]}
+
+    o1_model = copy.deepcopy(model)
+    o1 = torch.optim.SGD(o1_model.parameters(), lr=0.1)
+    amp.initialize(o1_model, o1, opt_level="O1", verbosity=0)
+    with pytest.raises(ValueError, match="has no master weights"):
+        amp.load_fp16_optimizer_state_dict(o1, good)
+    net = copy.deepcopy(model)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    amp.initialize(net, opt, opt_level="O2", verbosity=0)
+    before = [m.detach().clone() for m in amp.master_params(opt)]
+    cases = [
+        (model.state_dict(), r"missing \['optimizer_state_dict', 'fp32_from_fp16', "
+                             r"'loss_scaler'\]. Pass checkpoint\['optimizer'\]"),
+        ({**good, "fp32_from_fp16": good["fp32_from_fp16"] * 2},
+         "holds 1 parameter groups \\(2 of masters\\), the optimizer 1"),
+        ({**good, "fp32_from_fp16": [good["fp32_from_fp16"][0][:3]]},
+         "group 0 of the checkpoint holds 3 fp32 masters, but the optimizer's group 0 has 4"),
+        ({**good, "fp32_from_fp16": [good["fp32_from_fp16"][0][::-1]]},
+         r"a saved master of shape \(4,\) falls on a parameter of shape \(8, 6\)"),
+        (good, r"loss scale is static \(128\), amp's dynamic: pass loss_scale=128"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=message):
+            amp.load_fp16_optimizer_state_dict(opt, bad)
+    assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
+    assert not opt.state  # (nothing loaded)
 
 
 def test_apex_amp_version_module_imports(clean_apex):
