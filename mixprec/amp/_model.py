@@ -1772,11 +1772,13 @@ class _Fp32StateDict:
         # taken from the parameter, at half precision). (One comparison per parameter.)
         pending, self._pending_load = self._pending_load, None
         before = self.__dict__.pop("_versions_before_load", None) or {}
+        unwritten = set()
         with torch.no_grad():
             for name, master in self.masters.items():
                 param = module._parameters.get(name)
                 if (param is not None and name in before and not param.is_inference()
                         and before[name] == (param._cdata, param._version)):
+                    unwritten.add(name)
                     continue  # (the same tensor, not written by this load: see load())
                 if (param is None or param.dtype not in _HALF_TYPES or param.is_meta
                         or param.shape != master.shape
@@ -1792,7 +1794,11 @@ class _Fp32StateDict:
         for keeper in self.keepers():
             keeper.take_model_writes(only=self.own_params(module))
         if self.standalone:  # (a copy's masters, kept by sync(): the load wrote both sides)
-            self._versions = {name: master._version for name, master in self.masters.items()}
+            # (Not those it did not write: a master written in place before the load, a
+            # copy's state_dict() entry updated as dcp.load does, still waits for sync() to
+            # reach its half parameter, which else took it for a .data write and won.)
+            self._versions.update({name: master._version for name, master
+                                   in self.masters.items() if name not in unwritten})
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -5934,3 +5934,61 @@ def test_a_partial_load_of_other_keys_keeps_a_write_into_the_masters(dtype, how)
     if how != "data":
         assert torch.equal(model.state_dict()["0.weight"], new)
         assert torch.equal(model[0].weight, new.to(dtype))
+
+
+class _ReplacedOnLoad(nn.Linear):
+    """A module whose own load, when its weight is not in the state dict, puts a freshly made
+    parameter in place of its weight (version 1 after its one fill_, as the old one's)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        if prefix + "weight" not in state_dict:
+            new = torch.empty_like(self.weight)
+            with torch.no_grad():
+                new.fill_(0.25)
+            self._parameters["weight"] = nn.Parameter(new)
+
+
+def test_a_parameter_replaced_during_a_partial_load_reaches_its_master():
+    """The post-load skip of parameters a strict=False load did not write compares the tensor
+    with its version: a parameter replaced during the load by one whose version coincides
+    (1 and 1) is not skipped, its master takes the new values (r107B G3: a version-only
+    comparison skipped it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_ReplacedOnLoad(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    old_version = model[0].weight._version
+    model.load_state_dict({"2.bias": torch.randn(3)}, strict=False)
+    assert model[0].weight._version == old_version  # (the coincidence the test is about)
+    master = list(amp.master_params(opt))[0]
+    assert torch.equal(master, torch.full_like(master, 0.25)), master
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copys_partial_load_of_other_keys_keeps_a_write_into_its_masters(how):
+    """A write into a copy's master through its state_dict() tensor (an EMA update, dcp.load's
+    way), then load_state_dict of OTHER keys with strict=False: the copy's load marked every
+    master as in step with its half parameter, so the next look took the stale half value
+    for a .data write and the write was lost (r107B B1; the model itself kept it). Reference:
+    the value written, exact, in state_dict() and, rounded, in the half parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    if how == "deepcopy":
+        copy_ = copy.deepcopy(model)
+    else:
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        copy_ = torch.load(buf, weights_only=False)
+    new = torch.randn(8, 4)
+    with torch.no_grad():
+        copy_.state_dict()["0.weight"].copy_(new)
+    bias = torch.randn(3)
+    copy_.load_state_dict({"2.bias": bias}, strict=False)
+    saved = copy_.state_dict()
+    assert torch.equal(saved["0.weight"], new)
+    assert torch.equal(saved["2.bias"], bias)
+    assert torch.equal(copy_[0].weight, new.half())

@@ -504,6 +504,18 @@ def test_the_fp16_state_warning_names_no_threshold_for_three_betas():
     assert "beta2=" not in text, text
 
 
+def test_the_fp16_state_warning_takes_one_beta_set_after_construction():
+    """betas=(0.9,) set on a group after construction (torch checks them only there): no
+    threshold named, and no IndexError out of amp.initialize (r107B G4)."""
+    model = make_mlp()
+    opt = torch.optim.Adam(model.parameters())
+    opt.param_groups[0]["betas"] = (0.9,)
+    with pytest.warns(UserWarning, match="float16 state") as rec:
+        amp.initialize(model, opt, opt_level="O3", verbosity=0)
+    text = next(str(w.message) for w in rec if "float16 state" in str(w.message))
+    assert "gradients below" not in text and "for small gradients. " in text, text
+
+
 def test_the_fp16_state_warning_takes_a_beta2_of_one_set_after_construction():
     """A group's betas set after construction (torch checks them only there) to beta2=1.0:
     no threshold to name (1 - beta2 is 0), and no ZeroDivisionError out of initialize."""

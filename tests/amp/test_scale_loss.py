@@ -4289,3 +4289,95 @@ def test_the_step_names_a_gradient_that_predates_its_layer_joining_at_o2(late):
     model.zero_grad() if late else opt.zero_grad()
     opt.step()  # (no gradient anywhere: nothing moves, and nothing is refused)
     assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
+
+
+class _TwoEvaluations(torch.optim.SGD):
+    """An optimizer whose step evaluates the closure twice (as SAM-style optimizers do)."""
+
+    def step(self, closure=None):
+        closure()
+        loss = closure()
+        super().step()
+        return loss
+
+
+def test_a_master_write_between_closure_evaluations_reaches_a_frozen_layer_at_o2():
+    """A closure evaluation records only the pairs it copied, not those of the frozen layer
+    the last step left as they were: a write into such a layer's master between two
+    evaluations of one step (through model.state_dict()'s tensor) reaches the half layer and
+    stays in the master (r107B G1: recording every pair took it as in step, and the next
+    state_dict() lost it)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    for p in model[2].parameters():
+        p.requires_grad_(False)
+    opt = _TwoEvaluations(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(6, 4)
+    new = torch.randn(3, 8)
+    evals = []
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        if len(evals) == 2:  # (after the first evaluation of the second step)
+            with torch.no_grad():
+                model.state_dict()["2.weight"].copy_(new)
+        evals.append(loss.item())
+        return loss
+
+    opt.step(closure)
+    opt.step(closure)
+    assert len(evals) == 4
+    assert torch.equal(model[2].weight, new.half())
+    assert torch.equal(model.state_dict()["2.weight"], new)
+
+
+def test_a_state_dict_inside_a_closure_keeps_the_fp32_masters_at_o2():
+    """The closure's copy of the masters into the half model is recorded after the copy:
+    recorded before it, the copy's version bumps looked like writes into the half model, and
+    a model.state_dict() inside the closure (a checkpoint or a log there) rounded the masters
+    to bf16 (r107B G2). lr=0: reference, the masters before, exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(x).float(), y)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        model.state_dict()
+        return loss
+
+    before = [m.detach().clone() for m in amp.master_params(opt)]
+    for _ in range(2):
+        opt.step(closure)
+    assert all(torch.equal(a, b) for a, b in zip(amp.master_params(opt), before))
+
+
+@pytest.mark.parametrize("with_closure", [False, True], ids=["step", "closure"])
+def test_a_half_gradient_on_the_last_parameter_alone_is_refused_at_o2(with_closure):
+    """The O2 step refuses a half gradient left on any master-weighted parameter, the
+    optimizer's last one too: a penalty on the last layer's bias alone, backpropagated outside
+    amp.scale_loss (r107B G9)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+
+    def closure():
+        opt.zero_grad()
+        model[2].bias.float().pow(2).sum().backward()  # (outside scale_loss)
+        return torch.zeros(())
+
+    with pytest.raises(RuntimeError, match="gradients were never moved to the fp32 master"):
+        if with_closure:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()

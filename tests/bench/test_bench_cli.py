@@ -1867,3 +1867,14 @@ def test_a_mode_out_of_memory_gets_a_note_naming_the_batch_size(monkeypatch, err
              if line.startswith("note:") and "out of memory" in line]
     assert notes == ["note: O1 ran out of memory at batch size 4 on cpu: use a smaller "
                      "--batch-size."], notes
+
+
+def test_an_out_of_memory_error_is_recognised_by_its_type_name():
+    """_out_of_memory knows PyTorch's OutOfMemoryError by its type name, as its docstring says,
+    not only by "out of memory" in its message (r107B G8)."""
+    from mixprec.bench.cli import _out_of_memory
+
+    assert _out_of_memory("OutOfMemoryError: Tried to allocate 20.00 GiB (GPU 0)")
+    assert _out_of_memory("MemoryError: ")
+    assert not _out_of_memory("ValueError: something else")
+    assert not _out_of_memory(None)
