@@ -211,13 +211,19 @@ def _layout_of(x: torch.Tensor, channel_last: bool, cache: Optional[Dict]) -> _L
     return layout
 
 
+# The cache's one entry for the (channels, statistics dtype) pairs the ranks agreed on.
+_AGREED = ("agreed",)
+
+
 def _cache_put(cache: Dict, key, value) -> None:
     if len(cache) >= 16:  # a layer fed ever-changing shapes: start over
         # (Keeping what the ranks agreed on: when to clear depends on the shapes this rank
-        # saw, so a re-check after it would be one rank's collective alone.)
-        agreed = {k: v for k, v in cache.items() if k[0] == "agreed"}
+        # saw, so a re-check after it would be one rank's collective alone. One entry, so a
+        # parameter-free layer fed many channel counts does not fill the cache with them.)
+        agreed = cache.get(_AGREED)
         cache.clear()
-        cache.update(agreed)
+        if agreed is not None:
+            cache[_AGREED] = agreed
     cache[key] = value
 
 
@@ -236,8 +242,8 @@ def _check_ranks_agree(x: torch.Tensor, channel_last: bool, group, world_size: i
         return
     channels = x.shape[-1] if channel_last else x.shape[1]
     stat_dtype = _stat_dtype(x.dtype)
-    key = ("agreed", channels, stat_dtype)
-    if key in cache:
+    agreed = cache.get(_AGREED)
+    if agreed is not None and (channels, stat_dtype) in agreed:
         return
     mine = torch.tensor([channels, 8 * stat_dtype.itemsize], dtype=torch.int64,
                         device=x.device)
@@ -250,7 +256,9 @@ def _check_ranks_agree(x: torch.Tensor, channel_last: bool, group, world_size: i
             f"({seen}); the statistics it all-gathers must have one size and dtype on every "
             "rank. Build the same model on every rank, in the same dtype (not .double() on "
             "some ranks only), and feed every rank inputs with the same channels and dtype.")
-    cache[key] = True
+    if agreed is None:
+        agreed = cache[_AGREED] = set()
+    agreed.add((channels, stat_dtype))
 
 
 def _count_tensor(cache: Optional[Dict], count: float, like: torch.Tensor) -> torch.Tensor:

@@ -464,9 +464,9 @@ class DistributedDataParallel(nn.parallel.DistributedDataParallel):
                 # (DDP(model, 10000000, False, group): the fourth positional is Apex's
                 # shared_param, which turned delay mode on and dropped the group silently.)
                 raise TypeError(
-                    f"DistributedDataParallel({name}=<ProcessGroup>): a process group passed "
-                    f"by position lands in Apex's {name} argument. Pass it by keyword, "
-                    "process_group=group (keyword-only, as in torch's "
+                    f"DistributedDataParallel({name}=<ProcessGroup>): a process group is not "
+                    f"a {name} (one passed by position lands in Apex's {name} argument). Pass "
+                    "it by keyword, process_group=group (keyword-only, as in torch's "
                     "DistributedDataParallel).")
         where = "DistributedDataParallel"  # (a string "False" was true: any string is)
         delay_allreduce = check_flag(where, "delay_allreduce", delay_allreduce)

@@ -5843,15 +5843,26 @@ def check_process_group_passed_by_position_is_refused(ctx):
     shared_param, so a process group there turned delay mode on (with only the deprecation
     warning) and the group was dropped silently (r104A R2); in torch's order, the sixth, it
     lands in retain_allreduce_buffers. Refused on every rank before anything is built, naming
-    the slot and process_group=... as the fix."""
+    the slot and process_group=... as the fix: in each of Apex's twelve positional slots (the
+    last, prof, too: r107B G7), and passed by keyword to one of them (the message does not
+    say it came by position then)."""
+    import inspect
+
     group = dist.group.WORLD
-    for args, slot in (((10000000, False, group), "shared_param"),
-                       ((None, None, 0, True, group), "retain_allreduce_buffers")):
+    params = inspect.signature(DistributedDataParallel.__init__).parameters
+    slots = [n for n, p in params.items()
+             if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD][2:]
+    assert slots[0] == "message_size" and slots[-1] == "prof" and len(slots) == 12, slots
+    defaults = [params[n].default for n in slots]
+    calls = [((*defaults[:i], group), {}, slot) for i, slot in enumerate(slots)]
+    calls.append(((), {"shared_param": group}, "shared_param"))
+    for args, kwargs, slot in calls:
         try:
-            DistributedDataParallel(_mlp(ctx.device), *args)
+            DistributedDataParallel(_mlp(ctx.device), *args, **kwargs)
         except TypeError as err:
             text = str(err)
-            assert f"DistributedDataParallel({slot}=<ProcessGroup>)" in text, text
+            assert (f"DistributedDataParallel({slot}=<ProcessGroup>): a process group is not "
+                    f"a {slot}") in text, text
             assert "process_group=group" in text, text
         else:
             raise AssertionError(f"a process group in {slot}'s place was taken")

@@ -850,6 +850,7 @@ def check_ranks_disagreeing_on_channels_or_dtype_raise_on_every_rank(ctx):
         assert per_forward == [1] + [0] * 19, f"[{path}] agreement gathers: {per_forward}"
         copied = copy.deepcopy(m)
         assert not [k for k in copied._count_cache if k[0] == "agreed"], path
+        assert m._count_cache[("agreed",)] == {(3, torch.float32)}, path
     # Agreed on (3, float32), the ranks then give a parameter-free layer (any channel count)
     # new pairs at the same step, different ones: each rank checks its own new pair, so every
     # rank raises. (One rank alone moving to a new pair after the check is not caught: see
@@ -901,6 +902,68 @@ def check_all_gather_rows_puts_each_rank_at_its_index(ctx):
                                msg=labelled(f"rank {ctx.rank}: a group of 2"))
 
 
+def check_ranks_with_half_and_float_inputs_agree_on_float32_statistics(ctx):
+    """The ranks-agree check compares the statistics dtype, float32 for half and float32
+    inputs alike: a bf16 input on rank 0 and a float32 one elsewhere exchange float32 rows and
+    train as one layer (r107B G5: a check of the input dtype refused them). Reference: the
+    running mean over every rank's input as each rank gave it, float64."""
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 3, 2) for _ in range(ctx.world_size)]
+    given = [x.to(torch.bfloat16 if r == 0 else torch.float32) for r, x in enumerate(xs)]
+    m = SyncBatchNorm(3).to(ctx.device)
+    m(given[ctx.rank].to(ctx.device))
+    want = 0.1 * torch.cat([g.double() for g in given]).mean(dim=(0, 2))
+    torch.testing.assert_close(m.running_mean.cpu().double(), want, rtol=1e-5, atol=1e-6,
+                               msg=labelled(f"rank {ctx.rank}"))
+
+
+def check_a_parameter_free_layer_fed_many_channel_counts_keeps_its_cache_small(ctx):
+    """A layer without parameters takes any channel count; the pairs the ranks agreed on are
+    one cache entry, so 24 channel counts leave the cache within its 16 entries (+1) instead
+    of growing it past them (which then cleared the layouts and plans at every put: r107B R2),
+    and a second pass over the same counts gathers nothing more. Reference: the gathers
+    counted; the outputs of the second pass equal the first's, exact."""
+    m = SyncBatchNorm(1, affine=False, track_running_stats=False).to(ctx.device)
+    xs = [torch.randn(4, c, 2, generator=torch.Generator().manual_seed(c)).to(ctx.device)
+          for c in range(2, 26)]
+    calls = []
+    real = fn.all_gather_rows
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real(*args, **kwargs)
+
+    fn.all_gather_rows = counting
+    try:
+        first = [m(x) for x in xs]
+        assert calls.count(torch.int64) == 24, calls
+        assert len(m._count_cache) <= 17, sorted(map(str, m._count_cache))
+        del calls[:]
+        second = [m(x) for x in xs]
+    finally:
+        fn.all_gather_rows = real
+    assert calls.count(torch.int64) == 0, calls
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=labelled(f"rank {ctx.rank}"))
+
+
+def check_the_functional_form_without_a_cache_runs_over_the_ranks(ctx):
+    """fn.sync_batch_norm called without a cache (its default; the module passes its own)
+    skips the ranks-agree check and normalizes over every rank (r107B G6: the check read the
+    cache unguarded). Reference: the whole gathered batch in float64."""
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 3, 2) for _ in range(ctx.world_size)]
+    rm, rv = torch.zeros(3, device=ctx.device), torch.ones(3, device=ctx.device)
+    y = fn.sync_batch_norm(xs[ctx.rank].to(ctx.device), None, None, rm, rv, 1e-5, 0.1, None,
+                           ctx.world_size)
+    whole = torch.cat(xs).double()
+    mean, var = whole.mean(dim=(0, 2)), whole.var(dim=(0, 2), unbiased=False)
+    want = (xs[ctx.rank].double() - mean[None, :, None]) / (var[None, :, None] + 1e-5).sqrt()
+    torch.testing.assert_close(y.cpu().double(), want, rtol=1e-4, atol=1e-5,
+                               msg=labelled(f"rank {ctx.rank}"))
+    torch.testing.assert_close(rm.cpu().double(), 0.1 * mean, rtol=1e-4, atol=1e-6)
+
+
 GROUP_2 = [
     "check_fp32_equal_batches",
     "check_dtype_pairs_batchnorm_refuses",
@@ -934,6 +997,9 @@ GROUP_2 = [
     "check_syncbn_eval_without_running_stats_normalizes_by_the_local_batch",
     "check_a_layer_pickled_without_the_count_cache_trains_over_the_ranks",
     "check_ranks_disagreeing_on_channels_or_dtype_raise_on_every_rank",
+    "check_ranks_with_half_and_float_inputs_agree_on_float32_statistics",
+    "check_the_functional_form_without_a_cache_runs_over_the_ranks",
+    "check_a_parameter_free_layer_fed_many_channel_counts_keeps_its_cache_small",
 ]
 GROUP_4 = ["check_fp32_unequal_batches", "check_ranks_with_images_of_different_sizes",
            "check_empty_rank", "check_batch_size_changes_between_steps",
