@@ -5012,13 +5012,7 @@ def test_o2_copy_taken_right_after_masters_written_in_place_holds_the_written_we
         sd = model.state_dict()
         for k, v in new.items():
             sd[k].copy_(v)
-    if how == "deepcopy":
-        other = copy.deepcopy(model)
-    else:
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        other = torch.load(buf, weights_only=False)
+    other = _copied(model, how)
     with torch.no_grad():
         torch.testing.assert_close(other(x), ref(x), rtol=0, atol=0)
     for k, v in new.items():
@@ -5936,6 +5930,16 @@ def test_a_partial_load_of_other_keys_keeps_a_write_into_the_masters(dtype, how)
         assert torch.equal(model[0].weight, new.to(dtype))
 
 
+def _copied(model, how):
+    """``copy.deepcopy(model)``, or (any other ``how``) a torch.save/torch.load round trip."""
+    if how == "deepcopy":
+        return copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
 class _ReplacedOnLoad(nn.Linear):
     """A module whose own load, when its weight is not in the state dict, puts a freshly made
     parameter in place of its weight (version 1 after its one fill_, as the old one's)."""
@@ -5976,13 +5980,7 @@ def test_a_copys_partial_load_of_other_keys_keeps_a_write_into_its_masters(how):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
-    if how == "deepcopy":
-        copy_ = copy.deepcopy(model)
-    else:
-        buf = io.BytesIO()
-        torch.save(model, buf)
-        buf.seek(0)
-        copy_ = torch.load(buf, weights_only=False)
+    copy_ = _copied(model, how)
     new = torch.randn(8, 4)
     with torch.no_grad():
         copy_.state_dict()["0.weight"].copy_(new)
