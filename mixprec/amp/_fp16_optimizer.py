@@ -15,6 +15,7 @@ itself. Two layouts were written:
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import List
 
@@ -81,14 +82,14 @@ def load_fp16_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict:
             f"parameter groups ({len(saved_masters)} of masters), the optimizer "
             f"{len(groups)}. Build the optimizer over the same groups as the FP16_Optimizer's "
             "inner one.")
-    has_master = {id(m) for _, m in state.pairs}
+    half_of = {id(m): h for h, m in state.pairs}
     ids_taken = [i for g in saved_groups for i in g["params"]]
     fresh_id = max(ids_taken, default=-1) + 1
-    new_groups, writes = [], []
+    new_groups, writes, off = [], [], []
     for k, (group, saved_group, masters) in enumerate(zip(groups, saved_groups, saved_masters)):
         params = group["params"]
         trainable = [i for i, p in enumerate(params) if p.requires_grad]
-        half = [i for i in trainable if id(params[i]) in has_master]
+        half = [i for i in trainable if id(params[i]) in half_of]
         if len(masters) != len(half):
             raise ValueError(
                 f"amp.load_fp16_optimizer_state_dict: group {k} of the checkpoint holds "
@@ -102,6 +103,14 @@ def load_fp16_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict:
                     f"{tuple(master.shape)} falls on a parameter of shape "
                     f"{tuple(params[i].shape)}: the groups hold other parameters, or in "
                     "another order, than the checkpoint's.")
+            # (FP16_Optimizer copied each master into its half parameter after every step,
+            # and the model's checkpoint was saved beside it: a master that does not round to
+            # the weight model.load_state_dict put there belongs to another parameter of the
+            # same shape, or the model's checkpoint was not loaded first.)
+            weight = half_of[id(params[i])].detach()
+            if not torch.equal(master.detach().to(weight.device, torch.float16)
+                               .to(weight.dtype), weight):
+                off.append((k, i, tuple(params[i].shape)))
             writes.append((params[i], master))
         halves = set(half)
         order = (half + [i for i in trainable if i not in halves] if old_layout
@@ -121,15 +130,27 @@ def load_fp16_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict:
             if slot == -1:  # (a frozen parameter 2018's FP16_Optimizer left out: no state)
                 slots[i], fresh_id = fresh_id, fresh_id + 1
         new_groups.append({**saved_group, "params": slots})
-    scale, unskipped, window, dynamic = _scale_state(scaler, old_layout)
+    if off:
+        shown = ", ".join(f"group {k} index {i} {shape}" for k, i, shape in off[:3])
+        raise ValueError(
+            f"amp.load_fp16_optimizer_state_dict: {len(off)} of the checkpoint's fp32 masters "
+            f"do not round to the half weights the model holds ({shown}"
+            f"{', ...' if len(off) > 3 else ''}): load the model's checkpoint first "
+            "(model.load_state_dict(checkpoint['model'])), and build the optimizer over the "
+            "same groups, with the same parameters frozen, as the checkpoint's run.")
+    scale, unskipped, window, dynamic, bounds = _scale_state(scaler, old_layout)
     loss_scaler = state.amp_state.scalers[0]
     if dynamic != loss_scaler.dynamic:
         raise ValueError(
             "amp.load_fp16_optimizer_state_dict: the checkpoint's loss scale is "
             f"{'dynamic' if dynamic else f'static ({scale:g})'}, amp's "
             f"{'dynamic' if loss_scaler.dynamic else 'static'}: pass "
-            + ("loss_scale='dynamic' (the default at O2)" if dynamic else
-               f"loss_scale={scale:g}") + " to amp.initialize.")
+            + ("loss_scale='dynamic'" if dynamic else f"loss_scale={scale:g}")
+            + " to amp.initialize.")
+    if not dynamic and loss_scaler.loss_scale != scale:
+        warnings.warn(
+            f"amp.load_fp16_optimizer_state_dict: the checkpoint's static loss scale {scale:g} "
+            f"replaces this run's {loss_scaler.loss_scale:g}.", UserWarning, stacklevel=2)
     optimizer.load_state_dict({"state": saved["state"], "param_groups": new_groups})
     with torch.no_grad():
         for master, value in writes:
@@ -137,27 +158,33 @@ def load_fp16_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict:
     loss_scaler.set_state(scale, unskipped)
     if dynamic:
         loss_scaler.set_window(window)
+        # (The checkpoint's bounds too, or the scale sequence parts from FP16_Optimizer's:
+        # 2018's floor of 1 and no ceiling, later Apex's min and max.)
+        loss_scaler._min, loss_scaler._max = bounds
 
 
 def _scale_state(scaler, old_layout: bool):
-    """(scale, clean steps toward the next growth, growth window, dynamic) of an unpickled
-    Apex loss scaler."""
+    """(scale, clean steps toward the next growth, growth window, dynamic, (floor,
+    ceiling)) of an unpickled Apex loss scaler."""
     attrs = getattr(scaler, "__dict__", {})
     try:
         if old_layout:
             scale = float(attrs["cur_scale"])
             dynamic = "scale_window" in attrs
             if not dynamic:
-                return scale, 0, 0, False
+                return scale, 0, 0, False, None
             window = int(attrs["scale_window"])
             # (DynamicLossScaler grew at (cur_iter - last_overflow_iter) % scale_window == 0:
             # the clean steps since the last overflow or growth, counted amp's way.)
             unskipped = (int(attrs["cur_iter"]) - int(attrs["last_overflow_iter"]) - 1) % window
             factor = float(attrs.get("scale_factor", 2.0))
+            bounds = (1.0, math.inf)  # (DynamicLossScaler: max(cur_scale / factor, 1))
         else:
             scale, dynamic = float(attrs["_loss_scale"]), bool(attrs["dynamic"])
             unskipped, window = int(attrs["_unskipped"]), int(attrs["_scale_seq_len"])
             factor = float(attrs.get("_scale_factor", 2.0))
+            low, high = attrs.get("_min_loss_scale"), attrs.get("_max_loss_scale", 2.0**24)
+            bounds = (2.0**-24 if low is None else float(low), float(high))
     except (KeyError, TypeError, ValueError):
         raise ValueError(
             "amp.load_fp16_optimizer_state_dict: the checkpoint's loss_scaler "
@@ -168,4 +195,4 @@ def _scale_state(scaler, old_layout: bool):
         warnings.warn(
             f"amp.load_fp16_optimizer_state_dict: the checkpoint's scaler grew and backed off "
             f"by {factor:g}; amp's dynamic scale uses 2.", UserWarning, stacklevel=3)
-    return scale, unskipped, window, dynamic
+    return scale, unskipped, window, dynamic, bounds

@@ -1127,6 +1127,314 @@ def test_loading_an_fp16_optimizer_state_dict_refuses_what_does_not_match(clean_
     assert not opt.state  # (nothing loaded)
 
 
+def _fp16_optimizer_groups_run(model, make_opt, layout, batches, blow, scaler, freeze=(),
+                               state=None, start=0):
+    """Apex's FP16_Optimizer over several parameter groups, written out by hand (see
+    _fp16_optimizer_reference for one group): the half model (BatchNorm fp32), parameters named
+    in ``freeze`` frozen; 2018's layout rebuilds each group as its trainable half parameters'
+    masters then its trainable fp32 ones, in a new inner optimizer; 2019's puts each master in
+    its half parameter's slot (frozen ones stay). ``scaler``: {"scale", "window"} (2018's
+    DynamicLossScaler growth rule, cur_iter/last_overflow_iter, as 2019's _unskipped counts).
+    Returns (log, state)."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    if state is None:
+        half = copy.deepcopy(model)
+        for name, p in half.named_parameters():
+            p.requires_grad_(name not in freeze)
+        for m in half.modules():
+            if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+                for p in m.parameters(recurse=False):
+                    p.data = p.data.half()
+        opt = make_opt(half)
+        pairs = []  # (half, master) per group
+        for group in opt.param_groups:
+            halves = [p for p in group["params"]
+                      if p.requires_grad and p.dtype == torch.float16]
+            masters = [p.detach().clone().float().requires_grad_() for p in halves]
+            pairs.append(list(zip(halves, masters)))
+            if layout == "2018":
+                group["params"] = masters + [p for p in group["params"]
+                                             if p.requires_grad and p.dtype == torch.float32]
+            else:
+                of = {id(h): m for h, m in zip(halves, masters)}
+                group["params"] = [of.get(id(p), p) for p in group["params"]]
+        if layout == "2018":
+            opt = opt.__class__(opt.param_groups)
+        state = {"half": half, "opt": opt, "pairs": pairs, "scale": scaler["scale"],
+                 "window": scaler["window"], "cur_iter": 0, "last_overflow_iter": -1}
+    half, opt = state["half"], state["opt"]
+    log = []
+    for i, (x, y) in enumerate(batches, start=start):
+        for p in half.parameters():
+            p.grad = None
+        for g in opt.param_groups:
+            for p in g["params"]:
+                p.grad = None
+        loss = F.cross_entropy(half(x.half()).float(), y) * (1e6 if i in blow else 1.0)
+        scale = state["scale"]
+        (loss * scale).backward()
+        trainable = [p for p in half.parameters() if p.requires_grad]
+        overflow = any(not torch.isfinite(p.grad).all() for p in trainable)
+        step = state["cur_iter"]
+        if overflow:
+            state["scale"] = scale / 2
+            state["last_overflow_iter"] = step
+        elif (step - state["last_overflow_iter"]) % state["window"] == 0:
+            state["scale"] = scale * 2
+        state["cur_iter"] += 1
+        log.append((scale, overflow, None if overflow else loss.item()))
+        if overflow:
+            continue
+        for group in state["pairs"]:
+            for h, m in group:
+                m.grad = h.grad.float()
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(1.0 / scale)
+        opt.step()
+        with torch.no_grad():
+            for group in state["pairs"]:
+                for h, m in group:
+                    h.copy_(m)
+    return log, state
+
+
+def _decay_and_no_decay(model, **kw):
+    # BERT's split; each group mixes half parameters (Linear) and fp32 ones (BatchNorm).
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": 0.01,
+             "lr": kw.get("lr", 0.1)},
+            {"params": [p for n, p in named if n.endswith("bias")], "weight_decay": 0.0,
+             "lr": kw.get("lr", 0.1) / 2}]
+
+
+def _two_linear_model_and_batches():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8),
+                          nn.ReLU(), nn.Linear(8, 4))
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(16, 6, generator=g), torch.randint(0, 4, (16,), generator=g))
+               for _ in range(12)]
+    return model, batches
+
+
+def _save_fp16_optimizer_checkpoint(path, state, layout, extra_scaler=None):
+    scaler_state = {"cur_iter": state["cur_iter"], "last_overflow_iter":
+                    state["last_overflow_iter"]}
+    if layout == "2018":
+        scaler = dict(cls_name="DynamicLossScaler", cur_scale=state["scale"],
+                      scale_factor=2.0, scale_window=state["window"], **scaler_state)
+    else:
+        scaler = dict(cls_name="LossScaler", module="apex.amp.scaler", dynamic=True,
+                      _loss_scale=state["scale"], _max_loss_scale=2.0**24,
+                      _min_loss_scale=None, _scale_seq_len=state["window"],
+                      _has_overflow=False,
+                      _unskipped=(state["cur_iter"] - state["last_overflow_iter"] - 1)
+                      % state["window"])
+    scaler.update(extra_scaler or {})
+    _save_an_apex_pickled_scaler(
+        path, {"optimizer_state_dict": state["opt"].state_dict(),
+               "fp32_from_fp16": [[m.detach().clone() for _, m in g] for g in state["pairs"]],
+               "dynamic_loss_scale": True, "overflow": False,
+               "first_closure_call_this_step": True}, **scaler)
+
+
+@pytest.mark.parametrize("layout", ["2018", "2019"])
+@pytest.mark.parametrize("optimizer", ["SGD", "AdamW"])
+def test_an_fp16_optimizer_checkpoint_of_several_groups_with_frozen_parameters_resumes(
+        clean_apex, tmp_path, layout, optimizer):
+    """Decay/no-decay groups with their own lr and weight decay, each mixing half Linear
+    parameters and fp32 BatchNorm ones, a frozen half bias and a frozen fp32 BatchNorm bias
+    (2018's FP16_Optimizer left them out of its groups, 2019's kept them in their slots), SGD
+    with momentum or AdamW (exp_avg, exp_avg_sq, step): resumed under O2 it goes on as the
+    FP16_Optimizer would have, losses, skipped steps, scales, weights and optimizer state bit
+    for bit."""
+    import torch
+
+    model, batches = _two_linear_model_and_batches()
+    freeze = ("3.bias", "1.bias")
+    kw = ({"momentum": 0.9} if optimizer == "SGD" else {"lr": 1e-2})
+
+    def make_opt(m):
+        return getattr(torch.optim, optimizer)(_decay_and_no_decay(m, **kw), **kw)
+
+    blow, scaler = {2, 8}, {"scale": 2.0**10, "window": 3}
+    straight, end = _fp16_optimizer_groups_run(model, make_opt, layout, batches, blow, scaler,
+                                               freeze)
+    first, state = _fp16_optimizer_groups_run(model, make_opt, layout, batches[:6], blow,
+                                              scaler, freeze)
+    _save_fp16_optimizer_checkpoint(tmp_path / "old.pt", state, layout)
+    mixprec.install_apex_alias()
+    saved = {"model": state["half"].state_dict(),
+             "optimizer": _load(tmp_path / "old.pt")["optimizer"]}
+    new = copy.deepcopy(model)
+    for name, p in new.named_parameters():
+        p.requires_grad_(name not in freeze)
+    opt = make_opt(new)
+    new, opt = amp.initialize(new, opt, opt_level="O2", verbosity=0)
+    new.load_state_dict(saved["model"])
+    amp.load_fp16_optimizer_state_dict(opt, saved["optimizer"])
+    rest = _legacy_o2_run(new, opt, batches[6:], blow, 1e9, start=6)
+    assert first + rest == straight
+    want_master = {id(h): m for g in end["pairs"] for h, m in g}
+    from mixprec.amp._state import optimizer_state
+
+    master_of = {id(h): m for h, m in optimizer_state(opt).pairs}
+    for (name, got), want in zip(new.named_parameters(), end["half"].parameters()):
+        assert torch.equal(got.detach(), want.detach()), name
+        if id(want) in want_master:
+            got_m, want_m = master_of[id(got)], want_master[id(want)]
+            assert torch.equal(got_m.detach(), want_m.detach()), name
+        else:
+            got_m, want_m = got, want
+        got_s, want_s = opt.state.get(got_m, {}), end["opt"].state.get(want_m, {})
+        assert sorted(got_s) == sorted(want_s), name
+        for key in want_s:
+            assert torch.equal(torch.as_tensor(got_s[key]), torch.as_tensor(want_s[key])), \
+                (name, key)
+
+
+@pytest.mark.parametrize("layout", ["2018", "2019"])
+def test_fp16_optimizer_masters_that_do_not_round_to_the_model_are_refused(clean_apex,
+                                                                           tmp_path, layout):
+    """Two misuses the group and shape checks let through, each leaving a weight wrong:
+    another same-shaped half parameter frozen than in the checkpoint's run (0.bias's master
+    was 3.bias's values), and the FP16_Optimizer state loaded before the model's checkpoint
+    (model.load_state_dict then rounded every master to half). FP16_Optimizer copied every
+    master into its half parameter after each step, so its masters round to the saved model's
+    half weights: one that does not is refused, before anything loads."""
+    import torch
+
+    model, batches = _two_linear_model_and_batches()
+
+    def make_opt(m):
+        return torch.optim.SGD(_decay_and_no_decay(m), lr=0.1, momentum=0.9)
+
+    _, state = _fp16_optimizer_groups_run(model, make_opt, layout, batches[:6], {2}, {
+        "scale": 2.0**10, "window": 3}, freeze=("0.bias",))
+    _save_fp16_optimizer_checkpoint(tmp_path / "old.pt", state, layout)
+    mixprec.install_apex_alias()
+    saved = {"model": state["half"].state_dict(),
+             "optimizer": _load(tmp_path / "old.pt")["optimizer"]}
+
+    def resumed(frozen):
+        new = copy.deepcopy(model)
+        for name, p in new.named_parameters():
+            p.requires_grad_(name not in frozen)
+        new, opt = amp.initialize(new, make_opt(new), opt_level="O2", verbosity=0)
+        return new, opt
+
+    new, opt = resumed(("3.bias",))  # (the checkpoint's run froze 0.bias: same shape)
+    new.load_state_dict(saved["model"])
+    with pytest.raises(ValueError, match="load the model's checkpoint first"):
+        amp.load_fp16_optimizer_state_dict(opt, saved["optimizer"])
+    assert torch.equal(dict(new.named_parameters())["0.bias"].detach(), saved["model"]["0.bias"])
+    assert not opt.state
+
+    new, opt = resumed(("0.bias",))
+    with pytest.raises(ValueError, match="load the model's checkpoint first"):
+        amp.load_fp16_optimizer_state_dict(opt, saved["optimizer"])  # before the model's
+    new.load_state_dict(saved["model"])
+    amp.load_fp16_optimizer_state_dict(opt, saved["optimizer"])  # in the documented order
+    amp.load_fp16_optimizer_state_dict(opt, saved["optimizer"])  # (and again: idempotent)
+    from mixprec.amp._state import optimizer_state
+
+    master_of = {id(h): m for h, m in optimizer_state(opt).pairs}
+    want = {id(h): m for g in state["pairs"] for h, m in g}
+    for got, ref in zip(new.parameters(), state["half"].parameters()):
+        if id(ref) in want:
+            assert torch.equal(master_of[id(got)].detach(), want[id(ref)].detach())
+
+
+@pytest.mark.parametrize("layout", ["2018", "2019"])
+def test_an_fp16_optimizer_checkpoint_keeps_its_scale_bounds(clean_apex, tmp_path, layout):
+    """The dynamic scale's floor and ceiling come with the checkpoint, as its window does:
+    2018's DynamicLossScaler never went below 1 and had no ceiling (its default init_scale of
+    2**32 leaves scales above amp's 2**24 after a few overflows), 2019's LossScaler kept
+    min_loss_scale/max_loss_scale (dynamic_loss_args). Left at amp's defaults, the resumed
+    scale was clamped to 2**24 at the first step, or halved below the run's floor and a step
+    FP16_Optimizer skipped was taken."""
+    import torch
+
+    model, batches = _two_linear_model_and_batches()
+    if layout == "2018":
+        high = dict(cls_name="DynamicLossScaler", cur_scale=2.0**28, cur_iter=4,
+                    last_overflow_iter=3, scale_factor=2.0, scale_window=1000)
+        low = dict(high, cur_scale=1.0)
+        floor = 1.0
+    else:
+        high = dict(cls_name="LossScaler", module="apex.amp.scaler", dynamic=True,
+                    _loss_scale=2.0**28, _max_loss_scale=2.0**30, _min_loss_scale=None,
+                    _scale_seq_len=1000, _has_overflow=False, _unskipped=0)
+        low = dict(high, _loss_scale=4.0, _min_loss_scale=4.0)
+        floor = 4.0
+    for scaler, want in ((high, [2.0**28, 2.0**27]), (low, [floor, floor])):
+        new = copy.deepcopy(model)
+        opt = torch.optim.SGD(new.parameters(), lr=0.1)
+        new, opt = amp.initialize(new, opt, opt_level="O2", verbosity=0)
+        half = [p for m in new.modules() if isinstance(m, torch.nn.Linear)
+                for p in m.parameters()]
+        _save_an_apex_pickled_scaler(tmp_path / "old.pt", {
+            "optimizer_state_dict": torch.optim.SGD(new.parameters(), lr=0.1).state_dict(),
+            "fp32_from_fp16": [[p.detach().float() for p in half]]}, **scaler)
+        mixprec.install_apex_alias()
+        amp.load_fp16_optimizer_state_dict(opt, _load(tmp_path / "old.pt")["optimizer"])
+        scales = []
+        for x, y in batches[:2]:  # an overflowed step, then one more
+            opt.zero_grad()
+            scales.append(amp._amp_state.loss_scalers[0].loss_scale())
+            loss = torch.nn.functional.cross_entropy(new(x), y) * float("inf")
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            assert amp.step_was_skipped(opt)
+        assert scales == want
+
+
+def test_an_fp16_optimizer_checkpoint_scale_meets_amps_own(clean_apex, tmp_path):
+    """A dynamic checkpoint under bf16 O2 (static 1.0 by default) is refused naming
+    loss_scale='dynamic' (not as "the default": under bf16 it is not); a static checkpoint's
+    scale replacing another static one set for this run warns, as amp.load_state_dict does,
+    and is the scale used from then on."""
+    import torch
+    from torch import nn
+
+    model, _ = _legacy_model_and_batches()
+    half = [p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
+    entries = {"optimizer_state_dict": torch.optim.SGD(model.parameters(), lr=0.1).state_dict(),
+               "fp32_from_fp16": [[p.detach().clone() for p in half]]}
+    _save_an_apex_pickled_scaler(tmp_path / "dyn.pt", entries, cur_scale=1024.0, cur_iter=3,
+                                 last_overflow_iter=-1, scale_factor=2.0, scale_window=1000)
+    _save_an_apex_pickled_scaler(tmp_path / "static.pt", entries, cls_name="LossScaler",
+                                 cur_scale=128.0)
+    mixprec.install_apex_alias()
+    for dtype, loss_scale, path in ((torch.bfloat16, None, "dyn.pt"),
+                                    (torch.float16, 64.0, "static.pt")):
+        net = copy.deepcopy(model)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        amp.initialize(net, opt, opt_level="O2", dtype=dtype, loss_scale=loss_scale,
+                       verbosity=0)
+        # (The model's checkpoint beside it: FP16_Optimizer's half weights, BatchNorm fp32.)
+        net.load_state_dict({k: v.half() if k[0] in "03" else v
+                             for k, v in model.state_dict().items()})
+        saved = _load(tmp_path / path)["optimizer"]
+        if path == "dyn.pt":
+            with pytest.raises(ValueError, match=r"loss scale is dynamic, amp's static: pass "
+                                                 r"loss_scale='dynamic' to amp.initialize\.$"):
+                amp.load_fp16_optimizer_state_dict(opt, saved)
+        else:
+            with pytest.warns(UserWarning, match="static loss scale 128 replaces this run's 64"):
+                amp.load_fp16_optimizer_state_dict(opt, saved)
+            assert amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"] == 128.0
+
+
 def test_apex_amp_version_module_imports(clean_apex):
     # torchcule's import block: `from apex.amp import __version__` inside a try whose except
     # says "install apex" (the script stopped there).
