@@ -1354,7 +1354,8 @@ def test_fp16_optimizer_masters_that_do_not_round_to_the_model_are_refused(clean
 
 
 @pytest.mark.parametrize("layout", ["2018", "2019"])
-def test_an_fp16_optimizer_checkpoint_keeps_its_scale_bounds(clean_apex, tmp_path, layout):
+def test_an_fp16_optimizer_checkpoint_keeps_its_scale_bounds(clean_apex, tmp_path, layout,
+                                                              device):
     """The dynamic scale's floor and ceiling come with the checkpoint, as its window does:
     2018's DynamicLossScaler never went below 1 and had no ceiling (its default init_scale of
     2**32 leaves scales above amp's 2**24 after a few overflows), 2019's LossScaler kept
@@ -1376,7 +1377,7 @@ def test_an_fp16_optimizer_checkpoint_keeps_its_scale_bounds(clean_apex, tmp_pat
         low = dict(high, _loss_scale=4.0, _min_loss_scale=4.0)
         floor = 4.0
     for scaler, want in ((high, [2.0**28, 2.0**27]), (low, [floor, floor])):
-        new = copy.deepcopy(model)
+        new = copy.deepcopy(model).to(device)  # (on CUDA the scale lives on the device)
         opt = torch.optim.SGD(new.parameters(), lr=0.1)
         new, opt = amp.initialize(new, opt, opt_level="O2", verbosity=0)
         half = [p for m in new.modules() if isinstance(m, torch.nn.Linear)
@@ -1390,7 +1391,8 @@ def test_an_fp16_optimizer_checkpoint_keeps_its_scale_bounds(clean_apex, tmp_pat
         for x, y in batches[:2]:  # an overflowed step, then one more
             opt.zero_grad()
             scales.append(amp._amp_state.loss_scalers[0].loss_scale())
-            loss = torch.nn.functional.cross_entropy(new(x), y) * float("inf")
+            loss = torch.nn.functional.cross_entropy(new(x.to(device)), y.to(device))
+            loss = loss * float("inf")
             with amp.scale_loss(loss, opt) as scaled:
                 scaled.backward()
             opt.step()
