@@ -88,7 +88,10 @@ def load_fp16_optimizer_state_dict(optimizer: torch.optim.Optimizer, state_dict:
     new_groups, writes, off = [], [], []
     for k, (group, saved_group, masters) in enumerate(zip(groups, saved_groups, saved_masters)):
         params = group["params"]
-        trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        # (A master's own flag stays as initialize found it: a half parameter frozen since is
+        # frozen, as amp's step takes it.)
+        trainable = [i for i, p in enumerate(params)
+                     if (half_of[id(p)] if id(p) in half_of else p).requires_grad]
         half = [i for i in trainable if id(params[i]) in half_of]
         if len(masters) != len(half):
             raise ValueError(

@@ -839,7 +839,7 @@ class _OptimizerState:
             # masters first, as adopting ends by recording every pair as in step.
             self.take_model_writes()
         masters = {}
-        later = bool(self.pairs)
+        later = bool(self.pairs or self.plain)  # (a group added after initialize's)
         known = {id(p) for p, _ in self.pairs} | {id(m) for _, m in self.pairs}
         known |= {id(p) for p in self.plain}
         if self.pairs:  # (a later group)

@@ -1437,6 +1437,271 @@ def test_an_fp16_optimizer_checkpoint_scale_meets_amps_own(clean_apex, tmp_path)
             assert amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"] == 128.0
 
 
+# (r108B's kill tests of amp.load_fp16_optimizer_state_dict)
+
+def _apex_scaler(tmp_path, **attributes):
+    """An object of Apex's scaler class as Apex pickled it, unpickled through the alias
+    (installed here, after the stand-in Apex that pickled it is gone)."""
+    _save_an_apex_pickled_scaler(tmp_path / "scaler.pt", {}, **attributes)
+    mixprec.install_apex_alias()
+    return _load(tmp_path / "scaler.pt")["optimizer"]["loss_scaler"]
+
+
+def _dyn2018(tmp_path, **kw):
+    attrs = dict(cur_scale=1024.0, cur_iter=6, last_overflow_iter=2, scale_factor=2.0,
+                 scale_window=4)
+    attrs.update(kw)
+    return _apex_scaler(tmp_path, **attrs)
+
+
+def _dyn2019(tmp_path, **kw):
+    attrs = dict(dynamic=True, _loss_scale=1024.0, _max_loss_scale=2.0**24,
+                 _min_loss_scale=None, _scale_seq_len=4, _has_overflow=False, _unskipped=3)
+    attrs.update(kw)
+    return _apex_scaler(tmp_path, cls_name="LossScaler", module="apex.amp.scaler", **attrs)
+
+
+def _model(frozen=()):
+    """Linear, BatchNorm1d, ReLU, Linear with weights fp16 holds exactly (as a checkpoint of
+    FP16_Optimizer's half model loaded into it), ``frozen`` parameters frozen."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.half().float())
+    for name, p in model.named_parameters():
+        if name in frozen:
+            p.requires_grad_(False)
+    return model
+
+
+def _is_half(name):  # (Linear's parameters go half at O2, BatchNorm's stay fp32)
+    return not name.startswith("1.")
+
+
+def _checkpoint(model, layout, scaler):
+    import torch
+
+    """FP16_Optimizer.state_dict() of ``model`` (its requires_grad flags as they are), with a
+    distinct SGD momentum buffer per trainable parameter (filled with its model index + 1)
+    and masters just off the weights, in Apex's 2018 or 2019 layout."""
+    named = list(model.named_parameters())
+    clones = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in named}
+    trainable = [n for n, p in named if p.requires_grad]
+    if layout == "2018":
+        order = ([n for n in trainable if _is_half(n)] + [n for n in trainable if not _is_half(n)])
+    else:
+        order = [n for n, _ in named]
+    inner = torch.optim.SGD([clones[n] for n in order], lr=0.1, momentum=0.9)
+    index = {n: i for i, (n, _) in enumerate(named)}
+    for n in trainable:
+        inner.state[clones[n]] = {"momentum_buffer": torch.full_like(clones[n], index[n] + 1.0)}
+    # (Masters a quarter of fp16's rounding step off the half weights: they round to them,
+    # as FP16_Optimizer's did, and differ from amp's own masters, the weights themselves.)
+    masters = [[clones[n].detach() * (1 + 2.0**-13) for n in trainable if _is_half(n)]]
+    return {"optimizer_state_dict": inner.state_dict(), "fp32_from_fp16": masters,
+            "loss_scaler": scaler}
+
+
+def _o2(model, **kw):
+    import torch
+
+    new = copy.deepcopy(model)
+    opt = torch.optim.SGD(new.parameters(), lr=0.1, momentum=0.9)
+    new, opt = amp.initialize(new, opt, opt_level="O2", verbosity=0, **kw)
+    return new, opt
+
+
+# --- F3, F4, F15 (and F5 shown equivalent): frozen parameters in both layouts ----------------
+
+@pytest.mark.parametrize("layout", ["2018", "2019"])
+@pytest.mark.parametrize("frozen", [("3.bias",), ("1.weight", "3.bias"), ("0.bias",)])
+def test_frozen_parameters_get_no_state_and_the_others_their_own(clean_apex, tmp_path, layout,
+                                                                  frozen):
+    """The docstring: 2018's FP16_Optimizer left frozen parameters out of its rebuilt groups,
+    2019's kept them in place; fp32_from_fp16 holds the trainable half parameters' masters
+    only. Each trainable parameter gets its own momentum buffer (its model index + 1), each
+    frozen one none, and each trainable half parameter its saved master."""
+    import torch
+
+    model = _model(frozen)
+    scaler = _dyn2018(tmp_path) if layout == "2018" else _dyn2019(tmp_path)
+    ckpt = _checkpoint(model, layout, scaler)
+    new, opt = _o2(model)
+    amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    names = [n for n, _ in model.named_parameters()]
+    slots = opt.param_groups[0]["params"]
+    masters = iter(ckpt["fp32_from_fp16"][0])
+    for i, (name, slot) in enumerate(zip(names, slots)):
+        if name in frozen:
+            assert slot not in opt.state or not opt.state[slot], name
+            continue
+        buf = opt.state[slot]["momentum_buffer"]
+        assert buf.shape == slot.shape and torch.all(buf == i + 1), (name, buf)
+        if _is_half(name):
+            assert torch.equal(slot.detach(), next(masters)), name
+
+
+# --- F6: the clean-step count is taken modulo the window ---------------------------------
+
+def test_2018_count_since_the_last_overflow_is_taken_modulo_the_window(clean_apex, tmp_path):
+    """DynamicLossScaler grew at (cur_iter - last_overflow_iter) % scale_window == 0: with no
+    overflow ever (-1) and cur_iter=1234, window 1000, it grew at step 999 and grows next at
+    step 1999: 234 clean steps counted toward the next growth, not 1234 (which amp grows at
+    the very next clean step)."""
+    model = _model()
+    scaler = _dyn2018(tmp_path, cur_iter=1234, last_overflow_iter=-1, scale_window=1000)
+    ckpt = _checkpoint(model, "2018", scaler)
+    new, opt = _o2(model)
+    amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 1024.0, "unskipped": 234}
+
+
+# --- F9: a dynamic checkpoint scale under amp's static one -------------------------------
+
+@pytest.mark.parametrize("layout", ["2018", "2019"])
+def test_a_dynamic_checkpoint_scale_under_a_static_amp_scale_is_refused(clean_apex, tmp_path,
+                                                                         layout):
+    model = _model()
+    scaler = _dyn2018(tmp_path) if layout == "2018" else _dyn2019(tmp_path)
+    ckpt = _checkpoint(model, layout, scaler)
+    new, opt = _o2(model, loss_scale=128.0)
+    with pytest.raises(ValueError, match=r"loss scale is dynamic, amp's static: pass "
+                                         r"loss_scale='dynamic'"):
+        amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    assert not opt.state
+
+
+# --- F12: every check runs before anything is loaded -------------------------------------
+
+def test_a_refused_scale_loads_neither_state_nor_masters(clean_apex, tmp_path):
+    """The static-vs-dynamic refusal comes before the optimizer's state and the masters are
+    written (the suite's own check used an SGD without state and masters equal to amp's)."""
+    import torch
+
+    model = _model()
+    static = _apex_scaler(tmp_path, cls_name="LossScaler", cur_scale=128.0)
+    ckpt = _checkpoint(model, "2018", static)
+    new, opt = _o2(model)  # (dynamic)
+    before = [m.detach().clone() for m in amp.master_params(opt)]
+    with pytest.raises(ValueError, match="loss scale is static"):
+        amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    assert not opt.state
+    assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
+
+
+# --- F14: the scale factor warning -------------------------------------------------------
+
+def test_a_scale_factor_other_than_two_is_warned_about(clean_apex, tmp_path):
+    model = _model()
+    scaler = _dyn2018(tmp_path, scale_factor=4.0)
+    ckpt = _checkpoint(model, "2018", scaler)
+    new, opt = _o2(model)
+    with pytest.warns(UserWarning, match="grew and backed off by 4; amp's dynamic scale uses 2"):
+        amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    import warnings
+
+    two = copy.copy(scaler)
+    two.__dict__["scale_factor"] = 2.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.load_fp16_optimizer_state_dict(opt, _checkpoint(model, "2018", two))
+
+
+# --- F16: another number of parameters in a group of the inner optimizer's state -----------
+
+def test_a_group_listing_more_parameters_than_the_layout_gives_is_refused(clean_apex, tmp_path):
+    """The checkpoint's run trained BatchNorm's weight; this run froze it: the masters match
+    (the Linear ones), the inner state's group lists 6 trainable parameters, the 2018 layout
+    here 5. Refused, naming both counts, nothing loaded (else zip dropped the last and shifted
+    the state silently)."""
+    model = _model()
+    ckpt = _checkpoint(model, "2018", _dyn2018(tmp_path))
+    frozen = _model(("1.weight",))
+    new, opt = _o2(frozen)
+    with pytest.raises(ValueError, match="lists 6 parameters, where this optimizer's layout "
+                                         "for it has 5"):
+        amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    assert not opt.state
+
+
+# --- F18: shapes, not sizes ----------------------------------------------------------------
+
+def test_a_master_of_the_same_size_but_another_shape_is_refused(clean_apex, tmp_path):
+    model = _model()
+    ckpt = _checkpoint(model, "2019", _dyn2019(tmp_path))
+    ckpt["fp32_from_fp16"][0][0] = ckpt["fp32_from_fp16"][0][0].t().contiguous()  # (6, 8)
+    new, opt = _o2(model)
+    with pytest.raises(ValueError, match=r"a saved master of shape \(6, 8\) falls on a "
+                                         r"parameter of shape \(8, 6\)"):
+        amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    assert not opt.state
+
+
+# --- A3: an Apex-pickled scaler's overflow flag ------------------------------------------
+
+def test_an_apex_pickled_overflow_flag_survives_unpickling(clean_apex, tmp_path):
+    """A scaler Apex pickled after an overflowed step (before clear_overflow_state) reads
+    _has_overflow True, and update_scale() then skips and halves, as Apex's did."""
+    loaded = _dyn2019(tmp_path, _has_overflow=True, _unskipped=1)
+    assert loaded._has_overflow is True
+    assert loaded.update_scale() is True and loaded.loss_scale() == 512.0
+
+
+# --- F21: the checkpoint's hyperparameters (a decayed lr) are the ones loaded --------------
+
+@pytest.mark.parametrize("layout", ["2018", "2019"])
+def test_the_checkpoints_learning_rate_and_momentum_are_loaded(clean_apex, tmp_path, layout):
+    """FP16_Optimizer.load_state_dict loaded the inner optimizer's state_dict, its groups'
+    hyperparameters too (an lr a scheduler had decayed): so does the loader, as torch's
+    Optimizer.load_state_dict does."""
+    model = _model()
+    scaler = _dyn2018(tmp_path) if layout == "2018" else _dyn2019(tmp_path)
+    ckpt = _checkpoint(model, layout, scaler)
+    ckpt["optimizer_state_dict"]["param_groups"][0].update(lr=0.0125, momentum=0.5)
+    new, opt = _o2(model)
+    amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    assert (opt.param_groups[0]["lr"], opt.param_groups[0]["momentum"]) == (0.0125, 0.5)
+
+
+# --- F23: a static scale of Apex 2019's scaler -------------------------------------------
+
+def test_a_static_2019_scale_loads_under_a_static_amp_scale_and_not_under_a_dynamic_one(
+        clean_apex, tmp_path):
+    model = _model()
+    static = _dyn2019(tmp_path, dynamic=False, _loss_scale=128.0, _unskipped=0)
+    ckpt = _checkpoint(model, "2019", static)
+    new, opt = _o2(model)  # (dynamic)
+    with pytest.raises(ValueError, match=r"loss scale is static \(128\), amp's dynamic"):
+        amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    new, opt = _o2(model, loss_scale=128.0)
+    amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 128.0
+
+
+@pytest.mark.parametrize("layout", ["2018", "2019"])
+def test_a_half_parameter_frozen_after_initialize_counts_as_frozen(clean_apex, tmp_path,
+                                                                   layout):
+    """A half parameter frozen after amp.initialize (its master keeps requires_grad=True, as
+    initialize found it): the loader takes the half parameter's flag, as amp's step does, so a
+    checkpoint whose run froze the same parameter loads (it was refused as holding one master
+    too few, the misleading "build the model as the checkpoint's run did": r108B R1)."""
+    import torch
+
+    frozen = _model(("3.bias",))
+    ckpt = _checkpoint(frozen, layout, _dyn2018(tmp_path) if layout == "2018"
+                       else _dyn2019(tmp_path))
+    new, opt = _o2(_model())
+    new[3].bias.requires_grad_(False)
+    amp.load_fp16_optimizer_state_dict(opt, ckpt)
+    slots = opt.param_groups[0]["params"]
+    assert not opt.state.get(slots[-1])  # (3.bias: no state)
+    assert torch.equal(slots[0].detach(), ckpt["fp32_from_fp16"][0][0])
+
+
 def test_apex_amp_version_module_imports(clean_apex):
     # torchcule's import block: `from apex.amp import __version__` inside a try whose except
     # says "install apex" (the script stopped there).

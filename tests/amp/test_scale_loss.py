@@ -4381,3 +4381,80 @@ def test_a_half_gradient_on_the_last_parameter_alone_is_refused_at_o2(with_closu
         else:
             closure()
             opt.step()
+
+
+def _joined_with_a_stale_gradient():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+    opt.step()
+    opt.add_param_group({"params": list(model[2].parameters())})
+    list(amp.master_params(opt))
+    return model, opt, x
+
+
+def test_dropping_the_stale_gradients_by_hand_lets_the_step_run():
+    """The refusal's own advice, `p.grad = None for those parameters`: the step then runs
+    (r108B G12). Dropping one
+    of the two: the refusal counts the one left."""
+    model, opt, x = _joined_with_a_stale_gradient()
+    model[2].weight.grad = None
+    with pytest.raises(RuntimeError, match=r"1 half parameter\(s\) \(shapes \(3,\)\) joined"):
+        opt.step()
+    model[2].bias.grad = None
+    opt.step()
+
+
+def test_after_zero_grad_a_backward_outside_scale_loss_gets_the_general_refusal():
+    """opt.zero_grad() drops the stale gradients and forgets them (r108B G11): a backward outside
+    scale_loss afterwards is refused with the general message, not the joined one."""
+    model, opt, x = _joined_with_a_stale_gradient()
+    opt.zero_grad()
+    model(x).float().pow(2).mean().backward()
+    with pytest.raises(RuntimeError) as info:
+        opt.step()
+    assert "never moved to the fp32 master weights" in str(info.value)
+    assert "joined this optimizer" not in str(info.value)
+
+
+def test_after_a_scaled_backward_a_backward_outside_scale_loss_gets_the_general_refusal():
+    """A scale_loss backward unscales the joined layer's gradients and forgets the record
+    (r108B G10): a later backward outside scale_loss is refused with the general message."""
+    model, opt, x = _joined_with_a_stale_gradient()
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    model(x).float().pow(2).mean().backward()
+    with pytest.raises(RuntimeError) as info:
+        opt.step()
+    assert "never moved to the fp32 master weights" in str(info.value)
+    assert "joined this optimizer" not in str(info.value)
+
+
+def test_a_stale_gradient_joining_an_optimizer_of_fp32_parameters_only_is_named_and_dropped():
+    """The optimizer given to initialize held BatchNorm's fp32 parameters only (no pairs yet):
+    a Linear joining with a stale scaled gradient is the same case as after a first half group
+    (the refusal names it; opt.zero_grad() drops it). It got the general message and kept the
+    gradient through zero_grad() (r108B B1)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+    opt.step()
+    opt.add_param_group({"params": list(model[3].parameters())})
+    list(amp.master_params(opt))
+    with pytest.raises(RuntimeError, match="joined this optimizer through add_param_group"):
+        opt.step()
+    opt.zero_grad()
+    opt.step()
