@@ -786,9 +786,9 @@ def _note_dtype_mismatch(model: nn.Module, half: torch.dtype, exc: RuntimeError)
             f"{where}, but {listed(converted, most=4)} {'was' if len(converted) == 1 else 'were'}"
             f" converted to float32 since (a submodule's .float(), or model.apply(...), which "
             "the refusal of model.float() on the model itself does not see). Convert them "
-            f"back (.to({half})); for an fp32 model, load model.state_dict() (the fp32 master "
-            "weights) into a new model built in fp32, which also keeps its checkpoint exact: "
-            "a converted parameter is saved as it now is, its half values upcast."
+            f"back (.to({half})); for an fp32 model, convert them back first, then load "
+            "model.state_dict() (the fp32 master weights) into a new model built in fp32. "
+            "While converted, a parameter is saved as it now is, its half values upcast."
         )
     elif names:
         shown = listed(names, most=4)

@@ -1527,6 +1527,11 @@ class _OptimizerState:
     def _pre_step(self, optimizer, args, kwargs):
         if not self.amp_state.enabled:
             return
+        if not is_compiling():
+            # (A group added since the last scale_loss gets its masters now: stepped before,
+            # its half parameters took the optimizer's update directly, from half gradients
+            # still multiplied by the loss scale. One count over the groups per step.)
+            self.sync_param_groups()
         if self._scaler_checks_left and not is_compiling():  # (no frame walks in a trace)
             self._scaler_checks_left -= 1
             scaler = _enabled_grad_scaler_calling()
@@ -1631,7 +1636,8 @@ class _OptimizerState:
                 f"{', ...' if len(joined) > 4 else ''}) joined this optimizer through "
                 "add_param_group holding a gradient from a backward before they joined, which "
                 "no amp.scale_loss of this optimizer has moved to their fp32 master weights "
-                "(a backward inside amp.scale_loss leaves it multiplied by the loss scale). "
+                "(from a backward inside amp.scale_loss it is still multiplied by the loss "
+                "scale). "
                 "Drop it before the step (optimizer.zero_grad(), or p.grad = None for those "
                 "parameters), or run the backward again inside `with amp.scale_loss(loss, "
                 "optimizer) as scaled_loss: scaled_loss.backward()`."

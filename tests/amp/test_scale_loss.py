@@ -4458,3 +4458,36 @@ def test_a_stale_gradient_joining_an_optimizer_of_fp32_parameters_only_is_named_
         opt.step()
     opt.zero_grad()
     opt.step()
+
+
+@pytest.mark.parametrize("when", ["after_its_step", "between_backward_and_step"])
+def test_a_step_right_after_add_param_group_gives_the_group_its_masters_first(when):
+    """A group added after initialize got its masters only at the next scale_loss or
+    master_params: a step() right after add_param_group stepped its half parameters directly,
+    on their half gradients still multiplied by the loss scale (r109A B1). The step makes the
+    masters first: the stale gradient is refused, naming the layer, and the half layer is
+    left as it was; after zero_grad() the next scaled step trains it through its masters."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(6, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the head's gradient is no optimizer's: amp says so)
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
+    if when == "after_its_step":
+        opt.step()
+    opt.add_param_group({"params": list(model[2].parameters())})
+    before = model[2].bias.detach().clone()
+    with pytest.raises(RuntimeError, match=r"2 half parameter\(s\) \(shapes \(3, 8\), \(3,\)\) "
+                                           "joined this optimizer through add_param_group"):
+        opt.step()
+    assert torch.equal(model[2].bias, before)
+    assert all(p.dtype == torch.float32 for p in opt.param_groups[1]["params"])
+    opt.zero_grad()
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not torch.equal(model[2].bias, before)
+    assert torch.equal(model[2].bias, opt.param_groups[1]["params"][1].detach().half())
