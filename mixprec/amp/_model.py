@@ -1555,7 +1555,21 @@ class _Fp32StateDict:
         masters here moved away (a parameter may come back): every one remembered."""
         return [keeper for keeper in (ref() for ref in self._keeper_refs) if keeper is not None]
 
+    def _push_before_copy(self) -> None:
+        # (A submodule copied on its own, not through the root's __reduce_ex__: masters
+        # written in place since go into the half parameters first, as the root's copy does;
+        # else the copy took its stale half weights for a write and rounded the masters to them.)
+        if is_compiling():
+            return
+        for keeper in self.keepers():
+            keeper.push_written_masters()
+        module = self.module() if self.module is not None else None
+        if module is not None and (self.standalone or self.orphaned()):
+            self.standalone = True
+            self.sync(module, check_params=False)
+
     def __getstate__(self):
+        self._push_before_copy()
         return {"masters": dict(self.masters)}
 
     def __setstate__(self, state):
@@ -1569,6 +1583,17 @@ class _Fp32StateDict:
         self._versions = {}
 
     def __deepcopy__(self, memo):
+        self._push_before_copy()
+        module = self.module() if self.module is not None else None
+        if module is not None:
+            # (The module's parameters may have been copied already, before the push above:
+            # bring those copies in step too.)
+            with torch.no_grad():
+                for name in self.masters:
+                    param = module._parameters.get(name)
+                    copied = None if param is None else memo.get(id(param))
+                    if copied is not None and not torch.equal(copied, param):
+                        copied.detach().copy_(param)
         masters = {}
         for name, master in self.masters.items():
             clone = memo.get(id(master))  # (a tied weight's one master stays one in the copy)

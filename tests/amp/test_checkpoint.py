@@ -5990,3 +5990,25 @@ def test_a_copys_partial_load_of_other_keys_keeps_a_write_into_its_masters(how):
     assert torch.equal(saved["0.weight"], new)
     assert torch.equal(saved["2.bias"], bias)
     assert torch.equal(copy_[0].weight, new.half())
+
+
+@pytest.mark.parametrize("who", ["ema_copy", "live_model"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_submodule_copy_takes_masters_written_in_place_before_it(who, how):
+    """An EMA update written into state_dict() tensors in place (the masters), then a copy of
+    one submodule (a head exported on its own) before any forward or state_dict(): the copy's
+    state_dict() held the old half weights upcast, the masters' write lost, as a whole-model
+    copy's never did (r109B B1). Reference: the source's masters, exact; the copy's half
+    weight, them rounded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    src = copy.deepcopy(model) if who == "ema_copy" else model
+    with torch.no_grad():
+        for v in src.state_dict().values():
+            v.mul_(0.5).add_(torch.full_like(v, 0.25), alpha=0.5)
+    head = _copied(src[2], how)
+    want = src.state_dict()["2.weight"]
+    assert torch.equal(head.state_dict()["weight"], want)
+    assert torch.equal(head.weight, want.half())
