@@ -4383,19 +4383,27 @@ def test_a_half_gradient_on_the_last_parameter_alone_is_refused_at_o2(with_closu
             opt.step()
 
 
-def _joined_with_a_stale_gradient():
+def _joined_with_a_stale_gradient(first_fp32=False, step_first=True, make_masters=True):
+    """An O2 model whose last Linear (the head) took part in a scaled backward outside the
+    optimizer (its half gradient left, multiplied by 128), then joined with add_param_group:
+    after the step (``step_first``), its masters made by master_params (``make_masters``). The
+    optimizer first held the first Linear, or (``first_fp32``) a BatchNorm's fp32 parameters
+    only. Returns (model, optimizer, input)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    norm = [nn.BatchNorm1d(8)] if first_fp32 else []
+    model = nn.Sequential(nn.Linear(4, 8), *norm, nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model[1 if first_fp32 else 0].parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
     x = torch.randn(6, 4)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # (the head's gradient is no optimizer's: amp says so)
         with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
             scaled.backward()
-    opt.step()
-    opt.add_param_group({"params": list(model[2].parameters())})
-    list(amp.master_params(opt))
+    if step_first:
+        opt.step()
+    opt.add_param_group({"params": list(model[-1].parameters())})
+    if make_masters:
+        list(amp.master_params(opt))
     return model, opt, x
 
 
@@ -4411,25 +4419,19 @@ def test_dropping_the_stale_gradients_by_hand_lets_the_step_run():
     opt.step()
 
 
-def test_after_zero_grad_a_backward_outside_scale_loss_gets_the_general_refusal():
-    """opt.zero_grad() drops the stale gradients and forgets them (r108B G11): a backward outside
-    scale_loss afterwards is refused with the general message, not the joined one."""
+@pytest.mark.parametrize("then", ["zero_grad", "scaled_step"])
+def test_after_the_stale_gradient_goes_a_backward_outside_scale_loss_gets_the_general_refusal(
+        then):
+    """opt.zero_grad() drops the stale gradients and forgets them (r108B G11), and a scaled
+    backward unscales them and forgets the record (G10): a backward outside scale_loss
+    afterwards is refused with the general message, not the joined one."""
     model, opt, x = _joined_with_a_stale_gradient()
-    opt.zero_grad()
-    model(x).float().pow(2).mean().backward()
-    with pytest.raises(RuntimeError) as info:
+    if then == "zero_grad":
+        opt.zero_grad()
+    else:
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
+            scaled.backward()
         opt.step()
-    assert "never moved to the fp32 master weights" in str(info.value)
-    assert "joined this optimizer" not in str(info.value)
-
-
-def test_after_a_scaled_backward_a_backward_outside_scale_loss_gets_the_general_refusal():
-    """A scale_loss backward unscales the joined layer's gradients and forgets the record
-    (r108B G10): a later backward outside scale_loss is refused with the general message."""
-    model, opt, x = _joined_with_a_stale_gradient()
-    with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
-        scaled.backward()
-    opt.step()
     model(x).float().pow(2).mean().backward()
     with pytest.raises(RuntimeError) as info:
         opt.step()
@@ -4442,18 +4444,7 @@ def test_a_stale_gradient_joining_an_optimizer_of_fp32_parameters_only_is_named_
     a Linear joining with a stale scaled gradient is the same case as after a first half group
     (the refusal names it; opt.zero_grad() drops it). It got the general message and kept the
     gradient through zero_grad() (r108B B1)."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
-    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
-    x = torch.randn(6, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
-            scaled.backward()
-    opt.step()
-    opt.add_param_group({"params": list(model[3].parameters())})
-    list(amp.master_params(opt))
+    model, opt, x = _joined_with_a_stale_gradient(first_fp32=True)
     with pytest.raises(RuntimeError, match="joined this optimizer through add_param_group"):
         opt.step()
     opt.zero_grad()
@@ -4467,18 +4458,8 @@ def test_a_step_right_after_add_param_group_gives_the_group_its_masters_first(wh
     on their half gradients still multiplied by the loss scale (r109A B1). The step makes the
     masters first: the stale gradient is refused, naming the layer, and the half layer is
     left as it was; after zero_grad() the next scaled step trains it through its masters."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-    opt = torch.optim.SGD(model[0].parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
-    x = torch.randn(6, 4)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the head's gradient is no optimizer's: amp says so)
-        with amp.scale_loss(model(x).float().pow(2).mean(), opt) as scaled:
-            scaled.backward()
-    if when == "after_its_step":
-        opt.step()
-    opt.add_param_group({"params": list(model[2].parameters())})
+    model, opt, x = _joined_with_a_stale_gradient(step_first=when == "after_its_step",
+                                                  make_masters=False)
     before = model[2].bias.detach().clone()
     with pytest.raises(RuntimeError, match=r"2 half parameter\(s\) \(shapes \(3, 8\), \(3,\)\) "
                                            "joined this optimizer through add_param_group"):
