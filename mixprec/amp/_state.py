@@ -1627,8 +1627,11 @@ class _OptimizerState:
         return (*args[:first], replaced, *args[first + 1:]), kwargs
 
     def _refuse_half_grads(self) -> None:
-        joined = [p for p, _ in self.pairs
-                  if p.grad is not None and id(p) in self._joined_with_grad]
+        # (One pass over the pairs each step; the names only where something is left.)
+        left = [p for p, _ in self.pairs if p.grad is not None]
+        if not left:
+            return
+        joined = [p for p in left if id(p) in self._joined_with_grad]
         if joined:
             shapes = ", ".join(str(tuple(p.shape)) for p in joined[:4])
             raise RuntimeError(
@@ -1642,16 +1645,14 @@ class _OptimizerState:
                 "parameters), or run the backward again inside `with amp.scale_loss(loss, "
                 "optimizer) as scaled_loss: scaled_loss.backward()`."
             )
-        for p, _ in self.pairs:
-            if p.grad is not None:
-                raise RuntimeError(
-                    "optimizer.step(): the half model's gradients were never moved to the fp32 "
-                    "master weights. Run the backward pass inside `with amp.scale_loss(loss, "
-                    "optimizer) as scaled_loss: scaled_loss.backward()`. If it ran inside an "
-                    "amp.scale_loss given other optimizers only (a second loss reaching this "
-                    "optimizer's parameters too), pass this optimizer to that scale_loss as "
-                    "well (a list: amp.scale_loss(loss, [opt_a, opt_b]))."
-                )
+        raise RuntimeError(
+            "optimizer.step(): the half model's gradients were never moved to the fp32 "
+            "master weights. Run the backward pass inside `with amp.scale_loss(loss, "
+            "optimizer) as scaled_loss: scaled_loss.backward()`. If it ran inside an "
+            "amp.scale_loss given other optimizers only (a second loss reaching this "
+            "optimizer's parameters too), pass this optimizer to that scale_loss as "
+            "well (a list: amp.scale_loss(loss, [opt_a, opt_b]))."
+        )
 
     def _zero_grads_for_unused_masters(self) -> None:
         """Give a zero gradient to each master that had one since the last ``zero_grad``
