@@ -797,6 +797,24 @@ def check_a_layer_pickled_without_the_count_cache_trains_over_the_ranks(ctx):
     torch.testing.assert_close(loaded.running_var, fresh.running_var, rtol=0, atol=0)
 
 
+@contextlib.contextmanager
+def _counting_gathers():
+    """The dtype of each tensor fn.all_gather_rows gathers inside the block (int64: the
+    ranks-agree check's; the statistics are floating)."""
+    calls = []
+    real = fn.all_gather_rows
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].dtype)
+        return real(*args, **kwargs)
+
+    fn.all_gather_rows = counting
+    try:
+        yield calls
+    finally:
+        fn.all_gather_rows = real
+
+
 def check_ranks_disagreeing_on_channels_or_dtype_raise_on_every_rank(ctx):
     """A layer given inputs of different channel counts (or float32 on some ranks, float64
     on others) raises a ValueError on every rank naming what each rank gave, instead of
@@ -818,34 +836,22 @@ def check_ranks_disagreeing_on_channels_or_dtype_raise_on_every_rank(ctx):
                                 "group rank 0: 3 channels, float32 statistics",
                                 f"group rank {last}: {said} statistics")
             assert torch.equal(m.running_mean.cpu(), torch.zeros(channels, dtype=dtype)), path
-    calls = []
-    real = fn.all_gather_rows
-
-    def counting(*args, **kwargs):
-        calls.append(args[0].dtype)
-        return real(*args, **kwargs)
-
     for path, path_ctx in _paths(ctx):
         torch.manual_seed(0)
         m, fresh = SyncBatchNorm(3).to(ctx.device), SyncBatchNorm(3).to(ctx.device)
         fresh.load_state_dict(m.state_dict())
         per_forward = []
-        fn.all_gather_rows = counting
-        try:
+        with _counting_gathers() as calls:
             for step in range(20):
                 x = torch.randn(2 + step, 3, 2, device=ctx.device)  # a new geometry each step
                 del calls[:]
                 with path_ctx():
                     y = m(x)
                 per_forward.append(calls.count(torch.int64))
-                if step == 0:
-                    fn.all_gather_rows = real
+                if step == 0:  # (the fresh layer's gathers come after the count is taken)
                     with path_ctx():
                         want = fresh(x)
-                    fn.all_gather_rows = counting
                     torch.testing.assert_close(y, want, rtol=0, atol=0, msg=labelled(path))
-        finally:
-            fn.all_gather_rows = real
         # (20 geometries fill the layer's cache of 16 entries at least once.)
         assert per_forward == [1] + [0] * 19, f"[{path}] agreement gathers: {per_forward}"
         copied = copy.deepcopy(m)
@@ -926,22 +932,12 @@ def check_a_parameter_free_layer_fed_many_channel_counts_keeps_its_cache_small(c
     m = SyncBatchNorm(1, affine=False, track_running_stats=False).to(ctx.device)
     xs = [torch.randn(4, c, 2, generator=torch.Generator().manual_seed(c)).to(ctx.device)
           for c in range(2, 26)]
-    calls = []
-    real = fn.all_gather_rows
-
-    def counting(*args, **kwargs):
-        calls.append(args[0].dtype)
-        return real(*args, **kwargs)
-
-    fn.all_gather_rows = counting
-    try:
+    with _counting_gathers() as calls:
         first = [m(x) for x in xs]
         assert calls.count(torch.int64) == 24, calls
         assert len(m._count_cache) <= 17, sorted(map(str, m._count_cache))
         del calls[:]
         second = [m(x) for x in xs]
-    finally:
-        fn.all_gather_rows = real
     assert calls.count(torch.int64) == 0, calls
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=labelled(f"rank {ctx.rank}"))
