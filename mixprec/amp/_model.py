@@ -947,8 +947,7 @@ class _OrphanedMasters:
         self.entries = []
         for module in model.modules():
             hooks = module.__dict__.get("_mixprec_state_dict")
-            if hooks is not None and hooks.masters and (hooks.standalone or hooks.orphaned()):
-                hooks.standalone = True
+            if hooks is not None and hooks.masters and hooks.standalone_now():
                 self.entries.append((weakref.ref(module), hooks))
         self._masters = [m for _, hooks in self.entries for m in hooks.masters.values()]
         self._seen: Optional[List[int]] = None
@@ -1542,6 +1541,14 @@ class _Fp32StateDict:
         model any more."""
         return not self.standalone and bool(self._keeper_refs) and not self.keepers()
 
+    def standalone_now(self) -> bool:
+        """Whether these masters are kept by no optimizer (a copy's, or ``orphaned``, which
+        makes them standalone from now on: they keep their fp32 values and, as a copy's do,
+        follow the half parameters written since, e.g. a head re-initialized)."""
+        if self.orphaned():
+            self.standalone = True
+        return self.standalone
+
     def forget_all(self) -> None:
         """Hold no masters (a new ``initialize`` of the model registers its own)."""
         self.masters.clear()
@@ -1564,8 +1571,7 @@ class _Fp32StateDict:
         for keeper in self.keepers():
             keeper.push_written_masters()
         module = self.module() if self.module is not None else None
-        if module is not None and (self.standalone or self.orphaned()):
-            self.standalone = True
+        if module is not None and self.standalone_now():
             self.sync(module, check_params=False)
 
     def __getstate__(self):
@@ -1668,12 +1674,9 @@ class _Fp32StateDict:
     def save(self, module, state_dict, prefix, local_metadata):
         if self.module is None:  # (a copy's: its load pre-hook is not given the module)
             self.module = weakref.ref(module)
-        if self.orphaned():
-            # (The optimizer is gone: the masters keep their fp32 values and, as a copy's do,
-            # follow the half parameters written since, e.g. a head re-initialized.)
-            self.standalone = True
+        standalone = self.standalone_now()
         self.follow_renames(module, state_dict, prefix)
-        if self.standalone:
+        if standalone:
             self.sync(module, check_params=True)
         # A write into the half model since the last step (nn.init, a clamp, under no_grad) is
         # taken into its master now, as the next step would: else the checkpoint held the
@@ -1756,8 +1759,7 @@ class _Fp32StateDict:
                 "input casts and any optimizer holding them expect. Load with assign=False "
                 "(the default): the values are cast into the half parameters.")
         module = self.module() if self.module is not None else None
-        if self.orphaned():
-            self.standalone = True  # (see save)
+        self.standalone_now()
         if module is not None:  # (a load pre-hook is not given its module)
             self.follow_renames(module)
         self._pending_load = None
