@@ -6012,3 +6012,25 @@ def test_a_submodule_copy_takes_masters_written_in_place_before_it(who, how):
     want = src.state_dict()["2.weight"]
     assert torch.equal(head.state_dict()["weight"], want)
     assert torch.equal(head.weight, want.half())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_submodule_copy_takes_masters_written_through_master_params(how):
+    """The same through ``amp.master_params(optimizer)`` on a model whose state_dict() was
+    never called (the hooks learn their module at initialize, not at a first save): a write
+    into the head's master, then the head copied on its own. Reference: the written master,
+    exact; the copy's half weight, it rounded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as loss:
+        loss.backward()
+    opt.step()
+    master = next(m for m in amp.master_params(opt) if m.shape == model[2].weight.shape)
+    with torch.no_grad():
+        master.add_(0.123456)
+    want = master.detach().clone()
+    head = _copied(model[2], how)
+    assert torch.equal(head.state_dict()["weight"], want)
+    assert torch.equal(head.weight, want.half())
