@@ -512,6 +512,8 @@ class _AmpModule:
             _push_written_masters(self)
         elif not compiling and self._mixprec_live_masters:
             _push_live_masters(self)
+        elif self._mixprec_live_masters and is_exporting():
+            _warn_if_export_misses_writes(self)
         if cfg.renorm_master:
             _renorm_master_rows(self, args[0] if args else kwargs.get("input"))
         if cfg.fp32_compute:
@@ -896,6 +898,7 @@ def _push_written_masters(model: nn.Module) -> None:
         # the disabled call below as plain Python, which came back here without end. The
         # program takes the half parameters as the copy's last forward or state_dict() left
         # them (docs/amp.md).
+        _warn_if_export_misses_writes(model)
         return None
     if is_compiling():
         if _PUSH_TRACED[0]:
@@ -968,6 +971,41 @@ class _OrphanedMasters:
         # by another thread shows at the next forward. Not cached when a write waited, under
         # torch.func.functional_call: the next forward takes it.)
         self._seen = now if looked else None
+
+
+def _written_masters_waiting(model: nn.Module) -> bool:
+    """Whether a master of ``model`` was written in place (``dcp.load`` into
+    ``model.state_dict()``, an EMA update of a copy's state dict) since amp last cast the
+    masters into the half parameters: what the next eager forward's push would take."""
+    for ref in model.__dict__.get(_LIVE_MASTERS, ()):
+        written = getattr(ref(), "__self__", None)
+        written = getattr(written, "masters_written", None)
+        if written is not None and written():
+            return True
+    for module in model.modules():
+        hooks = module.__dict__.get("_mixprec_state_dict")
+        if hooks is not None and hooks.masters and hooks.standalone_now() and hooks.written():
+            return True
+    return False
+
+
+def _warn_if_export_misses_writes(model: nn.Module) -> None:
+    """Under a non-strict ``torch.export`` (also ``torch.onnx.export``'s default exporter),
+    which traces on fake parameters, no write can reach the half parameters: warn when
+    masters written in place wait for the next eager forward, as the program would silently
+    hold the old half weights. A strict export (Dynamo, which cannot read version counters
+    without a graph break) is not looked at."""
+    if torch.compiler.is_dynamo_compiling() or not _written_masters_waiting(model):
+        return
+    if is_rank_zero():
+        warnings.warn(
+            f"amp: exporting {type(model).__name__} while fp32 master weights written in "
+            "place (a dcp.load or copy_ into model.state_dict()'s tensors, an EMA update of a "
+            "copy's state dict) have not reached its half parameters yet, which the exported "
+            "program takes as they are: it would hold the old weights. "
+            "Run one eager forward (e.g. on the example inputs, under torch.no_grad()) or "
+            "call model.state_dict() before exporting; both cast the masters into the half "
+            "parameters.", UserWarning, stacklevel=3)
 
 
 def set_live_masters(model: nn.Module, keepers) -> None:
@@ -1656,6 +1694,13 @@ class _Fp32StateDict:
                     version = master._version
                 self._versions[name] = version
         return looked
+
+    def written(self) -> bool:
+        """Whether a master was written in place since the last sync (one ``sync`` would
+        cast into its half parameter)."""
+        versions = self._versions
+        return any(versions.get(name, master._version) != master._version
+                   for name, master in self.masters.items())
 
     def carry_to(self, other: _Fp32StateDict, params: Dict[str, torch.Tensor]) -> None:
         """Give ``other`` (the hooks of a module built to replace this one's, holding the

@@ -1789,6 +1789,13 @@ class _OptimizerState:
             if synced is not None and len(synced) == len(pairs):
                 self._masters_in_step = [mv for _, mv, _ in synced]
 
+    def masters_written(self) -> bool:
+        """Whether a master was written in place since amp last put the pairs in step (what
+        :meth:`push_written_masters` would take). Reads each master's version counter."""
+        in_step = self._masters_in_step
+        return (in_step is not None and bool(self.pairs)
+                and [m._version for _, m in self.pairs] != in_step)
+
     def hand_masters_to_models(self) -> None:
         """When the optimizer is gone (deleted after training; its finalizer calls this): its
         masters are their models' own from then on, kept in step by the modules' state-dict
