@@ -157,8 +157,9 @@ class SyncBatchNorm(_BatchNorm):
                 break
             held = (self._parameters if name == "bias" else self._buffers).get(name)
         # (A layer with none of them normalizes any number of channels, as BatchNorm does:
-        # convert_syncbn_model must not refuse what it took.)
-        if channels != self.num_features and held is not None:
+        # convert_syncbn_model must not refuse what it took. Under torch.jit.trace, the ONNX
+        # exporter's too, the sizes are traced tensors: F.batch_norm checks there.)
+        if held is not None and not torch.jit.is_tracing() and channels != self.num_features:
             where = "last" if self.channel_last else "second (dim 1)"
             raise ValueError(
                 f"SyncBatchNorm({self.num_features}): input of shape {tuple(input.shape)} has "
@@ -196,10 +197,13 @@ class SyncBatchNorm(_BatchNorm):
         return factor
 
     def _local_batch_norm(self, input, running_mean, running_var, training, factor):
-        x = input.movedim(-1, 1) if (self.channel_last and input.dim() > 2) else input
+        # (The last dim counted from the front: the TorchScript ONNX exporter writes an
+        # invalid Transpose for a negative movedim dim, PyTorch's own bug.)
+        last = input.dim() - 1
+        x = input.movedim(last, 1) if (self.channel_last and last > 1) else input
         out = F.batch_norm(x, running_mean, running_var, self.weight, self.bias, training,
                            factor, self.eps)
-        return out.movedim(1, -1) if x is not input else out
+        return out.movedim(1, last) if x is not input else out
 
     def forward(self, input: torch.Tensor, z: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Normalize ``input``; with ``z`` (Apex's optimized layer: a residual branch, shaped
