@@ -2001,7 +2001,11 @@ def _install_state_dict_hooks(module: nn.Module) -> _Fp32StateDict:
         return existing
     hooks = _Fp32StateDict()
     hooks.module = weakref.ref(module)
-    module._mixprec_state_dict = hooks
+    # First in the module's __dict__, which a copy (pickle, deepcopy) takes in order: the hooks'
+    # push of masters written in place then runs before the parameters are copied. (A plain
+    # pickle of the submodule copied the stale half parameters' bytes, the hooks after them.)
+    # (A new dict, swapped in whole: a thread reading the module meanwhile finds all of it.)
+    module.__dict__ = {"_mixprec_state_dict": hooks, **module.__dict__}
     _register_state_dict_hook_first(module, hooks.save)
     module._register_load_state_dict_pre_hook(hooks.load)
     module.register_load_state_dict_post_hook(hooks.loaded)

@@ -5931,9 +5931,13 @@ def test_a_partial_load_of_other_keys_keeps_a_write_into_the_masters(dtype, how)
 
 
 def _copied(model, how):
-    """``copy.deepcopy(model)``, or (any other ``how``) a torch.save/torch.load round trip."""
+    """``copy.deepcopy(model)``; with "plain_pickle" ``pickle.loads(pickle.dumps(model))``
+    (which writes a tensor's bytes where it meets it, torch.save at the end); with any other
+    ``how`` a torch.save/torch.load round trip."""
     if how == "deepcopy":
         return copy.deepcopy(model)
+    if how == "plain_pickle":
+        return pickle.loads(pickle.dumps(model))
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)
@@ -5993,7 +5997,7 @@ def test_a_copys_partial_load_of_other_keys_keeps_a_write_into_its_masters(how):
 
 
 @pytest.mark.parametrize("who", ["ema_copy", "live_model"])
-@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "plain_pickle"])
 def test_a_submodule_copy_takes_masters_written_in_place_before_it(who, how):
     """An EMA update written into state_dict() tensors in place (the masters), then a copy of
     one submodule (a head exported on its own) before any forward or state_dict(): the copy's
@@ -6014,7 +6018,7 @@ def test_a_submodule_copy_takes_masters_written_in_place_before_it(who, how):
     assert torch.equal(head.weight, want.half())
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "plain_pickle"])
 def test_a_submodule_copy_takes_masters_written_through_master_params(how):
     """The same through ``amp.master_params(optimizer)`` on a model whose state_dict() was
     never called (the hooks learn their module at initialize, not at a first save): a write
@@ -6032,5 +6036,32 @@ def test_a_submodule_copy_takes_masters_written_through_master_params(how):
         master.add_(0.123456)
     want = master.detach().clone()
     head = _copied(model[2], how)
+    assert torch.equal(head.state_dict()["weight"], want)
+    assert torch.equal(head.weight, want.half())
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "plain_pickle"])
+def test_a_submodule_copy_takes_orphaned_masters_written_in_place(how):
+    """state_dict() taken while the optimizer lives (its tensors: the masters), the optimizer
+    deleted (its masters kept by no one, not yet made standalone by a save), an EMA-style
+    write into those tensors in place, then the head copied on its own before any forward or
+    save (r110A G4). Reference: the source's masters, exact; the copy's half weight, them
+    rounded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
+    with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as loss:
+        loss.backward()
+    opt.step()
+    ema = model.state_dict()
+    del opt, loss
+    gc.collect()
+    with torch.no_grad():
+        for v in ema.values():
+            v.mul_(0.5).add_(torch.full_like(v, 0.123456), alpha=0.5)
+    head = _copied(model[2], how)
+    want = model.state_dict()["2.weight"]
+    assert want.dtype == torch.float32
     assert torch.equal(head.state_dict()["weight"], want)
     assert torch.equal(head.weight, want.half())

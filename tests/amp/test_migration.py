@@ -1651,6 +1651,29 @@ def test_an_apex_pickled_overflow_flag_survives_unpickling(clean_apex, tmp_path)
     assert loaded.update_scale() is True and loaded.loss_scale() == 512.0
 
 
+def test_an_apex_pickled_scaler_lacking_attributes_takes_the_class_defaults(clean_apex,
+                                                                           tmp_path):
+    """An object holding only the scale and the overflow flag: the window, the bounds, the
+    dynamic flag and the step count read as a fresh LossScaler("dynamic")'s (Apex amp's
+    defaults: window 2000, ceiling 2**24, dynamic), and it steps so (r110A G5)."""
+    loaded = _apex_scaler(tmp_path, cls_name="LossScaler", module="apex.amp.scaler",
+                          _loss_scale=2.0**24, _has_overflow=False)
+    import torch
+    from apex.amp.scaler import LossScaler
+
+    fresh = LossScaler("dynamic")
+    for name in ("_scale_seq_len", "_max_loss_scale", "_min_loss_scale", "dynamic",
+                 "_scale_factor", "_unskipped"):
+        assert getattr(loaded, name) == getattr(fresh, name), name
+    for _ in range(2000):  # (at the ceiling: clean steps leave it there)
+        loaded.clear_overflow_state()
+        assert loaded.update_scale() is False
+    assert loaded.loss_scale() == 2.0**24
+    loaded.clear_overflow_state()
+    loaded.unscale([torch.tensor([float("inf")])], [torch.empty(1)], None)
+    assert loaded.update_scale() is True and loaded.loss_scale() == 2.0**23
+
+
 # --- F21: the checkpoint's hyperparameters (a decayed lr) are the ones loaded --------------
 
 @pytest.mark.parametrize("layout", ["2018", "2019"])

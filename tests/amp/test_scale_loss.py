@@ -4472,3 +4472,71 @@ def test_a_step_right_after_add_param_group_gives_the_group_its_masters_first(wh
     opt.step()
     assert not torch.equal(model[2].bias, before)
     assert torch.equal(model[2].bias, opt.param_groups[1]["params"][1].detach().half())
+
+
+def test_a_closure_backward_outside_scale_loss_is_refused_right_after_add_param_group():
+    """As test_a_backward_outside_scale_loss_is_refused_at_the_step_at_o2[closure], with the
+    half layers joining an optimizer of fp32 (BatchNorm) parameters only right before the
+    step: the step gives them masters first, so its closure is checked after evaluation and
+    the backward outside scale_loss is refused, not silently dropped (the half layers left
+    untrained while the BatchNorm trains) (r110A G1)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    opt.add_param_group({"params": list(model[0].parameters()) + list(model[2].parameters())})
+    x = torch.randn(16, 4)
+
+    def closure():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match="gradients were never moved to the fp32 master "
+                                           r"weights\. Run the backward pass inside"):
+        opt.step(closure)
+
+
+@pytest.mark.parametrize("heads", [2, 3])
+def test_the_joined_refusal_lists_four_shapes_then_an_ellipsis(heads):
+    """Two heads joining (4 half parameters) are all shown; three (6) show the first four and
+    ', ...', with the count of all (r110A G2)."""
+    torch.manual_seed(0)
+    body = nn.Linear(4, 8)
+    outs = [nn.Linear(8, 3 + i) for i in range(heads)]
+    model = nn.ModuleList([body, *outs])
+    opt = torch.optim.SGD(body.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    x = torch.randn(6, 4).half()  # (a ModuleList has no forward for amp to cast the input)
+    h = model[0](x)
+    loss = sum(m(h).float().pow(2).mean() for m in model[1:])
+    with pytest.warns(UserWarning, match="no optimizer given to amp.initialize holds"):
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+    opt.step()
+    opt.add_param_group({"params": [p for m in model[1:] for p in m.parameters()]})
+    shapes = [s for i in range(heads) for s in (f"({3 + i}, 8)", f"({3 + i},)")]
+    shown = ", ".join(shapes[:4]) + (", ..." if len(shapes) > 4 else "")
+    with pytest.raises(RuntimeError) as info:
+        opt.step()
+    want = f"{len(shapes)} half parameter(s) (shapes {shown}) joined this optimizer through"
+    assert want in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("kept", [0, -1])
+def test_a_half_gradient_left_on_one_parameter_only_is_refused(kept):
+    """A backward outside scale_loss whose gradient is left on one half parameter only (the
+    first or the last the optimizer holds): the step refuses it, as for all of them (r110A
+    G3)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
+    model(torch.randn(6, 4)).float().pow(2).mean().backward()
+    params = list(model.parameters())
+    for i, p in enumerate(params):
+        if i != kept % len(params):
+            p.grad = None
+    with pytest.raises(RuntimeError, match="gradients were never moved to the fp32 master"):
+        opt.step()
