@@ -512,7 +512,8 @@ class _AmpModule:
             _push_written_masters(self)
         elif not compiling and self._mixprec_live_masters:
             _push_live_masters(self)
-        elif self._mixprec_live_masters and is_exporting():
+        elif (compiling and is_exporting() and not torch.compiler.is_dynamo_compiling()
+              and self._mixprec_live_masters):  # (Dynamo never reads the weak references)
             _warn_if_export_misses_writes(self)
         if cfg.renorm_master:
             _renorm_master_rows(self, args[0] if args else kwargs.get("input"))
