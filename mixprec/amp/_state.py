@@ -25,6 +25,7 @@ import contextlib
 import inspect
 import logging
 import math
+import operator
 import re
 import sys
 import threading
@@ -178,7 +179,8 @@ def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
             state.keeps_grads(not set_to_none)
             if state.grads_scaled and not set_to_none:
                 state._held_zeroed = True
-            state.overflow_dropped()
+            if state.overflow or state.pending_found is not None:
+                state.overflow_dropped_with(model)
 
 
 def set_aside_grads(params) -> List[torch.Tensor]:
@@ -1082,9 +1084,17 @@ class _OptimizerState:
                 if id(p) in self._joined_with_grad:
                     p.grad = None
             self._joined_with_grad.clear()
-        if self.grads_scaled and set_to_none:  # (else the half gradients are moved already)
+        if self.grads_scaled and set_to_none:
             self._drop_held_window()  # (the optimizer cleared its own parameters' too)
-        elif self.grads_scaled:
+        elif not self.grads_scaled:
+            # A half gradient a backward outside this optimizer's scale_loss left (a GAN's
+            # generator loss through the discriminator): stale, scaled by the other loss, and
+            # read by no optimizer at O2; dropped, as Apex's O2 zero_grad cleared the half
+            # model's, so that a step with no backward of its own runs as fp32's would.
+            for p, _ in self.pairs:
+                if p.grad is not None:
+                    p.grad = None
+        else:
             # Zeroed in place, as the optimizer zeroed its own: still tensors, which torch's
             # DDP with find_unused_parameters=True needs for a parameter used in the dropped
             # no_sync() window. (The next backward adds onto zeros; what the window set aside
@@ -1111,6 +1121,21 @@ class _OptimizerState:
         off already, at the overflowed block's exit."""
         self.overflow = False
         self.pending_found = None
+
+    def overflow_dropped_with(self, model: torch.nn.Module) -> None:
+        """``model.zero_grad()`` dropped its gradients after an overflowed backward: the skip
+        goes with them (:meth:`overflow_dropped`) unless this optimizer holds other models'
+        parameters whose gradients are left and not all finite (the overflow may be theirs:
+        stepping on them would write inf/NaN into the weights). Looks at the values (a host
+        sync) only where such gradients are left, after an overflow."""
+        optimizer = self.optimizer_ref()
+        own = {id(p) for p in model.parameters()}
+        own |= {id(m) for p, m in self.pairs if id(p) in own}
+        left = [] if optimizer is None else [p.grad for p in _params_of(optimizer)
+                                             if id(p) not in own and p.grad is not None]
+        if all(bool(torch.isfinite(g if g.layout is torch.strided
+                                   else g.coalesce()._values()).all()) for g in left):
+            self.overflow_dropped()
 
     def keeps_grads(self, keep: bool) -> None:
         """A zero_grad kept gradient tensors (``set_to_none=False``), or not."""
@@ -1211,6 +1236,9 @@ class _OptimizerState:
         self._last_step_flag = None
         self.last_step_skipped = True
         self.overflow = False
+        # (A device flag of another block of this step's gradients goes with them: kept, it
+        # skipped the next clean step.)
+        self.pending_found = None
         # What an LR scheduler's wrapper of step() records (it was not called): no warning
         # that the scheduler stepped before the optimizer (one built on a wrapper's inner
         # optimizer included).
@@ -1586,6 +1614,9 @@ class _OptimizerState:
             self.pending_found = None
             self.overflow = True
         if self.overflow:
+            # (Recorded as any skipped step's gradients are, for a later zero_grad(
+            # set_to_none=False): see _drop_grads. The step body then sees none.)
+            self._drop_grads(optimizer)
             for p in _params_of(optimizer):
                 p.grad = None
             return
@@ -2267,15 +2298,23 @@ class AmpState:
             _OPTIMIZER_STATES[hook_target] = state
         return state
 
-    def scaler(self, loss_id: int) -> LossScaler:
-        if (not isinstance(loss_id, int) or isinstance(loss_id, bool)
-                or not 0 <= loss_id < len(self.scalers)):  # (True is not loss 1)
+    def loss_index(self, loss_id) -> int:
+        """``loss_id`` as an int (an integer of another type too, ``numpy.int64`` from
+        ``np.arange``, as Apex's list indexing took), checked against ``num_losses``."""
+        index = None
+        if not isinstance(loss_id, (bool, torch.Tensor)):  # (True is not loss 1)
+            try:
+                index = operator.index(loss_id)
+            except TypeError:
+                pass
+        if index is None or not 0 <= index < len(self.scalers):
             raise ValueError(
-                f"amp.scale_loss(loss_id={loss_id!r}): amp.initialize was called with "
-                f"num_losses={len(self.scalers)}, so loss_id must be an int in "
-                f"[0, {len(self.scalers) - 1}]. Raise num_losses in amp.initialize to use more."
+                f"amp.scale_loss(loss_id={loss_id!r}) ({type(loss_id).__name__}): "
+                f"amp.initialize was called with num_losses={len(self.scalers)}, so loss_id "
+                f"must be an integer in [0, {len(self.scalers) - 1}]. Raise num_losses in "
+                "amp.initialize to use more."
             )
-        return self.scalers[loss_id]
+        return index
 
     def scale_device(self, states, loss_id: int) -> Optional[torch.device]:
         """Where loss ``loss_id``'s dynamic scale should live for a backward that steps

@@ -748,7 +748,8 @@ def scale_loss(
         raise (TypeError if not isinstance(loss, torch.Tensor) else ValueError)(
             f"amp.scale_loss(loss=...): {error}"
         )
-    scaler = amp_state.scaler(loss_id)
+    loss_id = amp_state.loss_index(loss_id)
+    scaler = amp_state.scalers[loss_id]
     device = amp_state.scale_device(states, loss_id)
     if device is not None and loss.device != device:
         device = None  # (a loss computed on another device than the parameters': host scale)

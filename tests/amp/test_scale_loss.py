@@ -3798,9 +3798,10 @@ def test_loss_id_outside_num_losses_is_refused_with_the_range(loss_id):
     model = make_cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
-    with pytest.raises(ValueError, match=rf"loss_id={loss_id!r}\): amp\.initialize was called "
-                                         r"with num_losses=2, so loss_id must be an int in "
-                                         r"\[0, 1\]\. Raise num_losses"):
+    with pytest.raises(ValueError, match=rf"loss_id={loss_id!r}\) \({type(loss_id).__name__}\): "
+                                         r"amp\.initialize was called with num_losses=2, so "
+                                         r"loss_id must be an integer in \[0, 1\]\. Raise "
+                                         r"num_losses"):
         with amp.scale_loss(model(batch()[0]).sum(), opt, loss_id=loss_id):
             pass
     assert all(p.grad is None for p in model.parameters())
@@ -4540,3 +4541,144 @@ def test_a_half_gradient_left_on_one_parameter_only_is_refused(kept):
             p.grad = None
     with pytest.raises(RuntimeError, match="gradients were never moved to the fp32 master"):
         opt.step()
+
+
+@pytest.mark.parametrize("overflowed", ["other_model", "zeroed_model"])
+def test_a_models_zero_grad_keeps_a_skip_that_other_models_gradients_still_need(overflowed):
+    """One optimizer over models a and b; a loss through both overflows in one model's
+    gradients; then ``a.zero_grad()``, a clean block through a, and the step. Where b's
+    gradients overflowed they are still there: the step is skipped (it ran, and wrote inf
+    into b's weights: r110C B1). Where a's did, the zero_grad dropped them and the skip with
+    them: the step runs, b taking its finite gradient (reference: SGD's update computed from
+    the master and its gradient, exact)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    [a, b], opt = amp.initialize([a, b], opt, opt_level="O2", dtype=torch.float16,
+                                 verbosity=0)
+    x = torch.randn(2, 4)
+    inf_a = float("inf") if overflowed == "zeroed_model" else 1.0
+    inf_b = float("inf") if overflowed == "other_model" else 1.0
+    with amp.scale_loss(a(x).float().pow(2).mean() * inf_a
+                        + b(x).float().pow(2).mean() * inf_b, opt) as scaled:
+        scaled.backward()
+    masters_b = list(amp.master_params(opt))[2:]
+    before = [m.detach().clone() for m in masters_b]
+    grads_b = [m.grad.clone() for m in masters_b]
+    a.zero_grad()
+    with amp.scale_loss(a(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in [*a.parameters(), *b.parameters()])
+    if overflowed == "other_model":
+        assert amp.step_was_skipped(opt)
+        assert all(torch.equal(m, m0) for m, m0 in zip(masters_b, before))
+    else:
+        assert not amp.step_was_skipped(opt)
+        for m, m0, g in zip(masters_b, before, grads_b):
+            assert torch.equal(m, m0.add(g, alpha=-0.1))
+
+
+def test_a_device_overflow_flag_goes_with_the_step_the_host_skipped():
+    """A fused optimizer's overflow flag on the device (loss 0, its block alone), then a block
+    of loss 1 over it and a plain optimizer (the host's path) overflowing: the host skips the
+    step. The device flag went with it no more, and skipped the next clean step (r110C B2);
+    loss 0's scaler counted that step clean (unskipped 1)."""
+    torch.manual_seed(0)
+    f, p = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt_f = torch.optim.Adam(f.parameters(), lr=1e-2, fused=True)
+    opt_p = torch.optim.SGD(p.parameters(), lr=0.1)
+    [f, p], [opt_f, opt_p] = amp.initialize([f, p], [opt_f, opt_p], opt_level="O2",
+                                            dtype=torch.float16, num_losses=2, verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.scale_loss(f(x).float().pow(2).mean() * float("inf"), opt_f, loss_id=0) as s:
+        s.backward()
+    with amp.scale_loss(f(x).float().pow(2).mean() * float("inf") + p(x).float().pow(2).mean(),
+                        [opt_f, opt_p], loss_id=1) as s:
+        s.backward()
+    opt_f.step()
+    opt_p.step()
+    assert amp.step_was_skipped(opt_f) and amp.step_was_skipped(opt_p)
+    for prm in [*f.parameters(), *p.parameters()]:  # (zeroed by hand: documented the same)
+        prm.grad = None
+    w0 = f.weight.detach().clone()
+    with amp.scale_loss(f(x).float().pow(2).mean(), opt_f, loss_id=0) as s:
+        s.backward()
+    opt_f.step()
+    assert not amp.step_was_skipped(opt_f)
+    assert not torch.equal(f.weight, w0)
+    assert amp.state_dict()["loss_scaler0"]["unskipped"] == 1
+
+
+def test_a_fused_sgd_first_momentum_skip_records_gradients_as_other_skips():
+    """Fused SGD with dampening: a first momentum step that overflows is skipped by the host
+    (see _prime_fused_momentum); then zero_grad(set_to_none=False) and a step with no
+    backward. Every other skip gives the masters zero gradients there (weight decay and
+    momentum act, as in fp32); this one left them none (r110C B3). Reference: the same run
+    with the unfused SGD, exact."""
+    def run(fused):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1,
+                              weight_decay=0.01, fused=fused)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                    verbosity=0)
+        x = torch.randn(3, 4)
+        with amp.scale_loss(model(x).float().sum() * float("inf"), opt) as scaled:
+            scaled.backward()
+        opt.step()
+        assert amp.step_was_skipped(opt)
+        before = [m.detach().clone() for m in amp.master_params(opt)]
+        opt.zero_grad(set_to_none=False)
+        opt.step()
+        return before, [m.detach().clone() for m in amp.master_params(opt)]
+
+    (start, unfused), (_, fused) = run(False), run(True)
+    assert not any(torch.equal(a, b) for a, b in zip(unfused, start))  # (weight decay acted)
+    assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_gan_discriminators_zero_grad_drops_the_generator_losss_half_gradients(set_to_none):
+    """G's loss runs through D inside scale_loss(loss_g, opt_g): D's half parameters hold
+    gradients scaled by that loss. ``opt_d.zero_grad()`` drops them (Apex's O2 zero_grad
+    cleared the half model's gradients), so a D step with no backward of its own runs as in
+    fp32 (no gradient: SGD leaves the weights; it was refused, "never moved": r110C R1)."""
+    torch.manual_seed(0)
+    g, d = nn.Linear(4, 4), nn.Linear(4, 1)
+    opt_g = torch.optim.Adam(g.parameters(), lr=1e-3)
+    opt_d = torch.optim.SGD(d.parameters(), lr=0.1)
+    [g, d], [opt_g, opt_d] = amp.initialize([g, d], [opt_g, opt_d], opt_level="O2",
+                                            dtype=torch.float16, num_losses=2, verbosity=0)
+    with amp.scale_loss(d(g(torch.randn(2, 4))).float().mean(), opt_g, loss_id=1) as scaled:
+        scaled.backward()
+    opt_g.step()
+    assert d.weight.grad is not None
+    before = [m.detach().clone() for m in amp.master_params(opt_d)]
+    opt_d.zero_grad(set_to_none=set_to_none)
+    assert d.weight.grad is None and d.bias.grad is None
+    opt_d.step()
+    assert all(torch.equal(m, m0) for m, m0 in zip(amp.master_params(opt_d), before))
+
+
+def test_a_numpy_integer_loss_id_picks_that_losss_scaler():
+    """``for loss_id in np.arange(n)``: a NumPy integer is a loss id, as in Apex (which indexed
+    a list with it); it was refused as out of range. An overflow under loss 1 backs off
+    scaler 1 only. A float or a bool is still refused, naming its type."""
+    np = pytest.importorskip("numpy")
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+                                num_losses=2, verbosity=0)
+    x = torch.randn(3, 4)
+    for loss_id in np.arange(2):
+        factor = float("inf") if loss_id == 1 else 1e-3
+        with amp.scale_loss(model(x).float().sum() * factor, opt, loss_id=loss_id) as scaled:
+            scaled.backward()
+    state = amp.state_dict()
+    assert state["loss_scaler0"]["loss_scale"] == 2.0**16
+    assert state["loss_scaler1"]["loss_scale"] == 2.0**15
+    for bad in (1.0, True):
+        with pytest.raises(ValueError, match=rf"loss_id={bad!r}\) \({type(bad).__name__}\)"):
+            with amp.scale_loss(model(x).float().sum(), opt, loss_id=bad):
+                pass
