@@ -6065,3 +6065,33 @@ def test_a_submodule_copy_takes_orphaned_masters_written_in_place(how):
     assert want.dtype == torch.float32
     assert torch.equal(head.state_dict()["weight"], want)
     assert torch.equal(head.weight, want.half())
+
+
+def test_a_head_reinitialized_after_a_load_on_an_orphaned_model_stays():
+    """(r111A G1) The optimizer deleted (its
+    masters kept by no one, not yet made standalone by a save or a forward), then the usual
+    fine-tuning order: load_state_dict(pretrained), re-initialize the head's half weight in
+    place (nn.init.zeros_), an eager forward, state_dict(). Expected, exact: the head stays
+    zero in the half model, in the forward (bias only) and in the saved fp32 entry; the
+    body holds the loaded weights (rounded to bf16 in the half model)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    x = torch.randn(3, 4)
+    with amp.scale_loss(model(x).float().sum(), opt) as loss:
+        loss.backward()
+    opt.step()
+    del opt, loss
+    gc.collect()
+    torch.manual_seed(4)
+    pretrained = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).state_dict()
+    model.load_state_dict(pretrained)
+    with torch.no_grad():
+        nn.init.zeros_(model[2].weight)
+        out = model(x)
+    assert torch.equal(model[2].weight, torch.zeros(2, 4, dtype=torch.bfloat16))
+    assert torch.equal(out.float(), model[2].bias.float().expand(3, 2))
+    saved = model.state_dict()
+    assert torch.equal(saved["2.weight"], torch.zeros(2, 4))
+    assert torch.equal(saved["0.weight"], pretrained["0.weight"])
