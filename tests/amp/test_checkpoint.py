@@ -6018,12 +6018,8 @@ def test_a_submodule_copy_takes_masters_written_in_place_before_it(who, how):
     assert torch.equal(head.weight, want.half())
 
 
-@pytest.mark.parametrize("how", ["deepcopy", "pickle", "plain_pickle"])
-def test_a_submodule_copy_takes_masters_written_through_master_params(how):
-    """The same through ``amp.master_params(optimizer)`` on a model whose state_dict() was
-    never called (the hooks learn their module at initialize, not at a first save): a write
-    into the head's master, then the head copied on its own. Reference: the written master,
-    exact; the copy's half weight, it rounded."""
+def _o2_mlp_after_a_step():
+    """An O2 (fp16) Linear-ReLU-Linear and its SGD after one step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -6031,6 +6027,16 @@ def test_a_submodule_copy_takes_masters_written_through_master_params(how):
     with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as loss:
         loss.backward()
     opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "plain_pickle"])
+def test_a_submodule_copy_takes_masters_written_through_master_params(how):
+    """The same through ``amp.master_params(optimizer)`` on a model whose state_dict() was
+    never called (the hooks learn their module at initialize, not at a first save): a write
+    into the head's master, then the head copied on its own. Reference: the written master,
+    exact; the copy's half weight, it rounded."""
+    model, opt = _o2_mlp_after_a_step()
     master = next(m for m in amp.master_params(opt) if m.shape == model[2].weight.shape)
     with torch.no_grad():
         master.add_(0.123456)
@@ -6047,15 +6053,9 @@ def test_a_submodule_copy_takes_orphaned_masters_written_in_place(how):
     write into those tensors in place, then the head copied on its own before any forward or
     save (r110A G4). Reference: the source's masters, exact; the copy's half weight, them
     rounded."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt = amp.initialize(model, opt, opt_level="O2", verbosity=0)
-    with amp.scale_loss(model(torch.randn(3, 4)).float().sum(), opt) as loss:
-        loss.backward()
-    opt.step()
+    model, opt = _o2_mlp_after_a_step()
     ema = model.state_dict()
-    del opt, loss
+    del opt
     gc.collect()
     with torch.no_grad():
         for v in ema.values():
