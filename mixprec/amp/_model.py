@@ -1004,9 +1004,9 @@ def _warn_if_export_misses_writes(model: nn.Module) -> None:
             "place (a dcp.load or copy_ into model.state_dict()'s tensors, an EMA update of a "
             "copy's state dict) have not reached its half parameters yet, which the exported "
             "program takes as they are: it would hold the old weights. "
-            "Run one eager forward (e.g. on the example inputs, under torch.no_grad()) or "
-            "call model.state_dict() before exporting; both cast the masters into the half "
-            "parameters.", UserWarning, stacklevel=3)
+            "Call model.state_dict() or run one eager forward (in eval mode, under "
+            "torch.no_grad(): BatchNorm's statistics move in train mode) before exporting; "
+            "both cast the masters into the half parameters.", UserWarning, stacklevel=3)
 
 
 def set_live_masters(model: nn.Module, keepers) -> None:

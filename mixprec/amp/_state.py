@@ -54,7 +54,7 @@ from mixprec.amp._model import (
     take_changed_elements,
     torch_ddp_skips_this_backward,
 )
-from mixprec.amp.scaler import LossScaler, any_flag_set, unscale_grads_
+from mixprec.amp.scaler import LossScaler, _flag_non_finite, any_flag_set, unscale_grads_
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
 __all__ = ["AmpState", "SyncParamGroupsOnLoad", "optimizer_state", "set_aside_grads"]
@@ -789,6 +789,9 @@ class _OptimizerState:
         # Sync-free skipping (fused optimizers on one CUDA device): the overflow flag stays on
         # the device and the optimizer's fused kernel skips the update itself.
         self.pending_found: Optional[torch.Tensor] = None
+        # Gradients a step skipped in _pre_step zeroed in place (kept tensors), set back by
+        # _post_step once the step body has run without them.
+        self._zeroed_in_skip: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._last_step_flag: Optional[torch.Tensor] = None
         self._flag_handed_over = False
         # Cached skips_on_device(): the device, False, or None (not known yet; reset when
@@ -1090,10 +1093,18 @@ class _OptimizerState:
             # A half gradient a backward outside this optimizer's scale_loss left (a GAN's
             # generator loss through the discriminator): stale, scaled by the other loss, and
             # read by no optimizer at O2; dropped, as Apex's O2 zero_grad cleared the half
-            # model's, so that a step with no backward of its own runs as fp32's would.
-            for p, _ in self.pairs:
-                if p.grad is not None:
-                    p.grad = None
+            # model's, so that a step with no backward of its own runs as fp32's would (with
+            # set_to_none=False on zero gradients of the masters: see _had_grads).
+            for p, master in self.pairs:
+                g = p.grad
+                if g is None:
+                    continue
+                if not set_to_none:
+                    # (fp32 keeps that gradient, zeroed, and steps it: weight decay and
+                    # momentum act on it. So does the master, at the next step.)
+                    self._had_grads[id(master)] = (
+                        master, (g.sparse_dim(), g.dense_dim()) if g.is_sparse else None)
+                p.grad = None
         else:
             # Zeroed in place, as the optimizer zeroed its own: still tensors, which torch's
             # DDP with find_unused_parameters=True needs for a parameter used in the dropped
@@ -1126,15 +1137,25 @@ class _OptimizerState:
         """``model.zero_grad()`` dropped its gradients after an overflowed backward: the skip
         goes with them (:meth:`overflow_dropped`) unless this optimizer holds other models'
         parameters whose gradients are left and not all finite (the overflow may be theirs:
-        stepping on them would write inf/NaN into the weights). Looks at the values (a host
-        sync) only where such gradients are left, after an overflow."""
+        stepping on them would write inf/NaN into the weights). Looks at the values only
+        where such gradients are left: with a host sync after an overflow the host knows of,
+        on the device where the flag waits there (a fused optimizer's, no sync)."""
         optimizer = self.optimizer_ref()
         own = {id(p) for p in model.parameters()}
         own |= {id(m) for p, m in self.pairs if id(p) in own}
-        left = [] if optimizer is None else [p.grad for p in _params_of(optimizer)
-                                             if id(p) not in own and p.grad is not None]
-        if all(bool(torch.isfinite(g if g.layout is torch.strided
-                                   else g.coalesce()._values()).all()) for g in left):
+        left = [] if optimizer is None else [
+            g if g.layout is torch.strided else g.coalesce()._values()
+            for g in (p.grad for p in _params_of(optimizer)
+                      if id(p) not in own and p.grad is not None)]
+        flag = self.pending_found
+        if (left and not self.overflow and flag is not None
+                and all(g.device == flag.device for g in left)):
+            # A flag on the device (a fused optimizer's, set at every block): taken again over
+            # the gradients left, on the device, with no host sync.
+            self.pending_found = torch.zeros_like(flag)
+            for dtype in {g.dtype for g in left}:
+                _flag_non_finite([g for g in left if g.dtype == dtype], self.pending_found)
+        elif all(bool(torch.isfinite(g).all()) for g in left):
             self.overflow_dropped()
 
     def keeps_grads(self, keep: bool) -> None:
@@ -1614,10 +1635,13 @@ class _OptimizerState:
             self.pending_found = None
             self.overflow = True
         if self.overflow:
-            # (Recorded as any skipped step's gradients are, for a later zero_grad(
-            # set_to_none=False): see _drop_grads. The step body then sees none.)
+            # (Recorded, or zeroed where kept, as any skipped step's gradients are: see
+            # _drop_grads. The step body then sees none; the zeroed tensors come back after
+            # it, in _post_step.)
             self._drop_grads(optimizer)
-            for p in _params_of(optimizer):
+            params = _params_of(optimizer)
+            self._zeroed_in_skip = [(p, p.grad) for p in params if p.grad is not None]
+            for p in params:
                 p.grad = None
             return
         if self.pending_found is not None:
@@ -2073,6 +2097,10 @@ class _OptimizerState:
         self.last_step_skipped = self.overflow
         if self.overflow:
             self.overflow = False
+            for p, g in self._zeroed_in_skip:
+                if p.grad is None:
+                    p.grad = g
+            self._zeroed_in_skip = []
             return
         if compiling and any(not p.requires_grad for p, _ in self.pairs):
             # Which frozen pairs the step left alone is read from the masters' version
@@ -2311,8 +2339,8 @@ class AmpState:
             raise ValueError(
                 f"amp.scale_loss(loss_id={loss_id!r}) ({type(loss_id).__name__}): "
                 f"amp.initialize was called with num_losses={len(self.scalers)}, so loss_id "
-                f"must be an integer in [0, {len(self.scalers) - 1}]. Raise num_losses in "
-                "amp.initialize to use more."
+                f"must be a Python or NumPy integer in [0, {len(self.scalers) - 1}] (not a "
+                "tensor: use .item()). Raise num_losses in amp.initialize to use more."
             )
         return index
 

@@ -1,3 +1,4 @@
+import contextlib
 import copy
 import functools
 import io
@@ -3800,7 +3801,8 @@ def test_loss_id_outside_num_losses_is_refused_with_the_range(loss_id):
     amp.initialize(model, opt, opt_level="O1", num_losses=2, verbosity=0)
     with pytest.raises(ValueError, match=rf"loss_id={loss_id!r}\) \({type(loss_id).__name__}\): "
                                          r"amp\.initialize was called with num_losses=2, so "
-                                         r"loss_id must be an integer in \[0, 1\]\. Raise "
+                                         r"loss_id must be a Python or NumPy integer in "
+                                         r"\[0, 1\] \(not a tensor: use \.item\(\)\)\. Raise "
                                          r"num_losses"):
         with amp.scale_loss(model(batch()[0]).sum(), opt, loss_id=loss_id):
             pass
@@ -4543,17 +4545,32 @@ def test_a_half_gradient_left_on_one_parameter_only_is_refused(kept):
         opt.step()
 
 
+@contextlib.contextmanager
+def _no_host_reads():
+    """Fail on any tensor read into a Python bool or number (a host sync on a GPU)."""
+    def refuse(self, *args):
+        raise AssertionError("a tensor was read on the host")
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("__bool__", "item"):
+            mp.setattr(torch.Tensor, name, refuse)
+        yield
+
+
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("overflowed", ["other_model", "zeroed_model"])
-def test_a_models_zero_grad_keeps_a_skip_that_other_models_gradients_still_need(overflowed):
+def test_a_models_zero_grad_keeps_a_skip_that_other_models_gradients_still_need(overflowed,
+                                                                               fused):
     """One optimizer over models a and b; a loss through both overflows in one model's
     gradients; then ``a.zero_grad()``, a clean block through a, and the step. Where b's
     gradients overflowed they are still there: the step is skipped (it ran, and wrote inf
     into b's weights: r110C B1). Where a's did, the zero_grad dropped them and the skip with
     them: the step runs, b taking its finite gradient (reference: SGD's update computed from
-    the master and its gradient, exact)."""
+    the master and its gradient, exact). A fused SGD keeps the overflow flag on the device:
+    the zero_grad takes it again there over b's gradients, with no host sync."""
     torch.manual_seed(0)
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
-    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1, fused=fused)
     [a, b], opt = amp.initialize([a, b], opt, opt_level="O2", dtype=torch.float16,
                                  verbosity=0)
     x = torch.randn(2, 4)
@@ -4565,7 +4582,11 @@ def test_a_models_zero_grad_keeps_a_skip_that_other_models_gradients_still_need(
     masters_b = list(amp.master_params(opt))[2:]
     before = [m.detach().clone() for m in masters_b]
     grads_b = [m.grad.clone() for m in masters_b]
-    a.zero_grad()
+    if fused:
+        with _no_host_reads():
+            a.zero_grad()
+    else:
+        a.zero_grad()
     with amp.scale_loss(a(x).float().pow(2).mean(), opt) as scaled:
         scaled.backward()
     opt.step()
@@ -4610,20 +4631,23 @@ def test_a_device_overflow_flag_goes_with_the_step_the_host_skipped():
     assert amp.state_dict()["loss_scaler0"]["unskipped"] == 1
 
 
-def test_a_fused_sgd_first_momentum_skip_records_gradients_as_other_skips():
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_fused_sgd_first_momentum_skip_records_gradients_as_other_skips(opt_level):
     """Fused SGD with dampening: a first momentum step that overflows is skipped by the host
     (see _prime_fused_momentum); then zero_grad(set_to_none=False) and a step with no
     backward. Every other skip gives the masters zero gradients there (weight decay and
-    momentum act, as in fp32); this one left them none (r110C B3). Reference: the same run
-    with the unfused SGD, exact."""
+    momentum act, as in fp32); this one left them none (r110C B3; at O1 the step body must
+    still see none, and the zeroed tensors come back after it). Reference: the same run with
+    the unfused SGD, exact."""
     def run(fused):
         torch.manual_seed(0)
         model = nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, dampening=0.1,
                               weight_decay=0.01, fused=fused)
-        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=torch.float16,
+        model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.float16,
                                     verbosity=0)
         x = torch.randn(3, 4)
+        opt.zero_grad(set_to_none=False)  # (a loop keeping gradient tensors throughout)
         with amp.scale_loss(model(x).float().sum() * float("inf"), opt) as scaled:
             scaled.backward()
         opt.step()
@@ -4636,6 +4660,43 @@ def test_a_fused_sgd_first_momentum_skip_records_gradients_as_other_skips():
     (start, unfused), (_, fused) = run(False), run(True)
     assert not any(torch.equal(a, b) for a, b in zip(unfused, start))  # (weight decay acted)
     assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_gan_discriminators_zero_grad_then_a_step_without_backward_runs_as_fp32(set_to_none):
+    """As below, with weight decay, against the same loop in plain fp32 (reference, exact: the
+    masters start as the fp32 weights and the update is fp32 arithmetic on them): with
+    set_to_none=False fp32 keeps D's gradients from G's loss, zeroed, and the step decays
+    D; the masters get zero gradients there too (r111B R3). With True nothing moves."""
+    def run(use_amp):
+        torch.manual_seed(0)
+        g, d = nn.Linear(4, 4), nn.Linear(4, 1)
+        opt_g = torch.optim.SGD(g.parameters(), lr=0.1)
+        opt_d = torch.optim.SGD(d.parameters(), lr=0.1, weight_decay=0.1)
+        if use_amp:
+            [g, d], [opt_g, opt_d] = amp.initialize(
+                [g, d], [opt_g, opt_d], opt_level="O2", dtype=torch.float16, num_losses=2,
+                verbosity=0)
+        x = torch.randn(8, 4)
+        for _ in range(2):
+            loss = d(g(x)).float().mean()
+            if use_amp:
+                with amp.scale_loss(loss, opt_g, loss_id=1) as scaled:
+                    scaled.backward()
+            else:
+                loss.backward()
+            opt_g.step()
+            opt_g.zero_grad(set_to_none=set_to_none)
+            opt_d.zero_grad(set_to_none=set_to_none)
+            opt_d.step()
+        return [p.detach().clone() for p in
+                (amp.master_params(opt_d) if use_amp else d.parameters())]
+
+    start = [p.detach().clone() for p in (lambda: (torch.manual_seed(0), nn.Linear(4, 4),
+                                                   nn.Linear(4, 1))[2])().parameters()]
+    fp32, o2 = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(o2, fp32))
+    assert all(torch.equal(a, b) for a, b in zip(fp32, start)) == set_to_none
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
