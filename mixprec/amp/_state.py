@@ -1493,6 +1493,16 @@ class _OptimizerState:
                     raise
             flags = unscale_grads_(fresh + plain_grads, scaler, check)
         flags = flags or []
+        if (check and self._stash and self._last_step_flag is not None and len(flags) == 1
+                and all(g.device == flags[0].device for _, g in self._stash)):
+            # The gradients set aside were checked at their own block; but after a step the
+            # device skipped (a fused optimizer's kernel, the flag never read) they stay, inf
+            # or NaN, and this block's flag alone let the next step apply them. Looked at
+            # again, as GradScaler's unscale_ looks at every gradient (device ops, no sync).
+            stale = [g if g.layout is torch.strided else g.coalesce()._values()
+                     for _, g in self._stash]
+            for dtype in {g.dtype for g in stale}:
+                _flag_non_finite([g for g in stale if g.dtype == dtype], flags[0])
         # (Whether this backward gave any of the optimizer's parameters a gradient.)
         self.reached = bool(half_grads or sparse_fresh or plain_params)
         del half_grads

@@ -4809,3 +4809,29 @@ def test_a_third_loss_id_scales_by_its_own_scaler():
     state = amp.state_dict()
     assert [state[f"loss_scaler{i}"]["loss_scale"] for i in range(3)] == [
         2.0**16, 2.0**15, 2.0**15]
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_device_skipped_steps_stale_inf_gradients_skip_the_next_step_again(opt_level):
+    """A fused optimizer's step skipped on the device leaves the gradients in place (inf at
+    O1, and O2's fp32 BatchNorm ones); a loop that does not zero them and runs a clean block
+    through another model set them aside and added them back unchecked: the next step wrote
+    inf into b. They are looked at again, as GradScaler's unscale_ looks at every gradient:
+    the step is skipped, and every weight stays finite and unchanged."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=1e-2, fused=True)
+    [a, b], opt = amp.initialize([a, b], opt, opt_level=opt_level, dtype=torch.float16,
+                                 verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.scale_loss(b(x).float().mean() * float("inf"), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    before = [p.detach().clone() for p in [*a.parameters(), *b.parameters()]]
+    with amp.scale_loss(a(x).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    after = [*a.parameters(), *b.parameters()]
+    assert all(torch.equal(p, q) for p, q in zip(after, before))
