@@ -54,7 +54,12 @@ from mixprec.amp._model import (
     take_changed_elements,
     torch_ddp_skips_this_backward,
 )
-from mixprec.amp.scaler import LossScaler, _flag_non_finite, any_flag_set, unscale_grads_
+from mixprec.amp.scaler import (
+    LossScaler,
+    any_flag_set,
+    flag_non_finite_grads,
+    unscale_grads_,
+)
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 
 __all__ = ["AmpState", "SyncParamGroupsOnLoad", "optimizer_state", "set_aside_grads"]
@@ -1143,19 +1148,17 @@ class _OptimizerState:
         optimizer = self.optimizer_ref()
         own = {id(p) for p in model.parameters()}
         own |= {id(m) for p, m in self.pairs if id(p) in own}
-        left = [] if optimizer is None else [
-            g if g.layout is torch.strided else g.coalesce()._values()
-            for g in (p.grad for p in _params_of(optimizer)
-                      if id(p) not in own and p.grad is not None)]
+        left = [] if optimizer is None else [p.grad for p in _params_of(optimizer)
+                                             if id(p) not in own and p.grad is not None]
         flag = self.pending_found
         if (left and not self.overflow and flag is not None
                 and all(g.device == flag.device for g in left)):
             # A flag on the device (a fused optimizer's, set at every block): taken again over
             # the gradients left, on the device, with no host sync.
             self.pending_found = torch.zeros_like(flag)
-            for dtype in {g.dtype for g in left}:
-                _flag_non_finite([g for g in left if g.dtype == dtype], self.pending_found)
-        elif all(bool(torch.isfinite(g).all()) for g in left):
+            flag_non_finite_grads(left, self.pending_found)
+        elif all(bool(torch.isfinite(g if g.layout is torch.strided
+                                     else g.coalesce()._values()).all()) for g in left):
             self.overflow_dropped()
 
     def keeps_grads(self, keep: bool) -> None:
@@ -1499,10 +1502,7 @@ class _OptimizerState:
             # device skipped (a fused optimizer's kernel, the flag never read) they stay, inf
             # or NaN, and this block's flag alone let the next step apply them. Looked at
             # again, as GradScaler's unscale_ looks at every gradient (device ops, no sync).
-            stale = [g if g.layout is torch.strided else g.coalesce()._values()
-                     for _, g in self._stash]
-            for dtype in {g.dtype for g in stale}:
-                _flag_non_finite([g for g in stale if g.dtype == dtype], flags[0])
+            flag_non_finite_grads([g for _, g in self._stash], flags[0])
         # (Whether this backward gave any of the optimizer's parameters a gradient.)
         self.reached = bool(half_grads or sparse_fresh or plain_params)
         del half_grads
@@ -1839,13 +1839,9 @@ class _OptimizerState:
         machine's host: ``benchmarks/probe_forward_master_check.py``). Not inside a
         ``torch.compile`` trace or a CUDA-graph capture (as take_model_writes)."""
         pairs = self.pairs
-        if not pairs:
+        if not self.masters_written():
             return
         masters = self._masters
-        if len(masters) != len(pairs):
-            self._masters = masters = [m for _, m in pairs]
-        if [m._version for m in masters] == self._masters_in_step:
-            return
         if is_compiling() or (masters[0].is_cuda and torch.cuda.is_current_stream_capturing()):
             return
         with self._sync_lock:
@@ -1856,10 +1852,15 @@ class _OptimizerState:
 
     def masters_written(self) -> bool:
         """Whether a master was written in place since amp last put the pairs in step (what
-        :meth:`push_written_masters` would take). Reads each master's version counter."""
-        in_step = self._masters_in_step
-        return (in_step is not None and bool(self.pairs)
-                and [m._version for _, m in self.pairs] != in_step)
+        :meth:`push_written_masters` takes; true before any record). Reads each master's
+        version counter."""
+        pairs = self.pairs
+        if not pairs:
+            return False
+        masters = self._masters
+        if len(masters) != len(pairs):
+            self._masters = masters = [m for _, m in pairs]
+        return [m._version for m in masters] != self._masters_in_step
 
     def hand_masters_to_models(self) -> None:
         """When the optimizer is gone (deleted after training; its finalizer calls this): its

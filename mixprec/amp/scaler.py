@@ -410,6 +410,14 @@ def _flag_non_finite(tensors: List[torch.Tensor], flag: torch.Tensor) -> None:
     torch.maximum(flag, (~torch.stack(norms).isfinite()).any().float(), out=flag)
 
 
+def flag_non_finite_grads(grads: Sequence[torch.Tensor], flag: torch.Tensor) -> None:
+    """:func:`_flag_non_finite` over gradients of any dtypes and layouts (a sparse one through
+    its coalesced values), one group per dtype, all on ``flag``'s device. No host sync."""
+    values = [g if g.layout is torch.strided else g.coalesce()._values() for g in grads]
+    for dtype in {g.dtype for g in values}:
+        _flag_non_finite([g for g in values if g.dtype == dtype], flag)
+
+
 def any_flag_set(flags: Sequence[torch.Tensor]) -> bool:
     """Read the overflow flags: the one host-device sync of a step."""
     if not flags:

@@ -4143,6 +4143,21 @@ def test_the_unheld_gradient_warning_says_what_applies(case):
         assert "loss scale" not in text, text
 
 
+_NEVER_MOVED = (r"gradients were never moved to the fp32 master weights\. Run the backward "
+                r"pass inside")
+
+
+def _closure_backward_outside_scale_loss(model, opt, x):
+    """A step closure whose backward runs outside amp.scale_loss (a loop ported without it)."""
+    def closure():
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        return loss
+
+    return closure
+
+
 @pytest.mark.parametrize("with_closure", [False, True], ids=["step", "closure"])
 def test_a_backward_outside_scale_loss_is_refused_at_the_step_at_o2(with_closure):
     """At O2 a backward outside amp.scale_loss leaves its gradients on the half model, where
@@ -4151,16 +4166,8 @@ def test_a_backward_outside_scale_loss_is_refused_at_the_step_at_o2(with_closure
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
-    x = torch.randn(6, 4)
-
-    def closure():
-        opt.zero_grad()
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        return loss
-
-    with pytest.raises(RuntimeError, match="gradients were never moved to the fp32 master "
-                                           r"weights\. Run the backward pass inside"):
+    closure = _closure_backward_outside_scale_loss(model, opt, torch.randn(6, 4))
+    with pytest.raises(RuntimeError, match=_NEVER_MOVED):
         if with_closure:
             opt.step(closure)
         else:
@@ -4488,16 +4495,8 @@ def test_a_closure_backward_outside_scale_loss_is_refused_right_after_add_param_
     opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
     model, opt = amp.initialize(model, opt, opt_level="O2", loss_scale=128.0, verbosity=0)
     opt.add_param_group({"params": list(model[0].parameters()) + list(model[2].parameters())})
-    x = torch.randn(16, 4)
-
-    def closure():
-        opt.zero_grad()
-        loss = model(x).float().pow(2).mean()
-        loss.backward()
-        return loss
-
-    with pytest.raises(RuntimeError, match="gradients were never moved to the fp32 master "
-                                           r"weights\. Run the backward pass inside"):
+    closure = _closure_backward_outside_scale_loss(model, opt, torch.randn(16, 4))
+    with pytest.raises(RuntimeError, match=_NEVER_MOVED):
         opt.step(closure)
 
 
