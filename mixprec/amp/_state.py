@@ -1496,13 +1496,17 @@ class _OptimizerState:
                     raise
             flags = unscale_grads_(fresh + plain_grads, scaler, check)
         flags = flags or []
-        if (check and self._stash and self._last_step_flag is not None and len(flags) == 1
-                and all(g.device == flags[0].device for _, g in self._stash)):
+        if check and self._stash and self._last_step_flag is not None and len(flags) <= 1:
             # The gradients set aside were checked at their own block; but after a step the
             # device skipped (a fused optimizer's kernel, the flag never read) they stay, inf
             # or NaN, and this block's flag alone let the next step apply them. Looked at
-            # again, as GradScaler's unscale_ looks at every gradient (device ops, no sync).
-            flag_non_finite_grads([g for _, g in self._stash], flags[0])
+            # again, as GradScaler's unscale_ looks at every gradient (device ops, no sync);
+            # a block that reached none of this optimizer's parameters gets a flag of its own.
+            device = flags[0].device if flags else self._stash[0][1].device
+            if all(g.device == device for _, g in self._stash):
+                if not flags:
+                    flags = [torch.zeros((), dtype=torch.float32, device=device)]
+                flag_non_finite_grads([g for _, g in self._stash], flags[0])
         # (Whether this backward gave any of the optimizer's parameters a gradient.)
         self.reached = bool(half_grads or sparse_fresh or plain_params)
         del half_grads

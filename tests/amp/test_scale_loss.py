@@ -4834,3 +4834,34 @@ def test_a_device_skipped_steps_stale_inf_gradients_skip_the_next_step_again(opt
     assert amp.step_was_skipped(opt)
     after = [*a.parameters(), *b.parameters()]
     assert all(torch.equal(p, q) for p, q in zip(after, before))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_stale_inf_gradients_skip_the_step_after_a_block_that_reached_none_of_them(opt_level):
+    """The same stale gradients, but the clean block's loss reaches none of the fused
+    optimizer's parameters (two optimizers in one block, its loss through the other's model):
+    that optimizer got no flag of its own from the block, and its step ran on the inf
+    gradients left (a's weights went non-finite). Expected: the step is skipped and a stays
+    finite and unchanged; the block's other optimizer skips with it (one loss, one decision
+    for all its optimizers, as Apex's), and the scale backs off."""
+    torch.manual_seed(0)
+    a, c = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 4)
+    opt1 = torch.optim.AdamW(a.parameters(), lr=1e-2, fused=True)
+    opt2 = torch.optim.SGD(c.parameters(), lr=1e-2)
+    [a, c], [opt1, opt2] = amp.initialize([a, c], [opt1, opt2], opt_level=opt_level,
+                                          dtype=torch.float16, verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.scale_loss(a(x).float().mean() * float("inf"), opt1) as scaled:
+        scaled.backward()
+    opt1.step()
+    assert amp.step_was_skipped(opt1)
+    before_a = [p.detach().clone() for p in a.parameters()]
+    before_c = [p.detach().clone() for p in c.parameters()]
+    with amp.scale_loss(c(x).float().pow(2).mean(), [opt1, opt2]) as scaled:
+        scaled.backward()
+    opt1.step()
+    opt2.step()
+    assert amp.step_was_skipped(opt1) and amp.step_was_skipped(opt2)
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before_a))
+    assert all(torch.equal(p, q) for p, q in zip(c.parameters(), before_c))
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**14
