@@ -948,12 +948,19 @@ class _OrphanedMasters:
     when nothing was written; a compiled forward does not look (no graph break)."""
 
     def __init__(self, model: nn.Module):
+        # (module, its hooks, the names to look at: None for all, or a module whose masters
+        # are split between a deleted and a live optimizer: the deleted one's, unkept_names)
         self.entries = []
         for module in model.modules():
             hooks = module.__dict__.get("_mixprec_state_dict")
-            if hooks is not None and hooks.masters and hooks.standalone_now():
-                self.entries.append((weakref.ref(module), hooks))
-        self._masters = [m for _, hooks in self.entries for m in hooks.masters.values()]
+            if hooks is None or not hooks.masters:
+                continue
+            if hooks.standalone_now():
+                self.entries.append((weakref.ref(module), hooks, None))
+            elif unkept := hooks.unkept_names():
+                self.entries.append((weakref.ref(module), hooks, unkept))
+        self._masters = [hooks.masters[n] for _, hooks, names in self.entries
+                         for n in (hooks.masters if names is None else names)]
         self._seen: Optional[List[int]] = None
 
     def __call__(self):
@@ -964,10 +971,10 @@ class _OrphanedMasters:
         if now == self._seen:
             return
         looked = True
-        for ref, hooks in self.entries:
+        for ref, hooks, names in self.entries:
             module = ref()
             if module is not None:
-                looked &= hooks.sync(module, check_params=False)
+                looked &= hooks.sync(module, check_params=False, names=names)
         # (The versions read before the syncs, which write no master: one written meanwhile
         # by another thread shows at the next forward. Not cached when a write waited, under
         # torch.func.functional_call: the next forward takes it.)
@@ -985,7 +992,12 @@ def _written_masters_waiting(model: nn.Module) -> bool:
             return True
     for module in model.modules():
         hooks = module.__dict__.get("_mixprec_state_dict")
-        if hooks is not None and hooks.masters and hooks.standalone_now() and hooks.written():
+        if hooks is None or not hooks.masters:
+            continue
+        if hooks.standalone_now():
+            if hooks.written():
+                return True
+        elif (unkept := hooks.unkept_names()) and hooks.written(unkept):
             return True
     return False
 
@@ -1588,6 +1600,16 @@ class _Fp32StateDict:
             self.standalone = True
         return self.standalone
 
+    def unkept_names(self) -> List[str]:
+        """The masters whose optimizer is gone while another optimizer still keeps a master
+        here (one module's weight and bias split across two optimizers, the first deleted):
+        nothing keeps those in step, so they are synced as a copy's are (:meth:`sync` with
+        their names). Empty once :meth:`standalone_now` (then every master is)."""
+        if self.standalone or len(self._keeper_refs) < 2:
+            return []
+        return [name for name, ref in self.take_writes.items()
+                if ref() is None and name in self.masters]
+
     def forget_all(self) -> None:
         """Hold no masters (a new ``initialize`` of the model registers its own)."""
         self.masters.clear()
@@ -1612,6 +1634,8 @@ class _Fp32StateDict:
         module = self.module() if self.module is not None else None
         if module is not None and self.standalone_now():
             self.sync(module, check_params=False)
+        elif module is not None and (unkept := self.unkept_names()):
+            self.sync(module, check_params=False, names=unkept)
 
     def __getstate__(self):
         self._push_before_copy()
@@ -1652,8 +1676,10 @@ class _Fp32StateDict:
         memo[id(self)] = new
         return new
 
-    def sync(self, module: nn.Module, check_params: bool) -> bool:
-        """Bring a standalone master and its half parameter in step (see the class doc).
+    def sync(self, module: nn.Module, check_params: bool,
+             names: Optional[List[str]] = None) -> bool:
+        """Bring a standalone master and its half parameter in step (see the class doc); with
+        ``names``, just those masters (:meth:`unkept_names`).
 
         A master written since the last sync wins (a load writes both); else, with
         ``check_params``, a half parameter that no longer equals its master cast to half was
@@ -1662,8 +1688,10 @@ class _Fp32StateDict:
         its parameter's place).
         """
         looked = True
+        masters = (self.masters.items() if names is None
+                   else [(n, self.masters[n]) for n in names if n in self.masters])
         with torch.no_grad():
-            for name, master in self.masters.items():
+            for name, master in masters:
                 param = module._parameters.get(name)
                 if param is not None and param.is_meta:
                     continue  # (a skeleton on the meta device: no values to bring in step)
@@ -1696,12 +1724,13 @@ class _Fp32StateDict:
                 self._versions[name] = version
         return looked
 
-    def written(self) -> bool:
-        """Whether a master was written in place since the last sync (one ``sync`` would
-        cast into its half parameter)."""
+    def written(self, names: Optional[List[str]] = None) -> bool:
+        """Whether a master (of ``names``, if given) was written in place since the last sync
+        (one ``sync`` would cast into its half parameter)."""
         versions = self._versions
+        masters = self.masters if names is None else {n: self.masters[n] for n in names}
         return any(versions.get(name, master._version) != master._version
-                   for name, master in self.masters.items())
+                   for name, master in masters.items())
 
     def carry_to(self, other: _Fp32StateDict, params: Dict[str, torch.Tensor]) -> None:
         """Give ``other`` (the hooks of a module built to replace this one's, holding the
@@ -1724,6 +1753,8 @@ class _Fp32StateDict:
         self.follow_renames(module, state_dict, prefix)
         if standalone:
             self.sync(module, check_params=True)
+        elif unkept := self.unkept_names():
+            self.sync(module, check_params=True, names=unkept)
         # A write into the half model since the last step (nn.init, a clamp, under no_grad) is
         # taken into its master now, as the next step would: else the checkpoint held the
         # masters from before it.
@@ -1866,12 +1897,13 @@ class _Fp32StateDict:
                     master.copy_(param)
         for keeper in self.keepers():
             keeper.take_model_writes(only=self.own_params(module))
-        if self.standalone:  # (a copy's masters, kept by sync(): the load wrote both sides)
+        synced = self.masters if self.standalone else self.unkept_names()
+        if synced:  # (a copy's masters, kept by sync(): the load wrote both sides)
             # (Not those it did not write: a master written in place before the load, a
             # copy's state_dict() entry updated as dcp.load does, still waits for sync() to
             # reach its half parameter, which else took it for a .data write and won.)
-            self._versions.update({name: master._version for name, master
-                                   in self.masters.items() if name not in unwritten})
+            self._versions.update({name: self.masters[name]._version for name in synced
+                                   if name not in unwritten})
 
 
 def _equal_nan(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -2963,34 +2963,43 @@ def test_torch_export_of_an_o2_model_and_of_its_copies(source, strict):
 
 
 @pytest.mark.parametrize("then", ["export", "forward_then_export", "state_dict_then_export"])
-@pytest.mark.parametrize("source", ["model", "deepcopy", "optimizer_deleted"])
+@pytest.mark.parametrize("source", ["model", "deepcopy", "optimizer_deleted",
+                                    "weights_optimizer_deleted"])
 def test_a_non_strict_export_warns_of_masters_written_since_the_last_cast(source, then):
     # A write into the masters (dcp.load into model.state_dict(), an EMA update of a copy's
     # state dict) reaches the half parameters at the next eager forward or state_dict(); a
     # non-strict torch.export (torch.onnx.export's default exporter too) traces on fake
     # parameters and took the old half weights silently. It warns now; after a forward or a
     # state_dict() it neither warns nor differs. Reference: the model's eager forward, exact.
+    # (weights_optimizer_deleted: weights and biases in two optimizers, the weights' deleted,
+    # the biases' alive; its masters are looked at as a copy's.)
     if not hasattr(torch.compiler, "_is_exporting_flag"):
         pytest.skip("needs torch.compiler's export flag (PyTorch 2.7)")
     model = _NamedInputs()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    amp.initialize(model, opt, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
+    if source == "weights_optimizer_deleted":
+        opts = [torch.optim.SGD([p for n, p in model.named_parameters() if n.endswith(k)],
+                                lr=0.1) for k in ("weight", "bias")]
+    else:
+        opts = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    amp.initialize(model, opts, opt_level="O2", dtype=torch.bfloat16, verbosity=0)
     x = torch.randn(3, 4)
     for _ in range(2):
-        with amp.scale_loss(nn.functional.mse_loss(model(x), torch.zeros(3, 3)), opt) as loss:
+        with amp.scale_loss(nn.functional.mse_loss(model(x), torch.zeros(3, 3)), opts) as loss:
             loss.backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
     if source == "deepcopy":
         model = copy.deepcopy(model)
-    elif source == "optimizer_deleted":
-        del opt, loss
+    elif source.endswith("optimizer_deleted"):
+        del opt, opts[0], loss
         gc.collect()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (after training: nothing written, no warning)
         torch.export.export(model, (x,), strict=False)
     with torch.no_grad():
-        for v in model.state_dict().values():
-            v.mul_(0.5)
+        for k, v in model.state_dict().items():
+            if source != "weights_optimizer_deleted" or k.endswith("weight"):
+                v.mul_(0.5)
     if then == "forward_then_export":
         with torch.no_grad():
             model(x)
