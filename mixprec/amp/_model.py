@@ -546,10 +546,12 @@ class _AmpModule:
         class sees) would let the masters' gradients pile up across iterations in a loop that
         zeroes through the model (PyTorch's DCGAN example: ``netD.zero_grad()``).
         """
+        from mixprec.amp._state import model_zeroed_grads, model_zeroing_grads
+
+        model_zeroing_grads(self)
         super().zero_grad(set_to_none)
         # (Its optimizers keep gradient tensors after their steps, or not: see
         # _OptimizerState.grad_tensors_kept.)
-        from mixprec.amp._state import model_zeroed_grads
 
         model_zeroed_grads(self, set_to_none)
         for master in master_weights(self):

@@ -174,6 +174,13 @@ def mastered_elsewhere():
                 yield half, optimizer
 
 
+def model_zeroing_grads(model: torch.nn.Module) -> None:
+    """Before an amp model's ``zero_grad``: the overflow decisions its optimizers' blocks left
+    for the step (``delay_overflow_check=True``) are taken first, on the gradients it drops."""
+    run_deferred_checks([state for state in _live_states() if state.deferred is not None
+                         and any(m is model for m in state.owner_models())])
+
+
 def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
     """An amp model's ``zero_grad(set_to_none)`` ran: its optimizers now treat gradients as
     kept tensors, or not (see ``_OptimizerState.grad_tensors_kept``)."""
@@ -369,8 +376,10 @@ def _install_amp_step(optimizer, run_hooks: bool) -> None:
 def _amp_zero_grad(this, *args, **kwargs):
     """amp's ``zero_grad`` on an optimizer: the optimizer's own, then what it cannot reach
     (see :meth:`_OptimizerState.grads_zeroed`)."""
-    out = _call_below(this, "zero_grad", args, kwargs)
     state = optimizer_state(this)
+    if state is not None and state.deferred is not None:
+        run_deferred_checks([state])  # (before the gradients it looks at go)
+    out = _call_below(this, "zero_grad", args, kwargs)
     if state is not None and state.amp_state.enabled:
         set_to_none = kwargs.get("set_to_none", args[0] if args else None)
         state.grads_zeroed(_default_set_to_none(this) if set_to_none is None
@@ -409,6 +418,8 @@ def _amp_step(this, *args, **kwargs):
     ``Optimizer.__init__`` also has the step hooks run here, around its whole step."""
     state = optimizer_state(this)
     closure = kwargs.get("closure", args[0] if args else None)
+    if state is not None and state.deferred is not None and not state.scale_loss_open:
+        run_deferred_checks([state])
     if (state is not None and state.overflow and state.amp_state.enabled
             and closure is None):
         if is_compiling():
@@ -710,6 +721,81 @@ class ForeignBackwardWatch:
         self.hit = {}
 
 
+class DeferredCheck:
+    """The overflow decision of ``scale_loss(..., delay_overflow_check=True)`` blocks, left
+    for the step: their optimizers' gradients are checked as they are then, after what the
+    loop did to them in between (a hand all-reduce across ranks, BERT's post-accumulation
+    reduction), so that every rank decides on the same reduced values. Apex left that check
+    to the script (its ``update_scale()``, private); here it runs at the first of the
+    optimizers' ``step()`` or ``zero_grad()`` (or their model's), for all of them at once,
+    and each loss's scale is updated once. The blocks' own flags count too (device tensors,
+    not read: no sync at the block's exit)."""
+
+    def __init__(self, amp_state: AmpState):
+        self.amp_state = amp_state
+        self.loss_ids: List[int] = []
+        self.states: list = []
+        self.flags: List[torch.Tensor] = []
+
+    def add(self, states, loss_id: int, flags) -> None:
+        """One more block's optimizers, loss and flags."""
+        if loss_id not in self.loss_ids:
+            self.loss_ids.append(loss_id)
+        for state in states:
+            other = state.deferred
+            if other is not None and other is not self:  # (two blocks' sets overlapping)
+                self.absorb(other)
+            if all(state is not s for s in self.states):
+                self.states.append(state)
+            state.deferred = self
+        self.flags.extend(flags)
+
+    def absorb(self, other: DeferredCheck) -> None:
+        """Take over ``other`` (a block over optimizers of two pending checks joins them)."""
+        for loss_id in other.loss_ids:
+            if loss_id not in self.loss_ids:
+                self.loss_ids.append(loss_id)
+        for state in other.states:
+            if all(state is not s for s in self.states):
+                self.states.append(state)
+            state.deferred = self
+        self.flags.extend(other.flags)
+
+    def run(self) -> None:
+        """Decide now: flag the optimizers' gradients where any is inf/NaN (device ops),
+        merged with the blocks' flags, and act on it for each loss as a block's exit does."""
+        states = self.states
+        for state in states:
+            state.deferred = None
+        found: Dict[torch.device, torch.Tensor] = {}
+        for flag in self.flags:
+            kept = found.get(flag.device)
+            found[flag.device] = flag.clone() if kept is None else torch.maximum(kept, flag)
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for state in states:
+            for g in state.grads_now():
+                by_device.setdefault(g.device, []).append(g)
+        for device, grads in by_device.items():
+            flag = found.get(device)
+            if flag is None:
+                flag = found[device] = torch.zeros((), dtype=torch.float32, device=device)
+            flag_non_finite_grads(grads, flag)
+        for loss_id in self.loss_ids:
+            self.amp_state.record_overflow(states, loss_id, list(found.values()))
+
+
+def run_deferred_checks(states) -> None:
+    """Before a step or a zero_grad of ``states``' optimizers: the overflow decisions that
+    ``delay_overflow_check=True`` blocks left for it (see :class:`DeferredCheck`)."""
+    for state in states:
+        deferred = state.deferred
+        if deferred is not None and state.amp_state.enabled:
+            if is_compiling():
+                outside_the_compiler(deferred.run)()
+            else:
+                deferred.run()
+
+
 class _OptimizerState:
     """Per-optimizer amp bookkeeping.
 
@@ -794,6 +880,8 @@ class _OptimizerState:
         # Sync-free skipping (fused optimizers on one CUDA device): the overflow flag stays on
         # the device and the optimizer's fused kernel skips the update itself.
         self.pending_found: Optional[torch.Tensor] = None
+        # The overflow decision of delay_overflow_check=True blocks, waiting for the step.
+        self.deferred: Optional[DeferredCheck] = None
         # Gradients a step skipped in _pre_step zeroed in place (kept tensors), set back by
         # _post_step once the step body has run without them.
         self._zeroed_in_skip: List[Tuple[torch.Tensor, torch.Tensor]] = []
@@ -1290,6 +1378,11 @@ class _OptimizerState:
                             if any(id(p) in ids for p in m.parameters())]
             self._owners_for = self.known_params
         return [m for m in (ref() for ref in self._owners) if m is not None]
+
+    def grads_now(self) -> List[torch.Tensor]:
+        """The gradients this optimizer would step on now (the masters' at O2)."""
+        return ([m.grad for _, m in self.pairs if m.grad is not None]
+                + [p.grad for p in self.plain if p.grad is not None])
 
     def overflow_groups(self) -> list:
         """The process groups over which this optimizer's overflow decisions must agree: those
@@ -2367,6 +2460,16 @@ class AmpState:
             return None
         devices = {s.skips_on_device() for s in states}
         return devices.pop() if len(devices) == 1 and None not in devices else None
+
+    def defer_overflow(self, states, loss_id: int, flags) -> None:
+        """``scale_loss(..., delay_overflow_check=True)``: leave the decision on this block's
+        flags to the optimizers' step (see :class:`DeferredCheck`). A static scale never
+        skips: counted now, as at any block."""
+        if not self.scalers[loss_id].dynamic:
+            self.record_overflow(states, loss_id, flags)
+            return
+        deferred = next((s.deferred for s in states if s.deferred is not None), None)
+        (deferred or DeferredCheck(self)).add(states, loss_id, flags or [])
 
     def record_overflow(self, states, loss_id: int, flags) -> None:
         """Act on one backward's overflow flags.

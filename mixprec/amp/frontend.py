@@ -689,7 +689,11 @@ def scale_loss(
             (or after its ``disable_allreduce()``), or under PyTorch's own DDP's ``no_sync()``
             in an eager forward, is always delayed so: the synced backward that follows then
             all-reduces every micro-batch's gradient, not its own alone.
-        delay_overflow_check (bool): accepted for Apex compatibility; unused.
+        delay_overflow_check (bool): leave the inf/NaN decision (the skip and the scale's
+            update) to the next ``optimizer.step()`` (or ``zero_grad()``), which checks the
+            gradients as they are then: for gradients all-reduced by hand after the block
+            (BERT's post-accumulation reduction), so that every rank skips the same steps.
+            Apex left that check to the script. Default False.
 
     Yields:
         Tensor: the scaled loss, to call ``.backward()`` on.
@@ -700,8 +704,10 @@ def scale_loss(
         ...     scaled_loss.backward()
         >>> optimizer.step()
     """
-    del model, delay_overflow_check
+    del model
     delay_unscale = check_flag("amp.scale_loss", "delay_unscale", delay_unscale)
+    delay_overflow_check = check_flag("amp.scale_loss", "delay_overflow_check",
+                                      delay_overflow_check)
     opt_list = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
     if not opt_list:
         raise ValueError(
@@ -837,7 +843,10 @@ def scale_loss(
             flags.extend(s.unscale(scaler, skip=done))
             if len(unscale) > 1:
                 done.update(id(p) for p in s.plain)
-        amp_state.record_overflow(unscale, loss_id, flags)
+        if delay_overflow_check:
+            amp_state.defer_overflow(unscale, loss_id, flags)
+        else:
+            amp_state.record_overflow(unscale, loss_id, flags)
         reached = any(s.reached for s in unscale)
         if not reached and not amp_state.warned_unreached:
             amp_state.warned_unreached = True

@@ -4865,3 +4865,100 @@ def test_stale_inf_gradients_skip_the_step_after_a_block_that_reached_none_of_th
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before_a))
     assert all(torch.equal(p, q) for p, q in zip(c.parameters(), before_c))
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**14
+
+
+def _delayed_check_setup(opt_level, fused=False, two=False):
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 4) for _ in range(2 if two else 1)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused) for m in models]
+    models, opts = amp.initialize(models, opts, opt_level=opt_level, dtype=torch.float16,
+                                  verbosity=0)
+    return models, opts, torch.randn(2, 4)
+
+
+def _poison(opt):
+    """What a hand all-reduce brings from a rank that overflowed: an inf in a gradient."""
+    next(iter(amp.master_params(opt))).grad[0, 0] = float("inf")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["host", "fused"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_delay_overflow_check_decides_at_the_step_on_the_gradients_then(opt_level, fused):
+    """scale_loss(..., delay_overflow_check=True) (BERT's post-accumulation all-reduce, r112B
+    B1): the block's own check found nothing, an inf reached the gradients after it (as a hand
+    all-reduce brings one from a rank that overflowed), and the step applied it. The decision
+    now waits for step(): the scale is untouched between the block and the step, the step is
+    skipped (on the device for a fused optimizer), the weights stay as they were, and the scale
+    halves once. Reference: the same loop without the inf steps and counts a clean step."""
+    [model], [opt], x = _delayed_check_setup(opt_level, fused)
+    for poison in (True, False):
+        opt.zero_grad()
+        with amp.scale_loss(model(x).float().pow(2).mean(), opt,
+                            delay_overflow_check=True) as scaled:
+            scaled.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        scale = amp.state_dict()["loss_scaler0"]
+        if poison:
+            assert scale == {"loss_scale": 2.0**16, "unskipped": 0}
+            _poison(opt)
+        opt.step()
+        moved = [not torch.equal(p, q) for p, q in zip(model.parameters(), before)]
+        if poison:
+            assert amp.step_was_skipped(opt) and not any(moved)
+            assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 0}
+        else:
+            assert not amp.step_was_skipped(opt) and all(moved)
+            assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 1}
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_delay_overflow_check_a_zero_grad_before_the_step_decides_first(opt_level, zero):
+    """A loop that drops an overflowed batch itself (zero_grad, no step) after a delayed
+    block: the decision is taken at the zero_grad, on the gradients it drops, so the scale
+    still backs off (else every batch overflowed again, dropped, at the same scale), and the
+    next clean step runs, as without the delay."""
+    [model], [opt], x = _delayed_check_setup(opt_level)
+    with amp.scale_loss(model(x).float().mean() * float("inf"), opt,
+                        delay_overflow_check=True) as scaled:
+        scaled.backward()
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**16
+    (opt if zero == "optimizer" else model).zero_grad()
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**15
+    before = [p.detach().clone() for p in model.parameters()]
+    with amp.scale_loss(model(x).float().pow(2).mean(), opt,
+                        delay_overflow_check=True) as scaled:
+        scaled.backward()
+    opt.step()
+    assert not amp.step_was_skipped(opt)
+    assert all(not torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_delay_overflow_check_over_accumulated_blocks_and_two_optimizers_decides_once(opt_level):
+    """Two delayed blocks (accumulation) over two optimizers, an inf reaching the second
+    optimizer's gradients after them: one decision at the first step, for both optimizers
+    (one loss decides for all its optimizers), the scale halved once; then a clean pair of
+    blocks counts one clean step, not two."""
+    models, opts, x = _delayed_check_setup(opt_level, two=True)
+    for poison in (True, False):
+        for opt in opts:
+            opt.zero_grad()
+        for _ in range(2):
+            loss = sum(m(x).float().pow(2).mean() for m in models)
+            with amp.scale_loss(loss, opts, delay_overflow_check=True) as scaled:
+                scaled.backward()
+        if poison:
+            _poison(opts[1])
+        for opt in opts:
+            opt.step()
+        assert [amp.step_was_skipped(o) for o in opts] == [poison, poison]
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 1}
+
+
+def test_delay_overflow_check_refuses_a_string():
+    [model], [opt], x = _delayed_check_setup("O2")
+    with pytest.raises(TypeError, match=r"delay_overflow_check='False'.*expected True or False"):
+        with amp.scale_loss(model(x).float().mean(), opt, delay_overflow_check="False"):
+            pass

@@ -2930,6 +2930,52 @@ def check_reducer_inside_an_accumulating_scale_loss_block(ctx):
         torch.testing.assert_close(grad, expected, rtol=0, atol=0, msg=labelled(level))
 
 
+def check_hand_all_reduce_after_a_delayed_overflow_check_skips_on_every_rank(ctx):
+    # BERT's post-accumulation reduction (r112B B1): scale_loss(..., delay_overflow_check=
+    # True), then the master gradients all-reduced by hand, then step(). Each rank decided
+    # alone at the block's exit: rank 0 (its loss x 1e4 at step 0, an fp16 overflow) skipped,
+    # rank 1 stepped on the inf the reduction brought, and both went NaN. The decision now
+    # waits for step(), which checks the reduced gradients: every rank skips step 0 and
+    # halves its scale, then step 1 trains as one process on the whole batch would.
+    from mixprec import amp
+    from mixprec.parallel.distributed import flat_dist_call
+
+    def by_hand(grads):
+        for g in grads:
+            dist.all_reduce(g)
+            g /= ctx.world_size
+
+    reductions = {"dist.all_reduce": by_hand,
+                  "flat_dist_call": lambda grads: flat_dist_call(grads, dist.all_reduce),
+                  "Reducer(list)": lambda grads: Reducer(grads).reduce()}
+    for opt_level in ("O2", "O1"):
+        for name, reduce in reductions.items():
+            model, opt, ref, ref_opt = _amp_sgd_pairs(ctx, 260, 260, opt_level, torch.float16)
+            skipped = []
+            for step in range(2):
+                x, y = _global_batch(ctx, seed=270 + step)
+                blow_up = 1e4 if step == 0 and ctx.rank == 0 else 1.0
+                opt.zero_grad()
+                loss = F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y)) * blow_up
+                with amp.scale_loss(loss, opt, delay_overflow_check=True) as scaled:
+                    scaled.backward()
+                reduce([p.grad for p in amp.master_params(opt)])
+                opt.step()
+                skipped.append(amp.step_was_skipped(opt))
+                if step == 1:
+                    _amp_step_mse(ref, ref_opt, x, y, amp)
+            what = f"{opt_level}, {name}"
+            assert skipped == [True, False], (what, skipped)
+            scale = torch.tensor([amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]])
+            _assert_same_on_all_ranks(ctx, [scale], f"loss scale ({what})")
+            assert scale.item() == 2.0 ** 15, (what, scale.item())
+            params = list(amp.master_params(opt))
+            _assert_same_on_all_ranks(ctx, params, f"master weight ({what})")
+            for m, r in zip(params, amp.master_params(ref_opt)):
+                torch.testing.assert_close(m, r, rtol=0, atol=2e-3,
+                                           msg=lambda e, what=what: f"{what}: {e}")
+
+
 def _amp_step_mse(model, opt, x, y, amp):
     opt.zero_grad()
     with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
@@ -6810,6 +6856,7 @@ CHECKS = [
     "check_evaluation_through_ddp_before_each_checkpointed_no_sync_forward",
     "check_model_run_inside_a_ddp_forward_but_not_its_module_trains_inside_no_sync",
     "check_side_model_run_with_grad_inside_a_ddp_forward_trains_inside_no_sync",
+    "check_hand_all_reduce_after_a_delayed_overflow_check_skips_on_every_rank",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
