@@ -165,6 +165,32 @@ def _refuse_copied_step(optimizer, args, kwargs) -> None:
     return None
 
 
+def masters_of(tensors) -> List[torch.Tensor]:
+    """The fp32 masters that live optimizers keep for the half parameters among ``tensors``
+    (the parameters or their ``.data``: the same memory, looked up by it), in their order,
+    each once."""
+    def memory(t):
+        return (t.device, t.dtype, t.untyped_storage().data_ptr(), t.storage_offset(),
+                tuple(t.shape), tuple(t.stride()))
+
+    halves = [t for t in tensors if t.dtype in (torch.float16, torch.bfloat16)
+              and t.layout is torch.strided]
+    if not halves:
+        return []
+    by_memory = {}
+    for state in _live_states():
+        if state.amp_state.enabled:
+            for half, master in state.pairs:
+                by_memory.setdefault(memory(half), master)
+    out, seen = [], set()
+    for t in halves:
+        master = by_memory.get(memory(t))
+        if master is not None and id(master) not in seen:
+            seen.add(id(master))
+            out.append(master)
+    return out
+
+
 def mastered_elsewhere():
     """``(half parameter, optimizer)`` for every fp32 master an optimizer alive now keeps."""
     for state in _live_states():

@@ -53,6 +53,7 @@ from torch.utils._pytree import tree_leaves
 from mixprec._checks import check_flag, listed
 from mixprec.amp._logging import is_rank_zero
 from mixprec.amp._model import _SET_BY_TORCH_DDP, GRAD_SYNC_DEFERRED, is_amp_model, master_weights
+from mixprec.amp._state import masters_of
 from mixprec.amp.frontend import states_holding
 from mixprec.normalization._launch import is_compiling, outside_the_compiler
 from mixprec.parallel import _structure
@@ -81,7 +82,13 @@ def flat_dist_call(tensors, call, extra_args=None) -> None:
     """Run the collective ``call`` (e.g. ``dist.broadcast`` with ``extra_args=(0,)``, or
     ``dist.all_reduce``) once per (device, dtype) over the flattened ``tensors``, then copy
     the results back into them, as Apex's helper did; after ``dist.all_reduce`` the result is
-    divided by the world size (the average)."""
+    divided by the world size (the average).
+
+    A broadcast of amp O2 half parameters (or their ``.data``: BERT's replicas synced after
+    ``amp.initialize``) broadcasts their fp32 masters too: else the ranks receiving took the
+    half values into their masters, rounded, while the sending rank kept its fp32 ones, and
+    the replicas drifted apart (by half a unit in the last place, at every element)."""
+    tensors = list(tensors)
     buckets = {}
     for t in tensors:
         buckets.setdefault((t.device, t.dtype), []).append(t)
@@ -93,6 +100,10 @@ def flat_dist_call(tensors, call, extra_args=None) -> None:
         with torch.no_grad():
             for t, synced in zip(bucket, unflatten(flat, bucket)):
                 t.copy_(synced)
+    if call is dist.broadcast:
+        masters = masters_of(tensors)
+        if masters:
+            flat_dist_call(masters, call, extra_args)
 
 
 _MB = 1024 * 1024

@@ -2976,6 +2976,38 @@ def check_hand_all_reduce_after_a_delayed_overflow_check_skips_on_every_rank(ctx
                                            msg=lambda e, what=what: f"{what}: {e}")
 
 
+def check_flat_dist_call_broadcast_after_initialize_syncs_the_masters(ctx):
+    # BERT's replicas, seeded per rank, synced after amp.initialize with Apex's helper:
+    # flat_dist_call([p.data for p in model.parameters()], dist.broadcast, (0,)) (r112B B2).
+    # Rank 0 kept its fp32 masters while rank 1 took the broadcast half values into its own,
+    # rounded: masters apart by half an ulp, replicas drifting. The masters now go along:
+    # rank 0's exact fp32 values on every rank, and the ranks stay equal through training.
+    from mixprec import amp
+    from mixprec.parallel.distributed import flat_dist_call
+
+    for dtype in (torch.float16, torch.bfloat16):
+        model = _mlp(ctx.device, seed=280 + ctx.rank)
+        fp32 = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
+        flat_dist_call([p.data for p in model.parameters()], dist.broadcast, (0,))
+        masters = list(amp.master_params(opt))
+        _assert_same_on_all_ranks(ctx, masters, f"master after the broadcast ({dtype})")
+        if ctx.rank == 0:  # (exact, not rounded to half on any rank)
+            for m, w in zip(masters, fp32):
+                assert torch.equal(m, w), dtype
+        for step in range(3):
+            x, y = _global_batch(ctx, seed=290 + step)
+            opt.zero_grad()
+            loss = F.mse_loss(model(_mine(ctx, x)).float(), _mine(ctx, y))
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            flat_dist_call([m.grad for m in masters], dist.all_reduce)
+            opt.step()
+        _assert_same_on_all_ranks(ctx, masters, f"master after three steps ({dtype})")
+        _assert_same_on_all_ranks(ctx, list(model.parameters()), f"half weight ({dtype})")
+
+
 def _amp_step_mse(model, opt, x, y, amp):
     opt.zero_grad()
     with amp.scale_loss(F.mse_loss(model(x).float(), y), opt) as scaled:
@@ -6857,6 +6889,7 @@ CHECKS = [
     "check_model_run_inside_a_ddp_forward_but_not_its_module_trains_inside_no_sync",
     "check_side_model_run_with_grad_inside_a_ddp_forward_trains_inside_no_sync",
     "check_hand_all_reduce_after_a_delayed_overflow_check_skips_on_every_rank",
+    "check_flat_dist_call_broadcast_after_initialize_syncs_the_masters",
 ]
 # FSDP2 (fully_shard) runs on the CPU from PyTorch 2.7 ("FSDP requires CUDA for streams"
 # before 2.6; 2.6's CPU stream has no record_event): its training check is left out there.
