@@ -116,12 +116,20 @@ class FusedAdagrad(_NotProvided):
     _use = "Use torch.optim.Adagrad(params, lr, ..., foreach=True). " + _ANY_OPTIMIZER
 
 
+# (Apex's LAMB clipped the global gradient norm itself, max_grad_norm=1.0 by default; BERT's
+# pretraining clips nothing else.)
+_LAMB_CLIPPED = (" Apex's FusedLAMB also clipped the global gradient norm to max_grad_norm "
+                 "(1.0 by default): with another LAMB, call torch.nn.utils.clip_grad_norm_("
+                 "amp.master_params(optimizer), 1.0) after the scale_loss block and before "
+                 "step(), or training runs unclipped.")
+
+
 class FusedLAMB(_NotProvided):
-    _use = _NO_TORCH_EQUIVALENT.format(algorithm="LAMB")
+    _use = _NO_TORCH_EQUIVALENT.format(algorithm="LAMB") + _LAMB_CLIPPED
 
 
 class FusedMixedPrecisionLamb(_NotProvided):
-    _use = _NO_TORCH_EQUIVALENT.format(algorithm="LAMB")
+    _use = _NO_TORCH_EQUIVALENT.format(algorithm="LAMB") + _LAMB_CLIPPED
 
 
 class FusedLANS(_NotProvided):
