@@ -4867,13 +4867,13 @@ def test_stale_inf_gradients_skip_the_step_after_a_block_that_reached_none_of_th
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**14
 
 
-def _delayed_check_setup(opt_level, fused=False, two=False):
+def _delayed_check_setup(opt_level, fused=False, two=False, device="cpu"):
     torch.manual_seed(0)
-    models = [nn.Linear(4, 4) for _ in range(2 if two else 1)]
+    models = [nn.Linear(4, 4).to(device) for _ in range(2 if two else 1)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused) for m in models]
     models, opts = amp.initialize(models, opts, opt_level=opt_level, dtype=torch.float16,
                                   verbosity=0)
-    return models, opts, torch.randn(2, 4)
+    return models, opts, torch.randn(2, 4).to(device)
 
 
 def _poison(opt):
@@ -4881,16 +4881,18 @@ def _poison(opt):
     next(iter(amp.master_params(opt))).grad[0, 0] = float("inf")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fused", [False, True], ids=["host", "fused"])
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_delay_overflow_check_decides_at_the_step_on_the_gradients_then(opt_level, fused):
+def test_delay_overflow_check_decides_at_the_step_on_the_gradients_then(opt_level, fused,
+                                                                        device):
     """scale_loss(..., delay_overflow_check=True) (BERT's post-accumulation all-reduce, r112B
     B1): the block's own check found nothing, an inf reached the gradients after it (as a hand
     all-reduce brings one from a rank that overflowed), and the step applied it. The decision
     now waits for step(): the scale is untouched between the block and the step, the step is
     skipped (on the device for a fused optimizer), the weights stay as they were, and the scale
     halves once. Reference: the same loop without the inf steps and counts a clean step."""
-    [model], [opt], x = _delayed_check_setup(opt_level, fused)
+    [model], [opt], x = _delayed_check_setup(opt_level, fused, device=device)
     for poison in (True, False):
         opt.zero_grad()
         with amp.scale_loss(model(x).float().pow(2).mean(), opt,
