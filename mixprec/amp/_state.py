@@ -912,6 +912,12 @@ class _OptimizerState:
         # _post_step once the step body has run without them.
         self._zeroed_in_skip: List[Tuple[torch.Tensor, torch.Tensor]] = []
         self._last_step_flag: Optional[torch.Tensor] = None
+        # Whether a block unscaled into this optimizer's gradients since its last step: a
+        # step after a device-skipped one with none between looks at what that one left.
+        self._unscaled_since_step = True
+        # The directly stepped parameters' gradients as a held window (delay_unscale) left
+        # them: (tensor, version) by id, for a zero_grad that drops only part of the window.
+        self._window_marks: Dict[int, Tuple[torch.Tensor, int]] = {}
         self._flag_handed_over = False
         # Cached skips_on_device(): the device, False, or None (not known yet; reset when
         # parameters are adopted).
@@ -1264,6 +1270,9 @@ class _OptimizerState:
         own |= {id(m) for p, m in self.pairs if id(p) in own}
         left = [] if optimizer is None else [p.grad for p in _params_of(optimizer)
                                              if id(p) not in own and p.grad is not None]
+        # (r112A B3: what a held window set aside of the other models' parameters is left
+        # too: it comes back at the window's unscale.)
+        left += [g for p, g in self._stash if id(p) not in own]
         flag = self.pending_found
         if (left and not self.overflow and flag is not None
                 and all(g.device == flag.device for g in left)):
@@ -1430,6 +1439,8 @@ class _OptimizerState:
             # caller dropped the window meanwhile (p.grad = None, a zero_ in place).
             self._held_marks = {id(p): (p.grad, None if p.grad is None else p.grad._version)
                                 for p, _ in self._stash}
+        self._window_marks = {id(p): (p.grad, p.grad._version) for p in self.plain
+                              if p.grad is not None}
         self.held_scaler, self.held_changes = scaler, scaler.changes
         # (A device scale is updated in place when another optimizer's gradients unscale.)
         self.held_scale = scale.clone() if torch.is_tensor(scale) else scale
@@ -1626,6 +1637,7 @@ class _OptimizerState:
                 if not flags:
                     flags = [torch.zeros((), dtype=torch.float32, device=device)]
                 flag_non_finite_grads([g for _, g in self._stash], flags[0])
+        self._unscaled_since_step = True
         # (Whether this backward gave any of the optimizer's parameters a gradient.)
         self.reached = bool(half_grads or sparse_fresh or plain_params)
         del half_grads
@@ -1650,6 +1662,7 @@ class _OptimizerState:
             torch._foreach_add_(accumulate_into, accumulate)
         self._stash = []
         self._set_aside = False
+        self._window_marks = {}  # (the window, if any, ends here: no gradient kept alive)
         self.grads_scaled = False
         self.held_scaler = self.held_scale = None
         return flags
@@ -1663,6 +1676,7 @@ class _OptimizerState:
         self._held_zeroed = False
         self._stash = []
         self._set_aside = False
+        self._window_marks = {}
         self.held_scaler = self.held_scale = None
 
     def _held_grads_gone(self) -> bool:
@@ -1751,6 +1765,17 @@ class _OptimizerState:
             # The held window was dropped (zero_grad, set_to_none=False included, the model's
             # zero_grad, p.grad = None): nothing scaled is left to step on. The step runs on
             # what the optimizer holds, as after a zero_grad in fp32 training.
+            if self._held_zeroed and self.plain:
+                # (r112A B2: a zero_grad keeping tensors over part of the window, one model's
+                # of several: the window's gradients it did not reach are still scaled; they
+                # go, and what the window set aside comes back, as the masters keep theirs.)
+                marks = self._window_marks
+                aside = {id(p): g for p, g in self._stash}
+                for p in self.plain:
+                    mark = marks.get(id(p))
+                    if (p.grad is not None and mark is not None and p.grad is mark[0]
+                            and p.grad._version == mark[1]):
+                        p.grad = aside.get(id(p))
             self._drop_held_window()
         if self.grads_scaled:
             raise RuntimeError(
@@ -1762,6 +1787,12 @@ class _OptimizerState:
             )
         if self.foreign_scaled:
             self._refuse_foreign_scaled(optimizer)
+        if (not self.overflow and self.pending_found is not None and self.grad_tensors_kept
+                and self._had_grads and self.pairs):
+            # (r112A B4: the zero gradients a kept-tensor zero_grad owes the masters first, so
+            # that their first momentum buffers are primed too: else the fused kernel makes
+            # them with empty_like and skips, leaving garbage.)
+            self._zero_grads_for_unused_masters()
         if (not self.overflow and self.pending_found is not None
                 and _prime_fused_momentum(optimizer, self.pending_found)):
             # (A first momentum step that overflowed, which only the host could skip cleanly.)
@@ -1777,6 +1808,14 @@ class _OptimizerState:
             for p in params:
                 p.grad = None
             return
+        if (self.pending_found is None and self._last_step_flag is not None
+                and not self._unscaled_since_step and self.plain):
+            # (r112A B1: the last step was the device's and no block unscaled since: its
+            # gradients, inf where it skipped, are still there; looked at again, no sync.)
+            left = [p.grad for p in self.plain if p.grad is not None]
+            if left and all(g.device == left[0].device for g in left):
+                self.pending_found = torch.zeros((), dtype=torch.float32, device=left[0].device)
+                flag_non_finite_grads(left, self.pending_found)
         if self.pending_found is not None:
             # GradScaler's protocol for fused optimizers: the kernel leaves parameters, moments
             # and step counts alone where found_inf is set. Gradients are already unscaled.
@@ -2220,6 +2259,7 @@ class _OptimizerState:
         if not self.amp_state.enabled:
             return
         compiling = is_compiling()
+        self._unscaled_since_step = False
         if self._flag_handed_over:
             if compiling:  # (see _pre_step: written eagerly, so taken back eagerly)
                 outside_the_compiler(_take_back_flag)(optimizer)

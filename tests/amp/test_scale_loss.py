@@ -4964,3 +4964,122 @@ def test_delay_overflow_check_refuses_a_string():
     with pytest.raises(TypeError, match=r"delay_overflow_check='False'.*expected True or False"):
         with amp.scale_loss(model(x).float().mean(), opt, delay_overflow_check="False"):
             pass
+
+
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_second_step_after_a_device_skipped_one_with_no_block_between_is_skipped(opt_level):
+    """r112A B1: a fused optimizer's step skipped on the device leaves its inf gradients (O1,
+    and O2's fp32 BatchNorm ones); a second step() with no scale_loss block between handed the
+    kernel no flag and wrote the inf into the weights. The gradients left are looked at again
+    (on the device, no sync): the second step is skipped too, every weight finite and
+    unchanged."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level=opt_level, dtype=torch.float16,
+                                verbosity=0)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().mean() * float("inf"), opt) as scaled:
+        scaled.backward()
+    before = [p.detach().clone() for p in amp.master_params(opt)]
+    for _ in range(2):
+        opt.step()
+        assert amp.step_was_skipped(opt)
+    assert all(torch.equal(p, q) for p, q in zip(amp.master_params(opt), before))
+
+
+@pytest.mark.parametrize("level_bn", [("O1", False), ("O2", True)], ids=["O1", "O2-bn"])
+def test_a_model_zero_grad_dropping_part_of_a_held_window_leaves_no_scaled_gradient(level_bn):
+    """r112A B2: one optimizer over models a and b; a clean block (g1), a delay_unscale block
+    (held scaled), then a.zero_grad(set_to_none=False), which drops the window, then the
+    step. b's directly stepped parameters stepped on the window's gradient still multiplied by
+    the loss scale (65536 x g2), g1 lost. Expected, as O2's masters do: b steps on g1 (the
+    step of the same run without the window; SGD lr 1, so the update is the gradient)."""
+    opt_level, bn = level_bn
+    torch.manual_seed(0)
+    a = nn.Linear(4, 4)
+    b = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) if bn else nn.Linear(4, 4)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=1.0)
+    [a, b], opt = amp.initialize([a, b], opt, opt_level=opt_level, dtype=torch.float16,
+                                 verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), opt) as scaled:
+        scaled.backward()
+    b_params = list(amp.master_params(opt))[-len(list(b.parameters())):]
+    g1 = [p.grad.clone() for p in b_params]
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    a.zero_grad(set_to_none=False)
+    before = [p.detach().clone() for p in b_params]
+    opt.step()
+    for p, q, g in zip(b_params, before, g1):
+        torch.testing.assert_close(q - p, g, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["host", "fused"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_model_zero_grad_keeps_the_skip_for_inf_gradients_a_held_window_set_aside(
+        opt_level, fused):
+    """r112A B3: block 1 overflows in b's part; block 2 (delay_unscale) sets its inf
+    gradients aside; a.zero_grad(set_to_none=False) dropped the waiting skip, looking at b's
+    held (finite) gradients only; a clean block 3 added the inf back and the step wrote NaN
+    into b. The set-aside gradients count as left: the step is skipped, weights finite."""
+    torch.manual_seed(0)
+    a = nn.Linear(4, 4)
+    b = nn.BatchNorm1d(4) if opt_level == "O2" else nn.Linear(4, 4)  # (O2: stepped directly)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1, fused=fused)
+    [a, b], opt = amp.initialize([a, b], opt, opt_level=opt_level, dtype=torch.float16,
+                                 verbosity=0)
+    x = torch.randn(2, 4)
+
+    def loss(k=1.0):
+        return a(x).float().pow(2).mean() + b(x).float().pow(2).mean() * k
+
+    with amp.scale_loss(loss(float("inf")), opt) as scaled:
+        scaled.backward()
+    with amp.scale_loss(loss(), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    a.zero_grad(set_to_none=False)
+    with amp.scale_loss(loss(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    assert all(torch.isfinite(p).all() for p in amp.master_params(opt))
+
+
+def test_fused_sgd_first_momentum_skipped_on_the_device_after_a_kept_zero_grad_is_primed():
+    """r112A B4 (fuzzer seed 73450): O2, a fused SGD with momentum whose first step was
+    skipped on the host; zero_grad(set_to_none=False); then a device-path block that overflows
+    through another fused optimizer only. amp owes the first one's masters zero gradients
+    (kept tensors) but primed the momentum buffers before giving them: the kernel made the
+    buffers with empty_like and skipped, leaving garbage that a later clean step on a zero
+    gradient moved the weights by. Expected: no garbage (a zero buffer), the weights unmoved."""
+    torch.manual_seed(0)
+    a, c, d = nn.Linear(64, 64, bias=False), nn.Linear(4, 4), nn.Linear(4, 4)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9, fused=True)
+    opt_c = torch.optim.Adam(c.parameters(), lr=1e-3, fused=True)
+    opt_d = torch.optim.SGD(d.parameters(), lr=0.1)
+    [a, c, d], [opt_a, opt_c, opt_d] = amp.initialize(
+        [a, c, d], [opt_a, opt_c, opt_d], opt_level="O2", dtype=torch.float16, verbosity=0)
+    x64, x4 = torch.randn(2, 64), torch.randn(2, 4)
+    inf = float("inf")
+    with amp.scale_loss(a(x64).float().mean() * inf + d(x4).float().mean(),
+                        [opt_a, opt_d]) as scaled:
+        scaled.backward()  # (host path: opt_d is not fused)
+    opt_a.step()
+    opt_d.step()
+    opt_a.zero_grad(set_to_none=False)
+    with amp.scale_loss(c(x4).float().mean() * inf, [opt_a, opt_c]) as scaled:
+        scaled.backward()  # (device path; the loss reaches c only)
+    w0 = a.weight.detach().clone()
+    junk = torch.full((64, 64), 7.0)  # (freed right before the step: what empty_like may get)
+    del junk
+    opt_a.step()
+    opt_c.step()
+    assert amp.step_was_skipped(opt_a)
+    (master,) = amp.master_params(opt_a)
+    buf = opt_a.state.get(master, {}).get("momentum_buffer")
+    assert buf is None or not bool(buf.any())
+    with amp.scale_loss(a(x64).float().pow(2).mean() * 0.0, opt_a) as scaled:
+        scaled.backward()
+    opt_a.step()
+    assert torch.equal(a.weight.detach(), w0)
