@@ -217,6 +217,7 @@ def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
             state.keeps_grads(not set_to_none)
             if state.grads_scaled and not set_to_none:
                 state._held_zeroed = True
+                state.window_partly_zeroed(model)
             if state.overflow or state.pending_found is not None:
                 state.overflow_dropped_with(model)
 
@@ -915,9 +916,11 @@ class _OptimizerState:
         # Whether a block unscaled into this optimizer's gradients since its last step: a
         # step after a device-skipped one with none between looks at what that one left.
         self._unscaled_since_step = True
-        # The directly stepped parameters' gradients as a held window (delay_unscale) left
-        # them: (tensor, version) by id, for a zero_grad that drops only part of the window.
+        # A held window (delay_unscale) that a model's zero_grad(set_to_none=False) dropped in
+        # part: the directly stepped gradients it left, still scaled, as (tensor, version) by
+        # id, and the ids it zeroed (see window_partly_zeroed).
         self._window_marks: Dict[int, Tuple[torch.Tensor, int]] = {}
+        self._window_zeroed: Set[int] = set()
         self._flag_handed_over = False
         # Cached skips_on_device(): the device, False, or None (not known yet; reset when
         # parameters are adopted).
@@ -1430,6 +1433,20 @@ class _OptimizerState:
             self._agree_over_for = key
         return self._agree_over
 
+    def window_partly_zeroed(self, model: torch.nn.Module) -> None:
+        """``model.zero_grad(set_to_none=False)`` inside a held window: note the directly
+        stepped gradients it left (other models' of this optimizer), still scaled, so that a
+        step right after gives them back what the window set aside (see ``_pre_step``)."""
+        if not self.plain:
+            return
+        own = {id(p) for p in model.parameters()}
+        self._window_zeroed |= {id(p) for p in self.plain if id(p) in own}
+        for p in self.plain:
+            if id(p) in self._window_zeroed:
+                self._window_marks.pop(id(p), None)
+            elif id(p) not in self._window_marks and p.grad is not None:
+                self._window_marks[id(p)] = (p.grad, p.grad._version)
+
     def hold_scaled(self, scaler: LossScaler, scale) -> None:
         """Leave this backward's gradients scaled in place (delay_unscale, or no_sync())."""
         self.grads_scaled = True
@@ -1439,8 +1456,7 @@ class _OptimizerState:
             # caller dropped the window meanwhile (p.grad = None, a zero_ in place).
             self._held_marks = {id(p): (p.grad, None if p.grad is None else p.grad._version)
                                 for p, _ in self._stash}
-        self._window_marks = {id(p): (p.grad, p.grad._version) for p in self.plain
-                              if p.grad is not None}
+        self._window_marks, self._window_zeroed = {}, set()
         self.held_scaler, self.held_changes = scaler, scaler.changes
         # (A device scale is updated in place when another optimizer's gradients unscale.)
         self.held_scale = scale.clone() if torch.is_tensor(scale) else scale
@@ -1662,7 +1678,7 @@ class _OptimizerState:
             torch._foreach_add_(accumulate_into, accumulate)
         self._stash = []
         self._set_aside = False
-        self._window_marks = {}  # (the window, if any, ends here: no gradient kept alive)
+        self._window_marks, self._window_zeroed = {}, set()  # (no gradient kept alive)
         self.grads_scaled = False
         self.held_scaler = self.held_scale = None
         return flags
@@ -1676,7 +1692,7 @@ class _OptimizerState:
         self._held_zeroed = False
         self._stash = []
         self._set_aside = False
-        self._window_marks = {}
+        self._window_marks, self._window_zeroed = {}, set()
         self.held_scaler = self.held_scale = None
 
     def _held_grads_gone(self) -> bool:
