@@ -1642,12 +1642,15 @@ class _OptimizerState:
                     raise
             flags = unscale_grads_(fresh + plain_grads, scaler, check)
         flags = flags or []
-        if check and self._stash and self._last_step_flag is not None and len(flags) <= 1:
+        if (check and self._stash and len(flags) <= 1
+                and (self._last_step_flag is not None or self.foreign_scaled)):
             # The gradients set aside were checked at their own block; but after a step the
             # device skipped (a fused optimizer's kernel, the flag never read) they stay, inf
             # or NaN, and this block's flag alone let the next step apply them. Looked at
             # again, as GradScaler's unscale_ looks at every gradient (device ops, no sync);
             # a block that reached none of this optimizer's parameters gets a flag of its own.
+            # So are gradients another optimizer's block left scaled here (never checked for
+            # this one; taken as the caller's accumulation, an inf among them skips the step).
             device = flags[0].device if flags else self._stash[0][1].device
             if all(g.device == device for _, g in self._stash):
                 if not flags:

@@ -5083,3 +5083,28 @@ def test_fused_sgd_first_momentum_skipped_on_the_device_after_a_kept_zero_grad_i
         scaled.backward()
     opt_a.step()
     assert torch.equal(a.weight.detach(), w0)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["host", "fused"])
+def test_an_optimizers_own_block_checks_gradients_another_block_left_scaled_there(fused):
+    """r112A R1: a backward inside scale_loss(loss, opt_a) that overflowed also reached
+    opt_c's parameters, leaving NaN there (scaled, never checked for opt_c). opt_c's own
+    block set them aside and added them back unchecked, and opt_c.step() wrote NaN into c.
+    They are checked with that block's gradients now: its step is skipped, c finite and
+    unchanged. (Their magnitude stays the caller's accumulation: docs/amp.md.)"""
+    torch.manual_seed(0)
+    a, c = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt_a = torch.optim.SGD(a.parameters(), lr=0.1)
+    opt_c = torch.optim.AdamW(c.parameters(), lr=0.1, fused=fused)
+    [a, c], [opt_a, opt_c] = amp.initialize([a, c], [opt_a, opt_c], opt_level="O1",
+                                            dtype=torch.float16, verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.scale_loss(c(a(x)).float().pow(2).mean() * float("nan"), opt_a) as scaled:
+        scaled.backward()
+    opt_a.step()
+    before = [p.detach().clone() for p in c.parameters()]
+    with amp.scale_loss(c(x).float().pow(2).mean(), opt_c) as scaled:
+        scaled.backward()
+    opt_c.step()
+    assert amp.step_was_skipped(opt_c)
+    assert all(torch.equal(p, q) for p, q in zip(c.parameters(), before))
