@@ -2845,6 +2845,20 @@ def check_reducer_with_amp_o2(ctx):
             torch.testing.assert_close(m, r, rtol=0, atol=2e-3)
 
 
+def _assert_step_0_skipped_everywhere(ctx, amp, opt, ref_opt, skipped, what):
+    """After two steps of which step 0 overflowed on rank 0 only: both were decided alike on
+    every rank (step 0 skipped, the scale halved once), and the masters equal on every rank
+    and those of ``ref_opt``'s one process that took step 1 alone on the whole batch."""
+    assert skipped == [True, False], (what, skipped)
+    scale = torch.tensor([amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]])
+    _assert_same_on_all_ranks(ctx, [scale], f"loss scale ({what})")
+    assert scale.item() == 2.0 ** 15, (what, scale.item())
+    params = list(amp.master_params(opt))
+    _assert_same_on_all_ranks(ctx, params, f"master weight ({what})")
+    for m, r in zip(params, amp.master_params(ref_opt)):
+        torch.testing.assert_close(m, r, rtol=0, atol=2e-3, msg=lambda e: f"{what}: {e}")
+
+
 def check_reducer_amp_overflow_on_one_rank(ctx):
     # fp16, dynamic loss scale, an overflow on rank 0 only (its loss x 1e4 at step 0). After
     # the scale_loss block each rank had decided alone: rank 0 dropped its gradients and
@@ -2885,15 +2899,9 @@ def check_reducer_amp_overflow_on_one_rank(ctx):
             skipped.append(amp.step_was_skipped(opt))
             if step == 1:  # the reference: step 0 skipped everywhere, step 1 on the batch
                 _amp_step_mse(ref, ref_opt, x, y, amp)
-        what = f"{opt_level}, reduce {where} scale_loss, Reducer of {given}"
-        assert skipped == [True, False], (what, skipped)
-        scale = torch.tensor([amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]])
-        _assert_same_on_all_ranks(ctx, [scale], f"loss scale ({what})")
-        assert scale.item() == 2.0 ** 15, (what, scale.item())
-        params = list(amp.master_params(opt))
-        _assert_same_on_all_ranks(ctx, params, f"master weight ({what})")
-        for m, r in zip(params, amp.master_params(ref_opt)):
-            torch.testing.assert_close(m, r, rtol=0, atol=2e-3, msg=lambda e, what=what: f"{what}: {e}")
+        _assert_step_0_skipped_everywhere(
+            ctx, amp, opt, ref_opt, skipped,
+            f"{opt_level}, reduce {where} scale_loss, Reducer of {given}")
     # Half tensors are divided before the sum: finite values whose sum passes the dtype's
     # largest (65504 fp16, about 3.39e38 bf16) stay finite (bf16: r68B's C02).
     for dtype, value in ((torch.float16, 40000.0), (torch.bfloat16, 3.0e38)):
@@ -2964,16 +2972,8 @@ def check_hand_all_reduce_after_a_delayed_overflow_check_skips_on_every_rank(ctx
                 skipped.append(amp.step_was_skipped(opt))
                 if step == 1:
                     _amp_step_mse(ref, ref_opt, x, y, amp)
-            what = f"{opt_level}, {name}"
-            assert skipped == [True, False], (what, skipped)
-            scale = torch.tensor([amp.state_dict(optimizer=opt)["loss_scaler0"]["loss_scale"]])
-            _assert_same_on_all_ranks(ctx, [scale], f"loss scale ({what})")
-            assert scale.item() == 2.0 ** 15, (what, scale.item())
-            params = list(amp.master_params(opt))
-            _assert_same_on_all_ranks(ctx, params, f"master weight ({what})")
-            for m, r in zip(params, amp.master_params(ref_opt)):
-                torch.testing.assert_close(m, r, rtol=0, atol=2e-3,
-                                           msg=lambda e, what=what: f"{what}: {e}")
+            _assert_step_0_skipped_everywhere(ctx, amp, opt, ref_opt, skipped,
+                                              f"{opt_level}, {name}")
 
 
 def check_flat_dist_call_broadcast_after_initialize_syncs_the_masters(ctx):
