@@ -215,7 +215,9 @@ def model_zeroed_grads(model: torch.nn.Module, set_to_none: bool) -> None:
             # (A window held by delay_unscale that this drops: what its first backward set
             # aside goes at the next backward, its gradients having changed: before_backward.)
             state.keeps_grads(not set_to_none)
-            if state.grads_scaled and not set_to_none:
+            if state.grads_scaled:
+                # (Either way: set to None over one model of several, the others' window is
+                # not gone, and a step after it runs on what is left, as after a full drop.)
                 state._held_zeroed = True
                 state.window_partly_zeroed(model)
             if state.overflow or state.pending_found is not None:
@@ -1681,7 +1683,8 @@ class _OptimizerState:
             torch._foreach_add_(accumulate_into, accumulate)
         self._stash = []
         self._set_aside = False
-        self._window_marks, self._window_zeroed = {}, set()  # (no gradient kept alive)
+        # (The window, if any, ends here: none of its gradients kept alive.)
+        self._window_marks, self._window_zeroed, self._held_marks = {}, set(), {}
         self.grads_scaled = False
         self.held_scaler = self.held_scale = None
         return flags
@@ -1696,6 +1699,7 @@ class _OptimizerState:
         self._stash = []
         self._set_aside = False
         self._window_marks, self._window_zeroed = {}, set()
+        self._held_marks = {}
         self.held_scaler = self.held_scale = None
 
     def _held_grads_gone(self) -> bool:

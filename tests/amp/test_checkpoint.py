@@ -4329,6 +4329,36 @@ def test_o2_a_modules_weight_optimizer_deleted_its_bias_optimizer_alive_copies_a
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "torch_save"])
+def test_o2_a_split_modules_submodule_copied_alone_takes_a_write_into_a_deleted_ones_master(how):
+    """r113A (M8) O2; model[0]'s weight in opt1, its bias in opt2; opt1 deleted; a write into
+    model.state_dict()['0.weight'] (dcp.load style); then model[0] alone is copied (not the
+    root): the copy runs the written weight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    opts = [torch.optim.SGD([model[0].weight, model[2].weight], lr=0.1),
+            torch.optim.SGD([model[0].bias, model[2].bias], lr=0.1)]
+    model, opts = amp.initialize(model, opts, opt_level="O2", dtype=torch.float16, verbosity=0)
+    x = torch.randn(2, 4)
+    with amp.scale_loss(model(x).float().pow(2).mean(), opts) as s:
+        s.backward()
+    for o in opts:
+        o.step()
+    del o, opts[0]
+    gc.collect()
+    with torch.no_grad():
+        model(x)
+        model.state_dict()["0.weight"].fill_(0.25)
+    if how == "deepcopy":
+        sub = copy.deepcopy(model[0])
+    else:
+        buf = io.BytesIO()
+        torch.save(model[0], buf)
+        buf.seek(0)
+        sub = torch.load(buf, weights_only=False)
+    assert torch.equal(sub.weight.detach().float(), torch.full((4, 4), 0.25))
+
+
 def test_o2_gan_discriminators_optimizer_deleted_its_written_masters_reach_its_forward():
     """B1 (r83A), the GAN form: one initialize call for [G, D] with [optG, optD]; optD is
     deleted (D frozen, or served) while optG trains on, and D's weights loaded in place

@@ -4987,13 +4987,17 @@ def test_a_second_step_after_a_device_skipped_one_with_no_block_between_is_skipp
     assert all(torch.equal(p, q) for p, q in zip(amp.master_params(opt), before))
 
 
+@pytest.mark.parametrize("set_to_none", [False, True])
 @pytest.mark.parametrize("level_bn", [("O1", False), ("O2", True)], ids=["O1", "O2-bn"])
-def test_a_model_zero_grad_dropping_part_of_a_held_window_leaves_no_scaled_gradient(level_bn):
+def test_a_model_zero_grad_dropping_part_of_a_held_window_leaves_no_scaled_gradient(
+        level_bn, set_to_none):
     """r112A B2: one optimizer over models a and b; a clean block (g1), a delay_unscale block
     (held scaled), then a.zero_grad(set_to_none=False), which drops the window, then the
     step. b's directly stepped parameters stepped on the window's gradient still multiplied by
     the loss scale (65536 x g2), g1 lost. Expected, as O2's masters do: b steps on g1 (the
-    step of the same run without the window; SGD lr 1, so the update is the gradient)."""
+    step of the same run without the window; SGD lr 1, so the update is the gradient). With
+    a.zero_grad() setting to None (r113A R2) the step was refused as one right after a
+    delay_unscale block, where docs/amp.md says it runs on what is left."""
     opt_level, bn = level_bn
     torch.manual_seed(0)
     a = nn.Linear(4, 4)
@@ -5008,7 +5012,7 @@ def test_a_model_zero_grad_dropping_part_of_a_held_window_leaves_no_scaled_gradi
     g1 = [p.grad.clone() for p in b_params]
     with amp.scale_loss(b(a(x)).float().pow(2).mean(), opt, delay_unscale=True) as scaled:
         scaled.backward()
-    a.zero_grad(set_to_none=False)
+    a.zero_grad(set_to_none=set_to_none)
     before = [p.detach().clone() for p in b_params]
     opt.step()
     for p, q, g in zip(b_params, before, g1):
@@ -5108,3 +5112,250 @@ def test_an_optimizers_own_block_checks_gradients_another_block_left_scaled_ther
     opt_c.step()
     assert amp.step_was_skipped(opt_c)
     assert all(torch.equal(p, q) for p, q in zip(c.parameters(), before))
+
+
+# r113A's kill tests of this file's delay_overflow_check, held-window and B1 code (mutation
+# run over the sixty-first session's diff): each failed on its mutant.
+_INF = float("inf")
+
+
+def _sgd_models(n, num_losses=1, level="O2"):
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 4) for _ in range(n)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    models, opts = amp.initialize(models, opts, opt_level=level, dtype=torch.float16,
+                                  verbosity=0, num_losses=num_losses)
+    return models, opts, torch.randn(2, 4)
+
+
+def _loss_scales():
+    return {k: v["loss_scale"] for k, v in amp.state_dict().items()}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_joined_pending_checks_keep_the_absorbed_loss(level):
+    """(S7) Block A: loss 0 over opt1; block B: loss 1 over opt2, overflowing; block C: loss 0
+    over both (joins the two pending checks). Loss 1's scale halves at the step, as it does
+    without the delay; the steps are skipped."""
+    (a, b), (o1, o2), x = _sgd_models(2, num_losses=2, level=level)
+    with amp.scale_loss(a(x).float().mean(), o1, loss_id=0, delay_overflow_check=True) as s:
+        s.backward()
+    with amp.scale_loss(b(x).float().mean() * _INF, o2, loss_id=1,
+                        delay_overflow_check=True) as s:
+        s.backward()
+    with amp.scale_loss(a(x).float().mean() + b(x).float().mean(), [o1, o2], loss_id=0,
+                        delay_overflow_check=True) as s:
+        s.backward()
+    o1.step()
+    o2.step()
+    assert amp.step_was_skipped(o1) and amp.step_was_skipped(o2)
+    assert _loss_scales()["loss_scaler1"] == 2.0**15
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_joined_pending_checks_decide_once_whichever_optimizer_steps_first(level):
+    """(S9) Block B over opt2 and opt3 overflows; block A over opt1; block C over opt1 and
+    opt2 joins them. opt3 steps first: one decision for all, the scale halved once."""
+    (a, b, c), (o1, o2, o3), x = _sgd_models(3, level=level)
+    with amp.scale_loss(b(x).float().mean() * _INF + c(x).float().mean(), [o2, o3],
+                        delay_overflow_check=True) as s:
+        s.backward()
+    with amp.scale_loss(a(x).float().mean(), o1, delay_overflow_check=True) as s:
+        s.backward()
+    with amp.scale_loss(a(x).float().mean() + b(x).float().mean(), [o1, o2],
+                        delay_overflow_check=True) as s:
+        s.backward()
+    for o in (o3, o1, o2):
+        o.step()
+        assert amp.step_was_skipped(o)
+    assert _loss_scales()["loss_scaler0"] == 2.0**15
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_pending_check_over_two_losses_updates_each(level):
+    """(S14) Two delayed blocks of two losses over one optimizer, the second overflowing:
+    the step is skipped and the overflowing loss's scale halves."""
+    (a,), (o1,), x = _sgd_models(1, num_losses=2, level=level)
+    with amp.scale_loss(a(x).float().mean(), o1, loss_id=0, delay_overflow_check=True) as s:
+        s.backward()
+    with amp.scale_loss(a(x).float().mean() * _INF, o1, loss_id=1,
+                        delay_overflow_check=True) as s:
+        s.backward()
+    o1.step()
+    assert amp.step_was_skipped(o1)
+    assert _loss_scales()["loss_scaler1"] == 2.0**15
+
+
+def _o1_pair_one_sgd():
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=1.0)
+    [a, b], opt = amp.initialize([a, b], opt, opt_level="O1", dtype=torch.float16, verbosity=0)
+    return a, b, opt, torch.randn(2, 4)
+
+
+def test_a_model_zero_grad_over_part_of_a_held_window_leaves_its_own_gradients_zero():
+    """(S31) As r112A B2's test, but looking at the model the zero_grad reached: a's
+    gradients were zeroed in place, so a's step (SGD, lr 1, no momentum) changes nothing."""
+    a, b, opt, x = _o1_pair_one_sgd()
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), opt) as s:
+        s.backward()
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), opt, delay_unscale=True) as s:
+        s.backward()
+    a.zero_grad(set_to_none=False)
+    before = [p.detach().clone() for p in a.parameters()]
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), before))
+
+
+def test_gradients_of_an_ended_held_window_are_not_kept_alive():
+    """(S29) zero_grad(None); a delay_unscale block; an unscaling block; step; then
+    zero_grad(set_to_none=True): the window's gradient tensors are freed (nothing of amp's
+    keeps them)."""
+    import gc
+    import weakref
+    a, b, opt, x = _o1_pair_one_sgd()
+    opt.zero_grad(set_to_none=True)
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), opt, delay_unscale=True) as s:
+        s.backward()
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), opt) as s:
+        s.backward()
+    opt.step()
+    refs = [weakref.ref(p.grad) for p in [*a.parameters(), *b.parameters()]]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_gradients_of_a_dropped_held_window_are_not_kept_alive():
+    """(S30) A delay_unscale window dropped by zero_grad(set_to_none=True), then a step:
+    the window's gradient tensors are freed."""
+    import gc
+    import weakref
+    a, b, opt, x = _o1_pair_one_sgd()
+    opt.zero_grad(set_to_none=True)
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), opt, delay_unscale=True) as s:
+        s.backward()
+    refs = [weakref.ref(p.grad) for p in [*a.parameters(), *b.parameters()]]
+    opt.zero_grad(set_to_none=True)
+    opt.step()
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def _clean_master_grads(opt):
+    for p in amp.master_params(opt):
+        if p.grad is not None:
+            p.grad.nan_to_num_(0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_later_delayed_blocks_own_flag_counts_after_its_gradients_are_cleaned(level):
+    """(S11) docs/amp.md: the gradients are checked at the step "together with the block's own
+    flag". Two delayed blocks, the second overflowing; the caller then cleans the gradients
+    (nan_to_num_): the second block's flag still skips the step."""
+    (a,), (o1,), x = _sgd_models(1, level=level)
+    with amp.scale_loss(a(x).float().mean(), o1, delay_overflow_check=True) as s:
+        s.backward()
+    with amp.scale_loss(a(x).float().mean() * _INF, o1, delay_overflow_check=True) as s:
+        s.backward()
+    _clean_master_grads(o1)
+    o1.step()
+    assert amp.step_was_skipped(o1)
+    assert _loss_scales()["loss_scaler0"] == 2.0**15
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_an_absorbed_pending_checks_block_flags_count(level):
+    """(S8) Block B over opt2 overflows; block A over opt1; block C over both joins the two
+    pending checks; the caller cleans opt2's gradients: B's own flag still skips both steps."""
+    (a, b), (o1, o2), x = _sgd_models(2, level=level)
+    with amp.scale_loss(b(x).float().mean() * _INF, o2, delay_overflow_check=True) as s:
+        s.backward()
+    with amp.scale_loss(a(x).float().mean(), o1, delay_overflow_check=True) as s:
+        s.backward()
+    with amp.scale_loss(a(x).float().mean() + b(x).float().mean(), [o1, o2],
+                        delay_overflow_check=True) as s:
+        s.backward()
+    _clean_master_grads(o2)
+    o1.step()
+    o2.step()
+    assert amp.step_was_skipped(o1) and amp.step_was_skipped(o2)
+
+
+@pytest.mark.parametrize("zero", ["optimizer", "model"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_zero_grad_after_a_delayed_block_decides_on_the_gradients_it_drops(level, zero):
+    """(S18, S12b) The inf arrives after the block (a hand all-reduce), the loop then drops
+    the batch with zero_grad(): the decision is taken on the gradients before they go, so the
+    scale backs off (docs/amp.md: "on the gradients it drops")."""
+    (a,), (o1,), x = _sgd_models(1, level=level)
+    with amp.scale_loss(a(x).float().pow(2).mean(), o1, delay_overflow_check=True) as s:
+        s.backward()
+    next(iter(amp.master_params(o1))).grad[0, 0] = _INF
+    (o1 if zero == "optimizer" else a).zero_grad()
+    assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 0}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_static_scale_counts_a_delayed_block_as_any_block(level):
+    """(S21) Under a static scale nothing is deferred (nothing can be skipped): the block is
+    counted at its exit, as without the delay."""
+    def count(delay):
+        torch.manual_seed(0)
+        m = nn.Linear(4, 4)
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        m, o = amp.initialize(m, o, opt_level=level, dtype=torch.float16, loss_scale=128.0,
+                              verbosity=0)
+        with amp.scale_loss(m(torch.randn(2, 4)).float().mean(), o,
+                            delay_overflow_check=delay) as s:
+            s.backward()
+        return amp.state_dict()
+    assert count(True) == count(False)
+
+
+def test_a_second_step_after_a_device_skip_looks_at_every_gradient_left():
+    """(S41) r112A B1's scenario with the inf left in one gradient only (the first the
+    optimizer holds): the second step is still skipped, no weight goes non-finite."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.float16, verbosity=0)
+    with amp.scale_loss(model(torch.randn(2, 4)).float().mean() * _INF, opt) as s:
+        s.backward()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    params = list(model.parameters())
+    with torch.no_grad():
+        for p in params[1:]:
+            p.grad.zero_()
+    opt.step()
+    assert amp.step_was_skipped(opt)
+    assert all(torch.isfinite(p).all() for p in params)
+
+
+def test_gradients_of_a_window_with_set_aside_gradients_are_freed_after_it():
+    """r113A R3: a delay_unscale window over gradients an earlier block left (set aside)
+    recorded the window's gradient tensors to see a drop; the record outlived the window, so
+    one window's gradients per optimizer stayed alive after its step and zero_grad. Freed
+    now (weak references, after gc)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = amp.initialize(model, opt, opt_level="O1", dtype=torch.float16, verbosity=0)
+    x = torch.randn(2, 64)
+    with amp.scale_loss(model(x).float().mean(), opt) as scaled:
+        scaled.backward()
+    with amp.scale_loss(model(x).float().mean(), opt, delay_unscale=True) as scaled:
+        scaled.backward()
+    refs = [weakref.ref(p.grad) for p in model.parameters()]
+    opt.zero_grad(set_to_none=True)
+    with amp.scale_loss(model(x).float().mean(), opt) as scaled:
+        scaled.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -2990,7 +2990,9 @@ def check_flat_dist_call_broadcast_after_initialize_syncs_the_masters(ctx):
         fp32 = [p.detach().clone() for p in model.parameters()]
         opt = torch.optim.Adam(model.parameters(), lr=1e-3)
         model, opt = amp.initialize(model, opt, opt_level="O2", dtype=dtype, verbosity=0)
-        flat_dist_call([p.data for p in model.parameters()], dist.broadcast, (0,))
+        # (A generator, as Apex's callers often pass, for bf16: read once, r113A G2.)
+        halves = [p.data for p in model.parameters()]
+        flat_dist_call(halves if dtype == torch.float16 else iter(halves), dist.broadcast, (0,))
         masters = list(amp.master_params(opt))
         _assert_same_on_all_ranks(ctx, masters, f"master after the broadcast ({dtype})")
         if ctx.rank == 0:  # (exact, not rounded to half on any rank)
