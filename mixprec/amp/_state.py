@@ -918,9 +918,9 @@ class _OptimizerState:
         # Whether a block unscaled into this optimizer's gradients since its last step: a
         # step after a device-skipped one with none between looks at what that one left.
         self._unscaled_since_step = True
-        # A held window (delay_unscale) that a model's zero_grad(set_to_none=False) dropped in
-        # part: the directly stepped gradients it left, still scaled, as (tensor, version) by
-        # id, and the ids it zeroed (see window_partly_zeroed).
+        # A held window (delay_unscale) that a model's zero_grad dropped in part: the directly
+        # stepped gradients it left, still scaled, as (tensor, version) by id, and the ids it
+        # zeroed or set to None (see window_partly_zeroed).
         self._window_marks: Dict[int, Tuple[torch.Tensor, int]] = {}
         self._window_zeroed: Set[int] = set()
         self._flag_handed_over = False
@@ -1436,9 +1436,9 @@ class _OptimizerState:
         return self._agree_over
 
     def window_partly_zeroed(self, model: torch.nn.Module) -> None:
-        """``model.zero_grad(set_to_none=False)`` inside a held window: note the directly
-        stepped gradients it left (other models' of this optimizer), still scaled, so that a
-        step right after gives them back what the window set aside (see ``_pre_step``)."""
+        """``model.zero_grad()`` (either ``set_to_none``) inside a held window: note the
+        directly stepped gradients it left (other models' of this optimizer), still scaled, so
+        that a step right after gives them back what the window set aside (``_pre_step``)."""
         if not self.plain:
             return
         own = {id(p) for p in model.parameters()}
@@ -1789,9 +1789,9 @@ class _OptimizerState:
             # zero_grad, p.grad = None): nothing scaled is left to step on. The step runs on
             # what the optimizer holds, as after a zero_grad in fp32 training.
             if self._held_zeroed and self.plain:
-                # (r112A B2: a zero_grad keeping tensors over part of the window, one model's
-                # of several: the window's gradients it did not reach are still scaled; they
-                # go, and what the window set aside comes back, as the masters keep theirs.)
+                # (r112A B2: a model's zero_grad over part of the window, one model's of
+                # several: the window's gradients it did not reach are still scaled; they go,
+                # and what the window set aside comes back, as the masters keep theirs.)
                 marks = self._window_marks
                 aside = {id(p): g for p, g in self._stash}
                 for p in self.plain:
