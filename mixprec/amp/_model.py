@@ -950,19 +950,14 @@ class _OrphanedMasters:
     when nothing was written; a compiled forward does not look (no graph break)."""
 
     def __init__(self, model: nn.Module):
-        # (module, its hooks, the names to look at: None for all, or a module whose masters
-        # are split between a deleted and a live optimizer: the deleted one's, unkept_names)
+        # (module, its hooks, the names of its masters to look at: see unattended)
         self.entries = []
         for module in model.modules():
             hooks = module.__dict__.get("_mixprec_state_dict")
-            if hooks is None or not hooks.masters:
-                continue
-            if hooks.standalone_now():
-                self.entries.append((weakref.ref(module), hooks, None))
-            elif unkept := hooks.unkept_names():
-                self.entries.append((weakref.ref(module), hooks, unkept))
-        self._masters = [hooks.masters[n] for _, hooks, names in self.entries
-                         for n in (hooks.masters if names is None else names)]
+            names = hooks.unattended() if hooks is not None else None
+            if names:
+                self.entries.append((weakref.ref(module), hooks, names))
+        self._masters = [hooks.masters[n] for _, hooks, names in self.entries for n in names]
         self._seen: Optional[List[int]] = None
 
     def __call__(self):
@@ -994,12 +989,8 @@ def _written_masters_waiting(model: nn.Module) -> bool:
             return True
     for module in model.modules():
         hooks = module.__dict__.get("_mixprec_state_dict")
-        if hooks is None or not hooks.masters:
-            continue
-        if hooks.standalone_now():
-            if hooks.written():
-                return True
-        elif (unkept := hooks.unkept_names()) and hooks.written(unkept):
+        names = hooks.unattended() if hooks is not None else None
+        if names and hooks.written(names):
             return True
     return False
 
@@ -1602,12 +1593,14 @@ class _Fp32StateDict:
             self.standalone = True
         return self.standalone
 
-    def unkept_names(self) -> List[str]:
-        """The masters whose optimizer is gone while another optimizer still keeps a master
-        here (one module's weight and bias split across two optimizers, the first deleted):
-        nothing keeps those in step, so they are synced as a copy's are (:meth:`sync` with
-        their names). Empty once :meth:`standalone_now` (then every master is)."""
-        if self.standalone or len(self._keeper_refs) < 2:
+    def unattended(self) -> List[str]:
+        """The names of the masters no live optimizer keeps in step, which :meth:`sync` keeps
+        as a copy's: every one once :meth:`standalone_now`; else those whose optimizer is gone
+        while another still keeps a master here (one module's weight and bias split across
+        two optimizers, the first deleted)."""
+        if self.standalone_now():
+            return list(self.masters)
+        if len(self._keeper_refs) < 2:
             return []
         return [name for name, ref in self.take_writes.items()
                 if ref() is None and name in self.masters]
@@ -1634,10 +1627,8 @@ class _Fp32StateDict:
         for keeper in self.keepers():
             keeper.push_written_masters()
         module = self.module() if self.module is not None else None
-        if module is not None and self.standalone_now():
-            self.sync(module, check_params=False)
-        elif module is not None and (unkept := self.unkept_names()):
-            self.sync(module, check_params=False, names=unkept)
+        if module is not None and (names := self.unattended()):
+            self.sync(module, check_params=False, names=names)
 
     def __getstate__(self):
         self._push_before_copy()
@@ -1681,7 +1672,7 @@ class _Fp32StateDict:
     def sync(self, module: nn.Module, check_params: bool,
              names: Optional[List[str]] = None) -> bool:
         """Bring a standalone master and its half parameter in step (see the class doc); with
-        ``names``, just those masters (:meth:`unkept_names`).
+        ``names``, just those masters (:meth:`unattended`).
 
         A master written since the last sync wins (a load writes both); else, with
         ``check_params``, a half parameter that no longer equals its master cast to half was
@@ -1751,12 +1742,9 @@ class _Fp32StateDict:
     def save(self, module, state_dict, prefix, local_metadata):
         if self.module is None:  # (a copy's: its load pre-hook is not given the module)
             self.module = weakref.ref(module)
-        standalone = self.standalone_now()
         self.follow_renames(module, state_dict, prefix)
-        if standalone:
-            self.sync(module, check_params=True)
-        elif unkept := self.unkept_names():
-            self.sync(module, check_params=True, names=unkept)
+        if names := self.unattended():
+            self.sync(module, check_params=True, names=names)
         # A write into the half model since the last step (nn.init, a clamp, under no_grad) is
         # taken into its master now, as the next step would: else the checkpoint held the
         # masters from before it.
@@ -1899,7 +1887,7 @@ class _Fp32StateDict:
                     master.copy_(param)
         for keeper in self.keepers():
             keeper.take_model_writes(only=self.own_params(module))
-        synced = self.masters if self.standalone else self.unkept_names()
+        synced = self.unattended()
         if synced:  # (a copy's masters, kept by sync(): the load wrote both sides)
             # (Not those it did not write: a master written in place before the load, a
             # copy's state_dict() entry updated as dcp.load does, still waits for sync() to
