@@ -767,28 +767,23 @@ class DeferredCheck:
         self.flags: List[torch.Tensor] = []
 
     def add(self, states, loss_id: int, flags) -> None:
-        """One more block's optimizers, loss and flags."""
-        if loss_id not in self.loss_ids:
-            self.loss_ids.append(loss_id)
+        """One more block's optimizers, loss and flags. Another pending check of any of them
+        (a block over optimizers of two pending checks) is taken over: one decision for all."""
         for state in states:
             other = state.deferred
-            if other is not None and other is not self:  # (two blocks' sets overlapping)
-                self.absorb(other)
+            if other is not None and other is not self:
+                self._join(other.loss_ids, other.states, other.flags)
+        self._join([loss_id], states, flags)
+
+    def _join(self, loss_ids, states, flags) -> None:
+        for loss_id in loss_ids:
+            if loss_id not in self.loss_ids:
+                self.loss_ids.append(loss_id)
+        for state in states:
             if all(state is not s for s in self.states):
                 self.states.append(state)
             state.deferred = self
         self.flags.extend(flags)
-
-    def absorb(self, other: DeferredCheck) -> None:
-        """Take over ``other`` (a block over optimizers of two pending checks joins them)."""
-        for loss_id in other.loss_ids:
-            if loss_id not in self.loss_ids:
-                self.loss_ids.append(loss_id)
-        for state in other.states:
-            if all(state is not s for s in self.states):
-                self.states.append(state)
-            state.deferred = self
-        self.flags.extend(other.flags)
 
     def run(self) -> None:
         """Decide now: flag the optimizers' gradients where any is inf/NaN (device ops),
