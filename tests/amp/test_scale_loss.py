@@ -5119,6 +5119,12 @@ def test_an_optimizers_own_block_checks_gradients_another_block_left_scaled_ther
 _INF = float("inf")
 
 
+def _delayed_backward(loss, optimizers, **kwargs):
+    """One scale_loss block with delay_overflow_check=True around loss's backward."""
+    with amp.scale_loss(loss, optimizers, delay_overflow_check=True, **kwargs) as scaled:
+        scaled.backward()
+
+
 def _sgd_models(n, num_losses=1, level="O2"):
     torch.manual_seed(0)
     models = [nn.Linear(4, 4) for _ in range(n)]
@@ -5138,14 +5144,9 @@ def test_joined_pending_checks_keep_the_absorbed_loss(level):
     over both (joins the two pending checks). Loss 1's scale halves at the step, as it does
     without the delay; the steps are skipped."""
     (a, b), (o1, o2), x = _sgd_models(2, num_losses=2, level=level)
-    with amp.scale_loss(a(x).float().mean(), o1, loss_id=0, delay_overflow_check=True) as s:
-        s.backward()
-    with amp.scale_loss(b(x).float().mean() * _INF, o2, loss_id=1,
-                        delay_overflow_check=True) as s:
-        s.backward()
-    with amp.scale_loss(a(x).float().mean() + b(x).float().mean(), [o1, o2], loss_id=0,
-                        delay_overflow_check=True) as s:
-        s.backward()
+    _delayed_backward(a(x).float().mean(), o1, loss_id=0)
+    _delayed_backward(b(x).float().mean() * _INF, o2, loss_id=1)
+    _delayed_backward(a(x).float().mean() + b(x).float().mean(), [o1, o2], loss_id=0)
     o1.step()
     o2.step()
     assert amp.step_was_skipped(o1) and amp.step_was_skipped(o2)
@@ -5157,14 +5158,9 @@ def test_joined_pending_checks_decide_once_whichever_optimizer_steps_first(level
     """(S9) Block B over opt2 and opt3 overflows; block A over opt1; block C over opt1 and
     opt2 joins them. opt3 steps first: one decision for all, the scale halved once."""
     (a, b, c), (o1, o2, o3), x = _sgd_models(3, level=level)
-    with amp.scale_loss(b(x).float().mean() * _INF + c(x).float().mean(), [o2, o3],
-                        delay_overflow_check=True) as s:
-        s.backward()
-    with amp.scale_loss(a(x).float().mean(), o1, delay_overflow_check=True) as s:
-        s.backward()
-    with amp.scale_loss(a(x).float().mean() + b(x).float().mean(), [o1, o2],
-                        delay_overflow_check=True) as s:
-        s.backward()
+    _delayed_backward(b(x).float().mean() * _INF + c(x).float().mean(), [o2, o3])
+    _delayed_backward(a(x).float().mean(), o1)
+    _delayed_backward(a(x).float().mean() + b(x).float().mean(), [o1, o2])
     for o in (o3, o1, o2):
         o.step()
         assert amp.step_was_skipped(o)
@@ -5176,11 +5172,8 @@ def test_a_pending_check_over_two_losses_updates_each(level):
     """(S14) Two delayed blocks of two losses over one optimizer, the second overflowing:
     the step is skipped and the overflowing loss's scale halves."""
     (a,), (o1,), x = _sgd_models(1, num_losses=2, level=level)
-    with amp.scale_loss(a(x).float().mean(), o1, loss_id=0, delay_overflow_check=True) as s:
-        s.backward()
-    with amp.scale_loss(a(x).float().mean() * _INF, o1, loss_id=1,
-                        delay_overflow_check=True) as s:
-        s.backward()
+    _delayed_backward(a(x).float().mean(), o1, loss_id=0)
+    _delayed_backward(a(x).float().mean() * _INF, o1, loss_id=1)
     o1.step()
     assert amp.step_was_skipped(o1)
     assert _loss_scales()["loss_scaler1"] == 2.0**15
@@ -5255,10 +5248,8 @@ def test_a_later_delayed_blocks_own_flag_counts_after_its_gradients_are_cleaned(
     flag". Two delayed blocks, the second overflowing; the caller then cleans the gradients
     (nan_to_num_): the second block's flag still skips the step."""
     (a,), (o1,), x = _sgd_models(1, level=level)
-    with amp.scale_loss(a(x).float().mean(), o1, delay_overflow_check=True) as s:
-        s.backward()
-    with amp.scale_loss(a(x).float().mean() * _INF, o1, delay_overflow_check=True) as s:
-        s.backward()
+    _delayed_backward(a(x).float().mean(), o1)
+    _delayed_backward(a(x).float().mean() * _INF, o1)
     _clean_master_grads(o1)
     o1.step()
     assert amp.step_was_skipped(o1)
@@ -5270,13 +5261,9 @@ def test_an_absorbed_pending_checks_block_flags_count(level):
     """(S8) Block B over opt2 overflows; block A over opt1; block C over both joins the two
     pending checks; the caller cleans opt2's gradients: B's own flag still skips both steps."""
     (a, b), (o1, o2), x = _sgd_models(2, level=level)
-    with amp.scale_loss(b(x).float().mean() * _INF, o2, delay_overflow_check=True) as s:
-        s.backward()
-    with amp.scale_loss(a(x).float().mean(), o1, delay_overflow_check=True) as s:
-        s.backward()
-    with amp.scale_loss(a(x).float().mean() + b(x).float().mean(), [o1, o2],
-                        delay_overflow_check=True) as s:
-        s.backward()
+    _delayed_backward(b(x).float().mean() * _INF, o2)
+    _delayed_backward(a(x).float().mean(), o1)
+    _delayed_backward(a(x).float().mean() + b(x).float().mean(), [o1, o2])
     _clean_master_grads(o2)
     o1.step()
     o2.step()
@@ -5290,8 +5277,7 @@ def test_a_zero_grad_after_a_delayed_block_decides_on_the_gradients_it_drops(lev
     the batch with zero_grad(): the decision is taken on the gradients before they go, so the
     scale backs off (docs/amp.md: "on the gradients it drops")."""
     (a,), (o1,), x = _sgd_models(1, level=level)
-    with amp.scale_loss(a(x).float().pow(2).mean(), o1, delay_overflow_check=True) as s:
-        s.backward()
+    _delayed_backward(a(x).float().pow(2).mean(), o1)
     next(iter(amp.master_params(o1))).grad[0, 0] = _INF
     (o1 if zero == "optimizer" else a).zero_grad()
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 0}
