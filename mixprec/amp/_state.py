@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -709,8 +710,13 @@ class BlockBackwards:
 
 class ForeignBackwardWatch:
     """Which of an optimizer's directly stepped parameters a backward accumulates into while
-    the watch is open (a post-accumulate-grad hook on each): the backward inside another
-    optimizer's ``scale_loss`` block, whose values there stay scaled by that loss's scale.
+    the watch is open: the backward inside another optimizer's ``scale_loss`` block, whose
+    values there come scaled by that loss's scale. A tensor hook on each parameter (it runs
+    on the incoming gradient, before autograd adds it onto the one there) unscales them, so
+    that what lands adds onto the optimizer's own gradients as fp32 training's would (Apex
+    left them scaled: the optimizer's next block added them on as they were, 65536 times too
+    large under a dynamic scale). Into a window this optimizer holds scaled (``delay_unscale``)
+    they come at that window's scale instead.
 
     Hooks, not gradient version counters: a gradient changed in place during the block may be
     that optimizer's own, unscaled, averaged by a ``Reducer.reduce()`` inside the block
@@ -718,35 +724,66 @@ class ForeignBackwardWatch:
     optimizer's own loss backpropagated first) changes it in place as well.
 
     ``block``: the backwards through the block's scaled loss (:class:`BlockBackwards`, the
-    loss's tensor hook). Their accumulations count; so do those of another autograd graph task
+    loss's tensor hook). Their gradients count; so do those of another autograd graph task
     run on one of their threads while this optimizer has no ``scale_loss`` block open (the
     inner backward of a reentrant activation checkpoint). Another thread's backward at the same
     moment (an independent training job with its own ``initialize``, inside its own block) is
-    no concern of this block. None: every accumulation counts (under ``torch.compile``, where
+    no concern of this block. None: every gradient counts (under ``torch.compile``, where
     the tensor hook is not set).
+
+    ``scale``: the block's loss scale (a float, or a 0-dim device tensor). ``unscaled``: ids of
+    parameters another watch of the same block unscales already (a layer two other optimizers
+    hold), updated with this one's. ``checked``: whether the block's scale is dynamic; the
+    gradients that land are then remembered as unchecked for an overflow (see
+    ``_OptimizerState.note_foreign_backward``).
     """
 
     def __init__(self, state: _OptimizerState, skip: Set[int],
-                 block: Optional[BlockBackwards]):
+                 block: Optional[BlockBackwards], scale=1.0,
+                 unscaled: Optional[Set[int]] = None, checked: bool = True):
         self.state = state
         self.block = block
+        self.checked = checked
         self.hit: Dict[int, torch.Tensor] = {}
-        self.handles = [p.register_post_accumulate_grad_hook(self._accumulated)
-                        for p in state.plain if p.requires_grad and id(p) not in skip]
+        held = state.held_scale if state.grads_scaled else None
+        factor = (1.0 if held is None else held) / scale  # (a device scale: a new tensor)
+        if not torch.is_tensor(factor) and factor == 1.0:
+            factor = None
+        self.handles = []
+        # (The half parameters' too while a window is held: their gradients there are
+        # unscaled with it. Else the optimizer's next block or zero_grad drops what lands on
+        # them, as in Apex: no optimizer reads a half gradient at O2.)
+        half = [p for p, _ in state.pairs] if held is not None and factor is not None else []
+        for p, mark in [*((p, True) for p in state.plain), *((p, False) for p in half)]:
+            if not p.requires_grad or id(p) in skip:
+                continue
+            own = unscaled is None or id(p) not in unscaled
+            if unscaled is not None:
+                unscaled.add(id(p))
+            self.handles.append(p.register_hook(
+                functools.partial(self._incoming, p, factor if own else None, mark)))
 
-    def _accumulated(self, param: torch.Tensor) -> None:
+    def _incoming(self, param: torch.Tensor, factor, mark: bool, grad: torch.Tensor):
         block = self.block
         if (block is None or torch._C._current_graph_task_id() in block.tasks
                 or (not self.state.scale_loss_open
                     and threading.get_ident() in block.threads)):
-            self.hit[id(param)] = param
+            if mark:
+                self.hit[id(param)] = param
+            if factor is None:
+                return None
+            if torch.is_tensor(factor) and factor.device != grad.device:
+                factor = factor.to(grad.device)
+            return grad * factor
+        return None
 
     def close(self) -> None:
         """Stop watching; mark what the backward wrote (see ``note_foreign_backward``)."""
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        self.state.note_foreign_backward(self.hit.values())
+        if self.checked:
+            self.state.note_foreign_backward(self.hit.values())
         self.hit = {}
 
 
@@ -879,10 +916,10 @@ class _OptimizerState:
         self._held_marks: Dict[int, tuple] = {}  # (see hold_scaled)
         # id(param) -> (param, its gradient (weakly), the gradient's version) for this
         # optimizer's directly stepped parameters whose gradients a backward inside another
-        # optimizer's scale_loss wrote, still scaled by that loss's scale (see
-        # note_foreign_backward). One entry per parameter; a gradient dropped since is not
-        # kept alive by it.
-        self.foreign_scaled: Dict[int, Tuple[torch.Tensor, weakref.ref, int]] = {}
+        # optimizer's scale_loss wrote (unscaled, but checked for an overflow for that block's
+        # optimizers only: see note_foreign_backward). One entry per parameter; a gradient
+        # dropped since is not kept alive by it.
+        self.foreign_unchecked: Dict[int, Tuple[torch.Tensor, weakref.ref, int]] = {}
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
         self.held_scaler: Optional[LossScaler] = None
@@ -1245,7 +1282,7 @@ class _OptimizerState:
                         p.grad = None
             self._held_zeroed = True
         self.keeps_grads(not set_to_none)
-        self.foreign_scaled = {}
+        self.foreign_unchecked = {}
         self.overflow_dropped()
 
     def overflow_dropped(self) -> None:
@@ -1313,45 +1350,49 @@ class _OptimizerState:
                 self._no_grad_since.update(added.intersection(missing))
         self._noted_pairs = count
 
-    def watch_foreign_backward(self, skip: Set[int],
-                               block: Optional[BlockBackwards] = None) -> ForeignBackwardWatch:
-        """Watch which of the directly stepped parameters (but those in ``skip``, ids of the
-        block's own optimizers' parameters) a backward inside another optimizer's
-        ``scale_loss`` block accumulates into (``block``: see :class:`ForeignBackwardWatch`);
-        :meth:`ForeignBackwardWatch.close` after it. The caller syncs the parameter groups
-        first (``scale_loss`` does, for every other optimizer, before it picks those with
-        directly stepped parameters), so that a group added since is watched too."""
-        return ForeignBackwardWatch(self, skip, block)
+    def watch_foreign_backward(self, skip: Set[int], block: Optional[BlockBackwards] = None,
+                               scale=1.0, unscaled: Optional[Set[int]] = None,
+                               checked: bool = True) -> ForeignBackwardWatch:
+        """Watch (and unscale) what a backward inside another optimizer's ``scale_loss`` block
+        at ``scale`` accumulates into the directly stepped parameters but those in ``skip``
+        (ids of the block's own optimizers' parameters); ``block``, ``unscaled``, ``checked``:
+        see :class:`ForeignBackwardWatch`. :meth:`ForeignBackwardWatch.close` after it. The
+        caller syncs the parameter groups first (``scale_loss`` does, for every other
+        optimizer, before it picks those with directly stepped parameters), so that a group
+        added since is watched too."""
+        return ForeignBackwardWatch(self, skip, block, scale, unscaled, checked)
 
     def note_foreign_backward(self, params) -> None:
-        """A backward inside a ``scale_loss`` not given this optimizer accumulated into
-        ``params``' gradients (onto what they held, or new), which now hold values scaled by
-        that loss's scale: remember them for :meth:`_pre_step` to refuse a step on them."""
+        """A backward inside a dynamically scaled ``scale_loss`` not given this optimizer
+        accumulated into ``params``' gradients (onto what they held, or new): unscaled, but
+        checked for an overflow for that block's optimizers only. Remembered: this optimizer's
+        next block checks them with its own (:meth:`unscale`), and :meth:`_pre_step` refuses a
+        step on them before one."""
         for p in params:
             g = p.grad
             if g is not None:
-                self.foreign_scaled[id(p)] = (p, weakref.ref(g), g._version)
+                self.foreign_unchecked[id(p)] = (p, weakref.ref(g), g._version)
 
     def _live_foreign(self) -> List[torch.Tensor]:
-        """The parameters whose gradients still hold a foreign scale (untouched since)."""
-        return [p for p, ref, v in self.foreign_scaled.values()
+        """The parameters whose gradients still hold what a foreign block left (untouched)."""
+        return [p for p, ref, v in self.foreign_unchecked.values()
                 if p.grad is not None and p.grad is ref() and p.grad._version == v]
 
-    def _refuse_foreign_scaled(self, optimizer) -> None:
+    def _refuse_foreign_unchecked(self, optimizer) -> None:
         stale = self._live_foreign()
-        self.foreign_scaled = {}
+        self.foreign_unchecked = {}
         if stale:
             raise RuntimeError(
                 f"{type(optimizer).__name__}.step(): {len(stale)} gradient(s) of this "
                 "optimizer's parameters came from a backward inside amp.scale_loss(loss, "
-                "<other optimizers>) and still hold that loss's scale (they were never "
-                "unscaled for this optimizer), so this step would apply them multiplied by "
-                "it. Pass this optimizer to that scale_loss too (a list: "
-                "amp.scale_loss(loss, [opt_a, opt_b])), or zero its gradients before the "
-                "backward meant for it. Optimizers of separate amp.initialize calls cannot "
-                "share a scale_loss block (each call has its own loss scalers): a loss whose "
-                "backward runs through models of two calls needs them in one call, "
-                "amp.initialize([model_a, model_b], [opt_a, opt_b], ...)."
+                "<other optimizers>), which checked only those optimizers' gradients for an "
+                "inf or NaN: under a dynamic loss scale (where an overflow now and then is "
+                "expected) this step would apply them unchecked. Pass this optimizer to that "
+                "scale_loss too (a list: amp.scale_loss(loss, [opt_a, opt_b])), or zero its "
+                "gradients before the backward meant for it. Optimizers of separate "
+                "amp.initialize calls cannot share a scale_loss block (each call has its own "
+                "loss scalers): a loss whose backward runs through models of two calls needs "
+                "them in one call, amp.initialize([model_a, model_b], [opt_a, opt_b], ...)."
             )
 
     def _drop_grads(self, optimizer) -> None:
@@ -1640,19 +1681,20 @@ class _OptimizerState:
             flags = unscale_grads_(fresh + plain_grads, scaler, check)
         flags = flags or []
         if (check and self._stash and len(flags) <= 1
-                and (self._last_step_flag is not None or self.foreign_scaled)):
+                and (self._last_step_flag is not None or self.foreign_unchecked)):
             # The gradients set aside were checked at their own block; but after a step the
             # device skipped (a fused optimizer's kernel, the flag never read) they stay, inf
             # or NaN, and this block's flag alone let the next step apply them. Looked at
             # again, as GradScaler's unscale_ looks at every gradient (device ops, no sync);
             # a block that reached none of this optimizer's parameters gets a flag of its own.
-            # So are gradients another optimizer's block left scaled here (never checked for
-            # this one; taken as the caller's accumulation, an inf among them skips the step).
+            # So are gradients another optimizer's block left here (unscaled at their
+            # backward, but never checked for this one: an inf among them skips the step).
             device = flags[0].device if flags else self._stash[0][1].device
             if all(g.device == device for _, g in self._stash):
                 if not flags:
                     flags = [torch.zeros((), dtype=torch.float32, device=device)]
                 flag_non_finite_grads([g for _, g in self._stash], flags[0])
+                self.foreign_unchecked = {}  # (checked now, all of them: they were set aside)
         self._unscaled_since_step = True
         # (Whether this backward gave any of the optimizer's parameters a gradient.)
         self.reached = bool(half_grads or sparse_fresh or plain_params)
@@ -1803,8 +1845,8 @@ class _OptimizerState:
                 "inner micro-batches; run the last backward before step() with the all-reduce "
                 "on and delay_unscale=False."
             )
-        if self.foreign_scaled:
-            self._refuse_foreign_scaled(optimizer)
+        if self.foreign_unchecked:
+            self._refuse_foreign_unchecked(optimizer)
         if (not self.overflow and self.pending_found is not None and self.grad_tensors_kept
                 and self._had_grads and self.pairs):
             # (r112A B4: the zero gradients a kept-tensor zero_grad owes the masters first, so

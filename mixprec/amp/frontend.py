@@ -11,7 +11,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import MutableMapping
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List, Optional, Set
 
 import torch
 from torch import nn
@@ -798,7 +798,8 @@ def scale_loss(
                        or amp_state.properties.master_weights) else None)
         # Other optimizers (this call's, or another call's), whose parameters this backward
         # may reach too (a loss through two models given one optimizer here): what it
-        # writes there stays scaled, and their step() is refused on it.
+        # writes there is unscaled as it lands; under a dynamic scale, checked at their next
+        # block, and their step() before one is refused (see ForeignBackwardWatch).
         watches, block, block_hook = [], None, None
         if scaler.dynamic or scaler.loss_scale != 1.0:
             others = _other_optimizer_states(amp_state, states)
@@ -808,7 +809,9 @@ def scale_loss(
                     # (Which backwards are this block's: those through its scaled loss.)
                     block = BlockBackwards()
                     block_hook = scaled.register_hook(block)
-                watches = [o.watch_foreign_backward(own, block) for o in others]
+                unscaled: Set[int] = set()  # (a parameter two of them hold: unscaled once)
+                watches = [o.watch_foreign_backward(own, block, scale, unscaled,
+                                                    checked=scaler.dynamic) for o in others]
         try:
             yield scaled
         except BaseException:

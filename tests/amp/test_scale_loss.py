@@ -2327,12 +2327,14 @@ def test_a_zero_grad_whose_set_to_none_default_is_not_a_bool_frees_the_gradients
 @pytest.mark.parametrize("then", ["step", "zero_grad", "grad=None", "own scale_loss"])
 def test_a_step_on_gradients_another_optimizers_scale_loss_left_scaled_is_refused(then):
     # A loss through two models, given to scale_loss with one of their optimizers: the other
-    # one's gradients hold the loss scale (512 here). At O2 the step was refused (its half
-    # gradients never reached the masters); at O1 it stepped them, 65536 times too large.
+    # one's gradients held the loss scale. At O2 the step was refused (its half gradients
+    # never reached the masters); at O1 it stepped them, 65536 times too large. Unscaled as
+    # they land now (see the test after this one), they are still unchecked for an overflow
+    # under a dynamic scale: refused.
     torch.manual_seed(0)
     a, b = nn.Linear(4, 4), nn.Linear(4, 2)
     oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
-    amp.initialize([a, b], [oa, ob], opt_level="O1", dtype=torch.bfloat16, loss_scale=512.0,
+    amp.initialize([a, b], [oa, ob], opt_level="O1", dtype=torch.bfloat16, loss_scale="dynamic",
                    verbosity=0)
     x = torch.randn(8, 4)
     with amp.scale_loss(b(a(x)).float().pow(2).mean(), ob) as s:
@@ -2356,11 +2358,76 @@ def test_a_step_on_gradients_another_optimizers_scale_loss_left_scaled_is_refuse
         for p, w in zip(a.parameters(), want):
             assert torch.equal(p, w)
         return
-    # Its own backward adds onto them: taken as the caller's accumulation, not refused (a
-    # gradient zeroed through .data, which no version counter sees, is not told apart).
+    # Its own backward adds onto them: checked with its own, not refused (a gradient zeroed
+    # through .data, which no version counter sees, is not told apart: zeros either way).
     with amp.scale_loss(a(x).float().pow(2).mean(), oa) as s:
         s.backward()
     oa.step()
+    assert not amp.step_was_skipped(oa)
+
+
+def _foreign_loop(opt_level, loss_scale, order, fused_b=False):
+    """a (a Linear, then a BatchNorm1d whose parameters O2 steps directly) and b, each with
+    its optimizer; blocks in ``order``: "own" a loss through a alone given oa, "foreign" a
+    loss through a and b given ob only, "window" an own block with delay_unscale=True and
+    "foreign1" a foreign one at loss_id 1. ``fused_b``: ob a fused AdamW (a dynamic scale of
+    its blocks then lives on the device, a tensor). Returns oa's gradients at its step and a's
+    parameters after it."""
+    torch.manual_seed(0)
+    a, b = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2)
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = (torch.optim.AdamW(b.parameters(), lr=0.1, fused=True) if fused_b
+          else torch.optim.SGD(b.parameters(), lr=0.1))
+    [a, b], [oa, ob] = amp.initialize([a, b], [oa, ob], opt_level=opt_level, num_losses=2,
+                                      dtype=torch.bfloat16, loss_scale=loss_scale, verbosity=0)
+    if loss_scale != 1.0:  # (loss 1 at another scale than loss 0's)
+        amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 0},
+                             "loss_scaler1": {"loss_scale": 4096.0, "unskipped": 0}})
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    for i, kind in enumerate(order):
+        xi = x * (i + 1)
+        if kind in ("own", "window"):
+            with amp.scale_loss(a(xi).float().pow(2).mean(), oa,
+                                delay_unscale=kind == "window") as s:
+                s.backward()
+        else:
+            with amp.scale_loss(b(a(xi)).float().pow(2).mean(), ob,
+                                loss_id=int(kind == "foreign1")) as s:
+                s.backward()
+    grads = [torch.zeros(()) if p.grad is None else p.grad.clone()
+             for p in amp.master_params(oa)]
+    oa.step()
+    assert not amp.step_was_skipped(oa)
+    return grads, [p.detach().clone() for p in amp.master_params(oa)]
+
+
+_FOREIGN_ORDERS = {"foreign-own": ("foreign", "own"), "own-foreign-own": ("own", "foreign", "own"),
+                   "window-foreign1-own": ("window", "foreign1", "own"),
+                   "foreign-foreign1": ("foreign", "foreign1")}
+
+
+# (A step right after foreign blocks is refused under a dynamic scale (the test above), and at
+# O2, whose half gradients never reached the masters: that order runs at O1 and 512 only.)
+@pytest.mark.parametrize("opt_level, loss_scale, order, fused_b", [
+    *(pytest.param(level, scale, order, False, id=f"{name}-{scale}-{level}")
+      for name, order in _FOREIGN_ORDERS.items() for scale in (512.0, "dynamic")
+      for level in ("O1", "O2") if order[-1] == "own" or (scale, level) == (512.0, "O1")),
+    *(pytest.param("O1", "dynamic", _FOREIGN_ORDERS[name], True, id=f"{name}-device-scale")
+      for name in ("own-foreign-own", "window-foreign1-own"))])
+def test_another_blocks_gradients_land_unscaled_as_fp32_would_add_them(opt_level, loss_scale,
+                                                                       order, fused_b):
+    """r112A R1's remainder: a backward inside scale_loss(loss, ob) through a and b wrote a's
+    gradients multiplied by that loss's scale, and a's next own block added them on as they
+    were: oa.step() took 512 x g_foreign + g_own (65536 x under a dynamic scale; at O2 so did
+    the BatchNorm's, directly stepped). A hook unscales them as they land now (into a window
+    a holds scaled, at that window's scale, the half parameters' too): oa's gradients at its
+    step, and a after it, equal those of the same loop with no scaling at all
+    (loss_scale=1.0), bit for bit (powers of two). At O2 the foreign share of the half
+    parameters outside a window is dropped at a's block in both, as in Apex."""
+    want_grads, want = _foreign_loop(opt_level, 1.0, order, fused_b)
+    got_grads, got = _foreign_loop(opt_level, loss_scale, order, fused_b)
+    for g, w in zip(got_grads + got, want_grads + want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
@@ -2502,7 +2569,7 @@ def test_amp_load_state_dict_passes_over_an_optimizer_freed_meanwhile():
         assert not amp_a.overflow, looks
 
 
-def _two_linear(opt_level, *, calls=1, loss_scale=512.0):
+def _two_linear(opt_level, *, calls=1, loss_scale="dynamic"):
     torch.manual_seed(0)
     a, b = nn.Linear(4, 4), nn.Linear(4, 2)
     oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
@@ -2518,8 +2585,9 @@ def _two_linear(opt_level, *, calls=1, loss_scale=512.0):
 @pytest.mark.parametrize("calls", [1, 2], ids=["one-call", "two-calls"])
 def test_another_blocks_backward_onto_gradients_already_there_is_refused(calls):
     # O1: a's own loss backpropagated first (its gradients there, unscaled), then a loss
-    # through a and b given only b's optimizer: it adds 512 x its share onto a's gradients.
-    # Only gradients the block created were marked: oa.step() ran on g_a + 512 g_b.
+    # through a and b given only b's optimizer: it adds its share onto a's gradients (unscaled
+    # as it lands, but checked for an overflow for ob only). Only gradients the block created
+    # were marked: oa.step() ran on them (then g_a + 512 g_b).
     a, b, oa, ob = _two_linear("O1", calls=calls)
     x = torch.randn(8, 4)
     h = a(x)
@@ -2542,7 +2610,7 @@ def test_another_threads_backward_during_a_block_is_not_taken_for_a_foreign_one(
     import threading
 
     def run(threaded):
-        a, b, oa, ob = _two_linear("O1", calls=2)
+        a, b, oa, ob = _two_linear("O1", calls=2, loss_scale=512.0)
         xa, xb = torch.randn(8, 4), torch.randn(8, 4)
         opened, b_backward, a_closed = threading.Event(), threading.Event(), threading.Event()
         errors = []
@@ -2602,7 +2670,7 @@ def test_a_loss_through_a_checkpointed_model_of_another_call_is_still_refused(re
     h = checkpoint(a, torch.randn(8, 4, requires_grad=True), use_reentrant=reentrant)
     with amp.scale_loss(b(h).float().pow(2).mean(), ob) as s:
         s.backward()
-    with pytest.raises(RuntimeError, match=r"still hold that loss's scale"):
+    with pytest.raises(RuntimeError, match=r"checked only those optimizers' gradients"):
         oa.step()
 
 
@@ -2642,7 +2710,8 @@ def test_activation_checkpointing_with_dropout_gives_the_same_step_bit_for_bit(
 def test_a_loss_through_models_of_two_calls_leaves_the_other_calls_gradients_refused():
     # Two initialize calls (no hidden global state), one loss through both models: the
     # backward inside b's block wrote a's gradients at b's call's scale. Only optimizers of
-    # the same call were watched: oa.step() stepped them 512 times too large. The refusal of
+    # the same call were watched: oa.step() stepped them 65536 times too large (unscaled as
+    # they land now, they are still unchecked for a's overflow: refused). The refusal of
     # both in one block says to initialize them in one call (it said "one block per call",
     # which leaves the scale in too).
     a, b, oa, ob = _two_linear("O1", calls=2)
@@ -2652,7 +2721,8 @@ def test_a_loss_through_models_of_two_calls_leaves_the_other_calls_gradients_ref
             pass
     with amp.scale_loss(b(a(x)).float().pow(2).mean(), ob) as s:
         s.backward()
-    with pytest.raises(RuntimeError, match=r"still hold that loss's scale.*in one call"):
+    with pytest.raises(RuntimeError, match=r"checked only those optimizers' gradients.*in "
+                                           r"one call"):
         oa.step()
     # Zeroed, a's own block steps on its own gradient alone (float64 reference).
     ref = copy.deepcopy(a).double()
@@ -2670,7 +2740,8 @@ def test_two_calls_alone_still_watch_each_others_gradients(monkeypatch):
     """The cross-call watch holds whatever else is alive: with exactly the two initialize calls
     of this test registered (no calls left over from other tests, as in a fresh training
     process), a loss through both models inside b's block still marks a's gradients as
-    scaled, and oa.step() is refused rather than stepping them 512 times too large. (F73)"""
+    unchecked (they were scaled then), and oa.step() is refused rather than stepping them
+    65536 times too large (or, now, unchecked for an overflow). (F73)"""
     from mixprec.amp import frontend
 
     monkeypatch.setattr(frontend, "_calls", [])
@@ -2681,7 +2752,8 @@ def test_two_calls_alone_still_watch_each_others_gradients(monkeypatch):
     with amp.scale_loss(b(a(x)).float().pow(2).mean(), ob) as s:
         s.backward()
     w = a.weight.detach().clone()
-    with pytest.raises(RuntimeError, match=r"still hold that loss's scale.*in one call"):
+    with pytest.raises(RuntimeError, match=r"checked only those optimizers' gradients.*in "
+                                           r"one call"):
         oa.step()
     assert torch.equal(a.weight, w)
 
@@ -2728,7 +2800,7 @@ def test_the_foreign_gradient_marks_stay_one_per_parameter():
     # gradient tensor alive.
     from mixprec.amp._state import optimizer_state
 
-    a, b, oa, ob = _two_linear("O1", calls=2)
+    a, b, oa, ob = _two_linear("O1", calls=2)  # (dynamic: marks taken)
     state = optimizer_state(oa)
     x = torch.randn(8, 4)
     for _ in range(20):
@@ -2736,8 +2808,8 @@ def test_the_foreign_gradient_marks_stay_one_per_parameter():
         with amp.scale_loss(b(a(x)).float().pow(2).mean(), ob) as s:
             s.backward()
         ob.step()
-    assert len(state.foreign_scaled) == 2
-    assert all(ref() is None or ref() is p.grad for p, ref, _ in state.foreign_scaled.values())
+    assert len(state.foreign_unchecked) == 2
+    assert all(ref() is None or ref() is p.grad for p, ref, _ in state.foreign_unchecked.values())
 
 
 @pytest.mark.parametrize("rank_zero", [True, False], ids=["rank0", "other_rank"])
@@ -2898,16 +2970,17 @@ def test_a_layer_shared_with_an_optimizer_outside_the_block_is_unscaled_for_it_t
 def test_a_late_group_reached_by_another_optimizers_block_is_refused_before_any_sync():
     """A learnable loss weight given to an O2 optimizer (all of whose parameters have masters)
     by add_param_group after initialize, and reached by a backward inside another optimizer's
-    block, holds that block's loss scale: that optimizer's step is refused, as it is once
-    something (master_params, a scale_loss) synced its groups, because users would otherwise
-    step a gradient 128 times too large without a word (it was: the optimizer, none of whose
-    parameters were directly stepped when the block opened, went unwatched). (E18)"""
+    block, held that block's loss scale: that optimizer's step is refused (the gradient is
+    unscaled as it lands now, but unchecked for an overflow under a dynamic scale), as it is
+    once something (master_params, a scale_loss) synced its groups, because users would
+    otherwise step a gradient 65536 times too large without a word (it was: the optimizer, none
+    of whose parameters were directly stepped when the block opened, went unwatched). (E18)"""
     from .helpers import make_mlp
 
     a, b = make_mlp(), make_mlp(seed=1)
     oa = torch.optim.SGD(a.parameters(), lr=0.1)
     ob = torch.optim.SGD(b.parameters(), lr=0.1)
-    amp.initialize([a, b], [oa, ob], opt_level="O2", dtype=torch.bfloat16, loss_scale=128.0,
+    amp.initialize([a, b], [oa, ob], opt_level="O2", dtype=torch.bfloat16, loss_scale="dynamic",
                    verbosity=0)
     w = nn.Parameter(torch.tensor(2.0))
     ob.add_param_group({"params": [w]})
