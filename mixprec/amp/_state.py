@@ -1208,7 +1208,10 @@ class _OptimizerState:
         """A checkpoint reloaded (the optimizer's or amp's state) after an overflowed backward
         and before its step: a rollback. The overflow belonged to the abandoned run's
         gradients, which are dropped now, as the skipped step would have dropped them, and the
-        next step runs (Apex skipped it). A device-side flag is read (one sync, on a load)."""
+        next step runs (Apex skipped it). A device-side flag is read (one sync, on a load).
+        A decision ``delay_overflow_check=True`` left for the step is taken first, as an
+        undelayed block's exit took it (r113A R4: the step took it on the loaded state)."""
+        run_deferred_checks([self])
         pending = self.pending_found
         if pending is not None and not bool(pending.item()):
             pending = None  # (clean gradients on their way to the step: they stay)
@@ -2774,6 +2777,9 @@ class AmpState:
                 "takes to grow back. If the checkpoint came from a bf16 or O0 run, leave "
                 f"checkpoint['amp'] out (the scale then stays at {own:g}) or set its loss_scale "
                 "before loading.", stacklevel=3)
+        # (The decisions delay_overflow_check=True blocks left for the step: taken on the
+        # scales they were made under, which the checkpoint's then replace.)
+        run_deferred_checks(self.optimizer_states())
         for i, entry in entries.items():
             self.scalers[i].load_state_dict(entry)
         for opt_state in self.optimizer_states():

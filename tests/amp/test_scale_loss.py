@@ -5418,3 +5418,34 @@ def test_gradients_of_a_window_with_set_aside_gradients_are_freed_after_it():
     opt.zero_grad(set_to_none=True)
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("load", ["amp", "optimizer"])
+@pytest.mark.parametrize("bad", [True, False], ids=["inf", "finite"])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_checkpoint_loaded_between_a_delayed_block_and_its_step_is_an_undelayed_ones(
+        level, bad, load):
+    """r113A R4: a checkpoint loaded (amp's state or the optimizer's) after a
+    delay_overflow_check=True block and before its step: the decision left for the step was
+    taken on the loaded state (amp's scale, loaded, backed off for the abandoned gradients).
+    It is taken at the load now, as an undelayed block took it at its exit: the loop ends as
+    the undelayed one's does (scale, gradients dropped for a rollback after an overflow, weights
+    bit for bit)."""
+    def run(delay):
+        (a,), (o1,), x = _sgd_models(1, level=level)
+        saved_opt = copy.deepcopy(o1.state_dict())
+        with amp.scale_loss(a(x).float().pow(2).mean() * (_INF if bad else 1.0), o1,
+                            delay_overflow_check=delay) as s:
+            s.backward()
+        if load == "amp":
+            amp.load_state_dict({"loss_scaler0": {"loss_scale": 1024.0, "unskipped": 7}})
+        else:
+            o1.load_state_dict(saved_opt)
+        o1.step()
+        return amp.state_dict(), [p.detach().clone() for p in amp.master_params(o1)]
+
+    want_scale, want = run(False)
+    got_scale, got = run(True)
+    assert got_scale == want_scale
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
