@@ -711,12 +711,13 @@ class BlockBackwards:
 class ForeignBackwardWatch:
     """Which of an optimizer's directly stepped parameters a backward accumulates into while
     the watch is open: the backward inside another optimizer's ``scale_loss`` block, whose
-    values there come scaled by that loss's scale. A tensor hook on each parameter (it runs
-    on the incoming gradient, before autograd adds it onto the one there) unscales them, so
-    that what lands adds onto the optimizer's own gradients as fp32 training's would (Apex
-    left them scaled: the optimizer's next block added them on as they were, 65536 times too
-    large under a dynamic scale). Into a window this optimizer holds scaled (``delay_unscale``)
-    they come at that window's scale instead.
+    values there come scaled by that loss's scale. A pre-hook on each parameter's gradient
+    accumulator (it runs on the incoming gradient, before autograd adds it onto the one
+    there; unlike a tensor hook, not for a ``torch.autograd.grad`` that returns it) unscales
+    them, so that what lands adds onto the optimizer's own gradients as fp32 training's would
+    (Apex left them scaled: the optimizer's next block added them on as they were, 65536 times
+    too large under a dynamic scale). Into a window this optimizer holds scaled
+    (``delay_unscale``) they come at that window's scale instead.
 
     Hooks, not gradient version counters: a gradient changed in place during the block may be
     that optimizer's own, unscaled, averaged by a ``Reducer.reduce()`` inside the block
@@ -729,7 +730,7 @@ class ForeignBackwardWatch:
     inner backward of a reentrant activation checkpoint). Another thread's backward at the same
     moment (an independent training job with its own ``initialize``, inside its own block) is
     no concern of this block. None: every gradient counts (under ``torch.compile``, where
-    the tensor hook is not set).
+    the loss's tensor hook is not set).
 
     ``scale``: the block's loss scale (a float, or a 0-dim device tensor). ``unscaled``: ids of
     parameters another watch of the same block unscales already (a layer two other optimizers
@@ -760,10 +761,10 @@ class ForeignBackwardWatch:
             own = unscaled is None or id(p) not in unscaled
             if unscaled is not None:
                 unscaled.add(id(p))
-            self.handles.append(p.register_hook(
+            self.handles.append(state.grad_accumulator(p).register_prehook(
                 functools.partial(self._incoming, p, factor if own else None, mark)))
 
-    def _incoming(self, param: torch.Tensor, factor, mark: bool, grad: torch.Tensor):
+    def _incoming(self, param: torch.Tensor, factor, mark: bool, grads):
         block = self.block
         if (block is None or torch._C._current_graph_task_id() in block.tasks
                 or (not self.state.scale_loss_open
@@ -772,9 +773,10 @@ class ForeignBackwardWatch:
                 self.hit[id(param)] = param
             if factor is None:
                 return None
+            (grad,) = grads
             if torch.is_tensor(factor) and factor.device != grad.device:
                 factor = factor.to(grad.device)
-            return grad * factor
+            return (grad * factor,)
         return None
 
     def close(self) -> None:
@@ -920,6 +922,7 @@ class _OptimizerState:
         # optimizers only: see note_foreign_backward). One entry per parameter; a gradient
         # dropped since is not kept alive by it.
         self.foreign_unchecked: Dict[int, Tuple[torch.Tensor, weakref.ref, int]] = {}
+        self._grad_accumulators: dict = {}  # (see grad_accumulator)
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
         self.held_scaler: Optional[LossScaler] = None
@@ -1364,6 +1367,16 @@ class _OptimizerState:
         optimizer, before it picks those with directly stepped parameters), so that a group
         added since is watched too."""
         return ForeignBackwardWatch(self, skip, block, scale, unscaled, checked)
+
+    def grad_accumulator(self, p: torch.Tensor):
+        """``p``'s gradient accumulator (autograd's AccumulateGrad node), held here so that
+        every graph reuses it (as DDP holds them): found once, not at every block."""
+        node = self._grad_accumulators.get(id(p))
+        if node is None or node.variable is not p:
+            with torch.enable_grad():
+                node = p.view_as(p).grad_fn.next_functions[0][0]
+            self._grad_accumulators[id(p)] = node
+        return node
 
     def note_foreign_backward(self, params) -> None:
         """A backward inside a dynamically scaled ``scale_loss`` not given this optimizer

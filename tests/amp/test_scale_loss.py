@@ -2366,7 +2366,7 @@ def test_a_step_on_gradients_another_optimizers_scale_loss_left_scaled_is_refuse
     assert not amp.step_was_skipped(oa)
 
 
-def _foreign_loop(opt_level, loss_scale, order, fused_b=False):
+def _foreign_loop(opt_level, loss_scale, order, fused_b=False, device="cpu"):
     """a (a Linear, then a BatchNorm1d whose parameters O2 steps directly) and b, each with
     its optimizer; blocks in ``order``: "own" a loss through a alone given oa, "foreign" a
     loss through a and b given ob only, "window" an own block with delay_unscale=True and
@@ -2374,7 +2374,7 @@ def _foreign_loop(opt_level, loss_scale, order, fused_b=False):
     its blocks then lives on the device, a tensor). Returns oa's gradients at its step and a's
     parameters after it."""
     torch.manual_seed(0)
-    a, b = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), nn.Linear(4, 2)
+    a, b = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(device), nn.Linear(4, 2).to(device)
     oa = torch.optim.SGD(a.parameters(), lr=0.1)
     ob = (torch.optim.AdamW(b.parameters(), lr=0.1, fused=True) if fused_b
           else torch.optim.SGD(b.parameters(), lr=0.1))
@@ -2383,7 +2383,7 @@ def _foreign_loop(opt_level, loss_scale, order, fused_b=False):
     if loss_scale != 1.0:  # (loss 1 at another scale than loss 0's)
         amp.load_state_dict({"loss_scaler0": {"loss_scale": 512.0, "unskipped": 0},
                              "loss_scaler1": {"loss_scale": 4096.0, "unskipped": 0}})
-    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(device)
     for i, kind in enumerate(order):
         xi = x * (i + 1)
         if kind in ("own", "window"):
@@ -2394,11 +2394,26 @@ def _foreign_loop(opt_level, loss_scale, order, fused_b=False):
             with amp.scale_loss(b(a(xi)).float().pow(2).mean(), ob,
                                 loss_id=int(kind == "foreign1")) as s:
                 s.backward()
-    grads = [torch.zeros(()) if p.grad is None else p.grad.clone()
+    grads = [torch.zeros((), device=device) if p.grad is None else p.grad.clone()
              for p in amp.master_params(oa)]
     oa.step()
     assert not amp.step_was_skipped(oa)
     return grads, [p.detach().clone() for p in amp.master_params(oa)]
+
+
+def test_autograd_grad_inside_another_optimizers_block_returns_what_it_was_given():
+    """torch.autograd.grad(scaled_loss, a's parameters) inside scale_loss(loss, ob) returns
+    the gradient of the loss it was given (scaled), as it does for ob's parameters: only what
+    accumulates into a's .grad is unscaled as it lands (a tensor hook, which autograd.grad
+    runs too, divided its result). Powers of two: exact."""
+    a, b, oa, ob = _two_linear("O1", loss_scale=512.0)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    with amp.scale_loss(b(a(x)).float().pow(2).mean(), ob) as s:
+        got = torch.autograd.grad(s, list(a.parameters()), retain_graph=True)
+        assert all(p.grad is None for p in a.parameters())
+        s.backward()
+    for g, p in zip(got, a.parameters()):
+        torch.testing.assert_close(g, 512.0 * p.grad, rtol=0, atol=0)
 
 
 _FOREIGN_ORDERS = {"foreign-own": ("foreign", "own"), "own-foreign-own": ("own", "foreign", "own"),
@@ -2408,14 +2423,20 @@ _FOREIGN_ORDERS = {"foreign-own": ("foreign", "own"), "own-foreign-own": ("own",
 
 # (A step right after foreign blocks is refused under a dynamic scale (the test above), and at
 # O2, whose half gradients never reached the masters: that order runs at O1 and 512 only.)
-@pytest.mark.parametrize("opt_level, loss_scale, order, fused_b", [
-    *(pytest.param(level, scale, order, False, id=f"{name}-{scale}-{level}")
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+
+
+@pytest.mark.parametrize("opt_level, loss_scale, order, fused_b, device", [
+    *(pytest.param(level, scale, order, False, "cpu", id=f"{name}-{scale}-{level}")
       for name, order in _FOREIGN_ORDERS.items() for scale in (512.0, "dynamic")
       for level in ("O1", "O2") if order[-1] == "own" or (scale, level) == (512.0, "O1")),
-    *(pytest.param("O1", "dynamic", _FOREIGN_ORDERS[name], True, id=f"{name}-device-scale")
-      for name in ("own-foreign-own", "window-foreign1-own"))])
+    *(pytest.param(level, "dynamic", _FOREIGN_ORDERS[name], True, device,
+                   id=f"{name}-device-scale-{level}-{device}",
+                   marks=[_CUDA] if device == "cuda" else [])
+      for name in ("own-foreign-own", "window-foreign1-own") for level in ("O1", "O2")
+      for device in ("cpu", "cuda") if device == "cuda" or level == "O1")])
 def test_another_blocks_gradients_land_unscaled_as_fp32_would_add_them(opt_level, loss_scale,
-                                                                       order, fused_b):
+                                                                       order, fused_b, device):
     """r112A R1's remainder: a backward inside scale_loss(loss, ob) through a and b wrote a's
     gradients multiplied by that loss's scale, and a's next own block added them on as they
     were: oa.step() took 512 x g_foreign + g_own (65536 x under a dynamic scale; at O2 so did
@@ -2424,8 +2445,8 @@ def test_another_blocks_gradients_land_unscaled_as_fp32_would_add_them(opt_level
     step, and a after it, equal those of the same loop with no scaling at all
     (loss_scale=1.0), bit for bit (powers of two). At O2 the foreign share of the half
     parameters outside a window is dropped at a's block in both, as in Apex."""
-    want_grads, want = _foreign_loop(opt_level, 1.0, order, fused_b)
-    got_grads, got = _foreign_loop(opt_level, loss_scale, order, fused_b)
+    want_grads, want = _foreign_loop(opt_level, 1.0, order, fused_b, device)
+    got_grads, got = _foreign_loop(opt_level, loss_scale, order, fused_b, device)
     for g, w in zip(got_grads + got, want_grads + want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
 
