@@ -746,7 +746,11 @@ class ForeignBackwardWatch:
         self.block = block
         self.checked = checked
         self.hit: Dict[int, torch.Tensor] = {}
-        held = state.held_scale if state.grads_scaled else None
+        # (Into a block of its own that is open around this one, nested: at that block's
+        # scale, which its exit unscales and checks. Into a window it holds: at the window's.)
+        nested = state.scale_loss_open
+        held = (state.open_scale if nested
+                else state.held_scale if state.grads_scaled else None)
         factor = (1.0 if held is None else held) / scale  # (a device scale: a new tensor)
         if not torch.is_tensor(factor) and factor == 1.0:
             factor = None
@@ -762,7 +766,8 @@ class ForeignBackwardWatch:
             if unscaled is not None:
                 unscaled.add(id(p))
             self.handles.append(state.grad_accumulator(p).register_prehook(
-                functools.partial(self._incoming, p, factor if own else None, mark)))
+                functools.partial(self._incoming, p, factor if own else None,
+                                  mark and not nested)))
 
     def _incoming(self, param: torch.Tensor, factor, mark: bool, grads):
         block = self.block
@@ -923,6 +928,7 @@ class _OptimizerState:
         # dropped since is not kept alive by it.
         self.foreign_unchecked: Dict[int, Tuple[torch.Tensor, weakref.ref, int]] = {}
         self._grad_accumulators: dict = {}  # (see grad_accumulator)
+        self.open_scale = None  # (the scale of this optimizer's open block: before_backward)
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
         self.held_scaler: Optional[LossScaler] = None
@@ -1533,6 +1539,7 @@ class _OptimizerState:
 
     def before_backward(self, scaler: LossScaler, scale) -> None:
         """Before a backward at ``scale`` (``scaler``'s: a float, or a 0-dim device tensor)."""
+        self.open_scale = scale  # (for a block nested in this one: see ForeignBackwardWatch)
         self.sync_param_groups()
         if self.grads_scaled:
             if self._stash:

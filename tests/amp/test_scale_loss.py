@@ -2370,7 +2370,8 @@ def _foreign_loop(opt_level, loss_scale, order, fused_b=False, device="cpu"):
     """a (a Linear, then a BatchNorm1d whose parameters O2 steps directly) and b, each with
     its optimizer; blocks in ``order``: "own" a loss through a alone given oa, "foreign" a
     loss through a and b given ob only, "window" an own block with delay_unscale=True and
-    "foreign1" a foreign one at loss_id 1. ``fused_b``: ob a fused AdamW (a dynamic scale of
+    "foreign1" a foreign one at loss_id 1, "nested" an own block with a foreign one at
+    loss_id 1 nested in it before its backward. ``fused_b``: ob a fused AdamW (a dynamic scale of
     its blocks then lives on the device, a tensor). Returns oa's gradients at its step and a's
     parameters after it."""
     torch.manual_seed(0)
@@ -2386,9 +2387,12 @@ def _foreign_loop(opt_level, loss_scale, order, fused_b=False, device="cpu"):
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(device)
     for i, kind in enumerate(order):
         xi = x * (i + 1)
-        if kind in ("own", "window"):
+        if kind in ("own", "window", "nested"):
             with amp.scale_loss(a(xi).float().pow(2).mean(), oa,
                                 delay_unscale=kind == "window") as s:
+                if kind == "nested":
+                    with amp.scale_loss(b(a(xi)).float().pow(2).mean(), ob, loss_id=1) as t:
+                        t.backward()
                 s.backward()
         else:
             with amp.scale_loss(b(a(xi)).float().pow(2).mean(), ob,
@@ -2418,7 +2422,7 @@ def test_autograd_grad_inside_another_optimizers_block_returns_what_it_was_given
 
 _FOREIGN_ORDERS = {"foreign-own": ("foreign", "own"), "own-foreign-own": ("own", "foreign", "own"),
                    "window-foreign1-own": ("window", "foreign1", "own"),
-                   "foreign-foreign1": ("foreign", "foreign1")}
+                   "foreign-foreign1": ("foreign", "foreign1"), "nested": ("nested",)}
 
 
 # (A step right after foreign blocks is refused under a dynamic scale (the test above), and at
@@ -2429,7 +2433,8 @@ _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA"
 @pytest.mark.parametrize("opt_level, loss_scale, order, fused_b, device", [
     *(pytest.param(level, scale, order, False, "cpu", id=f"{name}-{scale}-{level}")
       for name, order in _FOREIGN_ORDERS.items() for scale in (512.0, "dynamic")
-      for level in ("O1", "O2") if order[-1] == "own" or (scale, level) == (512.0, "O1")),
+      for level in ("O1", "O2")
+      if order[-1] in ("own", "nested") or (scale, level) == (512.0, "O1")),
     *(pytest.param(level, "dynamic", _FOREIGN_ORDERS[name], True, device,
                    id=f"{name}-device-scale-{level}-{device}",
                    marks=[_CUDA] if device == "cuda" else [])
@@ -2444,7 +2449,9 @@ def test_another_blocks_gradients_land_unscaled_as_fp32_would_add_them(opt_level
     a holds scaled, at that window's scale, the half parameters' too): oa's gradients at its
     step, and a after it, equal those of the same loop with no scaling at all
     (loss_scale=1.0), bit for bit (powers of two). At O2 the foreign share of the half
-    parameters outside a window is dropped at a's block in both, as in Apex."""
+    parameters outside a window is dropped at a's block in both, as in Apex. A foreign block
+    nested in an open own block lands at the own block's scale (its exit unscales it: it was
+    divided twice)."""
     want_grads, want = _foreign_loop(opt_level, 1.0, order, fused_b, device)
     got_grads, got = _foreign_loop(opt_level, loss_scale, order, fused_b, device)
     for g, w in zip(got_grads + got, want_grads + want):
