@@ -734,17 +734,17 @@ class ForeignBackwardWatch:
 
     ``scale``: the block's loss scale (a float, or a 0-dim device tensor). ``unscaled``: ids of
     parameters another watch of the same block unscales already (a layer two other optimizers
-    hold), updated with this one's. ``checked``: whether the block's scale is dynamic; the
-    gradients that land are then remembered as unchecked for an overflow (see
+    hold), updated with this one's. ``scaler``: the block's loss scaler; under a dynamic
+    scale the gradients that land are remembered as unchecked for an overflow (see
     ``_OptimizerState.note_foreign_backward``).
     """
 
     def __init__(self, state: _OptimizerState, skip: Set[int],
                  block: Optional[BlockBackwards], scale=1.0,
-                 unscaled: Optional[Set[int]] = None, checked: bool = True):
+                 unscaled: Optional[Set[int]] = None, scaler: Optional[LossScaler] = None):
         self.state = state
         self.block = block
-        self.checked = checked
+        self.scaler = scaler
         self.hit: Dict[int, torch.Tensor] = {}
         # (Into a block of its own that is open around this one, nested: at that block's
         # scale, which its exit unscales and checks. Into a window it holds: at the window's.)
@@ -754,6 +754,12 @@ class ForeignBackwardWatch:
         factor = (1.0 if held is None else held) / scale  # (a device scale: a new tensor)
         if not torch.is_tensor(factor) and factor == 1.0:
             factor = None
+        # (A window's marks still intact, to move with this block's additions: else the own
+        # block closing the window took them for a drop and lost what the window set aside.)
+        marks = state._held_marks if state.grads_scaled and not nested else {}
+        self.intact = [p for p in state.plain if id(p) in marks
+                       and p.grad is marks[id(p)][0]
+                       and (p.grad is None or p.grad._version == marks[id(p)][1])]
         self.handles = []
         # (The half parameters' too while a window is held: their gradients there are
         # unscaled with it. Else the optimizer's next block or zero_grad drops what lands on
@@ -789,9 +795,15 @@ class ForeignBackwardWatch:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-        if self.checked:
-            self.state.note_foreign_backward(self.hit.values())
-        self.hit = {}
+        state = self.state
+        if self.intact and state.grads_scaled:
+            marks = state._held_marks
+            for p in self.intact:
+                if id(p) in self.hit:
+                    marks[id(p)] = (p.grad, None if p.grad is None else p.grad._version)
+        if self.scaler is not None and self.scaler.dynamic:
+            state.note_foreign_backward(self.hit.values(), self.scaler)
+        self.hit, self.intact = {}, []
 
 
 class DeferredCheck:
@@ -928,6 +940,10 @@ class _OptimizerState:
         # dropped since is not kept alive by it.
         self.foreign_unchecked: Dict[int, Tuple[torch.Tensor, weakref.ref, int]] = {}
         self._grad_accumulators: dict = {}  # (see grad_accumulator)
+        # The loss scalers whose blocks left foreign_unchecked marks (by id), and whether a
+        # step was refused on them already (see _settle_foreign).
+        self._foreign_scalers: Dict[int, LossScaler] = {}
+        self._foreign_refused = False
         self.open_scale = None  # (the scale of this optimizer's open block: before_backward)
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
@@ -1294,7 +1310,7 @@ class _OptimizerState:
                         p.grad = None
             self._held_zeroed = True
         self.keeps_grads(not set_to_none)
-        self.foreign_unchecked = {}
+        self.forget_foreign()
         self.overflow_dropped()
 
     def overflow_dropped(self) -> None:
@@ -1364,15 +1380,15 @@ class _OptimizerState:
 
     def watch_foreign_backward(self, skip: Set[int], block: Optional[BlockBackwards] = None,
                                scale=1.0, unscaled: Optional[Set[int]] = None,
-                               checked: bool = True) -> ForeignBackwardWatch:
+                               scaler: Optional[LossScaler] = None) -> ForeignBackwardWatch:
         """Watch (and unscale) what a backward inside another optimizer's ``scale_loss`` block
         at ``scale`` accumulates into the directly stepped parameters but those in ``skip``
-        (ids of the block's own optimizers' parameters); ``block``, ``unscaled``, ``checked``:
+        (ids of the block's own optimizers' parameters); ``block``, ``unscaled``, ``scaler``:
         see :class:`ForeignBackwardWatch`. :meth:`ForeignBackwardWatch.close` after it. The
         caller syncs the parameter groups first (``scale_loss`` does, for every other
         optimizer, before it picks those with directly stepped parameters), so that a group
         added since is watched too."""
-        return ForeignBackwardWatch(self, skip, block, scale, unscaled, checked)
+        return ForeignBackwardWatch(self, skip, block, scale, unscaled, scaler)
 
     def grad_accumulator(self, p: torch.Tensor):
         """``p``'s gradient accumulator (autograd's AccumulateGrad node), held here so that
@@ -1384,28 +1400,34 @@ class _OptimizerState:
             self._grad_accumulators[id(p)] = node
         return node
 
-    def note_foreign_backward(self, params) -> None:
+    def note_foreign_backward(self, params, scaler: LossScaler) -> None:
         """A backward inside a dynamically scaled ``scale_loss`` not given this optimizer
-        accumulated into ``params``' gradients (onto what they held, or new): unscaled, but
-        checked for an overflow for that block's optimizers only. Remembered: this optimizer's
-        next block checks them with its own (:meth:`unscale`), and :meth:`_pre_step` refuses a
-        step on them before one."""
+        (``scaler``'s loss) accumulated into ``params``' gradients (onto what they held, or
+        new): unscaled, but checked for an overflow for that block's optimizers only.
+        Remembered: this optimizer's next block checks them with its own (:meth:`unscale`),
+        and a step before one settles them (:meth:`_settle_foreign`)."""
         for p in params:
             g = p.grad
             if g is not None:
                 self.foreign_unchecked[id(p)] = (p, weakref.ref(g), g._version)
+                self._foreign_scalers[id(scaler)] = scaler
 
-    def _live_foreign(self) -> List[torch.Tensor]:
-        """The parameters whose gradients still hold what a foreign block left (untouched)."""
-        return [p for p, ref, v in self.foreign_unchecked.values()
-                if p.grad is not None and p.grad is ref() and p.grad._version == v]
-
-    def _refuse_foreign_unchecked(self, optimizer) -> None:
-        stale = self._live_foreign()
-        self.foreign_unchecked = {}
-        if stale:
+    def _settle_foreign(self, optimizer) -> None:
+        """At a step: the gradients another block left unchecked (see
+        :meth:`note_foreign_backward`). Untouched since, the first step on them is refused
+        (the fix is the caller's: pass this optimizer to that block). Changed in place since
+        (clipped, all-reduced by hand, added onto by a plain backward, zeroed), or at the
+        step after a refusal, they are checked here (one host sync, in these loops only): an
+        inf or NaN skips the step and backs off the scale of the losses that left them, as
+        GradScaler does for an optimizer's gradients it unscaled. A gradient set to None or
+        replaced since is the caller's."""
+        kept = [p for p, ref, v in self.foreign_unchecked.values()
+                if p.grad is not None and p.grad is ref()]
+        untouched = [p for p in kept if p.grad._version == self.foreign_unchecked[id(p)][2]]
+        if untouched and not self._foreign_refused:
+            self._foreign_refused = True  # (the marks stay: the next step checks them)
             raise RuntimeError(
-                f"{type(optimizer).__name__}.step(): {len(stale)} gradient(s) of this "
+                f"{type(optimizer).__name__}.step(): {len(untouched)} gradient(s) of this "
                 "optimizer's parameters came from a backward inside amp.scale_loss(loss, "
                 "<other optimizers>), which checked only those optimizers' gradients for an "
                 "inf or NaN: under a dynamic loss scale (where an overflow now and then is "
@@ -1414,8 +1436,30 @@ class _OptimizerState:
                 "gradients before the backward meant for it. Optimizers of separate "
                 "amp.initialize calls cannot share a scale_loss block (each call has its own "
                 "loss scalers): a loss whose backward runs through models of two calls needs "
-                "them in one call, amp.initialize([model_a, model_b], [opt_a, opt_b], ...)."
+                "them in one call, amp.initialize([model_a, model_b], [opt_a, opt_b], ...). "
+                "(A step called again checks them instead: an overflow skips it.)"
             )
+        scalers = list(self._foreign_scalers.values())
+        self.forget_foreign()
+        if not kept or self.overflow:
+            return
+        grads = [p.grad if p.grad.layout is torch.strided else p.grad.coalesce()._values()
+                 for p in kept]
+        if all(bool(torch.isfinite(g).all()) for g in grads):
+            return
+        self.overflow = True
+        for scaler in scalers:
+            if scaler.update(True):
+                loss_id = next((i for i, s in enumerate(self.amp_state.scalers)
+                                if s is scaler), None)
+                if loss_id is not None:  # (another call's scaler: its own log stays quiet)
+                    self.amp_state.overflow_log.overflow(loss_id, scaler.loss_scale,
+                                                         scaler._min)
+
+    def forget_foreign(self) -> None:
+        """Drop the marks of gradients another block left unchecked (zeroed, or checked)."""
+        self.foreign_unchecked, self._foreign_scalers = {}, {}
+        self._foreign_refused = False
 
     def _drop_grads(self, optimizer) -> None:
         """The gradients of a step that is skipped: set to None; those of the parameters it
@@ -1717,7 +1761,7 @@ class _OptimizerState:
                 if not flags:
                     flags = [torch.zeros((), dtype=torch.float32, device=device)]
                 flag_non_finite_grads([g for _, g in self._stash], flags[0])
-                self.foreign_unchecked = {}  # (checked now, all of them: they were set aside)
+                self.forget_foreign()  # (checked now, all of them: they were set aside)
         self._unscaled_since_step = True
         # (Whether this backward gave any of the optimizer's parameters a gradient.)
         self.reached = bool(half_grads or sparse_fresh or plain_params)
@@ -1869,7 +1913,7 @@ class _OptimizerState:
                 "on and delay_unscale=False."
             )
         if self.foreign_unchecked:
-            self._refuse_foreign_unchecked(optimizer)
+            self._settle_foreign(optimizer)
         if (not self.overflow and self.pending_found is not None and self.grad_tensors_kept
                 and self._had_grads and self.pairs):
             # (r112A B4: the zero gradients a kept-tensor zero_grad owes the masters first, so

@@ -810,8 +810,8 @@ def scale_loss(
                     block = BlockBackwards()
                     block_hook = scaled.register_hook(block)
                 unscaled: Set[int] = set()  # (a parameter two of them hold: unscaled once)
-                watches = [o.watch_foreign_backward(own, block, scale, unscaled,
-                                                    checked=scaler.dynamic) for o in others]
+                watches = [o.watch_foreign_backward(own, block, scale, unscaled, scaler)
+                           for o in others]
         try:
             yield scaled
         except BaseException:
