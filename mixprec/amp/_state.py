@@ -1443,9 +1443,14 @@ class _OptimizerState:
         self.forget_foreign()
         if not kept or self.overflow:
             return
-        grads = [p.grad if p.grad.layout is torch.strided else p.grad.coalesce()._values()
-                 for p in kept]
-        if all(bool(torch.isfinite(g).all()) for g in grads):
+        flags: Dict[torch.device, torch.Tensor] = {}
+        for p in kept:
+            if p.grad.device not in flags:
+                flags[p.grad.device] = torch.zeros((), dtype=torch.float32,
+                                                   device=p.grad.device)
+        for device, flag in flags.items():
+            flag_non_finite_grads([p.grad for p in kept if p.grad.device == device], flag)
+        if not any_flag_set(list(flags.values())):
             return
         self.overflow = True
         for scaler in scalers:

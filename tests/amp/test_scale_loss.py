@@ -2420,6 +2420,9 @@ def test_autograd_grad_inside_another_optimizers_block_returns_what_it_was_given
         torch.testing.assert_close(g, 512.0 * p.grad, rtol=0, atol=0)
 
 
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
+
+
 def _inf_into_a_through_obs_block(a, b, ob, x):
     """A backward inside scale_loss(loss, ob) through a and b whose share on a's parameters
     is inf (a hook on a's output), b's own gradients finite: ob's block sees no overflow."""
@@ -2431,17 +2434,19 @@ def _inf_into_a_through_obs_block(a, b, ob, x):
     assert not amp.step_was_skipped(ob)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
 @pytest.mark.parametrize("edit", ["clip_grad_norm_", "all_reduce-like div_"])
-def test_gradients_another_block_left_unchecked_are_checked_at_a_step_after_an_edit(edit):
+def test_gradients_another_block_left_unchecked_are_checked_at_a_step_after_an_edit(edit,
+                                                                                    device):
     """s62 helper B's bug 2: an in-place edit between the foreign block and oa.step() (the
     usual clip_grad_norm_ over each optimizer's parameters, a hand all-reduce) changed the
     gradients' versions, which was taken for the caller's own zeroing or accumulation: the
     unchecked inf went into a's weights. Now they are checked at that step (one host sync):
     the step is skipped, a stays finite, and the scale of the loss that left them backs off,
     as GradScaler does for gradients it unscaled."""
-    a, b, oa, ob = _two_linear("O1")
+    a, b, oa, ob = _two_linear("O1", device=device)
     w = a.weight.detach().clone()
-    _inf_into_a_through_obs_block(a, b, ob, torch.randn(8, 4))
+    _inf_into_a_through_obs_block(a, b, ob, torch.randn(8, 4, device=device))
     if edit == "clip_grad_norm_":
         torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0)
     else:
@@ -2453,7 +2458,7 @@ def test_gradients_another_block_left_unchecked_are_checked_at_a_step_after_an_e
     assert amp.state_dict()["loss_scaler0"] == {"loss_scale": 2.0**15, "unskipped": 0}
     # (Clean gradients after an edit: the step runs on them.)
     oa.zero_grad()
-    x = torch.randn(8, 4)
+    x = torch.randn(8, 4, device=device)
     with amp.scale_loss(b(a(x)).float().pow(2).mean(), ob) as s:
         s.backward()
     torch.nn.utils.clip_grad_norm_(a.parameters(), 1.0)
@@ -2486,9 +2491,6 @@ _FOREIGN_ORDERS = {"foreign-own": ("foreign", "own"), "own-foreign-own": ("own",
 
 # (A step right after foreign blocks is refused under a dynamic scale (the test above), and at
 # O2, whose half gradients never reached the masters: that order runs at O1 and 512 only.)
-_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="requires CUDA")
-
-
 @pytest.mark.parametrize("opt_level, loss_scale, order, fused_b, device", [
     *(pytest.param(level, scale, order, False, "cpu", id=f"{name}-{scale}-{level}")
       for name, order in _FOREIGN_ORDERS.items() for scale in (512.0, "dynamic")
@@ -2660,9 +2662,9 @@ def test_amp_load_state_dict_passes_over_an_optimizer_freed_meanwhile():
         assert not amp_a.overflow, looks
 
 
-def _two_linear(opt_level, *, calls=1, loss_scale="dynamic"):
+def _two_linear(opt_level, *, calls=1, loss_scale="dynamic", device="cpu"):
     torch.manual_seed(0)
-    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    a, b = nn.Linear(4, 4).to(device), nn.Linear(4, 2).to(device)
     oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
     kw = dict(opt_level=opt_level, dtype=torch.bfloat16, loss_scale=loss_scale, verbosity=0)
     if calls == 1:
