@@ -800,18 +800,19 @@ def scale_loss(
         # may reach too (a loss through two models given one optimizer here): what it
         # writes there is unscaled as it lands; under a dynamic scale, checked at their next
         # block, and their step() before one is refused (see ForeignBackwardWatch).
+        # (At a static 1.0, only those holding a window or an open block at another scale.)
         watches, block, block_hook = [], None, None
-        if scaler.dynamic or scaler.loss_scale != 1.0:
-            others = _other_optimizer_states(amp_state, states)
-            if others:
-                own = {id(p) for s in states for p in s.plain}
-                if scaled.requires_grad and not is_compiling():
-                    # (Which backwards are this block's: those through its scaled loss.)
-                    block = BlockBackwards()
-                    block_hook = scaled.register_hook(block)
-                unscaled: Set[int] = set()  # (a parameter two of them hold: unscaled once)
-                watches = [o.watch_foreign_backward(own, block, scale, unscaled, scaler)
-                           for o in others]
+        others = _other_optimizer_states(amp_state, states,
+                                         scaled=scaler.dynamic or scaler.loss_scale != 1.0)
+        if others:
+            own = {id(p) for s in states for p in s.plain}
+            if scaled.requires_grad and not is_compiling():
+                # (Which backwards are this block's: those through its scaled loss.)
+                block = BlockBackwards()
+                block_hook = scaled.register_hook(block)
+            unscaled: Set[int] = set()  # (a parameter two of them hold: unscaled once)
+            watches = [o.watch_foreign_backward(own, block, scale, unscaled, scaler)
+                       for o in others]
         try:
             yield scaled
         except BaseException:
@@ -970,9 +971,12 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _other_optimizer_states(amp_state: AmpState, states) -> list:
-    """The live optimizer states, with directly stepped parameters, of ``amp_state``'s call
-    and of the other live (enabled) calls, that are not in ``states``."""
+def _other_optimizer_states(amp_state: AmpState, states, scaled: bool = True) -> list:
+    """The live optimizer states of ``amp_state``'s call and of the other live (enabled)
+    calls, that are not in ``states``, and that a backward at a scale could write into:
+    those holding a ``delay_unscale`` window or an open block (their gradients there at a
+    scale of their own), and, if ``scaled`` (not a static 1.0), those with directly stepped
+    parameters."""
     others = amp_state.other_optimizer_states(states)
     if len(_calls) > 1:
         for ref in _calls:
@@ -983,7 +987,7 @@ def _other_optimizer_states(amp_state: AmpState, states) -> list:
         # (A group added since initialize may hold the only directly stepped parameters:
         # picked up before the filter, or a backward into them would go unwatched.)
         o.sync_param_groups()
-    return [o for o in others if o.plain]
+    return [o for o in others if (scaled and o.plain) or o.grads_scaled or o.scale_loss_open]
 
 
 def _set_latest(state: AmpState, opt_list) -> None:

@@ -2483,6 +2483,37 @@ def test_a_step_called_again_after_the_unchecked_refusal_checks_the_gradients():
     assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2.0**15
 
 
+@pytest.mark.parametrize("scales", [(512.0, 1.0), (512.0, 4096.0), (1.0, 512.0)],
+                         ids=["window-512-foreign-1", "window-512-foreign-4096",
+                              "window-1-foreign-512"])
+@pytest.mark.parametrize("opt_level", ["O1", "O2"])
+def test_a_foreign_block_into_a_window_lands_at_the_windows_scale(opt_level, scales):
+    """Models without BatchNorm, so that at O2 oa steps no parameter directly: a window oa
+    holds (delay_unscale) at loss 0's scale, a block of ob at loss 1's reaching a, then oa's
+    closing block. The foreign share must land at the window's scale. Unwatched, it did not:
+    a foreign block at a static 1.0 opened no watch (s62 helper A), and at O2 an optimizer
+    with no directly stepped parameter was never watched (its window's half gradients took
+    the share at the other scale). oa's gradients equal those of the loop at 1.0, 1.0."""
+    def run(loss_scales):
+        a, b, oa, ob = _two_linear(opt_level, loss_scale=1.0, num_losses=2)
+        amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": v, "unskipped": 0}
+                             for i, v in enumerate(loss_scales)})
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+        with amp.scale_loss(a(x).float().pow(2).mean(), oa, delay_unscale=True) as s:
+            s.backward()
+        with amp.scale_loss(b(a(2 * x)).float().pow(2).mean(), ob, loss_id=1) as s:
+            s.backward()
+        with amp.scale_loss(a(3 * x).float().pow(2).mean(), oa) as s:
+            s.backward()
+        return [p.grad.clone() for p in amp.master_params(oa)]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (static scales replaced by the load: warned)
+        want, got = run((1.0, 1.0)), run(scales)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 _FOREIGN_ORDERS = {"foreign-own": ("foreign", "own"), "own-foreign-own": ("own", "foreign", "own"),
                    "window-foreign1-own": ("window", "foreign1", "own"),
                    "foreign-foreign1": ("foreign", "foreign1"), "nested": ("nested",),
@@ -2662,11 +2693,12 @@ def test_amp_load_state_dict_passes_over_an_optimizer_freed_meanwhile():
         assert not amp_a.overflow, looks
 
 
-def _two_linear(opt_level, *, calls=1, loss_scale="dynamic", device="cpu"):
+def _two_linear(opt_level, *, calls=1, loss_scale="dynamic", device="cpu", num_losses=1):
     torch.manual_seed(0)
     a, b = nn.Linear(4, 4).to(device), nn.Linear(4, 2).to(device)
     oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
-    kw = dict(opt_level=opt_level, dtype=torch.bfloat16, loss_scale=loss_scale, verbosity=0)
+    kw = dict(opt_level=opt_level, dtype=torch.bfloat16, loss_scale=loss_scale, verbosity=0,
+              num_losses=num_losses)
     if calls == 1:
         amp.initialize([a, b], [oa, ob], **kw)
     else:
