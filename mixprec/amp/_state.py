@@ -744,51 +744,72 @@ class ForeignBackwardWatch:
                  unscaled: Optional[Set[int]] = None, scaler: Optional[LossScaler] = None):
         self.state = state
         self.block = block
+        self.scale = scale
         self.scaler = scaler
+        self.skip = skip
+        self.unscaled = unscaled
         self.hit: Dict[int, torch.Tensor] = {}
-        # (Into a block of its own that is open around this one, nested: at that block's
-        # scale, which its exit unscales and checks. Into a window it holds: at the window's.)
-        nested = state.scale_loss_open
-        held = (state.open_scale if nested
-                else state.held_scale if state.grads_scaled else None)
-        factor = (1.0 if held is None else held) / scale  # (a device scale: a new tensor)
-        if not torch.is_tensor(factor) and factor == 1.0:
-            factor = None
-        # (A window's marks still intact, to move with this block's additions: else the own
-        # block closing the window took them for a drop and lost what the window set aside.)
-        marks = state._held_marks if state.grads_scaled and not nested else {}
-        self.intact = [p for p in state.plain if id(p) in marks
-                       and p.grad is marks[id(p)][0]
-                       and (p.grad is None or p.grad._version == marks[id(p)][1])]
+        # (Held-window marks still intact where this block adds onto a window's gradients:
+        # moved with the addition at close, or the block closing the window took it for a
+        # drop and lost what the window set aside.)
+        self.moved: Dict[int, torch.Tensor] = {}
         self.handles = []
-        # (The half parameters' too while a window is held: their gradients there are
-        # unscaled with it. Else the optimizer's next block or zero_grad drops what lands on
-        # them, as in Apex: no optimizer reads a half gradient at O2.)
-        half = [p for p, _ in state.pairs] if held is not None and factor is not None else []
-        for p, mark in [*((p, True) for p in state.plain), *((p, False) for p in half)]:
-            if not p.requires_grad or id(p) in skip:
-                continue
-            own = unscaled is None or id(p) not in unscaled
-            if unscaled is not None:
-                unscaled.add(id(p))
-            self.handles.append(state.grad_accumulator(p).register_prehook(
-                functools.partial(self._incoming, p, factor if own else None,
-                                  mark and not nested)))
+        self.half_hooked = False
+        self._hook([(p, True) for p in state.plain])
+        if state.scale_loss_open or state.grads_scaled:
+            self.hook_half()
+        state.active_watches.append(self)
 
-    def _incoming(self, param: torch.Tensor, factor, mark: bool, grads):
-        block = self.block
-        if (block is None or torch._C._current_graph_task_id() in block.tasks
-                or (not self.state.scale_loss_open
-                    and threading.get_ident() in block.threads)):
-            if mark:
-                self.hit[id(param)] = param
-            if factor is None:
+    def _hook(self, params) -> None:
+        for p, plain in params:
+            if not p.requires_grad or id(p) in self.skip:
+                continue
+            own = self.unscaled is None or id(p) not in self.unscaled
+            if self.unscaled is not None:
+                self.unscaled.add(id(p))
+            self.handles.append(self.state.grad_accumulator(p).register_prehook(
+                functools.partial(self._incoming, p, own, plain)))
+
+    def hook_half(self) -> None:
+        """Watch the half parameters too: the optimizer opened a block, or holds a window,
+        whose half gradients take what lands at its scale. (Outside those, its next block or
+        zero_grad drops what lands on them, as in Apex: no optimizer reads a half gradient at
+        O2, so they are not watched.)"""
+        if not self.half_hooked:
+            self.half_hooked = True
+            self._hook([(p, False) for p, _ in self.state.pairs])
+
+    def _incoming(self, param: torch.Tensor, own: bool, plain: bool, grads):
+        block, state = self.block, self.state
+        if not (block is None or torch._C._current_graph_task_id() in block.tasks
+                or (not state.scale_loss_open and threading.get_ident() in block.threads)):
+            return None
+        # Decided as it lands (the optimizer may have opened a block or a window since the
+        # watch began): into its open block, at that block's scale (its exit unscales and
+        # checks it); into a window it holds, at the window's (its closing block does); else
+        # unscaled, and remembered as unchecked for it.
+        if state.scale_loss_open:
+            held = state.open_scale
+        elif state.grads_scaled:
+            held = state.held_scale
+            mark = state._held_marks.get(id(param)) if plain else None
+            if (mark is not None and param.grad is mark[0]
+                    and (param.grad is None or param.grad._version == mark[1])):
+                self.moved[id(param)] = param
+        else:
+            if not plain:
+                return None  # (a half gradient no block or window holds: dropped later)
+            held = None
+            self.hit[id(param)] = param
+        if not own:
+            return None
+        factor = (1.0 if held is None else held) / self.scale
+        if not torch.is_tensor(factor):
+            if factor == 1.0:
                 return None
-            (grad,) = grads
-            if torch.is_tensor(factor) and factor.device != grad.device:
-                factor = factor.to(grad.device)
-            return (grad * factor,)
-        return None
+        elif factor.device != grads[0].device:
+            factor = factor.to(grads[0].device)
+        return (grads[0] * factor,)
 
     def close(self) -> None:
         """Stop watching; mark what the backward wrote (see ``note_foreign_backward``)."""
@@ -796,14 +817,14 @@ class ForeignBackwardWatch:
             handle.remove()
         self.handles = []
         state = self.state
-        if self.intact and state.grads_scaled:
+        state.active_watches = [w for w in state.active_watches if w is not self]
+        if self.moved and state.grads_scaled:
             marks = state._held_marks
-            for p in self.intact:
-                if id(p) in self.hit:
-                    marks[id(p)] = (p.grad, None if p.grad is None else p.grad._version)
+            for p in self.moved.values():
+                marks[id(p)] = (p.grad, None if p.grad is None else p.grad._version)
         if self.scaler is not None and self.scaler.dynamic:
             state.note_foreign_backward(self.hit.values(), self.scaler)
-        self.hit, self.intact = {}, []
+        self.hit, self.moved = {}, {}
 
 
 class DeferredCheck:
@@ -944,6 +965,8 @@ class _OptimizerState:
         # step was refused on them already (see _settle_foreign).
         self._foreign_scalers: Dict[int, LossScaler] = {}
         self._foreign_refused = False
+        # The watches of other optimizers' blocks open on this one's parameters now.
+        self.active_watches: List[ForeignBackwardWatch] = []
         self.open_scale = None  # (the scale of this optimizer's open block: before_backward)
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
@@ -1558,6 +1581,8 @@ class _OptimizerState:
 
     def hold_scaled(self, scaler: LossScaler, scale) -> None:
         """Leave this backward's gradients scaled in place (delay_unscale, or no_sync())."""
+        for watch in self.active_watches:
+            watch.hook_half()
         self.grads_scaled = True
         self._held_zeroed = False
         if self._stash:
@@ -1589,6 +1614,8 @@ class _OptimizerState:
     def before_backward(self, scaler: LossScaler, scale) -> None:
         """Before a backward at ``scale`` (``scaler``'s: a float, or a 0-dim device tensor)."""
         self.open_scale = scale  # (for a block nested in this one: see ForeignBackwardWatch)
+        for watch in self.active_watches:  # (another block open around this one: its half
+            watch.hook_half()              # parameters' gradients now take what lands)
         self.sync_param_groups()
         if self.grads_scaled:
             if self._stash:

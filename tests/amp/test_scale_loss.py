@@ -2371,7 +2371,9 @@ def _foreign_loop(opt_level, loss_scale, order, fused_b=False, device="cpu"):
     its optimizer; blocks in ``order``: "own" a loss through a alone given oa, "foreign" a
     loss through a and b given ob only, "window" an own block with delay_unscale=True and
     "foreign1" a foreign one at loss_id 1, "nested" an own block with a foreign one at
-    loss_id 1 nested in it before its backward. ``fused_b``: ob a fused AdamW (a dynamic scale of
+    loss_id 1 nested in it before its backward, "both" a foreign block and an own block opened
+    inside it, one backward through both losses, "window-inside" an own window
+    opened and closed inside a foreign block at loss_id 1 before its backward. ``fused_b``: ob a fused AdamW (a dynamic scale of
     its blocks then lives on the device, a tensor). Returns oa's gradients at its step and a's
     parameters after it."""
     torch.manual_seed(0)
@@ -2387,7 +2389,16 @@ def _foreign_loop(opt_level, loss_scale, order, fused_b=False, device="cpu"):
     x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(device)
     for i, kind in enumerate(order):
         xi = x * (i + 1)
-        if kind in ("own", "window", "nested"):
+        if kind == "both":  # (one loss_id: one backward mixes the two shares on a)
+            with amp.scale_loss(b(a(xi)).float().pow(2).mean(), ob) as t, \
+                    amp.scale_loss(a(xi).float().pow(2).mean(), oa) as s:
+                (s + t).backward()
+        elif kind == "window-inside":
+            with amp.scale_loss(b(a(xi)).float().pow(2).mean(), ob, loss_id=1) as t:
+                with amp.scale_loss(a(xi).float().pow(2).mean(), oa, delay_unscale=True) as s:
+                    s.backward()
+                t.backward()
+        elif kind in ("own", "window", "nested"):
             with amp.scale_loss(a(xi).float().pow(2).mean(), oa,
                                 delay_unscale=kind == "window") as s:
                 if kind == "nested":
@@ -2517,7 +2528,8 @@ def test_a_foreign_block_into_a_window_lands_at_the_windows_scale(opt_level, sca
 _FOREIGN_ORDERS = {"foreign-own": ("foreign", "own"), "own-foreign-own": ("own", "foreign", "own"),
                    "window-foreign1-own": ("window", "foreign1", "own"),
                    "foreign-foreign1": ("foreign", "foreign1"), "nested": ("nested",),
-                   "own-window-foreign-own": ("own", "window", "foreign", "own")}
+                   "own-window-foreign-own": ("own", "window", "foreign", "own"),
+                   "both": ("both",), "window-inside-own": ("window-inside", "own")}
 
 
 # (A step right after foreign blocks is refused under a dynamic scale (the test above), and at
@@ -2526,7 +2538,7 @@ _FOREIGN_ORDERS = {"foreign-own": ("foreign", "own"), "own-foreign-own": ("own",
     *(pytest.param(level, scale, order, False, "cpu", id=f"{name}-{scale}-{level}")
       for name, order in _FOREIGN_ORDERS.items() for scale in (512.0, "dynamic")
       for level in ("O1", "O2")
-      if order[-1] in ("own", "nested") or (scale, level) == (512.0, "O1")),
+      if order[-1] in ("own", "nested", "both") or (scale, level) == (512.0, "O1")),
     *(pytest.param(level, "dynamic", _FOREIGN_ORDERS[name], True, device,
                    id=f"{name}-device-scale-{level}-{device}",
                    marks=[_CUDA] if device == "cuda" else [])
@@ -2543,9 +2555,11 @@ def test_another_blocks_gradients_land_unscaled_as_fp32_would_add_them(opt_level
     (loss_scale=1.0), bit for bit (powers of two). At O2 the foreign share of the half
     parameters outside a window is dropped at a's block in both, as in Apex. A foreign block
     nested in an open own block lands at the own block's scale (its exit unscales it: it was
-    divided twice). One landing in a window that set earlier gradients aside keeps them (the
-    closing block took its addition for a drop of the window and lost them: s62 helper B's
-    bug 1, there before this change too)."""
+    divided twice), and so does one whose backward runs after the own block opened, or its
+    window, inside it (decided as the share lands: s62 helper C's bug A). One landing in a
+    window that set earlier gradients aside keeps them (the closing block took its addition
+    for a drop of the window and lost them: s62 helper B's bug 1, there before this change
+    too)."""
     want_grads, want = _foreign_loop(opt_level, 1.0, order, fused_b, device)
     got_grads, got = _foreign_loop(opt_level, loss_scale, order, fused_b, device)
     # (With gradients set aside, the sums run in another order than at 1.0: an ulp apart.)
