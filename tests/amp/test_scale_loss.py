@@ -2373,9 +2373,9 @@ def _foreign_loop(opt_level, loss_scale, order, fused_b=False, device="cpu"):
     "foreign1" a foreign one at loss_id 1, "nested" an own block with a foreign one at
     loss_id 1 nested in it before its backward, "both" a foreign block and an own block opened
     inside it, one backward through both losses, "window-inside" an own window
-    opened and closed inside a foreign block at loss_id 1 before its backward. ``fused_b``: ob a fused AdamW (a dynamic scale of
-    its blocks then lives on the device, a tensor). Returns oa's gradients at its step and a's
-    parameters after it."""
+    opened and closed inside a foreign block at loss_id 1 before its backward. ``fused_b``: ob
+    a fused AdamW (a dynamic scale of its blocks then lives on the device, a tensor). Returns
+    oa's gradients at its step and a's parameters after it."""
     torch.manual_seed(0)
     a, b = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).to(device), nn.Linear(4, 2).to(device)
     oa = torch.optim.SGD(a.parameters(), lr=0.1)
