@@ -963,7 +963,7 @@ class _OptimizerState:
         self._grad_accumulators: dict = {}  # (see grad_accumulator)
         # The loss scalers whose blocks left foreign_unchecked marks (by id), and whether a
         # step was refused on them already (see _settle_foreign).
-        self._foreign_scalers: Dict[int, LossScaler] = {}
+        self._foreign_scalers: Dict[int, Tuple[LossScaler, int]] = {}
         self._foreign_refused = False
         # The watches of other optimizers' blocks open on this one's parameters now.
         self.active_watches: List[ForeignBackwardWatch] = []
@@ -1433,20 +1433,18 @@ class _OptimizerState:
             g = p.grad
             if g is not None:
                 self.foreign_unchecked[id(p)] = (p, weakref.ref(g), g._version)
-                self._foreign_scalers[id(scaler)] = scaler
+                # (With the scaler's update count then: see check_foreign.)
+                self._foreign_scalers[id(scaler)] = (scaler, scaler.changes)
 
     def _settle_foreign(self, optimizer) -> None:
         """At a step: the gradients another block left unchecked (see
         :meth:`note_foreign_backward`). Untouched since, the first step on them is refused
-        (the fix is the caller's: pass this optimizer to that block). Changed in place since
-        (clipped, all-reduced by hand, added onto by a plain backward, zeroed), or at the
-        step after a refusal, they are checked here (one host sync, in these loops only): an
-        inf or NaN skips the step and backs off the scale of the losses that left them, as
-        GradScaler does for an optimizer's gradients it unscaled. A gradient set to None or
-        replaced since is the caller's."""
-        kept = [p for p, ref, v in self.foreign_unchecked.values()
-                if p.grad is not None and p.grad is ref()]
-        untouched = [p for p in kept if p.grad._version == self.foreign_unchecked[id(p)][2]]
+        (the fix is the caller's: pass this optimizer to that block). Changed since (clipped,
+        all-reduced by hand, added onto by a plain backward, zeroed, replaced), or at the step
+        after a refusal, they are checked here (:meth:`check_foreign`). A gradient set to None
+        since is the caller's."""
+        untouched = [p for p, ref, v in self.foreign_unchecked.values()
+                     if p.grad is not None and p.grad is ref() and p.grad._version == v]
         if untouched and not self._foreign_refused:
             self._foreign_refused = True  # (the marks stay: the next step checks them)
             raise RuntimeError(
@@ -1462,21 +1460,32 @@ class _OptimizerState:
                 "them in one call, amp.initialize([model_a, model_b], [opt_a, opt_b], ...). "
                 "(A step called again checks them instead: an overflow skips it.)"
             )
+        self.check_foreign([p.grad for p, _, _ in self.foreign_unchecked.values()
+                            if p.grad is not None])
+
+    def check_foreign(self, grads) -> None:
+        """Check ``grads``, those the marks of :meth:`note_foreign_backward` stand for, now
+        (one host sync, in these loops only), and forget the marks: an inf or NaN skips this
+        optimizer's next step and backs off the scale of the losses that left them (not this
+        optimizer's own: theirs overflowed), as GradScaler does for an optimizer's gradients
+        it unscaled; but not twice for one event, where the block that left them backed off
+        already at its exit (an overflow in its own gradients too)."""
         scalers = list(self._foreign_scalers.values())
         self.forget_foreign()
-        if not kept or self.overflow:
+        if not grads or self.overflow:
             return
         flags: Dict[torch.device, torch.Tensor] = {}
-        for p in kept:
-            if p.grad.device not in flags:
-                flags[p.grad.device] = torch.zeros((), dtype=torch.float32,
-                                                   device=p.grad.device)
+        for g in grads:
+            if g.device not in flags:
+                flags[g.device] = torch.zeros((), dtype=torch.float32, device=g.device)
         for device, flag in flags.items():
-            flag_non_finite_grads([p.grad for p in kept if p.grad.device == device], flag)
+            flag_non_finite_grads([g for g in grads if g.device == device], flag)
         if not any_flag_set(list(flags.values())):
             return
         self.overflow = True
-        for scaler in scalers:
+        for scaler, changes in scalers:
+            if scaler.changes == changes + 1 and scaler.found_overflow:
+                continue  # (backed off at that block's exit, for the same backward)
             if scaler.update(True):
                 loss_id = next((i for i, s in enumerate(self.amp_state.scalers)
                                 if s is scaler), None)
@@ -1550,9 +1559,12 @@ class _OptimizerState:
         return [m for m in (ref() for ref in self._owners) if m is not None]
 
     def grads_now(self) -> List[torch.Tensor]:
-        """The gradients this optimizer would step on now (the masters' at O2)."""
+        """The gradients this optimizer would step on now (the masters' at O2), but those
+        another block left unchecked, which the step checks apart (:meth:`_settle_foreign`:
+        their overflow is that block's loss's)."""
+        marks = self.foreign_unchecked
         return ([m.grad for _, m in self.pairs if m.grad is not None]
-                + [p.grad for p in self.plain if p.grad is not None])
+                + [p.grad for p in self.plain if p.grad is not None and id(p) not in marks])
 
     def overflow_groups(self) -> list:
         """The process groups over which this optimizer's overflow decisions must agree: those
@@ -1779,21 +1791,26 @@ class _OptimizerState:
                     raise
             flags = unscale_grads_(fresh + plain_grads, scaler, check)
         flags = flags or []
-        if (check and self._stash and len(flags) <= 1
-                and (self._last_step_flag is not None or self.foreign_unchecked)):
+        stash = self._stash
+        if self.foreign_unchecked:
+            # Gradients another optimizer's block left here (unscaled as they landed, never
+            # checked for this one), set aside for this block: checked apart from its own, so
+            # that an inf among them backs off that block's loss, not this one's (which would
+            # then keep overflowing there, every step skipped).
+            marks = self.foreign_unchecked
+            self.check_foreign([g for p, g in stash if id(p) in marks])
+            stash = [(p, g) for p, g in stash if id(p) not in marks]
+        if (check and stash and len(flags) <= 1 and self._last_step_flag is not None):
             # The gradients set aside were checked at their own block; but after a step the
             # device skipped (a fused optimizer's kernel, the flag never read) they stay, inf
             # or NaN, and this block's flag alone let the next step apply them. Looked at
             # again, as GradScaler's unscale_ looks at every gradient (device ops, no sync);
             # a block that reached none of this optimizer's parameters gets a flag of its own.
-            # So are gradients another optimizer's block left here (unscaled at their
-            # backward, but never checked for this one: an inf among them skips the step).
-            device = flags[0].device if flags else self._stash[0][1].device
-            if all(g.device == device for _, g in self._stash):
+            device = flags[0].device if flags else stash[0][1].device
+            if all(g.device == device for _, g in stash):
                 if not flags:
                     flags = [torch.zeros((), dtype=torch.float32, device=device)]
-                flag_non_finite_grads([g for _, g in self._stash], flags[0])
-                self.forget_foreign()  # (checked now, all of them: they were set aside)
+                flag_non_finite_grads([g for _, g in stash], flags[0])
         self._unscaled_since_step = True
         # (Whether this backward gave any of the optimizer's parameters a gradient.)
         self.reached = bool(half_grads or sparse_fresh or plain_params)
