@@ -749,13 +749,22 @@ class ForeignBackwardWatch:
         self.skip = skip
         self.unscaled = unscaled
         self.hit: Dict[int, torch.Tensor] = {}
+        self.noted = False  # (whether close() left marks or flags: see foreign_decided)
+        # Per device, whether a share that landed held an inf or NaN (device flags, not read
+        # here; under a dynamic scale only), and whether one landed in an open block or a
+        # window of the optimizer: see _OptimizerState.check_foreign.
+        self.flags: Dict[torch.device, torch.Tensor] = {}
+        self.into_held = False
         # (Held-window marks still intact where this block adds onto a window's gradients:
         # moved with the addition at close, or the block closing the window took it for a
         # drop and lost what the window set aside.)
         self.moved: Dict[int, torch.Tensor] = {}
         self.handles = []
-        self.half_hooked = False
-        self._hook([(p, True) for p in state.plain])
+        self.plain_hooked = self.half_hooked = False
+        # (At a static 1.0 what lands on a parameter no block or window holds needs nothing.)
+        if torch.is_tensor(scale) or scale != 1.0:
+            self._hook([(p, True) for p in state.plain])
+            self.plain_hooked = True
         if state.scale_loss_open or state.grads_scaled:
             self.hook_half()
         state.active_watches.append(self)
@@ -771,10 +780,13 @@ class ForeignBackwardWatch:
                 functools.partial(self._incoming, p, own, plain)))
 
     def hook_half(self) -> None:
-        """Watch the half parameters too: the optimizer opened a block, or holds a window,
-        whose half gradients take what lands at its scale. (Outside those, its next block or
-        zero_grad drops what lands on them, as in Apex: no optimizer reads a half gradient at
-        O2, so they are not watched.)"""
+        """Watch the half parameters too (and the others, under a block at a static 1.0):
+        the optimizer opened a block, or holds a window, whose gradients take what lands at
+        its scale. (Outside those, its next block or zero_grad drops what lands on the half
+        ones, as in Apex: no optimizer reads a half gradient at O2, so they are not watched.)"""
+        if not self.plain_hooked:
+            self.plain_hooked = True
+            self._hook([(p, True) for p in self.state.plain])
         if not self.half_hooked:
             self.half_hooked = True
             self._hook([(p, False) for p, _ in self.state.pairs])
@@ -788,9 +800,30 @@ class ForeignBackwardWatch:
         # watch began): into its open block, at that block's scale (its exit unscales and
         # checks it); into a window it holds, at the window's (its closing block does); else
         # unscaled, and remembered as unchecked for it.
+        grad = grads[0]
+        scaler = self.scaler
+        if scaler is not None and scaler.dynamic:
+            flag = self.flags.get(grad.device)
+            if flag is None:
+                flag = self.flags[grad.device] = torch.zeros((), dtype=torch.float32,
+                                                             device=grad.device)
+            flag_non_finite_grads([grad], flag)
         if state.scale_loss_open:
+            self.into_held = True
             held = state.open_scale
+            both = state.open_block
+            if (both is not None and torch._C._current_graph_task_id() in both.tasks
+                    and not (torch.is_tensor(held) or torch.is_tensor(self.scale))
+                    and held != self.scale):
+                raise RuntimeError(
+                    "amp.scale_loss: one backward runs through the losses of two open "
+                    "scale_loss blocks at different loss scales (their loss_ids differ) and "
+                    "reaches parameters of both blocks' optimizers: autograd sums the two "
+                    "scaled shares there before amp sees them, so they cannot be unscaled. "
+                    "Give both blocks one loss_id, or run one backward per block."
+                )
         elif state.grads_scaled:
+            self.into_held = True
             held = state.held_scale
             mark = state._held_marks.get(id(param)) if plain else None
             if (mark is not None and param.grad is mark[0]
@@ -822,9 +855,11 @@ class ForeignBackwardWatch:
             marks = state._held_marks
             for p in self.moved.values():
                 marks[id(p)] = (p.grad, None if p.grad is None else p.grad._version)
-        if self.scaler is not None and self.scaler.dynamic:
-            state.note_foreign_backward(self.hit.values(), self.scaler)
-        self.hit, self.moved = {}, {}
+        if self.scaler is not None and self.scaler.dynamic and (self.hit or self.flags):
+            state.note_foreign_backward(self.hit.values(), self.scaler,
+                                        list(self.flags.values()), self.into_held)
+            self.noted = True
+        self.hit, self.moved, self.flags = {}, {}, {}
 
 
 class DeferredCheck:
@@ -959,15 +994,16 @@ class _OptimizerState:
         # optimizer's scale_loss wrote (unscaled, but checked for an overflow for that block's
         # optimizers only: see note_foreign_backward). One entry per parameter; a gradient
         # dropped since is not kept alive by it.
-        self.foreign_unchecked: Dict[int, Tuple[torch.Tensor, weakref.ref, int]] = {}
+        self.foreign_unchecked: Dict[int, Tuple[torch.Tensor, weakref.ref, int, int]] = {}
         self._grad_accumulators: dict = {}  # (see grad_accumulator)
         # The loss scalers whose blocks left foreign_unchecked marks (by id), and whether a
         # step was refused on them already (see _settle_foreign).
-        self._foreign_scalers: Dict[int, Tuple[LossScaler, int]] = {}
-        self._foreign_refused = False
+        self._foreign_scalers: Dict[int, Tuple[LossScaler, list, list]] = {}
+        self._foreign_refused = self._landed_in_held = False
         # The watches of other optimizers' blocks open on this one's parameters now.
         self.active_watches: List[ForeignBackwardWatch] = []
         self.open_scale = None  # (the scale of this optimizer's open block: before_backward)
+        self.open_block: Optional[BlockBackwards] = None  # (that block's backwards, if noted)
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
         self.held_scaler: Optional[LossScaler] = None
@@ -1423,18 +1459,30 @@ class _OptimizerState:
             self._grad_accumulators[id(p)] = node
         return node
 
-    def note_foreign_backward(self, params, scaler: LossScaler) -> None:
+    def note_foreign_backward(self, params, scaler: LossScaler, flags=(),
+                              into_held: bool = False) -> None:
         """A backward inside a dynamically scaled ``scale_loss`` not given this optimizer
         (``scaler``'s loss) accumulated into ``params``' gradients (onto what they held, or
         new): unscaled, but checked for an overflow for that block's optimizers only.
-        Remembered: this optimizer's next block checks them with its own (:meth:`unscale`),
-        and a step before one settles them (:meth:`_settle_foreign`)."""
+        Remembered (marks), with ``flags``, whether what landed (there, or in a block or a
+        window of this optimizer's, ``into_held``) held an inf or NaN: this optimizer's next
+        block checks them apart from its own (:meth:`unscale`), and a step before one
+        settles them (:meth:`_settle_foreign`)."""
         for p in params:
             g = p.grad
             if g is not None:
-                self.foreign_unchecked[id(p)] = (p, weakref.ref(g), g._version)
-                # (With the scaler's update count then: see check_foreign.)
-                self._foreign_scalers[id(scaler)] = (scaler, scaler.changes)
+                self.foreign_unchecked[id(p)] = (p, weakref.ref(g), g._version, id(scaler))
+        entry = self._foreign_scalers.setdefault(id(scaler), (scaler, [], []))
+        entry[2].extend(flags)
+        self._landed_in_held = self._landed_in_held or into_held
+
+    def foreign_decided(self, scaler: LossScaler) -> None:
+        """A block that just left marks or flags here (``scaler``'s loss) took its own
+        overflow decision: remembered (a bool, or its device flag, not read now), so that
+        :meth:`check_foreign` does not back that scale off twice for one event."""
+        entry = self._foreign_scalers.get(id(scaler))
+        if entry is not None:
+            entry[1].append(scaler._last_found)
 
     def _settle_foreign(self, optimizer) -> None:
         """At a step: the gradients another block left unchecked (see
@@ -1443,7 +1491,7 @@ class _OptimizerState:
         all-reduced by hand, added onto by a plain backward, zeroed, replaced), or at the step
         after a refusal, they are checked here (:meth:`check_foreign`). A gradient set to None
         since is the caller's."""
-        untouched = [p for p, ref, v in self.foreign_unchecked.values()
+        untouched = [p for p, ref, v, _ in self.foreign_unchecked.values()
                      if p.grad is not None and p.grad is ref() and p.grad._version == v]
         if untouched and not self._foreign_refused:
             self._foreign_refused = True  # (the marks stay: the next step checks them)
@@ -1460,31 +1508,43 @@ class _OptimizerState:
                 "them in one call, amp.initialize([model_a, model_b], [opt_a, opt_b], ...). "
                 "(A step called again checks them instead: an overflow skips it.)"
             )
-        self.check_foreign([p.grad for p, _, _ in self.foreign_unchecked.values()
-                            if p.grad is not None])
+        self.check_foreign({})
 
-    def check_foreign(self, grads) -> None:
-        """Check ``grads``, those the marks of :meth:`note_foreign_backward` stand for, now
-        (one host sync, in these loops only), and forget the marks: an inf or NaN skips this
-        optimizer's next step and backs off the scale of the losses that left them (not this
-        optimizer's own: theirs overflowed), as GradScaler does for an optimizer's gradients
-        it unscaled; but not twice for one event, where the block that left them backed off
-        already at its exit (an overflow in its own gradients too)."""
-        scalers = list(self._foreign_scalers.values())
+    def check_foreign(self, aside: Dict[int, torch.Tensor]) -> bool:
+        """Settle what other blocks brought this optimizer's parameters (see
+        :meth:`note_foreign_backward`), one host sync in these loops only, and forget it: an
+        inf or NaN skips this optimizer's next step and backs off the scale of the loss whose
+        block brought it, told by the flags taken as it landed (not this optimizer's own loss:
+        that one did not overflow there), as GradScaler backs off for any optimizer's
+        gradients it unscales; but not again where that block backed off at its own exit
+        already (an overflow of its own gradients in the same backward). The marked
+        gradients (a parameter's ``aside`` entry where a block set it aside, else its
+        ``.grad``) are looked at again too, for what came since (a hand all-reduce brings an
+        inf from another rank): such an inf backs off the losses that left marks. Returns
+        whether an inf landed in a block or a window of this optimizer's, whose own check
+        then saw it too (to be cleared there: it is not that loss's overflow)."""
+        marks, scalers, into_held = (self.foreign_unchecked, self._foreign_scalers,
+                                     self._landed_in_held)
         self.forget_foreign()
-        if not grads or self.overflow:
-            return
-        flags: Dict[torch.device, torch.Tensor] = {}
-        for g in grads:
-            if g.device not in flags:
-                flags[g.device] = torch.zeros((), dtype=torch.float32, device=g.device)
-        for device, flag in flags.items():
-            flag_non_finite_grads([g for g in grads if g.device == device], flag)
-        if not any_flag_set(list(flags.values())):
-            return
+        found = {key for key, (_, _, flags) in scalers.items() if any_flag_set(flags)}
+        landed = bool(found)
+        if not found and marks:
+            groups: Dict[Tuple[int, torch.device], List[torch.Tensor]] = {}
+            for p, _, _, key in marks.values():
+                g = aside.get(id(p), p.grad)
+                if g is not None:
+                    groups.setdefault((key, g.device), []).append(g)
+            for (key, device), grads in groups.items():
+                flag = torch.zeros((), dtype=torch.float32, device=device)
+                flag_non_finite_grads(grads, flag)
+                if key not in found and any_flag_set([flag]):
+                    found.add(key)
+        if not found:
+            return False
         self.overflow = True
-        for scaler, changes in scalers:
-            if scaler.changes == changes + 1 and scaler.found_overflow:
+        for key in found:
+            scaler, decided, _ = scalers[key]
+            if any(bool(f.item()) if torch.is_tensor(f) else f for f in decided):
                 continue  # (backed off at that block's exit, for the same backward)
             if scaler.update(True):
                 loss_id = next((i for i, s in enumerate(self.amp_state.scalers)
@@ -1492,11 +1552,12 @@ class _OptimizerState:
                 if loss_id is not None:  # (another call's scaler: its own log stays quiet)
                     self.amp_state.overflow_log.overflow(loss_id, scaler.loss_scale,
                                                          scaler._min)
+        return landed and into_held
 
     def forget_foreign(self) -> None:
-        """Drop the marks of gradients another block left unchecked (zeroed, or checked)."""
+        """Drop the marks and flags other blocks left (gradients zeroed, or checked)."""
         self.foreign_unchecked, self._foreign_scalers = {}, {}
-        self._foreign_refused = False
+        self._foreign_refused = self._landed_in_held = False
 
     def _drop_grads(self, optimizer) -> None:
         """The gradients of a step that is skipped: set to None; those of the parameters it
@@ -1792,13 +1853,14 @@ class _OptimizerState:
             flags = unscale_grads_(fresh + plain_grads, scaler, check)
         flags = flags or []
         stash = self._stash
-        if self.foreign_unchecked:
+        if self.foreign_unchecked or self._foreign_scalers:
             # Gradients another optimizer's block left here (unscaled as they landed, never
             # checked for this one), set aside for this block: checked apart from its own, so
             # that an inf among them backs off that block's loss, not this one's (which would
             # then keep overflowing there, every step skipped).
             marks = self.foreign_unchecked
-            self.check_foreign([g for p, g in stash if id(p) in marks])
+            if self.check_foreign({id(p): g for p, g in stash if id(p) in marks}):
+                flags = [torch.zeros_like(f) for f in flags]  # (see check_foreign)
             stash = [(p, g) for p, g in stash if id(p) not in marks]
         if (check and stash and len(flags) <= 1 and self._last_step_flag is not None):
             # The gradients set aside were checked at their own block; but after a step the
@@ -1961,7 +2023,7 @@ class _OptimizerState:
                 "inner micro-batches; run the last backward before step() with the all-reduce "
                 "on and delay_unscale=False."
             )
-        if self.foreign_unchecked:
+        if self.foreign_unchecked or self._foreign_scalers:
             self._settle_foreign(optimizer)
         if (not self.overflow and self.pending_found is not None and self.grad_tensors_kept
                 and self._had_grads and self.pairs):

@@ -801,15 +801,17 @@ def scale_loss(
         # writes there is unscaled as it lands; under a dynamic scale, checked at their next
         # block, and their step() before one is refused (see ForeignBackwardWatch).
         # (At a static 1.0, only those holding a window or an open block at another scale.)
+        # (A loss that needs no gradient, under torch.inference_mode say, has no backward.)
         watches, block, block_hook = [], None, None
-        others = _other_optimizer_states(amp_state, states,
-                                         scaled=scaler.dynamic or scaler.loss_scale != 1.0)
+        others = _other_optimizer_states(amp_state, states) if scaled.requires_grad else []
         if others:
             own = {id(p) for s in states for p in s.plain}
-            if scaled.requires_grad and not is_compiling():
+            if not is_compiling():
                 # (Which backwards are this block's: those through its scaled loss.)
                 block = BlockBackwards()
                 block_hook = scaled.register_hook(block)
+                for s in states:  # (see ForeignBackwardWatch: one backward, two scales)
+                    s.open_block = block
             unscaled: Set[int] = set()  # (a parameter two of them hold: unscaled once)
             watches = [o.watch_foreign_backward(own, block, scale, unscaled, scaler)
                        for o in others]
@@ -851,6 +853,9 @@ def scale_loss(
             amp_state.defer_overflow(unscale, loss_id, flags)
         else:
             amp_state.record_overflow(unscale, loss_id, flags)
+            for watch in watches:
+                if watch.noted:  # (its marks: this block's own decision, for the back-off)
+                    watch.state.foreign_decided(scaler)
         reached = any(s.reached for s in unscale)
         if not reached and not amp_state.warned_unreached:
             amp_state.warned_unreached = True
@@ -868,6 +873,7 @@ def scale_loss(
     finally:
         for s in states:
             s.scale_loss_open = False
+            s.open_block = None
 
 
 class UnheldWatch:
@@ -971,12 +977,11 @@ def _sentence(text: str) -> str:
     return text[:1].upper() + text[1:]
 
 
-def _other_optimizer_states(amp_state: AmpState, states, scaled: bool = True) -> list:
+def _other_optimizer_states(amp_state: AmpState, states) -> list:
     """The live optimizer states of ``amp_state``'s call and of the other live (enabled)
-    calls, that are not in ``states``, and that a backward at a scale could write into:
-    those holding a ``delay_unscale`` window or an open block (their gradients there at a
-    scale of their own), and, if ``scaled`` (not a static 1.0), those with directly stepped
-    parameters."""
+    calls, that are not in ``states`` and hold parameters (under a block at a static 1.0,
+    only those holding, or opening during the block, a ``delay_unscale`` window or a block
+    of their own get hooks: their gradients there are at a scale of their own)."""
     others = amp_state.other_optimizer_states(states)
     if len(_calls) > 1:
         for ref in _calls:
@@ -987,7 +992,10 @@ def _other_optimizer_states(amp_state: AmpState, states, scaled: bool = True) ->
         # (A group added since initialize may hold the only directly stepped parameters:
         # picked up before the filter, or a backward into them would go unwatched.)
         o.sync_param_groups()
-    return [o for o in others if (scaled and o.plain) or o.grads_scaled or o.scale_loss_open]
+    # (With master weights only, O2 without BatchNorm, or under a block at a static 1.0:
+    # watched for a block or a window it may open while this block is open, the hooks put on
+    # then: see ForeignBackwardWatch.hook_half.)
+    return [o for o in others if o.plain or o.pairs]
 
 
 def _set_latest(state: AmpState, opt_list) -> None:

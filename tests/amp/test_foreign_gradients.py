@@ -304,3 +304,137 @@ def test_a_foreign_gradient_replaced_by_a_new_tensor_is_checked():
     oe.step()
     assert amp.step_was_skipped(oe)
     assert torch.equal(e.weight.detach(), w)
+
+
+def _encoder_and_heads(n_heads, num_losses, level="O1"):
+    """E (held by oE) under ``n_heads`` heads with an optimizer each; fp16, every loss at 4096."""
+    torch.manual_seed(0)
+    e = nn.Sequential(nn.Linear(6, 16), nn.Tanh())
+    heads = [nn.Linear(16, 2) for _ in range(n_heads)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (e, *heads)]
+    amp.initialize([e, *heads], opts, opt_level=level, dtype=torch.float16,
+                   num_losses=num_losses, verbosity=0)
+    amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": 4096.0, "unskipped": 0}
+                         for i in range(num_losses)})
+    return e, heads, opts, torch.randn(8, 6, generator=torch.Generator().manual_seed(1))
+
+
+def _inf_share(h):
+    """h * 1.0 whose gradient into h (the encoder's share) is inf in one column."""
+    h2 = h * 1.0
+    h2.register_hook(lambda g: g.index_fill(1, torch.tensor([0]), _INF))
+    return h2
+
+
+def test_the_loss_whose_share_overflowed_backs_off_not_every_loss_that_left_one():
+    """(s62 helper D, bug 2) Loss 1's block leaves an inf in E's share, loss 2's block a clean
+    one on the same parameters, then E's own block (loss 0): the check of the marked gradients
+    backed off loss 2 (the last to mark them) or both. Flags taken as each share lands tell
+    them apart: loss 1 backs off alone."""
+    e, (h1, h2, h3), (oe, o1, o2, o3), x = _encoder_and_heads(3, 3)
+    h = e(x)
+    for head, opt, loss_id, hh in ((h2, o2, 1, _inf_share(h)), (h3, o3, 2, h)):
+        with amp.scale_loss(head(hh).float().pow(2).mean(), opt, loss_id=loss_id) as s:
+            s.backward(retain_graph=True)
+    with amp.scale_loss(h1(h).float().pow(2).mean(), [oe, o1]) as s:
+        s.backward()
+    for opt in (oe, o1, o2, o3):
+        opt.step()
+    assert [amp.step_was_skipped(o) for o in (oe, o1, o2, o3)] == [True, False, False, False]
+    assert [v["loss_scale"] for v in amp.state_dict().values()] == [4096.0, 2048.0, 4096.0]
+
+
+def test_one_event_backs_off_once_with_a_clean_block_of_that_loss_in_between():
+    """(s62 helper D, bug 1) One backward overflows H2's own gradients and E's share (loss 0
+    backs off at H2's block); a clean block of the same loss (H3) follows; then E's step
+    checks the share: the 'once per event' rule looked only at the scaler's latest update and
+    backed off again. The decision of the block that left the share is remembered now."""
+    e, (h1, h2, h3), (oe, o1, o2, o3), x = _encoder_and_heads(3, 1)
+    h = e(x)
+    with amp.scale_loss(h2(_inf_share(h)).float().pow(2).mean() * _INF, o2) as s:
+        s.backward(retain_graph=True)
+    with amp.scale_loss(h3(h.detach()).float().pow(2).mean(), o3) as s:
+        s.backward()
+    torch.nn.utils.clip_grad_norm_(e.parameters(), 1.0)
+    oe.step()
+    assert amp.step_was_skipped(oe)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 2048.0
+
+
+def test_a_foreign_inf_landing_in_a_window_backs_off_the_foreign_loss():
+    """(s62 helper D, bug 4) E holds a delay_unscale window (loss 0) when loss 1's block lands
+    an inf in E's share there; the window's closing block saw it with its own gradients and
+    backed off loss 0, every iteration (loss 1, the one overflowing, never moved). The flag
+    taken as the share landed attributes it: E skipped, loss 1 backs off, loss 0 keeps its
+    scale, and the loop recovers once loss 1's scale is low enough."""
+    e, (h1, h2), (oe, o1, o2), _ = _encoder_and_heads(2, 2)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        for opt in (oe, o1, o2):
+            opt.zero_grad()
+        for micro in range(2):
+            h = e(torch.randn(8, 6, generator=gen))
+            overflow = amp.state_dict()["loss_scaler1"]["loss_scale"] >= 1024
+            with amp.scale_loss(h1(h).float().pow(2).mean(), [oe, o1],
+                                delay_unscale=micro == 0) as s:
+                s.backward(retain_graph=True)
+            hh = _inf_share(h) if overflow else h
+            with amp.scale_loss(h2(hh).float().pow(2).mean(), o2, loss_id=1) as s:
+                s.backward()
+        for opt in (oe, o1, o2):
+            try:
+                opt.step()
+            except RuntimeError:  # (the last share, unchecked: refused once, then checked)
+                opt.step()
+    assert [v["loss_scale"] for v in amp.state_dict().values()] == [4096.0, 512.0]
+    assert not amp.step_was_skipped(oe)
+    assert all(torch.isfinite(p).all() for p in e.parameters())
+
+
+def test_an_own_block_at_a_static_one_still_checks_a_foreign_share():
+    """(s62 helper D, bug 3) A's call at bf16's static 1.0, B's in fp16 with a dynamic scale:
+    B's block left an inf in A's share, then A's own block (no set-aside at a static 1.0)
+    forgot the marks unchecked, and A stepped the inf. Checked now: skipped, A finite."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.1), torch.optim.SGD(b.parameters(), lr=0.1)
+    amp.initialize(a, oa, opt_level="O1", dtype=torch.bfloat16, verbosity=0)
+    amp.initialize(b, ob, opt_level="O1", dtype=torch.float16, verbosity=0)
+    x = torch.randn(8, 4)
+    with amp.scale_loss(b(_inf_share(a(x))).float().pow(2).mean(), ob) as s:
+        s.backward()
+    ob.step()
+    with amp.scale_loss(a(x).float().pow(2).mean(), oa) as s:
+        s.backward()
+    oa.step()
+    assert amp.step_was_skipped(oa)
+    assert all(torch.isfinite(p).all() for p in a.parameters())
+
+
+def test_one_backward_through_two_blocks_at_different_scales_is_refused():
+    """(s62 helper D, bug 5) Two blocks open over one backward, loss_ids 0 and 1 at different
+    scales, a parameter both losses reach: the summed share was rescaled as one, wrong by a
+    third, silently. Refused now (one loss_id works: test_scale_loss.py's "both" order)."""
+    e, (h1, h2), (oe, o1, o2), x = _encoder_and_heads(2, 2)
+    amp.load_state_dict({"loss_scaler0": {"loss_scale": 4096.0, "unskipped": 0},
+                         "loss_scaler1": {"loss_scale": 512.0, "unskipped": 0}})
+    h = e(x)
+    with pytest.raises(RuntimeError, match=r"two open scale_loss blocks at different loss "
+                                           r"scales.*one loss_id"):
+        with amp.scale_loss(h2(h).float().pow(2).mean(), o2, loss_id=1) as s1, \
+                amp.scale_loss(h1(h).float().pow(2).mean(), [oe, o1]) as s0:
+            (s0 + s1).backward()
+
+
+@pytest.mark.parametrize("what", ["inference_mode", "no_grad"])
+def test_a_block_over_a_loss_without_gradient_opens_no_watch(what):
+    """(s62 helper D, bug 7) scale_loss over a loss computed under torch.inference_mode()
+    (an evaluation pass reusing the training code) failed finding the other optimizers'
+    gradient accumulators, and a watch made before the failure stayed open, dividing a later
+    share twice. A loss that needs no gradient has no backward: no watch."""
+    e, (h1, h2), (oe, o1, o2), x = _encoder_and_heads(2, 1)
+    with getattr(torch, what)():
+        loss = h2(e(x)).float().pow(2).mean()
+        with amp.scale_loss(loss, o2):
+            pass
+    assert all(not amp._state.optimizer_state(o).active_watches for o in (oe, o1, o2))

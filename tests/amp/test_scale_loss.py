@@ -2497,23 +2497,29 @@ def test_a_step_called_again_after_the_unchecked_refusal_checks_the_gradients():
 @pytest.mark.parametrize("scales", [(512.0, 1.0), (512.0, 4096.0), (1.0, 512.0)],
                          ids=["window-512-foreign-1", "window-512-foreign-4096",
                               "window-1-foreign-512"])
+@pytest.mark.parametrize("inside", [False, True], ids=["window-first", "window-inside"])
 @pytest.mark.parametrize("opt_level", ["O1", "O2"])
-def test_a_foreign_block_into_a_window_lands_at_the_windows_scale(opt_level, scales):
+def test_a_foreign_block_into_a_window_lands_at_the_windows_scale(opt_level, scales, inside):
     """Models without BatchNorm, so that at O2 oa steps no parameter directly: a window oa
     holds (delay_unscale) at loss 0's scale, a block of ob at loss 1's reaching a, then oa's
     closing block. The foreign share must land at the window's scale. Unwatched, it did not:
     a foreign block at a static 1.0 opened no watch (s62 helper A), and at O2 an optimizer
     with no directly stepped parameter was never watched (its window's half gradients took
-    the share at the other scale). oa's gradients equal those of the loop at 1.0, 1.0."""
+    the share at the other scale; nor when the window opened inside ob's block, before its
+    backward: s62 helper D's bug 6). oa's gradients equal those of the loop at 1.0, 1.0."""
     def run(loss_scales):
         a, b, oa, ob = _two_linear(opt_level, loss_scale=1.0, num_losses=2)
         amp.load_state_dict({f"loss_scaler{i}": {"loss_scale": v, "unskipped": 0}
                              for i, v in enumerate(loss_scales)})
         x = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
-        with amp.scale_loss(a(x).float().pow(2).mean(), oa, delay_unscale=True) as s:
-            s.backward()
-        with amp.scale_loss(b(a(2 * x)).float().pow(2).mean(), ob, loss_id=1) as s:
-            s.backward()
+        if not inside:
+            with amp.scale_loss(a(x).float().pow(2).mean(), oa, delay_unscale=True) as s:
+                s.backward()
+        with amp.scale_loss(b(a(2 * x)).float().pow(2).mean(), ob, loss_id=1) as t:
+            if inside:
+                with amp.scale_loss(a(x).float().pow(2).mean(), oa, delay_unscale=True) as s:
+                    s.backward()
+            t.backward()
         with amp.scale_loss(a(3 * x).float().pow(2).mean(), oa) as s:
             s.backward()
         return [p.grad.clone() for p in amp.master_params(oa)]
@@ -2948,7 +2954,8 @@ def test_the_foreign_gradient_marks_stay_one_per_parameter():
             s.backward()
         ob.step()
     assert len(state.foreign_unchecked) == 2
-    assert all(ref() is None or ref() is p.grad for p, ref, _ in state.foreign_unchecked.values())
+    assert all(ref() is None or ref() is p.grad
+               for p, ref, *_ in state.foreign_unchecked.values())
 
 
 @pytest.mark.parametrize("rank_zero", [True, False], ids=["rank0", "other_rank"])
