@@ -750,10 +750,10 @@ class ForeignBackwardWatch:
         self.unscaled = unscaled
         self.hit: Dict[int, torch.Tensor] = {}
         self.noted = False  # (whether close() left marks or flags: see foreign_decided)
-        # Per device, whether a share that landed held an inf or NaN (device flags, not read
-        # here; under a dynamic scale only), and whether one landed in an open block or a
-        # window of the optimizer: see _OptimizerState.check_foreign.
-        self.flags: Dict[torch.device, torch.Tensor] = {}
+        # The shares that landed (under a dynamic scale only), flagged for inf/NaN in one
+        # multi-tensor pass at close (held until then), and whether one landed in an open block
+        # or a window of the optimizer: see _OptimizerState.check_foreign.
+        self.landed: List[torch.Tensor] = []
         self.into_held = False
         # (Held-window marks still intact where this block adds onto a window's gradients:
         # moved with the addition at close, or the block closing the window took it for a
@@ -801,13 +801,8 @@ class ForeignBackwardWatch:
         # checks it); into a window it holds, at the window's (its closing block does); else
         # unscaled, and remembered as unchecked for it.
         grad = grads[0]
-        scaler = self.scaler
-        if scaler is not None and scaler.dynamic:
-            flag = self.flags.get(grad.device)
-            if flag is None:
-                flag = self.flags[grad.device] = torch.zeros((), dtype=torch.float32,
-                                                             device=grad.device)
-            flag_non_finite_grads([grad], flag)
+        if self.scaler is not None and self.scaler.dynamic:
+            self.landed.append(grad)
         if state.scale_loss_open:
             self.into_held = True
             held = state.open_scale
@@ -855,11 +850,17 @@ class ForeignBackwardWatch:
             marks = state._held_marks
             for p in self.moved.values():
                 marks[id(p)] = (p.grad, None if p.grad is None else p.grad._version)
-        if self.scaler is not None and self.scaler.dynamic and (self.hit or self.flags):
-            state.note_foreign_backward(self.hit.values(), self.scaler,
-                                        list(self.flags.values()), self.into_held)
+        if self.scaler is not None and self.scaler.dynamic and (self.hit or self.landed):
+            flags = {}
+            for g in self.landed:
+                if g.device not in flags:
+                    flags[g.device] = torch.zeros((), dtype=torch.float32, device=g.device)
+            for device, flag in flags.items():
+                flag_non_finite_grads([g for g in self.landed if g.device == device], flag)
+            state.note_foreign_backward(self.hit.values(), self.scaler, list(flags.values()),
+                                        self.into_held)
             self.noted = True
-        self.hit, self.moved, self.flags = {}, {}, {}
+        self.hit, self.moved, self.landed = {}, {}, []
 
 
 class DeferredCheck:
