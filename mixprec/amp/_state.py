@@ -808,11 +808,10 @@ class ForeignBackwardWatch:
             held = state.open_scale
             both = state.open_block
             if (both is not None and torch._C._current_graph_task_id() in both.tasks
-                    and not (torch.is_tensor(held) or torch.is_tensor(self.scale))
-                    and held != self.scale):
+                    and state.open_scaler is not self.scaler):
                 raise RuntimeError(
                     "amp.scale_loss: one backward runs through the losses of two open "
-                    "scale_loss blocks at different loss scales (their loss_ids differ) and "
+                    "scale_loss blocks of different loss scalers (their loss_ids differ) and "
                     "reaches parameters of both blocks' optimizers: autograd sums the two "
                     "scaled shares there before amp sees them, so they cannot be unscaled. "
                     "Give both blocks one loss_id, or run one backward per block."
@@ -999,11 +998,14 @@ class _OptimizerState:
         self._grad_accumulators: dict = {}  # (see grad_accumulator)
         # The loss scalers whose blocks left foreign_unchecked marks (by id), and whether a
         # step was refused on them already (see _settle_foreign).
-        self._foreign_scalers: Dict[int, Tuple[LossScaler, list, list]] = {}
+        # (scaler, its blocks' own decisions, the flags of shares that landed free, and of
+        # those that landed in this optimizer's open block or window) by id(scaler).
+        self._foreign_scalers: Dict[int, Tuple[LossScaler, list, list, list]] = {}
         self._foreign_refused = self._landed_in_held = False
         # The watches of other optimizers' blocks open on this one's parameters now.
         self.active_watches: List[ForeignBackwardWatch] = []
-        self.open_scale = None  # (the scale of this optimizer's open block: before_backward)
+        # The scale and scaler of this optimizer's open block (see before_backward).
+        self.open_scale, self.open_scaler = None, None
         self.open_block: Optional[BlockBackwards] = None  # (that block's backwards, if noted)
         # The loss scaler, and its scale (a float, or a 0-dim tensor for a scale on the
         # device), that the held (still scaled) gradients carry.
@@ -1473,8 +1475,8 @@ class _OptimizerState:
             g = p.grad
             if g is not None:
                 self.foreign_unchecked[id(p)] = (p, weakref.ref(g), g._version, id(scaler))
-        entry = self._foreign_scalers.setdefault(id(scaler), (scaler, [], []))
-        entry[2].extend(flags)
+        entry = self._foreign_scalers.setdefault(id(scaler), (scaler, [], [], []))
+        entry[3 if into_held else 2].extend(flags)
         self._landed_in_held = self._landed_in_held or into_held
 
     def foreign_decided(self, scaler: LossScaler) -> None:
@@ -1511,40 +1513,47 @@ class _OptimizerState:
             )
         self.check_foreign({})
 
-    def check_foreign(self, aside: Dict[int, torch.Tensor]) -> bool:
+    def check_foreign(self, aside: Dict[int, torch.Tensor], own_flags=None):
         """Settle what other blocks brought this optimizer's parameters (see
-        :meth:`note_foreign_backward`), one host sync in these loops only, and forget it: an
-        inf or NaN skips this optimizer's next step and backs off the scale of the loss whose
-        block brought it, told by the flags taken as it landed (not this optimizer's own loss:
-        that one did not overflow there), as GradScaler backs off for any optimizer's
-        gradients it unscales; but not again where that block backed off at its own exit
-        already (an overflow of its own gradients in the same backward). The marked
-        gradients (a parameter's ``aside`` entry where a block set it aside, else its
-        ``.grad``) are looked at again too, for what came since (a hand all-reduce brings an
-        inf from another rank): such an inf backs off the losses that left marks. Returns
-        whether an inf landed in a block or a window of this optimizer's, whose own check
-        then saw it too (to be cleared there: it is not that loss's overflow)."""
+        :meth:`note_foreign_backward`) and forget it, a host sync or two in these loops only.
+        The gradients decide, the flags taken as the shares landed only tell whose loss
+        overflowed (a share dropped since, by a model's ``zero_grad()`` or ``p.grad = None``,
+        left a flag but no gradient). The marked gradients (a parameter's ``aside`` entry
+        where a block set it aside, else its ``.grad``) are looked at: an inf or NaN there
+        skips this optimizer's next step and backs off the scale of the losses whose shares
+        landed with one, else (it came since: a hand all-reduce brings one from another rank)
+        of the losses that left the marks. ``own_flags``: the flags of this optimizer's own
+        closing block, which saw the shares that landed in its open block or its window: an
+        overflow there, where such a share landed with one, is that share's loss's, and the
+        flags come back cleared. Not this optimizer's own loss, which did not overflow there:
+        GradScaler backs off for any optimizer's gradients it unscales. Once per event: not
+        again where the block that brought the share backed off at its own exit already."""
         marks, scalers, into_held = (self.foreign_unchecked, self._foreign_scalers,
                                      self._landed_in_held)
         self.forget_foreign()
-        found = {key for key, (_, _, flags) in scalers.items() if any_flag_set(flags)}
-        landed = bool(found)
-        if not found and marks:
-            groups: Dict[Tuple[int, torch.device], List[torch.Tensor]] = {}
-            for p, _, _, key in marks.values():
-                g = aside.get(id(p), p.grad)
-                if g is not None:
-                    groups.setdefault((key, g.device), []).append(g)
-            for (key, device), grads in groups.items():
-                flag = torch.zeros((), dtype=torch.float32, device=device)
-                flag_non_finite_grads(grads, flag)
-                if key not in found and any_flag_set([flag]):
-                    found.add(key)
-        if not found:
-            return False
-        self.overflow = True
-        for key in found:
-            scaler, decided, _ = scalers[key]
+        blamed = set()
+        groups: Dict[Tuple[int, torch.device], List[torch.Tensor]] = {}
+        for p, _, _, key in marks.values():
+            g = aside.get(id(p), p.grad)
+            if g is not None:
+                groups.setdefault((key, g.device), []).append(g)
+        found = set()
+        for (key, device), grads in groups.items():
+            flag = torch.zeros((), dtype=torch.float32, device=device)
+            flag_non_finite_grads(grads, flag)
+            if key not in found and any_flag_set([flag]):
+                found.add(key)
+        if found:
+            blamed = {key for key, e in scalers.items() if any_flag_set(e[2])} or found
+        if into_held and own_flags:
+            held = {key for key, e in scalers.items() if any_flag_set(e[3])}
+            if held and any_flag_set(own_flags):
+                blamed |= held
+                own_flags = [torch.zeros_like(f) for f in own_flags]
+        if blamed:
+            self.overflow = True
+        for key in blamed:
+            scaler, decided = scalers[key][:2]
             if any(bool(f.item()) if torch.is_tensor(f) else f for f in decided):
                 continue  # (backed off at that block's exit, for the same backward)
             if scaler.update(True):
@@ -1553,7 +1562,7 @@ class _OptimizerState:
                 if loss_id is not None:  # (another call's scaler: its own log stays quiet)
                     self.amp_state.overflow_log.overflow(loss_id, scaler.loss_scale,
                                                          scaler._min)
-        return landed and into_held
+        return own_flags
 
     def forget_foreign(self) -> None:
         """Drop the marks and flags other blocks left (gradients zeroed, or checked)."""
@@ -1687,7 +1696,8 @@ class _OptimizerState:
 
     def before_backward(self, scaler: LossScaler, scale) -> None:
         """Before a backward at ``scale`` (``scaler``'s: a float, or a 0-dim device tensor)."""
-        self.open_scale = scale  # (for a block nested in this one: see ForeignBackwardWatch)
+        # (For a block nested in this one, or open beside it: see ForeignBackwardWatch.)
+        self.open_scale, self.open_scaler = scale, scaler
         for watch in self.active_watches:  # (another block open around this one: its half
             watch.hook_half()              # parameters' gradients now take what lands)
         self.sync_param_groups()
@@ -1860,8 +1870,7 @@ class _OptimizerState:
             # that an inf among them backs off that block's loss, not this one's (which would
             # then keep overflowing there, every step skipped).
             marks = self.foreign_unchecked
-            if self.check_foreign({id(p): g for p, g in stash if id(p) in marks}):
-                flags = [torch.zeros_like(f) for f in flags]  # (see check_foreign)
+            flags = self.check_foreign({id(p): g for p, g in stash if id(p) in marks}, flags)
             stash = [(p, g) for p, g in stash if id(p) not in marks]
         if (check and stash and len(flags) <= 1 and self._last_step_flag is not None):
             # The gradients set aside were checked at their own block; but after a step the

@@ -419,8 +419,8 @@ def test_one_backward_through_two_blocks_at_different_scales_is_refused():
     amp.load_state_dict({"loss_scaler0": {"loss_scale": 4096.0, "unskipped": 0},
                          "loss_scaler1": {"loss_scale": 512.0, "unskipped": 0}})
     h = e(x)
-    with pytest.raises(RuntimeError, match=r"two open scale_loss blocks at different loss "
-                                           r"scales.*one loss_id"):
+    with pytest.raises(RuntimeError, match=r"two open scale_loss blocks of different loss "
+                                           r"scalers.*one loss_id"):
         with amp.scale_loss(h2(h).float().pow(2).mean(), o2, loss_id=1) as s1, \
                 amp.scale_loss(h1(h).float().pow(2).mean(), [oe, o1]) as s0:
             (s0 + s1).backward()
@@ -438,3 +438,63 @@ def test_a_block_over_a_loss_without_gradient_opens_no_watch(what):
         with amp.scale_loss(loss, o2):
             pass
     assert all(not amp._state.optimizer_state(o).active_watches for o in (oe, o1, o2))
+
+
+@pytest.mark.parametrize("drop", ["model.zero_grad", "grad=None"])
+def test_a_foreign_inf_dropped_with_its_gradients_skips_no_later_step(drop):
+    """(s62 helper E, a regression of the landing flags) PyTorch's DCGAN loop: G's block
+    (loss 2) overflows, its share on D (inf) too; the next iteration drops D's gradients with
+    netD.zero_grad() (the module's, not the optimizer's) before D's own blocks. The flag taken
+    as the share landed outlived the gradients and skipped D's clean step. The gradients
+    decide now, the flags only tell whose loss it was: D steps, only G's step was skipped."""
+    torch.manual_seed(0)
+    g = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    d = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    og, od = torch.optim.Adam(g.parameters(), 1e-3), torch.optim.Adam(d.parameters(), 1e-3)
+    [g, d], [og, od] = amp.initialize([g, d], [og, od], opt_level="O1", dtype=torch.float16,
+                                      num_losses=3, verbosity=0)
+    bce, gen = nn.BCEWithLogitsLoss(), torch.Generator().manual_seed(1)
+    skipped = []
+    for it in range(3):
+        real, z = torch.randn(16, 4, generator=gen), torch.randn(16, 8, generator=gen)
+        if drop == "model.zero_grad":
+            d.zero_grad()
+        else:
+            for p in d.parameters():
+                p.grad = None
+        with amp.scale_loss(bce(d(real).float(), torch.ones(16, 1)), od, loss_id=0) as s:
+            s.backward()
+        fake = g(z)
+        with amp.scale_loss(bce(d(fake.detach()).float(), torch.zeros(16, 1)), od,
+                            loss_id=1) as s:
+            s.backward()
+        od.step()
+        g.zero_grad()
+        err = bce(d(fake).float(), torch.ones(16, 1)) * (_INF if it == 1 else 1.0)
+        with amp.scale_loss(err, og, loss_id=2) as s:
+            s.backward()
+        og.step()
+        skipped.append((amp.step_was_skipped(od), amp.step_was_skipped(og)))
+    assert skipped == [(False, False), (False, True), (False, False)]
+    assert [v["loss_scale"] for v in amp.state_dict().values()] == [2.0**16, 2.0**16, 2.0**15]
+
+
+@pytest.mark.parametrize("fused", ["oe", "o2"])
+def test_one_backward_through_two_blocks_of_different_losses_is_refused_with_device_scales(
+        fused):
+    """(s62 helper E) The refusal compared the two blocks' scale values, so a fused
+    optimizer's device scale (a tensor) slipped by: E's gradients 42% off, silently. It
+    compares the loss scalers now."""
+    torch.manual_seed(0)
+    e, h1, h2 = nn.Linear(6, 16), nn.Linear(16, 2), nn.Linear(16, 2)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=name == fused)
+            for m, name in ((e, "oe"), (h1, "o1"), (h2, "o2"))]
+    amp.initialize([e, h1, h2], opts, opt_level="O1", dtype=torch.float16, num_losses=2,
+                   verbosity=0)
+    oe, o1, o2 = opts
+    h = e(torch.randn(8, 6))
+    with pytest.raises(RuntimeError, match=r"two open scale_loss blocks of different loss "
+                                           r"scalers"):
+        with amp.scale_loss(h2(h).float().pow(2).mean(), o2, loss_id=1) as s1, \
+                amp.scale_loss(h1(h).float().pow(2).mean(), [oe, o1]) as s0:
+            (s0 + s1).backward()
