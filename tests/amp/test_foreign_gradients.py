@@ -33,14 +33,18 @@ def test_a_layer_two_other_optimizers_hold_is_unscaled_once(loss_scale):
     # (Kills M10/M11/M20: without the shared ``unscaled`` set both watches divide the
     # incoming share, and the shared layer's gradient comes out 1/scale of its value.)
     shared, head, ref, oa, ob, oc = _two_others_share_a_layer(loss_scale)
+    _assert_the_shared_layers_gradient_is_float64s(shared, head, ref, ob)
+
+
+def _assert_the_shared_layers_gradient_is_float64s(shared, head, ref, ob):
+    """One block of ob through shared and head: shared's gradient equals the float64
+    reference's (ref, a copy of both)."""
     x = torch.randn(8, 4)
     ref(x.double()).pow(2).mean().backward()
     with amp.scale_loss(head(shared(x)).pow(2).mean(), ob) as s:
         s.backward()
-    torch.testing.assert_close(shared.weight.grad.double(), ref[0].weight.grad,
-                               rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(shared.bias.grad.double(), ref[0].bias.grad,
-                               rtol=1e-5, atol=1e-6)
+    for p, r in zip(shared.parameters(), ref[0].parameters()):
+        torch.testing.assert_close(p.grad.double(), r.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_a_layer_shared_with_the_blocks_optimizer_is_not_also_unscaled_by_another():
@@ -53,12 +57,7 @@ def test_a_layer_shared_with_the_blocks_optimizer_is_not_also_unscaled_by_anothe
     ob = torch.optim.SGD(list(shared.parameters()) + list(head.parameters()), lr=0.1)
     amp.initialize([shared, head], [oa, ob], opt_level="O1", loss_scale=512.0,
                    patch_torch_functions=False, verbosity=0)
-    x = torch.randn(8, 4)
-    ref(x.double()).pow(2).mean().backward()
-    with amp.scale_loss(head(shared(x)).pow(2).mean(), ob) as s:
-        s.backward()
-    torch.testing.assert_close(shared.weight.grad.double(), ref[0].weight.grad,
-                               rtol=1e-5, atol=1e-6)
+    _assert_the_shared_layers_gradient_is_float64s(shared, head, ref, ob)
 
 
 @pytest.mark.parametrize("loss_scale", [512.0, "dynamic"])
