@@ -754,6 +754,7 @@ class ForeignBackwardWatch:
         # multi-tensor pass at close (held until then), and whether one landed in an open block
         # or a window of the optimizer: see _OptimizerState.check_foreign.
         self.landed: List[torch.Tensor] = []
+        self.flags: Dict[torch.device, torch.Tensor] = {}
         self.into_held = False
         # (Held-window marks still intact where this block adds onto a window's gradients:
         # moved with the addition at close, or the block closing the window took it for a
@@ -800,9 +801,6 @@ class ForeignBackwardWatch:
         # watch began): into its open block, at that block's scale (its exit unscales and
         # checks it); into a window it holds, at the window's (its closing block does); else
         # unscaled, and remembered as unchecked for it.
-        grad = grads[0]
-        if self.scaler is not None and self.scaler.dynamic:
-            self.landed.append(grad)
         if state.scale_loss_open:
             self.into_held = True
             held = state.open_scale
@@ -828,15 +826,24 @@ class ForeignBackwardWatch:
                 return None  # (a half gradient no block or window holds: dropped later)
             held = None
             self.hit[id(param)] = param
-        if not own:
-            return None
-        factor = (1.0 if held is None else held) / self.scale
-        if not torch.is_tensor(factor):
-            if factor == 1.0:
-                return None
-        elif factor.device != grads[0].device:
-            factor = factor.to(grads[0].device)
-        return (grads[0] * factor,)
+        factor = (1.0 if held is None else held) / self.scale if own else 1.0
+        grad, out = grads[0], None
+        if torch.is_tensor(factor) or factor != 1.0:
+            if torch.is_tensor(factor) and factor.device != grad.device:
+                factor = factor.to(grad.device)
+            out = (grad * factor,)
+        if self.scaler is not None and self.scaler.dynamic:
+            if out is not None:
+                # (The incoming tensor, kept until close, not the one autograd then takes as
+                # the gradient: a second reference to that one would make autograd copy it.)
+                self.landed.append(grad)
+            else:  # (rare: a share at the scale of the block or window it lands in)
+                flag = self.flags.get(grad.device)
+                if flag is None:
+                    flag = self.flags[grad.device] = torch.zeros(
+                        (), dtype=torch.float32, device=grad.device)
+                flag_non_finite_grads([grad], flag)
+        return out
 
     def close(self) -> None:
         """Stop watching; mark what the backward wrote (see ``note_foreign_backward``)."""
@@ -849,8 +856,9 @@ class ForeignBackwardWatch:
             marks = state._held_marks
             for p in self.moved.values():
                 marks[id(p)] = (p.grad, None if p.grad is None else p.grad._version)
-        if self.scaler is not None and self.scaler.dynamic and (self.hit or self.landed):
-            flags = {}
+        if self.scaler is not None and self.scaler.dynamic and (self.hit or self.landed
+                                                                or self.flags):
+            flags = self.flags
             for g in self.landed:
                 if g.device not in flags:
                     flags[g.device] = torch.zeros((), dtype=torch.float32, device=g.device)
@@ -859,7 +867,7 @@ class ForeignBackwardWatch:
             state.note_foreign_backward(self.hit.values(), self.scaler, list(flags.values()),
                                         self.into_held)
             self.noted = True
-        self.hit, self.moved, self.landed = {}, {}, []
+        self.hit, self.moved, self.landed, self.flags = {}, {}, [], {}
 
 
 class DeferredCheck:

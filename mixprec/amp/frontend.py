@@ -813,8 +813,16 @@ def scale_loss(
                 for s in states:  # (see ForeignBackwardWatch: one backward, two scales)
                     s.open_block = block
             unscaled: Set[int] = set()  # (a parameter two of them hold: unscaled once)
-            watches = [o.watch_foreign_backward(own, block, scale, unscaled, scaler)
-                       for o in others]
+            try:
+                for o in others:
+                    watches.append(o.watch_foreign_backward(own, block, scale, unscaled,
+                                                            scaler))
+            except BaseException:
+                for watch in watches:  # (none left hooked for a block that never opened)
+                    watch.close()
+                if block_hook is not None:
+                    block_hook.remove()
+                raise
         try:
             yield scaled
         except BaseException:
