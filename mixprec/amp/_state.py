@@ -1004,10 +1004,11 @@ class _OptimizerState:
         # dropped since is not kept alive by it.
         self.foreign_unchecked: Dict[int, Tuple[torch.Tensor, weakref.ref, int, int]] = {}
         self._grad_accumulators: dict = {}  # (see grad_accumulator)
-        # The loss scalers whose blocks left foreign_unchecked marks (by id), and whether a
-        # step was refused on them already (see _settle_foreign).
-        # (scaler, its blocks' own decisions, the flags of shares that landed free, and of
-        # those that landed in this optimizer's open block or window) by id(scaler).
+        # By id(scaler), for the losses whose blocks brought shares here: (scaler, those
+        # blocks' own overflow decisions, the flags of shares that landed free, and of those
+        # that landed in this optimizer's open block or window); whether a step was refused
+        # on the marks already, and whether a share landed in a block or window (see
+        # _settle_foreign, check_foreign).
         self._foreign_scalers: Dict[int, Tuple[LossScaler, list, list, list]] = {}
         self._foreign_refused = self._landed_in_held = False
         # The watches of other optimizers' blocks open on this one's parameters now.
