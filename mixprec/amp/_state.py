@@ -183,12 +183,18 @@ def masters_of(tensors) -> List[torch.Tensor]:
         if state.amp_state.enabled:
             for half, master in state.pairs:
                 by_memory.setdefault(memory(half), master)
+    return _found_once((memory(t) for t in halves), by_memory)
+
+
+def _found_once(keys, table: dict) -> list:
+    """``table``'s values for ``keys``, in their order, each object once, missing ones left
+    out."""
     out, seen = [], set()
-    for t in halves:
-        master = by_memory.get(memory(t))
-        if master is not None and id(master) not in seen:
-            seen.add(id(master))
-            out.append(master)
+    for key in keys:
+        value = table.get(key)
+        if value is not None and id(value) not in seen:
+            seen.add(id(value))
+            out.append(value)
     return out
 
 
@@ -234,15 +240,7 @@ def set_aside_grads(params) -> List[torch.Tensor]:
     gradients inside such a block (``mixprec.parallel.Reducer``) must average these too.
     """
     aside = _set_aside_by_id()
-    if not aside:
-        return []
-    out, seen = [], set()
-    for p in params:
-        g = aside.get(id(p))
-        if g is not None and id(g) not in seen:
-            seen.add(id(g))
-            out.append(g)
-    return out
+    return _found_once((id(p) for p in params), aside) if aside else []
 
 
 def _set_aside_by_id() -> Dict[int, torch.Tensor]:
@@ -695,6 +693,22 @@ def _enabled_grad_scaler_calling():
     return None
 
 
+def flag_by_device(grads, flags: Optional[Dict[torch.device, torch.Tensor]] = None
+                   ) -> Dict[torch.device, torch.Tensor]:
+    """:func:`flag_non_finite_grads` over ``grads`` on several devices: one 0-dim flag per
+    device in ``flags`` (made where missing; a new dict if None), returned. No host sync."""
+    flags = {} if flags is None else flags
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, on_device in by_device.items():
+        flag = flags.get(device)
+        if flag is None:
+            flag = flags[device] = torch.zeros((), dtype=torch.float32, device=device)
+        flag_non_finite_grads(on_device, flag)
+    return flags
+
+
 class BlockBackwards:
     """A tensor hook on a ``scale_loss`` block's scaled loss, noting the autograd graph tasks
     (and the threads) of the backwards through it."""
@@ -838,11 +852,7 @@ class ForeignBackwardWatch:
                 # the gradient: a second reference to that one would make autograd copy it.)
                 self.landed.append(grad)
             else:  # (rare: a share at the scale of the block or window it lands in)
-                flag = self.flags.get(grad.device)
-                if flag is None:
-                    flag = self.flags[grad.device] = torch.zeros(
-                        (), dtype=torch.float32, device=grad.device)
-                flag_non_finite_grads([grad], flag)
+                flag_by_device([grad], self.flags)
         return out
 
     def close(self) -> None:
@@ -858,12 +868,7 @@ class ForeignBackwardWatch:
                 marks[id(p)] = (p.grad, None if p.grad is None else p.grad._version)
         if self.scaler is not None and self.scaler.dynamic and (self.hit or self.landed
                                                                 or self.flags):
-            flags = self.flags
-            for g in self.landed:
-                if g.device not in flags:
-                    flags[g.device] = torch.zeros((), dtype=torch.float32, device=g.device)
-            for device, flag in flags.items():
-                flag_non_finite_grads([g for g in self.landed if g.device == device], flag)
+            flags = flag_by_device(self.landed, self.flags)
             state.note_foreign_backward(self.hit.values(), self.scaler, list(flags.values()),
                                         self.into_held)
             self.noted = True
@@ -915,15 +920,7 @@ class DeferredCheck:
         for flag in self.flags:
             kept = found.get(flag.device)
             found[flag.device] = flag.clone() if kept is None else torch.maximum(kept, flag)
-        by_device: Dict[torch.device, List[torch.Tensor]] = {}
-        for state in states:
-            for g in state.grads_now():
-                by_device.setdefault(g.device, []).append(g)
-        for device, grads in by_device.items():
-            flag = found.get(device)
-            if flag is None:
-                flag = found[device] = torch.zeros((), dtype=torch.float32, device=device)
-            flag_non_finite_grads(grads, flag)
+        flag_by_device([g for state in states for g in state.grads_now()], found)
         for loss_id in self.loss_ids:
             self.amp_state.record_overflow(states, loss_id, list(found.values()))
 
@@ -1541,17 +1538,13 @@ class _OptimizerState:
                                      self._landed_in_held)
         self.forget_foreign()
         blamed = set()
-        groups: Dict[Tuple[int, torch.device], List[torch.Tensor]] = {}
+        by_key: Dict[int, List[torch.Tensor]] = {}
         for p, _, _, key in marks.values():
             g = aside.get(id(p), p.grad)
             if g is not None:
-                groups.setdefault((key, g.device), []).append(g)
-        found = set()
-        for (key, device), grads in groups.items():
-            flag = torch.zeros((), dtype=torch.float32, device=device)
-            flag_non_finite_grads(grads, flag)
-            if key not in found and any_flag_set([flag]):
-                found.add(key)
+                by_key.setdefault(key, []).append(g)
+        found = {key for key, grads in by_key.items()
+                 if any_flag_set(list(flag_by_device(grads).values()))}
         if found:
             blamed = {key for key, e in scalers.items() if any_flag_set(e[2])} or found
         if into_held and own_flags:
@@ -1917,8 +1910,7 @@ class _OptimizerState:
             torch._foreach_add_(accumulate_into, accumulate)
         self._stash = []
         self._set_aside = False
-        # (The window, if any, ends here: none of its gradients kept alive.)
-        self._window_marks, self._window_zeroed, self._held_marks = {}, set(), {}
+        self._end_window_marks()  # (the window, if any, ends here: none of its grads kept)
         self.grads_scaled = False
         self.held_scaler = self.held_scale = None
         return flags
@@ -1932,9 +1924,13 @@ class _OptimizerState:
         self._held_zeroed = False
         self._stash = []
         self._set_aside = False
-        self._window_marks, self._window_zeroed = {}, set()
-        self._held_marks = {}
+        self._end_window_marks()
         self.held_scaler = self.held_scale = None
+
+    def _end_window_marks(self) -> None:
+        """A held window ends (unscaled, or dropped): its marks go, and no gradient of it is
+        kept alive by them (r113A R3)."""
+        self._window_marks, self._window_zeroed, self._held_marks = {}, set(), {}
 
     def _held_grads_gone(self) -> bool:
         """Whether every gradient a held window kept scaled is gone (``p.grad = None``)."""
